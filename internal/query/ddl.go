@@ -1,0 +1,149 @@
+package query
+
+import (
+	"fmt"
+	"strings"
+)
+
+// Column is one column the code relies on, with the type format_type() reports.
+type Column struct {
+	Name string
+	Type string
+}
+
+// OutboxColumns are the columns of the outbox table, in DDL order.
+var OutboxColumns = []Column{
+	{"id", "bigint"},
+	{"topic", "text"},
+	{"uuid", "text"},
+	{"payload", "bytea"},
+	{"metadata", "jsonb"},
+	{"created_at", "timestamp with time zone"},
+	{"available_at", "timestamp with time zone"},
+	{"deliveries", "integer"},
+	{"lease_token", "uuid"},
+	{"leased_until", "timestamp with time zone"},
+	{"leased_by", "text"},
+	{"dedup_key", "text"},
+	{"last_error", "text"},
+}
+
+// DLQColumns are the columns of the dead-letter table.
+var DLQColumns = []Column{
+	{"id", "bigint"},
+	{"topic", "text"},
+	{"uuid", "text"},
+	{"payload", "bytea"},
+	{"metadata", "jsonb"},
+	{"created_at", "timestamp with time zone"},
+	{"deliveries", "integer"},
+	{"dedup_key", "text"},
+	{"last_error", "text"},
+	{"failure_reason", "text"},
+	{"failed_by", "text"},
+	{"failed_at", "timestamp with time zone"},
+}
+
+// Index is an index the code relies on.
+type Index struct {
+	Table string // unquoted table name
+	Name  string // unquoted index name
+}
+
+// Indexes lists the indexes of the outbox (and dead-letter table, if any).
+func (n Names) Indexes() []Index {
+	idx := []Index{{n.Table, n.ReadyIdx}, {n.Table, n.LeaseIdx}, {n.Table, n.DedupIdx}}
+	if n.DLQTable != "" {
+		idx = append(idx, Index{n.DLQTable, n.DLQIdx})
+	}
+	return idx
+}
+
+// DDL returns the statements that create the outbox (and the dead-letter
+// table when configured). Every statement is idempotent.
+//
+// Storage parameters: a queue table is mostly dead tuples (every claim and
+// every ack leaves one), so autovacuum must visit it after 1% churn instead
+// of the default 20%, or the claim's index scans wade through dead entries.
+func DDL(n Names) []string {
+	stmts := []string{}
+	if n.Schema != "public" {
+		stmts = append(stmts, fmt.Sprintf(`CREATE SCHEMA IF NOT EXISTS %s`, n.QSchema))
+	}
+	stmts = append(stmts,
+		fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
+    id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    topic        text        NOT NULL,
+    uuid         text        NOT NULL,
+    payload      bytea       NOT NULL,
+    metadata     jsonb       NOT NULL DEFAULT '{}',
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    available_at timestamptz NOT NULL DEFAULT now(),
+    deliveries   integer     NOT NULL DEFAULT 0,
+    lease_token  uuid,
+    leased_until timestamptz,
+    leased_by    text,
+    dedup_key    text,
+    last_error   text
+) WITH (
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_insert_scale_factor = 0.01,
+    autovacuum_analyze_scale_factor = 0.02
+)`, n.QTable),
+		// Ready rows, in delivery order; the claim's "ready" branch scans it.
+		fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, available_at, id) WHERE lease_token IS NULL`,
+			Quote(n.ReadyIdx), n.QTable),
+		// Leased rows by expiry; the claim's "expired" branch scans it.
+		fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, leased_until) WHERE lease_token IS NOT NULL`,
+			Quote(n.LeaseIdx), n.QTable),
+		// Timer / idempotency keys: unique per topic while the row exists.
+		fmt.Sprintf(`CREATE UNIQUE INDEX IF NOT EXISTS %s ON %s (topic, dedup_key) WHERE dedup_key IS NOT NULL`,
+			Quote(n.DedupIdx), n.QTable),
+	)
+	if n.DLQTable != "" {
+		stmts = append(stmts,
+			fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
+    id             bigint      PRIMARY KEY,
+    topic          text        NOT NULL,
+    uuid           text        NOT NULL,
+    payload        bytea       NOT NULL,
+    metadata       jsonb       NOT NULL,
+    created_at     timestamptz NOT NULL,
+    deliveries     integer     NOT NULL,
+    dedup_key      text,
+    last_error     text,
+    failure_reason text        NOT NULL,
+    failed_by      text,
+    failed_at      timestamptz NOT NULL DEFAULT now()
+)`, n.QDLQ),
+			fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, failed_at)`, Quote(n.DLQIdx), n.QDLQ),
+		)
+	}
+	return stmts
+}
+
+// Script joins DDL into one text for migration tools.
+func Script(n Names) string {
+	return strings.Join(DDL(n), ";\n\n") + ";\n"
+}
+
+// CreateLock serialises concurrent Create calls for the same outbox: CREATE
+// ... IF NOT EXISTS is not safe against a concurrent creator of the same name.
+const CreateLock = `SELECT pg_advisory_xact_lock(hashtext($1))`
+
+// CatalogColumns lists the columns of one table: name and format_type.
+const CatalogColumns = `
+SELECT a.attname, format_type(a.atttypid, a.atttypmod)
+  FROM pg_attribute a
+  JOIN pg_class c ON c.oid = a.attrelid
+  JOIN pg_namespace ns ON ns.oid = c.relnamespace
+ WHERE ns.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped`
+
+// CatalogIndexes lists the index names of one table.
+const CatalogIndexes = `
+SELECT ic.relname
+  FROM pg_index i
+  JOIN pg_class ic ON ic.oid = i.indexrelid
+  JOIN pg_class c ON c.oid = i.indrelid
+  JOIN pg_namespace ns ON ns.oid = c.relnamespace
+ WHERE ns.nspname = $1 AND c.relname = $2`

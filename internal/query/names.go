@@ -1,0 +1,113 @@
+// Package query holds every SQL statement pgoutbox runs, with the table
+// names templated in at one point (Names). Keeping the text in one place lets a
+// reader check each statement's shape next to the reason for it.
+package query
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"regexp"
+	"strings"
+)
+
+// maxIdentLen is PostgreSQL's NAMEDATALEN-1: longer identifiers are truncated
+// silently by the server, so we refuse or hash them ourselves.
+const maxIdentLen = 63
+
+var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+
+// CheckIdent reports whether name is usable as a table or schema name.
+// Names are always quoted in SQL (so case is kept); we still refuse characters
+// that would make operators' lives hard in psql and in migration tools.
+func CheckIdent(what, name string) error {
+	if name == "" {
+		return fmt.Errorf("%s name is empty; set it or leave the whole field unset for the default", what)
+	}
+	if len(name) > maxIdentLen {
+		return fmt.Errorf("%s name %q is %d bytes long; PostgreSQL identifiers hold at most %d bytes, choose a shorter name", what, name, len(name), maxIdentLen)
+	}
+	if !identRE.MatchString(name) {
+		return fmt.Errorf("%s name %q is not a valid identifier; use letters, digits and underscores, starting with a letter or underscore", what, name)
+	}
+	return nil
+}
+
+// Quote quotes a PostgreSQL identifier.
+func Quote(ident string) string {
+	return `"` + strings.ReplaceAll(ident, `"`, `""`) + `"`
+}
+
+// Names are the resolved, quoted names of one outbox's tables, indexes and
+// notification channel.
+type Names struct {
+	Schema   string // unquoted
+	Table    string // unquoted
+	DLQTable string // unquoted; "" when there is no dead-letter table
+
+	QTable   string // "schema"."table"
+	QDLQ     string // "schema"."dlq", "" without a dead-letter table
+	QSchema  string
+	Channel  string // LISTEN/NOTIFY channel, unquoted, at most 63 bytes
+	ReadyIdx string // unquoted index names
+	LeaseIdx string
+	DedupIdx string
+	DLQIdx   string
+}
+
+// NewNames validates the names and derives the rest. schema and table must be
+// non-empty (callers apply defaults first).
+func NewNames(schema, table, dlq string) (Names, error) {
+	var problems []string
+	if err := CheckIdent("schema", schema); err != nil {
+		problems = append(problems, err.Error())
+	}
+	if err := CheckIdent("table", table); err != nil {
+		problems = append(problems, err.Error())
+	}
+	if dlq != "" {
+		if err := CheckIdent("dead-letter table", dlq); err != nil {
+			problems = append(problems, err.Error())
+		} else if dlq == table {
+			problems = append(problems, fmt.Sprintf("dead-letter table %q is the outbox table itself; give it another name", dlq))
+		}
+	}
+	if len(problems) > 0 {
+		return Names{}, fmt.Errorf("%s", strings.Join(problems, "; "))
+	}
+	n := Names{
+		Schema:   schema,
+		Table:    table,
+		DLQTable: dlq,
+		QSchema:  Quote(schema),
+		QTable:   Quote(schema) + "." + Quote(table),
+		ReadyIdx: derive(table, "_ready_idx"),
+		LeaseIdx: derive(table, "_lease_idx"),
+		DedupIdx: derive(table, "_dedup_idx"),
+	}
+	if dlq != "" {
+		n.QDLQ = Quote(schema) + "." + Quote(dlq)
+		n.DLQIdx = derive(dlq, "_topic_failed_at_idx")
+	}
+	// The default schema keeps the short channel name DESIGN.md documents;
+	// other schemas get their own channel so outboxes do not wake each other.
+	ch := "pgoutbox_" + table
+	if schema != "public" {
+		ch = "pgoutbox_" + schema + "." + table
+	}
+	n.Channel = derive(ch, "")
+	return n, nil
+}
+
+// derive appends suffix to base, replacing the tail of base by a short hash
+// when the result would exceed PostgreSQL's identifier limit, so two long
+// names never collide after truncation.
+func derive(base, suffix string) string {
+	if len(base)+len(suffix) <= maxIdentLen {
+		return base + suffix
+	}
+	sum := sha256.Sum256([]byte(base))
+	h := hex.EncodeToString(sum[:])[:10]
+	keep := maxIdentLen - len(suffix) - len(h) - 1
+	return base[:keep] + "_" + h + suffix
+}

@@ -1,0 +1,470 @@
+package pgoutbox
+
+import (
+	"context"
+	"encoding/json"
+	"maps"
+	"sync"
+	"time"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/delay"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// maxErrorLen bounds last_error: some errors carry whole request bodies, and
+// a poison row should not make every write of it, or the DLQ, heavy.
+const maxErrorLen = 8 << 10
+
+const truncatedMarker = "…[truncated]"
+
+// completer is the completion path of one subscription: it records verdicts
+// in memory at once and writes them in batches, one statement per batch,
+// every row matched on its lease token (query.Complete, query.Dead). It also
+// renews the leases of in-flight rows every Lease/2 (query.Renew). One
+// goroutine does all of it, so a renewal never races a completion of the
+// same subscription.
+type completer struct {
+	sub *subscription
+
+	mu       sync.Mutex
+	inflight map[int64]*delivery // leased by us, completion not yet written
+	acks     []*delivery
+	returns  []returnOp
+	dead     []deadOp
+
+	kick    chan struct{}
+	closing chan struct{}
+	done    chan struct{}
+}
+
+// returnOp gives a row back: a nack (due again after delay) or a release at
+// shutdown (due again at once, keeping its place).
+type returnOp struct {
+	d     *delivery
+	delay pgtype.Int8 // invalid: keep available_at
+	undo  int32       // 1: the row was never handed out, take its delivery back
+	err   pgtype.Text // invalid: keep last_error
+	meta  pgtype.Text // invalid: keep metadata
+}
+
+type deadOp struct {
+	d      *delivery
+	reason string
+	err    pgtype.Text
+}
+
+func newCompleter(sub *subscription) *completer {
+	return &completer{
+		sub:      sub,
+		inflight: map[int64]*delivery{},
+		kick:     make(chan struct{}, 1),
+		closing:  make(chan struct{}),
+		done:     make(chan struct{}),
+	}
+}
+
+func (c *completer) track(ds []*delivery) {
+	c.mu.Lock()
+	for _, d := range ds {
+		c.inflight[d.id] = d
+	}
+	c.mu.Unlock()
+}
+
+func (c *completer) signal() {
+	select {
+	case c.kick <- struct{}{}:
+	default:
+	}
+}
+
+func (c *completer) ack(d *delivery) {
+	c.mu.Lock()
+	c.acks = append(c.acks, d)
+	c.mu.Unlock()
+	c.signal()
+}
+
+func (c *completer) retry(d *delivery, after time.Duration, errText string, meta []byte) {
+	op := returnOp{d: d, delay: pgtype.Int8{Int64: max(after, 0).Microseconds(), Valid: true}}
+	if errText != "" {
+		op.err = pgtype.Text{String: errText, Valid: true}
+	}
+	if meta != nil {
+		op.meta = pgtype.Text{String: string(meta), Valid: true}
+	}
+	c.push(op)
+}
+
+func (c *completer) release(d *delivery, undo bool) {
+	op := returnOp{d: d}
+	if undo {
+		op.undo = 1
+	}
+	c.push(op)
+}
+
+func (c *completer) push(op returnOp) {
+	c.mu.Lock()
+	c.returns = append(c.returns, op)
+	c.mu.Unlock()
+	c.signal()
+}
+
+func (c *completer) deadLetter(d *delivery, reason, errText string) {
+	op := deadOp{d: d, reason: reason}
+	if errText != "" {
+		op.err = pgtype.Text{String: boundError(errText), Valid: true}
+	}
+	c.mu.Lock()
+	c.dead = append(c.dead, op)
+	c.mu.Unlock()
+	c.signal()
+}
+
+// close writes everything pending and stops the goroutine.
+func (c *completer) close() {
+	close(c.closing)
+	<-c.done
+}
+
+func (c *completer) run() {
+	defer close(c.done)
+	renew := time.NewTicker(c.sub.cfg.Lease / 2)
+	defer renew.Stop()
+	for {
+		select {
+		case <-c.kick:
+			c.flush(false)
+		case <-renew.C:
+			c.renew()
+		case <-c.closing:
+			c.flush(true)
+			return
+		}
+	}
+}
+
+type batch struct {
+	acks    []*delivery
+	returns []returnOp
+	dead    []deadOp
+}
+
+func (b *batch) empty() bool { return len(b.acks)+len(b.returns)+len(b.dead) == 0 }
+
+func (c *completer) take() batch {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	b := batch{acks: c.acks, returns: c.returns, dead: c.dead}
+	c.acks, c.returns, c.dead = nil, nil, nil
+	return b
+}
+
+func (c *completer) putBack(b batch) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.acks = append(b.acks, c.acks...)
+	c.returns = append(b.returns, c.returns...)
+	c.dead = append(b.dead, c.dead...)
+}
+
+// flush writes pending verdicts until none are left. On a database error it
+// keeps them and retries with backoff; a final flush (at close) gives up
+// after a few attempts, leaving the rows to come back when their leases
+// expire: never lost, only redelivered.
+func (c *completer) flush(final bool) {
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval = 50 * time.Millisecond
+	bo.MaxInterval = 5 * time.Second
+	bo.MaxElapsedTime = 0
+	failures := 0
+	for {
+		b := c.take()
+		if b.empty() {
+			return
+		}
+		err := c.write(&b)
+		if err == nil {
+			continue // more may have arrived meanwhile
+		}
+		c.putBack(b)
+		failures++
+		if final && failures >= 3 {
+			c.sub.logger.Error("Giving up writing acks and lease returns at close; those rows are redelivered when their leases expire", err, nil)
+			return
+		}
+		wait := bo.NextBackOff()
+		c.sub.logger.Error("Writing acks and lease returns failed; retrying", err, watermill.LogFields{"retry_in": wait.String()})
+		t := time.NewTimer(wait)
+		select {
+		case <-t.C:
+		case <-c.closing:
+			t.Stop()
+			final = true
+		}
+	}
+}
+
+// write runs the batch's statements; what was written is removed from b, so
+// on error b holds only what is left to do.
+func (c *completer) write(b *batch) error {
+	if len(b.acks)+len(b.returns) > 0 {
+		if err := c.writeComplete(b.acks, b.returns); err != nil {
+			return err
+		}
+		b.acks, b.returns = nil, nil
+	}
+	if len(b.dead) > 0 {
+		if err := c.writeDead(b.dead); err != nil {
+			return err
+		}
+		b.dead = nil
+	}
+	return nil
+}
+
+func (c *completer) stmtCtx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), c.sub.cfg.StatementTimeout)
+}
+
+func (c *completer) writeComplete(acks []*delivery, returns []returnOp) error {
+	ackIDs, ackTokens := make([]int64, 0, len(acks)), make([]string, 0, len(acks))
+	for _, d := range acks {
+		if !d.lost {
+			ackIDs, ackTokens = append(ackIDs, d.id), append(ackTokens, d.token)
+		}
+	}
+	n := len(returns)
+	retIDs, retTokens := make([]int64, 0, n), make([]string, 0, n)
+	delays, undos := make([]pgtype.Int8, 0, n), make([]int32, 0, n)
+	errs, metas := make([]pgtype.Text, 0, n), make([]pgtype.Text, 0, n)
+	for _, op := range returns {
+		if op.d.lost {
+			continue
+		}
+		retIDs, retTokens = append(retIDs, op.d.id), append(retTokens, op.d.token)
+		delays, undos = append(delays, op.delay), append(undos, op.undo)
+		errs, metas = append(errs, op.err), append(metas, op.meta)
+	}
+	ctx, cancel := c.stmtCtx()
+	defer cancel()
+	rows, err := c.sub.s.pool.Query(ctx, c.sub.s.q.Complete, ackIDs, ackTokens, retIDs, retTokens, delays, undos, errs, metas)
+	if err != nil {
+		return err
+	}
+	done, err := collectIDs(rows)
+	if err != nil {
+		return err
+	}
+	wakeFetch := false
+	for _, d := range acks {
+		if c.finish(d, done, "ack") {
+			c.sub.s.obs.observe(Event{Kind: EventAcked, Topic: c.sub.topic, RowID: d.id, Deliveries: d.deliveries})
+		}
+	}
+	for _, op := range returns {
+		phase, kind := "release", EventReleased
+		if op.delay.Valid {
+			phase, kind, wakeFetch = "nack", EventRetried, true
+		}
+		if c.finish(op.d, done, phase) {
+			c.sub.s.obs.observe(Event{Kind: kind, Topic: c.sub.topic, RowID: op.d.id, Deliveries: op.d.deliveries})
+		}
+	}
+	if wakeFetch {
+		// The fetch loop may be asleep for a whole poll interval; let it
+		// look at when the returned rows are due.
+		select {
+		case c.sub.selfWake <- struct{}{}:
+		default:
+		}
+	}
+	return nil
+}
+
+func (c *completer) writeDead(ops []deadOp) error {
+	n := len(ops)
+	ids, tokens := make([]int64, 0, n), make([]string, 0, n)
+	reasons, errs := make([]string, 0, n), make([]pgtype.Text, 0, n)
+	for _, op := range ops {
+		if op.d.lost {
+			continue
+		}
+		ids, tokens = append(ids, op.d.id), append(tokens, op.d.token)
+		reasons, errs = append(reasons, op.reason), append(errs, op.err)
+	}
+	ctx, cancel := c.stmtCtx()
+	defer cancel()
+	rows, err := c.sub.s.pool.Query(ctx, c.sub.s.q.Dead, ids, tokens, reasons, errs)
+	if err != nil {
+		return err
+	}
+	done, err := collectIDs(rows)
+	if err != nil {
+		return err
+	}
+	for _, op := range ops {
+		if !c.finish(op.d, done, "dead_letter") {
+			continue
+		}
+		fields := watermill.LogFields{"event": "dead_lettered", "reason": op.reason, "row_id": op.d.id,
+			"topic": c.sub.topic, "deliveries": op.d.deliveries, "message_uuid": op.d.uuid, "last_error": op.err.String}
+		if c.sub.s.q.Names.QDLQ == "" {
+			c.sub.logger.Error("Message failed terminally and was deleted (no dead-letter table configured)", nil, fields)
+		} else {
+			c.sub.logger.Info("Message moved to the dead-letter table", fields)
+		}
+		c.sub.s.obs.observe(Event{Kind: EventDeadLettered, Topic: c.sub.topic, RowID: op.d.id, Deliveries: op.d.deliveries, Reason: op.reason})
+	}
+	return nil
+}
+
+// finish removes d from the in-flight set once its completion is written
+// (or found impossible) and reports a lost lease. It returns whether the
+// write applied.
+func (c *completer) finish(d *delivery, done map[int64]bool, phase string) bool {
+	c.mu.Lock()
+	delete(c.inflight, d.id)
+	c.mu.Unlock()
+	if done[d.id] && !d.lost {
+		return true
+	}
+	if !d.lost {
+		c.leaseLost(d, phase)
+	}
+	return false
+}
+
+// leaseLost reports a row whose lease token no longer matches: its lease
+// expired and another consumer claimed it (or an operator removed it). The
+// write was not applied; the other holder completes the row.
+func (c *completer) leaseLost(d *delivery, phase string) {
+	d.lost = true
+	logWarn(c.sub.logger, "Lease lost: the row was reclaimed by another consumer; this write was not applied", watermill.LogFields{
+		"event": "lease_lost", "phase": phase, "row_id": d.id, "topic": c.sub.topic, "deliveries": d.deliveries,
+	})
+	c.sub.s.obs.observe(Event{Kind: EventLeaseLost, Topic: c.sub.topic, RowID: d.id, Deliveries: d.deliveries, Phase: phase})
+}
+
+// renew extends the leases of all rows this subscription holds, so a long
+// handler does not lose its row to another consumer.
+func (c *completer) renew() {
+	c.mu.Lock()
+	held := make([]*delivery, 0, len(c.inflight))
+	for _, d := range c.inflight {
+		if !d.lost {
+			held = append(held, d)
+		}
+	}
+	c.mu.Unlock()
+	if len(held) == 0 {
+		return
+	}
+	ids, tokens := make([]int64, len(held)), make([]string, len(held))
+	for i, d := range held {
+		ids[i], tokens[i] = d.id, d.token
+	}
+	ctx, cancel := c.stmtCtx()
+	defer cancel()
+	rows, err := c.sub.s.pool.Query(ctx, c.sub.s.q.Renew, ids, tokens, c.sub.cfg.Lease.Microseconds())
+	if err != nil {
+		c.sub.logger.Error("Renewing leases failed; retrying at the next period", err, watermill.LogFields{"rows": len(held)})
+		return
+	}
+	done, err := collectIDs(rows)
+	if err != nil {
+		c.sub.logger.Error("Renewing leases failed; retrying at the next period", err, watermill.LogFields{"rows": len(held)})
+		return
+	}
+	for _, d := range held {
+		if !done[d.id] {
+			c.leaseLost(d, "renew")
+		}
+	}
+	c.sub.s.obs.observe(Event{Kind: EventLeaseRenewed, Topic: c.sub.topic, Count: len(done)})
+}
+
+type idRows interface {
+	Next() bool
+	Scan(...any) error
+	Err() error
+	Close()
+}
+
+func collectIDs(rows idRows) (map[int64]bool, error) {
+	defer rows.Close()
+	done := map[int64]bool{}
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		done[id] = true
+	}
+	return done, rows.Err()
+}
+
+// nacked decides what a Nack means for d: dead-letter it (rejected, or the
+// retry policy gives up) or return it to be due again after a delay. A
+// delay set on the message by Watermill's DelayOnError wins over the
+// policy's, and changed metadata is stored, so DelayOnError's multiplier
+// grows across redeliveries.
+func (sub *subscription) nacked(d *delivery, msg *message.Message) {
+	handlerErr, rejectReason := d.outcome.get()
+	errText := ""
+	if handlerErr != nil {
+		errText = boundError(handlerErr.Error())
+	}
+	if rejectReason != "" {
+		if errText == "" {
+			errText = boundError("rejected: " + rejectReason)
+		}
+		sub.comp.deadLetter(d, ReasonRejected, errText)
+		return
+	}
+	after, retry := sub.cfg.RetryPolicy.NextDelay(d.deliveries, handlerErr)
+	if !retry {
+		sub.comp.deadLetter(d, ReasonRetryExhausted, errText)
+		return
+	}
+	var meta []byte
+	var stored message.Metadata
+	if json.Unmarshal(d.metaRaw, &stored) == nil && !maps.Equal(stored, msg.Metadata) {
+		meta, _ = json.Marshal(msg.Metadata)
+		if v := msg.Metadata.Get(delay.DelayedForKey); v != stored.Get(delay.DelayedForKey) {
+			if dd, err := time.ParseDuration(v); err == nil {
+				after = dd
+			}
+		}
+	}
+	sub.comp.retry(d, after, errText, meta)
+}
+
+// boundError cuts s to maxErrorLen bytes at a rune boundary, marking the cut.
+func boundError(s string) string {
+	if len(s) <= maxErrorLen {
+		return s
+	}
+	cut := maxErrorLen - len(truncatedMarker)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + truncatedMarker
+}
+
+// logWarn logs at WARN where the logger has that level; Watermill's
+// LoggerAdapter has none, so others get INFO with severity=warn.
+func logWarn(l watermill.LoggerAdapter, msg string, fields watermill.LogFields) {
+	if w, ok := l.(interface {
+		Warn(string, watermill.LogFields)
+	}); ok {
+		w.Warn(msg, fields)
+		return
+	}
+	l.Info(msg, fields.Add(watermill.LogFields{"severity": "warn"}))
+}

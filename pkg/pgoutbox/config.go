@@ -1,0 +1,203 @@
+package pgoutbox
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+)
+
+// PublisherConfig configures a Publisher.
+type PublisherConfig struct {
+	// Tables names the outbox table. Defaults to table "outbox" in schema
+	// "public".
+	Tables schema.Config
+	// Observer receives an EventPublished per Publish call. Defaults to none.
+	Observer Observer
+}
+
+func (c *PublisherConfig) setDefaults() {
+	c.Tables = c.Tables.WithDefaults()
+}
+
+// Validate reports every problem with the configuration at once.
+func (c PublisherConfig) Validate() error {
+	c.setDefaults()
+	if err := c.Tables.Validate(); err != nil {
+		return fmt.Errorf("%w: %v", ErrInvalidConfig, err)
+	}
+	return nil
+}
+
+// SubscriberConfig configures a Subscriber. The zero value is usable: every
+// field has a documented default.
+type SubscriberConfig struct {
+	// Tables names the outbox table and the optional dead-letter table.
+	// Defaults to table "outbox" in schema "public" and no dead-letter table.
+	Tables schema.Config
+
+	// MaxInFlight is how many messages of one subscription may be handed out
+	// and not yet acked or nacked. Claims only fill free slots, so it is also
+	// the most rows a subscription holds leased. With 1 (the default, as in
+	// every Watermill subscriber) the next message waits for the previous
+	// Ack or Nack and messages arrive in publish order; with more, the Router
+	// runs up to MaxInFlight handlers at once. Must be at least 1.
+	MaxInFlight int
+
+	// Lease is how long a claimed row stays reserved for this subscriber.
+	// While a message is in flight its lease is renewed every Lease/2, so
+	// Lease bounds how long a crashed process keeps its rows, not how long a
+	// handler may run. Defaults to 30s. Must be longer than MaxPollInterval.
+	Lease time.Duration
+
+	// MinPollInterval is the first idle poll interval after a claim comes
+	// back empty; it doubles (with jitter) up to MaxPollInterval. A NOTIFY
+	// from a publisher wakes the loop at once, so polling is the fallback.
+	// Defaults to 100ms.
+	MinPollInterval time.Duration
+	// MaxPollInterval caps the idle poll interval. Defaults to 5s. Must be at
+	// least MinPollInterval.
+	MaxPollInterval time.Duration
+
+	// StatementTimeout bounds every statement the subscriber runs. Defaults
+	// to 10s. Must be shorter than Lease/2, so a hung statement cannot
+	// outlive a lease renewal period.
+	StatementTimeout time.Duration
+
+	// DrainTimeout is how long Close, or the end of a subscription's
+	// context, waits for in-flight messages to be acked or nacked. The leases
+	// of messages still unacked after it are released, so another consumer
+	// gets them at once; they are never deleted. Defaults to 10s. The special
+	// value -1 releases them without waiting.
+	DrainTimeout time.Duration
+
+	// RetryPolicy decides when a nacked message is delivered again. Defaults
+	// to DefaultRetryPolicy() (exponential, 1s to 5min, 10 attempts).
+	RetryPolicy RetryPolicy
+
+	// MaxDeliveries dead-letters a row, without running the handler, when it
+	// is claimed for the (MaxDeliveries+1)-th time, with reason
+	// "max_deliveries". It catches what the retry policy cannot see: a
+	// message whose handler crashes the process, so no Nack is ever written.
+	// Defaults to 0: no limit.
+	MaxDeliveries int
+
+	// WorkerID names this process in the leased_by column, for operators.
+	// Defaults to "host:pid:short-uuid".
+	WorkerID string
+
+	// AutoInitializeSchema creates the tables (schema.Create) when a topic is
+	// first subscribed. Off by default: use schema.SQL with your migration
+	// tool and keep DDL rights away from the application.
+	AutoInitializeSchema bool
+
+	// Observer receives events the Router cannot see (claims, lease losses,
+	// ...). It must not block. Defaults to none.
+	Observer Observer
+}
+
+// Defaults of SubscriberConfig.
+const (
+	DefaultLease            = 30 * time.Second
+	DefaultMinPollInterval  = 100 * time.Millisecond
+	DefaultMaxPollInterval  = 5 * time.Second
+	DefaultStatementTimeout = 10 * time.Second
+	DefaultDrainTimeout     = 10 * time.Second
+)
+
+func (c *SubscriberConfig) setDefaults() {
+	c.Tables = c.Tables.WithDefaults()
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = 1
+	}
+	if c.Lease == 0 {
+		c.Lease = DefaultLease
+	}
+	if c.MinPollInterval == 0 {
+		c.MinPollInterval = DefaultMinPollInterval
+	}
+	if c.MaxPollInterval == 0 {
+		c.MaxPollInterval = max(DefaultMaxPollInterval, c.MinPollInterval)
+	}
+	if c.StatementTimeout == 0 {
+		c.StatementTimeout = min(DefaultStatementTimeout, c.Lease/2-time.Millisecond)
+	}
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = DefaultDrainTimeout
+	}
+	if c.RetryPolicy == nil {
+		c.RetryPolicy = DefaultRetryPolicy()
+	}
+	if c.WorkerID == "" {
+		c.WorkerID = defaultWorkerID()
+	}
+}
+
+// Validate applies the defaults and reports every problem at once, each with
+// the constraint it breaks.
+func (c SubscriberConfig) Validate() error {
+	c.setDefaults()
+	var problems []string
+	add := func(format string, args ...any) { problems = append(problems, fmt.Sprintf(format, args...)) }
+	if err := c.Tables.Validate(); err != nil {
+		add("%v", err)
+	}
+	if c.MaxInFlight < 1 {
+		add("MaxInFlight is %d; it must be at least 1 (1 delivers one message at a time)", c.MaxInFlight)
+	}
+	if c.Lease < time.Second {
+		add("Lease is %s; it must be at least 1s", c.Lease)
+	}
+	if c.MinPollInterval < 0 || c.MaxPollInterval < 0 {
+		add("poll intervals must not be negative")
+	}
+	if c.MinPollInterval > c.MaxPollInterval {
+		add("MinPollInterval (%s) is greater than MaxPollInterval (%s); raise MaxPollInterval or lower MinPollInterval", c.MinPollInterval, c.MaxPollInterval)
+	}
+	if c.Lease <= c.MaxPollInterval {
+		add("Lease (%s) must be longer than MaxPollInterval (%s), or rows would expire between polls; raise Lease", c.Lease, c.MaxPollInterval)
+	}
+	if c.StatementTimeout <= 0 {
+		add("StatementTimeout is %s; it must be positive", c.StatementTimeout)
+	}
+	if c.StatementTimeout >= c.Lease/2 {
+		add("StatementTimeout (%s) must be shorter than Lease/2 (%s), so a hung statement cannot outlive a lease renewal period; lower StatementTimeout or raise Lease", c.StatementTimeout, c.Lease/2)
+	}
+	if c.MaxDeliveries < 0 {
+		add("MaxDeliveries is %d; use 0 for no limit or a positive count", c.MaxDeliveries)
+	}
+	if c.DrainTimeout < 0 && c.DrainTimeout != -1 {
+		add("DrainTimeout is %s; use a positive duration, or -1 to release in-flight rows without waiting", c.DrainTimeout)
+	}
+	if len(problems) > 0 {
+		return fmt.Errorf("%w: %s", ErrInvalidConfig, strings.Join(problems, "; "))
+	}
+	return nil
+}
+
+func (c SubscriberConfig) names() (query.Names, error) {
+	return resolveNames(c.Tables)
+}
+
+func resolveNames(t schema.Config) (query.Names, error) {
+	t = t.WithDefaults()
+	n, err := query.NewNames(t.Schema, t.Table, t.DeadLetterTable)
+	if err != nil {
+		return query.Names{}, errors.Join(ErrInvalidConfig, schema.ErrInvalidName, err)
+	}
+	return n, nil
+}
+
+func defaultWorkerID() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "unknown"
+	}
+	return fmt.Sprintf("%s:%d:%s", host, os.Getpid(), uuid.NewString()[:8])
+}

@@ -1,0 +1,102 @@
+package pgoutbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// delivery is one claimed row, from claim to its completion write.
+type delivery struct {
+	id          int64
+	token       string // lease token of the claim that leased it
+	deliveries  int    // including this one
+	availableAt time.Time
+	uuid        string
+	payload     []byte
+	metaRaw     []byte // metadata as stored, to detect a handler's changes
+	lastError   *string
+
+	outcome *outcome // reachable from the message context
+	lost    bool     // a write found the lease taken; owned by the completer
+}
+
+// outcome carries what the handler's side knows about a failure to the
+// subscriber: Watermill's Nack carries no error.
+type outcome struct {
+	mu           sync.Mutex
+	err          error
+	rejectReason string
+}
+
+type outcomeKey struct{}
+
+func outcomeFrom(ctx context.Context) *outcome {
+	o, _ := ctx.Value(outcomeKey{}).(*outcome)
+	return o
+}
+
+func (o *outcome) get() (error, string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.err, o.rejectReason
+}
+
+// message decodes the row. A row that does not decode is poisoned.
+func (d *delivery) message() (*message.Message, error) {
+	msg := message.NewMessage(d.uuid, d.payload)
+	if len(d.metaRaw) > 0 {
+		if err := json.Unmarshal(d.metaRaw, &msg.Metadata); err != nil {
+			return nil, fmt.Errorf("metadata is not a JSON object of strings: %w", err)
+		}
+		if msg.Metadata == nil { // JSON null
+			msg.Metadata = message.Metadata{}
+		}
+	}
+	return msg, nil
+}
+
+// ErrRejected marks a failure as terminal; see Reject.
+var ErrRejected = errors.New("pgoutbox: message rejected")
+
+// Reject marks msg as never to be retried and returns an error (wrapping
+// ErrRejected) for the handler to return:
+//
+//	return nil, pgoutbox.Reject(msg, "order id is missing")
+//
+// When the Router nacks the message, the subscriber moves it to the
+// dead-letter table with reason "rejected" (or deletes it, without one),
+// whatever the retry policy says.
+func Reject(msg *message.Message, reason string) error {
+	if o := outcomeFrom(msg.Context()); o != nil {
+		o.mu.Lock()
+		o.rejectReason = reason
+		o.mu.Unlock()
+	}
+	return fmt.Errorf("%w: %s", ErrRejected, reason)
+}
+
+// ErrorRecorder is a Router middleware that hands the handler's error to the
+// subscriber, which stores it in last_error (bounded to 8 KiB) and passes it
+// to the RetryPolicy. Add it innermost of the middlewares that turn an error
+// into a Nack (after Retry, so only the final error counts):
+//
+//	router.AddMiddleware(middleware.Retry{...}.Middleware, pgoutbox.ErrorRecorder)
+func ErrorRecorder(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		msgs, err := h(msg)
+		if err != nil {
+			if o := outcomeFrom(msg.Context()); o != nil {
+				o.mu.Lock()
+				o.err = err
+				o.mu.Unlock()
+			}
+		}
+		return msgs, err
+	}
+}

@@ -1,0 +1,30 @@
+package pgoutbox
+
+import (
+	"errors"
+	"sync"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// Errors callers can branch on with errors.Is. The errors pgoutbox returns
+// wrap them with what failed and what to do about it.
+var (
+	// ErrPublisherClosed is returned by Publish after Close.
+	ErrPublisherClosed = errors.New("pgoutbox: publisher is closed")
+	// ErrSubscriberClosed is returned by Subscribe after Close.
+	ErrSubscriberClosed = errors.New("pgoutbox: subscriber is closed")
+	// ErrInvalidTopic is returned for an empty or malformed topic.
+	ErrInvalidTopic = errors.New("pgoutbox: invalid topic")
+	// ErrInvalidMessage is returned for a message that cannot be stored as
+	// given; nothing of the Publish call is written.
+	ErrInvalidMessage = errors.New("pgoutbox: invalid message")
+	// ErrInvalidConfig is returned by the constructors for a configuration
+	// that cannot work.
+	ErrInvalidConfig = errors.New("pgoutbox: invalid configuration")
+	// ErrTxDone is returned when the publisher's transaction was already
+	// committed or rolled back.
+	ErrTxDone = tx.ErrTxDone
+)
+
+var queryCache sync.Map // query.Names -> *query.Queries

@@ -1,0 +1,307 @@
+package pgoutbox
+
+import (
+	"context"
+	"math/rand/v2"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/cenkalti/backoff/v4"
+	"github.com/google/uuid"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/notifier"
+)
+
+// subscription is one Subscribe call: a fetch loop that claims rows into
+// free slots, MaxInFlight workers that hand them to the Router and wait for
+// the verdict, and a completer that writes verdicts back (completer.go).
+type subscription struct {
+	s      *Subscriber
+	cfg    *SubscriberConfig
+	topic  string
+	ctx    context.Context // the Subscribe ctx: parent of message contexts
+	out    chan *message.Message
+	logger watermill.LoggerAdapter
+	waiter *notifier.Waiter
+
+	slots    chan struct{}  // one token per free in-flight slot
+	work     chan *delivery // claimed rows waiting for a worker
+	selfWake chan struct{}  // the completer returned rows that are due now
+
+	stop      chan struct{} // closed: claim and hand out nothing more
+	abort     chan struct{} // closed: stop waiting for verdicts (drain over)
+	abortOnce sync.Once
+	loops     sync.WaitGroup
+
+	comp *completer
+}
+
+func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *notifier.Waiter) *subscription {
+	sub := &subscription{
+		s:        s,
+		cfg:      &s.cfg,
+		topic:    topic,
+		ctx:      ctx,
+		out:      make(chan *message.Message),
+		logger:   s.logger.With(watermill.LogFields{"topic": topic}),
+		waiter:   waiter,
+		slots:    make(chan struct{}, s.cfg.MaxInFlight),
+		work:     make(chan *delivery, s.cfg.MaxInFlight),
+		selfWake: make(chan struct{}, 1),
+		stop:     make(chan struct{}),
+		abort:    make(chan struct{}),
+	}
+	for range s.cfg.MaxInFlight {
+		sub.slots <- struct{}{}
+	}
+	sub.comp = newCompleter(sub)
+	return sub
+}
+
+// run owns the subscription's lifecycle; it returns after the output
+// channel is closed.
+func (sub *subscription) run() {
+	defer sub.s.subs.Done()
+	go sub.comp.run()
+	sub.loops.Add(1 + sub.cfg.MaxInFlight)
+	go sub.fetchLoop()
+	for range sub.cfg.MaxInFlight {
+		go sub.worker()
+	}
+
+	select {
+	case <-sub.ctx.Done():
+	case <-sub.s.closing:
+	}
+	close(sub.stop)
+	if sub.cfg.DrainTimeout < 0 {
+		sub.endDrain()
+	} else {
+		t := time.AfterFunc(sub.cfg.DrainTimeout, sub.endDrain)
+		defer t.Stop()
+	}
+	sub.loops.Wait()
+	// Rows claimed but never handed out go back with their delivery count
+	// undone: they were not delivered.
+	for {
+		select {
+		case d := <-sub.work:
+			sub.comp.release(d, true)
+			continue
+		default:
+		}
+		break
+	}
+	sub.comp.close() // writes every pending verdict and release
+	sub.waiter.Stop()
+	close(sub.out)
+	sub.logger.Debug("Subscription closed", nil)
+}
+
+func (sub *subscription) endDrain() { sub.abortOnce.Do(func() { close(sub.abort) }) }
+
+// fetchLoop claims rows into free slots. While claims come back non-empty it
+// claims again at once; when one comes back empty it sleeps until a NOTIFY
+// wakes it, until the next scheduled row is due, or for the idle poll
+// interval, which grows from MinPollInterval to MaxPollInterval.
+func (sub *subscription) fetchLoop() {
+	defer sub.loops.Done()
+	errBackoff := backoff.NewExponentialBackOff()
+	errBackoff.InitialInterval = 50 * time.Millisecond
+	errBackoff.MaxInterval = 5 * time.Second
+	errBackoff.MaxElapsedTime = 0
+	idle := sub.cfg.MinPollInterval
+
+	for {
+		n := sub.acquireSlots()
+		if n == 0 {
+			return
+		}
+		rows, err := sub.claim(n)
+		sub.returnSlots(n - len(rows))
+		if err != nil {
+			wait := errBackoff.NextBackOff()
+			sub.logger.Error("Claim failed; retrying", err, watermill.LogFields{"retry_in": wait.String()})
+			if !sub.sleep(wait, false) {
+				return
+			}
+			continue
+		}
+		errBackoff.Reset()
+		for _, d := range rows {
+			sub.work <- d // never blocks: a slot was taken for each row
+		}
+		if len(rows) > 0 {
+			idle = sub.cfg.MinPollInterval
+			continue
+		}
+		wait := jitter(idle)
+		idle = min(idle*2, sub.cfg.MaxPollInterval)
+		if due, ok := sub.nextDue(); ok && due < wait {
+			wait = due
+		}
+		if !sub.sleep(wait, true) {
+			return
+		}
+	}
+}
+
+// sleep waits d, or less when woken (if wakeable). It reports false when the
+// subscription is stopping.
+func (sub *subscription) sleep(d time.Duration, wakeable bool) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	var wake, self <-chan struct{}
+	if wakeable {
+		wake, self = sub.waiter.C, sub.selfWake
+	}
+	select {
+	case <-sub.stop:
+		return false
+	case <-t.C:
+	case <-wake:
+	case <-self:
+	}
+	return true
+}
+
+// jitter spreads d by ±20% so idle subscribers do not poll in lockstep.
+func jitter(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
+}
+
+// acquireSlots blocks until at least one slot is free and takes all free
+// ones. It returns 0 when the subscription stops.
+func (sub *subscription) acquireSlots() int {
+	select {
+	case <-sub.stop:
+		return 0
+	case <-sub.slots:
+	}
+	n := 1
+	for n < sub.cfg.MaxInFlight {
+		select {
+		case <-sub.slots:
+			n++
+			continue
+		default:
+		}
+		break
+	}
+	return n
+}
+
+func (sub *subscription) returnSlots(n int) {
+	for range n {
+		sub.slots <- struct{}{}
+	}
+}
+
+// claim leases up to n rows with the claim statement (query.Claim). It does
+// not use the subscription's context: a claim cut off after the server ran
+// it would leave rows leased that nobody knows of until the lease expires.
+func (sub *subscription) claim(n int) ([]*delivery, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
+	defer cancel()
+	token := uuid.NewString()
+	rows, err := sub.s.pool.Query(ctx, sub.s.q.Claim, sub.topic, n, token,
+		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []*delivery
+	for rows.Next() {
+		d := &delivery{token: token, outcome: &outcome{}}
+		if err := rows.Scan(&d.id, &d.uuid, &d.payload, &d.metaRaw, &d.deliveries, &d.availableAt, &d.lastError); err != nil {
+			return nil, err
+		}
+		out = append(out, d)
+	}
+	if err := rows.Err(); err != nil {
+		// The statement may have committed: the rows are leased under a
+		// token nobody holds and come back when the lease expires.
+		return nil, err
+	}
+	// RETURNING order is unspecified; deliver in queue order.
+	sort.Slice(out, func(i, j int) bool {
+		if !out[i].availableAt.Equal(out[j].availableAt) {
+			return out[i].availableAt.Before(out[j].availableAt)
+		}
+		return out[i].id < out[j].id
+	})
+	if len(out) > 0 {
+		sub.comp.track(out)
+		sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Count: len(out)})
+	}
+	return out, nil
+}
+
+// nextDue asks when the next row of the topic becomes claimable (a
+// scheduled row or an expiring lease), so timers fire on time instead of at
+// the next poll.
+func (sub *subscription) nextDue() (time.Duration, bool) {
+	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
+	defer cancel()
+	var us *int64
+	if err := sub.s.pool.QueryRow(ctx, sub.s.q.NextDue, sub.topic).Scan(&us); err != nil || us == nil {
+		return 0, false
+	}
+	return max(time.Duration(*us)*time.Microsecond, 0), true
+}
+
+// worker hands claimed rows to the Router one at a time and waits for each
+// verdict, so MaxInFlight workers bound the messages in flight.
+func (sub *subscription) worker() {
+	defer sub.loops.Done()
+	for {
+		select {
+		case <-sub.stop:
+			return
+		case d := <-sub.work:
+			sub.deliver(d)
+			sub.slots <- struct{}{}
+		}
+	}
+}
+
+func (sub *subscription) deliver(d *delivery) {
+	if max := sub.cfg.MaxDeliveries; max > 0 && d.deliveries > max {
+		sub.comp.deadLetter(d, ReasonMaxDeliveries, "")
+		return
+	}
+	msg, err := d.message()
+	if err != nil {
+		sub.s.obs.observe(Event{Kind: EventPoisoned, Topic: sub.topic, RowID: d.id, Deliveries: d.deliveries, Err: err})
+		sub.comp.deadLetter(d, ReasonPoisoned, err.Error())
+		return
+	}
+	select {
+	case <-sub.stop:
+		sub.comp.release(d, true)
+		return
+	default:
+	}
+	ctx, cancel := context.WithCancel(context.WithValue(sub.ctx, outcomeKey{}, d.outcome))
+	defer cancel() // Ack and Nack end the message's context
+	msg.SetContext(ctx)
+	select {
+	case sub.out <- msg:
+	case <-sub.stop:
+		sub.comp.release(d, true)
+		return
+	}
+	select {
+	case <-msg.Acked():
+		sub.comp.ack(d)
+	case <-msg.Nacked():
+		sub.nacked(d, msg)
+	case <-sub.abort:
+		// Drain time is over and the handler has not answered: give the
+		// row back (never delete it); a late Ack is ignored.
+		sub.comp.release(d, false)
+	}
+}

@@ -1,0 +1,43 @@
+package pgoutbox
+
+import (
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// Metadata keys the publisher reads as instructions. They are not stored
+// with the message: the schedule lives in available_at and the key in
+// dedup_key, so a consumer that republishes the message does not carry them
+// along by accident.
+const (
+	deliverAfterKey = "_pgoutbox_deliver_after"
+	deliverAtKey    = "_pgoutbox_deliver_at"
+	dedupKeyKey     = "_pgoutbox_dedup_key"
+)
+
+// DeliverAfter makes msg invisible to subscribers until d after the
+// publishing transaction's start, measured by the database clock. It
+// replaces an earlier DeliverAt and takes precedence over Watermill's delay
+// metadata (components/delay), which is honoured too.
+func DeliverAfter(msg *message.Message, d time.Duration) {
+	delete(msg.Metadata, deliverAtKey)
+	msg.Metadata.Set(deliverAfterKey, d.String())
+}
+
+// DeliverAt makes msg invisible to subscribers until t. The time is stored
+// as given; a time in the past means now. It replaces an earlier
+// DeliverAfter.
+func DeliverAt(msg *message.Message, t time.Time) {
+	delete(msg.Metadata, deliverAfterKey)
+	msg.Metadata.Set(deliverAtKey, t.Format(time.RFC3339Nano))
+}
+
+// WithDedupKey gives msg a key that is unique per topic while the message is
+// stored: publishing another message with the same topic and key is skipped
+// without error (PublishWithResult reports it). Once the message is
+// delivered and acked, or cancelled with CancelScheduled, the key is free
+// again. Use it for timers ("remind order 42") and idempotent publishing.
+func WithDedupKey(msg *message.Message, key string) {
+	msg.Metadata.Set(dedupKeyKey, key)
+}

@@ -1,0 +1,75 @@
+package pgoutbox
+
+import (
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+// EventKind names an event reported to an Observer.
+type EventKind string
+
+// Events the Router cannot see. Row events carry RowID; batch events
+// (claimed, lease_renewed) carry Count.
+const (
+	EventClaimed      EventKind = "claimed"       // a claim leased Count rows
+	EventAcked        EventKind = "acked"         // an ack was written (row deleted)
+	EventRetried      EventKind = "retried"       // a nack was written; the row is due again later
+	EventReleased     EventKind = "released"      // a lease was given back at shutdown
+	EventDeadLettered EventKind = "dead_lettered" // a terminal failure moved (or deleted) the row; see Reason
+	EventLeaseLost    EventKind = "lease_lost"    // a write found its lease taken by someone else; see Phase
+	EventLeaseRenewed EventKind = "lease_renewed" // Count in-flight leases were extended
+	EventPoisoned     EventKind = "poisoned"      // a row could not be decoded into a message
+	EventPublished    EventKind = "published"     // a Publish call inserted Count rows
+)
+
+// Failure reasons of dead-lettered rows, stored in failure_reason.
+const (
+	ReasonMaxDeliveries  = "max_deliveries"
+	ReasonRetryExhausted = "retry_exhausted"
+	ReasonRejected       = "rejected"
+	ReasonPoisoned       = "poisoned"
+)
+
+// Event is one observation. Fields that do not apply to a kind are zero.
+type Event struct {
+	Kind       EventKind
+	Topic      string
+	RowID      int64
+	Deliveries int
+	Count      int
+	// Phase is the write that found the lease lost: "ack", "nack",
+	// "release", "renew" or "dead_letter".
+	Phase string
+	// Reason is the failure reason of a dead-lettered row.
+	Reason string
+	Err    error
+}
+
+// Observer receives events. Implementations must be safe for concurrent use
+// and must not block: they run on the delivery path. A panicking Observer is
+// recovered and logged; delivery goes on.
+type Observer interface {
+	Observe(Event)
+}
+
+// ObserverFunc adapts a function to Observer.
+type ObserverFunc func(Event)
+
+// Observe calls f(e).
+func (f ObserverFunc) Observe(e Event) { f(e) }
+
+type safeObserver struct {
+	o      Observer
+	logger watermill.LoggerAdapter
+}
+
+func (s safeObserver) observe(e Event) {
+	if s.o == nil {
+		return
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			s.logger.Error("pgoutbox observer panicked; event dropped", nil, watermill.LogFields{"event": string(e.Kind), "panic": r})
+		}
+	}()
+	s.o.Observe(e)
+}

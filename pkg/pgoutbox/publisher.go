@@ -1,0 +1,302 @@
+package pgoutbox
+
+import (
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"time"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/delay"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// maxTopicLen keeps a topic well inside NOTIFY's 8000-byte payload limit.
+const maxTopicLen = 1024
+
+// Publisher writes messages into the outbox table through an Executor. Bound
+// to a transaction (tx.FromSQLTx, tx.FromPgxTx, NewTxPublisher), the messages
+// exist if and only if that transaction commits. Bound to a pool
+// (tx.FromSQLDB, tx.FromPgxPool), each Publish call commits on its own.
+//
+// A Publisher is cheap: build one per transaction. It is safe for concurrent
+// use as far as its Executor is (a transaction is not).
+type Publisher struct {
+	exec   tx.Executor
+	q      *query.Queries
+	logger watermill.LoggerAdapter
+	obs    safeObserver
+	closed atomic.Bool
+}
+
+var _ message.Publisher = (*Publisher)(nil)
+
+// NewPublisher returns a Publisher that writes through exec. A nil logger
+// is replaced by a no-op one.
+func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.LoggerAdapter) (*Publisher, error) {
+	if exec == nil {
+		return nil, fmt.Errorf("%w: executor is nil; pass tx.FromSQLTx(tx), tx.FromPgxTx(tx), tx.FromSQLDB(db) or tx.FromPgxPool(pool)", ErrInvalidConfig)
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	config.setDefaults()
+	if err := config.Validate(); err != nil {
+		return nil, err
+	}
+	n, err := resolveNames(config.Tables)
+	if err != nil {
+		return nil, err
+	}
+	return &Publisher{
+		exec:   exec,
+		q:      queriesFor(n),
+		logger: logger,
+		obs:    safeObserver{o: config.Observer, logger: logger},
+	}, nil
+}
+
+// NewTxPublisher returns a Publisher bound to a database/sql transaction
+// (opened with the pgx stdlib driver). It never commits or rolls back tx.
+func NewTxPublisher(t *sql.Tx, config PublisherConfig, logger watermill.LoggerAdapter) (*Publisher, error) {
+	if t == nil {
+		return nil, fmt.Errorf("%w: transaction is nil", ErrInvalidConfig)
+	}
+	return NewPublisher(tx.FromSQLTx(t), config, logger)
+}
+
+// Publish writes msgs to topic in one statement, in order. The context of
+// msgs[0] bounds the statement. With no messages it does nothing.
+func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
+	_, err := p.PublishWithResult(topic, msgs...)
+	return err
+}
+
+// PublishResult tells what a Publish call stored.
+type PublishResult struct {
+	// IDs holds each message's row id, in call order; 0 marks a message that
+	// was skipped because its dedup key was already present on the topic.
+	IDs []int64
+}
+
+// Skipped returns the indexes of the messages that were skipped.
+func (r PublishResult) Skipped() []int {
+	var out []int
+	for i, id := range r.IDs {
+		if id == 0 {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// PublishWithResult is Publish, reporting each message's row id and which
+// messages a dedup key skipped.
+func (p *Publisher) PublishWithResult(topic string, msgs ...*message.Message) (PublishResult, error) {
+	if p.closed.Load() {
+		return PublishResult{}, fmt.Errorf("%w; create a new publisher", ErrPublisherClosed)
+	}
+	if err := checkTopic(topic); err != nil {
+		return PublishResult{}, err
+	}
+	if len(msgs) == 0 {
+		return PublishResult{}, nil
+	}
+	args, err := publishArgs(topic, msgs)
+	if err != nil {
+		return PublishResult{}, err
+	}
+	ctx := msgs[0].Context()
+	rows, err := p.exec.Query(ctx, p.q.Publish, topic, args.uuids, args.payloads, args.metadata,
+		args.delays, args.ats, args.dedup, p.q.Names.Channel)
+	if err != nil {
+		return PublishResult{}, p.wrapErr(topic, err)
+	}
+	defer rows.Close()
+	idByUUID := make(map[string]int64, len(msgs))
+	for rows.Next() {
+		var (
+			id    int64
+			uuid  string
+			woken int64
+		)
+		if err := rows.Scan(&id, &uuid, &woken); err != nil {
+			return PublishResult{}, p.wrapErr(topic, err)
+		}
+		idByUUID[uuid] = id
+	}
+	if err := rows.Err(); err != nil {
+		return PublishResult{}, p.wrapErr(topic, err)
+	}
+	res := PublishResult{IDs: make([]int64, len(msgs))}
+	for i, m := range msgs {
+		res.IDs[i] = idByUUID[m.UUID]
+	}
+	p.obs.observe(Event{Kind: EventPublished, Topic: topic, Count: len(idByUUID)})
+	p.logger.Trace("Published messages", watermill.LogFields{"topic": topic, "count": len(msgs), "inserted": len(idByUUID)})
+	return res, nil
+}
+
+// Close makes later Publish calls fail with ErrPublisherClosed. It does not
+// touch the Executor: the caller owns the transaction or pool. Close is
+// idempotent, so the Router may close a shared publisher harmlessly.
+func (p *Publisher) Close() error {
+	p.closed.Store(true)
+	return nil
+}
+
+func (p *Publisher) wrapErr(topic string, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case "42P01": // undefined_table
+			return fmt.Errorf("pgoutbox: publish to %q: table %s does not exist; run schema.Create or apply schema.SQL: %w", topic, p.q.Names.QTable, err)
+		case "25P02": // in_failed_sql_transaction
+			return fmt.Errorf("pgoutbox: publish to %q: the transaction already failed; roll it back and retry the whole unit of work: %w", topic, err)
+		}
+	}
+	return fmt.Errorf("pgoutbox: publish to %q: %w", topic, err)
+}
+
+// publishBatch holds one Publish call as parallel arrays (see query.Publish).
+type publishBatch struct {
+	uuids    []string
+	payloads [][]byte
+	metadata []string
+	delays   []pgtype.Int8
+	ats      []pgtype.Timestamptz
+	dedup    []pgtype.Text
+}
+
+func checkTopic(topic string) error {
+	switch {
+	case topic == "":
+		return fmt.Errorf("%w: topic is empty; pass the topic name to Publish or Subscribe", ErrInvalidTopic)
+	case len(topic) > maxTopicLen:
+		return fmt.Errorf("%w: topic is %d bytes long; use at most %d", ErrInvalidTopic, len(topic), maxTopicLen)
+	case !utf8.ValidString(topic) || strings.IndexByte(topic, 0) >= 0:
+		return fmt.Errorf("%w: topic %q is not valid UTF-8 text (or contains NUL); topics are stored as text", ErrInvalidTopic, topic)
+	}
+	return nil
+}
+
+func checkText(what string, i int, s string) error {
+	if !utf8.ValidString(s) {
+		return fmt.Errorf("%w: message %d: %s is not valid UTF-8; PostgreSQL stores it as text, so encode binary data (for example base64) or put it in the payload", ErrInvalidMessage, i, what)
+	}
+	if strings.IndexByte(s, 0) >= 0 {
+		return fmt.Errorf("%w: message %d: %s contains a NUL byte, which PostgreSQL text cannot hold; remove it or encode the value", ErrInvalidMessage, i, what)
+	}
+	return nil
+}
+
+func publishArgs(topic string, msgs []*message.Message) (publishBatch, error) {
+	b := publishBatch{
+		uuids:    make([]string, len(msgs)),
+		payloads: make([][]byte, len(msgs)),
+		metadata: make([]string, len(msgs)),
+		delays:   make([]pgtype.Int8, len(msgs)),
+		ats:      make([]pgtype.Timestamptz, len(msgs)),
+		dedup:    make([]pgtype.Text, len(msgs)),
+	}
+	seen := make(map[string]int, len(msgs))
+	for i, m := range msgs {
+		if m == nil {
+			return b, fmt.Errorf("%w: message %d is nil", ErrInvalidMessage, i)
+		}
+		if j, dup := seen[m.UUID]; dup {
+			return b, fmt.Errorf("%w: messages %d and %d have the same UUID %q; give each message of one Publish call its own UUID (watermill.NewUUID())", ErrInvalidMessage, j, i, m.UUID)
+		}
+		seen[m.UUID] = i
+		if err := checkText("UUID", i, m.UUID); err != nil {
+			return b, err
+		}
+		stored := make(map[string]string, len(m.Metadata))
+		for k, v := range m.Metadata {
+			if err := checkText(fmt.Sprintf("metadata key %q", k), i, k); err != nil {
+				return b, err
+			}
+			if err := checkText(fmt.Sprintf("metadata value of %q", k), i, v); err != nil {
+				return b, err
+			}
+			switch k {
+			case deliverAfterKey, deliverAtKey, dedupKeyKey:
+			default:
+				stored[k] = v
+			}
+		}
+		meta, err := json.Marshal(stored)
+		if err != nil {
+			return b, fmt.Errorf("%w: message %d: metadata: %v", ErrInvalidMessage, i, err)
+		}
+		b.uuids[i] = m.UUID
+		b.payloads[i] = m.Payload
+		if b.payloads[i] == nil {
+			b.payloads[i] = []byte{} // payload is NOT NULL; nil means empty
+		}
+		b.metadata[i] = string(meta)
+		if b.delays[i], b.ats[i], err = schedule(m.Metadata); err != nil {
+			return b, fmt.Errorf("%w: message %d: %v", ErrInvalidMessage, i, err)
+		}
+		if key, ok := m.Metadata[dedupKeyKey]; ok {
+			if key == "" {
+				return b, fmt.Errorf("%w: message %d: dedup key is empty; pass a non-empty key to WithDedupKey", ErrInvalidMessage, i)
+			}
+			b.dedup[i] = pgtype.Text{String: key, Valid: true}
+		}
+	}
+	return b, nil
+}
+
+// schedule reads the delivery time from metadata. Precedence: pgoutbox's own
+// DeliverAfter / DeliverAt, then Watermill's delayed_for (a duration, applied
+// with the database clock, immune to skew), then delayed_until.
+func schedule(md message.Metadata) (pgtype.Int8, pgtype.Timestamptz, error) {
+	dur := func(key, v string) (pgtype.Int8, pgtype.Timestamptz, error) {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			return pgtype.Int8{}, pgtype.Timestamptz{}, fmt.Errorf("metadata %s=%q is not a duration: %v", key, v, err)
+		}
+		return pgtype.Int8{Int64: max(d, 0).Microseconds(), Valid: true}, pgtype.Timestamptz{}, nil
+	}
+	at := func(key, v, layout string) (pgtype.Int8, pgtype.Timestamptz, error) {
+		t, err := time.Parse(layout, v)
+		if err != nil {
+			return pgtype.Int8{}, pgtype.Timestamptz{}, fmt.Errorf("metadata %s=%q is not an %s time: %v", key, v, layout, err)
+		}
+		return pgtype.Int8{}, pgtype.Timestamptz{Time: t, Valid: true}, nil
+	}
+	if v, ok := md[deliverAfterKey]; ok {
+		return dur(deliverAfterKey, v)
+	}
+	if v, ok := md[deliverAtKey]; ok {
+		return at(deliverAtKey, v, time.RFC3339Nano)
+	}
+	if v := md[delay.DelayedForKey]; v != "" {
+		return dur(delay.DelayedForKey, v)
+	}
+	if v := md[delay.DelayedUntilKey]; v != "" {
+		return at(delay.DelayedUntilKey, v, time.RFC3339)
+	}
+	return pgtype.Int8{}, pgtype.Timestamptz{}, nil
+}
+
+// queriesFor caches the templated statements per outbox, so building a
+// Publisher per transaction costs no string formatting.
+func queriesFor(n query.Names) *query.Queries {
+	if q, ok := queryCache.Load(n); ok {
+		return q.(*query.Queries)
+	}
+	q, _ := queryCache.LoadOrStore(n, query.Build(n))
+	return q.(*query.Queries)
+}
+

@@ -1,0 +1,135 @@
+package pgoutbox
+
+import (
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+)
+
+// RetryPolicy decides when a failed message is delivered again. It is pure:
+// it returns a duration and the database applies it as now() + delay, so the
+// subscriber's clock never gates delivery.
+//
+// NextDelay is called after the deliveries-th delivery of a message failed;
+// err is the handler's error when ErrorRecorder is installed, else nil.
+// retry=false gives up: the message goes to the dead-letter table (or is
+// deleted) with reason "retry_exhausted".
+type RetryPolicy interface {
+	NextDelay(deliveries int, err error) (delay time.Duration, retry bool)
+}
+
+// RetryPolicyFunc adapts a function to RetryPolicy, for example to retry
+// only transient errors:
+//
+//	pgoutbox.RetryPolicyFunc(func(n int, err error) (time.Duration, bool) {
+//		if errors.Is(err, ErrInvalidOrder) {
+//			return 0, false
+//		}
+//		return pgoutbox.DefaultRetryPolicy().NextDelay(n, err)
+//	})
+type RetryPolicyFunc func(deliveries int, err error) (time.Duration, bool)
+
+// NextDelay calls f.
+func (f RetryPolicyFunc) NextDelay(deliveries int, err error) (time.Duration, bool) {
+	return f(deliveries, err)
+}
+
+// DefaultRetryPolicy is ExponentialBackoff with its defaults: 1s, doubling,
+// capped at 5 minutes, jitter ±20%, 10 deliveries in all.
+func DefaultRetryPolicy() RetryPolicy { return ExponentialBackoff{} }
+
+// ExponentialBackoff waits InitialInterval after the first failure and
+// Multiplier times longer after each next one, up to MaxInterval, spread by
+// ±Jitter. It is built on github.com/cenkalti/backoff/v4.
+type ExponentialBackoff struct {
+	// InitialInterval is the delay after the first failed delivery. Defaults to 1s.
+	InitialInterval time.Duration
+	// Multiplier grows the delay after each failure. Defaults to 2.
+	Multiplier float64
+	// MaxInterval caps the delay (before jitter). Defaults to 5 minutes.
+	MaxInterval time.Duration
+	// MaxAttempts is the number of deliveries before giving up. Defaults
+	// to 10. The special value -1 retries forever.
+	MaxAttempts int
+	// Jitter spreads each delay uniformly over [d*(1-Jitter), d*(1+Jitter)].
+	// Defaults to 0.2. The special value -1 disables it.
+	Jitter float64
+}
+
+func (b ExponentialBackoff) withDefaults() ExponentialBackoff {
+	if b.InitialInterval <= 0 {
+		b.InitialInterval = time.Second
+	}
+	if b.Multiplier <= 0 {
+		b.Multiplier = 2
+	}
+	if b.MaxInterval <= 0 {
+		b.MaxInterval = 5 * time.Minute
+	}
+	if b.MaxAttempts == 0 {
+		b.MaxAttempts = 10
+	}
+	switch {
+	case b.Jitter == -1:
+		b.Jitter = 0
+	case b.Jitter <= 0:
+		b.Jitter = 0.2
+	case b.Jitter > 1:
+		b.Jitter = 1
+	}
+	return b
+}
+
+// NextDelay implements RetryPolicy.
+func (b ExponentialBackoff) NextDelay(deliveries int, _ error) (time.Duration, bool) {
+	b = b.withDefaults()
+	if b.MaxAttempts > 0 && deliveries >= b.MaxAttempts {
+		return 0, false
+	}
+	bo := &backoff.ExponentialBackOff{
+		InitialInterval:     b.InitialInterval,
+		RandomizationFactor: b.Jitter,
+		Multiplier:          b.Multiplier,
+		MaxInterval:         b.MaxInterval,
+		MaxElapsedTime:      0, // attempts, not wall time, bound the policy
+		Stop:                backoff.Stop,
+		Clock:               backoff.SystemClock,
+	}
+	bo.Reset()
+	// The library is stateful; replaying it keeps this policy a pure
+	// function of the delivery count. Once the interval reaches the cap every
+	// further step is the same, so the replay stops there.
+	d := bo.NextBackOff()
+	grown := float64(b.InitialInterval)
+	for k := 1; k < deliveries && grown < float64(b.MaxInterval); k++ {
+		d = bo.NextBackOff()
+		grown *= b.Multiplier
+	}
+	return d, true
+}
+
+// ConstantBackoff waits the same Delay after every failure.
+type ConstantBackoff struct {
+	// Delay before the next delivery; 0 redelivers at once.
+	Delay time.Duration
+	// MaxAttempts is the number of deliveries before giving up. Defaults
+	// to 10. The special value -1 retries forever.
+	MaxAttempts int
+}
+
+// NextDelay implements RetryPolicy.
+func (c ConstantBackoff) NextDelay(deliveries int, _ error) (time.Duration, bool) {
+	attempts := c.MaxAttempts
+	if attempts == 0 {
+		attempts = 10
+	}
+	if attempts > 0 && deliveries >= attempts {
+		return 0, false
+	}
+	return c.Delay, true
+}
+
+// NoRetry gives up after the first failed delivery.
+func NoRetry() RetryPolicy {
+	return RetryPolicyFunc(func(int, error) (time.Duration, bool) { return 0, false })
+}

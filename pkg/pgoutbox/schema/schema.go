@@ -1,0 +1,196 @@
+// Package schema creates and checks the tables pgoutbox stores messages in.
+//
+// Use SQL to get the DDL for a migration tool, Create for quick starts and
+// tests (idempotent, safe to call concurrently), and Validate at start-up or
+// in a health check to learn, by name, everything the database is missing.
+package schema
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// Default names.
+const (
+	DefaultSchema = "public"
+	DefaultTable  = "outbox"
+)
+
+// ErrInvalidName is returned for a schema or table name that is not a valid
+// identifier.
+var ErrInvalidName = errors.New("pgoutbox: invalid table or schema name")
+
+// Config names the tables of one outbox.
+type Config struct {
+	// Schema is the PostgreSQL schema that holds the tables. Defaults to
+	// "public". Create creates it when it does not exist.
+	Schema string
+	// Table is the outbox table. Defaults to "outbox".
+	Table string
+	// DeadLetterTable is the table that terminally failed messages move to.
+	// Empty (the default) means there is none: a terminal failure deletes the
+	// row and logs it at ERROR.
+	DeadLetterTable string
+}
+
+// WithDefaults returns c with empty fields set to their defaults.
+func (c Config) WithDefaults() Config {
+	if c.Schema == "" {
+		c.Schema = DefaultSchema
+	}
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+	return c
+}
+
+// Validate checks that every name is a usable identifier: letters, digits and
+// underscores, starting with a letter or underscore, at most 63 bytes.
+func (c Config) Validate() error {
+	_, err := c.names()
+	return err
+}
+
+func (c Config) names() (query.Names, error) {
+	c = c.WithDefaults()
+	n, err := query.NewNames(c.Schema, c.Table, c.DeadLetterTable)
+	if err != nil {
+		return query.Names{}, fmt.Errorf("%w: %v", ErrInvalidName, err)
+	}
+	return n, nil
+}
+
+// SQL returns the DDL that creates the outbox table, its indexes and, when
+// configured, the dead-letter table, as one script for a migration tool.
+// Every statement is idempotent (IF NOT EXISTS).
+func SQL(c Config) (string, error) {
+	n, err := c.names()
+	if err != nil {
+		return "", err
+	}
+	return query.Script(n), nil
+}
+
+// Create creates whatever of the schema is missing. It is idempotent and
+// safe to call from several processes at once. When db is bound to the
+// caller's transaction the DDL runs in it (and commits with it); otherwise
+// Create runs in a transaction of its own.
+func Create(ctx context.Context, db tx.Executor, c Config) error {
+	n, err := c.names()
+	if err != nil {
+		return err
+	}
+	return tx.RunInTx(ctx, db, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, query.CreateLock, "pgoutbox:"+n.QTable); err != nil {
+			return fmt.Errorf("pgoutbox: create schema: lock: %w", err)
+		}
+		for _, stmt := range query.DDL(n) {
+			if _, err := e.Exec(ctx, stmt); err != nil {
+				return fmt.Errorf("pgoutbox: create schema: %w\nstatement: %s", err, stmt)
+			}
+		}
+		return nil
+	})
+}
+
+// ValidationError lists everything Validate found missing or wrong.
+type ValidationError struct {
+	Problems []string
+}
+
+func (e *ValidationError) Error() string {
+	return "pgoutbox: schema does not match: " + strings.Join(e.Problems, "; ") +
+		"; run schema.Create or apply schema.SQL with your migration tool"
+}
+
+// Validate reads the catalog and reports, in one *ValidationError, every
+// missing table, missing column, column of the wrong type and missing index,
+// each by name. Extra columns and indexes are allowed.
+func Validate(ctx context.Context, db tx.Executor, c Config) error {
+	n, err := c.names()
+	if err != nil {
+		return err
+	}
+	var problems []string
+	check := func(table string, want []query.Column) error {
+		cols, err := catalog(ctx, db, query.CatalogColumns, n.Schema, table, 2)
+		if err != nil {
+			return err
+		}
+		if len(cols) == 0 {
+			problems = append(problems, fmt.Sprintf("table %s.%s is missing", n.Schema, table))
+			return nil
+		}
+		have := map[string]string{}
+		for _, c := range cols {
+			have[c[0]] = c[1]
+		}
+		for _, w := range want {
+			got, ok := have[w.Name]
+			switch {
+			case !ok:
+				problems = append(problems, fmt.Sprintf("column %s.%s is missing (want %s)", table, w.Name, w.Type))
+			case got != w.Type:
+				problems = append(problems, fmt.Sprintf("column %s.%s has type %s, want %s", table, w.Name, got, w.Type))
+			}
+		}
+		return nil
+	}
+	if err := check(n.Table, query.OutboxColumns); err != nil {
+		return err
+	}
+	if n.DLQTable != "" {
+		if err := check(n.DLQTable, query.DLQColumns); err != nil {
+			return err
+		}
+	}
+	idxByTable := map[string]map[string]bool{}
+	for _, idx := range n.Indexes() {
+		if idxByTable[idx.Table] == nil {
+			rows, err := catalog(ctx, db, query.CatalogIndexes, n.Schema, idx.Table, 1)
+			if err != nil {
+				return err
+			}
+			idxByTable[idx.Table] = map[string]bool{}
+			for _, r := range rows {
+				idxByTable[idx.Table][r[0]] = true
+			}
+		}
+		if !idxByTable[idx.Table][idx.Name] {
+			problems = append(problems, fmt.Sprintf("index %s on %s is missing", idx.Name, idx.Table))
+		}
+	}
+	if len(problems) > 0 {
+		return &ValidationError{Problems: problems}
+	}
+	return nil
+}
+
+func catalog(ctx context.Context, db tx.Executor, q, schema, table string, ncol int) ([][]string, error) {
+	rows, err := db.Query(ctx, q, schema, table)
+	if err != nil {
+		return nil, fmt.Errorf("pgoutbox: validate schema: %w", err)
+	}
+	defer rows.Close()
+	var out [][]string
+	for rows.Next() {
+		r := make([]string, ncol)
+		dest := make([]any, ncol)
+		for i := range r {
+			dest[i] = &r[i]
+		}
+		if err := rows.Scan(dest...); err != nil {
+			return nil, fmt.Errorf("pgoutbox: validate schema: %w", err)
+		}
+		out = append(out, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("pgoutbox: validate schema: %w", err)
+	}
+	return out, nil
+}

@@ -1,0 +1,163 @@
+package pgoutbox
+
+import (
+	"context"
+	"fmt"
+	"sync"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/notifier"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// Subscriber delivers the outbox rows of a topic to Watermill. Each
+// Subscribe call runs one fetch loop that leases due rows (claims), hands
+// them out as messages, and writes back acks and nacks under the lease.
+// Subscribers of one pool share one LISTEN connection, which wakes idle
+// fetch loops when a publisher commits.
+//
+// Delivery is at least once: a message is deleted only after its Ack was
+// written, and everything else (shutdown, cancelled context, crash, lost
+// connection) leads to redelivery.
+type Subscriber struct {
+	pool   *pgxpool.Pool
+	cfg    SubscriberConfig
+	q      *query.Queries
+	logger watermill.LoggerAdapter
+	obs    safeObserver
+
+	mu       sync.Mutex
+	closed   bool
+	closing  chan struct{}
+	subs     sync.WaitGroup
+	notifier *notifier.Notifier
+
+	schemaMu    sync.Mutex
+	schemaReady bool
+}
+
+var (
+	_ message.Subscriber           = (*Subscriber)(nil)
+	_ message.SubscribeInitializer = (*Subscriber)(nil)
+)
+
+// NewSubscriber returns a Subscriber that reads through pool. The pool is
+// the caller's: Close does not close it. Size it for one connection per
+// subscription that is claiming or completing at a time, plus your own use;
+// the LISTEN connection is opened outside the pool. A nil logger is
+// replaced by a no-op one.
+func NewSubscriber(pool *pgxpool.Pool, config SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("%w: pool is nil; pass a *pgxpool.Pool", ErrInvalidConfig)
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	config.setDefaults()
+	if err := config.Validate(); err != nil {
+		return nil, err
+	}
+	n, err := config.names()
+	if err != nil {
+		return nil, err
+	}
+	logger = logger.With(watermill.LogFields{"subscriber": config.WorkerID})
+	return &Subscriber{
+		pool:    pool,
+		cfg:     config,
+		q:       queriesFor(n),
+		logger:  logger,
+		obs:     safeObserver{o: config.Observer, logger: logger},
+		closing: make(chan struct{}),
+	}, nil
+}
+
+// Subscribe starts a fetch loop for topic and returns its message channel.
+// The channel is closed when ctx ends or the Subscriber is closed, after
+// in-flight messages were acked or nacked (up to DrainTimeout) and the
+// leases of the rest released. Message contexts derive from ctx.
+func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	if err := checkTopic(topic); err != nil {
+		return nil, err
+	}
+	if err := s.ensureSchema(ctx); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil, fmt.Errorf("%w; create a new subscriber", ErrSubscriberClosed)
+	}
+	if s.notifier == nil {
+		s.notifier = notifier.Acquire(s.pool, s.logger)
+	}
+	s.subs.Add(1)
+	waiter := s.notifier.Listen(s.q.Names.Channel, topic)
+	s.mu.Unlock()
+
+	sub := newSubscription(s, ctx, topic, waiter)
+	go sub.run()
+	return sub.out, nil
+}
+
+// SubscribeInitialize creates the tables when AutoInitializeSchema is set,
+// and otherwise checks that they exist as they should.
+func (s *Subscriber) SubscribeInitialize(topic string) error {
+	if err := checkTopic(topic); err != nil {
+		return err
+	}
+	return s.ensureSchema(context.Background())
+}
+
+func (s *Subscriber) ensureSchema(ctx context.Context) error {
+	s.schemaMu.Lock()
+	defer s.schemaMu.Unlock()
+	if s.schemaReady {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
+	defer cancel()
+	exec := tx.FromPgxPool(s.pool)
+	var err error
+	if s.cfg.AutoInitializeSchema {
+		err = schema.Create(ctx, exec, s.cfg.Tables)
+	} else {
+		err = schema.Validate(ctx, exec, s.cfg.Tables)
+	}
+	if err != nil {
+		return err
+	}
+	s.schemaReady = true
+	return nil
+}
+
+// Close ends every subscription: it stops claiming, waits up to
+// DrainTimeout for in-flight messages, writes their acks and nacks, releases
+// the leases of the rest, and closes all output channels before it returns.
+// It is idempotent and safe to call concurrently; every call returns once
+// the subscriptions are gone.
+func (s *Subscriber) Close() error {
+	s.mu.Lock()
+	first := !s.closed
+	if first {
+		s.closed = true
+		close(s.closing)
+	}
+	s.mu.Unlock()
+	s.subs.Wait()
+	if first {
+		s.mu.Lock()
+		n := s.notifier
+		s.notifier = nil
+		s.mu.Unlock()
+		if n != nil {
+			n.Release()
+		}
+	}
+	return nil
+}

@@ -1,0 +1,195 @@
+// Package tx lets pgoutbox run its statements on whatever handle the caller
+// has: a database/sql transaction or pool (with the pgx stdlib driver), a pgx
+// transaction, or a pgxpool. A transaction-bound Executor never begins,
+// commits or rolls back the caller's transaction.
+package tx
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// ErrTxDone is returned when a statement runs on a transaction that was
+// already committed or rolled back.
+var ErrTxDone = errors.New("pgoutbox: the transaction is already committed or rolled back; publish inside an open transaction, before Commit")
+
+// Executor runs statements on a database handle or on an open transaction.
+// Build one with FromSQLTx, FromSQLDB, FromPgxTx or FromPgxPool.
+type Executor interface {
+	// Exec runs a statement and returns the number of rows it affected.
+	Exec(ctx context.Context, sql string, args ...any) (int64, error)
+	// Query runs a statement that returns rows. The caller closes them.
+	Query(ctx context.Context, sql string, args ...any) (Rows, error)
+	// InTx reports whether statements run inside a transaction the caller
+	// owns (and commits).
+	InTx() bool
+}
+
+// Rows is the part of a result set pgoutbox reads.
+type Rows interface {
+	Next() bool
+	Scan(dest ...any) error
+	Err() error
+	Close()
+}
+
+// beginner is implemented by the executors that own a pool and can start a
+// transaction of their own (see RunInTx).
+type beginner interface {
+	begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error)
+}
+
+// FromSQLTx binds an Executor to a database/sql transaction. The connection
+// must use the pgx stdlib driver (github.com/jackc/pgx/v5/stdlib), which
+// passes arrays and bytea through to pgx.
+func FromSQLTx(tx *sql.Tx) Executor { return sqlTx{tx} }
+
+// FromSQLDB runs each statement on its own connection from a database/sql
+// pool using the pgx stdlib driver; each statement commits on its own.
+func FromSQLDB(db *sql.DB) Executor { return sqlDB{db} }
+
+// FromPgxTx binds an Executor to a pgx transaction.
+func FromPgxTx(tx pgx.Tx) Executor { return pgxTx{tx} }
+
+// FromPgxPool runs each statement on its own connection from a pgxpool; each
+// statement commits on its own.
+func FromPgxPool(pool *pgxpool.Pool) Executor { return pgxPool{pool} }
+
+type sqlQueryer interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+}
+
+func sqlExec(ctx context.Context, q sqlQueryer, query string, args []any) (int64, error) {
+	res, err := q.ExecContext(ctx, query, args...)
+	if err != nil {
+		return 0, mapErr(err)
+	}
+	return res.RowsAffected()
+}
+
+func sqlQuery(ctx context.Context, q sqlQueryer, query string, args []any) (Rows, error) {
+	rows, err := q.QueryContext(ctx, query, args...)
+	if err != nil {
+		return nil, mapErr(err)
+	}
+	return sqlRows{rows}, nil
+}
+
+type sqlTx struct{ tx *sql.Tx }
+
+func (e sqlTx) Exec(ctx context.Context, q string, args ...any) (int64, error) {
+	return sqlExec(ctx, e.tx, q, args)
+}
+func (e sqlTx) Query(ctx context.Context, q string, args ...any) (Rows, error) {
+	return sqlQuery(ctx, e.tx, q, args)
+}
+func (sqlTx) InTx() bool { return true }
+
+type sqlDB struct{ db *sql.DB }
+
+func (e sqlDB) Exec(ctx context.Context, q string, args ...any) (int64, error) {
+	return sqlExec(ctx, e.db, q, args)
+}
+func (e sqlDB) Query(ctx context.Context, q string, args ...any) (Rows, error) {
+	return sqlQuery(ctx, e.db, q, args)
+}
+func (sqlDB) InTx() bool { return false }
+func (e sqlDB) begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error) {
+	t, err := e.db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	return sqlTx{t}, func(context.Context) error { return t.Commit() }, func(context.Context) error { return t.Rollback() }, nil
+}
+
+type sqlRows struct{ *sql.Rows }
+
+func (r sqlRows) Close() { _ = r.Rows.Close() }
+
+type pgxQueryer interface {
+	Exec(ctx context.Context, sql string, arguments ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}
+
+func pgxExec(ctx context.Context, q pgxQueryer, query string, args []any) (int64, error) {
+	tag, err := q.Exec(ctx, query, args...)
+	if err != nil {
+		return 0, mapErr(err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+func pgxQuery(ctx context.Context, q pgxQueryer, query string, args []any) (Rows, error) {
+	rows, err := q.Query(ctx, query, args...)
+	if err != nil {
+		return nil, mapErr(err)
+	}
+	return rows, nil
+}
+
+type pgxTx struct{ tx pgx.Tx }
+
+func (e pgxTx) Exec(ctx context.Context, q string, args ...any) (int64, error) {
+	return pgxExec(ctx, e.tx, q, args)
+}
+func (e pgxTx) Query(ctx context.Context, q string, args ...any) (Rows, error) {
+	return pgxQuery(ctx, e.tx, q, args)
+}
+func (pgxTx) InTx() bool { return true }
+
+type pgxPool struct{ pool *pgxpool.Pool }
+
+func (e pgxPool) Exec(ctx context.Context, q string, args ...any) (int64, error) {
+	return pgxExec(ctx, e.pool, q, args)
+}
+func (e pgxPool) Query(ctx context.Context, q string, args ...any) (Rows, error) {
+	return pgxQuery(ctx, e.pool, q, args)
+}
+func (pgxPool) InTx() bool { return false }
+func (e pgxPool) begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error) {
+	t, err := e.pool.Begin(ctx)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	return pgxTx{t}, t.Commit, t.Rollback, nil
+}
+
+// mapErr turns "this transaction is finished" from either driver into
+// ErrTxDone, so callers get one error to branch on and a hint at the fix.
+func mapErr(err error) error {
+	if errors.Is(err, sql.ErrTxDone) || errors.Is(err, pgx.ErrTxClosed) {
+		return fmt.Errorf("%w (%v)", ErrTxDone, err)
+	}
+	return err
+}
+
+// RunInTx runs fn in a transaction. When exec is already bound to the
+// caller's transaction, fn runs in it and nothing is committed here. When
+// exec owns a pool, a transaction is begun, committed if fn returns nil and
+// rolled back otherwise. An Executor of another kind runs fn directly.
+func RunInTx(ctx context.Context, exec Executor, fn func(Executor) error) (err error) {
+	b, ok := exec.(beginner)
+	if exec.InTx() || !ok {
+		return fn(exec)
+	}
+	txExec, commit, rollback, err := b.begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			_ = rollback(context.WithoutCancel(ctx))
+		}
+	}()
+	if err = fn(txExec); err != nil {
+		return err
+	}
+	return commit(ctx)
+}

@@ -1,0 +1,150 @@
+package tests
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// bundle is one test's outbox: an isolated schema with the tables created.
+type bundle struct {
+	*pgtest.Env
+	tables schema.Config
+	logger watermill.LoggerAdapter
+}
+
+func setup(t *testing.T, opts ...pgtest.Options) *bundle {
+	t.Helper()
+	env := pgtest.Setup(t, opts...)
+	b := &bundle{
+		Env:    env,
+		tables: schema.Config{Schema: env.Schema, Table: "outbox", DeadLetterTable: "outbox_dlq"},
+		logger: watermill.NewStdLogger(false, false),
+	}
+	require.NoError(t, schema.Create(context.Background(), tx.FromPgxPool(env.Pool), b.tables))
+	return b
+}
+
+// subscriber builds a Subscriber closed at the end of the test; fast
+// defaults for tests, overridable through mod.
+func (b *bundle) subscriber(t *testing.T, mod func(*pgoutbox.SubscriberConfig)) *pgoutbox.Subscriber {
+	t.Helper()
+	cfg := pgoutbox.SubscriberConfig{
+		Tables:          b.tables,
+		Lease:           5 * time.Second,
+		MinPollInterval: 20 * time.Millisecond,
+		MaxPollInterval: time.Second,
+		DrainTimeout:    2 * time.Second,
+		RetryPolicy:     pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: -1},
+	}
+	if mod != nil {
+		mod(&cfg)
+	}
+	sub, err := pgoutbox.NewSubscriber(b.Pool, cfg, b.logger)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	return sub
+}
+
+func (b *bundle) poolPublisher(t *testing.T) *pgoutbox.Publisher {
+	t.Helper()
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+	require.NoError(t, err)
+	return pub
+}
+
+func (b *bundle) count(t *testing.T, q string, args ...any) int {
+	t.Helper()
+	var n int
+	require.NoError(t, b.Pool.QueryRow(context.Background(), q, args...).Scan(&n))
+	return n
+}
+
+func (b *bundle) outboxRows(t *testing.T, topic string) int {
+	return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1`, topic)
+}
+
+func newMsg(payload string) *message.Message {
+	return message.NewMessage(watermill.NewUUID(), []byte(payload))
+}
+
+// receive waits for one message or fails the test.
+func receive(t *testing.T, ch <-chan *message.Message, within time.Duration) *message.Message {
+	t.Helper()
+	select {
+	case m, ok := <-ch:
+		require.True(t, ok, "channel closed while waiting for a message")
+		return m
+	case <-time.After(within):
+		t.Fatalf("no message within %s", within)
+		return nil
+	}
+}
+
+// requireNothing asserts that no message arrives within d.
+func requireNothing(t *testing.T, ch <-chan *message.Message, d time.Duration) {
+	t.Helper()
+	select {
+	case m, ok := <-ch:
+		if ok {
+			t.Fatalf("unexpected message %s (%s)", m.UUID, m.Payload)
+		}
+	case <-time.After(d):
+	}
+}
+
+// events records observer events and lets a test wait for one.
+type events struct {
+	mu   sync.Mutex
+	list []pgoutbox.Event
+	ch   chan pgoutbox.Event
+}
+
+func newEvents() *events { return &events{ch: make(chan pgoutbox.Event, 10000)} }
+
+func (e *events) Observe(ev pgoutbox.Event) {
+	e.mu.Lock()
+	e.list = append(e.list, ev)
+	e.mu.Unlock()
+	select {
+	case e.ch <- ev:
+	default:
+	}
+}
+
+func (e *events) wait(t *testing.T, kind pgoutbox.EventKind, within time.Duration) pgoutbox.Event {
+	t.Helper()
+	deadline := time.After(within)
+	for {
+		select {
+		case ev := <-e.ch:
+			if ev.Kind == kind {
+				return ev
+			}
+		case <-deadline:
+			t.Fatalf("no %s event within %s", kind, within)
+		}
+	}
+}
+
+func (e *events) countKind(kind pgoutbox.EventKind) int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	n := 0
+	for _, ev := range e.list {
+		if ev.Kind == kind {
+			n++
+		}
+	}
+	return n
+}

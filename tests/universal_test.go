@@ -1,0 +1,71 @@
+package tests
+
+import (
+	"os"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+// universalFeatures is what pgoutbox honestly provides: at-least-once
+// (duplicates are possible after a lease expiry, so ExactlyOnceDelivery is
+// false, which also runs the close/continue cases), persistence, and publish
+// order per topic for one subscription with MaxInFlight 1. Competing
+// subscriptions of one topic interleave, hence "with single subscriber".
+func universalFeatures() tests.Features {
+	return tests.Features{
+		ConsumerGroups:                      false,
+		ExactlyOnceDelivery:                 false,
+		GuaranteedOrder:                     true,
+		GuaranteedOrderWithSingleSubscriber: true,
+		Persistent:                          true,
+	}
+}
+
+// universalConstructor shares one pool (and so one LISTEN connection) among
+// the dozens of pub/subs the suite builds, keeping the run far below the
+// server's max_connections.
+func universalConstructor(b *bundle) tests.PubSubConstructor {
+	return func(t *testing.T) (message.Publisher, message.Subscriber) {
+		pub := b.poolPublisher(t)
+		sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
+			Tables:          b.tables,
+			Lease:           5 * time.Second,
+			MinPollInterval: 10 * time.Millisecond,
+			MaxPollInterval: time.Second,
+			DrainTimeout:    time.Second,
+			// The suite nacks one message hundreds of times in a row.
+			RetryPolicy: pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: -1},
+		}, b.logger)
+		require.NoError(t, err)
+		return pub, sub
+	}
+}
+
+// TestPubSub runs Watermill's universal Pub/Sub suite. TestReconnect is
+// skipped here and run on its own (below), since a server restart would
+// break the packages running in parallel.
+func TestPubSub(t *testing.T) {
+	b := setup(t, pgtest.Options{MaxConns: 20})
+	tests.TestPubSub(t, universalFeatures(), universalConstructor(b), nil)
+}
+
+// TestReconnect runs the suite's reconnect case: 10,000 messages while the
+// server restarts twice. It needs PGOUTBOX_TEST_RESTART_CMD, a shell command
+// that restarts the server (`make test` runs it separately, after the rest).
+func TestReconnect(t *testing.T) {
+	cmd := os.Getenv("PGOUTBOX_TEST_RESTART_CMD")
+	if cmd == "" {
+		t.Skip("PGOUTBOX_TEST_RESTART_CMD is not set; it restarts PostgreSQL (see Makefile target test)")
+	}
+	b := setup(t, pgtest.Options{MaxConns: 20})
+	features := universalFeatures()
+	features.RestartServiceCommand = []string{"sh", "-c", cmd}
+	tests.TestReconnect(t, tests.TestContext{TestID: tests.NewTestID(), Features: features}, universalConstructor(b))
+}

@@ -267,4 +267,3 @@ func (n *Notifier) session(ctx context.Context, connected func()) error {
 		}
 	}
 }
-

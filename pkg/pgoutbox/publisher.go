@@ -299,4 +299,3 @@ func queriesFor(n query.Names) *query.Queries {
 	q, _ := queryCache.LoadOrStore(n, query.Build(n))
 	return q.(*query.Queries)
 }
-

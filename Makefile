@@ -1,0 +1,37 @@
+# Every target that needs PostgreSQL finds or starts one the same way
+# (scripts/postgres-env.sh): POSTGRES_DSN, else 127.0.0.1:5432, else a local
+# installation, else Docker.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+PG_ENV := eval "$$(scripts/postgres-env.sh)"
+GO_TEST_FLAGS ?= -race -count=1
+# The go tool skips directories starting with "_" in ./... patterns.
+EXAMPLES := $(patsubst %/,./%,$(wildcard _examples/*/))
+
+.PHONY: demo test test-unit lint bench
+
+## demo: run _examples/basic (an order and its message in one transaction, consumed by a router)
+demo:
+	@$(PG_ENV); go run ./_examples/basic
+
+## test: lint, every test under -race, then the reconnect test on its own
+test: lint
+	@$(PG_ENV); \
+	env -u PGOUTBOX_TEST_RESTART_CMD go test $(GO_TEST_FLAGS) -timeout 20m ./... $(EXAMPLES); \
+	if [ -n "$${PGOUTBOX_TEST_RESTART_CMD:-}" ]; then \
+		echo "--- TestReconnect (restarts PostgreSQL with: $$PGOUTBOX_TEST_RESTART_CMD)"; \
+		go test $(GO_TEST_FLAGS) -timeout 5m -run '^TestReconnect$$' -v ./tests/ \
+			| grep -E '^(=== RUN|--- |PASS|FAIL|ok|panic)|received in bulk read|missing'; \
+	else \
+		echo "--- TestReconnect skipped: set PGOUTBOX_TEST_RESTART_CMD to a command that restarts PostgreSQL"; \
+	fi
+
+## test-unit: the tests that need no database
+test-unit:
+	go test $(GO_TEST_FLAGS) ./pkg/...
+
+## lint: gofmt and go vet
+lint:
+	@unformatted=$$(gofmt -l $$(git ls-files '*.go')); \
+	if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
+	go vet ./... $(EXAMPLES)

@@ -235,8 +235,8 @@ func (sub *subscription) claim(n int) ([]*delivery, error) {
 	})
 	if len(out) > 0 {
 		sub.comp.track(out)
-		sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Count: len(out)})
 	}
+	sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Count: len(out)})
 	return out, nil
 }
 

@@ -10,7 +10,7 @@ type EventKind string
 // Events the Router cannot see. Row events carry RowID; batch events
 // (claimed, lease_renewed) carry Count.
 const (
-	EventClaimed      EventKind = "claimed"       // a claim leased Count rows
+	EventClaimed      EventKind = "claimed"       // a claim leased Count rows (0: the loop goes idle)
 	EventAcked        EventKind = "acked"         // an ack was written (row deleted)
 	EventRetried      EventKind = "retried"       // a nack was written; the row is due again later
 	EventReleased     EventKind = "released"      // a lease was given back at shutdown

@@ -1,0 +1,69 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+)
+
+// TestClaimUsesPartialIndexes pins the shape of the claim statement: on a
+// table large enough for the planner to care, each branch must be an index
+// scan of its own partial index, and nothing may scan the table
+// sequentially. A rewrite into one "ready OR expired" SELECT, or into
+// UPDATE ... FROM cte, turns into a sequential scan (see query.Claim).
+func TestClaimUsesPartialIndexes(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	tbl := b.Schema + ".outbox"
+	// 20 topics x 5,000 rows; per topic a mix of ready, scheduled, live
+	// leases and expired leases, the way a busy outbox looks.
+	_, err := b.Pool.Exec(ctx, fmt.Sprintf(`
+INSERT INTO %s (topic, uuid, payload, metadata, available_at, lease_token, leased_until)
+SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
+       now() + CASE WHEN g %% 7 = 0 THEN interval '1 hour' ELSE -interval '1 minute' END,
+       CASE WHEN g %% 5 = 0 THEN gen_random_uuid() END,
+       CASE WHEN g %% 5 = 0 THEN now() + CASE WHEN g %% 10 = 0 THEN interval '1 minute' ELSE -interval '1 minute' END END
+  FROM generate_series(1, 100000) g`, tbl))
+	require.NoError(t, err)
+	_, err = b.Pool.Exec(ctx, "ANALYZE "+tbl)
+	require.NoError(t, err)
+
+	names, err := query.NewNames(b.Schema, "outbox", "")
+	require.NoError(t, err)
+	q := query.Build(names)
+
+	// A prepared statement switches to a generic plan after a few runs, so
+	// both plans must keep the shape.
+	conn, err := b.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+		_, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode)
+		require.NoError(t, err)
+		var plan []string
+		rows, err := conn.Query(ctx, "EXPLAIN "+q.Claim, "topic-3", 100, uuid.NewString(), int64(30e6), "test")
+		require.NoError(t, err)
+		for rows.Next() {
+			var line string
+			require.NoError(t, rows.Scan(&line))
+			plan = append(plan, line)
+		}
+		require.NoError(t, rows.Err())
+		text := strings.Join(plan, "\n")
+		t.Logf("%s:\n%s", mode, text)
+
+		require.NotContains(t, text, "Seq Scan", "the claim must not scan the table sequentially (%s)", mode)
+		require.Contains(t, text, names.ReadyIdx, "the ready branch must use the ready-rows index (%s)", mode)
+		require.Contains(t, text, names.LeaseIdx, "the expired branch must use the leased-rows index (%s)", mode)
+		require.Contains(t, text, "outbox_pkey", "the update must find rows by primary key (%s)", mode)
+	}
+	_, err = conn.Exec(ctx, "RESET plan_cache_mode")
+	require.NoError(t, err)
+}

@@ -1,0 +1,328 @@
+package tests
+
+// One test (or more) per invariant of DESIGN.md. Each would fail if its
+// invariant broke.
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+func (b *bundle) names(t *testing.T) query.Names {
+	n, err := query.NewNames(b.Schema, "outbox", "outbox_dlq")
+	require.NoError(t, err)
+	return n
+}
+
+func (b *bundle) publishInTx(t *testing.T, topic string, commit bool, msgs ...*message.Message) {
+	t.Helper()
+	ctx := context.Background()
+	pgTx, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(pgTx), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish(topic, msgs...))
+	if commit {
+		require.NoError(t, pgTx.Commit(ctx))
+	} else {
+		require.NoError(t, pgTx.Rollback(ctx))
+	}
+}
+
+// Invariant 1: a published message exists iff the caller's transaction
+// committed, and so does its wake-up.
+func TestInvariant1_MessageExistsIffCommitted(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+
+	listener, err := pgx.Connect(ctx, b.DSN)
+	require.NoError(t, err)
+	defer listener.Close(ctx)
+	_, err = listener.Exec(ctx, "LISTEN "+query.Quote(b.names(t).Channel))
+	require.NoError(t, err)
+
+	b.publishInTx(t, "rolled-back", false, newMsg("never"))
+	b.publishInTx(t, "committed", true, newMsg("yes"))
+
+	// Notifications arrive in commit order: if the rolled-back transaction
+	// had notified, its notification would come first.
+	waitCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	note, err := listener.WaitForNotification(waitCtx)
+	require.NoError(t, err)
+	require.Equal(t, "committed", note.Payload)
+
+	require.Equal(t, 0, b.outboxRows(t, "rolled-back"))
+	require.Equal(t, 1, b.outboxRows(t, "committed"))
+
+	sub := b.subscriber(t, nil)
+	ch, err := sub.Subscribe(ctx, "committed")
+	require.NoError(t, err)
+	m := receive(t, ch, 10*time.Second)
+	require.Equal(t, "yes", string(m.Payload))
+	m.Ack()
+}
+
+// Invariant 2: every completion write is guarded by the lease token. A
+// subscription whose row was reclaimed by someone else (simulated by
+// changing the token) writes nothing and reports lease_lost.
+func TestInvariant2_WritesAreGuardedByLeaseToken(t *testing.T) {
+	t.Parallel()
+	for _, phase := range []string{"ack", "nack", "dead_letter", "renew"} {
+		t.Run(phase, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			ctx := context.Background()
+			ev := newEvents()
+			sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+				c.Observer = ev
+				c.Lease = 2 * time.Second // renewal every second
+				c.MaxPollInterval = 500 * time.Millisecond
+				c.StatementTimeout = 500 * time.Millisecond
+			})
+			b.publishInTx(t, "t", true, newMsg("x"))
+			ch, err := sub.Subscribe(ctx, "t")
+			require.NoError(t, err)
+			m := receive(t, ch, 10*time.Second)
+
+			// Another consumer takes the row over.
+			_, err = b.Pool.Exec(ctx, `UPDATE `+b.Schema+`.outbox
+				SET lease_token = gen_random_uuid(), leased_until = now() + interval '1 hour', leased_by = 'other',
+				    last_error = 'theirs'`)
+			require.NoError(t, err)
+
+			switch phase {
+			case "ack":
+				m.Ack()
+			case "nack":
+				m.Nack()
+			case "dead_letter":
+				_ = pgoutbox.Reject(m, "bad")
+				m.Nack()
+			case "renew":
+				// the renewal ticker finds the token changed
+			}
+			lost := ev.wait(t, pgoutbox.EventLeaseLost, 10*time.Second)
+			require.Equal(t, phase, lost.Phase)
+
+			var leasedBy, lastErr string
+			require.NoError(t, b.Pool.QueryRow(ctx, `SELECT leased_by, last_error FROM `+b.Schema+`.outbox`).Scan(&leasedBy, &lastErr))
+			require.Equal(t, "other", leasedBy, "the other holder's lease must be untouched")
+			require.Equal(t, "theirs", lastErr)
+			require.Equal(t, 0, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`))
+			if phase == "renew" {
+				m.Ack()
+			}
+		})
+	}
+}
+
+// Invariant 3: nothing deletes a row that was not acked. Close and context
+// cancellation give unacked rows back at once (not after the lease), and
+// the next subscriber gets them.
+func TestInvariant3_UnackedAtCloseIsRedelivered(t *testing.T) {
+	t.Parallel()
+	for _, how := range []string{"close", "cancel"} {
+		t.Run(how, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			slow := func(c *pgoutbox.SubscriberConfig) {
+				c.Lease = time.Hour // only a release can explain a quick redelivery
+				c.MaxPollInterval = 200 * time.Millisecond
+				c.DrainTimeout = 200 * time.Millisecond
+			}
+			b.publishInTx(t, "t", true, newMsg("keep me"))
+
+			first := b.subscriber(t, slow)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			ch, err := first.Subscribe(ctx, "t")
+			require.NoError(t, err)
+			m := receive(t, ch, 10*time.Second)
+			if how == "close" {
+				require.NoError(t, first.Close())
+			} else {
+				cancel()
+				for range ch { // closes after the drain
+				}
+			}
+			select {
+			case <-m.Context().Done():
+			default:
+				t.Fatal("the unacked message's context must be done once its subscription ended")
+			}
+
+			var token *string
+			var deliveries int
+			require.NoError(t, b.Pool.QueryRow(context.Background(),
+				`SELECT lease_token::text, deliveries FROM `+b.Schema+`.outbox`).Scan(&token, &deliveries))
+			require.Nil(t, token, "the lease must be released")
+			require.Equal(t, 1, deliveries, "the message was handed out once")
+
+			second := b.subscriber(t, slow)
+			ch2, err := second.Subscribe(context.Background(), "t")
+			require.NoError(t, err)
+			m2 := receive(t, ch2, 10*time.Second)
+			require.Equal(t, m.UUID, m2.UUID)
+			m2.Ack()
+			require.NoError(t, second.Close())
+			require.Equal(t, 0, b.outboxRows(t, "t"))
+		})
+	}
+}
+
+// Invariant 3, the other half: a late Ack after the drain gave the row back
+// must not delete it.
+func TestInvariant3_LateAckAfterDrainDeletesNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.DrainTimeout = 100 * time.Millisecond
+		c.Observer = ev
+	})
+	b.publishInTx(t, "t", true, newMsg("x"))
+	ch, err := sub.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	m := receive(t, ch, 10*time.Second)
+	require.NoError(t, sub.Close())
+	m.Ack()
+	require.Equal(t, 1, b.outboxRows(t, "t"))
+	require.Equal(t, 1, ev.countKind(pgoutbox.EventReleased))
+	require.Equal(t, 0, ev.countKind(pgoutbox.EventAcked))
+}
+
+// Invariant 4: the times that gate eligibility come from the database. The
+// lease expiry and a relative delay are computed with now() in SQL.
+func TestInvariant4_DatabaseClockGatesEligibility(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	delayed := newMsg("later")
+	pgoutbox.DeliverAfter(delayed, time.Hour)
+	b.publishInTx(t, "t", true, delayed, newMsg("now"))
+
+	var aheadSec float64
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT extract(epoch FROM available_at - created_at) FROM `+b.Schema+`.outbox WHERE uuid = $1`,
+		delayed.UUID).Scan(&aheadSec))
+	require.InDelta(t, 3600, aheadSec, 0.001, "a delay is now() + interval, in the inserting transaction")
+
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.Lease = 7 * time.Second })
+	ch, err := sub.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	m := receive(t, ch, 10*time.Second)
+	require.Equal(t, "now", string(m.Payload))
+	var leaseSec float64
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT extract(epoch FROM leased_until - now()) FROM `+b.Schema+`.outbox WHERE uuid = $1`,
+		m.UUID).Scan(&leaseSec))
+	require.InDelta(t, 7, leaseSec, 1.5, "leased_until is now() + Lease on the server")
+	m.Ack()
+}
+
+// Invariant 5: a row is delivered to one consumer at a time while its lease
+// is live. Three subscribers with four handlers each compete for 300
+// messages; no message is ever held by two handlers at once, and with no
+// failures each is handled exactly once.
+func TestInvariant5_OneConsumerAtATime(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const n = 300
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = newMsg(fmt.Sprint(i))
+	}
+	b.publishInTx(t, "t", true, msgs...)
+
+	var (
+		mu      sync.Mutex
+		holding = map[string]int{}
+		handled = map[string]int{}
+		overlap atomic.Int32
+		total   atomic.Int32
+		done    = make(chan struct{})
+	)
+	for range 3 {
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4; c.Lease = time.Minute })
+		ch, err := sub.Subscribe(context.Background(), "t")
+		require.NoError(t, err)
+		go func() {
+			for m := range ch {
+				go func(m *message.Message) {
+					mu.Lock()
+					holding[m.UUID]++
+					if holding[m.UUID] > 1 {
+						overlap.Add(1)
+					}
+					handled[m.UUID]++
+					mu.Unlock()
+					mu.Lock()
+					holding[m.UUID]--
+					mu.Unlock()
+					m.Ack()
+					if total.Add(1) == n {
+						close(done)
+					}
+				}(m)
+			}
+		}()
+	}
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		t.Fatalf("only %d of %d handled", total.Load(), n)
+	}
+	require.Zero(t, overlap.Load())
+	mu.Lock()
+	defer mu.Unlock()
+	require.Len(t, handled, n)
+	for id, c := range handled {
+		require.Equal(t, 1, c, "message %s", id)
+	}
+}
+
+// Invariant 5, with a live lease held by another process: the row is not
+// delivered, while an expired lease is reclaimed.
+func TestInvariant5_LiveLeaseIsNotReclaimedExpiredIs(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	live, expired := newMsg("live"), newMsg("expired")
+	b.publishInTx(t, "t", true, live, expired)
+	_, err := b.Pool.Exec(ctx, `UPDATE `+b.Schema+`.outbox
+		SET lease_token = gen_random_uuid(), leased_by = 'crashed', deliveries = 1,
+		    leased_until = now() + CASE WHEN uuid = $1 THEN interval '1 hour' ELSE -interval '1 second' END`, live.UUID)
+	require.NoError(t, err)
+
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.Observer = ev })
+	ch, err := sub.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	m := receive(t, ch, 10*time.Second)
+	require.Equal(t, expired.UUID, m.UUID)
+	m.Ack()
+	ev.wait(t, pgoutbox.EventAcked, 10*time.Second)
+	// The loop claims again after the ack and finds nothing claimable.
+	for {
+		e := ev.wait(t, pgoutbox.EventClaimed, 10*time.Second)
+		if e.Count == 0 {
+			break
+		}
+		t.Fatalf("claimed %d more rows; the live lease must not be reclaimed", e.Count)
+	}
+	var deliveries int
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT deliveries FROM `+b.Schema+`.outbox WHERE uuid = $1`, live.UUID).Scan(&deliveries))
+	require.Equal(t, 1, deliveries)
+}

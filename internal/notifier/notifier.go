@@ -9,6 +9,7 @@ package notifier
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"time"
 
@@ -42,14 +43,16 @@ type Notifier struct {
 	connects    int
 }
 
-// Waiter receives a wake-up (a value on C, never blocking the notifier) when a
-// notification arrives for its topic, and after every reconnect, since
-// notifications sent while the connection was down are lost.
+// Waiter receives a wake-up (a value on C, never blocking the notifier) when
+// rows of its topic became due, and after every (re)connect, since
+// notifications sent while nobody listened are lost. It receives a value on
+// Scheduled when rows of its topic were published for later.
 type Waiter struct {
-	C       chan struct{}
-	n       *Notifier
-	channel string
-	topic   string
+	C         chan struct{}
+	Scheduled chan struct{}
+	n         *Notifier
+	channel   string
+	topic     string
 }
 
 // Acquire returns the pool's notifier, starting it on first use. Every
@@ -92,7 +95,7 @@ func (n *Notifier) Release() {
 
 // Listen registers a waiter for topic on channel.
 func (n *Notifier) Listen(channel, topic string) *Waiter {
-	w := &Waiter{C: make(chan struct{}, 1), n: n, channel: channel, topic: topic}
+	w := &Waiter{C: make(chan struct{}, 1), Scheduled: make(chan struct{}, 1), n: n, channel: channel, topic: topic}
 	n.mu.Lock()
 	byTopic := n.waiters[channel]
 	newChannel := byTopic == nil
@@ -134,19 +137,25 @@ func (n *Notifier) Connects() int {
 	return n.connects
 }
 
-func wake(ws map[*Waiter]struct{}) {
+func wake(ws map[*Waiter]struct{}, scheduled bool) {
 	for w := range ws {
+		c := w.C
+		if scheduled {
+			c = w.Scheduled
+		}
 		select {
-		case w.C <- struct{}{}:
+		case c <- struct{}{}:
 		default:
 		}
 	}
 }
 
-func (n *Notifier) wakeTopic(channel, topic string) {
+// dispatch routes one notification; see query.Publish for the payload.
+func (n *Notifier) dispatch(channel, payload string) {
+	topic, scheduled := strings.CutPrefix(payload, query.ScheduleMark)
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	wake(n.waiters[channel][topic])
+	wake(n.waiters[channel][topic], scheduled)
 }
 
 func (n *Notifier) wakeAll() {
@@ -154,7 +163,7 @@ func (n *Notifier) wakeAll() {
 	defer n.mu.Unlock()
 	for _, byTopic := range n.waiters {
 		for _, ws := range byTopic {
-			wake(ws)
+			wake(ws, false)
 		}
 	}
 }
@@ -250,7 +259,7 @@ func (n *Notifier) session(ctx context.Context, connected func()) error {
 			return ctx.Err()
 		}
 		if note != nil {
-			n.wakeTopic(note.Channel, note.Payload)
+			n.dispatch(note.Channel, note.Payload)
 		}
 		switch {
 		case interrupted:

@@ -2,6 +2,10 @@ package query
 
 import "fmt"
 
+// ScheduleMark prefixes the NOTIFY payload of a Publish whose rows are all
+// scheduled for later (chr(31), a control character topics cannot hold).
+const ScheduleMark = "\x1f"
+
 // Queries are the statements of one outbox, with its names templated in.
 type Queries struct {
 	Names Names
@@ -30,10 +34,13 @@ func Build(n Names) *Queries {
 		// means "now" so it does not jump the queue. ON CONFLICT skips a message
 		// whose (topic, dedup_key) is already present.
 		//
-		// NOTIFY rides on the same statement: the scalar subquery runs once, and
-		// only if a due row was inserted (listeners cannot act on a future row
-		// or on a skipped one). NOTIFY is transactional, so it fires at commit
-		// and vanishes on rollback together with the rows.
+		// NOTIFY rides on the same statement, once per call, and only if a
+		// row was inserted (a skipped duplicate wakes nobody). If a row is due
+		// now the payload is the topic: idle loops of that topic claim at
+		// once. If all rows are scheduled for later, the payload is the topic
+		// behind ScheduleMark: loops do not claim, they only ask when the
+		// next row is due (query NextDue) and shorten their sleep. NOTIFY is
+		// transactional: it fires at commit and vanishes on rollback.
 		Publish: fmt.Sprintf(`
 WITH ins AS (
     INSERT INTO %[1]s (topic, uuid, payload, metadata, available_at, dedup_key)
@@ -48,9 +55,10 @@ WITH ins AS (
         ON CONFLICT (topic, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
     RETURNING id, uuid, available_at <= now() AS due
 ), woken AS (
-    SELECT pg_notify($8, $1) FROM ins WHERE due LIMIT 1
+    SELECT pg_notify($8, CASE WHEN bool_or(due) THEN $1 ELSE %[2]s || $1 END)
+      FROM ins HAVING count(*) > 0
 )
-SELECT id, uuid, (SELECT count(*) FROM woken) FROM ins`, t),
+SELECT id, uuid, (SELECT count(*) FROM woken) FROM ins`, t, "chr(31)"),
 
 		// Claim leases up to $2 rows of topic $1 under token $3.
 		//

@@ -125,7 +125,7 @@ func (sub *subscription) fetchLoop() {
 		if err != nil {
 			wait := errBackoff.NextBackOff()
 			sub.logger.Error("Claim failed; retrying", err, watermill.LogFields{"retry_in": wait.String()})
-			if !sub.sleep(wait, false) {
+			if !sub.sleep(wait) {
 				return
 			}
 			continue
@@ -140,32 +140,54 @@ func (sub *subscription) fetchLoop() {
 		}
 		wait := jitter(idle)
 		idle = min(idle*2, sub.cfg.MaxPollInterval)
-		if due, ok := sub.nextDue(); ok && due < wait {
-			wait = due
-		}
-		if !sub.sleep(wait, true) {
+		if !sub.idleWait(wait) {
 			return
 		}
 	}
 }
 
-// sleep waits d, or less when woken (if wakeable). It reports false when the
-// subscription is stopping.
-func (sub *subscription) sleep(d time.Duration, wakeable bool) bool {
+// sleep waits d; it reports false when the subscription is stopping.
+func (sub *subscription) sleep(d time.Duration) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
-	var wake, self <-chan struct{}
-	if wakeable {
-		wake, self = sub.waiter.C, sub.selfWake
-	}
 	select {
 	case <-sub.stop:
 		return false
 	case <-t.C:
-	case <-wake:
-	case <-self:
+		return true
 	}
-	return true
+}
+
+// idleWait sleeps after an empty claim: at most the poll interval, less if
+// a scheduled row (or an expiring lease) is due sooner, and it ends early
+// when a NOTIFY says rows are due. A NOTIFY about rows published for later
+// only makes it ask again when the next row is due. It reports false when
+// the subscription is stopping.
+func (sub *subscription) idleWait(poll time.Duration) bool {
+	wait := poll
+	if due, ok := sub.nextDue(); ok && due < wait {
+		wait = due
+	}
+	deadline := time.Now().Add(wait)
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	for {
+		select {
+		case <-sub.stop:
+			return false
+		case <-t.C:
+			return true
+		case <-sub.waiter.C:
+			return true
+		case <-sub.selfWake:
+			return true
+		case <-sub.waiter.Scheduled:
+			if due, ok := sub.nextDue(); ok && time.Until(deadline) > due {
+				deadline = time.Now().Add(due)
+				t.Reset(due)
+			}
+		}
+	}
 }
 
 // jitter spreads d by ±20% so idle subscribers do not poll in lockstep.
@@ -250,7 +272,9 @@ func (sub *subscription) nextDue() (time.Duration, bool) {
 	if err := sub.s.pool.QueryRow(ctx, sub.s.q.NextDue, sub.topic).Scan(&us); err != nil || us == nil {
 		return 0, false
 	}
-	return max(time.Duration(*us)*time.Microsecond, 0), true
+	// At least a millisecond: rounding must not make the loop spin on a
+	// row that is due within a microsecond.
+	return max(time.Duration(*us)*time.Microsecond, time.Millisecond), true
 }
 
 // worker hands claimed rows to the Router one at a time and waits for each

@@ -1,6 +1,7 @@
 package pgoutbox
 
 import (
+	"context"
 	"database/sql"
 	"encoding/json"
 	"errors"
@@ -8,6 +9,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -183,8 +185,10 @@ func checkTopic(topic string) error {
 		return fmt.Errorf("%w: topic is empty; pass the topic name to Publish or Subscribe", ErrInvalidTopic)
 	case len(topic) > maxTopicLen:
 		return fmt.Errorf("%w: topic is %d bytes long; use at most %d", ErrInvalidTopic, len(topic), maxTopicLen)
-	case !utf8.ValidString(topic) || strings.IndexByte(topic, 0) >= 0:
-		return fmt.Errorf("%w: topic %q is not valid UTF-8 text (or contains NUL); topics are stored as text", ErrInvalidTopic, topic)
+	case !utf8.ValidString(topic):
+		return fmt.Errorf("%w: topic %q is not valid UTF-8; topics are stored as text", ErrInvalidTopic, topic)
+	case strings.IndexFunc(topic, unicode.IsControl) >= 0:
+		return fmt.Errorf("%w: topic %q contains a control character; use printable characters", ErrInvalidTopic, topic)
 	}
 	return nil
 }
@@ -298,4 +302,26 @@ func queriesFor(n query.Names) *query.Queries {
 	}
 	q, _ := queryCache.LoadOrStore(n, query.Build(n))
 	return q.(*query.Queries)
+}
+
+// CancelScheduled deletes the message of topic stored under dedup key key
+// (see WithDedupKey), in the Publisher's transaction, and reports whether it
+// did. It refuses a row that is leased: its delivery is already running and
+// completes normally; CancelScheduled then returns false. A message already
+// delivered and acked is gone, and also gives false.
+func (p *Publisher) CancelScheduled(ctx context.Context, topic, key string) (bool, error) {
+	if p.closed.Load() {
+		return false, fmt.Errorf("%w; create a new publisher", ErrPublisherClosed)
+	}
+	if err := checkTopic(topic); err != nil {
+		return false, err
+	}
+	if key == "" {
+		return false, fmt.Errorf("%w: dedup key is empty; pass the key given to WithDedupKey", ErrInvalidMessage)
+	}
+	n, err := p.exec.Exec(ctx, p.q.Cancel, topic, key)
+	if err != nil {
+		return false, p.wrapErr(topic, err)
+	}
+	return n > 0, nil
 }

@@ -1,0 +1,191 @@
+package pgoutbox
+
+import (
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+)
+
+func TestSubscriberConfigDefaults(t *testing.T) {
+	t.Parallel()
+
+	var zero SubscriberConfig
+	require.NoError(t, zero.Validate(), "the zero config is usable")
+
+	c := SubscriberConfig{}
+	c.setDefaults()
+	require.Equal(t, 1, c.MaxInFlight)
+	require.Equal(t, 30*time.Second, c.Lease)
+	require.Equal(t, 100*time.Millisecond, c.MinPollInterval)
+	require.Equal(t, 5*time.Second, c.MaxPollInterval)
+	require.Equal(t, 10*time.Second, c.StatementTimeout)
+	require.Equal(t, 10*time.Second, c.DrainTimeout)
+	require.Equal(t, 0, c.MaxDeliveries)
+	require.False(t, c.AutoInitializeSchema)
+	require.NotNil(t, c.RetryPolicy)
+	require.Equal(t, schema.Config{Schema: "public", Table: "outbox"}, c.Tables)
+
+	host, err := os.Hostname()
+	require.NoError(t, err)
+	re := regexp.MustCompile(`^` + regexp.QuoteMeta(host) + `:` + strconv.Itoa(os.Getpid()) + `:[0-9a-f]{8}$`)
+	require.Regexp(t, re, c.WorkerID)
+
+	other := SubscriberConfig{}
+	other.setDefaults()
+	require.NotEqual(t, c.WorkerID, other.WorkerID, "two subscribers of one process get distinct worker ids")
+}
+
+func TestSubscriberConfigDefaultsFollowSetFields(t *testing.T) {
+	t.Parallel()
+
+	// A short lease pulls the default statement timeout under Lease/2.
+	c := SubscriberConfig{Lease: 8 * time.Second, MaxPollInterval: time.Second}
+	c.setDefaults()
+	require.Less(t, c.StatementTimeout, 4*time.Second)
+	require.NoError(t, c.Validate())
+
+	// A large MinPollInterval raises the default MaxPollInterval with it.
+	c = SubscriberConfig{MinPollInterval: 7 * time.Second}
+	c.setDefaults()
+	require.Equal(t, 7*time.Second, c.MaxPollInterval)
+	require.NoError(t, c.Validate())
+
+	// Set values are kept.
+	c = SubscriberConfig{MaxInFlight: 4, WorkerID: "me", DrainTimeout: -1}
+	c.setDefaults()
+	require.Equal(t, 4, c.MaxInFlight)
+	require.Equal(t, "me", c.WorkerID)
+	require.Equal(t, time.Duration(-1), c.DrainTimeout)
+	require.NoError(t, c.Validate())
+}
+
+func TestSubscriberConfigValidateRefusesFootguns(t *testing.T) {
+	t.Parallel()
+
+	for name, tc := range map[string]struct {
+		cfg  SubscriberConfig
+		want []string // fragments of the one problem, naming the constraint
+	}{
+		"LeaseNotLongerThanMaxPollInterval": {
+			cfg:  SubscriberConfig{Lease: 5 * time.Second, MaxPollInterval: 5 * time.Second},
+			want: []string{"Lease (5s) must be longer than MaxPollInterval (5s)", "raise Lease"},
+		},
+		"MinPollIntervalAboveMax": {
+			cfg:  SubscriberConfig{MinPollInterval: 2 * time.Second, MaxPollInterval: time.Second},
+			want: []string{"MinPollInterval (2s) is greater than MaxPollInterval (1s)"},
+		},
+		"MaxInFlightBelowOne": {
+			cfg:  SubscriberConfig{MaxInFlight: -1},
+			want: []string{"MaxInFlight is -1", "at least 1"},
+		},
+		"StatementTimeoutNotBelowHalfLease": {
+			cfg:  SubscriberConfig{Lease: 30 * time.Second, StatementTimeout: 15 * time.Second},
+			want: []string{"StatementTimeout (15s) must be shorter than Lease/2 (15s)"},
+		},
+		"BadTableName": {
+			cfg:  SubscriberConfig{Tables: schema.Config{Table: "bad name"}},
+			want: []string{`"bad name"`, "not a valid identifier"},
+		},
+		"BadDeadLetterTableName": {
+			cfg:  SubscriberConfig{Tables: schema.Config{DeadLetterTable: "1dlq"}},
+			want: []string{`"1dlq"`, "not a valid identifier"},
+		},
+		"NegativeMaxDeliveries": {
+			cfg:  SubscriberConfig{MaxDeliveries: -3},
+			want: []string{"MaxDeliveries is -3", "0 for no limit"},
+		},
+		"NegativeDrainTimeoutOtherThanMinusOne": {
+			cfg:  SubscriberConfig{DrainTimeout: -time.Second},
+			want: []string{"DrainTimeout is -1s", "-1"},
+		},
+		"LeaseTooShort": {
+			cfg:  SubscriberConfig{Lease: 500 * time.Millisecond, MaxPollInterval: 100 * time.Millisecond},
+			want: []string{"Lease is 500ms", "at least 1s"},
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			err := tc.cfg.Validate()
+			require.ErrorIs(t, err, ErrInvalidConfig)
+			for _, w := range tc.want {
+				require.Contains(t, err.Error(), w)
+			}
+			require.Equal(t, 1, countProblems(err), "only the broken constraint is reported: %v", err)
+		})
+	}
+}
+
+// constraints are phrases, one per check of SubscriberConfig.Validate, that
+// identify which checks an error reports.
+var constraints = []string{
+	"invalid table or schema name",
+	"MaxInFlight is",
+	"Lease is",
+	"poll intervals must not be negative",
+	"is greater than MaxPollInterval",
+	"must be longer than MaxPollInterval",
+	"StatementTimeout is",
+	"must be shorter than Lease/2",
+	"MaxDeliveries is",
+	"DrainTimeout is",
+}
+
+// countProblems counts the checks a Validate error reports.
+func countProblems(err error) int {
+	n := 0
+	for _, c := range constraints {
+		if strings.Contains(err.Error(), c) {
+			n++
+		}
+	}
+	return n
+}
+
+func TestSubscriberConfigValidateReportsAllProblemsAtOnce(t *testing.T) {
+	t.Parallel()
+
+	err := SubscriberConfig{
+		Tables:           schema.Config{Table: "x\";drop"},
+		MaxInFlight:      -1,
+		Lease:            2 * time.Second,
+		MinPollInterval:  4 * time.Second,
+		MaxPollInterval:  3 * time.Second,
+		StatementTimeout: time.Second,
+		MaxDeliveries:    -1,
+	}.Validate()
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	msg := err.Error()
+	for _, w := range []string{
+		`table name "x\";drop"`,
+		"MaxInFlight is -1",
+		"MinPollInterval (4s) is greater than MaxPollInterval (3s)",
+		"Lease (2s) must be longer than MaxPollInterval (3s)",
+		"StatementTimeout (1s) must be shorter than Lease/2 (1s)",
+		"MaxDeliveries is -1",
+	} {
+		require.Contains(t, msg, w)
+	}
+	require.Equal(t, 6, countProblems(err), msg)
+	require.Equal(t, 1, strings.Count(msg, ErrInvalidConfig.Error()), "one error, not one per problem: %s", msg)
+}
+
+func TestPublisherConfigValidate(t *testing.T) {
+	t.Parallel()
+
+	require.NoError(t, PublisherConfig{}.Validate())
+
+	c := PublisherConfig{}
+	c.setDefaults()
+	require.Equal(t, schema.Config{Schema: "public", Table: "outbox"}, c.Tables)
+
+	err := PublisherConfig{Tables: schema.Config{Schema: "1abc"}}.Validate()
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	require.Contains(t, err.Error(), `schema name "1abc"`)
+}

@@ -148,3 +148,57 @@ func (e *events) countKind(kind pgoutbox.EventKind) int {
 	}
 	return n
 }
+
+// logCapture is a LoggerAdapter that records entries; safe for concurrent
+// use (watermill's CaptureLoggerAdapter hands out its live map).
+type logCapture struct {
+	mu      sync.Mutex
+	entries []logEntry
+	fields  watermill.LogFields
+	parent  *logCapture
+}
+
+type logEntry struct {
+	level  string
+	msg    string
+	err    error
+	fields watermill.LogFields
+}
+
+func (l *logCapture) root() *logCapture {
+	if l.parent != nil {
+		return l.parent
+	}
+	return l
+}
+
+func (l *logCapture) add(level, msg string, err error, fields watermill.LogFields) {
+	r := l.root()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.entries = append(r.entries, logEntry{level, msg, err, l.fields.Add(fields)})
+}
+
+func (l *logCapture) Error(msg string, err error, fields watermill.LogFields) {
+	l.add("error", msg, err, fields)
+}
+func (l *logCapture) Info(msg string, fields watermill.LogFields)  { l.add("info", msg, nil, fields) }
+func (l *logCapture) Debug(msg string, fields watermill.LogFields) { l.add("debug", msg, nil, fields) }
+func (l *logCapture) Trace(msg string, fields watermill.LogFields) { l.add("trace", msg, nil, fields) }
+func (l *logCapture) With(fields watermill.LogFields) watermill.LoggerAdapter {
+	return &logCapture{fields: l.fields.Add(fields), parent: l.root()}
+}
+
+// find returns the entries of a level that match.
+func (l *logCapture) find(level string, match func(logEntry) bool) []logEntry {
+	r := l.root()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []logEntry
+	for _, e := range r.entries {
+		if e.level == level && match(e) {
+			out = append(out, e)
+		}
+	}
+	return out
+}

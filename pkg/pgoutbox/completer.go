@@ -21,6 +21,14 @@ const maxErrorLen = 8 << 10
 
 const truncatedMarker = "…[truncated]"
 
+// maxPendingCompletions bounds the verdicts waiting to be written per
+// subscription. Slots are freed as soon as a verdict is recorded, so without
+// a bound a completion path that cannot write (the database is down, or
+// slow) would let claims lease ever more rows. With it, a subscription holds
+// at most MaxInFlight + maxPendingCompletions leased rows, which also bounds
+// the duplicates a crash can cause.
+const maxPendingCompletions = 256
+
 // completer is the completion path of one subscription: it records verdicts
 // in memory at once and writes them in batches, one statement per batch,
 // every row matched on its lease token (query.Complete, query.Dead). It also
@@ -31,6 +39,8 @@ type completer struct {
 	sub *subscription
 
 	mu       sync.Mutex
+	room     *sync.Cond          // signalled when pending verdicts were taken for writing
+	draining bool                // the drain is over: stop applying backpressure
 	inflight map[int64]*delivery // leased by us, completion not yet written
 	acks     []*delivery
 	returns  []returnOp
@@ -58,13 +68,33 @@ type deadOp struct {
 }
 
 func newCompleter(sub *subscription) *completer {
-	return &completer{
+	c := &completer{
 		sub:      sub,
 		inflight: map[int64]*delivery{},
 		kick:     make(chan struct{}, 1),
 		closing:  make(chan struct{}),
 		done:     make(chan struct{}),
 	}
+	c.room = sync.NewCond(&c.mu)
+	return c
+}
+
+// waitRoom blocks, with c.mu held, while the pending verdicts are at their
+// bound (see maxPendingCompletions), unless the drain is over.
+func (c *completer) waitRoom() {
+	for len(c.acks)+len(c.returns) >= maxPendingCompletions && !c.draining {
+		c.signal()
+		c.room.Wait()
+	}
+}
+
+// stopBackpressure lets verdicts in without bound, so workers never block
+// once the drain is over and the subscription winds down.
+func (c *completer) stopBackpressure() {
+	c.mu.Lock()
+	c.draining = true
+	c.mu.Unlock()
+	c.room.Broadcast()
 }
 
 func (c *completer) track(ds []*delivery) {
@@ -84,6 +114,7 @@ func (c *completer) signal() {
 
 func (c *completer) ack(d *delivery) {
 	c.mu.Lock()
+	c.waitRoom()
 	c.acks = append(c.acks, d)
 	c.mu.Unlock()
 	c.signal()
@@ -97,7 +128,7 @@ func (c *completer) retry(d *delivery, after time.Duration, errText string, meta
 	if meta != nil {
 		op.meta = pgtype.Text{String: string(meta), Valid: true}
 	}
-	c.push(op)
+	c.push(op, true)
 }
 
 func (c *completer) release(d *delivery, undo bool) {
@@ -105,11 +136,14 @@ func (c *completer) release(d *delivery, undo bool) {
 	if undo {
 		op.undo = 1
 	}
-	c.push(op)
+	c.push(op, false)
 }
 
-func (c *completer) push(op returnOp) {
+func (c *completer) push(op returnOp, wait bool) {
 	c.mu.Lock()
+	if wait {
+		c.waitRoom()
+	}
 	c.returns = append(c.returns, op)
 	c.mu.Unlock()
 	c.signal()
@@ -162,6 +196,7 @@ func (c *completer) take() batch {
 	defer c.mu.Unlock()
 	b := batch{acks: c.acks, returns: c.returns, dead: c.dead}
 	c.acks, c.returns, c.dead = nil, nil, nil
+	c.room.Broadcast()
 	return b
 }
 

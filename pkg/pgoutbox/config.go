@@ -30,7 +30,7 @@ func (c *PublisherConfig) setDefaults() {
 func (c PublisherConfig) Validate() error {
 	c.setDefaults()
 	if err := c.Tables.Validate(); err != nil {
-		return fmt.Errorf("%w: %v", ErrInvalidConfig, err)
+		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	return nil
 }
@@ -143,10 +143,11 @@ func (c *SubscriberConfig) setDefaults() {
 // the constraint it breaks.
 func (c SubscriberConfig) Validate() error {
 	c.setDefaults()
-	var problems []string
-	add := func(format string, args ...any) { problems = append(problems, fmt.Sprintf(format, args...)) }
+	e := &configError{}
+	add := func(format string, args ...any) { e.problems = append(e.problems, fmt.Sprintf(format, args...)) }
 	if err := c.Tables.Validate(); err != nil {
 		add("%v", err)
+		e.causes = append(e.causes, err)
 	}
 	if c.MaxInFlight < 1 {
 		add("MaxInFlight is %d; it must be at least 1 (1 delivers one message at a time)", c.MaxInFlight)
@@ -175,11 +176,24 @@ func (c SubscriberConfig) Validate() error {
 	if c.DrainTimeout < 0 && c.DrainTimeout != -1 {
 		add("DrainTimeout is %s; use a positive duration, or -1 to release in-flight rows without waiting", c.DrainTimeout)
 	}
-	if len(problems) > 0 {
-		return fmt.Errorf("%w: %s", ErrInvalidConfig, strings.Join(problems, "; "))
+	if len(e.problems) > 0 {
+		return e
 	}
 	return nil
 }
+
+// configError lists every problem of a configuration; it matches
+// ErrInvalidConfig and the errors that caused it (schema.ErrInvalidName).
+type configError struct {
+	problems []string
+	causes   []error
+}
+
+func (e *configError) Error() string {
+	return ErrInvalidConfig.Error() + ": " + strings.Join(e.problems, "; ")
+}
+
+func (e *configError) Unwrap() []error { return append([]error{ErrInvalidConfig}, e.causes...) }
 
 func (c SubscriberConfig) names() (query.Names, error) {
 	return resolveNames(c.Tables)

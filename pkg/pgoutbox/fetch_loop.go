@@ -84,6 +84,7 @@ func (sub *subscription) run() {
 		defer t.Stop()
 	}
 	sub.loops.Wait()
+	sub.endDrain()
 	// Rows claimed but never handed out go back with their delivery count
 	// undone: they were not delivered.
 	for {
@@ -101,7 +102,12 @@ func (sub *subscription) run() {
 	sub.logger.Debug("Subscription closed", nil)
 }
 
-func (sub *subscription) endDrain() { sub.abortOnce.Do(func() { close(sub.abort) }) }
+func (sub *subscription) endDrain() {
+	sub.abortOnce.Do(func() {
+		close(sub.abort)
+		sub.comp.stopBackpressure()
+	})
+}
 
 // fetchLoop claims rows into free slots. While claims come back non-empty it
 // claims again at once; when one comes back empty it sleeps until a NOTIFY

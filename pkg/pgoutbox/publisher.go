@@ -215,7 +215,7 @@ func publishArgs(topic string, msgs []*message.Message) (publishBatch, error) {
 	seen := make(map[string]int, len(msgs))
 	for i, m := range msgs {
 		if m == nil {
-			return b, fmt.Errorf("%w: message %d is nil", ErrInvalidMessage, i)
+			return b, fmt.Errorf("%w: message %d is nil; build every message with message.NewMessage and remove the nil entries", ErrInvalidMessage, i)
 		}
 		if j, dup := seen[m.UUID]; dup {
 			return b, fmt.Errorf("%w: messages %d and %d have the same UUID %q; give each message of one Publish call its own UUID (watermill.NewUUID())", ErrInvalidMessage, j, i, m.UUID)
@@ -268,14 +268,14 @@ func schedule(md message.Metadata) (pgtype.Int8, pgtype.Timestamptz, error) {
 	dur := func(key, v string) (pgtype.Int8, pgtype.Timestamptz, error) {
 		d, err := time.ParseDuration(v)
 		if err != nil {
-			return pgtype.Int8{}, pgtype.Timestamptz{}, fmt.Errorf("metadata %s=%q is not a duration: %v", key, v, err)
+			return pgtype.Int8{}, pgtype.Timestamptz{}, fmt.Errorf("metadata %s=%q is not a duration (%v); set it with a Go duration such as \"1m30s\" (delay.For or pgoutbox.DeliverAfter do this)", key, v, err)
 		}
 		return pgtype.Int8{Int64: max(d, 0).Microseconds(), Valid: true}, pgtype.Timestamptz{}, nil
 	}
 	at := func(key, v, layout string) (pgtype.Int8, pgtype.Timestamptz, error) {
 		t, err := time.Parse(layout, v)
 		if err != nil {
-			return pgtype.Int8{}, pgtype.Timestamptz{}, fmt.Errorf("metadata %s=%q is not an %s time: %v", key, v, layout, err)
+			return pgtype.Int8{}, pgtype.Timestamptz{}, fmt.Errorf("metadata %s=%q is not an %s time (%v); set it with delay.Until or pgoutbox.DeliverAt", key, v, layout, err)
 		}
 		return pgtype.Int8{}, pgtype.Timestamptz{Time: t, Valid: true}, nil
 	}

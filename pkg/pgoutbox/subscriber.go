@@ -85,6 +85,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if err := checkTopic(topic); err != nil {
 		return nil, err
 	}
+	if s.isClosed() {
+		return nil, fmt.Errorf("%w; create a new subscriber", ErrSubscriberClosed)
+	}
 	if err := s.ensureSchema(ctx); err != nil {
 		return nil, err
 	}
@@ -105,11 +108,20 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	return sub.out, nil
 }
 
+func (s *Subscriber) isClosed() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closed
+}
+
 // SubscribeInitialize creates the tables when AutoInitializeSchema is set,
 // and otherwise checks that they exist as they should.
 func (s *Subscriber) SubscribeInitialize(topic string) error {
 	if err := checkTopic(topic); err != nil {
 		return err
+	}
+	if s.isClosed() {
+		return fmt.Errorf("%w; create a new subscriber", ErrSubscriberClosed)
 	}
 	return s.ensureSchema(context.Background())
 }

@@ -86,7 +86,9 @@ func Create(ctx context.Context, db tx.Executor, c Config) error {
 		return err
 	}
 	return tx.RunInTx(ctx, db, func(e tx.Executor) error {
-		if _, err := e.Exec(ctx, query.CreateLock, "pgoutbox:"+n.QTable); err != nil {
+		// One lock per schema: creators of different tables in one new
+		// schema would otherwise race on CREATE SCHEMA IF NOT EXISTS.
+		if _, err := e.Exec(ctx, query.CreateLock, "pgoutbox:"+n.QSchema); err != nil {
 			return fmt.Errorf("pgoutbox: create schema: lock: %w", err)
 		}
 		for _, stmt := range query.DDL(n) {
@@ -117,6 +119,7 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 		return err
 	}
 	var problems []string
+	missing := map[string]bool{}
 	check := func(table string, want []query.Column) error {
 		cols, err := catalog(ctx, db, query.CatalogColumns, n.Schema, table, 2)
 		if err != nil {
@@ -124,6 +127,7 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 		}
 		if len(cols) == 0 {
 			problems = append(problems, fmt.Sprintf("table %s.%s is missing", n.Schema, table))
+			missing[table] = true
 			return nil
 		}
 		have := map[string]string{}
@@ -151,6 +155,9 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 	}
 	idxByTable := map[string]map[string]bool{}
 	for _, idx := range n.Indexes() {
+		if missing[idx.Table] {
+			continue // the missing table says it all
+		}
 		if idxByTable[idx.Table] == nil {
 			rows, err := catalog(ctx, db, query.CatalogIndexes, n.Schema, idx.Table, 1)
 			if err != nil {

@@ -247,9 +247,6 @@ func TestCreate(t *testing.T) {
 	// services that keep different outboxes in one new schema start together.
 	t.Run("ConcurrentDifferentTablesInOneNewSchema", func(t *testing.T) {
 		t.Parallel()
-		t.Skip(`BUG: Create serialises only per table (advisory lock on "pgoutbox:"+schema.table), ` +
-			`but CREATE SCHEMA IF NOT EXISTS races between outboxes of one new schema: ` +
-			`"duplicate key value violates unique constraint \"pg_namespace_nspname_index\" (SQLSTATE 23505)"`)
 		b := setup(t)
 		s := b.freshSchema(t, "multi")
 		errs := createConcurrently(8, func() func() error {

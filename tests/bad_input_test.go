@@ -1,0 +1,301 @@
+package tests
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/components/delay"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// TestPublishBadInput sends each bad input after two good messages through a
+// pool publisher, which commits on its own: if anything of the call were
+// written, it would stay.
+func TestPublishBadInput(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+
+	const topic = "bad_input"
+	withMeta := func(k, v string) *message.Message {
+		m := newMsg("bad")
+		m.Metadata.Set(k, v)
+		return m
+	}
+	for name, tc := range map[string]struct {
+		topic string
+		bad   func() []*message.Message // appended after two good messages
+		is    error
+		want  []string // what is wrong, where, and what to do
+	}{
+		"EmptyTopic": {
+			topic: "",
+			bad:   func() []*message.Message { return nil },
+			is:    pgoutbox.ErrInvalidTopic,
+			want:  []string{"topic is empty", "pass the topic name"},
+		},
+		"TopicInvalidUTF8": {
+			topic: "orders\xff",
+			bad:   func() []*message.Message { return nil },
+			is:    pgoutbox.ErrInvalidTopic,
+			want:  []string{`"orders\xff"`, "not valid UTF-8", "stored as text"},
+		},
+		"TopicWithNUL": {
+			topic: "orders\x00",
+			bad:   func() []*message.Message { return nil },
+			is:    pgoutbox.ErrInvalidTopic,
+			want:  []string{`"orders\x00"`, "control character", "printable"},
+		},
+		"TopicWithScheduleMark": {
+			// chr(31) marks scheduled-only wake-ups on the NOTIFY channel.
+			topic: "\x1forders",
+			bad:   func() []*message.Message { return nil },
+			is:    pgoutbox.ErrInvalidTopic,
+			want:  []string{"control character"},
+		},
+		"TopicTooLong": {
+			topic: strings.Repeat("t", 1025),
+			bad:   func() []*message.Message { return nil },
+			is:    pgoutbox.ErrInvalidTopic,
+			want:  []string{"1025 bytes", "at most 1024"},
+		},
+		"NilMessageInTheMiddle": {
+			bad: func() []*message.Message { return []*message.Message{nil, newMsg("after")} },
+			is:  pgoutbox.ErrInvalidMessage,
+			// The nil one is the third of the call.
+			want: []string{"message 2 is nil"},
+		},
+		"DuplicateUUIDs": {
+			bad: func() []*message.Message {
+				m := newMsg("bad")
+				return []*message.Message{m, message.NewMessage(m.UUID, []byte("twin"))}
+			},
+			is:   pgoutbox.ErrInvalidMessage,
+			want: []string{"messages 2 and 3 have the same UUID", "watermill.NewUUID()"},
+		},
+		"UUIDInvalidUTF8": {
+			bad:  func() []*message.Message { return []*message.Message{message.NewMessage("id\xff", nil)} },
+			is:   pgoutbox.ErrInvalidMessage,
+			want: []string{"message 2", "UUID is not valid UTF-8"},
+		},
+		"MetadataValueInvalidUTF8": {
+			bad:  func() []*message.Message { return []*message.Message{withMeta("k", "\xff")} },
+			is:   pgoutbox.ErrInvalidMessage,
+			want: []string{"message 2", `metadata value of "k" is not valid UTF-8`, "base64", "payload"},
+		},
+		"MetadataKeyInvalidUTF8": {
+			bad:  func() []*message.Message { return []*message.Message{withMeta("k\xff", "v")} },
+			is:   pgoutbox.ErrInvalidMessage,
+			want: []string{"message 2", `metadata key "k\xff" is not valid UTF-8`, "base64"},
+		},
+		"MetadataValueWithNUL": {
+			bad:  func() []*message.Message { return []*message.Message{withMeta("k", "a\x00b")} },
+			is:   pgoutbox.ErrInvalidMessage,
+			want: []string{"message 2", `metadata value of "k" contains a NUL byte`, "remove it or encode the value"},
+		},
+		"MetadataKeyWithNUL": {
+			bad:  func() []*message.Message { return []*message.Message{withMeta("k\x00", "v")} },
+			is:   pgoutbox.ErrInvalidMessage,
+			want: []string{"message 2", "contains a NUL byte"},
+		},
+		"UnparsableDelayedFor": {
+			bad:  func() []*message.Message { return []*message.Message{withMeta(delay.DelayedForKey, "soon")} },
+			is:   pgoutbox.ErrInvalidMessage,
+			want: []string{"message 2", `_watermill_delayed_for="soon" is not a duration`},
+		},
+		"UnparsableDelayedUntil": {
+			bad:  func() []*message.Message { return []*message.Message{withMeta(delay.DelayedUntilKey, "tomorrow")} },
+			is:   pgoutbox.ErrInvalidMessage,
+			want: []string{"message 2", `_watermill_delayed_until="tomorrow"`},
+		},
+		"EmptyDedupKey": {
+			bad: func() []*message.Message {
+				m := newMsg("bad")
+				pgoutbox.WithDedupKey(m, "")
+				return []*message.Message{m}
+			},
+			is:   pgoutbox.ErrInvalidMessage,
+			want: []string{"message 2", "dedup key is empty", "non-empty key to WithDedupKey"},
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			top := topic + "_" + name
+			if tc.topic != "" || name == "EmptyTopic" {
+				top = tc.topic
+			}
+			msgs := append([]*message.Message{newMsg("good 0"), newMsg("good 1")}, tc.bad()...)
+
+			res, err := b.poolPublisher(t).PublishWithResult(top, msgs...)
+			require.ErrorIs(t, err, tc.is)
+			require.Empty(t, res.IDs)
+			for _, w := range tc.want {
+				require.Contains(t, err.Error(), w)
+			}
+			require.Equal(t, 0, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = ANY($1)`,
+				[]string{msgs[0].UUID, msgs[1].UUID}), "nothing of the call is written")
+
+			// The same through a transaction: the error leaves it usable.
+			ctx := context.Background()
+			pt, err := b.Pool.Begin(ctx)
+			require.NoError(t, err)
+			defer func() { _ = pt.Rollback(ctx) }()
+			pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(pt), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+			require.NoError(t, err)
+			require.ErrorIs(t, pub.Publish(top, msgs...), tc.is)
+			require.NoError(t, pub.Publish("after_"+name, newMsg("fine")))
+			require.NoError(t, pt.Commit(ctx))
+			require.Equal(t, 1, b.outboxRows(t, "after_"+name))
+		})
+	}
+}
+
+// Each bad input's error should say what to do (DESIGN.md, Publish).
+func TestPublishBadInputSaysWhatToDo(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pub := b.poolPublisher(t)
+
+	err := pub.Publish("hint", newMsg("a"), nil)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidMessage)
+	require.Regexp(t, `(?i)remove|non-nil|pass`, err.Error())
+
+	m := newMsg("a")
+	m.Metadata.Set(delay.DelayedForKey, "soon")
+	err = pub.Publish("hint", m)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidMessage)
+	require.Regexp(t, `(?i)use|such as|for example|delay\.`, err.Error())
+}
+
+func TestPublishToMissingTable(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	missing := b.tables
+	missing.Table = "not_created"
+	missing.DeadLetterTable = ""
+
+	for name, exec := range map[string]tx.Executor{
+		"FromPgxPool": tx.FromPgxPool(b.Pool),
+		"FromSQLDB":   tx.FromSQLDB(b.sqlDB(t)),
+	} {
+		pub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: missing}, b.logger)
+		require.NoError(t, err, "the constructor does not touch the database")
+		err = pub.Publish("orders", newMsg("lost?"))
+		require.Error(t, err, name)
+		require.Contains(t, err.Error(), `table "`+b.Schema+`"."not_created" does not exist`, name)
+		require.Contains(t, err.Error(), "schema.Create", name)
+		require.Contains(t, err.Error(), "schema.SQL", name)
+	}
+	require.Equal(t, 0, b.outboxRows(t, "orders"))
+}
+
+func TestConstructorsRefuseBadConfig(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+
+	for _, table := range []string{"bad name", "1abc", `x";drop`, strings.Repeat("a", 64)} {
+		cfg := b.tables
+		cfg.Table = table
+
+		pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: cfg}, b.logger)
+		require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig, table)
+		require.Nil(t, pub)
+		require.Contains(t, err.Error(), fmt.Sprintf("%q", table))
+
+		sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: cfg}, b.logger)
+		require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig, table)
+		require.Nil(t, sub)
+		require.Contains(t, err.Error(), "table name")
+	}
+
+	sub, err := pgoutbox.NewSubscriber(nil, pgoutbox.SubscriberConfig{}, b.logger)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.Contains(t, err.Error(), "pool is nil")
+	require.Nil(t, sub)
+
+	pub, err := pgoutbox.NewPublisher(nil, pgoutbox.PublisherConfig{}, b.logger)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.Contains(t, err.Error(), "executor is nil")
+	require.Nil(t, pub)
+
+	pub, err = pgoutbox.NewTxPublisher(nil, pgoutbox.PublisherConfig{}, b.logger)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.Nil(t, pub)
+}
+
+func TestSubscribeBadInput(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+
+	t.Run("EmptyTopic", func(t *testing.T) {
+		t.Parallel()
+		ch, err := b.subscriber(t, nil).Subscribe(t.Context(), "")
+		require.ErrorIs(t, err, pgoutbox.ErrInvalidTopic)
+		require.Nil(t, ch)
+	})
+
+	t.Run("InvalidTopic", func(t *testing.T) {
+		t.Parallel()
+		sub := b.subscriber(t, nil)
+		_, err := sub.Subscribe(t.Context(), "bad\xff")
+		require.ErrorIs(t, err, pgoutbox.ErrInvalidTopic)
+		require.ErrorIs(t, sub.SubscribeInitialize(""), pgoutbox.ErrInvalidTopic)
+	})
+
+	t.Run("AfterClose", func(t *testing.T) {
+		t.Parallel()
+		sub := b.subscriber(t, nil)
+		require.NoError(t, sub.Close())
+		ch, err := sub.Subscribe(t.Context(), "closed")
+		require.ErrorIs(t, err, pgoutbox.ErrSubscriberClosed)
+		require.Contains(t, err.Error(), "create a new subscriber")
+		require.Nil(t, ch)
+		require.NoError(t, sub.Close(), "Close is idempotent")
+	})
+
+	t.Run("MissingTable", func(t *testing.T) {
+		t.Parallel()
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			c.Tables.Table = "not_created"
+			c.Tables.DeadLetterTable = ""
+		})
+		_, err := sub.Subscribe(t.Context(), "orders")
+		var verr *schema.ValidationError
+		require.True(t, errors.As(err, &verr), "got %v", err)
+		require.Contains(t, err.Error(), b.Schema+".not_created is missing")
+		require.Contains(t, err.Error(), "schema.Create")
+	})
+
+	// A closed Subscriber should refuse Subscribe before it touches the
+	// database: with AutoInitializeSchema it would otherwise run DDL after
+	// Close, and without it the caller gets a schema error instead of
+	// ErrSubscriberClosed.
+	t.Run("AfterCloseDoesNotTouchTheDatabase", func(t *testing.T) {
+		t.Parallel()
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			c.Tables.Table = "late"
+			c.Tables.DeadLetterTable = ""
+			c.AutoInitializeSchema = true
+		})
+		require.NoError(t, sub.Close())
+		_, err := sub.Subscribe(t.Context(), "closed")
+		require.ErrorIs(t, err, pgoutbox.ErrSubscriberClosed)
+		require.Equal(t, 0, b.count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'late'`, b.Schema),
+			"a closed subscriber created tables")
+
+		sub = b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			c.Tables.Table = "never"
+			c.Tables.DeadLetterTable = ""
+		})
+		require.NoError(t, sub.Close())
+		_, err = sub.Subscribe(t.Context(), "closed")
+		require.ErrorIs(t, err, pgoutbox.ErrSubscriberClosed)
+	})
+}

@@ -1,0 +1,312 @@
+package tests
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+)
+
+// runRouter runs a router with one consumer handler until the test ends.
+func runRouter(t *testing.T, sub message.Subscriber, topic string, h message.NoPublishHandlerFunc, mw ...message.HandlerMiddleware) *message.Router {
+	t.Helper()
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	r.AddMiddleware(mw...)
+	r.AddConsumerHandler("handler-"+topic, topic, sub, h)
+	startRouter(t, r)
+	return r
+}
+
+func startRouter(t *testing.T, r *message.Router) {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- r.Run(context.Background()) }()
+	select {
+	case <-r.Running():
+	case err := <-done:
+		t.Fatalf("router stopped: %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("router did not start")
+	}
+	t.Cleanup(func() {
+		require.NoError(t, r.Close())
+		require.NoError(t, <-done)
+	})
+}
+
+type dlqRow struct {
+	reason, lastError string
+	deliveries        int
+	payload           []byte
+}
+
+func (b *bundle) dlq(t *testing.T, uuid string) dlqRow {
+	t.Helper()
+	var r dlqRow
+	var lastErr *string
+	require.NoError(t, b.Pool.QueryRow(context.Background(),
+		`SELECT failure_reason, last_error, deliveries, payload FROM `+b.Schema+`.outbox_dlq WHERE uuid = $1`, uuid).
+		Scan(&r.reason, &lastErr, &r.deliveries, &r.payload))
+	if lastErr != nil {
+		r.lastError = *lastErr
+	}
+	return r
+}
+
+func TestRetryThenSuccess(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 50 * time.Millisecond, MaxAttempts: 5}
+		c.Observer = ev
+	})
+	msg := newMsg("x")
+	b.publishInTx(t, "t", true, msg)
+
+	var calls atomic.Int32
+	var seenLastErrors []string
+	done := make(chan struct{})
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		n := calls.Add(1)
+		var lastErr *string
+		require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT last_error FROM `+b.Schema+`.outbox WHERE uuid = $1`, m.UUID).Scan(&lastErr))
+		if lastErr != nil {
+			seenLastErrors = append(seenLastErrors, *lastErr)
+		}
+		if n < 3 {
+			return fmt.Errorf("boom %d", n)
+		}
+		close(done)
+		return nil
+	}, pgoutbox.ErrorRecorder)
+
+	select {
+	case <-done:
+	case <-time.After(15 * time.Second):
+		t.Fatal("not handled successfully")
+	}
+	ev.wait(t, pgoutbox.EventAcked, 10*time.Second)
+	require.Equal(t, int32(3), calls.Load())
+	require.Equal(t, []string{"boom 1", "boom 2"}, seenLastErrors, "each retry sees the previous delivery's error")
+	require.Equal(t, 2, ev.countKind(pgoutbox.EventRetried))
+	require.Equal(t, 0, b.outboxRows(t, "t"))
+}
+
+func TestRetryExhaustedGoesToDeadLetters(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: 3}
+		c.Observer = ev
+	})
+	msg := newMsg("doomed")
+	msg.Metadata.Set("k", "v")
+	b.publishInTx(t, "t", true, msg)
+	var calls atomic.Int32
+	runRouter(t, sub, "t", func(*message.Message) error {
+		calls.Add(1)
+		return errors.New("always failing")
+	}, pgoutbox.ErrorRecorder)
+
+	dead := ev.wait(t, pgoutbox.EventDeadLettered, 15*time.Second)
+	require.Equal(t, pgoutbox.ReasonRetryExhausted, dead.Reason)
+	row := b.dlq(t, msg.UUID)
+	require.Equal(t, pgoutbox.ReasonRetryExhausted, row.reason)
+	require.Equal(t, "always failing", row.lastError)
+	require.Equal(t, 3, row.deliveries)
+	require.Equal(t, "doomed", string(row.payload))
+	require.Equal(t, int32(3), calls.Load())
+	require.Equal(t, 0, b.outboxRows(t, "t"))
+	var meta string
+	require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT metadata->>'k' FROM `+b.Schema+`.outbox_dlq`).Scan(&meta))
+	require.Equal(t, "v", meta)
+}
+
+func TestRejectDeadLettersAtOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.RetryPolicy = pgoutbox.DefaultRetryPolicy()
+		c.Observer = ev
+	})
+	msg := newMsg("{not json")
+	b.publishInTx(t, "t", true, msg)
+	var calls atomic.Int32
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		calls.Add(1)
+		return pgoutbox.Reject(m, "payload is not JSON")
+	}, pgoutbox.ErrorRecorder)
+
+	dead := ev.wait(t, pgoutbox.EventDeadLettered, 15*time.Second)
+	require.Equal(t, pgoutbox.ReasonRejected, dead.Reason)
+	row := b.dlq(t, msg.UUID)
+	require.Equal(t, pgoutbox.ReasonRejected, row.reason)
+	require.Contains(t, row.lastError, "payload is not JSON")
+	require.Equal(t, 1, row.deliveries)
+	require.Equal(t, int32(1), calls.Load())
+}
+
+func TestMaxDeliveriesDeadLettersWithoutRunningHandler(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.MaxDeliveries = 5
+		c.Observer = ev
+	})
+	crashLooper, next := newMsg("kills the process"), newMsg("fine")
+	b.publishInTx(t, "t", true, crashLooper, next)
+	// Five deliveries whose process died before any verdict was written.
+	_, err := b.Pool.Exec(context.Background(), `UPDATE `+b.Schema+`.outbox SET deliveries = 5 WHERE uuid = $1`, crashLooper.UUID)
+	require.NoError(t, err)
+
+	handled := make(chan string, 2)
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		handled <- string(m.Payload)
+		return nil
+	})
+	require.Equal(t, "fine", <-handled)
+	dead := ev.wait(t, pgoutbox.EventDeadLettered, 10*time.Second)
+	require.Equal(t, pgoutbox.ReasonMaxDeliveries, dead.Reason)
+	require.Equal(t, 6, b.dlq(t, crashLooper.UUID).deliveries)
+	requireNoString(t, handled, 200*time.Millisecond)
+}
+
+func requireNoString(t *testing.T, ch <-chan string, d time.Duration) {
+	t.Helper()
+	select {
+	case s := <-ch:
+		t.Fatalf("unexpected %q", s)
+	case <-time.After(d):
+	}
+}
+
+func TestPoisonedRowIsDeadLetteredAndTopicGoesOn(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.Observer = ev })
+	// A row written by hand whose metadata is not a map of strings.
+	_, err := b.Pool.Exec(context.Background(), `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, metadata)
+		VALUES ('t', 'poison', 'x', '{"attempt": 1}')`)
+	require.NoError(t, err)
+	b.publishInTx(t, "t", true, newMsg("good"))
+
+	ch, err := sub.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	m := receive(t, ch, 10*time.Second)
+	require.Equal(t, "good", string(m.Payload))
+	m.Ack()
+	require.Equal(t, pgoutbox.EventPoisoned, ev.wait(t, pgoutbox.EventPoisoned, 10*time.Second).Kind)
+	dead := ev.wait(t, pgoutbox.EventDeadLettered, 10*time.Second)
+	require.Equal(t, pgoutbox.ReasonPoisoned, dead.Reason)
+	row := b.dlq(t, "poison")
+	require.Equal(t, pgoutbox.ReasonPoisoned, row.reason)
+	require.Contains(t, row.lastError, "metadata")
+}
+
+func TestTerminalFailureWithoutDeadLetterTableDeletesAndLogsError(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	logs := &logCapture{}
+	ev := newEvents()
+	sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
+		Tables:   schema.Config{Schema: b.Schema, Table: "outbox"}, // no DeadLetterTable
+		Observer: ev,
+	}, logs)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	msg := newMsg("x")
+	b.publishInTx(t, "t", true, msg)
+	runRouter(t, sub, "t", func(m *message.Message) error { return pgoutbox.Reject(m, "nope") })
+
+	ev.wait(t, pgoutbox.EventDeadLettered, 10*time.Second)
+	require.Equal(t, 0, b.outboxRows(t, "t"))
+	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`))
+	require.Len(t, logs.find("error", func(e logEntry) bool {
+		return e.fields["reason"] == pgoutbox.ReasonRejected && e.fields["message_uuid"] == msg.UUID
+	}), 1, "the deletion must be logged at ERROR with its reason")
+}
+
+// If the dead-letter insert fails, the row stays (leased) and is moved once
+// the insert can succeed: never lost.
+func TestDeadLetterInsertFailureKeepsTheRow(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	ev := newEvents()
+	logs := &logCapture{}
+	sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: b.tables, Observer: ev}, logs)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	_, err = b.Pool.Exec(ctx, `ALTER TABLE `+b.Schema+`.outbox_dlq ADD CONSTRAINT refuse CHECK (failure_reason <> 'rejected')`)
+	require.NoError(t, err)
+	msg := newMsg("x")
+	b.publishInTx(t, "t", true, msg)
+	runRouter(t, sub, "t", func(m *message.Message) error { return pgoutbox.Reject(m, "nope") })
+
+	require.Eventually(t, func() bool {
+		return len(logs.find("error", func(e logEntry) bool { return strings.Contains(fmt.Sprint(e.err), "refuse") })) > 0
+	}, 10*time.Second, 10*time.Millisecond, "the failing dead-letter write must be reported")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_token IS NOT NULL`), "the row stays, leased")
+
+	_, err = b.Pool.Exec(ctx, `ALTER TABLE `+b.Schema+`.outbox_dlq DROP CONSTRAINT refuse`)
+	require.NoError(t, err)
+	ev.wait(t, pgoutbox.EventDeadLettered, 15*time.Second)
+	require.Equal(t, pgoutbox.ReasonRejected, b.dlq(t, msg.UUID).reason)
+	require.Equal(t, 0, b.outboxRows(t, "t"))
+}
+
+func TestLastErrorIsBounded(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: time.Hour}
+		c.Observer = ev
+	})
+	b.publishInTx(t, "t", true, newMsg("x"))
+	runRouter(t, sub, "t", func(*message.Message) error {
+		return errors.New(strings.Repeat("validation failed; ", 10000))
+	}, pgoutbox.ErrorRecorder)
+	ev.wait(t, pgoutbox.EventRetried, 10*time.Second)
+	var lastErr string
+	require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT last_error FROM `+b.Schema+`.outbox`).Scan(&lastErr))
+	require.LessOrEqual(t, len(lastErr), 8<<10)
+	require.True(t, strings.HasPrefix(lastErr, "validation failed; "))
+	require.True(t, strings.HasSuffix(lastErr, "…[truncated]"))
+}
+
+// Concurrency-safe list of strings for handlers.
+type list struct {
+	mu    sync.Mutex
+	items []string
+}
+
+func (l *list) add(s string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.items = append(l.items, s)
+	return len(l.items)
+}
+
+func (l *list) get() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), l.items...)
+}

@@ -1,0 +1,276 @@
+package tests
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" database/sql driver
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// sqlDB opens a database/sql pool on the test database with the pgx stdlib
+// driver, closed when the test ends.
+func (b *bundle) sqlDB(t *testing.T) *sql.DB {
+	t.Helper()
+	db, err := sql.Open("pgx", b.DSN)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = db.Close() })
+	require.NoError(t, db.PingContext(context.Background()))
+	return db
+}
+
+// txForm is one way of binding a Publisher to a caller's transaction.
+type txForm struct {
+	name string
+	// begin opens a transaction and returns a publisher bound to it, with
+	// the transaction's commit and rollback.
+	begin func(t *testing.T, b *bundle) (pub *pgoutbox.Publisher, commit, rollback func() error)
+}
+
+func txForms() []txForm {
+	sqlTx := func(wrap func(*testing.T, *bundle, *sql.Tx) *pgoutbox.Publisher) func(*testing.T, *bundle) (*pgoutbox.Publisher, func() error, func() error) {
+		return func(t *testing.T, b *bundle) (*pgoutbox.Publisher, func() error, func() error) {
+			t.Helper()
+			st, err := b.sqlDB(t).BeginTx(context.Background(), nil)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = st.Rollback() })
+			return wrap(t, b, st), st.Commit, st.Rollback
+		}
+	}
+	return []txForm{
+		{"FromSQLTx", sqlTx(func(t *testing.T, b *bundle, st *sql.Tx) *pgoutbox.Publisher {
+			pub, err := pgoutbox.NewPublisher(tx.FromSQLTx(st), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+			require.NoError(t, err)
+			return pub
+		})},
+		{"NewTxPublisher", sqlTx(func(t *testing.T, b *bundle, st *sql.Tx) *pgoutbox.Publisher {
+			pub, err := pgoutbox.NewTxPublisher(st, pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+			require.NoError(t, err)
+			return pub
+		})},
+		{"FromPgxTx", func(t *testing.T, b *bundle) (*pgoutbox.Publisher, func() error, func() error) {
+			t.Helper()
+			ctx := context.Background()
+			pt, err := b.Pool.Begin(ctx)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = pt.Rollback(ctx) })
+			pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(pt), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+			require.NoError(t, err)
+			return pub, func() error { return pt.Commit(ctx) }, func() error { return pt.Rollback(ctx) }
+		}},
+	}
+}
+
+// poolForms are the executors that commit each Publish on its own.
+func poolForms() map[string]func(t *testing.T, b *bundle) *pgoutbox.Publisher {
+	return map[string]func(t *testing.T, b *bundle) *pgoutbox.Publisher{
+		"FromSQLDB": func(t *testing.T, b *bundle) *pgoutbox.Publisher {
+			pub, err := pgoutbox.NewPublisher(tx.FromSQLDB(b.sqlDB(t)), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+			require.NoError(t, err)
+			return pub
+		},
+		"FromPgxPool": func(t *testing.T, b *bundle) *pgoutbox.Publisher {
+			return b.poolPublisher(t)
+		},
+	}
+}
+
+// testMessages returns n messages with distinct payloads and metadata.
+func testMessages(n int) []*message.Message {
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = newMsg(fmt.Sprintf("payload %d", i))
+		msgs[i].Metadata.Set("index", fmt.Sprint(i))
+		msgs[i].Metadata.Set("unicode", "grüße ✓")
+	}
+	return msgs
+}
+
+// requireDelivered subscribes to topic and requires the sent messages to
+// arrive in order with the same UUID, payload and metadata; it acks each.
+func requireDelivered(t *testing.T, b *bundle, topic string, sent []*message.Message) {
+	t.Helper()
+	ch, err := b.subscriber(t, nil).Subscribe(t.Context(), topic)
+	require.NoError(t, err)
+	for _, want := range sent {
+		got := receive(t, ch, 10*time.Second)
+		require.Equal(t, want.UUID, got.UUID)
+		require.Equal(t, string(want.Payload), string(got.Payload))
+		require.Equal(t, want.Metadata, got.Metadata)
+		got.Ack()
+	}
+}
+
+func TestPublishInTxRollbackWritesNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for _, form := range txForms() {
+		t.Run(form.name, func(t *testing.T) {
+			t.Parallel()
+			topic := "rollback_" + form.name
+			pub, _, rollback := form.begin(t, b)
+			require.NoError(t, pub.Publish(topic, testMessages(3)...))
+			require.NoError(t, rollback())
+			require.Equal(t, 0, b.outboxRows(t, topic))
+		})
+	}
+}
+
+func TestPublishInTxCommit(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for _, form := range txForms() {
+		t.Run(form.name, func(t *testing.T) {
+			t.Parallel()
+			topic := "commit_" + form.name
+			pub, commit, _ := form.begin(t, b)
+			sent := testMessages(3)
+			require.NoError(t, pub.Publish(topic, sent...))
+			// The publisher never commits: another connection sees nothing
+			// until the caller does.
+			require.Equal(t, 0, b.outboxRows(t, topic))
+			require.NoError(t, pub.Close(), "Close on a tx-bound publisher leaves the tx alone")
+			require.Equal(t, 0, b.outboxRows(t, topic))
+			require.NoError(t, commit())
+			require.Equal(t, 3, b.outboxRows(t, topic))
+			requireDelivered(t, b, topic, sent)
+		})
+	}
+}
+
+func TestPublishThroughPool(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for name, newPub := range poolForms() {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			topic := "pool_" + name
+			sent := testMessages(3)
+			require.NoError(t, newPub(t, b).Publish(topic, sent...))
+			require.Equal(t, 3, b.outboxRows(t, topic), "committed on its own")
+			requireDelivered(t, b, topic, sent)
+		})
+	}
+}
+
+func TestPublishAfterTxEndReturnsErrTxDone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for _, form := range txForms() {
+		for _, end := range []string{"Commit", "Rollback"} {
+			t.Run(form.name+"/"+end, func(t *testing.T) {
+				t.Parallel()
+				topic := "done_" + form.name + "_" + end
+				pub, commit, rollback := form.begin(t, b)
+				require.NoError(t, pub.Publish(topic, newMsg("in time")))
+				if end == "Commit" {
+					require.NoError(t, commit())
+				} else {
+					require.NoError(t, rollback())
+				}
+				err := pub.Publish(topic, newMsg("too late"))
+				require.ErrorIs(t, err, pgoutbox.ErrTxDone)
+				require.Contains(t, err.Error(), "before Commit", "the error says what to do")
+				want := 0
+				if end == "Commit" {
+					want = 1
+				}
+				require.Equal(t, want, b.outboxRows(t, topic))
+			})
+		}
+	}
+}
+
+// TestPublishBatch checks that one Publish call of 100 messages keeps call
+// order in the ids and is written by one statement: rows inserted by one
+// statement share their transaction id (xmin) and command id (cmin).
+func TestPublishBatch(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	const topic = "batch"
+
+	// A second statement in the same transaction first, so the batch's
+	// command id would differ from its neighbours' if it were split.
+	pt, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = pt.Rollback(ctx) }()
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(pt), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish("other", newMsg("before")))
+
+	sent := testMessages(100)
+	res, err := pub.PublishWithResult(topic, sent...)
+	require.NoError(t, err)
+	require.Len(t, res.IDs, 100)
+	require.Empty(t, res.Skipped())
+	for i := 1; i < len(res.IDs); i++ {
+		require.Greater(t, res.IDs[i], res.IDs[i-1], "ids follow call order")
+	}
+	require.NoError(t, pt.Commit(ctx))
+
+	rows, err := b.Pool.Query(ctx, `SELECT id, uuid FROM `+b.Schema+`.outbox WHERE topic = $1 ORDER BY id`, topic)
+	require.NoError(t, err)
+	type row struct {
+		ID   int64
+		UUID string
+	}
+	stored, err := pgx.CollectRows(rows, pgx.RowToStructByPos[row])
+	require.NoError(t, err)
+	require.Len(t, stored, 100)
+	for i, r := range stored {
+		require.Equal(t, sent[i].UUID, r.UUID, "row %d", i)
+		require.Equal(t, res.IDs[i], r.ID, "row %d", i)
+	}
+
+	var statements int
+	require.NoError(t, b.Pool.QueryRow(ctx,
+		`SELECT count(DISTINCT (xmin::text, cmin::text)) FROM `+b.Schema+`.outbox WHERE topic = $1`, topic).Scan(&statements))
+	require.Equal(t, 1, statements, "the batch is inserted by one statement")
+	// The measure tells statements apart: the earlier Publish in the same
+	// transaction has the same xmin but another cmin.
+	require.NoError(t, b.Pool.QueryRow(ctx,
+		`SELECT count(DISTINCT (xmin::text, cmin::text)) FROM `+b.Schema+`.outbox`).Scan(&statements))
+	require.Equal(t, 2, statements)
+}
+
+func TestPublisherClose(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pub := b.poolPublisher(t)
+	require.NoError(t, pub.Publish("close", newMsg("open")))
+	require.NoError(t, pub.Close())
+	require.NoError(t, pub.Close(), "Close is idempotent")
+	err := pub.Publish("close", newMsg("closed"))
+	require.ErrorIs(t, err, pgoutbox.ErrPublisherClosed)
+	require.Contains(t, err.Error(), "create a new publisher")
+	_, err = pub.PublishWithResult("close", newMsg("closed"))
+	require.ErrorIs(t, err, pgoutbox.ErrPublisherClosed)
+	require.Equal(t, 1, b.outboxRows(t, "close"))
+}
+
+func TestPublishNoMessages(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for name, newPub := range poolForms() {
+		pub := newPub(t, b)
+		require.NoError(t, pub.Publish("empty_"+name), name)
+		res, err := pub.PublishWithResult("empty_" + name)
+		require.NoError(t, err, name)
+		require.Empty(t, res.IDs)
+	}
+	for _, form := range txForms() {
+		pub, commit, _ := form.begin(t, b)
+		require.NoError(t, pub.Publish("empty_"+form.name), form.name)
+		require.NoError(t, commit())
+	}
+	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox`))
+}

@@ -1,0 +1,162 @@
+package tests
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/delay"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+// A Watermill middleware stack over pgoutbox: Retry gives up, DelayOnError
+// schedules the failure, PoisonQueue publishes it to a pgoutbox poison topic
+// with Watermill's reason metadata, and CorrelationID carries the id across
+// both hops.
+func TestRouterMiddlewareStack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	pub := b.poolPublisher(t)
+	poison, err := middleware.PoisonQueue(pub, "orders.poison")
+	require.NoError(t, err)
+
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	r.AddMiddleware(
+		middleware.CorrelationID,
+		poison,
+		(&middleware.DelayOnError{InitialInterval: 300 * time.Millisecond, MaxInterval: time.Second, Multiplier: 2}).Middleware,
+		middleware.Retry{MaxRetries: 2, InitialInterval: 5 * time.Millisecond}.Middleware,
+		pgoutbox.ErrorRecorder,
+	)
+	var attempts atomic.Int32
+	r.AddConsumerHandler("charge", "orders", b.subscriber(t, nil), func(*message.Message) error {
+		attempts.Add(1)
+		return errors.New("card declined")
+	})
+	// A handler that succeeds and produces a message: CorrelationID copies
+	// the id onto it.
+	r.AddHandler("forward", "orders.ok", b.subscriber(t, nil), "orders.shipped", pub, func(m *message.Message) ([]*message.Message, error) {
+		return []*message.Message{newMsg("shipped " + string(m.Payload))}, nil
+	})
+	poisoned := make(chan *message.Message, 1)
+	r.AddConsumerHandler("poison-inbox", "orders.poison", b.subscriber(t, nil), func(m *message.Message) error {
+		poisoned <- m
+		return nil
+	})
+	shipped := make(chan *message.Message, 1)
+	r.AddConsumerHandler("shipped-inbox", "orders.shipped", b.subscriber(t, nil), func(m *message.Message) error {
+		shipped <- m
+		return nil
+	})
+	startRouter(t, r)
+
+	failing := newMsg("order-1")
+	middleware.SetCorrelationID("corr-failing", failing)
+	ok := newMsg("order-2")
+	middleware.SetCorrelationID("corr-ok", ok)
+	b.publishInTx(t, "orders", true, failing)
+	b.publishInTx(t, "orders.ok", true, ok)
+
+	var p *message.Message
+	select {
+	case p = <-poisoned:
+	case <-time.After(20 * time.Second):
+		t.Fatal("nothing reached the poison topic")
+	}
+	require.Equal(t, failing.UUID, p.UUID)
+	require.Equal(t, "order-1", string(p.Payload))
+	require.Contains(t, p.Metadata.Get(middleware.ReasonForPoisonedKey), "card declined")
+	require.Equal(t, "orders", p.Metadata.Get(middleware.PoisonedTopicKey))
+	require.Equal(t, "charge", p.Metadata.Get(middleware.PoisonedHandlerKey))
+	require.Equal(t, "corr-failing", middleware.MessageCorrelationID(p))
+	require.Equal(t, "300ms", p.Metadata.Get(delay.DelayedForKey), "DelayOnError scheduled the poisoned message")
+	require.Equal(t, int32(3), attempts.Load(), "one try and two retries")
+
+	// The poison publish honoured the delay: the row was scheduled 300ms
+	// after it was written (both by the database clock).
+	var scheduledMs float64
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT 1000 * extract(epoch FROM available_at - created_at) FROM `+b.Schema+`.outbox
+		WHERE topic = 'orders.poison'`).Scan(&scheduledMs))
+	require.InDelta(t, 300, scheduledMs, 1)
+
+	select {
+	case s := <-shipped:
+		require.Equal(t, "shipped order-2", string(s.Payload))
+		require.Equal(t, "corr-ok", middleware.MessageCorrelationID(s))
+	case <-time.After(20 * time.Second):
+		t.Fatal("the produced message did not arrive")
+	}
+	// The failing order was acked once it was in the poison topic.
+	require.Eventually(t, func() bool { return b.outboxRows(t, "orders") == 0 }, 10*time.Second, 20*time.Millisecond)
+}
+
+// Watermill's DelayOnError sets the delay on the nacked message; the
+// subscriber uses it (over its retry policy) and stores the changed
+// metadata, so the delay grows across redeliveries as with Watermill's SQL
+// Pub/Sub.
+func TestDelayOnErrorGrowsAcrossRedeliveries(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: time.Hour} // must not be used
+		c.Observer = ev
+	})
+	b.publishInTx(t, "t", true, newMsg("x"))
+
+	seen := &list{}
+	done := make(chan struct{})
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		if seen.add(m.Metadata.Get(delay.DelayedForKey)) == 4 {
+			close(done)
+			return nil
+		}
+		return errors.New("not yet")
+	}, (&middleware.DelayOnError{InitialInterval: 50 * time.Millisecond, MaxInterval: time.Second, Multiplier: 2}).Middleware, pgoutbox.ErrorRecorder)
+
+	select {
+	case <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatalf("handled %d times, want 4 (delays seen: %v)", len(seen.get()), seen.get())
+	}
+	require.Equal(t, []string{"", "50ms", "100ms", "200ms"}, seen.get())
+	require.Equal(t, 3, ev.countKind(pgoutbox.EventRetried))
+}
+
+// delay.NewPublisher over a pgoutbox publisher schedules messages.
+func TestWatermillDelayPublisher(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	delayed, err := delay.NewPublisher(b.poolPublisher(t), delay.PublisherConfig{
+		DefaultDelayGenerator: func(delay.DefaultDelayGeneratorParams) (delay.Delay, error) {
+			return delay.For(time.Hour), nil
+		},
+	})
+	require.NoError(t, err)
+	soon := newMsg("soon")
+	soon.SetContext(delay.WithContext(ctx, delay.For(2*time.Second)))
+	require.NoError(t, delayed.Publish("t", newMsg("later"), soon))
+
+	rows, err := b.Pool.Query(ctx, `SELECT payload, extract(epoch FROM available_at - created_at) FROM `+b.Schema+`.outbox ORDER BY id`)
+	require.NoError(t, err)
+	got := map[string]float64{}
+	for rows.Next() {
+		var p []byte
+		var s float64
+		require.NoError(t, rows.Scan(&p, &s))
+		got[string(p)] = s
+	}
+	require.NoError(t, rows.Err())
+	require.InDelta(t, 3600, got["later"], 0.01)
+	require.InDelta(t, 2, got["soon"], 0.01)
+}

@@ -23,7 +23,7 @@ type bundle struct {
 	logger watermill.LoggerAdapter
 }
 
-func setup(t *testing.T, opts ...pgtest.Options) *bundle {
+func setup(t testing.TB, opts ...pgtest.Options) *bundle {
 	t.Helper()
 	env := pgtest.Setup(t, opts...)
 	b := &bundle{
@@ -56,7 +56,7 @@ func (b *bundle) subscriber(t *testing.T, mod func(*pgoutbox.SubscriberConfig)) 
 	return sub
 }
 
-func (b *bundle) poolPublisher(t *testing.T) *pgoutbox.Publisher {
+func (b *bundle) poolPublisher(t testing.TB) *pgoutbox.Publisher {
 	t.Helper()
 	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
 	require.NoError(t, err)

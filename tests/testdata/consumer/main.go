@@ -1,0 +1,136 @@
+// Command consumer is the consumer process of the fault tests
+// (tests/fault_test.go). It subscribes to one topic of a pgoutbox outbox
+// through a Watermill router, records every message it handles as a row
+// (uuid, worker) in <schema>.handled, and runs until SIGTERM or SIGINT. The
+// tests SIGKILL it to simulate a crash.
+//
+// Settings, all required:
+//
+//	CONSUMER_POSTGRES_DSN   DSN of the test database
+//	CONSUMER_SCHEMA         schema holding outbox, outbox_dlq and handled
+//	CONSUMER_TOPIC          topic to consume
+//	CONSUMER_WORKER         worker name stored in handled.worker
+//	CONSUMER_MAX_IN_FLIGHT  SubscriberConfig.MaxInFlight
+//
+// It prints "consumer running" on stdout once the router runs.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"strconv"
+	"syscall"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+)
+
+// ReadyLine is printed on stdout once the router is running.
+const ReadyLine = "consumer running"
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "consumer:", err)
+		os.Exit(1)
+	}
+}
+
+type settings struct {
+	dsn, schema, topic, worker string
+	maxInFlight                int
+}
+
+func readSettings() (settings, error) {
+	var s settings
+	var missing []error
+	get := func(name string) string {
+		v := os.Getenv(name)
+		if v == "" {
+			missing = append(missing, fmt.Errorf("%s is not set", name))
+		}
+		return v
+	}
+	s.dsn = get("CONSUMER_POSTGRES_DSN")
+	s.schema = get("CONSUMER_SCHEMA")
+	s.topic = get("CONSUMER_TOPIC")
+	s.worker = get("CONSUMER_WORKER")
+	inFlight := get("CONSUMER_MAX_IN_FLIGHT")
+	if err := errors.Join(missing...); err != nil {
+		return s, err
+	}
+	n, err := strconv.Atoi(inFlight)
+	if err != nil || n < 1 {
+		return s, fmt.Errorf("CONSUMER_MAX_IN_FLIGHT is %q; it must be a positive integer", inFlight)
+	}
+	s.maxInFlight = n
+	return s, nil
+}
+
+func run() error {
+	s, err := readSettings()
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+
+	poolCfg, err := pgxpool.ParseConfig(s.dsn)
+	if err != nil {
+		return fmt.Errorf("parse DSN: %w", err)
+	}
+	// Handlers, claims and completions each need a connection at times.
+	poolCfg.MaxConns = int32(s.maxInFlight + 4)
+	poolCfg.ConnConfig.RuntimeParams["application_name"] = "pgoutbox-consumer-" + s.worker
+	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	if err != nil {
+		return fmt.Errorf("open pool: %w", err)
+	}
+	defer pool.Close()
+
+	logger := watermill.NewStdLoggerWithOut(os.Stderr, false, false)
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{
+		Tables:          schema.Config{Schema: s.schema, Table: "outbox", DeadLetterTable: "outbox_dlq"},
+		MaxInFlight:     s.maxInFlight,
+		Lease:           2 * time.Second,
+		MinPollInterval: 20 * time.Millisecond,
+		MaxPollInterval: time.Second,
+		WorkerID:        s.worker,
+	}, logger)
+	if err != nil {
+		return err
+	}
+	defer sub.Close()
+
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	if err != nil {
+		return err
+	}
+	insert := `INSERT INTO ` + pgx.Identifier{s.schema, "handled"}.Sanitize() + ` (uuid, worker) VALUES ($1, $2)`
+	router.AddConsumerHandler("consumer", s.topic, sub, func(m *message.Message) error {
+		_, err := pool.Exec(m.Context(), insert, m.UUID, s.worker)
+		return err
+	})
+	go func() {
+		select {
+		case <-router.Running():
+			fmt.Println(ReadyLine)
+		case <-ctx.Done():
+		}
+	}()
+	// Run returns once SIGTERM or SIGINT cancelled ctx and the subscription
+	// drained: in-flight messages were acked or nacked and their verdicts
+	// written.
+	if err := router.Run(ctx); err != nil {
+		return err
+	}
+	return sub.Close()
+}

@@ -63,14 +63,14 @@ func (b *bundle) poolPublisher(t testing.TB) *pgoutbox.Publisher {
 	return pub
 }
 
-func (b *bundle) count(t *testing.T, q string, args ...any) int {
+func (b *bundle) count(t testing.TB, q string, args ...any) int {
 	t.Helper()
 	var n int
 	require.NoError(t, b.Pool.QueryRow(context.Background(), q, args...).Scan(&n))
 	return n
 }
 
-func (b *bundle) outboxRows(t *testing.T, topic string) int {
+func (b *bundle) outboxRows(t testing.TB, topic string) int {
 	return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1`, topic)
 }
 

@@ -16,8 +16,9 @@ import (
 )
 
 // subscription is one Subscribe call: a fetch loop that claims rows into
-// free slots, MaxInFlight workers that hand them to the Router and wait for
-// the verdict, and a completer that writes verdicts back (completer.go).
+// its lease window (lease_window.go), MaxInFlight workers that hand them to
+// the Router and wait for the verdict, and a completer that writes verdicts
+// back (completer.go).
 type subscription struct {
 	s      *Subscriber
 	cfg    *SubscriberConfig
@@ -27,7 +28,7 @@ type subscription struct {
 	logger watermill.LoggerAdapter
 	waiter *notifier.Waiter
 
-	slots    chan struct{}  // one token per free in-flight slot
+	window   *leaseWindow
 	work     chan *delivery // claimed rows waiting for a worker
 	selfWake chan struct{}  // the completer returned rows that are due now
 
@@ -48,14 +49,11 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 		out:      make(chan *message.Message),
 		logger:   s.logger.With(watermill.LogFields{"topic": topic}),
 		waiter:   waiter,
-		slots:    make(chan struct{}, s.cfg.MaxInFlight),
-		work:     make(chan *delivery, s.cfg.MaxInFlight),
+		window:   newLeaseWindow(s.cfg.MaxInFlight),
+		work:     make(chan *delivery, s.cfg.MaxInFlight+maxPrefetch),
 		selfWake: make(chan struct{}, 1),
 		stop:     make(chan struct{}),
 		abort:    make(chan struct{}),
-	}
-	for range s.cfg.MaxInFlight {
-		sub.slots <- struct{}{}
 	}
 	sub.comp = newCompleter(sub)
 	return sub
@@ -122,12 +120,12 @@ func (sub *subscription) fetchLoop() {
 	idle := sub.cfg.MinPollInterval
 
 	for {
-		n := sub.acquireSlots()
+		n := sub.window.acquire(sub.stop)
 		if n == 0 {
 			return
 		}
 		rows, err := sub.claim(n)
-		sub.returnSlots(n - len(rows))
+		sub.window.unreserve(n - len(rows))
 		if err != nil {
 			wait := errBackoff.NextBackOff()
 			sub.logger.Error("Claim failed; retrying", err, watermill.LogFields{"retry_in": wait.String()})
@@ -138,7 +136,7 @@ func (sub *subscription) fetchLoop() {
 		}
 		errBackoff.Reset()
 		for _, d := range rows {
-			sub.work <- d // never blocks: a slot was taken for each row
+			sub.work <- d // never blocks: the window bounds the rows held
 		}
 		if len(rows) > 0 {
 			idle = sub.cfg.MinPollInterval
@@ -199,33 +197,6 @@ func (sub *subscription) idleWait(poll time.Duration) bool {
 // jitter spreads d by ±20% so idle subscribers do not poll in lockstep.
 func jitter(d time.Duration) time.Duration {
 	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
-}
-
-// acquireSlots blocks until at least one slot is free and takes all free
-// ones. It returns 0 when the subscription stops.
-func (sub *subscription) acquireSlots() int {
-	select {
-	case <-sub.stop:
-		return 0
-	case <-sub.slots:
-	}
-	n := 1
-	for n < sub.cfg.MaxInFlight {
-		select {
-		case <-sub.slots:
-			n++
-			continue
-		default:
-		}
-		break
-	}
-	return n
-}
-
-func (sub *subscription) returnSlots(n int) {
-	for range n {
-		sub.slots <- struct{}{}
-	}
 }
 
 // claim leases up to n rows with the claim statement (query.Claim). It does
@@ -293,7 +264,7 @@ func (sub *subscription) worker() {
 			return
 		case d := <-sub.work:
 			sub.deliver(d)
-			sub.slots <- struct{}{}
+			sub.window.done(1)
 		}
 	}
 }

@@ -1,0 +1,59 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+// BenchmarkDrain drains a backlog through a Watermill router with a no-op
+// handler and reports msgs/s (the full comparison lives in tests/bench):
+// go test -run '^$' -bench Drain ./tests/
+func BenchmarkDrain(bm *testing.B) {
+	for _, inFlight := range []int{1, 16} {
+		bm.Run(fmt.Sprintf("inflight-%d", inFlight), func(bm *testing.B) {
+			const backlog = 20000
+			b := setup(bm, pgtest.Options{MaxConns: 20})
+			ctx := context.Background()
+			var total time.Duration
+			for bm.Loop() {
+				_, err := b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, metadata)
+					SELECT 'drain', g::text, convert_to(repeat('x', 200), 'UTF8'), '{"k":"v"}' FROM generate_series(1, $1) g`, backlog)
+				require.NoError(bm, err)
+				_, err = b.Pool.Exec(ctx, `VACUUM ANALYZE `+b.Schema+`.outbox`)
+				require.NoError(bm, err)
+
+				sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: b.tables, MaxInFlight: inFlight}, nil)
+				require.NoError(bm, err)
+				r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+				require.NoError(bm, err)
+				var n atomic.Int64
+				done := make(chan struct{})
+				r.AddConsumerHandler("noop", "drain", sub, func(*message.Message) error {
+					if n.Add(1) == backlog {
+						close(done)
+					}
+					return nil
+				})
+				start := time.Now()
+				go func() { _ = r.Run(ctx) }()
+				<-done
+				for b.outboxRows(bm, "drain") > 0 {
+					time.Sleep(time.Millisecond)
+				}
+				total += time.Since(start)
+				require.NoError(bm, r.Close())
+			}
+			bm.ReportMetric(float64(backlog*bm.N)/total.Seconds(), "msgs/s")
+		})
+	}
+}

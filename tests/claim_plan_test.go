@@ -37,7 +37,7 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 
 	names, err := query.NewNames(b.Schema, "outbox", "")
 	require.NoError(t, err)
-	q := query.Build(names)
+	q := query.Build(names, true) // the default: with the async-commit condition
 
 	// A prepared statement switches to a generic plan after a few runs, so
 	// both plans must keep the shape.
@@ -66,4 +66,40 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 	}
 	_, err = conn.Exec(ctx, "RESET plan_cache_mode")
 	require.NoError(t, err)
+}
+
+// The subscriber's own writes commit asynchronously by default
+// (SynchronousCommit false): the claim sets synchronous_commit=off for its
+// own transaction only. Run inside an explicit transaction, the setting is
+// visible afterwards; with SynchronousCommit it stays on.
+func TestSubscriberWritesCommitAsynchronously(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	names := b.names(t)
+	for _, async := range []bool{true, false} {
+		b.publishInTx(t, "t", true, newMsg("x"))
+		q := query.Build(names, async)
+		pgTx, err := b.Pool.Begin(ctx)
+		require.NoError(t, err)
+		var claimed int
+		rows, err := pgTx.Query(ctx, q.Claim, "t", 1, uuid.New(), int64(30e6), "test")
+		require.NoError(t, err)
+		for rows.Next() {
+			claimed++
+		}
+		require.NoError(t, rows.Err())
+		require.Equal(t, 1, claimed)
+		var setting string
+		require.NoError(t, pgTx.QueryRow(ctx, `SELECT current_setting('synchronous_commit')`).Scan(&setting))
+		require.NoError(t, pgTx.Rollback(ctx))
+		if async {
+			require.Equal(t, "off", setting)
+		} else {
+			require.Equal(t, "on", setting)
+		}
+		var after string
+		require.NoError(t, b.Pool.QueryRow(ctx, `SELECT current_setting('synchronous_commit')`).Scan(&after))
+		require.Equal(t, "on", after, "the setting must not leak into the session")
+	}
 }

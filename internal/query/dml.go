@@ -19,9 +19,23 @@ type Queries struct {
 	Cancel   string
 }
 
-// Build templates every statement for the given names.
-func Build(n Names) *Queries {
+// asyncCommit is a condition that is always true and, as a side effect,
+// makes the statement's own implicit transaction commit without waiting for
+// its WAL to reach disk (set_config(..., true) is local to that transaction,
+// and the commit reads the setting before it is reset). It is an
+// uncorrelated subquery, so it runs once, and only a statement that writes
+// has anything to wait for.
+const asyncCommit = ` AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL`
+
+// Build templates every statement for the given names. With async, the
+// subscriber's own writes (claim, complete, renew, dead) commit
+// asynchronously; Publish always follows the caller's setting.
+func Build(n Names, async bool) *Queries {
 	t := n.QTable
+	ac := ""
+	if async {
+		ac = asyncCommit
+	}
 	return &Queries{
 		Names: n,
 
@@ -88,8 +102,8 @@ UPDATE %[1]s o
        leased_until = now() + $4::bigint * interval '1 microsecond',
        leased_by    = $5,
        deliveries   = o.deliveries + 1
- WHERE o.id = ANY (ARRAY(SELECT id FROM expired UNION ALL SELECT id FROM ready))
-RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.last_error`, t),
+ WHERE o.id = ANY (ARRAY(SELECT id FROM expired UNION ALL SELECT id FROM ready))%[2]s
+RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.last_error`, t, ac),
 
 		// Complete applies a batch of acks and lease returns in one statement.
 		// Every row is matched on (id, lease_token): a row whose lease expired
@@ -105,7 +119,7 @@ RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.l
 WITH acked AS (
     DELETE FROM %[1]s o
      USING unnest($1::bigint[], $2::uuid[]) AS c(id, token)
-     WHERE o.id = c.id AND o.lease_token = c.token
+     WHERE o.id = c.id AND o.lease_token = c.token%[2]s
     RETURNING o.id
 ), returned AS (
     UPDATE %[1]s o
@@ -119,24 +133,24 @@ WITH acked AS (
            metadata     = coalesce(c.meta::jsonb, o.metadata)
       FROM unnest($3::bigint[], $4::uuid[], $5::bigint[], $6::int[], $7::text[], $8::text[])
            AS c(id, token, delay_us, undo, err, meta)
-     WHERE o.id = c.id AND o.lease_token = c.token
+     WHERE o.id = c.id AND o.lease_token = c.token%[2]s
     RETURNING o.id
 )
-SELECT id FROM acked UNION ALL SELECT id FROM returned`, t),
+SELECT id FROM acked UNION ALL SELECT id FROM returned`, t, ac),
 
 		// Dead ends rows terminally, under their tokens: with a dead-letter
 		// table the row moves there in this one statement (if the INSERT
 		// fails the DELETE rolls back, the row stays leased and comes back:
 		// never lost); without one it is deleted (the caller logs it).
-		Dead: deadStatement(n),
+		Dead: deadStatement(n, ac),
 
 		// Renew extends the leases of in-flight rows, under their tokens.
 		Renew: fmt.Sprintf(`
 UPDATE %[1]s o
    SET leased_until = now() + $3::bigint * interval '1 microsecond'
   FROM unnest($1::bigint[], $2::uuid[]) AS c(id, token)
- WHERE o.id = c.id AND o.lease_token = c.token
-RETURNING o.id`, t),
+ WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+RETURNING o.id`, t, ac),
 
 		// NextDue returns the microseconds until the next row of topic $1
 		// becomes claimable in the future (a scheduled row or an expiring
@@ -158,13 +172,13 @@ DELETE FROM %[1]s WHERE topic = $1 AND dedup_key = $2 AND lease_token IS NULL`, 
 	}
 }
 
-func deadStatement(n Names) string {
+func deadStatement(n Names, ac string) string {
 	del := fmt.Sprintf(`
     DELETE FROM %[1]s o
      USING unnest($1::bigint[], $2::uuid[], $3::text[], $4::text[]) AS c(id, token, reason, err)
-     WHERE o.id = c.id AND o.lease_token = c.token
+     WHERE o.id = c.id AND o.lease_token = c.token%[2]s
     RETURNING o.id, o.topic, o.uuid, o.payload, o.metadata, o.created_at, o.deliveries,
-              o.dedup_key, coalesce(c.err, o.last_error) AS last_error, c.reason, o.leased_by`, n.QTable)
+              o.dedup_key, coalesce(c.err, o.last_error) AS last_error, c.reason, o.leased_by`, n.QTable, ac)
 	if n.QDLQ == "" {
 		return "WITH dead AS (" + del + ")\nSELECT id FROM dead"
 	}

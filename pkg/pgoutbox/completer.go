@@ -268,14 +268,14 @@ func (c *completer) stmtCtx() (context.Context, context.CancelFunc) {
 }
 
 func (c *completer) writeComplete(acks []*delivery, returns []returnOp) error {
-	ackIDs, ackTokens := make([]int64, 0, len(acks)), make([]string, 0, len(acks))
+	ackIDs, ackTokens := make([]int64, 0, len(acks)), make([]pgtype.UUID, 0, len(acks))
 	for _, d := range acks {
 		if !d.lost {
 			ackIDs, ackTokens = append(ackIDs, d.id), append(ackTokens, d.token)
 		}
 	}
 	n := len(returns)
-	retIDs, retTokens := make([]int64, 0, n), make([]string, 0, n)
+	retIDs, retTokens := make([]int64, 0, n), make([]pgtype.UUID, 0, n)
 	delays, undos := make([]pgtype.Int8, 0, n), make([]int32, 0, n)
 	errs, metas := make([]pgtype.Text, 0, n), make([]pgtype.Text, 0, n)
 	for _, op := range returns {
@@ -324,7 +324,7 @@ func (c *completer) writeComplete(acks []*delivery, returns []returnOp) error {
 
 func (c *completer) writeDead(ops []deadOp) error {
 	n := len(ops)
-	ids, tokens := make([]int64, 0, n), make([]string, 0, n)
+	ids, tokens := make([]int64, 0, n), make([]pgtype.UUID, 0, n)
 	reasons, errs := make([]string, 0, n), make([]pgtype.Text, 0, n)
 	for _, op := range ops {
 		if op.d.lost {
@@ -400,7 +400,7 @@ func (c *completer) renew() {
 	if len(held) == 0 {
 		return
 	}
-	ids, tokens := make([]int64, len(held)), make([]string, len(held))
+	ids, tokens := make([]int64, len(held)), make([]pgtype.UUID, len(held))
 	for i, d := range held {
 		ids[i], tokens[i] = d.id, d.token
 	}

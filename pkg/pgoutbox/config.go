@@ -88,6 +88,18 @@ type SubscriberConfig struct {
 	// Defaults to 0: no limit.
 	MaxDeliveries int
 
+	// SynchronousCommit makes the subscriber's own writes (claims, acks,
+	// nacks, renewals, dead-letter moves) wait for their WAL to reach disk.
+	// By default (false) they commit with synchronous_commit=off, set for
+	// each statement alone, never for the session or your transactions:
+	// if the database server crashes, the last few hundred milliseconds of
+	// those writes may be lost, and each lost write only makes a message be
+	// delivered again, which an at-least-once consumer already tolerates
+	// (a crashed consumer process causes the same). Messages themselves are
+	// written by your transactions, with your setting, and are never lost.
+	// Set it to true if you want no redelivery from a server crash.
+	SynchronousCommit bool
+
 	// WorkerID names this process in the leased_by column, for operators.
 	// Defaults to "host:pid:short-uuid".
 	WorkerID string

@@ -9,13 +9,14 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // delivery is one claimed row, from claim to its completion write.
 type delivery struct {
 	id          int64
-	token       string // lease token of the claim that leased it
-	deliveries  int    // including this one
+	token       pgtype.UUID // lease token of the claim that leased it
+	deliveries  int         // including this one
 	availableAt time.Time
 	uuid        string
 	payload     []byte

@@ -27,4 +27,4 @@ var (
 	ErrTxDone = tx.ErrTxDone
 )
 
-var queryCache sync.Map // query.Names -> *query.Queries
+var queryCache sync.Map // queryKey -> *query.Queries

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v4"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/notifier"
 )
@@ -205,7 +206,9 @@ func jitter(d time.Duration) time.Duration {
 func (sub *subscription) claim(n int) ([]*delivery, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
 	defer cancel()
-	token := uuid.NewString()
+	// Binary UUIDs: pgx encodes them directly, where strings would go
+	// through a failed binary attempt and a formatted error first.
+	token := pgtype.UUID{Bytes: uuid.New(), Valid: true}
 	rows, err := sub.s.pool.Query(ctx, sub.s.q.Claim, sub.topic, n, token,
 		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID)
 	if err != nil {

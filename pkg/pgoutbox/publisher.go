@@ -61,7 +61,7 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 	}
 	return &Publisher{
 		exec:   exec,
-		q:      queriesFor(n),
+		q:      queriesFor(n, false),
 		logger: logger,
 		obs:    safeObserver{o: config.Observer, logger: logger},
 	}, nil
@@ -296,12 +296,18 @@ func schedule(md message.Metadata) (pgtype.Int8, pgtype.Timestamptz, error) {
 
 // queriesFor caches the templated statements per outbox, so building a
 // Publisher per transaction costs no string formatting.
-func queriesFor(n query.Names) *query.Queries {
-	if q, ok := queryCache.Load(n); ok {
+func queriesFor(n query.Names, async bool) *query.Queries {
+	key := queryKey{n, async}
+	if q, ok := queryCache.Load(key); ok {
 		return q.(*query.Queries)
 	}
-	q, _ := queryCache.LoadOrStore(n, query.Build(n))
+	q, _ := queryCache.LoadOrStore(key, query.Build(n, async))
 	return q.(*query.Queries)
+}
+
+type queryKey struct {
+	names query.Names
+	async bool
 }
 
 // CancelScheduled deletes the message of topic stored under dedup key key

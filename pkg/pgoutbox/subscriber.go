@@ -70,7 +70,7 @@ func NewSubscriber(pool *pgxpool.Pool, config SubscriberConfig, logger watermill
 	return &Subscriber{
 		pool:    pool,
 		cfg:     config,
-		q:       queriesFor(n),
+		q:       queriesFor(n, !config.SynchronousCommit),
 		logger:  logger,
 		obs:     safeObserver{o: config.Observer, logger: logger},
 		closing: make(chan struct{}),

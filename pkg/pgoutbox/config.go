@@ -43,11 +43,16 @@ type SubscriberConfig struct {
 	Tables schema.Config
 
 	// MaxInFlight is how many messages of one subscription may be handed out
-	// and not yet acked or nacked. Claims only fill free slots, so it is also
-	// the most rows a subscription holds leased. With 1 (the default, as in
-	// every Watermill subscriber) the next message waits for the previous
-	// Ack or Nack and messages arrive in publish order; with more, the Router
-	// runs up to MaxInFlight handlers at once. Must be at least 1.
+	// and not yet acked or nacked. With 1 (the default, as in every Watermill
+	// subscriber) the next message waits for the previous Ack or Nack and
+	// messages arrive in publish order; with more, the Router runs up to
+	// MaxInFlight handlers at once. Must be at least 1.
+	//
+	// An idle or slow subscription leases only rows it can hand out at once.
+	// A busy one also leases a prefetch buffer sized to what its handlers
+	// consumed in the last 10ms (at most 256 rows), so one claim serves many
+	// messages; buffered rows are renewed like in-flight ones and released
+	// at once on Close.
 	MaxInFlight int
 
 	// Lease is how long a claimed row stays reserved for this subscriber.

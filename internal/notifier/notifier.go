@@ -180,10 +180,10 @@ func (n *Notifier) channels() []string {
 
 func (n *Notifier) run(ctx context.Context) {
 	defer close(n.done)
-	bo := backoff.NewExponentialBackOff()
-	bo.InitialInterval = 100 * time.Millisecond
-	bo.MaxInterval = 5 * time.Second
-	bo.MaxElapsedTime = 0
+	// Options, not fields: NewExponentialBackOff resets itself, so fields
+	// set afterwards would only apply after the next Reset.
+	bo := backoff.NewExponentialBackOff(backoff.WithInitialInterval(100*time.Millisecond),
+		backoff.WithMaxInterval(5*time.Second), backoff.WithMaxElapsedTime(0))
 	failures := 0
 	for ctx.Err() == nil {
 		err := n.session(ctx, func() { bo.Reset(); failures = 0 })

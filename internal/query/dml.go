@@ -108,7 +108,8 @@ RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.l
 		// Complete applies a batch of acks and lease returns in one statement.
 		// Every row is matched on (id, lease_token): a row whose lease expired
 		// and was claimed by someone else does not match, and is reported by
-		// its absence from the result (lease lost) instead of being touched.
+		// the absence of its (id, token) pair from the result (lease lost)
+		// instead of being touched.
 		//
 		// Acks ($1, $2) delete. Returns ($3..$8) clear the lease and set when
 		// the row is due again: delay_us NULL keeps available_at (a release at
@@ -120,7 +121,7 @@ WITH acked AS (
     DELETE FROM %[1]s o
      USING unnest($1::bigint[], $2::uuid[]) AS c(id, token)
      WHERE o.id = c.id AND o.lease_token = c.token%[2]s
-    RETURNING o.id
+    RETURNING o.id, c.token
 ), returned AS (
     UPDATE %[1]s o
        SET lease_token  = NULL,
@@ -134,9 +135,9 @@ WITH acked AS (
       FROM unnest($3::bigint[], $4::uuid[], $5::bigint[], $6::int[], $7::text[], $8::text[])
            AS c(id, token, delay_us, undo, err, meta)
      WHERE o.id = c.id AND o.lease_token = c.token%[2]s
-    RETURNING o.id
+    RETURNING o.id, c.token
 )
-SELECT id FROM acked UNION ALL SELECT id FROM returned`, t, ac),
+SELECT id, token FROM acked UNION ALL SELECT id, token FROM returned`, t, ac),
 
 		// Dead ends rows terminally, under their tokens: with a dead-letter
 		// table the row moves there in this one statement (if the INSERT
@@ -150,7 +151,7 @@ UPDATE %[1]s o
    SET leased_until = now() + $3::bigint * interval '1 microsecond'
   FROM unnest($1::bigint[], $2::uuid[]) AS c(id, token)
  WHERE o.id = c.id AND o.lease_token = c.token%[2]s
-RETURNING o.id`, t, ac),
+RETURNING o.id, c.token`, t, ac),
 
 		// NextDue returns the microseconds until the next row of topic $1
 		// becomes claimable in the future (a scheduled row or an expiring
@@ -178,14 +179,18 @@ func deadStatement(n Names, ac string) string {
      USING unnest($1::bigint[], $2::uuid[], $3::text[], $4::text[]) AS c(id, token, reason, err)
      WHERE o.id = c.id AND o.lease_token = c.token%[2]s
     RETURNING o.id, o.topic, o.uuid, o.payload, o.metadata, o.created_at, o.deliveries,
-              o.dedup_key, coalesce(c.err, o.last_error) AS last_error, c.reason, o.leased_by`, n.QTable, ac)
+              o.dedup_key, coalesce(c.err, o.last_error) AS last_error, c.reason, o.leased_by, c.token`, n.QTable, ac)
 	if n.QDLQ == "" {
-		return "WITH dead AS (" + del + ")\nSELECT id FROM dead"
+		return "WITH dead AS (" + del + ")\nSELECT id, token FROM dead"
 	}
+	// The INSERT runs although nothing reads its result: PostgreSQL always
+	// executes data-modifying CTEs, and a failure fails the whole statement.
 	return fmt.Sprintf(`WITH dead AS (%s
+), moved AS (
+    INSERT INTO %s (id, topic, uuid, payload, metadata, created_at, deliveries,
+                    dedup_key, last_error, failure_reason, failed_by)
+    SELECT id, topic, uuid, payload, metadata, created_at, deliveries,
+           dedup_key, last_error, reason, leased_by FROM dead
 )
-INSERT INTO %s (id, topic, uuid, payload, metadata, created_at, deliveries,
-                dedup_key, last_error, failure_reason, failed_by)
-SELECT * FROM dead
-RETURNING id`, del, n.QDLQ)
+SELECT id, token FROM dead`, del, n.QDLQ)
 }

@@ -11,7 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -21,12 +21,14 @@ const maxErrorLen = 8 << 10
 
 const truncatedMarker = "…[truncated]"
 
-// maxPendingCompletions bounds the verdicts waiting to be written per
-// subscription. Slots are freed as soon as a verdict is recorded, so without
-// a bound a completion path that cannot write (the database is down, or
-// slow) would let claims lease ever more rows. With it, a subscription holds
-// at most MaxInFlight + maxPendingCompletions leased rows, which also bounds
-// the duplicates a crash can cause.
+// maxPendingCompletions bounds the acks and nacks not yet written (pending
+// or in the write under way) per subscription. A verdict frees its slot in
+// the lease window as soon as it is recorded, so without a bound a
+// completion path that cannot write (the database is down, or slow) would
+// let claims lease ever more rows. With it, a subscription holds at most
+// MaxInFlight + maxPrefetch + maxPendingCompletions leased rows, and a
+// crashed process leaves at most MaxInFlight + maxPendingCompletions handled
+// but unacked messages behind to be delivered again.
 const maxPendingCompletions = 256
 
 // completer is the completion path of one subscription: it records verdicts
@@ -39,7 +41,8 @@ type completer struct {
 	sub *subscription
 
 	mu       sync.Mutex
-	room     *sync.Cond          // signalled when pending verdicts were taken for writing
+	room     *sync.Cond          // signalled when a write is over
+	writing  int                 // acks and returns in the write under way
 	draining bool                // the drain is over: stop applying backpressure
 	inflight map[int64]*delivery // leased by us, completion not yet written
 	acks     []*delivery
@@ -82,7 +85,7 @@ func newCompleter(sub *subscription) *completer {
 // waitRoom blocks, with c.mu held, while the pending verdicts are at their
 // bound (see maxPendingCompletions), unless the drain is over.
 func (c *completer) waitRoom() {
-	for len(c.acks)+len(c.returns) >= maxPendingCompletions && !c.draining {
+	for len(c.acks)+len(c.returns)+c.writing >= maxPendingCompletions && !c.draining {
 		c.signal()
 		c.room.Wait()
 	}
@@ -170,15 +173,34 @@ func (c *completer) run() {
 	defer close(c.done)
 	renew := time.NewTicker(c.sub.cfg.Lease / 2)
 	defer renew.Stop()
+	bo := newBackoff()
+	var retry <-chan time.Time // set while backing off after a failed write
 	for {
+		kick := c.kick
+		if retry != nil {
+			kick = nil // new verdicts wait for the retry, not hammer a failing database
+		}
 		select {
-		case <-c.kick:
-			c.flush(false)
+		case <-kick:
+		case <-retry:
+			retry = nil
 		case <-renew.C:
 			c.renew()
+			continue
 		case <-c.closing:
-			c.flush(true)
+			c.finalFlush()
 			return
+		}
+		// One batch per turn, so renewals get their turn under heavy load.
+		if err := c.flushOnce(); err != nil {
+			wait := bo.NextBackOff()
+			c.sub.logger.Error("Writing acks and lease returns failed; retrying", err, watermill.LogFields{"retry_in": wait.String()})
+			retry = time.After(wait)
+			continue
+		}
+		bo.Reset()
+		if c.hasPending() {
+			c.signal()
 		}
 	}
 }
@@ -191,57 +213,63 @@ type batch struct {
 
 func (b *batch) empty() bool { return len(b.acks)+len(b.returns)+len(b.dead) == 0 }
 
+func (c *completer) hasPending() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.acks)+len(c.returns)+len(c.dead) > 0
+}
+
+// take hands the pending verdicts to a write. They still count against the
+// backpressure bound until the write is over (doneWriting).
 func (c *completer) take() batch {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	b := batch{acks: c.acks, returns: c.returns, dead: c.dead}
 	c.acks, c.returns, c.dead = nil, nil, nil
-	c.room.Broadcast()
+	c.writing = len(b.acks) + len(b.returns)
 	return b
 }
 
-func (c *completer) putBack(b batch) {
+// doneWriting puts back what the write left undone and frees the room of
+// what it wrote.
+func (c *completer) doneWriting(left batch) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.acks = append(b.acks, c.acks...)
-	c.returns = append(b.returns, c.returns...)
-	c.dead = append(b.dead, c.dead...)
+	c.acks = append(left.acks, c.acks...)
+	c.returns = append(left.returns, c.returns...)
+	c.dead = append(left.dead, c.dead...)
+	c.writing = 0
+	c.mu.Unlock()
+	c.room.Broadcast()
 }
 
-// flush writes pending verdicts until none are left. On a database error it
-// keeps them and retries with backoff; a final flush (at close) gives up
-// after a few attempts, leaving the rows to come back when their leases
-// expire: never lost, only redelivered.
-func (c *completer) flush(final bool) {
-	bo := backoff.NewExponentialBackOff()
-	bo.InitialInterval = 50 * time.Millisecond
-	bo.MaxInterval = 5 * time.Second
-	bo.MaxElapsedTime = 0
-	failures := 0
-	for {
-		b := c.take()
-		if b.empty() {
-			return
-		}
-		err := c.write(&b)
+// flushOnce writes one batch of pending verdicts. On a database error the
+// unwritten part stays pending for the next attempt.
+func (c *completer) flushOnce() error {
+	b := c.take()
+	if b.empty() {
+		c.doneWriting(b)
+		return nil
+	}
+	err := c.write(&b)
+	c.doneWriting(b)
+	return err
+}
+
+// finalFlush writes what is pending at close, giving up after a few
+// failures: those rows come back when their leases expire. Never lost,
+// only redelivered.
+func (c *completer) finalFlush() {
+	bo := newBackoff()
+	for failures := 0; c.hasPending(); {
+		err := c.flushOnce()
 		if err == nil {
-			continue // more may have arrived meanwhile
+			continue
 		}
-		c.putBack(b)
-		failures++
-		if final && failures >= 3 {
+		if failures++; failures >= 3 {
 			c.sub.logger.Error("Giving up writing acks and lease returns at close; those rows are redelivered when their leases expire", err, nil)
 			return
 		}
-		wait := bo.NextBackOff()
-		c.sub.logger.Error("Writing acks and lease returns failed; retrying", err, watermill.LogFields{"retry_in": wait.String()})
-		t := time.NewTimer(wait)
-		select {
-		case <-t.C:
-		case <-c.closing:
-			t.Stop()
-			final = true
-		}
+		time.Sleep(bo.NextBackOff())
 	}
 }
 
@@ -270,7 +298,7 @@ func (c *completer) stmtCtx() (context.Context, context.CancelFunc) {
 func (c *completer) writeComplete(acks []*delivery, returns []returnOp) error {
 	ackIDs, ackTokens := make([]int64, 0, len(acks)), make([]pgtype.UUID, 0, len(acks))
 	for _, d := range acks {
-		if !d.lost {
+		if !d.lost.Load() {
 			ackIDs, ackTokens = append(ackIDs, d.id), append(ackTokens, d.token)
 		}
 	}
@@ -279,7 +307,7 @@ func (c *completer) writeComplete(acks []*delivery, returns []returnOp) error {
 	delays, undos := make([]pgtype.Int8, 0, n), make([]int32, 0, n)
 	errs, metas := make([]pgtype.Text, 0, n), make([]pgtype.Text, 0, n)
 	for _, op := range returns {
-		if op.d.lost {
+		if op.d.lost.Load() {
 			continue
 		}
 		retIDs, retTokens = append(retIDs, op.d.id), append(retTokens, op.d.token)
@@ -288,11 +316,7 @@ func (c *completer) writeComplete(acks []*delivery, returns []returnOp) error {
 	}
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
-	rows, err := c.sub.s.pool.Query(ctx, c.sub.s.q.Complete, ackIDs, ackTokens, retIDs, retTokens, delays, undos, errs, metas)
-	if err != nil {
-		return err
-	}
-	done, err := collectIDs(rows)
+	done, err := collectWritten(c.sub.s.pool.Query(ctx, c.sub.s.q.Complete, ackIDs, ackTokens, retIDs, retTokens, delays, undos, errs, metas))
 	if err != nil {
 		return err
 	}
@@ -327,7 +351,7 @@ func (c *completer) writeDead(ops []deadOp) error {
 	ids, tokens := make([]int64, 0, n), make([]pgtype.UUID, 0, n)
 	reasons, errs := make([]string, 0, n), make([]pgtype.Text, 0, n)
 	for _, op := range ops {
-		if op.d.lost {
+		if op.d.lost.Load() {
 			continue
 		}
 		ids, tokens = append(ids, op.d.id), append(tokens, op.d.token)
@@ -335,11 +359,7 @@ func (c *completer) writeDead(ops []deadOp) error {
 	}
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
-	rows, err := c.sub.s.pool.Query(ctx, c.sub.s.q.Dead, ids, tokens, reasons, errs)
-	if err != nil {
-		return err
-	}
-	done, err := collectIDs(rows)
+	done, err := collectWritten(c.sub.s.pool.Query(ctx, c.sub.s.q.Dead, ids, tokens, reasons, errs))
 	if err != nil {
 		return err
 	}
@@ -362,16 +382,19 @@ func (c *completer) writeDead(ops []deadOp) error {
 // finish removes d from the in-flight set once its completion is written
 // (or found impossible) and reports a lost lease. It returns whether the
 // write applied.
-func (c *completer) finish(d *delivery, done map[int64]bool, phase string) bool {
+func (c *completer) finish(d *delivery, done written, phase string) bool {
 	c.mu.Lock()
-	delete(c.inflight, d.id)
+	if c.inflight[d.id] == d {
+		delete(c.inflight, d.id)
+	}
 	c.mu.Unlock()
-	if done[d.id] && !d.lost {
+	if d.lost.Load() {
+		return false // reported when it was found
+	}
+	if done.has(d) {
 		return true
 	}
-	if !d.lost {
-		c.leaseLost(d, phase)
-	}
+	c.leaseLost(d, phase)
 	return false
 }
 
@@ -379,7 +402,7 @@ func (c *completer) finish(d *delivery, done map[int64]bool, phase string) bool 
 // expired and another consumer claimed it (or an operator removed it). The
 // write was not applied; the other holder completes the row.
 func (c *completer) leaseLost(d *delivery, phase string) {
-	d.lost = true
+	d.lost.Store(true)
 	logWarn(c.sub.logger, "Lease lost: the row was reclaimed by another consumer; this write was not applied", watermill.LogFields{
 		"event": "lease_lost", "phase": phase, "row_id": d.id, "topic": c.sub.topic, "deliveries": d.deliveries,
 	})
@@ -392,7 +415,7 @@ func (c *completer) renew() {
 	c.mu.Lock()
 	held := make([]*delivery, 0, len(c.inflight))
 	for _, d := range c.inflight {
-		if !d.lost {
+		if !d.lost.Load() {
 			held = append(held, d)
 		}
 	}
@@ -406,42 +429,49 @@ func (c *completer) renew() {
 	}
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
-	rows, err := c.sub.s.pool.Query(ctx, c.sub.s.q.Renew, ids, tokens, c.sub.cfg.Lease.Microseconds())
-	if err != nil {
-		c.sub.logger.Error("Renewing leases failed; retrying at the next period", err, watermill.LogFields{"rows": len(held)})
-		return
-	}
-	done, err := collectIDs(rows)
+	start := time.Now()
+	done, err := collectWritten(c.sub.s.pool.Query(ctx, c.sub.s.q.Renew, ids, tokens, c.sub.cfg.Lease.Microseconds()))
 	if err != nil {
 		c.sub.logger.Error("Renewing leases failed; retrying at the next period", err, watermill.LogFields{"rows": len(held)})
 		return
 	}
 	for _, d := range held {
-		if !done[d.id] {
+		if done.has(d) {
+			d.leasedUntil(start.Add(c.sub.cfg.Lease))
+		} else {
 			c.leaseLost(d, "renew")
 		}
 	}
 	c.sub.s.obs.observe(Event{Kind: EventLeaseRenewed, Topic: c.sub.topic, Count: len(done)})
 }
 
-type idRows interface {
-	Next() bool
-	Scan(...any) error
-	Err() error
-	Close()
+// written is the set of (row, lease) pairs a statement applied to. Keying
+// by the token too matters: one batch may hold a stale and a current lease
+// of the same row, and only the current one is written.
+type written map[writtenKey]bool
+
+type writtenKey struct {
+	id    int64
+	token [16]byte
 }
 
-func collectIDs(rows idRows) (map[int64]bool, error) {
+func (w written) has(d *delivery) bool { return w[writtenKey{d.id, d.token.Bytes}] }
+
+func collectWritten(rows pgx.Rows, err error) (written, error) {
+	if err != nil {
+		return nil, err
+	}
 	defer rows.Close()
-	done := map[int64]bool{}
+	w := written{}
 	for rows.Next() {
 		var id int64
-		if err := rows.Scan(&id); err != nil {
+		var token pgtype.UUID
+		if err := rows.Scan(&id, &token); err != nil {
 			return nil, err
 		}
-		done[id] = true
+		w[writtenKey{id, token.Bytes}] = true
 	}
-	return done, rows.Err()
+	return w, rows.Err()
 }
 
 // nacked decides what a Nack means for d: dead-letter it (rejected, or the

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -23,8 +24,26 @@ type delivery struct {
 	metaRaw     []byte // metadata as stored, to detect a handler's changes
 	lastError   *string
 
-	outcome *outcome // reachable from the message context
-	lost    bool     // a write found the lease taken; owned by the completer
+	outcome *outcome     // reachable from the message context
+	lost    atomic.Bool  // a write found the lease taken by someone else
+	expires atomic.Int64 // when our lease ends, at the latest: nanoseconds on the monotonic clock (sinceStart)
+}
+
+// processStart anchors delivery expiry times to the monotonic clock.
+var processStart = time.Now()
+
+func sinceStart(t time.Time) int64 { return int64(t.Sub(processStart)) }
+
+// leasedUntil records when the lease ends by the latest write that set it,
+// measured from the moment that write was sent: earlier than the database's
+// own expiry, never later.
+func (d *delivery) leasedUntil(t time.Time) { d.expires.Store(sinceStart(t)) }
+
+// leaseLikelyGone reports whether handing d out would risk a second holder:
+// its lease was found lost, or is about to expire without a renewal having
+// reached the database (the buffer waited longer than a renewal period).
+func (d *delivery) leaseLikelyGone(margin time.Duration) bool {
+	return d.lost.Load() || sinceStart(time.Now().Add(margin)) >= d.expires.Load()
 }
 
 // outcome carries what the handler's side knows about a failure to the

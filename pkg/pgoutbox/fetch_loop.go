@@ -114,10 +114,7 @@ func (sub *subscription) endDrain() {
 // interval, which grows from MinPollInterval to MaxPollInterval.
 func (sub *subscription) fetchLoop() {
 	defer sub.loops.Done()
-	errBackoff := backoff.NewExponentialBackOff()
-	errBackoff.InitialInterval = 50 * time.Millisecond
-	errBackoff.MaxInterval = 5 * time.Second
-	errBackoff.MaxElapsedTime = 0
+	errBackoff := newBackoff()
 	idle := sub.cfg.MinPollInterval
 
 	for {
@@ -149,6 +146,14 @@ func (sub *subscription) fetchLoop() {
 			return
 		}
 	}
+}
+
+// newBackoff paces retries after database errors: 50ms doubling to 5s,
+// with jitter, forever. Options, not fields: NewExponentialBackOff resets
+// itself, so fields set afterwards would only apply after the next Reset.
+func newBackoff() *backoff.ExponentialBackOff {
+	return backoff.NewExponentialBackOff(backoff.WithInitialInterval(50*time.Millisecond),
+		backoff.WithMaxInterval(5*time.Second), backoff.WithMaxElapsedTime(0))
 }
 
 // sleep waits d; it reports false when the subscription is stopping.
@@ -209,6 +214,7 @@ func (sub *subscription) claim(n int) ([]*delivery, error) {
 	// Binary UUIDs: pgx encodes them directly, where strings would go
 	// through a failed binary attempt and a formatted error first.
 	token := pgtype.UUID{Bytes: uuid.New(), Valid: true}
+	sent := time.Now()
 	rows, err := sub.s.pool.Query(ctx, sub.s.q.Claim, sub.topic, n, token,
 		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID)
 	if err != nil {
@@ -221,6 +227,7 @@ func (sub *subscription) claim(n int) ([]*delivery, error) {
 		if err := rows.Scan(&d.id, &d.uuid, &d.payload, &d.metaRaw, &d.deliveries, &d.availableAt, &d.lastError); err != nil {
 			return nil, err
 		}
+		d.leasedUntil(sent.Add(sub.cfg.Lease))
 		out = append(out, d)
 	}
 	if err := rows.Err(); err != nil {
@@ -273,6 +280,13 @@ func (sub *subscription) worker() {
 }
 
 func (sub *subscription) deliver(d *delivery) {
+	// A row that waited in the prefetch buffer while renewals could not
+	// reach the database may be someone else's by now: give it back
+	// (under its token) instead of risking two holders.
+	if d.leaseLikelyGone(sub.cfg.StatementTimeout) {
+		sub.comp.release(d, true)
+		return
+	}
 	if max := sub.cfg.MaxDeliveries; max > 0 && d.deliveries > max {
 		sub.comp.deadLetter(d, ReasonMaxDeliveries, "")
 		return

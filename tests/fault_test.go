@@ -1,0 +1,518 @@
+package tests
+
+// Fault tests: delivery survives killed server connections and a killed
+// consumer process (DESIGN.md invariants 3 and 6).
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+// TestFaultTerminatedConnections terminates every server connection of a
+// subscriber (its pool connections and its LISTEN connection) every 100-300
+// ms while 5,000 messages flow through a router. Every message is handled,
+// and once the killing stops nothing stays stuck in the outbox.
+func TestFaultTerminatedConnections(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	const (
+		messages     = 5000
+		batchSize    = 25
+		publishEvery = 20 * time.Millisecond // 1,250 messages/s: about 4s of flow
+		minRounds    = 10
+		topic        = "t"
+	)
+
+	// The subscriber's own pool, named so its backends can be found. The
+	// notifier opens the LISTEN connection with the pool's ConnConfig, so it
+	// carries the same application_name.
+	appName := "pgoutbox-fault-" + b.Schema
+	poolCfg, err := pgxpool.ParseConfig(b.DSN)
+	require.NoError(t, err)
+	poolCfg.MaxConns = 10
+	poolCfg.ConnConfig.RuntimeParams["application_name"] = appName
+	subPool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	require.NoError(t, err)
+	t.Cleanup(subPool.Close)
+
+	var leaseLost atomic.Int64
+	logs := &logCapture{}
+	sub, err := pgoutbox.NewSubscriber(subPool, pgoutbox.SubscriberConfig{
+		Tables:          b.tables,
+		MaxInFlight:     8,
+		Lease:           2 * time.Second,
+		MinPollInterval: 20 * time.Millisecond,
+		MaxPollInterval: time.Second,
+		Observer: pgoutbox.ObserverFunc(func(e pgoutbox.Event) {
+			if e.Kind == pgoutbox.EventLeaseLost {
+				leaseLost.Add(1)
+			}
+		}),
+	}, logs)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+
+	var (
+		mu      sync.Mutex
+		handled = map[string]int{}
+	)
+	runRouter(t, sub, topic, func(m *message.Message) error {
+		mu.Lock()
+		handled[m.UUID]++
+		mu.Unlock()
+		return nil
+	})
+
+	// The killer uses the test's pool (another application_name), so it
+	// never terminates itself.
+	k := startKiller(b.Pool, appName)
+	t.Cleanup(k.stop)
+
+	// Publish at a steady pace, slower than the subscriber consumes, so
+	// rows are claimed, handled and acked during the whole run, and wait for
+	// a new round of terminations every 1/minRounds of the messages, so at
+	// least minRounds-1 rounds strike while messages flow.
+	k.waitRound(t)
+	pub := b.poolPublisher(t)
+	published := make([]string, 0, messages)
+	pace := time.NewTicker(publishEvery)
+	defer pace.Stop()
+	roundsBefore := k.count.Load()
+	for i := range messages / batchSize {
+		<-pace.C
+		msgs := make([]*message.Message, batchSize)
+		for j := range msgs {
+			msgs[j] = newMsg(fmt.Sprintf("%d-%d", i, j))
+			published = append(published, msgs[j].UUID)
+		}
+		require.NoError(t, pub.Publish(topic, msgs...))
+		if (i+1)%(messages/batchSize/minRounds) == 0 {
+			k.waitRound(t)
+		}
+	}
+	pace.Stop()
+	roundsWhilePublishing := k.count.Load() - roundsBefore
+
+	distinct := func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(handled)
+	}
+	pollUntil(t, "every message is handled while connections are being terminated", 45*time.Second, nil,
+		func() bool { return distinct() == messages })
+	for k.count.Load() < minRounds {
+		k.waitRound(t)
+	}
+	k.stop()
+	require.NoError(t, k.err, "terminating the subscriber's backends")
+
+	// Verdicts whose writes failed are retried, and rows claimed by a
+	// statement whose result was lost come back when their lease expires:
+	// nothing stays.
+	pollUntil(t, "the outbox is empty once the connections are left alone", 60*time.Second, nil,
+		func() bool { return b.outboxRows(t, topic) == 0 })
+
+	mu.Lock()
+	defer mu.Unlock()
+	total := 0
+	for _, id := range published {
+		require.GreaterOrEqual(t, handled[id], 1, "message %s was never handled", id)
+	}
+	for _, n := range handled {
+		total += n
+	}
+	terminated, listen := 0, 0
+	for i, r := range k.rounds {
+		require.GreaterOrEqual(t, r.terminated, 1, "round %d terminated no backend", i)
+		terminated += r.terminated
+		listen += r.listen
+	}
+	t.Logf("messages=%d distinct_handled=%d total_handled=%d duplicates=%d rounds=%d (while publishing %d) backends_terminated=%d listen_terminated=%d lease_lost=%d errors_logged=%d",
+		messages, len(handled), total, total-messages, len(k.rounds), roundsWhilePublishing, terminated, listen, leaseLost.Load(),
+		len(logs.find("error", func(logEntry) bool { return true })))
+	require.Len(t, handled, messages, "only published messages are handled")
+	require.GreaterOrEqual(t, len(k.rounds), minRounds, "too few rounds of terminations")
+	require.GreaterOrEqual(t, roundsWhilePublishing, int64(minRounds-1), "too few rounds while messages flowed")
+	require.GreaterOrEqual(t, listen, 1, "the LISTEN connection must have been terminated too")
+	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`))
+}
+
+// killer terminates, every 100-300 ms, every backend whose application_name
+// is appName. Each round waits (up to roundTimeout) until there is at least
+// one backend to terminate, so a round never counts without a hit and a
+// subscriber that does not reconnect fails the test.
+type killer struct {
+	cancel context.CancelFunc
+	done   chan struct{}
+	round  chan struct{} // a value after every round, dropped if nobody waits
+
+	count atomic.Int64 // rounds so far
+
+	// Written by the killer goroutine; read after done is closed.
+	rounds []killRound
+	err    error
+}
+
+type killRound struct {
+	terminated int // backends terminated
+	listen     int // of them, LISTEN connections
+}
+
+const roundTimeout = 5 * time.Second
+
+// terminateBackends terminates the backends named appName and waits for
+// each to exit (so the next round cannot count a dying backend again). It
+// returns one row per backend found; the LISTEN connection is the one whose
+// last statement was LISTEN.
+const terminateBackends = `SELECT pg_terminate_backend(pid, 2000), query LIKE 'LISTEN %'
+  FROM pg_stat_activity
+ WHERE application_name = $1 AND pid <> pg_backend_pid()`
+
+func startKiller(pool *pgxpool.Pool, appName string) *killer {
+	ctx, cancel := context.WithCancel(context.Background())
+	k := &killer{cancel: cancel, done: make(chan struct{}), round: make(chan struct{}, 1)}
+	go func() {
+		defer close(k.done)
+		for {
+			pause := time.NewTimer(100*time.Millisecond + rand.N(200*time.Millisecond))
+			select {
+			case <-ctx.Done():
+				pause.Stop()
+				return
+			case <-pause.C:
+			}
+			r, err := k.terminate(ctx, pool, appName)
+			if ctx.Err() != nil {
+				return
+			}
+			if err != nil {
+				k.err = err
+				return
+			}
+			k.rounds = append(k.rounds, r)
+			k.count.Add(1)
+			select {
+			case k.round <- struct{}{}:
+			default:
+			}
+		}
+	}()
+	return k
+}
+
+func (k *killer) terminate(ctx context.Context, pool *pgxpool.Pool, appName string) (killRound, error) {
+	deadline := time.Now().Add(roundTimeout)
+	poll := time.NewTicker(10 * time.Millisecond)
+	defer poll.Stop()
+	for {
+		var r killRound
+		rows, err := pool.Query(ctx, terminateBackends, appName)
+		if err != nil {
+			return r, err
+		}
+		for rows.Next() {
+			var ok, listen bool
+			if err := rows.Scan(&ok, &listen); err != nil {
+				rows.Close()
+				return r, err
+			}
+			if ok {
+				r.terminated++
+				if listen {
+					r.listen++
+				}
+			}
+		}
+		if err := rows.Err(); err != nil {
+			return r, err
+		}
+		if r.terminated > 0 {
+			return r, nil
+		}
+		if time.Now().After(deadline) {
+			return r, fmt.Errorf("round %d: no backend named %q to terminate within %s; the subscriber did not reconnect", len(k.rounds), appName, roundTimeout)
+		}
+		select {
+		case <-ctx.Done():
+			return r, ctx.Err()
+		case <-poll.C:
+		}
+	}
+}
+
+// waitRound waits for the next round of terminations.
+func (k *killer) waitRound(t *testing.T) {
+	t.Helper()
+	select {
+	case <-k.round:
+	case <-k.done:
+		t.Fatalf("the killer stopped: %v", k.err)
+	case <-time.After(2 * roundTimeout):
+		t.Fatal("no round of terminations within 10s")
+	}
+}
+
+// stop ends the killing and waits for the goroutine; idempotent.
+func (k *killer) stop() {
+	k.cancel()
+	<-k.done
+}
+
+// maxKillDuplicates bounds the messages a SIGKILLed consumer handled without
+// its acks reaching the database, which are then handled again by the next
+// consumer: up to MaxInFlight (8) messages in its handlers, plus up to
+// maxPendingCompletions (256, pkg/pgoutbox/completer.go) verdicts a
+// subscription holds recorded but not yet written (pending or in the write
+// under way). Rows it had only prefetched were never handled: they come back
+// without being duplicates.
+const maxKillDuplicates = 8 + 256
+
+// TestFaultKilledConsumerProcess SIGKILLs a consumer process in the middle
+// of a 2,000-message drain; a second process finishes it. Every message is
+// handled, duplicates stay within what the first process held unacked, and
+// nothing is left behind.
+func TestFaultKilledConsumerProcess(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	const (
+		messages  = 2000
+		batches   = 4
+		killAfter = 600
+		topic     = "t"
+		lease     = 2 * time.Second // the consumer's Lease
+	)
+	_, err := b.Pool.Exec(ctx, `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
+	require.NoError(t, err)
+
+	published := make([]string, 0, messages)
+	for i := range batches {
+		msgs := make([]*message.Message, messages/batches)
+		for j := range msgs {
+			msgs[j] = newMsg(fmt.Sprintf("%d-%d", i, j))
+			published = append(published, msgs[j].UUID)
+		}
+		b.publishInTx(t, topic, true, msgs...)
+	}
+
+	bin := buildConsumer(t)
+	handledBy := func(worker string) int {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.handled WHERE worker = $1`, worker)
+	}
+
+	first := startConsumer(t, bin, b, topic, "first")
+	first.waitFor(t, "first has handled 600 messages", 30*time.Second, func() bool { return handledBy("first") >= killAfter })
+	require.NoError(t, first.cmd.Process.Kill())
+	<-first.done
+	var ws syscall.WaitStatus
+	if st, ok := first.cmd.ProcessState.Sys().(syscall.WaitStatus); ok {
+		ws = st
+	}
+	require.True(t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "first must die of SIGKILL, got %v", first.cmd.ProcessState)
+	atKill := handledBy("first")
+	leftAtKill := b.outboxRows(t, topic)
+	leasedAtKill := b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_token IS NOT NULL`)
+	require.Positive(t, leftAtKill, "first drained everything before the kill; the test proves nothing")
+
+	second := startConsumer(t, bin, b, topic, "second")
+	secondStarted := time.Now()
+	// An empty outbox means the leases first held expired and second
+	// reclaimed and acked those rows; also give second a whole lease period
+	// so nothing it could still reclaim is missed.
+	second.waitFor(t, "the outbox is empty", 45*time.Second, func() bool {
+		return b.outboxRows(t, topic) == 0 && time.Since(secondStarted) > lease
+	})
+	require.NoError(t, second.cmd.Process.Signal(syscall.SIGTERM))
+	select {
+	case <-second.done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("second did not exit within 20s of SIGTERM")
+	}
+	require.NoError(t, second.err, "second must exit cleanly on SIGTERM; stderr:\n%s", second.stderr.String())
+	require.Equal(t, 0, second.cmd.ProcessState.ExitCode())
+
+	// Every published message was handled at least once.
+	counts := map[string]int{}
+	rows, err := b.Pool.Query(ctx, `SELECT uuid, count(*) FROM `+b.Schema+`.handled GROUP BY uuid`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var id string
+		var n int
+		require.NoError(t, rows.Scan(&id, &n))
+		counts[id] = n
+	}
+	require.NoError(t, rows.Err())
+	for _, id := range published {
+		require.GreaterOrEqual(t, counts[id], 1, "message %s was never handled", id)
+	}
+	byFirst, bySecond := handledBy("first"), handledBy("second")
+	total := byFirst + bySecond
+	t.Logf("messages=%d handled_by_first=%d (at kill %d) handled_by_second=%d distinct=%d duplicates=%d outbox_rows_at_kill=%d leased_at_kill=%d",
+		messages, byFirst, atKill, bySecond, len(counts), total-messages, leftAtKill, leasedAtKill)
+	require.Len(t, counts, messages, "only published messages are handled")
+	require.LessOrEqual(t, total-messages, maxKillDuplicates, "duplicates beyond what the killed process held unacked")
+	require.Equal(t, 0, b.outboxRows(t, topic))
+	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`))
+}
+
+// buildConsumer builds testdata/consumer into a temporary directory.
+func buildConsumer(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "consumer")
+	cmd := exec.Command("go", "build", "-o", bin, "./testdata/consumer")
+	cmd.Dir = "." // the tests directory: the test's working directory
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "go build ./testdata/consumer:\n%s", out)
+	return bin
+}
+
+// consumerProc is a running consumer process; it is SIGKILLed at the end of
+// the test if it is still running.
+type consumerProc struct {
+	name   string
+	cmd    *exec.Cmd
+	stdout *lineWatch
+	stderr *syncBuffer
+	done   chan struct{} // closed once the process exited; err is set then
+	err    error
+}
+
+func startConsumer(t *testing.T, bin string, b *bundle, topic, worker string) *consumerProc {
+	t.Helper()
+	p := &consumerProc{
+		name:   worker,
+		cmd:    exec.Command(bin),
+		stdout: &lineWatch{want: "consumer running", seen: make(chan struct{})},
+		stderr: &syncBuffer{},
+		done:   make(chan struct{}),
+	}
+	p.cmd.Env = append(os.Environ(),
+		"CONSUMER_POSTGRES_DSN="+b.DSN,
+		"CONSUMER_SCHEMA="+b.Schema,
+		"CONSUMER_TOPIC="+topic,
+		"CONSUMER_WORKER="+worker,
+		"CONSUMER_MAX_IN_FLIGHT=8",
+	)
+	p.cmd.Stdout = p.stdout
+	p.cmd.Stderr = p.stderr
+	require.NoError(t, p.cmd.Start())
+	go func() {
+		p.err = p.cmd.Wait()
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-p.done:
+		default:
+			_ = p.cmd.Process.Kill()
+			<-p.done
+		}
+		if t.Failed() {
+			t.Logf("consumer %s stderr:\n%s", worker, p.stderr.String())
+		}
+	})
+	select {
+	case <-p.stdout.seen:
+	case <-p.done:
+		t.Fatalf("consumer %s exited before running: %v; stderr:\n%s", worker, p.err, p.stderr.String())
+	case <-time.After(30 * time.Second):
+		t.Fatalf("consumer %s did not report running within 30s", worker)
+	}
+	return p
+}
+
+// waitFor polls cond until it holds; it fails the test when the process
+// exits first or the deadline passes.
+func (p *consumerProc) waitFor(t *testing.T, what string, within time.Duration, cond func() bool) {
+	t.Helper()
+	pollUntil(t, what, within, func() {
+		select {
+		case <-p.done:
+			t.Fatalf("consumer %s exited (%v) before %s; stderr:\n%s", p.name, p.err, what, p.stderr.String())
+		default:
+		}
+	}, cond)
+}
+
+// pollUntil evaluates cond every 5ms on the test goroutine (so cond may use
+// require) until it holds, and fails the test after within. check, when
+// set, runs before every evaluation and may fail the test early.
+func pollUntil(t *testing.T, what string, within time.Duration, check func(), cond func() bool) {
+	t.Helper()
+	deadline := time.NewTimer(within)
+	defer deadline.Stop()
+	poll := time.NewTicker(5 * time.Millisecond)
+	defer poll.Stop()
+	for {
+		if check != nil {
+			check()
+		}
+		if cond() {
+			return
+		}
+		select {
+		case <-deadline.C:
+			t.Fatalf("not within %s: %s", within, what)
+		case <-poll.C:
+		}
+	}
+}
+
+// lineWatch is an io.Writer that closes seen once a line equal to want was
+// written.
+type lineWatch struct {
+	want string
+	seen chan struct{}
+
+	mu   sync.Mutex
+	buf  bytes.Buffer
+	once sync.Once
+}
+
+func (w *lineWatch) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.buf.Write(p)
+	for _, line := range strings.Split(w.buf.String(), "\n") {
+		if line == w.want {
+			w.once.Do(func() { close(w.seen) })
+		}
+	}
+	return len(p), nil
+}
+
+// syncBuffer is a bytes.Buffer safe for concurrent use.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.buf.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.buf.String()
+}

@@ -5,6 +5,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 PG_ENV := eval "$$(scripts/postgres-env.sh)"
 GO_TEST_FLAGS ?= -race -count=1
+BENCH_FLAGS ?=
 # The go tool skips directories starting with "_" in ./... patterns.
 EXAMPLES := $(patsubst %/,./%,$(wildcard _examples/*/))
 
@@ -35,3 +36,7 @@ lint:
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go')); \
 	if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
 	go vet ./... $(EXAMPLES)
+
+## bench: pgoutbox vs. a hand-written pgx floor vs. watermill-sql (tests/bench, its own module); e.g. BENCH_FLAGS="-repeat 1 -scale 0.1"
+bench:
+	@$(PG_ENV); cd tests/bench && go run . $(BENCH_FLAGS)

@@ -1,0 +1,110 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// Settings of the timers scenario: a subscriber that would poll only every
+// 10 s, so a timer can only be on time through the publish's wake-up and
+// the subscriber's planning of the next due row.
+const (
+	timersLease       = 30 * time.Second
+	timersPoll        = 10 * time.Second
+	timersMaxInFlight = 16
+)
+
+// pgoutboxSystem is the library under test, used as its README shows:
+// a publisher per transaction, a Subscriber on a pgxpool, a Router.
+type pgoutboxSystem struct{}
+
+func (pgoutboxSystem) name() string { return "pgoutbox" }
+
+func (pgoutboxSystem) newInstance(ctx context.Context, b *bench, schemaName string) (instance, error) {
+	tables := schema.Config{Schema: schemaName, Table: "outbox"}
+	if err := schema.Create(ctx, tx.FromPgxPool(b.pool), tables); err != nil {
+		return nil, err
+	}
+	return &pgoutboxInstance{b: b, tables: tables}, nil
+}
+
+type pgoutboxInstance struct {
+	b      *bench
+	tables schema.Config
+}
+
+func (i *pgoutboxInstance) table() string {
+	return pgx.Identifier{i.tables.Schema, i.tables.Table}.Sanitize()
+}
+
+func (i *pgoutboxInstance) publish(_ context.Context, t pgx.Tx, msgs []*message.Message) error {
+	// One publisher per transaction, as documented: it is cheap.
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(t), pgoutbox.PublisherConfig{Tables: i.tables}, nil)
+	if err != nil {
+		return err
+	}
+	return pub.Publish(topic, msgs...)
+}
+
+func (i *pgoutboxInstance) loadBacklog(ctx context.Context, n int, payload []byte) error {
+	return loadOutboxBacklog(ctx, i.b, i.table(), n, payload)
+}
+
+// loadOutboxBacklog fills a pgoutbox-format table (pgoutbox and raw share
+// the DDL): metadata, available_at and the lease columns keep their
+// defaults, exactly as a Publish without options would store them.
+func loadOutboxBacklog(ctx context.Context, b *bench, table string, n int, payload []byte) error {
+	_, err := b.pool.Exec(ctx, `
+		INSERT INTO `+table+` (topic, uuid, payload)
+		SELECT $1, gen_random_uuid()::text, $2::bytea FROM generate_series(1, $3)`,
+		topic, payload, n)
+	return err
+}
+
+func (i *pgoutboxInstance) consumer(_ context.Context, cfg consumeConfig) (consumer, error) {
+	acked := newCountdown(cfg.acks)
+	var rc *routerConsumer
+	scfg := pgoutbox.SubscriberConfig{
+		Tables:            i.tables,
+		MaxInFlight:       cfg.maxInFlight,
+		SynchronousCommit: i.b.opts.syncCommit,
+		// Acks are counted when the subscriber reports them written: a
+		// drain is over when the rows are gone, not when the handler
+		// returned. Anything else that ends a row without an ack breaks
+		// the run.
+		Observer: pgoutbox.ObserverFunc(func(e pgoutbox.Event) {
+			switch e.Kind {
+			case pgoutbox.EventAcked:
+				acked.add(1)
+			case pgoutbox.EventLeaseLost, pgoutbox.EventPoisoned, pgoutbox.EventDeadLettered, pgoutbox.EventRetried:
+				rc.fail(fmt.Errorf("pgoutbox reported %s for row %d (phase %q, reason %q): %v", e.Kind, e.RowID, e.Phase, e.Reason, e.Err))
+			}
+		}),
+	}
+	if cfg.timers {
+		scfg.Lease = timersLease
+		scfg.MinPollInterval = timersPoll
+		scfg.MaxPollInterval = timersPoll
+	}
+	sub, err := pgoutbox.NewSubscriber(i.b.pool, scfg, i.b.logger)
+	if err != nil {
+		return nil, err
+	}
+	rc, err = newRouterConsumer(i.b, sub, cfg.handle)
+	if err != nil {
+		_ = sub.Close()
+		return nil, err
+	}
+	rc.waitAckedFn = func(ctx context.Context, timeout time.Duration) error {
+		return acked.wait(ctx, timeout, "acks written", rc.failed())
+	}
+	return rc, nil
+}

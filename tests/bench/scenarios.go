@@ -1,0 +1,554 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+// topic is the one topic every scenario uses; each run has its own table.
+const topic = "bench"
+
+// payloadSize is the body of every message, a typical small domain event.
+const payloadSize = 200
+
+// system is one way of running an outbox: pgoutbox, the raw floor, or
+// watermill-sql.
+type system interface {
+	name() string
+	// newInstance creates the system's table in a new schema of that name.
+	newInstance(ctx context.Context, b *bench, schema string) (instance, error)
+}
+
+// instance is a system on one fresh table, for one scenario run.
+type instance interface {
+	// table is the quoted, schema-qualified name of the message table.
+	table() string
+	// publish writes msgs to topic inside t; it never commits.
+	publish(ctx context.Context, t pgx.Tx, msgs []*message.Message) error
+	// loadBacklog inserts n valid messages of payloadSize bytes with one
+	// INSERT ... SELECT FROM generate_series: fast, and the same for every
+	// system, so only consumption is measured.
+	loadBacklog(ctx context.Context, n int, payload []byte) error
+	// consumer prepares a consumer (connections, router) without starting
+	// it, so set-up cost stays outside the timed part.
+	consumer(ctx context.Context, cfg consumeConfig) (consumer, error)
+}
+
+type consumeConfig struct {
+	maxInFlight int
+	// handle runs at the start of each message's handler, with the message
+	// UUID, before the message is acked; an error fails the run.
+	handle func(uuid string) error
+	// acks is how many acks the run expects; waitAcked waits for them.
+	acks int
+	// timers: the pgoutbox subscriber of the timers scenario polls every
+	// 10s with a 30s lease, so only its timer planning can be on time.
+	timers bool
+}
+
+type consumer interface {
+	start(ctx context.Context) error
+	// waitAcked blocks until cfg.acks acks are written to the database
+	// (rows deleted), not merely given to the subscriber.
+	waitAcked(ctx context.Context, timeout time.Duration) error
+	// failed is closed when the consumer broke; err says why.
+	failed() <-chan struct{}
+	err() error
+	close() error
+}
+
+// failure records the first error of a consumer and signals it.
+type failure struct {
+	once  sync.Once
+	ch    chan struct{}
+	first error
+}
+
+func newFailure() *failure { return &failure{ch: make(chan struct{})} }
+
+func (f *failure) fail(err error) {
+	f.once.Do(func() {
+		f.first = err
+		close(f.ch)
+	})
+}
+
+func (f *failure) failed() <-chan struct{} { return f.ch }
+
+func (f *failure) err() error {
+	select {
+	case <-f.ch:
+		return f.first
+	default:
+		return nil
+	}
+}
+
+type scenario struct {
+	name string
+	// systems that take part; nil means all.
+	systems []string
+	run     func(ctx context.Context, b *bench, inst instance) (result, error)
+}
+
+func (s *scenario) takes(sys string) bool {
+	return s.systems == nil || slices.Contains(s.systems, sys)
+}
+
+// scenarios in output order.
+var scenarios = []*scenario{
+	{name: "publish-1", run: publishScenario(1)},
+	{name: "publish-100", run: publishScenario(100)},
+	{name: "drain-1", run: drainScenario(false, 1)},
+	{name: "drain-16", run: drainScenario(false, 16)},
+	{name: "latency-1", run: latencyScenario(1)},
+	{name: "latency-16", run: latencyScenario(16)},
+	{name: "timers", systems: []string{"pgoutbox"}, run: timersScenario},
+	{name: "drain-1m", systems: []string{"pgoutbox", "raw"}, run: drainScenario(true, 16)},
+}
+
+func scenarioNames() []string {
+	var out []string
+	for _, s := range scenarios {
+		out = append(out, s.name)
+	}
+	return out
+}
+
+func scenarioByName(name string) *scenario {
+	for _, s := range scenarios {
+		if s.name == name {
+			return s
+		}
+	}
+	panic("unknown scenario " + name)
+}
+
+var systems = []system{pgoutboxSystem{}, rawSystem{}, watermillSQLSystem{}}
+
+func systemNames() []string {
+	var out []string
+	for _, s := range systems {
+		out = append(out, s.name())
+	}
+	return out
+}
+
+func systemByName(name string) system {
+	for _, s := range systems {
+		if s.name() == name {
+			return s
+		}
+	}
+	panic("unknown system " + name)
+}
+
+func newPayload() []byte {
+	return []byte(strings.Repeat("x", payloadSize))
+}
+
+func newMessages(n int, payload []byte) []*message.Message {
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = message.NewMessage(watermill.NewUUID(), payload)
+	}
+	return msgs
+}
+
+// inFlightNote marks the rows where a system cannot honour MaxInFlight, so
+// nobody reads its -16 figure as a concurrent run.
+func inFlightNote(inst instance, maxInFlight int) string {
+	if maxInFlight <= 1 {
+		return ""
+	}
+	switch inst.(type) {
+	case *watermillSQLInstance:
+		return "no in-flight setting"
+	case *rawInstance:
+		return "floor loop: claims 100, ignores MaxInFlight"
+	}
+	return ""
+}
+
+// commitNote says how a drain's bookkeeping writes commit where that
+// differs from the header's setting: it explains much of the gap between
+// the systems on a disk where a WAL flush is expensive.
+func commitNote(b *bench, inst instance) string {
+	if _, ok := inst.(*watermillSQLInstance); ok && !b.opts.syncCommit {
+		return "acks commit synchronously (no option)"
+	}
+	return ""
+}
+
+// countRows counts the rows of inst's table, outside any timed part.
+func countRows(ctx context.Context, b *bench, inst instance) (int64, error) {
+	var n int64
+	err := b.pool.QueryRow(ctx, `SELECT count(*) FROM `+inst.table()).Scan(&n)
+	return n, err
+}
+
+// expectRows fails the run when the table does not hold want rows: a
+// benchmark of a system that lost or kept messages measures nothing.
+func expectRows(ctx context.Context, b *bench, inst instance, want int64, when string) error {
+	n, err := countRows(ctx, b, inst)
+	if err != nil {
+		return fmt.Errorf("count rows %s: %w", when, err)
+	}
+	if n != want {
+		return fmt.Errorf("%s the table holds %d rows, want %d", when, n, want)
+	}
+	return nil
+}
+
+// publishScenario publishes 20,000 messages, perTx per transaction and per
+// Publish call, sequentially on one dedicated connection. Building the
+// messages and the per-transaction publisher is part of the timed loop: a
+// caller pays for it too.
+func publishScenario(perTx int) func(context.Context, *bench, instance) (result, error) {
+	return func(ctx context.Context, b *bench, inst instance) (result, error) {
+		n := b.count(20_000)
+		conn, err := b.conn(ctx)
+		if err != nil {
+			return result{}, err
+		}
+		defer conn.Close(context.Background())
+		payload := newPayload()
+
+		start := time.Now()
+		for sent := 0; sent < n; sent += perTx {
+			msgs := newMessages(min(perTx, n-sent), payload)
+			t, err := conn.Begin(ctx)
+			if err != nil {
+				return result{}, err
+			}
+			if err := inst.publish(ctx, t, msgs); err != nil {
+				_ = t.Rollback(context.Background())
+				return result{}, fmt.Errorf("publish: %w", err)
+			}
+			if err := t.Commit(ctx); err != nil {
+				return result{}, fmt.Errorf("commit: %w", err)
+			}
+		}
+		elapsed := time.Since(start)
+
+		if err := expectRows(ctx, b, inst, int64(n), "after publishing"); err != nil {
+			return result{}, err
+		}
+		return result{msgsPerS: float64(n) / elapsed.Seconds()}, nil
+	}
+}
+
+// drainScenario consumes a pre-loaded backlog: 20,000 rows, or
+// -backlog-large rows when large. The clock runs from the consumer's start
+// until every message was handled AND every ack is written (the row is
+// gone), since an ack that is only in memory has not finished the work.
+func drainScenario(large bool, maxInFlight int) func(context.Context, *bench, instance) (result, error) {
+	return func(ctx context.Context, b *bench, inst instance) (result, error) {
+		n := b.count(20_000)
+		if large {
+			n = b.count(b.opts.backlogLarge)
+		}
+		if err := inst.loadBacklog(ctx, n, newPayload()); err != nil {
+			return result{}, fmt.Errorf("load backlog: %w", err)
+		}
+		if err := settle(ctx, b, inst); err != nil {
+			return result{}, err
+		}
+
+		handled := newCountdown(n)
+		cons, err := inst.consumer(ctx, consumeConfig{
+			maxInFlight: maxInFlight,
+			acks:        n,
+			handle: func(string) error {
+				handled.add(1)
+				return nil
+			},
+		})
+		if err != nil {
+			return result{}, err
+		}
+		defer cons.close()
+		// Generous: fail only below 200 msg/s, far under any system here.
+		timeout := time.Minute + time.Duration(n)*5*time.Millisecond
+
+		start := time.Now()
+		if err := cons.start(ctx); err != nil {
+			return result{}, err
+		}
+		if err := handled.wait(ctx, timeout, "messages handled", cons.failed()); err != nil {
+			return result{}, withCause(err, cons)
+		}
+		if err := cons.waitAcked(ctx, timeout); err != nil {
+			return result{}, withCause(err, cons)
+		}
+		elapsed := time.Since(start)
+
+		if err := cons.close(); err != nil {
+			return result{}, err
+		}
+		if err := expectRows(ctx, b, inst, 0, "after the drain"); err != nil {
+			return result{}, err
+		}
+		res := result{msgsPerS: float64(n) / elapsed.Seconds(), note: joinNote(inFlightNote(inst, maxInFlight), commitNote(b, inst))}
+		if extra := handled.count() - int64(n); extra > 0 {
+			res.note = joinNote(res.note, fmt.Sprintf("%d redeliveries", extra))
+		}
+		if large {
+			res.note = joinNote(res.note, fmt.Sprintf("backlog %d", n))
+		}
+		return res, nil
+	}
+}
+
+// settle makes every drain start from the same state: fresh statistics (the
+// planner must see the rows to pick the index scans) and a checkpoint just
+// done. The checkpoint means the drain never pays for writing the load's
+// dirty pages, and pays the full-page WAL images of every page it touches
+// in every run, instead of a timed checkpoint landing in some runs only.
+func settle(ctx context.Context, b *bench, inst instance) error {
+	if _, err := b.pool.Exec(ctx, `ANALYZE `+inst.table()); err != nil {
+		return fmt.Errorf("analyze: %w", err)
+	}
+	// CHECKPOINT needs superuser (or pg_checkpoint on 15+); without it the
+	// numbers are noisier, not wrong.
+	if _, err := b.pool.Exec(ctx, `CHECKPOINT`); err != nil {
+		fmt.Fprintf(b.progress, "  (CHECKPOINT skipped: %v)\n", err)
+	}
+	return nil
+}
+
+func joinNote(a, b string) string {
+	switch {
+	case a == "":
+		return b
+	case b == "":
+		return a
+	}
+	return a + "; " + b
+}
+
+func withCause(err error, cons consumer) error {
+	if cause := cons.err(); cause != nil {
+		return fmt.Errorf("%w: %w", err, cause)
+	}
+	return err
+}
+
+// latencyScenario measures idle latency: one message every 20 ms, each in
+// its own transaction, to a consumer that has nothing else to do. Latency is
+// the handler's start minus the moment just before Commit, both on this
+// process's clock.
+func latencyScenario(maxInFlight int) func(context.Context, *bench, instance) (result, error) {
+	return func(ctx context.Context, b *bench, inst instance) (result, error) {
+		const interval = 20 * time.Millisecond
+		n := b.count(500)
+		var (
+			mu        sync.Mutex
+			committed = make(map[string]time.Time, n)
+			latencies = make([]float64, 0, n)
+		)
+		handled := newCountdown(n)
+		cons, err := inst.consumer(ctx, consumeConfig{
+			maxInFlight: maxInFlight,
+			acks:        n,
+			handle: func(uuid string) error {
+				now := time.Now()
+				mu.Lock()
+				defer mu.Unlock()
+				t0, ok := committed[uuid]
+				if !ok {
+					return fmt.Errorf("message %s handled before its commit was recorded", uuid)
+				}
+				latencies = append(latencies, ms(now.Sub(t0)))
+				handled.add(1)
+				return nil
+			},
+		})
+		if err != nil {
+			return result{}, err
+		}
+		defer cons.close()
+		conn, err := b.conn(ctx)
+		if err != nil {
+			return result{}, err
+		}
+		defer conn.Close(context.Background())
+		if err := cons.start(ctx); err != nil {
+			return result{}, err
+		}
+		// Let the consumer reach its idle state (LISTEN set up, first empty
+		// claim done): this scenario is about waking an idle consumer.
+		if !sleepCtx(ctx, time.Second) {
+			return result{}, ctx.Err()
+		}
+
+		payload := newPayload()
+		begin := time.Now()
+		for i := range n {
+			// Paced against the start, so a slow publish does not push every
+			// later message back.
+			if !sleepCtx(ctx, time.Until(begin.Add(time.Duration(i)*interval))) {
+				return result{}, ctx.Err()
+			}
+			msgs := newMessages(1, payload)
+			t, err := conn.Begin(ctx)
+			if err != nil {
+				return result{}, err
+			}
+			if err := inst.publish(ctx, t, msgs); err != nil {
+				_ = t.Rollback(context.Background())
+				return result{}, fmt.Errorf("publish: %w", err)
+			}
+			mu.Lock()
+			committed[msgs[0].UUID] = time.Now()
+			mu.Unlock()
+			if err := t.Commit(ctx); err != nil {
+				return result{}, fmt.Errorf("commit: %w", err)
+			}
+		}
+		if err := handled.wait(ctx, 30*time.Second, "messages handled", cons.failed()); err != nil {
+			return result{}, withCause(err, cons)
+		}
+		// Untimed, but needed: closing before the acks are written would
+		// cancel them (watermill-sql acks a whole batch at its end) and leave
+		// rows behind for the next run to trip over.
+		if err := cons.waitAcked(ctx, 30*time.Second); err != nil {
+			return result{}, withCause(err, cons)
+		}
+		if err := cons.close(); err != nil {
+			return result{}, err
+		}
+		if err := expectRows(ctx, b, inst, 0, "after the run"); err != nil {
+			return result{}, err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		return result{
+			p50ms: percentile(latencies, 0.50),
+			p99ms: percentile(latencies, 0.99),
+			note:  inFlightNote(inst, maxInFlight),
+		}, nil
+	}
+}
+
+// timersScenario (pgoutbox only) publishes 200 messages due at random
+// points in the next 3 s to a subscriber that would poll only every 10 s,
+// and measures how late each fired on the database clock: claim time
+// (leased_until - Lease) minus available_at. A negative value means a timer
+// fired early, which is a bug, so the run fails.
+func timersScenario(ctx context.Context, b *bench, inst instance) (result, error) {
+	const (
+		span  = 3 * time.Second
+		calls = 4 // "a few Publish calls"
+	)
+	n := b.count(200)
+	var (
+		mu       sync.Mutex
+		lateness []float64
+		early    []string
+	)
+	handled := newCountdown(n)
+	cons, err := inst.consumer(ctx, consumeConfig{
+		maxInFlight: timersMaxInFlight,
+		acks:        n,
+		timers:      true,
+		handle: func(uuid string) error {
+			var lateMs float64
+			// Read before the ack: the row (and its lease) is gone after it.
+			err := b.pool.QueryRow(ctx, `
+				SELECT 1000 * extract(epoch FROM (leased_until - $2 * interval '1 microsecond') - available_at)
+				  FROM `+inst.table()+` WHERE uuid = $1`, uuid, timersLease.Microseconds()).Scan(&lateMs)
+			if err != nil {
+				return fmt.Errorf("read lateness of %s: %w", uuid, err)
+			}
+			mu.Lock()
+			lateness = append(lateness, lateMs)
+			if lateMs < 0 {
+				early = append(early, fmt.Sprintf("%s %.3f ms early", uuid, -lateMs))
+			}
+			mu.Unlock()
+			handled.add(1)
+			return nil
+		},
+	})
+	if err != nil {
+		return result{}, err
+	}
+	defer cons.close()
+	if err := cons.start(ctx); err != nil {
+		return result{}, err
+	}
+	// The subscriber must be idle, asleep in its 10 s poll, when the timers
+	// arrive: only the publish's wake-up and the timer planning can make
+	// them fire on time.
+	if !sleepCtx(ctx, time.Second) {
+		return result{}, ctx.Err()
+	}
+
+	msgs := newMessages(n, newPayload())
+	for _, m := range msgs {
+		pgoutbox.DeliverAfter(m, time.Duration(rand.Int64N(int64(span))))
+	}
+	per := (n + calls - 1) / calls
+	for i := 0; i < n; i += per {
+		t, err := b.pool.Begin(ctx)
+		if err != nil {
+			return result{}, err
+		}
+		if err := inst.publish(ctx, t, msgs[i:min(i+per, n)]); err != nil {
+			_ = t.Rollback(context.Background())
+			return result{}, fmt.Errorf("publish: %w", err)
+		}
+		if err := t.Commit(ctx); err != nil {
+			return result{}, err
+		}
+	}
+	if err := handled.wait(ctx, span+30*time.Second, "timers fired", cons.failed()); err != nil {
+		return result{}, withCause(err, cons)
+	}
+	if err := cons.waitAcked(ctx, 30*time.Second); err != nil {
+		return result{}, withCause(err, cons)
+	}
+	if err := cons.close(); err != nil {
+		return result{}, err
+	}
+	if err := expectRows(ctx, b, inst, 0, "after the timers fired"); err != nil {
+		return result{}, err
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(early) > 0 {
+		return result{}, fmt.Errorf("%d of %d timers fired EARLY: %s", len(early), n, strings.Join(early[:min(5, len(early))], ", "))
+	}
+	return result{
+		p50ms: percentile(lateness, 0.50),
+		p99ms: percentile(lateness, 0.99),
+		note:  fmt.Sprintf("lateness on the DB clock, %d timers in %s, poll 10s, MaxInFlight %d", n, span, timersMaxInFlight),
+	}, nil
+}
+
+// sleepCtx sleeps d (nothing if d <= 0); false means ctx ended.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}

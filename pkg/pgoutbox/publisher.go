@@ -3,7 +3,6 @@ package pgoutbox
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -79,8 +78,33 @@ func NewTxPublisher(t *sql.Tx, config PublisherConfig, logger watermill.LoggerAd
 // Publish writes msgs to topic in one statement, in order. The context of
 // msgs[0] bounds the statement. With no messages it does nothing.
 func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
-	_, err := p.PublishWithResult(topic, msgs...)
-	return err
+	args, err := p.prepare(topic, msgs)
+	if err != nil || len(msgs) == 0 {
+		return err
+	}
+	if args.delays != nil {
+		// Scheduled or keyed messages need the full statement.
+		_, err := p.publishFull(topic, msgs, args)
+		return err
+	}
+	if _, err := p.exec.Exec(msgs[0].Context(), p.q.PublishPlain, topic, args.uuids, args.payloads, args.metadata, p.q.Names.Channel); err != nil {
+		return p.wrapErr(topic, err)
+	}
+	p.obs.observe(Event{Kind: EventPublished, Topic: topic, Count: len(msgs)})
+	return nil
+}
+
+func (p *Publisher) prepare(topic string, msgs []*message.Message) (publishBatch, error) {
+	if p.closed.Load() {
+		return publishBatch{}, fmt.Errorf("%w; create a new publisher", ErrPublisherClosed)
+	}
+	if err := checkTopic(topic); err != nil {
+		return publishBatch{}, err
+	}
+	if len(msgs) == 0 {
+		return publishBatch{}, nil
+	}
+	return publishArgs(msgs)
 }
 
 // PublishResult tells what a Publish call stored.
@@ -104,21 +128,19 @@ func (r PublishResult) Skipped() []int {
 // PublishWithResult is Publish, reporting each message's row id and which
 // messages a dedup key skipped.
 func (p *Publisher) PublishWithResult(topic string, msgs ...*message.Message) (PublishResult, error) {
-	if p.closed.Load() {
-		return PublishResult{}, fmt.Errorf("%w; create a new publisher", ErrPublisherClosed)
-	}
-	if err := checkTopic(topic); err != nil {
+	args, err := p.prepare(topic, msgs)
+	if err != nil || len(msgs) == 0 {
 		return PublishResult{}, err
 	}
-	if len(msgs) == 0 {
-		return PublishResult{}, nil
+	return p.publishFull(topic, msgs, args)
+}
+
+func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publishBatch) (PublishResult, error) {
+	if args.delays == nil {
+		n := len(msgs)
+		args.delays, args.ats, args.dedup = make([]pgtype.Int8, n), make([]pgtype.Timestamptz, n), make([]pgtype.Text, n)
 	}
-	args, err := publishArgs(topic, msgs)
-	if err != nil {
-		return PublishResult{}, err
-	}
-	ctx := msgs[0].Context()
-	rows, err := p.exec.Query(ctx, p.q.Publish, topic, args.uuids, args.payloads, args.metadata,
+	rows, err := p.exec.Query(msgs[0].Context(), p.q.Publish, topic, args.uuids, args.payloads, args.metadata,
 		args.delays, args.ats, args.dedup, p.q.Names.Channel)
 	if err != nil {
 		return PublishResult{}, p.wrapErr(topic, err)
@@ -144,7 +166,6 @@ func (p *Publisher) PublishWithResult(topic string, msgs ...*message.Message) (P
 		res.IDs[i] = idByUUID[m.UUID]
 	}
 	p.obs.observe(Event{Kind: EventPublished, Topic: topic, Count: len(idByUUID)})
-	p.logger.Trace("Published messages", watermill.LogFields{"topic": topic, "count": len(msgs), "inserted": len(idByUUID)})
 	return res, nil
 }
 
@@ -169,7 +190,9 @@ func (p *Publisher) wrapErr(topic string, err error) error {
 	return fmt.Errorf("pgoutbox: publish to %q: %w", topic, err)
 }
 
-// publishBatch holds one Publish call as parallel arrays (see query.Publish).
+// publishBatch holds one Publish call as parallel arrays (see query.Publish
+// and query.PublishPlain). delays, ats and dedup are nil unless a message is
+// scheduled or keyed.
 type publishBatch struct {
 	uuids    []string
 	payloads [][]byte
@@ -193,72 +216,133 @@ func checkTopic(topic string) error {
 	return nil
 }
 
-func checkText(what string, i int, s string) error {
+// checkText checks that s can be stored as PostgreSQL text; what names the
+// value in the error and is only called on failure.
+func checkText(i int, s string, what func() string) error {
 	if !utf8.ValidString(s) {
-		return fmt.Errorf("%w: message %d: %s is not valid UTF-8; PostgreSQL stores it as text, so encode binary data (for example base64) or put it in the payload", ErrInvalidMessage, i, what)
+		return fmt.Errorf("%w: message %d: %s is not valid UTF-8; PostgreSQL stores it as text, so encode binary data (for example base64) or put it in the payload", ErrInvalidMessage, i, what())
 	}
 	if strings.IndexByte(s, 0) >= 0 {
-		return fmt.Errorf("%w: message %d: %s contains a NUL byte, which PostgreSQL text cannot hold; remove it or encode the value", ErrInvalidMessage, i, what)
+		return fmt.Errorf("%w: message %d: %s contains a NUL byte, which PostgreSQL text cannot hold; remove it or encode the value", ErrInvalidMessage, i, what())
 	}
 	return nil
 }
 
-func publishArgs(topic string, msgs []*message.Message) (publishBatch, error) {
+func publishArgs(msgs []*message.Message) (publishBatch, error) {
+	n := len(msgs)
 	b := publishBatch{
-		uuids:    make([]string, len(msgs)),
-		payloads: make([][]byte, len(msgs)),
-		metadata: make([]string, len(msgs)),
-		delays:   make([]pgtype.Int8, len(msgs)),
-		ats:      make([]pgtype.Timestamptz, len(msgs)),
-		dedup:    make([]pgtype.Text, len(msgs)),
+		uuids:    make([]string, n),
+		payloads: make([][]byte, n),
+		metadata: make([]string, n),
 	}
-	seen := make(map[string]int, len(msgs))
+	var seen map[string]int
+	if n > 1 {
+		seen = make(map[string]int, n)
+	}
+	var buf []byte
 	for i, m := range msgs {
 		if m == nil {
 			return b, fmt.Errorf("%w: message %d is nil; build every message with message.NewMessage and remove the nil entries", ErrInvalidMessage, i)
 		}
-		if j, dup := seen[m.UUID]; dup {
-			return b, fmt.Errorf("%w: messages %d and %d have the same UUID %q; give each message of one Publish call its own UUID (watermill.NewUUID())", ErrInvalidMessage, j, i, m.UUID)
+		if seen != nil {
+			if j, dup := seen[m.UUID]; dup {
+				return b, fmt.Errorf("%w: messages %d and %d have the same UUID %q; give each message of one Publish call its own UUID (watermill.NewUUID())", ErrInvalidMessage, j, i, m.UUID)
+			}
+			seen[m.UUID] = i
 		}
-		seen[m.UUID] = i
-		if err := checkText("UUID", i, m.UUID); err != nil {
+		if err := checkText(i, m.UUID, func() string { return "UUID" }); err != nil {
 			return b, err
 		}
-		stored := make(map[string]string, len(m.Metadata))
-		for k, v := range m.Metadata {
-			if err := checkText(fmt.Sprintf("metadata key %q", k), i, k); err != nil {
-				return b, err
-			}
-			if err := checkText(fmt.Sprintf("metadata value of %q", k), i, v); err != nil {
-				return b, err
-			}
-			switch k {
-			case deliverAfterKey, deliverAtKey, dedupKeyKey:
-			default:
-				stored[k] = v
-			}
-		}
-		meta, err := json.Marshal(stored)
-		if err != nil {
-			return b, fmt.Errorf("%w: message %d: metadata: %v", ErrInvalidMessage, i, err)
+		var err error
+		if buf, err = appendMetadataJSON(buf[:0], i, m.Metadata); err != nil {
+			return b, err
 		}
 		b.uuids[i] = m.UUID
 		b.payloads[i] = m.Payload
 		if b.payloads[i] == nil {
 			b.payloads[i] = []byte{} // payload is NOT NULL; nil means empty
 		}
-		b.metadata[i] = string(meta)
-		if b.delays[i], b.ats[i], err = schedule(m.Metadata); err != nil {
+		b.metadata[i] = string(buf)
+
+		delay, at, err := schedule(m.Metadata)
+		if err != nil {
 			return b, fmt.Errorf("%w: message %d: %v", ErrInvalidMessage, i, err)
 		}
-		if key, ok := m.Metadata[dedupKeyKey]; ok {
-			if key == "" {
-				return b, fmt.Errorf("%w: message %d: dedup key is empty; pass a non-empty key to WithDedupKey", ErrInvalidMessage, i)
+		key, keyed := m.Metadata[dedupKeyKey]
+		if keyed && key == "" {
+			return b, fmt.Errorf("%w: message %d: dedup key is empty; pass a non-empty key to WithDedupKey", ErrInvalidMessage, i)
+		}
+		if (delay.Valid || at.Valid || keyed) && b.delays == nil {
+			// Only calls that schedule or deduplicate pay for the extra
+			// arrays and the fuller statement.
+			b.delays, b.ats, b.dedup = make([]pgtype.Int8, n), make([]pgtype.Timestamptz, n), make([]pgtype.Text, n)
+		}
+		if b.delays != nil {
+			b.delays[i], b.ats[i] = delay, at
+			if keyed {
+				b.dedup[i] = pgtype.Text{String: key, Valid: true}
 			}
-			b.dedup[i] = pgtype.Text{String: key, Valid: true}
 		}
 	}
 	return b, nil
+}
+
+// appendMetadataJSON appends md as a JSON object, leaving out the keys that
+// are instructions to the publisher, after checking that every key and
+// value can be stored as text.
+func appendMetadataJSON(buf []byte, i int, md message.Metadata) ([]byte, error) {
+	buf = append(buf, '{')
+	first := true
+	for k, v := range md {
+		if err := checkText(i, k, func() string { return fmt.Sprintf("metadata key %q", k) }); err != nil {
+			return buf, err
+		}
+		if err := checkText(i, v, func() string { return fmt.Sprintf("metadata value of %q", k) }); err != nil {
+			return buf, err
+		}
+		switch k {
+		case deliverAfterKey, deliverAtKey, dedupKeyKey:
+			continue
+		}
+		if !first {
+			buf = append(buf, ',')
+		}
+		first = false
+		buf = appendJSONString(buf, k)
+		buf = append(buf, ':')
+		buf = appendJSONString(buf, v)
+	}
+	return append(buf, '}'), nil
+}
+
+// appendJSONString appends s, valid UTF-8 without NUL (checkText), as a JSON
+// string: quotes, backslashes and control characters escaped.
+func appendJSONString(buf []byte, s string) []byte {
+	const hex = "0123456789abcdef"
+	buf = append(buf, '"')
+	start := 0
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c >= 0x20 && c != '"' && c != '\\' {
+			continue
+		}
+		buf = append(buf, s[start:i]...)
+		switch c {
+		case '"', '\\':
+			buf = append(buf, '\\', c)
+		case '\n':
+			buf = append(buf, '\\', 'n')
+		case '\t':
+			buf = append(buf, '\\', 't')
+		case '\r':
+			buf = append(buf, '\\', 'r')
+		default:
+			buf = append(buf, '\\', 'u', '0', '0', hex[c>>4], hex[c&0xf])
+		}
+		start = i + 1
+	}
+	buf = append(buf, s[start:]...)
+	return append(buf, '"')
 }
 
 // schedule reads the delivery time from metadata. Precedence: pgoutbox's own

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
@@ -17,6 +18,9 @@ import (
 // scan of its own partial index, and nothing may scan the table
 // sequentially. A rewrite into one "ready OR expired" SELECT, or into
 // UPDATE ... FROM cte, turns into a sequential scan (see query.Claim).
+// fromStart is the claim's cursor for a scan from the start of the range.
+var fromStart = pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
+
 func TestClaimUsesPartialIndexes(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -48,7 +52,8 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 		_, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode)
 		require.NoError(t, err)
 		var plan []string
-		rows, err := conn.Query(ctx, "EXPLAIN "+q.Claim, "topic-3", 100, uuid.NewString(), int64(30e6), "test")
+		rows, err := conn.Query(ctx, "EXPLAIN "+q.Claim, "topic-3", 100, uuid.NewString(), int64(30e6), "test",
+			fromStart, int64(0), true)
 		require.NoError(t, err)
 		for rows.Next() {
 			var line string
@@ -83,7 +88,7 @@ func TestSubscriberWritesCommitAsynchronously(t *testing.T) {
 		pgTx, err := b.Pool.Begin(ctx)
 		require.NoError(t, err)
 		var claimed int
-		rows, err := pgTx.Query(ctx, q.Claim, "t", 1, uuid.New(), int64(30e6), "test")
+		rows, err := pgTx.Query(ctx, q.Claim, "t", 1, uuid.New(), int64(30e6), "test", fromStart, int64(0), true)
 		require.NoError(t, err)
 		for rows.Next() {
 			claimed++

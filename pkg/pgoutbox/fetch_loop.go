@@ -116,13 +116,14 @@ func (sub *subscription) fetchLoop() {
 	defer sub.loops.Done()
 	errBackoff := newBackoff()
 	idle := sub.cfg.MinPollInterval
+	scan := newClaimScan()
 
 	for {
 		n := sub.window.acquire(sub.stop)
 		if n == 0 {
 			return
 		}
-		rows, err := sub.claim(n)
+		rows, err := sub.claim(n, scan)
 		sub.window.unreserve(n - len(rows))
 		if err != nil {
 			wait := errBackoff.NextBackOff()
@@ -142,9 +143,14 @@ func (sub *subscription) fetchLoop() {
 		}
 		wait := jitter(idle)
 		idle = min(idle*2, sub.cfg.MaxPollInterval)
-		if !sub.idleWait(wait) {
+		woke, byTimer := sub.idleWait(wait)
+		if !woke {
 			return
 		}
+		// Whatever woke us may be behind the cursor: a commit of a
+		// transaction that began before rows already claimed, or a lease
+		// that expired (the timer was set to it).
+		scan.restart(byTimer)
 	}
 }
 
@@ -172,8 +178,8 @@ func (sub *subscription) sleep(d time.Duration) bool {
 // a scheduled row (or an expiring lease) is due sooner, and it ends early
 // when a NOTIFY says rows are due. A NOTIFY about rows published for later
 // only makes it ask again when the next row is due. It reports false when
-// the subscription is stopping.
-func (sub *subscription) idleWait(poll time.Duration) bool {
+// the subscription is stopping, and whether the timer ended the wait.
+func (sub *subscription) idleWait(poll time.Duration) (woke, byTimer bool) {
 	wait := poll
 	if due, ok := sub.nextDue(); ok && due < wait {
 		wait = due
@@ -184,13 +190,13 @@ func (sub *subscription) idleWait(poll time.Duration) bool {
 	for {
 		select {
 		case <-sub.stop:
-			return false
+			return false, false
 		case <-t.C:
-			return true
+			return true, true
 		case <-sub.waiter.C:
-			return true
+			return true, false
 		case <-sub.selfWake:
-			return true
+			return true, false
 		case <-sub.waiter.Scheduled:
 			if due, ok := sub.nextDue(); ok && time.Until(deadline) > due {
 				deadline = time.Now().Add(due)
@@ -208,23 +214,25 @@ func jitter(d time.Duration) time.Duration {
 // claim leases up to n rows with the claim statement (query.Claim). It does
 // not use the subscription's context: a claim cut off after the server ran
 // it would leave rows leased that nobody knows of until the lease expires.
-func (sub *subscription) claim(n int) ([]*delivery, error) {
+func (sub *subscription) claim(n int, scan *claimScan) ([]*delivery, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
 	defer cancel()
 	// Binary UUIDs: pgx encodes them directly, where strings would go
 	// through a failed binary attempt and a formatted error first.
 	token := pgtype.UUID{Bytes: uuid.New(), Valid: true}
 	sent := time.Now()
+	withExpired := scan.wantExpired(sent)
 	rows, err := sub.s.pool.Query(ctx, sub.s.q.Claim, sub.topic, n, token,
-		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID)
+		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, scan.at, scan.id, withExpired)
 	if err != nil {
 		return nil, err
 	}
 	defer rows.Close()
 	var out []*delivery
+	var cursor pgtype.Int8
 	for rows.Next() {
 		d := &delivery{token: token, outcome: &outcome{}}
-		if err := rows.Scan(&d.id, &d.uuid, &d.payload, &d.metaRaw, &d.deliveries, &d.availableAt, &d.lastError); err != nil {
+		if err := rows.Scan(&d.id, &d.uuid, &d.payload, &d.metaRaw, &d.deliveries, &d.availableAt, &d.lastError, &cursor); err != nil {
 			return nil, err
 		}
 		d.leasedUntil(sent.Add(sub.cfg.Lease))
@@ -235,6 +243,7 @@ func (sub *subscription) claim(n int) ([]*delivery, error) {
 		// token nobody holds and come back when the lease expires.
 		return nil, err
 	}
+	scan.claimed(sent, withExpired, cursor, out)
 	// RETURNING order is unspecified; deliver in queue order.
 	sort.Slice(out, func(i, j int) bool {
 		if !out[i].availableAt.Equal(out[j].availableAt) {
@@ -247,6 +256,61 @@ func (sub *subscription) claim(n int) ([]*delivery, error) {
 	}
 	sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Count: len(out)})
 	return out, nil
+}
+
+// claimScan is where the fetch loop's claims start scanning; see query.Claim
+// for why a busy loop scans from a cursor.
+type claimScan struct {
+	at           pgtype.Timestamptz // cursor: the last ready row claimed
+	id           int64
+	fromStartAt  time.Time // when a claim last scanned from the start
+	expiredAt    time.Time // when a claim last looked for expired leases
+	forceExpired bool
+}
+
+// rescanEvery bounds how long a busy loop goes without scanning from the
+// start, and without looking for expired leases.
+const rescanEvery = time.Second
+
+var scanFromStart = pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
+
+func newClaimScan() *claimScan {
+	return &claimScan{at: scanFromStart, forceExpired: true}
+}
+
+// restart makes the next claim scan from the start, and look for expired
+// leases too when asked.
+func (c *claimScan) restart(expired bool) {
+	c.at, c.id = scanFromStart, 0
+	c.forceExpired = c.forceExpired || expired
+}
+
+func (c *claimScan) wantExpired(now time.Time) bool {
+	return c.forceExpired || now.Sub(c.expiredAt) >= rescanEvery
+}
+
+// claimed moves the cursor past the last ready row of a claim, and
+// schedules the next scan from the start.
+func (c *claimScan) claimed(now time.Time, withExpired bool, cursor pgtype.Int8, rows []*delivery) {
+	if withExpired {
+		c.expiredAt, c.forceExpired = now, false
+	}
+	if c.at == scanFromStart {
+		c.fromStartAt = now
+	}
+	if now.Sub(c.fromStartAt) >= rescanEvery {
+		c.restart(false)
+		return
+	}
+	if !cursor.Valid {
+		return
+	}
+	for _, d := range rows {
+		if d.id == cursor.Int64 {
+			c.at, c.id = pgtype.Timestamptz{Time: d.availableAt, Valid: true}, d.id
+			return
+		}
+	}
 }
 
 // nextDue asks when the next row of the topic becomes claimable (a

@@ -66,3 +66,45 @@ func containsNUL(s string) bool {
 	}
 	return false
 }
+
+func TestDecodeMetadata(t *testing.T) {
+	t.Parallel()
+	cases := map[string]map[string]string{
+		`{}`:                           {},
+		` { } `:                        {},
+		`{"a": "b"}`:                   {"a": "b"},
+		`{"a": "b", "c": ""}`:          {"a": "b", "c": ""},
+		`{"q": "say \"hi\"\n"}`:        {"q": "say \"hi\"\n"}, // escapes: the encoding/json path
+		`{"u": "\u017c\u00f3\u0142w"}`: {"u": "żółw"},
+		`{"emoji": "🐢"}`:               {"emoji": "🐢"},
+	}
+	for raw, want := range cases {
+		md := message.Metadata{}
+		require.NoError(t, decodeMetadata([]byte(raw), md), raw)
+		require.Equal(t, message.Metadata(want), md, raw)
+	}
+	for _, bad := range []string{`{"n": 1}`, `[]`, `{"a": "b"`, `{"a" "b"}`, `{"a": "b"} x`, `{"a": {"b": "c"}}`} {
+		md := message.Metadata{}
+		require.Error(t, decodeMetadata([]byte(bad), md), bad)
+	}
+}
+
+func FuzzDecodeMetadataAgreesWithEncodingJSON(f *testing.F) {
+	f.Add([]byte(`{"a": "b", "c": "d"}`))
+	f.Add([]byte(`{"a": "b\"c"}`))
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		md := message.Metadata{}
+		err := decodeMetadata(raw, md)
+		var want map[string]string
+		wantErr := json.Unmarshal(raw, &want)
+		if wantErr != nil || want == nil {
+			if err == nil && want == nil && wantErr == nil {
+				return // JSON null: an empty map either way
+			}
+			require.Error(t, err, "%q", raw)
+			return
+		}
+		require.NoError(t, err, "%q", raw)
+		require.Equal(t, message.Metadata(want), md, "%q", raw)
+	})
+}

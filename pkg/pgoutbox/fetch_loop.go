@@ -142,7 +142,7 @@ func (sub *subscription) fetchLoop() {
 		}
 		if len(rows) > 0 {
 			idle = sub.cfg.MinPollInterval
-			if len(rows) == n && n >= minHelperClaim {
+			if len(rows) == n && n >= minHelperClaim && sub.cfg.MaxInFlight > 1 {
 				sub.startHelper()
 			}
 			continue
@@ -164,6 +164,8 @@ func (sub *subscription) fetchLoop() {
 // takes about 1.5ms here, most of it in the server), so while claims come
 // back full a second loop claims alongside on its own connection. It stops
 // at its first claim that is not full: an idle subscription runs one loop.
+// With MaxInFlight 1 there is never a second loop: two loops' claims can
+// reach the buffer out of order, and only that setting promises order.
 const minHelperClaim = 32
 
 func (sub *subscription) startHelper() {

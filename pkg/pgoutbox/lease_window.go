@@ -13,7 +13,11 @@ import (
 // slow subscription prefetches nothing: its claims only fill free slots.
 const (
 	prefetchHorizon = 10 * time.Millisecond
-	maxPrefetch     = 256
+	maxPrefetch     = 1024
+	// maxClaim caps one claim statement: past a couple of hundred rows a
+	// claim costs the same per row, and two loops claiming alongside keep
+	// the buffer fuller than one big claim that holds the room for longer.
+	maxClaim = 256
 	// rateSample is the shortest interval a consumption rate is measured
 	// over; claims closer together accumulate into one sample.
 	rateSample = 5 * time.Millisecond
@@ -47,10 +51,11 @@ func (w *leaseWindow) acquire(stop <-chan struct{}) int {
 		w.sample(time.Now())
 		limit := w.inFlight + w.prefetch
 		free := limit - w.held
-		if free >= max(1, w.prefetch/2) {
-			w.held += free
+		if free >= max(1, min(w.prefetch/2, maxClaim/2)) {
+			n := min(free, max(maxClaim, w.inFlight))
+			w.held += n
 			w.mu.Unlock()
-			return free
+			return n
 		}
 		w.mu.Unlock()
 		select {

@@ -8,9 +8,10 @@
 // (watermill-sql, lib/pq, ...) stay out of the library's go.mod.
 //
 // Systems: "pgoutbox" (the library, through a Watermill Router), "raw" (the
-// same table and claim statement driven by one hand-written loop: the floor
-// of the lease pattern) and "watermill-sql" (v4 queue schema with delete on
-// ack, through a Router). Scenarios: publish-1, publish-100, drain-1,
+// same table and the plain claim statement driven by one hand-written loop:
+// the floor of the lease pattern, committing synchronously), "raw-async"
+// (the same loop with pgoutbox's asynchronous-commit condition) and
+// "watermill-sql" (v4 queue schema with delete on ack, through a Router). Scenarios: publish-1, publish-100, drain-1,
 // drain-16, latency-1, latency-16, timers and drain-1m; scenarios.go says
 // what each measures. -scale 0.1 makes a quick run; -sync-commit makes the
 // consumers' bookkeeping writes wait for the WAL flush.
@@ -104,7 +105,7 @@ func parseFlags() (options, error) {
 	flag.BoolVar(&o.json, "json", false, "print one JSON object per system and scenario on stdout (the table then goes to stderr)")
 	flag.Float64Var(&o.scale, "scale", 1, "multiply every message count (including -backlog-large) by this factor, e.g. 0.1 for a quick run")
 	flag.IntVar(&o.backlogLarge, "backlog-large", 1_000_000, "backlog size of the drain-1m scenario")
-	flag.BoolVar(&o.syncCommit, "sync-commit", false, "make the consumers' claims and acks wait for the WAL flush: pgoutbox's SubscriberConfig.SynchronousCommit, and the same for the raw floor (default: asynchronous, pgoutbox's default; watermill-sql always commits synchronously)")
+	flag.BoolVar(&o.syncCommit, "sync-commit", false, "make pgoutbox's claims and acks wait for the WAL flush (SubscriberConfig.SynchronousCommit; default: asynchronous, pgoutbox's default). raw always waits, raw-async never does; watermill-sql always waits")
 	flag.Parse()
 
 	var problems []string

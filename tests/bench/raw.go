@@ -28,9 +28,20 @@ import (
 // costs above this is the price of its features and of Watermill's delivery
 // model. It is a sequential loop, though: pgoutbox overlaps its claims with
 // its ack writes, so it can beat this floor.
-type rawSystem struct{}
+//
+// Two variants: "raw" is the plain pattern with the server's default
+// durability (every claim and ack waits for its WAL flush), the floor a
+// hand-written consumer gets; "raw-async" adds pgoutbox's own
+// asynchronous-commit condition to its claim and ack, the floor for the
+// same durability trade pgoutbox makes by default.
+type rawSystem struct{ async bool }
 
-func (rawSystem) name() string { return "raw" }
+func (r rawSystem) name() string {
+	if r.async {
+		return "raw-async"
+	}
+	return "raw"
+}
 
 // rawBatch is how many rows one claim takes.
 const rawBatch = 100
@@ -41,20 +52,18 @@ const rawLease = 30 * time.Second
 
 // rawAsyncCommit is pgoutbox's own trick (internal/query/dml.go): an
 // always-true condition that makes the statement's implicit transaction
-// commit without waiting for the WAL flush. pgoutbox's subscriber uses it
-// for its claims and acks by default, so the floor does too, unless
-// -sync-commit asks both to wait.
+// commit without waiting for the WAL flush (the raw-async variant).
 const rawAsyncCommit = ` AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL`
 
-func (rawSystem) newInstance(ctx context.Context, b *bench, schemaName string) (instance, error) {
+func (r rawSystem) newInstance(ctx context.Context, b *bench, schemaName string) (instance, error) {
 	tables := schema.Config{Schema: schemaName, Table: "outbox"}
 	if err := schema.Create(ctx, tx.FromPgxPool(b.pool), tables); err != nil {
 		return nil, err
 	}
 	t := pgx.Identifier{schemaName, "outbox"}.Sanitize()
-	ac := rawAsyncCommit
-	if b.opts.syncCommit {
-		ac = ""
+	ac := ""
+	if r.async {
+		ac = rawAsyncCommit
 	}
 	return &rawInstance{
 		b:       b,

@@ -115,7 +115,7 @@ var scenarios = []*scenario{
 	{name: "latency-1", run: latencyScenario(1)},
 	{name: "latency-16", run: latencyScenario(16)},
 	{name: "timers", systems: []string{"pgoutbox"}, run: timersScenario},
-	{name: "drain-1m", systems: []string{"pgoutbox", "raw"}, run: drainScenario(true, 16)},
+	{name: "drain-1m", systems: []string{"pgoutbox", "raw", "raw-async"}, run: drainScenario(true, 16)},
 }
 
 func scenarioNames() []string {
@@ -135,7 +135,7 @@ func scenarioByName(name string) *scenario {
 	panic("unknown scenario " + name)
 }
 
-var systems = []system{pgoutboxSystem{}, rawSystem{}, watermillSQLSystem{}}
+var systems = []system{pgoutboxSystem{}, rawSystem{}, rawSystem{async: true}, watermillSQLSystem{}}
 
 func systemNames() []string {
 	var out []string

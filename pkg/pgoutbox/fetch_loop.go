@@ -122,12 +122,10 @@ func (sub *subscription) fetchLoop() {
 	scan := newClaimScan()
 
 	for {
-		n := sub.window.acquire(sub.stop)
-		if n == 0 {
+		asked, got, ok, err := sub.claimOnce(scan)
+		if !ok {
 			return
 		}
-		rows, err := sub.claim(n, scan)
-		sub.window.unreserve(n - len(rows))
 		if err != nil {
 			wait := errBackoff.NextBackOff()
 			sub.logger.Error("Claim failed; retrying", err, watermill.LogFields{"retry_in": wait.String()})
@@ -137,12 +135,9 @@ func (sub *subscription) fetchLoop() {
 			continue
 		}
 		errBackoff.Reset()
-		for _, d := range rows {
-			sub.work <- d // never blocks: the window bounds the rows held
-		}
-		if len(rows) > 0 {
+		if got > 0 {
 			idle = sub.cfg.MinPollInterval
-			if len(rows) == n && n >= minHelperClaim && sub.cfg.MaxInFlight > 1 {
+			if got == asked && asked >= minHelperClaim && sub.cfg.MaxInFlight > 1 {
 				sub.startHelper()
 			}
 			continue
@@ -181,22 +176,26 @@ func (sub *subscription) helperLoop() {
 	defer sub.helperRunning.Store(false)
 	scan := &claimScan{at: scanFromStart, helper: true}
 	for {
-		n := sub.window.acquire(sub.stop)
-		if n == 0 {
-			return
-		}
-		rows, err := sub.claim(n, scan)
-		sub.window.unreserve(n - len(rows))
-		if err != nil {
-			return // the main loop reports errors and backs off
-		}
-		for _, d := range rows {
-			sub.work <- d
-		}
-		if len(rows) < n {
-			return
+		asked, got, ok, err := sub.claimOnce(scan)
+		if !ok || err != nil || got < asked {
+			return // errors are reported, and backed off from, by the main loop
 		}
 	}
+}
+
+// claimOnce waits for room in the lease window, claims into it and hands the
+// rows to the workers. It reports ok=false when the subscription stops.
+func (sub *subscription) claimOnce(scan *claimScan) (asked, got int, ok bool, err error) {
+	asked = sub.window.acquire(sub.stop)
+	if asked == 0 {
+		return 0, 0, false, nil
+	}
+	rows, err := sub.claim(asked, scan)
+	sub.window.unreserve(asked - len(rows))
+	for _, d := range rows {
+		sub.work <- d // never blocks: the window bounds the rows held
+	}
+	return asked, len(rows), true, err
 }
 
 // newBackoff paces retries after database errors: 50ms doubling to 5s,

@@ -243,33 +243,79 @@ func TestTerminalFailureWithoutDeadLetterTableDeletesAndLogsError(t *testing.T) 
 	}), 1, "the deletion must be logged at ERROR with its reason")
 }
 
-// If the dead-letter insert fails, the row stays (leased) and is moved once
-// the insert can succeed: never lost.
+// If the dead-letter insert fails, the row stays (leased) and comes back
+// when its lease expires, and it is moved once the insert can succeed: never
+// lost. Meanwhile the failing row does not hold up the other messages' acks.
 func TestDeadLetterInsertFailureKeepsTheRow(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
 	ev := newEvents()
 	logs := &logCapture{}
-	sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: b.tables, Observer: ev}, logs)
+	sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: b.tables, Observer: ev, Lease: 2 * time.Second}, logs)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = sub.Close() })
 	_, err = b.Pool.Exec(ctx, `ALTER TABLE `+b.Schema+`.outbox_dlq ADD CONSTRAINT refuse CHECK (failure_reason <> 'rejected')`)
 	require.NoError(t, err)
-	msg := newMsg("x")
-	b.publishInTx(t, "t", true, msg)
-	runRouter(t, sub, "t", func(m *message.Message) error { return pgoutbox.Reject(m, "nope") })
+	doomed := newMsg("reject me")
+	others := []*message.Message{newMsg("a"), newMsg("b"), newMsg("c")}
+	b.publishInTx(t, "t", true, append([]*message.Message{doomed}, others...)...)
+	var attempts atomic.Int32
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		if m.UUID == doomed.UUID {
+			attempts.Add(1)
+			return pgoutbox.Reject(m, "nope")
+		}
+		return nil
+	})
 
 	require.Eventually(t, func() bool {
 		return len(logs.find("error", func(e logEntry) bool { return strings.Contains(fmt.Sprint(e.err), "refuse") })) > 0
 	}, 10*time.Second, 10*time.Millisecond, "the failing dead-letter write must be reported")
-	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_token IS NOT NULL`), "the row stays, leased")
+	require.Eventually(t, func() bool { return b.outboxRows(t, "t") == 1 }, 10*time.Second, 10*time.Millisecond,
+		"the other messages are acked although one row cannot be dead-lettered")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = $1`, doomed.UUID), "the failing row stays")
 
 	_, err = b.Pool.Exec(ctx, `ALTER TABLE `+b.Schema+`.outbox_dlq DROP CONSTRAINT refuse`)
 	require.NoError(t, err)
 	ev.wait(t, pgoutbox.EventDeadLettered, 15*time.Second)
-	require.Equal(t, pgoutbox.ReasonRejected, b.dlq(t, msg.UUID).reason)
+	require.Equal(t, pgoutbox.ReasonRejected, b.dlq(t, doomed.UUID).reason)
 	require.Equal(t, 0, b.outboxRows(t, "t"))
+	require.GreaterOrEqual(t, attempts.Load(), int32(2), "the row came back after its lease expired")
+}
+
+// A handler error or changed metadata that PostgreSQL text cannot hold (NUL,
+// invalid UTF-8) is cleaned before it is stored: it must not fail the
+// batched write every other ack of the subscription travels in.
+func TestUnstorableErrorTextDoesNotStopTheSubscription(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: time.Hour}
+		c.MaxInFlight = 4
+		c.Observer = ev
+	})
+	bad := newMsg("bad")
+	msgs := []*message.Message{bad}
+	for i := range 20 {
+		msgs = append(msgs, newMsg(fmt.Sprint(i)))
+	}
+	b.publishInTx(t, "t", true, msgs...)
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		if m.UUID == bad.UUID {
+			m.Metadata.Set("note\x00", "bad \xff value\x00")
+			return errors.New("boom\x00 \xff")
+		}
+		return nil
+	}, pgoutbox.ErrorRecorder)
+
+	require.Eventually(t, func() bool { return b.outboxRows(t, "t") == 1 }, 10*time.Second, 10*time.Millisecond)
+	ev.wait(t, pgoutbox.EventRetried, 10*time.Second)
+	var lastErr, note string
+	require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT last_error, metadata->>'note' FROM `+b.Schema+`.outbox`).Scan(&lastErr, &note))
+	require.Equal(t, "boom \uFFFD", lastErr)
+	require.Equal(t, "bad \uFFFD value", note)
 }
 
 func TestLastErrorIsBounded(t *testing.T) {

@@ -38,7 +38,7 @@ type Notifier struct {
 	cancel  context.CancelFunc
 	done    chan struct{}
 
-	// connected is closed and replaced on every (re)connect; tests use it.
+	// connects counts the (re)connects.
 	connectedMu sync.Mutex
 	connects    int
 }
@@ -261,17 +261,17 @@ func (n *Notifier) session(ctx context.Context, connected func()) error {
 		if note != nil {
 			n.dispatch(note.Channel, note.Payload)
 		}
-		switch {
-		case interrupted:
-			// A new channel was registered: the wait was cut short on
-			// purpose and the connection is still usable.
-			if conn.IsClosed() {
-				return errors.New("LISTEN connection closed while adding a channel")
-			}
-			if err := listenAll(); err != nil {
-				return err
-			}
-		case err != nil:
+		if err != nil && !interrupted {
+			return err
+		}
+		if conn.IsClosed() {
+			return errors.New("LISTEN connection closed")
+		}
+		// Every turn, not only after an interruption: the signal that a
+		// channel was added may have been consumed by a wait that a
+		// notification ended first. Without a new channel this costs
+		// nothing.
+		if err := listenAll(); err != nil {
 			return err
 		}
 	}

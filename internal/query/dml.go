@@ -133,7 +133,7 @@ UPDATE %[1]s o
        leased_by    = $5,
        deliveries   = o.deliveries + 1
  WHERE o.id = ANY (ARRAY(SELECT id FROM expired UNION ALL SELECT id FROM ready))%[2]s
-RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.last_error,
+RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at,
           (SELECT id FROM ready ORDER BY available_at DESC, id DESC LIMIT 1)`, t, ac),
 
 		// Complete applies a batch of acks and lease returns in one statement.
@@ -185,16 +185,19 @@ UPDATE %[1]s o
 RETURNING o.id, c.token`, t, ac),
 
 		// NextDue returns the microseconds until the next row of topic $1
-		// becomes claimable in the future (a scheduled row or an expiring
-		// lease), or NULL. Rows due already are left out: if the claim did
-		// not get them, another consumer holds them locked right now.
-		// Each branch is a one-row scan of its partial index.
+		// becomes claimable in the future (a scheduled row), or until the
+		// earliest lease expires, which may be in the past (negative: an
+		// expired lease waits to be reclaimed, and claims look for those only
+		// from time to time). NULL when there is neither. Due ready rows are
+		// left out: if the claim did not get them, another consumer holds
+		// them locked right now. Each branch is a one-row scan of its partial
+		// index.
 		NextDue: fmt.Sprintf(`
 SELECT (extract(epoch FROM least(
            (SELECT min(available_at) FROM %[1]s
              WHERE topic = $1 AND lease_token IS NULL AND available_at > now()),
            (SELECT min(leased_until) FROM %[1]s
-             WHERE topic = $1 AND lease_token IS NOT NULL AND leased_until > now())
+             WHERE topic = $1 AND lease_token IS NOT NULL)
        ) - now()) * 1000000)::bigint`, t),
 
 		// Cancel deletes a scheduled row by key, but only while nobody holds

@@ -2,8 +2,9 @@ package pgoutbox
 
 import (
 	"context"
-	"encoding/json"
+	"errors"
 	"maps"
+	"strings"
 	"sync"
 	"time"
 	"unicode/utf8"
@@ -12,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -49,9 +51,10 @@ type completer struct {
 	returns  []returnOp
 	dead     []deadOp
 
-	kick    chan struct{}
-	closing chan struct{}
-	done    chan struct{}
+	kick     chan struct{}
+	closing  chan struct{}
+	done     chan struct{}
+	deadline time.Time // set for the final flush: bounds every statement of it
 }
 
 // returnOp gives a row back: a nack (due again after delay) or a release at
@@ -174,7 +177,8 @@ func (c *completer) run() {
 	renew := time.NewTicker(c.sub.cfg.Lease / 2)
 	defer renew.Stop()
 	bo := newBackoff()
-	var retry <-chan time.Time // set while backing off after a failed write
+	var retry <-chan time.Time      // set while backing off after a failed write
+	var renewRetry <-chan time.Time // set after a failed renewal
 	for {
 		kick := c.kick
 		if retry != nil {
@@ -185,7 +189,10 @@ func (c *completer) run() {
 		case <-retry:
 			retry = nil
 		case <-renew.C:
-			c.renew()
+			renewRetry = c.renewOrRetry()
+			continue
+		case <-renewRetry:
+			renewRetry = c.renewOrRetry()
 			continue
 		case <-c.closing:
 			c.finalFlush()
@@ -256,16 +263,18 @@ func (c *completer) flushOnce() error {
 }
 
 // finalFlush writes what is pending at close, giving up after a few
-// failures: those rows come back when their leases expire. Never lost,
-// only redelivered.
+// failures or one StatementTimeout in all, so Close stays bounded while the
+// database is unreachable: those rows come back when their leases expire.
+// Never lost, only redelivered.
 func (c *completer) finalFlush() {
 	bo := newBackoff()
+	c.deadline = time.Now().Add(c.sub.cfg.StatementTimeout)
 	for failures := 0; c.hasPending(); {
 		err := c.flushOnce()
 		if err == nil {
 			continue
 		}
-		if failures++; failures >= 3 {
+		if failures++; failures >= 3 || time.Now().After(c.deadline) {
 			c.sub.logger.Error("Giving up writing acks and lease returns at close; those rows are redelivered when their leases expire", err, nil)
 			return
 		}
@@ -275,23 +284,93 @@ func (c *completer) finalFlush() {
 
 // write runs the batch's statements; what was written is removed from b, so
 // on error b holds only what is left to do.
+//
+// A statement that fails for good (bad data, a constraint, a changed table:
+// see isPermanent) would fail again with the same rows, and hold up every
+// ack behind it; so the batch is then written in parts, down to single
+// rows, and a row whose own write cannot succeed is abandoned.
 func (c *completer) write(b *batch) error {
+	var err error
 	if len(b.acks)+len(b.returns) > 0 {
-		if err := c.writeComplete(b.acks, b.returns); err != nil {
+		err = c.writeComplete(b.acks, b.returns)
+		if err != nil && !isPermanent(err) {
 			return err
+		}
+		if err != nil {
+			writeAcks := func(x []*delivery) error { return c.writeComplete(x, nil) }
+			if b.acks, err = writeEach(c, b.acks, func(d *delivery) *delivery { return d }, writeAcks); err != nil {
+				return err
+			}
+			writeReturns := func(x []returnOp) error { return c.writeComplete(nil, x) }
+			if b.returns, err = writeEach(c, b.returns, func(op returnOp) *delivery { return op.d }, writeReturns); err != nil {
+				return err
+			}
 		}
 		b.acks, b.returns = nil, nil
 	}
 	if len(b.dead) > 0 {
-		if err := c.writeDead(b.dead); err != nil {
+		if b.dead, err = writeEach(c, b.dead, func(op deadOp) *delivery { return op.d }, c.writeDead); err != nil {
 			return err
 		}
-		b.dead = nil
 	}
 	return nil
 }
 
+// writeEach writes items together and, if that fails for good, one at a
+// time, abandoning an item whose own write fails for good. After a
+// transient failure it returns the items still to write.
+func writeEach[T any](c *completer, items []T, row func(T) *delivery, write func([]T) error) ([]T, error) {
+	err := write(items)
+	if err == nil {
+		return nil, nil
+	}
+	if !isPermanent(err) {
+		return items, err
+	}
+	for i, it := range items {
+		switch err := write(items[i : i+1]); {
+		case err == nil:
+		case isPermanent(err):
+			c.abandon(row(it), err)
+		default:
+			return items[i:], err
+		}
+	}
+	return nil, nil
+}
+
+// isPermanent reports whether a statement failed for a reason a retry of
+// the same statement cannot cure: bad data (SQLSTATE class 22), a violated
+// constraint (23) or a missing or changed table or column (42).
+func isPermanent(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || len(pgErr.Code) < 2 {
+		return false
+	}
+	switch pgErr.Code[:2] {
+	case "22", "23", "42":
+		return true
+	}
+	return false
+}
+
+// abandon gives up writing d's verdict: it is logged, no longer renewed, and
+// comes back to some consumer when its lease expires. Never deleted.
+func (c *completer) abandon(d *delivery, err error) {
+	c.mu.Lock()
+	if c.inflight[d.id] == d {
+		delete(c.inflight, d.id)
+	}
+	c.mu.Unlock()
+	d.lost.Store(true)
+	c.sub.logger.Error("Cannot write this row's ack, nack or dead-letter move; it comes back when its lease expires", err,
+		watermill.LogFields{"event": "write_abandoned", "row_id": d.id, "topic": c.sub.topic, "deliveries": d.deliveries})
+}
+
 func (c *completer) stmtCtx() (context.Context, context.CancelFunc) {
+	if !c.deadline.IsZero() {
+		return context.WithDeadline(context.Background(), c.deadline)
+	}
 	return context.WithTimeout(context.Background(), c.sub.cfg.StatementTimeout)
 }
 
@@ -409,19 +488,41 @@ func (c *completer) leaseLost(d *delivery, phase string) {
 	c.sub.s.obs.observe(Event{Kind: EventLeaseLost, Topic: c.sub.topic, RowID: d.id, Deliveries: d.deliveries, Phase: phase})
 }
 
+// renewOrRetry renews, and after a failure returns a timer to try again
+// soon: waiting a whole period would let the leases expire.
+func (c *completer) renewOrRetry() <-chan time.Time {
+	if c.renew() {
+		return nil
+	}
+	return time.After(min(time.Second, c.sub.cfg.Lease/10))
+}
+
 // renew extends the leases of all rows this subscription holds, so a long
-// handler does not lose its row to another consumer.
-func (c *completer) renew() {
+// handler does not lose its row to another consumer. It reports false when
+// the renewal could not be written.
+func (c *completer) renew() bool {
 	c.mu.Lock()
 	held := make([]*delivery, 0, len(c.inflight))
+	var stale []*delivery
+	now := time.Now()
 	for _, d := range c.inflight {
-		if !d.lost.Load() {
+		switch {
+		case d.lost.Load():
+		case now.Sub(d.claimedAt) > c.sub.cfg.Lease/2 && d.giveBack():
+			// Prefetched and still not handed out a renewal period after
+			// its claim (the handlers are stuck or slow): let another
+			// consumer have it rather than hold it.
+			stale = append(stale, d)
+		default:
 			held = append(held, d)
 		}
 	}
 	c.mu.Unlock()
+	for _, d := range stale {
+		c.release(d, true)
+	}
 	if len(held) == 0 {
-		return
+		return true
 	}
 	ids, tokens := make([]int64, len(held)), make([]pgtype.UUID, len(held))
 	for i, d := range held {
@@ -432,8 +533,8 @@ func (c *completer) renew() {
 	start := time.Now()
 	done, err := collectWritten(c.sub.s.pool.Query(ctx, c.sub.s.q.Renew, ids, tokens, c.sub.cfg.Lease.Microseconds()))
 	if err != nil {
-		c.sub.logger.Error("Renewing leases failed; retrying at the next period", err, watermill.LogFields{"rows": len(held)})
-		return
+		c.sub.logger.Error("Renewing leases failed; retrying", err, watermill.LogFields{"rows": len(held)})
+		return false
 	}
 	for _, d := range held {
 		if done.has(d) {
@@ -443,6 +544,7 @@ func (c *completer) renew() {
 		}
 	}
 	c.sub.s.obs.observe(Event{Kind: EventLeaseRenewed, Topic: c.sub.topic, Count: len(done)})
+	return true
 }
 
 // written is the set of (row, lease) pairs a statement applied to. Keying
@@ -478,7 +580,7 @@ func collectWritten(rows pgx.Rows, err error) (written, error) {
 // retry policy gives up) or return it to be due again after a delay. A
 // delay set on the message by Watermill's DelayOnError wins over the
 // policy's, and changed metadata is stored, so DelayOnError's multiplier
-// grows across redeliveries.
+// (which reads the "delayed for" key) grows across redeliveries.
 func (sub *subscription) nacked(d *delivery, msg *message.Message) {
 	handlerErr, rejectReason := d.outcome.get()
 	errText := ""
@@ -498,20 +600,45 @@ func (sub *subscription) nacked(d *delivery, msg *message.Message) {
 		return
 	}
 	var meta []byte
-	var stored message.Metadata
-	if json.Unmarshal(d.metaRaw, &stored) == nil && !maps.Equal(stored, msg.Metadata) {
-		meta, _ = json.Marshal(msg.Metadata)
-		if v := msg.Metadata.Get(delay.DelayedForKey); v != stored.Get(delay.DelayedForKey) {
-			if dd, err := time.ParseDuration(v); err == nil {
-				after = dd
-			}
+	stored := message.Metadata{}
+	if decodeMetadata(d.metaRaw, stored) == nil {
+		delete(stored, delay.DelayedUntilKey) // as handed out (delivery.message)
+		if !maps.Equal(stored, msg.Metadata) {
+			meta, _ = appendMetadataJSON(nil, 0, sanitizeMetadata(msg.Metadata))
+		}
+	}
+	// The message was handed out without a "delayed until" key, so one now
+	// means the handler's side (Watermill's DelayOnError, or delay.Message)
+	// chose when to retry: its duration wins over the policy's delay.
+	if _, ok := msg.Metadata[delay.DelayedUntilKey]; ok {
+		if dd, err := time.ParseDuration(msg.Metadata.Get(delay.DelayedForKey)); err == nil {
+			after = dd
 		}
 	}
 	sub.comp.retry(d, after, errText, meta)
 }
 
-// boundError cuts s to maxErrorLen bytes at a rune boundary, marking the cut.
+// sanitizeText makes s storable as PostgreSQL text: invalid UTF-8 becomes
+// U+FFFD and NUL bytes are dropped. Text the subscriber writes on its own
+// (handler errors, metadata a handler changed) must never fail the batched
+// statement it travels in, or one bad message would stop every ack.
+func sanitizeText(s string) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	return strings.ReplaceAll(s, "\x00", "")
+}
+
+func sanitizeMetadata(md message.Metadata) message.Metadata {
+	out := make(message.Metadata, len(md))
+	for k, v := range md {
+		out[sanitizeText(k)] = sanitizeText(v)
+	}
+	return out
+}
+
+// boundError makes s storable (sanitizeText) and cuts it to maxErrorLen
+// bytes at a rune boundary, marking the cut.
 func boundError(s string) string {
+	s = sanitizeText(s)
 	if len(s) <= maxErrorLen {
 		return s
 	}

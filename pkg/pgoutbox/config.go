@@ -66,8 +66,8 @@ type SubscriberConfig struct {
 	// from a publisher wakes the loop at once, so polling is the fallback.
 	// Defaults to 100ms.
 	MinPollInterval time.Duration
-	// MaxPollInterval caps the idle poll interval. Defaults to 5s. Must be at
-	// least MinPollInterval.
+	// MaxPollInterval caps the idle poll interval. Defaults to 5s, or Lease/2
+	// when that is shorter. Must be at least MinPollInterval.
 	MaxPollInterval time.Duration
 
 	// StatementTimeout bounds every statement the subscriber runs. Defaults
@@ -79,7 +79,12 @@ type SubscriberConfig struct {
 	// context, waits for in-flight messages to be acked or nacked. The leases
 	// of messages still unacked after it are released, so another consumer
 	// gets them at once; they are never deleted. Defaults to 10s. The special
-	// value -1 releases them without waiting.
+	// value -1 releases them without waiting. Message contexts derive from
+	// the Subscribe context, as in every Watermill subscriber: when the
+	// Router closes, handlers see their context cancelled, and one that stops
+	// early and returns an error is nacked (redelivered). While the database
+	// is unreachable, Close may also wait for a claim and for the final
+	// write of acks, each bounded by StatementTimeout.
 	DrainTimeout time.Duration
 
 	// RetryPolicy decides when a nacked message is delivered again. Defaults
@@ -90,7 +95,9 @@ type SubscriberConfig struct {
 	// is claimed for the (MaxDeliveries+1)-th time, with reason
 	// "max_deliveries". It catches what the retry policy cannot see: a
 	// message whose handler crashes the process, so no Nack is ever written.
-	// Defaults to 0: no limit.
+	// Every claim counts, including retries. A subscription with a limit does
+	// not prefetch (a crash would count the rows waiting in its buffer as
+	// delivered). Defaults to 0: no limit.
 	MaxDeliveries int
 
 	// SynchronousCommit makes the subscriber's own writes (claims, acks,
@@ -140,7 +147,8 @@ func (c *SubscriberConfig) setDefaults() {
 		c.MinPollInterval = DefaultMinPollInterval
 	}
 	if c.MaxPollInterval == 0 {
-		c.MaxPollInterval = max(DefaultMaxPollInterval, c.MinPollInterval)
+		// Below Lease/2, so a short Lease alone is a valid configuration.
+		c.MaxPollInterval = max(min(DefaultMaxPollInterval, c.Lease/2), c.MinPollInterval)
 	}
 	if c.StatementTimeout == 0 {
 		c.StatementTimeout = min(DefaultStatementTimeout, c.Lease/2-time.Millisecond)

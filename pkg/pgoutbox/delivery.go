@@ -11,6 +11,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgtype"
 )
@@ -24,12 +25,27 @@ type delivery struct {
 	uuid        string
 	payload     []byte
 	metaRaw     []byte // metadata as stored, to detect a handler's changes
-	lastError   *string
+	claimedAt   time.Time
 
 	outcome *outcome     // reachable from the message context
 	lost    atomic.Bool  // a write found the lease taken by someone else
+	state   atomic.Int32 // buffered, handedOut or givenBack
 	expires atomic.Int64 // when our lease ends, at the latest: nanoseconds on the monotonic clock (sinceStart)
 }
+
+// Delivery states: a claimed row waits in the prefetch buffer until a
+// worker hands it out, unless the completer gives it back first (renew).
+const (
+	buffered int32 = iota
+	handedOut
+	givenBack
+)
+
+// handOut marks d as handed to the Router; false if it was given back.
+func (d *delivery) handOut() bool { return d.state.CompareAndSwap(buffered, handedOut) }
+
+// giveBack marks a buffered d as given back; false if it was handed out.
+func (d *delivery) giveBack() bool { return d.state.CompareAndSwap(buffered, givenBack) }
 
 // processStart anchors delivery expiry times to the monotonic clock.
 var processStart = time.Now()
@@ -70,11 +86,17 @@ func (o *outcome) get() (error, string) {
 }
 
 // message decodes the row. A row that does not decode is poisoned.
+//
+// Watermill's "delayed until" key is left out: it was an instruction to
+// the publisher, already applied (available_at), and its absence lets the
+// subscriber see when a failing handler's DelayOnError set a new one, even
+// when the delay itself no longer grows (see nacked).
 func (d *delivery) message() (*message.Message, error) {
 	msg := message.NewMessage(d.uuid, d.payload)
 	if err := decodeMetadata(d.metaRaw, msg.Metadata); err != nil {
 		return nil, err
 	}
+	delete(msg.Metadata, delay.DelayedUntilKey)
 	return msg, nil
 }
 

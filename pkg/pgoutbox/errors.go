@@ -2,7 +2,6 @@ package pgoutbox
 
 import (
 	"errors"
-	"sync"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -26,5 +25,3 @@ var (
 	// committed or rolled back.
 	ErrTxDone = tx.ErrTxDone
 )
-
-var queryCache sync.Map // queryKey -> *query.Queries

@@ -34,10 +34,12 @@ type subscription struct {
 	work     chan *delivery // claimed rows waiting for a worker
 	selfWake chan struct{}  // the completer returned rows that are due now
 
-	stop      chan struct{} // closed: claim and hand out nothing more
-	abort     chan struct{} // closed: stop waiting for verdicts (drain over)
-	abortOnce sync.Once
-	loops     sync.WaitGroup
+	stop          chan struct{}   // closed: claim and hand out nothing more
+	stopCtx       context.Context // done when stop closes
+	cancelStopCtx context.CancelFunc
+	abort         chan struct{} // closed: stop waiting for verdicts (drain over)
+	abortOnce     sync.Once
+	loops         sync.WaitGroup
 
 	helperRunning atomic.Bool // a second claim loop is running
 
@@ -53,12 +55,13 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 		out:      make(chan *message.Message),
 		logger:   s.logger.With(watermill.LogFields{"topic": topic}),
 		waiter:   waiter,
-		window:   newLeaseWindow(s.cfg.MaxInFlight),
+		window:   newLeaseWindow(s.cfg.MaxInFlight, s.cfg.MaxDeliveries == 0),
 		work:     make(chan *delivery, s.cfg.MaxInFlight+maxPrefetch),
 		selfWake: make(chan struct{}, 1),
 		stop:     make(chan struct{}),
 		abort:    make(chan struct{}),
 	}
+	sub.stopCtx, sub.cancelStopCtx = context.WithCancel(context.Background())
 	sub.comp = newCompleter(sub)
 	return sub
 }
@@ -79,6 +82,7 @@ func (sub *subscription) run() {
 	case <-sub.s.closing:
 	}
 	close(sub.stop)
+	sub.cancelStopCtx()
 	if sub.cfg.DrainTimeout < 0 {
 		sub.endDrain()
 	} else {
@@ -144,7 +148,7 @@ func (sub *subscription) fetchLoop() {
 		}
 		wait := jitter(idle)
 		idle = min(idle*2, sub.cfg.MaxPollInterval)
-		woke, byTimer := sub.idleWait(wait)
+		woke, byTimer := sub.idleWait(wait, scan)
 		if !woke {
 			return
 		}
@@ -178,7 +182,7 @@ func (sub *subscription) helperLoop() {
 	for {
 		asked, got, ok, err := sub.claimOnce(scan)
 		if !ok || err != nil || got < asked {
-			return // errors are reported, and backed off from, by the main loop
+			return // the main loop goes on; it reports and backs off from errors
 		}
 	}
 }
@@ -223,10 +227,15 @@ func (sub *subscription) sleep(d time.Duration) bool {
 // when a NOTIFY says rows are due. A NOTIFY about rows published for later
 // only makes it ask again when the next row is due. It reports false when
 // the subscription is stopping, and whether the timer ended the wait.
-func (sub *subscription) idleWait(poll time.Duration) (woke, byTimer bool) {
+func (sub *subscription) idleWait(poll time.Duration, scan *claimScan) (woke, byTimer bool) {
 	wait := poll
 	if due, ok := sub.nextDue(); ok && due < wait {
-		wait = due
+		// An expired lease (due <= 0) that the claim just now looked for
+		// and did not get is locked by another claimer: no reason to hurry.
+		// At least a millisecond: rounding must not make the loop spin.
+		if due > 0 || !scan.justLookedForExpired() {
+			wait = max(due, time.Millisecond)
+		}
 	}
 	deadline := time.Now().Add(wait)
 	t := time.NewTimer(wait)
@@ -276,9 +285,10 @@ func (sub *subscription) claim(n int, scan *claimScan) ([]*delivery, error) {
 	var cursor pgtype.Int8
 	for rows.Next() {
 		d := &delivery{token: token, outcome: &outcome{}}
-		if err := rows.Scan(&d.id, &d.uuid, &d.payload, &d.metaRaw, &d.deliveries, &d.availableAt, &d.lastError, &cursor); err != nil {
+		if err := rows.Scan(&d.id, &d.uuid, &d.payload, &d.metaRaw, &d.deliveries, &d.availableAt, &cursor); err != nil {
 			return nil, err
 		}
+		d.claimedAt = sent
 		d.leasedUntil(sent.Add(sub.cfg.Lease))
 		out = append(out, d)
 	}
@@ -311,6 +321,9 @@ type claimScan struct {
 	expiredAt    time.Time // when a claim last looked for expired leases
 	forceExpired bool
 	helper       bool // a helper loop leaves expired leases to the main loop
+	// lookedForExpired: the last claim looked for expired leases and got
+	// nothing at all.
+	lookedForExpired bool
 }
 
 // rescanEvery bounds how long a busy loop goes without scanning from the
@@ -330,6 +343,10 @@ func (c *claimScan) restart(expired bool) {
 	c.forceExpired = c.forceExpired || expired
 }
 
+// justLookedForExpired reports whether the last claim looked for expired
+// leases and nothing was claimed since.
+func (c *claimScan) justLookedForExpired() bool { return c.lookedForExpired }
+
 func (c *claimScan) wantExpired(now time.Time) bool {
 	if c.helper {
 		return false
@@ -340,6 +357,7 @@ func (c *claimScan) wantExpired(now time.Time) bool {
 // claimed moves the cursor past the last ready row of a claim, and
 // schedules the next scan from the start.
 func (c *claimScan) claimed(now time.Time, withExpired bool, cursor pgtype.Int8, rows []*delivery) {
+	c.lookedForExpired = withExpired && len(rows) == 0
 	if withExpired {
 		c.expiredAt, c.forceExpired = now, false
 	}
@@ -365,15 +383,14 @@ func (c *claimScan) claimed(now time.Time, withExpired bool, cursor pgtype.Int8,
 // scheduled row or an expiring lease), so timers fire on time instead of at
 // the next poll.
 func (sub *subscription) nextDue() (time.Duration, bool) {
-	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
+	// It only reads: a stopping subscription does not wait for it.
+	ctx, cancel := context.WithTimeout(sub.stopCtx, sub.cfg.StatementTimeout)
 	defer cancel()
 	var us *int64
 	if err := sub.s.pool.QueryRow(ctx, sub.s.q.NextDue, sub.topic).Scan(&us); err != nil || us == nil {
 		return 0, false
 	}
-	// At least a millisecond: rounding must not make the loop spin on a
-	// row that is due within a microsecond.
-	return max(time.Duration(*us)*time.Microsecond, time.Millisecond), true
+	return time.Duration(*us) * time.Microsecond, true
 }
 
 // worker hands claimed rows to the Router one at a time and waits for each
@@ -392,6 +409,9 @@ func (sub *subscription) worker() {
 }
 
 func (sub *subscription) deliver(d *delivery) {
+	if !d.handOut() {
+		return // the completer gave it back while it waited in the buffer
+	}
 	// A row that waited in the prefetch buffer while renewals could not
 	// reach the database may be someone else's by now: give it back
 	// (under its token) instead of risking two holders.

@@ -26,18 +26,21 @@ const (
 // leaseWindow counts the rows a subscription holds leased without a
 // recorded verdict: at most MaxInFlight handed out plus the prefetch buffer.
 type leaseWindow struct {
-	mu        sync.Mutex
-	held      int
-	inFlight  int // MaxInFlight
-	prefetch  int // current allowance, adapted to the consumption rate
-	rate      float64
-	completed int // verdicts since the last rate sample
-	sampledAt time.Time
-	freed     chan struct{} // signalled when held goes down
+	mu         sync.Mutex
+	held       int
+	inFlight   int  // MaxInFlight
+	noPrefetch bool // MaxDeliveries is set: a buffered row would count as delivered
+	prefetch   int  // current allowance, adapted to the consumption rate
+	rate       float64
+	completed  int // verdicts since the last rate sample
+	sampledAt  time.Time
+	freed      chan struct{} // signalled when held goes down
 }
 
-func newLeaseWindow(maxInFlight int) *leaseWindow {
-	return &leaseWindow{inFlight: maxInFlight, sampledAt: time.Now(), freed: make(chan struct{}, 1)}
+// newLeaseWindow returns a window for maxInFlight handed-out rows, with a
+// prefetch buffer unless disabled.
+func newLeaseWindow(maxInFlight int, prefetch bool) *leaseWindow {
+	return &leaseWindow{inFlight: maxInFlight, noPrefetch: !prefetch, sampledAt: time.Now(), freed: make(chan struct{}, 1)}
 }
 
 // acquire waits until a claim is worth making and reserves room for it: any
@@ -47,6 +50,11 @@ func newLeaseWindow(maxInFlight int) *leaseWindow {
 // stop closes first.
 func (w *leaseWindow) acquire(stop <-chan struct{}) int {
 	for {
+		select {
+		case <-stop: // checked first: a stopping subscription claims nothing
+			return 0
+		default:
+		}
 		w.mu.Lock()
 		w.sample(time.Now())
 		limit := w.inFlight + w.prefetch
@@ -104,5 +112,7 @@ func (w *leaseWindow) sample(now time.Time) {
 		w.rate = current
 	}
 	w.completed, w.sampledAt = 0, now
-	w.prefetch = min(int(w.rate*prefetchHorizon.Seconds()), maxPrefetch)
+	if !w.noPrefetch {
+		w.prefetch = min(int(w.rate*prefetchHorizon.Seconds()), maxPrefetch)
+	}
 }

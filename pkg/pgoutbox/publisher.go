@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 	"unicode"
@@ -388,6 +389,8 @@ func queriesFor(n query.Names, async bool) *query.Queries {
 	q, _ := queryCache.LoadOrStore(key, query.Build(n, async))
 	return q.(*query.Queries)
 }
+
+var queryCache sync.Map // queryKey -> *query.Queries
 
 type queryKey struct {
 	names query.Names

@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -76,6 +77,15 @@ func (b *bundle) outboxRows(t testing.TB, topic string) int {
 
 func newMsg(payload string) *message.Message {
 	return message.NewMessage(watermill.NewUUID(), []byte(payload))
+}
+
+// newMsgs returns n messages whose payloads are "0", "1", ...
+func newMsgs(n int) []*message.Message {
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = newMsg(fmt.Sprint(i))
+	}
+	return msgs
 }
 
 // receive waits for one message or fails the test.

@@ -5,7 +5,6 @@ package tests
 
 import (
 	"context"
-	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -240,10 +239,7 @@ func TestInvariant5_OneConsumerAtATime(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	const n = 300
-	msgs := make([]*message.Message, n)
-	for i := range msgs {
-		msgs[i] = newMsg(fmt.Sprint(i))
-	}
+	msgs := newMsgs(n)
 	b.publishInTx(t, "t", true, msgs...)
 
 	var (

@@ -77,10 +77,7 @@ func TestCancelEndsOneSubscriptionOnly(t *testing.T) {
 func TestMaxInFlightBoundsLeasedRows(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	msgs := make([]*message.Message, 10)
-	for i := range msgs {
-		msgs[i] = newMsg(fmt.Sprint(i))
-	}
+	msgs := newMsgs(10)
 	b.publishInTx(t, "t", true, msgs...)
 	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 3 })
 	ch, err := sub.Subscribe(context.Background(), "t")

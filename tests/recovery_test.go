@@ -3,7 +3,6 @@ package tests
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -22,10 +21,7 @@ func TestExpiredLeasesComeBackAtClaimSpeed(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	const n = 300
-	msgs := make([]*message.Message, n)
-	for i := range msgs {
-		msgs[i] = newMsg(fmt.Sprint(i))
-	}
+	msgs := newMsgs(n)
 	b.publishInTx(t, "t", true, msgs...)
 	_, err := b.Pool.Exec(context.Background(), `UPDATE `+b.Schema+`.outbox
 		SET lease_token = gen_random_uuid(), leased_until = now() - interval '1 second', leased_by = 'crashed', deliveries = 1`)
@@ -79,10 +75,7 @@ func TestStuckHandlerGivesBackPrefetchedRows(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	const n = 3000
-	msgs := make([]*message.Message, n)
-	for i := range msgs {
-		msgs[i] = newMsg(fmt.Sprint(i))
-	}
+	msgs := newMsgs(n)
 	b.publishInTx(t, "t", true, msgs...)
 	ev := newEvents()
 	stuckSub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {

@@ -2,14 +2,11 @@ package pgoutbox
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"maps"
 	"sync"
 	"sync/atomic"
 	"time"
-	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -98,100 +95,6 @@ func (d *delivery) message() (*message.Message, error) {
 	}
 	delete(msg.Metadata, delay.DelayedUntilKey)
 	return msg, nil
-}
-
-// decodeMetadata fills md from the metadata column, as PostgreSQL prints
-// jsonb: {"key": "value", ...}. Strings without escapes (nearly all) are
-// read directly; anything else goes through encoding/json, which a profile
-// of a drain showed costing more than the rest of a delivery.
-func decodeMetadata(raw []byte, md message.Metadata) error {
-	if fastMetadata(raw, md) {
-		return nil
-	}
-	clear(md)
-	var m map[string]string
-	if err := json.Unmarshal(raw, &m); err != nil {
-		return fmt.Errorf("metadata is not a JSON object of strings: %w", err)
-	}
-	maps.Copy(md, m)
-	return nil
-}
-
-// fastMetadata parses raw when it is an object of escape-free strings, in
-// jsonb's output layout; it reports false (leaving md to be cleared) for
-// anything else.
-func fastMetadata(raw []byte, md message.Metadata) bool {
-	i := 0
-	skip := func() {
-		for i < len(raw) && (raw[i] == ' ' || raw[i] == '\n' || raw[i] == '\t' || raw[i] == '\r') {
-			i++
-		}
-	}
-	str := func() (string, bool) {
-		if i >= len(raw) || raw[i] != '"' {
-			return "", false
-		}
-		start := i + 1
-		for j := start; j < len(raw); j++ {
-			if raw[j] < 0x20 { // invalid in JSON: let encoding/json say so
-				return "", false
-			}
-			switch raw[j] {
-			case '\\':
-				return "", false
-			case '"':
-				if !utf8.Valid(raw[start:j]) {
-					return "", false
-				}
-				i = j + 1
-				return string(raw[start:j]), true
-			}
-		}
-		return "", false
-	}
-	skip()
-	if i >= len(raw) || raw[i] != '{' {
-		return false
-	}
-	i++
-	skip()
-	if i < len(raw) && raw[i] == '}' {
-		i++
-		skip()
-		return i == len(raw)
-	}
-	for {
-		skip()
-		k, ok := str()
-		if !ok {
-			return false
-		}
-		skip()
-		if i >= len(raw) || raw[i] != ':' {
-			return false
-		}
-		i++
-		skip()
-		v, ok := str()
-		if !ok {
-			return false
-		}
-		md[k] = v
-		skip()
-		if i >= len(raw) {
-			return false
-		}
-		switch raw[i] {
-		case ',':
-			i++
-		case '}':
-			i++
-			skip()
-			return i == len(raw)
-		default:
-			return false
-		}
-	}
 }
 
 // ErrRejected marks a failure as terminal; see Reject.

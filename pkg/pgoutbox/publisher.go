@@ -288,64 +288,6 @@ func publishArgs(msgs []*message.Message) (publishBatch, error) {
 	return b, nil
 }
 
-// appendMetadataJSON appends md as a JSON object, leaving out the keys that
-// are instructions to the publisher, after checking that every key and
-// value can be stored as text.
-func appendMetadataJSON(buf []byte, i int, md message.Metadata) ([]byte, error) {
-	buf = append(buf, '{')
-	first := true
-	for k, v := range md {
-		if err := checkText(i, k, func() string { return fmt.Sprintf("metadata key %q", k) }); err != nil {
-			return buf, err
-		}
-		if err := checkText(i, v, func() string { return fmt.Sprintf("metadata value of %q", k) }); err != nil {
-			return buf, err
-		}
-		switch k {
-		case deliverAfterKey, deliverAtKey, dedupKeyKey:
-			continue
-		}
-		if !first {
-			buf = append(buf, ',')
-		}
-		first = false
-		buf = appendJSONString(buf, k)
-		buf = append(buf, ':')
-		buf = appendJSONString(buf, v)
-	}
-	return append(buf, '}'), nil
-}
-
-// appendJSONString appends s, valid UTF-8 without NUL (checkText), as a JSON
-// string: quotes, backslashes and control characters escaped.
-func appendJSONString(buf []byte, s string) []byte {
-	const hex = "0123456789abcdef"
-	buf = append(buf, '"')
-	start := 0
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if c >= 0x20 && c != '"' && c != '\\' {
-			continue
-		}
-		buf = append(buf, s[start:i]...)
-		switch c {
-		case '"', '\\':
-			buf = append(buf, '\\', c)
-		case '\n':
-			buf = append(buf, '\\', 'n')
-		case '\t':
-			buf = append(buf, '\\', 't')
-		case '\r':
-			buf = append(buf, '\\', 'r')
-		default:
-			buf = append(buf, '\\', 'u', '0', '0', hex[c>>4], hex[c&0xf])
-		}
-		start = i + 1
-	}
-	buf = append(buf, s[start:]...)
-	return append(buf, '"')
-}
-
 // schedule reads the delivery time from metadata. Precedence: pgoutbox's own
 // DeliverAfter / DeliverAt, then Watermill's delayed_for (a duration, applied
 // with the database clock, immune to skew), then delayed_until.

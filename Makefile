@@ -9,7 +9,7 @@ BENCH_FLAGS ?=
 # The go tool skips directories starting with "_" in ./... patterns.
 EXAMPLES := $(patsubst %/,./%,$(wildcard _examples/*/))
 
-.PHONY: demo test test-unit lint bench
+.PHONY: demo test test-quick lint bench
 
 ## demo: run _examples/basic (an order and its message in one transaction, consumed by a router)
 demo:
@@ -30,9 +30,9 @@ test: lint
 		echo "--- TestReconnect skipped: set PGOUTBOX_TEST_RESTART_CMD to a command that restarts PostgreSQL"; \
 	fi
 
-## test-unit: the tests that need no database
-test-unit:
-	go test $(GO_TEST_FLAGS) ./pkg/...
+## test-quick: the library packages' own tests (seconds), not the integration, suite and fault tests
+test-quick:
+	@$(PG_ENV); go test $(GO_TEST_FLAGS) ./pkg/...
 
 ## lint: gofmt and go vet
 lint:

@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -102,4 +103,32 @@ func TestStuckHandlerGivesBackPrefetchedRows(t *testing.T) {
 		"every row but the stuck one reaches the other consumer")
 	require.Equal(t, int32(n-2001), got.Load())
 	stuck.Ack()
+}
+
+// With MaxInFlight 1, rows given back while the handler stalled still come
+// before newer ones when it resumes, and Close does not report the rows it
+// finds given back already as lost leases.
+func TestOrderKeptAfterStalledHandlerGivesBackRows(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const n = 3000
+	b.publishInTx(t, "t", true, newMsgs(n)...)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.Lease, c.StatementTimeout = 2*time.Second, 500*time.Millisecond
+		c.Observer = ev
+	})
+	ch, err := sub.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	for i := range n {
+		m := receive(t, ch, 20*time.Second)
+		require.Equal(t, fmt.Sprint(i), string(m.Payload), "message %d out of order", i)
+		if i == 500 {
+			// The handler stalls: the buffer behind it is given back.
+			ev.wait(t, pgoutbox.EventReleased, 10*time.Second)
+		}
+		m.Ack()
+	}
+	require.NoError(t, sub.Close())
+	require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost))
 }

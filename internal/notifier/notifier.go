@@ -245,7 +245,9 @@ func (n *Notifier) session(ctx context.Context, connected func()) error {
 
 	for {
 		waitCtx, stopWait := context.WithCancel(ctx)
+		watcherDone := make(chan struct{})
 		go func() {
+			defer close(watcherDone)
 			select {
 			case <-n.changed:
 				stopWait()
@@ -255,6 +257,10 @@ func (n *Notifier) session(ctx context.Context, connected func()) error {
 		note, err := conn.WaitForNotification(waitCtx)
 		interrupted := waitCtx.Err() != nil
 		stopWait()
+		// The watcher may still take the "changed" signal after the wait
+		// ended: let it finish first, so listenAll below sees the channel
+		// that signal announced (it is registered before it is signalled).
+		<-watcherDone
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}

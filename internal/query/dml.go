@@ -111,7 +111,9 @@ SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)`, t),
 		// with an older now(), a lease released at shutdown) are found. The
 		// last column returns the id of the last ready row, the next cursor.
 		// The expired branch scans dead entries of acked rows the same way,
-		// and expired leases are rare, so it runs only when $8 is true.
+		// and expired leases are rare, so it runs only when $8 is true; the
+		// last column, how many expired leases it took, tells the loop to
+		// keep looking while there are more.
 		Claim: fmt.Sprintf(`
 WITH expired AS (
     SELECT id FROM %[1]s
@@ -134,7 +136,8 @@ UPDATE %[1]s o
        deliveries   = o.deliveries + 1
  WHERE o.id = ANY (ARRAY(SELECT id FROM expired UNION ALL SELECT id FROM ready))%[2]s
 RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at,
-          (SELECT id FROM ready ORDER BY available_at DESC, id DESC LIMIT 1)`, t, ac),
+          (SELECT id FROM ready ORDER BY available_at DESC, id DESC LIMIT 1),
+          (SELECT count(*) FROM expired)`, t, ac),
 
 		// Complete applies a batch of acks and lease returns in one statement.
 		// Every row is matched on (id, lease_token): a row whose lease expired
@@ -185,19 +188,17 @@ UPDATE %[1]s o
 RETURNING o.id, c.token`, t, ac),
 
 		// NextDue returns the microseconds until the next row of topic $1
-		// becomes claimable in the future (a scheduled row), or until the
-		// earliest lease expires, which may be in the past (negative: an
-		// expired lease waits to be reclaimed, and claims look for those only
-		// from time to time). NULL when there is neither. Due ready rows are
-		// left out: if the claim did not get them, another consumer holds
-		// them locked right now. Each branch is a one-row scan of its partial
-		// index.
+		// becomes claimable in the future (a scheduled row or an expiring
+		// lease), or NULL. Rows due already are left out: if the claim did
+		// not get them, another consumer holds them locked right now. Each
+		// branch is a one-row scan of its partial index, starting at now():
+		// the dead entries acked rows leave behind lie below it.
 		NextDue: fmt.Sprintf(`
 SELECT (extract(epoch FROM least(
            (SELECT min(available_at) FROM %[1]s
              WHERE topic = $1 AND lease_token IS NULL AND available_at > now()),
            (SELECT min(leased_until) FROM %[1]s
-             WHERE topic = $1 AND lease_token IS NOT NULL)
+             WHERE topic = $1 AND lease_token IS NOT NULL AND leased_until > now())
        ) - now()) * 1000000)::bigint`, t),
 
 		// Cancel deletes a scheduled row by key, but only while nobody holds

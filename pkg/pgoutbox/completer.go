@@ -25,9 +25,10 @@ const maxPendingCompletions = 256
 // completer is the completion path of one subscription: it records verdicts
 // in memory at once and writes them in batches, one statement per batch,
 // every row matched on its lease token (query.Complete, query.Dead). It also
-// renews the leases of in-flight rows every Lease/2 (query.Renew). One
-// goroutine does all of it, so a renewal never races a completion of the
-// same subscription.
+// renews the leases of the rows the subscription holds every Lease/2
+// (query.Renew), and gives back prefetched rows that waited half a lease
+// without being handed out. One goroutine does all of it, so a renewal
+// never races a completion of the same subscription.
 type completer struct {
 	sub *subscription
 
@@ -40,10 +41,11 @@ type completer struct {
 	returns  []returnOp
 	dead     []deadOp
 
-	kick     chan struct{}
-	closing  chan struct{}
-	done     chan struct{}
-	deadline time.Time // set for the final flush: bounds every statement of it
+	kick         chan struct{}
+	closing      chan struct{}
+	done         chan struct{}
+	deadline     time.Time // set for the final flush: bounds every statement of it
+	renewFailing bool      // the last renewal failed (log the first failure only)
 }
 
 // returnOp gives a row back: a nack (due again after delay) or a release at
@@ -494,13 +496,28 @@ func (c *completer) renew() bool {
 	held := make([]*delivery, 0, len(c.inflight))
 	var stale []*delivery
 	now := time.Now()
+	// If a prefetched row is still not handed out a renewal period after
+	// its claim, the handlers are stuck or slow: give the whole buffer
+	// back (all of it, so the rows keep their order) rather than hold it.
+	stalled := false
+	for _, d := range c.inflight {
+		if d.state.Load() == buffered && now.Sub(d.claimedAt) > c.sub.cfg.Lease/2 {
+			stalled = true
+			break
+		}
+	}
+	if stalled {
+		// Before any row goes back: a claim pushing rows into the buffer
+		// from now on gives them back too (claimOnce), and the fetch loop's
+		// next claim scans from the start.
+		c.sub.order.Lock()
+		c.sub.rescan.Store(true)
+		c.sub.order.Unlock()
+	}
 	for _, d := range c.inflight {
 		switch {
-		case d.lost.Load():
-		case now.Sub(d.claimedAt) > c.sub.cfg.Lease/2 && d.giveBack():
-			// Prefetched and still not handed out a renewal period after
-			// its claim (the handlers are stuck or slow): let another
-			// consumer have it rather than hold it.
+		case d.lost.Load(), d.state.Load() == givenBack:
+		case stalled && d.giveBack():
 			stale = append(stale, d)
 		default:
 			held = append(held, d)
@@ -522,9 +539,16 @@ func (c *completer) renew() bool {
 	start := time.Now()
 	done, err := collectWritten(c.sub.s.pool.Query(ctx, c.sub.s.q.Renew, ids, tokens, c.sub.cfg.Lease.Microseconds()))
 	if err != nil {
-		c.sub.logger.Error("Renewing leases failed; retrying", err, watermill.LogFields{"rows": len(held)})
+		// Once per outage at ERROR: the retry runs every second.
+		if !c.renewFailing {
+			c.sub.logger.Error("Renewing leases failed; retrying every second until it works", err, watermill.LogFields{"rows": len(held)})
+		} else {
+			c.sub.logger.Debug("Renewing leases failed again", watermill.LogFields{"rows": len(held), "err": err.Error()})
+		}
+		c.renewFailing = true
 		return false
 	}
+	c.renewFailing = false
 	for _, d := range held {
 		if done.has(d) {
 			d.leasedUntil(start.Add(c.sub.cfg.Lease))

@@ -51,8 +51,9 @@ type SubscriberConfig struct {
 	// An idle or slow subscription leases only rows it can hand out at once.
 	// A busy one also leases a prefetch buffer sized to what its handlers
 	// consumed in the last 10ms (at most 1024 rows), so one claim serves many
-	// messages; buffered rows are renewed like in-flight ones and released
-	// at once on Close.
+	// messages; buffered rows are renewed like in-flight ones, given back if
+	// they wait half a Lease (the handlers stalled), and released at once on
+	// Close.
 	MaxInFlight int
 
 	// Lease is how long a claimed row stays reserved for this subscriber.

@@ -32,7 +32,7 @@ type subscription struct {
 
 	window   *leaseWindow
 	work     chan *delivery // claimed rows waiting for a worker
-	selfWake chan struct{}  // the completer returned rows that are due now
+	selfWake chan struct{}  // the completer wrote nacks: look again when they are due
 
 	stop          chan struct{}   // closed: claim and hand out nothing more
 	stopCtx       context.Context // done when stop closes
@@ -42,6 +42,8 @@ type subscription struct {
 	loops         sync.WaitGroup
 
 	helperRunning atomic.Bool // a second claim loop is running
+	rescan        atomic.Bool // rows went back behind the cursor: scan from the start
+	order         sync.Mutex  // orders a give-back against a claim's push into the buffer
 
 	comp *completer
 }
@@ -96,7 +98,9 @@ func (sub *subscription) run() {
 	for {
 		select {
 		case d := <-sub.work:
-			sub.comp.release(d, true)
+			if d.giveBack() { // unless the completer gave it back already
+				sub.comp.release(d, true)
+			}
 			continue
 		default:
 		}
@@ -126,6 +130,9 @@ func (sub *subscription) fetchLoop() {
 	scan := newClaimScan()
 
 	for {
+		if sub.rescan.Swap(false) {
+			scan.restart(false) // given-back rows lie behind the cursor
+		}
 		asked, got, ok, err := sub.claimOnce(scan)
 		if !ok {
 			return
@@ -148,7 +155,7 @@ func (sub *subscription) fetchLoop() {
 		}
 		wait := jitter(idle)
 		idle = min(idle*2, sub.cfg.MaxPollInterval)
-		woke, byTimer := sub.idleWait(wait, scan)
+		woke, byTimer := sub.idleWait(wait)
 		if !woke {
 			return
 		}
@@ -196,6 +203,19 @@ func (sub *subscription) claimOnce(scan *claimScan) (asked, got int, ok bool, er
 	}
 	rows, err := sub.claim(asked, scan)
 	sub.window.unreserve(asked - len(rows))
+	sub.order.Lock()
+	defer sub.order.Unlock()
+	if sub.rescan.Load() {
+		// The completer gave the buffer back while this claim ran: these
+		// rows are newer than the ones given back, so they go back too and
+		// the next claim takes everything from the start, in order.
+		for _, d := range rows {
+			d.giveBack()
+			sub.comp.release(d, true)
+		}
+		sub.window.unreserve(len(rows))
+		return asked, 0, true, err
+	}
 	for _, d := range rows {
 		sub.work <- d // never blocks: the window bounds the rows held
 	}
@@ -227,15 +247,10 @@ func (sub *subscription) sleep(d time.Duration) bool {
 // when a NOTIFY says rows are due. A NOTIFY about rows published for later
 // only makes it ask again when the next row is due. It reports false when
 // the subscription is stopping, and whether the timer ended the wait.
-func (sub *subscription) idleWait(poll time.Duration, scan *claimScan) (woke, byTimer bool) {
+func (sub *subscription) idleWait(poll time.Duration) (woke, byTimer bool) {
 	wait := poll
 	if due, ok := sub.nextDue(); ok && due < wait {
-		// An expired lease (due <= 0) that the claim just now looked for
-		// and did not get is locked by another claimer: no reason to hurry.
-		// At least a millisecond: rounding must not make the loop spin.
-		if due > 0 || !scan.justLookedForExpired() {
-			wait = max(due, time.Millisecond)
-		}
+		wait = due
 	}
 	deadline := time.Now().Add(wait)
 	t := time.NewTimer(wait)
@@ -251,7 +266,7 @@ func (sub *subscription) idleWait(poll time.Duration, scan *claimScan) (woke, by
 		case <-sub.selfWake:
 			return true, false
 		case <-sub.waiter.Scheduled:
-			if due, ok := sub.nextDue(); ok && time.Until(deadline) > due {
+			if due, ok := sub.nextDue(); ok && due < time.Until(deadline) {
 				deadline = time.Now().Add(due)
 				t.Reset(due)
 			}
@@ -283,9 +298,10 @@ func (sub *subscription) claim(n int, scan *claimScan) ([]*delivery, error) {
 	defer rows.Close()
 	var out []*delivery
 	var cursor pgtype.Int8
+	var expired int64
 	for rows.Next() {
 		d := &delivery{token: token, outcome: &outcome{}}
-		if err := rows.Scan(&d.id, &d.uuid, &d.payload, &d.metaRaw, &d.deliveries, &d.availableAt, &cursor); err != nil {
+		if err := rows.Scan(&d.id, &d.uuid, &d.payload, &d.metaRaw, &d.deliveries, &d.availableAt, &cursor, &expired); err != nil {
 			return nil, err
 		}
 		d.claimedAt = sent
@@ -297,7 +313,7 @@ func (sub *subscription) claim(n int, scan *claimScan) ([]*delivery, error) {
 		// token nobody holds and come back when the lease expires.
 		return nil, err
 	}
-	scan.claimed(sent, withExpired, cursor, out)
+	scan.claimed(sent, withExpired, int(expired), cursor, out)
 	// RETURNING order is unspecified; deliver in queue order.
 	sort.Slice(out, func(i, j int) bool {
 		if !out[i].availableAt.Equal(out[j].availableAt) {
@@ -321,9 +337,6 @@ type claimScan struct {
 	expiredAt    time.Time // when a claim last looked for expired leases
 	forceExpired bool
 	helper       bool // a helper loop leaves expired leases to the main loop
-	// lookedForExpired: the last claim looked for expired leases and got
-	// nothing at all.
-	lookedForExpired bool
 }
 
 // rescanEvery bounds how long a busy loop goes without scanning from the
@@ -343,10 +356,6 @@ func (c *claimScan) restart(expired bool) {
 	c.forceExpired = c.forceExpired || expired
 }
 
-// justLookedForExpired reports whether the last claim looked for expired
-// leases and nothing was claimed since.
-func (c *claimScan) justLookedForExpired() bool { return c.lookedForExpired }
-
 func (c *claimScan) wantExpired(now time.Time) bool {
 	if c.helper {
 		return false
@@ -356,10 +365,11 @@ func (c *claimScan) wantExpired(now time.Time) bool {
 
 // claimed moves the cursor past the last ready row of a claim, and
 // schedules the next scan from the start.
-func (c *claimScan) claimed(now time.Time, withExpired bool, cursor pgtype.Int8, rows []*delivery) {
-	c.lookedForExpired = withExpired && len(rows) == 0
+func (c *claimScan) claimed(now time.Time, withExpired bool, expired int, cursor pgtype.Int8, rows []*delivery) {
 	if withExpired {
-		c.expiredAt, c.forceExpired = now, false
+		// Rows a crashed consumer held come back in a burst: keep looking
+		// while the last look found some.
+		c.expiredAt, c.forceExpired = now, expired > 0
 	}
 	if c.at == scanFromStart {
 		c.fromStartAt = now
@@ -390,7 +400,9 @@ func (sub *subscription) nextDue() (time.Duration, bool) {
 	if err := sub.s.pool.QueryRow(ctx, sub.s.q.NextDue, sub.topic).Scan(&us); err != nil || us == nil {
 		return 0, false
 	}
-	return time.Duration(*us) * time.Microsecond, true
+	// At least a millisecond: rounding must not make the loop spin on a
+	// row that is due within a microsecond.
+	return max(time.Duration(*us)*time.Microsecond, time.Millisecond), true
 }
 
 // worker hands claimed rows to the Router one at a time and waits for each

@@ -105,11 +105,14 @@ func (w *leaseWindow) sample(now time.Time) {
 		return
 	}
 	current := float64(w.completed) / elapsed.Seconds()
-	// A long quiet interval is one sample: the rate drops at once, and an
-	// idle subscription stops prefetching.
-	w.rate = 0.5*w.rate + 0.5*current
-	if elapsed > 10*rateSample {
+	switch {
+	case current > w.rate || elapsed > 10*rateSample:
+		// Up at once (a backlog should not wait for an average to catch
+		// up), and a long quiet interval counts as one sample: an idle
+		// subscription stops prefetching.
 		w.rate = current
+	default:
+		w.rate = 0.5*w.rate + 0.5*current // down smoothly
 	}
 	w.completed, w.sampledAt = 0, now
 	if !w.noPrefetch {

@@ -41,9 +41,8 @@ type subscription struct {
 	abortOnce     sync.Once
 	loops         sync.WaitGroup
 
-	helperRunning atomic.Bool // a second claim loop is running
-	rescan        atomic.Bool // rows went back behind the cursor: scan from the start
-	order         sync.Mutex  // orders a give-back against a claim's push into the buffer
+	rescan atomic.Bool // rows went back behind the cursor: scan from the start
+	order  sync.Mutex  // orders a give-back against a claim's push into the buffer
 
 	comp *completer
 }
@@ -133,7 +132,7 @@ func (sub *subscription) fetchLoop() {
 		if sub.rescan.Swap(false) {
 			scan.restart(false) // given-back rows lie behind the cursor
 		}
-		asked, got, ok, err := sub.claimOnce(scan)
+		got, ok, err := sub.claimOnce(scan)
 		if !ok {
 			return
 		}
@@ -148,9 +147,6 @@ func (sub *subscription) fetchLoop() {
 		errBackoff.Reset()
 		if got > 0 {
 			idle = sub.cfg.MinPollInterval
-			if got == asked && asked >= minHelperClaim && sub.cfg.MaxInFlight > 1 {
-				sub.startHelper()
-			}
 			continue
 		}
 		wait := jitter(idle)
@@ -166,40 +162,12 @@ func (sub *subscription) fetchLoop() {
 	}
 }
 
-// A backlog keeps one claim loop busy all the time (a claim of 150 rows
-// takes about 1.5ms here, most of it in the server), so while claims come
-// back full a second loop claims alongside on its own connection. It stops
-// at its first claim that is not full: an idle subscription runs one loop.
-// With MaxInFlight 1 there is never a second loop: two loops' claims can
-// reach the buffer out of order, and only that setting promises order.
-const minHelperClaim = 32
-
-func (sub *subscription) startHelper() {
-	if !sub.helperRunning.CompareAndSwap(false, true) {
-		return
-	}
-	sub.loops.Add(1) // the calling loop is counted, so the group is not at zero
-	go sub.helperLoop()
-}
-
-func (sub *subscription) helperLoop() {
-	defer sub.loops.Done()
-	defer sub.helperRunning.Store(false)
-	scan := &claimScan{at: scanFromStart, helper: true}
-	for {
-		asked, got, ok, err := sub.claimOnce(scan)
-		if !ok || err != nil || got < asked {
-			return // the main loop goes on; it reports and backs off from errors
-		}
-	}
-}
-
 // claimOnce waits for room in the lease window, claims into it and hands the
 // rows to the workers. It reports ok=false when the subscription stops.
-func (sub *subscription) claimOnce(scan *claimScan) (asked, got int, ok bool, err error) {
-	asked = sub.window.acquire(sub.stop)
+func (sub *subscription) claimOnce(scan *claimScan) (got int, ok bool, err error) {
+	asked := sub.window.acquire(sub.stop)
 	if asked == 0 {
-		return 0, 0, false, nil
+		return 0, false, nil
 	}
 	rows, err := sub.claim(asked, scan)
 	sub.window.unreserve(asked - len(rows))
@@ -214,12 +182,12 @@ func (sub *subscription) claimOnce(scan *claimScan) (asked, got int, ok bool, er
 			sub.comp.release(d, true)
 		}
 		sub.window.unreserve(len(rows))
-		return asked, 0, true, err
+		return 0, true, err
 	}
 	for _, d := range rows {
 		sub.work <- d // never blocks: the window bounds the rows held
 	}
-	return asked, len(rows), true, err
+	return len(rows), true, err
 }
 
 // newBackoff paces retries after database errors: 50ms doubling to 5s,
@@ -336,7 +304,6 @@ type claimScan struct {
 	fromStartAt  time.Time // when a claim last scanned from the start
 	expiredAt    time.Time // when a claim last looked for expired leases
 	forceExpired bool
-	helper       bool // a helper loop leaves expired leases to the main loop
 }
 
 // rescanEvery bounds how long a busy loop goes without scanning from the
@@ -357,9 +324,6 @@ func (c *claimScan) restart(expired bool) {
 }
 
 func (c *claimScan) wantExpired(now time.Time) bool {
-	if c.helper {
-		return false
-	}
 	return c.forceExpired || now.Sub(c.expiredAt) >= rescanEvery
 }
 

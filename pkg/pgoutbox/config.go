@@ -221,10 +221,6 @@ func (e *configError) Error() string {
 
 func (e *configError) Unwrap() []error { return append([]error{ErrInvalidConfig}, e.causes...) }
 
-func (c SubscriberConfig) names() (query.Names, error) {
-	return resolveNames(c.Tables)
-}
-
 func resolveNames(t schema.Config) (query.Names, error) {
 	t = t.WithDefaults()
 	n, err := query.NewNames(t.Schema, t.Table, t.DeadLetterTable)

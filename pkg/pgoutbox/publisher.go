@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -51,17 +52,15 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	config.setDefaults()
-	if err := config.Validate(); err != nil {
-		return nil, err
-	}
-	n, err := resolveNames(config.Tables)
+	// Validated once per outbox, then cached: one publisher per
+	// transaction must cost next to nothing (publish-1 in tests/bench).
+	q, err := queriesForTables(config.Tables, false)
 	if err != nil {
 		return nil, err
 	}
 	return &Publisher{
 		exec:   exec,
-		q:      queriesFor(n, false),
+		q:      q,
 		logger: logger,
 		obs:    safeObserver{o: config.Observer, logger: logger},
 	}, nil
@@ -321,22 +320,30 @@ func schedule(md message.Metadata) (pgtype.Int8, pgtype.Timestamptz, error) {
 	return pgtype.Int8{}, pgtype.Timestamptz{}, nil
 }
 
-// queriesFor caches the templated statements per outbox, so building a
-// Publisher per transaction costs no string formatting.
-func queriesFor(n query.Names, async bool) *query.Queries {
-	key := queryKey{n, async}
+// queriesForTables returns the templated statements of an outbox,
+// validating its names on first use and caching the result, so building a
+// Publisher per transaction costs no validation and no string formatting.
+func queriesForTables(tables schema.Config, async bool) (*query.Queries, error) {
+	key := queryKey{tables.WithDefaults(), async}
 	if q, ok := queryCache.Load(key); ok {
-		return q.(*query.Queries)
+		return q.(*query.Queries), nil
+	}
+	if err := (PublisherConfig{Tables: key.tables}).Validate(); err != nil {
+		return nil, err
+	}
+	n, err := resolveNames(key.tables)
+	if err != nil {
+		return nil, err
 	}
 	q, _ := queryCache.LoadOrStore(key, query.Build(n, async))
-	return q.(*query.Queries)
+	return q.(*query.Queries), nil
 }
 
 var queryCache sync.Map // queryKey -> *query.Queries
 
 type queryKey struct {
-	names query.Names
-	async bool
+	tables schema.Config
+	async  bool
 }
 
 // CancelScheduled deletes the message of topic stored under dedup key key

@@ -62,7 +62,7 @@ func NewSubscriber(pool *pgxpool.Pool, config SubscriberConfig, logger watermill
 	if err := config.Validate(); err != nil {
 		return nil, err
 	}
-	n, err := config.names()
+	q, err := queriesForTables(config.Tables, !config.SynchronousCommit)
 	if err != nil {
 		return nil, err
 	}
@@ -70,7 +70,7 @@ func NewSubscriber(pool *pgxpool.Pool, config SubscriberConfig, logger watermill
 	return &Subscriber{
 		pool:    pool,
 		cfg:     config,
-		q:       queriesFor(n, !config.SynchronousCommit),
+		q:       q,
 		logger:  logger,
 		obs:     safeObserver{o: config.Observer, logger: logger},
 		closing: make(chan struct{}),

@@ -76,10 +76,10 @@ func outcomeFrom(ctx context.Context) *outcome {
 	return o
 }
 
-func (o *outcome) get() (error, string) {
+func (o *outcome) get() (rejectReason string, handlerErr error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	return o.err, o.rejectReason
+	return o.rejectReason, o.err
 }
 
 // message decodes the row. A row that does not decode is poisoned.

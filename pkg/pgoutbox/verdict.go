@@ -23,7 +23,7 @@ const truncatedMarker = "…[truncated]"
 // policy's, and changed metadata is stored, so DelayOnError's multiplier
 // (which reads the "delayed for" key) grows across redeliveries.
 func (sub *subscription) nacked(d *delivery, msg *message.Message) {
-	handlerErr, rejectReason := d.outcome.get()
+	rejectReason, handlerErr := d.outcome.get()
 	errText := ""
 	if handlerErr != nil {
 		errText = boundError(handlerErr.Error())

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/require"
 
@@ -82,29 +83,47 @@ func TestSubscriberWritesCommitAsynchronously(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
 	names := b.names(t)
-	for _, async := range []bool{true, false} {
-		b.publishInTx(t, "t", true, newMsg("x"))
-		q := query.Build(names, async)
-		pgTx, err := b.Pool.Begin(ctx)
+	claim := func(q interface {
+		Query(context.Context, string, ...any) (pgx.Rows, error)
+	}, stmt string) {
+		t.Helper()
+		rows, err := q.Query(ctx, stmt, "t", 1, uuid.New(), int64(30e6), "test", fromStart, int64(0), true)
 		require.NoError(t, err)
-		var claimed int
-		rows, err := pgTx.Query(ctx, q.Claim, "t", 1, uuid.New(), int64(30e6), "test", fromStart, int64(0), true)
-		require.NoError(t, err)
+		claimed := 0
 		for rows.Next() {
 			claimed++
 		}
 		require.NoError(t, rows.Err())
 		require.Equal(t, 1, claimed)
-		var setting string
-		require.NoError(t, pgTx.QueryRow(ctx, `SELECT current_setting('synchronous_commit')`).Scan(&setting))
+	}
+	// One connection throughout, so a setting left on the session would show.
+	conn, err := b.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	setting := func(q interface {
+		QueryRow(context.Context, string, ...any) pgx.Row
+	}) string {
+		var v string
+		require.NoError(t, q.QueryRow(ctx, `SELECT current_setting('synchronous_commit')`).Scan(&v))
+		return v
+	}
+	for _, async := range []bool{true, false} {
+		q := query.Build(names, async)
+		b.publishInTx(t, "t", true, newMsg("x"))
+		pgTx, err := conn.Begin(ctx)
+		require.NoError(t, err)
+		claim(pgTx, q.Claim)
+		inTx := setting(pgTx)
 		require.NoError(t, pgTx.Rollback(ctx))
 		if async {
-			require.Equal(t, "off", setting)
+			require.Equal(t, "off", inTx)
 		} else {
-			require.Equal(t, "on", setting)
+			require.Equal(t, "on", inTx)
 		}
-		var after string
-		require.NoError(t, b.Pool.QueryRow(ctx, `SELECT current_setting('synchronous_commit')`).Scan(&after))
-		require.Equal(t, "on", after, "the setting must not leak into the session")
+		// As the subscriber runs it: autocommit, the statement's own
+		// transaction. The session keeps its setting.
+		b.publishInTx(t, "t", true, newMsg("y"))
+		claim(conn, q.Claim)
+		require.Equal(t, "on", setting(conn), "the setting must not leak into the session")
 	}
 }

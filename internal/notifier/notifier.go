@@ -37,10 +37,6 @@ type Notifier struct {
 	changed chan struct{}                              // the channel set changed: LISTEN again
 	cancel  context.CancelFunc
 	done    chan struct{}
-
-	// connects counts the (re)connects.
-	connectedMu sync.Mutex
-	connects    int
 }
 
 // Waiter receives a wake-up (a value on C, never blocking the notifier) when
@@ -128,13 +124,6 @@ func (w *Waiter) Stop() {
 			delete(byTopic, w.topic)
 		}
 	}
-}
-
-// Connects reports how many times the LISTEN connection was established.
-func (n *Notifier) Connects() int {
-	n.connectedMu.Lock()
-	defer n.connectedMu.Unlock()
-	return n.connects
 }
 
 func wake(ws map[*Waiter]struct{}, scheduled bool) {
@@ -235,9 +224,6 @@ func (n *Notifier) session(ctx context.Context, connected func()) error {
 	if err := listenAll(); err != nil {
 		return err
 	}
-	n.connectedMu.Lock()
-	n.connects++
-	n.connectedMu.Unlock()
 	connected()
 	// Anything notified while we were not listening is lost: have every
 	// loop poll once now instead of waiting out its idle interval.

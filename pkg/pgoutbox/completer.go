@@ -348,11 +348,7 @@ func isPermanent(err error) bool {
 // abandon gives up writing d's verdict: it is logged, no longer renewed, and
 // comes back to some consumer when its lease expires. Never deleted.
 func (c *completer) abandon(d *delivery, err error) {
-	c.mu.Lock()
-	if c.inflight[d.id] == d {
-		delete(c.inflight, d.id)
-	}
-	c.mu.Unlock()
+	c.untrack(1, func(int) *delivery { return d })
 	d.lost.Store(true)
 	c.sub.logger.Error("Cannot write this row's ack, nack or dead-letter move; it comes back when its lease expires", err,
 		watermill.LogFields{"event": "write_abandoned", "row_id": d.id, "topic": c.sub.topic, "deliveries": d.deliveries})
@@ -390,6 +386,8 @@ func (c *completer) writeComplete(acks []*delivery, returns []returnOp) error {
 	if err != nil {
 		return err
 	}
+	c.untrack(len(acks), func(i int) *delivery { return acks[i] })
+	c.untrack(len(returns), func(i int) *delivery { return returns[i].d })
 	wakeFetch := false
 	for _, d := range acks {
 		if c.finish(d, done, "ack") {
@@ -433,6 +431,7 @@ func (c *completer) writeDead(ops []deadOp) error {
 	if err != nil {
 		return err
 	}
+	c.untrack(len(ops), func(i int) *delivery { return ops[i].d })
 	for _, op := range ops {
 		if !c.finish(op.d, done, "dead_letter") {
 			continue
@@ -449,15 +448,22 @@ func (c *completer) writeDead(ops []deadOp) error {
 	return nil
 }
 
-// finish removes d from the in-flight set once its completion is written
-// (or found impossible) and reports a lost lease. It returns whether the
-// write applied.
-func (c *completer) finish(d *delivery, done written, phase string) bool {
+// untrack removes written (or abandoned) deliveries from the in-flight set,
+// under one lock for the whole batch. A row claimed again since keeps its
+// newer entry.
+func (c *completer) untrack(n int, at func(int) *delivery) {
 	c.mu.Lock()
-	if c.inflight[d.id] == d {
-		delete(c.inflight, d.id)
+	defer c.mu.Unlock()
+	for i := range n {
+		if d := at(i); c.inflight[d.id] == d {
+			delete(c.inflight, d.id)
+		}
 	}
-	c.mu.Unlock()
+}
+
+// finish reports a lost lease for d if its write did not apply, and
+// returns whether it applied. The caller untracked d.
+func (c *completer) finish(d *delivery, done written, phase string) bool {
 	if d.lost.Load() {
 		return false // reported when it was found
 	}

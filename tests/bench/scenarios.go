@@ -286,18 +286,11 @@ func drainScenario(large bool, maxInFlight int) func(context.Context, *bench, in
 		if err := cons.start(ctx); err != nil {
 			return result{}, err
 		}
-		if err := handled.wait(ctx, timeout, "messages handled", cons.failed()); err != nil {
-			return result{}, withCause(err, cons)
-		}
-		if err := cons.waitAcked(ctx, timeout); err != nil {
-			return result{}, withCause(err, cons)
-		}
-		elapsed := time.Since(start)
-
-		if err := cons.close(); err != nil {
+		if err := awaitDone(ctx, handled, cons, timeout, "messages handled"); err != nil {
 			return result{}, err
 		}
-		if err := expectRows(ctx, b, inst, 0, "after the drain"); err != nil {
+		elapsed := time.Since(start)
+		if err := closeEmpty(ctx, b, inst, cons, "after the drain"); err != nil {
 			return result{}, err
 		}
 		res := result{msgsPerS: float64(n) / elapsed.Seconds(), note: joinNote(inFlightNote(inst, maxInFlight), commitNote(b, inst))}
@@ -336,6 +329,27 @@ func joinNote(a, b string) string {
 		return a
 	}
 	return a + "; " + b
+}
+
+// awaitDone waits until the handler saw every message and the system wrote
+// every ack (closing earlier would cancel acks watermill-sql writes at the
+// end of a batch, and leave rows behind for the next run).
+func awaitDone(ctx context.Context, handled *countdown, cons consumer, timeout time.Duration, what string) error {
+	if err := handled.wait(ctx, timeout, what, cons.failed()); err != nil {
+		return withCause(err, cons)
+	}
+	if err := cons.waitAcked(ctx, timeout); err != nil {
+		return withCause(err, cons)
+	}
+	return nil
+}
+
+// closeEmpty closes the consumer and checks that it left no row behind.
+func closeEmpty(ctx context.Context, b *bench, inst instance, cons consumer, when string) error {
+	if err := cons.close(); err != nil {
+		return err
+	}
+	return expectRows(ctx, b, inst, 0, when)
 }
 
 func withCause(err error, cons consumer) error {
@@ -417,19 +431,10 @@ func latencyScenario(maxInFlight int) func(context.Context, *bench, instance) (r
 				return result{}, fmt.Errorf("commit: %w", err)
 			}
 		}
-		if err := handled.wait(ctx, 30*time.Second, "messages handled", cons.failed()); err != nil {
-			return result{}, withCause(err, cons)
-		}
-		// Untimed, but needed: closing before the acks are written would
-		// cancel them (watermill-sql acks a whole batch at its end) and leave
-		// rows behind for the next run to trip over.
-		if err := cons.waitAcked(ctx, 30*time.Second); err != nil {
-			return result{}, withCause(err, cons)
-		}
-		if err := cons.close(); err != nil {
+		if err := awaitDone(ctx, handled, cons, 30*time.Second, "messages handled"); err != nil {
 			return result{}, err
 		}
-		if err := expectRows(ctx, b, inst, 0, "after the run"); err != nil {
+		if err := closeEmpty(ctx, b, inst, cons, "after the run"); err != nil {
 			return result{}, err
 		}
 		mu.Lock()
@@ -514,16 +519,10 @@ func timersScenario(ctx context.Context, b *bench, inst instance) (result, error
 			return result{}, err
 		}
 	}
-	if err := handled.wait(ctx, span+30*time.Second, "timers fired", cons.failed()); err != nil {
-		return result{}, withCause(err, cons)
-	}
-	if err := cons.waitAcked(ctx, 30*time.Second); err != nil {
-		return result{}, withCause(err, cons)
-	}
-	if err := cons.close(); err != nil {
+	if err := awaitDone(ctx, handled, cons, span+30*time.Second, "timers fired"); err != nil {
 		return result{}, err
 	}
-	if err := expectRows(ctx, b, inst, 0, "after the timers fired"); err != nil {
+	if err := closeEmpty(ctx, b, inst, cons, "after the timers fired"); err != nil {
 		return result{}, err
 	}
 	mu.Lock()

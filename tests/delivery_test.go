@@ -220,27 +220,67 @@ func TestPoisonedRowIsDeadLetteredAndTopicGoesOn(t *testing.T) {
 	require.Contains(t, row.lastError, "metadata")
 }
 
-func TestTerminalFailureWithoutDeadLetterTableDeletesAndLogsError(t *testing.T) {
+// Defect: without a dead-letter table, a message whose retry policy gave up
+// was deleted. Now it is parked in the outbox, never due again, with its
+// reason and error, and nothing is deleted without an ack.
+func TestTerminalFailureWithoutDeadLetterTableParksTheRow(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	logs := &logCapture{}
 	ev := newEvents()
 	sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
-		Tables:   schema.Config{Schema: b.Schema, Table: "outbox"}, // no DeadLetterTable
-		Observer: ev,
+		Tables:          schema.Config{Schema: b.Schema, Table: "outbox", NoDeadLetterTable: true},
+		RetryPolicy:     pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: 2},
+		MinPollInterval: 20 * time.Millisecond,
+		MaxPollInterval: 200 * time.Millisecond,
+		Observer:        ev,
 	}, logs)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = sub.Close() })
-	msg := newMsg("x")
-	b.publishInTx(t, "t", true, msg)
-	runRouter(t, sub, "t", func(m *message.Message) error { return pgoutbox.Reject(m, "nope") })
+	exhausted, rejected := newMsg("exhausted"), newMsg("rejected")
+	b.publishInTx(t, "t", true, exhausted, rejected)
+	var calls atomic.Int32
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		calls.Add(1)
+		if string(m.Payload) == "rejected" {
+			return pgoutbox.Reject(m, "nope")
+		}
+		return errors.New("downstream is down")
+	}, pgoutbox.ErrorRecorder)
 
 	ev.wait(t, pgoutbox.EventDeadLettered, 10*time.Second)
-	require.Equal(t, 0, b.outboxRows(t, "t"))
+	ev.wait(t, pgoutbox.EventDeadLettered, 10*time.Second)
+	type parked struct {
+		reason, lastError string
+		infinite, leased  bool
+	}
+	get := func(uuid string) parked {
+		var p parked
+		require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT failure_reason, last_error,
+			available_at = 'infinity', lease_token IS NOT NULL FROM `+b.Schema+`.outbox WHERE uuid = $1`, uuid).
+			Scan(&p.reason, &p.lastError, &p.infinite, &p.leased))
+		return p
+	}
+	require.Equal(t, parked{pgoutbox.ReasonRetryExhausted, "downstream is down", true, false}, get(exhausted.UUID))
+	require.Equal(t, parked{pgoutbox.ReasonRejected, "pgoutbox: message rejected: nope", true, false}, get(rejected.UUID))
 	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`))
-	require.Len(t, logs.find("error", func(e logEntry) bool {
-		return e.fields["reason"] == pgoutbox.ReasonRejected && e.fields["message_uuid"] == msg.UUID
-	}), 1, "the deletion must be logged at ERROR with its reason")
+	for _, uuid := range []string{exhausted.UUID, rejected.UUID} {
+		require.Len(t, logs.find("info", func(e logEntry) bool {
+			return e.fields["message_uuid"] == uuid && e.fields["severity"] == "warn" && e.fields["event"] == "dead_lettered"
+		}), 1, "parking is logged with its reason")
+	}
+
+	// Parked rows are never delivered again, and the idle loop does not
+	// trip over their infinite due time.
+	before := calls.Load()
+	require.Equal(t, int32(3), before, "two deliveries, then one")
+	for empty := 0; empty < 3; {
+		if e := ev.wait(t, pgoutbox.EventClaimed, 5*time.Second); e.Count == 0 {
+			empty++ // an idle poll that found nothing
+		}
+	}
+	require.Equal(t, before, calls.Load())
+	require.Equal(t, 2, b.outboxRows(t, "t"))
 }
 
 // If the dead-letter insert fails, the row stays (leased) and comes back

@@ -181,8 +181,8 @@ const roundTimeout = 5 * time.Second
 // terminateBackends terminates the backends named appName and waits for
 // each to exit (so the next round cannot count a dying backend again). It
 // returns one row per backend found; the LISTEN connection is the one whose
-// last statement was LISTEN.
-const terminateBackends = `SELECT pg_terminate_backend(pid, 2000), query LIKE 'LISTEN %'
+// last statement was LISTEN or a liveness query (its lock class, 1885827938).
+const terminateBackends = `SELECT pg_terminate_backend(pid, 2000), query LIKE 'LISTEN %' OR query LIKE '%1885827938%'
   FROM pg_stat_activity
  WHERE application_name = $1 AND pid <> pg_backend_pid()`
 

@@ -1,21 +1,32 @@
 // Package notifier keeps one LISTEN connection per connection pool and fans
-// notifications out to the fetch loops that wait for them.
+// notifications out to the subscriptions that wait for them.
 //
 // Sharing it per pool (instead of one per Subscriber) matters in practice:
 // a CQRS processor builds one Subscriber per handler, and each LISTEN
 // connection is a server backend that is not in the pool's budget.
+//
+// The same connection carries the process's liveness: a session advisory
+// lock (query.LivenessClass, key) held while it is up. Subscriptions stamp
+// the rows they lease with the key; the server drops the lock the moment the
+// connection ends, so when a process dies its rows are known to be orphaned
+// at once, not when their leases expire. The notifier also watches the
+// other processes' locks and wakes its subscriptions when one vanishes.
 package notifier
 
 import (
 	"context"
 	"errors"
+	"math/rand/v2"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
@@ -37,15 +48,24 @@ type Notifier struct {
 	changed chan struct{}                              // the channel set changed: LISTEN again
 	cancel  context.CancelFunc
 	done    chan struct{}
+
+	key  atomic.Int64 // liveness key; 0 until a session took its lock
+	live atomic.Bool  // the lock is held right now
 }
+
+// LivenessEvery is how often the notifier looks for vanished liveness
+// locks, which bounds how long a dead process's rows wait to be reclaimed.
+const LivenessEvery = time.Second
 
 // Waiter receives a wake-up (a value on C, never blocking the notifier) when
 // rows of its topic became due, and after every (re)connect, since
 // notifications sent while nobody listened are lost. It receives a value on
-// Scheduled when rows of its topic were published for later.
+// Scheduled when rows of its topic were published for later, and on Orphans
+// when another process's liveness lock vanished (its rows may be orphaned).
 type Waiter struct {
 	C         chan struct{}
 	Scheduled chan struct{}
+	Orphans   chan struct{}
 	n         *Notifier
 	channel   string
 	topic     string
@@ -91,7 +111,8 @@ func (n *Notifier) Release() {
 
 // Listen registers a waiter for topic on channel.
 func (n *Notifier) Listen(channel, topic string) *Waiter {
-	w := &Waiter{C: make(chan struct{}, 1), Scheduled: make(chan struct{}, 1), n: n, channel: channel, topic: topic}
+	w := &Waiter{C: make(chan struct{}, 1), Scheduled: make(chan struct{}, 1), Orphans: make(chan struct{}, 1),
+		n: n, channel: channel, topic: topic}
 	n.mu.Lock()
 	byTopic := n.waiters[channel]
 	newChannel := byTopic == nil
@@ -126,11 +147,31 @@ func (w *Waiter) Stop() {
 	}
 }
 
-func wake(ws map[*Waiter]struct{}, scheduled bool) {
+// Liveness returns this process's liveness key, and whether its lock is
+// held right now. The key is 0 before the first session took a lock.
+func (n *Notifier) Liveness() (key int64, live bool) {
+	return n.key.Load(), n.live.Load()
+}
+
+// Liveness is the Liveness of the waiter's notifier.
+func (w *Waiter) Liveness() (key int64, live bool) { return w.n.Liveness() }
+
+type wakeKind int
+
+const (
+	wakeDue wakeKind = iota
+	wakeScheduled
+	wakeOrphans
+)
+
+func wake(ws map[*Waiter]struct{}, kind wakeKind) {
 	for w := range ws {
 		c := w.C
-		if scheduled {
+		switch kind {
+		case wakeScheduled:
 			c = w.Scheduled
+		case wakeOrphans:
+			c = w.Orphans
 		}
 		select {
 		case c <- struct{}{}:
@@ -142,17 +183,21 @@ func wake(ws map[*Waiter]struct{}, scheduled bool) {
 // dispatch routes one notification; see query.Publish for the payload.
 func (n *Notifier) dispatch(channel, payload string) {
 	topic, scheduled := strings.CutPrefix(payload, query.ScheduleMark)
+	kind := wakeDue
+	if scheduled {
+		kind = wakeScheduled
+	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	wake(n.waiters[channel][topic], scheduled)
+	wake(n.waiters[channel][topic], kind)
 }
 
-func (n *Notifier) wakeAll() {
+func (n *Notifier) wakeAll(kind wakeKind) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	for _, byTopic := range n.waiters {
 		for _, ws := range byTopic {
-			wake(ws, false)
+			wake(ws, kind)
 		}
 	}
 }
@@ -193,9 +238,56 @@ func (n *Notifier) run(ctx context.Context) {
 	}
 }
 
+// lockLiveness takes this process's liveness lock on conn, with the key of
+// earlier sessions if it is free (rows stamped with it stay ours), else a
+// new random one.
+func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn) error {
+	key := n.key.Load()
+	for range 10 {
+		if key == 0 {
+			key = 1 + rand.Int64N(1<<31-2)
+		}
+		var ok bool
+		if err := conn.QueryRow(ctx, query.TryLiveness, key).Scan(&ok); err != nil {
+			return err
+		}
+		if ok {
+			n.key.Store(key)
+			n.live.Store(true)
+			return nil
+		}
+		key = 0 // another process holds it
+	}
+	n.logger.Info("No liveness key could be locked; rows of this process are reclaimed only when their leases expire", nil)
+	return nil
+}
+
+// liveHolders returns the liveness keys whose locks are held.
+func liveHolders(ctx context.Context, conn *pgx.Conn) (map[int64]bool, error) {
+	rows, err := conn.Query(ctx, query.LiveHolders)
+	if err != nil {
+		return nil, err
+	}
+	keys, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[int64]bool, len(keys))
+	for _, k := range keys {
+		out[k] = true
+	}
+	return out, nil
+}
+
 // session runs one LISTEN connection until it fails or ctx ends.
 func (n *Notifier) session(ctx context.Context, connected func()) error {
 	cfg := n.pool.Config().ConnConfig.Copy()
+	// The wait for notifications is interrupted every LivenessEvery: by a
+	// deadline on the socket, not by a cancel request (a new connection
+	// each time), whatever the pool's connections use.
+	cfg.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
+		return &pgconn.DeadlineContextWatcherHandler{Conn: c.Conn()}
+	}
 	connectCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	conn, err := pgx.ConnectConfig(connectCtx, cfg)
 	cancel()
@@ -224,13 +316,34 @@ func (n *Notifier) session(ctx context.Context, connected func()) error {
 	if err := listenAll(); err != nil {
 		return err
 	}
+	if err := n.lockLiveness(ctx, conn); err != nil {
+		return err
+	}
+	defer n.live.Store(false)
 	connected()
 	// Anything notified while we were not listening is lost: have every
 	// loop poll once now instead of waiting out its idle interval.
-	n.wakeAll()
+	n.wakeAll(wakeDue)
 
+	var holders map[int64]bool
+	checked := time.Time{}
 	for {
-		waitCtx, stopWait := context.WithCancel(ctx)
+		if time.Since(checked) >= LivenessEvery {
+			now, err := liveHolders(ctx, conn)
+			if err != nil {
+				return err
+			}
+			for k := range holders {
+				if !now[k] {
+					// A process died (or closed): its rows may be
+					// leased still. Subscriptions look for them.
+					n.wakeAll(wakeOrphans)
+					break
+				}
+			}
+			holders, checked = now, time.Now()
+		}
+		waitCtx, stopWait := context.WithTimeout(ctx, LivenessEvery-time.Since(checked))
 		watcherDone := make(chan struct{})
 		go func() {
 			defer close(watcherDone)

@@ -26,6 +26,16 @@ var OutboxColumns = []Column{
 	{"leased_by", "text"},
 	{"dedup_key", "text"},
 	{"last_error", "text"},
+	{"lease_holder", "bigint"},
+	{"failure_reason", "text"},
+}
+
+// AddedColumns are the outbox columns added after the first release, with
+// their DDL type: DDL adds them to a table created before, so applying the
+// script again upgrades it.
+var AddedColumns = []Column{
+	{"lease_holder", "bigint"},
+	{"failure_reason", "text"},
 }
 
 // DLQColumns are the columns of the dead-letter table.
@@ -84,12 +94,26 @@ func DDL(n Names) []string {
     leased_until timestamptz,
     leased_by    text,
     dedup_key    text,
-    last_error   text
+    last_error   text,
+    lease_holder bigint,
+    failure_reason text
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_insert_scale_factor = 0.01,
     autovacuum_analyze_scale_factor = 0.02
 )`, n.QTable),
+	)
+	for _, c := range AddedColumns {
+		// Inside a check, not ALTER ... IF NOT EXISTS alone: ALTER TABLE takes
+		// an exclusive lock on the queue even when the column exists.
+		stmts = append(stmts, fmt.Sprintf(`DO $pgoutbox$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
+                    WHERE attrelid = '%[1]s'::regclass AND attname = '%[2]s' AND NOT attisdropped) THEN
+        ALTER TABLE %[1]s ADD COLUMN %[2]s %[3]s;
+    END IF;
+END $pgoutbox$`, n.QTable, c.Name, c.Type))
+	}
+	stmts = append(stmts,
 		// Ready rows, in delivery order; the claim's "ready" branch scans it.
 		fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, available_at, id) WHERE lease_token IS NULL`,
 			Quote(n.ReadyIdx), n.QTable),

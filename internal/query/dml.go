@@ -16,6 +16,7 @@ type Queries struct {
 	Complete     string
 	Renew        string
 	Dead         string
+	ReleaseClaim string
 	NextDue      string
 	Cancel       string
 }
@@ -94,26 +95,31 @@ SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)`, t),
 		//
 		// Shape (measured on a 1,000,000-row backlog): one SELECT with
 		// "ready OR expired" becomes a sequential scan plus a sort, and
-		// UPDATE ... FROM cte may hash-join a sequential scan. Two CTEs, each
-		// repeating its partial index's predicate, are two index range scans,
-		// and "id = ANY(ARRAY(...))" keeps the UPDATE on the primary key.
-		// Expired leases are reclaimed here too, so there is no separate
-		// reaper. TestClaimUsesPartialIndexes pins this shape with EXPLAIN.
+		// UPDATE ... FROM cte may hash-join a sequential scan. A CTE per
+		// branch, each repeating its partial index's predicate, is an index
+		// range scan each, and "id = ANY(ARRAY(...))" keeps the UPDATE on the
+		// primary key. Expired leases are reclaimed here too, so there is no
+		// separate reaper. TestClaimUsesPartialIndexes pins this shape.
 		//
 		// Dead index entries: every claim leaves the ready-index entries of
 		// the rows it took behind, dead, at the low end of the range, until
 		// VACUUM removes them; a scan from the start walks all of them (2.5ms
 		// per claim after 500,000 claimed rows). So a busy loop passes the
 		// (available_at, id) of the last ready row it claimed as a cursor
-		// ($6, $7) and the scan starts there; the loop starts from the
-		// beginning again after an idle wake-up and every second, which is
-		// when rows behind the cursor (a transaction that committed late
-		// with an older now(), a lease released at shutdown) are found. The
-		// last column returns the id of the last ready row, the next cursor.
-		// The expired branch scans dead entries of acked rows the same way,
-		// and expired leases are rare, so it runs only when $8 is true; the
-		// last column, how many expired leases it took, tells the loop to
-		// keep looking while there are more.
+		// ($6, $7); the loop scans from the start again after an idle
+		// wake-up, a give-back and every second. The expired branch runs only
+		// when $8 is true (every second, or while the last look found some).
+		//
+		// Orphaned leases ($11): rows whose holder died. A subscriber that
+		// holds its liveness lock (see Liveness) stamps its rows with the
+		// lock's key ($9, NULL when it holds none); a row whose key is not
+		// held any more belongs to a dead process and is reclaimed before
+		// its lease expires. Rows of this process ($10) never count as
+		// orphaned: its lock may only be reconnecting. The branch reads
+		// pg_locks, so it runs only when the notifier saw a holder vanish.
+		//
+		// The last two columns: the id of the last ready row (the next
+		// cursor) and how many expired or orphaned leases were taken.
 		Claim: fmt.Sprintf(`
 WITH expired AS (
     SELECT id FROM %[1]s
@@ -121,35 +127,49 @@ WITH expired AS (
      ORDER BY leased_until
      LIMIT $2::int
        FOR UPDATE SKIP LOCKED
+), orphaned AS (
+    SELECT id FROM %[1]s
+     WHERE $11::bool AND topic = $1 AND lease_token IS NOT NULL AND leased_until >= now()
+       AND lease_holder <> $10::bigint
+       AND lease_holder NOT IN (%[3]s)
+     LIMIT (SELECT $2::int - count(*) FROM expired)
+       FOR UPDATE SKIP LOCKED
 ), ready AS (
     SELECT id, available_at FROM %[1]s
      WHERE topic = $1 AND lease_token IS NULL AND available_at <= now()
        AND (available_at, id) > ($6::timestamptz, $7::bigint)
      ORDER BY available_at, id
-     LIMIT (SELECT $2::int - count(*) FROM expired)
+     LIMIT (SELECT $2::int - count(*) FROM expired) - (SELECT count(*) FROM orphaned)
        FOR UPDATE SKIP LOCKED
 )
 UPDATE %[1]s o
    SET lease_token  = $3::uuid,
        leased_until = now() + $4::bigint * interval '1 microsecond',
        leased_by    = $5,
+       lease_holder = $9::bigint,
        deliveries   = o.deliveries + 1
- WHERE o.id = ANY (ARRAY(SELECT id FROM expired UNION ALL SELECT id FROM ready))%[2]s
+ WHERE o.id = ANY (ARRAY(SELECT id FROM expired UNION ALL SELECT id FROM orphaned UNION ALL SELECT id FROM ready))%[2]s
 RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at,
           (SELECT id FROM ready ORDER BY available_at DESC, id DESC LIMIT 1),
-          (SELECT count(*) FROM expired)`, t, ac),
+          (SELECT count(*) FROM expired) + (SELECT count(*) FROM orphaned)`, t, ac, LiveHolders),
 
-		// Complete applies a batch of acks and lease returns in one statement.
-		// Every row is matched on (id, lease_token): a row whose lease expired
-		// and was claimed by someone else does not match, and is reported by
-		// the absence of its (id, token) pair from the result (lease lost)
-		// instead of being touched.
+		// Complete applies a batch of acks, lease returns and holds in one
+		// statement. Every row is matched on (id, lease_token): a row whose
+		// lease expired and was claimed by someone else does not match, and
+		// is reported by the absence of its (id, token) pair from the result
+		// (lease lost) instead of being touched.
 		//
 		// Acks ($1, $2) delete. Returns ($3..$8) clear the lease and set when
-		// the row is due again: delay_us NULL keeps available_at (a release at
-		// shutdown keeps the row's place in line), otherwise now() + delay.
-		// undo = 1 takes back the delivery count of a row claimed but never
-		// handed to a handler. err and meta NULL keep the stored values.
+		// the row is due again: delay_us NULL keeps available_at (a release
+		// keeps the row's place in line), otherwise now() + delay. undo = 1
+		// takes back the delivery count of a row claimed but never handed to
+		// a handler. err and meta NULL keep the stored values. Holds ($9..$12)
+		// keep the lease of a nacked row that an ordered subscription will
+		// deliver again itself, counting that delivery now.
+		//
+		// A return that makes a row due wakes idle subscribers of the topic
+		// (NOTIFY $14 with the topic $15; a row due later sends the
+		// schedule-marked payload). The row it adds to the result has id 0.
 		Complete: fmt.Sprintf(`
 WITH acked AS (
     DELETE FROM %[1]s o
@@ -161,6 +181,7 @@ WITH acked AS (
        SET lease_token  = NULL,
            leased_until = NULL,
            leased_by    = NULL,
+           lease_holder = NULL,
            available_at = CASE WHEN c.delay_us IS NULL THEN o.available_at
                                ELSE now() + c.delay_us * interval '1 microsecond' END,
            deliveries   = o.deliveries - c.undo,
@@ -169,23 +190,49 @@ WITH acked AS (
       FROM unnest($3::bigint[], $4::uuid[], $5::bigint[], $6::int[], $7::text[], $8::text[])
            AS c(id, token, delay_us, undo, err, meta)
      WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+    RETURNING o.id, c.token, o.available_at <= now() AS due
+), held AS (
+    UPDATE %[1]s o
+       SET deliveries   = o.deliveries + 1,
+           leased_until = now() + $13::bigint * interval '1 microsecond',
+           last_error   = coalesce(c.err, o.last_error),
+           metadata     = coalesce(c.meta::jsonb, o.metadata)
+      FROM unnest($9::bigint[], $10::uuid[], $11::text[], $12::text[]) AS c(id, token, err, meta)
+     WHERE o.id = c.id AND o.lease_token = c.token%[2]s
     RETURNING o.id, c.token
+), woken AS (
+    SELECT pg_notify($14, CASE WHEN bool_or(due) THEN $15 ELSE %[3]s || $15 END)
+      FROM returned HAVING count(*) > 0
 )
-SELECT id, token FROM acked UNION ALL SELECT id, token FROM returned`, t, ac),
+SELECT id, token FROM acked
+UNION ALL SELECT id, token FROM returned
+UNION ALL SELECT id, token FROM held
+UNION ALL SELECT 0, NULL::uuid FROM woken`, t, ac, "chr(31)"),
 
 		// Dead ends rows terminally, under their tokens: with a dead-letter
 		// table the row moves there in this one statement (if the INSERT
 		// fails the DELETE rolls back, the row stays leased and comes back:
-		// never lost); without one it is deleted (the caller logs it).
+		// never lost); without one the row is parked in the outbox: never
+		// due again, its reason and error kept for an operator.
 		Dead: deadStatement(n, ac),
 
-		// Renew extends the leases of in-flight rows, under their tokens.
+		// Renew extends the leases of held rows, under their tokens.
 		Renew: fmt.Sprintf(`
 UPDATE %[1]s o
    SET leased_until = now() + $3::bigint * interval '1 microsecond'
   FROM unnest($1::bigint[], $2::uuid[]) AS c(id, token)
  WHERE o.id = c.id AND o.lease_token = c.token%[2]s
 RETURNING o.id, c.token`, t, ac),
+
+		// ReleaseClaim gives back every row of topic $1 still leased under
+		// the tokens $2, undoing their delivery count: the claims that
+		// leased them failed on the client's side (the reply was lost), so
+		// no handler saw those rows. Scans the topic's leased rows only.
+		ReleaseClaim: fmt.Sprintf(`
+UPDATE %[1]s
+   SET lease_token = NULL, leased_until = NULL, leased_by = NULL, lease_holder = NULL,
+       deliveries = deliveries - 1
+ WHERE topic = $1 AND lease_token IS NOT NULL AND lease_token = ANY ($2::uuid[])%[2]s`, t, ac),
 
 		// NextDue returns the microseconds until the next row of topic $1
 		// becomes claimable in the future (a scheduled row or an expiring
@@ -196,7 +243,8 @@ RETURNING o.id, c.token`, t, ac),
 		NextDue: fmt.Sprintf(`
 SELECT (extract(epoch FROM least(
            (SELECT min(available_at) FROM %[1]s
-             WHERE topic = $1 AND lease_token IS NULL AND available_at > now()),
+             WHERE topic = $1 AND lease_token IS NULL AND available_at > now()
+               AND available_at < 'infinity'),
            (SELECT min(leased_until) FROM %[1]s
              WHERE topic = $1 AND lease_token IS NOT NULL AND leased_until > now())
        ) - now()) * 1000000)::bigint`, t),
@@ -209,23 +257,50 @@ DELETE FROM %[1]s WHERE topic = $1 AND dedup_key = $2 AND lease_token IS NULL`, 
 }
 
 func deadStatement(n Names, ac string) string {
-	del := fmt.Sprintf(`
+	if n.QDLQ == "" {
+		// Parked: available_at 'infinity' is never due, and the ready
+		// index keeps the row out of every claim's way at its far end.
+		return fmt.Sprintf(`
+UPDATE %[1]s o
+   SET lease_token = NULL, leased_until = NULL, leased_by = NULL, lease_holder = NULL,
+       available_at   = 'infinity',
+       failure_reason = c.reason,
+       last_error     = coalesce(c.err, o.last_error)
+  FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::text[]) AS c(id, token, reason, err)
+ WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+RETURNING o.id, c.token`, n.QTable, ac)
+	}
+	// The INSERT runs although nothing reads its result: PostgreSQL always
+	// executes data-modifying CTEs, and a failure fails the whole statement.
+	return fmt.Sprintf(`WITH dead AS (
     DELETE FROM %[1]s o
      USING unnest($1::bigint[], $2::uuid[], $3::text[], $4::text[]) AS c(id, token, reason, err)
      WHERE o.id = c.id AND o.lease_token = c.token%[2]s
     RETURNING o.id, o.topic, o.uuid, o.payload, o.metadata, o.created_at, o.deliveries,
-              o.dedup_key, coalesce(c.err, o.last_error) AS last_error, c.reason, o.leased_by, c.token`, n.QTable, ac)
-	if n.QDLQ == "" {
-		return "WITH dead AS (" + del + ")\nSELECT id, token FROM dead"
-	}
-	// The INSERT runs although nothing reads its result: PostgreSQL always
-	// executes data-modifying CTEs, and a failure fails the whole statement.
-	return fmt.Sprintf(`WITH dead AS (%s
+              o.dedup_key, coalesce(c.err, o.last_error) AS last_error, c.reason, o.leased_by, c.token
 ), moved AS (
-    INSERT INTO %s (id, topic, uuid, payload, metadata, created_at, deliveries,
+    INSERT INTO %[3]s (id, topic, uuid, payload, metadata, created_at, deliveries,
                     dedup_key, last_error, failure_reason, failed_by)
     SELECT id, topic, uuid, payload, metadata, created_at, deliveries,
            dedup_key, last_error, reason, leased_by FROM dead
 )
-SELECT id, token FROM dead`, del, n.QDLQ)
+SELECT id, token FROM dead`, n.QTable, ac, n.QDLQ)
 }
+
+// LivenessClass is the first key of every liveness lock
+// (pg_advisory_lock(LivenessClass, key)): "pgob" in ASCII, positive, so
+// pg_locks shows it unchanged as classid.
+const LivenessClass = 0x70676f62
+
+// Liveness statements. A Subscriber's LISTEN connection holds a session
+// advisory lock (LivenessClass, key) while it is up; the server drops it the
+// moment that connection ends, which is when its process dies. The key is a
+// random positive int4, stored with every row the subscriber leases
+// (lease_holder).
+const (
+	TryLiveness = `SELECT pg_try_advisory_lock(1885827938, $1::int)`
+	// LiveHolders lists the keys whose locks are held, in this database.
+	LiveHolders = `SELECT objid::bigint FROM pg_catalog.pg_locks
+                    WHERE locktype = 'advisory' AND classid = 1885827938 AND objsubid = 2 AND granted
+                      AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())`
+)

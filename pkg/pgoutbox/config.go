@@ -6,6 +6,8 @@ import (
 	"os"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -38,22 +40,27 @@ func (c PublisherConfig) Validate() error {
 // SubscriberConfig configures a Subscriber. The zero value is usable: every
 // field has a documented default.
 type SubscriberConfig struct {
-	// Tables names the outbox table and the optional dead-letter table.
-	// Defaults to table "outbox" in schema "public" and no dead-letter table.
+	// Tables names the outbox table and the dead-letter table. Defaults to
+	// table "outbox" in schema "public", with dead-letter table
+	// "outbox_dlq".
 	Tables schema.Config
 
 	// MaxInFlight is how many messages of one subscription may be handed out
-	// and not yet acked or nacked. With 1 (the default, as in every Watermill
-	// subscriber) the next message waits for the previous Ack or Nack and
-	// messages arrive in publish order; with more, the Router runs up to
-	// MaxInFlight handlers at once. Must be at least 1.
+	// and not yet acked or nacked. Must be at least 1.
 	//
-	// An idle or slow subscription leases only rows it can hand out at once.
-	// A busy one also leases a prefetch buffer sized to what its handlers
-	// consumed in the last 10ms (at most 1024 rows), so one claim serves many
-	// messages; buffered rows are renewed like in-flight ones, given back if
-	// they wait half a Lease (the handlers stalled), and released at once on
-	// Close.
+	// With 1 (the default, as in every Watermill subscriber) the
+	// subscription is ordered: the next message waits for the previous Ack
+	// or Nack, messages arrive in the order of their due time (publish order
+	// for messages published without a delay), and a nacked message is
+	// delivered again, after its retry delay, before any later message: the
+	// subscription waits for it, like a Kafka partition consumer. The order
+	// ends where the message does (dead-lettered, or rejected), and holds
+	// per subscription: competing subscriptions of one topic share its
+	// messages between them.
+	//
+	// With more, the Router runs up to MaxInFlight handlers at once, and a
+	// nacked message is due again after its delay, behind messages that are
+	// due sooner.
 	MaxInFlight int
 
 	// Lease is how long a claimed row stays reserved for this subscriber.
@@ -88,12 +95,25 @@ type SubscriberConfig struct {
 	// write of acks, each bounded by StatementTimeout.
 	DrainTimeout time.Duration
 
+	// AckDeadline is how long a handed-out message may stay without Ack or
+	// Nack. Past it, the message's context is cancelled, its lease is no
+	// longer renewed, and it is nacked with an error wrapping
+	// ErrAckDeadline (it counts as a delivery; the RetryPolicy decides what
+	// follows). A handler that answers later is ignored. Defaults to 30s,
+	// watermill-sql's default: long enough for any handler that talks to
+	// a database or an HTTP service, short enough that one hung handler
+	// (which, with MaxInFlight 1, stops its subscription) is noticed within
+	// the half minute. Raise it for handlers that legitimately run longer.
+	// The special value -1 disables it: a handler may run forever, and its
+	// lease is renewed while it does.
+	AckDeadline time.Duration
+
 	// RetryPolicy decides when a nacked message is delivered again. Defaults
 	// to DefaultRetryPolicy() (exponential, 1s to 5min, 10 attempts).
 	RetryPolicy RetryPolicy
 
 	// MaxDeliveries dead-letters a row, without running the handler, when it
-	// is claimed for the (MaxDeliveries+1)-th time, with reason
+	// is delivered for the (MaxDeliveries+1)-th time, with reason
 	// "max_deliveries". It catches what the retry policy cannot see: a
 	// message whose handler crashes the process, so no Nack is ever written.
 	// Every claim counts, including retries. A subscription with a limit does
@@ -114,7 +134,8 @@ type SubscriberConfig struct {
 	SynchronousCommit bool
 
 	// WorkerID names this process in the leased_by column, for operators.
-	// Defaults to "host:pid:short-uuid".
+	// Defaults to "host:pid:short-uuid". At most 255 bytes of valid UTF-8,
+	// without control characters.
 	WorkerID string
 
 	// AutoInitializeSchema creates the tables (schema.Create) when a topic is
@@ -134,6 +155,7 @@ const (
 	DefaultMaxPollInterval  = 5 * time.Second
 	DefaultStatementTimeout = 10 * time.Second
 	DefaultDrainTimeout     = 10 * time.Second
+	DefaultAckDeadline      = 30 * time.Second
 )
 
 func (c *SubscriberConfig) setDefaults() {
@@ -157,6 +179,9 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.DrainTimeout == 0 {
 		c.DrainTimeout = DefaultDrainTimeout
 	}
+	if c.AckDeadline == 0 {
+		c.AckDeadline = DefaultAckDeadline
+	}
 	if c.RetryPolicy == nil {
 		c.RetryPolicy = DefaultRetryPolicy()
 	}
@@ -166,8 +191,11 @@ func (c *SubscriberConfig) setDefaults() {
 }
 
 // Validate applies the defaults and reports every problem at once, each with
-// the constraint it breaks.
+// the constraint it breaks. A problem names only values you set: a default
+// derived from an invalid value (StatementTimeout from Lease, say) is not
+// reported on its own.
 func (c SubscriberConfig) Validate() error {
+	set := c
 	c.setDefaults()
 	e := &configError{}
 	add := func(format string, args ...any) { e.problems = append(e.problems, fmt.Sprintf(format, args...)) }
@@ -178,22 +206,27 @@ func (c SubscriberConfig) Validate() error {
 	if c.MaxInFlight < 1 {
 		add("MaxInFlight is %d; it must be at least 1 (1 delivers one message at a time)", c.MaxInFlight)
 	}
-	if c.Lease < time.Second {
+	leaseOK := c.Lease >= time.Second
+	if !leaseOK {
 		add("Lease is %s; it must be at least 1s", c.Lease)
 	}
-	if c.MinPollInterval < 0 || c.MaxPollInterval < 0 {
+	// Checks that involve a value derived from Lease run only when Lease
+	// is valid or the value was set.
+	derivedOK := func(field time.Duration) bool { return leaseOK || field != 0 }
+	if set.MinPollInterval < 0 || set.MaxPollInterval < 0 {
 		add("poll intervals must not be negative")
+	} else {
+		if c.MinPollInterval > c.MaxPollInterval && derivedOK(set.MaxPollInterval) {
+			add("MinPollInterval (%s) is greater than MaxPollInterval (%s); raise MaxPollInterval or lower MinPollInterval", c.MinPollInterval, c.MaxPollInterval)
+		}
+		if leaseOK && c.Lease <= c.MaxPollInterval {
+			add("Lease (%s) must be longer than MaxPollInterval (%s), or rows would expire between polls; raise Lease", c.Lease, c.MaxPollInterval)
+		}
 	}
-	if c.MinPollInterval > c.MaxPollInterval {
-		add("MinPollInterval (%s) is greater than MaxPollInterval (%s); raise MaxPollInterval or lower MinPollInterval", c.MinPollInterval, c.MaxPollInterval)
-	}
-	if c.Lease <= c.MaxPollInterval {
-		add("Lease (%s) must be longer than MaxPollInterval (%s), or rows would expire between polls; raise Lease", c.Lease, c.MaxPollInterval)
-	}
-	if c.StatementTimeout <= 0 {
+	switch {
+	case set.StatementTimeout < 0:
 		add("StatementTimeout is %s; it must be positive", c.StatementTimeout)
-	}
-	if c.StatementTimeout >= c.Lease/2 {
+	case leaseOK && c.StatementTimeout >= c.Lease/2:
 		add("StatementTimeout (%s) must be shorter than Lease/2 (%s), so a hung statement cannot outlive a lease renewal period; lower StatementTimeout or raise Lease", c.StatementTimeout, c.Lease/2)
 	}
 	if c.MaxDeliveries < 0 {
@@ -202,10 +235,31 @@ func (c SubscriberConfig) Validate() error {
 	if c.DrainTimeout < 0 && c.DrainTimeout != -1 {
 		add("DrainTimeout is %s; use a positive duration, or -1 to release in-flight rows without waiting", c.DrainTimeout)
 	}
+	if c.AckDeadline < 0 && c.AckDeadline != -1 {
+		add("AckDeadline is %s; use a positive duration, or -1 to let handlers run without a deadline", c.AckDeadline)
+	}
+	if err := checkWorkerID(c.WorkerID); err != "" {
+		add("%s", err)
+	}
 	if len(e.problems) > 0 {
 		return e
 	}
 	return nil
+}
+
+// checkWorkerID explains what is wrong with id, or returns "". The id is
+// written with every claim: a value PostgreSQL text cannot hold would make
+// every claim fail.
+func checkWorkerID(id string) string {
+	switch {
+	case len(id) > 255:
+		return fmt.Sprintf("WorkerID is %d bytes long; use at most 255", len(id))
+	case !utf8.ValidString(id):
+		return fmt.Sprintf("WorkerID %q is not valid UTF-8; use printable text such as host:pid", id)
+	case strings.IndexFunc(id, unicode.IsControl) >= 0:
+		return fmt.Sprintf("WorkerID %q contains a control character (NUL included); use printable text such as host:pid", id)
+	}
+	return ""
 }
 
 // configError lists every problem of a configuration; it matches

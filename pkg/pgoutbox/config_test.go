@@ -27,10 +27,11 @@ func TestSubscriberConfigDefaults(t *testing.T) {
 	require.Equal(t, 5*time.Second, c.MaxPollInterval)
 	require.Equal(t, 10*time.Second, c.StatementTimeout)
 	require.Equal(t, 10*time.Second, c.DrainTimeout)
+	require.Equal(t, 30*time.Second, c.AckDeadline)
 	require.Equal(t, 0, c.MaxDeliveries)
 	require.False(t, c.AutoInitializeSchema)
 	require.NotNil(t, c.RetryPolicy)
-	require.Equal(t, schema.Config{Schema: "public", Table: "outbox"}, c.Tables)
+	require.Equal(t, schema.Config{Schema: "public", Table: "outbox", DeadLetterTable: "outbox_dlq"}, c.Tables)
 
 	host, err := os.Hostname()
 	require.NoError(t, err)
@@ -183,7 +184,7 @@ func TestPublisherConfigValidate(t *testing.T) {
 
 	c := PublisherConfig{}
 	c.setDefaults()
-	require.Equal(t, schema.Config{Schema: "public", Table: "outbox"}, c.Tables)
+	require.Equal(t, schema.Config{Schema: "public", Table: "outbox", DeadLetterTable: "outbox_dlq"}, c.Tables)
 
 	err := PublisherConfig{Tables: schema.Config{Schema: "1abc"}}.Validate()
 	require.ErrorIs(t, err, ErrInvalidConfig)

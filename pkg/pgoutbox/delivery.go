@@ -5,15 +5,18 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
+	backoff5 "github.com/cenkalti/backoff/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// delivery is one claimed row, from claim to its completion write.
+// delivery is one claimed row, from its claim to its completion write. Only
+// the subscription's owner goroutine reads or writes its fields; the
+// handler's side reaches it through outcome (handler error, rejection) and
+// the watcher goroutine through stopWatch.
 type delivery struct {
 	id          int64
 	token       pgtype.UUID // lease token of the claim that leased it
@@ -22,44 +25,31 @@ type delivery struct {
 	uuid        string
 	payload     []byte
 	metaRaw     []byte // metadata as stored, to detect a handler's changes
-	claimedAt   time.Time
 
-	outcome *outcome     // reachable from the message context
-	lost    atomic.Bool  // a write found the lease taken by someone else
-	state   atomic.Int32 // buffered, handedOut or givenBack
-	expires atomic.Int64 // when our lease ends, at the latest: nanoseconds on the monotonic clock (sinceStart)
+	state      deliveryState
+	claimedAt  time.Time
+	expiresAt  time.Time // our lease ends by then at the latest (sent time + Lease of the last write that set it)
+	handedAt   time.Time // when the message went to the Router
+	retryAt    time.Time // ordered mode: when a held nack is delivered again
+	holdDone   bool      // ordered mode: the hold of a nack is written
+	outcome    *outcome
+	msg        *message.Message // the message handed out (nil before)
+	cancel     context.CancelFunc
+	stopWatch  chan struct{} // closed by the owner when it stops waiting for a verdict
+	timedOut   bool          // AckDeadline passed before a verdict
+	deadReason string        // set while a dead-letter write is pending
 }
 
-// Delivery states: a claimed row waits in the prefetch buffer until a
-// worker hands it out, unless the completer gives it back first (renew).
+// deliveryState is where a delivery is in the owner's hands.
+type deliveryState uint8
+
 const (
-	buffered int32 = iota
-	handedOut
-	givenBack
+	buffered deliveryState = iota // claimed, waiting in the prefetch buffer
+	handedOut                     // sent to the Router, waiting for Ack or Nack
+	retrying                      // ordered mode: nacked, held, delivered again at retryAt
+	writing                       // verdict recorded, its write pending or under way
+	finished                      // written, lost or abandoned: no longer ours
 )
-
-// handOut marks d as handed to the Router; false if it was given back.
-func (d *delivery) handOut() bool { return d.state.CompareAndSwap(buffered, handedOut) }
-
-// giveBack marks a buffered d as given back; false if it was handed out.
-func (d *delivery) giveBack() bool { return d.state.CompareAndSwap(buffered, givenBack) }
-
-// processStart anchors delivery expiry times to the monotonic clock.
-var processStart = time.Now()
-
-func sinceStart(t time.Time) int64 { return int64(t.Sub(processStart)) }
-
-// leasedUntil records when the lease ends by the latest write that set it,
-// measured from the moment that write was sent: earlier than the database's
-// own expiry, never later.
-func (d *delivery) leasedUntil(t time.Time) { d.expires.Store(sinceStart(t)) }
-
-// leaseLikelyGone reports whether handing d out would risk a second holder:
-// its lease was found lost, or is about to expire without a renewal having
-// reached the database (the buffer waited longer than a renewal period).
-func (d *delivery) leaseLikelyGone(margin time.Duration) bool {
-	return d.lost.Load() || sinceStart(time.Now().Add(margin)) >= d.expires.Load()
-}
 
 // outcome carries what the handler's side knows about a failure to the
 // subscriber: Watermill's Nack carries no error.
@@ -82,18 +72,37 @@ func (o *outcome) get() (rejectReason string, handlerErr error) {
 	return o.rejectReason, o.err
 }
 
+func (o *outcome) setErr(err error) {
+	o.mu.Lock()
+	o.err = err
+	o.mu.Unlock()
+}
+
+// retryDelayKey stores, in the row's metadata, the delay a handler-side
+// middleware (Watermill's DelayOnError) chose at the last nack. It is handed
+// back to that middleware as "delayed for" on the next delivery, so its
+// multiplier grows the delay.
+const retryDelayKey = "_pgoutbox_retry_delayed_for"
+
 // message decodes the row. A row that does not decode is poisoned.
 //
-// Watermill's "delayed until" key is left out: it was an instruction to
-// the publisher, already applied (available_at), and its absence lets the
-// subscriber see when a failing handler's DelayOnError set a new one, even
-// when the delay itself no longer grows (see nacked).
+// Watermill's delay keys are instructions to a publisher, already applied
+// (available_at): they are left out, so a handler or relay that copies the
+// metadata into its output does not delay that output again. The exception
+// keeps DelayOnError's growth: after a nack it delayed, the message carries
+// "delayed for" (only that key; pgoutbox's publisher needs "delayed until"
+// too before it delays anything, see schedule).
 func (d *delivery) message() (*message.Message, error) {
 	msg := message.NewMessage(d.uuid, d.payload)
 	if err := decodeMetadata(d.metaRaw, msg.Metadata); err != nil {
 		return nil, err
 	}
 	delete(msg.Metadata, delay.DelayedUntilKey)
+	delete(msg.Metadata, delay.DelayedForKey)
+	if v, ok := msg.Metadata[retryDelayKey]; ok {
+		delete(msg.Metadata, retryDelayKey)
+		msg.Metadata[delay.DelayedForKey] = v
+	}
 	return msg, nil
 }
 
@@ -106,31 +115,32 @@ var ErrRejected = errors.New("pgoutbox: message rejected")
 //	return nil, pgoutbox.Reject(msg, "order id is missing")
 //
 // When the Router nacks the message, the subscriber moves it to the
-// dead-letter table with reason "rejected" (or deletes it, without one),
-// whatever the retry policy says.
+// dead-letter table with reason "rejected" (or parks it, without one),
+// whatever the retry policy says. The error is also permanent for
+// Watermill's middleware.Retry, which returns it at once instead of
+// retrying in memory.
 func Reject(msg *message.Message, reason string) error {
 	if o := outcomeFrom(msg.Context()); o != nil {
 		o.mu.Lock()
 		o.rejectReason = reason
 		o.mu.Unlock()
 	}
-	return fmt.Errorf("%w: %s", ErrRejected, reason)
+	return backoff5.Permanent(fmt.Errorf("%w: %s", ErrRejected, reason))
 }
 
 // ErrorRecorder is a Router middleware that hands the handler's error to the
 // subscriber, which stores it in last_error (bounded to 8 KiB) and passes it
-// to the RetryPolicy. Add it innermost of the middlewares that turn an error
-// into a Nack (after Retry, so only the final error counts):
+// to the RetryPolicy. Add it outside the middlewares that produce the final
+// error: after Retry, so only the last attempt's error counts, and before
+// Recoverer, so a panic is recorded as the error it becomes:
 //
-//	router.AddMiddleware(middleware.Retry{...}.Middleware, pgoutbox.ErrorRecorder)
+//	router.AddMiddleware(pgoutbox.ErrorRecorder, middleware.Retry{...}.Middleware, middleware.Recoverer)
 func ErrorRecorder(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		msgs, err := h(msg)
 		if err != nil {
 			if o := outcomeFrom(msg.Context()); o != nil {
-				o.mu.Lock()
-				o.err = err
-				o.mu.Unlock()
+				o.setErr(err)
 			}
 		}
 		return msgs, err

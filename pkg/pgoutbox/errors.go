@@ -21,6 +21,9 @@ var (
 	// ErrInvalidConfig is returned by the constructors for a configuration
 	// that cannot work.
 	ErrInvalidConfig = errors.New("pgoutbox: invalid configuration")
+	// ErrAckDeadline is the error recorded (last_error, RetryPolicy) for a
+	// message whose handler did not answer within AckDeadline.
+	ErrAckDeadline = errors.New("pgoutbox: ack deadline exceeded")
 	// ErrTxDone is returned when the publisher's transaction was already
 	// committed or rolled back.
 	ErrTxDone = tx.ErrTxDone

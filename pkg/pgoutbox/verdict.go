@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // maxErrorLen bounds last_error: some errors carry whole request bodies, and
@@ -17,46 +18,68 @@ const maxErrorLen = 8 << 10
 
 const truncatedMarker = "…[truncated]"
 
-// nacked decides what a Nack means for d: dead-letter it (rejected, or the
-// retry policy gives up) or return it to be due again after a delay. A
-// delay set on the message by Watermill's DelayOnError wins over the
-// policy's, and changed metadata is stored, so DelayOnError's multiplier
-// (which reads the "delayed for" key) grows across redeliveries.
-func (sub *subscription) nacked(d *delivery, msg *message.Message) {
+// nackDecision is what a Nack means for a delivery: a dead letter (with
+// its reason) or a retry after delay. meta is the metadata to store, nil to
+// keep what is stored.
+type nackDecision struct {
+	deadReason string
+	errText    string
+	delay      time.Duration
+	meta       []byte
+}
+
+// decideNack applies Reject, the retry policy and a handler-chosen delay to
+// a nacked delivery. A delay set on the message by Watermill's DelayOnError
+// (or delay.Message) wins over the policy's, and is remembered under
+// retryDelayKey so DelayOnError's multiplier grows it next time. A
+// delivery that ran past its ack deadline is judged on the stored metadata
+// only: its handler may still be running and writing to the message.
+func (sub *subscription) decideNack(d *delivery, msg *message.Message, timedOut bool) nackDecision {
 	rejectReason, handlerErr := d.outcome.get()
-	errText := ""
+	var n nackDecision
 	if handlerErr != nil {
-		errText = boundError(handlerErr.Error())
+		n.errText = boundError(handlerErr.Error())
 	}
-	if rejectReason != "" {
-		if errText == "" {
-			errText = boundError("rejected: " + rejectReason)
+	if rejectReason != "" && !timedOut {
+		n.deadReason = ReasonRejected
+		if n.errText == "" {
+			n.errText = boundError("rejected: " + rejectReason)
 		}
-		sub.comp.deadLetter(d, ReasonRejected, errText)
-		return
+		return n
 	}
 	after, retry := sub.cfg.RetryPolicy.NextDelay(d.deliveries, handlerErr)
 	if !retry {
-		sub.comp.deadLetter(d, ReasonRetryExhausted, errText)
-		return
+		n.deadReason = ReasonRetryExhausted
+		return n
 	}
-	var meta []byte
+	n.delay = max(after, 0)
+	if timedOut {
+		return n
+	}
 	stored := message.Metadata{}
-	if decodeMetadata(d.metaRaw, stored) == nil {
-		delete(stored, delay.DelayedUntilKey) // as handed out (delivery.message)
-		if !maps.Equal(stored, msg.Metadata) {
-			meta, _ = appendMetadataJSON(nil, 0, sanitizeMetadata(msg.Metadata))
-		}
+	if decodeMetadata(d.metaRaw, stored) != nil {
+		return n
 	}
+	next := maps.Clone(msg.Metadata)
+	delete(next, retryDelayKey)
+	delete(next, delay.DelayedForKey)
+	delete(next, delay.DelayedUntilKey)
 	// The message was handed out without a "delayed until" key, so one now
-	// means the handler's side (Watermill's DelayOnError, or delay.Message)
-	// chose when to retry: its duration wins over the policy's delay.
+	// means the handler's side chose when to retry: its duration wins.
 	if _, ok := msg.Metadata[delay.DelayedUntilKey]; ok {
-		if dd, err := time.ParseDuration(msg.Metadata.Get(delay.DelayedForKey)); err == nil {
-			after = dd
+		if v := msg.Metadata.Get(delay.DelayedForKey); v != "" {
+			if dd, err := time.ParseDuration(v); err == nil {
+				n.delay = max(dd, 0)
+				next[retryDelayKey] = v
+			}
 		}
 	}
-	sub.comp.retry(d, after, errText, meta)
+	delete(stored, delay.DelayedForKey)
+	delete(stored, delay.DelayedUntilKey)
+	if !maps.Equal(stored, next) {
+		n.meta, _ = appendMetadataJSON(nil, 0, sanitizeMetadata(next))
+	}
+	return n
 }
 
 // sanitizeText makes s storable as PostgreSQL text: invalid UTF-8 becomes
@@ -100,4 +123,19 @@ func logWarn(l watermill.LoggerAdapter, msg string, fields watermill.LogFields) 
 		return
 	}
 	l.Info(msg, fields.Add(watermill.LogFields{"severity": "warn"}))
+}
+
+// textOrNull is s as a text parameter; empty means NULL (keep what is
+// stored).
+func textOrNull(s string) pgtype.Text {
+	return pgtype.Text{String: s, Valid: s != ""}
+}
+
+func metaOrNull(meta []byte) pgtype.Text {
+	return pgtype.Text{String: string(meta), Valid: meta != nil}
+}
+
+// delayOf is a retry delay as a microseconds parameter.
+func delayOf(d time.Duration) pgtype.Int8 {
+	return pgtype.Int8{Int64: max(d, 0).Microseconds(), Valid: true}
 }

@@ -19,6 +19,9 @@ import (
 const (
 	DefaultSchema = "public"
 	DefaultTable  = "outbox"
+	// DefaultDeadLetterSuffix names the default dead-letter table after the
+	// outbox table: "outbox_dlq".
+	DefaultDeadLetterSuffix = "_dlq"
 )
 
 // ErrInvalidName is returned for a schema or table name that is not a valid
@@ -32,10 +35,16 @@ type Config struct {
 	Schema string
 	// Table is the outbox table. Defaults to "outbox".
 	Table string
-	// DeadLetterTable is the table that terminally failed messages move to.
-	// Empty (the default) means there is none: a terminal failure deletes the
-	// row and logs it at ERROR.
+	// DeadLetterTable is the table that terminally failed messages move to
+	// (retry policy exhausted, rejected, too many deliveries, undecodable).
+	// Defaults to Table + "_dlq".
 	DeadLetterTable string
+	// NoDeadLetterTable opts out of the dead-letter table. A terminally
+	// failed message is then parked in the outbox instead: never due again,
+	// with its failure_reason and last_error recorded, until an operator
+	// requeues or deletes it. pgoutbox never deletes a message that was not
+	// acked. Setting it together with DeadLetterTable is an error.
+	NoDeadLetterTable bool
 }
 
 // WithDefaults returns c with empty fields set to their defaults.
@@ -45,6 +54,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.Table == "" {
 		c.Table = DefaultTable
+	}
+	if c.DeadLetterTable == "" && !c.NoDeadLetterTable {
+		c.DeadLetterTable = c.Table + DefaultDeadLetterSuffix
 	}
 	return c
 }
@@ -57,6 +69,9 @@ func (c Config) Validate() error {
 }
 
 func (c Config) names() (query.Names, error) {
+	if c.NoDeadLetterTable && c.DeadLetterTable != "" {
+		return query.Names{}, fmt.Errorf("%w: DeadLetterTable is %q and NoDeadLetterTable is set; set one of them", ErrInvalidName, c.DeadLetterTable)
+	}
 	c = c.WithDefaults()
 	n, err := query.NewNames(c.Schema, c.Table, c.DeadLetterTable)
 	if err != nil {

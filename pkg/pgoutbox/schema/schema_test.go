@@ -122,12 +122,20 @@ func TestSQL(t *testing.T) {
 		}
 	})
 
-	t.Run("DeadLetterTableOnlyWhenConfigured", func(t *testing.T) {
+	t.Run("DeadLetterTableByDefaultUnlessOptedOut", func(t *testing.T) {
 		t.Parallel()
-		without, err := schema.SQL(schema.Config{Table: "jobs"})
+		byDefault, err := schema.SQL(schema.Config{Table: "jobs"})
 		require.NoError(t, err)
-		require.NotContains(t, without, "failure_reason")
+		require.Contains(t, byDefault, `CREATE TABLE IF NOT EXISTS "public"."jobs_dlq" (`)
+
+		without, err := schema.SQL(schema.Config{Table: "jobs", NoDeadLetterTable: true})
+		require.NoError(t, err)
+		require.NotContains(t, without, "jobs_dlq")
 		require.Equal(t, 1, strings.Count(without, "CREATE TABLE"), without)
+
+		_, err = schema.SQL(schema.Config{Table: "jobs", DeadLetterTable: "d", NoDeadLetterTable: true})
+		require.ErrorIs(t, err, schema.ErrInvalidName)
+		require.Contains(t, err.Error(), "set one of them")
 
 		with, err := schema.SQL(schema.Config{Table: "jobs", DeadLetterTable: "jobs_dead"})
 		require.NoError(t, err)
@@ -150,7 +158,7 @@ func TestSQL(t *testing.T) {
 		bad := []string{"bad name", "1abc", strings.Repeat("a", 64), `x";drop`, "a.b", "é"}
 		fields := map[string]func(string) schema.Config{
 			"schema": func(v string) schema.Config { return schema.Config{Schema: v} },
-			"table":  func(v string) schema.Config { return schema.Config{Table: v} },
+			"table":  func(v string) schema.Config { return schema.Config{Table: v, DeadLetterTable: "dlq"} },
 			"dlq":    func(v string) schema.Config { return schema.Config{DeadLetterTable: v} },
 		}
 		for field, cfg := range fields {
@@ -163,8 +171,12 @@ func TestSQL(t *testing.T) {
 			}
 		}
 		// 63 bytes is PostgreSQL's limit and still fine.
-		_, err := schema.SQL(schema.Config{Table: strings.Repeat("a", 63)})
+		_, err := schema.SQL(schema.Config{Table: strings.Repeat("a", 63), DeadLetterTable: "dlq"})
 		require.NoError(t, err)
+		// The default dead-letter name must fit too; the error says how.
+		_, err = schema.SQL(schema.Config{Table: strings.Repeat("a", 63)})
+		require.ErrorIs(t, err, schema.ErrInvalidName)
+		require.Contains(t, err.Error(), "choose a shorter name")
 	})
 
 	t.Run("DeadLetterTableIsNotTheOutbox", func(t *testing.T) {
@@ -403,8 +415,8 @@ func TestValidate(t *testing.T) {
 	t.Run("DeadLetterTableMissing", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		require.NoError(t, schema.Create(ctx, b.exec, schema.Config{Schema: b.env.Schema, Table: "outbox"}))
-		cfg := schema.Config{Schema: b.env.Schema, Table: "outbox", DeadLetterTable: "outbox_dlq"}
+		require.NoError(t, schema.Create(ctx, b.exec, schema.Config{Schema: b.env.Schema, Table: "outbox", NoDeadLetterTable: true}))
+		cfg := schema.Config{Schema: b.env.Schema, Table: "outbox"}
 		verr := validationError(t, schema.Validate(ctx, b.exec, cfg))
 		requireProblem(t, verr.Problems, "table "+b.env.Schema+".outbox_dlq is missing")
 		for _, p := range verr.Problems {

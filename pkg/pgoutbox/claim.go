@@ -1,0 +1,169 @@
+package pgoutbox
+
+import (
+	"context"
+	"sort"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// claimRequest is one claim statement's parameters, fixed by the owner.
+type claimRequest struct {
+	n           int
+	gen         uint64 // the owner's give-back generation when the claim started
+	token       pgtype.UUID
+	sent        time.Time
+	at          pgtype.Timestamptz // cursor
+	id          int64
+	withExpired bool
+	withOrphans bool
+	holder      pgtype.Int8 // our liveness key while we hold its lock, else NULL
+	own         int64       // our liveness key, held or not
+}
+
+// claimResult is what a claim leased, in queue order.
+type claimResult struct {
+	req       claimRequest
+	rows      []*delivery
+	cursor    pgtype.Int8
+	reclaimed int           // expired or orphaned leases taken
+	dueIn     time.Duration // after an empty claim: when the next row is due (0: unknown)
+	err       error
+}
+
+// runClaim leases up to req.n rows with the claim statement (query.Claim),
+// on the claim goroutine. It does not use the subscription's context: a
+// claim cut off after the server ran it would leave rows leased that nobody
+// knows of. After an empty claim it asks when the next row is due, so timers
+// fire on time instead of at the next poll.
+func (sub *subscription) runClaim(req claimRequest) claimResult {
+	r := claimResult{req: req}
+	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
+	defer cancel()
+	rows, err := sub.s.pool.Query(ctx, sub.s.q.Claim, sub.topic, req.n, req.token,
+		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, req.at, req.id, req.withExpired,
+		req.holder, req.own, req.withOrphans)
+	if err != nil {
+		r.err = err
+		return r
+	}
+	var reclaimed int64
+	for rows.Next() {
+		d := &delivery{token: req.token}
+		if err := rows.Scan(&d.id, &d.uuid, &d.payload, &d.metaRaw, &d.deliveries, &d.availableAt, &r.cursor, &reclaimed); err != nil {
+			rows.Close()
+			r.err = err
+			return r
+		}
+		r.rows = append(r.rows, d)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		r.rows, r.err = nil, err
+		return r
+	}
+	r.reclaimed = int(reclaimed)
+	// RETURNING order is unspecified; deliver in queue order.
+	sort.Slice(r.rows, func(i, j int) bool {
+		a, b := r.rows[i], r.rows[j]
+		if !a.availableAt.Equal(b.availableAt) {
+			return a.availableAt.Before(b.availableAt)
+		}
+		return a.id < b.id
+	})
+	if len(r.rows) == 0 {
+		r.dueIn = sub.nextDue()
+	}
+	return r
+}
+
+// nextDue asks when the next row of the topic becomes claimable (a
+// scheduled row or an expiring lease); 0 when none is, or on error.
+func (sub *subscription) nextDue() time.Duration {
+	// It only plans: a stopping subscription does not wait for it.
+	ctx, cancel := context.WithTimeout(sub.stopCtx, sub.cfg.StatementTimeout)
+	defer cancel()
+	var us *int64
+	if err := sub.s.pool.QueryRow(ctx, sub.s.q.NextDue, sub.topic).Scan(&us); err != nil || us == nil {
+		return 0
+	}
+	// At least a millisecond: rounding must not make the loop spin on a
+	// row that is due within a microsecond.
+	return max(time.Duration(*us)*time.Microsecond, time.Millisecond)
+}
+
+// claimScan is where claims start scanning, and which optional branches
+// they run; see query.Claim for why a busy loop scans from a cursor.
+type claimScan struct {
+	at           pgtype.Timestamptz // cursor: the last ready row claimed
+	id           int64
+	fromStartAt  time.Time // when a claim last scanned from the start
+	expiredAt    time.Time // when a claim last looked for expired leases
+	forceExpired bool
+	findOrphans  bool // a liveness holder vanished: look for its rows
+}
+
+// rescanEvery bounds how long a busy loop goes without scanning from the
+// start, and without looking for expired leases.
+const rescanEvery = time.Second
+
+var scanFromStart = pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
+
+// newClaimScan starts from the beginning and looks for expired and orphaned
+// leases first: a consumer that died before we started left them.
+func newClaimScan() claimScan {
+	return claimScan{at: scanFromStart, forceExpired: true, findOrphans: true}
+}
+
+// restart makes the next claim scan from the start, and look for expired
+// leases too when asked.
+func (c *claimScan) restart(expired bool) {
+	c.at, c.id = scanFromStart, 0
+	c.forceExpired = c.forceExpired || expired
+}
+
+// request fixes the next claim's parameters.
+func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
+	req := claimRequest{
+		n:           n,
+		gen:         gen,
+		token:       pgtype.UUID{Bytes: uuid.New(), Valid: true},
+		sent:        now,
+		at:          c.at,
+		id:          c.id,
+		withExpired: c.forceExpired || now.Sub(c.expiredAt) >= rescanEvery,
+		withOrphans: c.findOrphans,
+	}
+	if c.at == scanFromStart {
+		c.fromStartAt = now
+	}
+	c.findOrphans = false
+	return req
+}
+
+// claimed moves the cursor past the last ready row of a claim, and
+// schedules the next scan from the start.
+func (c *claimScan) claimed(r claimResult) {
+	now := r.req.sent
+	if r.req.withExpired || r.req.withOrphans {
+		// Rows a crashed consumer held come back in a burst: keep looking
+		// while the last look found some.
+		c.expiredAt, c.forceExpired = now, r.reclaimed > 0
+		c.findOrphans = c.findOrphans || (r.req.withOrphans && r.reclaimed > 0)
+	}
+	if now.Sub(c.fromStartAt) >= rescanEvery {
+		c.restart(false)
+		return
+	}
+	if !r.cursor.Valid || r.req.at != c.at || r.req.id != c.id {
+		return // no ready row, or the scan restarted while the claim ran
+	}
+	for _, d := range r.rows {
+		if d.id == r.cursor.Int64 {
+			c.at, c.id = pgtype.Timestamptz{Time: d.availableAt, Valid: true}, d.id
+			return
+		}
+	}
+}

@@ -1,0 +1,793 @@
+package pgoutbox
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/notifier"
+)
+
+// subscription is one Subscribe call. One goroutine, the owner (run), holds
+// all of its state: the prefetch buffer, the rows handed out, the claim
+// cursor, the verdicts waiting to be written, and every decision to renew,
+// give back or release a lease. Everything else reports to it over
+// channels and keeps no state of the subscription:
+//
+//   - a claim goroutine runs one claim statement at a time (claim.go) and
+//     sends the rows back on claimed;
+//   - a watcher goroutine per handed-out message waits for its Ack or Nack
+//     and sends the verdict on verdicts;
+//   - the completer (completer.go) writes the batches the owner gives it
+//     and sends back which (row, token) pairs it wrote.
+//
+// Nothing is shared under a lock, so there is no lock order to get wrong,
+// and one row is in exactly one state (deliveryState) at a time.
+type subscription struct {
+	s      *Subscriber
+	cfg    *SubscriberConfig
+	topic  string
+	ctx    context.Context // the Subscribe ctx: parent of message contexts
+	out    chan *message.Message
+	logger watermill.LoggerAdapter
+	waiter *notifier.Waiter
+
+	verdicts chan verdict
+	claimed  chan claimResult
+	comp     *completer
+
+	// stopCtx ends when the subscription stops: reads that only plan
+	// (NextDue) stop waiting for the database then.
+	stopCtx    context.Context
+	cancelStop context.CancelFunc
+
+	// The owner's state; only run and the methods it calls touch it.
+	held      map[*delivery]struct{} // every row we lease, in any state but finished
+	buffer    []*delivery            // claimed, not handed out, in queue order
+	ready     *delivery              // taken from the buffer (or the retry) and prepared: goes out next
+	handed    int                    // handed out, waiting for a verdict
+	retry     *delivery              // ordered mode: a nacked row delivered again at retryAt
+	pending   writeJob               // verdicts and releases not yet given to the completer
+	inWrite   bool                   // the completer has a job
+	writeWait time.Time              // after a failed write: not before then
+	writeBO   *backoff.ExponentialBackOff
+	pf        prefetch
+	scan      claimScan
+
+	claiming      bool
+	wantClaim     bool      // claim when there is room: the last claim found rows, or something woke us
+	claimWait     time.Time // after a failed claim: not before then
+	claimBO       *backoff.ExponentialBackOff
+	gen           uint64 // bumped by every give-back; a claim started before it gives its rows back too
+	givingBack    int    // give-backs not written yet: a claim now would overtake them
+	idleUntil     time.Time
+	idlePoll      time.Duration
+	nextRenew     time.Time
+	renewFailing  bool
+	lostClaims    []claimToken // claims whose reply was lost; their rows go back (ReleaseClaim)
+	stopping      bool
+	drainOver     bool
+	finalDeadline time.Time // set when only the last writes remain
+	finalFailures int
+	timer         *time.Timer
+	timerAt       time.Time
+}
+
+// verdict is a handler's answer for a delivery, sent by its watcher.
+type verdict struct {
+	d   *delivery
+	msg *message.Message // the message it answers: a late answer of an earlier delivery is ignored
+	ack bool
+}
+
+func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *notifier.Waiter) *subscription {
+	now := time.Now()
+	sub := &subscription{
+		s:        s,
+		cfg:      &s.cfg,
+		topic:    topic,
+		ctx:      ctx,
+		out:      make(chan *message.Message),
+		logger:   s.logger.With(watermill.LogFields{"topic": topic}),
+		waiter:   waiter,
+		verdicts: make(chan verdict, s.cfg.MaxInFlight),
+		claimed:  make(chan claimResult, 1),
+		held:     map[*delivery]struct{}{},
+		writeBO:  newBackoff(),
+		claimBO:  newBackoff(),
+		pf:       newPrefetch(s.cfg.MaxInFlight, s.cfg.MaxDeliveries == 0, now),
+		scan:     newClaimScan(),
+		idlePoll: s.cfg.MinPollInterval,
+		nextRenew: now.Add(s.cfg.Lease / 2),
+		wantClaim: true,
+	}
+	sub.stopCtx, sub.cancelStop = context.WithCancel(context.Background())
+	sub.comp = newCompleter(s.pool, s.q, &s.cfg, topic)
+	sub.timer = time.NewTimer(time.Hour)
+	sub.timer.Stop()
+	return sub
+}
+
+// ordered reports whether the subscription keeps publish order: one message
+// at a time, a nacked one delivered again before any later one.
+func (sub *subscription) ordered() bool { return sub.cfg.MaxInFlight == 1 }
+
+// run is the owner goroutine. It returns after the output channel is closed.
+func (sub *subscription) run() {
+	defer sub.s.subs.Done()
+	go sub.comp.run()
+	defer sub.comp.stop()
+
+	tick := time.NewTicker(housekeepingEvery(sub.cfg))
+	defer tick.Stop()
+	var drain <-chan time.Time
+	stopC, closing := sub.ctx.Done(), sub.s.closing
+
+	for {
+		now := time.Now()
+		sub.startClaim(now)
+		sub.startWrite(now)
+		if sub.stopping && sub.finishedStopping(now) {
+			break
+		}
+		head, sendC := sub.nextMessage(now)
+		var msg *message.Message // select evaluates every send's value, also on a nil channel
+		if head != nil {
+			msg = head.msg
+		}
+		sub.armTimer(now)
+
+		select {
+		case sendC <- msg:
+			sub.handedOut(head)
+		case v := <-sub.verdicts:
+			sub.onVerdict(v, false)
+		case r := <-sub.claimed:
+			sub.onClaimed(r)
+		case r := <-sub.comp.results:
+			sub.onWritten(r)
+		case <-tick.C:
+			sub.housekeeping(time.Now())
+		case <-sub.waiter.C:
+			sub.wake(false)
+		case <-sub.waiter.Scheduled:
+			sub.wake(false) // an empty claim plans the sleep anew (NextDue)
+		case <-sub.waiter.Orphans:
+			sub.scan.findOrphans = true
+			sub.wake(false)
+		case <-sub.timer.C:
+			sub.timerAt = time.Time{}
+			sub.onTimer(time.Now())
+		case <-stopC:
+			stopC, closing = nil, nil
+			drain = sub.beginStop()
+		case <-closing:
+			stopC, closing = nil, nil
+			drain = sub.beginStop()
+		case <-drain:
+			drain = nil
+			sub.endDrain()
+		}
+	}
+	sub.waiter.Stop()
+	close(sub.out)
+	sub.logger.Debug("Subscription closed", nil)
+}
+
+// housekeepingEvery is the period of the owner's checks of renewals, ack
+// deadlines and stalled buffers.
+func housekeepingEvery(cfg *SubscriberConfig) time.Duration {
+	d := min(time.Second, cfg.Lease/10)
+	if cfg.AckDeadline > 0 {
+		d = min(d, cfg.AckDeadline/10)
+	}
+	return max(d, 10*time.Millisecond)
+}
+
+// wake makes the next claim happen as soon as there is room, scanning from
+// the start: whatever woke us (a commit of a transaction that began before
+// rows already claimed, a released lease) may lie behind the cursor.
+func (sub *subscription) wake(expired bool) {
+	if !sub.wantClaim {
+		sub.scan.restart(expired)
+	}
+	sub.wantClaim = true
+	sub.idleUntil = time.Time{}
+}
+
+// onTimer handles whichever timed event is due: the end of an idle sleep,
+// a held retry, the end of a write or claim backoff (those need only the
+// loop to run again).
+func (sub *subscription) onTimer(now time.Time) {
+	if !sub.idleUntil.IsZero() && !now.Before(sub.idleUntil) {
+		sub.wake(true) // the timer may have been set to a lease expiry
+	}
+}
+
+// armTimer points the owner's one timer at the next timed event.
+func (sub *subscription) armTimer(now time.Time) {
+	var at time.Time
+	earliest := func(t time.Time) {
+		if !t.IsZero() && (at.IsZero() || t.Before(at)) {
+			at = t
+		}
+	}
+	earliest(sub.idleUntil)
+	earliest(sub.writeWait)
+	earliest(sub.claimWait)
+	if sub.retry != nil && sub.retry.holdDone {
+		earliest(sub.retry.retryAt)
+	}
+	if at.Equal(sub.timerAt) {
+		return
+	}
+	sub.timer.Stop()
+	sub.timerAt = at
+	if !at.IsZero() {
+		sub.timer.Reset(max(at.Sub(now), 0))
+	}
+}
+
+// unjudged is the number of leased rows without a verdict: the lease window.
+func (sub *subscription) unjudged() int {
+	n := len(sub.buffer) + sub.handed
+	if sub.ready != nil {
+		n++
+	}
+	return n
+}
+
+// takeBuffer empties the buffer, the prepared message first, in order.
+func (sub *subscription) takeBuffer() []*delivery {
+	buf := sub.buffer
+	if sub.ready != nil {
+		buf = append([]*delivery{sub.ready}, buf...)
+	}
+	sub.buffer, sub.ready = nil, nil
+	return buf
+}
+
+// backpressured reports whether verdicts wait to be written in such numbers
+// that the subscription should neither claim nor hand out more: a
+// completion path that cannot write would otherwise let it lease ever more
+// rows, and a crash would redeliver them all.
+func (sub *subscription) backpressured() bool {
+	return sub.pending.ops()+sub.comp.writing() >= maxPendingCompletions
+}
+
+// maxPendingCompletions bounds the verdicts not yet written per
+// subscription, so a crashed process leaves at most MaxInFlight +
+// maxPendingCompletions handled but unacked messages behind.
+const maxPendingCompletions = 256
+
+// startClaim starts a claim when one is wanted and there is room.
+func (sub *subscription) startClaim(now time.Time) {
+	switch {
+	case sub.claiming, sub.stopping, !sub.wantClaim, sub.givingBack > 0, sub.retry != nil,
+		now.Before(sub.claimWait), sub.backpressured():
+		return
+	}
+	n := sub.pf.claimSize(sub.unjudged(), now)
+	if n == 0 {
+		return
+	}
+	sub.claiming = true
+	req := sub.scan.request(n, sub.gen, now)
+	key, live := sub.waiter.Liveness()
+	req.own, req.holder = key, pgtype.Int8{Int64: key, Valid: live && key != 0}
+	go func() { sub.claimed <- sub.runClaim(req) }()
+}
+
+// onClaimed takes a claim's rows into the buffer.
+func (sub *subscription) onClaimed(r claimResult) {
+	sub.claiming = false
+	now := time.Now()
+	if r.err != nil {
+		// The statement may have committed: its rows would stay leased
+		// under a token nobody holds. Give them back (ReleaseClaim) instead
+		// of letting them wait for the lease, and without counting a
+		// delivery nobody saw.
+		sub.lostClaims = append(sub.lostClaims, claimToken{token: r.req.token, at: r.req.sent})
+		wait := sub.claimBO.NextBackOff()
+		sub.claimWait = now.Add(wait)
+		sub.logger.Error("Claim failed; retrying", r.err, watermill.LogFields{"retry_in": wait.String()})
+		return
+	}
+	sub.claimBO.Reset()
+	sub.claimWait = time.Time{}
+	sub.scan.claimed(r)
+	sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Count: len(r.rows)})
+	for _, d := range r.rows {
+		d.claimedAt, d.expiresAt = r.req.sent, r.req.sent.Add(sub.cfg.Lease)
+		sub.held[d] = struct{}{}
+	}
+	if sub.stopping || r.req.gen != sub.gen {
+		// Stopping, or rows went back while this claim ran: these rows may
+		// be newer than those, so they go back too, and the next claim
+		// takes everything from the start, in order.
+		sub.giveBack(r.rows)
+		return
+	}
+	sub.buffer = append(sub.buffer, r.rows...)
+	if len(r.rows) > 0 {
+		sub.wantClaim, sub.idlePoll = true, sub.cfg.MinPollInterval
+		return
+	}
+	sub.wantClaim = false
+	wait := jitter(sub.idlePoll)
+	sub.idlePoll = min(sub.idlePoll*2, sub.cfg.MaxPollInterval)
+	if r.dueIn > 0 && r.dueIn < wait {
+		wait = r.dueIn
+	}
+	sub.idleUntil = now.Add(wait)
+}
+
+// nextMessage returns the delivery to hand out next, with the output
+// channel to send it on, or a nil channel when nothing may go out now. Rows
+// that must not go out (lease likely gone, too many deliveries,
+// undecodable) are dealt with on the way.
+func (sub *subscription) nextMessage(now time.Time) (*delivery, chan *message.Message) {
+	if sub.stopping || sub.handed >= sub.cfg.MaxInFlight || sub.backpressured() {
+		return nil, nil
+	}
+	if sub.ready != nil {
+		return sub.ready, sub.out
+	}
+	if d := sub.retry; d != nil {
+		if !d.holdDone || now.Before(d.retryAt) {
+			return nil, nil // ordered: nothing overtakes the retry
+		}
+		sub.retry = nil
+		d.state = buffered
+		d.deliveries++ // the hold counted this delivery
+		if sub.prepare(d, now) {
+			sub.ready = d
+			return d, sub.out
+		}
+	}
+	for len(sub.buffer) > 0 {
+		d := sub.buffer[0]
+		sub.buffer[0] = nil
+		sub.buffer = sub.buffer[1:]
+		if d.state == finished {
+			continue // lease lost while buffered
+		}
+		if sub.prepare(d, now) {
+			sub.ready = d
+			return d, sub.out
+		}
+	}
+	return nil, nil
+}
+
+// prepare builds d's message, or sends d where it belongs instead and
+// returns false.
+func (sub *subscription) prepare(d *delivery, now time.Time) bool {
+	// A row that waited while renewals could not reach the database may be
+	// someone else's by now: give it back (under its token) rather than
+	// risk two holders.
+	if !now.Add(sub.cfg.StatementTimeout).Before(d.expiresAt) {
+		sub.giveBack([]*delivery{d})
+		return false
+	}
+	if limit := sub.cfg.MaxDeliveries; limit > 0 && d.deliveries > limit {
+		sub.deadLetter(d, ReasonMaxDeliveries, "")
+		return false
+	}
+	msg, err := d.message()
+	if err != nil {
+		sub.s.obs.observe(Event{Kind: EventPoisoned, Topic: sub.topic, RowID: d.id, Deliveries: d.deliveries, Err: err})
+		sub.deadLetter(d, ReasonPoisoned, err.Error())
+		return false
+	}
+	d.outcome = &outcome{}
+	ctx, cancel := context.WithCancel(context.WithValue(sub.ctx, outcomeKey{}, d.outcome))
+	msg.SetContext(ctx)
+	d.msg, d.cancel = msg, cancel
+	return true
+}
+
+// handedOut records that the Router took d, and starts its watcher.
+func (sub *subscription) handedOut(d *delivery) {
+	sub.ready = nil
+	d.state, d.handedAt = handedOut, time.Now()
+	d.timedOut = false
+	d.stopWatch = make(chan struct{})
+	sub.handed++
+	go sub.watch(d, d.msg, d.stopWatch)
+}
+
+// watch waits for msg's Ack or Nack and reports it, unless the owner stops
+// waiting first (ack deadline, drain over). It reads nothing of d.
+func (sub *subscription) watch(d *delivery, msg *message.Message, stop <-chan struct{}) {
+	v := verdict{d: d, msg: msg}
+	select {
+	case <-msg.Acked():
+		v.ack = true
+	case <-msg.Nacked():
+	case <-stop:
+		return
+	}
+	select {
+	case sub.verdicts <- v:
+	case <-stop:
+	}
+}
+
+// onVerdict records a handler's answer. timedOut marks a nack the owner
+// made itself when the ack deadline passed.
+func (sub *subscription) onVerdict(v verdict, timedOut bool) {
+	d := v.d
+	if d.state != handedOut || d.msg != v.msg {
+		return // a late answer: the deadline or the drain ended this delivery
+	}
+	sub.handed--
+	sub.pf.verdicts(1)
+	d.cancel() // Ack and Nack end the message's context
+	d.msg, d.cancel = nil, nil
+	if v.ack {
+		d.state = writing
+		sub.pending.acks = append(sub.pending.acks, d)
+		return
+	}
+	n := sub.decideNack(d, v.msg, timedOut)
+	switch {
+	case n.deadReason != "":
+		sub.deadLetter(d, n.deadReason, n.errText)
+	case sub.ordered() && !sub.stopping:
+		// Ordered: the row stays ours and goes out again before anything
+		// later, after its delay. The buffer goes back meanwhile, in order,
+		// rather than sit leased through a long delay.
+		d.state, d.retryAt, d.holdDone = retrying, time.Now().Add(n.delay), false
+		if n.meta != nil {
+			d.metaRaw = n.meta // as the hold stores it
+		}
+		sub.retry = d
+		sub.pending.holds = append(sub.pending.holds, holdOp{d: d, err: textOrNull(n.errText), meta: metaOrNull(n.meta)})
+		if n.delay > 0 {
+			sub.giveBack(sub.takeBuffer())
+		}
+	default:
+		d.state = writing
+		sub.pending.returns = append(sub.pending.returns, returnOp{d: d, delay: delayOf(n.delay),
+			err: textOrNull(n.errText), meta: metaOrNull(n.meta)})
+	}
+}
+
+// deadLetter ends d terminally: moved to the dead-letter table, or parked.
+func (sub *subscription) deadLetter(d *delivery, reason, errText string) {
+	d.state, d.deadReason = writing, reason
+	sub.pending.dead = append(sub.pending.dead, deadOp{d: d, reason: reason, err: textOrNull(boundError(errText))})
+}
+
+// giveBack returns rows that no handler saw, keeping their place in line
+// and taking their delivery back. Claims wait until the give-back is
+// written, and then scan from the start, so the rows come back in order.
+func (sub *subscription) giveBack(ds []*delivery) {
+	if len(ds) == 0 {
+		return
+	}
+	sub.gen++
+	sub.scan.restart(false)
+	sub.wantClaim = true
+	for _, d := range ds {
+		if d.state == finished {
+			continue
+		}
+		if d.cancel != nil {
+			d.cancel()
+			d.msg, d.cancel = nil, nil
+		}
+		d.state = writing
+		sub.givingBack++
+		sub.pending.returns = append(sub.pending.returns, returnOp{d: d, undo: 1, giveBack: true})
+	}
+}
+
+// release returns a handed-out row whose verdict will not come (the drain is
+// over): due again at once, its delivery counted.
+func (sub *subscription) release(d *delivery) {
+	d.state = writing
+	sub.pending.returns = append(sub.pending.returns, returnOp{d: d})
+}
+
+// housekeeping runs the periodic checks: ack deadlines, stalled buffers,
+// lease renewals.
+func (sub *subscription) housekeeping(now time.Time) {
+	if sub.cfg.AckDeadline > 0 {
+		for d := range sub.held {
+			if d.state == handedOut && now.Sub(d.handedAt) >= sub.cfg.AckDeadline {
+				sub.ackDeadlinePassed(d)
+			}
+		}
+	}
+	// A prefetched row still waiting half a lease after its claim means the
+	// handlers are stuck or slow: give the whole buffer back (all of it, so
+	// the rows keep their order) for other consumers, rather than hold it.
+	oldest := sub.ready
+	if oldest == nil && len(sub.buffer) > 0 {
+		oldest = sub.buffer[0]
+	}
+	if oldest != nil && now.Sub(oldest.claimedAt) > sub.cfg.Lease/2 {
+		sub.giveBack(sub.takeBuffer())
+	}
+	if !now.Before(sub.nextRenew) && sub.pending.renew == nil {
+		var rows []*delivery
+		for d := range sub.held {
+			// Rows with a write pending are left out: the write ends the
+			// lease (or keeps it, a hold), and a renewal after it in the
+			// same batch would find the row gone and call it lost.
+			if d.state != writing && !(d.state == retrying && !d.holdDone) {
+				rows = append(rows, d)
+			}
+		}
+		if len(rows) > 0 {
+			sub.pending.renew = rows
+		}
+		sub.nextRenew = now.Add(sub.cfg.Lease / 2)
+	}
+}
+
+// ackDeadlinePassed ends a delivery whose handler did not answer within
+// AckDeadline: its context is cancelled, its lease no longer renewed, and
+// the row nacked with a recorded error (a delivery, counted as such).
+func (sub *subscription) ackDeadlinePassed(d *delivery) {
+	close(d.stopWatch)
+	sub.logger.Error("Handler did not ack or nack within AckDeadline; the message is nacked and its context cancelled", nil,
+		watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "deliveries": d.deliveries, "ack_deadline": sub.cfg.AckDeadline.String()})
+	d.outcome.setErr(fmt.Errorf("%w: no ack or nack within %s", ErrAckDeadline, sub.cfg.AckDeadline))
+	sub.onVerdict(verdict{d: d, msg: d.msg}, true)
+}
+
+// beginStop stops claiming and handing out, gives the buffer back, and
+// starts the drain: it returns the channel that ends it (nil when it ends at
+// once or there is nothing to wait for).
+func (sub *subscription) beginStop() <-chan time.Time {
+	sub.stopping = true
+	sub.cancelStop()
+	sub.giveBack(sub.takeBuffer())
+	if d := sub.retry; d != nil && d.holdDone {
+		// Not delivered again yet: the hold counted that delivery.
+		sub.retry = nil
+		sub.giveBack([]*delivery{d})
+	}
+	if sub.cfg.DrainTimeout < 0 {
+		sub.endDrain()
+		return nil
+	}
+	return time.After(sub.cfg.DrainTimeout)
+}
+
+// endDrain stops waiting for handlers: the rows still handed out go back
+// (under their tokens), never deleted; a late Ack is ignored.
+func (sub *subscription) endDrain() {
+	sub.drainOver = true
+	for d := range sub.held {
+		if d.state == handedOut {
+			close(d.stopWatch)
+			d.cancel()
+			d.msg, d.cancel = nil, nil
+			sub.handed--
+			sub.release(d)
+		}
+	}
+}
+
+// finishedStopping reports whether a stopping subscription may end: no
+// handler to wait for, no claim under way, everything written, or the final
+// writes given up on after their deadline.
+func (sub *subscription) finishedStopping(now time.Time) bool {
+	if sub.handed > 0 || sub.claiming {
+		return false
+	}
+	if sub.finalDeadline.IsZero() {
+		sub.finalDeadline = now.Add(sub.cfg.StatementTimeout)
+		sub.comp.setDeadline(sub.finalDeadline)
+	}
+	if sub.inWrite {
+		return false
+	}
+	if sub.pending.empty() && len(sub.lostClaims) == 0 && sub.retry == nil {
+		return true
+	}
+	if sub.finalFailures >= 3 || now.After(sub.finalDeadline) {
+		sub.logger.Error("Giving up writing acks and lease returns at close; those rows are redelivered when their leases expire", nil,
+			watermill.LogFields{"pending": sub.pending.ops()})
+		return true
+	}
+	return false
+}
+
+// startWrite hands the pending verdicts to the completer when it is free.
+func (sub *subscription) startWrite(now time.Time) {
+	if sub.inWrite || now.Before(sub.writeWait) {
+		return
+	}
+	job := sub.pending
+	for _, c := range sub.lostClaims {
+		job.releaseTokens = append(job.releaseTokens, c.token)
+	}
+	if job.empty() && len(job.releaseTokens) == 0 {
+		return
+	}
+	sub.pending = writeJob{}
+	sub.inWrite = true
+	sub.comp.submit(job)
+}
+
+// onWritten applies what the completer wrote: finished rows leave the
+// owner's hands, lost leases are reported, the rest is retried.
+func (sub *subscription) onWritten(r writeResult) {
+	sub.inWrite = false
+	job := r.job
+	for _, d := range job.acks {
+		if r.left.has(d) {
+			continue // not written yet: stays pending
+		}
+		if sub.finish(d, r, "ack") {
+			sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, RowID: d.id, Deliveries: d.deliveries})
+		}
+	}
+	for _, op := range job.returns {
+		if r.left.has(op.d) {
+			continue
+		}
+		if op.giveBack {
+			sub.givingBack--
+		}
+		phase, kind := "release", EventReleased
+		if op.delay.Valid {
+			phase, kind = "nack", EventRetried
+		}
+		if sub.finish(op.d, r, phase) {
+			sub.s.obs.observe(Event{Kind: kind, Topic: sub.topic, RowID: op.d.id, Deliveries: op.d.deliveries})
+		}
+	}
+	for _, op := range job.holds {
+		d := op.d
+		if r.left.has(d) {
+			continue
+		}
+		switch {
+		case r.done.has(d):
+			d.holdDone = true
+			d.expiresAt = r.sent.Add(sub.cfg.Lease)
+			sub.s.obs.observe(Event{Kind: EventRetried, Topic: sub.topic, RowID: d.id, Deliveries: d.deliveries})
+			if sub.stopping {
+				sub.retry = nil
+				sub.giveBack([]*delivery{d})
+			}
+		default:
+			if sub.retry == d {
+				sub.retry = nil
+			}
+			sub.finish(d, r, "nack")
+		}
+	}
+	for _, op := range job.dead {
+		if r.left.has(op.d) {
+			continue
+		}
+		if !sub.finish(op.d, r, "dead_letter") {
+			continue
+		}
+		fields := watermill.LogFields{"event": "dead_lettered", "reason": op.reason, "row_id": op.d.id,
+			"deliveries": op.d.deliveries, "message_uuid": op.d.uuid, "last_error": op.err.String}
+		if sub.s.q.Names.QDLQ == "" {
+			logWarn(sub.logger, "Message failed terminally and was parked in the outbox (no dead-letter table configured)", fields)
+		} else {
+			sub.logger.Info("Message moved to the dead-letter table", fields)
+		}
+		sub.s.obs.observe(Event{Kind: EventDeadLettered, Topic: sub.topic, RowID: op.d.id, Deliveries: op.d.deliveries, Reason: op.reason})
+	}
+	sub.onRenewed(job.renew, r)
+	if r.releasedClaims {
+		sub.lostClaims = sub.lostClaims[len(job.releaseTokens):]
+		sub.wake(true)
+	}
+
+	if r.err != nil {
+		// The unwritten rest goes first next time.
+		sub.pending = r.left.merge(sub.pending)
+		if sub.stopping && !sub.finalDeadline.IsZero() {
+			sub.finalFailures++
+		}
+		wait := sub.writeBO.NextBackOff()
+		sub.writeWait = time.Now().Add(wait)
+		sub.logger.Error("Writing acks and lease returns failed; retrying", r.err, watermill.LogFields{"retry_in": wait.String()})
+		return
+	}
+	sub.writeBO.Reset()
+	sub.writeWait = time.Time{}
+}
+
+// finish ends d's time in the owner's hands after its write, and reports
+// whether the write applied; a write that did not apply is a lost lease,
+// or a row abandoned because its write cannot succeed.
+func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
+	delete(sub.held, d)
+	d.state = finished
+	if err, ok := r.abandoned[d]; ok {
+		sub.logger.Error("Cannot write this row's ack, nack or dead-letter move; it comes back when its lease expires", err,
+			watermill.LogFields{"event": "write_abandoned", "row_id": d.id, "deliveries": d.deliveries})
+		return false
+	}
+	if r.done.has(d) {
+		return true
+	}
+	sub.leaseLost(d, phase)
+	return false
+}
+
+// onRenewed applies a renewal's result: extended leases, lost ones.
+func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
+	if rows == nil {
+		return
+	}
+	if !r.renewed {
+		// Once per outage at ERROR; retried within a second, not a period,
+		// or the leases would expire meanwhile.
+		if !sub.renewFailing {
+			sub.logger.Error("Renewing leases failed; retrying every second until it works", r.err, watermill.LogFields{"rows": len(rows)})
+		}
+		sub.renewFailing = true
+		sub.nextRenew = time.Now().Add(min(time.Second, sub.cfg.Lease/10))
+		return
+	}
+	sub.renewFailing = false
+	renewed := 0
+	for _, d := range rows {
+		if d.state == finished {
+			continue // ended while the renewal ran
+		}
+		if r.done.has(d) {
+			renewed++
+			d.expiresAt = r.renewSent.Add(sub.cfg.Lease)
+			continue
+		}
+		// Lost: someone else holds the row. A handed-out one finishes when
+		// its handler answers (nothing is written); others end now.
+		sub.leaseLost(d, "renew")
+		if d.state == handedOut {
+			close(d.stopWatch)
+			d.cancel()
+			d.msg, d.cancel = nil, nil
+			sub.handed--
+		}
+		if sub.retry == d {
+			sub.retry = nil
+		}
+		delete(sub.held, d)
+		d.state = finished
+	}
+	sub.s.obs.observe(Event{Kind: EventLeaseRenewed, Topic: sub.topic, Count: renewed})
+}
+
+// leaseLost reports a row whose lease token no longer matches: its lease
+// expired and another consumer claimed it (or an operator removed it). The
+// write was not applied; the other holder completes the row.
+func (sub *subscription) leaseLost(d *delivery, phase string) {
+	logWarn(sub.logger, "Lease lost: the row was reclaimed by another consumer; this write was not applied", watermill.LogFields{
+		"event": "lease_lost", "phase": phase, "row_id": d.id, "deliveries": d.deliveries,
+	})
+	sub.s.obs.observe(Event{Kind: EventLeaseLost, Topic: sub.topic, RowID: d.id, Deliveries: d.deliveries, Phase: phase})
+}
+
+// newBackoff paces retries after database errors: 50ms doubling to 5s,
+// with jitter, forever. Options, not fields: NewExponentialBackOff resets
+// itself, so fields set afterwards would only apply after the next Reset.
+func newBackoff() *backoff.ExponentialBackOff {
+	return backoff.NewExponentialBackOff(backoff.WithInitialInterval(50*time.Millisecond),
+		backoff.WithMaxInterval(5*time.Second), backoff.WithMaxElapsedTime(0))
+}
+
+// jitter spreads d by ±20% so idle subscribers do not poll in lockstep.
+func jitter(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
+}

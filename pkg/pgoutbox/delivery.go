@@ -44,11 +44,11 @@ type delivery struct {
 type deliveryState uint8
 
 const (
-	buffered deliveryState = iota // claimed, waiting in the prefetch buffer
-	handedOut                     // sent to the Router, waiting for Ack or Nack
-	retrying                      // ordered mode: nacked, held, delivered again at retryAt
-	writing                       // verdict recorded, its write pending or under way
-	finished                      // written, lost or abandoned: no longer ours
+	buffered  deliveryState = iota // claimed, waiting in the prefetch buffer
+	handedOut                      // sent to the Router, waiting for Ack or Nack
+	retrying                       // ordered mode: nacked, held, delivered again at retryAt
+	writing                        // verdict recorded, its write pending or under way
+	finished                       // written, lost or abandoned: no longer ours
 )
 
 // outcome carries what the handler's side knows about a failure to the

@@ -57,18 +57,30 @@ type Notifier struct {
 // locks, which bounds how long a dead process's rows wait to be reclaimed.
 const LivenessEvery = time.Second
 
-// Waiter receives a wake-up (a value on C, never blocking the notifier) when
-// rows of its topic became due, and after every (re)connect, since
-// notifications sent while nobody listened are lost. It receives a value on
-// Scheduled when rows of its topic were published for later, and on Orphans
-// when another process's liveness lock vanished (its rows may be orphaned).
+// Waiter receives a wake-up (a value on C, never blocking the notifier)
+// when rows of its topic became due, and after every (re)connect, since
+// notifications sent while nobody listened are lost; when rows of its topic
+// were published for later; and when another process's liveness lock
+// vanished (its rows may be orphaned). Take tells which, since the last
+// Take.
 type Waiter struct {
-	C         chan struct{}
-	Scheduled chan struct{}
-	Orphans   chan struct{}
-	n         *Notifier
-	channel   string
-	topic     string
+	C       chan struct{}
+	kinds   atomic.Uint32
+	n       *Notifier
+	channel string
+	topic   string
+}
+
+// Kinds are the reasons of the wake-ups since the last Take.
+type Kinds struct {
+	Due, Scheduled, Orphans bool
+}
+
+// Take returns the reasons of the wake-ups received since the last Take,
+// and clears them.
+func (w *Waiter) Take() Kinds {
+	k := w.kinds.Swap(0)
+	return Kinds{Due: k&(1<<wakeDue) != 0, Scheduled: k&(1<<wakeScheduled) != 0, Orphans: k&(1<<wakeOrphans) != 0}
 }
 
 // Acquire returns the pool's notifier, starting it on first use. Every
@@ -111,8 +123,7 @@ func (n *Notifier) Release() {
 
 // Listen registers a waiter for topic on channel.
 func (n *Notifier) Listen(channel, topic string) *Waiter {
-	w := &Waiter{C: make(chan struct{}, 1), Scheduled: make(chan struct{}, 1), Orphans: make(chan struct{}, 1),
-		n: n, channel: channel, topic: topic}
+	w := &Waiter{C: make(chan struct{}, 1), n: n, channel: channel, topic: topic}
 	n.mu.Lock()
 	byTopic := n.waiters[channel]
 	newChannel := byTopic == nil
@@ -166,15 +177,9 @@ const (
 
 func wake(ws map[*Waiter]struct{}, kind wakeKind) {
 	for w := range ws {
-		c := w.C
-		switch kind {
-		case wakeScheduled:
-			c = w.Scheduled
-		case wakeOrphans:
-			c = w.Orphans
-		}
+		w.kinds.Or(1 << kind)
 		select {
-		case c <- struct{}{}:
+		case w.C <- struct{}{}:
 		default:
 		}
 	}

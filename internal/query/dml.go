@@ -13,12 +13,17 @@ type Queries struct {
 	Publish      string
 	PublishPlain string
 	Claim        string
-	Complete     string
-	Renew        string
-	Dead         string
-	ReleaseClaim string
-	NextDue      string
-	Cancel       string
+	// ClaimNoOrphans is Claim without the orphaned branch, for the
+	// claims that do not look for orphans (nearly all): the parameters
+	// $1..$9 of Claim.
+	ClaimNoOrphans string
+	Complete       string
+	Ack            string
+	Renew          string
+	Dead           string
+	ReleaseClaim   string
+	NextDue        string
+	Cancel         string
 }
 
 // asyncCommit is a condition that is always true and, as a side effect,
@@ -120,38 +125,8 @@ SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)`, t),
 		//
 		// The last two columns: the id of the last ready row (the next
 		// cursor) and how many expired or orphaned leases were taken.
-		Claim: fmt.Sprintf(`
-WITH expired AS (
-    SELECT id FROM %[1]s
-     WHERE $8::bool AND topic = $1 AND lease_token IS NOT NULL AND leased_until < now()
-     ORDER BY leased_until
-     LIMIT $2::int
-       FOR UPDATE SKIP LOCKED
-), orphaned AS (
-    SELECT id FROM %[1]s
-     WHERE $11::bool AND topic = $1 AND lease_token IS NOT NULL AND leased_until >= now()
-       AND lease_holder <> $10::bigint
-       AND lease_holder NOT IN (%[3]s)
-     LIMIT (SELECT $2::int - count(*) FROM expired)
-       FOR UPDATE SKIP LOCKED
-), ready AS (
-    SELECT id, available_at FROM %[1]s
-     WHERE topic = $1 AND lease_token IS NULL AND available_at <= now()
-       AND (available_at, id) > ($6::timestamptz, $7::bigint)
-     ORDER BY available_at, id
-     LIMIT (SELECT $2::int - count(*) FROM expired) - (SELECT count(*) FROM orphaned)
-       FOR UPDATE SKIP LOCKED
-)
-UPDATE %[1]s o
-   SET lease_token  = $3::uuid,
-       leased_until = now() + $4::bigint * interval '1 microsecond',
-       leased_by    = $5,
-       lease_holder = $9::bigint,
-       deliveries   = o.deliveries + 1
- WHERE o.id = ANY (ARRAY(SELECT id FROM expired UNION ALL SELECT id FROM orphaned UNION ALL SELECT id FROM ready))%[2]s
-RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at,
-          (SELECT id FROM ready ORDER BY available_at DESC, id DESC LIMIT 1),
-          (SELECT count(*) FROM expired) + (SELECT count(*) FROM orphaned)`, t, ac, LiveHolders),
+		Claim:          claimStatement(t, ac, true),
+		ClaimNoOrphans: claimStatement(t, ac, false),
 
 		// Complete applies a batch of acks, lease returns and holds in one
 		// statement. Every row is matched on (id, lease_token): a row whose
@@ -208,6 +183,14 @@ SELECT id, token FROM acked
 UNION ALL SELECT id, token FROM returned
 UNION ALL SELECT id, token FROM held
 UNION ALL SELECT 0, NULL::uuid FROM woken`, t, ac, "chr(31)"),
+
+		// Ack is Complete for a batch of acks alone, the common batch: one
+		// DELETE, without the other branches' planning and parameters.
+		Ack: fmt.Sprintf(`
+DELETE FROM %[1]s o
+ USING unnest($1::bigint[], $2::uuid[]) AS c(id, token)
+ WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+RETURNING o.id, c.token`, t, ac),
 
 		// Dead ends rows terminally, under their tokens: with a dead-letter
 		// table the row moves there in this one statement (if the INSERT
@@ -304,3 +287,48 @@ const (
                     WHERE locktype = 'advisory' AND classid = 1885827938 AND objsubid = 2 AND granted
                       AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())`
 )
+
+// claimStatement builds query.Claim; see its comment. Without orphans, the
+// orphaned branch is left out (it would be skipped at run time, but its
+// planning and subplans cost every claim).
+func claimStatement(t, ac string, orphans bool) string {
+	orphaned, orphanedCount, orphanedIDs, readyLimit := "", "0", "", "(SELECT $2::int - count(*) FROM expired)"
+	if orphans {
+		orphaned = fmt.Sprintf(`
+), orphaned AS (
+    SELECT id FROM %[1]s
+     WHERE $11::bool AND topic = $1 AND lease_token IS NOT NULL AND leased_until >= now()
+       AND lease_holder <> $10::bigint
+       AND lease_holder NOT IN (%[2]s)
+     LIMIT (SELECT $2::int - count(*) FROM expired)
+       FOR UPDATE SKIP LOCKED`, t, LiveHolders)
+		orphanedCount = "(SELECT count(*) FROM orphaned)"
+		orphanedIDs = " UNION ALL SELECT id FROM orphaned"
+		readyLimit = "(SELECT $2::int - count(*) FROM expired) - (SELECT count(*) FROM orphaned)"
+	}
+	return fmt.Sprintf(`
+WITH expired AS (
+    SELECT id FROM %[1]s
+     WHERE $8::bool AND topic = $1 AND lease_token IS NOT NULL AND leased_until < now()
+     ORDER BY leased_until
+     LIMIT $2::int
+       FOR UPDATE SKIP LOCKED%[3]s
+), ready AS (
+    SELECT id, available_at FROM %[1]s
+     WHERE topic = $1 AND lease_token IS NULL AND available_at <= now()
+       AND (available_at, id) > ($6::timestamptz, $7::bigint)
+     ORDER BY available_at, id
+     LIMIT %[6]s
+       FOR UPDATE SKIP LOCKED
+)
+UPDATE %[1]s o
+   SET lease_token  = $3::uuid,
+       leased_until = now() + $4::bigint * interval '1 microsecond',
+       leased_by    = $5,
+       lease_holder = $9::bigint,
+       deliveries   = o.deliveries + 1
+ WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s
+RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at,
+          (SELECT id FROM ready ORDER BY available_at DESC, id DESC LIMIT 1),
+          (SELECT count(*) FROM expired) + %[4]s`, t, ac, orphaned, orphanedCount, orphanedIDs, readyLimit)
+}

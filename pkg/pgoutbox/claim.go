@@ -42,9 +42,12 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 	r := claimResult{req: req}
 	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
 	defer cancel()
-	rows, err := sub.s.pool.Query(ctx, sub.s.q.Claim, sub.topic, req.n, req.token,
-		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, req.at, req.id, req.withExpired,
-		req.holder, req.own, req.withOrphans)
+	stmt, args := sub.s.q.ClaimNoOrphans, []any{sub.topic, req.n, req.token,
+		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, req.at, req.id, req.withExpired, req.holder}
+	if req.withOrphans {
+		stmt, args = sub.s.q.Claim, append(args, req.own, true)
+	}
+	rows, err := sub.s.pool.Query(ctx, stmt, args...)
 	if err != nil {
 		r.err = err
 		return r

@@ -301,6 +301,9 @@ func (c *completer) writeComplete(acks []*delivery, returns []returnOp, holds []
 	}
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
+	if n == 0 && h == 0 {
+		return collectWritten(done)(c.pool.Query(ctx, c.q.Ack, ackIDs, ackTokens))
+	}
 	return collectWritten(done)(c.pool.Query(ctx, c.q.Complete, ackIDs, ackTokens,
 		retIDs, retTokens, delays, undos, errs, metas,
 		holdIDs, holdTokens, holdErrs, holdMetas, c.cfg.Lease.Microseconds(),

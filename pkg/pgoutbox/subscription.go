@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -51,6 +52,7 @@ type subscription struct {
 	held      map[*delivery]struct{} // every row we lease, in any state but finished
 	buffer    []*delivery            // claimed, not handed out, in queue order
 	ready     *delivery              // taken from the buffer (or the retry) and prepared: goes out next
+	single    *delivery              // MaxInFlight 1: the message in flight, whose Ack the owner waits for itself
 	handed    int                    // handed out, waiting for a verdict
 	retry     *delivery              // ordered mode: a nacked row delivered again at retryAt
 	pending   writeJob               // verdicts and releases not yet given to the completer
@@ -60,23 +62,25 @@ type subscription struct {
 	pf        prefetch
 	scan      claimScan
 
-	claiming      bool
-	wantClaim     bool      // claim when there is room: the last claim found rows, or something woke us
-	claimWait     time.Time // after a failed claim: not before then
-	claimBO       *backoff.ExponentialBackOff
-	gen           uint64 // bumped by every give-back; a claim started before it gives its rows back too
-	givingBack    int    // give-backs not written yet: a claim now would overtake them
-	idleUntil     time.Time
-	idlePoll      time.Duration
-	nextRenew     time.Time
-	renewFailing  bool
-	lostClaims    []claimToken // claims whose reply was lost; their rows go back (ReleaseClaim)
-	stopping      bool
-	drainOver     bool
-	finalDeadline time.Time // set when only the last writes remain
-	finalFailures int
-	timer         *time.Timer
-	timerAt       time.Time
+	claiming         bool
+	wantClaim        bool      // claim when there is room: the last claim found rows, or something woke us
+	claimWait        time.Time // after a failed claim: not before then
+	claimBO          *backoff.ExponentialBackOff
+	gen              uint64 // bumped by every give-back; a claim started before it gives its rows back too
+	givingBack       int    // give-backs not written yet: a claim now would overtake them
+	idleUntil        time.Time
+	idlePoll         time.Duration
+	nextRenew        time.Time
+	renewFailing     bool
+	lostClaims       []claimToken // claims whose reply was lost; their rows go back (ReleaseClaim)
+	stopping         bool
+	drainOver        bool
+	finalDeadline    time.Time // set when only the last writes remain
+	finalFailures    int
+	timer            *time.Timer
+	timerAt          time.Time
+	nextHousekeeping time.Time
+	drainEnd         time.Time
 }
 
 // verdict is a handler's answer for a delivery, sent by its watcher.
@@ -119,18 +123,44 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 func (sub *subscription) ordered() bool { return sub.cfg.MaxInFlight == 1 }
 
 // run is the owner goroutine. It returns after the output channel is closed.
+//
+// Its select has few cases on purpose: in a drain the owner parks there for
+// nearly every message, and a select costs in proportion to its channels.
+// So every timed event (idle wake, retry, backoffs, housekeeping, end of the
+// drain) shares one timer, and the stop signals one channel.
 func (sub *subscription) run() {
 	defer sub.s.subs.Done()
 	go sub.comp.run()
 	defer sub.comp.stop()
 
-	tick := time.NewTicker(housekeepingEvery(sub.cfg))
-	defer tick.Stop()
-	var drain <-chan time.Time
-	stopC, closing := sub.ctx.Done(), sub.s.closing
+	stop := make(chan struct{})
+	stopOnce := sync.OnceFunc(func() { close(stop) })
+	defer context.AfterFunc(sub.ctx, stopOnce)()
+	go func() {
+		select {
+		case <-sub.s.closing:
+			stopOnce()
+		case <-stop:
+		}
+	}()
+	stopC := (<-chan struct{})(stop)
+	verdicts := sub.verdicts
+	if sub.cfg.MaxInFlight == 1 {
+		verdicts = nil // the owner watches the one message itself
+	}
+	sub.nextHousekeeping = time.Now().Add(housekeepingEvery(sub.cfg))
+	fast := 0
 
 	for {
 		now := time.Now()
+		if !now.Before(sub.nextHousekeeping) {
+			sub.housekeeping(now)
+			sub.nextHousekeeping = now.Add(housekeepingEvery(sub.cfg))
+		}
+		if !sub.drainEnd.IsZero() && !now.Before(sub.drainEnd) {
+			sub.drainEnd = time.Time{}
+			sub.endDrain()
+		}
 		sub.startClaim(now)
 		sub.startWrite(now)
 		if sub.stopping && sub.finishedStopping(now) {
@@ -141,44 +171,76 @@ func (sub *subscription) run() {
 		if head != nil {
 			msg = head.msg
 		}
+		var ackC, nackC <-chan struct{}
+		var single *message.Message
+		if sub.single != nil {
+			single = sub.single.msg
+			ackC, nackC = single.Acked(), single.Nacked()
+		}
+		// Fast path while busy: hand out and take verdicts without the
+		// full select, a bounded number of turns so timers and stops are
+		// never starved.
+		if fast < maxFastTurns {
+			fast++
+			select {
+			case sendC <- msg:
+				sub.handedOut(head)
+				continue
+			case v := <-verdicts:
+				sub.onVerdict(v, false)
+				continue
+			case <-ackC:
+				sub.onVerdict(verdict{d: sub.single, msg: single, ack: true}, false)
+				continue
+			case <-nackC:
+				sub.onVerdict(verdict{d: sub.single, msg: single}, false)
+				continue
+			default:
+			}
+		}
+		fast = 0
 		sub.armTimer(now)
 
 		select {
 		case sendC <- msg:
 			sub.handedOut(head)
-		case v := <-sub.verdicts:
+		case v := <-verdicts:
 			sub.onVerdict(v, false)
+		case <-ackC:
+			sub.onVerdict(verdict{d: sub.single, msg: single, ack: true}, false)
+		case <-nackC:
+			sub.onVerdict(verdict{d: sub.single, msg: single}, false)
 		case r := <-sub.claimed:
 			sub.onClaimed(r)
 		case r := <-sub.comp.results:
 			sub.onWritten(r)
-		case <-tick.C:
-			sub.housekeeping(time.Now())
 		case <-sub.waiter.C:
-			sub.wake(false)
-		case <-sub.waiter.Scheduled:
-			sub.wake(false) // an empty claim plans the sleep anew (NextDue)
-		case <-sub.waiter.Orphans:
-			sub.scan.findOrphans = true
-			sub.wake(false)
+			sub.onNotified(sub.waiter.Take())
 		case <-sub.timer.C:
 			sub.timerAt = time.Time{}
 			sub.onTimer(time.Now())
 		case <-stopC:
-			stopC, closing = nil, nil
-			drain = sub.beginStop()
-		case <-closing:
-			stopC, closing = nil, nil
-			drain = sub.beginStop()
-		case <-drain:
-			drain = nil
-			sub.endDrain()
+			stopC = nil
+			sub.beginStop()
 		}
 	}
 	sub.waiter.Stop()
 	close(sub.out)
 	sub.logger.Debug("Subscription closed", nil)
 }
+
+// onNotified handles what the notifier reported: rows due, rows scheduled
+// (an empty claim plans the sleep anew, NextDue), or a vanished liveness
+// lock (look for orphaned rows).
+func (sub *subscription) onNotified(k notifier.Kinds) {
+	if k.Orphans {
+		sub.scan.findOrphans = true
+	}
+	sub.wake(false)
+}
+
+// maxFastTurns bounds the owner's turns on the fast path (see run).
+const maxFastTurns = 64
 
 // housekeepingEvery is the period of the owner's checks of renewals, ack
 // deadlines and stalled buffers.
@@ -219,6 +281,8 @@ func (sub *subscription) armTimer(now time.Time) {
 		}
 	}
 	earliest(sub.idleUntil)
+	earliest(sub.nextHousekeeping)
+	earliest(sub.drainEnd)
 	earliest(sub.writeWait)
 	earliest(sub.claimWait)
 	if sub.retry != nil && sub.retry.holdDone {
@@ -393,14 +457,29 @@ func (sub *subscription) prepare(d *delivery, now time.Time) bool {
 	return true
 }
 
-// handedOut records that the Router took d, and starts its watcher.
+// handedOut records that the Router took d, and starts watching for its
+// verdict. With one message in flight the owner waits for it itself (one
+// goroutine hop less per message); otherwise a watcher goroutine does.
 func (sub *subscription) handedOut(d *delivery) {
 	sub.ready = nil
 	d.state, d.handedAt = handedOut, time.Now()
 	d.timedOut = false
-	d.stopWatch = make(chan struct{})
 	sub.handed++
+	if sub.cfg.MaxInFlight == 1 {
+		sub.single = d
+		return
+	}
+	d.stopWatch = make(chan struct{})
 	go sub.watch(d, d.msg, d.stopWatch)
+}
+
+// stopWatching ends the wait for d's verdict: a later answer is ignored.
+func (sub *subscription) stopWatching(d *delivery) {
+	if sub.single == d {
+		sub.single = nil
+		return
+	}
+	close(d.stopWatch)
 }
 
 // watch waits for msg's Ack or Nack and reports it, unless the owner stops
@@ -426,6 +505,9 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 	d := v.d
 	if d.state != handedOut || d.msg != v.msg {
 		return // a late answer: the deadline or the drain ended this delivery
+	}
+	if sub.single == d {
+		sub.single = nil
 	}
 	sub.handed--
 	sub.pf.verdicts(1)
@@ -538,7 +620,7 @@ func (sub *subscription) housekeeping(now time.Time) {
 // AckDeadline: its context is cancelled, its lease no longer renewed, and
 // the row nacked with a recorded error (a delivery, counted as such).
 func (sub *subscription) ackDeadlinePassed(d *delivery) {
-	close(d.stopWatch)
+	sub.stopWatching(d)
 	sub.logger.Error("Handler did not ack or nack within AckDeadline; the message is nacked and its context cancelled", nil,
 		watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "deliveries": d.deliveries, "ack_deadline": sub.cfg.AckDeadline.String()})
 	d.outcome.setErr(fmt.Errorf("%w: no ack or nack within %s", ErrAckDeadline, sub.cfg.AckDeadline))
@@ -546,9 +628,8 @@ func (sub *subscription) ackDeadlinePassed(d *delivery) {
 }
 
 // beginStop stops claiming and handing out, gives the buffer back, and
-// starts the drain: it returns the channel that ends it (nil when it ends at
-// once or there is nothing to wait for).
-func (sub *subscription) beginStop() <-chan time.Time {
+// starts the drain.
+func (sub *subscription) beginStop() {
 	sub.stopping = true
 	sub.cancelStop()
 	sub.giveBack(sub.takeBuffer())
@@ -559,9 +640,9 @@ func (sub *subscription) beginStop() <-chan time.Time {
 	}
 	if sub.cfg.DrainTimeout < 0 {
 		sub.endDrain()
-		return nil
+		return
 	}
-	return time.After(sub.cfg.DrainTimeout)
+	sub.drainEnd = time.Now().Add(sub.cfg.DrainTimeout)
 }
 
 // endDrain stops waiting for handlers: the rows still handed out go back
@@ -570,7 +651,7 @@ func (sub *subscription) endDrain() {
 	sub.drainOver = true
 	for d := range sub.held {
 		if d.state == handedOut {
-			close(d.stopWatch)
+			sub.stopWatching(d)
 			d.cancel()
 			d.msg, d.cancel = nil, nil
 			sub.handed--
@@ -755,7 +836,7 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 		// its handler answers (nothing is written); others end now.
 		sub.leaseLost(d, "renew")
 		if d.state == handedOut {
-			close(d.stopWatch)
+			sub.stopWatching(d)
 			d.cancel()
 			d.msg, d.cancel = nil, nil
 			sub.handed--

@@ -56,18 +56,32 @@ as_owner() {
   fi
 }
 
-# debian_cluster: "VERSION NAME PORT STATUS" of the first cluster, if any.
+# debian_clusters: "VERSION NAME PORT STATUS", one line per cluster.
+debian_clusters() {
+  command -v pg_lsclusters >/dev/null 2>&1 || return 0
+  pg_lsclusters --no-header 2>/dev/null | awk '{print $1, $2, $3, $4}' || true
+}
+
+# debian_serving PORT: the online cluster on PORT, if any. A machine may have
+# several clusters; only the one serving the port can restart that server.
+debian_serving() {
+  debian_clusters | awk -v port="$1" '$3 == port && $4 ~ /^online/ && !n++'
+}
+
+# debian_cluster: the cluster to start: the one configured for 5432 (the
+# port the tests default to), else the first.
 debian_cluster() {
-  command -v pg_lsclusters >/dev/null 2>&1 || return 1
-  pg_lsclusters --no-header 2>/dev/null | awk 'NR==1 {print $1, $2, $3, $4}'
+  debian_clusters | awk '
+    NR == 1 { first = $0 }
+    $3 == 5432 && found == "" { found = $0 }
+    END { if (found != "") print found; else if (first != "") print first }'
 }
 
 debian_restart_cmd() {
-  local c; c=$(debian_cluster) || return 0
+  local c; c=$(debian_serving 5432)
   [ -n "$c" ] || return 0
   set -- $c
-  [ "$3" = 5432 ] && echo "pg_ctlcluster --skip-systemctl-redirect $1 $2 restart"
-  return 0
+  echo "pg_ctlcluster --skip-systemctl-redirect $1 $2 restart"
 }
 
 # 1. Explicit DSN.

@@ -22,10 +22,21 @@ type PublisherConfig struct {
 	Tables schema.Config
 	// Observer receives an EventPublished per Publish call. Defaults to none.
 	Observer Observer
+	// StatementTimeout bounds a Publish through a pool (tx.FromSQLDB,
+	// tx.FromPgxPool). Such a Publish does not end when the message's
+	// context is cancelled: a handler's output, or a poison message
+	// published after the handler's context timed out (Watermill's
+	// middleware.Timeout), must still be written. A Publish in your
+	// transaction follows the message's context, like your other
+	// statements. Defaults to 10s.
+	StatementTimeout time.Duration
 }
 
 func (c *PublisherConfig) setDefaults() {
 	c.Tables = c.Tables.WithDefaults()
+	if c.StatementTimeout == 0 {
+		c.StatementTimeout = DefaultStatementTimeout
+	}
 }
 
 // Validate reports every problem with the configuration at once.
@@ -33,6 +44,9 @@ func (c PublisherConfig) Validate() error {
 	c.setDefaults()
 	if err := c.Tables.Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	if c.StatementTimeout < 0 {
+		return fmt.Errorf("%w: StatementTimeout is %s; use a positive duration", ErrInvalidConfig, c.StatementTimeout)
 	}
 	return nil
 }

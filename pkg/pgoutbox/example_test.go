@@ -8,12 +8,18 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
+
+// exampleSchema holds the example's tables, a schema of its own per run. It
+// is lower case so that psql users can type it unquoted; TestMain
+// (main_test.go) checks that the example dropped it.
+var exampleSchema = "pgoutbox_example_" + watermill.NewUUID()[:8]
 
 // Example_transactionalOutbox writes a domain change and its message in one
 // pgx transaction, then receives the message. A rolled-back transaction
@@ -30,11 +36,16 @@ func Example_transactionalOutbox() {
 		panic(err)
 	}
 	defer pool.Close()
-	tables := schema.Config{Schema: "pgoutbox_example_" + watermill.NewShortUUID()[:8]}
+	tables := schema.Config{Schema: exampleSchema}
 	if err := schema.Create(ctx, tx.FromPgxPool(pool), tables); err != nil {
 		panic(err)
 	}
-	defer pool.Exec(ctx, "DROP SCHEMA "+tables.Schema+" CASCADE") //nolint:errcheck
+	defer func() {
+		// Quoted as schema.Create quotes it, so any name drops what it made.
+		if _, err := pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{tables.Schema}.Sanitize()+" CASCADE"); err != nil {
+			panic(err)
+		}
+	}()
 
 	publishInTx := func(payload string, commit bool) {
 		pgxTx, err := pool.Begin(ctx)

@@ -85,6 +85,9 @@ func decodeMetadata(raw []byte, md message.Metadata) error {
 	if err := json.Unmarshal(raw, &m); err != nil {
 		return fmt.Errorf("metadata is not a JSON object of strings: %w", err)
 	}
+	if m == nil { // JSON null: not an object (Unmarshal accepts it)
+		return fmt.Errorf("metadata is JSON null, not an object of strings")
+	}
 	maps.Copy(md, m)
 	return nil
 }

@@ -1,6 +1,8 @@
 package pgoutbox
 
 import (
+	"sync"
+
 	"github.com/ThreeDotsLabs/watermill"
 )
 
@@ -45,7 +47,11 @@ type Event struct {
 }
 
 // Observer receives events. Implementations must be safe for concurrent use
-// and must not block: they run on the delivery path. A panicking Observer is
+// and should not block. A Subscriber calls its Observer from a goroutine of
+// its own, in the order the events happened, so a slow Observer delays the
+// events, never the deliveries or the lease renewals; past
+// maxQueuedEvents waiting events, new ones are dropped (and the drop
+// logged). A Publisher calls it in Publish. A panicking Observer is
 // recovered and logged; delivery goes on.
 type Observer interface {
 	Observe(Event)
@@ -72,4 +78,88 @@ func (s safeObserver) observe(e Event) {
 		}
 	}()
 	s.o.Observe(e)
+}
+
+// maxQueuedEvents bounds the events waiting for a slow Observer.
+const maxQueuedEvents = 1 << 16
+
+// eventQueue hands a Subscriber's events to its Observer on a goroutine of
+// its own: the subscriptions' owners only append (a mailbox), so a slow
+// Observer cannot hold up a renewal.
+type eventQueue struct {
+	obs     safeObserver
+	mu      sync.Mutex
+	q       []Event
+	dropped int
+	closed  bool
+	wake    chan struct{}
+	done    chan struct{}
+}
+
+func newEventQueue(obs safeObserver) *eventQueue {
+	e := &eventQueue{obs: obs, wake: make(chan struct{}, 1), done: make(chan struct{})}
+	if obs.o == nil {
+		close(e.done)
+		return e
+	}
+	go e.run()
+	return e
+}
+
+func (e *eventQueue) observe(ev Event) {
+	if e.obs.o == nil {
+		return
+	}
+	e.mu.Lock()
+	if len(e.q) >= maxQueuedEvents {
+		e.dropped++
+		e.mu.Unlock()
+		return
+	}
+	e.q = append(e.q, ev)
+	e.mu.Unlock()
+	select {
+	case e.wake <- struct{}{}:
+	default:
+	}
+}
+
+// close delivers what is queued and stops the goroutine.
+func (e *eventQueue) close() {
+	if e.obs.o == nil {
+		return
+	}
+	e.mu.Lock()
+	e.closed = true
+	e.mu.Unlock()
+	select {
+	case e.wake <- struct{}{}:
+	default:
+	}
+	<-e.done
+}
+
+func (e *eventQueue) run() {
+	defer close(e.done)
+	for {
+		<-e.wake
+		for {
+			e.mu.Lock()
+			batch, dropped, closed := e.q, e.dropped, e.closed
+			e.q, e.dropped = nil, 0
+			e.mu.Unlock()
+			if dropped > 0 {
+				e.obs.logger.Error("Observer too slow; events dropped", nil, watermill.LogFields{"dropped": dropped})
+			}
+			for _, ev := range batch {
+				e.obs.observe(ev)
+			}
+			if len(batch) == 0 {
+				if closed {
+					return
+				}
+				break
+			}
+		}
+	}
 }

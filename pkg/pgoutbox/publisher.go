@@ -34,11 +34,12 @@ const maxTopicLen = 1024
 // A Publisher is cheap: build one per transaction. It is safe for concurrent
 // use as far as its Executor is (a transaction is not).
 type Publisher struct {
-	exec   tx.Executor
-	q      *query.Queries
-	logger watermill.LoggerAdapter
-	obs    safeObserver
-	closed atomic.Bool
+	exec    tx.Executor
+	timeout time.Duration // for a pool's Publish: see PublisherConfig.StatementTimeout
+	q       *query.Queries
+	logger  watermill.LoggerAdapter
+	obs     safeObserver
+	closed  atomic.Bool
 }
 
 var _ message.Publisher = (*Publisher)(nil)
@@ -52,6 +53,12 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
+	if config.StatementTimeout < 0 {
+		return nil, fmt.Errorf("%w: StatementTimeout is %s; use a positive duration", ErrInvalidConfig, config.StatementTimeout)
+	}
+	if config.StatementTimeout == 0 {
+		config.StatementTimeout = DefaultStatementTimeout
+	}
 	// Validated once per outbox, then cached: one publisher per
 	// transaction must cost next to nothing (publish-1 in tests/bench).
 	q, err := queriesForTables(config.Tables, false)
@@ -59,10 +66,11 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 		return nil, err
 	}
 	return &Publisher{
-		exec:   exec,
-		q:      q,
-		logger: logger,
-		obs:    safeObserver{o: config.Observer, logger: logger},
+		exec:    exec,
+		timeout: config.StatementTimeout,
+		q:       q,
+		logger:  logger,
+		obs:     safeObserver{o: config.Observer, logger: logger},
 	}, nil
 }
 
@@ -87,7 +95,9 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		_, err := p.publishFull(topic, msgs, args)
 		return err
 	}
-	if _, err := p.exec.Exec(msgs[0].Context(), p.q.PublishPlain, topic, args.uuids, args.payloads, args.metadata, p.q.Names.Channel); err != nil {
+	ctx, cancel := p.stmtCtx(msgs[0].Context())
+	defer cancel()
+	if _, err := p.exec.Exec(ctx, p.q.PublishPlain, topic, args.uuids, args.payloads, args.metadata, p.q.Names.Channel); err != nil {
 		return p.wrapErr(topic, err)
 	}
 	p.obs.observe(Event{Kind: EventPublished, Topic: topic, Count: len(msgs)})
@@ -140,7 +150,9 @@ func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publ
 		n := len(msgs)
 		args.delays, args.ats, args.dedup = make([]pgtype.Int8, n), make([]pgtype.Timestamptz, n), make([]pgtype.Text, n)
 	}
-	rows, err := p.exec.Query(msgs[0].Context(), p.q.Publish, topic, args.uuids, args.payloads, args.metadata,
+	ctx, cancel := p.stmtCtx(msgs[0].Context())
+	defer cancel()
+	rows, err := p.exec.Query(ctx, p.q.Publish, topic, args.uuids, args.payloads, args.metadata,
 		args.delays, args.ats, args.dedup, p.q.Names.Channel)
 	if err != nil {
 		return PublishResult{}, p.wrapErr(topic, err)
@@ -167,6 +179,18 @@ func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publ
 	}
 	p.obs.observe(Event{Kind: EventPublished, Topic: topic, Count: len(idByUUID)})
 	return res, nil
+}
+
+// stmtCtx is the context of a Publish statement. In the caller's
+// transaction it is the message's; through a pool it keeps the message's
+// values but not its cancellation (a handler's context may already be done
+// when its outputs or a poison message are published), bounded by the
+// statement timeout instead.
+func (p *Publisher) stmtCtx(msgCtx context.Context) (context.Context, context.CancelFunc) {
+	if p.exec.InTx() {
+		return msgCtx, func() {}
+	}
+	return context.WithTimeout(context.WithoutCancel(msgCtx), p.timeout)
 }
 
 // Close makes later Publish calls fail with ErrPublisherClosed. It does not

@@ -29,7 +29,7 @@ type Subscriber struct {
 	cfg    SubscriberConfig
 	q      *query.Queries
 	logger watermill.LoggerAdapter
-	obs    safeObserver
+	obs    *eventQueue
 
 	mu       sync.Mutex
 	closed   bool
@@ -72,7 +72,7 @@ func NewSubscriber(pool *pgxpool.Pool, config SubscriberConfig, logger watermill
 		cfg:     config,
 		q:       q,
 		logger:  logger,
-		obs:     safeObserver{o: config.Observer, logger: logger},
+		obs:     newEventQueue(safeObserver{o: config.Observer, logger: logger}),
 		closing: make(chan struct{}),
 	}, nil
 }
@@ -163,6 +163,7 @@ func (s *Subscriber) Close() error {
 	s.mu.Unlock()
 	s.subs.Wait()
 	if first {
+		s.obs.close()
 		s.mu.Lock()
 		n := s.notifier
 		s.notifier = nil

@@ -1,0 +1,393 @@
+package tests
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/delay"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+// Regression tests for the subscription engine (one owner goroutine per
+// subscription). Each names the defect of the earlier design it pins.
+
+// waitCount waits until n() reaches want, failing after within.
+func waitCount(t *testing.T, what string, want int, within time.Duration, n func() int) {
+	t.Helper()
+	pollUntil(t, fmt.Sprintf("%s: want %d", what, want), within, nil, func() bool { return n() >= want })
+}
+
+// orderedSeq returns payloads "0".."n-1" with the payload at nack inserted
+// again right after itself: the order an ordered subscription must keep
+// when that message is nacked once.
+func orderedSeq(n, nack int) []string {
+	var out []string
+	for i := range n {
+		out = append(out, strconv.Itoa(i))
+		if i == nack {
+			out = append(out, strconv.Itoa(i))
+		}
+	}
+	return out
+}
+
+// Defect 4: with MaxInFlight 1 a nacked message came back behind the whole
+// backlog (3,000 rows, message 100 nacked once with delay 0: redelivered at
+// position 3,000). Now it is delivered again before any later message, with
+// or without a retry delay (the subscription waits for it).
+func TestOrderedNackIsRedeliveredBeforeLaterMessages(t *testing.T) {
+	t.Parallel()
+	for name, tc := range map[string]struct {
+		n, nack int
+		delay   time.Duration
+	}{
+		"NoDelay":   {n: 3000, nack: 100},
+		"WithDelay": {n: 600, nack: 50, delay: 300 * time.Millisecond},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			ev := newEvents()
+			sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+				c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: tc.delay, MaxAttempts: -1}
+				c.Observer = ev
+			})
+			b.publishInTx(t, "t", true, newMsgs(tc.n)...)
+			seen := &list{}
+			var nacked atomic.Bool
+			runRouter(t, sub, "t", func(m *message.Message) error {
+				seen.add(string(m.Payload))
+				if string(m.Payload) == strconv.Itoa(tc.nack) && nacked.CompareAndSwap(false, true) {
+					return errors.New("once")
+				}
+				return nil
+			})
+			waitCount(t, "handled", tc.n+1, 30*time.Second, func() int { return len(seen.get()) })
+			require.Equal(t, orderedSeq(tc.n, tc.nack), seen.get())
+			require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost))
+			pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+		})
+	}
+}
+
+// The hold an ordered retry writes counts the delivery and keeps the error:
+// a message nacked twice is delivered three times, with deliveries 3 and
+// its last error stored meanwhile, and MaxDeliveries still applies.
+func TestOrderedRetryCountsDeliveries(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: -1}
+		c.MaxDeliveries = 3
+		c.Observer = ev
+	})
+	msg := newMsg("x")
+	b.publishInTx(t, "t", true, msg, newMsg("after"))
+	seen := &list{}
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		seen.add(string(m.Payload))
+		if string(m.Payload) == "x" {
+			return fmt.Errorf("attempt %d", len(seen.get()))
+		}
+		return nil
+	}, pgoutbox.ErrorRecorder)
+	dead := ev.wait(t, pgoutbox.EventDeadLettered, 10*time.Second)
+	require.Equal(t, pgoutbox.ReasonMaxDeliveries, dead.Reason)
+	row := b.dlq(t, msg.UUID)
+	require.Equal(t, 4, row.deliveries, "three deliveries, the fourth refused")
+	require.Equal(t, "attempt 3", row.lastError)
+	waitCount(t, "handled", 4, 10*time.Second, func() int { return len(seen.get()) })
+	require.Equal(t, []string{"x", "x", "x", "after"}, seen.get())
+}
+
+// Defect 3: a give-back raced by a claim released rows twice, and each
+// second release was reported as lease_lost (with a slow Observer, 200
+// spurious events for one claim). A stalled handler makes the buffer go
+// back while claims run, with an Observer slow on every event: no
+// lease_lost, every message once, in order.
+func TestGiveBackRacingClaimsReleasesEachRowOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	slow := pgoutbox.ObserverFunc(func(e pgoutbox.Event) {
+		if e.Kind == pgoutbox.EventReleased || e.Kind == pgoutbox.EventLeaseRenewed {
+			time.Sleep(20 * time.Millisecond)
+		}
+		ev.Observe(e)
+	})
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.Lease = 2 * time.Second // buffered rows go back after 1s
+		c.Observer = slow
+	})
+	const n = 2000
+	b.publishInTx(t, "t", true, newMsgs(n)...)
+	seen := &list{}
+	stall := make(chan struct{})
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		if seen.add(string(m.Payload)) == 300 {
+			<-stall // long enough for the buffer to go back
+		}
+		return nil
+	})
+	ev.wait(t, pgoutbox.EventReleased, 20*time.Second)
+	close(stall)
+	waitCount(t, "handled", n, 60*time.Second, func() int { return len(seen.get()) })
+	require.Equal(t, orderedSeq(n, -1), seen.get())
+	require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost), "every release applies exactly once")
+	pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+}
+
+// Defect 2: the renewal held the completer's lock and took the fetch
+// loop's, while a claim did the opposite, so Close could hang forever. The
+// owner design has no such locks; this drives renewals, give-backs, claims
+// and acks at once (short lease, stalling handlers, MaxInFlight 4) and
+// requires Close to return, repeatedly.
+func TestCloseReturnsWhileRenewalsGiveBacksAndClaimsRun(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for round := range 5 {
+		ev := newEvents()
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			c.Lease = time.Second
+			c.MaxPollInterval = 200 * time.Millisecond
+			c.StatementTimeout = 300 * time.Millisecond
+			c.MaxInFlight = 4
+			c.DrainTimeout = 300 * time.Millisecond
+			c.Observer = ev
+		})
+		topic := fmt.Sprintf("t%d", round)
+		b.publishInTx(t, topic, true, newMsgs(1000)...)
+		msgs, err := sub.Subscribe(context.Background(), topic)
+		require.NoError(t, err)
+		go func() {
+			i := 0
+			for m := range msgs {
+				if i++; i%100 == 0 {
+					time.Sleep(600 * time.Millisecond) // stall: renewals and a give-back happen meanwhile
+				}
+				m.Ack()
+			}
+		}()
+		ev.wait(t, pgoutbox.EventLeaseRenewed, 10*time.Second)
+		closed := make(chan error, 1)
+		go func() { closed <- sub.Close() }()
+		select {
+		case err := <-closed:
+			require.NoError(t, err)
+		case <-time.After(15 * time.Second):
+			t.Fatalf("round %d: Close did not return", round)
+		}
+		require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost))
+	}
+}
+
+// Defect 5: a hung handler held its row forever (renewal was
+// unconditional) and, with MaxInFlight 1, stopped its subscription. Past
+// AckDeadline the message's context is cancelled, the row is nacked with a
+// recorded error and delivered again, and the subscription goes on.
+func TestAckDeadlineEndsAHungHandler(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.AckDeadline = 300 * time.Millisecond
+		c.Observer = ev
+	})
+	hung, next := newMsg("hung"), newMsg("next")
+	b.publishInTx(t, "t", true, hung, next)
+	msgs, err := sub.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+
+	first := receive(t, msgs, 10*time.Second)
+	require.Equal(t, hung.UUID, first.UUID)
+	select {
+	case <-first.Context().Done(): // the handler is told to give up
+	case <-time.After(10 * time.Second):
+		t.Fatal("the hung message's context was not cancelled")
+	}
+	// Ordered: the same message comes again before the next one.
+	again := receive(t, msgs, 10*time.Second)
+	require.Equal(t, hung.UUID, again.UUID)
+	var lastErr string
+	var deliveries int
+	require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT last_error, deliveries FROM `+b.Schema+`.outbox WHERE uuid = $1`,
+		hung.UUID).Scan(&lastErr, &deliveries))
+	require.Contains(t, lastErr, "ack deadline exceeded")
+	require.Equal(t, 2, deliveries)
+	require.True(t, first.Ack(), "a late Ack is accepted by the message ...")
+	again.Ack()
+	require.Equal(t, next.UUID, receive(t, msgs, 10*time.Second).UUID)
+	require.GreaterOrEqual(t, ev.countKind(pgoutbox.EventRetried), 1)
+	require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost), "... and ignored: it writes nothing")
+}
+
+// AckDeadline -1 turns the deadline off: a handler may run past the
+// default 30s equivalent; its lease is renewed while it does.
+func TestAckDeadlineCanBeTurnedOff(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.Lease = time.Second
+		c.MaxPollInterval = 200 * time.Millisecond
+		c.StatementTimeout = 300 * time.Millisecond
+		c.AckDeadline = -1
+		c.Observer = ev
+	})
+	b.publishInTx(t, "t", true, newMsg("slow"))
+	msgs, err := sub.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	m := receive(t, msgs, 10*time.Second)
+	for range 3 { // three renewals: past three lease periods' halves
+		ev.wait(t, pgoutbox.EventLeaseRenewed, 10*time.Second)
+	}
+	require.NoError(t, m.Context().Err())
+	m.Ack()
+	ev.wait(t, pgoutbox.EventAcked, 10*time.Second)
+	require.Zero(t, ev.countKind(pgoutbox.EventRetried))
+}
+
+// Defect 6: rows released at Close reached an idle competitor only at its
+// next poll (3.1-3.7s measured). The release now sends a NOTIFY: the
+// competitor, polling only every 30s, gets the row at once.
+func TestReleasedRowsWakeAnIdleCompetitor(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	a := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.DrainTimeout = -1 })
+	aMsgs, err := a.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	msg := newMsg("x")
+	b.publishInTx(t, "t", true, msg)
+	require.Equal(t, msg.UUID, receive(t, aMsgs, 10*time.Second).UUID) // held, never acked
+
+	ev := newEvents()
+	competitor := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.Lease = time.Minute
+		c.MinPollInterval, c.MaxPollInterval = 30*time.Second, 30*time.Second
+		c.Observer = ev
+	})
+	cMsgs, err := competitor.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	require.Zero(t, ev.wait(t, pgoutbox.EventClaimed, 10*time.Second).Count, "the row is A's: the competitor goes idle")
+
+	require.NoError(t, a.Close())
+	got := receive(t, cMsgs, 5*time.Second) // far below the 30s poll
+	require.Equal(t, msg.UUID, got.UUID)
+	got.Ack()
+}
+
+// Defect 7: "_watermill_delayed_for" survived delivery, so a handler that
+// copied the metadata into its output delayed that output again, on every
+// hop. Delay keys are now left out of delivered messages.
+func TestDelayMetadataIsNotHandedOn(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	pub := b.poolPublisher(t)
+	in := newMsg("in")
+	delay.Message(in, delay.For(200*time.Millisecond))
+	require.NoError(t, pub.Publish("in", in))
+
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	seen := make(chan message.Metadata, 1)
+	r.AddHandler("copy", "in", b.subscriber(t, nil), "out", pub, func(m *message.Message) ([]*message.Message, error) {
+		seen <- maps.Clone(m.Metadata)
+		out := message.NewMessage(watermill.NewUUID(), m.Payload)
+		out.Metadata = maps.Clone(m.Metadata)
+		return []*message.Message{out}, nil
+	})
+	startRouter(t, r)
+	var md message.Metadata
+	select {
+	case md = <-seen:
+	case <-time.After(10 * time.Second):
+		t.Fatal("not delivered")
+	}
+	require.NotContains(t, md, delay.DelayedForKey)
+	require.NotContains(t, md, delay.DelayedUntilKey)
+	pollUntil(t, "output written", 10*time.Second, nil, func() bool { return b.outboxRows(t, "out") == 1 })
+	var notDelayed bool
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT available_at = created_at FROM `+b.Schema+`.outbox WHERE topic = 'out'`).Scan(&notDelayed))
+	require.True(t, notDelayed, "the output must not be delayed again")
+}
+
+// Defect 7: JSON null metadata decoded as empty metadata; it is not an
+// object, so the row is poisoned (dead-lettered), and the topic goes on.
+func TestNullMetadataIsPoisoned(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	_, err := b.Pool.Exec(context.Background(), `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, metadata) VALUES ('t', 'null-md', '\x00', 'null')`)
+	require.NoError(t, err)
+	b.publishInTx(t, "t", true, newMsg("fine"))
+	msgs, err := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.Observer = ev }).Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	m := receive(t, msgs, 10*time.Second)
+	require.Equal(t, "fine", string(m.Payload))
+	m.Ack()
+	dead := ev.wait(t, pgoutbox.EventDeadLettered, 10*time.Second)
+	require.Equal(t, pgoutbox.ReasonPoisoned, dead.Reason)
+	require.Contains(t, b.dlq(t, "null-md").lastError, "null")
+}
+
+// Defect 8: a pool publisher used the incoming message's context, so
+// PoisonQueue under middleware.Timeout failed with "context deadline
+// exceeded" and the message looped through retries instead of reaching the
+// poison topic. A pool Publish now keeps the context's values, not its
+// cancellation.
+func TestPoisonQueueUnderTimeoutReachesThePoisonTopic(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pub := b.poolPublisher(t)
+	poison, err := middleware.PoisonQueue(pub, "poison")
+	require.NoError(t, err)
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	r.AddMiddleware(poison, middleware.Timeout(50*time.Millisecond))
+	var attempts atomic.Int32
+	r.AddConsumerHandler("slow", "t", b.subscriber(t, nil), func(m *message.Message) error {
+		attempts.Add(1)
+		<-m.Context().Done()
+		return m.Context().Err()
+	})
+	startRouter(t, r)
+	msg := newMsg("x")
+	b.publishInTx(t, "t", true, msg)
+	pollUntil(t, "the message reaches the poison topic", 10*time.Second, nil, func() bool {
+		return b.outboxRows(t, "poison") == 1
+	})
+	pollUntil(t, "the original is acked", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+	require.Equal(t, int32(1), attempts.Load())
+}
+
+// Config errors name only values the user set: Lease -1s used to report
+// "StatementTimeout is -501ms", a value derived from it.
+func TestConfigErrorsNameOnlySetValues(t *testing.T) {
+	t.Parallel()
+	err := pgoutbox.SubscriberConfig{Lease: -time.Second}.Validate()
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.Contains(t, err.Error(), "Lease is -1s")
+	for _, derived := range []string{"StatementTimeout", "MaxPollInterval", "MinPollInterval"} {
+		require.NotContains(t, err.Error(), derived)
+	}
+	// A WorkerID PostgreSQL text cannot hold made every claim fail.
+	err = pgoutbox.SubscriberConfig{WorkerID: "host\x00:1"}.Validate()
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.Contains(t, err.Error(), "WorkerID")
+	_, err = pgoutbox.NewSubscriber(setup(t).Pool, pgoutbox.SubscriberConfig{WorkerID: strings.Repeat("w", 300)}, nil)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+}

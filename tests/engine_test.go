@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -390,4 +391,50 @@ func TestConfigErrorsNameOnlySetValues(t *testing.T) {
 	require.Contains(t, err.Error(), "WorkerID")
 	_, err = pgoutbox.NewSubscriber(setup(t).Pool, pgoutbox.SubscriberConfig{WorkerID: strings.Repeat("w", 300)}, nil)
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+}
+
+// A live process whose LISTEN connection (and so its liveness lock) drops
+// and comes back must not lose its rows to a competitor: a key counts as
+// dead only once it stayed gone for two checks. A holds a message with a
+// long lease while its LISTEN backend is terminated over and over; B, on
+// another pool (another notifier), is woken each time its notifier sees the
+// lock missing, and must never receive the message.
+func TestLivenessBlipsDoNotOrphanALiveHolder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	appA := "blip-a-" + watermill.NewShortUUID()
+	cfg, err := pgxpool.ParseConfig(b.DSN)
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["application_name"] = appA
+	poolA, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(poolA.Close)
+	newSub := func(pool *pgxpool.Pool) *pgoutbox.Subscriber {
+		s, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{
+			Tables: b.tables, Lease: time.Minute, MinPollInterval: 20 * time.Millisecond, MaxPollInterval: 200 * time.Millisecond,
+			DrainTimeout: -1, // A never acks: do not wait for it at Close
+		}, nil)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = s.Close() })
+		return s
+	}
+	a := newSub(poolA)
+	aMsgs, err := a.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	held := newMsg("held")
+	b.publishInTx(t, "t", true, held)
+	require.Equal(t, held.UUID, receive(t, aMsgs, 10*time.Second).UUID) // never acked
+
+	bMsgs, err := newSub(b.Pool).Subscribe(ctx, "t")
+	require.NoError(t, err)
+	for range 5 {
+		var n int
+		require.NoError(t, b.Pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid, 2000)) FROM pg_stat_activity
+			WHERE application_name = $1 AND `+isListenConn, appA).Scan(&n))
+		require.Equal(t, 1, n, "A's LISTEN connection is terminated")
+		requireNothing(t, bMsgs, 1100*time.Millisecond) // two liveness checks of B's notifier
+	}
+	// Still A's: its lease was never taken over.
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = $1 AND lease_token IS NOT NULL AND deliveries = 1`, held.UUID))
 }

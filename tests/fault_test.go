@@ -22,6 +22,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/notifier"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 )
 
@@ -178,11 +179,16 @@ type killRound struct {
 
 const roundTimeout = 5 * time.Second
 
+// isListenConn is true for a pg_stat_activity row of a notifier's LISTEN
+// connection: its last statement was LISTEN or one of the liveness queries
+// (query.TryLiveness, query.LiveHoldersMine).
+const isListenConn = `(query LIKE 'LISTEN %' OR query LIKE 'SELECT pg_try_advisory_lock(%' OR query LIKE 'SELECT objid::bigint, pid = pg_backend_pid()%')`
+
 // terminateBackends terminates the backends named appName and waits for
 // each to exit (so the next round cannot count a dying backend again). It
 // returns one row per backend found; the LISTEN connection is the one whose
-// last statement was LISTEN or a liveness query (its lock class, 1885827938).
-const terminateBackends = `SELECT pg_terminate_backend(pid, 2000), query LIKE 'LISTEN %' OR query LIKE '%1885827938%'
+// last statement was LISTEN or a liveness query (isListenConn).
+const terminateBackends = `SELECT pg_terminate_backend(pid, 2000), ` + isListenConn + `
   FROM pg_stat_activity
  WHERE application_name = $1 AND pid <> pg_backend_pid()`
 
@@ -373,6 +379,65 @@ func TestFaultKilledConsumerProcess(t *testing.T) {
 	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`))
 }
 
+// TestFaultKilledConsumersRowsComeBackInSeconds SIGKILLs one of two
+// competing consumers mid-drain, both with a 30s lease. The rows the killed
+// process held leased (in its handlers and its prefetch buffer) must reach
+// the survivor long before their leases expire: its liveness lock vanished
+// with its connection, the survivor's notifier saw it stay gone for two
+// checks (a second), and the survivor's claim took the orphaned rows.
+// Duplicates stay within what the killed process held unacked.
+func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	const (
+		messages = 20000 // a drain of several seconds: the kill strikes mid-way
+		topic    = "t"
+		lease    = 30 * time.Second
+	)
+	_, err := b.Pool.Exec(ctx, `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
+	require.NoError(t, err)
+	b.publishInTx(t, topic, true, newMsgs(messages)...)
+
+	bin := buildConsumer(t)
+	env := "CONSUMER_LEASE=" + lease.String()
+	victim := startConsumer(t, bin, b, topic, "victim", env)
+	survivor := startConsumer(t, bin, b, topic, "survivor", env)
+	survivor.waitFor(t, "both are consuming", 30*time.Second, func() bool {
+		return b.count(t, `SELECT count(DISTINCT worker) FROM `+b.Schema+`.handled`) == 2
+	})
+	// The survivor's notifier checks liveness every LivenessEvery: let it
+	// see the victim alive once. (A process that dies before any other saw
+	// its lock is recovered when its leases expire; see the README.)
+	time.Sleep(2 * notifier.LivenessEvery)
+	require.Positive(t, b.outboxRows(t, topic), "the drain is over before the kill; the test proves nothing")
+	require.NoError(t, victim.cmd.Process.Kill())
+	killed := time.Now()
+	<-victim.done
+	var orphaned []string
+	rows, err := b.Pool.Query(ctx, `SELECT uuid FROM `+b.Schema+`.outbox WHERE leased_by = 'victim'`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var u string
+		require.NoError(t, rows.Scan(&u))
+		orphaned = append(orphaned, u)
+	}
+	require.NoError(t, rows.Err())
+	require.NotEmpty(t, orphaned, "the victim held nothing when killed; the test proves nothing")
+
+	survivor.waitFor(t, "the victim's rows are handled by the survivor", lease/3, func() bool {
+		return b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.handled WHERE worker = 'survivor' AND uuid = ANY($1)`, orphaned) == len(orphaned)
+	})
+	back := time.Since(killed)
+	survivor.waitFor(t, "the outbox is empty", 30*time.Second, func() bool { return b.outboxRows(t, topic) == 0 })
+	total := b.count(t, `SELECT count(*) FROM `+b.Schema+`.handled`)
+	distinct := b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.handled`)
+	t.Logf("orphaned_rows=%d back_after=%s (lease %s) handled=%d distinct=%d duplicates=%d",
+		len(orphaned), back.Round(time.Millisecond), lease, total, distinct, total-distinct)
+	require.Equal(t, messages, distinct)
+	require.LessOrEqual(t, total-distinct, maxKillDuplicates)
+}
+
 // buildConsumer builds testdata/consumer into a temporary directory.
 func buildConsumer(t *testing.T) string {
 	t.Helper()
@@ -395,7 +460,7 @@ type consumerProc struct {
 	err    error
 }
 
-func startConsumer(t *testing.T, bin string, b *bundle, topic, worker string) *consumerProc {
+func startConsumer(t *testing.T, bin string, b *bundle, topic, worker string, env ...string) *consumerProc {
 	t.Helper()
 	p := &consumerProc{
 		name:   worker,
@@ -411,6 +476,7 @@ func startConsumer(t *testing.T, bin string, b *bundle, topic, worker string) *c
 		"CONSUMER_WORKER="+worker,
 		"CONSUMER_MAX_IN_FLIGHT=8",
 	)
+	p.cmd.Env = append(p.cmd.Env, env...)
 	p.cmd.Stdout = p.stdout
 	p.cmd.Stderr = p.stderr
 	require.NoError(t, p.cmd.Start())

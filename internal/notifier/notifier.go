@@ -16,7 +16,9 @@ package notifier
 import (
 	"context"
 	"errors"
+	"maps"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -49,13 +51,23 @@ type Notifier struct {
 	cancel  context.CancelFunc
 	done    chan struct{}
 
-	key  atomic.Int64 // liveness key; 0 until a session took its lock
-	live atomic.Bool  // the lock is held right now
+	// liveness is key<<1 | held, in one word so a reader never pairs a key
+	// with another key's state. The key is 0 until a session took a lock.
+	liveness atomic.Int64
+
+	// Only the session goroutine writes these (under mu: Spare reads).
+	ownKeys  map[int64]bool // every key this notifier held: never orphans
+	lastHeld map[int64]bool // keys held at the last check
+	prevHeld map[int64]bool // keys held at the check before (nil: none yet)
 }
 
-// LivenessEvery is how often the notifier looks for vanished liveness
-// locks, which bounds how long a dead process's rows wait to be reclaimed.
-const LivenessEvery = time.Second
+// LivenessEvery is the period of the liveness checks. A key must be
+// missing from two consecutive checks (and at the claim) before its rows
+// count as orphaned: a live process whose LISTEN connection blipped takes
+// its lock again within one backoff (100ms), and its rows must not be taken
+// meanwhile. A dead process's rows are reclaimed about two periods after
+// its death.
+const LivenessEvery = 500 * time.Millisecond
 
 // Waiter receives a wake-up (a value on C, never blocking the notifier)
 // when rows of its topic became due, and after every (re)connect, since
@@ -95,6 +107,7 @@ func Acquire(pool *pgxpool.Pool, logger watermill.LoggerAdapter) *Notifier {
 			pool:    pool,
 			logger:  logger.With(watermill.LogFields{"component": "pgoutbox_notifier"}),
 			waiters: map[string]map[string]map[*Waiter]struct{}{},
+			ownKeys: map[int64]bool{},
 			changed: make(chan struct{}, 1),
 			cancel:  cancel,
 			done:    make(chan struct{}),
@@ -161,11 +174,40 @@ func (w *Waiter) Stop() {
 // Liveness returns this process's liveness key, and whether its lock is
 // held right now. The key is 0 before the first session took a lock.
 func (n *Notifier) Liveness() (key int64, live bool) {
-	return n.key.Load(), n.live.Load()
+	v := n.liveness.Load()
+	return v >> 1, v&1 == 1
+}
+
+func (n *Notifier) setLiveness(key int64, live bool) {
+	v := key << 1
+	if live {
+		v |= 1
+	}
+	n.liveness.Store(v)
+}
+
+// Spare returns the liveness keys whose rows must not count as orphaned
+// although their lock may not be held at this instant: this process's own
+// keys and the keys held at either of the last two checks. A row stamped
+// with any other key whose lock is not held is orphaned (query.Claim). ok
+// is false until two checks were made.
+func (n *Notifier) Spare() (keys []int64, ok bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.prevHeld == nil {
+		return nil, false
+	}
+	set := maps.Clone(n.ownKeys)
+	maps.Copy(set, n.lastHeld)
+	maps.Copy(set, n.prevHeld)
+	return slices.Collect(maps.Keys(set)), true
 }
 
 // Liveness is the Liveness of the waiter's notifier.
 func (w *Waiter) Liveness() (key int64, live bool) { return w.n.Liveness() }
+
+// Spare is the Spare of the waiter's notifier.
+func (w *Waiter) Spare() ([]int64, bool) { return w.n.Spare() }
 
 type wakeKind int
 
@@ -247,7 +289,7 @@ func (n *Notifier) run(ctx context.Context) {
 // earlier sessions if it is free (rows stamped with it stay ours), else a
 // new random one.
 func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn) error {
-	key := n.key.Load()
+	key, _ := n.Liveness()
 	for range 10 {
 		if key == 0 {
 			key = 1 + rand.Int64N(1<<31-2)
@@ -257,8 +299,10 @@ func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn) error {
 			return err
 		}
 		if ok {
-			n.key.Store(key)
-			n.live.Store(true)
+			n.mu.Lock()
+			n.ownKeys[key] = true
+			n.mu.Unlock()
+			n.setLiveness(key, true)
 			return nil
 		}
 		key = 0 // another process holds it
@@ -267,21 +311,52 @@ func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn) error {
 	return nil
 }
 
-// liveHolders returns the liveness keys whose locks are held.
-func liveHolders(ctx context.Context, conn *pgx.Conn) (map[int64]bool, error) {
-	rows, err := conn.Query(ctx, query.LiveHolders)
+// checkLiveness reads the held liveness locks. It confirms this process
+// still holds its own on this very server connection (behind a pooler it
+// may not: then it takes it again, and claims stamp nothing meanwhile), and
+// wakes the subscriptions to reclaim orphaned rows when a key held two
+// checks ago is gone since (see Spare).
+func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn) error {
+	rows, err := conn.Query(ctx, query.LiveHoldersMine)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	keys, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-	if err != nil {
-		return nil, err
+	held := map[int64]bool{} // key -> held by this session
+	var k int64
+	var mine bool
+	if _, err := pgx.ForEachRow(rows, []any{&k, &mine}, func() error { held[k] = held[k] || mine; return nil }); err != nil {
+		return err
 	}
-	out := make(map[int64]bool, len(keys))
-	for _, k := range keys {
-		out[k] = true
+	key, live := n.Liveness()
+	switch {
+	case key != 0 && !held[key]:
+		n.setLiveness(key, false)
+		if err := n.lockLiveness(ctx, conn); err != nil {
+			return err
+		}
+	case key != 0 && !live:
+		n.setLiveness(key, true)
 	}
-	return out, nil
+
+	gone := false
+	n.mu.Lock()
+	for k := range n.prevHeld {
+		if _, now := held[k]; !now && !n.lastHeld[k] && !n.ownKeys[k] {
+			gone = true // missing from two checks in a row
+		}
+	}
+	if n.lastHeld != nil {
+		n.prevHeld = n.lastHeld
+	}
+	n.lastHeld = map[int64]bool{}
+	for k := range held {
+		n.lastHeld[k] = true
+	}
+	n.mu.Unlock()
+	if gone {
+		n.wakeAll(wakeOrphans)
+	}
+	return nil
 }
 
 // session runs one LISTEN connection until it fails or ctx ends.
@@ -324,29 +399,22 @@ func (n *Notifier) session(ctx context.Context, connected func()) error {
 	if err := n.lockLiveness(ctx, conn); err != nil {
 		return err
 	}
-	defer n.live.Store(false)
+	defer func() {
+		key, _ := n.Liveness()
+		n.setLiveness(key, false)
+	}()
 	connected()
 	// Anything notified while we were not listening is lost: have every
 	// loop poll once now instead of waiting out its idle interval.
 	n.wakeAll(wakeDue)
 
-	var holders map[int64]bool
 	checked := time.Time{}
 	for {
 		if time.Since(checked) >= LivenessEvery {
-			now, err := liveHolders(ctx, conn)
-			if err != nil {
+			if err := n.checkLiveness(ctx, conn); err != nil {
 				return err
 			}
-			for k := range holders {
-				if !now[k] {
-					// A process died (or closed): its rows may be
-					// leased still. Subscriptions look for them.
-					n.wakeAll(wakeOrphans)
-					break
-				}
-			}
-			holders, checked = now, time.Now()
+			checked = time.Now()
 		}
 		waitCtx, stopWait := context.WithTimeout(ctx, LivenessEvery-time.Since(checked))
 		watcherDone := make(chan struct{})

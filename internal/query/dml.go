@@ -115,13 +115,16 @@ SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)`, t),
 		// wake-up, a give-back and every second. The expired branch runs only
 		// when $8 is true (every second, or while the last look found some).
 		//
-		// Orphaned leases ($11): rows whose holder died. A subscriber that
-		// holds its liveness lock (see Liveness) stamps its rows with the
-		// lock's key ($9, NULL when it holds none); a row whose key is not
-		// held any more belongs to a dead process and is reclaimed before
-		// its lease expires. Rows of this process ($10) never count as
-		// orphaned: its lock may only be reconnecting. The branch reads
-		// pg_locks, so it runs only when the notifier saw a holder vanish.
+		// Orphaned leases: rows whose holder died. A subscriber that holds
+		// its liveness lock (see LivenessClass) stamps the rows it leases
+		// with the lock's key ($9, NULL when it holds none). Claim (not
+		// ClaimNoOrphans) also takes the rows stamped with a key whose lock
+		// is not held now, unless the key is one of $10: this process's own
+		// and those held at its notifier's last two checks, so a holder
+		// counts as dead only once its lock stayed gone for two checks (a
+		// LISTEN connection that blips is back within one). The branch reads
+		// pg_locks and scans the topic's live leases, so it runs only when
+		// the notifier saw a lock vanish, and once at start.
 		//
 		// The last two columns: the id of the last ready row (the next
 		// cursor) and how many expired or orphaned leases were taken.
@@ -199,10 +202,14 @@ RETURNING o.id, c.token`, t, ac),
 		// due again, its reason and error kept for an operator.
 		Dead: deadStatement(n, ac),
 
-		// Renew extends the leases of held rows, under their tokens.
+		// Renew extends the leases of held rows, under their tokens, and
+		// stamps them with the holder's current liveness key ($4, NULL when
+		// it holds none): a process that had to take a new key must not
+		// leave rows under its old one, which looks dead.
 		Renew: fmt.Sprintf(`
 UPDATE %[1]s o
-   SET leased_until = now() + $3::bigint * interval '1 microsecond'
+   SET leased_until = now() + $3::bigint * interval '1 microsecond',
+       lease_holder = $4::bigint
   FROM unnest($1::bigint[], $2::uuid[]) AS c(id, token)
  WHERE o.id = c.id AND o.lease_token = c.token%[2]s
 RETURNING o.id, c.token`, t, ac),
@@ -280,12 +287,18 @@ const LivenessClass = 0x70676f62
 // moment that connection ends, which is when its process dies. The key is a
 // random positive int4, stored with every row the subscriber leases
 // (lease_holder).
-const (
-	TryLiveness = `SELECT pg_try_advisory_lock(1885827938, $1::int)`
+var (
+	TryLiveness = fmt.Sprintf(`SELECT pg_try_advisory_lock(%d, $1::int)`, LivenessClass)
 	// LiveHolders lists the keys whose locks are held, in this database.
-	LiveHolders = `SELECT objid::bigint FROM pg_catalog.pg_locks
-                    WHERE locktype = 'advisory' AND classid = 1885827938 AND objsubid = 2 AND granted
-                      AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())`
+	LiveHolders = fmt.Sprintf(`SELECT objid::bigint FROM pg_catalog.pg_locks
+                    WHERE locktype = 'advisory' AND classid = %d AND objsubid = 2 AND granted
+                      AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())`, LivenessClass)
+	// LiveHoldersMine is LiveHolders with, per key, whether this session
+	// holds it: behind a pooler (PgBouncer) the lock may sit on a server
+	// connection that is not, or no longer, the one this session uses.
+	LiveHoldersMine = fmt.Sprintf(`SELECT objid::bigint, pid = pg_backend_pid() FROM pg_catalog.pg_locks
+                    WHERE locktype = 'advisory' AND classid = %d AND objsubid = 2 AND granted
+                      AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())`, LivenessClass)
 )
 
 // claimStatement builds query.Claim; see its comment. Without orphans, the
@@ -297,8 +310,8 @@ func claimStatement(t, ac string, orphans bool) string {
 		orphaned = fmt.Sprintf(`
 ), orphaned AS (
     SELECT id FROM %[1]s
-     WHERE $11::bool AND topic = $1 AND lease_token IS NOT NULL AND leased_until >= now()
-       AND lease_holder <> $10::bigint
+     WHERE topic = $1 AND lease_token IS NOT NULL AND leased_until >= now()
+       AND lease_holder <> ALL ($10::bigint[])
        AND lease_holder NOT IN (%[2]s)
      LIMIT (SELECT $2::int - count(*) FROM expired)
        FOR UPDATE SKIP LOCKED`, t, LiveHolders)

@@ -18,9 +18,8 @@ type claimRequest struct {
 	at          pgtype.Timestamptz // cursor
 	id          int64
 	withExpired bool
-	withOrphans bool
+	orphansOf   []int64     // look for orphaned rows, sparing these liveness keys (nil: do not look)
 	holder      pgtype.Int8 // our liveness key while we hold its lock, else NULL
-	own         int64       // our liveness key, held or not
 }
 
 // claimResult is what a claim leased, in queue order.
@@ -44,8 +43,8 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 	defer cancel()
 	stmt, args := sub.s.q.ClaimNoOrphans, []any{sub.topic, req.n, req.token,
 		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, req.at, req.id, req.withExpired, req.holder}
-	if req.withOrphans {
-		stmt, args = sub.s.q.Claim, append(args, req.own, true)
+	if req.orphansOf != nil {
+		stmt, args = sub.s.q.Claim, append(args, req.orphansOf)
 	}
 	rows, err := sub.s.pool.Query(ctx, stmt, args...)
 	if err != nil {
@@ -105,7 +104,7 @@ type claimScan struct {
 	fromStartAt  time.Time // when a claim last scanned from the start
 	expiredAt    time.Time // when a claim last looked for expired leases
 	forceExpired bool
-	findOrphans  bool // a liveness holder vanished: look for its rows
+	findOrphans  bool // a liveness holder vanished: look for its rows (until a look finds none)
 }
 
 // rescanEvery bounds how long a busy loop goes without scanning from the
@@ -137,12 +136,10 @@ func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 		at:          c.at,
 		id:          c.id,
 		withExpired: c.forceExpired || now.Sub(c.expiredAt) >= rescanEvery,
-		withOrphans: c.findOrphans,
 	}
 	if c.at == scanFromStart {
 		c.fromStartAt = now
 	}
-	c.findOrphans = false
 	return req
 }
 
@@ -150,11 +147,13 @@ func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 // schedules the next scan from the start.
 func (c *claimScan) claimed(r claimResult) {
 	now := r.req.sent
-	if r.req.withExpired || r.req.withOrphans {
+	if r.req.withExpired || r.req.orphansOf != nil {
 		// Rows a crashed consumer held come back in a burst: keep looking
 		// while the last look found some.
 		c.expiredAt, c.forceExpired = now, r.reclaimed > 0
-		c.findOrphans = c.findOrphans || (r.req.withOrphans && r.reclaimed > 0)
+		if r.req.orphansOf != nil {
+			c.findOrphans = r.reclaimed > 0
+		}
 	}
 	if now.Sub(c.fromStartAt) >= rescanEvery {
 		c.restart(false)

@@ -41,6 +41,7 @@ type writeJob struct {
 	holds         []holdOp
 	dead          []deadOp
 	renew         []*delivery
+	renewHolder   pgtype.Int8 // the liveness key the renewed rows are stamped with
 	releaseTokens []pgtype.UUID
 }
 
@@ -86,7 +87,7 @@ func (j writeJob) merge(later writeJob) writeJob {
 	j.holds = append(j.holds, later.holds...)
 	j.dead = append(j.dead, later.dead...)
 	if j.renew == nil {
-		j.renew = later.renew
+		j.renew, j.renewHolder = later.renew, later.renewHolder
 	}
 	return j
 }
@@ -121,15 +122,16 @@ func (j *writeJob) has(d *delivery) bool {
 
 // writeResult is what a job wrote.
 type writeResult struct {
-	job            writeJob
-	sent           time.Time // when the job's first statement was sent: leases it set end Lease after, at the latest
-	renewSent      time.Time // the same for the renewal
-	done           written
-	abandoned      map[*delivery]error // rows whose own write fails for good
-	renewed        bool                // the renewal ran (its rows are in done, or lost)
-	releasedClaims bool
-	left           writeJob // not written after a transient error
-	err            error
+	job        writeJob
+	sent       time.Time // when the job's first statement was sent: leases it set end Lease after, at the latest
+	renewSent  time.Time // the same for the renewal
+	done       written
+	abandoned  map[*delivery]error // rows whose own write fails for good
+	renewed    bool                // the renewal ran (its rows are in renewDone, or lost)
+	renewDone  written
+	releaseErr error    // the release of lost claims failed
+	left       writeJob // not written after a transient error
+	err        error
 }
 
 func newCompleter(pool *pgxpool.Pool, q *query.Queries, cfg *SubscriberConfig, topic string) *completer {
@@ -220,21 +222,19 @@ func (c *completer) write(j writeJob) writeResult {
 			return fail(err, writeJob{dead: dead})
 		}
 	}
-	if len(j.releaseTokens) > 0 {
-		ctx, cancel := c.stmtCtx()
-		_, err := c.pool.Exec(ctx, c.q.ReleaseClaim, c.topic, j.releaseTokens)
-		cancel()
-		if err != nil {
-			return fail(err, writeJob{})
-		}
-		r.releasedClaims = true
-	}
 	if j.renew != nil {
-		r.renewSent = time.Now()
-		if err := c.writeRenew(j.renew, r.done); err != nil {
+		r.renewSent, r.renewDone = time.Now(), written{}
+		if err := c.writeRenew(j.renew, j.renewHolder, r.renewDone); err != nil {
 			return fail(err, writeJob{})
 		}
 		r.renewed = true
+	}
+	// Last, and its failure fails nothing else: the owner tries again with
+	// its next job, and gives up once the rows' leases have expired anyway.
+	if len(j.releaseTokens) > 0 {
+		ctx, cancel := c.stmtCtx()
+		_, r.releaseErr = c.pool.Exec(ctx, c.q.ReleaseClaim, c.topic, j.releaseTokens)
+		cancel()
 	}
 	return r
 }
@@ -322,14 +322,14 @@ func (c *completer) writeDead(ops []deadOp, done written) error {
 	return collectWritten(done)(c.pool.Query(ctx, c.q.Dead, ids, tokens, reasons, errs))
 }
 
-func (c *completer) writeRenew(rows []*delivery, done written) error {
+func (c *completer) writeRenew(rows []*delivery, holder pgtype.Int8, done written) error {
 	ids, tokens := make([]int64, len(rows)), make([]pgtype.UUID, len(rows))
 	for i, d := range rows {
 		ids[i], tokens[i] = d.id, d.token
 	}
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
-	return collectWritten(done)(c.pool.Query(ctx, c.q.Renew, ids, tokens, c.cfg.Lease.Microseconds()))
+	return collectWritten(done)(c.pool.Query(ctx, c.q.Renew, ids, tokens, c.cfg.Lease.Microseconds(), holder))
 }
 
 // written is the set of (row, lease) pairs a statement applied to. Keying

@@ -26,18 +26,16 @@ type delivery struct {
 	payload     []byte
 	metaRaw     []byte // metadata as stored, to detect a handler's changes
 
-	state      deliveryState
-	claimedAt  time.Time
-	expiresAt  time.Time // our lease ends by then at the latest (sent time + Lease of the last write that set it)
-	handedAt   time.Time // when the message went to the Router
-	retryAt    time.Time // ordered mode: when a held nack is delivered again
-	holdDone   bool      // ordered mode: the hold of a nack is written
-	outcome    *outcome
-	msg        *message.Message // the message handed out (nil before)
-	cancel     context.CancelFunc
-	stopWatch  chan struct{} // closed by the owner when it stops waiting for a verdict
-	timedOut   bool          // AckDeadline passed before a verdict
-	deadReason string        // set while a dead-letter write is pending
+	state     deliveryState
+	claimedAt time.Time
+	expiresAt time.Time // our lease ends by then at the latest (sent time + Lease of the last write that set it)
+	handedAt  time.Time // when the message went to the Router
+	retryAt   time.Time // ordered mode: when a held nack is delivered again
+	holdDone  bool      // ordered mode: the hold of a nack is written
+	outcome   *outcome
+	msg       *message.Message // the message handed out (nil before)
+	cancel    context.CancelFunc
+	stopWatch chan struct{} // closed by the owner when it stops waiting for a verdict
 }
 
 // deliveryState is where a delivery is in the owner's hands.

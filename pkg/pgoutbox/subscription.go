@@ -1,6 +1,7 @@
 package pgoutbox
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"math/rand/v2"
@@ -153,14 +154,7 @@ func (sub *subscription) run() {
 
 	for {
 		now := time.Now()
-		if !now.Before(sub.nextHousekeeping) {
-			sub.housekeeping(now)
-			sub.nextHousekeeping = now.Add(housekeepingEvery(sub.cfg))
-		}
-		if !sub.drainEnd.IsZero() && !now.Before(sub.drainEnd) {
-			sub.drainEnd = time.Time{}
-			sub.endDrain()
-		}
+		sub.passedTimes(now)
 		sub.startClaim(now)
 		sub.startWrite(now)
 		if sub.stopping && sub.finishedStopping(now) {
@@ -217,8 +211,7 @@ func (sub *subscription) run() {
 		case <-sub.waiter.C:
 			sub.onNotified(sub.waiter.Take())
 		case <-sub.timer.C:
-			sub.timerAt = time.Time{}
-			sub.onTimer(time.Now())
+			sub.timerAt = time.Time{} // passedTimes acts on it
 		case <-stopC:
 			stopC = nil
 			sub.beginStop()
@@ -252,9 +245,10 @@ func housekeepingEvery(cfg *SubscriberConfig) time.Duration {
 	return max(d, 10*time.Millisecond)
 }
 
-// wake makes the next claim happen as soon as there is room, scanning from
-// the start: whatever woke us (a commit of a transaction that began before
-// rows already claimed, a released lease) may lie behind the cursor.
+// wake makes the next claim happen as soon as there is room. An idle loop
+// scans from the start then: whatever woke it (a commit of a transaction
+// that began before rows it claimed, a released lease) may lie behind the
+// cursor; a busy loop scans from the start every second anyway.
 func (sub *subscription) wake(expired bool) {
 	if !sub.wantClaim {
 		sub.scan.restart(expired)
@@ -263,20 +257,13 @@ func (sub *subscription) wake(expired bool) {
 	sub.idleUntil = time.Time{}
 }
 
-// onTimer handles whichever timed event is due: the end of an idle sleep,
-// a held retry, the end of a write or claim backoff (those need only the
-// loop to run again).
-func (sub *subscription) onTimer(now time.Time) {
-	if !sub.idleUntil.IsZero() && !now.Before(sub.idleUntil) {
-		sub.wake(true) // the timer may have been set to a lease expiry
-	}
-}
-
-// armTimer points the owner's one timer at the next timed event.
+// armTimer points the owner's one timer at the next timed event still to
+// come. Events already due were handled by passedTimes: arming a timer for
+// them would make the loop spin.
 func (sub *subscription) armTimer(now time.Time) {
 	var at time.Time
 	earliest := func(t time.Time) {
-		if !t.IsZero() && (at.IsZero() || t.Before(at)) {
+		if t.After(now) && (at.IsZero() || t.Before(at)) {
 			at = t
 		}
 	}
@@ -294,7 +281,29 @@ func (sub *subscription) armTimer(now time.Time) {
 	sub.timer.Stop()
 	sub.timerAt = at
 	if !at.IsZero() {
-		sub.timer.Reset(max(at.Sub(now), 0))
+		sub.timer.Reset(at.Sub(now))
+	}
+}
+
+// passedTimes acts on the timed events that are due: the end of an idle
+// sleep, of a backoff, of the drain, and housekeeping.
+func (sub *subscription) passedTimes(now time.Time) {
+	if !sub.idleUntil.IsZero() && !now.Before(sub.idleUntil) {
+		sub.wake(true) // the sleep may have been set to a lease expiry
+	}
+	if !sub.claimWait.IsZero() && !now.Before(sub.claimWait) {
+		sub.claimWait = time.Time{}
+	}
+	if !sub.writeWait.IsZero() && !now.Before(sub.writeWait) {
+		sub.writeWait = time.Time{}
+	}
+	if !now.Before(sub.nextHousekeeping) {
+		sub.housekeeping(now)
+		sub.nextHousekeeping = now.Add(housekeepingEvery(sub.cfg))
+	}
+	if !sub.drainEnd.IsZero() && !now.Before(sub.drainEnd) {
+		sub.drainEnd = time.Time{}
+		sub.endDrain()
 	}
 }
 
@@ -334,7 +343,7 @@ const maxPendingCompletions = 256
 func (sub *subscription) startClaim(now time.Time) {
 	switch {
 	case sub.claiming, sub.stopping, !sub.wantClaim, sub.givingBack > 0, sub.retry != nil,
-		now.Before(sub.claimWait), sub.backpressured():
+		!sub.claimWait.IsZero(), sub.backpressured():
 		return
 	}
 	n := sub.pf.claimSize(sub.unjudged(), now)
@@ -343,9 +352,22 @@ func (sub *subscription) startClaim(now time.Time) {
 	}
 	sub.claiming = true
 	req := sub.scan.request(n, sub.gen, now)
-	key, live := sub.waiter.Liveness()
-	req.own, req.holder = key, pgtype.Int8{Int64: key, Valid: live && key != 0}
+	req.holder = sub.holder()
+	if sub.scan.findOrphans {
+		// Not before the notifier made two checks: until then it cannot
+		// tell a dead holder from a reconnecting one.
+		if spare, ok := sub.waiter.Spare(); ok {
+			req.orphansOf = spare
+		}
+	}
 	go func() { sub.claimed <- sub.runClaim(req) }()
+}
+
+// holder is what this process's rows are stamped with: its liveness key
+// while it holds the lock, else NULL (liveness unknown: lease expiry only).
+func (sub *subscription) holder() pgtype.Int8 {
+	key, live := sub.waiter.Liveness()
+	return pgtype.Int8{Int64: key, Valid: live && key != 0}
 }
 
 // onClaimed takes a claim's rows into the buffer.
@@ -356,8 +378,14 @@ func (sub *subscription) onClaimed(r claimResult) {
 		// The statement may have committed: its rows would stay leased
 		// under a token nobody holds. Give them back (ReleaseClaim) instead
 		// of letting them wait for the lease, and without counting a
-		// delivery nobody saw.
+		// delivery nobody saw. Like any give-back, claims wait for it and
+		// then scan from the start, so the rows keep their place.
 		sub.lostClaims = append(sub.lostClaims, claimToken{token: r.req.token, at: r.req.sent})
+		sub.givingBack++
+		sub.gen++
+		if r.req.orphansOf != nil {
+			sub.scan.findOrphans = true // that look did not happen
+		}
 		wait := sub.claimBO.NextBackOff()
 		sub.claimWait = now.Add(wait)
 		sub.logger.Error("Claim failed; retrying", r.err, watermill.LogFields{"retry_in": wait.String()})
@@ -410,6 +438,9 @@ func (sub *subscription) nextMessage(now time.Time) (*delivery, chan *message.Me
 		sub.retry = nil
 		d.state = buffered
 		d.deliveries++ // the hold counted this delivery
+		// A handler past its ack deadline may still hold the payload.
+		d.payload = bytes.Clone(d.payload)
+		d.claimedAt = now // the stalled-buffer check measures from here
 		if sub.prepare(d, now) {
 			sub.ready = d
 			return d, sub.out
@@ -437,7 +468,12 @@ func (sub *subscription) prepare(d *delivery, now time.Time) bool {
 	// someone else's by now: give it back (under its token) rather than
 	// risk two holders.
 	if !now.Add(sub.cfg.StatementTimeout).Before(d.expiresAt) {
-		sub.giveBack([]*delivery{d})
+		back := []*delivery{d}
+		if sub.ordered() {
+			// Nothing may overtake it: everything behind goes back too.
+			back = append(back, sub.takeBuffer()...)
+		}
+		sub.giveBack(back)
 		return false
 	}
 	if limit := sub.cfg.MaxDeliveries; limit > 0 && d.deliveries > limit {
@@ -463,7 +499,6 @@ func (sub *subscription) prepare(d *delivery, now time.Time) bool {
 func (sub *subscription) handedOut(d *delivery) {
 	sub.ready = nil
 	d.state, d.handedAt = handedOut, time.Now()
-	d.timedOut = false
 	sub.handed++
 	if sub.cfg.MaxInFlight == 1 {
 		sub.single = d
@@ -534,6 +569,7 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		sub.pending.holds = append(sub.pending.holds, holdOp{d: d, err: textOrNull(n.errText), meta: metaOrNull(n.meta)})
 		if n.delay > 0 {
 			sub.giveBack(sub.takeBuffer())
+			sub.gen++ // a claim under way gives its rows back too
 		}
 	default:
 		d.state = writing
@@ -544,7 +580,7 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 
 // deadLetter ends d terminally: moved to the dead-letter table, or parked.
 func (sub *subscription) deadLetter(d *delivery, reason, errText string) {
-	d.state, d.deadReason = writing, reason
+	d.state = writing
 	sub.pending.dead = append(sub.pending.dead, deadOp{d: d, reason: reason, err: textOrNull(boundError(errText))})
 }
 
@@ -610,7 +646,7 @@ func (sub *subscription) housekeeping(now time.Time) {
 			}
 		}
 		if len(rows) > 0 {
-			sub.pending.renew = rows
+			sub.pending.renew, sub.pending.renewHolder = rows, sub.holder()
 		}
 		sub.nextRenew = now.Add(sub.cfg.Lease / 2)
 	}
@@ -687,7 +723,7 @@ func (sub *subscription) finishedStopping(now time.Time) bool {
 
 // startWrite hands the pending verdicts to the completer when it is free.
 func (sub *subscription) startWrite(now time.Time) {
-	if sub.inWrite || now.Before(sub.writeWait) {
+	if sub.inWrite || !sub.writeWait.IsZero() {
 		return
 	}
 	job := sub.pending
@@ -768,9 +804,8 @@ func (sub *subscription) onWritten(r writeResult) {
 		sub.s.obs.observe(Event{Kind: EventDeadLettered, Topic: sub.topic, RowID: op.d.id, Deliveries: op.d.deliveries, Reason: op.reason})
 	}
 	sub.onRenewed(job.renew, r)
-	if r.releasedClaims {
-		sub.lostClaims = sub.lostClaims[len(job.releaseTokens):]
-		sub.wake(true)
+	if len(job.releaseTokens) > 0 {
+		sub.onReleasedClaims(len(job.releaseTokens), r.releaseErr)
 	}
 
 	if r.err != nil {
@@ -786,6 +821,28 @@ func (sub *subscription) onWritten(r writeResult) {
 	}
 	sub.writeBO.Reset()
 	sub.writeWait = time.Time{}
+}
+
+// onReleasedClaims applies the release of the first n lost claims. Once it
+// is written, claims go on, from the start. While it fails, a lost claim
+// whose rows' leases have expired anyway is given up on: the expired
+// branch of any claim takes those rows.
+func (sub *subscription) onReleasedClaims(n int, err error) {
+	done := n
+	if err != nil {
+		done = 0
+		for done < n && time.Since(sub.lostClaims[done].at) > sub.cfg.Lease {
+			done++
+		}
+		sub.logger.Error("Releasing the rows of a failed claim failed; retrying", err, watermill.LogFields{"claims": n})
+	}
+	if done == 0 {
+		return
+	}
+	sub.lostClaims = sub.lostClaims[done:]
+	sub.givingBack -= done
+	sub.scan.restart(true)
+	sub.wantClaim = true
 }
 
 // finish ends d's time in the owner's hands after its write, and reports
@@ -827,14 +884,21 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 		if d.state == finished {
 			continue // ended while the renewal ran
 		}
-		if r.done.has(d) {
+		if r.renewDone.has(d) {
 			renewed++
 			d.expiresAt = r.renewSent.Add(sub.cfg.Lease)
 			continue
 		}
-		// Lost: someone else holds the row. A handed-out one finishes when
-		// its handler answers (nothing is written); others end now.
+		if d.state == writing || (d.state == retrying && !d.holdDone) {
+			continue // its pending write finds the lease lost and says so
+		}
+		// Lost: someone else holds the row; it ends here, and nothing is
+		// written for it. A handed-out message's handler is told to stop.
 		sub.leaseLost(d, "renew")
+		if sub.ready == d {
+			d.cancel()
+			d.msg, d.cancel, sub.ready = nil, nil, nil
+		}
 		if d.state == handedOut {
 			sub.stopWatching(d)
 			d.cancel()

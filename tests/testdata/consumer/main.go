@@ -12,6 +12,9 @@
 //	CONSUMER_WORKER         worker name stored in handled.worker
 //	CONSUMER_MAX_IN_FLIGHT  SubscriberConfig.MaxInFlight
 //
+// Optional: CONSUMER_LEASE, SubscriberConfig.Lease as a Go duration
+// (default 2s).
+//
 // It prints "consumer running" on stdout once the router runs.
 package main
 
@@ -47,6 +50,7 @@ func main() {
 type settings struct {
 	dsn, schema, topic, worker string
 	maxInFlight                int
+	lease                      time.Duration
 }
 
 func readSettings() (settings, error) {
@@ -72,6 +76,12 @@ func readSettings() (settings, error) {
 		return s, fmt.Errorf("CONSUMER_MAX_IN_FLIGHT is %q; it must be a positive integer", inFlight)
 	}
 	s.maxInFlight = n
+	s.lease = 2 * time.Second
+	if v := os.Getenv("CONSUMER_LEASE"); v != "" {
+		if s.lease, err = time.ParseDuration(v); err != nil {
+			return s, fmt.Errorf("CONSUMER_LEASE is %q; it must be a Go duration such as 30s", v)
+		}
+	}
 	return s, nil
 }
 
@@ -100,7 +110,7 @@ func run() error {
 	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{
 		Tables:          schema.Config{Schema: s.schema, Table: "outbox", DeadLetterTable: "outbox_dlq"},
 		MaxInFlight:     s.maxInFlight,
-		Lease:           2 * time.Second,
+		Lease:           s.lease,
 		MinPollInterval: 20 * time.Millisecond,
 		MaxPollInterval: time.Second,
 		WorkerID:        s.worker,

@@ -1,0 +1,420 @@
+package pgoutbox
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/notifier"
+)
+
+// Unit tests of the owner's state transitions, the prefetch sizing and the
+// claim cursor: the owner's methods are driven directly, with the results
+// the claim goroutine and the completer would send, and nothing touches a
+// database (the pool never connects). tests/ covers the same behaviour
+// end to end on a real PostgreSQL.
+
+type testBundle struct {
+	sub    *subscription
+	events *eventLog
+}
+
+type eventLog struct {
+	mu    sync.Mutex
+	kinds []EventKind
+}
+
+func (e *eventLog) Observe(ev Event) {
+	e.mu.Lock()
+	e.kinds = append(e.kinds, ev.Kind)
+	e.mu.Unlock()
+}
+
+func (e *eventLog) count(k EventKind) int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	n := 0
+	for _, got := range e.kinds {
+		if got == k {
+			n++
+		}
+	}
+	return n
+}
+
+func setup(t *testing.T, mod func(*SubscriberConfig)) *testBundle {
+	t.Helper()
+	// A pool that is never used: pgxpool connects lazily.
+	pool, err := pgxpool.New(context.Background(), "postgres://nobody@127.0.0.1:1/none?sslmode=disable")
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	events := &eventLog{}
+	cfg := SubscriberConfig{Lease: 10 * time.Second, Observer: ObserverFunc(events.Observe)}
+	if mod != nil {
+		mod(&cfg)
+	}
+	s, err := NewSubscriber(pool, cfg, nil)
+	require.NoError(t, err)
+	t.Cleanup(s.obs.close)
+	// A notifier that never connects: liveness unknown, no wake-ups.
+	n := notifier.Acquire(pool, s.logger)
+	t.Cleanup(n.Release)
+	return &testBundle{sub: newSubscription(s, context.Background(), "t", n.Listen(s.q.Names.Channel, "t")), events: events}
+}
+
+// eventCount counts the events of a kind reported so far: it lets the
+// Subscriber's event goroutine deliver everything first (closing it).
+func (b *testBundle) eventCount(k EventKind) int {
+	b.sub.s.obs.close()
+	return b.events.count(k)
+}
+
+// claimed feeds the owner a claim result of rows with the given ids.
+func (b *testBundle) claimed(t *testing.T, ids ...int64) []*delivery {
+	t.Helper()
+	req := b.sub.scan.request(len(ids), b.sub.gen, time.Now())
+	b.sub.claiming = true
+	var rows []*delivery
+	for _, id := range ids {
+		rows = append(rows, &delivery{id: id, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`),
+			availableAt: time.Unix(id, 0)})
+	}
+	b.sub.onClaimed(claimResult{req: req, rows: rows, cursor: pgtype.Int8{Int64: ids[len(ids)-1], Valid: true}})
+	return rows
+}
+
+// handOut hands the next message out, as if the Router took it.
+func (b *testBundle) handOut(t *testing.T) *delivery {
+	t.Helper()
+	d, ch := b.sub.nextMessage(time.Now())
+	require.NotNil(t, ch, "a message may go out")
+	b.sub.handedOut(d)
+	return d
+}
+
+// written reports every op of the pending job written, as the completer
+// would.
+func (b *testBundle) written(lost ...*delivery) {
+	job := b.sub.pending
+	b.sub.pending = writeJob{}
+	r := writeResult{job: job, done: written{}, sent: time.Now(), abandoned: map[*delivery]error{}}
+	isLost := func(d *delivery) bool {
+		for _, l := range lost {
+			if l == d {
+				return true
+			}
+		}
+		return false
+	}
+	mark := func(d *delivery) {
+		if !isLost(d) {
+			r.done[writtenKey{d.id, d.token.Bytes}] = true
+		}
+	}
+	for _, d := range job.acks {
+		mark(d)
+	}
+	for _, op := range job.returns {
+		mark(op.d)
+	}
+	for _, op := range job.holds {
+		mark(op.d)
+	}
+	for _, op := range job.dead {
+		mark(op.d)
+	}
+	b.sub.inWrite = true
+	b.sub.onWritten(r)
+}
+
+func TestOwnerHandsOutInQueueOrderWithinMaxInFlight(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
+	b.claimed(t, 1, 2, 3)
+	require.Equal(t, int64(1), b.handOut(t).id)
+	require.Equal(t, int64(2), b.handOut(t).id)
+	_, ch := b.sub.nextMessage(time.Now())
+	require.Nil(t, ch, "MaxInFlight 2: the third waits")
+	require.Equal(t, 3, b.sub.unjudged())
+}
+
+func TestOwnerAckIsWrittenThenFinished(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4 })
+	b.claimed(t, 1)
+	d := b.handOut(t)
+	msg := d.msg
+	b.sub.onVerdict(verdict{d: d, msg: msg, ack: true}, false)
+	require.Equal(t, writing, d.state)
+	require.Equal(t, []*delivery{d}, b.sub.pending.acks)
+	require.ErrorIs(t, msg.Context().Err(), context.Canceled, "Ack ends the message's context")
+	b.written()
+	require.Equal(t, finished, d.state)
+	require.Empty(t, b.sub.held)
+	require.Equal(t, 1, b.eventCount(EventAcked))
+
+	// A second answer to the same message changes nothing.
+	b.sub.onVerdict(verdict{d: d, msg: msg, ack: true}, false)
+	require.Empty(t, b.sub.pending.acks)
+}
+
+func TestOwnerReportsLostLeaseOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4 })
+	b.claimed(t, 1)
+	d := b.handOut(t)
+	b.sub.onVerdict(verdict{d: d, msg: d.msg, ack: true}, false)
+	b.written(d) // the token no longer matched
+	require.Equal(t, finished, d.state)
+	require.Equal(t, 1, b.eventCount(EventLeaseLost))
+	require.Zero(t, b.eventCount(EventAcked))
+}
+
+func TestOwnerOrderedNackIsRetriedBeforeTheBuffer(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) {
+		c.RetryPolicy = ConstantBackoff{Delay: 0, MaxAttempts: -1}
+	})
+	b.claimed(t, 1, 2, 3)
+	d := b.handOut(t)
+	b.sub.onVerdict(verdict{d: d, msg: d.msg}, false)
+	require.Equal(t, retrying, d.state)
+	require.Len(t, b.sub.pending.holds, 1, "the nack is written as a hold: the row stays ours")
+	_, ch := b.sub.nextMessage(time.Now())
+	require.Nil(t, ch, "nothing goes out before the hold is written")
+	b.written()
+	again := b.handOut(t)
+	require.Same(t, d, again, "the nacked message goes out again first")
+	require.Equal(t, 2, again.deliveries)
+	b.sub.onVerdict(verdict{d: again, msg: again.msg, ack: true}, false)
+	require.Equal(t, int64(2), b.handOut(t).id)
+}
+
+func TestOwnerOrderedNackWithDelayGivesTheBufferBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) {
+		c.RetryPolicy = ConstantBackoff{Delay: time.Hour, MaxAttempts: -1}
+	})
+	b.claimed(t, 1, 2, 3)
+	d := b.handOut(t)
+	gen := b.sub.gen
+	b.sub.onVerdict(verdict{d: d, msg: d.msg}, false)
+	require.Empty(t, b.sub.buffer)
+	require.Greater(t, b.sub.gen, gen, "a claim under way gives its rows back too")
+	require.Len(t, b.sub.pending.returns, 2)
+	for _, op := range b.sub.pending.returns {
+		require.Equal(t, int32(1), op.undo, "never handed out: the delivery is taken back")
+		require.False(t, op.delay.Valid, "released rows keep their place")
+	}
+	require.Equal(t, 2, b.sub.givingBack)
+	b.written()
+	require.Zero(t, b.sub.givingBack)
+	_, ch := b.sub.nextMessage(time.Now())
+	require.Nil(t, ch, "the retry waits an hour, and nothing overtakes it")
+}
+
+func TestOwnerUnorderedNackReturnsTheRowWithItsDelay(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) {
+		c.MaxInFlight = 4
+		c.RetryPolicy = ConstantBackoff{Delay: time.Second, MaxAttempts: -1}
+	})
+	b.claimed(t, 1)
+	d := b.handOut(t)
+	d.outcome.setErr(errors.New("boom"))
+	b.sub.onVerdict(verdict{d: d, msg: d.msg}, false)
+	require.Len(t, b.sub.pending.returns, 1)
+	op := b.sub.pending.returns[0]
+	require.Equal(t, time.Second.Microseconds(), op.delay.Int64)
+	require.Equal(t, "boom", op.err.String)
+	b.written()
+	require.Equal(t, 1, b.eventCount(EventRetried))
+}
+
+func TestOwnerAckDeadlineNacksWithARecordedError(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) {
+		c.MaxInFlight = 2
+		c.AckDeadline = time.Millisecond
+		c.RetryPolicy = ConstantBackoff{Delay: 0, MaxAttempts: -1}
+	})
+	b.claimed(t, 1)
+	d := b.handOut(t)
+	msg := d.msg
+	b.sub.housekeeping(time.Now().Add(time.Second))
+	require.ErrorIs(t, msg.Context().Err(), context.Canceled, "the handler is told to stop")
+	require.Len(t, b.sub.pending.returns, 1)
+	require.Contains(t, b.sub.pending.returns[0].err.String, "ack deadline exceeded")
+	require.Zero(t, b.sub.handed)
+	// A late Ack is ignored.
+	b.sub.onVerdict(verdict{d: d, msg: msg, ack: true}, false)
+	require.Empty(t, b.sub.pending.acks)
+}
+
+func TestOwnerBackpressureStopsHandingOutAndClaiming(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4 })
+	b.claimed(t, 1, 2)
+	b.sub.claiming = false
+	for range maxPendingCompletions {
+		b.sub.pending.acks = append(b.sub.pending.acks, &delivery{})
+	}
+	require.True(t, b.sub.backpressured())
+	_, ch := b.sub.nextMessage(time.Now())
+	require.Nil(t, ch)
+	b.sub.startClaim(time.Now()) // would need the notifier if it claimed
+	require.False(t, b.sub.claiming)
+}
+
+func TestOwnerClaimStartedBeforeAGiveBackGivesItsRowsBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	req := b.sub.scan.request(2, b.sub.gen, time.Now())
+	b.sub.claiming = true
+	b.claimed(t, 1)
+	b.sub.giveBack(b.sub.takeBuffer()) // meanwhile: the buffer went back
+	rows := []*delivery{{id: 5, token: req.token, metaRaw: []byte(`{}`)}, {id: 6, token: req.token, metaRaw: []byte(`{}`)}}
+	b.sub.onClaimed(claimResult{req: req, rows: rows})
+	require.Empty(t, b.sub.buffer, "rows newer than those given back must not overtake them")
+	require.Equal(t, 3, b.sub.givingBack)
+}
+
+func TestOwnerLostClaimIsReleasedBeforeClaimingOn(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	req := b.sub.scan.request(2, b.sub.gen, time.Now())
+	b.sub.claiming = true
+	b.sub.onClaimed(claimResult{req: req, err: errors.New("reply lost")})
+	require.Len(t, b.sub.lostClaims, 1)
+	require.Equal(t, 1, b.sub.givingBack, "claims wait for the release")
+	b.sub.startWrite(time.Now().Add(time.Hour)) // past the backoff
+	require.Equal(t, []pgtype.UUID{req.token}, drainJob(b))
+	b.sub.onReleasedClaims(1, nil)
+	require.Empty(t, b.sub.lostClaims)
+	require.Zero(t, b.sub.givingBack)
+	require.Equal(t, scanFromStart, b.sub.scan.at, "the released rows lie behind any cursor")
+}
+
+// drainJob takes the job startWrite submitted and returns its release
+// tokens.
+func drainJob(b *testBundle) []pgtype.UUID {
+	j := <-b.sub.comp.jobs
+	b.sub.inWrite = false
+	return j.releaseTokens
+}
+
+func TestOwnerStopGivesBackTheBufferAndReleasesAfterTheDrain(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
+	b.claimed(t, 1, 2, 3)
+	d := b.handOut(t)
+	b.sub.claiming = false
+	b.sub.beginStop()
+	require.Len(t, b.sub.pending.returns, 2, "the buffer goes back at once")
+	require.False(t, b.sub.finishedStopping(time.Now()), "a handler is still running")
+	b.sub.endDrain()
+	require.Len(t, b.sub.pending.returns, 3)
+	last := b.sub.pending.returns[2]
+	require.Same(t, d, last.d)
+	require.Equal(t, int32(0), last.undo, "it was delivered: the count stays")
+	b.written()
+	require.True(t, b.sub.finishedStopping(time.Now()))
+	require.Equal(t, 3, b.eventCount(EventReleased))
+}
+
+func TestOwnerStalledBufferGoesBackWhole(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.claimed(t, 1, 2, 3)
+	d := b.handOut(t) // MaxInFlight 1: 2 and 3 wait
+	b.sub.housekeeping(time.Now().Add(b.sub.cfg.Lease))
+	require.Empty(t, b.sub.buffer)
+	require.Len(t, b.sub.pending.returns, 2)
+	require.Equal(t, handedOut, d.state, "the message in flight stays")
+}
+
+func TestOwnerRenewalSkipsRowsWithAPendingWrite(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
+	b.claimed(t, 1, 2, 3)
+	acked := b.handOut(t)
+	b.sub.onVerdict(verdict{d: acked, msg: acked.msg, ack: true}, false)
+	b.sub.housekeeping(b.sub.nextRenew)
+	require.Len(t, b.sub.pending.renew, 2, "the acked row's lease ends with its write")
+	for _, d := range b.sub.pending.renew {
+		require.NotSame(t, acked, d)
+	}
+}
+
+func TestPrefetchFollowsTheConsumptionRate(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	p := newPrefetch(4, true, now)
+	require.Equal(t, 4, p.claimSize(0, now), "idle: free slots only")
+	require.Zero(t, p.claimSize(4, now), "no free slot: no claim")
+
+	p.verdicts(1000) // 1000 verdicts in 10ms: 100k/s
+	now = now.Add(10 * time.Millisecond)
+	require.Equal(t, maxClaim, p.claimSize(0, now), "a claim is capped")
+	require.Equal(t, 1000, p.allowance, "10ms worth of consumption")
+
+	p.verdicts(1e6)
+	now = now.Add(10 * time.Millisecond)
+	p.sample(now)
+	require.Equal(t, maxPrefetch, p.allowance, "capped")
+
+	now = now.Add(time.Second) // a long quiet interval
+	p.sample(now)
+	require.Zero(t, p.allowance, "an idle subscription stops prefetching")
+
+	off := newPrefetch(4, false, now)
+	off.verdicts(1000)
+	require.Equal(t, 4, off.claimSize(0, now.Add(10*time.Millisecond)), "MaxDeliveries set: no prefetch")
+}
+
+func TestClaimScanCursor(t *testing.T) {
+	t.Parallel()
+	start := time.Now()
+	c := newClaimScan()
+	req := c.request(10, 0, start)
+	require.Equal(t, scanFromStart, req.at)
+	require.True(t, req.withExpired, "the first claim looks for expired leases")
+	rows := []*delivery{{id: 7, availableAt: start}, {id: 9, availableAt: start}}
+	c.claimed(claimResult{req: req, rows: rows, cursor: pgtype.Int8{Int64: 9, Valid: true}})
+	require.Equal(t, int64(9), c.id, "the next claim starts after the last ready row")
+
+	req = c.request(10, 0, start.Add(time.Millisecond))
+	require.Equal(t, int64(9), req.id)
+	require.False(t, req.withExpired, "expired leases: once a second")
+
+	c.claimed(claimResult{req: req, cursor: pgtype.Int8{}})
+	req = c.request(10, 0, start.Add(rescanEvery))
+	require.True(t, req.withExpired)
+	c.claimed(claimResult{req: req})
+	require.Equal(t, scanFromStart, c.at, "every second the scan starts over")
+
+	c.restart(true)
+	require.True(t, c.request(1, 0, start.Add(rescanEvery)).withExpired)
+}
+
+// The message a delivery decodes into leaves Watermill's delay keys out,
+// but hands DelayOnError its last delay back.
+func TestDeliveryMessageDropsDelayKeys(t *testing.T) {
+	t.Parallel()
+	d := &delivery{uuid: "u", metaRaw: []byte(`{"_watermill_delayed_for": "1s", "_watermill_delayed_until": "x", "k": "v"}`)}
+	msg, err := d.message()
+	require.NoError(t, err)
+	require.Equal(t, message.Metadata{"k": "v"}, msg.Metadata)
+
+	d.metaRaw = []byte(`{"_pgoutbox_retry_delayed_for": "2s"}`)
+	msg, err = d.message()
+	require.NoError(t, err)
+	require.Equal(t, message.Metadata{"_watermill_delayed_for": "2s"}, msg.Metadata)
+}

@@ -9,7 +9,7 @@ BENCH_FLAGS ?=
 # The go tool skips directories starting with "_" in ./... patterns.
 EXAMPLES := $(patsubst %/,./%,$(wildcard _examples/*/))
 
-.PHONY: demo test test-quick lint bench
+.PHONY: demo test test-quick lint bench bench-compare
 
 ## demo: run _examples/basic (an order and its message in one transaction, consumed by a router)
 demo:
@@ -47,3 +47,7 @@ lint:
 ## bench: pgoutbox vs. a hand-written pgx floor vs. watermill-sql (tests/bench, its own module); e.g. BENCH_FLAGS="-repeat 1 -scale 0.1"
 bench:
 	@$(PG_ENV); cd tests/bench && go run . $(BENCH_FLAGS)
+
+## bench-compare: pgoutbox at BASE (a commit) vs the working tree, side by side, medians; e.g. make bench-compare BASE=35b3c5e
+bench-compare:
+	@$(PG_ENV); scripts/bench-compare.sh $(BASE) $(or $(ROUNDS),3) $(or $(SCENARIOS),drain-1,drain-16,drain-1m,latency-1,latency-16) $(or $(SCALE),5)

@@ -235,6 +235,48 @@ func TestAckDeadlineEndsAHungHandler(t *testing.T) {
 	require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost), "... and ignored: it writes nothing")
 }
 
+// With MaxInFlight > 1 the slot that waits for a message keeps its
+// deadline: a hung handler's message is nacked and delivered again while the
+// others flow.
+func TestAckDeadlineWithManyInFlight(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.MaxInFlight = 4
+		c.AckDeadline = 300 * time.Millisecond
+		c.Observer = ev
+	})
+	hung := newMsg("hung")
+	b.publishInTx(t, "t", true, append([]*message.Message{hung}, newMsgs(20)...)...)
+	msgs, err := sub.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	var first *message.Message
+	others := 0
+	for first == nil || others < 20 {
+		m := receive(t, msgs, 10*time.Second)
+		switch {
+		case m.UUID != hung.UUID:
+			others++
+			m.Ack()
+		case first == nil:
+			first = m // never answered
+		default:
+			t.Fatal("the hung message came back before its deadline passed")
+		}
+	}
+	select {
+	case <-first.Context().Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the hung message's context was not cancelled")
+	}
+	again := receive(t, msgs, 10*time.Second)
+	require.Equal(t, hung.UUID, again.UUID)
+	again.Ack()
+	ev.wait(t, pgoutbox.EventRetried, 10*time.Second)
+	pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+}
+
 // AckDeadline -1 turns the deadline off: a handler may run past the
 // default 30s equivalent; its lease is renewed while it does.
 func TestAckDeadlineCanBeTurnedOff(t *testing.T) {
@@ -429,6 +471,10 @@ func TestLivenessBlipsDoNotOrphanALiveHolder(t *testing.T) {
 	bMsgs, err := newSub(b.Pool).Subscribe(ctx, "t")
 	require.NoError(t, err)
 	for range 5 {
+		// A's notifier (re)connects in the background: wait for it.
+		pollUntil(t, "A's LISTEN connection is up", 10*time.Second, nil, func() bool {
+			return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND `+isListenConn, appA) == 1
+		})
 		var n int
 		require.NoError(t, b.Pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid, 2000)) FROM pg_stat_activity
 			WHERE application_name = $1 AND `+isListenConn, appA).Scan(&n))

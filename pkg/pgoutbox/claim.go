@@ -67,6 +67,7 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 		return r
 	}
 	r.reclaimed = int(reclaimed)
+
 	// RETURNING order is unspecified; deliver in queue order.
 	sort.Slice(r.rows, func(i, j int) bool {
 		a, b := r.rows[i], r.rows[j]

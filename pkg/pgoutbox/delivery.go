@@ -27,6 +27,7 @@ type delivery struct {
 	metaRaw     []byte // metadata as stored, to detect a handler's changes
 
 	state     deliveryState
+	seq       uint32 // counts hand-outs: a verdict names the one it answers
 	claimedAt time.Time
 	expiresAt time.Time // our lease ends by then at the latest (sent time + Lease of the last write that set it)
 	handedAt  time.Time // when the message went to the Router
@@ -82,7 +83,7 @@ func (o *outcome) setErr(err error) {
 // multiplier grows the delay.
 const retryDelayKey = "_pgoutbox_retry_delayed_for"
 
-// message decodes the row. A row that does not decode is poisoned.
+// decodeMessage decodes a row. A row that does not decode is poisoned.
 //
 // Watermill's delay keys are instructions to a publisher, already applied
 // (available_at): they are left out, so a handler or relay that copies the
@@ -90,9 +91,9 @@ const retryDelayKey = "_pgoutbox_retry_delayed_for"
 // keeps DelayOnError's growth: after a nack it delayed, the message carries
 // "delayed for" (only that key; pgoutbox's publisher needs "delayed until"
 // too before it delays anything, see schedule).
-func (d *delivery) message() (*message.Message, error) {
-	msg := message.NewMessage(d.uuid, d.payload)
-	if err := decodeMetadata(d.metaRaw, msg.Metadata); err != nil {
+func decodeMessage(uuid string, payload, metaRaw []byte) (*message.Message, error) {
+	msg := message.NewMessage(uuid, payload)
+	if err := decodeMetadata(metaRaw, msg.Metadata); err != nil {
 		return nil, err
 	}
 	delete(msg.Metadata, delay.DelayedUntilKey)

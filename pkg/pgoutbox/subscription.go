@@ -40,9 +40,13 @@ type subscription struct {
 	logger watermill.LoggerAdapter
 	waiter *notifier.Waiter
 
-	verdicts chan verdict
-	claimed  chan claimResult
-	comp     *completer
+	verdicts   verdictInbox
+	slots      chan slotItem // MaxInFlight > 1: messages for the slots to hand out
+	slotStop   chan struct{} // closed when stopping: slots hand out nothing more
+	slotsDone  sync.WaitGroup
+	verdictBuf []verdict
+	claimed    chan claimResult
+	comp       *completer
 
 	// stopCtx ends when the subscription stops: reads that only plan
 	// (NextDue) stop waiting for the database then.
@@ -82,13 +86,19 @@ type subscription struct {
 	timerAt          time.Time
 	nextHousekeeping time.Time
 	drainEnd         time.Time
+	lastWrite        time.Time // when the last write was started
+	ackWait          time.Time // a paced write of acks is due then
 }
 
 // verdict is a handler's answer for a delivery, sent by its watcher.
 type verdict struct {
-	d   *delivery
-	msg *message.Message // the message it answers: a late answer of an earlier delivery is ignored
-	ack bool
+	d        *delivery
+	seq      uint32           // the hand-out it answers: a late answer of an earlier one is ignored
+	msg      *message.Message // the message handed out (its metadata after the handler)
+	poison   error            // the row did not decode (a slot found out)
+	ack      bool
+	unsent   bool // the subscription stopped before the Router took the message
+	timedOut bool // no Ack or Nack within AckDeadline
 }
 
 func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *notifier.Waiter) *subscription {
@@ -101,7 +111,7 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 		out:       make(chan *message.Message),
 		logger:    s.logger.With(watermill.LogFields{"topic": topic}),
 		waiter:    waiter,
-		verdicts:  make(chan verdict, s.cfg.MaxInFlight),
+		verdicts:  verdictInbox{wake: make(chan struct{}, 1)},
 		claimed:   make(chan claimResult, 1),
 		held:      map[*delivery]struct{}{},
 		writeBO:   newBackoff(),
@@ -113,6 +123,9 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 		wantClaim: true,
 	}
 	sub.stopCtx, sub.cancelStop = context.WithCancel(context.Background())
+	if s.cfg.MaxInFlight > 1 {
+		sub.slots, sub.slotStop = make(chan slotItem, 2*s.cfg.MaxInFlight), make(chan struct{})
+	}
 	sub.comp = newCompleter(s.pool, s.q, &s.cfg, topic)
 	sub.timer = time.NewTimer(time.Hour)
 	sub.timer.Stop()
@@ -145,9 +158,11 @@ func (sub *subscription) run() {
 		}
 	}()
 	stopC := (<-chan struct{})(stop)
-	verdicts := sub.verdicts
-	if sub.cfg.MaxInFlight == 1 {
-		verdicts = nil // the owner watches the one message itself
+	if sub.cfg.MaxInFlight > 1 {
+		for range sub.cfg.MaxInFlight {
+			sub.slotsDone.Add(1)
+			go sub.slot()
+		}
 	}
 	sub.nextHousekeeping = time.Now().Add(housekeepingEvery(sub.cfg))
 	fast := 0
@@ -160,7 +175,13 @@ func (sub *subscription) run() {
 		if sub.stopping && sub.finishedStopping(now) {
 			break
 		}
-		head, sendC := sub.nextMessage(now)
+		var head *delivery
+		var sendC chan *message.Message
+		if sub.slots != nil {
+			sub.dispatch(now)
+		} else {
+			head, sendC = sub.nextMessage(now)
+		}
 		var msg *message.Message // select evaluates every send's value, also on a nil channel
 		if head != nil {
 			msg = head.msg
@@ -180,14 +201,14 @@ func (sub *subscription) run() {
 			case sendC <- msg:
 				sub.handedOut(head)
 				continue
-			case v := <-verdicts:
-				sub.onVerdict(v, false)
+			case <-sub.verdicts.wake:
+				sub.takeVerdicts()
 				continue
 			case <-ackC:
-				sub.onVerdict(verdict{d: sub.single, msg: single, ack: true}, false)
+				sub.onVerdict(verdict{d: sub.single, seq: sub.single.seq, msg: single, ack: true}, false)
 				continue
 			case <-nackC:
-				sub.onVerdict(verdict{d: sub.single, msg: single}, false)
+				sub.onVerdict(verdict{d: sub.single, seq: sub.single.seq, msg: single}, false)
 				continue
 			default:
 			}
@@ -198,12 +219,12 @@ func (sub *subscription) run() {
 		select {
 		case sendC <- msg:
 			sub.handedOut(head)
-		case v := <-verdicts:
-			sub.onVerdict(v, false)
+		case <-sub.verdicts.wake:
+			sub.takeVerdicts()
 		case <-ackC:
-			sub.onVerdict(verdict{d: sub.single, msg: single, ack: true}, false)
+			sub.onVerdict(verdict{d: sub.single, seq: sub.single.seq, msg: single, ack: true}, false)
 		case <-nackC:
-			sub.onVerdict(verdict{d: sub.single, msg: single}, false)
+			sub.onVerdict(verdict{d: sub.single, seq: sub.single.seq, msg: single}, false)
 		case r := <-sub.claimed:
 			sub.onClaimed(r)
 		case r := <-sub.comp.results:
@@ -216,6 +237,10 @@ func (sub *subscription) run() {
 			stopC = nil
 			sub.beginStop()
 		}
+	}
+	if sub.slots != nil {
+		close(sub.slots)
+		sub.slotsDone.Wait() // none sends on out any more
 	}
 	sub.waiter.Stop()
 	close(sub.out)
@@ -271,6 +296,7 @@ func (sub *subscription) armTimer(now time.Time) {
 	earliest(sub.nextHousekeeping)
 	earliest(sub.drainEnd)
 	earliest(sub.writeWait)
+	earliest(sub.ackWait)
 	earliest(sub.claimWait)
 	if sub.retry != nil && sub.retry.holdDone {
 		earliest(sub.retry.retryAt)
@@ -425,7 +451,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 // that must not go out (lease likely gone, too many deliveries,
 // undecodable) are dealt with on the way.
 func (sub *subscription) nextMessage(now time.Time) (*delivery, chan *message.Message) {
-	if sub.stopping || sub.handed >= sub.cfg.MaxInFlight || sub.backpressured() {
+	if sub.stopping || sub.handed >= sub.maxHandedOut() || sub.backpressured() {
 		return nil, nil
 	}
 	if sub.ready != nil {
@@ -461,9 +487,44 @@ func (sub *subscription) nextMessage(now time.Time) (*delivery, chan *message.Me
 	return nil, nil
 }
 
-// prepare builds d's message, or sends d where it belongs instead and
-// returns false.
+// prepare admits d and builds its message (MaxInFlight 1: the owner hands
+// it out itself), or sends d where it belongs instead and returns false.
 func (sub *subscription) prepare(d *delivery, now time.Time) bool {
+	if !sub.admit(d, now) {
+		return false
+	}
+	d.outcome = &outcome{}
+	msg, cancel, err := buildMessage(sub.ctx, d.uuid, d.payload, d.metaRaw, d.outcome)
+	if err != nil {
+		sub.poisoned(d, err)
+		return false
+	}
+	d.msg, d.cancel = msg, cancel
+	return true
+}
+
+// poisoned dead-letters a row that does not decode into a message.
+func (sub *subscription) poisoned(d *delivery, err error) {
+	sub.s.obs.observe(Event{Kind: EventPoisoned, Topic: sub.topic, RowID: d.id, Deliveries: d.deliveries, Err: err})
+	sub.deadLetter(d, ReasonPoisoned, err.Error())
+}
+
+// buildMessage decodes a row into the message handed to the Router, with a
+// context (derived from the Subscribe context) that carries the outcome.
+// It touches no subscription state: slots call it too.
+func buildMessage(parent context.Context, uuid string, payload, metaRaw []byte, o *outcome) (*message.Message, context.CancelFunc, error) {
+	msg, err := decodeMessage(uuid, payload, metaRaw)
+	if err != nil {
+		return nil, nil, err
+	}
+	ctx, cancel := context.WithCancel(context.WithValue(parent, outcomeKey{}, o))
+	msg.SetContext(ctx)
+	return msg, cancel, nil
+}
+
+// admit decides whether d may go out: false (and d sent where it belongs)
+// when its lease is likely gone or it was delivered too often.
+func (sub *subscription) admit(d *delivery, now time.Time) bool {
 	// A row that waited while renewals could not reach the database may be
 	// someone else's by now: give it back (under its token) rather than
 	// risk two holders.
@@ -480,32 +541,163 @@ func (sub *subscription) prepare(d *delivery, now time.Time) bool {
 		sub.deadLetter(d, ReasonMaxDeliveries, "")
 		return false
 	}
-	msg, err := d.message()
-	if err != nil {
-		sub.s.obs.observe(Event{Kind: EventPoisoned, Topic: sub.topic, RowID: d.id, Deliveries: d.deliveries, Err: err})
-		sub.deadLetter(d, ReasonPoisoned, err.Error())
-		return false
-	}
-	d.outcome = &outcome{}
-	ctx, cancel := context.WithCancel(context.WithValue(sub.ctx, outcomeKey{}, d.outcome))
-	msg.SetContext(ctx)
-	d.msg, d.cancel = msg, cancel
 	return true
 }
 
-// handedOut records that the Router took d, and starts watching for its
-// verdict. With one message in flight the owner waits for it itself (one
-// goroutine hop less per message); otherwise a watcher goroutine does.
+// handedOut records that the Router took d (MaxInFlight 1), or that a slot
+// did (see dispatch). With one message in flight the owner waits for its
+// verdict itself, one goroutine hop less per message.
 func (sub *subscription) handedOut(d *delivery) {
 	sub.ready = nil
 	d.state, d.handedAt = handedOut, time.Now()
+	d.seq++
 	sub.handed++
-	if sub.cfg.MaxInFlight == 1 {
+	if sub.slots == nil {
 		sub.single = d
 		return
 	}
-	d.stopWatch = make(chan struct{})
-	go sub.watch(d, d.msg, d.stopWatch)
+	d.outcome, d.stopWatch = &outcome{}, make(chan struct{})
+	// Never blocks: see maxHandedOut.
+	sub.slots <- slotItem{d: d, seq: d.seq, uuid: d.uuid, payload: d.payload, metaRaw: d.metaRaw,
+		outcome: d.outcome, stop: d.stopWatch}
+}
+
+// maxHandedOut bounds the deliveries given to the Router or to the slots.
+// MaxInFlight slots send at most MaxInFlight messages to the Router; as
+// many more wait in the slots' queue, so a slot that got its verdict takes
+// the next message without waiting for the owner to wake up.
+func (sub *subscription) maxHandedOut() int {
+	if sub.slots != nil {
+		return cap(sub.slots)
+	}
+	return sub.cfg.MaxInFlight
+}
+
+// dispatch hands messages to the slots while there is room (MaxInFlight >
+// 1). A slot sends the message to the Router and waits for its verdict, so
+// the owner wakes only to take verdicts, in batches while busy.
+func (sub *subscription) dispatch(now time.Time) {
+	if sub.slots == nil {
+		return
+	}
+	for sub.handed < cap(sub.slots) && !sub.stopping && !sub.backpressured() && len(sub.buffer) > 0 {
+		d := sub.buffer[0]
+		sub.buffer[0] = nil
+		sub.buffer = sub.buffer[1:]
+		if d.state != finished && sub.admit(d, now) {
+			sub.handedOut(d) // the slot builds the message
+		}
+	}
+}
+
+// slotItem is a delivery for a slot, with what the slot may read of it.
+type slotItem struct {
+	d                *delivery // only passed back in the verdict
+	seq              uint32
+	uuid             string
+	payload, metaRaw []byte
+	outcome          *outcome
+	stop             <-chan struct{} // closed when the owner stops waiting for the verdict
+}
+
+// slot is one of MaxInFlight goroutines that hand messages to the Router and
+// report their verdicts. It reads nothing of a delivery but what its
+// slotItem carries. A message not yet taken by the Router when the
+// subscription stops is reported unsent, and given back.
+func (sub *subscription) slot() {
+	defer sub.slotsDone.Done()
+	// The slot waits for the verdict, so it keeps the ack deadline.
+	var deadline *time.Timer
+	var expired <-chan time.Time
+	if sub.cfg.AckDeadline > 0 {
+		deadline = time.NewTimer(sub.cfg.AckDeadline)
+		deadline.Stop()
+		defer deadline.Stop()
+		expired = deadline.C
+	}
+	for it := range sub.slots {
+		v := verdict{d: it.d, seq: it.seq}
+		msg, cancel, err := buildMessage(sub.ctx, it.uuid, it.payload, it.metaRaw, it.outcome)
+		if err != nil {
+			v.poison = err
+			sub.verdicts.put(v)
+			continue
+		}
+		v.msg = msg
+		select {
+		case <-sub.slotStop:
+			v.unsent = true
+		default:
+			select {
+			case sub.out <- msg:
+				if deadline != nil {
+					deadline.Reset(sub.cfg.AckDeadline)
+				}
+				select {
+				case <-msg.Acked():
+					v.ack = true
+				case <-msg.Nacked():
+				case <-expired:
+					v.timedOut = true
+				case <-it.stop:
+				}
+				if deadline != nil {
+					deadline.Stop()
+				}
+			case <-sub.slotStop:
+				v.unsent = true
+			case <-it.stop:
+			}
+		}
+		cancel() // an answer, a deadline or a stop ends the message's context
+		select {
+		case <-it.stop: // the owner stopped waiting: it wants no verdict
+		default:
+			sub.verdicts.put(v)
+		}
+	}
+}
+
+// verdictInbox is where the slots leave verdicts for the owner: a mailbox,
+// so a busy owner takes the verdicts of many messages per wake-up instead
+// of being woken for each.
+type verdictInbox struct {
+	mu   sync.Mutex
+	list []verdict
+	wake chan struct{} // a value while the list is not empty
+}
+
+func (in *verdictInbox) put(v verdict) {
+	in.mu.Lock()
+	in.list = append(in.list, v)
+	in.mu.Unlock()
+	select {
+	case in.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (in *verdictInbox) take(buf []verdict) []verdict {
+	in.mu.Lock()
+	buf = append(buf[:0], in.list...)
+	in.list = in.list[:0]
+	in.mu.Unlock()
+	return buf
+}
+
+// takeVerdicts applies the verdicts the slots reported.
+func (sub *subscription) takeVerdicts() {
+	sub.verdictBuf = sub.verdicts.take(sub.verdictBuf)
+	for _, v := range sub.verdictBuf {
+		if v.timedOut {
+			if v.d.state == handedOut && v.d.seq == v.seq {
+				sub.ackDeadlinePassed(v.d, v.msg)
+			}
+			continue
+		}
+		sub.onVerdict(v, false)
+	}
+	clear(sub.verdictBuf)
 }
 
 // stopWatching ends the wait for d's verdict: a later answer is ignored.
@@ -517,37 +709,28 @@ func (sub *subscription) stopWatching(d *delivery) {
 	close(d.stopWatch)
 }
 
-// watch waits for msg's Ack or Nack and reports it, unless the owner stops
-// waiting first (ack deadline, drain over). It reads nothing of d.
-func (sub *subscription) watch(d *delivery, msg *message.Message, stop <-chan struct{}) {
-	v := verdict{d: d, msg: msg}
-	select {
-	case <-msg.Acked():
-		v.ack = true
-	case <-msg.Nacked():
-	case <-stop:
-		return
-	}
-	select {
-	case sub.verdicts <- v:
-	case <-stop:
-	}
-}
-
 // onVerdict records a handler's answer. timedOut marks a nack the owner
 // made itself when the ack deadline passed.
 func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 	d := v.d
-	if d.state != handedOut || d.msg != v.msg {
+	if d.state != handedOut || d.seq != v.seq {
 		return // a late answer: the deadline or the drain ended this delivery
 	}
 	if sub.single == d {
 		sub.single = nil
 	}
 	sub.handed--
+	if v.unsent {
+		// The Router never took it: it goes back as if never handed out.
+		sub.giveBack([]*delivery{d})
+		return
+	}
 	sub.pf.verdicts(1)
-	d.cancel() // Ack and Nack end the message's context
-	d.msg, d.cancel = nil, nil
+	sub.endMessage(d) // Ack and Nack end the message's context
+	if v.poison != nil {
+		sub.poisoned(d, v.poison)
+		return
+	}
 	if v.ack {
 		d.state = writing
 		sub.pending.acks = append(sub.pending.acks, d)
@@ -598,10 +781,7 @@ func (sub *subscription) giveBack(ds []*delivery) {
 		if d.state == finished {
 			continue
 		}
-		if d.cancel != nil {
-			d.cancel()
-			d.msg, d.cancel = nil, nil
-		}
+		sub.endMessage(d)
 		d.state = writing
 		sub.givingBack++
 		sub.pending.returns = append(sub.pending.returns, returnOp{d: d, undo: 1, giveBack: true})
@@ -618,10 +798,10 @@ func (sub *subscription) release(d *delivery) {
 // housekeeping runs the periodic checks: ack deadlines, stalled buffers,
 // lease renewals.
 func (sub *subscription) housekeeping(now time.Time) {
-	if sub.cfg.AckDeadline > 0 {
+	if sub.cfg.AckDeadline > 0 && sub.slots == nil { // with slots, each slot keeps it
 		for d := range sub.held {
 			if d.state == handedOut && now.Sub(d.handedAt) >= sub.cfg.AckDeadline {
-				sub.ackDeadlinePassed(d)
+				sub.ackDeadlinePassed(d, d.msg)
 			}
 		}
 	}
@@ -655,12 +835,21 @@ func (sub *subscription) housekeeping(now time.Time) {
 // ackDeadlinePassed ends a delivery whose handler did not answer within
 // AckDeadline: its context is cancelled, its lease no longer renewed, and
 // the row nacked with a recorded error (a delivery, counted as such).
-func (sub *subscription) ackDeadlinePassed(d *delivery) {
+func (sub *subscription) ackDeadlinePassed(d *delivery, msg *message.Message) {
 	sub.stopWatching(d)
 	sub.logger.Error("Handler did not ack or nack within AckDeadline; the message is nacked and its context cancelled", nil,
 		watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "deliveries": d.deliveries, "ack_deadline": sub.cfg.AckDeadline.String()})
 	d.outcome.setErr(fmt.Errorf("%w: no ack or nack within %s", ErrAckDeadline, sub.cfg.AckDeadline))
-	sub.onVerdict(verdict{d: d, msg: d.msg}, true)
+	sub.onVerdict(verdict{d: d, seq: d.seq, msg: msg}, true)
+}
+
+// endMessage cancels the context of d's message where the owner built it
+// (a slot cancels the ones it built itself).
+func (sub *subscription) endMessage(d *delivery) {
+	if d.cancel != nil {
+		d.cancel()
+	}
+	d.msg, d.cancel = nil, nil
 }
 
 // beginStop stops claiming and handing out, gives the buffer back, and
@@ -668,6 +857,9 @@ func (sub *subscription) ackDeadlinePassed(d *delivery) {
 func (sub *subscription) beginStop() {
 	sub.stopping = true
 	sub.cancelStop()
+	if sub.slotStop != nil {
+		close(sub.slotStop)
+	}
 	sub.giveBack(sub.takeBuffer())
 	if d := sub.retry; d != nil && d.holdDone {
 		// Not delivered again yet: the hold counted that delivery.
@@ -688,8 +880,7 @@ func (sub *subscription) endDrain() {
 	for d := range sub.held {
 		if d.state == handedOut {
 			sub.stopWatching(d)
-			d.cancel()
-			d.msg, d.cancel = nil, nil
+			sub.endMessage(d)
 			sub.handed--
 			sub.release(d)
 		}
@@ -726,6 +917,11 @@ func (sub *subscription) startWrite(now time.Time) {
 	if sub.inWrite || !sub.writeWait.IsZero() {
 		return
 	}
+	if sub.onlyFewAcks() && now.Sub(sub.lastWrite) < ackPacing {
+		sub.ackWait = sub.lastWrite.Add(ackPacing) // armTimer wakes us then
+		return
+	}
+	sub.ackWait, sub.lastWrite = time.Time{}, now
 	job := sub.pending
 	for _, c := range sub.lostClaims {
 		job.releaseTokens = append(job.releaseTokens, c.token)
@@ -736,6 +932,24 @@ func (sub *subscription) startWrite(now time.Time) {
 	sub.pending = writeJob{}
 	sub.inWrite = true
 	sub.comp.submit(job)
+}
+
+// ackPacing spaces writes that carry only a few acks: written back to back
+// they would cost a statement (and a commit) for a handful of rows each,
+// and the database's CPU is what bounds a drain. Acks need no hurry (the
+// handler is done; a verdict frees its slot at once); anything else is
+// written at once.
+const (
+	ackPacing   = time.Millisecond
+	ackBatchMin = 128
+)
+
+// onlyFewAcks reports whether the pending writes are acks alone, fewer
+// than ackBatchMin, and nothing else waits.
+func (sub *subscription) onlyFewAcks() bool {
+	p := &sub.pending
+	return len(p.acks) < ackBatchMin && len(p.returns)+len(p.holds)+len(p.dead) == 0 &&
+		p.renew == nil && len(sub.lostClaims) == 0 && !sub.stopping
 }
 
 // onWritten applies what the completer wrote: finished rows leave the
@@ -896,13 +1110,12 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 		// written for it. A handed-out message's handler is told to stop.
 		sub.leaseLost(d, "renew")
 		if sub.ready == d {
-			d.cancel()
-			d.msg, d.cancel, sub.ready = nil, nil, nil
+			sub.endMessage(d)
+			sub.ready = nil
 		}
 		if d.state == handedOut {
 			sub.stopWatching(d)
-			d.cancel()
-			d.msg, d.cancel = nil, nil
+			sub.endMessage(d)
 			sub.handed--
 		}
 		if sub.retry == d {

@@ -77,30 +77,37 @@ func TestRetryThenSuccess(t *testing.T) {
 	b.publishInTx(t, "t", true, msg)
 
 	var calls atomic.Int32
-	var seenLastErrors []string
+	// Filled by the handler, asserted on the test goroutine: require must
+	// not run in the Router's goroutines.
+	var seenLastErrors, queryErrors list
 	done := make(chan struct{})
+	var doneOnce sync.Once
 	runRouter(t, sub, "t", func(m *message.Message) error {
 		n := calls.Add(1)
 		var lastErr *string
-		require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT last_error FROM `+b.Schema+`.outbox WHERE uuid = $1`, m.UUID).Scan(&lastErr))
+		if err := b.Pool.QueryRow(context.Background(), `SELECT last_error FROM `+b.Schema+`.outbox WHERE uuid = $1`, m.UUID).Scan(&lastErr); err != nil {
+			queryErrors.add(err.Error())
+			return err
+		}
 		if lastErr != nil {
-			seenLastErrors = append(seenLastErrors, *lastErr)
+			seenLastErrors.add(*lastErr)
 		}
 		if n < 3 {
 			return fmt.Errorf("boom %d", n)
 		}
-		close(done)
+		doneOnce.Do(func() { close(done) })
 		return nil
 	}, pgoutbox.ErrorRecorder)
 
 	select {
 	case <-done:
 	case <-time.After(15 * time.Second):
-		t.Fatal("not handled successfully")
+		t.Fatalf("not handled successfully (handler errors reading last_error: %q)", queryErrors.get())
 	}
 	ev.wait(t, pgoutbox.EventAcked, 10*time.Second)
+	require.Empty(t, queryErrors.get(), "the handler's look at last_error failed")
 	require.Equal(t, int32(3), calls.Load())
-	require.Equal(t, []string{"boom 1", "boom 2"}, seenLastErrors, "each retry sees the previous delivery's error")
+	require.Equal(t, []string{"boom 1", "boom 2"}, seenLastErrors.get(), "each retry sees the previous delivery's error")
 	require.Equal(t, 2, ev.countKind(pgoutbox.EventRetried))
 	require.Equal(t, 0, b.outboxRows(t, "t"))
 }
@@ -180,7 +187,12 @@ func TestMaxDeliveriesDeadLettersWithoutRunningHandler(t *testing.T) {
 		handled <- string(m.Payload)
 		return nil
 	})
-	require.Equal(t, "fine", <-handled)
+	select {
+	case got := <-handled:
+		require.Equal(t, "fine", got)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the next message was not handled")
+	}
 	dead := ev.wait(t, pgoutbox.EventDeadLettered, 10*time.Second)
 	require.Equal(t, pgoutbox.ReasonMaxDeliveries, dead.Reason)
 	require.Equal(t, 6, b.dlq(t, crashLooper.UUID).deliveries)

@@ -5,6 +5,8 @@ package tests
 
 import (
 	"context"
+	"fmt"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -233,39 +235,66 @@ func TestInvariant4_DatabaseClockGatesEligibility(t *testing.T) {
 
 // Invariant 5: a row is delivered to one consumer at a time while its lease
 // is live. Three subscribers with four handlers each compete for 300
-// messages; no message is ever held by two handlers at once, and with no
-// failures each is handled exactly once.
+// messages. Every handling is recorded as an interval [start, end) of a
+// logical clock, from the moment the handler gets the message until it
+// acks, and it lasts (the handler yields and works a little), so two
+// consumers holding one row at once would show as overlapping intervals.
+// With no failures each message is handled exactly once.
 func TestInvariant5_OneConsumerAtATime(t *testing.T) {
 	t.Parallel()
+
+	// The detector itself must find an overlap, or the check below could
+	// never fail.
+	t.Run("DetectorFindsOverlaps", func(t *testing.T) {
+		t.Parallel()
+		require.NotEmpty(t, overlappingHolds(map[string][]hold{
+			"r": {{consumer: 0, start: 1, end: 4}, {consumer: 1, start: 3, end: 6}},
+		}), "partly overlapping")
+		require.NotEmpty(t, overlappingHolds(map[string][]hold{
+			"r": {{consumer: 1, start: 2, end: 3}, {consumer: 0, start: 1, end: 9}},
+		}), "one inside the other, listed in reverse order")
+		require.NotEmpty(t, overlappingHolds(map[string][]hold{
+			"r": {{consumer: 0, start: 1, end: 2}, {consumer: 2, start: 5, end: 9}, {consumer: 1, start: 8, end: 10}},
+		}), "the second and the third")
+		require.Empty(t, overlappingHolds(map[string][]hold{
+			"r": {{consumer: 0, start: 1, end: 2}, {consumer: 1, start: 2, end: 3}},
+			"s": {{consumer: 0, start: 1, end: 5}},
+			"u": {{consumer: 1, start: 2, end: 4}},
+		}), "one after the other, or different rows")
+	})
+
 	b := setup(t)
-	const n = 300
+	const (
+		n         = 300
+		consumers = 3
+	)
 	msgs := newMsgs(n)
 	b.publishInTx(t, "t", true, msgs...)
 
 	var (
-		mu      sync.Mutex
-		holding = map[string]int{}
-		handled = map[string]int{}
-		overlap atomic.Int32
-		total   atomic.Int32
-		done    = make(chan struct{})
+		clock atomic.Int64 // logical: every start and end takes a tick
+		mu    sync.Mutex
+		holds = map[string][]hold{}
+		total atomic.Int32
+		done  = make(chan struct{})
 	)
-	for range 3 {
+	for consumer := range consumers {
 		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4; c.Lease = time.Minute })
 		ch, err := sub.Subscribe(context.Background(), "t")
 		require.NoError(t, err)
 		go func() {
 			for m := range ch {
 				go func(m *message.Message) {
-					mu.Lock()
-					holding[m.UUID]++
-					if holding[m.UUID] > 1 {
-						overlap.Add(1)
+					start := clock.Add(1)
+					// The handler's work: the row stays held across
+					// yields, so a second holder would have time to show.
+					for range 3 {
+						runtime.Gosched()
+						time.Sleep(time.Millisecond)
 					}
-					handled[m.UUID]++
-					mu.Unlock()
+					end := clock.Add(1)
 					mu.Lock()
-					holding[m.UUID]--
+					holds[m.UUID] = append(holds[m.UUID], hold{consumer: consumer, start: start, end: end})
 					mu.Unlock()
 					m.Ack()
 					if total.Add(1) == n {
@@ -280,13 +309,39 @@ func TestInvariant5_OneConsumerAtATime(t *testing.T) {
 	case <-time.After(60 * time.Second):
 		t.Fatalf("only %d of %d handled", total.Load(), n)
 	}
-	require.Zero(t, overlap.Load())
 	mu.Lock()
 	defer mu.Unlock()
-	require.Len(t, handled, n)
-	for id, c := range handled {
-		require.Equal(t, 1, c, "message %s", id)
+	require.Empty(t, overlappingHolds(holds), "a row was held by two handlers at once")
+	require.Len(t, holds, n)
+	for id, hs := range holds {
+		require.Len(t, hs, 1, "message %s", id)
+		require.Greater(t, hs[0].end, hs[0].start)
 	}
+}
+
+// hold is one handling of a row by a consumer: [start, end) on a logical
+// clock.
+type hold struct {
+	consumer   int
+	start, end int64
+}
+
+// overlappingHolds describes every pair of holds of one row that overlap
+// in time: each began before the other ended.
+func overlappingHolds(byRow map[string][]hold) []string {
+	var out []string
+	for row, hs := range byRow {
+		for i := range hs {
+			for j := i + 1; j < len(hs); j++ {
+				a, b := hs[i], hs[j]
+				if a.start < b.end && b.start < a.end {
+					out = append(out, fmt.Sprintf("row %s: consumer %d held it during [%d, %d), consumer %d during [%d, %d)",
+						row, a.consumer, a.start, a.end, b.consumer, b.start, b.end))
+				}
+			}
+		}
+	}
+	return out
 }
 
 // Invariant 5, with a live lease held by another process: the row is not

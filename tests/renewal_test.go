@@ -14,17 +14,23 @@ import (
 
 // A handler running three times longer than the lease, with a second
 // subscriber waiting for the row: renewal keeps the lease, so the message is
-// delivered exactly once.
+// delivered exactly once. The handler holds the message until it has seen
+// its lease renewed six times (every Lease/2: three leases' worth) and at
+// least three leases have passed; nothing here bounds how fast that goes.
 func TestSlowHandlerIsDeliveredOnceThanksToRenewal(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	const lease = 2 * time.Second
+	// Renewals come every Lease/2 and each leaves Lease/2 of slack: a lease
+	// of a few seconds stands scheduling stalls on a loaded machine.
+	const (
+		lease    = 3 * time.Second
+		renewals = 6
+	)
 	short := func(ev *events) func(c *pgoutbox.SubscriberConfig) {
 		return func(c *pgoutbox.SubscriberConfig) {
 			c.Lease = lease
 			c.MinPollInterval = 20 * time.Millisecond
 			c.MaxPollInterval = 200 * time.Millisecond
-			c.StatementTimeout = 500 * time.Millisecond
 			c.Observer = ev
 		}
 	}
@@ -34,25 +40,36 @@ func TestSlowHandlerIsDeliveredOnceThanksToRenewal(t *testing.T) {
 	b.publishInTx(t, "slow", true, newMsg("x"))
 
 	var deliveries atomic.Int32
-	done := make(chan struct{})
 	chA, err := subA.Subscribe(context.Background(), "slow")
 	require.NoError(t, err)
 	m := receive(t, chA, 10*time.Second)
 	deliveries.Add(1)
+	start := time.Now()
 	// Only now does B start competing, while A's handler runs.
 	runRouter(t, subB, "slow", func(*message.Message) error {
 		deliveries.Add(1)
 		return nil
 	})
-	go func() {
-		defer close(done)
-		time.Sleep(3 * lease) // the slow handler's work
-		m.Ack()
-	}()
-	<-done
-	evA.wait(t, pgoutbox.EventAcked, 10*time.Second)
+
+	// The slow handler's work: it lasts until A renewed the lease enough
+	// times to outlive three leases.
+	seen := 0
+	for seen < renewals || time.Since(start) < 3*lease {
+		if e := evA.wait(t, pgoutbox.EventLeaseRenewed, 10*lease); e.Count > 0 {
+			seen++
+		}
+		require.Zero(t, evA.countKind(pgoutbox.EventLeaseLost), "A lost its lease while its handler ran")
+		require.Equal(t, int32(1), deliveries.Load(), "B got the message while A's handler held it")
+	}
+	select {
+	case <-m.Context().Done():
+		t.Fatal("the held message's context ended while its handler ran")
+	default:
+	}
+	m.Ack()
+	evA.wait(t, pgoutbox.EventAcked, 30*time.Second)
 	require.Equal(t, int32(1), deliveries.Load())
-	require.GreaterOrEqual(t, evA.countKind(pgoutbox.EventLeaseRenewed), 4, "renewed every Lease/2")
+	require.GreaterOrEqual(t, seen, renewals, "renewed every Lease/2")
 	require.Zero(t, evA.countKind(pgoutbox.EventLeaseLost))
 	require.Equal(t, 0, b.outboxRows(t, "slow"))
 }

@@ -5,65 +5,209 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 )
 
-// With a 10s poll interval, only the NOTIFY sent at commit can deliver a
-// message to an idle subscriber within 2s.
+// The idle poll of these tests is 30s (24s at the least, with jitter) and
+// a message is awaited for at most wakeBound, far below it: a message that
+// arrives within the bound was not brought by a poll.
+const (
+	idlePoll  = 30 * time.Second
+	wakeBound = 10 * time.Second
+)
+
+func idleSubscriber(ev *events) func(c *pgoutbox.SubscriberConfig) {
+	return func(c *pgoutbox.SubscriberConfig) {
+		c.MinPollInterval, c.MaxPollInterval, c.Lease = idlePoll, idlePoll, 2*idlePoll
+		c.Observer = ev
+	}
+}
+
+// waitEmptyClaim waits for a claim that found nothing: the loop is asleep
+// until its poll, a NOTIFY or a reconnect.
+func waitEmptyClaim(t *testing.T, ev *events) {
+	t.Helper()
+	for ev.wait(t, pgoutbox.EventClaimed, wakeBound).Count != 0 {
+	}
+}
+
+// Only the NOTIFY sent at commit can deliver a message to an idle
+// subscriber before its poll. The first message makes sure the LISTEN
+// connection is up (it may be brought by the wake-up every loop gets when
+// that connection is established). Later ones can still be brought by a
+// wake-up of every loop (another process's liveness lock vanished: other
+// tests ending), so a second, idle topic of the same Subscriber is the
+// control: an attempt counts only if the control loop did not claim
+// meanwhile.
 func TestIdleSubscriberIsWokenByNotify(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ev := newEvents()
-	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
-		c.MinPollInterval = 10 * time.Second
-		c.MaxPollInterval = 10 * time.Second
-		c.Lease = 30 * time.Second
-		c.Observer = ev
-	})
+	sub := b.subscriber(t, idleSubscriber(ev))
 	ch, err := sub.Subscribe(context.Background(), "wake")
 	require.NoError(t, err)
-	// The first claim finds nothing: the loop is now asleep for ~10s.
-	require.Zero(t, ev.wait(t, pgoutbox.EventClaimed, 10*time.Second).Count)
+	control, err := sub.Subscribe(context.Background(), "control")
+	require.NoError(t, err)
 
-	start := time.Now()
-	b.publishInTx(t, "wake", true, newMsg("hello"))
-	m := receive(t, ch, 10*time.Second)
-	elapsed := time.Since(start)
-	m.Ack()
-	require.Less(t, elapsed, 2*time.Second, "a committed message must wake the idle subscriber, not wait for the poll")
+	// idle waits until the loop of topic has made (at least) leased claims
+	// that found rows, and then one that found nothing: it sleeps until a
+	// poll or a wake-up. (That empty claim may come before the ack is
+	// written: a claim needs a free slot, not a finished write.)
+	idle := func(topic string, leased int) {
+		t.Helper()
+		pollUntil(t, "the "+topic+" loop goes idle", wakeBound, nil, func() bool {
+			n, asleep := 0, false
+			for _, e := range ev.snapshot() {
+				if e.Topic == topic && e.Kind == pgoutbox.EventClaimed {
+					asleep = e.Count == 0
+					if e.Count > 0 {
+						n++
+					}
+				}
+			}
+			return n >= leased && asleep
+		})
+	}
+
+	idle("wake", 0)
+	idle("control", 0)
+	b.publishInTx(t, "wake", true, newMsg("first"))
+	receive(t, ch, wakeBound).Ack()
+
+	const attempts = 10
+	for attempt := range attempts {
+		// Each message and mark so far was published alone and received
+		// before the next: one claim leased it.
+		idle("wake", 1+attempt)
+		idle("control", attempt)
+		from := len(ev.snapshot())
+		b.publishInTx(t, "wake", true, newMsg("by notify"))
+		m := receive(t, ch, wakeBound)
+		require.Equal(t, "by notify", string(m.Payload))
+		m.Ack()
+		// A mark on the control topic: its claim comes after any claim
+		// the control loop made while the message was on its way.
+		b.publishInTx(t, "control", true, newMsg("mark"))
+		receive(t, control, wakeBound).Ack()
+		var marked bool
+		var woken int // empty claims of the control loop before the mark's
+		pollUntil(t, "the mark's claim is observed", wakeBound, func() {
+			marked, woken = false, 0
+			for _, e := range ev.snapshot()[from:] {
+				if e.Topic != "control" || e.Kind != pgoutbox.EventClaimed {
+					continue
+				}
+				if e.Count > 0 {
+					marked = true
+					break
+				}
+				woken++
+			}
+		}, func() bool { return marked })
+		if woken == 0 {
+			return // no wake-up of every loop: the NOTIFY brought it
+		}
+		t.Logf("attempt %d: every loop was woken meanwhile; again", attempt)
+	}
+	t.Fatalf("in %d attempts, a message never reached the idle loop without a wake-up of every loop", attempts)
 }
 
-// A NOTIFY wakes only the loops of its topic. (Subscribers of one pool share
-// one LISTEN connection; a loop is also woken once when that connection is
-// established, since it may have missed a notification before.)
+// A NOTIFY wakes only the loops of its topic. B, an idle loop of another
+// topic on the same LISTEN connection as A, must not claim for each of A's
+// messages. Loops are also woken by things outside the test (when another
+// process's liveness lock vanishes: other tests ending), so B is compared
+// with C, an idle loop of another outbox table (another channel), which
+// shares those wake-ups but can never see A's notifications.
 func TestNotifyWakesOnlyItsTopic(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	evA, evB := newEvents(), newEvents()
-	idle := func(ev *events) func(c *pgoutbox.SubscriberConfig) {
-		return func(c *pgoutbox.SubscriberConfig) {
-			c.MinPollInterval, c.MaxPollInterval, c.Lease = 10*time.Second, 10*time.Second, 30*time.Second
-			c.Observer = ev
-		}
-	}
-	subA := b.subscriber(t, idle(evA))
+	b, other := setup(t), setup(t)
+	evA, evB, evC := newEvents(), newEvents(), newEvents()
+	subA := b.subscriber(t, idleSubscriber(evA))
 	chA, err := subA.Subscribe(context.Background(), "a")
 	require.NoError(t, err)
-	// Once a message arrives through NOTIFY, the shared LISTEN connection
-	// is up, so B below registers on a live connection.
+	waitEmptyClaim(t, evA)
+	// Once a message arrives, the shared LISTEN connection is up (it came
+	// by NOTIFY or by the wake-up at connect), so B below registers on a
+	// live connection.
 	b.publishInTx(t, "a", true, newMsg("first"))
-	receive(t, chA, 2*time.Second).Ack()
+	receive(t, chA, wakeBound).Ack()
+	evA.wait(t, pgoutbox.EventAcked, wakeBound)
 
-	subB := b.subscriber(t, idle(evB))
-	_, err = subB.Subscribe(context.Background(), "b")
+	subB := b.subscriber(t, idleSubscriber(evB))
+	chB, err := subB.Subscribe(context.Background(), "b")
 	require.NoError(t, err)
-	require.Zero(t, evB.wait(t, pgoutbox.EventClaimed, 10*time.Second).Count)
+	subC := other.subscriber(t, idleSubscriber(evC))
+	chC, err := subC.Subscribe(context.Background(), "b")
+	require.NoError(t, err)
 
-	b.publishInTx(t, "a", true, newMsg("second"))
-	receive(t, chA, 2*time.Second).Ack()
-	evA.wait(t, pgoutbox.EventAcked, 10*time.Second) // first
-	evA.wait(t, pgoutbox.EventAcked, 10*time.Second) // second
-	require.Equal(t, 1, evB.countKind(pgoutbox.EventClaimed), "topic b's loop must stay asleep")
+	// Marks: a message to B and to C before A's messages and one after;
+	// the empty claims between the two count the wake-ups.
+	mark := func() {
+		t.Helper()
+		b.publishInTx(t, "b", true, newMsg("mark"))
+		other.publishInTx(t, "b", true, newMsg("mark"))
+		for _, ch := range []<-chan *message.Message{chB, chC} {
+			receive(t, ch, wakeBound).Ack()
+		}
+	}
+	mark()
+	const n = 20
+	for range n {
+		b.publishInTx(t, "a", true, newMsg("again"))
+		receive(t, chA, wakeBound).Ack()
+		evA.wait(t, pgoutbox.EventAcked, wakeBound)
+	}
+	mark()
+
+	wokenB, wokenC := emptyClaimsBetweenMarks(t, evB), emptyClaimsBetweenMarks(t, evC)
+	t.Logf("empty claims between the marks: B %d, C %d", wokenB, wokenC)
+	require.Less(t, wokenB, wokenC+n/2, "topic b's loop was woken by topic a's notifications")
+}
+
+// emptyClaimsBetweenMarks waits until the two claims that leased the marks
+// were observed and returns the number of empty claims between them.
+func emptyClaimsBetweenMarks(t *testing.T, ev *events) int {
+	t.Helper()
+	var counts []int
+	pollUntil(t, "both marks' claims are observed", 30*time.Second, func() {
+		counts = counts[:0]
+		ev.mu.Lock()
+		for _, e := range ev.list {
+			if e.Kind == pgoutbox.EventClaimed {
+				counts = append(counts, e.Count)
+			}
+		}
+		ev.mu.Unlock()
+	}, func() bool {
+		leased := 0
+		for _, c := range counts {
+			if c > 0 {
+				leased++
+			}
+		}
+		return leased >= 2
+	})
+	empty, leased := 0, 0
+	for _, c := range counts {
+		switch {
+		case c > 0:
+			leased++
+		case leased == 1:
+			empty++
+		}
+		if leased == 2 {
+			break
+		}
+	}
+	return empty
+}
+
+// snapshot returns the events observed so far, in order.
+func (e *events) snapshot() []pgoutbox.Event {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]pgoutbox.Event(nil), e.list...)
 }

@@ -115,14 +115,14 @@ END $pgoutbox$`, n.QTable, c.Name, c.Type))
 	}
 	stmts = append(stmts,
 		// Ready rows, in delivery order; the claim's "ready" branch scans it.
-		fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, available_at, id) WHERE lease_token IS NULL`,
-			Quote(n.ReadyIdx), n.QTable),
+		ifNoIndex(n, n.ReadyIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, available_at, id) WHERE lease_token IS NULL`,
+			Quote(n.ReadyIdx), n.QTable)),
 		// Leased rows by expiry; the claim's "expired" branch scans it.
-		fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, leased_until) WHERE lease_token IS NOT NULL`,
-			Quote(n.LeaseIdx), n.QTable),
+		ifNoIndex(n, n.LeaseIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, leased_until) WHERE lease_token IS NOT NULL`,
+			Quote(n.LeaseIdx), n.QTable)),
 		// Timer / idempotency keys: unique per topic while the row exists.
-		fmt.Sprintf(`CREATE UNIQUE INDEX IF NOT EXISTS %s ON %s (topic, dedup_key) WHERE dedup_key IS NOT NULL`,
-			Quote(n.DedupIdx), n.QTable),
+		ifNoIndex(n, n.DedupIdx, fmt.Sprintf(`CREATE UNIQUE INDEX IF NOT EXISTS %s ON %s (topic, dedup_key) WHERE dedup_key IS NOT NULL`,
+			Quote(n.DedupIdx), n.QTable)),
 	)
 	if n.DLQTable != "" {
 		stmts = append(stmts,
@@ -140,10 +140,20 @@ END $pgoutbox$`, n.QTable, c.Name, c.Type))
     failed_by      text,
     failed_at      timestamptz NOT NULL DEFAULT now()
 )`, n.QDLQ),
-			fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, failed_at)`, Quote(n.DLQIdx), n.QDLQ),
+			ifNoIndex(n, n.DLQIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, failed_at)`, Quote(n.DLQIdx), n.QDLQ)),
 		)
 	}
 	return stmts
+}
+
+// ifNoIndex runs a CREATE INDEX only when the index is missing: CREATE
+// INDEX IF NOT EXISTS takes a SHARE lock on the table before it looks.
+func ifNoIndex(n Names, name, stmt string) string {
+	return fmt.Sprintf(`DO $pgoutbox$ BEGIN
+    IF to_regclass('%s.%s') IS NULL THEN
+        %s;
+    END IF;
+END $pgoutbox$`, n.QSchema, Quote(name), stmt)
 }
 
 // Script joins DDL into one text for migration tools.

@@ -68,6 +68,7 @@ type subscription struct {
 	scan      claimScan
 
 	claiming         bool
+	wokeDuringClaim  bool      // something woke us while the claim ran: an empty claim may have missed it
 	wantClaim        bool      // claim when there is room: the last claim found rows, or something woke us
 	claimWait        time.Time // after a failed claim: not before then
 	claimBO          *backoff.ExponentialBackOff
@@ -275,6 +276,9 @@ func housekeepingEvery(cfg *SubscriberConfig) time.Duration {
 // that began before rows it claimed, a released lease) may lie behind the
 // cursor; a busy loop scans from the start every second anyway.
 func (sub *subscription) wake(expired bool) {
+	if sub.claiming {
+		sub.wokeDuringClaim = true
+	}
 	if !sub.wantClaim {
 		sub.scan.restart(expired)
 	}
@@ -399,6 +403,8 @@ func (sub *subscription) holder() pgtype.Int8 {
 // onClaimed takes a claim's rows into the buffer.
 func (sub *subscription) onClaimed(r claimResult) {
 	sub.claiming = false
+	woke := sub.wokeDuringClaim
+	sub.wokeDuringClaim = false
 	now := time.Now()
 	if r.err != nil {
 		// The statement may have committed: its rows would stay leased
@@ -435,6 +441,13 @@ func (sub *subscription) onClaimed(r claimResult) {
 	sub.buffer = append(sub.buffer, r.rows...)
 	if len(r.rows) > 0 {
 		sub.wantClaim, sub.idlePoll = true, sub.cfg.MinPollInterval
+		return
+	}
+	if woke {
+		// The wake-up may announce a row committed after this claim's
+		// snapshot: claim again instead of sleeping.
+		sub.scan.restart(false)
+		sub.wantClaim = true
 		return
 	}
 	sub.wantClaim = false

@@ -421,3 +421,22 @@ func TestDeliveryMessageDropsDelayKeys(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, message.Metadata{"_watermill_delayed_for": "2s"}, msg.Metadata)
 }
+
+// A wake-up that arrives while a claim runs may announce a row the claim's
+// snapshot missed: an empty claim then claims again instead of sleeping.
+func TestOwnerWakeDuringAnEmptyClaimIsNotLost(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	req := b.sub.scan.request(1, b.sub.gen, time.Now())
+	b.sub.claiming = true
+	b.sub.wake(false) // a NOTIFY while the claim runs
+	b.sub.onClaimed(claimResult{req: req})
+	require.True(t, b.sub.wantClaim, "claim again")
+	require.True(t, b.sub.idleUntil.IsZero(), "no sleep")
+
+	req = b.sub.scan.request(1, b.sub.gen, time.Now())
+	b.sub.claiming = true
+	b.sub.onClaimed(claimResult{req: req})
+	require.False(t, b.sub.wantClaim, "nothing woke it: an empty claim goes idle")
+	require.False(t, b.sub.idleUntil.IsZero())
+}

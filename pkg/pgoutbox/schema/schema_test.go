@@ -437,3 +437,105 @@ func TestValidate(t *testing.T) {
 		requireProblem(t, verr.Problems, "outbox_dlq_topic_failed_at_idx", "missing")
 	})
 }
+
+// previousReleaseDDL is the outbox of the previous release: the table
+// without lease_holder and failure_reason, its indexes, no dead-letter
+// table.
+func previousReleaseDDL(q string) []string {
+	return []string{
+		`CREATE TABLE ` + q + `."outbox" (
+    id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    topic        text        NOT NULL,
+    uuid         text        NOT NULL,
+    payload      bytea       NOT NULL,
+    metadata     jsonb       NOT NULL DEFAULT '{}',
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    available_at timestamptz NOT NULL DEFAULT now(),
+    deliveries   integer     NOT NULL DEFAULT 0,
+    lease_token  uuid,
+    leased_until timestamptz,
+    leased_by    text,
+    dedup_key    text,
+    last_error   text
+) WITH (
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_insert_scale_factor = 0.01,
+    autovacuum_analyze_scale_factor = 0.02
+)`,
+		`CREATE INDEX "outbox_ready_idx" ON ` + q + `."outbox" (topic, available_at, id) WHERE lease_token IS NULL`,
+		`CREATE INDEX "outbox_lease_idx" ON ` + q + `."outbox" (topic, leased_until) WHERE lease_token IS NOT NULL`,
+		`CREATE UNIQUE INDEX "outbox_dedup_idx" ON ` + q + `."outbox" (topic, dedup_key) WHERE dedup_key IS NOT NULL`,
+	}
+}
+
+// Create upgrades the outbox of the previous release in place: it adds the
+// columns that release lacked (and the now default dead-letter table),
+// keeping the rows.
+func TestCreateUpgradesPreviousRelease(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	q := `"` + b.env.Schema + `"`
+	for _, stmt := range previousReleaseDDL(q) {
+		b.exec1(t, stmt)
+	}
+	b.exec1(t, `INSERT INTO `+q+`."outbox" (topic, uuid, payload) VALUES ('t', 'kept', 'x')`)
+	cfg := schema.Config{Schema: b.env.Schema, Table: "outbox"} // dead letters in outbox_dlq
+
+	verr := validationError(t, schema.Validate(ctx, b.exec, cfg))
+	require.Len(t, verr.Problems, 3, "%q", verr.Problems)
+	requireProblem(t, verr.Problems, "outbox.lease_holder", "missing", "bigint")
+	requireProblem(t, verr.Problems, "outbox.failure_reason", "missing", "text")
+	requireProblem(t, verr.Problems, "table "+b.env.Schema+".outbox_dlq is missing")
+
+	require.NoError(t, schema.Create(ctx, b.exec, cfg))
+	require.NoError(t, schema.Validate(ctx, b.exec, cfg))
+	for col, typ := range map[string]string{"lease_holder": "bigint", "failure_reason": "text"} {
+		var got string
+		require.NoError(t, b.env.Pool.QueryRow(ctx, `SELECT format_type(atttypid, atttypmod) FROM pg_attribute
+			WHERE attrelid = format('%I.%I', $1::text, 'outbox')::regclass AND attname = $2 AND NOT attisdropped`,
+			b.env.Schema, col).Scan(&got))
+		require.Equal(t, typ, got, col)
+	}
+	require.True(t, exists(t, b.env.Pool, b.env.Schema, "outbox_dlq"))
+	var uuid string
+	var holder, reason *string
+	require.NoError(t, b.env.Pool.QueryRow(ctx, `SELECT uuid, lease_holder::text, failure_reason FROM `+q+`."outbox"`).
+		Scan(&uuid, &holder, &reason))
+	require.Equal(t, "kept", uuid)
+	require.Nil(t, holder)
+	require.Nil(t, reason)
+
+	// Once up to date, Create (at every start of every instance) must not
+	// lock out the writers of a live queue: no ACCESS EXCLUSIVE lock, nor
+	// any other that conflicts with a writer's ROW EXCLUSIVE.
+	t.Run("AgainTakesNoLockAWriterWaitsFor", func(t *testing.T) {
+		ptx, err := b.env.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = ptx.Rollback(ctx) }()
+		require.NoError(t, schema.Create(ctx, tx.FromPgxTx(ptx), cfg))
+		rows, err := ptx.Query(ctx, `SELECT c.relname, l.mode FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+			WHERE l.pid = pg_backend_pid() AND l.locktype = 'relation' AND c.relnamespace = $1::regnamespace
+			  AND c.relname IN ('outbox', 'outbox_dlq')`, b.env.Schema)
+		require.NoError(t, err)
+		locks, err := pgx.CollectRows(rows, pgx.RowToStructByPos[struct{ Table, Mode string }])
+		require.NoError(t, err)
+		for _, l := range locks {
+			require.NotContains(t, []string{"ShareLock", "ShareRowExclusiveLock", "ExclusiveLock", "AccessExclusiveLock"}, l.Mode,
+				"Create holds %s on %s, which a writer (ROW EXCLUSIVE) waits for", l.Mode, l.Table)
+		}
+	})
+
+	// The same, as it happens: a transaction that wrote to the outbox and
+	// is still open does not hold Create up.
+	t.Run("AgainBesideAnOpenWriter", func(t *testing.T) {
+		writer, err := b.env.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = writer.Rollback(ctx) }()
+		_, err = writer.Exec(ctx, `LOCK TABLE `+q+`."outbox" IN ROW EXCLUSIVE MODE`)
+		require.NoError(t, err)
+		createCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		require.NoError(t, schema.Create(createCtx, b.exec, cfg), "Create waited for the open writer")
+	})
+}

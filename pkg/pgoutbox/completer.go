@@ -28,7 +28,7 @@ type completer struct {
 	topic string
 
 	jobs     chan writeJob
-	results  chan writeResult
+	results  chan<- report
 	done     chan struct{}
 	deadline atomic.Int64 // unix nanos; set for the final writes at close: bounds every statement
 	inFlight atomic.Int64 // ops of the job under way, for the owner's backpressure bound
@@ -134,14 +134,14 @@ type writeResult struct {
 	err        error
 }
 
-func newCompleter(pool *pgxpool.Pool, q *query.Queries, cfg *SubscriberConfig, topic string) *completer {
+func newCompleter(pool *pgxpool.Pool, q *query.Queries, cfg *SubscriberConfig, topic string, results chan<- report) *completer {
 	return &completer{
 		pool:    pool,
 		q:       q,
 		cfg:     cfg,
 		topic:   topic,
 		jobs:    make(chan writeJob, 1),
-		results: make(chan writeResult, 1),
+		results: results,
 		done:    make(chan struct{}),
 	}
 }
@@ -168,7 +168,7 @@ func (c *completer) run() {
 	for j := range c.jobs {
 		r := c.write(j)
 		c.inFlight.Store(0)
-		c.results <- r
+		c.results <- report{write: &r}
 	}
 }
 
@@ -351,7 +351,7 @@ func collectWritten(w written) func(pgx.Rows, error) error {
 			return err
 		}
 		defer rows.Close()
-		var got []writtenKey
+		got := make([]writtenKey, 0, 64)
 		for rows.Next() {
 			var id int64
 			var token pgtype.UUID

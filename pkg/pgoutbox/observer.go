@@ -90,6 +90,7 @@ type eventQueue struct {
 	obs     safeObserver
 	mu      sync.Mutex
 	q       []Event
+	spare   []Event // the other buffer: the queue and the batch being observed swap
 	dropped int
 	closed  bool
 	wake    chan struct{}
@@ -116,11 +117,14 @@ func (e *eventQueue) observe(ev Event) {
 		e.mu.Unlock()
 		return
 	}
+	first := len(e.q) == 0
 	e.q = append(e.q, ev)
 	e.mu.Unlock()
-	select {
-	case e.wake <- struct{}{}:
-	default:
+	if first { // later ones find the goroutine woken already, or busy
+		select {
+		case e.wake <- struct{}{}:
+		default:
+		}
 	}
 }
 
@@ -146,7 +150,7 @@ func (e *eventQueue) run() {
 		for {
 			e.mu.Lock()
 			batch, dropped, closed := e.q, e.dropped, e.closed
-			e.q, e.dropped = nil, 0
+			e.q, e.dropped = e.spare[:0], 0
 			e.mu.Unlock()
 			if dropped > 0 {
 				e.obs.logger.Error("Observer too slow; events dropped", nil, watermill.LogFields{"dropped": dropped})
@@ -154,6 +158,10 @@ func (e *eventQueue) run() {
 			for _, ev := range batch {
 				e.obs.observe(ev)
 			}
+			clear(batch) // let go of the events' errors
+			e.mu.Lock()
+			e.spare = batch[:0]
+			e.mu.Unlock()
 			if len(batch) == 0 {
 				if closed {
 					return

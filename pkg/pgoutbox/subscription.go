@@ -45,7 +45,7 @@ type subscription struct {
 	slotStop   chan struct{} // closed when stopping: slots hand out nothing more
 	slotsDone  sync.WaitGroup
 	verdictBuf []verdict
-	claimed    chan claimResult
+	reports    chan report // results of the claim goroutine and the completer
 	comp       *completer
 
 	// stopCtx ends when the subscription stops: reads that only plan
@@ -91,6 +91,38 @@ type subscription struct {
 	ackWait          time.Time // a paced write of acks is due then
 }
 
+// report is what the claim goroutine, the completer or forwardSignals
+// sends the owner: one channel for all keeps the owner's select small.
+type report struct {
+	claim *claimResult
+	write *writeResult
+	stop  bool // the Subscribe context ended or the Subscriber closes
+	// none of them: the notifier woke the subscription (waiter.Take says why)
+}
+
+// forwardSignals turns the notifier's wake-ups and the stop signals into
+// reports, until ended closes.
+func (sub *subscription) forwardSignals(ended <-chan struct{}) {
+	stop, closing := sub.ctx.Done(), sub.s.closing
+	for {
+		var r report
+		select {
+		case <-ended:
+			return
+		case <-sub.waiter.C:
+		case <-stop:
+			r.stop, stop, closing = true, nil, nil
+		case <-closing:
+			r.stop, stop, closing = true, nil, nil
+		}
+		select {
+		case sub.reports <- r:
+		case <-ended:
+			return
+		}
+	}
+}
+
 // verdict is a handler's answer for a delivery, sent by its watcher.
 type verdict struct {
 	d        *delivery
@@ -113,7 +145,7 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 		logger:    s.logger.With(watermill.LogFields{"topic": topic}),
 		waiter:    waiter,
 		verdicts:  verdictInbox{wake: make(chan struct{}, 1)},
-		claimed:   make(chan claimResult, 1),
+		reports:   make(chan report, 3), // one claim, one write and one signal at a time
 		held:      map[*delivery]struct{}{},
 		writeBO:   newBackoff(),
 		claimBO:   newBackoff(),
@@ -125,9 +157,11 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 	}
 	sub.stopCtx, sub.cancelStop = context.WithCancel(context.Background())
 	if s.cfg.MaxInFlight > 1 {
-		sub.slots, sub.slotStop = make(chan slotItem, 2*s.cfg.MaxInFlight), make(chan struct{})
+		// The whole lease window fits: slots take the next message
+		// without waiting for the owner, as the claim fills the queue.
+		sub.slots, sub.slotStop = make(chan slotItem, s.cfg.MaxInFlight+maxPrefetch), make(chan struct{})
 	}
-	sub.comp = newCompleter(s.pool, s.q, &s.cfg, topic)
+	sub.comp = newCompleter(s.pool, s.q, &s.cfg, topic, sub.reports)
 	sub.timer = time.NewTimer(time.Hour)
 	sub.timer.Stop()
 	return sub
@@ -148,17 +182,12 @@ func (sub *subscription) run() {
 	go sub.comp.run()
 	defer sub.comp.stop()
 
-	stop := make(chan struct{})
-	stopOnce := sync.OnceFunc(func() { close(stop) })
-	defer context.AfterFunc(sub.ctx, stopOnce)()
-	go func() {
-		select {
-		case <-sub.s.closing:
-			stopOnce()
-		case <-stop:
-		}
-	}()
-	stopC := (<-chan struct{})(stop)
+	// The signals from outside (a wake-up from the notifier, the end of
+	// the Subscribe context, the Subscriber's Close) reach the owner as
+	// reports, so its select waits on few channels.
+	ended := make(chan struct{})
+	defer close(ended)
+	go sub.forwardSignals(ended)
 	if sub.cfg.MaxInFlight > 1 {
 		for range sub.cfg.MaxInFlight {
 			sub.slotsDone.Add(1)
@@ -226,17 +255,21 @@ func (sub *subscription) run() {
 			sub.onVerdict(verdict{d: sub.single, seq: sub.single.seq, msg: single, ack: true}, false)
 		case <-nackC:
 			sub.onVerdict(verdict{d: sub.single, seq: sub.single.seq, msg: single}, false)
-		case r := <-sub.claimed:
-			sub.onClaimed(r)
-		case r := <-sub.comp.results:
-			sub.onWritten(r)
-		case <-sub.waiter.C:
-			sub.onNotified(sub.waiter.Take())
+		case r := <-sub.reports:
+			switch {
+			case r.claim != nil:
+				sub.onClaimed(*r.claim)
+			case r.write != nil:
+				sub.onWritten(*r.write)
+			case r.stop:
+				if !sub.stopping {
+					sub.beginStop()
+				}
+			default:
+				sub.onNotified(sub.waiter.Take())
+			}
 		case <-sub.timer.C:
 			sub.timerAt = time.Time{} // passedTimes acts on it
-		case <-stopC:
-			stopC = nil
-			sub.beginStop()
 		}
 	}
 	if sub.slots != nil {
@@ -390,7 +423,10 @@ func (sub *subscription) startClaim(now time.Time) {
 			req.orphansOf = spare
 		}
 	}
-	go func() { sub.claimed <- sub.runClaim(req) }()
+	go func() {
+		r := sub.runClaim(req)
+		sub.reports <- report{claim: &r}
+	}()
 }
 
 // holder is what this process's rows are stamped with: its liveness key
@@ -464,15 +500,17 @@ func (sub *subscription) onClaimed(r claimResult) {
 // that must not go out (lease likely gone, too many deliveries,
 // undecodable) are dealt with on the way.
 func (sub *subscription) nextMessage(now time.Time) (*delivery, chan *message.Message) {
-	if sub.stopping || sub.handed >= sub.maxHandedOut() || sub.backpressured() {
+	if sub.stopping || sub.backpressured() {
 		return nil, nil
 	}
-	if sub.ready != nil {
-		return sub.ready, sub.out
-	}
+	full := sub.handed >= sub.maxHandedOut()
 	if d := sub.retry; d != nil {
-		if !d.holdDone || now.Before(d.retryAt) {
+		if !d.holdDone || now.Before(d.retryAt) || full {
 			return nil, nil // ordered: nothing overtakes the retry
+		}
+		if r := sub.ready; r != nil { // prepared before the nack: back in front
+			sub.ready = nil
+			sub.buffer = append([]*delivery{r}, sub.buffer...)
 		}
 		sub.retry = nil
 		d.state = buffered
@@ -482,22 +520,26 @@ func (sub *subscription) nextMessage(now time.Time) (*delivery, chan *message.Me
 		d.claimedAt = now // the stalled-buffer check measures from here
 		if sub.prepare(d, now) {
 			sub.ready = d
-			return d, sub.out
 		}
 	}
-	for len(sub.buffer) > 0 {
+	// The next message is prepared while the current one is in flight, so
+	// a verdict is followed by the next hand-out at once.
+	for sub.ready == nil && len(sub.buffer) > 0 {
 		d := sub.buffer[0]
 		sub.buffer[0] = nil
 		sub.buffer = sub.buffer[1:]
-		if d.state == finished {
-			continue // lease lost while buffered
-		}
-		if sub.prepare(d, now) {
+		switch {
+		case d.state == finished: // lease lost while buffered
+		case d.msg != nil: // prepared already, then put back
 			sub.ready = d
-			return d, sub.out
+		case sub.prepare(d, now):
+			sub.ready = d
 		}
 	}
-	return nil, nil
+	if sub.ready == nil || full {
+		return nil, nil
+	}
+	return sub.ready, sub.out
 }
 
 // prepare admits d and builds its message (MaxInFlight 1: the owner hands
@@ -575,10 +617,40 @@ func (sub *subscription) handedOut(d *delivery) {
 		outcome: d.outcome, stop: d.stopWatch}
 }
 
+// takeQueued takes back the deliveries in the slots' queue that no slot
+// took yet, in queue order; they count as handed out no more.
+func (sub *subscription) takeQueued() []*delivery {
+	var out []*delivery
+	for sub.slots != nil {
+		select {
+		case it := <-sub.slots:
+			it.d.state = buffered
+			sub.handed--
+			out = append(out, it.d)
+			continue
+		default:
+		}
+		break
+	}
+	return out
+}
+
+// oldestHandedOut is how long ago the oldest delivery still handed out
+// went to the slots.
+func (sub *subscription) oldestHandedOut(now time.Time) time.Duration {
+	var oldest time.Duration
+	for d := range sub.held {
+		if d.state == handedOut {
+			oldest = max(oldest, now.Sub(d.handedAt))
+		}
+	}
+	return oldest
+}
+
 // maxHandedOut bounds the deliveries given to the Router or to the slots.
-// MaxInFlight slots send at most MaxInFlight messages to the Router; as
-// many more wait in the slots' queue, so a slot that got its verdict takes
-// the next message without waiting for the owner to wake up.
+// MaxInFlight slots send at most MaxInFlight messages to the Router; the
+// rest of the lease window waits in the slots' queue, so a slot that got
+// its verdict takes the next message without waiting for the owner.
 func (sub *subscription) maxHandedOut() int {
 	if sub.slots != nil {
 		return cap(sub.slots)
@@ -828,6 +900,10 @@ func (sub *subscription) housekeeping(now time.Time) {
 	if oldest != nil && now.Sub(oldest.claimedAt) > sub.cfg.Lease/2 {
 		sub.giveBack(sub.takeBuffer())
 	}
+	if sub.slots != nil && len(sub.slots) > 0 && sub.oldestHandedOut(now) > sub.cfg.Lease/2 {
+		// The same for the slots' queue: what no slot took yet goes back.
+		sub.giveBack(sub.takeQueued())
+	}
 	if !now.Before(sub.nextRenew) && sub.pending.renew == nil {
 		var rows []*delivery
 		for d := range sub.held {
@@ -870,10 +946,11 @@ func (sub *subscription) endMessage(d *delivery) {
 func (sub *subscription) beginStop() {
 	sub.stopping = true
 	sub.cancelStop()
+	queued := sub.takeQueued()
 	if sub.slotStop != nil {
-		close(sub.slotStop)
+		close(sub.slotStop) // a slot holding a message reports it unsent
 	}
-	sub.giveBack(sub.takeBuffer())
+	sub.giveBack(append(queued, sub.takeBuffer()...))
 	if d := sub.retry; d != nil && d.holdDone {
 		// Not delivered again yet: the hold counted that delivery.
 		sub.retry = nil

@@ -134,17 +134,24 @@ func (b *testBundle) written(lost ...*delivery) {
 	b.sub.onWritten(r)
 }
 
-func TestOwnerHandsOutInQueueOrderWithinMaxInFlight(t *testing.T) {
+func TestOwnerHandsOutInQueueOrder(t *testing.T) {
 	t.Parallel()
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
 	b.claimed(t, 1, 2, 3, 4, 5)
-	for id := range int64(4) {
-		require.Equal(t, id+1, b.handOut(t).id)
+	b.sub.dispatch(time.Now())
+	require.Equal(t, 5, b.sub.handed, "the whole window is queued for the two slots")
+	for id := range int64(5) {
+		it := <-b.sub.slots
+		require.Equal(t, id+1, it.d.id, "in queue order")
+		require.Equal(t, it.d.seq, it.seq)
 	}
-	_, ch := b.sub.nextMessage(time.Now())
-	require.Nil(t, ch, "MaxInFlight 2: two slots, each with one more queued; the fifth waits")
-	require.Equal(t, 5, b.sub.unjudged())
-	require.Len(t, b.sub.slots, 4, "handed to the slots in order")
+
+	ordered := setup(t, nil)
+	ordered.claimed(t, 1, 2)
+	require.Equal(t, int64(1), ordered.handOut(t).id)
+	_, ch := ordered.sub.nextMessage(time.Now())
+	require.Nil(t, ch, "MaxInFlight 1: the second waits for the first's verdict")
+	require.Equal(t, int64(2), ordered.sub.ready.id, "prepared meanwhile")
 }
 
 func TestOwnerAckIsWrittenThenFinished(t *testing.T) {
@@ -318,6 +325,7 @@ func TestOwnerStopGivesBackTheBufferAndReleasesAfterTheDrain(t *testing.T) {
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
 	b.claimed(t, 1, 2, 3)
 	d := b.handOut(t)
+	<-b.sub.slots // a slot took it to the Router
 	b.sub.claiming = false
 	b.sub.beginStop()
 	require.Len(t, b.sub.pending.returns, 2, "the buffer goes back at once")

@@ -351,7 +351,7 @@ func collectWritten(w written) func(pgx.Rows, error) error {
 			return err
 		}
 		defer rows.Close()
-		got := make([]writtenKey, 0, 64)
+		got := make([]writtenKey, 0, 128)
 		for rows.Next() {
 			var id int64
 			var token pgtype.UUID

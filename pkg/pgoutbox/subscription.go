@@ -336,7 +336,7 @@ func (sub *subscription) armTimer(now time.Time) {
 	earliest(sub.ackWait)
 	earliest(sub.claimWait)
 	if sub.retry != nil && sub.retry.holdDone {
-		earliest(sub.retry.retryAt)
+		earliest(sub.retry.retryAt.time())
 	}
 	if at.Equal(sub.timerAt) {
 		return
@@ -464,7 +464,8 @@ func (sub *subscription) onClaimed(r claimResult) {
 	sub.scan.claimed(r)
 	sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Count: len(r.rows)})
 	for _, d := range r.rows {
-		d.claimedAt, d.expiresAt = r.req.sent, r.req.sent.Add(sub.cfg.Lease)
+		d.claimedAt = at(r.req.sent)
+		d.expiresAt = d.claimedAt.add(sub.cfg.Lease)
 		sub.held[d] = struct{}{}
 	}
 	if sub.stopping || r.req.gen != sub.gen {
@@ -505,7 +506,7 @@ func (sub *subscription) nextMessage(now time.Time) (*delivery, chan *message.Me
 	}
 	full := sub.handed >= sub.maxHandedOut()
 	if d := sub.retry; d != nil {
-		if !d.holdDone || now.Before(d.retryAt) || full {
+		if !d.holdDone || at(now) < d.retryAt || full {
 			return nil, nil // ordered: nothing overtakes the retry
 		}
 		if r := sub.ready; r != nil { // prepared before the nack: back in front
@@ -517,7 +518,7 @@ func (sub *subscription) nextMessage(now time.Time) (*delivery, chan *message.Me
 		d.deliveries++ // the hold counted this delivery
 		// A handler past its ack deadline may still hold the payload.
 		d.payload = bytes.Clone(d.payload)
-		d.claimedAt = now // the stalled-buffer check measures from here
+		d.claimedAt = at(now) // the stalled-buffer check measures from here
 		if sub.prepare(d, now) {
 			sub.ready = d
 		}
@@ -583,7 +584,7 @@ func (sub *subscription) admit(d *delivery, now time.Time) bool {
 	// A row that waited while renewals could not reach the database may be
 	// someone else's by now: give it back (under its token) rather than
 	// risk two holders.
-	if !now.Add(sub.cfg.StatementTimeout).Before(d.expiresAt) {
+	if at(now).add(sub.cfg.StatementTimeout) >= d.expiresAt {
 		back := []*delivery{d}
 		if sub.ordered() {
 			// Nothing may overtake it: everything behind goes back too.
@@ -604,7 +605,7 @@ func (sub *subscription) admit(d *delivery, now time.Time) bool {
 // verdict itself, one goroutine hop less per message.
 func (sub *subscription) handedOut(d *delivery) {
 	sub.ready = nil
-	d.state, d.handedAt = handedOut, time.Now()
+	d.state, d.handedAt = handedOut, at(time.Now())
 	d.seq++
 	sub.handed++
 	if sub.slots == nil {
@@ -641,7 +642,7 @@ func (sub *subscription) oldestHandedOut(now time.Time) time.Duration {
 	var oldest time.Duration
 	for d := range sub.held {
 		if d.state == handedOut {
-			oldest = max(oldest, now.Sub(d.handedAt))
+			oldest = max(oldest, at(now).since(d.handedAt))
 		}
 	}
 	return oldest
@@ -829,7 +830,7 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		// Ordered: the row stays ours and goes out again before anything
 		// later, after its delay. The buffer goes back meanwhile, in order,
 		// rather than sit leased through a long delay.
-		d.state, d.retryAt, d.holdDone = retrying, time.Now().Add(n.delay), false
+		d.state, d.retryAt, d.holdDone = retrying, at(time.Now()).add(n.delay), false
 		if n.meta != nil {
 			d.metaRaw = n.meta // as the hold stores it
 		}
@@ -885,7 +886,7 @@ func (sub *subscription) release(d *delivery) {
 func (sub *subscription) housekeeping(now time.Time) {
 	if sub.cfg.AckDeadline > 0 && sub.slots == nil { // with slots, each slot keeps it
 		for d := range sub.held {
-			if d.state == handedOut && now.Sub(d.handedAt) >= sub.cfg.AckDeadline {
+			if d.state == handedOut && at(now).since(d.handedAt) >= sub.cfg.AckDeadline {
 				sub.ackDeadlinePassed(d, d.msg)
 			}
 		}
@@ -897,7 +898,7 @@ func (sub *subscription) housekeeping(now time.Time) {
 	if oldest == nil && len(sub.buffer) > 0 {
 		oldest = sub.buffer[0]
 	}
-	if oldest != nil && now.Sub(oldest.claimedAt) > sub.cfg.Lease/2 {
+	if oldest != nil && at(now).since(oldest.claimedAt) > sub.cfg.Lease/2 {
 		sub.giveBack(sub.takeBuffer())
 	}
 	if sub.slots != nil && len(sub.slots) > 0 && sub.oldestHandedOut(now) > sub.cfg.Lease/2 {
@@ -1078,7 +1079,7 @@ func (sub *subscription) onWritten(r writeResult) {
 		switch {
 		case r.done.has(d):
 			d.holdDone = true
-			d.expiresAt = r.sent.Add(sub.cfg.Lease)
+			d.expiresAt = at(r.sent).add(sub.cfg.Lease)
 			sub.s.obs.observe(Event{Kind: EventRetried, Topic: sub.topic, RowID: d.id, Deliveries: d.deliveries})
 			if sub.stopping {
 				sub.retry = nil
@@ -1190,7 +1191,7 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 		}
 		if r.renewDone.has(d) {
 			renewed++
-			d.expiresAt = r.renewSent.Add(sub.cfg.Lease)
+			d.expiresAt = at(r.renewSent).add(sub.cfg.Lease)
 			continue
 		}
 		if d.state == writing || (d.state == retrying && !d.holdDone) {

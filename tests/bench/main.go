@@ -35,6 +35,7 @@ import (
 	"math"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"syscall"
@@ -64,6 +65,7 @@ type options struct {
 	scale        float64
 	backlogLarge int
 	syncCommit   bool
+	cpuProfile   string
 }
 
 // bench is what every run shares: the pool, the connection settings and the
@@ -105,6 +107,7 @@ func parseFlags() (options, error) {
 	flag.BoolVar(&o.json, "json", false, "print one JSON object per system and scenario on stdout (the table then goes to stderr)")
 	flag.Float64Var(&o.scale, "scale", 1, "multiply every message count (including -backlog-large) by this factor, e.g. 0.1 for a quick run")
 	flag.IntVar(&o.backlogLarge, "backlog-large", 1_000_000, "backlog size of the drain-1m scenario")
+	flag.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run to this file (go tool pprof)")
 	flag.BoolVar(&o.syncCommit, "sync-commit", false, "make pgoutbox's claims and acks wait for the WAL flush (SubscriberConfig.SynchronousCommit; default: asynchronous, pgoutbox's default). raw always waits, raw-async never does; watermill-sql always waits")
 	flag.Parse()
 
@@ -164,6 +167,17 @@ func (b *bench) count(n int) int {
 }
 
 func run(ctx context.Context, opts options) error {
+	if opts.cpuProfile != "" {
+		f, err := os.Create(opts.cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
 	b := &bench{
 		opts: opts,
 		// Errors only: a benchmark run must stay quiet unless something breaks.

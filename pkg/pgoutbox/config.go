@@ -30,12 +30,28 @@ type PublisherConfig struct {
 	// transaction follows the message's context, like your other
 	// statements. Defaults to 10s.
 	StatementTimeout time.Duration
+	// NotifyCooldown spaces the wake-ups a process sends for one topic:
+	// a Publish sends a NOTIFY (which wakes idle subscribers at once) only
+	// if no Publish of this process did so for that topic within the
+	// cooldown; the others write their rows only. A transaction that
+	// NOTIFYs takes a database-wide lock at commit, so notifying in every
+	// transaction serializes concurrent publishers' commits. Subscribers
+	// poll again shortly after each wake-up, which picks up the rows of
+	// the quiet publishes that followed it. Defaults to 2ms. The special
+	// value -1 notifies in every Publish.
+	NotifyCooldown time.Duration
 }
+
+// DefaultNotifyCooldown is PublisherConfig.NotifyCooldown's default.
+const DefaultNotifyCooldown = 2 * time.Millisecond
 
 func (c *PublisherConfig) setDefaults() {
 	c.Tables = c.Tables.WithDefaults()
 	if c.StatementTimeout == 0 {
 		c.StatementTimeout = DefaultStatementTimeout
+	}
+	if c.NotifyCooldown == 0 {
+		c.NotifyCooldown = DefaultNotifyCooldown
 	}
 }
 
@@ -47,6 +63,9 @@ func (c PublisherConfig) Validate() error {
 	}
 	if c.StatementTimeout < 0 {
 		return fmt.Errorf("%w: StatementTimeout is %s; use a positive duration", ErrInvalidConfig, c.StatementTimeout)
+	}
+	if c.NotifyCooldown < 0 && c.NotifyCooldown != -1 {
+		return fmt.Errorf("%w: NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", ErrInvalidConfig, c.NotifyCooldown)
 	}
 	return nil
 }

@@ -35,6 +35,7 @@ const maxTopicLen = 1024
 // use as far as its Executor is (a transaction is not).
 type Publisher struct {
 	exec    tx.Executor
+	limiter notifyLimiter
 	timeout time.Duration // for a pool's Publish: see PublisherConfig.StatementTimeout
 	q       *query.Queries
 	logger  watermill.LoggerAdapter
@@ -56,8 +57,14 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 	if config.StatementTimeout < 0 {
 		return nil, fmt.Errorf("%w: StatementTimeout is %s; use a positive duration", ErrInvalidConfig, config.StatementTimeout)
 	}
+	if config.NotifyCooldown < 0 && config.NotifyCooldown != -1 {
+		return nil, fmt.Errorf("%w: NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", ErrInvalidConfig, config.NotifyCooldown)
+	}
 	if config.StatementTimeout == 0 {
 		config.StatementTimeout = DefaultStatementTimeout
+	}
+	if config.NotifyCooldown == 0 {
+		config.NotifyCooldown = DefaultNotifyCooldown
 	}
 	// Validated once per outbox, then cached: one publisher per
 	// transaction must cost next to nothing (publish-1 in tests/bench).
@@ -67,6 +74,7 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 	}
 	return &Publisher{
 		exec:    exec,
+		limiter: notifyLimiter{cooldown: config.NotifyCooldown},
 		timeout: config.StatementTimeout,
 		q:       q,
 		logger:  logger,
@@ -97,8 +105,20 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	}
 	ctx, cancel := p.stmtCtx(msgs[0].Context())
 	defer cancel()
-	if _, err := p.exec.Exec(ctx, p.q.PublishPlain, topic, args.uuids, args.payloads, args.metadata, p.q.Names.Channel); err != nil {
-		return p.wrapErr(topic, err)
+	notify := p.limiter.allow(p.q.Names.Channel, topic)
+	var err2 error
+	switch {
+	case len(msgs) == 1 && notify:
+		_, err2 = p.exec.Exec(ctx, p.q.PublishOne, topic, args.uuids[0], args.payloads[0], args.metadata[0], p.q.Names.Channel)
+	case len(msgs) == 1:
+		_, err2 = p.exec.Exec(ctx, p.q.PublishOneQuiet, topic, args.uuids[0], args.payloads[0], args.metadata[0])
+	case notify:
+		_, err2 = p.exec.Exec(ctx, p.q.PublishPlain, topic, args.uuids, args.payloads, args.metadata, p.q.Names.Channel)
+	default:
+		_, err2 = p.exec.Exec(ctx, p.q.PublishPlainQuiet, topic, args.uuids, args.payloads, args.metadata)
+	}
+	if err2 != nil {
+		return p.wrapErr(topic, err2)
 	}
 	p.obs.observe(Event{Kind: EventPublished, Topic: topic, Count: len(msgs)})
 	return nil
@@ -152,8 +172,15 @@ func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publ
 	}
 	ctx, cancel := p.stmtCtx(msgs[0].Context())
 	defer cancel()
-	rows, err := p.exec.Query(ctx, p.q.Publish, topic, args.uuids, args.payloads, args.metadata,
-		args.delays, args.ats, args.dedup, p.q.Names.Channel)
+	var rows tx.Rows
+	var err error
+	if p.limiter.allow(p.q.Names.Channel, topic) {
+		rows, err = p.exec.Query(ctx, p.q.Publish, topic, args.uuids, args.payloads, args.metadata,
+			args.delays, args.ats, args.dedup, p.q.Names.Channel)
+	} else {
+		rows, err = p.exec.Query(ctx, p.q.PublishQuiet, topic, args.uuids, args.payloads, args.metadata,
+			args.delays, args.ats, args.dedup)
+	}
 	if err != nil {
 		return PublishResult{}, p.wrapErr(topic, err)
 	}

@@ -68,6 +68,7 @@ type subscription struct {
 	scan      claimScan
 
 	claiming         bool
+	lookAgain        int       // looks left after a publisher's wake-up (see onNotified)
 	wokeDuringClaim  bool      // something woke us while the claim ran: an empty claim may have missed it
 	wantClaim        bool      // claim when there is room: the last claim found rows, or something woke us
 	claimWait        time.Time // after a failed claim: not before then
@@ -288,8 +289,23 @@ func (sub *subscription) onNotified(k notifier.Kinds) {
 	if k.Orphans {
 		sub.scan.findOrphans = true
 	}
+	if k.Due || k.Scheduled {
+		// Publishers notify once per cooldown (PublisherConfig.
+		// NotifyCooldown): rows of the quiet publishes right after this
+		// one are found by a look again shortly after.
+		sub.lookAgain = lookAgainTimes
+	}
 	sub.wake(false)
 }
+
+// After a wake-up by a publisher, an idle subscription looks again
+// lookAgainTimes times, lookAgainAfter apart, before its idle polling
+// resumes: twice the default NotifyCooldown, so a row published quietly
+// right after the notifying one waits about that long, not a poll interval.
+const (
+	lookAgainTimes = 2
+	lookAgainAfter = 2 * DefaultNotifyCooldown
+)
 
 // maxFastTurns bounds the owner's turns on the fast path (see run).
 const maxFastTurns = 64
@@ -478,6 +494,11 @@ func (sub *subscription) onClaimed(r claimResult) {
 	sub.buffer = append(sub.buffer, r.rows...)
 	if len(r.rows) > 0 {
 		sub.wantClaim, sub.idlePoll = true, sub.cfg.MinPollInterval
+		if sub.lookAgain > 0 {
+			// Still busy after a publisher's wake-up: quiet publishes may
+			// keep coming, keep looking again after the claims run dry.
+			sub.lookAgain = lookAgainTimes
+		}
 		return
 	}
 	if woke {
@@ -490,6 +511,10 @@ func (sub *subscription) onClaimed(r claimResult) {
 	sub.wantClaim = false
 	wait := jitter(sub.idlePoll)
 	sub.idlePoll = min(sub.idlePoll*2, sub.cfg.MaxPollInterval)
+	if sub.lookAgain > 0 {
+		sub.lookAgain--
+		wait = min(wait, lookAgainAfter)
+	}
 	if r.dueIn > 0 && r.dueIn < wait {
 		wait = r.dueIn
 	}

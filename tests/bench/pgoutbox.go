@@ -24,21 +24,36 @@ const (
 
 // pgoutboxSystem is the library under test, used as its README shows:
 // a publisher per transaction, a Subscriber on a pgxpool, a Router.
-type pgoutboxSystem struct{}
+// notifyEach makes "pgoutbox-notify-each": publishers NOTIFY in every
+// transaction (NotifyCooldown -1), the behaviour before the cooldown; only
+// the scenarios that name it run it.
+type pgoutboxSystem struct{ notifyEach bool }
 
-func (pgoutboxSystem) name() string { return "pgoutbox" }
+const pgoutboxNotifyEachName = "pgoutbox-notify-each"
 
-func (pgoutboxSystem) newInstance(ctx context.Context, b *bench, schemaName string) (instance, error) {
+func (s pgoutboxSystem) name() string {
+	if s.notifyEach {
+		return pgoutboxNotifyEachName
+	}
+	return "pgoutbox"
+}
+
+func (s pgoutboxSystem) newInstance(ctx context.Context, b *bench, schemaName string) (instance, error) {
 	tables := schema.Config{Schema: schemaName, Table: "outbox"}
 	if err := schema.Create(ctx, tx.FromPgxPool(b.pool), tables); err != nil {
 		return nil, err
 	}
-	return &pgoutboxInstance{b: b, tables: tables}, nil
+	cooldown := time.Duration(0) // the default
+	if s.notifyEach {
+		cooldown = -1
+	}
+	return &pgoutboxInstance{b: b, tables: tables, cooldown: cooldown}, nil
 }
 
 type pgoutboxInstance struct {
-	b      *bench
-	tables schema.Config
+	b        *bench
+	tables   schema.Config
+	cooldown time.Duration
 }
 
 func (i *pgoutboxInstance) table() string {
@@ -47,7 +62,7 @@ func (i *pgoutboxInstance) table() string {
 
 func (i *pgoutboxInstance) publish(_ context.Context, t pgx.Tx, msgs []*message.Message) error {
 	// One publisher per transaction, as documented: it is cheap.
-	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(t), pgoutbox.PublisherConfig{Tables: i.tables}, nil)
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(t), pgoutbox.PublisherConfig{Tables: i.tables, NotifyCooldown: i.cooldown}, nil)
 	if err != nil {
 		return err
 	}

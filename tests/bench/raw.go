@@ -34,10 +34,18 @@ import (
 // hand-written consumer gets; "raw-async" adds pgoutbox's own
 // asynchronous-commit condition to its claim and ack, the floor for the
 // same durability trade pgoutbox makes by default.
-type rawSystem struct{ async bool }
+// rawSystem is the hand-written floor. insertOnly makes "raw-insert": the
+// same, but its publish is a bare INSERT without NOTIFY (the floor of the
+// concurrent publish scenarios, which only it takes part in).
+type rawSystem struct{ async, insertOnly bool }
+
+const rawInsertName = "raw-insert"
 
 func (r rawSystem) name() string {
-	if r.async {
+	switch {
+	case r.insertOnly:
+		return rawInsertName
+	case r.async:
 		return "raw-async"
 	}
 	return "raw"
@@ -65,10 +73,15 @@ func (r rawSystem) newInstance(ctx context.Context, b *bench, schemaName string)
 	if r.async {
 		ac = rawAsyncCommit
 	}
+	insert := `INSERT INTO ` + t + ` (topic, uuid, payload) VALUES ($1, $2, $3)`
+	if !r.insertOnly {
+		insert = ""
+	}
 	return &rawInstance{
-		b:       b,
-		qtable:  t,
-		channel: "bench_raw_" + schemaName,
+		b:         b,
+		insertSQL: insert,
+		qtable:    t,
+		channel:   "bench_raw_" + schemaName,
 		publishSQL: `
 WITH ins AS (
     INSERT INTO ` + t + ` (topic, uuid, payload)
@@ -111,6 +124,7 @@ type rawInstance struct {
 	qtable     string
 	channel    string
 	publishSQL string
+	insertSQL  string // raw-insert: a bare INSERT of one message, no NOTIFY
 	claimSQL   string
 	ackSQL     string
 }
@@ -118,6 +132,10 @@ type rawInstance struct {
 func (i *rawInstance) table() string { return i.qtable }
 
 func (i *rawInstance) publish(ctx context.Context, t pgx.Tx, msgs []*message.Message) error {
+	if i.insertSQL != "" && len(msgs) == 1 {
+		_, err := t.Exec(ctx, i.insertSQL, topic, msgs[0].UUID, msgs[0].Payload)
+		return err
+	}
 	uuids := make([]string, len(msgs))
 	payloads := make([][]byte, len(msgs))
 	for k, m := range msgs {

@@ -103,13 +103,24 @@ type scenario struct {
 }
 
 func (s *scenario) takes(sys string) bool {
-	return s.systems == nil || slices.Contains(s.systems, sys)
+	if s.systems == nil { // the variants only where a scenario names them
+		return sys != rawInsertName && sys != pgoutboxNotifyEachName
+	}
+	return slices.Contains(s.systems, sys)
 }
+
+// publishSystems are the systems of the concurrent publish scenarios:
+// pgoutbox (and as it was, notifying in every transaction), the floor (a
+// bare INSERT, no NOTIFY) and watermill-sql.
+var publishSystems = []string{"pgoutbox", pgoutboxNotifyEachName, rawInsertName, "watermill-sql"}
 
 // scenarios in output order.
 var scenarios = []*scenario{
 	{name: "publish-1", run: publishScenario(1)},
 	{name: "publish-100", run: publishScenario(100)},
+	{name: "publish-tx-1", systems: publishSystems, run: concurrentPublishScenario(1)},
+	{name: "publish-tx-16", systems: publishSystems, run: concurrentPublishScenario(16)},
+	{name: "latency-busy", systems: []string{"pgoutbox", pgoutboxNotifyEachName, "watermill-sql"}, run: busyLatencyScenario},
 	{name: "drain-1", run: drainScenario(false, 1)},
 	{name: "drain-16", run: drainScenario(false, 16)},
 	{name: "latency-1", run: latencyScenario(1)},
@@ -135,7 +146,7 @@ func scenarioByName(name string) *scenario {
 	panic("unknown scenario " + name)
 }
 
-var systems = []system{pgoutboxSystem{}, rawSystem{}, rawSystem{async: true}, watermillSQLSystem{}}
+var systems = []system{pgoutboxSystem{}, pgoutboxSystem{notifyEach: true}, rawSystem{}, rawSystem{async: true}, rawSystem{insertOnly: true}, watermillSQLSystem{}}
 
 func systemNames() []string {
 	var out []string
@@ -550,4 +561,166 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 	case <-t.C:
 		return true
 	}
+}
+
+// concurrentPublishScenario publishes 20,000 messages, one per transaction,
+// from publishers goroutines at once, each on its own connection: the
+// path of request handlers that each write a domain change and its event.
+// Commits are what it measures (a transaction that NOTIFYs serializes
+// them).
+func concurrentPublishScenario(publishers int) func(context.Context, *bench, instance) (result, error) {
+	return func(ctx context.Context, b *bench, inst instance) (result, error) {
+		n := b.count(20_000)
+		conns := make([]*pgx.Conn, publishers)
+		for i := range conns {
+			c, err := b.conn(ctx)
+			if err != nil {
+				return result{}, err
+			}
+			defer c.Close(context.Background())
+			conns[i] = c
+		}
+		payload := newPayload()
+		errs := make(chan error, publishers)
+		start := time.Now()
+		for i, conn := range conns {
+			share := n / publishers
+			if i < n%publishers {
+				share++
+			}
+			go func() {
+				for range share {
+					t, err := conn.Begin(ctx)
+					if err != nil {
+						errs <- err
+						return
+					}
+					if err := inst.publish(ctx, t, newMessages(1, payload)); err != nil {
+						_ = t.Rollback(context.Background())
+						errs <- fmt.Errorf("publish: %w", err)
+						return
+					}
+					if err := t.Commit(ctx); err != nil {
+						errs <- fmt.Errorf("commit: %w", err)
+						return
+					}
+				}
+				errs <- nil
+			}()
+		}
+		for range publishers {
+			if err := <-errs; err != nil {
+				return result{}, err
+			}
+		}
+		elapsed := time.Since(start)
+		if err := expectRows(ctx, b, inst, int64(n), "after publishing"); err != nil {
+			return result{}, err
+		}
+		return result{msgsPerS: float64(n) / elapsed.Seconds()}, nil
+	}
+}
+
+// busyLatencyScenario measures commit-to-handler latency while 16
+// publishers each write one message per transaction every 5ms (3,200
+// messages/s in all, below what every system sustains, so the figure is
+// about wake-ups, not saturation), to a subscriber (MaxInFlight 16) that
+// keeps up: the wake-ups publishers skip must not make messages wait.
+func busyLatencyScenario(ctx context.Context, b *bench, inst instance) (result, error) {
+	const (
+		publishers = 16
+		every      = 5 * time.Millisecond
+	)
+	n := b.count(16_000)
+	var (
+		mu        sync.Mutex
+		committed = make(map[string]time.Time, n)
+		latencies = make([]float64, 0, n)
+	)
+	handled := newCountdown(n)
+	cons, err := inst.consumer(ctx, consumeConfig{
+		maxInFlight: 16,
+		acks:        n,
+		handle: func(uuid string) error {
+			now := time.Now()
+			mu.Lock()
+			defer mu.Unlock()
+			if t0, ok := committed[uuid]; ok {
+				latencies = append(latencies, ms(now.Sub(t0)))
+			} else {
+				committed[uuid] = time.Time{} // handled before its commit was recorded: latency ~0
+				latencies = append(latencies, 0)
+			}
+			handled.add(1)
+			return nil
+		},
+	})
+	if err != nil {
+		return result{}, err
+	}
+	defer cons.close()
+	if err := cons.start(ctx); err != nil {
+		return result{}, err
+	}
+	if !sleepCtx(ctx, time.Second) { // idle, LISTEN set up
+		return result{}, ctx.Err()
+	}
+	payload := newPayload()
+	errs := make(chan error, publishers)
+	for i := range publishers {
+		conn, err := b.conn(ctx)
+		if err != nil {
+			return result{}, err
+		}
+		defer conn.Close(context.Background())
+		share := n / publishers
+		if i < n%publishers {
+			share++
+		}
+		go func() {
+			begin := time.Now()
+			for k := range share {
+				// Paced against the start, so a slow commit does not push
+				// every later message back.
+				if !sleepCtx(ctx, time.Until(begin.Add(time.Duration(k)*every))) {
+					errs <- ctx.Err()
+					return
+				}
+				msgs := newMessages(1, payload)
+				t, err := conn.Begin(ctx)
+				if err == nil {
+					err = inst.publish(ctx, t, msgs)
+				}
+				if err != nil {
+					_ = t.Rollback(context.Background())
+					errs <- err
+					return
+				}
+				mu.Lock()
+				if _, seen := committed[msgs[0].UUID]; !seen {
+					committed[msgs[0].UUID] = time.Now()
+				}
+				mu.Unlock()
+				if err := t.Commit(ctx); err != nil {
+					errs <- err
+					return
+				}
+			}
+			errs <- nil
+		}()
+	}
+	for range publishers {
+		if err := <-errs; err != nil {
+			return result{}, err
+		}
+	}
+	if err := awaitDone(ctx, handled, cons, 60*time.Second, "messages handled"); err != nil {
+		return result{}, err
+	}
+	if err := closeEmpty(ctx, b, inst, cons, "after the run"); err != nil {
+		return result{}, err
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	return result{p50ms: percentile(latencies, 0.50), p99ms: percentile(latencies, 0.99)}, nil
 }

@@ -57,7 +57,7 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 		// Every branch on: expired and orphaned leases (the orphan branch
 		// reads pg_locks once, hashed) and ready rows.
 		rows, err := conn.Query(ctx, "EXPLAIN "+q.Claim, "topic-3", 100, uuid.NewString(), int64(30e6), "test",
-			fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, []int64{1, 2})
+			fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, "", []int64{1, 2})
 		require.NoError(t, err)
 		for rows.Next() {
 			var line string
@@ -92,7 +92,7 @@ func TestSubscriberWritesCommitAsynchronously(t *testing.T) {
 		Query(context.Context, string, ...any) (pgx.Rows, error)
 	}, stmt string) {
 		t.Helper()
-		rows, err := q.Query(ctx, stmt, "t", 1, uuid.New(), int64(30e6), "test", fromStart, int64(0), true, nil, []int64{})
+		rows, err := q.Query(ctx, stmt, "t", 1, uuid.New(), int64(30e6), "test", fromStart, int64(0), true, nil, "", []int64{})
 		require.NoError(t, err)
 		claimed := 0
 		for rows.Next() {

@@ -20,11 +20,18 @@ import (
 // subscriptions of one topic interleave, hence "with single subscriber".
 func universalFeatures() tests.Features {
 	return tests.Features{
-		ConsumerGroups:                      false,
+		ConsumerGroups:                      true,
 		ExactlyOnceDelivery:                 false,
 		GuaranteedOrder:                     true,
 		GuaranteedOrderWithSingleSubscriber: true,
 		Persistent:                          true,
+	}
+}
+
+// universalGroupConstructor is universalConstructor for a consumer group.
+func universalGroupConstructor(b *bundle) tests.ConsumerGroupPubSubConstructor {
+	return func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
+		return universalPubSub(t, b, group)
 	}
 }
 
@@ -33,19 +40,24 @@ func universalFeatures() tests.Features {
 // server's max_connections.
 func universalConstructor(b *bundle) tests.PubSubConstructor {
 	return func(t *testing.T) (message.Publisher, message.Subscriber) {
-		pub := b.poolPublisher(t)
-		sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
-			Tables:          b.tables,
-			Lease:           5 * time.Second,
-			MinPollInterval: 10 * time.Millisecond,
-			MaxPollInterval: time.Second,
-			DrainTimeout:    time.Second,
-			// The suite nacks one message hundreds of times in a row.
-			RetryPolicy: pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: -1},
-		}, b.logger)
-		require.NoError(t, err)
-		return pub, sub
+		return universalPubSub(t, b, "")
 	}
+}
+
+func universalPubSub(t *testing.T, b *bundle, group string) (message.Publisher, message.Subscriber) {
+	pub := b.poolPublisher(t)
+	sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
+		Tables:          b.tables,
+		ConsumerGroup:   group,
+		Lease:           5 * time.Second,
+		MinPollInterval: 10 * time.Millisecond,
+		MaxPollInterval: time.Second,
+		DrainTimeout:    time.Second,
+		// The suite nacks one message hundreds of times in a row.
+		RetryPolicy: pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: -1},
+	}, b.logger)
+	require.NoError(t, err)
+	return pub, sub
 }
 
 // TestPubSub runs Watermill's universal Pub/Sub suite. TestReconnect is
@@ -53,7 +65,7 @@ func universalConstructor(b *bundle) tests.PubSubConstructor {
 // break the packages running in parallel.
 func TestPubSub(t *testing.T) {
 	b := setup(t, pgtest.Options{MaxConns: 20})
-	tests.TestPubSub(t, universalFeatures(), universalConstructor(b), nil)
+	tests.TestPubSub(t, universalFeatures(), universalConstructor(b), universalGroupConstructor(b))
 }
 
 // TestReconnect runs the suite's reconnect case: 10,000 messages while the

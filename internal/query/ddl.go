@@ -9,49 +9,68 @@ import (
 type Column struct {
 	Name string
 	Type string
+	Decl string // the declaration that adds it to an existing table, when it is more than Type
 }
 
 // OutboxColumns are the columns of the outbox table, in DDL order.
 var OutboxColumns = []Column{
-	{"id", "bigint"},
-	{"topic", "text"},
-	{"uuid", "text"},
-	{"payload", "bytea"},
-	{"metadata", "jsonb"},
-	{"created_at", "timestamp with time zone"},
-	{"available_at", "timestamp with time zone"},
-	{"deliveries", "integer"},
-	{"lease_token", "uuid"},
-	{"leased_until", "timestamp with time zone"},
-	{"leased_by", "text"},
-	{"dedup_key", "text"},
-	{"last_error", "text"},
-	{"lease_holder", "bigint"},
-	{"failure_reason", "text"},
+	{"id", "bigint", ""},
+	{"topic", "text", ""},
+	{"consumer_group", "text", ""},
+	{"uuid", "text", ""},
+	{"payload", "bytea", ""},
+	{"metadata", "jsonb", ""},
+	{"created_at", "timestamp with time zone", ""},
+	{"available_at", "timestamp with time zone", ""},
+	{"deliveries", "integer", ""},
+	{"lease_token", "uuid", ""},
+	{"leased_until", "timestamp with time zone", ""},
+	{"leased_by", "text", ""},
+	{"dedup_key", "text", ""},
+	{"last_error", "text", ""},
+	{"lease_holder", "bigint", ""},
+	{"failure_reason", "text", ""},
 }
 
-// AddedColumns are the outbox columns added after the first release, with
-// their DDL type: DDL adds them to a table created before, so applying the
-// script again upgrades it.
+// groupColumn is the consumer group a row is for; ” is the default group
+// (subscribers without a ConsumerGroup). A constant default makes adding it
+// to a full table a catalog change, not a rewrite.
+var groupColumn = Column{"consumer_group", "text", "text NOT NULL DEFAULT ''"}
+
+// AddedColumns are the outbox columns added after the first release: DDL
+// adds them to a table created before, so applying the script again
+// upgrades it.
 var AddedColumns = []Column{
-	{"lease_holder", "bigint"},
-	{"failure_reason", "text"},
+	{"lease_holder", "bigint", ""},
+	{"failure_reason", "text", ""},
+	groupColumn,
+}
+
+// AddedDLQColumns are the same for the dead-letter table.
+var AddedDLQColumns = []Column{groupColumn}
+
+// BindingsColumns are the columns of the bindings table.
+var BindingsColumns = []Column{
+	{"topic", "text", ""},
+	{"consumer_group", "text", ""},
+	{"bound_at", "timestamp with time zone", ""},
 }
 
 // DLQColumns are the columns of the dead-letter table.
 var DLQColumns = []Column{
-	{"id", "bigint"},
-	{"topic", "text"},
-	{"uuid", "text"},
-	{"payload", "bytea"},
-	{"metadata", "jsonb"},
-	{"created_at", "timestamp with time zone"},
-	{"deliveries", "integer"},
-	{"dedup_key", "text"},
-	{"last_error", "text"},
-	{"failure_reason", "text"},
-	{"failed_by", "text"},
-	{"failed_at", "timestamp with time zone"},
+	{"id", "bigint", ""},
+	{"topic", "text", ""},
+	{"consumer_group", "text", ""},
+	{"uuid", "text", ""},
+	{"payload", "bytea", ""},
+	{"metadata", "jsonb", ""},
+	{"created_at", "timestamp with time zone", ""},
+	{"deliveries", "integer", ""},
+	{"dedup_key", "text", ""},
+	{"last_error", "text", ""},
+	{"failure_reason", "text", ""},
+	{"failed_by", "text", ""},
+	{"failed_at", "timestamp with time zone", ""},
 }
 
 // Index is an index the code relies on.
@@ -84,6 +103,7 @@ func DDL(n Names) []string {
 		fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
     id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     topic        text        NOT NULL,
+    consumer_group text      NOT NULL DEFAULT '',
     uuid         text        NOT NULL,
     payload      bytea       NOT NULL,
     metadata     jsonb       NOT NULL DEFAULT '{}',
@@ -103,32 +123,37 @@ func DDL(n Names) []string {
     autovacuum_analyze_scale_factor = 0.02
 )`, n.QTable),
 	)
-	for _, c := range AddedColumns {
-		// Inside a check, not ALTER ... IF NOT EXISTS alone: ALTER TABLE takes
-		// an exclusive lock on the queue even when the column exists.
-		stmts = append(stmts, fmt.Sprintf(`DO $pgoutbox$ BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
-                    WHERE attrelid = '%[1]s'::regclass AND attname = '%[2]s' AND NOT attisdropped) THEN
-        ALTER TABLE %[1]s ADD COLUMN %[2]s %[3]s;
-    END IF;
-END $pgoutbox$`, n.QTable, c.Name, c.Type))
-	}
+	stmts = append(stmts, addColumns(n.QTable, AddedColumns)...)
 	stmts = append(stmts,
-		// Ready rows, in delivery order; the claim's "ready" branch scans it.
-		ifNoIndex(n, n.ReadyIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, available_at, id) WHERE lease_token IS NULL`,
+		// Ready rows of a topic and group, in delivery order; the claim's
+		// "ready" branch scans it.
+		ifNoIndex(n, n.ReadyIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, consumer_group, available_at, id) WHERE lease_token IS NULL`,
 			Quote(n.ReadyIdx), n.QTable)),
 		// Leased rows by expiry; the claim's "expired" branch scans it.
-		ifNoIndex(n, n.LeaseIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, leased_until) WHERE lease_token IS NOT NULL`,
+		ifNoIndex(n, n.LeaseIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, consumer_group, leased_until) WHERE lease_token IS NOT NULL`,
 			Quote(n.LeaseIdx), n.QTable)),
-		// Timer / idempotency keys: unique per topic while the row exists.
-		ifNoIndex(n, n.DedupIdx, fmt.Sprintf(`CREATE UNIQUE INDEX IF NOT EXISTS %s ON %s (topic, dedup_key) WHERE dedup_key IS NOT NULL`,
+		// Timer / idempotency keys: unique per topic and group while the
+		// row exists (every group gets its own copy of a keyed message).
+		ifNoIndex(n, n.DedupIdx, fmt.Sprintf(`CREATE UNIQUE INDEX IF NOT EXISTS %s ON %s (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL`,
 			Quote(n.DedupIdx), n.QTable)),
 	)
+	// The first release's indexes, without the group: its unique dedup
+	// index would refuse a keyed message's second group.
+	for _, old := range n.OldIndexes {
+		stmts = append(stmts, fmt.Sprintf(`DROP INDEX IF EXISTS %s.%s`, n.QSchema, Quote(old)))
+	}
+	stmts = append(stmts, fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
+    topic          text        NOT NULL,
+    consumer_group text        NOT NULL,
+    bound_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (topic, consumer_group)
+)`, n.QBindings))
 	if n.DLQTable != "" {
 		stmts = append(stmts,
 			fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
     id             bigint      PRIMARY KEY,
     topic          text        NOT NULL,
+    consumer_group text        NOT NULL DEFAULT '',
     uuid           text        NOT NULL,
     payload        bytea       NOT NULL,
     metadata       jsonb       NOT NULL,
@@ -140,10 +165,32 @@ END $pgoutbox$`, n.QTable, c.Name, c.Type))
     failed_by      text,
     failed_at      timestamptz NOT NULL DEFAULT now()
 )`, n.QDLQ),
-			ifNoIndex(n, n.DLQIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, failed_at)`, Quote(n.DLQIdx), n.QDLQ)),
 		)
+		stmts = append(stmts, addColumns(n.QDLQ, AddedDLQColumns)...)
+		stmts = append(stmts,
+			ifNoIndex(n, n.DLQIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, failed_at)`, Quote(n.DLQIdx), n.QDLQ)))
 	}
 	return stmts
+}
+
+// addColumns adds columns to a table created by an earlier release, each
+// only when it is missing: ALTER TABLE takes an exclusive lock on the
+// queue even when the column exists.
+func addColumns(qtable string, cols []Column) []string {
+	var out []string
+	for _, c := range cols {
+		decl := c.Decl
+		if decl == "" {
+			decl = c.Type
+		}
+		out = append(out, fmt.Sprintf(`DO $pgoutbox$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
+                    WHERE attrelid = '%[1]s'::regclass AND attname = '%[2]s' AND NOT attisdropped) THEN
+        ALTER TABLE %[1]s ADD COLUMN %[2]s %[3]s;
+    END IF;
+END $pgoutbox$`, qtable, c.Name, decl))
+	}
+	return out
 }
 
 // ifNoIndex runs a CREATE INDEX only when the index is missing: CREATE

@@ -19,10 +19,13 @@ type Queries struct {
 	PublishPlainQuiet string
 	PublishOne        string
 	PublishOneQuiet   string
+	Bind              string
+	Unbind            string
+	Purge             string
 	Claim             string
 	// ClaimNoOrphans is Claim without the orphaned branch, for the
 	// claims that do not look for orphans (nearly all): the parameters
-	// $1..$9 of Claim.
+	// $1..$10 of Claim.
 	ClaimNoOrphans string
 	Complete       string
 	Ack            string
@@ -55,12 +58,14 @@ func Build(n Names, async bool) *Queries {
 
 		// Publish inserts a whole Publish call in one statement: the messages
 		// travel as parallel arrays, unnest turns them back into rows, in call
-		// order (ORDER BY ord), so ids follow the order of the slice.
+		// order (ORDER BY ord), so ids follow the order of the slice. Each
+		// message becomes one row per consumer group bound to the topic
+		// (publishGroups), still one statement whatever their number.
 		//
 		// A duration delay ($5, microseconds) is applied with the database
 		// clock; an absolute time ($6) is stored as given, and one in the past
 		// means "now" so it does not jump the queue. ON CONFLICT skips a message
-		// whose (topic, dedup_key) is already present.
+		// whose (topic, group, dedup_key) is already present.
 		//
 		// NOTIFY rides on the same statement, once per call, and only if a
 		// row was inserted (a skipped duplicate wakes nobody). If a row is due
@@ -70,69 +75,49 @@ func Build(n Names, async bool) *Queries {
 		// next row is due (query NextDue) and shorten their sleep. NOTIFY is
 		// transactional: it fires at commit and vanishes on rollback.
 		Publish: fmt.Sprintf(`
-WITH ins AS (
-    INSERT INTO %[1]s (topic, uuid, payload, metadata, available_at, dedup_key)
-    SELECT $1, m.uuid, m.payload, m.metadata::jsonb,
-           CASE WHEN m.delay_us IS NOT NULL THEN now() + m.delay_us * interval '1 microsecond'
-                WHEN m.at IS NOT NULL THEN greatest(m.at, now())
-                ELSE now() END,
-           m.dedup_key
-      FROM unnest($2::text[], $3::bytea[], $4::text[], $5::bigint[], $6::timestamptz[], $7::text[])
-           WITH ORDINALITY AS m(uuid, payload, metadata, delay_us, at, dedup_key, ord)
-     ORDER BY m.ord
-        ON CONFLICT (topic, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+WITH ins AS (%[1]s
     RETURNING id, uuid, available_at <= now() AS due
 ), woken AS (
     SELECT pg_notify($8, CASE WHEN bool_or(due) THEN $1 ELSE %[2]s || $1 END)
       FROM ins HAVING count(*) > 0
 )
-SELECT id, uuid, (SELECT count(*) FROM woken) FROM ins`, t, "chr(31)"),
+SELECT id, uuid, (SELECT count(*) FROM woken) FROM ins`, fullInsert(n), "chr(31)"),
 
 		// PublishPlain is Publish for the common call: no message scheduled
 		// or keyed. Without ON CONFLICT, the schedule arrays and the RETURNED
 		// rows it costs the server and the client less (tests/bench). Every
 		// row is due, so it always notifies. The function scan of unnest
-		// feeds the INSERT in array order, so ids follow the call order
-		// (Watermill's ordering test publishes 1000 messages in one call).
+		// feeds the INSERT in array order, so each group's ids follow the
+		// call order (Watermill's ordering test publishes 1000 messages in
+		// one call).
 		PublishPlain: fmt.Sprintf(`
-WITH ins AS (
-    INSERT INTO %[1]s (topic, uuid, payload, metadata)
-    SELECT $1, m.uuid, m.payload, m.metadata::jsonb
-      FROM unnest($2::text[], $3::bytea[], $4::text[]) AS m(uuid, payload, metadata)
+WITH ins AS (%s
     RETURNING 1
 )
-SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)`, t),
+SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)`, plainInsert(n)),
 
 		// Quiet variants: the same rows, no NOTIFY. Most publishing
 		// transactions use them: a transaction that NOTIFYs takes a
 		// database-wide lock at commit (notifications enter the queue in
 		// commit order), which serializes concurrent publishing commits.
-		PublishQuiet: fmt.Sprintf(`
-INSERT INTO %[1]s (topic, uuid, payload, metadata, available_at, dedup_key)
-SELECT $1, m.uuid, m.payload, m.metadata::jsonb,
-       CASE WHEN m.delay_us IS NOT NULL THEN now() + m.delay_us * interval '1 microsecond'
-            WHEN m.at IS NOT NULL THEN greatest(m.at, now())
-            ELSE now() END,
-       m.dedup_key
-  FROM unnest($2::text[], $3::bytea[], $4::text[], $5::bigint[], $6::timestamptz[], $7::text[])
-       WITH ORDINALITY AS m(uuid, payload, metadata, delay_us, at, dedup_key, ord)
- ORDER BY m.ord
-    ON CONFLICT (topic, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
-RETURNING id, uuid, 0::bigint`, t),
-		PublishPlainQuiet: fmt.Sprintf(`
-INSERT INTO %[1]s (topic, uuid, payload, metadata)
-SELECT $1, m.uuid, m.payload, m.metadata::jsonb
-  FROM unnest($2::text[], $3::bytea[], $4::text[]) AS m(uuid, payload, metadata)`, t),
-		// One message, the commonest call: VALUES costs the client and the
-		// server less than arrays.
+		PublishQuiet:      fullInsert(n) + "\nRETURNING id, uuid, 0::bigint",
+		PublishPlainQuiet: plainInsert(n),
+		// One message, the commonest call: VALUES-like parameters cost the
+		// client and the server less than arrays.
 		PublishOne: fmt.Sprintf(`
-WITH ins AS (
-    INSERT INTO %[1]s (topic, uuid, payload, metadata) VALUES ($1, $2, $3, $4::jsonb)
+WITH ins AS (%s
     RETURNING 1
 )
-SELECT pg_notify($5, $1) FROM ins`, t),
-		PublishOneQuiet: fmt.Sprintf(`
-INSERT INTO %[1]s (topic, uuid, payload, metadata) VALUES ($1, $2, $3, $4::jsonb)`, t),
+SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)`, oneInsert(n)),
+		PublishOneQuiet: oneInsert(n),
+
+		// Bind binds consumer group $2 to topic $1: from then on every
+		// message published to the topic gets a row for the group.
+		Bind: fmt.Sprintf(`INSERT INTO %s (topic, consumer_group) VALUES ($1, $2) ON CONFLICT DO NOTHING`, n.QBindings),
+		// Unbind removes the binding; Purge deletes the group's rows of the
+		// topic that nobody holds (a delivery under way completes).
+		Unbind: fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2`, n.QBindings),
+		Purge:  fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2 AND lease_token IS NULL`, t),
 
 		// Claim leases up to $2 rows of topic $1 under token $3.
 		//
@@ -153,11 +138,14 @@ INSERT INTO %[1]s (topic, uuid, payload, metadata) VALUES ($1, $2, $3, $4::jsonb
 		// wake-up, a give-back and every second. The expired branch runs only
 		// when $8 is true (every second, or while the last look found some).
 		//
+		// Every branch reads the rows of one consumer group ($10; '' is the
+		// default group): groups never see each other's rows.
+		//
 		// Orphaned leases: rows whose holder died. A subscriber that holds
 		// its liveness lock (see LivenessClass) stamps the rows it leases
 		// with the lock's key ($9, NULL when it holds none). Claim (not
 		// ClaimNoOrphans) also takes the rows stamped with a key whose lock
-		// is not held now, unless the key is one of $10: this process's own
+		// is not held now, unless the key is one of $11: this process's own
 		// and those held at its notifier's last two checks, so a holder
 		// counts as dead only once its lock stayed gone for two checks (a
 		// LISTEN connection that blips is back within one). The branch reads
@@ -263,7 +251,7 @@ UPDATE %[1]s
  WHERE topic = $1 AND lease_token IS NOT NULL AND lease_token = ANY ($2::uuid[])%[2]s`, t, ac),
 
 		// NextDue returns the microseconds until the next row of topic $1
-		// becomes claimable in the future (a scheduled row or an expiring
+		// and group $2 becomes claimable in the future (a scheduled row or an expiring
 		// lease), or NULL. Rows due already are left out: if the claim did
 		// not get them, another consumer holds them locked right now. Each
 		// branch is a one-row scan of its partial index, starting at now():
@@ -271,10 +259,10 @@ UPDATE %[1]s
 		NextDue: fmt.Sprintf(`
 SELECT (extract(epoch FROM least(
            (SELECT min(available_at) FROM %[1]s
-             WHERE topic = $1 AND lease_token IS NULL AND available_at > now()
+             WHERE topic = $1 AND consumer_group = $2 AND lease_token IS NULL AND available_at > now()
                AND available_at < 'infinity'),
            (SELECT min(leased_until) FROM %[1]s
-             WHERE topic = $1 AND lease_token IS NOT NULL AND leased_until > now())
+             WHERE topic = $1 AND consumer_group = $2 AND lease_token IS NOT NULL AND leased_until > now())
        ) - now()) * 1000000)::bigint`, t),
 
 		// Cancel deletes a scheduled row by key, but only while nobody holds
@@ -304,12 +292,12 @@ RETURNING o.id, c.token`, n.QTable, ac)
     DELETE FROM %[1]s o
      USING unnest($1::bigint[], $2::uuid[], $3::text[], $4::text[]) AS c(id, token, reason, err)
      WHERE o.id = c.id AND o.lease_token = c.token%[2]s
-    RETURNING o.id, o.topic, o.uuid, o.payload, o.metadata, o.created_at, o.deliveries,
+    RETURNING o.id, o.topic, o.consumer_group, o.uuid, o.payload, o.metadata, o.created_at, o.deliveries,
               o.dedup_key, coalesce(c.err, o.last_error) AS last_error, c.reason, o.leased_by, c.token
 ), moved AS (
-    INSERT INTO %[3]s (id, topic, uuid, payload, metadata, created_at, deliveries,
+    INSERT INTO %[3]s (id, topic, consumer_group, uuid, payload, metadata, created_at, deliveries,
                     dedup_key, last_error, failure_reason, failed_by)
-    SELECT id, topic, uuid, payload, metadata, created_at, deliveries,
+    SELECT id, topic, consumer_group, uuid, payload, metadata, created_at, deliveries,
            dedup_key, last_error, reason, leased_by FROM dead
 )
 SELECT id, token FROM dead`, n.QTable, ac, n.QDLQ)
@@ -348,8 +336,8 @@ func claimStatement(t, ac string, orphans bool) string {
 		orphaned = fmt.Sprintf(`
 ), orphaned AS (
     SELECT id FROM %[1]s
-     WHERE topic = $1 AND lease_token IS NOT NULL AND leased_until >= now()
-       AND lease_holder <> ALL ($10::bigint[])
+     WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until >= now()
+       AND lease_holder <> ALL ($11::bigint[])
        AND lease_holder NOT IN (%[2]s)
      LIMIT (SELECT $2::int - count(*) FROM expired)
        FOR UPDATE SKIP LOCKED`, t, LiveHolders)
@@ -360,13 +348,13 @@ func claimStatement(t, ac string, orphans bool) string {
 	return fmt.Sprintf(`
 WITH expired AS (
     SELECT id FROM %[1]s
-     WHERE $8::bool AND topic = $1 AND lease_token IS NOT NULL AND leased_until < now()
+     WHERE $8::bool AND topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until < now()
      ORDER BY leased_until
      LIMIT $2::int
        FOR UPDATE SKIP LOCKED%[3]s
 ), ready AS (
     SELECT id, available_at FROM %[1]s
-     WHERE topic = $1 AND lease_token IS NULL AND available_at <= now()
+     WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NULL AND available_at <= now()
        AND (available_at, id) > ($6::timestamptz, $7::bigint)
      ORDER BY available_at, id
      LIMIT %[6]s
@@ -382,4 +370,43 @@ UPDATE %[1]s o
 RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at,
           (SELECT id FROM ready ORDER BY available_at DESC, id DESC LIMIT 1),
           (SELECT count(*) FROM expired) + %[4]s`, t, ac, orphaned, orphanedCount, orphanedIDs, readyLimit)
+}
+
+// publishGroups is the consumer groups a message of topic $1 gets a row
+// for: every group bound to the topic, or the default group ” when none
+// is, so a message published before any binding is kept (for subscribers
+// without a group). Two lookups of the bindings' primary key.
+func publishGroups(n Names) string {
+	return fmt.Sprintf(`(SELECT consumer_group FROM %[1]s WHERE topic = $1
+                 UNION ALL
+                 SELECT '' WHERE NOT EXISTS (SELECT 1 FROM %[1]s WHERE topic = $1)) AS g(consumer_group)`, n.QBindings)
+}
+
+func fullInsert(n Names) string {
+	return fmt.Sprintf(`
+    INSERT INTO %[1]s (topic, consumer_group, uuid, payload, metadata, available_at, dedup_key)
+    SELECT $1, g.consumer_group, m.uuid, m.payload, m.metadata::jsonb,
+           CASE WHEN m.delay_us IS NOT NULL THEN now() + m.delay_us * interval '1 microsecond'
+                WHEN m.at IS NOT NULL THEN greatest(m.at, now())
+                ELSE now() END,
+           m.dedup_key
+      FROM unnest($2::text[], $3::bytea[], $4::text[], $5::bigint[], $6::timestamptz[], $7::text[])
+           WITH ORDINALITY AS m(uuid, payload, metadata, delay_us, at, dedup_key, ord)
+     CROSS JOIN %[2]s
+     ORDER BY m.ord, g.consumer_group
+        ON CONFLICT (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING`, n.QTable, publishGroups(n))
+}
+
+func plainInsert(n Names) string {
+	return fmt.Sprintf(`
+    INSERT INTO %[1]s (topic, consumer_group, uuid, payload, metadata)
+    SELECT $1, g.consumer_group, m.uuid, m.payload, m.metadata::jsonb
+      FROM unnest($2::text[], $3::bytea[], $4::text[]) AS m(uuid, payload, metadata)
+     CROSS JOIN %[2]s`, n.QTable, publishGroups(n))
+}
+
+func oneInsert(n Names) string {
+	return fmt.Sprintf(`
+    INSERT INTO %[1]s (topic, consumer_group, uuid, payload, metadata)
+    SELECT $1, g.consumer_group, $2, $3, $4::jsonb FROM %[2]s`, n.QTable, publishGroups(n))
 }

@@ -45,14 +45,21 @@ type Names struct {
 	Table    string // unquoted
 	DLQTable string // unquoted; "" when there is no dead-letter table
 
-	QTable   string // "schema"."table"
-	QDLQ     string // "schema"."dlq", "" without a dead-letter table
-	QSchema  string
-	Channel  string // LISTEN/NOTIFY channel, unquoted, at most 63 bytes
+	QTable    string // "schema"."table"
+	QDLQ      string // "schema"."dlq", "" without a dead-letter table
+	QSchema   string
+	Channel   string // LISTEN/NOTIFY channel, unquoted, at most 63 bytes
+	QBindings string // "schema"."table_bindings": consumer groups bound to topics
+	Bindings  string // unquoted
+
 	ReadyIdx string // unquoted index names
 	LeaseIdx string
 	DedupIdx string
 	DLQIdx   string
+	// OldIndexes are the first release's indexes, replaced by ReadyIdx,
+	// LeaseIdx and DedupIdx (which lead with the consumer group); DDL
+	// drops them.
+	OldIndexes []string
 }
 
 // NewNames validates the names and derives the rest. schema and table must be
@@ -81,10 +88,15 @@ func NewNames(schema, table, dlq string) (Names, error) {
 		DLQTable: dlq,
 		QSchema:  Quote(schema),
 		QTable:   Quote(schema) + "." + Quote(table),
-		ReadyIdx: derive(table, "_ready_idx"),
-		LeaseIdx: derive(table, "_lease_idx"),
-		DedupIdx: derive(table, "_dedup_idx"),
+		Bindings: derive(table, "_bindings"),
+		ReadyIdx: derive(table, "_group_ready_idx"),
+		LeaseIdx: derive(table, "_group_lease_idx"),
+		DedupIdx: derive(table, "_group_dedup_idx"),
+		OldIndexes: []string{
+			derive(table, "_ready_idx"), derive(table, "_lease_idx"), derive(table, "_dedup_idx"),
+		},
 	}
+	n.QBindings = Quote(schema) + "." + Quote(n.Bindings)
 	if dlq != "" {
 		n.QDLQ = Quote(schema) + "." + Quote(dlq)
 		n.DLQIdx = derive(dlq, "_topic_failed_at_idx")

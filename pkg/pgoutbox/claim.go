@@ -42,7 +42,7 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
 	defer cancel()
 	stmt, args := sub.s.q.ClaimNoOrphans, []any{sub.topic, req.n, req.token,
-		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, req.at, req.id, req.withExpired, req.holder}
+		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, req.at, req.id, req.withExpired, req.holder, sub.cfg.ConsumerGroup}
 	if req.orphansOf != nil {
 		stmt, args = sub.s.q.Claim, append(args, req.orphansOf)
 	}
@@ -89,7 +89,7 @@ func (sub *subscription) nextDue() time.Duration {
 	ctx, cancel := context.WithTimeout(sub.stopCtx, sub.cfg.StatementTimeout)
 	defer cancel()
 	var us *int64
-	if err := sub.s.pool.QueryRow(ctx, sub.s.q.NextDue, sub.topic).Scan(&us); err != nil || us == nil {
+	if err := sub.s.pool.QueryRow(ctx, sub.s.q.NextDue, sub.topic, sub.cfg.ConsumerGroup).Scan(&us); err != nil || us == nil {
 		return 0
 	}
 	// At least a millisecond: rounding must not make the loop spin on a

@@ -78,6 +78,18 @@ type SubscriberConfig struct {
 	// "outbox_dlq".
 	Tables schema.Config
 
+	// ConsumerGroup makes the subscriber's subscriptions consume the copy
+	// of each message meant for this group: every group bound to a topic
+	// gets every message published to it after the binding, and the
+	// subscribers of one group share (compete for) the group's copies,
+	// like Kafka consumer groups or queues bound to an AMQP fanout
+	// exchange. Subscribe and SubscribeInitialize bind the group to the
+	// topic; Bind does it ahead of a first deploy. Defaults to "", the
+	// default group, which is bound like any other; a message published to
+	// a topic nobody bound is kept for the default group. Watermill's CQRS
+	// components pass the handler name.
+	ConsumerGroup string
+
 	// MaxInFlight is how many messages of one subscription may be handed out
 	// and not yet acked or nacked. Must be at least 1.
 	//
@@ -273,6 +285,9 @@ func (c SubscriberConfig) Validate() error {
 	}
 	if err := checkWorkerID(c.WorkerID); err != "" {
 		add("%s", err)
+	}
+	if err := checkGroup(c.ConsumerGroup); err != nil {
+		add("%v", err)
 	}
 	if len(e.problems) > 0 {
 		return e

@@ -139,8 +139,10 @@ func (p *Publisher) prepare(topic string, msgs []*message.Message) (publishBatch
 
 // PublishResult tells what a Publish call stored.
 type PublishResult struct {
-	// IDs holds each message's row id, in call order; 0 marks a message that
-	// was skipped because its dedup key was already present on the topic.
+	// IDs holds each message's row id, in call order (with several
+	// consumer groups bound, the id of its first row); 0 marks a message
+	// that was skipped because its dedup key was already present on the
+	// topic, for every group.
 	IDs []int64
 }
 
@@ -195,7 +197,9 @@ func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publ
 		if err := rows.Scan(&id, &uuid, &woken); err != nil {
 			return PublishResult{}, p.wrapErr(topic, err)
 		}
-		idByUUID[uuid] = id
+		if prev, ok := idByUUID[uuid]; !ok || id < prev { // one row per consumer group: the first
+			idByUUID[uuid] = id
+		}
 	}
 	if err := rows.Err(); err != nil {
 		return PublishResult{}, p.wrapErr(topic, err)

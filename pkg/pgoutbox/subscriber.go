@@ -39,6 +39,7 @@ type Subscriber struct {
 
 	schemaMu    sync.Mutex
 	schemaReady bool
+	bound       map[string]bool // topics the consumer group is bound to
 }
 
 var (
@@ -91,6 +92,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if err := s.ensureSchema(ctx); err != nil {
 		return nil, err
 	}
+	if err := s.bind(ctx, topic); err != nil {
+		return nil, err
+	}
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
@@ -123,7 +127,29 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 	if s.isClosed() {
 		return fmt.Errorf("%w; create a new subscriber", ErrSubscriberClosed)
 	}
-	return s.ensureSchema(context.Background())
+	if err := s.ensureSchema(context.Background()); err != nil {
+		return err
+	}
+	return s.bind(context.Background(), topic)
+}
+
+// bind binds the subscriber's consumer group to topic, once per topic.
+func (s *Subscriber) bind(ctx context.Context, topic string) error {
+	s.schemaMu.Lock()
+	defer s.schemaMu.Unlock()
+	if s.bound[topic] {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
+	defer cancel()
+	if _, err := s.pool.Exec(ctx, s.q.Bind, topic, s.cfg.ConsumerGroup); err != nil {
+		return fmt.Errorf("pgoutbox: bind consumer group %q to topic %q: %w", s.cfg.ConsumerGroup, topic, err)
+	}
+	if s.bound == nil {
+		s.bound = map[string]bool{}
+	}
+	s.bound[topic] = true
+	return nil
 }
 
 func (s *Subscriber) ensureSchema(ctx context.Context) error {

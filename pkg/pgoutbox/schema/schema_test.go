@@ -111,9 +111,10 @@ func TestSQL(t *testing.T) {
 		script, err := schema.SQL(schema.Config{Schema: "s", Table: "outbox"})
 		require.NoError(t, err)
 		for _, want := range []string{
-			`CREATE INDEX IF NOT EXISTS "outbox_ready_idx" ON "s"."outbox" (topic, available_at, id) WHERE lease_token IS NULL`,
-			`CREATE INDEX IF NOT EXISTS "outbox_lease_idx" ON "s"."outbox" (topic, leased_until) WHERE lease_token IS NOT NULL`,
-			`CREATE UNIQUE INDEX IF NOT EXISTS "outbox_dedup_idx" ON "s"."outbox" (topic, dedup_key) WHERE dedup_key IS NOT NULL`,
+			`CREATE INDEX IF NOT EXISTS "outbox_group_ready_idx" ON "s"."outbox" (topic, consumer_group, available_at, id) WHERE lease_token IS NULL`,
+			`CREATE INDEX IF NOT EXISTS "outbox_group_lease_idx" ON "s"."outbox" (topic, consumer_group, leased_until) WHERE lease_token IS NOT NULL`,
+			`CREATE UNIQUE INDEX IF NOT EXISTS "outbox_group_dedup_idx" ON "s"."outbox" (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL`,
+			`CREATE TABLE IF NOT EXISTS "s"."outbox_bindings" (`,
 			`autovacuum_vacuum_scale_factor = 0.01`,
 			`autovacuum_vacuum_insert_scale_factor = 0.01`,
 			`autovacuum_analyze_scale_factor = 0.02`,
@@ -131,7 +132,7 @@ func TestSQL(t *testing.T) {
 		without, err := schema.SQL(schema.Config{Table: "jobs", NoDeadLetterTable: true})
 		require.NoError(t, err)
 		require.NotContains(t, without, "jobs_dlq")
-		require.Equal(t, 1, strings.Count(without, "CREATE TABLE"), without)
+		require.Equal(t, 2, strings.Count(without, "CREATE TABLE"), "the outbox and its bindings: %s", without)
 
 		_, err = schema.SQL(schema.Config{Table: "jobs", DeadLetterTable: "d", NoDeadLetterTable: true})
 		require.ErrorIs(t, err, schema.ErrInvalidName)
@@ -139,7 +140,7 @@ func TestSQL(t *testing.T) {
 
 		with, err := schema.SQL(schema.Config{Table: "jobs", DeadLetterTable: "jobs_dead"})
 		require.NoError(t, err)
-		require.Equal(t, 2, strings.Count(with, "CREATE TABLE"), with)
+		require.Equal(t, 3, strings.Count(with, "CREATE TABLE"), with)
 		require.Contains(t, with, `CREATE TABLE IF NOT EXISTS "public"."jobs_dead" (`)
 		require.Contains(t, with, "failure_reason")
 		require.Contains(t, with, `CREATE INDEX IF NOT EXISTS "jobs_dead_topic_failed_at_idx" ON "public"."jobs_dead" (topic, failed_at)`)
@@ -371,15 +372,15 @@ func TestValidate(t *testing.T) {
 		q := `"` + b.env.Schema + `"."outbox"`
 		b.exec1(t, `ALTER TABLE `+q+` DROP COLUMN last_error`)
 		b.exec1(t, `ALTER TABLE `+q+` ALTER COLUMN payload TYPE text`)
-		b.exec1(t, `DROP INDEX "`+b.env.Schema+`"."outbox_lease_idx"`)
+		b.exec1(t, `DROP INDEX "`+b.env.Schema+`"."outbox_group_lease_idx"`)
 
 		err := schema.Validate(ctx, b.exec, cfg)
 		verr := validationError(t, err)
 		require.Len(t, verr.Problems, 3, "%q", verr.Problems)
 		requireProblem(t, verr.Problems, "last_error", "missing")
 		requireProblem(t, verr.Problems, "payload", "text", "bytea")
-		requireProblem(t, verr.Problems, "outbox_lease_idx", "missing")
-		for _, frag := range []string{"last_error", "payload", "outbox_lease_idx", "schema.Create"} {
+		requireProblem(t, verr.Problems, "outbox_group_lease_idx", "missing")
+		for _, frag := range []string{"last_error", "payload", "outbox_group_lease_idx", "schema.Create"} {
 			require.Contains(t, err.Error(), frag, "one error names everything and the fix")
 		}
 	})
@@ -483,14 +484,24 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 	cfg := schema.Config{Schema: b.env.Schema, Table: "outbox"} // dead letters in outbox_dlq
 
 	verr := validationError(t, schema.Validate(ctx, b.exec, cfg))
-	require.Len(t, verr.Problems, 3, "%q", verr.Problems)
+	require.Len(t, verr.Problems, 8, "%q", verr.Problems)
 	requireProblem(t, verr.Problems, "outbox.lease_holder", "missing", "bigint")
 	requireProblem(t, verr.Problems, "outbox.failure_reason", "missing", "text")
+	requireProblem(t, verr.Problems, "outbox.consumer_group", "missing", "text")
 	requireProblem(t, verr.Problems, "table "+b.env.Schema+".outbox_dlq is missing")
+	requireProblem(t, verr.Problems, "table "+b.env.Schema+".outbox_bindings is missing")
+	for _, idx := range []string{"outbox_group_ready_idx", "outbox_group_lease_idx", "outbox_group_dedup_idx"} {
+		requireProblem(t, verr.Problems, "index "+idx+" ", "missing")
+	}
 
 	require.NoError(t, schema.Create(ctx, b.exec, cfg))
 	require.NoError(t, schema.Validate(ctx, b.exec, cfg))
-	for col, typ := range map[string]string{"lease_holder": "bigint", "failure_reason": "text"} {
+	// The old indexes are gone: the old unique dedup index would refuse a
+	// keyed message's second consumer group.
+	for _, old := range []string{"outbox_ready_idx", "outbox_lease_idx", "outbox_dedup_idx"} {
+		require.False(t, exists(t, b.env.Pool, b.env.Schema, old), old)
+	}
+	for col, typ := range map[string]string{"lease_holder": "bigint", "failure_reason": "text", "consumer_group": "text"} {
 		var got string
 		require.NoError(t, b.env.Pool.QueryRow(ctx, `SELECT format_type(atttypid, atttypmod) FROM pg_attribute
 			WHERE attrelid = format('%I.%I', $1::text, 'outbox')::regclass AND attname = $2 AND NOT attisdropped`,
@@ -498,11 +509,12 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 		require.Equal(t, typ, got, col)
 	}
 	require.True(t, exists(t, b.env.Pool, b.env.Schema, "outbox_dlq"))
-	var uuid string
+	var uuid, group string
 	var holder, reason *string
-	require.NoError(t, b.env.Pool.QueryRow(ctx, `SELECT uuid, lease_holder::text, failure_reason FROM `+q+`."outbox"`).
-		Scan(&uuid, &holder, &reason))
+	require.NoError(t, b.env.Pool.QueryRow(ctx, `SELECT uuid, consumer_group, lease_holder::text, failure_reason FROM `+q+`."outbox"`).
+		Scan(&uuid, &group, &holder, &reason))
 	require.Equal(t, "kept", uuid)
+	require.Equal(t, "", group, "kept for the default group")
 	require.Nil(t, holder)
 	require.Nil(t, reason)
 

@@ -1,0 +1,315 @@
+package tests
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/cqrs"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+func (b *bundle) groupSubscriber(t *testing.T, group string, mod func(*pgoutbox.SubscriberConfig)) *pgoutbox.Subscriber {
+	t.Helper()
+	return b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.ConsumerGroup = group
+		if mod != nil {
+			mod(c)
+		}
+	})
+}
+
+// handledSet counts handlings per message UUID, safely from handlers.
+type handledSet struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func newHandledSet() *handledSet { return &handledSet{n: map[string]int{}} }
+
+func (h *handledSet) add(uuid string) {
+	h.mu.Lock()
+	h.n[uuid]++
+	h.mu.Unlock()
+}
+
+func (h *handledSet) distinct() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return len(h.n)
+}
+
+func (h *handledSet) has(uuid string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.n[uuid] > 0
+}
+
+// Two groups with three competing subscribers each, 2,000 messages, random
+// nacks: each group handles every message at least once, and nothing is
+// left pending.
+func TestConsumerGroupsEachGetEveryMessage(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgtest.Options{MaxConns: 20})
+	const n = 2000
+	groups := []string{"billing", "shipping"}
+	handled := map[string]*handledSet{}
+	for _, g := range groups {
+		handled[g] = newHandledSet()
+		for range 3 { // competing within the group
+			sub := b.groupSubscriber(t, g, func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
+			seen := handled[g]
+			runRouter(t, sub, "orders", func(m *message.Message) error {
+				if rand.IntN(20) == 0 {
+					return errors.New("random failure") // nacked, comes back
+				}
+				seen.add(m.UUID)
+				return nil
+			})
+		}
+	}
+	// The groups are bound (their subscribers subscribed): publish now.
+	for _, g := range groups {
+		pollUntil(t, "group "+g+" bound", 10*time.Second, nil, func() bool {
+			return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE topic = 'orders' AND consumer_group = $1`, g) == 1
+		})
+	}
+	pub := b.poolPublisher(t)
+	msgs := newMsgs(n)
+	for i := 0; i < n; i += 100 {
+		require.NoError(t, pub.Publish("orders", msgs[i:i+100]...))
+	}
+	for _, g := range groups {
+		pollUntil(t, "group "+g+" handled every message", 60*time.Second, nil, func() bool { return handled[g].distinct() == n })
+		for _, m := range msgs {
+			require.True(t, handled[g].has(m.UUID))
+		}
+	}
+	pollUntil(t, "nothing pending", 20*time.Second, nil, func() bool { return b.outboxRows(t, "orders") == 0 })
+}
+
+// Watermill's CQRS event processor builds one subscriber per handler, with
+// the handler name as the consumer group: three handlers of one event each
+// see every event (before groups they shared them).
+func TestCQRSEventHandlersEachSeeEveryEvent(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgtest.Options{MaxConns: 20})
+	type RoomBooked struct {
+		Room string `json:"room"`
+	}
+	marshaler := cqrs.JSONMarshaler{}
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	processor, err := cqrs.NewEventProcessorWithConfig(r, cqrs.EventProcessorConfig{
+		GenerateSubscribeTopic: func(p cqrs.EventProcessorGenerateSubscribeTopicParams) (string, error) {
+			return "events." + p.EventName, nil
+		},
+		SubscriberConstructor: func(p cqrs.EventProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+			return pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
+				Tables:          b.tables,
+				ConsumerGroup:   p.HandlerName,
+				MinPollInterval: 20 * time.Millisecond,
+				MaxPollInterval: time.Second,
+			}, nil)
+		},
+		Marshaler: marshaler,
+	})
+	require.NoError(t, err)
+	const n = 30
+	counts := make([]atomic.Int32, 3)
+	for i := range counts {
+		require.NoError(t, processor.AddHandlers(cqrs.NewEventHandler(fmt.Sprintf("handler-%d", i),
+			func(ctx context.Context, e *RoomBooked) error {
+				counts[i].Add(1)
+				return nil
+			})))
+	}
+	startRouter(t, r)
+	for i := range counts {
+		name := fmt.Sprintf("handler-%d", i)
+		pollUntil(t, name+" bound", 10*time.Second, nil, func() bool {
+			return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE consumer_group = $1`, name) == 1
+		})
+	}
+	bus, err := cqrs.NewEventBusWithConfig(b.poolPublisher(t), cqrs.EventBusConfig{
+		GeneratePublishTopic: func(p cqrs.GenerateEventPublishTopicParams) (string, error) {
+			return "events." + p.EventName, nil
+		},
+		Marshaler: marshaler,
+	})
+	require.NoError(t, err)
+	for i := range n {
+		require.NoError(t, bus.Publish(context.Background(), &RoomBooked{Room: fmt.Sprint(i)}))
+	}
+	for i := range counts {
+		pollUntil(t, fmt.Sprintf("handler-%d saw every event", i), 30*time.Second, nil, func() bool { return counts[i].Load() >= n })
+	}
+}
+
+// A failing, slow group does not delay another: while group "stuck" has a
+// hung handler and retries, group "fast" handles every message promptly.
+func TestAStuckGroupDoesNotDelayAnother(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	release := make(chan struct{})
+	defer close(release)
+	stuck := b.groupSubscriber(t, "stuck", func(c *pgoutbox.SubscriberConfig) { c.AckDeadline = -1; c.DrainTimeout = -1 })
+	runRouter(t, stuck, "t", func(m *message.Message) error {
+		if string(m.Payload) == "0" {
+			<-release // hung
+		}
+		return errors.New("always failing")
+	})
+	fast := b.groupSubscriber(t, "fast", nil)
+	var latencies []time.Duration
+	var mu sync.Mutex
+	published := map[string]time.Time{}
+	runRouter(t, fast, "t", func(m *message.Message) error {
+		mu.Lock()
+		latencies = append(latencies, time.Since(published[m.UUID]))
+		mu.Unlock()
+		return nil
+	})
+	for _, g := range []string{"stuck", "fast"} {
+		pollUntil(t, "group "+g+" bound", 10*time.Second, nil, func() bool {
+			return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE consumer_group = $1`, g) == 1
+		})
+	}
+	pub := b.poolPublisher(t)
+	for i := range 50 {
+		m := newMsg(fmt.Sprint(i))
+		mu.Lock()
+		published[m.UUID] = time.Now()
+		mu.Unlock()
+		require.NoError(t, pub.Publish("t", m))
+	}
+	pollUntil(t, "the fast group handled all", 20*time.Second, nil, func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(latencies) >= 50
+	})
+	mu.Lock()
+	worst := time.Duration(0)
+	for _, l := range latencies {
+		worst = max(worst, l)
+	}
+	mu.Unlock()
+	t.Logf("fast group: 50 messages, worst commit-to-handler latency %s while the other group is stuck", worst.Round(time.Millisecond))
+	require.Equal(t, 50, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE consumer_group = 'stuck'`),
+		"the stuck group's copies are all still there")
+}
+
+// A message published before anybody bound the topic is kept for the
+// default group: a subscriber without a group gets it when it starts.
+// A group bound later gets only what is published after its binding.
+func TestMessageBeforeAnyBindingGoesToTheDefaultGroup(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	early := newMsg("early")
+	b.publishInTx(t, "t", true, early)
+
+	lateGroup, err := b.groupSubscriber(t, "late", nil).Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	later := newMsg("later")
+	b.publishInTx(t, "t", true, later)
+	got := receive(t, lateGroup, 10*time.Second)
+	require.Equal(t, later.UUID, got.UUID, "a new group starts with what is published after its binding")
+	got.Ack()
+
+	def, err := b.subscriber(t, nil).Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	got = receive(t, def, 10*time.Second)
+	require.Equal(t, early.UUID, got.UUID)
+	got.Ack()
+	requireNothing(t, def, 300*time.Millisecond) // "later" was published while only "late" was bound
+}
+
+// Bind from a deploy step: a group bound before its first subscriber runs
+// keeps every message published meanwhile. Unbind stops the copies, and
+// with purge deletes the ones waiting.
+func TestBindAheadAndUnbind(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "t", "new-service"))
+	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "t", "new-service"), "idempotent")
+	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "t", "other"))
+	b.publishInTx(t, "t", true, newMsgs(3)...)
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE consumer_group = 'new-service'`))
+
+	msgs, err := b.groupSubscriber(t, "new-service", nil).Subscribe(ctx, "t")
+	require.NoError(t, err)
+	for range 3 {
+		receive(t, msgs, 10*time.Second).Ack()
+	}
+
+	purged, err := pgoutbox.Unbind(ctx, exec, b.tables, "t", "other", true)
+	require.NoError(t, err)
+	require.Equal(t, int64(3), purged)
+	b.publishInTx(t, "t", true, newMsg("after"))
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE consumer_group = 'other'`))
+
+	_, err = pgoutbox.Unbind(ctx, exec, b.tables, "", "x", false)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidTopic)
+	require.ErrorIs(t, pgoutbox.Bind(ctx, exec, b.tables, "t", "bad\x00group"), pgoutbox.ErrInvalidGroup)
+}
+
+// Dedup keys are unique per topic and group: every group gets its copy of
+// a keyed message, a second publish with the key is skipped for all, and
+// CancelScheduled cancels every group's copy. A dead letter says which
+// group it failed in.
+func TestDedupCancelAndDeadLettersPerGroup(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	for _, g := range []string{"a", "b"} {
+		require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "t", g))
+	}
+	pub := b.poolPublisher(t)
+	timer := newMsg("timer")
+	pgoutbox.WithDedupKey(timer, "remind-42")
+	pgoutbox.DeliverAfter(timer, time.Hour)
+	res, err := pub.PublishWithResult("t", timer)
+	require.NoError(t, err)
+	require.Empty(t, res.Skipped())
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE dedup_key = 'remind-42'`), "one per group")
+
+	again := newMsg("again")
+	pgoutbox.WithDedupKey(again, "remind-42")
+	res, err = pub.PublishWithResult("t", again)
+	require.NoError(t, err)
+	require.Equal(t, []int{0}, res.Skipped())
+
+	ok, err := pub.CancelScheduled(ctx, "t", "remind-42")
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE dedup_key = 'remind-42'`), "every group's copy")
+
+	// Group a rejects, group b acks: one dead letter, for group a.
+	bad := newMsg("bad")
+	b.publishInTx(t, "t", true, bad)
+	runRouter(t, b.groupSubscriber(t, "a", nil), "t", func(m *message.Message) error { return pgoutbox.Reject(m, "no") })
+	evB := newEvents()
+	runRouter(t, b.groupSubscriber(t, "b", func(c *pgoutbox.SubscriberConfig) { c.Observer = evB }), "t",
+		func(m *message.Message) error { return nil })
+	evB.wait(t, pgoutbox.EventAcked, 10*time.Second)
+	pollUntil(t, "a dead letter", 10*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq WHERE uuid = $1`, bad.UUID) == 1
+	})
+	var group string
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT consumer_group FROM `+b.Schema+`.outbox_dlq WHERE uuid = $1`, bad.UUID).Scan(&group))
+	require.Equal(t, "a", group)
+}

@@ -89,6 +89,7 @@ func (i *pgoutboxInstance) consumer(_ context.Context, cfg consumeConfig) (consu
 	var rc *routerConsumer
 	scfg := pgoutbox.SubscriberConfig{
 		Tables:            i.tables,
+		ConsumerGroup:     cfg.group,
 		MaxInFlight:       cfg.maxInFlight,
 		SynchronousCommit: i.b.opts.syncCommit,
 		// Acks are counted when the subscriber reports them written: a

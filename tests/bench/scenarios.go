@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // topic is the one topic every scenario uses; each run has its own table.
@@ -55,6 +56,8 @@ type consumeConfig struct {
 	// timers: the pgoutbox subscriber of the timers scenario polls every
 	// 10s with a 30s lease, so only its timer planning can be on time.
 	timers bool
+	// group: the pgoutbox consumer group (the consumer group scenarios).
+	group string
 }
 
 type consumer interface {
@@ -120,6 +123,9 @@ var scenarios = []*scenario{
 	{name: "publish-100", run: publishScenario(100)},
 	{name: "publish-tx-1", systems: publishSystems, run: concurrentPublishScenario(1)},
 	{name: "publish-tx-16", systems: publishSystems, run: concurrentPublishScenario(16)},
+	{name: "publish-100-g1", systems: []string{"pgoutbox"}, run: groupPublishScenario(1)},
+	{name: "publish-100-g5", systems: []string{"pgoutbox"}, run: groupPublishScenario(5)},
+	{name: "drain-3groups", systems: []string{"pgoutbox"}, run: groupDrainScenario(3)},
 	{name: "latency-busy", systems: []string{"pgoutbox", pgoutboxNotifyEachName, "watermill-sql"}, run: busyLatencyScenario},
 	{name: "drain-1", run: drainScenario(false, 1)},
 	{name: "drain-16", run: drainScenario(false, 16)},
@@ -723,4 +729,104 @@ func busyLatencyScenario(ctx context.Context, b *bench, inst instance) (result, 
 	mu.Lock()
 	defer mu.Unlock()
 	return result{p50ms: percentile(latencies, 0.50), p99ms: percentile(latencies, 0.99)}, nil
+}
+
+// groupPublishScenario (pgoutbox only) is publish-100 with groups consumer
+// groups bound to the topic: every message becomes one row per group, in
+// the same one statement per Publish. It reports messages per second.
+func groupPublishScenario(groups int) func(context.Context, *bench, instance) (result, error) {
+	return func(ctx context.Context, b *bench, inst instance) (result, error) {
+		pi := inst.(*pgoutboxInstance)
+		for g := range groups {
+			if err := pgoutbox.Bind(ctx, tx.FromPgxPool(b.pool), pi.tables, topic, fmt.Sprintf("g%d", g)); err != nil {
+				return result{}, err
+			}
+		}
+		const perTx = 100
+		n := b.count(20_000)
+		conn, err := b.conn(ctx)
+		if err != nil {
+			return result{}, err
+		}
+		defer conn.Close(context.Background())
+		payload := newPayload()
+		start := time.Now()
+		for sent := 0; sent < n; sent += perTx {
+			t, err := conn.Begin(ctx)
+			if err != nil {
+				return result{}, err
+			}
+			if err := inst.publish(ctx, t, newMessages(min(perTx, n-sent), payload)); err != nil {
+				_ = t.Rollback(context.Background())
+				return result{}, fmt.Errorf("publish: %w", err)
+			}
+			if err := t.Commit(ctx); err != nil {
+				return result{}, fmt.Errorf("commit: %w", err)
+			}
+		}
+		elapsed := time.Since(start)
+		if err := expectRows(ctx, b, inst, int64(n*groups), "after publishing"); err != nil {
+			return result{}, err
+		}
+		return result{msgsPerS: float64(n) / elapsed.Seconds(), note: fmt.Sprintf("%d rows per message", groups)}, nil
+	}
+}
+
+// groupDrainScenario (pgoutbox only) drains a 20,000-message backlog that
+// groups consumer groups each have a copy of, with one subscriber per
+// group (MaxInFlight 16) running at once. It reports rows per second in
+// all.
+func groupDrainScenario(groups int) func(context.Context, *bench, instance) (result, error) {
+	return func(ctx context.Context, b *bench, inst instance) (result, error) {
+		n := b.count(20_000)
+		if _, err := b.pool.Exec(ctx, `
+			INSERT INTO `+inst.table()+` (topic, consumer_group, uuid, payload)
+			SELECT $1, 'g' || grp, gen_random_uuid()::text, $2::bytea
+			  FROM generate_series(1, $3), generate_series(0, $4 - 1) AS grp`,
+			topic, newPayload(), n, groups); err != nil {
+			return result{}, fmt.Errorf("load backlog: %w", err)
+		}
+		if err := settle(ctx, b, inst); err != nil {
+			return result{}, err
+		}
+		handled := newCountdown(n * groups)
+		var cons []consumer
+		for g := range groups {
+			c, err := inst.consumer(ctx, consumeConfig{
+				maxInFlight: 16,
+				acks:        n,
+				group:       fmt.Sprintf("g%d", g),
+				handle: func(string) error {
+					handled.add(1)
+					return nil
+				},
+			})
+			if err != nil {
+				return result{}, err
+			}
+			defer c.close()
+			cons = append(cons, c)
+		}
+		start := time.Now()
+		for _, c := range cons {
+			if err := c.start(ctx); err != nil {
+				return result{}, err
+			}
+		}
+		for _, c := range cons {
+			if err := awaitDone(ctx, handled, c, time.Minute+time.Duration(n*groups)*5*time.Millisecond, "messages handled"); err != nil {
+				return result{}, err
+			}
+		}
+		elapsed := time.Since(start)
+		for _, c := range cons {
+			if err := c.close(); err != nil {
+				return result{}, err
+			}
+		}
+		if err := expectRows(ctx, b, inst, 0, "after the drain"); err != nil {
+			return result{}, err
+		}
+		return result{msgsPerS: float64(n*groups) / elapsed.Seconds(), note: fmt.Sprintf("%d groups, rows/s in all", groups)}, nil
+	}
 }

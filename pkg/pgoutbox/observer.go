@@ -33,8 +33,11 @@ const (
 
 // Event is one observation. Fields that do not apply to a kind are zero.
 type Event struct {
-	Kind       EventKind
-	Topic      string
+	Kind  EventKind
+	Topic string
+	// Group is the subscriber's consumer group ("" for the default group);
+	// empty for publisher events.
+	Group      string
 	RowID      int64
 	Deliveries int
 	Count      int

@@ -478,7 +478,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 	sub.claimBO.Reset()
 	sub.claimWait = time.Time{}
 	sub.scan.claimed(r)
-	sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Count: len(r.rows)})
+	sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, Count: len(r.rows)})
 	for _, d := range r.rows {
 		d.claimedAt = at(r.req.sent)
 		d.expiresAt = d.claimedAt.add(sub.cfg.Lease)
@@ -586,7 +586,7 @@ func (sub *subscription) prepare(d *delivery, now time.Time) bool {
 
 // poisoned dead-letters a row that does not decode into a message.
 func (sub *subscription) poisoned(d *delivery, err error) {
-	sub.s.obs.observe(Event{Kind: EventPoisoned, Topic: sub.topic, RowID: d.id, Deliveries: d.deliveries, Err: err})
+	sub.s.obs.observe(Event{Kind: EventPoisoned, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Err: err})
 	sub.deadLetter(d, ReasonPoisoned, err.Error())
 }
 
@@ -1078,7 +1078,7 @@ func (sub *subscription) onWritten(r writeResult) {
 			continue // not written yet: stays pending
 		}
 		if sub.finish(d, r, "ack") {
-			sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, RowID: d.id, Deliveries: d.deliveries})
+			sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries})
 		}
 	}
 	for _, op := range job.returns {
@@ -1093,7 +1093,7 @@ func (sub *subscription) onWritten(r writeResult) {
 			phase, kind = "nack", EventRetried
 		}
 		if sub.finish(op.d, r, phase) {
-			sub.s.obs.observe(Event{Kind: kind, Topic: sub.topic, RowID: op.d.id, Deliveries: op.d.deliveries})
+			sub.s.obs.observe(Event{Kind: kind, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: op.d.id, Deliveries: op.d.deliveries})
 		}
 	}
 	for _, op := range job.holds {
@@ -1105,7 +1105,7 @@ func (sub *subscription) onWritten(r writeResult) {
 		case r.done.has(d):
 			d.holdDone = true
 			d.expiresAt = at(r.sent).add(sub.cfg.Lease)
-			sub.s.obs.observe(Event{Kind: EventRetried, Topic: sub.topic, RowID: d.id, Deliveries: d.deliveries})
+			sub.s.obs.observe(Event{Kind: EventRetried, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries})
 			if sub.stopping {
 				sub.retry = nil
 				sub.giveBack([]*delivery{d})
@@ -1131,7 +1131,7 @@ func (sub *subscription) onWritten(r writeResult) {
 		} else {
 			sub.logger.Info("Message moved to the dead-letter table", fields)
 		}
-		sub.s.obs.observe(Event{Kind: EventDeadLettered, Topic: sub.topic, RowID: op.d.id, Deliveries: op.d.deliveries, Reason: op.reason})
+		sub.s.obs.observe(Event{Kind: EventDeadLettered, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: op.d.id, Deliveries: op.d.deliveries, Reason: op.reason})
 	}
 	sub.onRenewed(job.renew, r)
 	if len(job.releaseTokens) > 0 {
@@ -1240,7 +1240,7 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 		delete(sub.held, d)
 		d.state = finished
 	}
-	sub.s.obs.observe(Event{Kind: EventLeaseRenewed, Topic: sub.topic, Count: renewed})
+	sub.s.obs.observe(Event{Kind: EventLeaseRenewed, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, Count: renewed})
 }
 
 // leaseLost reports a row whose lease token no longer matches: its lease
@@ -1250,7 +1250,7 @@ func (sub *subscription) leaseLost(d *delivery, phase string) {
 	logWarn(sub.logger, "Lease lost: the row was reclaimed by another consumer; this write was not applied", watermill.LogFields{
 		"event": "lease_lost", "phase": phase, "row_id": d.id, "deliveries": d.deliveries,
 	})
-	sub.s.obs.observe(Event{Kind: EventLeaseLost, Topic: sub.topic, RowID: d.id, Deliveries: d.deliveries, Phase: phase})
+	sub.s.obs.observe(Event{Kind: EventLeaseLost, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Phase: phase})
 }
 
 // newBackoff paces retries after database errors: 50ms doubling to 5s,

@@ -203,3 +203,102 @@ func TestMessageIsClaimedAfterTheListenConnectionCameBack(t *testing.T) {
 	require.Equal(t, msg.UUID, got.UUID)
 	got.Ack()
 }
+
+// countNotifications drains what the LISTEN connection got so far; a last
+// notification may still be on its way, hence the short wait for more.
+func countNotifications(t *testing.T, listen *pgx.Conn) int {
+	t.Helper()
+	n := 0
+	for {
+		waitCtx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		_, err := listen.WaitForNotification(waitCtx)
+		cancel()
+		if err != nil {
+			return n
+		}
+		n++
+	}
+}
+
+func listenTo(t *testing.T, b *bundle) *pgx.Conn {
+	t.Helper()
+	listen, err := pgx.Connect(context.Background(), b.DSN)
+	require.NoError(t, err)
+	t.Cleanup(func() { listen.Close(context.Background()) })
+	_, err = listen.Exec(context.Background(), `LISTEN `+pgx.Identifier{b.names(t).Channel}.Sanitize())
+	require.NoError(t, err)
+	return listen
+}
+
+// The cooldown never silences a scheduled message: subscribers may sleep
+// until a time they planned earlier, and only this NOTIFY tells them about
+// an earlier one. Nor does a publish that sent nothing (every message
+// skipped by its dedup key) hold back the next one's NOTIFY.
+func TestCooldownSkipsScheduledAndEmptyPublishes(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	listen := listenTo(t, b)
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables, NotifyCooldown: time.Hour}, nil)
+	require.NoError(t, err)
+
+	require.NoError(t, pub.Publish("t", newMsg("notifies")))
+	require.NoError(t, pub.Publish("t", newMsg("quiet")))
+	require.Equal(t, 1, countNotifications(t, listen), "within the cooldown a plain publish is quiet")
+
+	later := newMsg("later")
+	pgoutbox.DeliverAfter(later, time.Minute)
+	require.NoError(t, pub.Publish("t", later))
+	require.Equal(t, 1, countNotifications(t, listen), "a scheduled message notifies within the cooldown")
+
+	// A fresh topic: its record is untouched. The first keyed publish is
+	// made by a publisher outside the cooldown, then this one publishes the
+	// same key: skipped, nothing inserted, nothing notified.
+	always, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables, NotifyCooldown: -1}, nil)
+	require.NoError(t, err)
+	first := newMsg("keyed")
+	pgoutbox.WithDedupKey(first, "k")
+	require.NoError(t, always.Publish("u", first))
+	require.Equal(t, 1, countNotifications(t, listen))
+	again := newMsg("keyed again")
+	pgoutbox.WithDedupKey(again, "k")
+	res, err := pub.PublishWithResult("u", again)
+	require.NoError(t, err)
+	require.Equal(t, []int{0}, res.Skipped())
+	require.Equal(t, 0, countNotifications(t, listen), "a skipped publish sends nothing")
+	require.NoError(t, pub.Publish("u", newMsg("after the skip")))
+	require.Equal(t, 1, countNotifications(t, listen), "the skipped publish did not start a cooldown")
+}
+
+// A quiet publish whose transaction commits a while after the notifying one
+// is still found long before the idle poll: the woken subscriber keeps
+// looking, at doubling intervals.
+func TestQuietPublishCommittedLaterIsFoundByTheLooksAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	ev := newEvents()
+	sub := b.subscriber(t, idleSubscriber(ev)) // 30s poll
+	msgs, err := sub.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	waitEmptyClaim(t, ev)
+
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables, NotifyCooldown: time.Hour}, nil)
+	require.NoError(t, err)
+	slow, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer slow.Rollback(ctx) //nolint:errcheck // no-op after commit
+	require.NoError(t, pub.Publish("t", newMsg("notifies")))
+	inTx, err := pgoutbox.NewPublisher(tx.FromPgxTx(slow), pgoutbox.PublisherConfig{Tables: b.tables, NotifyCooldown: time.Hour}, nil)
+	require.NoError(t, err)
+	require.NoError(t, inTx.Publish("t", newMsg("slow quiet")))
+	receive(t, msgs, wakeBound).Ack()
+	// The subscriber found nothing more a few times (each within a small
+	// fraction of its 30s poll) before the slow transaction commits.
+	for range 4 {
+		waitEmptyClaim(t, ev)
+	}
+	require.NoError(t, slow.Commit(ctx))
+	got := receive(t, msgs, wakeBound)
+	require.Equal(t, "slow quiet", string(got.Payload))
+	got.Ack()
+}

@@ -105,7 +105,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	}
 	ctx, cancel := p.stmtCtx(msgs[0].Context())
 	defer cancel()
-	notify := p.limiter.allow(p.q.Names.Channel, topic)
+	ticket, notify := p.limiter.allow(p.q.Names.Channel, topic)
 	var err2 error
 	switch {
 	case len(msgs) == 1 && notify:
@@ -118,6 +118,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		_, err2 = p.exec.Exec(ctx, p.q.PublishPlainQuiet, topic, args.uuids, args.payloads, args.metadata)
 	}
 	if err2 != nil {
+		ticket.cancel()
 		return p.wrapErr(topic, err2)
 	}
 	p.obs.observe(Event{Kind: EventPublished, Topic: topic, Count: len(msgs)})
@@ -174,34 +175,19 @@ func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publ
 	}
 	ctx, cancel := p.stmtCtx(msgs[0].Context())
 	defer cancel()
-	var rows tx.Rows
-	var err error
-	if p.limiter.allow(p.q.Names.Channel, topic) {
-		rows, err = p.exec.Query(ctx, p.q.Publish, topic, args.uuids, args.payloads, args.metadata,
-			args.delays, args.ats, args.dedup, p.q.Names.Channel)
-	} else {
-		rows, err = p.exec.Query(ctx, p.q.PublishQuiet, topic, args.uuids, args.payloads, args.metadata,
-			args.delays, args.ats, args.dedup)
+	// A scheduled message always notifies, outside the cooldown: the
+	// subscribers may be asleep until a later time they planned, and a
+	// look again after a wake-up would not find a row that is not yet due.
+	var ticket notifyTicket
+	notify := args.scheduled
+	if !notify {
+		ticket, notify = p.limiter.allow(p.q.Names.Channel, topic)
+	}
+	idByUUID, err := p.insert(ctx, topic, args, notify)
+	if err != nil || len(idByUUID) == 0 {
+		ticket.cancel() // no row, no NOTIFY
 	}
 	if err != nil {
-		return PublishResult{}, p.wrapErr(topic, err)
-	}
-	defer rows.Close()
-	idByUUID := make(map[string]int64, len(msgs))
-	for rows.Next() {
-		var (
-			id    int64
-			uuid  string
-			woken int64
-		)
-		if err := rows.Scan(&id, &uuid, &woken); err != nil {
-			return PublishResult{}, p.wrapErr(topic, err)
-		}
-		if prev, ok := idByUUID[uuid]; !ok || id < prev { // one row per consumer group: the first
-			idByUUID[uuid] = id
-		}
-	}
-	if err := rows.Err(); err != nil {
 		return PublishResult{}, p.wrapErr(topic, err)
 	}
 	res := PublishResult{IDs: make([]int64, len(msgs))}
@@ -210,6 +196,39 @@ func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publ
 	}
 	p.obs.observe(Event{Kind: EventPublished, Topic: topic, Count: len(idByUUID)})
 	return res, nil
+}
+
+// insert runs the full publish statement and maps each inserted message's
+// UUID to its row id.
+func (p *Publisher) insert(ctx context.Context, topic string, args publishBatch, notify bool) (map[string]int64, error) {
+	var rows tx.Rows
+	var err error
+	if notify {
+		rows, err = p.exec.Query(ctx, p.q.Publish, topic, args.uuids, args.payloads, args.metadata,
+			args.delays, args.ats, args.dedup, p.q.Names.Channel)
+	} else {
+		rows, err = p.exec.Query(ctx, p.q.PublishQuiet, topic, args.uuids, args.payloads, args.metadata,
+			args.delays, args.ats, args.dedup)
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	idByUUID := make(map[string]int64, len(args.uuids))
+	for rows.Next() {
+		var (
+			id    int64
+			uuid  string
+			woken int64
+		)
+		if err := rows.Scan(&id, &uuid, &woken); err != nil {
+			return nil, err
+		}
+		if prev, ok := idByUUID[uuid]; !ok || id < prev { // one row per consumer group: the first
+			idByUUID[uuid] = id
+		}
+	}
+	return idByUUID, rows.Err()
 }
 
 // stmtCtx is the context of a Publish statement. In the caller's
@@ -255,6 +274,8 @@ type publishBatch struct {
 	delays   []pgtype.Int8
 	ats      []pgtype.Timestamptz
 	dedup    []pgtype.Text
+	// scheduled: some message has a delivery time (which may be due now).
+	scheduled bool
 }
 
 func checkTopic(topic string) error {
@@ -332,6 +353,7 @@ func publishArgs(msgs []*message.Message) (publishBatch, error) {
 			// arrays and the fuller statement.
 			b.delays, b.ats, b.dedup = make([]pgtype.Int8, n), make([]pgtype.Timestamptz, n), make([]pgtype.Text, n)
 		}
+		b.scheduled = b.scheduled || delay.Valid || at.Valid
 		if b.delays != nil {
 			b.delays[i], b.ats[i] = delay, at
 			if keyed {

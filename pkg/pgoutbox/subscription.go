@@ -68,10 +68,10 @@ type subscription struct {
 	scan      claimScan
 
 	claiming         bool
-	lookAgain        int       // looks left after a publisher's wake-up (see onNotified)
-	wokeDuringClaim  bool      // something woke us while the claim ran: an empty claim may have missed it
-	wantClaim        bool      // claim when there is room: the last claim found rows, or something woke us
-	claimWait        time.Time // after a failed claim: not before then
+	lookAgain        time.Duration // next look after a publisher's wake-up, 0: none (see onNotified)
+	wokeDuringClaim  bool          // something woke us while the claim ran: an empty claim may have missed it
+	wantClaim        bool          // claim when there is room: the last claim found rows, or something woke us
+	claimWait        time.Time     // after a failed claim: not before then
 	claimBO          *backoff.ExponentialBackOff
 	gen              uint64 // bumped by every give-back; a claim started before it gives its rows back too
 	givingBack       int    // give-backs not written yet: a claim now would overtake them
@@ -293,18 +293,21 @@ func (sub *subscription) onNotified(k notifier.Kinds) {
 		// Publishers notify once per cooldown (PublisherConfig.
 		// NotifyCooldown): rows of the quiet publishes right after this
 		// one are found by a look again shortly after.
-		sub.lookAgain = lookAgainTimes
+		sub.lookAgain = lookAgainFirst
 	}
 	sub.wake(false)
 }
 
 // After a wake-up by a publisher, an idle subscription looks again
-// lookAgainTimes times, lookAgainAfter apart, before its idle polling
-// resumes: twice the default NotifyCooldown, so a row published quietly
-// right after the notifying one waits about that long, not a poll interval.
+// lookAgainFirst later, then at doubling intervals up to lookAgainLast
+// (or its idle poll interval, when that is shorter): a row published
+// quietly right after the notifying one waits about a cooldown, and one
+// whose transaction commits later is found within about the time it took
+// to commit, not a poll interval. Each look is one claim that finds
+// nothing, and it stops at the first idle poll.
 const (
-	lookAgainTimes = 2
-	lookAgainAfter = 2 * DefaultNotifyCooldown
+	lookAgainFirst = 2 * DefaultNotifyCooldown
+	lookAgainLast  = 512 * time.Millisecond
 )
 
 // maxFastTurns bounds the owner's turns on the fast path (see run).
@@ -497,7 +500,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 		if sub.lookAgain > 0 {
 			// Still busy after a publisher's wake-up: quiet publishes may
 			// keep coming, keep looking again after the claims run dry.
-			sub.lookAgain = lookAgainTimes
+			sub.lookAgain = lookAgainFirst
 		}
 		return
 	}
@@ -509,11 +512,14 @@ func (sub *subscription) onClaimed(r claimResult) {
 		return
 	}
 	sub.wantClaim = false
-	wait := jitter(sub.idlePoll)
-	sub.idlePoll = min(sub.idlePoll*2, sub.cfg.MaxPollInterval)
-	if sub.lookAgain > 0 {
-		sub.lookAgain--
-		wait = min(wait, lookAgainAfter)
+	var wait time.Duration
+	if sub.lookAgain > 0 && sub.lookAgain < sub.idlePoll && sub.lookAgain <= lookAgainLast {
+		wait = sub.lookAgain
+		sub.lookAgain *= 2
+	} else {
+		sub.lookAgain = 0
+		wait = jitter(sub.idlePoll)
+		sub.idlePoll = min(sub.idlePoll*2, sub.cfg.MaxPollInterval)
 	}
 	if r.dueIn > 0 && r.dueIn < wait {
 		wait = r.dueIn

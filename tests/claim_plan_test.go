@@ -132,3 +132,48 @@ func TestSubscriberWritesCommitAsynchronously(t *testing.T) {
 		require.Equal(t, "on", setting(conn), "the setting must not leak into the session")
 	}
 }
+
+// CancelScheduled finds a key in every consumer group without reading the
+// topic's other keyed rows: the dedup index is led by (topic, group), so a
+// lookup by (topic, key) alone would walk the topic's whole range. With
+// 60,000 keyed rows in three groups of one topic, the statement may touch
+// only a few index pages per group.
+func TestCancelScheduledReadsAFewPages(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	tbl := b.Schema + ".outbox"
+	_, err := b.Pool.Exec(ctx, fmt.Sprintf(`
+INSERT INTO %s (topic, consumer_group, uuid, payload, metadata, available_at, dedup_key)
+SELECT 'timers', 'g' || (g %% 3), g::text, '\x00', '{}', now() + interval '1 hour', 'key-' || (g / 3)
+  FROM generate_series(0, 59999) g`, tbl))
+	require.NoError(t, err)
+	_, err = b.Pool.Exec(ctx, "ANALYZE "+tbl)
+	require.NoError(t, err)
+	names, err := query.NewNames(b.Schema, "outbox", "")
+	require.NoError(t, err)
+	q := query.Build(names, true)
+
+	pgTx, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer pgTx.Rollback(ctx) //nolint:errcheck // the deletes must not stay
+	rows, err := pgTx.Query(ctx, "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+q.Cancel, "timers", "key-777")
+	require.NoError(t, err)
+	var plan []struct {
+		Plan struct {
+			SharedHit  int `json:"Shared Hit Blocks"`
+			SharedRead int `json:"Shared Read Blocks"`
+		} `json:"Plan"`
+	}
+	require.True(t, rows.Next())
+	require.NoError(t, rows.Scan(&plan))
+	rows.Close()
+	require.NoError(t, rows.Err())
+	blocks := plan[0].Plan.SharedHit + plan[0].Plan.SharedRead
+	t.Logf("cancel touched %d blocks", blocks)
+	require.Less(t, blocks, 100, "the cancel must look the key up per group, not scan the topic's keyed rows")
+
+	var left int
+	require.NoError(t, pgTx.QueryRow(ctx, fmt.Sprintf(`SELECT count(*) FROM %s WHERE dedup_key = 'key-777'`, tbl)).Scan(&left))
+	require.Zero(t, left, "every group's copy is cancelled")
+}

@@ -265,10 +265,25 @@ SELECT (extract(epoch FROM least(
              WHERE topic = $1 AND consumer_group = $2 AND lease_token IS NOT NULL AND leased_until > now())
        ) - now()) * 1000000)::bigint`, t),
 
-		// Cancel deletes a scheduled row by key, but only while nobody holds
-		// it: a delivery already running completes normally.
+		// Cancel deletes a scheduled row by key, in every consumer group,
+		// but only while nobody holds it: a delivery already running
+		// completes normally. The dedup index is led by (topic,
+		// consumer_group), so the groups holding keyed rows of the topic
+		// are found first, one index probe each (a loose index scan), and
+		// each group's row is then looked up by its full key: filtering the
+		// key over the topic's whole range would read every keyed row.
 		Cancel: fmt.Sprintf(`
-DELETE FROM %[1]s WHERE topic = $1 AND dedup_key = $2 AND lease_token IS NULL`, t),
+WITH RECURSIVE grp(g) AS (
+    (SELECT consumer_group FROM %[1]s WHERE topic = $1 AND dedup_key IS NOT NULL
+      ORDER BY consumer_group LIMIT 1)
+    UNION ALL
+    SELECT (SELECT consumer_group FROM %[1]s WHERE topic = $1 AND dedup_key IS NOT NULL AND consumer_group > grp.g
+             ORDER BY consumer_group LIMIT 1)
+      FROM grp WHERE grp.g IS NOT NULL
+)
+DELETE FROM %[1]s
+ WHERE topic = $1 AND consumer_group IN (SELECT g FROM grp WHERE g IS NOT NULL)
+   AND dedup_key = $2 AND lease_token IS NULL`, t),
 	}
 }
 

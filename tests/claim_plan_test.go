@@ -12,6 +12,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // TestClaimUsesPartialIndexes pins the shape of the claim statement: on a
@@ -176,4 +178,40 @@ SELECT 'timers', 'g' || (g %% 3), g::text, '\x00', '{}', now() + interval '1 hou
 	var left int
 	require.NoError(t, pgTx.QueryRow(ctx, fmt.Sprintf(`SELECT count(*) FROM %s WHERE dedup_key = 'key-777'`, tbl)).Scan(&left))
 	require.Zero(t, left, "every group's copy is cancelled")
+}
+
+// A claim whose reply was lost leased rows no handler saw: ReleaseClaim
+// gives them back under the claim's token, in the subscriber's group only,
+// and takes back the delivery the claim counted.
+func TestReleaseClaimGivesBackALostClaim(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	q := query.Build(b.names(t), true)
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "t", "a"))
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "t", "b"))
+	b.publishInTx(t, "t", true, newMsg("x"))
+	token := uuid.New()
+	for _, group := range []string{"a", "b"} {
+		rows, err := b.Pool.Query(ctx, q.ClaimNoOrphans, "t", 10, token, int64(30e6), "test", fromStart, int64(0), true, nil, group)
+		require.NoError(t, err)
+		n := 0
+		for rows.Next() {
+			n++
+		}
+		require.NoError(t, rows.Err())
+		require.Equal(t, 1, n, group)
+	}
+	_, err := b.Pool.Exec(ctx, q.ReleaseClaim, "t", []uuid.UUID{token}, "a")
+	require.NoError(t, err)
+	type row struct {
+		Group      string
+		Leased     bool
+		Deliveries int
+	}
+	rows, err := b.Pool.Query(ctx, `SELECT consumer_group, lease_token IS NOT NULL, deliveries FROM `+b.Schema+`.outbox ORDER BY 1`)
+	require.NoError(t, err)
+	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[row])
+	require.NoError(t, err)
+	require.Equal(t, []row{{"a", false, 0}, {"b", true, 1}}, got, "a's row is back and uncounted; b's lease is b's")
 }

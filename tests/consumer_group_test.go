@@ -255,11 +255,35 @@ func TestBindAheadAndUnbind(t *testing.T) {
 		receive(t, msgs, 10*time.Second).Ack()
 	}
 
+	// Of other's three rows, one is leased by a holder long gone (lease
+	// expired) and one is being delivered right now (lease live): the purge
+	// takes the first, leaves the second to complete.
+	_, err = b.Pool.Exec(ctx, `UPDATE `+b.Schema+`.outbox SET lease_token = gen_random_uuid(),
+		leased_until = now() + CASE WHEN id = (SELECT min(id) FROM `+b.Schema+`.outbox WHERE consumer_group = 'other')
+		                            THEN -interval '1 minute' ELSE interval '1 minute' END
+		 WHERE consumer_group = 'other' AND id < (SELECT max(id) FROM `+b.Schema+`.outbox WHERE consumer_group = 'other')`)
+	require.NoError(t, err)
 	purged, err := pgoutbox.Unbind(ctx, exec, b.tables, "t", "other", true)
 	require.NoError(t, err)
-	require.Equal(t, int64(3), purged)
+	require.Equal(t, int64(2), purged, "the unleased row and the one whose lease expired")
 	b.publishInTx(t, "t", true, newMsg("after"))
-	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE consumer_group = 'other'`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE consumer_group = 'other'`), "the delivery under way")
+
+	// A Subscriber binds on every Subscribe: unbound while it runs, the
+	// group is bound again by the next subscription of the topic (else the
+	// message would go to the default group).
+	sub := b.groupSubscriber(t, "new-service", nil)
+	first, err := sub.Subscribe(ctx, "t2")
+	require.NoError(t, err)
+	_, err = pgoutbox.Unbind(ctx, exec, b.tables, "t2", "new-service", false)
+	require.NoError(t, err)
+	subCtx, cancelSub := context.WithCancel(ctx)
+	_, err = sub.Subscribe(subCtx, "t2")
+	require.NoError(t, err)
+	cancelSub()
+	rebound := newMsg("rebound")
+	b.publishInTx(t, "t2", true, rebound)
+	require.Equal(t, rebound.UUID, receive(t, first, 10*time.Second).UUID, "the group got its copy again")
 
 	_, err = pgoutbox.Unbind(ctx, exec, b.tables, "", "x", false)
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidTopic)
@@ -312,4 +336,54 @@ func TestDedupCancelAndDeadLettersPerGroup(t *testing.T) {
 	var group string
 	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT consumer_group FROM `+b.Schema+`.outbox_dlq WHERE uuid = $1`, bad.UUID).Scan(&group))
 	require.Equal(t, "a", group)
+}
+
+// Rows a subscriber gives back wake the idle subscribers of its own group
+// only: the NOTIFY names the group, so another group's idle subscriptions
+// of the topic are not sent to claim for nothing (the routing itself is
+// tested in internal/notifier).
+func TestReleasedRowsWakeOnlyTheirGroup(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	listen := listenTo(t, b)
+	idle := func(ev *events) func(c *pgoutbox.SubscriberConfig) {
+		return func(c *pgoutbox.SubscriberConfig) {
+			c.Lease = time.Minute
+			c.MinPollInterval, c.MaxPollInterval = 30*time.Second, 30*time.Second
+			c.Observer = ev
+		}
+	}
+	holder := b.groupSubscriber(t, "billing", func(c *pgoutbox.SubscriberConfig) { c.DrainTimeout = -1 })
+	held, err := holder.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	shippingEv := newEvents()
+	shipping, err := b.groupSubscriber(t, "shipping", idle(shippingEv)).Subscribe(ctx, "t")
+	require.NoError(t, err)
+
+	msg := newMsg("x")
+	b.publishInTx(t, "t", true, msg)
+	require.Equal(t, msg.UUID, receive(t, held, 10*time.Second).UUID) // held, never acked
+	got := receive(t, shipping, 10*time.Second)
+	require.Equal(t, msg.UUID, got.UUID)
+	got.Ack()
+	shippingEv.wait(t, pgoutbox.EventAcked, 10*time.Second)
+	waitEmptyClaim(t, shippingEv)
+
+	competitorEv := newEvents()
+	competitor, err := b.groupSubscriber(t, "billing", idle(competitorEv)).Subscribe(ctx, "t")
+	require.NoError(t, err)
+	waitEmptyClaim(t, competitorEv)
+	countNotifications(t, listen) // the publish's
+
+	require.NoError(t, holder.Close())
+	got = receive(t, competitor, 5*time.Second) // far below the 30s poll
+	require.Equal(t, msg.UUID, got.UUID)
+	got.Ack()
+
+	waitCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	n, err := listen.WaitForNotification(waitCtx)
+	require.NoError(t, err)
+	require.Equal(t, "\x1et\x1ebilling", n.Payload, "the release names its topic and group")
 }

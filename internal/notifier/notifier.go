@@ -81,18 +81,23 @@ type Waiter struct {
 	n       *Notifier
 	channel string
 	topic   string
+	group   string
 }
 
-// Kinds are the reasons of the wake-ups since the last Take.
+// Kinds are the reasons of the wake-ups since the last Take: rows
+// published due now, rows scheduled for later (by a publisher, or returned
+// by a subscriber with a delay), rows a subscriber returned due now, and a
+// vanished liveness lock.
 type Kinds struct {
-	Due, Scheduled, Orphans bool
+	Due, Scheduled, Released, Orphans bool
 }
 
 // Take returns the reasons of the wake-ups received since the last Take,
 // and clears them.
 func (w *Waiter) Take() Kinds {
 	k := w.kinds.Swap(0)
-	return Kinds{Due: k&(1<<wakeDue) != 0, Scheduled: k&(1<<wakeScheduled) != 0, Orphans: k&(1<<wakeOrphans) != 0}
+	return Kinds{Due: k&(1<<wakeDue) != 0, Scheduled: k&(1<<wakeScheduled) != 0,
+		Released: k&(1<<wakeReleased) != 0, Orphans: k&(1<<wakeOrphans) != 0}
 }
 
 // Acquire returns the pool's notifier, starting it on first use. Every
@@ -134,9 +139,9 @@ func (n *Notifier) Release() {
 	}
 }
 
-// Listen registers a waiter for topic on channel.
-func (n *Notifier) Listen(channel, topic string) *Waiter {
-	w := &Waiter{C: make(chan struct{}, 1), n: n, channel: channel, topic: topic}
+// Listen registers a waiter for topic and consumer group on channel.
+func (n *Notifier) Listen(channel, topic, group string) *Waiter {
+	w := &Waiter{C: make(chan struct{}, 1), n: n, channel: channel, topic: topic, group: group}
 	n.mu.Lock()
 	byTopic := n.waiters[channel]
 	newChannel := byTopic == nil
@@ -214,11 +219,16 @@ type wakeKind int
 const (
 	wakeDue wakeKind = iota
 	wakeScheduled
+	wakeReleased
 	wakeOrphans
 )
 
-func wake(ws map[*Waiter]struct{}, kind wakeKind) {
+// wake wakes the waiters ws; with onlyGroup, only those of group.
+func wake(ws map[*Waiter]struct{}, kind wakeKind, onlyGroup bool, group string) {
 	for w := range ws {
+		if onlyGroup && w.group != group {
+			continue
+		}
 		w.kinds.Or(1 << kind)
 		select {
 		case w.C <- struct{}{}:
@@ -227,16 +237,21 @@ func wake(ws map[*Waiter]struct{}, kind wakeKind) {
 	}
 }
 
-// dispatch routes one notification; see query.Publish for the payload.
+// dispatch routes one notification; see query.Publish and query.Complete
+// for the payloads: topic (rows due), ScheduleMark topic (rows due later),
+// each possibly followed by GroupMark group (rows of that group only), and
+// GroupMark topic GroupMark group (a subscriber returned rows due now).
 func (n *Notifier) dispatch(channel, payload string) {
-	topic, scheduled := strings.CutPrefix(payload, query.ScheduleMark)
 	kind := wakeDue
-	if scheduled {
-		kind = wakeScheduled
+	if rest, ok := strings.CutPrefix(payload, query.ScheduleMark); ok {
+		kind, payload = wakeScheduled, rest
+	} else if rest, ok := strings.CutPrefix(payload, query.GroupMark); ok {
+		kind, payload = wakeReleased, rest
 	}
+	topic, group, onlyGroup := strings.Cut(payload, query.GroupMark)
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	wake(n.waiters[channel][topic], kind)
+	wake(n.waiters[channel][topic], kind, onlyGroup, group)
 }
 
 func (n *Notifier) wakeAll(kind wakeKind) {
@@ -244,7 +259,7 @@ func (n *Notifier) wakeAll(kind wakeKind) {
 	defer n.mu.Unlock()
 	for _, byTopic := range n.waiters {
 		for _, ws := range byTopic {
-			wake(ws, kind)
+			wake(ws, kind, false, "")
 		}
 	}
 }

@@ -142,12 +142,22 @@ func DDL(n Names) []string {
 	for _, old := range n.OldIndexes {
 		stmts = append(stmts, fmt.Sprintf(`DROP INDEX IF EXISTS %s.%s`, n.QSchema, Quote(old)))
 	}
-	stmts = append(stmts, fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
-    topic          text        NOT NULL,
-    consumer_group text        NOT NULL,
-    bound_at       timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (topic, consumer_group)
-)`, n.QBindings))
+	// The bindings table. Created on an outbox that already holds rows (an
+	// upgrade from the first release, whose subscribers have no group and
+	// do not bind), it binds the groups of those rows (the default group)
+	// to their topics: binding a new group to such a topic later must not
+	// stop the copies its running consumers get.
+	stmts = append(stmts, fmt.Sprintf(`DO $pgoutbox$ BEGIN
+    IF to_regclass('%[1]s') IS NULL THEN
+        CREATE TABLE %[1]s (
+            topic          text        NOT NULL,
+            consumer_group text        NOT NULL,
+            bound_at       timestamptz NOT NULL DEFAULT now(),
+            PRIMARY KEY (topic, consumer_group)
+        );
+        INSERT INTO %[1]s (topic, consumer_group) SELECT DISTINCT topic, consumer_group FROM %[2]s;
+    END IF;
+END $pgoutbox$`, n.QBindings, n.QTable))
 	if n.DLQTable != "" {
 		stmts = append(stmts,
 			fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (

@@ -6,6 +6,14 @@ import "fmt"
 // scheduled for later (chr(31), a control character topics cannot hold).
 const ScheduleMark = "\x1f"
 
+// GroupMark separates a topic from a consumer group in the payload of a
+// subscriber's NOTIFY (query.Complete): returned rows belong to one group,
+// so only that group's subscriptions wake. It also prefixes the payload of
+// returned rows that are due now (releases, nacks without delay), which is
+// how a subscription tells them from a publisher's wake-up. Neither topics
+// nor groups may hold control characters.
+const GroupMark = "\x1e"
+
 // Queries are the statements of one outbox, with its names templated in.
 type Queries struct {
 	Names Names
@@ -115,9 +123,12 @@ SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)`, oneInsert(n)),
 		// message published to the topic gets a row for the group.
 		Bind: fmt.Sprintf(`INSERT INTO %s (topic, consumer_group) VALUES ($1, $2) ON CONFLICT DO NOTHING`, n.QBindings),
 		// Unbind removes the binding; Purge deletes the group's rows of the
-		// topic that nobody holds (a delivery under way completes).
+		// topic that nobody holds: unleased, or leased until a time already
+		// past (their holder is gone, and with the group unbound nobody may
+		// come to claim them). A delivery under way completes.
 		Unbind: fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2`, n.QBindings),
-		Purge:  fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2 AND lease_token IS NULL`, t),
+		Purge: fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2
+   AND (lease_token IS NULL OR leased_until < now())`, t),
 
 		// Claim leases up to $2 rows of topic $1 under token $3.
 		//
@@ -171,9 +182,10 @@ SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)`, oneInsert(n)),
 		// keep the lease of a nacked row that an ordered subscription will
 		// deliver again itself, counting that delivery now.
 		//
-		// A return that makes a row due wakes idle subscribers of the topic
-		// (NOTIFY $14 with the topic $15; a row due later sends the
-		// schedule-marked payload). The row it adds to the result has id 0.
+		// A return that makes a row due wakes the idle subscribers of the
+		// topic and group (NOTIFY $14 with the payload GroupMark || $15,
+		// where $15 is topic GroupMark group; a row due later sends
+		// ScheduleMark || $15). The row it adds to the result has id 0.
 		Complete: fmt.Sprintf(`
 WITH acked AS (
     DELETE FROM %[1]s o
@@ -205,7 +217,7 @@ WITH acked AS (
      WHERE o.id = c.id AND o.lease_token = c.token%[2]s
     RETURNING o.id, c.token
 ), woken AS (
-    SELECT pg_notify($14, CASE WHEN bool_or(due) THEN $15 ELSE %[3]s || $15 END)
+    SELECT pg_notify($14, CASE WHEN bool_or(due) THEN chr(30) ELSE %[3]s END || $15)
       FROM returned HAVING count(*) > 0
 )
 SELECT id, token FROM acked
@@ -240,15 +252,17 @@ UPDATE %[1]s o
  WHERE o.id = c.id AND o.lease_token = c.token%[2]s
 RETURNING o.id, c.token`, t, ac),
 
-		// ReleaseClaim gives back every row of topic $1 still leased under
-		// the tokens $2, undoing their delivery count: the claims that
-		// leased them failed on the client's side (the reply was lost), so
-		// no handler saw those rows. Scans the topic's leased rows only.
+		// ReleaseClaim gives back every row of topic $1 and group $3 still
+		// leased under the tokens $2, undoing their delivery count: the
+		// claims that leased them failed on the client's side (the reply
+		// was lost), so no handler saw those rows. Scans the group's leased
+		// rows of the topic only.
 		ReleaseClaim: fmt.Sprintf(`
 UPDATE %[1]s
    SET lease_token = NULL, leased_until = NULL, leased_by = NULL, lease_holder = NULL,
        deliveries = deliveries - 1
- WHERE topic = $1 AND lease_token IS NOT NULL AND lease_token = ANY ($2::uuid[])%[2]s`, t, ac),
+ WHERE topic = $1 AND consumer_group = $3 AND lease_token IS NOT NULL
+   AND lease_token = ANY ($2::uuid[])%[2]s`, t, ac),
 
 		// NextDue returns the microseconds until the next row of topic $1
 		// and group $2 becomes claimable in the future (a scheduled row or an expiring

@@ -233,7 +233,7 @@ func (c *completer) write(j writeJob) writeResult {
 	// its next job, and gives up once the rows' leases have expired anyway.
 	if len(j.releaseTokens) > 0 {
 		ctx, cancel := c.stmtCtx()
-		_, r.releaseErr = c.pool.Exec(ctx, c.q.ReleaseClaim, c.topic, j.releaseTokens)
+		_, r.releaseErr = c.pool.Exec(ctx, c.q.ReleaseClaim, c.topic, j.releaseTokens, c.cfg.ConsumerGroup)
 		cancel()
 	}
 	return r
@@ -307,7 +307,7 @@ func (c *completer) writeComplete(acks []*delivery, returns []returnOp, holds []
 	return collectWritten(done)(c.pool.Query(ctx, c.q.Complete, ackIDs, ackTokens,
 		retIDs, retTokens, delays, undos, errs, metas,
 		holdIDs, holdTokens, holdErrs, holdMetas, c.cfg.Lease.Microseconds(),
-		c.q.Names.Channel, c.topic))
+		c.q.Names.Channel, c.topic+query.GroupMark+c.cfg.ConsumerGroup))
 }
 
 func (c *completer) writeDead(ops []deadOp, done written) error {

@@ -36,9 +36,12 @@ type PublisherConfig struct {
 	// cooldown; the others write their rows only. A transaction that
 	// NOTIFYs takes a database-wide lock at commit, so notifying in every
 	// transaction serializes concurrent publishers' commits. Subscribers
-	// poll again shortly after each wake-up, which picks up the rows of
-	// the quiet publishes that followed it. Defaults to 2ms. The special
-	// value -1 notifies in every Publish.
+	// look again shortly after each wake-up (4ms, then at doubling
+	// intervals), which picks up the rows of the quiet publishes that
+	// followed it. A Publish with a scheduled message (DeliverAfter,
+	// DeliverAt) always notifies. The record is per channel and topic in
+	// the process, not per database. Defaults to 2ms. The special value -1
+	// notifies in every Publish.
 	NotifyCooldown time.Duration
 }
 

@@ -51,8 +51,9 @@ func Bind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 // Unbind removes the binding of group to topic: messages published from
 // now on get no copy for the group. The group's copies already stored stay
 // (its subscribers may still be draining them) unless purge is set: then
-// those nobody holds are deleted, and their number returned (a delivery
-// under way completes normally). Watch out: with no binding left at all,
+// those nobody holds (unleased, or leased by a holder whose lease expired)
+// are deleted, and their number returned (a delivery under way completes
+// normally). Watch out: with no binding left at all,
 // a topic's messages go to the default group.
 func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, group string, purge bool) (purged int64, err error) {
 	q, err := groupQueries(exec, tables, topic, group)

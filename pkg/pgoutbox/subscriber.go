@@ -39,7 +39,6 @@ type Subscriber struct {
 
 	schemaMu    sync.Mutex
 	schemaReady bool
-	bound       map[string]bool // topics the consumer group is bound to
 }
 
 var (
@@ -104,7 +103,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		s.notifier = notifier.Acquire(s.pool, s.logger)
 	}
 	s.subs.Add(1)
-	waiter := s.notifier.Listen(s.q.Names.Channel, topic)
+	waiter := s.notifier.Listen(s.q.Names.Channel, topic, s.cfg.ConsumerGroup)
 	s.mu.Unlock()
 
 	sub := newSubscription(s, ctx, topic, waiter)
@@ -135,20 +134,15 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 
 // bind binds the subscriber's consumer group to topic, once per topic.
 func (s *Subscriber) bind(ctx context.Context, topic string) error {
-	s.schemaMu.Lock()
-	defer s.schemaMu.Unlock()
-	if s.bound[topic] {
-		return nil
-	}
+	// Every Subscribe binds, without a cache: a binding removed meanwhile
+	// (Unbind in a deploy step, by an operator) comes back with the
+	// subscription that needs it. The statement is an insert that usually
+	// conflicts and does nothing.
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
 	defer cancel()
 	if _, err := s.pool.Exec(ctx, s.q.Bind, topic, s.cfg.ConsumerGroup); err != nil {
 		return fmt.Errorf("pgoutbox: bind consumer group %q to topic %q: %w", s.cfg.ConsumerGroup, topic, err)
 	}
-	if s.bound == nil {
-		s.bound = map[string]bool{}
-	}
-	s.bound[topic] = true
 	return nil
 }
 

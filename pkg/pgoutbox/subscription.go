@@ -283,13 +283,14 @@ func (sub *subscription) run() {
 }
 
 // onNotified handles what the notifier reported: rows due, rows scheduled
-// (an empty claim plans the sleep anew, NextDue), or a vanished liveness
-// lock (look for orphaned rows).
+// (an empty claim plans the sleep anew, NextDue), rows another subscriber
+// of this group returned, or a vanished liveness lock (look for orphaned
+// rows).
 func (sub *subscription) onNotified(k notifier.Kinds) {
 	if k.Orphans {
 		sub.scan.findOrphans = true
 	}
-	if k.Due || k.Scheduled {
+	if k.Due {
 		// Publishers notify once per cooldown (PublisherConfig.
 		// NotifyCooldown): rows of the quiet publishes right after this
 		// one are found by a look again shortly after.

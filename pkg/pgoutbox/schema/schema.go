@@ -10,6 +10,9 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -91,6 +94,32 @@ func SQL(c Config) (string, error) {
 	return query.Script(n), nil
 }
 
+// DDLLockTimeout bounds how long Create waits for a table lock (an upgrade
+// adds columns and replaces indexes), unless the transaction it runs in set
+// its own lock_timeout.
+const DDLLockTimeout = 5 * time.Second
+
+func currentSetting(ctx context.Context, e tx.Executor, name string) (string, error) {
+	rows, err := e.Query(ctx, `SELECT current_setting($1)`, name)
+	if err != nil {
+		return "", err
+	}
+	defer rows.Close()
+	var v string
+	if rows.Next() {
+		err = rows.Scan(&v)
+	}
+	if err == nil {
+		err = rows.Err()
+	}
+	return v, err
+}
+
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55P03" // lock_not_available
+}
+
 // Create creates whatever of the schema is missing. It is idempotent and
 // safe to call from several processes at once. When db is bound to the
 // caller's transaction the DDL runs in it (and commits with it); otherwise
@@ -106,9 +135,32 @@ func Create(ctx context.Context, db tx.Executor, c Config) error {
 		if _, err := e.Exec(ctx, query.CreateLock, "pgoutbox:"+n.QSchema); err != nil {
 			return fmt.Errorf("pgoutbox: create schema: lock: %w", err)
 		}
+		// An upgrade alters the table: ACCESS EXCLUSIVE, which waits for
+		// every open transaction that touched the table while every later
+		// reader and writer waits behind it. Bound the wait, unless the
+		// caller's transaction set its own.
+		prev, err := currentSetting(ctx, e, "lock_timeout")
+		if err != nil {
+			return fmt.Errorf("pgoutbox: create schema: %w", err)
+		}
+		if prev == "0" {
+			if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", DDLLockTimeout.Milliseconds())); err != nil {
+				return fmt.Errorf("pgoutbox: create schema: %w", err)
+			}
+		}
 		for _, stmt := range query.DDL(n) {
 			if _, err := e.Exec(ctx, stmt); err != nil {
+				if isLockTimeout(err) {
+					return fmt.Errorf("pgoutbox: create schema: a table change waited longer than lock_timeout (%s) for a lock another transaction holds; run it again when no long transaction uses the outbox (see pg_stat_activity), or set a longer lock_timeout in your transaction: %w\nstatement: %s",
+						DDLLockTimeout, err, stmt)
+				}
 				return fmt.Errorf("pgoutbox: create schema: %w\nstatement: %s", err, stmt)
+			}
+		}
+		if prev == "0" {
+			// Bound to the caller's transaction: give it its setting back.
+			if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', '0', true)`); err != nil {
+				return fmt.Errorf("pgoutbox: create schema: %w", err)
 			}
 		}
 		return nil
@@ -188,6 +240,13 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 		}
 		if !idxByTable[idx.Table][idx.Name] {
 			problems = append(problems, fmt.Sprintf("index %s on %s is missing", idx.Name, idx.Table))
+		}
+	}
+	if !missing[n.Table] && idxByTable[n.Table] != nil {
+		// The first release's unique dedup index: it refuses the second
+		// consumer group's copy of a keyed message, failing the publish.
+		if old := n.OldIndexes[2]; idxByTable[n.Table][old] {
+			problems = append(problems, fmt.Sprintf("index %s on %s is left from the first release and refuses keyed messages for a second consumer group (drop it)", old, n.Table))
 		}
 	}
 	if len(problems) > 0 {

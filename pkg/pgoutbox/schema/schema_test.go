@@ -114,7 +114,7 @@ func TestSQL(t *testing.T) {
 			`CREATE INDEX IF NOT EXISTS "outbox_group_ready_idx" ON "s"."outbox" (topic, consumer_group, available_at, id) WHERE lease_token IS NULL`,
 			`CREATE INDEX IF NOT EXISTS "outbox_group_lease_idx" ON "s"."outbox" (topic, consumer_group, leased_until) WHERE lease_token IS NOT NULL`,
 			`CREATE UNIQUE INDEX IF NOT EXISTS "outbox_group_dedup_idx" ON "s"."outbox" (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL`,
-			`CREATE TABLE IF NOT EXISTS "s"."outbox_bindings" (`,
+			`CREATE TABLE "s"."outbox_bindings" (`,
 			`autovacuum_vacuum_scale_factor = 0.01`,
 			`autovacuum_vacuum_insert_scale_factor = 0.01`,
 			`autovacuum_analyze_scale_factor = 0.02`,
@@ -484,7 +484,8 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 	cfg := schema.Config{Schema: b.env.Schema, Table: "outbox"} // dead letters in outbox_dlq
 
 	verr := validationError(t, schema.Validate(ctx, b.exec, cfg))
-	require.Len(t, verr.Problems, 8, "%q", verr.Problems)
+	require.Len(t, verr.Problems, 9, "%q", verr.Problems)
+	requireProblem(t, verr.Problems, "index outbox_dedup_idx on outbox is left from the first release", "drop it")
 	requireProblem(t, verr.Problems, "outbox.lease_holder", "missing", "bigint")
 	requireProblem(t, verr.Problems, "outbox.failure_reason", "missing", "text")
 	requireProblem(t, verr.Problems, "outbox.consumer_group", "missing", "text")
@@ -517,6 +518,32 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 	require.Equal(t, "", group, "kept for the default group")
 	require.Nil(t, holder)
 	require.Nil(t, reason)
+	var bound []string
+	rows, err := b.env.Pool.Query(ctx, `SELECT topic || '/' || consumer_group FROM `+q+`."outbox_bindings"`)
+	require.NoError(t, err)
+	bound, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{"t/"}, bound, "the topics with rows keep their default group bound, so a new group does not take over")
+
+	// Upgrading needs an ACCESS EXCLUSIVE lock for a moment. Behind an open
+	// transaction that holds the table, Create gives up after its lock
+	// timeout with an error that says so, instead of queueing every writer
+	// of the outbox behind it indefinitely.
+	t.Run("GivesUpBehindALongTransaction", func(t *testing.T) {
+		b2 := setup(t)
+		q2 := `"` + b2.env.Schema + `"`
+		for _, stmt := range previousReleaseDDL(q2) {
+			b2.exec1(t, stmt)
+		}
+		holder, err := b2.env.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = holder.Rollback(ctx) }()
+		_, err = holder.Exec(ctx, `SELECT count(*) FROM `+q2+`."outbox"`) // ACCESS SHARE until it ends
+		require.NoError(t, err)
+		err = schema.Create(ctx, b2.exec, schema.Config{Schema: b2.env.Schema, Table: "outbox"})
+		require.ErrorContains(t, err, "lock_timeout")
+		require.ErrorContains(t, err, "run it again when")
+	})
 
 	// Once up to date, Create (at every start of every instance) must not
 	// lock out the writers of a live queue: no ACCESS EXCLUSIVE lock, nor

@@ -37,6 +37,7 @@ type Queries struct {
 	ClaimNoOrphans string
 	Complete       string
 	Ack            string
+	CompleteInTx   string
 	Renew          string
 	Dead           string
 	ReleaseClaim   string
@@ -232,6 +233,13 @@ DELETE FROM %[1]s o
  USING unnest($1::bigint[], $2::uuid[]) AS c(id, token)
  WHERE o.id = c.id AND o.lease_token = c.token%[2]s
 RETURNING o.id, c.token`, t, ac),
+
+		// CompleteInTx deletes a delivered row in the transaction of the
+		// handler that processed it (tx.Middleware), under its lease token:
+		// 0 rows means the lease was lost and the transaction must roll
+		// back. No asynchronous-commit clause: that transaction commits
+		// the handler's own writes, with the user's durability.
+		CompleteInTx: fmt.Sprintf(`DELETE FROM %s WHERE id = $1 AND lease_token = $2`, t),
 
 		// Dead ends rows terminally, under their tokens: with a dead-letter
 		// table the row moves there in this one statement (if the INSERT

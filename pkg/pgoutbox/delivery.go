@@ -5,12 +5,15 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
 	backoff5 "github.com/cenkalti/backoff/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/handoff"
 )
 
 // delivery is one claimed row, from its claim to its completion write. Only
@@ -63,18 +66,59 @@ func (i instant) add(d time.Duration) instant   { return i + instant(d) }
 func (i instant) since(j instant) time.Duration { return time.Duration(i - j) }
 func (i instant) time() time.Time               { return processStart.Add(time.Duration(i)) }
 
-// outcome carries what the handler's side knows about a failure to the
-// subscriber: Watermill's Nack carries no error.
+// outcome carries what the handler's side knows to the subscriber: the
+// error of a failure (Watermill's Nack carries none), and whether the
+// handler's transaction deleted the row itself (tx.Middleware). It is the
+// handoff.Row of the message's context.
 type outcome struct {
 	mu           sync.Mutex
 	err          error
 	rejectReason string
+
+	// The row, for a deletion in the handler's transaction.
+	complete string // query.CompleteInTx
+	id       int64
+	token    pgtype.UUID
+	inTx     atomic.Int32 // txNone, txCompleting, txCommitted
 }
 
-type outcomeKey struct{}
+const (
+	txNone       = iota
+	txCompleting // a handler's transaction deleted the row and has not ended
+	txCommitted  // ... and committed: the row is gone, nothing more to write
+)
+
+func newOutcome(d *delivery, complete string) *outcome {
+	return &outcome{complete: complete, id: d.id, token: d.token}
+}
+
+var _ handoff.Row = (*outcome)(nil)
+
+// Completion implements handoff.Row.
+func (o *outcome) Completion() (string, []any) { return o.complete, []any{o.id, o.token} }
+
+// Begin implements handoff.Row.
+func (o *outcome) Begin() { o.inTx.Store(txCompleting) }
+
+// End implements handoff.Row.
+func (o *outcome) End(committed bool) {
+	if committed {
+		o.inTx.Store(txCommitted)
+	} else {
+		o.inTx.Store(txNone)
+	}
+}
+
+// completedInTx reports whether a handler's transaction deleted the row
+// and committed.
+func (o *outcome) completedInTx() bool { return o != nil && o.inTx.Load() == txCommitted }
+
+// completingInTx reports whether a handler's transaction deleted the row,
+// committed or not yet: the row's absence is no lost lease.
+func (o *outcome) completingInTx() bool { return o != nil && o.inTx.Load() != txNone }
 
 func outcomeFrom(ctx context.Context) *outcome {
-	o, _ := ctx.Value(outcomeKey{}).(*outcome)
+	o, _ := handoff.From(ctx).(*outcome)
 	return o
 }
 

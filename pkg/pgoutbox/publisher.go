@@ -35,6 +35,7 @@ const maxTopicLen = 1024
 // use as far as its Executor is (a transaction is not).
 type Publisher struct {
 	exec    tx.Executor
+	follow  bool // publish in the transaction a message's context carries (NewContextPublisher)
 	limiter notifyLimiter
 	timeout time.Duration // for a pool's Publish: see PublisherConfig.StatementTimeout
 	q       *query.Queries
@@ -82,6 +83,27 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 	}, nil
 }
 
+// NewContextPublisher returns a Publisher that publishes in the
+// transaction the context of the first message carries (put there by
+// tx.Middleware, or by tx.WithExecutor where you begin one yourself), and
+// through db (tx.FromSQLDB or tx.FromPgxPool) when it carries none. Build it
+// once and give it to what is built once: a CQRS CommandBus or EventBus
+// (they pass the context of Send and Publish on to the message), a
+// Router's handlers, PoisonQueue. A command handler's domain write and the
+// events it publishes then commit together. CancelScheduled follows its
+// context the same way.
+func NewContextPublisher(db tx.Executor, config PublisherConfig, logger watermill.LoggerAdapter) (*Publisher, error) {
+	p, err := NewPublisher(db, config, logger)
+	if err != nil {
+		return nil, err
+	}
+	if db.InTx() {
+		return nil, fmt.Errorf("%w: a context publisher falls back to a pool when the context carries no transaction: pass tx.FromSQLDB or tx.FromPgxPool, not a transaction", ErrInvalidConfig)
+	}
+	p.follow = true
+	return p, nil
+}
+
 // NewTxPublisher returns a Publisher bound to a database/sql transaction
 // (opened with the pgx stdlib driver). It never commits or rolls back tx.
 func NewTxPublisher(t *sql.Tx, config PublisherConfig, logger watermill.LoggerAdapter) (*Publisher, error) {
@@ -103,19 +125,20 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		_, err := p.publishFull(topic, msgs, args)
 		return err
 	}
-	ctx, cancel := p.stmtCtx(msgs[0].Context())
+	exec := p.executor(msgs[0].Context())
+	ctx, cancel := p.stmtCtx(exec, msgs[0].Context())
 	defer cancel()
 	ticket, notify := p.limiter.allow(p.q.Names.Channel, topic)
 	var err2 error
 	switch {
 	case len(msgs) == 1 && notify:
-		_, err2 = p.exec.Exec(ctx, p.q.PublishOne, topic, args.uuids[0], args.payloads[0], args.metadata[0], p.q.Names.Channel)
+		_, err2 = exec.Exec(ctx, p.q.PublishOne, topic, args.uuids[0], args.payloads[0], args.metadata[0], p.q.Names.Channel)
 	case len(msgs) == 1:
-		_, err2 = p.exec.Exec(ctx, p.q.PublishOneQuiet, topic, args.uuids[0], args.payloads[0], args.metadata[0])
+		_, err2 = exec.Exec(ctx, p.q.PublishOneQuiet, topic, args.uuids[0], args.payloads[0], args.metadata[0])
 	case notify:
-		_, err2 = p.exec.Exec(ctx, p.q.PublishPlain, topic, args.uuids, args.payloads, args.metadata, p.q.Names.Channel)
+		_, err2 = exec.Exec(ctx, p.q.PublishPlain, topic, args.uuids, args.payloads, args.metadata, p.q.Names.Channel)
 	default:
-		_, err2 = p.exec.Exec(ctx, p.q.PublishPlainQuiet, topic, args.uuids, args.payloads, args.metadata)
+		_, err2 = exec.Exec(ctx, p.q.PublishPlainQuiet, topic, args.uuids, args.payloads, args.metadata)
 	}
 	if err2 != nil {
 		ticket.cancel()
@@ -173,7 +196,8 @@ func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publ
 		n := len(msgs)
 		args.delays, args.ats, args.dedup = make([]pgtype.Int8, n), make([]pgtype.Timestamptz, n), make([]pgtype.Text, n)
 	}
-	ctx, cancel := p.stmtCtx(msgs[0].Context())
+	exec := p.executor(msgs[0].Context())
+	ctx, cancel := p.stmtCtx(exec, msgs[0].Context())
 	defer cancel()
 	// A scheduled message always notifies, outside the cooldown: the
 	// subscribers may be asleep until a later time they planned, and a
@@ -183,7 +207,7 @@ func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publ
 	if !notify {
 		ticket, notify = p.limiter.allow(p.q.Names.Channel, topic)
 	}
-	idByUUID, err := p.insert(ctx, topic, args, notify)
+	idByUUID, err := p.insert(ctx, exec, topic, args, notify)
 	if err != nil || len(idByUUID) == 0 {
 		ticket.cancel() // no row, no NOTIFY
 	}
@@ -200,14 +224,14 @@ func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publ
 
 // insert runs the full publish statement and maps each inserted message's
 // UUID to its row id.
-func (p *Publisher) insert(ctx context.Context, topic string, args publishBatch, notify bool) (map[string]int64, error) {
+func (p *Publisher) insert(ctx context.Context, exec tx.Executor, topic string, args publishBatch, notify bool) (map[string]int64, error) {
 	var rows tx.Rows
 	var err error
 	if notify {
-		rows, err = p.exec.Query(ctx, p.q.Publish, topic, args.uuids, args.payloads, args.metadata,
+		rows, err = exec.Query(ctx, p.q.Publish, topic, args.uuids, args.payloads, args.metadata,
 			args.delays, args.ats, args.dedup, p.q.Names.Channel)
 	} else {
-		rows, err = p.exec.Query(ctx, p.q.PublishQuiet, topic, args.uuids, args.payloads, args.metadata,
+		rows, err = exec.Query(ctx, p.q.PublishQuiet, topic, args.uuids, args.payloads, args.metadata,
 			args.delays, args.ats, args.dedup)
 	}
 	if err != nil {
@@ -231,13 +255,24 @@ func (p *Publisher) insert(ctx context.Context, topic string, args publishBatch,
 	return idByUUID, rows.Err()
 }
 
+// executor is where a Publish with context ctx runs: the transaction ctx
+// carries, for a context publisher, else the Publisher's Executor.
+func (p *Publisher) executor(ctx context.Context) tx.Executor {
+	if p.follow {
+		if e, ok := tx.ExecutorFromContext(ctx); ok {
+			return e
+		}
+	}
+	return p.exec
+}
+
 // stmtCtx is the context of a Publish statement. In the caller's
 // transaction it is the message's; through a pool it keeps the message's
 // values but not its cancellation (a handler's context may already be done
 // when its outputs or a poison message are published), bounded by the
 // statement timeout instead.
-func (p *Publisher) stmtCtx(msgCtx context.Context) (context.Context, context.CancelFunc) {
-	if p.exec.InTx() {
+func (p *Publisher) stmtCtx(exec tx.Executor, msgCtx context.Context) (context.Context, context.CancelFunc) {
+	if exec.InTx() {
 		return msgCtx, func() {}
 	}
 	return context.WithTimeout(context.WithoutCancel(msgCtx), p.timeout)
@@ -245,9 +280,14 @@ func (p *Publisher) stmtCtx(msgCtx context.Context) (context.Context, context.Ca
 
 // Close makes later Publish calls fail with ErrPublisherClosed. It does not
 // touch the Executor: the caller owns the transaction or pool. Close is
-// idempotent, so the Router may close a shared publisher harmlessly.
+// idempotent. A context publisher (NewContextPublisher) ignores Close: it
+// holds nothing of its own and is shared by what was built once (buses,
+// middlewares, several Routers), while a Router closes every publisher it
+// was given when it stops.
 func (p *Publisher) Close() error {
-	p.closed.Store(true)
+	if !p.follow {
+		p.closed.Store(true)
+	}
 	return nil
 }
 
@@ -438,7 +478,7 @@ func (p *Publisher) CancelScheduled(ctx context.Context, topic, key string) (boo
 	if key == "" {
 		return false, fmt.Errorf("%w: dedup key is empty; pass the key given to WithDedupKey", ErrInvalidMessage)
 	}
-	n, err := p.exec.Exec(ctx, p.q.Cancel, topic, key)
+	n, err := p.executor(ctx).Exec(ctx, p.q.Cancel, topic, key)
 	if err != nil {
 		return false, p.wrapErr(topic, err)
 	}

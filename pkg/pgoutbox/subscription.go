@@ -13,6 +13,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/handoff"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/notifier"
 )
 
@@ -581,7 +582,7 @@ func (sub *subscription) prepare(d *delivery, now time.Time) bool {
 	if !sub.admit(d, now) {
 		return false
 	}
-	d.outcome = &outcome{}
+	d.outcome = newOutcome(d, sub.s.q.CompleteInTx)
 	msg, cancel, err := buildMessage(sub.ctx, d.uuid, d.payload, d.metaRaw, d.outcome)
 	if err != nil {
 		sub.poisoned(d, err)
@@ -605,7 +606,7 @@ func buildMessage(parent context.Context, uuid string, payload, metaRaw []byte, 
 	if err != nil {
 		return nil, nil, err
 	}
-	ctx, cancel := context.WithCancel(context.WithValue(parent, outcomeKey{}, o))
+	ctx, cancel := context.WithCancel(handoff.With(parent, o))
 	msg.SetContext(ctx)
 	return msg, cancel, nil
 }
@@ -644,7 +645,7 @@ func (sub *subscription) handedOut(d *delivery) {
 		sub.single = d
 		return
 	}
-	d.outcome, d.stopWatch = &outcome{}, make(chan struct{})
+	d.outcome, d.stopWatch = newOutcome(d, sub.s.q.CompleteInTx), make(chan struct{})
 	// Never blocks: see maxHandedOut.
 	sub.slots <- slotItem{d: d, seq: d.seq, uuid: d.uuid, payload: d.payload, metaRaw: d.metaRaw,
 		outcome: d.outcome, stop: d.stopWatch}
@@ -847,6 +848,16 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 	sub.endMessage(d) // Ack and Nack end the message's context
 	if v.poison != nil {
 		sub.poisoned(d, v.poison)
+		return
+	}
+	if d.outcome.completedInTx() {
+		// The handler's transaction deleted the row and committed (with
+		// the handler's writes): acked, and nothing is left to write. A
+		// Nack after that commit (a middleware outside failed) cannot
+		// bring the row back.
+		delete(sub.held, d)
+		d.state = finished
+		sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries})
 		return
 	}
 	if v.ack {
@@ -1228,6 +1239,9 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 		}
 		if d.state == writing || (d.state == retrying && !d.holdDone) {
 			continue // its pending write finds the lease lost and says so
+		}
+		if d.state == handedOut && d.outcome.completingInTx() {
+			continue // the handler's transaction deleted it; its verdict follows
 		}
 		// Lost: someone else holds the row; it ends here, and nothing is
 		// written for it. A handed-out message's handler is told to stop.

@@ -1,0 +1,32 @@
+// Package handoff connects a delivered message to the transaction of the
+// handler that processes it (tx.Middleware): the subscriber puts the
+// claimed row behind each message into the message's context, and the
+// middleware deletes that row in the handler's transaction.
+package handoff
+
+import "context"
+
+// Row is the claimed row behind a delivered message.
+type Row interface {
+	// Completion returns the statement, and its arguments, that delete the
+	// row under the lease it was delivered with: one row affected, or none
+	// when the lease was lost.
+	Completion() (sql string, args []any)
+	// Begin announces that a transaction is about to delete the row, so
+	// the subscriber does not take the row's disappearance for a lost
+	// lease. End reports whether that transaction committed: then the
+	// subscriber writes nothing more for the row.
+	Begin()
+	End(committed bool)
+}
+
+type key struct{}
+
+// With returns ctx carrying r.
+func With(ctx context.Context, r Row) context.Context { return context.WithValue(ctx, key{}, r) }
+
+// From returns the row ctx carries, or nil.
+func From(ctx context.Context) Row {
+	r, _ := ctx.Value(key{}).(Row)
+	return r
+}

@@ -1,0 +1,133 @@
+package tx
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/handoff"
+)
+
+// ErrLeaseLost is returned by a handler behind Middleware when the
+// message's lease was lost before its transaction could complete it:
+// another consumer holds the message now and processes it, so this
+// transaction was rolled back, the handler's writes with it.
+var ErrLeaseLost = errors.New("pgoutbox: the message's lease was lost (another consumer holds it now); the handler's transaction was rolled back")
+
+// MiddlewareConfig configures Middleware.
+type MiddlewareConfig struct {
+	// Publisher publishes the messages the handler returns, inside the
+	// handler's transaction, to the handler's publish topic. Give it a
+	// publisher that follows the context (pgoutbox.NewContextPublisher):
+	// the messages then exist if and only if the transaction commits.
+	// Optional for handlers that return no messages; a handler that
+	// returns messages without it fails (and its transaction rolls back).
+	Publisher message.Publisher
+}
+
+// Middleware returns a Router middleware that runs each message's handler
+// in a transaction of its own, begun on db (FromSQLDB or FromPgxPool):
+//
+//  1. it begins a transaction and puts it into the message's context
+//     (SQLTxFromContext, PgxTxFromContext, ExecutorFromContext): write
+//     your domain rows in it;
+//  2. it runs the handler, then publishes the messages it returned in the
+//     same transaction (MiddlewareConfig.Publisher) and returns none to the
+//     Router;
+//  3. for a message delivered by a pgoutbox Subscriber, it deletes the
+//     message's row in the same transaction, under the lease the message
+//     was delivered with. If the lease was lost (another consumer holds the
+//     message now) it rolls back and returns ErrLeaseLost;
+//  4. it commits, with your database's durability settings.
+//
+// A handler error, a panic or a failed commit rolls everything back and
+// the message is nacked: redelivered, its retry policy applying. So the
+// handler's writes, its output messages and the message's completion
+// happen together, once: effectively-once processing.
+//
+// Add it to the Router after Retry (each attempt then gets a transaction
+// of its own), PoisonQueue and Recoverer, and before middlewares that
+// change the returned messages, such as CorrelationID: middlewares added
+// later run inside it, and it publishes what they return.
+func Middleware(db Executor, config MiddlewareConfig) (message.HandlerMiddleware, error) {
+	b, ok := db.(beginner)
+	if db == nil || !ok || db.InTx() {
+		return nil, fmt.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not %T", db)
+	}
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			return runInHandlerTx(b, config, h, msg)
+		}
+	}, nil
+}
+
+func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, msg *message.Message) (_ []*message.Message, err error) {
+	orig := msg.Context()
+	exec, commit, rollback, err := b.begin(orig)
+	if err != nil {
+		return nil, fmt.Errorf("pgoutbox: begin the handler's transaction: %w", err)
+	}
+	row := handoff.From(orig)
+	committed := false
+	defer func() {
+		// The message goes back to the Router (and its other middlewares)
+		// with its own context: the transaction is over.
+		msg.SetContext(orig)
+		if committed {
+			return
+		}
+		_ = rollback(context.WithoutCancel(orig))
+		if row != nil {
+			row.End(false)
+		}
+	}()
+	msg.SetContext(WithExecutor(orig, exec))
+
+	produced, err := h(msg)
+	if err != nil {
+		return nil, err
+	}
+	if len(produced) > 0 {
+		if err := publishInTx(exec, config, msg, produced); err != nil {
+			return nil, err
+		}
+	}
+	if row != nil {
+		stmt, args := row.Completion()
+		row.Begin()
+		n, err := exec.Exec(orig, stmt, args...)
+		if err != nil {
+			return nil, fmt.Errorf("pgoutbox: complete the message in the handler's transaction: %w", err)
+		}
+		if n == 0 {
+			return nil, ErrLeaseLost
+		}
+	}
+	if err := commit(orig); err != nil {
+		return nil, fmt.Errorf("pgoutbox: commit the handler's transaction: %w", err)
+	}
+	committed = true
+	if row != nil {
+		row.End(true)
+	}
+	return nil, nil
+}
+
+func publishInTx(exec Executor, config MiddlewareConfig, msg *message.Message, produced []*message.Message) error {
+	if config.Publisher == nil {
+		return fmt.Errorf("pgoutbox: the handler returned %d messages, but tx.MiddlewareConfig.Publisher is not set; set it to a publisher that follows the context (pgoutbox.NewContextPublisher) so they commit with the handler's transaction", len(produced))
+	}
+	topic := message.PublishTopicFromCtx(msg.Context())
+	if topic == "" {
+		return fmt.Errorf("pgoutbox: the handler returned %d messages but has no publish topic; add it with Router.AddHandler and a publish topic", len(produced))
+	}
+	for _, m := range produced {
+		m.SetContext(WithExecutor(m.Context(), exec))
+	}
+	if err := config.Publisher.Publish(topic, produced...); err != nil {
+		return fmt.Errorf("pgoutbox: publish the handler's messages in its transaction: %w", err)
+	}
+	return nil
+}

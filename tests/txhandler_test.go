@@ -1,0 +1,379 @@
+package tests
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/cqrs"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// txHandlerBed is an outbox with a domain table (a counter) and the parts
+// of a transactional handler: a context publisher and tx.Middleware.
+type txHandlerBed struct {
+	*bundle
+	pool *pgxpool.Pool // the consumer's: subscribers, handler transactions
+	pub  *pgoutbox.Publisher
+	mw   message.HandlerMiddleware
+}
+
+func newTxHandlerBed(t *testing.T, pool *pgxpool.Pool, b *bundle) *txHandlerBed {
+	t.Helper()
+	_, err := b.Pool.Exec(context.Background(), `CREATE TABLE `+b.Schema+`.counter (id int PRIMARY KEY, n int NOT NULL);
+		INSERT INTO `+b.Schema+`.counter VALUES (1, 0)`)
+	require.NoError(t, err)
+	pub, err := pgoutbox.NewContextPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	mw, err := tx.Middleware(tx.FromPgxPool(pool), tx.MiddlewareConfig{Publisher: pub})
+	require.NoError(t, err)
+	return &txHandlerBed{bundle: b, pool: pool, pub: pub, mw: mw}
+}
+
+func (b *txHandlerBed) counter(t *testing.T) int {
+	return b.count(t, `SELECT n FROM `+b.Schema+`.counter WHERE id = 1`)
+}
+
+// increment is the handler's domain write, in the handler's transaction.
+func (b *txHandlerBed) increment(m *message.Message) error {
+	pgTx, ok := tx.PgxTxFromContext(m.Context())
+	if !ok {
+		return errors.New("no transaction in the handler's context")
+	}
+	_, err := pgTx.Exec(m.Context(), `UPDATE `+b.Schema+`.counter SET n = n + 1 WHERE id = 1`)
+	return err
+}
+
+func (b *txHandlerBed) newSubscriber(t *testing.T, mod func(*pgoutbox.SubscriberConfig)) *pgoutbox.Subscriber {
+	t.Helper()
+	cfg := pgoutbox.SubscriberConfig{
+		Tables:          b.tables,
+		Lease:           2 * time.Second,
+		MinPollInterval: 20 * time.Millisecond,
+		MaxPollInterval: time.Second,
+		DrainTimeout:    2 * time.Second,
+		RetryPolicy:     pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: -1},
+	}
+	if mod != nil {
+		mod(&cfg)
+	}
+	sub, err := pgoutbox.NewSubscriber(b.pool, cfg, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	return sub
+}
+
+// The issue's test of effectively-once processing. 1,000 messages go
+// through tx.Middleware; the handler increments a counter row and returns
+// one output message, in the handler's transaction. Faults: the handler
+// fails on a random 10% of its calls, the consumer's connections
+// (subscriber and handler transactions alike) are terminated every
+// 100-300 ms, and the first consumer is closed mid-run while a second one
+// takes over. Whatever was retried, lost or redelivered, the counter ends
+// at exactly 1,000, with exactly 1,000 output rows and no input row left.
+func TestTxMiddlewareEffectivelyOnceUnderFaults(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgtest.Options{MaxConns: 20})
+	ctx := context.Background()
+	const n = 1000
+
+	appName := "pgoutbox-txmw-" + b.Schema
+	poolCfg, err := pgxpool.ParseConfig(b.DSN)
+	require.NoError(t, err)
+	poolCfg.MaxConns = 20
+	poolCfg.ConnConfig.RuntimeParams["application_name"] = appName
+	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	h := newTxHandlerBed(t, pool, b)
+
+	var handlerCalls, injected atomic.Int64
+	handler := func(m *message.Message) ([]*message.Message, error) {
+		handlerCalls.Add(1)
+		if rand.N(10) == 0 {
+			injected.Add(1)
+			return nil, errors.New("injected handler failure")
+		}
+		if err := h.increment(m); err != nil {
+			return nil, err
+		}
+		return []*message.Message{message.NewMessage(watermill.NewUUID(), m.Payload)}, nil
+	}
+	startConsumer := func(sub *pgoutbox.Subscriber) (*message.Router, chan error) {
+		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+		require.NoError(t, err)
+		r.AddMiddleware(h.mw)
+		r.AddHandler("count", "in", sub, "out", h.pub, handler)
+		done := make(chan error, 1)
+		go func() { done <- r.Run(ctx) }()
+		<-r.Running()
+		return r, done
+	}
+
+	first, firstDone := startConsumer(h.newSubscriber(t, func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 8 }))
+	k := startKiller(b.Pool, appName)
+	t.Cleanup(k.stop)
+	// Ten batches; before each, a round of terminations, and after the
+	// fifth a second consumer starts and the first one is closed.
+	pub := b.poolPublisher(t)
+	second, secondDone := (*message.Router)(nil), chan error(nil)
+	for i := range 10 {
+		select {
+		case <-k.round:
+		case <-time.After(10 * time.Second):
+			t.Fatal("no round of terminations")
+		}
+		require.NoError(t, pub.Publish("in", newMsgs(n/10)...))
+		if i == 4 {
+			second, secondDone = startConsumer(h.newSubscriber(t, func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 }))
+			require.NoError(t, first.Close())
+			require.NoError(t, <-firstDone)
+		}
+	}
+	t.Cleanup(func() {
+		require.NoError(t, second.Close())
+		require.NoError(t, <-secondDone)
+	})
+
+	pollUntil(t, "every input row processed", 2*time.Minute, nil, func() bool {
+		return b.outboxRows(t, "in") == 0
+	})
+	k.stop()
+	require.NoError(t, k.err)
+	t.Logf("handler calls %d (injected failures %d), termination rounds %d", handlerCalls.Load(), injected.Load(), k.count.Load())
+	require.Positive(t, injected.Load())
+	require.GreaterOrEqual(t, k.count.Load(), int64(10), "connections were terminated while messages flowed")
+	require.Equal(t, n, h.counter(t), "each message counted exactly once")
+	require.Equal(t, n, b.outboxRows(t, "out"), "each message's output published exactly once")
+}
+
+// A lease lost while the handler runs (another consumer holds the message
+// now) rolls the handler's transaction back: its domain write and output
+// message with it. The handler gets ErrLeaseLost; the new holder
+// processes the message.
+func TestTxMiddlewareLeaseLostRollsBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	h := newTxHandlerBed(t, b.Pool, b)
+	ctx := context.Background()
+	var calls atomic.Int32
+	type attempt struct {
+		err            error
+		counter, outer int
+	}
+	first := make(chan attempt, 1)
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	r.AddMiddleware(func(next message.HandlerFunc) message.HandlerFunc { // outside tx.Middleware: sees its result
+		return func(m *message.Message) ([]*message.Message, error) {
+			produced, err := next(m)
+			if calls.Load() == 1 {
+				select {
+				case first <- attempt{err: err, counter: h.counter(t), outer: b.outboxRows(t, "out")}:
+				default:
+				}
+			}
+			return produced, err
+		}
+	})
+	r.AddMiddleware(h.mw)
+	r.AddHandler("count", "in", h.newSubscriber(t, nil), "out", h.pub, func(m *message.Message) ([]*message.Message, error) {
+		if err := h.increment(m); err != nil {
+			return nil, err
+		}
+		if calls.Add(1) == 1 {
+			// Meanwhile the lease expired and another consumer claimed the
+			// row (a new token, a lease that ends in a second).
+			_, err := b.Pool.Exec(ctx, `UPDATE `+b.Schema+`.outbox SET lease_token = gen_random_uuid(),
+				leased_until = now() + interval '1 second' WHERE topic = 'in'`)
+			if err != nil {
+				return nil, err
+			}
+		}
+		return []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("output"))}, nil
+	})
+	startRouter(t, r)
+	b.publishInTx(t, "in", true, newMsg("x"))
+
+	var a attempt
+	select {
+	case a = <-first:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the handler did not run")
+	}
+	require.ErrorIs(t, a.err, tx.ErrLeaseLost)
+	require.Zero(t, a.counter, "the domain write rolled back")
+	require.Zero(t, a.outer, "the output message rolled back")
+	// The "other consumer" never completes; once its lease expires the
+	// message is delivered again and processed once.
+	pollUntil(t, "processed after the lease expired", 20*time.Second, nil, func() bool { return b.outboxRows(t, "in") == 0 })
+	require.Equal(t, 1, h.counter(t))
+	require.Equal(t, 1, b.outboxRows(t, "out"))
+}
+
+// The success path, and what the subscriber does after it: the row was
+// deleted in the handler's transaction, so the Ack writes nothing (no
+// lease is reported lost, before or after), and the message counts as
+// acked.
+func TestTxMiddlewareCommitsWriteOutputAndCompletion(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	h := newTxHandlerBed(t, b.Pool, b)
+	ev := newEvents()
+	sub := h.newSubscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.Observer = ev
+		c.Lease, c.StatementTimeout = time.Second, 400*time.Millisecond // renewals every 500 ms, while the handler waits
+		c.MinPollInterval, c.MaxPollInterval = 20*time.Millisecond, 100*time.Millisecond
+	})
+	slow := make(chan struct{})
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	r.AddMiddleware(h.mw)
+	r.AddHandler("count", "in", sub, "out", h.pub, func(m *message.Message) ([]*message.Message, error) {
+		if err := h.increment(m); err != nil {
+			return nil, err
+		}
+		if string(m.Payload) == "slow" {
+			<-slow // renewals of the held row run meanwhile
+		}
+		return []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("out of "+string(m.Payload)))}, nil
+	})
+	startRouter(t, r)
+	b.publishInTx(t, "in", true, newMsg("slow"), newMsg("fast"))
+	ev.wait(t, pgoutbox.EventLeaseRenewed, 10*time.Second)
+	close(slow)
+	pollUntil(t, "both acked", 10*time.Second, nil, func() bool { return ev.countKind(pgoutbox.EventAcked) == 2 })
+	require.Equal(t, 2, h.counter(t))
+	require.Zero(t, b.outboxRows(t, "in"))
+	require.Equal(t, 2, b.outboxRows(t, "out"))
+	// A few more renewal periods: nothing may report the deleted rows lost.
+	ev.wait(t, pgoutbox.EventClaimed, 10*time.Second)
+	ev.wait(t, pgoutbox.EventClaimed, 10*time.Second)
+	require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost))
+}
+
+// Without a Publisher, a handler that returns messages fails clearly (and
+// rolls back) rather than lose them or publish them outside its
+// transaction; a transaction-bound executor is refused at construction.
+func TestTxMiddlewareConfigErrors(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, err := tx.Middleware(tx.FromPgxTx(nil), tx.MiddlewareConfig{})
+	require.ErrorContains(t, err, "FromPgxPool")
+	mw, err := tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{})
+	require.NoError(t, err)
+	m := newMsg("x")
+	_, err = mw(func(m *message.Message) ([]*message.Message, error) {
+		return []*message.Message{newMsg("y")}, nil
+	})(m)
+	require.ErrorContains(t, err, "MiddlewareConfig.Publisher")
+	_, ok := tx.ExecutorFromContext(m.Context())
+	require.False(t, ok, "the message gets its own context back")
+}
+
+// CQRS inside the handler's transaction: the buses are built once with a
+// context publisher, and a command handler's domain write and the events
+// it publishes commit together. A command whose transaction rolls back
+// publishes nothing.
+func TestCQRSCommandHandlerCommitsEventsWithItsWrite(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgtest.Options{MaxConns: 20})
+	h := newTxHandlerBed(t, b.Pool, b)
+	ctx := context.Background()
+	_, err := b.Pool.Exec(ctx, `CREATE TABLE `+b.Schema+`.bookings (room text PRIMARY KEY)`)
+	require.NoError(t, err)
+	type BookRoom struct{ Room string }
+	type RoomBooked struct{ Room string }
+	marshaler := cqrs.JSONMarshaler{}
+	topic := func(name string) string { return "hotel." + name }
+
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	r.AddMiddleware(h.mw)
+	commandBus, err := cqrs.NewCommandBusWithConfig(h.pub, cqrs.CommandBusConfig{
+		GeneratePublishTopic: func(p cqrs.CommandBusGeneratePublishTopicParams) (string, error) { return topic(p.CommandName), nil },
+		Marshaler:            marshaler,
+	})
+	require.NoError(t, err)
+	eventBus, err := cqrs.NewEventBusWithConfig(h.pub, cqrs.EventBusConfig{
+		GeneratePublishTopic: func(p cqrs.GenerateEventPublishTopicParams) (string, error) { return topic(p.EventName), nil },
+		Marshaler:            marshaler,
+	})
+	require.NoError(t, err)
+	processor, err := cqrs.NewCommandProcessorWithConfig(r, cqrs.CommandProcessorConfig{
+		GenerateSubscribeTopic: func(p cqrs.CommandProcessorGenerateSubscribeTopicParams) (string, error) {
+			return topic(p.CommandName), nil
+		},
+		SubscriberConstructor: func(cqrs.CommandProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+			// Room 13 is retried while room 101 goes on (in order mode
+			// it would hold back everything after it).
+			return h.newSubscriber(t, func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 2 }), nil
+		},
+		Marshaler: marshaler,
+	})
+	require.NoError(t, err)
+	handled := make(chan string, 10)
+	require.NoError(t, processor.AddHandlers(cqrs.NewCommandHandler("book", func(ctx context.Context, c *BookRoom) error {
+		defer func() {
+			select {
+			case handled <- c.Room:
+			default: // the test has seen enough
+			}
+		}()
+		pgTx, ok := tx.PgxTxFromContext(ctx)
+		if !ok {
+			return errors.New("no transaction in the command handler's context")
+		}
+		if _, err := pgTx.Exec(ctx, `INSERT INTO `+b.Schema+`.bookings VALUES ($1)`, c.Room); err != nil {
+			return err
+		}
+		if err := eventBus.Publish(ctx, &RoomBooked{Room: c.Room}); err != nil {
+			return err
+		}
+		if c.Room == "13" {
+			return errors.New("room 13 does not exist") // after the event: it must vanish too
+		}
+		return nil
+	})))
+	startRouter(t, r)
+
+	// Room 13 fails every time (retried until the test ends); room 101
+	// commits.
+	require.NoError(t, commandBus.Send(ctx, &BookRoom{Room: "13"}))
+	require.NoError(t, commandBus.Send(ctx, &BookRoom{Room: "101"}))
+	seen := map[string]int{}
+	for seen["13"] < 3 || seen["101"] < 1 {
+		select {
+		case room := <-handled:
+			seen[room]++
+		case <-time.After(10 * time.Second):
+			t.Fatalf("handled only %v", seen)
+		}
+	}
+	pollUntil(t, "room 101's command completed", 10*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic LIKE '%BookRoom'`) == 1
+	})
+	require.Equal(t, []string{"101"}, b.strings(t, `SELECT room FROM `+b.Schema+`.bookings`), "the failed command's writes rolled back")
+	require.Equal(t, []string{`{"Room":"101"}`}, b.strings(t, `SELECT convert_from(payload, 'UTF8') FROM `+b.Schema+`.outbox WHERE topic LIKE '%RoomBooked'`),
+		"only the committed command's event exists")
+}
+
+func (b *bundle) strings(t *testing.T, q string) []string {
+	t.Helper()
+	rows, err := b.Pool.Query(context.Background(), q)
+	require.NoError(t, err)
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return out
+}

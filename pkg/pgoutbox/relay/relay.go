@@ -1,0 +1,337 @@
+// Package relay moves outbox messages to a message broker: the path out
+// when one PostgreSQL is no longer enough for your consumers, or when
+// services outside it need the events.
+//
+// A Relay consumes outbox topics with a pgoutbox Subscriber and publishes
+// each message to any Watermill publisher (RabbitMQ, NATS JetStream, Kafka,
+// ...), with its UUID and metadata. A row is acked, and so deleted from the
+// outbox, only after the target's Publish returned nil: configure the
+// target to return only once the broker confirmed (publisher confirms for
+// RabbitMQ, a synchronous JetStream publish for NATS). Delivery to the
+// broker is at least once; consumers deduplicate by the message UUID
+// (JetStream does it for them with TrackMsgId).
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+// Config configures a Relay.
+type Config struct {
+	// Topics are the outbox topics to relay. Required, each at most once.
+	Topics []string
+
+	// TargetTopic maps an outbox topic to the topic (exchange, subject,
+	// ...) it is published to. Defaults to the same name. Called once per
+	// topic, when Run starts.
+	TargetTopic func(outboxTopic string) string
+
+	// BatchSize is the most messages given to one Publish call. A batch is
+	// what is ready at once, never waited for, so a quiet outbox still
+	// relays each message at once. Targets that publish a batch in one
+	// round trip (an AMQP transaction, Kafka) gain from it; for the others
+	// raise Workers instead. Defaults to 100.
+	BatchSize int
+
+	// Workers is the number of Publish calls in flight per topic. More
+	// workers raise throughput on targets that wait for a confirmation per
+	// message. Defaults to 1.
+	//
+	// Order: the messages of a batch are handed out by the subscriber in
+	// parallel, so the broker receives them in about, not exactly, outbox
+	// order. For exact order set Subscriber.MaxInFlight to 1: one message
+	// per Publish, in outbox order, a failed one retried before any later
+	// one (at the speed of one broker round trip per message).
+	Workers int
+
+	// PublishTimeout bounds one Publish call, through the context of the
+	// messages it publishes (publishers that honour it: watermill-amqp,
+	// watermill-kafka). A Publish that fails or times out is retried, so
+	// the broker may receive the batch twice. Defaults to 30s.
+	PublishTimeout time.Duration
+
+	// Subscriber configures how the outbox is read (Tables, ConsumerGroup,
+	// Lease, ...). Relay sets two fields when they are zero:
+	// MaxInFlight to BatchSize × Workers, and RetryPolicy to exponential
+	// backoff from 100ms to 10s with no attempt limit (a broker that is down
+	// for an hour must not turn messages into dead letters).
+	Subscriber pgoutbox.SubscriberConfig
+
+	// Logger defaults to watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+// Defaults of Config.
+const (
+	DefaultBatchSize      = 100
+	DefaultWorkers        = 1
+	DefaultPublishTimeout = 30 * time.Second
+)
+
+// ErrInvalidConfig is returned by New for a Config it cannot run.
+var ErrInvalidConfig = errors.New("pgoutbox/relay: invalid config")
+
+// Relay republishes outbox messages to a Watermill publisher. Build one
+// with New, start it with Run.
+type Relay struct {
+	cfg    Config
+	pool   *pgxpool.Pool
+	target message.Publisher
+	sub    *pgoutbox.Subscriber
+	names  query.Names
+	logger watermill.LoggerAdapter
+
+	running atomic.Bool
+	stats   struct {
+		relayed, batches, failed atomic.Int64
+		lastErr                  atomic.Pointer[string]
+	}
+}
+
+// New returns a Relay that reads the outbox through pool and publishes to
+// target. The pool and the target are the caller's: Close closes neither.
+func New(pool *pgxpool.Pool, target message.Publisher, config Config) (*Relay, error) {
+	if pool == nil || target == nil {
+		return nil, fmt.Errorf("%w: pool and target are required: pass the outbox's *pgxpool.Pool and the broker's message.Publisher", ErrInvalidConfig)
+	}
+	if err := config.setDefaults(); err != nil {
+		return nil, err
+	}
+	if config.Logger == nil {
+		config.Logger = watermill.NopLogger{}
+	}
+	t := config.Subscriber.Tables.WithDefaults()
+	names, err := query.NewNames(t.Schema, t.Table, t.DeadLetterTable)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrInvalidConfig, err)
+	}
+	sub, err := pgoutbox.NewSubscriber(pool, config.Subscriber, config.Logger)
+	if err != nil {
+		return nil, fmt.Errorf("%w: Subscriber: %w", ErrInvalidConfig, err)
+	}
+	return &Relay{cfg: config, pool: pool, target: target, sub: sub, names: names, logger: config.Logger}, nil
+}
+
+func (c *Config) setDefaults() error {
+	if len(c.Topics) == 0 {
+		return fmt.Errorf("%w: Topics is empty; name the outbox topics to relay", ErrInvalidConfig)
+	}
+	seen := map[string]bool{}
+	for _, t := range c.Topics {
+		if t == "" || seen[t] {
+			return fmt.Errorf("%w: Topics has an empty or repeated topic %q; list each topic once", ErrInvalidConfig, t)
+		}
+		seen[t] = true
+	}
+	if c.TargetTopic == nil {
+		c.TargetTopic = func(t string) string { return t }
+	}
+	if c.BatchSize < 0 || c.Workers < 0 || c.PublishTimeout < 0 {
+		return fmt.Errorf("%w: BatchSize, Workers and PublishTimeout must not be negative (0 takes the default)", ErrInvalidConfig)
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
+	}
+	if c.Workers == 0 {
+		c.Workers = DefaultWorkers
+	}
+	if c.PublishTimeout == 0 {
+		c.PublishTimeout = DefaultPublishTimeout
+	}
+	if c.Subscriber.MaxInFlight == 0 {
+		c.Subscriber.MaxInFlight = c.BatchSize * c.Workers
+	}
+	if c.Subscriber.RetryPolicy == nil {
+		c.Subscriber.RetryPolicy = pgoutbox.ExponentialBackoff{
+			InitialInterval: 100 * time.Millisecond,
+			MaxInterval:     10 * time.Second,
+			MaxAttempts:     -1,
+		}
+	}
+	return nil
+}
+
+// Run relays until ctx ends or Close is called, then stops: batches being
+// published finish (their rows are acked or nacked), the leases of the
+// rest are released, and Run returns nil. It returns an error at once if
+// a topic cannot be subscribed. Run may be called once.
+func (r *Relay) Run(ctx context.Context) error {
+	if !r.running.CompareAndSwap(false, true) {
+		return errors.New("pgoutbox/relay: Run was called already; a Relay runs once, build a new one")
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for _, topic := range r.cfg.Topics {
+		msgs, err := r.sub.Subscribe(ctx, topic)
+		if err != nil {
+			cancel()
+			wg.Wait()
+			_ = r.sub.Close()
+			return fmt.Errorf("pgoutbox/relay: subscribe to %q: %w", topic, err)
+		}
+		target := r.cfg.TargetTopic(topic)
+		for range r.cfg.Workers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				r.work(ctx, topic, target, msgs)
+			}()
+		}
+	}
+	wg.Wait()
+	return nil
+}
+
+// Close stops Run (as if its context ended) and waits until the outbox
+// subscriber has let go of every row. It closes neither the pool nor the
+// target.
+func (r *Relay) Close() error { return r.sub.Close() }
+
+// work publishes batches from msgs until the channel closes (the
+// subscription ended).
+func (r *Relay) work(ctx context.Context, topic, target string, msgs <-chan *message.Message) {
+	batch := make([]*message.Message, 0, r.cfg.BatchSize)
+	for {
+		m, ok := <-msgs
+		if !ok {
+			return
+		}
+		batch = append(batch[:0], m)
+	fill:
+		for len(batch) < r.cfg.BatchSize {
+			select {
+			case m, ok := <-msgs:
+				if !ok {
+					break fill
+				}
+				batch = append(batch, m)
+			default:
+				break fill
+			}
+		}
+		r.relay(ctx, topic, target, batch)
+	}
+}
+
+// relay publishes one batch and acks its rows only if the target took all
+// of it; otherwise every row is nacked and comes back after its delay.
+func (r *Relay) relay(ctx context.Context, topic, target string, batch []*message.Message) {
+	// The publish outlives a stop signal: a batch half-sent when ctx ends
+	// would be sent again anyway, so let it finish within its timeout.
+	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
+	defer cancel()
+	out := make([]*message.Message, len(batch))
+	for i, m := range batch {
+		c := message.NewMessage(m.UUID, m.Payload)
+		for k, v := range m.Metadata {
+			c.Metadata[k] = v
+		}
+		c.SetContext(pctx)
+		out[i] = c
+	}
+	err := r.target.Publish(target, out...)
+	if err == nil && pctx.Err() != nil {
+		err = pctx.Err() // a publisher that ignores the context
+	}
+	r.stats.batches.Add(1)
+	if err != nil {
+		r.stats.failed.Add(int64(len(batch)))
+		s := err.Error()
+		r.stats.lastErr.Store(&s)
+		r.logger.Error("Relay publish failed; the messages are retried", err, watermill.LogFields{
+			"topic": topic, "target_topic": target, "messages": len(batch)})
+		for _, m := range batch {
+			m.Nack()
+		}
+		return
+	}
+	r.stats.relayed.Add(int64(len(batch)))
+	for _, m := range batch {
+		m.Ack()
+	}
+}
+
+// Stats counts what this Relay did since it was built.
+type Stats struct {
+	Relayed   int64  // messages the target confirmed (and whose rows were acked)
+	Batches   int64  // Publish calls
+	Failed    int64  // messages of failed Publish calls (each retried)
+	LastError string // the last Publish error, "" if none
+}
+
+// Stats returns the Relay's counters.
+func (r *Relay) Stats() Stats {
+	s := Stats{Relayed: r.stats.relayed.Load(), Batches: r.stats.batches.Load(), Failed: r.stats.failed.Load()}
+	if e := r.stats.lastErr.Load(); e != nil {
+		s.LastError = *e
+	}
+	return s
+}
+
+// TopicLag is how far the relay is behind on one topic.
+type TopicLag struct {
+	Topic string
+	// Ready is the number of messages due now and not yet relayed (being
+	// published included).
+	Ready int64
+	// Scheduled is the number of messages due later (delayed, or waiting
+	// for a retry).
+	Scheduled int64
+	// Parked is the number of messages set aside with no dead-letter
+	// table (see schema.Config.NoDeadLetterTable). Always 0 with one.
+	Parked int64
+	// Age is how long the oldest ready message has been due: the relay's
+	// delay. 0 when nothing is ready.
+	Age time.Duration
+}
+
+// Lag reports, per topic of Config.Topics, what waits in the outbox for
+// the relay's consumer group. It is one indexed query; poll it for a
+// dashboard or an alert on Age.
+func (r *Relay) Lag(ctx context.Context) ([]TopicLag, error) {
+	rows, err := r.pool.Query(ctx, `
+SELECT t.topic,
+       count(o.id) FILTER (WHERE o.available_at <= now()),
+       count(o.id) FILTER (WHERE o.available_at > now() AND o.available_at < 'infinity'),
+       count(o.id) FILTER (WHERE o.available_at = 'infinity'),
+       COALESCE(EXTRACT(EPOCH FROM now() - min(o.available_at) FILTER (WHERE o.available_at <= now()))::float8, 0)
+  FROM unnest($1::text[]) AS t(topic)
+  LEFT JOIN `+r.names.QTable+` o ON o.topic = t.topic AND o.consumer_group = $2
+ GROUP BY t.topic`, r.cfg.Topics, r.cfg.Subscriber.ConsumerGroup)
+	if err != nil {
+		return nil, fmt.Errorf("pgoutbox/relay: lag: %w", err)
+	}
+	defer rows.Close()
+	byTopic := map[string]TopicLag{}
+	for rows.Next() {
+		var l TopicLag
+		var age float64
+		if err := rows.Scan(&l.Topic, &l.Ready, &l.Scheduled, &l.Parked, &age); err != nil {
+			return nil, fmt.Errorf("pgoutbox/relay: lag: %w", err)
+		}
+		l.Age = time.Duration(age * float64(time.Second))
+		byTopic[l.Topic] = l
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("pgoutbox/relay: lag: %w", err)
+	}
+	lags := make([]TopicLag, len(r.cfg.Topics))
+	for i, t := range r.cfg.Topics {
+		lags[i] = byTopic[t]
+	}
+	return lags, nil
+}

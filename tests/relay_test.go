@@ -1,0 +1,220 @@
+package tests
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/relay"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// The relay's target in these tests is a second outbox table (a real
+// Watermill publisher); the broker tests live with the relay examples
+// (_examples/relay-amqp, _examples/relay-nats).
+func (b *bundle) relayTarget(t *testing.T) (schema.Config, *pgoutbox.Publisher) {
+	t.Helper()
+	target := schema.Config{Schema: b.Schema, Table: "broker", NoDeadLetterTable: true}
+	require.NoError(t, schema.Create(context.Background(), tx.FromPgxPool(b.Pool), target))
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: target}, nil)
+	require.NoError(t, err)
+	return target, pub
+}
+
+func (b *bundle) startRelay(t *testing.T, target message.Publisher, mod func(*relay.Config)) *relay.Relay {
+	t.Helper()
+	cfg := relay.Config{
+		Topics: []string{"orders"},
+		Subscriber: pgoutbox.SubscriberConfig{
+			Tables:          b.tables,
+			MinPollInterval: 20 * time.Millisecond,
+			MaxPollInterval: 200 * time.Millisecond,
+		},
+	}
+	if mod != nil {
+		mod(&cfg)
+	}
+	r, err := relay.New(b.Pool, target, cfg)
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(context.Background()) }()
+	t.Cleanup(func() {
+		require.NoError(t, r.Close())
+		require.NoError(t, <-done)
+	})
+	return r
+}
+
+// Relayed messages keep their UUID, payload and metadata, go to the
+// mapped topic, and leave the outbox.
+func TestRelayKeepsMessagesAndMapsTopics(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	targetTables, target := b.relayTarget(t)
+	const n = 300
+	msgs := newMsgs(n)
+	want := map[string]string{}
+	for i, m := range msgs {
+		m.Metadata.Set("seq", fmt.Sprint(i))
+		m.Metadata.Set("correlation_id", "c-"+m.UUID)
+		want[m.UUID] = fmt.Sprintf("%d|%d|c-%s", i, i, m.UUID)
+	}
+	require.NoError(t, b.poolPublisher(t).Publish("orders", msgs...))
+	r := b.startRelay(t, target, func(c *relay.Config) {
+		c.TargetTopic = func(topic string) string { return "broker." + topic }
+		c.BatchSize = 16
+		c.Workers = 3
+	})
+
+	qt := pgx.Identifier{targetTables.Schema, targetTables.Table}.Sanitize()
+	pollUntil(t, "every message relayed", 30*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+qt) >= n
+	})
+	rows, err := b.Pool.Query(context.Background(), `SELECT uuid, topic, convert_from(payload, 'UTF8'), metadata->>'seq', metadata->>'correlation_id' FROM `+qt)
+	require.NoError(t, err)
+	got := map[string]string{}
+	for rows.Next() {
+		var uuid, topic, payload, seq, corr string
+		require.NoError(t, rows.Scan(&uuid, &topic, &payload, &seq, &corr))
+		require.Equal(t, "broker.orders", topic)
+		got[uuid] = payload + "|" + seq + "|" + corr
+	}
+	require.NoError(t, rows.Err())
+	require.Equal(t, want, got, "UUIDs, payloads and metadata arrive unchanged, each once")
+	pollUntil(t, "the outbox emptied", 10*time.Second, nil, func() bool { return b.outboxRows(t, "orders") == 0 })
+	require.EqualValues(t, n, r.Stats().Relayed)
+	lag, err := r.Lag(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, []relay.TopicLag{{Topic: "orders"}}, lag)
+}
+
+// gatedPublisher checks, for every batch it is given, that the batch's
+// rows are still in the outbox (not acked yet), then waits for the gate
+// and fails while failures remain.
+type gatedPublisher struct {
+	b        *bundle
+	t        *testing.T
+	target   message.Publisher
+	gate     chan struct{}
+	failures atomic.Int32
+	mu       sync.Mutex
+	early    []string // UUIDs whose rows were gone before their publish
+}
+
+func (p *gatedPublisher) Publish(topic string, msgs ...*message.Message) error {
+	uuids := make([]string, len(msgs))
+	for i, m := range msgs {
+		uuids[i] = m.UUID
+	}
+	var present int
+	if err := p.b.Pool.QueryRow(context.Background(), `SELECT count(*) FROM `+p.b.Schema+`.outbox WHERE uuid = ANY($1)`, uuids).Scan(&present); err != nil {
+		return err
+	}
+	if present != len(msgs) {
+		p.mu.Lock()
+		p.early = append(p.early, uuids...)
+		p.mu.Unlock()
+	}
+	<-p.gate
+	if p.failures.Add(-1) >= 0 {
+		return errors.New("broker unavailable")
+	}
+	return p.target.Publish(topic, msgs...)
+}
+
+func (p *gatedPublisher) Close() error { return nil }
+
+// A row leaves the outbox only after the target took its message: while
+// the target hangs every row stays (and shows in Lag), a failed Publish
+// leaves its rows to be retried, and nothing is acked ahead of its
+// publish.
+func TestRelayAcksOnlyWhatTheTargetConfirmed(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	targetTables, target := b.relayTarget(t)
+	const n = 200
+	require.NoError(t, b.poolPublisher(t).Publish("orders", newMsgs(n)...))
+	gated := &gatedPublisher{b: b, t: t, target: target, gate: make(chan struct{})}
+	gated.failures.Store(3)
+	r := b.startRelay(t, gated, func(c *relay.Config) {
+		c.BatchSize = 50
+		c.Workers = 2
+		c.Subscriber.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 50 * time.Millisecond, MaxAttempts: -1}
+	})
+
+	// The target hangs: nothing leaves the outbox.
+	pollUntil(t, "the relay is publishing", 10*time.Second, nil, func() bool {
+		lag, err := r.Lag(context.Background())
+		require.NoError(t, err)
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_token IS NOT NULL`) > 0 && lag[0].Ready == n
+	})
+	require.Equal(t, n, b.outboxRows(t, "orders"))
+	close(gated.gate) // three failures, then success
+
+	qt := pgx.Identifier{targetTables.Schema, targetTables.Table}.Sanitize()
+	pollUntil(t, "every message relayed", 30*time.Second, nil, func() bool {
+		return b.outboxRows(t, "orders") == 0
+	})
+	st := r.Stats()
+	require.EqualValues(t, n, st.Relayed)
+	require.Positive(t, st.Failed, "the failed publishes were counted")
+	require.Equal(t, "broker unavailable", st.LastError)
+	require.Equal(t, n, b.count(t, `SELECT count(DISTINCT uuid) FROM `+qt))
+	require.Equal(t, n, b.count(t, `SELECT count(*) FROM `+qt), "a failed Publish published nothing here, so no duplicates")
+	gated.mu.Lock()
+	defer gated.mu.Unlock()
+	require.Empty(t, gated.early, "rows acked before their message was published")
+}
+
+// Lag tells ready, scheduled and their age apart, per topic.
+func TestRelayLag(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, target := b.relayTarget(t)
+	later := newMsg("later")
+	pgoutbox.DeliverAfter(later, time.Hour)
+	require.NoError(t, b.poolPublisher(t).Publish("orders", later))
+	_, err := b.Pool.Exec(context.Background(), `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, available_at)
+		VALUES ('audit', 'u-old', '\x00', now() - interval '90 seconds')`)
+	require.NoError(t, err)
+	r, err := relay.New(b.Pool, target, relay.Config{Topics: []string{"orders", "audit"}, Subscriber: pgoutbox.SubscriberConfig{Tables: b.tables}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	lag, err := r.Lag(context.Background())
+	require.NoError(t, err)
+	require.Len(t, lag, 2)
+	require.Equal(t, relay.TopicLag{Topic: "orders", Scheduled: 1}, lag[0])
+	require.Equal(t, "audit", lag[1].Topic)
+	require.EqualValues(t, 1, lag[1].Ready)
+	require.InDelta(t, 90, lag[1].Age.Seconds(), 30)
+}
+
+func TestRelayConfigErrors(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, target := b.relayTarget(t)
+	for name, c := range map[string]relay.Config{
+		"no topics":       {},
+		"repeated topic":  {Topics: []string{"a", "a"}},
+		"empty topic":     {Topics: []string{""}},
+		"negative batch":  {Topics: []string{"a"}, BatchSize: -1},
+		"bad table names": {Topics: []string{"a"}, Subscriber: pgoutbox.SubscriberConfig{Tables: schema.Config{Table: "bad name"}}},
+	} {
+		_, err := relay.New(b.Pool, target, c)
+		require.ErrorIs(t, err, relay.ErrInvalidConfig, name)
+	}
+	_, err := relay.New(nil, target, relay.Config{Topics: []string{"a"}})
+	require.ErrorIs(t, err, relay.ErrInvalidConfig)
+	_, err = relay.New(b.Pool, nil, relay.Config{Topics: []string{"a"}})
+	require.ErrorIs(t, err, relay.ErrInvalidConfig)
+}

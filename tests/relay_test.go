@@ -15,6 +15,7 @@ import (
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/relay"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/relay/relaytest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -217,4 +218,29 @@ func TestRelayConfigErrors(t *testing.T) {
 	require.ErrorIs(t, err, relay.ErrInvalidConfig)
 	_, err = relay.New(b.Pool, nil, relay.Config{Topics: []string{"a"}})
 	require.ErrorIs(t, err, relay.ErrInvalidConfig)
+}
+
+// relaytest.Run, the broker conformance run of the relay examples, with a
+// second outbox as the broker and the relay replaced twice mid-run (under
+// -race here; the broker modules run it against RabbitMQ and NATS).
+func TestRelaytestRunAgainstAnOutboxTarget(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	targetTables, target := b.relayTarget(t)
+	sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
+		Tables: targetTables, MaxInFlight: 64, MinPollInterval: 20 * time.Millisecond, MaxPollInterval: 200 * time.Millisecond,
+	}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	received, err := sub.Subscribe(context.Background(), "broker.orders")
+	require.NoError(t, err)
+	res := relaytest.Run(t, relaytest.Config{
+		Target:      target,
+		Received:    received,
+		TargetTopic: "broker.orders",
+		Messages:    2000,
+		Faults:      []relaytest.Fault{{Name: "replace the relay", ReplaceRelay: true}, {Name: "replace the relay again", ReplaceRelay: true}},
+	})
+	require.Equal(t, 3, res.RelaysStarted)
+	require.Equal(t, 2, res.FaultsInjected)
 }

@@ -409,7 +409,9 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	// The survivor's notifier checks liveness every LivenessEvery: let it
 	// see the victim alive once. (A process that dies before any other saw
 	// its lock is recovered when its leases expire; see the README.)
-	time.Sleep(2 * notifier.LivenessEvery)
+	// Its checks have no event a test can await, and on a loaded machine
+	// (the whole suite in parallel) one may come late: allow four periods.
+	time.Sleep(4 * notifier.LivenessEvery)
 	require.Positive(t, b.outboxRows(t, topic), "the drain is over before the kill; the test proves nothing")
 	require.NoError(t, victim.cmd.Process.Kill())
 	killed := time.Now()
@@ -425,7 +427,7 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	require.NoError(t, rows.Err())
 	require.NotEmpty(t, orphaned, "the victim held nothing when killed; the test proves nothing")
 
-	survivor.waitFor(t, "the victim's rows are handled by the survivor", lease/3, func() bool {
+	survivor.waitFor(t, "the victim's rows are handled by the survivor", lease/2, func() bool {
 		return b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.handled WHERE worker = 'survivor' AND uuid = ANY($1)`, orphaned) == len(orphaned)
 	})
 	back := time.Since(killed)
@@ -581,4 +583,42 @@ func (s *syncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.buf.String()
+}
+
+// Subscribe survives pooled connections that were terminated while idle
+// (an operator, a failover): it retries on a fresh connection instead of
+// failing the Router's start.
+func TestFaultSubscribeAfterIdleConnectionsWereTerminated(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	appName := "pgoutbox-idlekill-" + b.Schema
+	cfg, err := pgxpool.ParseConfig(b.DSN)
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["application_name"] = appName
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	// Open a few connections and leave them idle in the pool.
+	conns := make([]*pgxpool.Conn, 3)
+	for i := range conns {
+		conns[i], err = pool.Acquire(ctx)
+		require.NoError(t, err)
+	}
+	for _, c := range conns {
+		c.Release()
+	}
+	var killed int
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1`, appName).Scan(&killed))
+	require.Equal(t, 3, killed)
+
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, MinPollInterval: 20 * time.Millisecond, MaxPollInterval: time.Second}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	msgs, err := sub.Subscribe(ctx, "t")
+	require.NoError(t, err, "Subscribe retries on a fresh connection")
+	require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("after the kill")))
+	m := receive(t, msgs, 10*time.Second)
+	require.Equal(t, "after the kill", string(m.Payload))
+	m.Ack()
 }

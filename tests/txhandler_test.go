@@ -117,7 +117,11 @@ func TestTxMiddlewareEffectivelyOnceUnderFaults(t *testing.T) {
 		r.AddHandler("count", "in", sub, "out", h.pub, handler)
 		done := make(chan error, 1)
 		go func() { done <- r.Run(ctx) }()
-		<-r.Running()
+		select {
+		case <-r.Running():
+		case err := <-done:
+			t.Fatalf("the Router did not start: %v", err)
+		}
 		return r, done
 	}
 
@@ -376,4 +380,64 @@ func (b *bundle) strings(t *testing.T, q string) []string {
 	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
 	return out
+}
+
+// A handler that finished when its Router began to close (which cancels
+// the message contexts) still commits: its write, its output and the
+// row's completion; nothing is rolled back and redone. Both drivers:
+// database/sql would roll back a transaction whose BeginTx context ended.
+func TestTxMiddlewareCommitsFinishedWorkWhileTheRouterCloses(t *testing.T) {
+	t.Parallel()
+	for _, driver := range []string{"pgx", "database/sql"} {
+		t.Run(driver, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			h := newTxHandlerBed(t, b.Pool, b)
+			db := tx.FromPgxPool(b.Pool)
+			write := h.increment
+			if driver == "database/sql" {
+				sqlDB := b.sqlDB(t)
+				db = tx.FromSQLDB(sqlDB)
+				write = func(m *message.Message) error {
+					sqlTx, ok := tx.SQLTxFromContext(m.Context())
+					if !ok {
+						return errors.New("no database/sql transaction in the handler's context")
+					}
+					_, err := sqlTx.ExecContext(m.Context(), `UPDATE `+b.Schema+`.counter SET n = n + 1 WHERE id = 1`)
+					return err
+				}
+			}
+			mw, err := tx.Middleware(db, tx.MiddlewareConfig{Publisher: h.pub})
+			require.NoError(t, err)
+			r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+			require.NoError(t, err)
+			r.AddMiddleware(mw)
+			started := make(chan struct{})
+			cancelled := make(chan bool, 1)
+			r.AddHandler("count", "in", h.newSubscriber(t, nil), "out", h.pub, func(m *message.Message) ([]*message.Message, error) {
+				if err := write(m); err != nil {
+					return nil, err
+				}
+				close(started)
+				select {
+				case <-m.Context().Done():
+					cancelled <- true
+				case <-time.After(10 * time.Second):
+					cancelled <- false
+				}
+				return []*message.Message{newMsg("output")}, nil
+			})
+			done := make(chan error, 1)
+			go func() { done <- r.Run(context.Background()) }()
+			<-r.Running()
+			require.NoError(t, b.poolPublisher(t).Publish("in", newMsg("input")))
+			<-started
+			require.NoError(t, r.Close())
+			require.NoError(t, <-done)
+			require.True(t, <-cancelled, "closing the Router cancels the message context")
+			require.Equal(t, 1, h.counter(t), "the handler's write committed")
+			require.Equal(t, 1, b.outboxRows(t, "out"), "its output committed")
+			require.Equal(t, 0, b.outboxRows(t, "in"), "the message was completed")
+		})
+	}
 }

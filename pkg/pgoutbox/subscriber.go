@@ -2,11 +2,17 @@ package pgoutbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
+	"net"
+	"strings"
 	"sync"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/notifier"
@@ -138,12 +144,50 @@ func (s *Subscriber) bind(ctx context.Context, topic string) error {
 	// (Unbind in a deploy step, by an operator) comes back with the
 	// subscription that needs it. The statement is an insert that usually
 	// conflicts and does nothing.
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
-	defer cancel()
-	if _, err := s.pool.Exec(ctx, s.q.Bind, topic, s.cfg.ConsumerGroup); err != nil {
+	err := s.retryConnectionLost(ctx, func() error {
+		ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
+		defer cancel()
+		_, err := s.pool.Exec(ctx, s.q.Bind, topic, s.cfg.ConsumerGroup)
+		return err
+	})
+	if err != nil {
 		return fmt.Errorf("pgoutbox: bind consumer group %q to topic %q: %w", s.cfg.ConsumerGroup, topic, err)
 	}
 	return nil
+}
+
+// retryConnectionLost runs f again while it fails because its pooled
+// connection was lost (terminated by an operator or a failover, a dropped
+// network): the pool drops such a connection, and Subscribe should not
+// fail a Router's start for it. Every idle connection of the pool may be
+// dead, so it tries once more than the pool holds, at short intervals.
+func (s *Subscriber) retryConnectionLost(ctx context.Context, f func() error) error {
+	var err error
+	for attempt := range int(s.pool.Config().MaxConns) + 2 {
+		if attempt > 0 {
+			select {
+			case <-time.After(min(time.Duration(attempt)*10*time.Millisecond, 200*time.Millisecond)):
+			case <-ctx.Done():
+				return err
+			}
+		}
+		if err = f(); err == nil || !isConnectionLost(err) {
+			return err
+		}
+	}
+	return err
+}
+
+// isConnectionLost reports whether err says the connection, not the
+// statement, failed: SQLSTATE class 08 (connection exception) or 57P
+// (server shutdown, terminated backend), or a broken connection.
+func isConnectionLost(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return strings.HasPrefix(pgErr.Code, "08") || strings.HasPrefix(pgErr.Code, "57P")
+	}
+	var netErr net.Error
+	return pgconn.SafeToRetry(err) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.As(err, &netErr)
 }
 
 func (s *Subscriber) ensureSchema(ctx context.Context) error {
@@ -152,15 +196,15 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 	if s.schemaReady {
 		return nil
 	}
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
-	defer cancel()
 	exec := tx.FromPgxPool(s.pool)
-	var err error
-	if s.cfg.AutoInitializeSchema {
-		err = schema.Create(ctx, exec, s.cfg.Tables)
-	} else {
-		err = schema.Validate(ctx, exec, s.cfg.Tables)
-	}
+	err := s.retryConnectionLost(ctx, func() error {
+		ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
+		defer cancel()
+		if s.cfg.AutoInitializeSchema {
+			return schema.Create(ctx, exec, s.cfg.Tables)
+		}
+		return schema.Validate(ctx, exec, s.cfg.Tables)
+	})
 	if err != nil {
 		return err
 	}

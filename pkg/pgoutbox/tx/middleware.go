@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -25,7 +26,17 @@ type MiddlewareConfig struct {
 	// Optional for handlers that return no messages; a handler that
 	// returns messages without it fails (and its transaction rolls back).
 	Publisher message.Publisher
+
+	// CommitTimeout bounds what runs after the handler returned without an
+	// error: publishing its messages, completing the row, COMMIT. These run
+	// even if the message's context was cancelled meanwhile (a Router or
+	// Subscriber closing), so finished work is committed, not rolled back
+	// and redone. Defaults to 10s.
+	CommitTimeout time.Duration
 }
+
+// DefaultCommitTimeout is MiddlewareConfig.CommitTimeout's default.
+const DefaultCommitTimeout = 10 * time.Second
 
 // Middleware returns a Router middleware that runs each message's handler
 // in a transaction of its own, begun on db (FromSQLDB or FromPgxPool):
@@ -56,6 +67,12 @@ func Middleware(db Executor, config MiddlewareConfig) (message.HandlerMiddleware
 	if db == nil || !ok || db.InTx() {
 		return nil, fmt.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not %T", db)
 	}
+	if config.CommitTimeout < 0 {
+		return nil, fmt.Errorf("pgoutbox: tx.MiddlewareConfig.CommitTimeout is negative (%v); leave it 0 for the default (%v)", config.CommitTimeout, DefaultCommitTimeout)
+	}
+	if config.CommitTimeout == 0 {
+		config.CommitTimeout = DefaultCommitTimeout
+	}
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			return runInHandlerTx(b, config, h, msg)
@@ -65,7 +82,10 @@ func Middleware(db Executor, config MiddlewareConfig) (message.HandlerMiddleware
 
 func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, msg *message.Message) (_ []*message.Message, err error) {
 	orig := msg.Context()
-	exec, commit, rollback, err := b.begin(orig)
+	// Not orig itself: database/sql rolls a transaction back when the
+	// context of its BeginTx ends, and a finished handler's work must
+	// still commit (see CommitTimeout).
+	exec, commit, rollback, err := b.begin(context.WithoutCancel(orig))
 	if err != nil {
 		return nil, fmt.Errorf("pgoutbox: begin the handler's transaction: %w", err)
 	}
@@ -89,15 +109,19 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 	if err != nil {
 		return nil, err
 	}
+	// The handler is done: finish its work even if the message's context
+	// ends now (a closing Router), within CommitTimeout.
+	fin, cancel := context.WithTimeout(context.WithoutCancel(orig), config.CommitTimeout)
+	defer cancel()
 	if len(produced) > 0 {
-		if err := publishInTx(exec, config, msg, produced); err != nil {
+		if err := publishInTx(fin, exec, config, msg, produced); err != nil {
 			return nil, err
 		}
 	}
 	if row != nil {
 		stmt, args := row.Completion()
 		row.Begin()
-		n, err := exec.Exec(orig, stmt, args...)
+		n, err := exec.Exec(fin, stmt, args...)
 		if err != nil {
 			return nil, fmt.Errorf("pgoutbox: complete the message in the handler's transaction: %w", err)
 		}
@@ -105,7 +129,7 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 			return nil, ErrLeaseLost
 		}
 	}
-	if err := commit(orig); err != nil {
+	if err := commit(fin); err != nil {
 		return nil, fmt.Errorf("pgoutbox: commit the handler's transaction: %w", err)
 	}
 	committed = true
@@ -115,7 +139,7 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 	return nil, nil
 }
 
-func publishInTx(exec Executor, config MiddlewareConfig, msg *message.Message, produced []*message.Message) error {
+func publishInTx(fin context.Context, exec Executor, config MiddlewareConfig, msg *message.Message, produced []*message.Message) error {
 	if config.Publisher == nil {
 		return fmt.Errorf("pgoutbox: the handler returned %d messages, but tx.MiddlewareConfig.Publisher is not set; set it to a publisher that follows the context (pgoutbox.NewContextPublisher) so they commit with the handler's transaction", len(produced))
 	}
@@ -124,8 +148,14 @@ func publishInTx(exec Executor, config MiddlewareConfig, msg *message.Message, p
 		return fmt.Errorf("pgoutbox: the handler returned %d messages but has no publish topic; add it with Router.AddHandler and a publish topic", len(produced))
 	}
 	for _, m := range produced {
+		// The publisher runs its statement in the transaction with the
+		// first message's context: the finishing one, carrying the
+		// transaction (the messages' own values stay on them).
 		m.SetContext(WithExecutor(m.Context(), exec))
 	}
+	first := produced[0].Context()
+	produced[0].SetContext(WithExecutor(fin, exec))
+	defer produced[0].SetContext(first)
 	if err := config.Publisher.Publish(topic, produced...); err != nil {
 		return fmt.Errorf("pgoutbox: publish the handler's messages in its transaction: %w", err)
 	}

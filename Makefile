@@ -7,13 +7,22 @@ PG_ENV := eval "$$(scripts/postgres-env.sh)"
 GO_TEST_FLAGS ?= -race -count=1
 BENCH_FLAGS ?=
 # The go tool skips directories starting with "_" in ./... patterns.
-EXAMPLES := $(patsubst %/,./%,$(wildcard _examples/*/))
+# Examples with a go.mod of their own (they need dependencies this module
+# does not have) are separate modules: left out of EXAMPLES, built from
+# their own directory by the examples target.
+EXAMPLE_MODULES := $(dir $(wildcard _examples/*/go.mod))
+EXAMPLES := $(patsubst %/,./%,$(filter-out $(EXAMPLE_MODULES),$(wildcard _examples/*/)))
 
-.PHONY: demo test test-quick lint bench bench-compare
+.PHONY: demo examples test test-quick lint bench bench-compare
 
 ## demo: run _examples/basic (an order and its message in one transaction, consumed by a router)
 demo:
 	@$(PG_ENV); go run ./_examples/basic
+
+## examples: build every example under _examples, those with a go.mod of their own too
+examples:
+	@for d in $(EXAMPLES); do echo "go build $$d"; go build -o /dev/null $$d; done
+	@for d in $(EXAMPLE_MODULES); do echo "go build ./... in $$d"; (cd $$d && go build ./...); done
 
 ## test: lint, every test under -race, then the reconnect test on its own
 # (without -race: Watermill's TestReconnect appends to a slice from one

@@ -83,9 +83,12 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	// The first added is the outermost. PoisonQueue sits outside Retry, so
-	// only a message whose every attempt failed is poisoned; Recoverer is
-	// innermost, so Retry sees a panic as an ordinary error.
+	// The first added is the outermost. CorrelationID copies the incoming
+	// correlation id onto the messages a handler returns (PoisonQueue
+	// republishes the message itself, metadata and all). PoisonQueue sits
+	// outside Retry, so only a message whose every attempt failed is
+	// poisoned; Recoverer is innermost, so Retry sees a panic as an
+	// ordinary error.
 	router.AddMiddleware(
 		middleware.CorrelationID,
 		poisonQueue,

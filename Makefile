@@ -8,15 +8,21 @@ GO_TEST_FLAGS ?= -race -count=1
 BENCH_FLAGS ?=
 # The go tool skips directories starting with "_" in ./... patterns.
 # Examples with a go.mod of their own (the relays, which need broker
-# clients the library does not depend on) are modules apart.
+# clients the library does not depend on) are modules apart: left out of
+# EXAMPLES, built and tested from their own directory.
 BROKER_MODULES := $(patsubst %/go.mod,%,$(wildcard _examples/*/go.mod))
 EXAMPLES := $(patsubst %/,./%,$(filter-out $(addsuffix /,$(BROKER_MODULES)),$(wildcard _examples/*/)))
 
-.PHONY: demo test test-quick lint bench bench-compare
+.PHONY: demo examples test test-quick lint bench bench-compare
 
 ## demo: run _examples/basic (an order and its message in one transaction, consumed by a router)
 demo:
 	@$(PG_ENV); go run ./_examples/basic
+
+## examples: build every example under _examples, those with a go.mod of their own too
+examples:
+	@for d in $(EXAMPLES); do echo "go build $$d"; go build -o /dev/null $$d; done
+	@for d in $(BROKER_MODULES); do echo "go build ./... in $$d"; (cd $$d && go build ./...); done
 
 ## test: lint, every test under -race, the relay examples' broker tests, then the reconnect test on its own
 # The broker tests run without -race: watermill-amqp v3.0.2 races in its own

@@ -4,15 +4,21 @@
 // notification, a statistic) each receive every RoomBooked, because each
 // subscribes with its own consumer group (the handler name).
 //
+// With tx.Middleware on the router, every handler runs in a transaction of
+// its own: the command handler writes the booking row in it
+// (tx.PgxTxFromContext), and the event bus, built on a context publisher,
+// publishes RoomBooked in it too. The booking, its event and the
+// command's completion commit together, or not at all.
+//
 //	POSTGRES_DSN=postgres://... go run ./_examples/cqrs
 package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log"
 	"os"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -56,15 +62,28 @@ func run() error {
 	}
 	defer pool.Close()
 	tables := schema.Config{Schema: "pgoutbox_cqrs_example", Table: "outbox"}
+	sch := pgx.Identifier{tables.Schema}.Sanitize()
+	if _, err := pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+sch+` CASCADE`); err != nil {
+		return err
+	}
 	if err := schema.Create(ctx, tx.FromPgxPool(pool), tables); err != nil {
 		return err
 	}
-	defer pool.Exec(context.Background(), `DROP SCHEMA `+pgx.Identifier{tables.Schema}.Sanitize()+` CASCADE`) //nolint:errcheck
+	defer pool.Exec(context.Background(), `DROP SCHEMA `+sch+` CASCADE`) //nolint:errcheck
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+sch+`.bookings (room text PRIMARY KEY, guest text NOT NULL)`); err != nil {
+		return err
+	}
 
 	logger := watermill.NopLogger{}
-	// Buses publish through the pool: each Publish commits on its own.
-	// (Inside your own transaction, bind a publisher to it instead.)
-	publisher, err := pgoutbox.NewPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: tables}, logger)
+	// The buses are built once, on a publisher that follows the context:
+	// in a handler (behind tx.Middleware) it publishes in the handler's
+	// transaction; elsewhere, as commandBus.Send below, through the pool,
+	// each Publish committing on its own.
+	publisher, err := pgoutbox.NewContextPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: tables}, logger)
+	if err != nil {
+		return err
+	}
+	txMiddleware, err := tx.Middleware(tx.FromPgxPool(pool), tx.MiddlewareConfig{Publisher: publisher})
 	if err != nil {
 		return err
 	}
@@ -85,6 +104,21 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	// Each handler, command or event, gets a transaction of its own. The
+	// middleware outside it sees each transaction commit (a nil error):
+	// the example waits for those before closing the router, because
+	// closing cancels the transactions still open, which then roll back
+	// and leave their messages for the next run.
+	committed := make(chan string, 64)
+	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			produced, err := h(msg)
+			if err == nil {
+				committed <- message.HandlerNameFromCtx(msg.Context())
+			}
+			return produced, err
+		}
+	}, txMiddleware)
 	commandBus, err := cqrs.NewCommandBusWithConfig(publisher, cqrs.CommandBusConfig{
 		GeneratePublishTopic: func(p cqrs.CommandBusGeneratePublishTopicParams) (string, error) { return topic(p.CommandName), nil },
 		Marshaler:            marshaler,
@@ -125,23 +159,23 @@ func run() error {
 	}
 
 	if err := commands.AddHandlers(cqrs.NewCommandHandler("book_room", func(ctx context.Context, c *BookRoom) error {
+		pgTx, ok := tx.PgxTxFromContext(ctx)
+		if !ok {
+			return errors.New("no transaction in the command's context: is tx.Middleware on the router?")
+		}
+		if _, err := pgTx.Exec(ctx, `INSERT INTO `+sch+`.bookings (room, guest) VALUES ($1, $2)`, c.Room, c.Guest); err != nil {
+			return err
+		}
+		// ctx carries the transaction: the event commits with the booking.
 		return eventBus.Publish(ctx, &RoomBooked{Room: c.Room, Guest: c.Guest})
 	})); err != nil {
 		return err
 	}
 	const bookings = 3
-	var mu sync.Mutex
-	seen := map[string]int{}
-	allSeen := make(chan struct{})
-	for _, name := range []string{"invoice", "notification", "statistics"} {
+	handlers := []string{"book_room", "invoice", "notification", "statistics"}
+	for _, name := range handlers[1:] {
 		err := events.AddHandlers(cqrs.NewEventHandler(name, func(ctx context.Context, e *RoomBooked) error {
-			mu.Lock()
-			defer mu.Unlock()
-			seen[name]++
 			fmt.Printf("%-12s got RoomBooked room=%s guest=%s\n", name, e.Room, e.Guest)
-			if seen["invoice"] == bookings && seen["notification"] == bookings && seen["statistics"] == bookings {
-				close(allSeen)
-			}
 			return nil
 		}))
 		if err != nil {
@@ -159,13 +193,36 @@ func run() error {
 			return err
 		}
 	}
-	select {
-	case <-allSeen:
-		fmt.Printf("each of the 3 event handlers saw all %d events\n", bookings)
-	case <-time.After(30 * time.Second):
-		mu.Lock()
-		defer mu.Unlock()
-		return fmt.Errorf("timed out: handlers saw %v of %d events each", seen, bookings)
+	// Every handler commits once per booking: the command handler and
+	// each event handler.
+	commits := map[string]int{}
+	timeout := time.After(30 * time.Second)
+	for range bookings * len(handlers) {
+		select {
+		case name := <-committed:
+			commits[name]++
+		case <-timeout:
+			return fmt.Errorf("timed out: committed %v, want %d for each of %v", commits, bookings, handlers)
+		}
 	}
-	return router.Close()
+	for _, name := range handlers {
+		if commits[name] != bookings {
+			return fmt.Errorf("committed %v, want %d for each of %v", commits, bookings, handlers)
+		}
+	}
+	fmt.Printf("book_room committed %d bookings; each of the 3 event handlers committed all %d events\n", bookings, bookings)
+	if err := router.Close(); err != nil {
+		return err
+	}
+	var booked, left int
+	err = pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+sch+`.bookings), (SELECT count(*) FROM `+
+		pgx.Identifier{tables.Schema, tables.Table}.Sanitize()+`)`).Scan(&booked, &left)
+	if err != nil {
+		return err
+	}
+	if booked != bookings || left != 0 {
+		return fmt.Errorf("%d bookings stored (want %d), %d messages left in the outbox (want 0)", booked, bookings, left)
+	}
+	fmt.Printf("%d booking rows, each committed with its RoomBooked event; the outbox is empty\n", booked)
+	return nil
 }

@@ -13,7 +13,7 @@ BENCH_FLAGS ?=
 BROKER_MODULES := $(patsubst %/go.mod,%,$(wildcard _examples/*/go.mod))
 EXAMPLES := $(patsubst %/,./%,$(filter-out $(addsuffix /,$(BROKER_MODULES)),$(wildcard _examples/*/)))
 
-.PHONY: demo examples test test-quick lint bench bench-compare
+.PHONY: demo examples test test-quick lint bench bench-relay bench-compare
 
 ## demo: run _examples/basic (an order and its message in one transaction, consumed by a router)
 demo:
@@ -64,6 +64,14 @@ lint:
 ## bench: pgoutbox vs. a hand-written pgx floor vs. watermill-sql (tests/bench, its own module); e.g. BENCH_FLAGS="-repeat 1 -scale 0.1"
 bench:
 	@$(PG_ENV); cd tests/bench && go run . $(BENCH_FLAGS)
+	@$(MAKE) --no-print-directory bench-relay
+
+## bench-relay: the relay to each broker (RabbitMQ, NATS JetStream) next to a direct publish to it, same confirmations and concurrency
+bench-relay:
+	@$(PG_ENV); for m in $(BROKER_MODULES); do \
+		echo "--- $$m"; \
+		(cd $$m && go test -run '^$$' -bench . -benchtime $(or $(RELAY_BENCH_N),20000)x -count $(or $(RELAY_BENCH_COUNT),3) .) | grep -E '^(Benchmark|ok|FAIL)'; \
+	done
 
 ## bench-compare: pgoutbox at BASE (a commit) vs the working tree, side by side, medians; e.g. make bench-compare BASE=35b3c5e
 bench-compare:

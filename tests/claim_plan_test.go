@@ -59,7 +59,7 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 		// Every branch on: expired and orphaned leases (the orphan branch
 		// reads pg_locks once, hashed) and ready rows.
 		rows, err := conn.Query(ctx, "EXPLAIN "+q.Claim, "topic-3", 100, uuid.NewString(), int64(30e6), "test",
-			fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, "", []int64{1, 2})
+			fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, "", 256, []string{"k1"}, []int64{1, 2})
 		require.NoError(t, err)
 		for rows.Next() {
 			var line string
@@ -76,6 +76,7 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 		require.Equal(t, 2, strings.Count(text, names.LeaseIdx), "the expired and orphaned branches must use the leased-rows index (%s)", mode)
 		require.Contains(t, text, "hashed SubPlan", "the orphaned branch must read the live holders once (%s)", mode)
 		require.Contains(t, text, "outbox_pkey", "the update must find rows by primary key (%s)", mode)
+		require.Contains(t, text, names.OrderIdx, "an ended key's next row and a keyed row's predecessor are found by the ordering-key index (%s)", mode)
 	}
 	_, err = conn.Exec(ctx, "RESET plan_cache_mode")
 	require.NoError(t, err)
@@ -94,7 +95,7 @@ func TestSubscriberWritesCommitAsynchronously(t *testing.T) {
 		Query(context.Context, string, ...any) (pgx.Rows, error)
 	}, stmt string) {
 		t.Helper()
-		rows, err := q.Query(ctx, stmt, "t", 1, uuid.New(), int64(30e6), "test", fromStart, int64(0), true, nil, "", []int64{})
+		rows, err := q.Query(ctx, stmt, "t", 1, uuid.New(), int64(30e6), "test", fromStart, int64(0), true, nil, "", 256, []string{}, []int64{})
 		require.NoError(t, err)
 		claimed := 0
 		for rows.Next() {
@@ -193,7 +194,7 @@ func TestReleaseClaimGivesBackALostClaim(t *testing.T) {
 	b.publishInTx(t, "t", true, newMsg("x"))
 	token := uuid.New()
 	for _, group := range []string{"a", "b"} {
-		rows, err := b.Pool.Query(ctx, q.ClaimNoOrphans, "t", 10, token, int64(30e6), "test", fromStart, int64(0), true, nil, group)
+		rows, err := b.Pool.Query(ctx, q.ClaimNoOrphans, "t", 10, token, int64(30e6), "test", fromStart, int64(0), true, nil, group, 256, []string{})
 		require.NoError(t, err)
 		n := 0
 		for rows.Next() {

@@ -11,8 +11,10 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/relay"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/relay/relaytest"
@@ -243,4 +245,46 @@ func TestRelaytestRunAgainstAnOutboxTarget(t *testing.T) {
 	})
 	require.Equal(t, 3, res.RelaysStarted)
 	require.Equal(t, 2, res.FaultsInjected)
+}
+
+// Run closes the relay however it ends: after its context ends, the
+// subscriber's LISTEN connection is released too.
+func TestRelayRunEndedByContextReleasesTheSubscriber(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, target := b.relayTarget(t)
+	app := "relay-run-" + b.Schema
+	cfg, err := pgxpool.ParseConfig(b.DSN)
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["application_name"] = app
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	r, err := relay.New(pool, target, relay.Config{Topics: []string{"orders"}, Subscriber: pgoutbox.SubscriberConfig{Tables: b.tables}})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	// The LISTEN connection holds the process's liveness lock.
+	listening := func() int {
+		return b.count(t, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE a.application_name = $1 AND l.locktype = 'advisory' AND l.classid = $2`, app, query.LivenessClass)
+	}
+	pollUntil(t, "the relay listens", 10*time.Second, nil, func() bool { return listening() > 0 })
+	cancel()
+	require.NoError(t, <-done)
+	pollUntil(t, "the LISTEN connection is closed", 10*time.Second, nil, func() bool { return listening() == 0 })
+}
+
+// An AckDeadline shorter than PublishTimeout would nack a publish the
+// broker confirms late: refused. Left zero, the drain and the deadline
+// cover a publish.
+func TestRelayRefusesAnAckDeadlineShorterThanItsPublishes(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, target := b.relayTarget(t)
+	_, err := relay.New(b.Pool, target, relay.Config{Topics: []string{"a"}, PublishTimeout: time.Minute,
+		Subscriber: pgoutbox.SubscriberConfig{Tables: b.tables, AckDeadline: 10 * time.Second}})
+	require.ErrorIs(t, err, relay.ErrInvalidConfig)
+	require.Contains(t, err.Error(), "AckDeadline")
 }

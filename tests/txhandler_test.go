@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/components/cqrs"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -440,4 +441,91 @@ func TestTxMiddlewareCommitsFinishedWorkWhileTheRouterCloses(t *testing.T) {
 			require.Equal(t, 0, b.outboxRows(t, "in"), "the message was completed")
 		})
 	}
+}
+
+// ErrLeaseLost is final for this delivery: Watermill's Retry outside
+// tx.Middleware (the documented order) must not run the handler again, as
+// each run could only roll back.
+func TestTxMiddlewareLeaseLostIsNotRetried(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	h := newTxHandlerBed(t, b.Pool, b)
+	ctx := context.Background()
+	var calls atomic.Int32
+	var stolen atomic.Bool
+	outer := make(chan error, 1)
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	r.AddMiddleware(func(next message.HandlerFunc) message.HandlerFunc {
+		return func(m *message.Message) ([]*message.Message, error) {
+			p, err := next(m)
+			if stolen.Load() {
+				select {
+				case outer <- err:
+				default:
+				}
+			}
+			return p, err
+		}
+	}, middleware.Retry{MaxRetries: 3, InitialInterval: 10 * time.Millisecond}.Middleware, h.mw)
+	r.AddHandler("count", "in", h.newSubscriber(t, nil), "out", h.pub, func(m *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		if err := h.increment(m); err != nil {
+			return nil, err
+		}
+		if stolen.CompareAndSwap(false, true) { // another consumer takes the row
+			if _, err := b.Pool.Exec(ctx, `UPDATE `+b.Schema+`.outbox SET lease_token = gen_random_uuid(),
+				leased_until = now() + interval '1 minute' WHERE topic = 'in'`); err != nil {
+				return nil, err
+			}
+		}
+		return nil, nil
+	})
+	startRouter(t, r)
+	b.publishInTx(t, "in", true, newMsg("x"))
+	select {
+	case err := <-outer:
+		require.ErrorIs(t, err, tx.ErrLeaseLost)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the handler's result never came")
+	}
+	require.EqualValues(t, 1, calls.Load(), "the handler ran again after its lease was lost")
+	require.Zero(t, h.counter(t), "the lost delivery's write rolled back")
+}
+
+// A middleware between Retry and tx.Middleware fails after the handler's
+// transaction committed: Retry calls again, and the message, already
+// done, is not processed again, nor reported as a lost lease: it counts as
+// acked, once.
+func TestTxMiddlewareRetryAfterCommitDoesNotRedo(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	h := newTxHandlerBed(t, b.Pool, b)
+	ev := newEvents()
+	var calls, failed atomic.Int32
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	r.AddMiddleware(middleware.Retry{MaxRetries: 1, InitialInterval: 10 * time.Millisecond}.Middleware,
+		func(next message.HandlerFunc) message.HandlerFunc {
+			return func(m *message.Message) ([]*message.Message, error) {
+				p, err := next(m)
+				if err == nil && failed.Add(1) == 1 {
+					return nil, errors.New("metrics sink down") // after the commit
+				}
+				return p, err
+			}
+		}, h.mw)
+	r.AddHandler("count", "in", h.newSubscriber(t, func(c *pgoutbox.SubscriberConfig) { c.Observer = ev }), "out", h.pub,
+		func(m *message.Message) ([]*message.Message, error) {
+			calls.Add(1)
+			return nil, h.increment(m)
+		})
+	startRouter(t, r)
+	b.publishInTx(t, "in", true, newMsg("x"))
+	ev.wait(t, pgoutbox.EventAcked, 10*time.Second)
+	require.Equal(t, 0, b.outboxRows(t, "in"))
+	require.Equal(t, 1, h.counter(t))
+	require.EqualValues(t, 1, calls.Load(), "the committed handler ran again")
+	require.Equal(t, 2, int(failed.Load()), "Retry called twice")
+	require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost), "a processed message reported as a lost lease")
 }

@@ -18,6 +18,9 @@ type Row interface {
 	// subscriber writes nothing more for the row.
 	Begin()
 	End(committed bool)
+	// Completed reports whether a transaction deleted the row and
+	// committed: the message is done, whatever runs after.
+	Completed() bool
 }
 
 type key struct{}

@@ -30,6 +30,7 @@ var OutboxColumns = []Column{
 	{"last_error", "text", ""},
 	{"lease_holder", "bigint", ""},
 	{"failure_reason", "text", ""},
+	{"ordering_key", "text", ""},
 }
 
 // groupColumn is the consumer group a row is for; ” is the default group
@@ -44,10 +45,11 @@ var AddedColumns = []Column{
 	{"lease_holder", "bigint", ""},
 	{"failure_reason", "text", ""},
 	groupColumn,
+	{"ordering_key", "text", ""},
 }
 
 // AddedDLQColumns are the same for the dead-letter table.
-var AddedDLQColumns = []Column{groupColumn}
+var AddedDLQColumns = []Column{groupColumn, {"ordering_key", "text", ""}}
 
 // BindingsColumns are the columns of the bindings table.
 var BindingsColumns = []Column{
@@ -71,6 +73,7 @@ var DLQColumns = []Column{
 	{"failure_reason", "text", ""},
 	{"failed_by", "text", ""},
 	{"failed_at", "timestamp with time zone", ""},
+	{"ordering_key", "text", ""},
 }
 
 // Index is an index the code relies on.
@@ -81,7 +84,7 @@ type Index struct {
 
 // Indexes lists the indexes of the outbox (and dead-letter table, if any).
 func (n Names) Indexes() []Index {
-	idx := []Index{{n.Table, n.ReadyIdx}, {n.Table, n.LeaseIdx}, {n.Table, n.DedupIdx}}
+	idx := []Index{{n.Table, n.ReadyIdx}, {n.Table, n.LeaseIdx}, {n.Table, n.DedupIdx}, {n.Table, n.OrderIdx}}
 	if n.DLQTable != "" {
 		idx = append(idx, Index{n.DLQTable, n.DLQIdx})
 	}
@@ -116,7 +119,8 @@ func DDL(n Names) []string {
     dedup_key    text,
     last_error   text,
     lease_holder bigint,
-    failure_reason text
+    failure_reason text,
+    ordering_key text
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_insert_scale_factor = 0.01,
@@ -136,6 +140,10 @@ func DDL(n Names) []string {
 		// row exists (every group gets its own copy of a keyed message).
 		ifNoIndex(n, n.DedupIdx, fmt.Sprintf(`CREATE UNIQUE INDEX IF NOT EXISTS %s ON %s (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL`,
 			Quote(n.DedupIdx), n.QTable)),
+		// Ordering keys: a keyed row is claimable only while no older row
+		// of its key is present; the claim probes this index for one.
+		ifNoIndex(n, n.OrderIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, consumer_group, ordering_key, id) WHERE ordering_key IS NOT NULL`,
+			Quote(n.OrderIdx), n.QTable)),
 	)
 	// The first release's indexes, without the group: its unique dedup
 	// index would refuse a keyed message's second group.
@@ -173,7 +181,8 @@ END $pgoutbox$`, n.QBindings, n.QTable))
     last_error     text,
     failure_reason text        NOT NULL,
     failed_by      text,
-    failed_at      timestamptz NOT NULL DEFAULT now()
+    failed_at      timestamptz NOT NULL DEFAULT now(),
+    ordering_key   text
 )`, n.QDLQ),
 		)
 		stmts = append(stmts, addColumns(n.QDLQ, AddedDLQColumns)...)

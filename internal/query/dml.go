@@ -87,7 +87,7 @@ func Build(n Names, async bool) *Queries {
 WITH ins AS (%[1]s
     RETURNING id, uuid, available_at <= now() AS due
 ), woken AS (
-    SELECT pg_notify($8, CASE WHEN bool_or(due) THEN $1 ELSE %[2]s || $1 END)
+    SELECT pg_notify($9, CASE WHEN bool_or(due) THEN $1 ELSE %[2]s || $1 END)
       FROM ins HAVING count(*) > 0
 )
 SELECT id, uuid, (SELECT count(*) FROM woken) FROM ins`, fullInsert(n), "chr(31)"),
@@ -164,8 +164,19 @@ SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)`, oneInsert(n)),
 		// pg_locks and scans the topic's live leases, so it runs only when
 		// the notifier saw a lock vanish, and once at start.
 		//
-		// The last two columns: the id of the last ready row (the next
-		// cursor) and how many expired or orphaned leases were taken.
+		// Ordering keys: a keyed row is ready only while no older row of
+		// its key is present (leased, scheduled, waiting), parked rows
+		// aside. The "ready" branch reads a window of at most $11 rows from
+		// the cursor (the "scan"), so a backlog of rows whose keys are held
+		// costs each claim one window, not the whole backlog; the next
+		// claim goes on after it. When rows of keys ended (acked, nacked,
+		// dead), their keys come as $12: "heads" takes each key's next row
+		// through the ordering-key index, wherever it lies.
+		//
+		// Every row of the result is a claimed row, with two more columns:
+		// the last row the scan read (the next cursor: available_at, id),
+		// and how many expired or orphaned leases were taken. When nothing
+		// was claimed, one row of NULLs carries them.
 		Claim:          claimStatement(t, ac, true),
 		ClaimNoOrphans: claimStatement(t, ac, false),
 
@@ -330,12 +341,12 @@ RETURNING o.id, c.token`, n.QTable, ac)
      USING unnest($1::bigint[], $2::uuid[], $3::text[], $4::text[]) AS c(id, token, reason, err)
      WHERE o.id = c.id AND o.lease_token = c.token%[2]s
     RETURNING o.id, o.topic, o.consumer_group, o.uuid, o.payload, o.metadata, o.created_at, o.deliveries,
-              o.dedup_key, coalesce(c.err, o.last_error) AS last_error, c.reason, o.leased_by, c.token
+              o.dedup_key, coalesce(c.err, o.last_error) AS last_error, c.reason, o.leased_by, c.token, o.ordering_key
 ), moved AS (
     INSERT INTO %[3]s (id, topic, consumer_group, uuid, payload, metadata, created_at, deliveries,
-                    dedup_key, last_error, failure_reason, failed_by)
+                    dedup_key, last_error, failure_reason, failed_by, ordering_key)
     SELECT id, topic, consumer_group, uuid, payload, metadata, created_at, deliveries,
-           dedup_key, last_error, reason, leased_by FROM dead
+           dedup_key, last_error, reason, leased_by, ordering_key FROM dead
 )
 SELECT id, token FROM dead`, n.QTable, ac, n.QDLQ)
 }
@@ -374,7 +385,7 @@ func claimStatement(t, ac string, orphans bool) string {
 ), orphaned AS (
     SELECT id FROM %[1]s
      WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until >= now()
-       AND lease_holder <> ALL ($11::bigint[])
+       AND lease_holder <> ALL ($13::bigint[])
        AND lease_holder NOT IN (%[2]s)
      LIMIT (SELECT $2::int - count(*) FROM expired)
        FOR UPDATE SKIP LOCKED`, t, LiveHolders)
@@ -389,24 +400,57 @@ WITH expired AS (
      ORDER BY leased_until
      LIMIT $2::int
        FOR UPDATE SKIP LOCKED%[3]s
-), ready AS (
-    SELECT id, available_at FROM %[1]s
+), heads AS (
+    SELECT h.id FROM unnest($12::text[]) AS e(k)
+     CROSS JOIN LATERAL (
+        SELECT id, available_at, lease_token FROM %[1]s
+         WHERE topic = $1 AND consumer_group = $10 AND ordering_key = e.k AND available_at < 'infinity'
+         ORDER BY id LIMIT 1) h
+     WHERE h.lease_token IS NULL AND h.available_at <= now()
+), scan AS (
+    SELECT id, available_at, ordering_key FROM %[1]s
      WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NULL AND available_at <= now()
        AND (available_at, id) > ($6::timestamptz, $7::bigint)
      ORDER BY available_at, id
+     LIMIT $11::int
+), ready AS (
+    SELECT id, available_at FROM %[1]s
+     WHERE id = ANY (ARRAY(
+             SELECT id FROM heads
+              UNION
+             SELECT c.id FROM scan c
+              WHERE c.ordering_key IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM %[1]s k
+                     WHERE k.topic = $1 AND k.consumer_group = $10 AND k.ordering_key = c.ordering_key
+                       AND k.id < c.id AND k.available_at < 'infinity')))
+       AND lease_token IS NULL AND available_at <= now()
+     ORDER BY available_at, id
      LIMIT %[6]s
        FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE %[1]s o
+       SET lease_token  = $3::uuid,
+           leased_until = now() + $4::bigint * interval '1 microsecond',
+           leased_by    = $5,
+           lease_holder = $9::bigint,
+           deliveries   = o.deliveries + 1
+     WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s
+    RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key
+), next_cursor AS (
+    -- A full claim stops at its last ready row of the window: the rows
+    -- after it are for the next claim. Otherwise the whole window is done.
+    SELECT * FROM (SELECT available_at, id FROM ready WHERE id IN (SELECT id FROM scan)
+                    ORDER BY available_at DESC, id DESC LIMIT 1) r
+     WHERE (SELECT count(*) FROM ready) >= %[6]s
+    UNION ALL
+    SELECT * FROM (SELECT available_at, id FROM scan ORDER BY available_at DESC, id DESC LIMIT 1) s
+     WHERE (SELECT count(*) FROM ready) < %[6]s
 )
-UPDATE %[1]s o
-   SET lease_token  = $3::uuid,
-       leased_until = now() + $4::bigint * interval '1 microsecond',
-       leased_by    = $5,
-       lease_holder = $9::bigint,
-       deliveries   = o.deliveries + 1
- WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s
-RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at,
-          (SELECT id FROM ready ORDER BY available_at DESC, id DESC LIMIT 1),
-          (SELECT count(*) FROM expired) + %[4]s`, t, ac, orphaned, orphanedCount, orphanedIDs, readyLimit)
+SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.ordering_key,
+       l.available_at, l.id, (SELECT count(*) FROM expired) + %[4]s
+  FROM (SELECT 1) AS one
+  LEFT JOIN claimed c ON true
+  LEFT JOIN next_cursor l ON true`, t, ac, orphaned, orphanedCount, orphanedIDs, readyLimit)
 }
 
 // publishGroups is the consumer groups a message of topic $1 gets a row
@@ -421,14 +465,14 @@ func publishGroups(n Names) string {
 
 func fullInsert(n Names) string {
 	return fmt.Sprintf(`
-    INSERT INTO %[1]s (topic, consumer_group, uuid, payload, metadata, available_at, dedup_key)
+    INSERT INTO %[1]s (topic, consumer_group, uuid, payload, metadata, available_at, dedup_key, ordering_key)
     SELECT $1, g.consumer_group, m.uuid, m.payload, m.metadata::jsonb,
            CASE WHEN m.delay_us IS NOT NULL THEN now() + m.delay_us * interval '1 microsecond'
                 WHEN m.at IS NOT NULL THEN greatest(m.at, now())
                 ELSE now() END,
-           m.dedup_key
-      FROM unnest($2::text[], $3::bytea[], $4::text[], $5::bigint[], $6::timestamptz[], $7::text[])
-           WITH ORDINALITY AS m(uuid, payload, metadata, delay_us, at, dedup_key, ord)
+           m.dedup_key, m.ordering_key
+      FROM unnest($2::text[], $3::bytea[], $4::text[], $5::bigint[], $6::timestamptz[], $7::text[], $8::text[])
+           WITH ORDINALITY AS m(uuid, payload, metadata, delay_us, at, dedup_key, ordering_key, ord)
      CROSS JOIN %[2]s
      ORDER BY m.ord, g.consumer_group
         ON CONFLICT (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING`, n.QTable, publishGroups(n))

@@ -55,6 +55,7 @@ type Names struct {
 	ReadyIdx string // unquoted index names
 	LeaseIdx string
 	DedupIdx string
+	OrderIdx string
 	DLQIdx   string
 	// OldIndexes are the first release's indexes, replaced by ReadyIdx,
 	// LeaseIdx and DedupIdx (which lead with the consumer group); DDL
@@ -92,6 +93,7 @@ func NewNames(schema, table, dlq string) (Names, error) {
 		ReadyIdx: derive(table, "_group_ready_idx"),
 		LeaseIdx: derive(table, "_group_lease_idx"),
 		DedupIdx: derive(table, "_group_dedup_idx"),
+		OrderIdx: derive(table, "_group_order_idx"),
 		OldIndexes: []string{
 			derive(table, "_ready_idx"), derive(table, "_lease_idx"), derive(table, "_dedup_idx"),
 		},

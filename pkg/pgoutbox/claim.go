@@ -18,6 +18,8 @@ type claimRequest struct {
 	at          pgtype.Timestamptz // cursor
 	id          int64
 	withExpired bool
+	window      int         // ready rows the scan reads at most
+	endedKeys   []string    // ordering keys whose rows ended: claim their next rows
 	orphansOf   []int64     // look for orphaned rows, sparing these liveness keys (nil: do not look)
 	holder      pgtype.Int8 // our liveness key while we hold its lock, else NULL
 }
@@ -26,6 +28,7 @@ type claimRequest struct {
 type claimResult struct {
 	req       claimRequest
 	rows      []*delivery
+	cursorAt  pgtype.Timestamptz // the last row the scan read
 	cursor    pgtype.Int8
 	reclaimed int           // expired or orphaned leases taken
 	dueIn     time.Duration // after an empty claim: when the next row is due (0: unknown)
@@ -42,7 +45,8 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
 	defer cancel()
 	stmt, args := sub.s.q.ClaimNoOrphans, []any{sub.topic, req.n, req.token,
-		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, req.at, req.id, req.withExpired, req.holder, sub.cfg.ConsumerGroup}
+		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, req.at, req.id, req.withExpired, req.holder, sub.cfg.ConsumerGroup,
+		req.window, req.endedKeys}
 	if req.orphansOf != nil {
 		stmt, args = sub.s.q.Claim, append(args, req.orphansOf)
 	}
@@ -54,11 +58,21 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 	var reclaimed int64
 	for rows.Next() {
 		d := &delivery{token: req.token}
-		if err := rows.Scan(&d.id, &d.uuid, &d.payload, &d.metaRaw, &d.deliveries, &d.availableAt, &r.cursor, &reclaimed); err != nil {
+		var id pgtype.Int8
+		var uuid, key pgtype.Text
+		var deliveries pgtype.Int4
+		var availableAt pgtype.Timestamptz
+		if err := rows.Scan(&id, &uuid, &d.payload, &d.metaRaw, &deliveries, &availableAt, &key,
+			&r.cursorAt, &r.cursor, &reclaimed); err != nil {
 			rows.Close()
 			r.err = err
 			return r
 		}
+		if !id.Valid {
+			continue // nothing claimed: the row only carries the cursor
+		}
+		d.id, d.uuid, d.deliveries = id.Int64, uuid.String, int(deliveries.Int32)
+		d.availableAt, d.orderingKey = availableAt.Time, key.String
 		r.rows = append(r.rows, d)
 	}
 	rows.Close()
@@ -106,7 +120,12 @@ type claimScan struct {
 	expiredAt    time.Time // when a claim last looked for expired leases
 	forceExpired bool
 	findOrphans  bool // a liveness holder vanished: look for its rows (until a look finds none)
+	resume       bool // the last claim read only rows it could not take: go on from the cursor
 }
+
+// minScanWindow is the least number of ready rows a claim reads: room for
+// rows that competitors lock, or whose ordering keys are held.
+const minScanWindow = 256
 
 // rescanEvery bounds how long a busy loop goes without scanning from the
 // start, and without looking for expired leases.
@@ -123,7 +142,7 @@ func newClaimScan() claimScan {
 // restart makes the next claim scan from the start, and look for expired
 // leases too when asked.
 func (c *claimScan) restart(expired bool) {
-	c.at, c.id = scanFromStart, 0
+	c.at, c.id, c.resume = scanFromStart, 0, false
 	c.forceExpired = c.forceExpired || expired
 }
 
@@ -163,10 +182,5 @@ func (c *claimScan) claimed(r claimResult) {
 	if !r.cursor.Valid || r.req.at != c.at || r.req.id != c.id {
 		return // no ready row, or the scan restarted while the claim ran
 	}
-	for _, d := range r.rows {
-		if d.id == r.cursor.Int64 {
-			c.at, c.id = pgtype.Timestamptz{Time: d.availableAt, Valid: true}, d.id
-			return
-		}
-	}
+	c.at, c.id = r.cursorAt, r.cursor.Int64
 }

@@ -3,6 +3,7 @@ package pgoutbox
 import (
 	"errors"
 	"fmt"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"os"
 	"strings"
 	"time"
@@ -43,6 +44,13 @@ type PublisherConfig struct {
 	// the process, not per database. Defaults to 2ms. The special value -1
 	// notifies in every Publish.
 	NotifyCooldown time.Duration
+	// GenerateOrderingKey gives each published message its ordering key
+	// (see WithOrderingKey), like the partition key generator of
+	// Watermill's Kafka publisher: return the aggregate's id to have its
+	// events delivered in order. "" means no key; a key set with
+	// WithOrderingKey wins; an error fails the Publish, which writes
+	// nothing. Defaults to none.
+	GenerateOrderingKey func(topic string, msg *message.Message) (string, error)
 }
 
 // DefaultNotifyCooldown is PublisherConfig.NotifyCooldown's default.

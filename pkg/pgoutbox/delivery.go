@@ -28,6 +28,7 @@ type delivery struct {
 	uuid        string
 	payload     []byte
 	metaRaw     []byte // metadata as stored, to detect a handler's changes
+	orderingKey string // "" for none; the end of a keyed row may unblock the next row of its key
 
 	state     deliveryState
 	seq       uint32 // counts hand-outs: a verdict names the one it answers
@@ -97,17 +98,21 @@ var _ handoff.Row = (*outcome)(nil)
 // Completion implements handoff.Row.
 func (o *outcome) Completion() (string, []any) { return o.complete, []any{o.id, o.token} }
 
-// Begin implements handoff.Row.
-func (o *outcome) Begin() { o.inTx.Store(txCompleting) }
+// Begin implements handoff.Row. A committed completion stays committed:
+// a middleware that retries the handler after the commit must not undo it.
+func (o *outcome) Begin() { o.inTx.CompareAndSwap(txNone, txCompleting) }
 
 // End implements handoff.Row.
 func (o *outcome) End(committed bool) {
 	if committed {
 		o.inTx.Store(txCommitted)
 	} else {
-		o.inTx.Store(txNone)
+		o.inTx.CompareAndSwap(txCompleting, txNone)
 	}
 }
+
+// Completed implements handoff.Row.
+func (o *outcome) Completed() bool { return o.completedInTx() }
 
 // completedInTx reports whether a handler's transaction deleted the row
 // and committed.

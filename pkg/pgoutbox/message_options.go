@@ -16,6 +16,12 @@ const (
 	dedupKeyKey     = "_pgoutbox_dedup_key"
 )
 
+// OrderingKeyMetadataKey is the metadata key WithOrderingKey sets. The key
+// is stored in its own column, and a delivered message carries it under
+// this key again (whether WithOrderingKey or GenerateOrderingKey set it),
+// so a handler or a relay sees it: a relay to Kafka can partition by it.
+const OrderingKeyMetadataKey = "_pgoutbox_ordering_key"
+
 // DeliverAfter makes msg invisible to subscribers until d after the
 // publishing transaction's start, measured by the database clock. It
 // replaces an earlier DeliverAt and takes precedence over Watermill's delay
@@ -40,4 +46,21 @@ func DeliverAt(msg *message.Message, t time.Time) {
 // again. Use it for timers ("remind order 42") and idempotent publishing.
 func WithDedupKey(msg *message.Message, key string) {
 	msg.Metadata.Set(dedupKeyKey, key)
+}
+
+// WithOrderingKey makes msg part of an ordered sequence: messages of one
+// topic with the same key are delivered one at a time, in publish order
+// (commit order across transactions), per consumer group, while messages
+// of other keys, and unkeyed ones, are processed in parallel as
+// MaxInFlight allows. The next message of a key waits until the previous
+// one is acked, or dead-lettered; a failing message holds back its key
+// (and only its key) through its retries. A delayed message holds back the
+// later messages of its key until it is delivered. An empty key means no
+// key. PublisherConfig.GenerateOrderingKey sets keys for every message.
+func WithOrderingKey(msg *message.Message, key string) {
+	if key == "" {
+		delete(msg.Metadata, OrderingKeyMetadataKey)
+		return
+	}
+	msg.Metadata.Set(OrderingKeyMetadataKey, key)
 }

@@ -28,7 +28,7 @@ func appendMetadataJSON(buf []byte, i int, md message.Metadata) ([]byte, error) 
 			return buf, err
 		}
 		switch k {
-		case deliverAfterKey, deliverAtKey, dedupKeyKey:
+		case deliverAfterKey, deliverAtKey, dedupKeyKey, OrderingKeyMetadataKey:
 			continue
 		}
 		if !first {

@@ -34,14 +34,15 @@ const maxTopicLen = 1024
 // A Publisher is cheap: build one per transaction. It is safe for concurrent
 // use as far as its Executor is (a transaction is not).
 type Publisher struct {
-	exec    tx.Executor
-	follow  bool // publish in the transaction a message's context carries (NewContextPublisher)
-	limiter notifyLimiter
-	timeout time.Duration // for a pool's Publish: see PublisherConfig.StatementTimeout
-	q       *query.Queries
-	logger  watermill.LoggerAdapter
-	obs     safeObserver
-	closed  atomic.Bool
+	exec        tx.Executor
+	follow      bool                                                     // publish in the transaction a message's context carries (NewContextPublisher)
+	orderingKey func(topic string, msg *message.Message) (string, error) // PublisherConfig.GenerateOrderingKey
+	limiter     notifyLimiter
+	timeout     time.Duration // for a pool's Publish: see PublisherConfig.StatementTimeout
+	q           *query.Queries
+	logger      watermill.LoggerAdapter
+	obs         safeObserver
+	closed      atomic.Bool
 }
 
 var _ message.Publisher = (*Publisher)(nil)
@@ -80,6 +81,8 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 		q:       q,
 		logger:  logger,
 		obs:     safeObserver{o: config.Observer, logger: logger},
+
+		orderingKey: config.GenerateOrderingKey,
 	}, nil
 }
 
@@ -158,7 +161,7 @@ func (p *Publisher) prepare(topic string, msgs []*message.Message) (publishBatch
 	if len(msgs) == 0 {
 		return publishBatch{}, nil
 	}
-	return publishArgs(msgs)
+	return publishArgs(topic, msgs, p.orderingKey)
 }
 
 // PublishResult tells what a Publish call stored.
@@ -194,7 +197,7 @@ func (p *Publisher) PublishWithResult(topic string, msgs ...*message.Message) (P
 func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publishBatch) (PublishResult, error) {
 	if args.delays == nil {
 		n := len(msgs)
-		args.delays, args.ats, args.dedup = make([]pgtype.Int8, n), make([]pgtype.Timestamptz, n), make([]pgtype.Text, n)
+		args.delays, args.ats, args.dedup, args.ordering = make([]pgtype.Int8, n), make([]pgtype.Timestamptz, n), make([]pgtype.Text, n), make([]pgtype.Text, n)
 	}
 	exec := p.executor(msgs[0].Context())
 	ctx, cancel := p.stmtCtx(exec, msgs[0].Context())
@@ -229,10 +232,10 @@ func (p *Publisher) insert(ctx context.Context, exec tx.Executor, topic string, 
 	var err error
 	if notify {
 		rows, err = exec.Query(ctx, p.q.Publish, topic, args.uuids, args.payloads, args.metadata,
-			args.delays, args.ats, args.dedup, p.q.Names.Channel)
+			args.delays, args.ats, args.dedup, args.ordering, p.q.Names.Channel)
 	} else {
 		rows, err = exec.Query(ctx, p.q.PublishQuiet, topic, args.uuids, args.payloads, args.metadata,
-			args.delays, args.ats, args.dedup)
+			args.delays, args.ats, args.dedup, args.ordering)
 	}
 	if err != nil {
 		return nil, err
@@ -314,6 +317,7 @@ type publishBatch struct {
 	delays   []pgtype.Int8
 	ats      []pgtype.Timestamptz
 	dedup    []pgtype.Text
+	ordering []pgtype.Text
 	// scheduled: some message has a delivery time (which may be due now).
 	scheduled bool
 }
@@ -344,7 +348,7 @@ func checkText(i int, s string, what func() string) error {
 	return nil
 }
 
-func publishArgs(msgs []*message.Message) (publishBatch, error) {
+func publishArgs(topic string, msgs []*message.Message, orderingKey func(string, *message.Message) (string, error)) (publishBatch, error) {
 	n := len(msgs)
 	b := publishBatch{
 		uuids:    make([]string, n),
@@ -388,16 +392,30 @@ func publishArgs(msgs []*message.Message) (publishBatch, error) {
 		if keyed && key == "" {
 			return b, fmt.Errorf("%w: message %d: dedup key is empty; pass a non-empty key to WithDedupKey", ErrInvalidMessage, i)
 		}
-		if (delay.Valid || at.Valid || keyed) && b.delays == nil {
-			// Only calls that schedule or deduplicate pay for the extra
-			// arrays and the fuller statement.
-			b.delays, b.ats, b.dedup = make([]pgtype.Int8, n), make([]pgtype.Timestamptz, n), make([]pgtype.Text, n)
+		order := m.Metadata[OrderingKeyMetadataKey]
+		if order == "" && orderingKey != nil {
+			if order, err = orderingKey(topic, m); err != nil {
+				return b, fmt.Errorf("%w: message %d: GenerateOrderingKey: %v", ErrInvalidMessage, i, err)
+			}
+			if order != "" {
+				if err := checkText(i, order, func() string { return "ordering key" }); err != nil {
+					return b, err
+				}
+			}
+		}
+		if (delay.Valid || at.Valid || keyed || order != "") && b.delays == nil {
+			// Only calls that schedule, deduplicate or order pay for the
+			// extra arrays and the fuller statement.
+			b.delays, b.ats, b.dedup, b.ordering = make([]pgtype.Int8, n), make([]pgtype.Timestamptz, n), make([]pgtype.Text, n), make([]pgtype.Text, n)
 		}
 		b.scheduled = b.scheduled || delay.Valid || at.Valid
 		if b.delays != nil {
 			b.delays[i], b.ats[i] = delay, at
 			if keyed {
 				b.dedup[i] = pgtype.Text{String: key, Valid: true}
+			}
+			if order != "" {
+				b.ordering[i] = pgtype.Text{String: order, Valid: true}
 			}
 		}
 	}

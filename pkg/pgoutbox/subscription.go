@@ -77,6 +77,7 @@ type subscription struct {
 	gen              uint64 // bumped by every give-back; a claim started before it gives its rows back too
 	givingBack       int    // give-backs not written yet: a claim now would overtake them
 	idleUntil        time.Time
+	endedKeys        map[string]struct{} // ordering keys whose rows ended since the last claim
 	idlePoll         time.Duration
 	nextRenew        time.Time
 	renewFailing     bool
@@ -333,9 +334,10 @@ func (sub *subscription) wake(expired bool) {
 	if sub.claiming {
 		sub.wokeDuringClaim = true
 	}
-	if !sub.wantClaim {
+	if !sub.wantClaim && !sub.scan.resume {
 		sub.scan.restart(expired)
 	}
+	sub.scan.resume = false
 	sub.wantClaim = true
 	sub.idleUntil = time.Time{}
 }
@@ -437,6 +439,11 @@ func (sub *subscription) startClaim(now time.Time) {
 	sub.claiming = true
 	req := sub.scan.request(n, sub.gen, now)
 	req.holder = sub.holder()
+	req.window = max(2*n, minScanWindow)
+	for k := range sub.endedKeys {
+		req.endedKeys = append(req.endedKeys, k)
+	}
+	clear(sub.endedKeys)
 	if sub.scan.findOrphans {
 		// Not before the notifier made two checks: until then it cannot
 		// tell a dead holder from a reconnecting one.
@@ -470,6 +477,12 @@ func (sub *subscription) onClaimed(r claimResult) {
 		// delivery nobody saw. Like any give-back, claims wait for it and
 		// then scan from the start, so the rows keep their place.
 		sub.lostClaims = append(sub.lostClaims, claimToken{token: r.req.token, at: r.req.sent})
+		for _, k := range r.req.endedKeys { // that claim did not happen
+			if sub.endedKeys == nil {
+				sub.endedKeys = map[string]struct{}{}
+			}
+			sub.endedKeys[k] = struct{}{}
+		}
 		sub.givingBack++
 		sub.gen++
 		if r.req.orphansOf != nil {
@@ -513,6 +526,11 @@ func (sub *subscription) onClaimed(r claimResult) {
 		sub.wantClaim = true
 		return
 	}
+	// The scan read rows but none was claimable (their keys are held, or
+	// competitors locked them): the cursor moved past them, and the next
+	// claim, after the idle wait, goes on from there (scan.resume), so a
+	// backlog of held keys is read one window per wait, not at claim speed.
+	sub.scan.resume = r.cursor.Valid
 	sub.wantClaim = false
 	var wait time.Duration
 	if sub.lookAgain > 0 && sub.lookAgain < sub.idlePoll && sub.lookAgain <= lookAgainLast {
@@ -583,7 +601,7 @@ func (sub *subscription) prepare(d *delivery, now time.Time) bool {
 		return false
 	}
 	d.outcome = newOutcome(d, sub.s.q.CompleteInTx)
-	msg, cancel, err := buildMessage(sub.ctx, d.uuid, d.payload, d.metaRaw, d.outcome)
+	msg, cancel, err := buildMessage(sub.ctx, d.uuid, d.payload, d.metaRaw, d.orderingKey, d.outcome)
 	if err != nil {
 		sub.poisoned(d, err)
 		return false
@@ -601,10 +619,13 @@ func (sub *subscription) poisoned(d *delivery, err error) {
 // buildMessage decodes a row into the message handed to the Router, with a
 // context (derived from the Subscribe context) that carries the outcome.
 // It touches no subscription state: slots call it too.
-func buildMessage(parent context.Context, uuid string, payload, metaRaw []byte, o *outcome) (*message.Message, context.CancelFunc, error) {
+func buildMessage(parent context.Context, uuid string, payload, metaRaw []byte, orderingKey string, o *outcome) (*message.Message, context.CancelFunc, error) {
 	msg, err := decodeMessage(uuid, payload, metaRaw)
 	if err != nil {
 		return nil, nil, err
+	}
+	if orderingKey != "" {
+		msg.Metadata[OrderingKeyMetadataKey] = orderingKey
 	}
 	ctx, cancel := context.WithCancel(handoff.With(parent, o))
 	msg.SetContext(ctx)
@@ -647,7 +668,7 @@ func (sub *subscription) handedOut(d *delivery) {
 	}
 	d.outcome, d.stopWatch = newOutcome(d, sub.s.q.CompleteInTx), make(chan struct{})
 	// Never blocks: see maxHandedOut.
-	sub.slots <- slotItem{d: d, seq: d.seq, uuid: d.uuid, payload: d.payload, metaRaw: d.metaRaw,
+	sub.slots <- slotItem{d: d, seq: d.seq, uuid: d.uuid, payload: d.payload, metaRaw: d.metaRaw, orderingKey: d.orderingKey,
 		outcome: d.outcome, stop: d.stopWatch}
 }
 
@@ -715,6 +736,7 @@ type slotItem struct {
 	seq              uint32
 	uuid             string
 	payload, metaRaw []byte
+	orderingKey      string
 	outcome          *outcome
 	stop             <-chan struct{} // closed when the owner stops waiting for the verdict
 }
@@ -736,7 +758,7 @@ func (sub *subscription) slot() {
 	}
 	for it := range sub.slots {
 		v := verdict{d: it.d, seq: it.seq}
-		msg, cancel, err := buildMessage(sub.ctx, it.uuid, it.payload, it.metaRaw, it.outcome)
+		msg, cancel, err := buildMessage(sub.ctx, it.uuid, it.payload, it.metaRaw, it.orderingKey, it.outcome)
 		if err != nil {
 			v.poison = err
 			sub.verdicts.put(v)
@@ -752,11 +774,19 @@ func (sub *subscription) slot() {
 				if deadline != nil {
 					deadline.Reset(sub.cfg.AckDeadline)
 				}
+			wait:
 				select {
 				case <-msg.Acked():
 					v.ack = true
 				case <-msg.Nacked():
 				case <-expired:
+					if it.outcome.completingInTx() {
+						// The handler's transaction is completing the row
+						// (bounded by its commit timeout): its answer
+						// decides, a nack now would only race it.
+						expired = nil
+						goto wait
+					}
 					v.timedOut = true
 				case <-it.stop:
 				}
@@ -857,6 +887,7 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		// bring the row back.
 		delete(sub.held, d)
 		d.state = finished
+		sub.keyEnded(d)
 		sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries})
 		return
 	}
@@ -929,7 +960,7 @@ func (sub *subscription) release(d *delivery) {
 func (sub *subscription) housekeeping(now time.Time) {
 	if sub.cfg.AckDeadline > 0 && sub.slots == nil { // with slots, each slot keeps it
 		for d := range sub.held {
-			if d.state == handedOut && at(now).since(d.handedAt) >= sub.cfg.AckDeadline {
+			if d.state == handedOut && at(now).since(d.handedAt) >= sub.cfg.AckDeadline && !d.outcome.completingInTx() {
 				sub.ackDeadlinePassed(d, d.msg)
 			}
 		}
@@ -1199,6 +1230,7 @@ func (sub *subscription) onReleasedClaims(n int, err error) {
 func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
 	delete(sub.held, d)
 	d.state = finished
+	sub.keyEnded(d)
 	if err, ok := r.abandoned[d]; ok {
 		sub.logger.Error("Cannot write this row's ack, nack or dead-letter move; it comes back when its lease expires", err,
 			watermill.LogFields{"event": "write_abandoned", "row_id": d.id, "deliveries": d.deliveries})
@@ -1209,6 +1241,23 @@ func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
 	}
 	sub.leaseLost(d, phase)
 	return false
+}
+
+// keyEnded: a row with an ordering key was written (acked, nacked,
+// dead-lettered) or left our hands, so the next row of its key may be
+// claimable now. It may lie behind the cursor (the scan passed it while
+// its predecessor was present): the next claim asks for the key's next
+// row by its key.
+func (sub *subscription) keyEnded(d *delivery) {
+	if d.orderingKey == "" || sub.stopping {
+		return
+	}
+	if sub.endedKeys == nil {
+		sub.endedKeys = map[string]struct{}{}
+	}
+	sub.endedKeys[d.orderingKey] = struct{}{}
+	sub.wantClaim = true
+	sub.idleUntil = time.Time{}
 }
 
 // onRenewed applies a renewal's result: extended leases, lost ones.

@@ -62,6 +62,7 @@ func (sub *subscription) decideNack(d *delivery, msg *message.Message, timedOut 
 	}
 	next := maps.Clone(msg.Metadata)
 	delete(next, retryDelayKey)
+	delete(next, OrderingKeyMetadataKey) // from the row's column, not its metadata
 	delete(next, delay.DelayedForKey)
 	delete(next, delay.DelayedUntilKey)
 	// The message was handed out without a "delayed until" key, so one now

@@ -63,10 +63,13 @@ type Config struct {
 	PublishTimeout time.Duration
 
 	// Subscriber configures how the outbox is read (Tables, ConsumerGroup,
-	// Lease, ...). Relay sets two fields when they are zero:
-	// MaxInFlight to BatchSize × Workers, and RetryPolicy to exponential
-	// backoff from 100ms to 10s with no attempt limit (a broker that is down
-	// for an hour must not turn messages into dead letters).
+	// Lease, ...). Relay sets these fields when they are zero:
+	// MaxInFlight to BatchSize × Workers; RetryPolicy to exponential backoff
+	// from 100ms to 10s with no attempt limit (a broker that is down for an
+	// hour must not turn messages into dead letters); DrainTimeout and
+	// AckDeadline to PublishTimeout + 5s, so a Publish under way when the
+	// relay stops, or a slow one, ends before its rows are given back. An
+	// AckDeadline shorter than PublishTimeout is refused.
 	Subscriber pgoutbox.SubscriberConfig
 
 	// Logger defaults to watermill.NopLogger.
@@ -153,6 +156,16 @@ func (c *Config) setDefaults() error {
 	if c.Subscriber.MaxInFlight == 0 {
 		c.Subscriber.MaxInFlight = c.BatchSize * c.Workers
 	}
+	if c.Subscriber.DrainTimeout == 0 {
+		c.Subscriber.DrainTimeout = c.PublishTimeout + 5*time.Second
+	}
+	if c.Subscriber.AckDeadline == 0 {
+		c.Subscriber.AckDeadline = c.PublishTimeout + 5*time.Second
+	}
+	if c.Subscriber.AckDeadline > 0 && c.Subscriber.AckDeadline < c.PublishTimeout {
+		return fmt.Errorf("%w: Subscriber.AckDeadline (%v) is shorter than PublishTimeout (%v): a publish the broker confirms late would be nacked and sent again; raise AckDeadline or lower PublishTimeout",
+			ErrInvalidConfig, c.Subscriber.AckDeadline, c.PublishTimeout)
+	}
 	if c.Subscriber.RetryPolicy == nil {
 		c.Subscriber.RetryPolicy = pgoutbox.ExponentialBackoff{
 			InitialInterval: 100 * time.Millisecond,
@@ -164,13 +177,17 @@ func (c *Config) setDefaults() error {
 }
 
 // Run relays until ctx ends or Close is called, then stops: batches being
-// published finish (their rows are acked or nacked), the leases of the
-// rest are released, and Run returns nil. It returns an error at once if
-// a topic cannot be subscribed. Run may be called once.
+// published finish within Subscriber.DrainTimeout (their rows are acked
+// or nacked), the leases of the rest are released, the Relay is closed and
+// Run returns nil. It returns an error at once if a topic cannot be
+// subscribed. Run may be called once.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return errors.New("pgoutbox/relay: Run was called already; a Relay runs once, build a new one")
 	}
+	// Closing releases the subscriber's LISTEN connection and goroutines,
+	// whether Run ends by ctx or by Close (Close is idempotent).
+	defer func() { _ = r.sub.Close() }()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup
@@ -180,7 +197,6 @@ func (r *Relay) Run(ctx context.Context) error {
 		if err != nil {
 			cancel()
 			wg.Wait()
-			_ = r.sub.Close()
 			return fmt.Errorf("pgoutbox/relay: subscribe to %q: %w", topic, err)
 		}
 		target := r.cfg.TargetTopic(topic)
@@ -285,38 +301,46 @@ func (r *Relay) Stats() Stats {
 // TopicLag is how far the relay is behind on one topic.
 type TopicLag struct {
 	Topic string
-	// Ready is the number of messages due now and not yet relayed (being
-	// published included).
+	// Ready is the number of messages due now and not yet relayed: waiting,
+	// being published, or retried in order (Subscriber.MaxInFlight 1).
 	Ready int64
-	// Scheduled is the number of messages due later (delayed, or waiting
-	// for a retry).
+	// Scheduled is the number of messages due later: delayed, or waiting
+	// for a retry after a failed publish.
 	Scheduled int64
 	// Parked is the number of messages set aside with no dead-letter
 	// table (see schema.Config.NoDeadLetterTable). Always 0 with one.
 	Parked int64
-	// Age is how long the oldest ready message has been due: the relay's
-	// delay. 0 when nothing is ready.
+	// Age is how long the oldest waiting message has been due (since it
+	// was published, or since its last retry became due): the relay's
+	// delay. 0 when none waits.
 	Age time.Duration
 }
 
 // Lag reports, per topic of Config.Topics, what waits in the outbox for
-// the relay's consumer group. It is one indexed query; poll it for a
-// dashboard or an alert on Age.
+// the relay's consumer group. Per topic it counts the entries of the two
+// partial indexes (waiting rows, leased rows), so its cost grows with the
+// backlog, not with the table; poll it for a dashboard or an alert on Age.
 func (r *Relay) Lag(ctx context.Context) ([]TopicLag, error) {
 	rows, err := r.pool.Query(ctx, `
-SELECT t.topic,
-       count(o.id) FILTER (WHERE o.available_at <= now()),
-       count(o.id) FILTER (WHERE o.available_at > now() AND o.available_at < 'infinity'),
-       count(o.id) FILTER (WHERE o.available_at = 'infinity'),
-       COALESCE(EXTRACT(EPOCH FROM now() - min(o.available_at) FILTER (WHERE o.available_at <= now()))::float8, 0)
-  FROM unnest($1::text[]) AS t(topic)
-  LEFT JOIN `+r.names.QTable+` o ON o.topic = t.topic AND o.consumer_group = $2
- GROUP BY t.topic`, r.cfg.Topics, r.cfg.Subscriber.ConsumerGroup)
+SELECT t.topic, w.ready + l.leased, w.scheduled, w.parked, w.age
+  FROM unnest($1::text[]) WITH ORDINALITY AS t(topic, ord)
+ CROSS JOIN LATERAL (
+       SELECT count(*) FILTER (WHERE available_at <= now()) AS ready,
+              count(*) FILTER (WHERE available_at > now() AND available_at < 'infinity') AS scheduled,
+              count(*) FILTER (WHERE available_at = 'infinity') AS parked,
+              COALESCE(EXTRACT(EPOCH FROM now() - min(available_at) FILTER (WHERE available_at <= now()))::float8, 0) AS age
+         FROM `+r.names.QTable+`
+        WHERE topic = t.topic AND consumer_group = $2 AND lease_token IS NULL) w
+ CROSS JOIN LATERAL (
+       SELECT count(*) AS leased FROM `+r.names.QTable+`
+        WHERE topic = t.topic AND consumer_group = $2 AND lease_token IS NOT NULL) l
+ ORDER BY t.ord`,
+		r.cfg.Topics, r.cfg.Subscriber.ConsumerGroup)
 	if err != nil {
 		return nil, fmt.Errorf("pgoutbox/relay: lag: %w", err)
 	}
 	defer rows.Close()
-	byTopic := map[string]TopicLag{}
+	lags := make([]TopicLag, 0, len(r.cfg.Topics))
 	for rows.Next() {
 		var l TopicLag
 		var age float64
@@ -324,14 +348,10 @@ SELECT t.topic,
 			return nil, fmt.Errorf("pgoutbox/relay: lag: %w", err)
 		}
 		l.Age = time.Duration(age * float64(time.Second))
-		byTopic[l.Topic] = l
+		lags = append(lags, l)
 	}
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("pgoutbox/relay: lag: %w", err)
-	}
-	lags := make([]TopicLag, len(r.cfg.Topics))
-	for i, t := range r.cfg.Topics {
-		lags[i] = byTopic[t]
 	}
 	return lags, nil
 }

@@ -484,14 +484,15 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 	cfg := schema.Config{Schema: b.env.Schema, Table: "outbox"} // dead letters in outbox_dlq
 
 	verr := validationError(t, schema.Validate(ctx, b.exec, cfg))
-	require.Len(t, verr.Problems, 9, "%q", verr.Problems)
+	require.Len(t, verr.Problems, 11, "%q", verr.Problems)
 	requireProblem(t, verr.Problems, "index outbox_dedup_idx on outbox is left from the first release", "drop it")
 	requireProblem(t, verr.Problems, "outbox.lease_holder", "missing", "bigint")
 	requireProblem(t, verr.Problems, "outbox.failure_reason", "missing", "text")
 	requireProblem(t, verr.Problems, "outbox.consumer_group", "missing", "text")
+	requireProblem(t, verr.Problems, "outbox.ordering_key", "missing", "text")
 	requireProblem(t, verr.Problems, "table "+b.env.Schema+".outbox_dlq is missing")
 	requireProblem(t, verr.Problems, "table "+b.env.Schema+".outbox_bindings is missing")
-	for _, idx := range []string{"outbox_group_ready_idx", "outbox_group_lease_idx", "outbox_group_dedup_idx"} {
+	for _, idx := range []string{"outbox_group_ready_idx", "outbox_group_lease_idx", "outbox_group_dedup_idx", "outbox_group_order_idx"} {
 		requireProblem(t, verr.Problems, "index "+idx+" ", "missing")
 	}
 

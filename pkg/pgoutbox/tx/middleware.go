@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/cenkalti/backoff/v5"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/handoff"
 )
@@ -82,6 +83,13 @@ func Middleware(db Executor, config MiddlewareConfig) (message.HandlerMiddleware
 
 func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, msg *message.Message) (_ []*message.Message, err error) {
 	orig := msg.Context()
+	row := handoff.From(orig)
+	if row != nil && row.Completed() {
+		// An earlier run committed this message (a middleware outside
+		// failed after the commit and Retry runs the handler again): it is
+		// done, and running it again could only roll back.
+		return nil, nil
+	}
 	// Not orig itself: database/sql rolls a transaction back when the
 	// context of its BeginTx ends, and a finished handler's work must
 	// still commit (see CommitTimeout).
@@ -89,7 +97,6 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 	if err != nil {
 		return nil, fmt.Errorf("pgoutbox: begin the handler's transaction: %w", err)
 	}
-	row := handoff.From(orig)
 	committed := false
 	defer func() {
 		// The message goes back to the Router (and its other middlewares)
@@ -126,7 +133,9 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 			return nil, fmt.Errorf("pgoutbox: complete the message in the handler's transaction: %w", err)
 		}
 		if n == 0 {
-			return nil, ErrLeaseLost
+			// Permanent: Watermill's Retry must not run the handler again,
+			// each run could only roll back.
+			return nil, backoff.Permanent(ErrLeaseLost)
 		}
 	}
 	if err := commit(fin); err != nil {

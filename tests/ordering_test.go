@@ -1,0 +1,292 @@
+package tests
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// keyedMsgs returns n messages over keys keys: message i has key
+// "k<i mod keys>" and metadata seq = its position within its key.
+func keyedMsgs(n, keys int) []*message.Message {
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = newMsg(strconv.Itoa(i))
+		msgs[i].Metadata.Set("seq", strconv.Itoa(i/keys))
+		pgoutbox.WithOrderingKey(msgs[i], "k"+strconv.Itoa(i%keys))
+	}
+	return msgs
+}
+
+// keyLog records, per key, the first successful handling of each message,
+// and catches two messages of one key in handlers at once.
+type keyLog struct {
+	mu        sync.Mutex
+	handled   map[string][]int
+	done      map[string]bool // uuid -> handled successfully once
+	running   map[string]int  // key -> handlers running
+	overlaps  int
+	inFlight  atomic.Int32
+	peak      atomic.Int32
+	successes atomic.Int32
+}
+
+func newKeyLog() *keyLog {
+	return &keyLog{handled: map[string][]int{}, done: map[string]bool{}, running: map[string]int{}}
+}
+
+// handler returns a handler that sleeps 0-maxSleep and fails failPct% of
+// deliveries.
+func (l *keyLog) handler(maxSleep time.Duration, failPct int) message.NoPublishHandlerFunc {
+	return func(m *message.Message) error {
+		key := m.Metadata.Get(pgoutbox.OrderingKeyMetadataKey)
+		l.mu.Lock()
+		l.running[key]++
+		if l.running[key] > 1 {
+			l.overlaps++
+		}
+		l.mu.Unlock()
+		n := l.inFlight.Add(1)
+		for p := l.peak.Load(); n > p && !l.peak.CompareAndSwap(p, n); p = l.peak.Load() {
+		}
+		defer func() {
+			l.inFlight.Add(-1)
+			l.mu.Lock()
+			l.running[key]--
+			l.mu.Unlock()
+		}()
+		if maxSleep > 0 {
+			time.Sleep(rand.N(maxSleep + 1))
+		}
+		if rand.N(100) < failPct {
+			return errors.New("injected failure")
+		}
+		seq, err := strconv.Atoi(m.Metadata.Get("seq"))
+		if err != nil {
+			return err
+		}
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		if !l.done[m.UUID] {
+			l.done[m.UUID] = true
+			l.handled[key] = append(l.handled[key], seq)
+			l.successes.Add(1)
+		}
+		return nil
+	}
+}
+
+// requireOrder checks that every key's messages were handled in publish
+// order, each once, and never two at a time.
+func (l *keyLog) requireOrder(t *testing.T, keys, perKey int) {
+	t.Helper()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	require.Zero(t, l.overlaps, "two messages of one key were in handlers at once")
+	require.Len(t, l.handled, keys)
+	want := make([]int, perKey)
+	for i := range want {
+		want[i] = i
+	}
+	for key, seqs := range l.handled {
+		require.Equal(t, want, seqs, "key %s handled out of publish order", key)
+	}
+}
+
+
+// The issue's test: 10,000 messages over 100 keys, 16 in flight, handlers
+// that sleep 0-5 ms and fail 5% of deliveries. Every key's messages are
+// handled in publish order, one at a time, while different keys run in
+// parallel.
+func TestOrderingKeysKeepPublishOrderPerKeyInParallel(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const n, keys = 10_000, 100
+	pub := b.poolPublisher(t)
+	msgs := keyedMsgs(n, keys)
+	for i := 0; i < n; i += 1000 {
+		require.NoError(t, pub.Publish("orders", msgs[i:i+1000]...))
+	}
+	log := newKeyLog()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.MaxInFlight = 16
+		c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 5 * time.Millisecond, MaxAttempts: -1}
+	})
+	runRouter(t, sub, "orders", log.handler(5*time.Millisecond, 5))
+	pollUntil(t, "every message handled", 2*time.Minute, nil, func() bool { return log.successes.Load() == n })
+	log.requireOrder(t, keys, n/keys)
+	require.Greater(t, log.peak.Load(), int32(4), "different keys ran in parallel")
+	pollUntil(t, "the outbox emptied", 10*time.Second, nil, func() bool { return b.outboxRows(t, "orders") == 0 })
+}
+
+// Two competing subscribers (each with its own pool, as two processes
+// would have) keep each key's order between them: the next message of a
+// key is claimable only once the previous one is gone, whoever held it.
+func TestOrderingKeysHoldAcrossCompetingSubscribers(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgtest.Options{MaxConns: 10})
+	const n, keys = 2000, 20
+	require.NoError(t, b.poolPublisher(t).Publish("orders", keyedMsgs(n, keys)...))
+	log := newKeyLog()
+	var byWorker [2]atomic.Int32
+	for w := range 2 {
+		pool, err := pgxpool.New(context.Background(), b.DSN)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{
+			Tables: b.tables, MaxInFlight: 8, MinPollInterval: 10 * time.Millisecond, MaxPollInterval: 200 * time.Millisecond,
+			RetryPolicy: pgoutbox.ConstantBackoff{Delay: 5 * time.Millisecond, MaxAttempts: -1},
+		}, nil)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = sub.Close() })
+		h := log.handler(2*time.Millisecond, 5)
+		runRouter(t, sub, "orders", func(m *message.Message) error {
+			byWorker[w].Add(1)
+			return h(m)
+		})
+	}
+	pollUntil(t, "every message handled", 2*time.Minute, nil, func() bool { return log.successes.Load() == n })
+	log.requireOrder(t, keys, n/keys)
+	require.Positive(t, byWorker[0].Load(), "both subscribers took part")
+	require.Positive(t, byWorker[1].Load(), "both subscribers took part")
+}
+
+// A failing head message holds back only its key, through its retries;
+// once it is dead-lettered its key moves on. Other keys and unkeyed
+// messages never wait for it.
+func TestOrderingKeyHeadOfLineFailureBlocksOnlyItsKey(t *testing.T) {
+	t.Parallel()
+	for _, parked := range []bool{false, true} {
+		t.Run(fmt.Sprintf("parked=%v", parked), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			if parked {
+				b.tables.DeadLetterTable, b.tables.NoDeadLetterTable = "", true
+			}
+			msg := func(key, name string) *message.Message {
+				m := newMsg(name)
+				pgoutbox.WithOrderingKey(m, key)
+				return m
+			}
+			require.NoError(t, b.poolPublisher(t).Publish("t",
+				msg("a", "a1 poison"), msg("a", "a2"), msg("b", "b1"), newMsg("plain"), msg("b", "b2"), msg("a", "a3")))
+			ev := newEvents()
+			sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+				c.MaxInFlight = 4
+				c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 150 * time.Millisecond, MaxAttempts: 4}
+				c.Observer = ev
+			})
+			var mu sync.Mutex
+			var order []string
+			runRouter(t, sub, "t", func(m *message.Message) error {
+				if string(m.Payload) == "a1 poison" {
+					return errors.New("poison")
+				}
+				mu.Lock()
+				order = append(order, string(m.Payload))
+				mu.Unlock()
+				return nil
+			})
+			dead := ev.wait(t, pgoutbox.EventDeadLettered, 10*time.Second)
+			require.Equal(t, 4, dead.Deliveries)
+			pollUntil(t, "every other message handled", 10*time.Second, nil, func() bool {
+				mu.Lock()
+				defer mu.Unlock()
+				return len(order) == 5
+			})
+			mu.Lock()
+			defer mu.Unlock()
+			pos := map[string]int{}
+			for i, p := range order {
+				pos[p] = i
+			}
+			require.Less(t, pos["b1"], pos["b2"])
+			require.Less(t, pos["a2"], pos["a3"])
+			// b1, b2 and plain ran during a1's 450 ms of retries; a2 only
+			// after a1 was dead-lettered (or parked).
+			require.Less(t, pos["b2"], pos["a2"], "key b did not wait for key a: %v", order)
+			require.Less(t, pos["plain"], pos["a2"], "unkeyed messages did not wait for key a: %v", order)
+		})
+	}
+}
+
+// A delayed message holds back the later messages of its key until it is
+// delivered; messages of other keys are not delayed.
+func TestOrderingKeyDelayedHeadKeepsOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	first := newMsg("a1 delayed")
+	pgoutbox.WithOrderingKey(first, "a")
+	pgoutbox.DeliverAfter(first, 300*time.Millisecond)
+	second := newMsg("a2")
+	pgoutbox.WithOrderingKey(second, "a")
+	other := newMsg("b1")
+	pgoutbox.WithOrderingKey(other, "b")
+	require.NoError(t, b.poolPublisher(t).Publish("t", first, second, other))
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
+	ch, err := sub.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	start := time.Now()
+	var got []string
+	for range 3 {
+		m := receive(t, ch, 10*time.Second)
+		got = append(got, string(m.Payload))
+		if string(m.Payload) == "a1 delayed" {
+			require.GreaterOrEqual(t, time.Since(start), 250*time.Millisecond, "the delay applies")
+		}
+		m.Ack()
+	}
+	require.Equal(t, []string{"b1", "a1 delayed", "a2"}, got)
+}
+
+// GenerateOrderingKey keys every message, like Kafka's partition key
+// generator; WithOrderingKey wins over it, the key reaches the handler in
+// the metadata, and a generator error fails the Publish without writing.
+func TestGenerateOrderingKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{
+		Tables: b.tables,
+		GenerateOrderingKey: func(topic string, m *message.Message) (string, error) {
+			if m.Metadata.Get("bad") != "" {
+				return "", errors.New("no aggregate id")
+			}
+			return topic + "/" + m.Metadata.Get("aggregate_id"), nil
+		},
+	}, nil)
+	require.NoError(t, err)
+	m1 := newMsg("1")
+	m1.Metadata.Set("aggregate_id", "42")
+	m2 := newMsg("2")
+	pgoutbox.WithOrderingKey(m2, "explicit")
+	require.NoError(t, pub.Publish("t", m1, m2))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE ordering_key = 't/42'`))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE ordering_key = 'explicit'`))
+
+	bad := newMsg("bad")
+	bad.Metadata.Set("bad", "yes")
+	err = pub.Publish("t", newMsg("fine"), bad)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidMessage)
+	require.Contains(t, err.Error(), "no aggregate id")
+	require.Equal(t, 2, b.outboxRows(t, "t"), "nothing of the failed call was written")
+
+	ch, err := b.subscriber(t, nil).Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	m := receive(t, ch, 10*time.Second)
+	require.Equal(t, "t/42", m.Metadata.Get(pgoutbox.OrderingKeyMetadataKey))
+	m.Ack()
+}

@@ -107,7 +107,6 @@ func (l *keyLog) requireOrder(t *testing.T, keys, perKey int) {
 	}
 }
 
-
 // The test: 10,000 messages over 100 keys, 16 in flight, handlers
 // that sleep 0-5 ms and fail 5% of deliveries. Every key's messages are
 // handled in publish order, one at a time, while different keys run in

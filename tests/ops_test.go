@@ -190,3 +190,211 @@ func explain(t *testing.T, conn *pgxpool.Conn, stmt string, args ...any) string 
 	require.NoError(t, rows.Err())
 	return strings.Join(lines, "\n")
 }
+
+func TestDeadLettersPagesAndFilters(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	b.addDeadLetters(t, 1, 25, "a", "", "rejected", 2*time.Hour)
+	b.addDeadLetters(t, 100, 5, "a", "billing", "max_deliveries", time.Hour)
+	b.addDeadLetters(t, 200, 3, "b", "", "rejected", time.Minute)
+
+	// Every dead letter, 10 per page, in (failed_at, id) order.
+	var ids []int64
+	f := pgoutbox.DeadLetterFilter{Limit: 10}
+	for pages := 0; ; pages++ {
+		require.Less(t, pages, 10)
+		page, err := pgoutbox.DeadLetters(ctx, exec, b.tables, f)
+		require.NoError(t, err)
+		for _, d := range page.Letters {
+			ids = append(ids, d.ID)
+		}
+		if page.Next.IsZero() {
+			break
+		}
+		f.After = page.Next
+	}
+	require.Len(t, ids, 33)
+	require.Equal(t, []int64{1, 2, 3}, ids[:3])
+	require.Equal(t, []int64{200, 201, 202}, ids[30:])
+
+	page, err := pgoutbox.DeadLetters(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Topic: "a", ConsumerGroup: new("billing")})
+	require.NoError(t, err)
+	require.Len(t, page.Letters, 5)
+	require.True(t, page.Next.IsZero())
+	d := page.Letters[0]
+	require.Equal(t, int64(100), d.ID)
+	require.Equal(t, "a", d.Topic)
+	require.Equal(t, "billing", d.ConsumerGroup)
+	require.Equal(t, "u-100", d.UUID)
+	require.Equal(t, []byte("p-100"), d.Payload)
+	require.Equal(t, "v100", d.Metadata.Get("k"))
+	require.Equal(t, 3, d.Deliveries)
+	require.Equal(t, "boom", d.LastError)
+	require.Equal(t, "max_deliveries", d.FailureReason)
+	require.Equal(t, "host:1:abc", d.FailedBy)
+	require.False(t, d.FailedAt.IsZero())
+	require.False(t, d.CreatedAt.IsZero())
+
+	page, err = pgoutbox.DeadLetters(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{ConsumerGroup: new(""), Reason: "rejected", FailedAfter: time.Now().Add(-90 * time.Minute)})
+	require.NoError(t, err)
+	require.Len(t, page.Letters, 3, "only topic b's rows failed in the last 90 minutes")
+	page, err = pgoutbox.DeadLetters(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{FailedBefore: time.Now().Add(-90 * time.Minute)})
+	require.NoError(t, err)
+	require.Len(t, page.Letters, 25)
+
+	// Bad input says what to do.
+	for _, bad := range []pgoutbox.DeadLetterFilter{
+		{Limit: -1}, {Limit: pgoutbox.MaxDeadLetterLimit + 1}, {Topic: "x\x01"}, {ConsumerGroup: new("\x00")},
+		{FailedAfter: time.Now(), FailedBefore: time.Now().Add(-time.Hour)}, {After: pgoutbox.DeadLetterCursor{ID: 3}},
+	} {
+		_, err := pgoutbox.DeadLetters(ctx, exec, b.tables, bad)
+		require.Error(t, err, "%+v", bad)
+	}
+	_, err = pgoutbox.DeadLetters(ctx, exec, schema.Config{Schema: b.Schema, Table: "outbox", NoDeadLetterTable: true}, pgoutbox.DeadLetterFilter{})
+	require.ErrorIs(t, err, pgoutbox.ErrNoDeadLetterTable)
+	require.ErrorContains(t, err, "RequeueParked")
+}
+
+func TestRequeueDeadLetters(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	b.addDeadLetters(t, 1, 3, "a", "billing", "rejected", time.Hour)
+	b.addDeadLetters(t, 10, 3, "a", "", "retry_exhausted", time.Hour)
+	// Row 3 has a dedup key that a live row holds: it must stay.
+	b.exec(t, `UPDATE %s.outbox_dlq SET dedup_key = 'k' WHERE id IN (2, 3)`)
+	b.exec(t, `INSERT INTO %s.outbox (id, topic, consumer_group, uuid, payload, dedup_key) OVERRIDING SYSTEM VALUE VALUES (5000, 'a', 'billing', 'live', '', 'k')`)
+
+	moved, err := pgoutbox.RequeueDeadLetters(ctx, exec, b.tables, []int64{1, 3, 999})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, moved, "row 3's key is taken; 999 is no dead letter")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq WHERE id = 3`))
+	var uuid, group, md string
+	var deliveries int
+	var lastErr, reason *string
+	var due bool
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT uuid, consumer_group, metadata->>'k', deliveries, last_error, failure_reason, available_at <= now()
+  FROM `+b.Schema+`.outbox WHERE id = 1`).Scan(&uuid, &group, &md, &deliveries, &lastErr, &reason, &due))
+	require.Equal(t, "u-1", uuid)
+	require.Equal(t, "billing", group)
+	require.Equal(t, "v1", md)
+	require.Zero(t, deliveries)
+	require.Nil(t, lastErr)
+	require.Nil(t, reason)
+	require.True(t, due)
+
+	// By filter: group billing's rest (row 2 takes key k? no: the live row
+	// holds it, so row 2 stays too), then the default group's rows.
+	moved, err = pgoutbox.RequeueDeadLettersMatching(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Topic: "a", ConsumerGroup: new("billing")})
+	require.NoError(t, err)
+	require.Zero(t, moved)
+	moved, err = pgoutbox.RequeueDeadLettersMatching(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Reason: "retry_exhausted", Limit: 2})
+	require.NoError(t, err)
+	require.EqualValues(t, 2, moved)
+	moved, err = pgoutbox.RequeueDeadLettersMatching(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Reason: "retry_exhausted"})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, moved)
+
+	// A requeued message is delivered again to its group.
+	sub := b.groupSubscriber(t, "", nil)
+	ch, err := sub.Subscribe(ctx, "a")
+	require.NoError(t, err)
+	got := map[string]bool{}
+	for range 3 {
+		m := receive(t, ch, 10*time.Second)
+		got[m.UUID] = true
+		m.Ack()
+	}
+	require.Equal(t, map[string]bool{"u-10": true, "u-11": true, "u-12": true}, got)
+
+	// With the key free again, row 2 (then 3 clashes with it) moves.
+	b.exec(t, `DELETE FROM %s.outbox WHERE uuid = 'live'`)
+	moved, err = pgoutbox.RequeueDeadLetters(ctx, exec, b.tables, []int64{2, 3})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, moved, "two dead letters with one key: one moves, the other stays")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`))
+
+	_, err = pgoutbox.RequeueDeadLetters(ctx, exec, b.tables, nil)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	_, err = pgoutbox.RequeueDeadLettersMatching(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Limit: -5})
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+}
+
+func TestPurgeDeadLettersInBatches(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	b.addDeadLetters(t, 1, 250, "a", "", "rejected", 48*time.Hour)
+	b.addDeadLetters(t, 1000, 120, "b", "g", "rejected", 36*time.Hour)
+	b.addDeadLetters(t, 2000, 7, "a", "", "rejected", time.Hour)
+
+	n, err := pgoutbox.PurgeDeadLetters(ctx, exec, b.tables, 24*time.Hour, 50)
+	require.NoError(t, err)
+	require.EqualValues(t, 370, n)
+	require.Equal(t, 7, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`))
+	n, err = pgoutbox.PurgeDeadLetters(ctx, exec, b.tables, 0, 0)
+	require.NoError(t, err)
+	require.EqualValues(t, 7, n)
+
+	_, err = pgoutbox.PurgeDeadLetters(ctx, exec, b.tables, -time.Hour, 10)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	_, err = pgoutbox.PurgeDeadLetters(ctx, exec, b.tables, time.Hour, -1)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+}
+
+func TestRequeueParkedAndPeek(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	parked := schema.Config{Schema: b.Schema, Table: "parked", NoDeadLetterTable: true}
+	require.NoError(t, schema.Create(ctx, exec, parked))
+	_, err := b.Pool.Exec(ctx, `
+INSERT INTO `+b.Schema+`.parked (topic, consumer_group, uuid, payload, metadata, available_at, deliveries, last_error, failure_reason) VALUES
+ ('a', '', 'p1', 'x', '{"h":"1"}', 'infinity', 10, 'boom', 'retry_exhausted'),
+ ('a', '', 'p2', 'x', '{}', 'infinity', 1, 'bad', 'rejected'),
+ ('a', 'g', 'p3', 'x', '{}', 'infinity', 1, 'bad', 'rejected'),
+ ('a', '', 'later', 'x', '{}', now() + interval '1 hour', 0, NULL, NULL),
+ ('a', '', 'now', 'x', '{}', now() - interval '1 second', 0, NULL, NULL)`)
+	require.NoError(t, err)
+
+	pending, err := pgoutbox.Peek(ctx, exec, parked, "a", "", 0)
+	require.NoError(t, err)
+	require.Len(t, pending, 4)
+	require.Equal(t, []string{"now", "later", "p1", "p2"}, []string{pending[0].UUID, pending[1].UUID, pending[2].UUID, pending[3].UUID})
+	require.True(t, pending[2].Parked)
+	require.Equal(t, "retry_exhausted", pending[2].FailureReason)
+	require.Equal(t, "boom", pending[2].LastError)
+	require.Equal(t, "1", pending[2].Metadata.Get("h"))
+	require.False(t, pending[0].Parked)
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM `+b.Schema+`.parked WHERE topic = 'a' AND consumer_group = '' AND lease_token IS NULL AND available_at <= now() OR uuid = 'later'`), "peek leases nothing")
+
+	n, err := pgoutbox.RequeueParked(ctx, exec, parked, pgoutbox.ParkedFilter{Topic: "a", ConsumerGroup: new(""), Reason: "retry_exhausted"})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	var deliveries int
+	var lastErr, reason *string
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT deliveries, last_error, failure_reason FROM `+b.Schema+`.parked WHERE uuid = 'p1' AND available_at <= now()`).Scan(&deliveries, &lastErr, &reason))
+	require.Zero(t, deliveries)
+	require.Nil(t, lastErr)
+	require.Nil(t, reason)
+	n, err = pgoutbox.RequeueParked(ctx, exec, parked, pgoutbox.ParkedFilter{})
+	require.NoError(t, err)
+	require.EqualValues(t, 2, n, "every group")
+	s, err := pgoutbox.Stats(ctx, exec, parked, pgoutbox.StatsForTopic("a"))
+	require.NoError(t, err)
+	require.Zero(t, s[0].Parked+s[1].Parked)
+
+	_, err = pgoutbox.RequeueParked(ctx, exec, parked, pgoutbox.ParkedFilter{IDs: []int64{}})
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	_, err = pgoutbox.RequeueParked(ctx, exec, parked, pgoutbox.ParkedFilter{Limit: -1})
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	_, err = pgoutbox.Peek(ctx, exec, parked, "a", "", -1)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	_, err = pgoutbox.Peek(ctx, exec, parked, "", "", 1)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidTopic)
+}

@@ -122,19 +122,20 @@ func DeadLetters(n Names, topic bool) string {
 // fails on the primary key rather than duplicating it), uuid, payload,
 // metadata, group, dedup key and created_at; it is due at once, with its
 // delivery count and failure fields cleared. A dead letter whose dedup key
-// is held by a row in the outbox (or by an earlier one of the same batch)
-// is not inserted (ON CONFLICT DO NOTHING) and therefore not deleted: it
-// stays a dead letter. Only inserted rows are deleted. One NOTIFY per topic
+// is held by a row in the outbox (or by an earlier one of the same batch),
+// or whose id is (an outbox recreated since), is not inserted (ON CONFLICT
+// DO NOTHING, any unique index) and therefore not deleted: it stays a dead
+// letter. Only inserted rows are deleted. One NOTIFY per topic
 // wakes idle subscribers ($N: the channel).
 func requeueFrom(n Names, sel, channelParam string) string {
 	return fmt.Sprintf(`WITH sel AS (%[3]s
 ), ins AS (
-    INSERT INTO %[1]s OVERRIDING SYSTEM VALUE
-           (id, topic, consumer_group, uuid, payload, metadata, created_at, available_at, deliveries, dedup_key)
+    INSERT INTO %[1]s (id, topic, consumer_group, uuid, payload, metadata, created_at, available_at, deliveries, dedup_key)
+    OVERRIDING SYSTEM VALUE
     SELECT d.id, d.topic, d.consumer_group, d.uuid, d.payload, d.metadata, d.created_at, now(), 0, d.dedup_key
       FROM %[2]s d JOIN sel ON sel.id = d.id
      ORDER BY d.failed_at, d.id
-        ON CONFLICT (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+        ON CONFLICT DO NOTHING
     RETURNING id, topic
 ), del AS (
     DELETE FROM %[2]s WHERE id IN (SELECT id FROM ins) RETURNING id

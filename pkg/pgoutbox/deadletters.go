@@ -211,7 +211,8 @@ func deref(s *string) string {
 //
 // A dead letter whose dedup key is present in the outbox (a newer message
 // with the same key, for the same group) would break the key's uniqueness:
-// it stays in the dead-letter table, and is not counted. Ids that are not
+// it stays in the dead-letter table, and is not counted; so does one whose
+// id is taken in the outbox (possible only if the outbox was recreated). Ids that are not
 // dead letters are ignored. It runs in exec's transaction when exec is one.
 func RequeueDeadLetters(ctx context.Context, exec tx.Executor, tables schema.Config, ids []int64) (int64, error) {
 	q, err := dlqQueries(exec, tables)

@@ -34,14 +34,15 @@ const maxTopicLen = 1024
 // A Publisher is cheap: build one per transaction. It is safe for concurrent
 // use as far as its Executor is (a transaction is not).
 type Publisher struct {
-	exec    tx.Executor
-	follow  bool // publish in the transaction a message's context carries (NewContextPublisher)
-	limiter notifyLimiter
-	timeout time.Duration // for a pool's Publish: see PublisherConfig.StatementTimeout
-	q       *query.Queries
-	logger  watermill.LoggerAdapter
-	obs     safeObserver
-	closed  atomic.Bool
+	exec       tx.Executor
+	follow     bool // publish in the transaction a message's context carries (NewContextPublisher)
+	limiter    notifyLimiter
+	timeout    time.Duration // for a pool's Publish: see PublisherConfig.StatementTimeout
+	maxPayload int           // PublisherConfig.MaxPayloadBytes; -1: no limit
+	q          *query.Queries
+	logger     watermill.LoggerAdapter
+	obs        safeObserver
+	closed     atomic.Bool
 }
 
 var _ message.Publisher = (*Publisher)(nil)
@@ -61,11 +62,17 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 	if config.NotifyCooldown < 0 && config.NotifyCooldown != -1 {
 		return nil, fmt.Errorf("%w: NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", ErrInvalidConfig, config.NotifyCooldown)
 	}
+	if config.MaxPayloadBytes < -1 {
+		return nil, maxPayloadInvalid(config.MaxPayloadBytes)
+	}
 	if config.StatementTimeout == 0 {
 		config.StatementTimeout = DefaultStatementTimeout
 	}
 	if config.NotifyCooldown == 0 {
 		config.NotifyCooldown = DefaultNotifyCooldown
+	}
+	if config.MaxPayloadBytes == 0 {
+		config.MaxPayloadBytes = DefaultMaxPayloadBytes
 	}
 	// Validated once per outbox, then cached: one publisher per
 	// transaction must cost next to nothing (publish-1 in tests/bench).
@@ -74,12 +81,13 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 		return nil, err
 	}
 	return &Publisher{
-		exec:    exec,
-		limiter: notifyLimiter{cooldown: config.NotifyCooldown},
-		timeout: config.StatementTimeout,
-		q:       q,
-		logger:  logger,
-		obs:     safeObserver{o: config.Observer, logger: logger},
+		exec:       exec,
+		limiter:    notifyLimiter{cooldown: config.NotifyCooldown},
+		timeout:    config.StatementTimeout,
+		maxPayload: config.MaxPayloadBytes,
+		q:          q,
+		logger:     logger,
+		obs:        safeObserver{o: config.Observer, logger: logger},
 	}, nil
 }
 
@@ -158,7 +166,7 @@ func (p *Publisher) prepare(topic string, msgs []*message.Message) (publishBatch
 	if len(msgs) == 0 {
 		return publishBatch{}, nil
 	}
-	return publishArgs(msgs)
+	return publishArgs(msgs, p.maxPayload)
 }
 
 // PublishResult tells what a Publish call stored.
@@ -344,7 +352,7 @@ func checkText(i int, s string, what func() string) error {
 	return nil
 }
 
-func publishArgs(msgs []*message.Message) (publishBatch, error) {
+func publishArgs(msgs []*message.Message, maxPayload int) (publishBatch, error) {
 	n := len(msgs)
 	b := publishBatch{
 		uuids:    make([]string, n),
@@ -365,6 +373,9 @@ func publishArgs(msgs []*message.Message) (publishBatch, error) {
 				return b, fmt.Errorf("%w: messages %d and %d have the same UUID %q; give each message of one Publish call its own UUID (watermill.NewUUID())", ErrInvalidMessage, j, i, m.UUID)
 			}
 			seen[m.UUID] = i
+		}
+		if maxPayload >= 0 && len(m.Payload) > maxPayload {
+			return b, payloadTooLarge(i, len(m.Payload), maxPayload)
 		}
 		if err := checkText(i, m.UUID, func() string { return "UUID" }); err != nil {
 			return b, err

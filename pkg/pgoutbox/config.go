@@ -51,7 +51,26 @@ type PublisherConfig struct {
 	// WithOrderingKey wins; an error fails the Publish, which writes
 	// nothing. Defaults to none.
 	GenerateOrderingKey func(topic string, msg *message.Message) (string, error)
+	// MaxPayloadBytes is the largest payload a Publish accepts; a call
+	// with a bigger message fails with ErrPayloadTooLarge and writes
+	// nothing. Defaults to 1 MiB (DefaultMaxPayloadBytes). The special
+	// value -1 disables the check (PostgreSQL's bytea still caps a payload
+	// at 1 GB).
+	//
+	// Why 1 MiB: a subscriber claims rows in batches and holds their
+	// payloads in memory (the claim's result, the prefetch buffer, the
+	// messages in flight), so one claim of large rows costs that many
+	// megabytes and stalls the rows behind it; every row is also written
+	// twice (WAL and heap, TOASTed above 2 kB) and, when a handler fails,
+	// moved to the dead-letter table. It is also the default message limit
+	// of Kafka (message.max.bytes), so what the outbox accepts can be
+	// relayed there unchanged. Store large bodies elsewhere (object
+	// storage) and publish a reference; raise the limit if you must.
+	MaxPayloadBytes int
 }
+
+// DefaultMaxPayloadBytes is PublisherConfig.MaxPayloadBytes' default: 1 MiB.
+const DefaultMaxPayloadBytes = 1 << 20
 
 // DefaultNotifyCooldown is PublisherConfig.NotifyCooldown's default.
 const DefaultNotifyCooldown = 2 * time.Millisecond
@@ -77,6 +96,9 @@ func (c PublisherConfig) Validate() error {
 	}
 	if c.NotifyCooldown < 0 && c.NotifyCooldown != -1 {
 		return fmt.Errorf("%w: NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", ErrInvalidConfig, c.NotifyCooldown)
+	}
+	if c.MaxPayloadBytes < -1 {
+		return maxPayloadInvalid(c.MaxPayloadBytes)
 	}
 	return nil
 }

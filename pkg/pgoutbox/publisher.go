@@ -39,6 +39,7 @@ type Publisher struct {
 	orderingKey func(topic string, msg *message.Message) (string, error) // PublisherConfig.GenerateOrderingKey
 	limiter     notifyLimiter
 	timeout     time.Duration // for a pool's Publish: see PublisherConfig.StatementTimeout
+	maxPayload  int           // PublisherConfig.MaxPayloadBytes; -1: no limit
 	q           *query.Queries
 	logger      watermill.LoggerAdapter
 	obs         safeObserver
@@ -62,11 +63,17 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 	if config.NotifyCooldown < 0 && config.NotifyCooldown != -1 {
 		return nil, fmt.Errorf("%w: NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", ErrInvalidConfig, config.NotifyCooldown)
 	}
+	if config.MaxPayloadBytes < -1 {
+		return nil, maxPayloadInvalid(config.MaxPayloadBytes)
+	}
 	if config.StatementTimeout == 0 {
 		config.StatementTimeout = DefaultStatementTimeout
 	}
 	if config.NotifyCooldown == 0 {
 		config.NotifyCooldown = DefaultNotifyCooldown
+	}
+	if config.MaxPayloadBytes == 0 {
+		config.MaxPayloadBytes = DefaultMaxPayloadBytes
 	}
 	// Validated once per outbox, then cached: one publisher per
 	// transaction must cost next to nothing (publish-1 in tests/bench).
@@ -75,13 +82,13 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 		return nil, err
 	}
 	return &Publisher{
-		exec:    exec,
-		limiter: notifyLimiter{cooldown: config.NotifyCooldown},
-		timeout: config.StatementTimeout,
-		q:       q,
-		logger:  logger,
-		obs:     safeObserver{o: config.Observer, logger: logger},
-
+		exec:        exec,
+		limiter:     notifyLimiter{cooldown: config.NotifyCooldown},
+		timeout:     config.StatementTimeout,
+		maxPayload:  config.MaxPayloadBytes,
+		q:           q,
+		logger:      logger,
+		obs:         safeObserver{o: config.Observer, logger: logger},
 		orderingKey: config.GenerateOrderingKey,
 	}, nil
 }
@@ -161,7 +168,7 @@ func (p *Publisher) prepare(topic string, msgs []*message.Message) (publishBatch
 	if len(msgs) == 0 {
 		return publishBatch{}, nil
 	}
-	return publishArgs(topic, msgs, p.orderingKey)
+	return publishArgs(topic, msgs, p.orderingKey, p.maxPayload)
 }
 
 // PublishResult tells what a Publish call stored.
@@ -348,7 +355,7 @@ func checkText(i int, s string, what func() string) error {
 	return nil
 }
 
-func publishArgs(topic string, msgs []*message.Message, orderingKey func(string, *message.Message) (string, error)) (publishBatch, error) {
+func publishArgs(topic string, msgs []*message.Message, orderingKey func(string, *message.Message) (string, error), maxPayload int) (publishBatch, error) {
 	n := len(msgs)
 	b := publishBatch{
 		uuids:    make([]string, n),
@@ -369,6 +376,9 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 				return b, fmt.Errorf("%w: messages %d and %d have the same UUID %q; give each message of one Publish call its own UUID (watermill.NewUUID())", ErrInvalidMessage, j, i, m.UUID)
 			}
 			seen[m.UUID] = i
+		}
+		if maxPayload >= 0 && len(m.Payload) > maxPayload {
+			return b, payloadTooLarge(i, len(m.Payload), maxPayload)
 		}
 		if err := checkText(i, m.UUID, func() string { return "UUID" }); err != nil {
 			return b, err

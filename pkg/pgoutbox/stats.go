@@ -1,0 +1,199 @@
+package pgoutbox
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// QueueStats is the state of one consumer group's copy of one topic.
+type QueueStats struct {
+	Topic         string
+	ConsumerGroup string // "" is the default group
+	// Ready rows are due now and not leased: waiting for a consumer.
+	Ready int64
+	// Scheduled rows are due later (DeliverAfter, DeliverAt, retry
+	// backoff), not parked.
+	Scheduled int64
+	// Leased rows are held by a consumer whose lease is still running.
+	Leased int64
+	// ExpiredLeases are leased rows whose lease ran out (their holder died
+	// or stalled); the next claim of the group takes them.
+	ExpiredLeases int64
+	// Parked rows failed terminally in an outbox without a dead-letter
+	// table (available_at = 'infinity'); see RequeueParked.
+	Parked int64
+	// OldestReadyAge is how long the oldest ready row has been due: the
+	// group's lag. 0 when nothing is ready.
+	OldestReadyAge time.Duration
+	// DeadLetters counts the group's rows in the dead-letter table by
+	// failure reason ("max_deliveries", "retry_exhausted", "rejected",
+	// "poisoned"). Empty without a dead-letter table.
+	DeadLetters map[string]int64
+}
+
+// StatsOption narrows Stats.
+type StatsOption func(*statsOptions)
+
+type statsOptions struct {
+	topic, group       string
+	hasTopic, hasGroup bool
+}
+
+// StatsForTopic makes Stats report the consumer groups of topic only.
+func StatsForTopic(topic string) StatsOption {
+	return func(o *statsOptions) { o.topic, o.hasTopic = topic, true }
+}
+
+// StatsForGroup makes Stats report one consumer group ("" is the default
+// group) of topic only; the result then always holds exactly one entry,
+// zeros included.
+func StatsForGroup(topic, group string) StatsOption {
+	return func(o *statsOptions) {
+		o.topic, o.hasTopic = topic, true
+		o.group, o.hasGroup = group, true
+	}
+}
+
+// Stats reports the state of the outbox, one QueueStats per topic and
+// consumer group, ordered by topic then group. Without options it covers
+// every topic: each group bound to a topic (with zeros when it has no
+// rows), and every (topic, group) that has rows. It runs in exec's
+// transaction when exec is one, and writes nothing.
+//
+// It is built for scraping (every 15 s is fine): the pairs are found with a
+// loose index scan, and each pair's counts are two range scans of the
+// outbox's partial indexes, so the cost follows the number of rows counted,
+// never the table's dead tuples or payloads. Measured on 1,000,000 rows: see
+// the README (Operations). Dead-letter counts read the dead-letter table if
+// tables names one and it exists; with a topic, through its (topic,
+// failed_at) index.
+func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...StatsOption) ([]QueueStats, error) {
+	var o statsOptions
+	for _, opt := range opts {
+		if opt != nil {
+			opt(&o)
+		}
+	}
+	q, err := opsQueries(exec, tables)
+	if err != nil {
+		return nil, err
+	}
+	var args []any
+	if o.hasTopic {
+		if err := checkTopic(o.topic); err != nil {
+			return nil, err
+		}
+		args = append(args, o.topic)
+	}
+	if o.hasGroup {
+		if err := checkGroup(o.group); err != nil {
+			return nil, err
+		}
+		args = append(args, o.group)
+	}
+	n := q.Names
+	rows, err := exec.Query(ctx, query.Stats(n, o.hasTopic, o.hasGroup), args...)
+	if err != nil {
+		return nil, fmt.Errorf("pgoutbox: stats: %w", err)
+	}
+	var out []QueueStats
+	index := map[[2]string]int{}
+	for rows.Next() {
+		var s QueueStats
+		var lagUS int64
+		if err := rows.Scan(&s.Topic, &s.ConsumerGroup, &s.Ready, &s.Scheduled, &s.Parked, &lagUS, &s.Leased, &s.ExpiredLeases); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("pgoutbox: stats: %w", err)
+		}
+		if s.Ready > 0 && lagUS > 0 {
+			s.OldestReadyAge = time.Duration(lagUS) * time.Microsecond
+		}
+		index[[2]string{s.Topic, s.ConsumerGroup}] = len(out)
+		out = append(out, s)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("pgoutbox: stats: %w", err)
+	}
+	if n.QDLQ == "" {
+		return out, nil
+	}
+	exists, err := dlqExists(ctx, exec, n)
+	if err != nil || !exists {
+		return out, err
+	}
+	rows, err = exec.Query(ctx, query.DLQStats(n, o.hasTopic, o.hasGroup), args...)
+	if err != nil {
+		return nil, fmt.Errorf("pgoutbox: stats: dead letters: %w", err)
+	}
+	defer rows.Close()
+	added := false
+	for rows.Next() {
+		var topic, group, reason string
+		var count int64
+		if err := rows.Scan(&topic, &group, &reason, &count); err != nil {
+			return nil, fmt.Errorf("pgoutbox: stats: dead letters: %w", err)
+		}
+		i, ok := index[[2]string{topic, group}]
+		if !ok {
+			// A group whose only rows are dead letters.
+			i = len(out)
+			index[[2]string{topic, group}] = i
+			out = append(out, QueueStats{Topic: topic, ConsumerGroup: group})
+			added = true
+		}
+		if out[i].DeadLetters == nil {
+			out[i].DeadLetters = map[string]int64{}
+		}
+		out[i].DeadLetters[reason] = count
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("pgoutbox: stats: dead letters: %w", err)
+	}
+	if added {
+		sortStats(out)
+	}
+	return out, nil
+}
+
+func sortStats(s []QueueStats) {
+	slices.SortFunc(s, func(a, b QueueStats) int {
+		if c := cmp.Compare(a.Topic, b.Topic); c != 0 {
+			return c
+		}
+		return cmp.Compare(a.ConsumerGroup, b.ConsumerGroup)
+	})
+}
+
+func dlqExists(ctx context.Context, exec tx.Executor, n query.Names) (bool, error) {
+	rows, err := exec.Query(ctx, query.DLQExists, n.QDLQ)
+	if err != nil {
+		return false, fmt.Errorf("pgoutbox: look up the dead-letter table: %w", err)
+	}
+	defer rows.Close()
+	var ok bool
+	if rows.Next() {
+		err = rows.Scan(&ok)
+	}
+	if err == nil {
+		err = rows.Err()
+	}
+	if err != nil {
+		return false, fmt.Errorf("pgoutbox: look up the dead-letter table: %w", err)
+	}
+	return ok, nil
+}
+
+func opsQueries(exec tx.Executor, tables schema.Config) (*query.Queries, error) {
+	if exec == nil {
+		return nil, fmt.Errorf("%w: executor is nil; pass tx.FromPgxPool(pool) or another tx executor", ErrInvalidConfig)
+	}
+	return queriesForTables(tables, false)
+}

@@ -1,0 +1,178 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// loginRole creates a login role with a unique name (roles are global to
+// the cluster), runs grants (each "%s" is the test schema, "%r" the role),
+// and returns a pool connected as that role. The role is dropped, with its
+// privileges, when the test ends, after the pool is closed.
+func (b *bundle) loginRole(t *testing.T, kind string, grants ...string) *pgxpool.Pool {
+	t.Helper()
+	ctx := context.Background()
+	role := "pgoutbox_" + kind + "_" + strings.ReplaceAll(uuid.NewString(), "-", "")[:12]
+	_, err := b.Pool.Exec(ctx, `CREATE ROLE `+role+` LOGIN`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		// DROP OWNED revokes the role's privileges in this database.
+		if _, err := b.Pool.Exec(context.Background(), `DROP OWNED BY `+role); err != nil {
+			t.Logf("drop owned by %s: %v", role, err)
+		}
+		if _, err := b.Pool.Exec(context.Background(), `DROP ROLE `+role); err != nil {
+			t.Logf("drop role %s: %v", role, err)
+		}
+	})
+	for _, g := range grants {
+		_, err := b.Pool.Exec(ctx, strings.NewReplacer("%s", b.Schema, "%r", role).Replace(g))
+		require.NoError(t, err, g)
+	}
+	u, err := url.Parse(b.DSN)
+	require.NoError(t, err)
+	u.User = url.User(role)
+	return pgtest.NewPool(t, u.String(), 4)
+}
+
+// The GRANTs the README (Operations) documents are enough: a publisher
+// role publishes (plain, scheduled and keyed messages), a subscriber role
+// consumes, binds its group, dead-letters and runs the operator functions,
+// and neither can do more than its job.
+func TestLeastPrivilegeRoles(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	pubPool := b.loginRole(t, "pub",
+		`GRANT USAGE ON SCHEMA %s TO %r`,
+		`GRANT INSERT ON %s.outbox TO %r`,
+		`GRANT SELECT (id, uuid, available_at, topic, consumer_group, dedup_key) ON %s.outbox TO %r`,
+		`GRANT SELECT ON %s.outbox_bindings TO %r`)
+	subPool := b.loginRole(t, "sub",
+		`GRANT USAGE ON SCHEMA %s TO %r`,
+		`GRANT SELECT, UPDATE, DELETE ON %s.outbox TO %r`,
+		`GRANT SELECT, INSERT ON %s.outbox_bindings TO %r`,
+		`GRANT SELECT, INSERT ON %s.outbox_dlq TO %r`)
+
+	sub, err := pgoutbox.NewSubscriber(subPool, pgoutbox.SubscriberConfig{
+		Tables: b.tables, ConsumerGroup: "billing", MinPollInterval: 20 * time.Millisecond, MaxPollInterval: time.Second,
+		DrainTimeout: 2 * time.Second, RetryPolicy: pgoutbox.NoRetry(),
+	}, b.logger)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	ch, err := sub.Subscribe(ctx, "orders")
+	require.NoError(t, err)
+
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pubPool), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish("orders", newMsg("plain")))
+	keyed := newMsg("keyed")
+	pgoutbox.WithDedupKey(keyed, "k1")
+	res, err := pub.PublishWithResult("orders", keyed)
+	require.NoError(t, err)
+	require.NotZero(t, res.IDs[0])
+	again := newMsg("keyed again")
+	pgoutbox.WithDedupKey(again, "k1")
+	res, err = pub.PublishWithResult("orders", again)
+	require.NoError(t, err)
+	require.Equal(t, []int{0}, res.Skipped())
+	later := newMsg("later")
+	pgoutbox.DeliverAfter(later, time.Hour)
+	require.NoError(t, pub.Publish("orders", later))
+	pgTx, err := pubPool.Begin(ctx)
+	require.NoError(t, err)
+	txPub, err := pgoutbox.NewPublisher(tx.FromPgxTx(pgTx), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	require.NoError(t, txPub.Publish("orders", newMsg("in tx"), newMsg("in tx 2")))
+	require.NoError(t, pgTx.Commit(ctx))
+
+	got := map[string]bool{}
+	for range 4 {
+		m := receive(t, ch, 10*time.Second)
+		got[string(m.Payload)] = true
+		if string(m.Payload) == "in tx 2" {
+			m.Nack() // NoRetry: dead-lettered by the subscriber role
+		} else {
+			m.Ack()
+		}
+	}
+	require.Equal(t, map[string]bool{"plain": true, "keyed": true, "in tx": true, "in tx 2": true}, got)
+	require.Eventually(t, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`) == 1
+	}, 10*time.Second, 20*time.Millisecond)
+
+	// The operator functions, as the subscriber role.
+	subExec := tx.FromPgxPool(subPool)
+	stats, err := pgoutbox.Stats(ctx, subExec, b.tables, pgoutbox.StatsForGroup("orders", "billing"))
+	require.NoError(t, err)
+	require.EqualValues(t, 1, stats[0].Scheduled)
+	require.Equal(t, map[string]int64{"retry_exhausted": 1}, stats[0].DeadLetters)
+	page, err := pgoutbox.DeadLetters(ctx, subExec, b.tables, pgoutbox.DeadLetterFilter{Topic: "orders"})
+	require.NoError(t, err)
+	require.Len(t, page.Letters, 1)
+	_, err = pgoutbox.Peek(ctx, subExec, b.tables, "orders", "billing", 10)
+	require.NoError(t, err)
+
+	// Neither role can do more than its job.
+	denied := func(pool *pgxpool.Pool, stmt string) {
+		t.Helper()
+		_, err := pool.Exec(ctx, fmt.Sprintf(stmt, b.Schema))
+		require.Error(t, err, stmt)
+		require.Regexp(t, `permission denied|must be owner`, err.Error(), stmt)
+	}
+	denied(pubPool, `SELECT payload FROM %s.outbox`)
+	denied(pubPool, `SELECT * FROM %s.outbox`)
+	denied(pubPool, `DELETE FROM %s.outbox`)
+	denied(pubPool, `UPDATE %s.outbox SET deliveries = 0`)
+	denied(pubPool, `SELECT * FROM %s.outbox_dlq`)
+	denied(subPool, `ALTER TABLE %s.outbox ADD COLUMN x int`)
+	denied(subPool, `DROP TABLE %s.outbox`)
+	denied(subPool, `DROP TABLE %s.outbox_dlq`)
+	denied(subPool, `TRUNCATE %s.outbox`)
+	denied(subPool, `DELETE FROM %s.outbox_dlq`)
+}
+
+// Topics and consumer groups travel as parameters: a name that looks like
+// SQL is only a name. The message is delivered and the tables survive.
+func TestInjectionLikeNames(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	const topic = `x'); DROP TABLE outbox; --`
+	const group = `g"; DROP TABLE outbox_dlq; --`
+	sub := b.groupSubscriber(t, group, nil)
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	pub := b.poolPublisher(t)
+	keyed := newMsg("hello")
+	pgoutbox.WithDedupKey(keyed, `k'; DELETE FROM outbox; --`)
+	require.NoError(t, pub.Publish(topic, keyed))
+	m := receive(t, ch, 10*time.Second)
+	require.Equal(t, "hello", string(m.Payload))
+	m.Ack()
+
+	exec := tx.FromPgxPool(b.Pool)
+	s, err := pgoutbox.Stats(ctx, exec, b.tables, pgoutbox.StatsForGroup(topic, group))
+	require.NoError(t, err)
+	require.Len(t, s, 1)
+	_, err = pgoutbox.Peek(ctx, exec, b.tables, topic, group, 1)
+	require.NoError(t, err)
+	_, err = pgoutbox.DeadLetters(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Topic: topic, ConsumerGroup: new(group), Reason: `'; --`})
+	require.NoError(t, err)
+	_, err = pgoutbox.Unbind(ctx, exec, b.tables, topic, group, true)
+	require.NoError(t, err)
+	for _, tbl := range []string{"outbox", "outbox_dlq", "outbox_bindings"} {
+		require.Equal(t, 1, b.count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = $2`, b.Schema, tbl), tbl)
+	}
+}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -49,6 +50,14 @@ func (f *fakeTB) Logf(format string, args ...any) {
 	f.logs = append(f.logs, fmt.Sprintf(format, args...))
 }
 func (f *fakeTB) Cleanup(fn func()) { f.cleanups = append(f.cleanups, fn) }
+
+// cleanup runs the registered cleanups, last first, as testing does.
+func (f *fakeTB) cleanup() {
+	for i := len(f.cleanups) - 1; i >= 0; i-- {
+		f.cleanups[i]()
+	}
+	f.cleanups = nil
+}
 
 // capture runs fn with a fake TB in a goroutine of its own (Fatalf ends
 // it) and returns whether it failed and what it reported.
@@ -241,7 +250,11 @@ func TestSchemaReuseAndCleanup(t *testing.T) {
 		env := pgoutboxtest.PubSub(t)
 		first = env.Schema
 		require.NoError(t, env.Publisher.Publish("t", msg("left behind")))
-		_, err := env.Pool.Exec(context.Background(), `INSERT INTO outbox_bindings (topic, consumer_group) VALUES ('t', 'g')`)
+		// Enough rows that the tables are truncated rather than deleted from.
+		_, err := env.Pool.Exec(context.Background(), `INSERT INTO outbox (topic, uuid, payload)
+			SELECT 'bulk', gen_random_uuid()::text, '\x00' FROM generate_series(1, 1500)`)
+		require.NoError(t, err)
+		_, err = env.Pool.Exec(context.Background(), `INSERT INTO outbox_bindings (topic, consumer_group) VALUES ('t', 'g')`)
 		require.NoError(t, err)
 	})
 	var reused string
@@ -249,6 +262,7 @@ func TestSchemaReuseAndCleanup(t *testing.T) {
 		env := pgoutboxtest.PubSub(t)
 		reused = env.Schema
 		env.RequireNotPublished(t, env.Exec(), "t")
+		env.RequireNotPublished(t, env.Exec(), "bulk")
 		var n int
 		require.NoError(t, env.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_bindings`).Scan(&n))
 		require.Zero(t, n)
@@ -256,12 +270,8 @@ func TestSchemaReuseAndCleanup(t *testing.T) {
 		_, err := env.Pool.Exec(context.Background(), `CREATE TABLE orders (id int)`)
 		require.NoError(t, err)
 	})
-	// Serial subtests of a non-parallel test: nothing else in this package
-	// takes schemas concurrently with a serial... except parallel tests,
-	// which may; so only check what holds regardless.
-	if first != reused {
-		t.Logf("another test took schema %s first", first)
-	}
+	// Parallel tests wait for the serial ones: nobody took it in between.
+	require.Equal(t, first, reused, "the schema is reused")
 	var exists bool
 	require.NoError(t, pgoutboxtest.NewSchema(t, pgoutboxtest.Options{}).Pool.QueryRow(context.Background(),
 		`SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, reused).Scan(&exists))
@@ -271,10 +281,6 @@ func TestSchemaReuseAndCleanup(t *testing.T) {
 func TestNewSchemaIsDropped(t *testing.T) {
 	t.Parallel()
 	var name string
-	var pool interface {
-		QueryRow(context.Context, string, ...any) interface{ Scan(...any) error }
-	}
-	_ = pool
 	t.Run("make", func(t *testing.T) {
 		s := pgoutboxtest.NewSchema(t, pgoutboxtest.Options{})
 		name = s.Name
@@ -308,4 +314,33 @@ func TestOptions(t *testing.T) {
 	require.NoError(t, env.Publisher.Publish("orders", msg("a")))
 	env.RequirePublished(t, env.Exec(), "orders", pgoutboxtest.WithPayload([]byte("a")))
 	require.Len(t, env.Drain(t, "orders", 1, 30*time.Second), 1)
+}
+
+// BenchmarkPubSub measures what PubSub adds to a test: taking a schema,
+// opening the pool, building the publisher and subscriber, and at the end
+// closing them and truncating the tables. "fresh" is the alternative it
+// avoids: a new schema with the outbox tables created, dropped at the end.
+func BenchmarkPubSub(b *testing.B) {
+	b.Run("reused", func(b *testing.B) {
+		for b.Loop() {
+			f := &fakeTB{}
+			env := pgoutboxtest.PubSub(f)
+			require.NoError(b, env.Publisher.Publish("t", msg("x"))) // a dirty table to truncate
+			f.cleanup()
+			require.False(b, f.failed, f.logs)
+		}
+	})
+	b.Run("fresh", func(b *testing.B) {
+		for b.Loop() {
+			f := &fakeTB{}
+			s := pgoutboxtest.NewSchema(f, pgoutboxtest.Options{})
+			tables := schema.Config{Schema: s.Name}
+			require.NoError(b, schema.Create(context.Background(), tx.FromPgxPool(s.Pool), tables))
+			pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(s.Pool), pgoutbox.PublisherConfig{Tables: tables}, nil)
+			require.NoError(b, err)
+			require.NoError(b, pub.Publish("t", msg("x")))
+			f.cleanup()
+			require.False(b, f.failed, f.logs)
+		}
+	})
 }

@@ -129,16 +129,16 @@ func tablesKey(c schema.Config) string {
 }
 
 // fingerprintSQL sums up a schema's catalog: anything a test adds, drops or
-// alters (tables, columns, indexes, constraints, functions, types,
-// triggers) changes it, and such a schema is dropped rather than reused.
+// alters (tables, columns, indexes, check and foreign key constraints,
+// triggers, sequences, views, functions, types) changes it, and such a
+// schema is dropped rather than reused. pg_class alone covers most of it:
+// relnatts counts columns, relchecks check constraints, and foreign keys
+// and triggers set relhastriggers.
 const fingerprintSQL = `SELECT concat_ws(',',
-    (SELECT count(*) FROM pg_class WHERE relnamespace = n.oid),
-    (SELECT count(*) FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
-      WHERE c.relnamespace = n.oid AND a.attnum > 0 AND NOT a.attisdropped),
-    (SELECT count(*) FROM pg_constraint WHERE connamespace = n.oid),
-    (SELECT count(*) FROM pg_proc WHERE pronamespace = n.oid),
+    (SELECT concat_ws(',', count(*), sum(relnatts), sum(relchecks), count(*) FILTER (WHERE relhastriggers))
+       FROM pg_class WHERE relnamespace = n.oid),
     (SELECT count(*) FROM pg_type WHERE typnamespace = n.oid),
-    (SELECT count(*) FROM pg_trigger g JOIN pg_class c ON c.oid = g.tgrelid WHERE c.relnamespace = n.oid))
+    (SELECT count(*) FROM pg_proc WHERE pronamespace = n.oid))
   FROM pg_namespace n WHERE n.nspname = `
 
 // take returns a schema with the tables of c (Schema left empty), reused
@@ -181,16 +181,26 @@ func (d *database) give(s *pooledSchema) bool {
 	if s.tables.DeadLetterTable != "" {
 		tables = append(tables, s.name+"."+s.tables.DeadLetterTable)
 	}
-	// One statement (one round trip): check the shape, then truncate.
+	// One statement (one round trip): check the shape, then empty the
+	// tables. DELETE takes a tenth of TRUNCATE's time on the few rows a
+	// test leaves; TRUNCATE (which makes new files) wins on big tables.
 	// Nobody waits on this commit's WAL flush: the schema is scratch.
+	deletes := ""
+	for _, t := range tables {
+		deletes += "DELETE FROM " + t + "; "
+	}
 	_, err := d.admin.Exec(ctx, fmt.Sprintf(`DO $pgoutboxtest$ BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     PERFORM set_config('lock_timeout', '5s', true);
-    IF (%s'%s') IS DISTINCT FROM '%s' THEN
+    IF (%[1]s'%[2]s') IS DISTINCT FROM '%[3]s' THEN
         RAISE EXCEPTION 'pgoutboxtest: the test changed the schema';
     END IF;
-    TRUNCATE %s RESTART IDENTITY;
-END $pgoutboxtest$`, fingerprintSQL, s.name, s.fingerprint, strings.Join(tables, ", ")))
+    IF (SELECT count(*) FROM (SELECT FROM %[4]s LIMIT 1000) r) < 1000 THEN
+        %[5]s
+    ELSE
+        TRUNCATE %[6]s;
+    END IF;
+END $pgoutboxtest$`, fingerprintSQL, s.name, s.fingerprint, tables[0], deletes, strings.Join(tables, ", ")))
 	if err != nil {
 		d.drop(s.name)
 		return false

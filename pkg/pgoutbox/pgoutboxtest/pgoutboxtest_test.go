@@ -249,9 +249,11 @@ func TestSchemaReuseAndCleanup(t *testing.T) {
 	t.Run("fill", func(t *testing.T) {
 		env := pgoutboxtest.PubSub(t)
 		first = env.Schema
+		_, err := env.Pool.Exec(context.Background(), `COMMENT ON SCHEMA `+env.Schema+` IS 'used by fill'`)
+		require.NoError(t, err)
 		require.NoError(t, env.Publisher.Publish("t", msg("left behind")))
 		// Enough rows that the tables are truncated rather than deleted from.
-		_, err := env.Pool.Exec(context.Background(), `INSERT INTO outbox (topic, uuid, payload)
+		_, err = env.Pool.Exec(context.Background(), `INSERT INTO outbox (topic, uuid, payload)
 			SELECT 'bulk', gen_random_uuid()::text, '\x00' FROM generate_series(1, 1500)`)
 		require.NoError(t, err)
 		_, err = env.Pool.Exec(context.Background(), `INSERT INTO outbox_bindings (topic, consumer_group) VALUES ('t', 'g')`)
@@ -261,6 +263,10 @@ func TestSchemaReuseAndCleanup(t *testing.T) {
 	t.Run("reuse", func(t *testing.T) {
 		env := pgoutboxtest.PubSub(t)
 		reused = env.Schema
+		var comment *string
+		require.NoError(t, env.Pool.QueryRow(context.Background(), `SELECT obj_description($1::regnamespace, 'pg_namespace')`, env.Schema).Scan(&comment))
+		require.NotNil(t, comment)
+		require.Equal(t, "used by fill", *comment, "the schema of the previous test")
 		env.RequireNotPublished(t, env.Exec(), "t")
 		env.RequireNotPublished(t, env.Exec(), "bulk")
 		var n int
@@ -271,7 +277,8 @@ func TestSchemaReuseAndCleanup(t *testing.T) {
 		require.NoError(t, err)
 	})
 	// Parallel tests wait for the serial ones: nobody took it in between.
-	require.Equal(t, first, reused, "the schema is reused")
+	// A reused schema is renamed (a NOTIFY channel of its own per test).
+	require.NotEqual(t, first, reused, "renamed")
 	var exists bool
 	require.NoError(t, pgoutboxtest.NewSchema(t, pgoutboxtest.Options{}).Pool.QueryRow(context.Background(),
 		`SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, reused).Scan(&exists))

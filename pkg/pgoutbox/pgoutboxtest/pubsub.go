@@ -75,8 +75,8 @@ func (o Options) tables() schema.Config {
 type Env struct {
 	// DSN is the test database's DSN (without the search_path Pool sets).
 	DSN string
-	// Schema is the test's schema. Do not keep its name: a later test may
-	// get the same schema, emptied.
+	// Schema is the test's schema. Its name is the test's alone: a schema
+	// reused by a later test is emptied and renamed first.
 	Schema string
 	// Tables names the outbox and dead-letter tables in Schema; give it to
 	// any pgoutbox publisher or subscriber you build yourself.
@@ -107,8 +107,8 @@ func PubSub(t testing.TB) *Env {
 
 // PubSubWithOptions returns a ready Pub/Sub for the test, on an outbox in a
 // schema no other running test uses. Schemas are created once per process
-// and reused: when the test ends, its subscribers and pool are closed and
-// the tables truncated, and the next test takes the schema. A schema whose
+// and reused: when the test ends, its subscribers and pool are closed, the
+// tables emptied and the schema renamed, and the next test takes it. A schema whose
 // shape the test changed (a table, column, index, constraint, function or
 // type added or dropped) is dropped instead. Safe with t.Parallel: each
 // parallel test gets a schema of its own.

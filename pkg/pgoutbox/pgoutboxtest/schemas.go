@@ -141,6 +141,12 @@ const fingerprintSQL = `SELECT concat_ws(',',
     (SELECT count(*) FROM pg_proc WHERE pronamespace = n.oid))
   FROM pg_namespace n WHERE n.nspname = `
 
+// newNameLocked names a pooled schema; d.mu is held.
+func (d *database) newNameLocked() string {
+	d.count++
+	return fmt.Sprintf("%sps%d", RunPrefix, d.count)
+}
+
 // take returns a schema with the tables of c (Schema left empty), reused
 // when one is free, created otherwise.
 func (d *database) take(ctx context.Context, c schema.Config) (*pooledSchema, error) {
@@ -152,8 +158,7 @@ func (d *database) take(ctx context.Context, c schema.Config) (*pooledSchema, er
 		d.mu.Unlock()
 		return s, nil
 	}
-	d.count++
-	name := fmt.Sprintf("%sps%d", RunPrefix, d.count)
+	name := d.newNameLocked()
 	d.mu.Unlock()
 
 	c.Schema = name
@@ -172,8 +177,13 @@ func (d *database) take(ctx context.Context, c schema.Config) (*pooledSchema, er
 	return s, nil
 }
 
-// give empties s and returns it to the free list, or drops it when that
-// fails or a test changed its shape. It reports whether s was reused.
+// give empties s, renames it and returns it to the free list, or drops it
+// when that fails or a test changed its shape. It reports whether s was
+// reused. The new name gives the next test a NOTIFY channel of its own
+// (the channel derives from the schema; pgoutbox spaces NOTIFYs per
+// channel and topic, process-wide), and leaves anything still holding the
+// old name (a subscriber the test did not close) pointing at nothing
+// rather than at the next test's rows.
 func (d *database) give(s *pooledSchema) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -185,6 +195,9 @@ func (d *database) give(s *pooledSchema) bool {
 	// tables. DELETE takes a tenth of TRUNCATE's time on the few rows a
 	// test leaves; TRUNCATE (which makes new files) wins on big tables.
 	// Nobody waits on this commit's WAL flush: the schema is scratch.
+	d.mu.Lock()
+	newName := d.newNameLocked()
+	d.mu.Unlock()
 	deletes := ""
 	for _, t := range tables {
 		deletes += "DELETE FROM " + t + "; "
@@ -200,11 +213,13 @@ func (d *database) give(s *pooledSchema) bool {
     ELSE
         TRUNCATE %[6]s;
     END IF;
-END $pgoutboxtest$`, fingerprintSQL, s.name, s.fingerprint, tables[0], deletes, strings.Join(tables, ", ")))
+    ALTER SCHEMA %[2]s RENAME TO %[7]s;
+END $pgoutboxtest$`, fingerprintSQL, s.name, s.fingerprint, tables[0], deletes, strings.Join(tables, ", "), newName))
 	if err != nil {
 		d.drop(s.name)
 		return false
 	}
+	s.name, s.tables.Schema = newName, newName
 	d.mu.Lock()
 	key := tablesKey(schema.Config{Table: s.tables.Table, DeadLetterTable: s.tables.DeadLetterTable, NoDeadLetterTable: s.tables.NoDeadLetterTable})
 	d.free[key] = append(d.free[key], s)
@@ -212,10 +227,15 @@ END $pgoutboxtest$`, fingerprintSQL, s.name, s.fingerprint, tables[0], deletes, 
 	return true
 }
 
+// drop drops a schema, trying twice: after a server restart (a test of
+// reconnection) the first statement may get a dead pooled connection.
 func (d *database) drop(name string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	_, err := d.admin.Exec(ctx, `DROP SCHEMA IF EXISTS `+name+` CASCADE`)
+	if err != nil {
+		_, err = d.admin.Exec(ctx, `DROP SCHEMA IF EXISTS `+name+` CASCADE`)
+	}
 	return err
 }
 
@@ -290,9 +310,15 @@ func Run(m *testing.M) int {
 func schemasWithPrefix(pool *pgxpool.Pool, prefix string) ([]string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
-	rows, err := pool.Query(ctx, `SELECT nspname FROM pg_namespace WHERE left(nspname, length($1)) = $1 ORDER BY 1`, prefix)
-	if err != nil {
-		return nil, err
+	var names []string
+	var err error
+	for range 2 { // twice: see drop
+		var rows pgx.Rows
+		if rows, err = pool.Query(ctx, `SELECT nspname FROM pg_namespace WHERE left(nspname, length($1)) = $1 ORDER BY 1`, prefix); err == nil {
+			if names, err = pgx.CollectRows(rows, pgx.RowTo[string]); err == nil {
+				break
+			}
+		}
 	}
-	return pgx.CollectRows(rows, pgx.RowTo[string])
+	return names, err
 }

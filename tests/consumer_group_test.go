@@ -15,8 +15,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -61,7 +61,7 @@ func (h *handledSet) has(uuid string) bool {
 // left pending.
 func TestConsumerGroupsEachGetEveryMessage(t *testing.T) {
 	t.Parallel()
-	b := setup(t, pgtest.Options{MaxConns: 20})
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
 	const n = 2000
 	groups := []string{"billing", "shipping"}
 	handled := map[string]*handledSet{}
@@ -104,7 +104,7 @@ func TestConsumerGroupsEachGetEveryMessage(t *testing.T) {
 // see every event (before groups they shared them).
 func TestCQRSEventHandlersEachSeeEveryEvent(t *testing.T) {
 	t.Parallel()
-	b := setup(t, pgtest.Options{MaxConns: 20})
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
 	type RoomBooked struct {
 		Room string `json:"room"`
 	}

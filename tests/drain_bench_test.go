@@ -11,8 +11,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 )
 
 // BenchmarkDrain drains a backlog through a Watermill router with a no-op
@@ -22,7 +22,7 @@ func BenchmarkDrain(bm *testing.B) {
 	for _, inFlight := range []int{1, 16} {
 		bm.Run(fmt.Sprintf("inflight-%d", inFlight), func(bm *testing.B) {
 			const backlog = 20000
-			b := setup(bm, pgtest.Options{MaxConns: 20})
+			b := setup(bm, pgoutboxtest.Options{MaxConns: 20})
 			ctx := context.Background()
 			var total time.Duration
 			for bm.Loop() {

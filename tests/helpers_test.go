@@ -11,29 +11,29 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
-// bundle is one test's outbox: an isolated schema with the tables created.
+// bundle is one test's outbox: the tables in a schema of the test's own
+// (pgoutboxtest reuses it, emptied, for a later test).
 type bundle struct {
-	*pgtest.Env
+	*pgoutboxtest.Env
 	tables schema.Config
 	logger watermill.LoggerAdapter
 }
 
-func setup(t testing.TB, opts ...pgtest.Options) *bundle {
+func setup(t testing.TB, opts ...pgoutboxtest.Options) *bundle {
 	t.Helper()
-	env := pgtest.Setup(t, opts...)
-	b := &bundle{
-		Env:    env,
-		tables: schema.Config{Schema: env.Schema, Table: "outbox", DeadLetterTable: "outbox_dlq"},
-		logger: watermill.NewStdLogger(false, false),
+	var o pgoutboxtest.Options
+	if len(opts) > 0 {
+		o = opts[0]
 	}
-	require.NoError(t, schema.Create(context.Background(), tx.FromPgxPool(env.Pool), b.tables))
-	return b
+	env := pgoutboxtest.PubSubWithOptions(t, o)
+	require.Equal(t, schema.Config{Schema: env.Schema, Table: "outbox", DeadLetterTable: "outbox_dlq"}, env.Tables)
+	return &bundle{Env: env, tables: env.Tables, logger: watermill.NewStdLogger(false, false)}
 }
 
 // subscriber builds a Subscriber closed at the end of the test; fast

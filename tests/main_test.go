@@ -1,11 +1,11 @@
 package tests
 
 import (
-	"os"
 	"testing"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 )
 
-// TestMain fails the run if a test left a schema behind.
-func TestMain(m *testing.M) { os.Exit(pgtest.CheckNoLeftoverSchemas(m)) }
+// TestMain drops the schemas kept for reuse and fails the run if a test
+// left a schema behind.
+func TestMain(m *testing.M) { pgoutboxtest.Main(m) }

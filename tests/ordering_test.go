@@ -15,8 +15,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -137,7 +137,7 @@ func TestOrderingKeysKeepPublishOrderPerKeyInParallel(t *testing.T) {
 // key is claimable only once the previous one is gone, whoever held it.
 func TestOrderingKeysHoldAcrossCompetingSubscribers(t *testing.T) {
 	t.Parallel()
-	b := setup(t, pgtest.Options{MaxConns: 10})
+	b := setup(t, pgoutboxtest.Options{MaxConns: 10})
 	const n, keys = 2000, 20
 	require.NoError(t, b.poolPublisher(t).Publish("orders", keyedMsgs(n, keys)...))
 	log := newKeyLog()

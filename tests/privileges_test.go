@@ -12,7 +12,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -43,7 +42,13 @@ func (b *bundle) loginRole(t *testing.T, kind string, grants ...string) *pgxpool
 	u, err := url.Parse(b.DSN)
 	require.NoError(t, err)
 	u.User = url.User(role)
-	return pgtest.NewPool(t, u.String(), 4)
+	q := u.Query()
+	q.Set("pool_max_conns", "4")
+	u.RawQuery = q.Encode()
+	pool, err := pgxpool.New(context.Background(), u.String())
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
 }
 
 // The GRANTs the README (Operations) documents are enough: a publisher

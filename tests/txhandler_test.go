@@ -16,8 +16,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -85,7 +85,7 @@ func (b *txHandlerBed) newSubscriber(t *testing.T, mod func(*pgoutbox.Subscriber
 // at exactly 1,000, with exactly 1,000 output rows and no input row left.
 func TestTxMiddlewareEffectivelyOnceUnderFaults(t *testing.T) {
 	t.Parallel()
-	b := setup(t, pgtest.Options{MaxConns: 20})
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
 	ctx := context.Background()
 	const n = 1000
 
@@ -293,7 +293,7 @@ func TestTxMiddlewareConfigErrors(t *testing.T) {
 // publishes nothing.
 func TestCQRSCommandHandlerCommitsEventsWithItsWrite(t *testing.T) {
 	t.Parallel()
-	b := setup(t, pgtest.Options{MaxConns: 20})
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
 	h := newTxHandlerBed(t, b.Pool, b)
 	ctx := context.Background()
 	_, err := b.Pool.Exec(ctx, `CREATE TABLE `+b.Schema+`.bookings (room text PRIMARY KEY)`)

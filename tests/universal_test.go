@@ -9,8 +9,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 )
 
 // universalFeatures is what pgoutbox honestly provides: at-least-once
@@ -64,7 +64,7 @@ func universalPubSub(t *testing.T, b *bundle, group string) (message.Publisher, 
 // skipped here and run on its own (below), since a server restart would
 // break the packages running in parallel.
 func TestPubSub(t *testing.T) {
-	b := setup(t, pgtest.Options{MaxConns: 20})
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
 	tests.TestPubSub(t, universalFeatures(), universalConstructor(b), universalGroupConstructor(b))
 }
 
@@ -76,7 +76,7 @@ func TestReconnect(t *testing.T) {
 	if cmd == "" {
 		t.Skip("PGOUTBOX_TEST_RESTART_CMD is not set; it restarts PostgreSQL (see Makefile target test)")
 	}
-	b := setup(t, pgtest.Options{MaxConns: 20})
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
 	features := universalFeatures()
 	features.RestartServiceCommand = []string{"sh", "-c", cmd}
 	tests.TestReconnect(t, tests.TestContext{TestID: tests.NewTestID(), Features: features}, universalConstructor(b))

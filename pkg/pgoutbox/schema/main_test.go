@@ -1,12 +1,11 @@
 package schema_test
 
 import (
-	"os"
 	"testing"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 )
 
-// TestMain fails the run if a test left a schema behind (pgtest.Setup's
-// schema or one of freshSchema's, which share its prefix).
-func TestMain(m *testing.M) { os.Exit(pgtest.CheckNoLeftoverSchemas(m)) }
+// TestMain fails the run if a test left a schema behind (NewSchema's or
+// one of freshSchema's, which share its prefix).
+func TestMain(m *testing.M) { pgoutboxtest.Main(m) }

@@ -13,20 +13,20 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/pgtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // testBundle is one test's slice of the database.
 type testBundle struct {
-	env  *pgtest.Env
+	env  *pgoutboxtest.Schema
 	exec tx.Executor
 }
 
 func setup(t *testing.T) *testBundle {
 	t.Helper()
-	env := pgtest.Setup(t)
+	env := pgoutboxtest.NewSchema(t, pgoutboxtest.Options{})
 	return &testBundle{env: env, exec: tx.FromPgxPool(env.Pool)}
 }
 
@@ -34,7 +34,7 @@ func setup(t *testing.T) *testBundle {
 // dropped when the test ends, so Create has to make it.
 func (b *testBundle) freshSchema(t *testing.T, suffix string) string {
 	t.Helper()
-	name := b.env.Schema + "_" + suffix
+	name := b.env.Name + "_" + suffix
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
@@ -303,7 +303,7 @@ func TestCreate(t *testing.T) {
 	t.Run("InCallerTxCommitsWithIt", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		cfg := schema.Config{Schema: b.env.Schema, Table: "outbox"}
+		cfg := schema.Config{Schema: b.env.Name, Table: "outbox"}
 		ptx, err := b.env.Pool.Begin(ctx)
 		require.NoError(t, err)
 		defer func() { _ = ptx.Rollback(ctx) }()
@@ -318,14 +318,14 @@ func TestCreate(t *testing.T) {
 	t.Run("InvalidNameTouchesNothing", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		err := schema.Create(ctx, b.exec, schema.Config{Schema: b.env.Schema, Table: `x";drop`})
+		err := schema.Create(ctx, b.exec, schema.Config{Schema: b.env.Name, Table: `x";drop`})
 		require.ErrorIs(t, err, schema.ErrInvalidName)
-		err = schema.Validate(ctx, b.exec, schema.Config{Schema: b.env.Schema, Table: "1abc"})
+		err = schema.Validate(ctx, b.exec, schema.Config{Schema: b.env.Name, Table: "1abc"})
 		require.ErrorIs(t, err, schema.ErrInvalidName)
 		var n int
 		require.NoError(t, b.env.Pool.QueryRow(ctx,
 			`SELECT count(*) FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace WHERE ns.nspname = $1`,
-			b.env.Schema).Scan(&n))
+			b.env.Name).Scan(&n))
 		require.Zero(t, n)
 	})
 }
@@ -354,7 +354,7 @@ func TestValidate(t *testing.T) {
 	t.Run("PassesAfterCreate", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		cfg := schema.Config{Schema: b.env.Schema, Table: "outbox", DeadLetterTable: "outbox_dlq"}
+		cfg := schema.Config{Schema: b.env.Name, Table: "outbox", DeadLetterTable: "outbox_dlq"}
 		require.NoError(t, schema.Create(ctx, b.exec, cfg))
 		require.NoError(t, schema.Validate(ctx, b.exec, cfg))
 		// The same check through a transaction.
@@ -367,12 +367,12 @@ func TestValidate(t *testing.T) {
 	t.Run("ReportsEveryProblemByName", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		cfg := schema.Config{Schema: b.env.Schema, Table: "outbox"}
+		cfg := schema.Config{Schema: b.env.Name, Table: "outbox"}
 		require.NoError(t, schema.Create(ctx, b.exec, cfg))
-		q := `"` + b.env.Schema + `"."outbox"`
+		q := `"` + b.env.Name + `"."outbox"`
 		b.exec1(t, `ALTER TABLE `+q+` DROP COLUMN last_error`)
 		b.exec1(t, `ALTER TABLE `+q+` ALTER COLUMN payload TYPE text`)
-		b.exec1(t, `DROP INDEX "`+b.env.Schema+`"."outbox_group_lease_idx"`)
+		b.exec1(t, `DROP INDEX "`+b.env.Name+`"."outbox_group_lease_idx"`)
 
 		err := schema.Validate(ctx, b.exec, cfg)
 		verr := validationError(t, err)
@@ -388,38 +388,38 @@ func TestValidate(t *testing.T) {
 	t.Run("MissingTable", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		err := schema.Validate(ctx, b.exec, schema.Config{Schema: b.env.Schema, Table: "nowhere"})
+		err := schema.Validate(ctx, b.exec, schema.Config{Schema: b.env.Name, Table: "nowhere"})
 		verr := validationError(t, err)
-		requireProblem(t, verr.Problems, "table "+b.env.Schema+".nowhere is missing")
+		requireProblem(t, verr.Problems, "table "+b.env.Name+".nowhere is missing")
 	})
 
 	t.Run("MissingSchema", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		err := schema.Validate(ctx, b.exec, schema.Config{Schema: b.env.Schema + "_none", Table: "outbox"})
+		err := schema.Validate(ctx, b.exec, schema.Config{Schema: b.env.Name + "_none", Table: "outbox"})
 		verr := validationError(t, err)
-		requireProblem(t, verr.Problems, "table "+b.env.Schema+"_none.outbox is missing")
+		requireProblem(t, verr.Problems, "table "+b.env.Name+"_none.outbox is missing")
 	})
 
 	t.Run("ExtraColumnsAndIndexesAreAllowed", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		cfg := schema.Config{Schema: b.env.Schema, Table: "outbox", DeadLetterTable: "outbox_dlq"}
+		cfg := schema.Config{Schema: b.env.Name, Table: "outbox", DeadLetterTable: "outbox_dlq"}
 		require.NoError(t, schema.Create(ctx, b.exec, cfg))
-		q := `"` + b.env.Schema + `"."outbox"`
+		q := `"` + b.env.Name + `"."outbox"`
 		b.exec1(t, `ALTER TABLE `+q+` ADD COLUMN tenant text`)
 		b.exec1(t, `CREATE INDEX outbox_tenant_idx ON `+q+` (tenant)`)
-		b.exec1(t, `ALTER TABLE "`+b.env.Schema+`"."outbox_dlq" ADD COLUMN note text`)
+		b.exec1(t, `ALTER TABLE "`+b.env.Name+`"."outbox_dlq" ADD COLUMN note text`)
 		require.NoError(t, schema.Validate(ctx, b.exec, cfg))
 	})
 
 	t.Run("DeadLetterTableMissing", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		require.NoError(t, schema.Create(ctx, b.exec, schema.Config{Schema: b.env.Schema, Table: "outbox", NoDeadLetterTable: true}))
-		cfg := schema.Config{Schema: b.env.Schema, Table: "outbox"}
+		require.NoError(t, schema.Create(ctx, b.exec, schema.Config{Schema: b.env.Name, Table: "outbox", NoDeadLetterTable: true}))
+		cfg := schema.Config{Schema: b.env.Name, Table: "outbox"}
 		verr := validationError(t, schema.Validate(ctx, b.exec, cfg))
-		requireProblem(t, verr.Problems, "table "+b.env.Schema+".outbox_dlq is missing")
+		requireProblem(t, verr.Problems, "table "+b.env.Name+".outbox_dlq is missing")
 		for _, p := range verr.Problems {
 			require.Contains(t, p, "outbox_dlq", "only the dead-letter table is missing: %q", verr.Problems)
 		}
@@ -428,10 +428,10 @@ func TestValidate(t *testing.T) {
 	t.Run("DeadLetterTableWrong", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		cfg := schema.Config{Schema: b.env.Schema, Table: "outbox", DeadLetterTable: "outbox_dlq"}
+		cfg := schema.Config{Schema: b.env.Name, Table: "outbox", DeadLetterTable: "outbox_dlq"}
 		require.NoError(t, schema.Create(ctx, b.exec, cfg))
-		b.exec1(t, `ALTER TABLE "`+b.env.Schema+`"."outbox_dlq" DROP COLUMN failure_reason`)
-		b.exec1(t, `DROP INDEX "`+b.env.Schema+`"."outbox_dlq_topic_failed_at_idx"`)
+		b.exec1(t, `ALTER TABLE "`+b.env.Name+`"."outbox_dlq" DROP COLUMN failure_reason`)
+		b.exec1(t, `DROP INDEX "`+b.env.Name+`"."outbox_dlq_topic_failed_at_idx"`)
 		verr := validationError(t, schema.Validate(ctx, b.exec, cfg))
 		require.Len(t, verr.Problems, 2, "%q", verr.Problems)
 		requireProblem(t, verr.Problems, "outbox_dlq.failure_reason", "missing")
@@ -476,12 +476,12 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setup(t)
-	q := `"` + b.env.Schema + `"`
+	q := `"` + b.env.Name + `"`
 	for _, stmt := range previousReleaseDDL(q) {
 		b.exec1(t, stmt)
 	}
 	b.exec1(t, `INSERT INTO `+q+`."outbox" (topic, uuid, payload) VALUES ('t', 'kept', 'x')`)
-	cfg := schema.Config{Schema: b.env.Schema, Table: "outbox"} // dead letters in outbox_dlq
+	cfg := schema.Config{Schema: b.env.Name, Table: "outbox"} // dead letters in outbox_dlq
 
 	verr := validationError(t, schema.Validate(ctx, b.exec, cfg))
 	require.Len(t, verr.Problems, 11, "%q", verr.Problems)
@@ -490,8 +490,8 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 	requireProblem(t, verr.Problems, "outbox.failure_reason", "missing", "text")
 	requireProblem(t, verr.Problems, "outbox.consumer_group", "missing", "text")
 	requireProblem(t, verr.Problems, "outbox.ordering_key", "missing", "text")
-	requireProblem(t, verr.Problems, "table "+b.env.Schema+".outbox_dlq is missing")
-	requireProblem(t, verr.Problems, "table "+b.env.Schema+".outbox_bindings is missing")
+	requireProblem(t, verr.Problems, "table "+b.env.Name+".outbox_dlq is missing")
+	requireProblem(t, verr.Problems, "table "+b.env.Name+".outbox_bindings is missing")
 	for _, idx := range []string{"outbox_group_ready_idx", "outbox_group_lease_idx", "outbox_group_dedup_idx", "outbox_group_order_idx"} {
 		requireProblem(t, verr.Problems, "index "+idx+" ", "missing")
 	}
@@ -501,16 +501,16 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 	// The old indexes are gone: the old unique dedup index would refuse a
 	// keyed message's second consumer group.
 	for _, old := range []string{"outbox_ready_idx", "outbox_lease_idx", "outbox_dedup_idx"} {
-		require.False(t, exists(t, b.env.Pool, b.env.Schema, old), old)
+		require.False(t, exists(t, b.env.Pool, b.env.Name, old), old)
 	}
 	for col, typ := range map[string]string{"lease_holder": "bigint", "failure_reason": "text", "consumer_group": "text"} {
 		var got string
 		require.NoError(t, b.env.Pool.QueryRow(ctx, `SELECT format_type(atttypid, atttypmod) FROM pg_attribute
 			WHERE attrelid = format('%I.%I', $1::text, 'outbox')::regclass AND attname = $2 AND NOT attisdropped`,
-			b.env.Schema, col).Scan(&got))
+			b.env.Name, col).Scan(&got))
 		require.Equal(t, typ, got, col)
 	}
-	require.True(t, exists(t, b.env.Pool, b.env.Schema, "outbox_dlq"))
+	require.True(t, exists(t, b.env.Pool, b.env.Name, "outbox_dlq"))
 	var uuid, group string
 	var holder, reason *string
 	require.NoError(t, b.env.Pool.QueryRow(ctx, `SELECT uuid, consumer_group, lease_holder::text, failure_reason FROM `+q+`."outbox"`).
@@ -532,7 +532,7 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 	// of the outbox behind it indefinitely.
 	t.Run("GivesUpBehindALongTransaction", func(t *testing.T) {
 		b2 := setup(t)
-		q2 := `"` + b2.env.Schema + `"`
+		q2 := `"` + b2.env.Name + `"`
 		for _, stmt := range previousReleaseDDL(q2) {
 			b2.exec1(t, stmt)
 		}
@@ -541,7 +541,7 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 		defer func() { _ = holder.Rollback(ctx) }()
 		_, err = holder.Exec(ctx, `SELECT count(*) FROM `+q2+`."outbox"`) // ACCESS SHARE until it ends
 		require.NoError(t, err)
-		err = schema.Create(ctx, b2.exec, schema.Config{Schema: b2.env.Schema, Table: "outbox"})
+		err = schema.Create(ctx, b2.exec, schema.Config{Schema: b2.env.Name, Table: "outbox"})
 		require.ErrorContains(t, err, "lock_timeout")
 		require.ErrorContains(t, err, "run it again when")
 	})
@@ -556,7 +556,7 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 		require.NoError(t, schema.Create(ctx, tx.FromPgxTx(ptx), cfg))
 		rows, err := ptx.Query(ctx, `SELECT c.relname, l.mode FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
 			WHERE l.pid = pg_backend_pid() AND l.locktype = 'relation' AND c.relnamespace = $1::regnamespace
-			  AND c.relname IN ('outbox', 'outbox_dlq')`, b.env.Schema)
+			  AND c.relname IN ('outbox', 'outbox_dlq')`, b.env.Name)
 		require.NoError(t, err)
 		locks, err := pgx.CollectRows(rows, pgx.RowToStructByPos[struct{ Table, Mode string }])
 		require.NoError(t, err)

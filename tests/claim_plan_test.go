@@ -52,31 +52,41 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 	conn, err := b.Pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer conn.Release()
-	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
-		_, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode)
-		require.NoError(t, err)
-		var plan []string
-		// Every branch on: expired and orphaned leases (the orphan branch
-		// reads pg_locks once, hashed) and ready rows.
-		rows, err := conn.Query(ctx, "EXPLAIN "+q.Claim, "topic-3", 100, uuid.NewString(), int64(30e6), "test",
-			fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, "", 256, []string{"k1"}, []int64{1, 2})
-		require.NoError(t, err)
-		for rows.Next() {
-			var line string
-			require.NoError(t, rows.Scan(&line))
-			plan = append(plan, line)
-		}
-		require.NoError(t, rows.Err())
-		text := strings.Join(plan, "\n")
-		t.Logf("%s:\n%s", mode, text)
+	statements := []struct {
+		name, sql string
+		args      []any
+	}{
+		{"windowed", q.Claim, []any{"topic-3", 100, uuid.NewString(), int64(30e6), "test",
+			fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, "", 256, []string{"k1"}, []int64{1, 2}}},
+		{"fast", q.ClaimFast, []any{"topic-3", 100, uuid.NewString(), int64(30e6), "test",
+			fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, "", []int64{1, 2}}},
+	}
+	for _, st := range statements {
+		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+			_, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode)
+			require.NoError(t, err)
+			var plan []string
+			// Every branch on: expired and orphaned leases (the orphan branch
+			// reads pg_locks once, hashed) and ready rows.
+			rows, err := conn.Query(ctx, "EXPLAIN "+st.sql, st.args...)
+			require.NoError(t, err)
+			for rows.Next() {
+				var line string
+				require.NoError(t, rows.Scan(&line))
+				plan = append(plan, line)
+			}
+			require.NoError(t, rows.Err())
+			text := strings.Join(plan, "\n")
+			t.Logf("%s, %s:\n%s", st.name, mode, text)
 
-		// (pg_database, a catalog of a few rows, may be scanned.)
-		require.NotRegexp(t, `Seq Scan on outbox`, text, "the claim must not scan the table sequentially (%s)", mode)
-		require.Contains(t, text, names.ReadyIdx, "the ready branch must use the ready-rows index (%s)", mode)
-		require.Equal(t, 2, strings.Count(text, names.LeaseIdx), "the expired and orphaned branches must use the leased-rows index (%s)", mode)
-		require.Contains(t, text, "hashed SubPlan", "the orphaned branch must read the live holders once (%s)", mode)
-		require.Contains(t, text, "outbox_pkey", "the update must find rows by primary key (%s)", mode)
-		require.Contains(t, text, names.OrderIdx, "an ended key's next row and a keyed row's predecessor are found by the ordering-key index (%s)", mode)
+			// (pg_database, a catalog of a few rows, may be scanned.)
+			require.NotRegexp(t, `Seq Scan on outbox`, text, "the claim must not scan the table sequentially (%s, %s)", st.name, mode)
+			require.Contains(t, text, names.ReadyIdx, "the ready branch must use the ready-rows index (%s, %s)", st.name, mode)
+			require.Equal(t, 2, strings.Count(text, names.LeaseIdx), "the expired and orphaned branches must use the leased-rows index (%s, %s)", st.name, mode)
+			require.Contains(t, text, "hashed SubPlan", "the orphaned branch must read the live holders once (%s, %s)", st.name, mode)
+			require.Contains(t, text, "outbox_pkey", "the update must find rows by primary key (%s, %s)", st.name, mode)
+			require.Contains(t, text, names.OrderIdx, "a keyed row's predecessor is found by the ordering-key index (%s, %s)", st.name, mode)
+		}
 	}
 	_, err = conn.Exec(ctx, "RESET plan_cache_mode")
 	require.NoError(t, err)

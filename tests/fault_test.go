@@ -391,7 +391,7 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
 	const (
-		messages = 20000 // a drain of several seconds: the kill strikes mid-way
+		messages = 40000 // a drain of several seconds: the kill strikes mid-way
 		topic    = "t"
 		lease    = 30 * time.Second
 	)
@@ -431,7 +431,7 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 		return b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.handled WHERE worker = 'survivor' AND uuid = ANY($1)`, orphaned) == len(orphaned)
 	})
 	back := time.Since(killed)
-	survivor.waitFor(t, "the outbox is empty", 30*time.Second, func() bool { return b.outboxRows(t, topic) == 0 })
+	survivor.waitFor(t, "the outbox is empty", 2*time.Minute, func() bool { return b.outboxRows(t, topic) == 0 })
 	total := b.count(t, `SELECT count(*) FROM `+b.Schema+`.handled`)
 	distinct := b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.handled`)
 	t.Logf("orphaned_rows=%d back_after=%s (lease %s) handled=%d distinct=%d duplicates=%d",

@@ -33,16 +33,24 @@ type Queries struct {
 	Claim             string
 	// ClaimNoOrphans is Claim without the orphaned branch, for the
 	// claims that do not look for orphans (nearly all): the parameters
-	// $1..$10 of Claim.
+	// $1..$12 of Claim.
 	ClaimNoOrphans string
-	Complete       string
-	Ack            string
-	CompleteInTx   string
-	Renew          string
-	Dead           string
-	ReleaseClaim   string
-	NextDue        string
-	Cancel         string
+	// ClaimFast and ClaimFastNoOrphans are the claim of a topic whose
+	// waiting rows are not held back by ordering keys: one walk of the
+	// ready index, no window, no "heads" (parameters $1..$10, and $11 for
+	// the spared holders). They check keys too, so they are correct for
+	// any row, but a walk over rows whose keys are held costs the whole
+	// backlog: the subscription uses them while it sees no keyed rows.
+	ClaimFast          string
+	ClaimFastNoOrphans string
+	Complete           string
+	Ack                string
+	CompleteInTx       string
+	Renew              string
+	Dead               string
+	ReleaseClaim       string
+	NextDue            string
+	Cancel             string
 }
 
 // asyncCommit is a condition that is always true and, as a side effect,
@@ -173,12 +181,16 @@ SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)`, oneInsert(n)),
 		// dead), their keys come as $12: "heads" takes each key's next row
 		// through the ordering-key index, wherever it lies.
 		//
-		// Every row of the result is a claimed row, with two more columns:
-		// the last row the scan read (the next cursor: available_at, id),
-		// and how many expired or orphaned leases were taken. When nothing
-		// was claimed, one row of NULLs carries them.
-		Claim:          claimStatement(t, ac, true),
-		ClaimNoOrphans: claimStatement(t, ac, false),
+		// Every row of the result is a claimed row, with more columns: the
+		// last row the scan read (the next cursor: available_at, id), how
+		// many expired or orphaned leases were taken, and how many rows of
+		// the window were not held back by their keys (claimed, or locked
+		// by a competitor's claim). When nothing was claimed, one row of
+		// NULLs carries them.
+		Claim:              claimStatement(t, ac, true),
+		ClaimNoOrphans:     claimStatement(t, ac, false),
+		ClaimFast:          claimFastStatement(t, ac, true),
+		ClaimFastNoOrphans: claimFastStatement(t, ac, false),
 
 		// Complete applies a batch of acks, lease returns and holds in one
 		// statement. Every row is matched on (id, lease_token): a row whose
@@ -378,6 +390,57 @@ var (
 // claimStatement builds query.Claim; see its comment. Without orphans, the
 // orphaned branch is left out (it would be skipped at run time, but its
 // planning and subplans cost every claim).
+// claimFastStatement builds query.ClaimFast; see its comment. Its result
+// has the columns of claimStatement's, but only claimed rows: the cursor
+// is the last ready row claimed, and "free" the number of ready rows.
+func claimFastStatement(t, ac string, orphans bool) string {
+	orphaned, orphanedCount, orphanedIDs, readyLimit := "", "0", "", "(SELECT $2::int - count(*) FROM expired)"
+	if orphans {
+		orphaned = fmt.Sprintf(`
+), orphaned AS (
+    SELECT id FROM %[1]s
+     WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until >= now()
+       AND lease_holder <> ALL ($11::bigint[])
+       AND lease_holder NOT IN (%[2]s)
+     LIMIT (SELECT $2::int - count(*) FROM expired)
+       FOR UPDATE SKIP LOCKED`, t, LiveHolders)
+		orphanedCount = "(SELECT count(*) FROM orphaned)"
+		orphanedIDs = " UNION ALL SELECT id FROM orphaned"
+		readyLimit = "(SELECT $2::int - count(*) FROM expired) - (SELECT count(*) FROM orphaned)"
+	}
+	return fmt.Sprintf(`
+WITH expired AS (
+    SELECT id FROM %[1]s
+     WHERE $8::bool AND topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until < now()
+     ORDER BY leased_until
+     LIMIT $2::int
+       FOR UPDATE SKIP LOCKED%[3]s
+), ready AS (
+    SELECT id, available_at FROM %[1]s r
+     WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NULL AND available_at <= now()
+       AND (available_at, id) > ($6::timestamptz, $7::bigint)
+       AND (ordering_key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM %[1]s k
+             WHERE k.topic = $1 AND k.consumer_group = $10 AND k.ordering_key = r.ordering_key
+               AND k.id < r.id AND k.available_at < 'infinity'))
+     ORDER BY available_at, id
+     LIMIT %[6]s
+       FOR UPDATE SKIP LOCKED
+), last_ready AS (
+    SELECT available_at, id FROM ready ORDER BY available_at DESC, id DESC LIMIT 1
+)
+UPDATE %[1]s o
+   SET lease_token  = $3::uuid,
+       leased_until = now() + $4::bigint * interval '1 microsecond',
+       leased_by    = $5,
+       lease_holder = $9::bigint,
+       deliveries   = o.deliveries + 1
+ WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s
+RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key,
+          (SELECT available_at FROM last_ready), (SELECT id FROM last_ready),
+          (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM ready)`, t, ac, orphaned, orphanedCount, orphanedIDs, readyLimit)
+}
+
 func claimStatement(t, ac string, orphans bool) string {
 	orphaned, orphanedCount, orphanedIDs, readyLimit := "", "0", "", "(SELECT $2::int - count(*) FROM expired)"
 	if orphans {
@@ -413,16 +476,15 @@ WITH expired AS (
        AND (available_at, id) > ($6::timestamptz, $7::bigint)
      ORDER BY available_at, id
      LIMIT $11::int
+), candidates AS (
+    SELECT c.id FROM scan c
+     WHERE c.ordering_key IS NULL OR NOT EXISTS (
+           SELECT 1 FROM %[1]s k
+            WHERE k.topic = $1 AND k.consumer_group = $10 AND k.ordering_key = c.ordering_key
+              AND k.id < c.id AND k.available_at < 'infinity')
 ), ready AS (
     SELECT id, available_at FROM %[1]s
-     WHERE id = ANY (ARRAY(
-             SELECT id FROM heads
-              UNION
-             SELECT c.id FROM scan c
-              WHERE c.ordering_key IS NULL OR NOT EXISTS (
-                    SELECT 1 FROM %[1]s k
-                     WHERE k.topic = $1 AND k.consumer_group = $10 AND k.ordering_key = c.ordering_key
-                       AND k.id < c.id AND k.available_at < 'infinity')))
+     WHERE id = ANY (ARRAY(SELECT id FROM heads UNION SELECT id FROM candidates))
        AND lease_token IS NULL AND available_at <= now()
      ORDER BY available_at, id
      LIMIT %[6]s
@@ -447,7 +509,7 @@ WITH expired AS (
      WHERE (SELECT count(*) FROM ready) < %[6]s
 )
 SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.ordering_key,
-       l.available_at, l.id, (SELECT count(*) FROM expired) + %[4]s
+       l.available_at, l.id, (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM candidates)
   FROM (SELECT 1) AS one
   LEFT JOIN claimed c ON true
   LEFT JOIN next_cursor l ON true`, t, ac, orphaned, orphanedCount, orphanedIDs, readyLimit)

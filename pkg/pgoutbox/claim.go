@@ -18,7 +18,7 @@ type claimRequest struct {
 	at          pgtype.Timestamptz // cursor
 	id          int64
 	withExpired bool
-	window      int         // ready rows the scan reads at most
+	window      int         // ready rows the scan reads at most; 0: the fast claim (no window)
 	endedKeys   []string    // ordering keys whose rows ended: claim their next rows
 	orphansOf   []int64     // look for orphaned rows, sparing these liveness keys (nil: do not look)
 	holder      pgtype.Int8 // our liveness key while we hold its lock, else NULL
@@ -29,6 +29,8 @@ type claimResult struct {
 	req       claimRequest
 	rows      []*delivery
 	cursorAt  pgtype.Timestamptz // the last row the scan read
+	free      int                // rows of the window not held back by their ordering keys
+	took      time.Duration
 	cursor    pgtype.Int8
 	reclaimed int           // expired or orphaned leases taken
 	dueIn     time.Duration // after an empty claim: when the next row is due (0: unknown)
@@ -44,18 +46,25 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 	r := claimResult{req: req}
 	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
 	defer cancel()
-	stmt, args := sub.s.q.ClaimNoOrphans, []any{sub.topic, req.n, req.token,
-		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, req.at, req.id, req.withExpired, req.holder, sub.cfg.ConsumerGroup,
-		req.window, req.endedKeys}
-	if req.orphansOf != nil {
-		stmt, args = sub.s.q.Claim, append(args, req.orphansOf)
+	args := []any{sub.topic, req.n, req.token,
+		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, req.at, req.id, req.withExpired, req.holder, sub.cfg.ConsumerGroup}
+	var stmt string
+	switch {
+	case req.window == 0 && req.orphansOf == nil:
+		stmt = sub.s.q.ClaimFastNoOrphans
+	case req.window == 0:
+		stmt, args = sub.s.q.ClaimFast, append(args, req.orphansOf)
+	case req.orphansOf == nil:
+		stmt, args = sub.s.q.ClaimNoOrphans, append(args, req.window, req.endedKeys)
+	default:
+		stmt, args = sub.s.q.Claim, append(args, req.window, req.endedKeys, req.orphansOf)
 	}
 	rows, err := sub.s.pool.Query(ctx, stmt, args...)
 	if err != nil {
 		r.err = err
 		return r
 	}
-	var reclaimed int64
+	var reclaimed, free int64
 	for rows.Next() {
 		d := &delivery{token: req.token}
 		var id pgtype.Int8
@@ -63,7 +72,7 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 		var deliveries pgtype.Int4
 		var availableAt pgtype.Timestamptz
 		if err := rows.Scan(&id, &uuid, &d.payload, &d.metaRaw, &deliveries, &availableAt, &key,
-			&r.cursorAt, &r.cursor, &reclaimed); err != nil {
+			&r.cursorAt, &r.cursor, &reclaimed, &free); err != nil {
 			rows.Close()
 			r.err = err
 			return r
@@ -80,7 +89,7 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 		r.rows, r.err = nil, err
 		return r
 	}
-	r.reclaimed = int(reclaimed)
+	r.reclaimed, r.free = int(reclaimed), int(free)
 
 	// RETURNING order is unspecified; deliver in queue order.
 	sort.Slice(r.rows, func(i, j int) bool {
@@ -93,6 +102,7 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 	if len(r.rows) == 0 {
 		r.dueIn = sub.nextDue()
 	}
+	r.took = time.Since(req.sent)
 	return r
 }
 
@@ -119,9 +129,18 @@ type claimScan struct {
 	fromStartAt  time.Time // when a claim last scanned from the start
 	expiredAt    time.Time // when a claim last looked for expired leases
 	forceExpired bool
-	findOrphans  bool // a liveness holder vanished: look for its rows (until a look finds none)
-	resume       bool // the last claim read only rows it could not take: go on from the cursor
+	findOrphans  bool      // a liveness holder vanished: look for its rows (until a look finds none)
+	resume       bool      // the last claim read only rows it could not take: go on from the cursor
+	keyedUntil   time.Time // claim with a window until then (see query.ClaimFast)
 }
+
+// keyedFor is how long a subscription claims with a window after it last
+// saw a sign of ordering keys: a keyed row, an ended key, a slow claim.
+const keyedFor = 10 * time.Second
+
+// slowClaim marks a fast claim that may have walked rows held back by
+// their keys: the next claims use a window.
+const slowClaim = 50 * time.Millisecond
 
 // minScanWindow is the least number of ready rows a claim reads: room for
 // rows that competitors lock, or whose ordering keys are held.
@@ -160,6 +179,9 @@ func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 	if c.at == scanFromStart {
 		c.fromStartAt = now
 	}
+	if now.Before(c.keyedUntil) {
+		req.window = max(2*n, minScanWindow)
+	}
 	return req
 }
 
@@ -167,6 +189,13 @@ func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 // schedules the next scan from the start.
 func (c *claimScan) claimed(r claimResult) {
 	now := r.req.sent
+	keyed := r.took >= slowClaim
+	for _, d := range r.rows {
+		keyed = keyed || d.orderingKey != ""
+	}
+	if keyed {
+		c.keyedUntil = now.Add(keyedFor)
+	}
 	if r.req.withExpired || r.req.orphansOf != nil {
 		// Rows a crashed consumer held come back in a burst: keep looking
 		// while the last look found some.

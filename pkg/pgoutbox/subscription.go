@@ -439,11 +439,13 @@ func (sub *subscription) startClaim(now time.Time) {
 	sub.claiming = true
 	req := sub.scan.request(n, sub.gen, now)
 	req.holder = sub.holder()
-	req.window = max(2*n, minScanWindow)
-	for k := range sub.endedKeys {
-		req.endedKeys = append(req.endedKeys, k)
+	if len(sub.endedKeys) > 0 {
+		req.window = max(2*n, minScanWindow) // "heads" is in the windowed claim only
+		for k := range sub.endedKeys {
+			req.endedKeys = append(req.endedKeys, k)
+		}
+		clear(sub.endedKeys)
 	}
-	clear(sub.endedKeys)
 	if sub.scan.findOrphans {
 		// Not before the notifier made two checks: until then it cannot
 		// tell a dead holder from a reconnecting one.
@@ -526,11 +528,22 @@ func (sub *subscription) onClaimed(r claimResult) {
 		sub.wantClaim = true
 		return
 	}
-	// The scan read rows but none was claimable (their keys are held, or
-	// competitors locked them): the cursor moved past them, and the next
-	// claim, after the idle wait, goes on from there (scan.resume), so a
-	// backlog of held keys is read one window per wait, not at claim speed.
-	sub.scan.resume = r.cursor.Valid
+	if r.cursor.Valid && r.free > 0 {
+		// Competitors' claims had locked the rows of the window: the
+		// cursor moved past them, go on at once.
+		sub.wantClaim = true
+		return
+	}
+	if r.cursor.Valid {
+		// Every row of the window waits for its key (held here or by a
+		// competitor): go on from the cursor after the shortest idle wait,
+		// so a backlog of held keys is read one window per wait, not at
+		// claim speed. An ended key's next row is asked for directly.
+		sub.scan.resume = true
+		sub.wantClaim = false
+		sub.idleUntil = now.Add(sub.cfg.MinPollInterval)
+		return
+	}
 	sub.wantClaim = false
 	var wait time.Duration
 	if sub.lookAgain > 0 && sub.lookAgain < sub.idlePoll && sub.lookAgain <= lookAgainLast {

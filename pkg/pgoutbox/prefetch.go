@@ -47,9 +47,21 @@ func (p *prefetch) verdicts(n int) { p.completed += n }
 // handler is free), half the allowance otherwise (a busy one claims in
 // batches).
 func (p *prefetch) claimSize(held int, now time.Time) int {
+	return p.claimSizeAtLeast(held, now, 0)
+}
+
+// claimSizeAtLeast is claimSize with an allowance of at least floor. A
+// subscription whose rows have ordering keys holds one row per key, and a
+// key's next row comes only after its previous one was acked and the next
+// claim ran: the more keys it holds at once, the more run in parallel.
+func (p *prefetch) claimSizeAtLeast(held int, now time.Time, floor int) int {
 	p.sample(now)
-	free := p.inFlight + p.allowance - held
-	if free < max(1, min(p.allowance/2, maxClaim/2)) {
+	allowance := p.allowance
+	if !p.disabled {
+		allowance = max(allowance, floor)
+	}
+	free := p.inFlight + allowance - held
+	if free < max(1, min(allowance/2, maxClaim/2)) {
 		return 0
 	}
 	return min(free, max(maxClaim, p.inFlight))

@@ -432,7 +432,11 @@ func (sub *subscription) startClaim(now time.Time) {
 		!sub.claimWait.IsZero(), sub.backpressured():
 		return
 	}
-	n := sub.pf.claimSize(sub.unjudged(), now)
+	floor := 0
+	if now.Before(sub.scan.keyedUntil) {
+		floor = maxClaim // hold many keys: see claimSizeAtLeast
+	}
+	n := sub.pf.claimSizeAtLeast(sub.unjudged(), now, floor)
 	if n == 0 {
 		return
 	}

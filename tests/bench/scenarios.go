@@ -133,6 +133,9 @@ var scenarios = []*scenario{
 	{name: "latency-16", run: latencyScenario(16)},
 	{name: "timers", systems: []string{"pgoutbox"}, run: timersScenario},
 	{name: "drain-1m", systems: []string{"pgoutbox", "raw", "raw-async"}, run: drainScenario(true, 16)},
+	{name: "keyed-100-16", systems: []string{"pgoutbox"}, run: keyedDrainScenario(100, 16)},
+	{name: "unkeyed-work-16", systems: []string{"pgoutbox"}, run: keyedDrainScenario(0, 16)},
+	{name: "unkeyed-work-1", systems: []string{"pgoutbox"}, run: keyedDrainScenario(0, 1)},
 }
 
 func scenarioNames() []string {
@@ -828,5 +831,58 @@ func groupDrainScenario(groups int) func(context.Context, *bench, instance) (res
 			return result{}, err
 		}
 		return result{msgsPerS: float64(n*groups) / elapsed.Seconds(), note: fmt.Sprintf("%d groups, rows/s in all", groups)}, nil
+	}
+}
+
+// keyedDrainScenario drains a backlog spread over keys ordering keys (0:
+// none) with handlers that work 1 ms each: per-key order with 16 in
+// flight, against the same work unkeyed, and against MaxInFlight 1, the
+// way to keep order without keys.
+func keyedDrainScenario(keys, maxInFlight int) func(context.Context, *bench, instance) (result, error) {
+	return func(ctx context.Context, b *bench, inst instance) (result, error) {
+		n := b.count(4_000)
+		key := "NULL"
+		if keys > 0 {
+			key = fmt.Sprintf("'k' || (g %% %d)", keys)
+		}
+		if _, err := b.pool.Exec(ctx, `
+			INSERT INTO `+inst.table()+` (topic, uuid, payload, ordering_key)
+			SELECT $1, gen_random_uuid()::text, $2::bytea, `+key+` FROM generate_series(1, $3) g`,
+			topic, newPayload(), n); err != nil {
+			return result{}, fmt.Errorf("load backlog: %w", err)
+		}
+		if err := settle(ctx, b, inst); err != nil {
+			return result{}, err
+		}
+		handled := newCountdown(n)
+		cons, err := inst.consumer(ctx, consumeConfig{
+			maxInFlight: maxInFlight,
+			acks:        n,
+			handle: func(string) error {
+				time.Sleep(time.Millisecond)
+				handled.add(1)
+				return nil
+			},
+		})
+		if err != nil {
+			return result{}, err
+		}
+		defer cons.close()
+		start := time.Now()
+		if err := cons.start(ctx); err != nil {
+			return result{}, err
+		}
+		if err := awaitDone(ctx, handled, cons, time.Minute+time.Duration(n)*5*time.Millisecond, "messages handled"); err != nil {
+			return result{}, err
+		}
+		elapsed := time.Since(start)
+		if err := closeEmpty(ctx, b, inst, cons, "after the drain"); err != nil {
+			return result{}, err
+		}
+		note := fmt.Sprintf("1 ms handlers, %d in flight", maxInFlight)
+		if keys > 0 {
+			note += fmt.Sprintf(", %d keys", keys)
+		}
+		return result{msgsPerS: float64(n) / elapsed.Seconds(), note: note}, nil
 	}
 }

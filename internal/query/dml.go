@@ -390,31 +390,40 @@ var (
 // claimStatement builds query.Claim; see its comment. Without orphans, the
 // orphaned branch is left out (it would be skipped at run time, but its
 // planning and subplans cost every claim).
+// leaseBranches returns the claim's first CTEs, from "WITH expired AS (" to
+// before the closing parenthesis of the last one (expired, and orphaned
+// when asked, sparing the holders of parameter spare), what the result
+// counts of them, the ids they add to the update, and the limit left for
+// ready rows.
+func leaseBranches(t string, orphans bool, spare string) (ctes, count, ids, readyLimit string) {
+	ctes = fmt.Sprintf(`
+WITH expired AS (
+    SELECT id FROM %s
+     WHERE $8::bool AND topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until < now()
+     ORDER BY leased_until
+     LIMIT $2::int
+       FOR UPDATE SKIP LOCKED`, t)
+	if !orphans {
+		return ctes, "0", "", "(SELECT $2::int - count(*) FROM expired)"
+	}
+	ctes += fmt.Sprintf(`
+), orphaned AS (
+    SELECT id FROM %[1]s
+     WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until >= now()
+       AND lease_holder <> ALL (%[3]s::bigint[])
+       AND lease_holder NOT IN (%[2]s)
+     LIMIT (SELECT $2::int - count(*) FROM expired)
+       FOR UPDATE SKIP LOCKED`, t, LiveHolders, spare)
+	return ctes, "(SELECT count(*) FROM orphaned)", " UNION ALL SELECT id FROM orphaned",
+		"(SELECT $2::int - count(*) FROM expired) - (SELECT count(*) FROM orphaned)"
+}
+
 // claimFastStatement builds query.ClaimFast; see its comment. Its result
 // has the columns of claimStatement's, but only claimed rows: the cursor
 // is the last ready row claimed, and "free" the number of ready rows.
 func claimFastStatement(t, ac string, orphans bool) string {
-	orphaned, orphanedCount, orphanedIDs, readyLimit := "", "0", "", "(SELECT $2::int - count(*) FROM expired)"
-	if orphans {
-		orphaned = fmt.Sprintf(`
-), orphaned AS (
-    SELECT id FROM %[1]s
-     WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until >= now()
-       AND lease_holder <> ALL ($11::bigint[])
-       AND lease_holder NOT IN (%[2]s)
-     LIMIT (SELECT $2::int - count(*) FROM expired)
-       FOR UPDATE SKIP LOCKED`, t, LiveHolders)
-		orphanedCount = "(SELECT count(*) FROM orphaned)"
-		orphanedIDs = " UNION ALL SELECT id FROM orphaned"
-		readyLimit = "(SELECT $2::int - count(*) FROM expired) - (SELECT count(*) FROM orphaned)"
-	}
-	return fmt.Sprintf(`
-WITH expired AS (
-    SELECT id FROM %[1]s
-     WHERE $8::bool AND topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until < now()
-     ORDER BY leased_until
-     LIMIT $2::int
-       FOR UPDATE SKIP LOCKED%[3]s
+	expired, orphanedCount, orphanedIDs, readyLimit := leaseBranches(t, orphans, "$11")
+	return fmt.Sprintf(`%[3]s
 ), ready AS (
     SELECT id, available_at FROM %[1]s r
      WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NULL AND available_at <= now()
@@ -438,31 +447,12 @@ UPDATE %[1]s o
  WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s
 RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key,
           (SELECT available_at FROM last_ready), (SELECT id FROM last_ready),
-          (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM ready)`, t, ac, orphaned, orphanedCount, orphanedIDs, readyLimit)
+          (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM ready)`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit)
 }
 
 func claimStatement(t, ac string, orphans bool) string {
-	orphaned, orphanedCount, orphanedIDs, readyLimit := "", "0", "", "(SELECT $2::int - count(*) FROM expired)"
-	if orphans {
-		orphaned = fmt.Sprintf(`
-), orphaned AS (
-    SELECT id FROM %[1]s
-     WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until >= now()
-       AND lease_holder <> ALL ($13::bigint[])
-       AND lease_holder NOT IN (%[2]s)
-     LIMIT (SELECT $2::int - count(*) FROM expired)
-       FOR UPDATE SKIP LOCKED`, t, LiveHolders)
-		orphanedCount = "(SELECT count(*) FROM orphaned)"
-		orphanedIDs = " UNION ALL SELECT id FROM orphaned"
-		readyLimit = "(SELECT $2::int - count(*) FROM expired) - (SELECT count(*) FROM orphaned)"
-	}
-	return fmt.Sprintf(`
-WITH expired AS (
-    SELECT id FROM %[1]s
-     WHERE $8::bool AND topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until < now()
-     ORDER BY leased_until
-     LIMIT $2::int
-       FOR UPDATE SKIP LOCKED%[3]s
+	expired, orphanedCount, orphanedIDs, readyLimit := leaseBranches(t, orphans, "$13")
+	return fmt.Sprintf(`%[3]s
 ), heads AS (
     SELECT h.id FROM unnest($12::text[]) AS e(k)
      CROSS JOIN LATERAL (
@@ -512,7 +502,7 @@ SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.orde
        l.available_at, l.id, (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM candidates)
   FROM (SELECT 1) AS one
   LEFT JOIN claimed c ON true
-  LEFT JOIN next_cursor l ON true`, t, ac, orphaned, orphanedCount, orphanedIDs, readyLimit)
+  LEFT JOIN next_cursor l ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit)
 }
 
 // publishGroups is the consumer groups a message of topic $1 gets a row

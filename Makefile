@@ -11,6 +11,9 @@ BENCH_FLAGS ?=
 # clients the library does not depend on) are modules apart: left out of
 # EXAMPLES, built and tested from their own directory.
 BROKER_MODULES := $(patsubst %/go.mod,%,$(wildcard _examples/*/go.mod))
+# Modules of the library's own that depend on what the library must not
+# (pgoutboxprom: client_golang), tested like the library, under -race.
+LIB_MODULES := pgoutboxprom
 EXAMPLES := $(patsubst %/,./%,$(filter-out $(addsuffix /,$(BROKER_MODULES)),$(wildcard _examples/*/)))
 
 .PHONY: demo examples test test-quick lint bench bench-relay bench-compare
@@ -37,6 +40,10 @@ examples:
 test: lint
 	@$(PG_ENV); \
 	env -u PGOUTBOX_TEST_RESTART_CMD go test $(GO_TEST_FLAGS) -timeout 20m ./... $(EXAMPLES); \
+	for m in $(LIB_MODULES); do \
+		echo "--- $$m (a module of its own)"; \
+		(cd $$m && go vet ./... && go test $(GO_TEST_FLAGS) -timeout 5m ./...); \
+	done; \
 	for m in $(BROKER_MODULES); do \
 		echo "--- $$m (a module of its own: relay tests against a real broker)"; \
 		(cd $$m && go vet ./... && go test -count=1 -timeout 5m ./...); \
@@ -53,13 +60,15 @@ test: lint
 
 ## test-quick: the library packages' own tests (seconds), not the integration, suite and fault tests
 test-quick:
-	@$(PG_ENV); go test $(GO_TEST_FLAGS) ./pkg/...
+	@$(PG_ENV); go test $(GO_TEST_FLAGS) ./pkg/...; \
+	for m in $(LIB_MODULES); do (cd $$m && go test $(GO_TEST_FLAGS) ./...); done
 
 ## lint: gofmt and go vet
 lint:
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go')); \
 	if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
 	go vet ./... $(EXAMPLES)
+	@for m in $(LIB_MODULES); do echo "go vet in $$m"; (cd $$m && go vet ./...); done
 
 ## bench: pgoutbox vs. a hand-written pgx floor vs. watermill-sql (tests/bench, its own module); e.g. BENCH_FLAGS="-repeat 1 -scale 0.1"
 bench:

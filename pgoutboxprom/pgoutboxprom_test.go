@@ -1,0 +1,229 @@
+package pgoutboxprom_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pgoutboxprom"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// scrape fetches the exposition text from srv the way Prometheus does.
+func scrape(t *testing.T, srv *httptest.Server) string {
+	t.Helper()
+	resp, err := http.Get(srv.URL)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return string(body)
+}
+
+// requireLine fails unless the exposition text holds line (a sample with
+// its labels in Prometheus' order, alphabetical, and its value).
+func requireLine(t *testing.T, body, line string) {
+	t.Helper()
+	for _, l := range strings.Split(body, "\n") {
+		if l == line {
+			return
+		}
+	}
+	t.Fatalf("scrape has no line %q; it has:\n%s", line, grep(body, "pgoutbox_"))
+}
+
+func grep(body, prefix string) string {
+	var out []string
+	for _, l := range strings.Split(body, "\n") {
+		if strings.HasPrefix(l, prefix) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
+func publish(t *testing.T, pub message.Publisher, topic string, n int) {
+	t.Helper()
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = message.NewMessage(watermill.NewUUID(), []byte(topic))
+	}
+	require.NoError(t, pub.Publish(topic, msgs...))
+}
+
+func TestCollectorAndObserverOverHTTP(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	obs, err := pgoutboxprom.NewObserver(reg, pgoutboxprom.Options{})
+	require.NoError(t, err)
+	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{
+		Subscriber: func(c *pgoutbox.SubscriberConfig) { c.Observer = obs },
+	})
+	reg.MustRegister(pgoutboxprom.NewCollector(tx.FromPgxPool(env.Pool), env.Tables, pgoutboxprom.Options{}))
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	t.Cleanup(srv.Close)
+
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(env.Pool), pgoutbox.PublisherConfig{Tables: env.Tables, Observer: obs}, env.Logger)
+	require.NoError(t, err)
+	publish(t, pub, "orders", 3)
+	publish(t, pub, "payments", 1)
+
+	// Before any consumer: the rows are ready, and the publisher counted them.
+	body := scrape(t, srv)
+	requireLine(t, body, `pgoutbox_messages{consumer_group="",state="ready",topic="orders"} 3`)
+	requireLine(t, body, `pgoutbox_messages{consumer_group="",state="leased",topic="orders"} 0`)
+	requireLine(t, body, `pgoutbox_messages{consumer_group="",state="ready",topic="payments"} 1`)
+	requireLine(t, body, `pgoutbox_publisher_messages_published_total{topic="orders"} 3`)
+	requireLine(t, body, `pgoutbox_publisher_messages_published_total{topic="payments"} 1`)
+	requireLine(t, body, `pgoutbox_stats_errors_total 0`)
+	require.Contains(t, body, `pgoutbox_oldest_ready_age_seconds{consumer_group="",topic="orders"} `)
+
+	// Consume and ack the orders.
+	env.Drain(t, "orders", 3, 10*time.Second) // acks each message
+	acked := `pgoutbox_subscriber_messages_acked_total{consumer_group="",topic="orders"} 3`
+	require.Eventually(t, func() bool { return strings.Contains(scrape(t, srv), acked+"\n") }, 5*time.Second, 20*time.Millisecond,
+		"the observer runs on a goroutine of the subscriber's own: its counters follow the acks")
+	body = scrape(t, srv)
+	requireLine(t, body, `pgoutbox_subscriber_messages_claimed_total{consumer_group="",topic="orders"} 3`)
+	requireLine(t, body, `pgoutbox_messages{consumer_group="",state="ready",topic="orders"} 0`)
+	requireLine(t, body, `pgoutbox_oldest_ready_age_seconds{consumer_group="",topic="orders"} 0`)
+
+	// A payment whose one allowed delivery is nacked is dead-lettered.
+	sub := env.NewSubscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.RetryPolicy = pgoutbox.ConstantBackoff{MaxAttempts: 1}
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	msgs, err := sub.Subscribe(ctx, "payments")
+	require.NoError(t, err)
+	select {
+	case m := <-msgs:
+		m.Nack()
+	case <-time.After(10 * time.Second):
+		t.Fatal("no payment delivered")
+	}
+	dead := `pgoutbox_subscriber_messages_dead_lettered_total{consumer_group="",reason="retry_exhausted",topic="payments"} 1`
+	require.Eventually(t, func() bool { return strings.Contains(scrape(t, srv), dead+"\n") }, 5*time.Second, 20*time.Millisecond)
+	body = scrape(t, srv)
+	requireLine(t, body, `pgoutbox_dead_letters{consumer_group="",reason="retry_exhausted",topic="payments"} 1`)
+	requireLine(t, body, `pgoutbox_messages{consumer_group="",state="ready",topic="payments"} 0`)
+	requireLine(t, body, `pgoutbox_stats_errors_total 0`)
+
+	// A second observer on the same registry shares the counters.
+	again, err := pgoutboxprom.NewObserver(reg, pgoutboxprom.Options{})
+	require.NoError(t, err)
+	again.Observe(pgoutbox.Event{Kind: pgoutbox.EventPublished, Topic: "orders", Count: 2})
+	requireLine(t, scrape(t, srv), `pgoutbox_publisher_messages_published_total{topic="orders"} 5`)
+}
+
+// A failed Stats call counts as an error and exposes no stale gauges.
+func TestCollectorStatsError(t *testing.T) {
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env.Publisher, "orders", 1)
+
+	reg := prometheus.NewRegistry()
+	good := pgoutboxprom.NewCollector(tx.FromPgxPool(env.Pool), env.Tables, pgoutboxprom.Options{Subsystem: "good"})
+	missing := env.Tables
+	missing.Table = "no_such_outbox"
+	missing.DeadLetterTable = "no_such_outbox_dlq"
+	bad := pgoutboxprom.NewCollector(tx.FromPgxPool(env.Pool), missing, pgoutboxprom.Options{Subsystem: "bad", ScrapeTimeout: time.Second})
+	reg.MustRegister(good, bad)
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	t.Cleanup(srv.Close)
+
+	for i := 1; i <= 2; i++ {
+		body := scrape(t, srv)
+		requireLine(t, body, `pgoutbox_good_messages{consumer_group="",state="ready",topic="orders"} 1`)
+		requireLine(t, body, `pgoutbox_good_stats_errors_total 0`)
+		requireLine(t, body, `pgoutbox_bad_stats_errors_total `+string(rune('0'+i)))
+		require.NotContains(t, body, "pgoutbox_bad_messages{")
+		require.NotContains(t, body, "pgoutbox_bad_oldest_ready_age_seconds{")
+	}
+	require.Equal(t, 3.0, testutil.ToFloat64(prometheus.CollectorFunc(func(ch chan<- prometheus.Metric) {
+		// The counter alone, through the collector's own Collect.
+		metrics := make(chan prometheus.Metric, 64)
+		bad.Collect(metrics)
+		close(metrics)
+		for m := range metrics {
+			if strings.Contains(m.Desc().String(), "stats_errors_total") {
+				ch <- m
+			}
+		}
+	})), "a third scrape, by Collect directly, counted")
+}
+
+// Every event kind lands in a counter; Namespace, Subsystem and ConstLabels
+// shape the names.
+func TestObserverEveryKind(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	obs, err := pgoutboxprom.NewObserver(reg, pgoutboxprom.Options{Namespace: "app", Subsystem: "outbox", ConstLabels: prometheus.Labels{"db": "main"}})
+	require.NoError(t, err)
+	for _, e := range []pgoutbox.Event{
+		{Kind: pgoutbox.EventPublished, Topic: "t", Count: 4},
+		{Kind: pgoutbox.EventClaimed, Topic: "t", Group: "g", Count: 3},
+		{Kind: pgoutbox.EventClaimed, Topic: "t", Group: "g", Count: 0},
+		{Kind: pgoutbox.EventAcked, Topic: "t", Group: "g", RowID: 1},
+		{Kind: pgoutbox.EventRetried, Topic: "t", Group: "g", RowID: 2},
+		{Kind: pgoutbox.EventReleased, Topic: "t", Group: "g", RowID: 3},
+		{Kind: pgoutbox.EventDeadLettered, Topic: "t", Group: "g", RowID: 4, Reason: pgoutbox.ReasonRejected},
+		{Kind: pgoutbox.EventPoisoned, Topic: "t", Group: "g", RowID: 5, Err: errors.New("bad json")},
+		{Kind: pgoutbox.EventLeaseRenewed, Topic: "t", Group: "g", Count: 2},
+		{Kind: pgoutbox.EventLeaseLost, Topic: "t", Group: "g", RowID: 6, Phase: "ack"},
+		{Kind: "some_future_kind", Topic: "t"},
+	} {
+		obs.Observe(e)
+	}
+	const want = `
+# HELP app_outbox_publisher_messages_published_total Messages inserted into the outbox by Publish calls.
+# TYPE app_outbox_publisher_messages_published_total counter
+app_outbox_publisher_messages_published_total{db="main",topic="t"} 4
+# HELP app_outbox_subscriber_claims_total Claim statements run by subscribers, empty ones included.
+# TYPE app_outbox_subscriber_claims_total counter
+app_outbox_subscriber_claims_total{consumer_group="g",db="main",topic="t"} 2
+# HELP app_outbox_subscriber_leases_lost_total Writes that found their lease taken by another consumer, per write (ack, nack, release, renew, dead_letter).
+# TYPE app_outbox_subscriber_leases_lost_total counter
+app_outbox_subscriber_leases_lost_total{consumer_group="g",db="main",phase="ack",topic="t"} 1
+# HELP app_outbox_subscriber_leases_renewed_total In-flight leases extended.
+# TYPE app_outbox_subscriber_leases_renewed_total counter
+app_outbox_subscriber_leases_renewed_total{consumer_group="g",db="main",topic="t"} 2
+# HELP app_outbox_subscriber_messages_acked_total Acks written (rows deleted).
+# TYPE app_outbox_subscriber_messages_acked_total counter
+app_outbox_subscriber_messages_acked_total{consumer_group="g",db="main",topic="t"} 1
+# HELP app_outbox_subscriber_messages_claimed_total Rows leased by subscribers' claims.
+# TYPE app_outbox_subscriber_messages_claimed_total counter
+app_outbox_subscriber_messages_claimed_total{consumer_group="g",db="main",topic="t"} 3
+# HELP app_outbox_subscriber_messages_dead_lettered_total Rows moved to the dead-letter table (or parked), per failure reason.
+# TYPE app_outbox_subscriber_messages_dead_lettered_total counter
+app_outbox_subscriber_messages_dead_lettered_total{consumer_group="g",db="main",reason="rejected",topic="t"} 1
+# HELP app_outbox_subscriber_messages_poisoned_total Rows that could not be decoded into a message.
+# TYPE app_outbox_subscriber_messages_poisoned_total counter
+app_outbox_subscriber_messages_poisoned_total{consumer_group="g",db="main",topic="t"} 1
+# HELP app_outbox_subscriber_messages_released_total Leases given back without a delivery outcome (at shutdown, or a prefetched row waited too long).
+# TYPE app_outbox_subscriber_messages_released_total counter
+app_outbox_subscriber_messages_released_total{consumer_group="g",db="main",topic="t"} 1
+# HELP app_outbox_subscriber_messages_retried_total Nacks written: the row is due again after its retry delay.
+# TYPE app_outbox_subscriber_messages_retried_total counter
+app_outbox_subscriber_messages_retried_total{consumer_group="g",db="main",topic="t"} 1
+`
+	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(want)))
+
+	// A name taken by another kind of collector is an error, not a panic.
+	clash := prometheus.NewRegistry()
+	clash.MustRegister(prometheus.NewGauge(prometheus.GaugeOpts{Name: "pgoutbox_subscriber_messages_acked_total", Help: "x"}))
+	_, err = pgoutboxprom.NewObserver(clash, pgoutboxprom.Options{})
+	require.Error(t, err)
+}

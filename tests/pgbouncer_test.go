@@ -1,0 +1,196 @@
+package tests
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// startPgBouncer runs pgbouncer in transaction pooling mode in front of the
+// server of dsn, on a free port, until the test ends, and returns dsn
+// pointed at it. It skips the test when pgbouncer is not installed, unless
+// PGOUTBOX_REQUIRE_PGBOUNCER is set.
+func startPgBouncer(t *testing.T, dsn string) string {
+	t.Helper()
+	bin, err := exec.LookPath("pgbouncer")
+	if err != nil {
+		if os.Getenv("PGOUTBOX_REQUIRE_PGBOUNCER") != "" {
+			t.Fatalf("pgbouncer is not installed and PGOUTBOX_REQUIRE_PGBOUNCER is set: %v", err)
+		}
+		t.Skip("pgbouncer is not installed (apt-get install pgbouncer); set PGOUTBOX_REQUIRE_PGBOUNCER to fail instead")
+	}
+	u, err := url.Parse(dsn)
+	require.NoError(t, err)
+	host, port, err := net.SplitHostPort(u.Host)
+	if err != nil {
+		host, port = u.Hostname(), "5432"
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	bouncerPort := l.Addr().(*net.TCPAddr).Port
+	require.NoError(t, l.Close())
+
+	dir := t.TempDir()
+	require.NoError(t, os.Chmod(dir, 0o755)) // readable by the user pgbouncer switches to
+	userName := u.User.Username()
+	ini := fmt.Sprintf(`[databases]
+* = host=%s port=%s
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = %d
+unix_socket_dir =
+auth_type = trust
+auth_file = %s
+pool_mode = transaction
+max_client_conn = 200
+default_pool_size = 20
+ignore_startup_parameters = extra_float_digits
+`, host, port, bouncerPort, filepath.Join(dir, "userlist.txt"))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "pgbouncer.ini"), []byte(ini), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "userlist.txt"), []byte(strconv.Quote(userName)+` ""`+"\n"), 0o644))
+
+	args := []string{filepath.Join(dir, "pgbouncer.ini")}
+	if me, err := user.Current(); err == nil && me.Uid == "0" {
+		args = append([]string{"-u", "postgres"}, args...) // pgbouncer refuses to run as root
+	}
+	cmd := exec.Command(bin, args...)
+	out := &lockedBuffer{}
+	cmd.Stdout, cmd.Stderr = out, out
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		if t.Failed() {
+			t.Logf("pgbouncer output:\n%s", out.String())
+		}
+	})
+	addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(bouncerPort))
+	require.Eventually(t, func() bool {
+		c, err := net.DialTimeout("tcp", addr, 100*time.Millisecond)
+		if err == nil {
+			_ = c.Close()
+		}
+		return err == nil
+	}, 10*time.Second, 20*time.Millisecond, "pgbouncer did not listen on %s: %s", addr, out)
+	u.Host = addr
+	return u.String()
+}
+
+// TestPgBouncerTransactionPooling publishes and consumes through PgBouncer
+// in transaction pooling mode with pgx's simple protocol (no prepared
+// statements kept across transactions). The subscriber's LISTEN connection
+// goes through PgBouncer too, where notifications do not arrive: polling
+// (MaxPollInterval) delivers everything, a timer included.
+func TestPgBouncerTransactionPooling(t *testing.T) {
+	env := pgoutboxtest.PubSub(t)
+	bouncerDSN := startPgBouncer(t, env.DSN)
+
+	cfg, err := pgxpool.ParseConfig(bouncerDSN)
+	require.NoError(t, err)
+	cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+	cfg.MaxConns = 8
+	ctx := context.Background()
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+
+	logger := watermill.NewStdLogger(os.Getenv("PGOUTBOX_TEST_DEBUG") != "", false)
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: env.Tables}, logger)
+	require.NoError(t, err)
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{
+		Tables:          env.Tables,
+		MaxInFlight:     4,
+		Lease:           5 * time.Second,
+		MinPollInterval: 20 * time.Millisecond,
+		MaxPollInterval: 200 * time.Millisecond,
+		DrainTimeout:    2 * time.Second,
+	}, logger)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+
+	subCtx, cancel := context.WithCancel(ctx)
+	t.Cleanup(cancel)
+	orders, err := sub.Subscribe(subCtx, "orders")
+	require.NoError(t, err)
+	timers, err := sub.Subscribe(subCtx, "timers")
+	require.NoError(t, err)
+
+	// Published in transactions of our own through PgBouncer, too.
+	const n = 200
+	want := map[string]bool{}
+	for i := range n {
+		msg := message.NewMessage(watermill.NewUUID(), []byte(strconv.Itoa(i)))
+		want[msg.UUID] = true
+		if i%2 == 0 {
+			require.NoError(t, pub.Publish("orders", msg))
+			continue
+		}
+		pgxTx, err := pool.Begin(ctx)
+		require.NoError(t, err)
+		txPub, err := pgoutbox.NewPublisher(tx.FromPgxTx(pgxTx), pgoutbox.PublisherConfig{Tables: env.Tables}, logger)
+		require.NoError(t, err)
+		require.NoError(t, txPub.Publish("orders", msg))
+		require.NoError(t, pgxTx.Commit(ctx))
+	}
+	timer := message.NewMessage(watermill.NewUUID(), []byte("later"))
+	pgoutbox.DeliverAfter(timer, 300*time.Millisecond)
+	published := time.Now()
+	require.NoError(t, pub.Publish("timers", timer))
+
+	for _, m := range pgoutboxtest.Collect(t, orders, n, 30*time.Second) {
+		require.True(t, want[m.UUID], "unexpected or duplicate message %s", m.UUID)
+		delete(want, m.UUID)
+	}
+	require.Empty(t, want)
+	got := pgoutboxtest.Collect(t, timers, 1, 10*time.Second)
+	require.Equal(t, timer.UUID, got[0].UUID)
+	require.GreaterOrEqual(t, time.Since(published), 300*time.Millisecond, "the timer came early")
+
+	// The acks were written: nothing is left (read directly, not through PgBouncer).
+	cancel()
+	require.NoError(t, sub.Close())
+	stats, err := pgoutbox.Stats(ctx, tx.FromPgxPool(env.Pool), env.Tables)
+	require.NoError(t, err)
+	for _, s := range stats {
+		require.Zero(t, s.Ready+s.Scheduled+s.Leased+s.ExpiredLeases+s.Parked, "%+v", s)
+	}
+}
+
+// lockedBuffer collects a subprocess's output, read while it writes.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}

@@ -135,7 +135,7 @@ func (cmd *command) connect(ctx context.Context) (*pgxpool.Pool, tx.Executor, er
 }
 
 // optString is a string flag that knows whether it was given, so
-// "--group ''" (the default group) differs from no --group.
+// "--group ”" (the default group) differs from no --group.
 type optString struct {
 	value string
 	set   bool

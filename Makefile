@@ -13,7 +13,7 @@ BENCH_FLAGS ?=
 BROKER_MODULES := $(patsubst %/go.mod,%,$(wildcard _examples/*/go.mod))
 EXAMPLES := $(patsubst %/,./%,$(filter-out $(addsuffix /,$(BROKER_MODULES)),$(wildcard _examples/*/)))
 
-.PHONY: demo examples test test-quick lint bench bench-relay bench-compare
+.PHONY: demo examples test test-quick lint fuzz bench bench-relay bench-compare
 
 ## demo: run _examples/basic (an order and its message in one transaction, consumed by a router)
 demo:
@@ -54,6 +54,16 @@ test: lint
 ## test-quick: the library packages' own tests (seconds), not the integration, suite and fault tests
 test-quick:
 	@$(PG_ENV); go test $(GO_TEST_FLAGS) ./pkg/...
+
+## fuzz: run each fuzz target for FUZZTIME (10s); make test runs their seed corpus as plain tests
+FUZZTIME ?= 10s
+fuzz:
+	@for pkg in $$(go list ./pkg/...); do \
+		for target in $$(go test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
+			echo "--- $$target ($$pkg)"; \
+			go test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) $$pkg; \
+		done; \
+	done
 
 ## lint: gofmt and go vet
 lint:

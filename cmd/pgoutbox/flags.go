@@ -40,7 +40,8 @@ func (c *cli) newCommand(name, usage, examples string, readCmd bool) *command {
 	fs.StringVar(&cmd.schema, "schema", os.Getenv("PGOUTBOX_SCHEMA"), "schema of the tables ($PGOUTBOX_SCHEMA; default public)")
 	fs.StringVar(&cmd.table, "table", os.Getenv("PGOUTBOX_TABLE"), "outbox table ($PGOUTBOX_TABLE; default outbox)")
 	fs.StringVar(&cmd.dlqTable, "dlq-table", os.Getenv("PGOUTBOX_DLQ_TABLE"), "dead-letter table ($PGOUTBOX_DLQ_TABLE; default <table>_dlq)")
-	fs.BoolVar(&cmd.noDLQ, "no-dlq", false, "the outbox has no dead-letter table")
+	noDLQ, _ := strconv.ParseBool(os.Getenv("PGOUTBOX_NO_DLQ"))
+	fs.BoolVar(&cmd.noDLQ, "no-dlq", noDLQ, "the outbox has no dead-letter table ($PGOUTBOX_NO_DLQ)")
 	if readCmd {
 		fs.BoolVar(&cmd.json, "json", false, "write one JSON document to stdout")
 	}

@@ -190,7 +190,7 @@ func (c *cli) dlqShow(args []string) error {
 
 func (c *cli) dlqRequeue(args []string) error {
 	cmd := c.newCommand("dlq requeue", "dlq requeue (--id N [--id N ...] | [--topic T] [--group G] [--reason R] [--limit N] | --all) [--yes]",
-		"  pgoutbox dlq requeue --id 42 --id 43 --yes\n  pgoutbox dlq requeue --topic orders.placed --reason retry_exhausted\n  pgoutbox dlq requeue --all --yes\n", false)
+		"  pgoutbox dlq requeue --id 42 --id 43 --yes\n  pgoutbox dlq requeue --topic orders.placed --reason retry_exhausted\n  pgoutbox dlq requeue --all --yes\n  pgoutbox dlq requeue --no-dlq --topic orders.placed --yes   # parked rows, without a dead-letter table\n", false)
 	var ids idList
 	cmd.fs.Var(&ids, "id", "a dead-letter id to requeue (repeat, or separate with commas)")
 	var f pgoutbox.DeadLetterFilter
@@ -236,9 +236,17 @@ func (c *cli) dlqRequeue(args []string) error {
 	}
 	defer pool.Close()
 	var n int64
-	if len(ids) > 0 {
+	switch {
+	case tables.NoDeadLetterTable:
+		// Without a dead-letter table failed rows are parked in the outbox.
+		pf := pgoutbox.ParkedFilter{Topic: f.Topic, ConsumerGroup: f.ConsumerGroup, Reason: f.Reason, Limit: f.Limit}
+		if len(ids) > 0 {
+			pf.IDs = ids
+		}
+		n, err = pgoutbox.RequeueParked(ctx, exec, tables, pf)
+	case len(ids) > 0:
 		n, err = pgoutbox.RequeueDeadLetters(ctx, exec, tables, ids)
-	} else {
+	default:
 		n, err = pgoutbox.RequeueDeadLettersMatching(ctx, exec, tables, f)
 	}
 	if err != nil {

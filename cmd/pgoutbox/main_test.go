@@ -170,9 +170,8 @@ func TestDLQListShowRequeue(t *testing.T) {
 
 	msgs, err := env.Subscriber.Subscribe(t.Context(), "orders")
 	require.NoError(t, err)
-	got := pgoutboxtest.Collect(t, msgs, 1, 10*time.Second)
+	got := pgoutboxtest.Collect(t, msgs, 1, 10*time.Second) // acks it
 	require.Equal(t, `{"id":42}`, string(got[0].Payload))
-	got[0].Ack()
 
 	_, errOut, code = cliRun(t, env, "dlq", "show", id)
 	require.Equal(t, exitError, code)
@@ -329,4 +328,33 @@ func TestConfirmTerminal(t *testing.T) {
 	// A refusal exits with 3 without touching the database.
 	code := run([]string{"dlq", "purge", "--older-than", "0", "--dsn", "postgres://nobody@127.0.0.1:1/x"}, strings.NewReader("n\n"), io.Discard, io.Discard)
 	require.Equal(t, exitRefused, code)
+}
+
+// TestRequeueParked: without a dead-letter table, dlq requeue makes parked
+// rows due again.
+func TestRequeueParked(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{NoDeadLetterTable: true})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	msgs, err := env.Subscriber.Subscribe(ctx, "orders")
+	require.NoError(t, err)
+	publish(t, env, "orders", "p")
+	select {
+	case m := <-msgs:
+		_ = pgoutbox.Reject(m, "test rejection")
+		m.Nack()
+	case <-time.After(10 * time.Second):
+		t.Fatal("no message to reject")
+	}
+	require.Eventually(t, func() bool {
+		rows, err := pgoutbox.Peek(context.Background(), env.Exec(), env.Tables, "orders", "", 10)
+		return err == nil && len(rows) == 1 && rows[0].Parked
+	}, 10*time.Second, 20*time.Millisecond)
+
+	out, errOut, code := cliRun(t, env, "dlq", "requeue", "--no-dlq", "--topic", "orders", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "requeued 1")
+	got := pgoutboxtest.Collect(t, msgs, 1, 10*time.Second) // acks it
+	require.Equal(t, "p", string(got[0].Payload))
 }

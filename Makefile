@@ -16,7 +16,7 @@ BROKER_MODULES := $(patsubst %/go.mod,%,$(wildcard _examples/*/go.mod))
 LIB_MODULES := pgoutboxprom
 EXAMPLES := $(patsubst %/,./%,$(filter-out $(addsuffix /,$(BROKER_MODULES)),$(wildcard _examples/*/)))
 
-.PHONY: demo examples test test-quick lint bench bench-relay bench-compare
+.PHONY: demo examples test test-quick lint fuzz bench bench-relay bench-compare
 
 ## demo: run _examples/basic (an order and its message in one transaction, consumed by a router)
 demo:
@@ -62,6 +62,16 @@ test: lint
 test-quick:
 	@$(PG_ENV); go test $(GO_TEST_FLAGS) ./pkg/...; \
 	for m in $(LIB_MODULES); do (cd $$m && go test $(GO_TEST_FLAGS) ./...); done
+
+## fuzz: run each fuzz target for FUZZTIME (10s); make test runs their seed corpus as plain tests
+FUZZTIME ?= 10s
+fuzz:
+	@for pkg in $$(go list ./pkg/...); do \
+		for target in $$(go test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
+			echo "--- $$target ($$pkg)"; \
+			go test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) $$pkg; \
+		done; \
+	done
 
 ## lint: gofmt and go vet
 lint:

@@ -1,0 +1,324 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+const dlqUsage = `Usage:
+  pgoutbox dlq list [--topic T] [--group G] [--reason R] [--limit N] [--json]
+  pgoutbox dlq show ID [--json]
+  pgoutbox dlq requeue (--id N ... | --topic T --group G --reason R | --all) [--yes]
+  pgoutbox dlq purge --older-than DUR [--yes]
+
+Run "pgoutbox dlq <list|show|requeue|purge> --help" for flags and examples.
+`
+
+// deadLetterJSON is a dead letter in --json output.
+type deadLetterJSON struct {
+	ID            int64             `json:"id"`
+	Topic         string            `json:"topic"`
+	ConsumerGroup string            `json:"consumer_group"`
+	UUID          string            `json:"uuid"`
+	Metadata      map[string]string `json:"metadata"`
+	jsonPayload
+	CreatedAt     time.Time `json:"created_at"`
+	Deliveries    int       `json:"deliveries"`
+	DedupKey      string    `json:"dedup_key,omitempty"`
+	LastError     string    `json:"last_error,omitempty"`
+	FailureReason string    `json:"failure_reason"`
+	FailedBy      string    `json:"failed_by,omitempty"`
+	FailedAt      time.Time `json:"failed_at"`
+}
+
+func deadLetterToJSON(d pgoutbox.DeadLetter) deadLetterJSON {
+	return deadLetterJSON{
+		ID: d.ID, Topic: d.Topic, ConsumerGroup: d.ConsumerGroup, UUID: d.UUID,
+		Metadata: metadataMap(d.Metadata), jsonPayload: payloadJSON(d.Payload),
+		CreatedAt: d.CreatedAt, Deliveries: d.Deliveries, DedupKey: d.DedupKey, LastError: d.LastError,
+		FailureReason: d.FailureReason, FailedBy: d.FailedBy, FailedAt: d.FailedAt,
+	}
+}
+
+func (c *cli) dlqCmd(args []string) error {
+	if len(args) == 0 {
+		fmt.Fprint(c.stderr, dlqUsage)
+		return usagef("dlq", "missing subcommand: list, show, requeue or purge")
+	}
+	switch args[0] {
+	case "-h", "-help", "--help", "help":
+		fmt.Fprint(c.stdout, dlqUsage+"\n"+exitCodesHelp)
+		return errHelp
+	case "list":
+		return c.dlqList(args[1:])
+	case "show":
+		return c.dlqShow(args[1:])
+	case "requeue":
+		return c.dlqRequeue(args[1:])
+	case "purge":
+		return c.dlqPurge(args[1:])
+	}
+	return usagef("dlq", "unknown subcommand %q; use list, show, requeue or purge", args[0])
+}
+
+// filterFlags adds --topic, --group and --reason to cmd.
+func filterFlags(cmd *command, f *pgoutbox.DeadLetterFilter, group *optString) {
+	cmd.fs.StringVar(&f.Topic, "topic", "", "only this topic")
+	cmd.fs.Var(group, "group", "only this consumer group (--group '' is the default group)")
+	cmd.fs.StringVar(&f.Reason, "reason", "", "only this failure reason (max_deliveries, retry_exhausted, rejected, poisoned, ...)")
+}
+
+func (c *cli) dlqList(args []string) error {
+	cmd := c.newCommand("dlq list", "dlq list [--topic T] [--group G] [--reason R] [--limit N] [--json]",
+		"  pgoutbox dlq list\n  pgoutbox dlq list --topic orders.placed --reason rejected\n  pgoutbox dlq list --json | jq -r '.dead_letters[].id'\n", true)
+	var f pgoutbox.DeadLetterFilter
+	var group optString
+	filterFlags(cmd, &f, &group)
+	cmd.fs.IntVar(&f.Limit, "limit", pgoutbox.DefaultDeadLetterLimit, fmt.Sprintf("at most this many, oldest failure first (up to %d)", pgoutbox.MaxDeadLetterLimit))
+	pos, err := cmd.parse(args)
+	if err != nil {
+		return err
+	}
+	if err := cmd.noArgs(pos); err != nil {
+		return err
+	}
+	if f.Limit < 1 || f.Limit > pgoutbox.MaxDeadLetterLimit {
+		return usagef(cmd.name, "--limit %d is out of range; use 1 to %d", f.Limit, pgoutbox.MaxDeadLetterLimit)
+	}
+	f.ConsumerGroup = group.ptr()
+	tables, err := cmd.tables()
+	if err != nil {
+		return err
+	}
+	ctx := context.Background()
+	pool, exec, err := cmd.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	page, err := pgoutbox.DeadLetters(ctx, exec, tables, f)
+	if err != nil {
+		return err
+	}
+	more := !page.Next.IsZero()
+	if cmd.json {
+		out := struct {
+			DeadLetters []deadLetterJSON `json:"dead_letters"`
+			More        bool             `json:"more"`
+		}{DeadLetters: []deadLetterJSON{}, More: more}
+		for _, d := range page.Letters {
+			out.DeadLetters = append(out.DeadLetters, deadLetterToJSON(d))
+		}
+		return writeJSON(c.stdout, out)
+	}
+	if len(page.Letters) == 0 {
+		fmt.Fprintln(c.stdout, "no dead letters")
+		return nil
+	}
+	tw := newTable(c.stdout)
+	fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tREASON\tDELIVERIES\tFAILED AT\tLAST ERROR")
+	for _, d := range page.Letters {
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.FailureReason,
+			d.Deliveries, d.FailedAt.Local().Format(time.DateTime), short(d.LastError, 60))
+	}
+	tw.Flush()
+	if more {
+		fmt.Fprintf(c.stdout, "(more dead letters match: raise --limit or narrow the filters)\n")
+	}
+	return nil
+}
+
+func (c *cli) dlqShow(args []string) error {
+	cmd := c.newCommand("dlq show", "dlq show ID [--json]", "  pgoutbox dlq show 42\n  pgoutbox dlq show 42 --json | jq -r .payload\n", true)
+	pos, err := cmd.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) != 1 {
+		return usagef(cmd.name, "give one dead-letter id (dlq list shows them)")
+	}
+	id, err := strconv.ParseInt(pos[0], 10, 64)
+	if err != nil || id <= 0 {
+		return usagef(cmd.name, "%q is not a dead-letter id; use the positive integer dlq list shows", pos[0])
+	}
+	tables, err := cmd.tables()
+	if err != nil {
+		return err
+	}
+	ctx := context.Background()
+	pool, exec, err := cmd.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	// There is no lookup by id: page through the dead letters.
+	f := pgoutbox.DeadLetterFilter{Limit: pgoutbox.MaxDeadLetterLimit}
+	for {
+		page, err := pgoutbox.DeadLetters(ctx, exec, tables, f)
+		if err != nil {
+			return err
+		}
+		for _, d := range page.Letters {
+			if d.ID != id {
+				continue
+			}
+			if cmd.json {
+				return writeJSON(c.stdout, deadLetterToJSON(d))
+			}
+			w := c.stdout
+			fmt.Fprintf(w, "ID:           %d\nTopic:        %s\nGroup:        %s\nUUID:         %s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.UUID)
+			fmt.Fprintf(w, "Created at:   %s\nFailed at:    %s\nFailed by:    %s\n", d.CreatedAt.Local().Format(time.RFC3339), d.FailedAt.Local().Format(time.RFC3339), d.FailedBy)
+			fmt.Fprintf(w, "Reason:       %s\nDeliveries:   %d\nDedup key:    %s\nLast error:   %s\n", d.FailureReason, d.Deliveries, d.DedupKey, d.LastError)
+			fmt.Fprintln(w, "Metadata:")
+			for k, v := range d.Metadata {
+				fmt.Fprintf(w, "  %s=%s\n", k, v)
+			}
+			fmt.Fprintln(w, "Payload:")
+			printPayload(w, d.Payload)
+			return nil
+		}
+		if page.Next.IsZero() {
+			return fmt.Errorf("no dead letter with id %d; run \"pgoutbox dlq list\" for the ids (a requeued one is back in the outbox: see \"pgoutbox peek\")", id)
+		}
+		f.After = page.Next
+	}
+}
+
+func (c *cli) dlqRequeue(args []string) error {
+	cmd := c.newCommand("dlq requeue", "dlq requeue (--id N [--id N ...] | [--topic T] [--group G] [--reason R] [--limit N] | --all) [--yes]",
+		"  pgoutbox dlq requeue --id 42 --id 43 --yes\n  pgoutbox dlq requeue --topic orders.placed --reason retry_exhausted\n  pgoutbox dlq requeue --all --yes\n  pgoutbox dlq requeue --no-dlq --topic orders.placed --yes   # parked rows, without a dead-letter table\n", false)
+	var ids idList
+	cmd.fs.Var(&ids, "id", "a dead-letter id to requeue (repeat, or separate with commas)")
+	var f pgoutbox.DeadLetterFilter
+	var group optString
+	filterFlags(cmd, &f, &group)
+	cmd.fs.IntVar(&f.Limit, "limit", 0, "with filters: requeue at most this many, oldest failure first (0: all)")
+	all := cmd.fs.Bool("all", false, "requeue every dead letter")
+	yes := cmd.fs.Bool("yes", false, "do not ask for confirmation")
+	pos, err := cmd.parse(args)
+	if err != nil {
+		return err
+	}
+	if err := cmd.noArgs(pos); err != nil {
+		return err
+	}
+	f.ConsumerGroup = group.ptr()
+	filtered := f.Topic != "" || f.ConsumerGroup != nil || f.Reason != ""
+	switch {
+	case len(ids) > 0 && (filtered || *all):
+		return usagef(cmd.name, "--id does not go with --topic, --group, --reason or --all; use one way")
+	case len(ids) == 0 && !filtered && !*all:
+		return usagef(cmd.name, "say what to requeue: --id N, filters (--topic, --group, --reason), or --all")
+	case *all && filtered:
+		return usagef(cmd.name, "--all does not go with filters; drop --all to requeue what the filters match")
+	case f.Limit < 0:
+		return usagef(cmd.name, "--limit %d is negative; use 0 for all matches or a positive count", f.Limit)
+	}
+	tables, err := cmd.tables()
+	if err != nil {
+		return err
+	}
+	what := fmt.Sprintf("%d dead letter(s) by id", len(ids))
+	if len(ids) == 0 {
+		what = "every dead letter matching " + describeFilter(f)
+	}
+	if err := c.confirm(cmd.name, "Requeue "+what+"?", *yes); err != nil {
+		return err
+	}
+	ctx := context.Background()
+	pool, exec, err := cmd.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	var n int64
+	switch {
+	case tables.NoDeadLetterTable:
+		// Without a dead-letter table failed rows are parked in the outbox.
+		pf := pgoutbox.ParkedFilter{Topic: f.Topic, ConsumerGroup: f.ConsumerGroup, Reason: f.Reason, Limit: f.Limit}
+		if len(ids) > 0 {
+			pf.IDs = ids
+		}
+		n, err = pgoutbox.RequeueParked(ctx, exec, tables, pf)
+	case len(ids) > 0:
+		n, err = pgoutbox.RequeueDeadLetters(ctx, exec, tables, ids)
+	default:
+		n, err = pgoutbox.RequeueDeadLettersMatching(ctx, exec, tables, f)
+	}
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(c.stdout, "requeued %d dead letter(s)\n", n)
+	if len(ids) > 0 && n < int64(len(ids)) {
+		fmt.Fprintf(c.stderr, "pgoutbox: %d of the ids were not dead letters (already requeued, purged, or mistyped; see \"pgoutbox dlq list\")\n", int64(len(ids))-n)
+	}
+	return nil
+}
+
+func describeFilter(f pgoutbox.DeadLetterFilter) string {
+	s := ""
+	if f.Topic != "" {
+		s += fmt.Sprintf(" topic=%q", f.Topic)
+	}
+	if f.ConsumerGroup != nil {
+		s += fmt.Sprintf(" group=%q", *f.ConsumerGroup)
+	}
+	if f.Reason != "" {
+		s += fmt.Sprintf(" reason=%q", f.Reason)
+	}
+	if s == "" {
+		return "(all)"
+	}
+	if f.Limit > 0 {
+		s += fmt.Sprintf(" (at most %d)", f.Limit)
+	}
+	return s[1:]
+}
+
+func (c *cli) dlqPurge(args []string) error {
+	cmd := c.newCommand("dlq purge", "dlq purge --older-than DUR [--yes]",
+		"  pgoutbox dlq purge --older-than 720h --yes   # failed more than 30 days ago\n  pgoutbox dlq purge --older-than 0 --yes      # every dead letter\n", false)
+	olderThan := cmd.fs.String("older-than", "", "delete dead letters that failed longer ago than this Go duration (720h, 90m; 0 for all)")
+	yes := cmd.fs.Bool("yes", false, "do not ask for confirmation")
+	pos, err := cmd.parse(args)
+	if err != nil {
+		return err
+	}
+	if err := cmd.noArgs(pos); err != nil {
+		return err
+	}
+	if *olderThan == "" {
+		return usagef(cmd.name, "--older-than is required (e.g. --older-than 720h; 0 deletes every dead letter)")
+	}
+	d, err := time.ParseDuration(*olderThan)
+	if err != nil || d < 0 {
+		return usagef(cmd.name, "--older-than %q is not a duration; use a Go duration such as 720h or 90m (0 for all)", *olderThan)
+	}
+	tables, err := cmd.tables()
+	if err != nil {
+		return err
+	}
+	q := fmt.Sprintf("Delete dead letters that failed more than %s ago?", d)
+	if d == 0 {
+		q = "Delete every dead letter?"
+	}
+	if err := c.confirm(cmd.name, q, *yes); err != nil {
+		return err
+	}
+	ctx := context.Background()
+	pool, exec, err := cmd.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	n, err := pgoutbox.PurgeDeadLetters(ctx, exec, tables, d, 0)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(c.stdout, "purged %d dead letter(s)\n", n)
+	return nil
+}

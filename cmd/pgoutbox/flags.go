@@ -1,0 +1,186 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// command is one subcommand's flag set, with the connection and table
+// flags every command shares.
+type command struct {
+	name     string // "dlq requeue"
+	fs       *flag.FlagSet
+	dsn      string
+	schema   string
+	table    string
+	dlqTable string
+	noDLQ    bool
+	json     bool
+	help     func() // prints --help
+}
+
+// newCommand returns the flag set of a command. summary and examples
+// make up its --help; readCmd adds --json.
+func (c *cli) newCommand(name, usage, examples string, readCmd bool) *command {
+	cmd := &command{name: name, fs: flag.NewFlagSet(name, flag.ContinueOnError)}
+	fs := cmd.fs
+	fs.SetOutput(io.Discard)
+	fs.StringVar(&cmd.dsn, "dsn", "", "PostgreSQL DSN (else $PGOUTBOX_DSN, else $POSTGRES_DSN)")
+	fs.StringVar(&cmd.schema, "schema", os.Getenv("PGOUTBOX_SCHEMA"), "schema of the tables ($PGOUTBOX_SCHEMA; default public)")
+	fs.StringVar(&cmd.table, "table", os.Getenv("PGOUTBOX_TABLE"), "outbox table ($PGOUTBOX_TABLE; default outbox)")
+	fs.StringVar(&cmd.dlqTable, "dlq-table", os.Getenv("PGOUTBOX_DLQ_TABLE"), "dead-letter table ($PGOUTBOX_DLQ_TABLE; default <table>_dlq)")
+	noDLQ, _ := strconv.ParseBool(os.Getenv("PGOUTBOX_NO_DLQ"))
+	fs.BoolVar(&cmd.noDLQ, "no-dlq", noDLQ, "the outbox has no dead-letter table ($PGOUTBOX_NO_DLQ)")
+	if readCmd {
+		fs.BoolVar(&cmd.json, "json", false, "write one JSON document to stdout")
+	}
+	// The flag package calls Usage on every parse error; a usage error
+	// prints one line and a hint instead, so help is printed on -h only.
+	fs.Usage = func() {}
+	cmd.help = func() {
+		fmt.Fprintf(c.stdout, "Usage:\n  pgoutbox %s\n\nFlags:\n", usage)
+		fs.SetOutput(c.stdout)
+		fs.PrintDefaults()
+		fs.SetOutput(io.Discard)
+		if examples != "" {
+			fmt.Fprintf(c.stdout, "\nExamples:\n%s", examples)
+		}
+		fmt.Fprintf(c.stdout, "\n%s", exitCodesHelp)
+	}
+	return cmd
+}
+
+// parse parses args, flags and positional arguments in any order, and
+// returns the positional ones.
+func (cmd *command) parse(args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := cmd.fs.Parse(args); err != nil {
+			if err == flag.ErrHelp {
+				cmd.help()
+				return nil, errHelp
+			}
+			return nil, usagef(cmd.name, "%v", err)
+		}
+		args = cmd.fs.Args()
+		if len(args) == 0 {
+			return pos, nil
+		}
+		if args[0] == "--" {
+			return append(pos, args[1:]...), nil
+		}
+		pos = append(pos, args[0])
+		args = args[1:]
+	}
+}
+
+// noArgs fails on positional arguments a command does not take.
+func (cmd *command) noArgs(pos []string) error {
+	if len(pos) > 0 {
+		return usagef(cmd.name, "unexpected argument %q", pos[0])
+	}
+	return nil
+}
+
+// tables returns the table names from the flags and environment.
+func (cmd *command) tables() (schema.Config, error) {
+	t := schema.Config{Schema: cmd.schema, Table: cmd.table, DeadLetterTable: cmd.dlqTable, NoDeadLetterTable: cmd.noDLQ}
+	if t.NoDeadLetterTable && t.DeadLetterTable != "" {
+		return t, usagef(cmd.name, "--no-dlq and a dead-letter table (--dlq-table or $PGOUTBOX_DLQ_TABLE=%q) were both given; drop one", t.DeadLetterTable)
+	}
+	if err := t.Validate(); err != nil {
+		return t, usagef(cmd.name, "%v; fix --schema, --table or --dlq-table (or their PGOUTBOX_* variables)", err)
+	}
+	return t, nil
+}
+
+// connect opens a pool on the DSN from --dsn, PGOUTBOX_DSN or POSTGRES_DSN.
+func (cmd *command) connect(ctx context.Context) (*pgxpool.Pool, tx.Executor, error) {
+	dsn := cmd.dsn
+	if dsn == "" {
+		dsn = os.Getenv("PGOUTBOX_DSN")
+	}
+	if dsn == "" {
+		dsn = os.Getenv("POSTGRES_DSN")
+	}
+	if dsn == "" {
+		return nil, nil, usagef(cmd.name, "no database given; pass --dsn or set PGOUTBOX_DSN (e.g. postgres://user@host:5432/db?sslmode=disable)")
+	}
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		return nil, nil, usagef(cmd.name, "the DSN does not parse (%v); use postgres://user:password@host:5432/db?sslmode=disable or key=value pairs", err)
+	}
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, nil, fmt.Errorf("connect: %w", err)
+	}
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := pool.Ping(pctx); err != nil {
+		pool.Close()
+		return nil, nil, fmt.Errorf("connect to %s:%d: %w; check --dsn / PGOUTBOX_DSN and that the server is up", cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
+	}
+	return pool, tx.FromPgxPool(pool), nil
+}
+
+// optString is a string flag that knows whether it was given, so
+// "--group ”" (the default group) differs from no --group.
+type optString struct {
+	value string
+	set   bool
+}
+
+func (o *optString) String() string { return o.value }
+func (o *optString) Set(s string) error {
+	o.value, o.set = s, true
+	return nil
+}
+
+// ptr returns the value, or nil when the flag was not given.
+func (o *optString) ptr() *string {
+	if !o.set {
+		return nil
+	}
+	v := o.value
+	return &v
+}
+
+// idList collects --id flags, repeated or comma-separated.
+type idList []int64
+
+func (l *idList) String() string { return fmt.Sprint([]int64(*l)) }
+func (l *idList) Set(s string) error {
+	for _, part := range strings.Split(s, ",") {
+		id, err := strconv.ParseInt(strings.TrimSpace(part), 10, 64)
+		if err != nil || id <= 0 {
+			return fmt.Errorf("%q is not a dead-letter id (a positive integer, as dlq list shows)", part)
+		}
+		*l = append(*l, id)
+	}
+	return nil
+}
+
+// pairList collects repeated key=value flags.
+type pairList [][2]string
+
+func (l *pairList) String() string { return fmt.Sprint([][2]string(*l)) }
+func (l *pairList) Set(s string) error {
+	k, v, ok := strings.Cut(s, "=")
+	if !ok || k == "" {
+		return fmt.Errorf("%q is not key=value", s)
+	}
+	*l = append(*l, [2]string{k, v})
+	return nil
+}

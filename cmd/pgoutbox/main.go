@@ -1,0 +1,194 @@
+// Command pgoutbox operates a pgoutbox outbox from a shell: it prints and
+// applies the schema, shows queue statistics, lists, requeues and purges
+// dead letters, peeks at pending messages, publishes test messages and
+// binds consumer groups.
+//
+// Install it with:
+//
+//	go install github.com/pgoutbox/watermill-pgoutbox/cmd/pgoutbox@latest
+//
+// Usage:
+//
+//	pgoutbox <command> [flags]
+//
+//	schema sql|apply|validate   print, create or check the tables
+//	stats                       messages per topic and group (--watch for a live table)
+//	dlq list|show|requeue|purge dead letters
+//	peek                        the next messages of a topic and group
+//	publish                     publish one message (manual testing)
+//	bind|unbind                 bind a consumer group to a topic, or unbind it
+//
+// Every command takes the connection and table flags: --dsn (else
+// PGOUTBOX_DSN, else POSTGRES_DSN), --schema (PGOUTBOX_SCHEMA), --table
+// (PGOUTBOX_TABLE), --dlq-table (PGOUTBOX_DLQ_TABLE) and --no-dlq. Every
+// read command takes --json and then writes one JSON document to stdout.
+// "pgoutbox <command> --help" shows a command's flags and examples.
+//
+// Commands that delete or move messages (dlq requeue, dlq purge, unbind
+// --purge) ask for confirmation when stdin is a terminal; --yes skips the
+// question. Without a terminal they refuse to run unless --yes is given.
+//
+// Exit codes:
+//
+//	0  success
+//	1  runtime or database error
+//	2  usage error (unknown command or flag, missing argument)
+//	3  confirmation refused (answered no, or no terminal and no --yes)
+//	4  validation found problems (schema validate)
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+)
+
+// Exit codes, as documented in the package doc and in usage.
+const (
+	exitOK         = 0
+	exitError      = 1
+	exitUsage      = 2
+	exitRefused    = 3
+	exitValidation = 4
+)
+
+const exitCodesHelp = `Exit codes:
+  0  success
+  1  runtime or database error
+  2  usage error (unknown command or flag, missing argument)
+  3  confirmation refused (answered no, or no terminal and no --yes)
+  4  validation found problems (schema validate)
+`
+
+const mainUsage = `pgoutbox operates a pgoutbox outbox (a PostgreSQL table used as a Watermill Pub/Sub).
+
+Usage:
+  pgoutbox <command> [flags]
+
+Commands:
+  schema sql|apply|validate    print the DDL, create the tables, or check them
+  stats                        messages per topic and consumer group (--watch: live)
+  dlq list|show|requeue|purge  inspect and act on dead letters
+  peek                         the next messages a topic and group will deliver
+  publish                      publish one message (manual testing)
+  bind | unbind                bind a consumer group to a topic, or unbind it
+
+Connection and tables (every command):
+  --dsn        PostgreSQL DSN (else $PGOUTBOX_DSN, else $POSTGRES_DSN)
+  --schema     schema of the tables (else $PGOUTBOX_SCHEMA, default public)
+  --table      outbox table (else $PGOUTBOX_TABLE, default outbox)
+  --dlq-table  dead-letter table (else $PGOUTBOX_DLQ_TABLE, default <table>_dlq)
+  --no-dlq     the outbox has no dead-letter table
+
+Read commands take --json and write one JSON document to stdout.
+Run "pgoutbox <command> --help" for a command's flags and examples.
+
+Examples:
+  export PGOUTBOX_DSN="postgres://app@db:5432/app?sslmode=disable"
+  pgoutbox schema validate
+  pgoutbox stats --watch
+  pgoutbox dlq list --topic orders.placed
+  pgoutbox dlq requeue --id 42 --yes
+
+` + exitCodesHelp
+
+// usageError is a mistake in the command line: exit code 2.
+type usageError struct {
+	cmd string // the command whose --help helps, "" for the top level
+	msg string
+}
+
+func (e *usageError) Error() string { return e.msg }
+
+func usagef(cmd, format string, args ...any) error {
+	return &usageError{cmd: cmd, msg: fmt.Sprintf(format, args...)}
+}
+
+// errRefused is a confirmation that was refused: exit code 3.
+var errRefused = errors.New("refused")
+
+// refusedError carries the message explaining a refusal.
+type refusedError struct{ msg string }
+
+func (e *refusedError) Error() string { return e.msg }
+func (e *refusedError) Unwrap() error { return errRefused }
+
+// problemsError reports validation problems: exit code 4. Its message was
+// already written.
+type problemsError struct{ n int }
+
+func (e *problemsError) Error() string { return fmt.Sprintf("%d problem(s) found", e.n) }
+
+// cli holds a run's streams.
+type cli struct {
+	stdin          io.Reader
+	stdout, stderr io.Writer
+}
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdin, os.Stdout, os.Stderr))
+}
+
+// run runs the command line args (without the program name) and returns
+// the exit code.
+func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	c := &cli{stdin: stdin, stdout: stdout, stderr: stderr}
+	err := c.dispatch(args)
+	var ue *usageError
+	var pe *problemsError
+	var re *refusedError
+	switch {
+	case err == nil:
+		return exitOK
+	case errors.Is(err, errHelp):
+		return exitOK
+	case errors.As(err, &ue):
+		fmt.Fprintf(stderr, "pgoutbox: %s\n", ue.msg)
+		if ue.cmd != "" {
+			fmt.Fprintf(stderr, "Run \"pgoutbox %s --help\" for usage.\n", ue.cmd)
+		} else {
+			fmt.Fprintln(stderr, "Run \"pgoutbox --help\" for usage.")
+		}
+		return exitUsage
+	case errors.As(err, &re):
+		fmt.Fprintf(stderr, "pgoutbox: %s\n", re.msg)
+		return exitRefused
+	case errors.As(err, &pe):
+		return exitValidation
+	default:
+		fmt.Fprintf(stderr, "pgoutbox: %v\n", err)
+		return exitError
+	}
+}
+
+// errHelp ends a run that printed help: exit code 0.
+var errHelp = errors.New("help shown")
+
+func (c *cli) dispatch(args []string) error {
+	if len(args) == 0 {
+		fmt.Fprint(c.stderr, mainUsage)
+		return usagef("", "no command given")
+	}
+	cmd, rest := args[0], args[1:]
+	switch cmd {
+	case "-h", "-help", "--help", "help":
+		fmt.Fprint(c.stdout, mainUsage)
+		return errHelp
+	case "schema":
+		return c.schemaCmd(rest)
+	case "stats":
+		return c.statsCmd(rest)
+	case "dlq":
+		return c.dlqCmd(rest)
+	case "peek":
+		return c.peekCmd(rest)
+	case "publish":
+		return c.publishCmd(rest)
+	case "bind":
+		return c.bindCmd(rest)
+	case "unbind":
+		return c.unbindCmd(rest)
+	}
+	return usagef("", "unknown command %q; the commands are schema, stats, dlq, peek, publish, bind, unbind", cmd)
+}

@@ -1,0 +1,360 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+)
+
+// binary is the pgoutbox command built once by TestMain.
+var binary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "pgoutbox-cli-test")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binary = filepath.Join(dir, "pgoutbox")
+	if out, err := exec.Command("go", "build", "-o", binary, ".").CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "build pgoutbox: %v\n%s", err, out)
+		os.Exit(1)
+	}
+	code := pgoutboxtest.Run(m)
+	_ = os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// cliRun runs the binary with the test outbox's connection flags and
+// returns stdout, stderr and the exit code. stdin is empty (not a
+// terminal).
+func cliRun(t *testing.T, env *pgoutboxtest.Env, args ...string) (string, string, int) {
+	t.Helper()
+	if env != nil {
+		args = append(args, "--dsn", env.DSN, "--schema", env.Schema)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, binary, args...)
+	cmd.Env = cliEnv()
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Run()
+	code := 0
+	var ee *exec.ExitError
+	switch {
+	case errors.As(err, &ee):
+		code = ee.ExitCode()
+	case err != nil:
+		t.Fatalf("run pgoutbox %s: %v", strings.Join(args, " "), err)
+	}
+	return stdout.String(), stderr.String(), code
+}
+
+// cliEnv is the environment without the variables the CLI reads, so the
+// tests' flags decide.
+func cliEnv() []string {
+	var out []string
+	for _, kv := range os.Environ() {
+		if strings.HasPrefix(kv, "PGOUTBOX_") || strings.HasPrefix(kv, "POSTGRES_DSN=") {
+			continue
+		}
+		out = append(out, kv)
+	}
+	return out
+}
+
+func publish(t *testing.T, env *pgoutboxtest.Env, topic string, payloads ...string) {
+	t.Helper()
+	for _, p := range payloads {
+		require.NoError(t, env.Publisher.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte(p))))
+	}
+}
+
+func TestStatsJSON(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env, "orders", "a", "b", "c")
+	publish(t, env, "invoices", "x")
+	out, errOut, code := cliRun(t, env, "stats", "--json")
+	require.Equal(t, 0, code, errOut)
+	var stats []statsJSON
+	require.NoError(t, json.Unmarshal([]byte(out), &stats), out)
+	got := map[string]int64{}
+	for _, s := range stats {
+		got[s.Topic] = s.Ready
+	}
+	require.Equal(t, map[string]int64{"orders": 3, "invoices": 1}, got)
+
+	out, errOut, code = cliRun(t, env, "stats", "--topic", "orders", "--group", "", "--json")
+	require.Equal(t, 0, code, errOut)
+	require.NoError(t, json.Unmarshal([]byte(out), &stats), out)
+	require.Len(t, stats, 1)
+	require.Equal(t, int64(3), stats[0].Ready)
+
+	out, errOut, code = cliRun(t, env, "stats")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "orders")
+}
+
+// deadLetter publishes a message to topic and has the subscriber reject
+// it, so it lands in the dead-letter table.
+func deadLetter(t *testing.T, env *pgoutboxtest.Env, topic, payload string) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	msgs, err := env.Subscriber.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	publish(t, env, topic, payload)
+	select {
+	case m := <-msgs:
+		_ = pgoutbox.Reject(m, "test rejection")
+		m.Nack()
+	case <-time.After(10 * time.Second):
+		t.Fatal("no message to reject")
+	}
+	require.Eventually(t, func() bool {
+		page, err := pgoutbox.DeadLetters(context.Background(), env.Exec(), env.Tables, pgoutbox.DeadLetterFilter{Topic: topic})
+		return err == nil && len(page.Letters) == 1
+	}, 10*time.Second, 20*time.Millisecond)
+}
+
+func TestDLQListShowRequeue(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	deadLetter(t, env, "orders", `{"id":42}`)
+
+	out, errOut, code := cliRun(t, env, "dlq", "list", "--json")
+	require.Equal(t, 0, code, errOut)
+	var list struct {
+		DeadLetters []deadLetterJSON `json:"dead_letters"`
+		More        bool             `json:"more"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &list), out)
+	require.Len(t, list.DeadLetters, 1)
+	d := list.DeadLetters[0]
+	require.Equal(t, "orders", d.Topic)
+	require.Equal(t, "rejected", d.FailureReason)
+	require.NotNil(t, d.Payload)
+	require.Equal(t, `{"id":42}`, *d.Payload)
+	id := fmt.Sprint(d.ID)
+
+	out, errOut, code = cliRun(t, env, "dlq", "show", id)
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `{"id":42}`)
+
+	// Without a terminal and without --yes: refused, nothing moved.
+	_, errOut, code = cliRun(t, env, "dlq", "requeue", "--id", id)
+	require.Equal(t, exitRefused, code)
+	require.Contains(t, errOut, "--yes")
+
+	out, errOut, code = cliRun(t, env, "dlq", "requeue", "--id", id, "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "requeued 1")
+
+	msgs, err := env.Subscriber.Subscribe(t.Context(), "orders")
+	require.NoError(t, err)
+	got := pgoutboxtest.Collect(t, msgs, 1, 10*time.Second) // acks it
+	require.Equal(t, `{"id":42}`, string(got[0].Payload))
+
+	_, errOut, code = cliRun(t, env, "dlq", "show", id)
+	require.Equal(t, exitError, code)
+	require.Contains(t, errOut, "no dead letter with id")
+}
+
+func TestDLQPurge(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	deadLetter(t, env, "orders", "x")
+	_, errOut, code := cliRun(t, env, "dlq", "purge", "--older-than", "0")
+	require.Equal(t, exitRefused, code, errOut)
+	out, errOut, code := cliRun(t, env, "dlq", "purge", "--older-than", "1h", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "purged 0")
+	out, errOut, code = cliRun(t, env, "dlq", "purge", "--older-than", "0", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "purged 1")
+}
+
+func TestPublishPeek(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	out, errOut, code := cliRun(t, env, "publish", "--topic", "orders", "--payload", `{"id":7}`,
+		"--metadata", "source=cli", "--metadata", "k=v=w", "--dedup-key", "order-7", "--json")
+	require.Equal(t, 0, code, errOut)
+	var pub struct {
+		UUID    string `json:"uuid"`
+		Skipped bool   `json:"skipped"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &pub), out)
+	require.False(t, pub.Skipped)
+
+	out, errOut, code = cliRun(t, env, "peek", "--topic", "orders", "--json")
+	require.Equal(t, 0, code, errOut)
+	var peek struct {
+		Messages []pendingJSON `json:"messages"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &peek), out)
+	require.Len(t, peek.Messages, 1)
+	m := peek.Messages[0]
+	require.Equal(t, pub.UUID, m.UUID)
+	require.Equal(t, `{"id":7}`, *m.Payload)
+	require.Equal(t, "cli", m.Metadata["source"])
+	require.Equal(t, "v=w", m.Metadata["k"])
+	require.Equal(t, "order-7", m.DedupKey)
+
+	// The same dedup key again is skipped.
+	out, errOut, code = cliRun(t, env, "publish", "--topic", "orders", "--payload", "again", "--dedup-key", "order-7")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "skipped")
+}
+
+func TestSchemaValidate(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	out, errOut, code := cliRun(t, env, "schema", "validate", "--json")
+	require.Equal(t, 0, code, errOut)
+	require.JSONEq(t, `{"ok":true,"problems":[]}`, out)
+
+	out, _, code = cliRun(t, env, "schema", "validate", "--table", "missing_outbox")
+	require.Equal(t, exitValidation, code)
+	require.Contains(t, out, "missing_outbox is missing")
+}
+
+func TestSchemaSQLAndApply(t *testing.T) {
+	t.Parallel()
+	s := pgoutboxtest.NewSchema(t, pgoutboxtest.Options{})
+	out, errOut, code := cliRun(t, nil, "schema", "sql", "--schema", s.Name)
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "CREATE TABLE")
+	args := []string{"--dsn", s.DSN, "--schema", s.Name}
+	_, _, code = cliRun(t, nil, append([]string{"schema", "validate"}, args...)...)
+	require.Equal(t, exitValidation, code)
+	_, errOut, code = cliRun(t, nil, append([]string{"schema", "apply"}, args...)...)
+	require.Equal(t, 0, code, errOut)
+	_, errOut, code = cliRun(t, nil, append([]string{"schema", "validate"}, args...)...)
+	require.Equal(t, 0, code, errOut)
+}
+
+func TestBindUnbind(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	_, errOut, code := cliRun(t, env, "bind", "--topic", "orders", "--group", "billing")
+	require.Equal(t, 0, code, errOut)
+	publish(t, env, "orders", "a")
+	out, errOut, code := cliRun(t, env, "peek", "--topic", "orders", "--group", "billing", "--json")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `"payload": "a"`)
+
+	_, _, code = cliRun(t, env, "unbind", "--topic", "orders", "--group", "billing", "--purge")
+	require.Equal(t, exitRefused, code)
+	out, errOut, code = cliRun(t, env, "unbind", "--topic", "orders", "--group", "billing", "--purge", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "deleted 1")
+}
+
+func TestUsageErrors(t *testing.T) {
+	t.Parallel()
+	for _, args := range [][]string{
+		{},
+		{"nope"},
+		{"stats", "--bogus"},
+		{"stats", "--group", "g"},
+		{"dlq"},
+		{"dlq", "requeue"},
+		{"dlq", "requeue", "--id", "x"},
+		{"dlq", "purge"},
+		{"dlq", "show"},
+		{"peek"},
+		{"publish", "--payload", "x"},
+		{"schema", "drop"},
+	} {
+		_, errOut, code := cliRun(t, nil, args...)
+		require.Equal(t, exitUsage, code, "%v: %s", args, errOut)
+		require.NotEmpty(t, errOut)
+	}
+	// No database configured.
+	_, errOut, code := cliRun(t, nil, "stats")
+	require.Equal(t, exitUsage, code)
+	require.Contains(t, errOut, "PGOUTBOX_DSN")
+}
+
+func TestHelp(t *testing.T) {
+	t.Parallel()
+	for _, args := range [][]string{
+		{"--help"}, {"schema", "--help"}, {"schema", "sql", "--help"}, {"stats", "--help"}, {"dlq", "--help"},
+		{"dlq", "list", "--help"}, {"dlq", "show", "-h"}, {"dlq", "requeue", "--help"}, {"dlq", "purge", "--help"},
+		{"peek", "--help"}, {"publish", "--help"}, {"bind", "--help"}, {"unbind", "--help"},
+	} {
+		var stdout, stderr bytes.Buffer
+		code := run(args, strings.NewReader(""), &stdout, &stderr)
+		require.Equal(t, 0, code, "%v: %s", args, stderr.String())
+		require.Contains(t, stdout.String(), "Exit codes", "%v", args)
+	}
+}
+
+// TestConfirmTerminal answers the question on a pretend terminal (not
+// parallel: it replaces isTerminal).
+func TestConfirmTerminal(t *testing.T) {
+	prev := isTerminal
+	isTerminal = func(io.Reader) bool { return true }
+	t.Cleanup(func() { isTerminal = prev })
+	for answer, ok := range map[string]bool{"y\n": true, "yes\n": true, "n\n": false, "\n": false, "": false} {
+		var stderr bytes.Buffer
+		c := &cli{stdin: strings.NewReader(answer), stdout: io.Discard, stderr: &stderr}
+		err := c.confirm("dlq purge", "Delete?", false)
+		require.Equal(t, ok, err == nil, "answer %q: %v", answer, err)
+		require.Contains(t, stderr.String(), "Delete? [y/N]")
+		if !ok {
+			require.ErrorIs(t, err, errRefused)
+		}
+	}
+	// A refusal exits with 3 without touching the database.
+	code := run([]string{"dlq", "purge", "--older-than", "0", "--dsn", "postgres://nobody@127.0.0.1:1/x"}, strings.NewReader("n\n"), io.Discard, io.Discard)
+	require.Equal(t, exitRefused, code)
+}
+
+// TestRequeueParked: without a dead-letter table, dlq requeue makes parked
+// rows due again.
+func TestRequeueParked(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{NoDeadLetterTable: true})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	msgs, err := env.Subscriber.Subscribe(ctx, "orders")
+	require.NoError(t, err)
+	publish(t, env, "orders", "p")
+	select {
+	case m := <-msgs:
+		_ = pgoutbox.Reject(m, "test rejection")
+		m.Nack()
+	case <-time.After(10 * time.Second):
+		t.Fatal("no message to reject")
+	}
+	require.Eventually(t, func() bool {
+		rows, err := pgoutbox.Peek(context.Background(), env.Exec(), env.Tables, "orders", "", 10)
+		return err == nil && len(rows) == 1 && rows[0].Parked
+	}, 10*time.Second, 20*time.Millisecond)
+
+	out, errOut, code := cliRun(t, env, "dlq", "requeue", "--no-dlq", "--topic", "orders", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "requeued 1")
+	got := pgoutboxtest.Collect(t, msgs, 1, 10*time.Second) // acks it
+	require.Equal(t, "p", string(got[0].Payload))
+}

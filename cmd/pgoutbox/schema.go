@@ -1,0 +1,137 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+)
+
+const schemaUsage = `Usage:
+  pgoutbox schema sql       print the DDL (idempotent) for your migration tool
+  pgoutbox schema apply     create the tables and indexes (needs DDL rights)
+  pgoutbox schema validate  check the tables, columns and indexes; exit code 4 on problems
+
+Run "pgoutbox schema <sql|apply|validate> --help" for flags.
+`
+
+func (c *cli) schemaCmd(args []string) error {
+	if len(args) == 0 {
+		fmt.Fprint(c.stderr, schemaUsage)
+		return usagef("schema", "missing subcommand: sql, apply or validate")
+	}
+	switch args[0] {
+	case "-h", "-help", "--help", "help":
+		fmt.Fprint(c.stdout, schemaUsage+"\n"+exitCodesHelp)
+		return errHelp
+	case "sql":
+		return c.schemaSQL(args[1:])
+	case "apply":
+		return c.schemaApply(args[1:])
+	case "validate":
+		return c.schemaValidate(args[1:])
+	}
+	return usagef("schema", "unknown subcommand %q; use sql, apply or validate", args[0])
+}
+
+func (c *cli) schemaSQL(args []string) error {
+	cmd := c.newCommand("schema sql", "schema sql [--schema S] [--table T] [--dlq-table D | --no-dlq]",
+		"  pgoutbox schema sql > migrations/0001_outbox.up.sql\n  pgoutbox schema sql --schema app --table events\n", false)
+	pos, err := cmd.parse(args)
+	if err != nil {
+		return err
+	}
+	if err := cmd.noArgs(pos); err != nil {
+		return err
+	}
+	t, err := cmd.tables()
+	if err != nil {
+		return err
+	}
+	ddl, err := schema.SQL(t)
+	if err != nil {
+		return err
+	}
+	_, err = fmt.Fprintln(c.stdout, ddl)
+	return err
+}
+
+func (c *cli) schemaApply(args []string) error {
+	cmd := c.newCommand("schema apply", "schema apply [connection flags]",
+		"  pgoutbox schema apply --dsn postgres://admin@db/app\n", false)
+	pos, err := cmd.parse(args)
+	if err != nil {
+		return err
+	}
+	if err := cmd.noArgs(pos); err != nil {
+		return err
+	}
+	t, err := cmd.tables()
+	if err != nil {
+		return err
+	}
+	ctx := context.Background()
+	pool, exec, err := cmd.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := schema.Create(ctx, exec, t); err != nil {
+		return fmt.Errorf("%w (the role needs CREATE on the schema; or apply \"pgoutbox schema sql\" with your migration tool)", err)
+	}
+	t = t.WithDefaults()
+	fmt.Fprintf(c.stdout, "schema applied: %s.%s", t.Schema, t.Table)
+	if !t.NoDeadLetterTable {
+		fmt.Fprintf(c.stdout, " and %s.%s", t.Schema, t.DeadLetterTable)
+	}
+	fmt.Fprintln(c.stdout)
+	return nil
+}
+
+func (c *cli) schemaValidate(args []string) error {
+	cmd := c.newCommand("schema validate", "schema validate [--json] [connection flags]",
+		"  pgoutbox schema validate && echo ok\n  pgoutbox schema validate --json\n", true)
+	pos, err := cmd.parse(args)
+	if err != nil {
+		return err
+	}
+	if err := cmd.noArgs(pos); err != nil {
+		return err
+	}
+	t, err := cmd.tables()
+	if err != nil {
+		return err
+	}
+	ctx := context.Background()
+	pool, exec, err := cmd.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	err = schema.Validate(ctx, exec, t)
+	var ve *schema.ValidationError
+	if err != nil && !errors.As(err, &ve) {
+		return err
+	}
+	problems := []string{}
+	if ve != nil {
+		problems = ve.Problems
+	}
+	if cmd.json {
+		if err := writeJSON(c.stdout, map[string]any{"ok": len(problems) == 0, "problems": problems}); err != nil {
+			return err
+		}
+	} else if len(problems) == 0 {
+		fmt.Fprintln(c.stdout, "schema ok")
+	} else {
+		for _, p := range problems {
+			fmt.Fprintf(c.stdout, "problem: %s\n", p)
+		}
+		fmt.Fprintln(c.stderr, `pgoutbox: the schema does not match; run "pgoutbox schema apply", or apply "pgoutbox schema sql" with your migration tool`)
+	}
+	if len(problems) > 0 {
+		return &problemsError{n: len(problems)}
+	}
+	return nil
+}

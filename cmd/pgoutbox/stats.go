@@ -1,0 +1,151 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"maps"
+	"os"
+	"os/signal"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+const statsExamples = `  pgoutbox stats
+  pgoutbox stats --topic orders.placed --group billing
+  pgoutbox stats --watch --interval 5s
+  pgoutbox stats --json | jq '.[] | select(.ready > 1000)'
+`
+
+// statsJSON is one row of stats --json.
+type statsJSON struct {
+	Topic                string           `json:"topic"`
+	ConsumerGroup        string           `json:"consumer_group"`
+	Ready                int64            `json:"ready"`
+	Scheduled            int64            `json:"scheduled"`
+	Leased               int64            `json:"leased"`
+	ExpiredLeases        int64            `json:"expired_leases"`
+	Parked               int64            `json:"parked"`
+	OldestReadyAgeSecond float64          `json:"oldest_ready_age_seconds"`
+	DeadLetters          map[string]int64 `json:"dead_letters"`
+	DeadLettersTotal     int64            `json:"dead_letters_total"`
+}
+
+func (c *cli) statsCmd(args []string) error {
+	cmd := c.newCommand("stats", "stats [--topic T [--group G]] [--watch [--interval 2s]] [--json]", statsExamples, true)
+	topic := cmd.fs.String("topic", "", "only this topic")
+	var group optString
+	cmd.fs.Var(&group, "group", "only this consumer group (\"\" is the default group); needs --topic")
+	watch := cmd.fs.Bool("watch", false, "redraw a live table until Ctrl-C")
+	interval := cmd.fs.Duration("interval", 2*time.Second, "refresh interval of --watch")
+	pos, err := cmd.parse(args)
+	if err != nil {
+		return err
+	}
+	if err := cmd.noArgs(pos); err != nil {
+		return err
+	}
+	var opts []pgoutbox.StatsOption
+	switch {
+	case group.set && *topic == "":
+		return usagef(cmd.name, "--group needs --topic (stats are per topic and group)")
+	case group.set:
+		opts = append(opts, pgoutbox.StatsForGroup(*topic, group.value))
+	case *topic != "":
+		opts = append(opts, pgoutbox.StatsForTopic(*topic))
+	}
+	if *watch && cmd.json {
+		return usagef(cmd.name, "--watch and --json do not go together; poll \"stats --json\" from your script instead")
+	}
+	if *interval < 100*time.Millisecond {
+		return usagef(cmd.name, "--interval %s is too short; use 100ms or more", *interval)
+	}
+	tables, err := cmd.tables()
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	pool, exec, err := cmd.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if !*watch {
+		stats, err := pgoutbox.Stats(ctx, exec, tables, opts...)
+		if err != nil {
+			return err
+		}
+		if cmd.json {
+			return writeJSON(c.stdout, statsToJSON(stats))
+		}
+		printStats(c.stdout, stats)
+		return nil
+	}
+	tick := time.NewTicker(*interval)
+	defer tick.Stop()
+	for {
+		stats, err := pgoutbox.Stats(ctx, exec, tables, opts...)
+		if ctx.Err() != nil {
+			return nil // Ctrl-C
+		}
+		// Clear the screen and home the cursor, then draw.
+		fmt.Fprint(c.stdout, "\033[H\033[2J")
+		fmt.Fprintf(c.stdout, "pgoutbox stats  %s  every %s  (Ctrl-C to stop)\n\n", time.Now().Format("15:04:05"), *interval)
+		if err != nil {
+			fmt.Fprintf(c.stdout, "error: %v (retrying)\n", err)
+		} else {
+			printStats(c.stdout, stats)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+	}
+}
+
+func statsToJSON(stats []pgoutbox.QueueStats) []statsJSON {
+	out := make([]statsJSON, 0, len(stats))
+	for _, s := range stats {
+		j := statsJSON{
+			Topic: s.Topic, ConsumerGroup: s.ConsumerGroup, Ready: s.Ready, Scheduled: s.Scheduled,
+			Leased: s.Leased, ExpiredLeases: s.ExpiredLeases, Parked: s.Parked,
+			OldestReadyAgeSecond: s.OldestReadyAge.Seconds(), DeadLetters: s.DeadLetters,
+		}
+		if j.DeadLetters == nil {
+			j.DeadLetters = map[string]int64{}
+		}
+		for _, n := range j.DeadLetters {
+			j.DeadLettersTotal += n
+		}
+		out = append(out, j)
+	}
+	return out
+}
+
+func printStats(w io.Writer, stats []pgoutbox.QueueStats) {
+	if len(stats) == 0 {
+		fmt.Fprintln(w, "no messages and no bound groups")
+		return
+	}
+	tw := newTable(w)
+	fmt.Fprintln(tw, "TOPIC\tGROUP\tREADY\tSCHEDULED\tLEASED\tEXPIRED\tPARKED\tOLDEST READY\tDEAD LETTERS")
+	for _, s := range stats {
+		dl := "-"
+		if len(s.DeadLetters) > 0 {
+			var parts []string
+			for _, r := range slices.Sorted(maps.Keys(s.DeadLetters)) {
+				parts = append(parts, fmt.Sprintf("%s=%d", r, s.DeadLetters[r]))
+			}
+			dl = strings.Join(parts, " ")
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\n", s.Topic, groupName(s.ConsumerGroup),
+			s.Ready, s.Scheduled, s.Leased, s.ExpiredLeases, s.Parked, age(s.OldestReadyAge), dl)
+	}
+	tw.Flush()
+}

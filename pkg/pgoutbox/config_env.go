@@ -1,0 +1,243 @@
+package pgoutbox
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// SubscriberConfigFromEnv reads a SubscriberConfig from environment
+// variables named prefix + "_" + NAME (prefix "PGOUTBOX" reads
+// PGOUTBOX_LEASE; an empty prefix reads LEASE). It is opt-in: nothing else
+// in pgoutbox reads the environment. An unset or empty variable leaves the
+// field at its default. The variables:
+//
+//	SCHEMA, TABLE, DLQ_TABLE      Tables.Schema, Table, DeadLetterTable (identifiers)
+//	NO_DLQ                        Tables.NoDeadLetterTable (bool: true, false, 1, 0)
+//	CONSUMER_GROUP                ConsumerGroup
+//	MAX_IN_FLIGHT                 MaxInFlight (integer)
+//	LEASE                         Lease (Go duration: 30s, 1m30s)
+//	MIN_POLL_INTERVAL             MinPollInterval (Go duration)
+//	MAX_POLL_INTERVAL             MaxPollInterval (Go duration)
+//	STATEMENT_TIMEOUT             StatementTimeout (Go duration)
+//	DRAIN_TIMEOUT                 DrainTimeout (Go duration, or -1)
+//	ACK_DEADLINE                  AckDeadline (Go duration, or -1)
+//	MAX_DELIVERIES                MaxDeliveries (integer, 0 for no limit)
+//	SYNCHRONOUS_COMMIT            SynchronousCommit (bool)
+//	WORKER_ID                     WorkerID
+//	AUTO_INITIALIZE_SCHEMA        AutoInitializeSchema (bool)
+//	RETRY_MAX_ATTEMPTS            } any of these sets RetryPolicy to an
+//	RETRY_INITIAL_INTERVAL        } ExponentialBackoff with these fields
+//	RETRY_MAX_INTERVAL            } (integer, -1 for forever; durations;
+//	RETRY_MULTIPLIER              } a number above 0; a number from 0 to 1,
+//	RETRY_JITTER                  } or -1 for none); unset ones default
+//
+// RetryPolicy (beyond the above), Observer and other func or interface
+// fields are left for code to set. A present but invalid value is an
+// error naming the variable and the format it expects; all of them are
+// reported at once (errors.Join, matching ErrInvalidConfig). When every
+// value parses, the result is checked with Validate, whose error is
+// returned.
+func SubscriberConfigFromEnv(prefix string) (SubscriberConfig, error) {
+	return subscriberConfigFromLookup(prefix, os.LookupEnv)
+}
+
+// PublisherConfigFromEnv reads a PublisherConfig from environment
+// variables named prefix + "_" + NAME, like SubscriberConfigFromEnv. An
+// unset or empty variable leaves the field at its default. The variables:
+//
+//	SCHEMA, TABLE, DLQ_TABLE      Tables.Schema, Table, DeadLetterTable (identifiers)
+//	NO_DLQ                        Tables.NoDeadLetterTable (bool)
+//	STATEMENT_TIMEOUT             StatementTimeout (Go duration: 10s)
+//	NOTIFY_COOLDOWN               NotifyCooldown (Go duration, or -1)
+//	MAX_PAYLOAD_BYTES             MaxPayloadBytes (integer, or -1 for no limit)
+//
+// Observer and GenerateOrderingKey are left for code to set. Invalid
+// values are reported together, each naming its variable and the format
+// it expects; then the result is checked with Validate.
+func PublisherConfigFromEnv(prefix string) (PublisherConfig, error) {
+	return publisherConfigFromLookup(prefix, os.LookupEnv)
+}
+
+// envReader reads prefixed variables and collects the problems.
+type envReader struct {
+	prefix string
+	lookup func(string) (string, bool)
+	errs   []error
+}
+
+func newEnvReader(prefix string, lookup func(string) (string, bool)) *envReader {
+	if prefix != "" && !strings.HasSuffix(prefix, "_") {
+		prefix += "_"
+	}
+	return &envReader{prefix: prefix, lookup: lookup}
+}
+
+// get returns the variable's value and whether it is set and not empty.
+func (r *envReader) get(name string) (string, string, bool) {
+	key := r.prefix + name
+	v, ok := r.lookup(key)
+	v = strings.TrimSpace(v)
+	return key, v, ok && v != ""
+}
+
+func (r *envReader) fail(key, value, format string) {
+	r.errs = append(r.errs, fmt.Errorf("%w: %s=%q is not valid; use %s", ErrInvalidConfig, key, value, format))
+}
+
+func (r *envReader) str(name string, dst *string) bool {
+	_, v, ok := r.get(name)
+	if ok {
+		*dst = v
+	}
+	return ok
+}
+
+func (r *envReader) boolean(name string, dst *bool) {
+	key, v, ok := r.get(name)
+	if !ok {
+		return
+	}
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		r.fail(key, v, "true or false (or 1, 0)")
+		return
+	}
+	*dst = b
+}
+
+func (r *envReader) integer(name string, dst *int, format string) bool {
+	key, v, ok := r.get(name)
+	if !ok {
+		return false
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil {
+		r.fail(key, v, format)
+		return false
+	}
+	*dst = n
+	return true
+}
+
+func (r *envReader) float(name string, dst *float64, format string) bool {
+	key, v, ok := r.get(name)
+	if !ok {
+		return false
+	}
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil || math.IsNaN(f) || math.IsInf(f, 0) {
+		r.fail(key, v, format)
+		return false
+	}
+	*dst = f
+	return true
+}
+
+// duration reads a Go duration; minusOne also accepts "-1" (the special
+// value of some fields), stored as -1.
+func (r *envReader) duration(name string, dst *time.Duration, minusOne string) bool {
+	key, v, ok := r.get(name)
+	if !ok {
+		return false
+	}
+	if minusOne != "" && v == "-1" {
+		*dst = -1
+		return true
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d < 0 {
+		format := "a positive Go duration such as 30s, 500ms or 1m30s"
+		if minusOne != "" {
+			format += ", or -1 " + minusOne
+		}
+		r.fail(key, v, format)
+		return false
+	}
+	*dst = d
+	return true
+}
+
+func (r *envReader) err() error { return errors.Join(r.errs...) }
+
+func (r *envReader) tables(c *SubscriberConfig) {
+	r.str("SCHEMA", &c.Tables.Schema)
+	r.str("TABLE", &c.Tables.Table)
+	r.str("DLQ_TABLE", &c.Tables.DeadLetterTable)
+	r.boolean("NO_DLQ", &c.Tables.NoDeadLetterTable)
+}
+
+func subscriberConfigFromLookup(prefix string, lookup func(string) (string, bool)) (SubscriberConfig, error) {
+	r := newEnvReader(prefix, lookup)
+	var c SubscriberConfig
+	r.tables(&c)
+	r.str("CONSUMER_GROUP", &c.ConsumerGroup)
+	r.integer("MAX_IN_FLIGHT", &c.MaxInFlight, "a whole number, at least 1")
+	r.duration("LEASE", &c.Lease, "")
+	r.duration("MIN_POLL_INTERVAL", &c.MinPollInterval, "")
+	r.duration("MAX_POLL_INTERVAL", &c.MaxPollInterval, "")
+	r.duration("STATEMENT_TIMEOUT", &c.StatementTimeout, "")
+	r.duration("DRAIN_TIMEOUT", &c.DrainTimeout, "to release in-flight rows without waiting")
+	r.duration("ACK_DEADLINE", &c.AckDeadline, "for no deadline")
+	r.integer("MAX_DELIVERIES", &c.MaxDeliveries, "a whole number, 0 for no limit")
+	r.boolean("SYNCHRONOUS_COMMIT", &c.SynchronousCommit)
+	r.str("WORKER_ID", &c.WorkerID)
+	r.boolean("AUTO_INITIALIZE_SCHEMA", &c.AutoInitializeSchema)
+
+	var b ExponentialBackoff
+	retry := false
+	if r.integer("RETRY_MAX_ATTEMPTS", &b.MaxAttempts, "a whole number of deliveries, at least 1, or -1 to retry forever") {
+		retry = true
+		if b.MaxAttempts < 1 && b.MaxAttempts != -1 {
+			_, v, _ := r.get("RETRY_MAX_ATTEMPTS")
+			r.fail(r.prefix+"RETRY_MAX_ATTEMPTS", v, "a whole number of deliveries, at least 1, or -1 to retry forever")
+		}
+	}
+	retry = r.duration("RETRY_INITIAL_INTERVAL", &b.InitialInterval, "") || retry
+	retry = r.duration("RETRY_MAX_INTERVAL", &b.MaxInterval, "") || retry
+	if r.float("RETRY_MULTIPLIER", &b.Multiplier, "a number greater than 0, such as 2 or 1.5") {
+		retry = true
+		if b.Multiplier <= 0 {
+			_, v, _ := r.get("RETRY_MULTIPLIER")
+			r.fail(r.prefix+"RETRY_MULTIPLIER", v, "a number greater than 0, such as 2 or 1.5")
+		}
+	}
+	if r.float("RETRY_JITTER", &b.Jitter, "a number from 0 to 1 (0.2 spreads delays by ±20%), or -1 for none") {
+		retry = true
+		if (b.Jitter < 0 || b.Jitter > 1) && b.Jitter != -1 {
+			_, v, _ := r.get("RETRY_JITTER")
+			r.fail(r.prefix+"RETRY_JITTER", v, "a number from 0 to 1 (0.2 spreads delays by ±20%), or -1 for none")
+		}
+	}
+	if retry {
+		c.RetryPolicy = b
+	}
+	if err := r.err(); err != nil {
+		return SubscriberConfig{}, err
+	}
+	if err := c.Validate(); err != nil {
+		return SubscriberConfig{}, fmt.Errorf("the %s* variables: %w", r.prefix, err)
+	}
+	return c, nil
+}
+
+func publisherConfigFromLookup(prefix string, lookup func(string) (string, bool)) (PublisherConfig, error) {
+	r := newEnvReader(prefix, lookup)
+	var sc SubscriberConfig
+	r.tables(&sc)
+	c := PublisherConfig{Tables: sc.Tables}
+	r.duration("STATEMENT_TIMEOUT", &c.StatementTimeout, "")
+	r.duration("NOTIFY_COOLDOWN", &c.NotifyCooldown, "to notify in every Publish")
+	r.integer("MAX_PAYLOAD_BYTES", &c.MaxPayloadBytes, "a whole number of bytes, or -1 for no limit")
+	if err := r.err(); err != nil {
+		return PublisherConfig{}, err
+	}
+	if err := c.Validate(); err != nil {
+		return PublisherConfig{}, fmt.Errorf("the %s* variables: %w", r.prefix, err)
+	}
+	return c, nil
+}

@@ -138,8 +138,8 @@ type claimScan struct {
 // saw a sign of ordering keys: a keyed row, an ended key, a slow claim.
 const keyedFor = 10 * time.Second
 
-// slowClaim marks a fast claim that may have walked rows held back by
-// their keys: the next claims use a window.
+// slowClaim marks a fast claim that, when it also came back short, may
+// have walked rows held back by their keys: the next claims use a window.
 const slowClaim = 50 * time.Millisecond
 
 // minScanWindow is the least number of ready rows a claim reads: room for
@@ -189,7 +189,9 @@ func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 // schedules the next scan from the start.
 func (c *claimScan) claimed(r claimResult) {
 	now := r.req.sent
-	keyed := r.took >= slowClaim
+	// A slow claim that came back short may have walked rows held back by
+	// their keys; a slow full one only met a cold cache or a busy server.
+	keyed := r.took >= slowClaim && len(r.rows) < r.req.n
 	for _, d := range r.rows {
 		keyed = keyed || d.orderingKey != ""
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -193,4 +194,62 @@ func (b *lockedBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()
+}
+
+// With ListenDSN, a direct connection for LISTEN, a subscriber whose pool
+// goes through PgBouncer is woken by notifications again: with polling set
+// to 30 s, a message published through PgBouncer arrives long before the
+// next poll could have found it.
+func TestPgBouncerListenDSNBringsWakeUpsBack(t *testing.T) {
+	env := pgoutboxtest.PubSub(t)
+	bouncerDSN := startPgBouncer(t, env.DSN)
+	cfg, err := pgxpool.ParseConfig(bouncerDSN)
+	require.NoError(t, err)
+	cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+	ctx := context.Background()
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+
+	// The direct connection carries a name of its own, to find it.
+	listenName := "pgoutbox-listen-" + env.Schema
+	u, err := url.Parse(env.DSN)
+	require.NoError(t, err)
+	q := u.Query()
+	q.Set("application_name", listenName)
+	u.RawQuery = q.Encode()
+	ev := newEvents()
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{
+		Tables:          env.Tables,
+		ListenDSN:       u.String(),
+		Observer:        ev,
+		Lease:           time.Minute,
+		MinPollInterval: 30 * time.Second,
+		MaxPollInterval: 30 * time.Second,
+	}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	msgs, err := sub.Subscribe(ctx, "orders")
+	require.NoError(t, err)
+	// The first claim (at start) finds nothing, and so does the one after
+	// the LISTEN connection is up (a connect wakes every loop); then the
+	// loop sleeps for the poll interval unless a notification wakes it.
+	pollUntil(t, "the subscription is listening and idle", 10*time.Second, nil, func() bool {
+		return ev.countKind(pgoutbox.EventClaimed) >= 2
+	})
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: env.Tables}, nil)
+	require.NoError(t, err)
+	msg := message.NewMessage(watermill.NewUUID(), []byte("wake up"))
+	require.NoError(t, pub.Publish("orders", msg))
+	got := pgoutboxtest.Collect(t, msgs, 1, 15*time.Second) // a poll would take 30 s
+	require.Equal(t, msg.UUID, got[0].UUID)
+	// The LISTEN connection, holder of the liveness lock, is the direct one.
+	var direct int
+	require.NoError(t, env.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+		WHERE a.application_name = $1 AND l.locktype = 'advisory' AND l.classid = $2`, listenName, query.LivenessClass).Scan(&direct))
+	require.Equal(t, 1, direct, "the liveness lock is held on the ListenDSN connection")
+
+	_, err = pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: env.Tables, ListenDSN: "postgres://%%bad"}, nil)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.Contains(t, err.Error(), "ListenDSN")
 }

@@ -36,12 +36,21 @@ import (
 
 var (
 	registryMu sync.Mutex
-	registry   = map[*pgxpool.Pool]*Notifier{}
+	registry   = map[registryKey]*Notifier{}
 )
+
+// registryKey identifies a shared notifier: its pool and, when set, the
+// connection string of its LISTEN connection.
+type registryKey struct {
+	pool   *pgxpool.Pool
+	listen string
+}
 
 // Notifier owns the LISTEN connection of one pool.
 type Notifier struct {
+	key    registryKey
 	pool   *pgxpool.Pool
+	listen *pgx.ConnConfig // nil: the pool's settings
 	logger watermill.LoggerAdapter
 
 	mu      sync.Mutex
@@ -103,12 +112,27 @@ func (w *Waiter) Take() Kinds {
 // Acquire returns the pool's notifier, starting it on first use. Every
 // Acquire must be paired with a Release.
 func Acquire(pool *pgxpool.Pool, logger watermill.LoggerAdapter) *Notifier {
+	return AcquireListen(pool, nil, logger)
+}
+
+// AcquireListen is Acquire with the LISTEN connection made with listen
+// instead of the pool's settings (nil: the pool's): a direct connection
+// where the pool goes through a pooler in transaction mode, on which
+// LISTEN and session locks do not work. Notifiers are shared per pool and
+// listen settings.
+func AcquireListen(pool *pgxpool.Pool, listen *pgx.ConnConfig, logger watermill.LoggerAdapter) *Notifier {
 	registryMu.Lock()
 	defer registryMu.Unlock()
-	n := registry[pool]
+	key := registryKey{pool: pool}
+	if listen != nil {
+		key.listen = listen.ConnString()
+	}
+	n := registry[key]
 	if n == nil {
 		ctx, cancel := context.WithCancel(context.Background())
 		n = &Notifier{
+			key:     key,
+			listen:  listen,
 			pool:    pool,
 			logger:  logger.With(watermill.LogFields{"component": "pgoutbox_notifier"}),
 			waiters: map[string]map[string]map[*Waiter]struct{}{},
@@ -117,7 +141,7 @@ func Acquire(pool *pgxpool.Pool, logger watermill.LoggerAdapter) *Notifier {
 			cancel:  cancel,
 			done:    make(chan struct{}),
 		}
-		registry[pool] = n
+		registry[key] = n
 		go n.run(ctx)
 	}
 	n.refs++
@@ -130,7 +154,7 @@ func (n *Notifier) Release() {
 	n.refs--
 	last := n.refs == 0
 	if last {
-		delete(registry, n.pool)
+		delete(registry, n.key)
 	}
 	registryMu.Unlock()
 	if last {
@@ -377,6 +401,9 @@ func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn) error {
 // session runs one LISTEN connection until it fails or ctx ends.
 func (n *Notifier) session(ctx context.Context, connected func()) error {
 	cfg := n.pool.Config().ConnConfig.Copy()
+	if n.listen != nil {
+		cfg = n.listen.Copy()
+	}
 	// The wait for notifications is interrupted every LivenessEvery: by a
 	// deadline on the socket, not by a cancel request (a new connection
 	// each time), whatever the pool's connections use.

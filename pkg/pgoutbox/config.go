@@ -3,14 +3,15 @@ package pgoutbox
 import (
 	"errors"
 	"fmt"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"os"
 	"strings"
 	"time"
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
@@ -211,6 +212,15 @@ type SubscriberConfig struct {
 	// Set it to true if you want no redelivery from a server crash.
 	SynchronousCommit bool
 
+	// ListenDSN is a direct connection string for the subscriber's LISTEN
+	// connection, which also holds its liveness lock. Set it when the pool
+	// goes through a pooler in transaction mode (PgBouncer): there LISTEN
+	// never hears a notification and session locks do not stay put, so
+	// without it wake-ups come only from polling (MaxPollInterval) and a
+	// crashed process's rows come back only when their leases expire.
+	// Defaults to "": the pool's own settings.
+	ListenDSN string
+
 	// WorkerID names this process in the leased_by column, for operators.
 	// Defaults to "host:pid:short-uuid". At most 255 bytes of valid UTF-8,
 	// without control characters.
@@ -283,6 +293,11 @@ func (c SubscriberConfig) Validate() error {
 	}
 	if c.MaxInFlight < 1 {
 		add("MaxInFlight is %d; it must be at least 1 (1 delivers one message at a time)", c.MaxInFlight)
+	}
+	if c.ListenDSN != "" {
+		if _, err := pgx.ParseConfig(c.ListenDSN); err != nil {
+			add("ListenDSN is not a valid connection string (%v); give a postgres:// URL or key=value DSN of a direct connection to the server", err)
+		}
 	}
 	leaseOK := c.Lease >= time.Second
 	if !leaseOK {

@@ -12,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -32,6 +33,7 @@ import (
 // connection) leads to redelivery.
 type Subscriber struct {
 	pool   *pgxpool.Pool
+	listen *pgx.ConnConfig // SubscriberConfig.ListenDSN, nil when unset
 	cfg    SubscriberConfig
 	q      *query.Queries
 	logger watermill.LoggerAdapter
@@ -73,7 +75,12 @@ func NewSubscriber(pool *pgxpool.Pool, config SubscriberConfig, logger watermill
 		return nil, err
 	}
 	logger = logger.With(watermill.LogFields{"subscriber": config.WorkerID})
+	var listen *pgx.ConnConfig
+	if config.ListenDSN != "" {
+		listen, _ = pgx.ParseConfig(config.ListenDSN) // Validate parsed it
+	}
 	return &Subscriber{
+		listen:  listen,
 		pool:    pool,
 		cfg:     config,
 		q:       q,
@@ -106,7 +113,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, fmt.Errorf("%w; create a new subscriber", ErrSubscriberClosed)
 	}
 	if s.notifier == nil {
-		s.notifier = notifier.Acquire(s.pool, s.logger)
+		s.notifier = notifier.AcquireListen(s.pool, s.listen, s.logger)
 	}
 	s.subs.Add(1)
 	waiter := s.notifier.Listen(s.q.Names.Channel, topic, s.cfg.ConsumerGroup)

@@ -29,6 +29,7 @@ import (
 //	MAX_DELIVERIES                MaxDeliveries (integer, 0 for no limit)
 //	SYNCHRONOUS_COMMIT            SynchronousCommit (bool)
 //	WORKER_ID                     WorkerID
+//	LISTEN_DSN                    ListenDSN
 //	AUTO_INITIALIZE_SCHEMA        AutoInitializeSchema (bool)
 //	RETRY_MAX_ATTEMPTS            } any of these sets RetryPolicy to an
 //	RETRY_INITIAL_INTERVAL        } ExponentialBackoff with these fields
@@ -186,6 +187,7 @@ func subscriberConfigFromLookup(prefix string, lookup func(string) (string, bool
 	r.integer("MAX_DELIVERIES", &c.MaxDeliveries, "a whole number, 0 for no limit")
 	r.boolean("SYNCHRONOUS_COMMIT", &c.SynchronousCommit)
 	r.str("WORKER_ID", &c.WorkerID)
+	r.str("LISTEN_DSN", &c.ListenDSN)
 	r.boolean("AUTO_INITIALIZE_SCHEMA", &c.AutoInitializeSchema)
 
 	var b ExponentialBackoff

@@ -35,6 +35,7 @@ func TestSubscriberConfigFromEnv(t *testing.T) {
 		"APP_MAX_DELIVERIES":         "20",
 		"APP_SYNCHRONOUS_COMMIT":     "true",
 		"APP_WORKER_ID":              "worker-1",
+		"APP_LISTEN_DSN":             "postgres://direct:5432/app",
 		"APP_AUTO_INITIALIZE_SCHEMA": "1",
 		"APP_RETRY_MAX_ATTEMPTS":     "5",
 		"APP_RETRY_INITIAL_INTERVAL": "200ms",
@@ -49,7 +50,7 @@ func TestSubscriberConfigFromEnv(t *testing.T) {
 		ConsumerGroup: "billing", MaxInFlight: 16, Lease: time.Minute,
 		MinPollInterval: 50 * time.Millisecond, MaxPollInterval: 2 * time.Second, StatementTimeout: 5 * time.Second,
 		DrainTimeout: -1, AckDeadline: 2 * time.Minute, MaxDeliveries: 20, SynchronousCommit: true,
-		WorkerID: "worker-1", AutoInitializeSchema: true,
+		WorkerID: "worker-1", ListenDSN: "postgres://direct:5432/app", AutoInitializeSchema: true,
 		RetryPolicy: ExponentialBackoff{MaxAttempts: 5, InitialInterval: 200 * time.Millisecond, MaxInterval: time.Minute, Multiplier: 1.5, Jitter: -1},
 	}, c)
 }

@@ -243,3 +243,23 @@ func publisherConfigFromLookup(prefix string, lookup func(string) (string, bool)
 	}
 	return c, nil
 }
+
+// EnvConfig is what ConfigFromEnv reads: the configurations of a
+// service's publisher and subscriber, which share the table names.
+type EnvConfig struct {
+	Publisher  PublisherConfig
+	Subscriber SubscriberConfig
+}
+
+// ConfigFromEnv reads both configurations from the variables named prefix
+// + "_" + NAME: SubscriberConfigFromEnv's and PublisherConfigFromEnv's
+// (the table variables and STATEMENT_TIMEOUT apply to both). It reports
+// the problems of both at once.
+func ConfigFromEnv(prefix string) (EnvConfig, error) {
+	sub, subErr := SubscriberConfigFromEnv(prefix)
+	pub, pubErr := PublisherConfigFromEnv(prefix)
+	if err := errors.Join(subErr, pubErr); err != nil {
+		return EnvConfig{}, err
+	}
+	return EnvConfig{Publisher: pub, Subscriber: sub}, nil
+}

@@ -289,3 +289,106 @@ func TestGenerateOrderingKey(t *testing.T) {
 	require.Equal(t, "t/42", m.Metadata.Get(pgoutbox.OrderingKeyMetadataKey))
 	m.Ack()
 }
+
+func keyedMsg(key, payload string) *message.Message {
+	m := newMsg(payload)
+	pgoutbox.WithOrderingKey(m, key)
+	return m
+}
+
+// Ids are given at insert, commits come in any order: a message of a key
+// committed after a later one of its key was delivered must wait for it,
+// not run beside it.
+func TestOrderingKeyLateCommitWaitsForTheKeysMessageInFlight(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	t1, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = t1.Rollback(ctx) }()
+	p1, err := pgoutbox.NewPublisher(tx.FromPgxTx(t1), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	require.NoError(t, p1.Publish("t", keyedMsg("k", "first id, commits last")))
+	require.NoError(t, b.poolPublisher(t).Publish("t", keyedMsg("k", "second id, commits first")))
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4; c.Observer = ev })
+	ch, err := sub.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	m1 := receive(t, ch, 10*time.Second)
+	require.Equal(t, "second id, commits first", string(m1.Payload))
+	require.NoError(t, t1.Commit(ctx))
+	// Claims after the commit see the late row and must leave it.
+	before := ev.countKind(pgoutbox.EventClaimed)
+	require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("unkeyed"))) // wakes the loop: a claim runs
+	require.Equal(t, "unkeyed", string(receive(t, ch, 10*time.Second).Payload))
+	require.Greater(t, ev.countKind(pgoutbox.EventClaimed), before)
+	requireNothing(t, ch, 300*time.Millisecond)
+	m1.Ack()
+	require.Equal(t, "first id, commits last", string(receive(t, ch, 10*time.Second).Payload))
+}
+
+// A requeued dead letter of a key whose next message is in flight waits
+// for it, then runs before the key's later messages.
+func TestOrderingKeyRequeuedDeadLetterWaitsForTheKeysMessageInFlight(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	require.NoError(t, b.poolPublisher(t).Publish("t", keyedMsg("k", "a1"), keyedMsg("k", "a2"), keyedMsg("k", "a3")))
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.MaxInFlight = 4
+		c.RetryPolicy = pgoutbox.ConstantBackoff{MaxAttempts: 1}
+	})
+	ch, err := sub.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	m := receive(t, ch, 10*time.Second)
+	require.Equal(t, "a1", string(m.Payload))
+	m.Nack() // dead-lettered: the key moves on
+	m2 := receive(t, ch, 10*time.Second)
+	require.Equal(t, "a2", string(m2.Payload))
+	n, err := pgoutbox.RequeueDeadLettersMatching(ctx, tx.FromPgxPool(b.Pool), b.tables, pgoutbox.DeadLetterFilter{})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	requireNothing(t, ch, 300*time.Millisecond)
+	m2.Ack()
+	require.Equal(t, "a1", string(receive(t, ch, 10*time.Second).Payload), "the requeued message, at the front of its key")
+}
+
+// A head nacked with a delay sorts behind its own backlog once due, and
+// other keys keep flowing meanwhile: the windowed pass must still reach it.
+func TestOrderingKeyDelayedRetryBehindABacklogIsReached(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	_, err := b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, ordering_key)
+		SELECT 't', gen_random_uuid()::text, convert_to('k' || g, 'UTF8'), 'k' FROM generate_series(0, 20000) g`)
+	require.NoError(t, err)
+	_, err = b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, ordering_key)
+		SELECT 't', gen_random_uuid()::text, convert_to('hot', 'UTF8'), 'hot' FROM generate_series(1, 3000)`)
+	require.NoError(t, err)
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.MaxInFlight = 4
+		c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 200 * time.Millisecond, MaxAttempts: -1}
+	})
+	ch, err := sub.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	nacked := false
+	deadline := time.After(30 * time.Second)
+	for {
+		select {
+		case m := <-ch:
+			if string(m.Payload) == "k0" {
+				if !nacked {
+					nacked = true
+					m.Nack()
+					continue
+				}
+				m.Ack()
+				return
+			}
+			m.Ack()
+		case <-deadline:
+			t.Fatalf("k0, nacked with a 200 ms delay (nacked: %v), never came back while key hot flowed", nacked)
+		}
+	}
+}

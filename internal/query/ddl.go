@@ -84,7 +84,7 @@ type Index struct {
 
 // Indexes lists the indexes of the outbox (and dead-letter table, if any).
 func (n Names) Indexes() []Index {
-	idx := []Index{{n.Table, n.ReadyIdx}, {n.Table, n.LeaseIdx}, {n.Table, n.DedupIdx}, {n.Table, n.OrderIdx}}
+	idx := []Index{{n.Table, n.ReadyIdx}, {n.Table, n.LeaseIdx}, {n.Table, n.DedupIdx}, {n.Table, n.OrderIdx}, {n.Table, n.OrderLeaseIdx}}
 	if n.DLQTable != "" {
 		idx = append(idx, Index{n.DLQTable, n.DLQIdx})
 	}
@@ -144,6 +144,11 @@ func DDL(n Names) []string {
 		// of its key is present; the claim probes this index for one.
 		ifNoIndex(n, n.OrderIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, consumer_group, ordering_key, id) WHERE ordering_key IS NOT NULL`,
 			Quote(n.OrderIdx), n.QTable)),
+		// Keys with a leased row: whatever its id (a row committed late, a
+		// requeued dead letter), no other row of the key may be claimed
+		// meanwhile. Small: leased keyed rows only.
+		ifNoIndex(n, n.OrderLeaseIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, consumer_group, ordering_key) WHERE ordering_key IS NOT NULL AND lease_token IS NOT NULL`,
+			Quote(n.OrderLeaseIdx), n.QTable)),
 	)
 	// The first release's indexes, without the group: its unique dedup
 	// index would refuse a keyed message's second group.

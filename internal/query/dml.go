@@ -428,10 +428,14 @@ func claimFastStatement(t, ac string, orphans bool) string {
     SELECT id, available_at FROM %[1]s r
      WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NULL AND available_at <= now()
        AND (available_at, id) > ($6::timestamptz, $7::bigint)
-       AND (ordering_key IS NULL OR NOT EXISTS (
+       AND (ordering_key IS NULL OR (NOT EXISTS (
             SELECT 1 FROM %[1]s k
              WHERE k.topic = $1 AND k.consumer_group = $10 AND k.ordering_key = r.ordering_key
-               AND k.id < r.id AND k.available_at < 'infinity'))
+               AND k.id < r.id AND k.available_at < 'infinity')
+               AND NOT EXISTS (
+                   SELECT 1 FROM %[1]s l
+                    WHERE l.topic = $1 AND l.consumer_group = $10 AND l.ordering_key = r.ordering_key
+                      AND l.lease_token IS NOT NULL)))
      ORDER BY available_at, id
      LIMIT %[6]s
        FOR UPDATE SKIP LOCKED
@@ -460,6 +464,10 @@ func claimStatement(t, ac string, orphans bool) string {
          WHERE topic = $1 AND consumer_group = $10 AND ordering_key = e.k AND available_at < 'infinity'
          ORDER BY id LIMIT 1) h
      WHERE h.lease_token IS NULL AND h.available_at <= now()
+               AND NOT EXISTS (
+                   SELECT 1 FROM %[1]s l
+                    WHERE l.topic = $1 AND l.consumer_group = $10 AND l.ordering_key = e.k
+                      AND l.lease_token IS NOT NULL)
 ), scan AS (
     SELECT id, available_at, ordering_key FROM %[1]s
      WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NULL AND available_at <= now()
@@ -468,10 +476,14 @@ func claimStatement(t, ac string, orphans bool) string {
      LIMIT $11::int
 ), candidates AS (
     SELECT c.id FROM scan c
-     WHERE c.ordering_key IS NULL OR NOT EXISTS (
+     WHERE c.ordering_key IS NULL OR (NOT EXISTS (
            SELECT 1 FROM %[1]s k
             WHERE k.topic = $1 AND k.consumer_group = $10 AND k.ordering_key = c.ordering_key
               AND k.id < c.id AND k.available_at < 'infinity')
+               AND NOT EXISTS (
+                   SELECT 1 FROM %[1]s l
+                    WHERE l.topic = $1 AND l.consumer_group = $10 AND l.ordering_key = c.ordering_key
+                      AND l.lease_token IS NOT NULL))
 ), ready AS (
     SELECT id, available_at FROM %[1]s
      WHERE id = ANY (ARRAY(SELECT id FROM heads UNION SELECT id FROM candidates))

@@ -56,6 +56,8 @@ type Names struct {
 	LeaseIdx string
 	DedupIdx string
 	OrderIdx string
+	// OrderLeaseIdx: the leased rows of ordering keys.
+	OrderLeaseIdx string
 	DLQIdx   string
 	// OldIndexes are the first release's indexes, replaced by ReadyIdx,
 	// LeaseIdx and DedupIdx (which lead with the consumer group); DDL
@@ -94,6 +96,8 @@ func NewNames(schema, table, dlq string) (Names, error) {
 		LeaseIdx: derive(table, "_group_lease_idx"),
 		DedupIdx: derive(table, "_group_dedup_idx"),
 		OrderIdx: derive(table, "_group_order_idx"),
+
+		OrderLeaseIdx: derive(table, "_group_order_lease_idx"),
 		OldIndexes: []string{
 			derive(table, "_ready_idx"), derive(table, "_lease_idx"), derive(table, "_dedup_idx"),
 		},

@@ -131,7 +131,8 @@ type claimScan struct {
 	forceExpired bool
 	findOrphans  bool      // a liveness holder vanished: look for its rows (until a look finds none)
 	resume       bool      // the last claim read only rows it could not take: go on from the cursor
-	keyedUntil   time.Time // claim with a window until then (see query.ClaimFast)
+	keyedUntil   time.Time // keyed rows were seen: hold many keys until then
+	windowUntil  time.Time // claim with a window until then (see query.ClaimFast)
 }
 
 // keyedFor is how long a subscription claims with a window after it last
@@ -179,7 +180,7 @@ func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 	if c.at == scanFromStart {
 		c.fromStartAt = now
 	}
-	if now.Before(c.keyedUntil) {
+	if now.Before(c.windowUntil) {
 		req.window = max(2*n, minScanWindow)
 	}
 	return req
@@ -191,12 +192,18 @@ func (c *claimScan) claimed(r claimResult) {
 	now := r.req.sent
 	// A slow claim that came back short may have walked rows held back by
 	// their keys; a slow full one only met a cold cache or a busy server.
-	keyed := r.took >= slowClaim && len(r.rows) < r.req.n
+	keyed := false
 	for _, d := range r.rows {
 		keyed = keyed || d.orderingKey != ""
 	}
 	if keyed {
 		c.keyedUntil = now.Add(keyedFor)
+	}
+	if keyed || (r.took >= slowClaim && len(r.rows) < r.req.n) {
+		c.windowUntil = now.Add(keyedFor)
+	}
+	if len(r.rows) > 0 || !r.cursor.Valid {
+		c.resume = false
 	}
 	if r.req.withExpired || r.req.orphansOf != nil {
 		// Rows a crashed consumer held come back in a burst: keep looking
@@ -206,7 +213,11 @@ func (c *claimScan) claimed(r claimResult) {
 			c.findOrphans = r.reclaimed > 0
 		}
 	}
-	if now.Sub(c.fromStartAt) >= rescanEvery {
+	// A windowed pass goes on to the end of the rows before it starts
+	// again: rows deep in a backlog held back by their keys (the next row
+	// of a key ended elsewhere, a new key's first row) are reached only so.
+	windowedPass := r.req.window > 0 && r.cursor.Valid
+	if now.Sub(c.fromStartAt) >= rescanEvery && !windowedPass {
 		c.restart(false)
 		return
 	}

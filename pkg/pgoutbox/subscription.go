@@ -433,7 +433,7 @@ func (sub *subscription) startClaim(now time.Time) {
 		return
 	}
 	floor := 0
-	if now.Before(sub.scan.keyedUntil) {
+	if now.Before(sub.scan.keyedUntil) { // keyed rows seen, not just a slow claim
 		floor = maxClaim // hold many keys: see claimSizeAtLeast
 	}
 	n := sub.pf.claimSizeAtLeast(sub.unjudged(), now, floor)
@@ -502,6 +502,22 @@ func (sub *subscription) onClaimed(r claimResult) {
 	sub.claimBO.Reset()
 	sub.claimWait = time.Time{}
 	sub.scan.claimed(r)
+	if len(r.req.endedKeys) > 0 && (len(r.rows) >= r.req.n || r.reclaimed > 0) {
+		// The claim was full: the next rows of some ended keys may not have
+		// fit. Ask again for the keys that got none.
+		got := map[string]bool{}
+		for _, d := range r.rows {
+			got[d.orderingKey] = true
+		}
+		for _, k := range r.req.endedKeys {
+			if !got[k] {
+				if sub.endedKeys == nil {
+					sub.endedKeys = map[string]struct{}{}
+				}
+				sub.endedKeys[k] = struct{}{}
+			}
+		}
+	}
 	sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, Count: len(r.rows)})
 	for _, d := range r.rows {
 		d.claimedAt = at(r.req.sent)

@@ -484,7 +484,7 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 	cfg := schema.Config{Schema: b.env.Name, Table: "outbox"} // dead letters in outbox_dlq
 
 	verr := validationError(t, schema.Validate(ctx, b.exec, cfg))
-	require.Len(t, verr.Problems, 11, "%q", verr.Problems)
+	require.Len(t, verr.Problems, 12, "%q", verr.Problems)
 	requireProblem(t, verr.Problems, "index outbox_dedup_idx on outbox is left from the first release", "drop it")
 	requireProblem(t, verr.Problems, "outbox.lease_holder", "missing", "bigint")
 	requireProblem(t, verr.Problems, "outbox.failure_reason", "missing", "text")
@@ -492,7 +492,7 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 	requireProblem(t, verr.Problems, "outbox.ordering_key", "missing", "text")
 	requireProblem(t, verr.Problems, "table "+b.env.Name+".outbox_dlq is missing")
 	requireProblem(t, verr.Problems, "table "+b.env.Name+".outbox_bindings is missing")
-	for _, idx := range []string{"outbox_group_ready_idx", "outbox_group_lease_idx", "outbox_group_dedup_idx", "outbox_group_order_idx"} {
+	for _, idx := range []string{"outbox_group_ready_idx", "outbox_group_lease_idx", "outbox_group_dedup_idx", "outbox_group_order_idx", "outbox_group_order_lease_idx"} {
 		requireProblem(t, verr.Problems, "index "+idx+" ", "missing")
 	}
 

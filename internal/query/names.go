@@ -58,7 +58,7 @@ type Names struct {
 	OrderIdx string
 	// OrderLeaseIdx: the leased rows of ordering keys.
 	OrderLeaseIdx string
-	DLQIdx   string
+	DLQIdx        string
 	// OldIndexes are the first release's indexes, replaced by ReadyIdx,
 	// LeaseIdx and DedupIdx (which lead with the consumer group); DDL
 	// drops them.

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 const dlqUsage = `Usage:
@@ -79,57 +81,45 @@ func (c *cli) dlqList(args []string) error {
 	var group optString
 	filterFlags(cmd, &f, &group)
 	cmd.fs.IntVar(&f.Limit, "limit", pgoutbox.DefaultDeadLetterLimit, fmt.Sprintf("at most this many, oldest failure first (up to %d)", pgoutbox.MaxDeadLetterLimit))
-	pos, err := cmd.parse(args)
-	if err != nil {
+	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
-	if err := cmd.noArgs(pos); err != nil {
+	if err := cmd.limitInRange(f.Limit, pgoutbox.MaxDeadLetterLimit); err != nil {
 		return err
-	}
-	if f.Limit < 1 || f.Limit > pgoutbox.MaxDeadLetterLimit {
-		return usagef(cmd.name, "--limit %d is out of range; use 1 to %d", f.Limit, pgoutbox.MaxDeadLetterLimit)
 	}
 	f.ConsumerGroup = group.ptr()
-	tables, err := cmd.tables()
-	if err != nil {
-		return err
-	}
-	ctx := context.Background()
-	pool, exec, err := cmd.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	page, err := pgoutbox.DeadLetters(ctx, exec, tables, f)
-	if err != nil {
-		return err
-	}
-	more := !page.Next.IsZero()
-	if cmd.json {
-		out := struct {
-			DeadLetters []deadLetterJSON `json:"dead_letters"`
-			More        bool             `json:"more"`
-		}{DeadLetters: []deadLetterJSON{}, More: more}
-		for _, d := range page.Letters {
-			out.DeadLetters = append(out.DeadLetters, deadLetterToJSON(d))
+	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		page, err := pgoutbox.DeadLetters(ctx, exec, tables, f)
+		if err != nil {
+			return err
 		}
-		return writeJSON(c.stdout, out)
-	}
-	if len(page.Letters) == 0 {
-		fmt.Fprintln(c.stdout, "no dead letters")
+		more := !page.Next.IsZero()
+		if cmd.json {
+			out := struct {
+				DeadLetters []deadLetterJSON `json:"dead_letters"`
+				More        bool             `json:"more"`
+			}{DeadLetters: []deadLetterJSON{}, More: more}
+			for _, d := range page.Letters {
+				out.DeadLetters = append(out.DeadLetters, deadLetterToJSON(d))
+			}
+			return writeJSON(c.stdout, out)
+		}
+		if len(page.Letters) == 0 {
+			fmt.Fprintln(c.stdout, "no dead letters")
+			return nil
+		}
+		tw := newTable(c.stdout)
+		fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tREASON\tDELIVERIES\tFAILED AT\tLAST ERROR")
+		for _, d := range page.Letters {
+			fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.FailureReason,
+				d.Deliveries, d.FailedAt.Local().Format(time.DateTime), short(d.LastError, 60))
+		}
+		tw.Flush()
+		if more {
+			fmt.Fprintf(c.stdout, "(more dead letters match: raise --limit or narrow the filters)\n")
+		}
 		return nil
-	}
-	tw := newTable(c.stdout)
-	fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tREASON\tDELIVERIES\tFAILED AT\tLAST ERROR")
-	for _, d := range page.Letters {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.FailureReason,
-			d.Deliveries, d.FailedAt.Local().Format(time.DateTime), short(d.LastError, 60))
-	}
-	tw.Flush()
-	if more {
-		fmt.Fprintf(c.stdout, "(more dead letters match: raise --limit or narrow the filters)\n")
-	}
-	return nil
+	})
 }
 
 func (c *cli) dlqShow(args []string) error {
@@ -145,47 +135,39 @@ func (c *cli) dlqShow(args []string) error {
 	if err != nil || id <= 0 {
 		return usagef(cmd.name, "%q is not a dead-letter id; use the positive integer dlq list shows", pos[0])
 	}
-	tables, err := cmd.tables()
-	if err != nil {
-		return err
-	}
-	ctx := context.Background()
-	pool, exec, err := cmd.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	// There is no lookup by id: page through the dead letters.
-	f := pgoutbox.DeadLetterFilter{Limit: pgoutbox.MaxDeadLetterLimit}
-	for {
-		page, err := pgoutbox.DeadLetters(ctx, exec, tables, f)
-		if err != nil {
-			return err
-		}
-		for _, d := range page.Letters {
-			if d.ID != id {
-				continue
+	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		// There is no lookup by id: page through the dead letters.
+		f := pgoutbox.DeadLetterFilter{Limit: pgoutbox.MaxDeadLetterLimit}
+		for {
+			page, err := pgoutbox.DeadLetters(ctx, exec, tables, f)
+			if err != nil {
+				return err
 			}
-			if cmd.json {
-				return writeJSON(c.stdout, deadLetterToJSON(d))
+			for _, d := range page.Letters {
+				if d.ID != id {
+					continue
+				}
+				if cmd.json {
+					return writeJSON(c.stdout, deadLetterToJSON(d))
+				}
+				w := c.stdout
+				fmt.Fprintf(w, "ID:           %d\nTopic:        %s\nGroup:        %s\nUUID:         %s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.UUID)
+				fmt.Fprintf(w, "Created at:   %s\nFailed at:    %s\nFailed by:    %s\n", d.CreatedAt.Local().Format(time.RFC3339), d.FailedAt.Local().Format(time.RFC3339), d.FailedBy)
+				fmt.Fprintf(w, "Reason:       %s\nDeliveries:   %d\nDedup key:    %s\nLast error:   %s\n", d.FailureReason, d.Deliveries, d.DedupKey, d.LastError)
+				fmt.Fprintln(w, "Metadata:")
+				for k, v := range d.Metadata {
+					fmt.Fprintf(w, "  %s=%s\n", k, v)
+				}
+				fmt.Fprintln(w, "Payload:")
+				printPayload(w, d.Payload)
+				return nil
 			}
-			w := c.stdout
-			fmt.Fprintf(w, "ID:           %d\nTopic:        %s\nGroup:        %s\nUUID:         %s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.UUID)
-			fmt.Fprintf(w, "Created at:   %s\nFailed at:    %s\nFailed by:    %s\n", d.CreatedAt.Local().Format(time.RFC3339), d.FailedAt.Local().Format(time.RFC3339), d.FailedBy)
-			fmt.Fprintf(w, "Reason:       %s\nDeliveries:   %d\nDedup key:    %s\nLast error:   %s\n", d.FailureReason, d.Deliveries, d.DedupKey, d.LastError)
-			fmt.Fprintln(w, "Metadata:")
-			for k, v := range d.Metadata {
-				fmt.Fprintf(w, "  %s=%s\n", k, v)
+			if page.Next.IsZero() {
+				return fmt.Errorf("no dead letter with id %d; run \"pgoutbox dlq list\" for the ids (a requeued one is back in the outbox: see \"pgoutbox peek\")", id)
 			}
-			fmt.Fprintln(w, "Payload:")
-			printPayload(w, d.Payload)
-			return nil
+			f.After = page.Next
 		}
-		if page.Next.IsZero() {
-			return fmt.Errorf("no dead letter with id %d; run \"pgoutbox dlq list\" for the ids (a requeued one is back in the outbox: see \"pgoutbox peek\")", id)
-		}
-		f.After = page.Next
-	}
+	})
 }
 
 func (c *cli) dlqRequeue(args []string) error {
@@ -199,11 +181,7 @@ func (c *cli) dlqRequeue(args []string) error {
 	cmd.fs.IntVar(&f.Limit, "limit", 0, "with filters: requeue at most this many, oldest failure first (0: all)")
 	all := cmd.fs.Bool("all", false, "requeue every dead letter")
 	yes := cmd.fs.Bool("yes", false, "do not ask for confirmation")
-	pos, err := cmd.parse(args)
-	if err != nil {
-		return err
-	}
-	if err := cmd.noArgs(pos); err != nil {
+	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
 	f.ConsumerGroup = group.ptr()
@@ -218,45 +196,36 @@ func (c *cli) dlqRequeue(args []string) error {
 	case f.Limit < 0:
 		return usagef(cmd.name, "--limit %d is negative; use 0 for all matches or a positive count", f.Limit)
 	}
-	tables, err := cmd.tables()
-	if err != nil {
-		return err
-	}
 	what := fmt.Sprintf("%d dead letter(s) by id", len(ids))
 	if len(ids) == 0 {
 		what = "every dead letter matching " + describeFilter(f)
 	}
-	if err := c.confirm(cmd.name, "Requeue "+what+"?", *yes); err != nil {
-		return err
-	}
-	ctx := context.Background()
-	pool, exec, err := cmd.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	var n int64
-	switch {
-	case tables.NoDeadLetterTable:
-		// Without a dead-letter table failed rows are parked in the outbox.
-		pf := pgoutbox.ParkedFilter{Topic: f.Topic, ConsumerGroup: f.ConsumerGroup, Reason: f.Reason, Limit: f.Limit}
-		if len(ids) > 0 {
-			pf.IDs = ids
+	confirm := func() error { return c.confirm(cmd.name, "Requeue "+what+"?", *yes) }
+	return cmd.withOutbox(context.Background(), confirm, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		var n int64
+		var err error
+		switch {
+		case tables.NoDeadLetterTable:
+			// Without a dead-letter table failed rows are parked in the outbox.
+			pf := pgoutbox.ParkedFilter{Topic: f.Topic, ConsumerGroup: f.ConsumerGroup, Reason: f.Reason, Limit: f.Limit}
+			if len(ids) > 0 {
+				pf.IDs = ids
+			}
+			n, err = pgoutbox.RequeueParked(ctx, exec, tables, pf)
+		case len(ids) > 0:
+			n, err = pgoutbox.RequeueDeadLetters(ctx, exec, tables, ids)
+		default:
+			n, err = pgoutbox.RequeueDeadLettersMatching(ctx, exec, tables, f)
 		}
-		n, err = pgoutbox.RequeueParked(ctx, exec, tables, pf)
-	case len(ids) > 0:
-		n, err = pgoutbox.RequeueDeadLetters(ctx, exec, tables, ids)
-	default:
-		n, err = pgoutbox.RequeueDeadLettersMatching(ctx, exec, tables, f)
-	}
-	if err != nil {
-		return err
-	}
-	fmt.Fprintf(c.stdout, "requeued %d dead letter(s)\n", n)
-	if len(ids) > 0 && n < int64(len(ids)) {
-		fmt.Fprintf(c.stderr, "pgoutbox: %d of the ids were not dead letters (already requeued, purged, or mistyped; see \"pgoutbox dlq list\")\n", int64(len(ids))-n)
-	}
-	return nil
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(c.stdout, "requeued %d dead letter(s)\n", n)
+		if len(ids) > 0 && n < int64(len(ids)) {
+			fmt.Fprintf(c.stderr, "pgoutbox: %d of the ids were not dead letters (already requeued, purged, or mistyped; see \"pgoutbox dlq list\")\n", int64(len(ids))-n)
+		}
+		return nil
+	})
 }
 
 func describeFilter(f pgoutbox.DeadLetterFilter) string {
@@ -284,11 +253,7 @@ func (c *cli) dlqPurge(args []string) error {
 		"  pgoutbox dlq purge --older-than 720h --yes   # failed more than 30 days ago\n  pgoutbox dlq purge --older-than 0 --yes      # every dead letter\n", false)
 	olderThan := cmd.fs.String("older-than", "", "delete dead letters that failed longer ago than this Go duration (720h, 90m; 0 for all)")
 	yes := cmd.fs.Bool("yes", false, "do not ask for confirmation")
-	pos, err := cmd.parse(args)
-	if err != nil {
-		return err
-	}
-	if err := cmd.noArgs(pos); err != nil {
+	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
 	if *olderThan == "" {
@@ -298,27 +263,17 @@ func (c *cli) dlqPurge(args []string) error {
 	if err != nil || d < 0 {
 		return usagef(cmd.name, "--older-than %q is not a duration; use a Go duration such as 720h or 90m (0 for all)", *olderThan)
 	}
-	tables, err := cmd.tables()
-	if err != nil {
-		return err
-	}
 	q := fmt.Sprintf("Delete dead letters that failed more than %s ago?", d)
 	if d == 0 {
 		q = "Delete every dead letter?"
 	}
-	if err := c.confirm(cmd.name, q, *yes); err != nil {
-		return err
-	}
-	ctx := context.Background()
-	pool, exec, err := cmd.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	n, err := pgoutbox.PurgeDeadLetters(ctx, exec, tables, d, 0)
-	if err != nil {
-		return err
-	}
-	fmt.Fprintf(c.stdout, "purged %d dead letter(s)\n", n)
-	return nil
+	confirm := func() error { return c.confirm(cmd.name, q, *yes) }
+	return cmd.withOutbox(context.Background(), confirm, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		n, err := pgoutbox.PurgeDeadLetters(ctx, exec, tables, d, 0)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(c.stdout, "purged %d dead letter(s)\n", n)
+		return nil
+	})
 }

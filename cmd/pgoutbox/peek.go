@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // pendingJSON is a pending message in peek --json output.
@@ -29,67 +31,55 @@ func (c *cli) peekCmd(args []string) error {
 	topic := cmd.fs.String("topic", "", "the topic (required)")
 	group := cmd.fs.String("group", "", "the consumer group (default: the default group)")
 	limit := cmd.fs.Int("limit", 20, fmt.Sprintf("at most this many messages, next due first (up to %d)", pgoutbox.MaxPeekLimit))
-	pos, err := cmd.parse(args)
-	if err != nil {
+	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
-	if err := cmd.noArgs(pos); err != nil {
+	if err := cmd.required("topic", *topic); err != nil {
 		return err
 	}
-	if *topic == "" {
-		return usagef(cmd.name, "--topic is required")
-	}
-	if *limit < 1 || *limit > pgoutbox.MaxPeekLimit {
-		return usagef(cmd.name, "--limit %d is out of range; use 1 to %d", *limit, pgoutbox.MaxPeekLimit)
-	}
-	tables, err := cmd.tables()
-	if err != nil {
+	if err := cmd.limitInRange(*limit, pgoutbox.MaxPeekLimit); err != nil {
 		return err
 	}
-	ctx := context.Background()
-	pool, exec, err := cmd.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	msgs, err := pgoutbox.Peek(ctx, exec, tables, *topic, *group, *limit)
-	if err != nil {
-		return err
-	}
-	if cmd.json {
-		out := struct {
-			Topic         string        `json:"topic"`
-			ConsumerGroup string        `json:"consumer_group"`
-			Messages      []pendingJSON `json:"messages"`
-		}{Topic: *topic, ConsumerGroup: *group, Messages: []pendingJSON{}}
-		for _, m := range msgs {
-			j := pendingJSON{ID: m.ID, UUID: m.UUID, Metadata: metadataMap(m.Metadata), jsonPayload: payloadJSON(m.Payload),
-				CreatedAt: m.CreatedAt, Parked: m.Parked, Deliveries: m.Deliveries, DedupKey: m.DedupKey,
-				LastError: m.LastError, FailureReason: m.FailureReason}
-			if !m.Parked {
-				at := m.AvailableAt
-				j.AvailableAt = &at
+	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		msgs, err := pgoutbox.Peek(ctx, exec, tables, *topic, *group, *limit)
+		if err != nil {
+			return err
+		}
+		if cmd.json {
+			out := struct {
+				Topic         string        `json:"topic"`
+				ConsumerGroup string        `json:"consumer_group"`
+				Messages      []pendingJSON `json:"messages"`
+			}{Topic: *topic, ConsumerGroup: *group, Messages: []pendingJSON{}}
+			for _, m := range msgs {
+				j := pendingJSON{ID: m.ID, UUID: m.UUID, Metadata: metadataMap(m.Metadata), jsonPayload: payloadJSON(m.Payload),
+					CreatedAt: m.CreatedAt, Parked: m.Parked, Deliveries: m.Deliveries, DedupKey: m.DedupKey,
+					LastError: m.LastError, FailureReason: m.FailureReason}
+				if !m.Parked {
+					at := m.AvailableAt
+					j.AvailableAt = &at
+				}
+				out.Messages = append(out.Messages, j)
 			}
-			out.Messages = append(out.Messages, j)
+			return writeJSON(c.stdout, out)
 		}
-		return writeJSON(c.stdout, out)
-	}
-	if len(msgs) == 0 {
-		fmt.Fprintf(c.stdout, "no pending messages on %q for group %s\n", *topic, groupName(*group))
-		return nil
-	}
-	tw := newTable(c.stdout)
-	fmt.Fprintln(tw, "ID\tUUID\tDUE\tDELIVERIES\tPAYLOAD")
-	for _, m := range msgs {
-		due := m.AvailableAt.Local().Format(time.DateTime)
-		if m.Parked {
-			due = "parked (" + m.FailureReason + ")"
+		if len(msgs) == 0 {
+			fmt.Fprintf(c.stdout, "no pending messages on %q for group %s\n", *topic, groupName(*group))
+			return nil
 		}
-		p := fmt.Sprintf("(%d bytes)", len(m.Payload))
-		if s := payloadJSON(m.Payload); s.Payload != nil {
-			p = short(*s.Payload, 60)
+		tw := newTable(c.stdout)
+		fmt.Fprintln(tw, "ID\tUUID\tDUE\tDELIVERIES\tPAYLOAD")
+		for _, m := range msgs {
+			due := m.AvailableAt.Local().Format(time.DateTime)
+			if m.Parked {
+				due = "parked (" + m.FailureReason + ")"
+			}
+			p := fmt.Sprintf("(%d bytes)", len(m.Payload))
+			if s := payloadJSON(m.Payload); s.Payload != nil {
+				p = short(*s.Payload, 60)
+			}
+			fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\n", m.ID, m.UUID, due, m.Deliveries, p)
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\n", m.ID, m.UUID, due, m.Deliveries, p)
-	}
-	return tw.Flush()
+		return tw.Flush()
+	})
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"time"
@@ -9,6 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 func (c *cli) publishCmd(args []string) error {
@@ -26,15 +29,11 @@ func (c *cli) publishCmd(args []string) error {
 	dedup := cmd.fs.String("dedup-key", "", "dedup key: skipped if a pending message of the topic has it")
 	ordering := cmd.fs.String("ordering-key", "", "ordering key: delivered in order with the other messages of the key")
 	uuid := cmd.fs.String("uuid", "", "message UUID (default: a new one)")
-	pos, err := cmd.parse(args)
-	if err != nil {
+	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
-	if err := cmd.noArgs(pos); err != nil {
+	if err := cmd.required("topic", *topic); err != nil {
 		return err
-	}
-	if *topic == "" {
-		return usagef(cmd.name, "--topic is required")
 	}
 	if *payload != "" && *payloadFile != "" {
 		return usagef(cmd.name, "--payload and --payload-file do not go together; pick one")
@@ -43,6 +42,7 @@ func (c *cli) publishCmd(args []string) error {
 		return usagef(cmd.name, "--delay %s is negative; use a positive duration", *delay)
 	}
 	body := []byte(*payload)
+	var err error
 	switch *payloadFile {
 	case "":
 	case "-":
@@ -53,10 +53,6 @@ func (c *cli) publishCmd(args []string) error {
 		if body, err = os.ReadFile(*payloadFile); err != nil {
 			return fmt.Errorf("read the payload: %w; check --payload-file", err)
 		}
-	}
-	tables, err := cmd.tables()
-	if err != nil {
-		return err
 	}
 	id := *uuid
 	if id == "" {
@@ -75,29 +71,25 @@ func (c *cli) publishCmd(args []string) error {
 	if *ordering != "" {
 		pgoutbox.WithOrderingKey(msg, *ordering)
 	}
-	ctx := msg.Context()
-	pool, exec, err := cmd.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	pub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: tables, StatementTimeout: 10 * time.Second}, nil)
-	if err != nil {
-		return err
-	}
-	defer pub.Close()
-	res, err := pub.PublishWithResult(*topic, msg)
-	if err != nil {
-		return err
-	}
-	skipped := len(res.Skipped()) > 0
-	if cmd.json {
-		return writeJSON(c.stdout, map[string]any{"topic": *topic, "uuid": id, "id": res.IDs[0], "skipped": skipped})
-	}
-	if skipped {
-		fmt.Fprintf(c.stdout, "skipped: a pending message of %q already has dedup key %q\n", *topic, *dedup)
+	return cmd.withOutbox(msg.Context(), nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		pub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: tables, StatementTimeout: 10 * time.Second}, nil)
+		if err != nil {
+			return err
+		}
+		defer pub.Close()
+		res, err := pub.PublishWithResult(*topic, msg)
+		if err != nil {
+			return err
+		}
+		skipped := len(res.Skipped()) > 0
+		if cmd.json {
+			return writeJSON(c.stdout, map[string]any{"topic": *topic, "uuid": id, "id": res.IDs[0], "skipped": skipped})
+		}
+		if skipped {
+			fmt.Fprintf(c.stdout, "skipped: a pending message of %q already has dedup key %q\n", *topic, *dedup)
+			return nil
+		}
+		fmt.Fprintf(c.stdout, "published %s to %q (row id %d)\n", id, *topic, res.IDs[0])
 		return nil
-	}
-	fmt.Fprintf(c.stdout, "published %s to %q (row id %d)\n", id, *topic, res.IDs[0])
-	return nil
+	})
 }

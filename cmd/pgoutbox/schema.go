@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 const schemaUsage = `Usage:
@@ -38,11 +39,7 @@ func (c *cli) schemaCmd(args []string) error {
 func (c *cli) schemaSQL(args []string) error {
 	cmd := c.newCommand("schema sql", "schema sql [--schema S] [--table T] [--dlq-table D | --no-dlq]",
 		"  pgoutbox schema sql > migrations/0001_outbox.up.sql\n  pgoutbox schema sql --schema app --table events\n", false)
-	pos, err := cmd.parse(args)
-	if err != nil {
-		return err
-	}
-	if err := cmd.noArgs(pos); err != nil {
+	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
 	t, err := cmd.tables()
@@ -60,63 +57,41 @@ func (c *cli) schemaSQL(args []string) error {
 func (c *cli) schemaApply(args []string) error {
 	cmd := c.newCommand("schema apply", "schema apply [connection flags]",
 		"  pgoutbox schema apply --dsn postgres://admin@db/app\n", false)
-	pos, err := cmd.parse(args)
-	if err != nil {
+	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
-	if err := cmd.noArgs(pos); err != nil {
-		return err
-	}
-	t, err := cmd.tables()
-	if err != nil {
-		return err
-	}
-	ctx := context.Background()
-	pool, exec, err := cmd.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	if err := schema.Create(ctx, exec, t); err != nil {
-		return fmt.Errorf("%w (the role needs CREATE on the schema; or apply \"pgoutbox schema sql\" with your migration tool)", err)
-	}
-	t = t.WithDefaults()
-	fmt.Fprintf(c.stdout, "schema applied: %s.%s", t.Schema, t.Table)
-	if !t.NoDeadLetterTable {
-		fmt.Fprintf(c.stdout, " and %s.%s", t.Schema, t.DeadLetterTable)
-	}
-	fmt.Fprintln(c.stdout)
-	return nil
+	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, t schema.Config) error {
+		if err := schema.Create(ctx, exec, t); err != nil {
+			return fmt.Errorf("%w (the role needs CREATE on the schema; or apply \"pgoutbox schema sql\" with your migration tool)", err)
+		}
+		t = t.WithDefaults()
+		fmt.Fprintf(c.stdout, "schema applied: %s.%s", t.Schema, t.Table)
+		if !t.NoDeadLetterTable {
+			fmt.Fprintf(c.stdout, " and %s.%s", t.Schema, t.DeadLetterTable)
+		}
+		fmt.Fprintln(c.stdout)
+		return nil
+	})
 }
 
 func (c *cli) schemaValidate(args []string) error {
 	cmd := c.newCommand("schema validate", "schema validate [--json] [connection flags]",
 		"  pgoutbox schema validate && echo ok\n  pgoutbox schema validate --json\n", true)
-	pos, err := cmd.parse(args)
-	if err != nil {
-		return err
-	}
-	if err := cmd.noArgs(pos); err != nil {
-		return err
-	}
-	t, err := cmd.tables()
-	if err != nil {
-		return err
-	}
-	ctx := context.Background()
-	pool, exec, err := cmd.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	err = schema.Validate(ctx, exec, t)
-	var ve *schema.ValidationError
-	if err != nil && !errors.As(err, &ve) {
+	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
 	problems := []string{}
-	if ve != nil {
-		problems = ve.Problems
+	err := cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, t schema.Config) error {
+		err := schema.Validate(ctx, exec, t)
+		var ve *schema.ValidationError
+		if errors.As(err, &ve) {
+			problems = ve.Problems
+			return nil
+		}
+		return err
+	})
+	if err != nil {
+		return err
 	}
 	if cmd.json {
 		if err := writeJSON(c.stdout, map[string]any{"ok": len(problems) == 0, "problems": problems}); err != nil {

@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 const statsExamples = `  pgoutbox stats
@@ -42,11 +44,7 @@ func (c *cli) statsCmd(args []string) error {
 	cmd.fs.Var(&group, "group", "only this consumer group (\"\" is the default group); needs --topic")
 	watch := cmd.fs.Bool("watch", false, "redraw a live table until Ctrl-C")
 	interval := cmd.fs.Duration("interval", 2*time.Second, "refresh interval of --watch")
-	pos, err := cmd.parse(args)
-	if err != nil {
-		return err
-	}
-	if err := cmd.noArgs(pos); err != nil {
+	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
 	var opts []pgoutbox.StatsOption
@@ -64,49 +62,42 @@ func (c *cli) statsCmd(args []string) error {
 	if *interval < 100*time.Millisecond {
 		return usagef(cmd.name, "--interval %s is too short; use 100ms or more", *interval)
 	}
-	tables, err := cmd.tables()
-	if err != nil {
-		return err
-	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	pool, exec, err := cmd.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	if !*watch {
-		stats, err := pgoutbox.Stats(ctx, exec, tables, opts...)
-		if err != nil {
-			return err
-		}
-		if cmd.json {
-			return writeJSON(c.stdout, statsToJSON(stats))
-		}
-		printStats(c.stdout, stats)
-		return nil
-	}
-	tick := time.NewTicker(*interval)
-	defer tick.Stop()
-	for {
-		stats, err := pgoutbox.Stats(ctx, exec, tables, opts...)
-		if ctx.Err() != nil {
-			return nil // Ctrl-C
-		}
-		// Clear the screen and home the cursor, then draw.
-		fmt.Fprint(c.stdout, "\033[H\033[2J")
-		fmt.Fprintf(c.stdout, "pgoutbox stats  %s  every %s  (Ctrl-C to stop)\n\n", time.Now().Format("15:04:05"), *interval)
-		if err != nil {
-			fmt.Fprintf(c.stdout, "error: %v (retrying)\n", err)
-		} else {
+	return cmd.withOutbox(ctx, nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		if !*watch {
+			stats, err := pgoutbox.Stats(ctx, exec, tables, opts...)
+			if err != nil {
+				return err
+			}
+			if cmd.json {
+				return writeJSON(c.stdout, statsToJSON(stats))
+			}
 			printStats(c.stdout, stats)
-		}
-		select {
-		case <-ctx.Done():
 			return nil
-		case <-tick.C:
 		}
-	}
+		tick := time.NewTicker(*interval)
+		defer tick.Stop()
+		for {
+			stats, err := pgoutbox.Stats(ctx, exec, tables, opts...)
+			if ctx.Err() != nil {
+				return nil // Ctrl-C
+			}
+			// Clear the screen and home the cursor, then draw.
+			fmt.Fprint(c.stdout, "\033[H\033[2J")
+			fmt.Fprintf(c.stdout, "pgoutbox stats  %s  every %s  (Ctrl-C to stop)\n\n", time.Now().Format("15:04:05"), *interval)
+			if err != nil {
+				fmt.Fprintf(c.stdout, "error: %v (retrying)\n", err)
+			} else {
+				printStats(c.stdout, stats)
+			}
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-tick.C:
+			}
+		}
+	})
 }
 
 func statsToJSON(stats []pgoutbox.QueueStats) []statsJSON {

@@ -37,12 +37,22 @@ import (
 // rawSystem is the hand-written floor. insertOnly makes "raw-insert": the
 // same, but its publish is a bare INSERT without NOTIFY (the floor of the
 // concurrent publish scenarios, which only it takes part in).
-type rawSystem struct{ async, insertOnly bool }
+type rawSystem struct{ async, insertOnly, held bool }
 
 const rawInsertName = "raw-insert"
 
+// rawHeldName is the held-transaction ceiling (issue "fast path"): each
+// batch is deleted at claim time inside a transaction that stays open
+// while its messages are handled and commits afterwards; no row is ever
+// written with a lease. With async, it commits asynchronously.
+const rawHeldName = "raw-held"
+
 func (r rawSystem) name() string {
 	switch {
+	case r.held && r.async:
+		return rawHeldName + "-async"
+	case r.held:
+		return rawHeldName
 	case r.insertOnly:
 		return rawInsertName
 	case r.async:
@@ -77,8 +87,25 @@ func (r rawSystem) newInstance(ctx context.Context, b *bench, schemaName string)
 	if !r.insertOnly {
 		insert = ""
 	}
+	held := ""
+	if r.held {
+		// From a cursor ($3, $4), as pgoutbox claims: a scan from the start
+		// would walk the dead index entries of its own deletes until VACUUM.
+		held = `
+DELETE FROM ` + t + `
+ WHERE id = ANY (ARRAY(
+         SELECT id FROM ` + t + `
+          WHERE topic = $1 AND consumer_group = '' AND lease_token IS NULL AND available_at <= now()
+            AND (available_at, id) > ($3::timestamptz, $4::bigint)
+          ORDER BY available_at, id
+          LIMIT $2::int
+            FOR UPDATE SKIP LOCKED))
+RETURNING id, uuid, payload, metadata, deliveries, available_at, last_error`
+	}
 	return &rawInstance{
 		b:         b,
+		heldSQL:   held,
+		async:     r.async,
 		insertSQL: insert,
 		qtable:    t,
 		channel:   "bench_raw_" + schemaName,
@@ -94,13 +121,13 @@ SELECT pg_notify($4, $1) WHERE EXISTS (SELECT 1 FROM ins)`,
 		claimSQL: `
 WITH expired AS (
     SELECT id FROM ` + t + `
-     WHERE topic = $1 AND lease_token IS NOT NULL AND leased_until < now()
+     WHERE topic = $1 AND consumer_group = '' AND lease_token IS NOT NULL AND leased_until < now()
      ORDER BY leased_until
      LIMIT $2::int
        FOR UPDATE SKIP LOCKED
 ), ready AS (
     SELECT id FROM ` + t + `
-     WHERE topic = $1 AND lease_token IS NULL AND available_at <= now()
+     WHERE topic = $1 AND consumer_group = '' AND lease_token IS NULL AND available_at <= now()
      ORDER BY available_at, id
      LIMIT (SELECT $2::int - count(*) FROM expired)
        FOR UPDATE SKIP LOCKED
@@ -127,6 +154,8 @@ type rawInstance struct {
 	insertSQL  string // raw-insert: a bare INSERT of one message, no NOTIFY
 	claimSQL   string
 	ackSQL     string
+	heldSQL    string // raw-held: the claim that deletes, in a transaction held while handling
+	async      bool
 }
 
 func (i *rawInstance) table() string { return i.qtable }
@@ -174,6 +203,7 @@ func (i *rawInstance) consumer(ctx context.Context, cfg consumeConfig) (consumer
 		wake:    make(chan struct{}, 1),
 		acked:   newCountdown(cfg.acks),
 		worker:  "bench-raw:" + watermill.NewShortUUID(),
+		heldAt:  heldFromStart,
 	}, nil
 }
 
@@ -190,7 +220,12 @@ type rawConsumer struct {
 	cancel    context.CancelFunc
 	loops     sync.WaitGroup
 	closeOnce sync.Once
+
+	heldAt pgtype.Timestamptz // raw-held's cursor
+	heldID int64
 }
+
+var heldFromStart = pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
 
 func (c *rawConsumer) start(ctx context.Context) error {
 	ctx, c.cancel = context.WithCancel(ctx)
@@ -239,6 +274,22 @@ func (c *rawConsumer) claimLoop(ctx context.Context) {
 		// Binary UUIDs, as pgoutbox passes them: pgx encodes them directly,
 		// where a string would go through a failed binary attempt first.
 		token := pgtype.UUID{Bytes: uuid.New(), Valid: true}
+		if c.inst.heldSQL != "" {
+			n, err := c.heldBatch(ctx)
+			if err != nil {
+				c.stop(ctx, err)
+				return
+			}
+			if n == 0 && c.heldAt == heldFromStart {
+				select {
+				case <-ctx.Done():
+					return
+				case <-c.wake:
+				case <-time.After(time.Second):
+				}
+			}
+			continue
+		}
 		rows, err := c.work.Query(ctx, c.inst.claimSQL, topic, rawBatch, token, rawLease.Microseconds(), c.worker)
 		if err != nil {
 			c.stop(ctx, fmt.Errorf("raw claim: %w", err))
@@ -281,6 +332,63 @@ func (c *rawConsumer) claimLoop(ctx context.Context) {
 		}
 		c.acked.add(int64(len(ids)))
 	}
+}
+
+// heldBatch is one batch of the held-transaction ceiling: BEGIN, delete
+// up to rawBatch due rows (locked, so competitors skip them), handle them,
+// COMMIT. A crash before the commit rolls the deletion back.
+func (c *rawConsumer) heldBatch(ctx context.Context) (int, error) {
+	t, err := c.work.Begin(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("raw-held begin: %w", err)
+	}
+	defer func() { _ = t.Rollback(context.WithoutCancel(ctx)) }()
+	if c.inst.async {
+		if _, err := t.Exec(ctx, `SET LOCAL synchronous_commit = off`); err != nil {
+			return 0, fmt.Errorf("raw-held: %w", err)
+		}
+	}
+	rows, err := t.Query(ctx, c.inst.heldSQL, topic, rawBatch, c.heldAt, c.heldID)
+	if err != nil {
+		return 0, fmt.Errorf("raw-held claim: %w", err)
+	}
+	var (
+		id          int64
+		msgUUID     string
+		payload     []byte
+		metadata    []byte
+		deliveries  int32
+		availableAt time.Time
+		lastError   pgtype.Text
+		n           int
+		handleErr   error
+	)
+	_, err = pgx.ForEachRow(rows, []any{&id, &msgUUID, &payload, &metadata, &deliveries, &availableAt, &lastError}, func() error {
+		if handleErr == nil {
+			handleErr = c.cfg.handle(msgUUID)
+		}
+		n++
+		if next := (pgtype.Timestamptz{Time: availableAt, Valid: true}); c.heldAt.InfinityModifier != pgtype.Finite || availableAt.After(c.heldAt.Time) ||
+			(availableAt.Equal(c.heldAt.Time) && id > c.heldID) {
+			c.heldAt, c.heldID = next, id
+		}
+		return nil
+	})
+	if err == nil {
+		err = handleErr
+	}
+	if err != nil {
+		return 0, fmt.Errorf("raw-held claim: %w", err)
+	}
+	if n == 0 {
+		c.heldAt, c.heldID = heldFromStart, 0 // the end: next time from the start
+		return 0, nil
+	}
+	if err := t.Commit(ctx); err != nil {
+		return 0, fmt.Errorf("raw-held commit: %w", err)
+	}
+	c.acked.add(int64(n))
+	return n, nil
 }
 
 // stop records err unless the loop ended because the run was over.

@@ -107,10 +107,14 @@ type scenario struct {
 
 func (s *scenario) takes(sys string) bool {
 	if s.systems == nil { // the variants only where a scenario names them
-		return sys != rawInsertName && sys != pgoutboxNotifyEachName
+		return sys != rawInsertName && sys != pgoutboxNotifyEachName && !strings.HasPrefix(sys, rawHeldName)
 	}
 	return slices.Contains(s.systems, sys)
 }
+
+// drainSystems are the systems of drain-16: all but the publish floor, and
+// the held-transaction ceiling.
+var drainSystems = []string{"pgoutbox", "raw", "raw-async", rawHeldName, rawHeldName + "-async", "watermill-sql"}
 
 // publishSystems are the systems of the concurrent publish scenarios:
 // pgoutbox (and as it was, notifying in every transaction), the floor (a
@@ -128,7 +132,7 @@ var scenarios = []*scenario{
 	{name: "drain-3groups", systems: []string{"pgoutbox"}, run: groupDrainScenario(3)},
 	{name: "latency-busy", systems: []string{"pgoutbox", pgoutboxNotifyEachName, "watermill-sql"}, run: busyLatencyScenario},
 	{name: "drain-1", run: drainScenario(false, 1)},
-	{name: "drain-16", run: drainScenario(false, 16)},
+	{name: "drain-16", systems: drainSystems, run: drainScenario(false, 16)},
 	{name: "latency-1", run: latencyScenario(1)},
 	{name: "latency-16", run: latencyScenario(16)},
 	{name: "timers", systems: []string{"pgoutbox"}, run: timersScenario},
@@ -155,7 +159,8 @@ func scenarioByName(name string) *scenario {
 	panic("unknown scenario " + name)
 }
 
-var systems = []system{pgoutboxSystem{}, pgoutboxSystem{notifyEach: true}, rawSystem{}, rawSystem{async: true}, rawSystem{insertOnly: true}, watermillSQLSystem{}}
+var systems = []system{pgoutboxSystem{}, pgoutboxSystem{notifyEach: true}, rawSystem{}, rawSystem{async: true}, rawSystem{insertOnly: true},
+	rawSystem{held: true}, rawSystem{held: true, async: true}, watermillSQLSystem{}}
 
 func systemNames() []string {
 	var out []string

@@ -288,3 +288,19 @@ func TestRelayRefusesAnAckDeadlineShorterThanItsPublishes(t *testing.T) {
 	require.ErrorIs(t, err, relay.ErrInvalidConfig)
 	require.Contains(t, err.Error(), "AckDeadline")
 }
+
+// A relay closed while it is still starting (subscribing) stops: Run
+// returns nil, as for any Close.
+func TestRelayClosedWhileStartingStops(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, target := b.relayTarget(t)
+	for range 20 {
+		r, err := relay.New(b.Pool, target, relay.Config{Topics: []string{"a", "b", "c"}, Subscriber: pgoutbox.SubscriberConfig{Tables: b.tables}})
+		require.NoError(t, err)
+		done := make(chan error, 1)
+		go func() { done <- r.Run(context.Background()) }()
+		require.NoError(t, r.Close())
+		require.NoError(t, <-done)
+	}
+}

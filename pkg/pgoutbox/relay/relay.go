@@ -97,6 +97,7 @@ type Relay struct {
 	logger watermill.LoggerAdapter
 
 	running atomic.Bool
+	closing atomic.Bool // Close was called
 	stats   struct {
 		relayed, batches, failed atomic.Int64
 		lastErr                  atomic.Pointer[string]
@@ -197,6 +198,9 @@ func (r *Relay) Run(ctx context.Context) error {
 		if err != nil {
 			cancel()
 			wg.Wait()
+			if r.closing.Load() || errors.Is(err, pgoutbox.ErrSubscriberClosed) || ctx.Err() != nil {
+				return nil // stopped while starting: a stop, not a failure
+			}
 			return fmt.Errorf("pgoutbox/relay: subscribe to %q: %w", topic, err)
 		}
 		target := r.cfg.TargetTopic(topic)
@@ -215,7 +219,10 @@ func (r *Relay) Run(ctx context.Context) error {
 // Close stops Run (as if its context ended) and waits until the outbox
 // subscriber has let go of every row. It closes neither the pool nor the
 // target.
-func (r *Relay) Close() error { return r.sub.Close() }
+func (r *Relay) Close() error {
+	r.closing.Store(true)
+	return r.sub.Close()
+}
 
 // work publishes batches from msgs until the channel closes (the
 // subscription ended).

@@ -150,6 +150,7 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 		verdicts:  verdictInbox{wake: make(chan struct{}, 1)},
 		reports:   make(chan report, 3), // one claim, one write and one signal at a time
 		held:      map[*delivery]struct{}{},
+		endedKeys: map[string]struct{}{},
 		writeBO:   newBackoff(),
 		claimBO:   newBackoff(),
 		pf:        newPrefetch(s.cfg.MaxInFlight, s.cfg.MaxDeliveries == 0, now),
@@ -484,9 +485,6 @@ func (sub *subscription) onClaimed(r claimResult) {
 		// then scan from the start, so the rows keep their place.
 		sub.lostClaims = append(sub.lostClaims, claimToken{token: r.req.token, at: r.req.sent})
 		for _, k := range r.req.endedKeys { // that claim did not happen
-			if sub.endedKeys == nil {
-				sub.endedKeys = map[string]struct{}{}
-			}
 			sub.endedKeys[k] = struct{}{}
 		}
 		sub.givingBack++
@@ -511,9 +509,6 @@ func (sub *subscription) onClaimed(r claimResult) {
 		}
 		for _, k := range r.req.endedKeys {
 			if !got[k] {
-				if sub.endedKeys == nil {
-					sub.endedKeys = map[string]struct{}{}
-				}
 				sub.endedKeys[k] = struct{}{}
 			}
 		}
@@ -1284,9 +1279,6 @@ func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
 func (sub *subscription) keyEnded(d *delivery) {
 	if d.orderingKey == "" || sub.stopping {
 		return
-	}
-	if sub.endedKeys == nil {
-		sub.endedKeys = map[string]struct{}{}
 	}
 	sub.endedKeys[d.orderingKey] = struct{}{}
 	sub.wantClaim = true

@@ -287,39 +287,12 @@ func drainScenario(large bool, maxInFlight int) func(context.Context, *bench, in
 		if err := inst.loadBacklog(ctx, n, newPayload()); err != nil {
 			return result{}, fmt.Errorf("load backlog: %w", err)
 		}
-		if err := settle(ctx, b, inst); err != nil {
-			return result{}, err
-		}
-
-		handled := newCountdown(n)
-		cons, err := inst.consumer(ctx, consumeConfig{
-			maxInFlight: maxInFlight,
-			acks:        n,
-			handle: func(string) error {
-				handled.add(1)
-				return nil
-			},
-		})
+		elapsed, handled, err := drainLoaded(ctx, b, inst, n, maxInFlight, nil)
 		if err != nil {
 			return result{}, err
 		}
-		defer cons.close()
-		// Generous: fail only below 200 msg/s, far under any system here.
-		timeout := time.Minute + time.Duration(n)*5*time.Millisecond
-
-		start := time.Now()
-		if err := cons.start(ctx); err != nil {
-			return result{}, err
-		}
-		if err := awaitDone(ctx, handled, cons, timeout, "messages handled"); err != nil {
-			return result{}, err
-		}
-		elapsed := time.Since(start)
-		if err := closeEmpty(ctx, b, inst, cons, "after the drain"); err != nil {
-			return result{}, err
-		}
 		res := result{msgsPerS: float64(n) / elapsed.Seconds(), note: joinNote(inFlightNote(inst, maxInFlight), commitNote(b, inst))}
-		if extra := handled.count() - int64(n); extra > 0 {
+		if extra := handled - int64(n); extra > 0 {
 			res.note = joinNote(res.note, fmt.Sprintf("%d redeliveries", extra))
 		}
 		if large {
@@ -856,32 +829,8 @@ func keyedDrainScenario(keys, maxInFlight int) func(context.Context, *bench, ins
 			topic, newPayload(), n); err != nil {
 			return result{}, fmt.Errorf("load backlog: %w", err)
 		}
-		if err := settle(ctx, b, inst); err != nil {
-			return result{}, err
-		}
-		handled := newCountdown(n)
-		cons, err := inst.consumer(ctx, consumeConfig{
-			maxInFlight: maxInFlight,
-			acks:        n,
-			handle: func(string) error {
-				time.Sleep(time.Millisecond)
-				handled.add(1)
-				return nil
-			},
-		})
+		elapsed, _, err := drainLoaded(ctx, b, inst, n, maxInFlight, func() { time.Sleep(time.Millisecond) })
 		if err != nil {
-			return result{}, err
-		}
-		defer cons.close()
-		start := time.Now()
-		if err := cons.start(ctx); err != nil {
-			return result{}, err
-		}
-		if err := awaitDone(ctx, handled, cons, time.Minute+time.Duration(n)*5*time.Millisecond, "messages handled"); err != nil {
-			return result{}, err
-		}
-		elapsed := time.Since(start)
-		if err := closeEmpty(ctx, b, inst, cons, "after the drain"); err != nil {
 			return result{}, err
 		}
 		note := fmt.Sprintf("1 ms handlers, %d in flight", maxInFlight)
@@ -890,4 +839,44 @@ func keyedDrainScenario(keys, maxInFlight int) func(context.Context, *bench, ins
 		}
 		return result{msgsPerS: float64(n) / elapsed.Seconds(), note: note}, nil
 	}
+}
+
+// drainLoaded consumes the n rows loaded into inst with maxInFlight
+// handlers that run work (if any) per message, and returns how long from
+// the consumer's start until all were handled, and how many handlings
+// there were (redeliveries included). The table must be empty after.
+func drainLoaded(ctx context.Context, b *bench, inst instance, n, maxInFlight int, work func()) (time.Duration, int64, error) {
+	if err := settle(ctx, b, inst); err != nil {
+		return 0, 0, err
+	}
+	handled := newCountdown(n)
+	cons, err := inst.consumer(ctx, consumeConfig{
+		maxInFlight: maxInFlight,
+		acks:        n,
+		handle: func(string) error {
+			if work != nil {
+				work()
+			}
+			handled.add(1)
+			return nil
+		},
+	})
+	if err != nil {
+		return 0, 0, err
+	}
+	defer cons.close()
+	// Generous: fail only below 200 msg/s, far under any system here.
+	timeout := time.Minute + time.Duration(n)*5*time.Millisecond
+	start := time.Now()
+	if err := cons.start(ctx); err != nil {
+		return 0, 0, err
+	}
+	if err := awaitDone(ctx, handled, cons, timeout, "messages handled"); err != nil {
+		return 0, 0, err
+	}
+	elapsed := time.Since(start)
+	if err := closeEmpty(ctx, b, inst, cons, "after the drain"); err != nil {
+		return 0, 0, err
+	}
+	return elapsed, handled.count(), nil
 }

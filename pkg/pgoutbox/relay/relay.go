@@ -16,6 +16,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -24,8 +25,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // Config configures a Relay.
@@ -93,7 +94,6 @@ type Relay struct {
 	pool   *pgxpool.Pool
 	target message.Publisher
 	sub    *pgoutbox.Subscriber
-	names  query.Names
 	logger watermill.LoggerAdapter
 
 	running atomic.Bool
@@ -116,16 +116,11 @@ func New(pool *pgxpool.Pool, target message.Publisher, config Config) (*Relay, e
 	if config.Logger == nil {
 		config.Logger = watermill.NopLogger{}
 	}
-	t := config.Subscriber.Tables.WithDefaults()
-	names, err := query.NewNames(t.Schema, t.Table, t.DeadLetterTable)
-	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrInvalidConfig, err)
-	}
 	sub, err := pgoutbox.NewSubscriber(pool, config.Subscriber, config.Logger)
 	if err != nil {
 		return nil, fmt.Errorf("%w: Subscriber: %w", ErrInvalidConfig, err)
 	}
-	return &Relay{cfg: config, pool: pool, target: target, sub: sub, names: names, logger: config.Logger}, nil
+	return &Relay{cfg: config, pool: pool, target: target, sub: sub, logger: config.Logger}, nil
 }
 
 func (c *Config) setDefaults() error {
@@ -260,9 +255,7 @@ func (r *Relay) relay(ctx context.Context, topic, target string, batch []*messag
 	out := make([]*message.Message, len(batch))
 	for i, m := range batch {
 		c := message.NewMessage(m.UUID, m.Payload)
-		for k, v := range m.Metadata {
-			c.Metadata[k] = v
-		}
+		maps.Copy(c.Metadata, m.Metadata)
 		c.SetContext(pctx)
 		out[i] = c
 	}
@@ -324,41 +317,22 @@ type TopicLag struct {
 }
 
 // Lag reports, per topic of Config.Topics, what waits in the outbox for
-// the relay's consumer group. Per topic it counts the entries of the two
-// partial indexes (waiting rows, leased rows), so its cost grows with the
-// backlog, not with the table; poll it for a dashboard or an alert on Age.
+// the relay's consumer group: pgoutbox.Stats for each topic and group (its
+// cost follows the backlog, not the table); poll it for a dashboard or an
+// alert on Age.
 func (r *Relay) Lag(ctx context.Context) ([]TopicLag, error) {
-	rows, err := r.pool.Query(ctx, `
-SELECT t.topic, w.ready + l.leased, w.scheduled, w.parked, w.age
-  FROM unnest($1::text[]) WITH ORDINALITY AS t(topic, ord)
- CROSS JOIN LATERAL (
-       SELECT count(*) FILTER (WHERE available_at <= now()) AS ready,
-              count(*) FILTER (WHERE available_at > now() AND available_at < 'infinity') AS scheduled,
-              count(*) FILTER (WHERE available_at = 'infinity') AS parked,
-              COALESCE(EXTRACT(EPOCH FROM now() - min(available_at) FILTER (WHERE available_at <= now()))::float8, 0) AS age
-         FROM `+r.names.QTable+`
-        WHERE topic = t.topic AND consumer_group = $2 AND lease_token IS NULL) w
- CROSS JOIN LATERAL (
-       SELECT count(*) AS leased FROM `+r.names.QTable+`
-        WHERE topic = t.topic AND consumer_group = $2 AND lease_token IS NOT NULL) l
- ORDER BY t.ord`,
-		r.cfg.Topics, r.cfg.Subscriber.ConsumerGroup)
-	if err != nil {
-		return nil, fmt.Errorf("pgoutbox/relay: lag: %w", err)
-	}
-	defer rows.Close()
-	lags := make([]TopicLag, 0, len(r.cfg.Topics))
-	for rows.Next() {
-		var l TopicLag
-		var age float64
-		if err := rows.Scan(&l.Topic, &l.Ready, &l.Scheduled, &l.Parked, &age); err != nil {
+	exec := tx.FromPgxPool(r.pool)
+	lags := make([]TopicLag, len(r.cfg.Topics))
+	for i, topic := range r.cfg.Topics {
+		st, err := pgoutbox.Stats(ctx, exec, r.cfg.Subscriber.Tables, pgoutbox.StatsForGroup(topic, r.cfg.Subscriber.ConsumerGroup))
+		if err != nil {
 			return nil, fmt.Errorf("pgoutbox/relay: lag: %w", err)
 		}
-		l.Age = time.Duration(age * float64(time.Second))
-		lags = append(lags, l)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("pgoutbox/relay: lag: %w", err)
+		lags[i] = TopicLag{Topic: topic}
+		for _, q := range st { // one entry: StatsForGroup
+			lags[i].Ready = q.Ready + q.Leased + q.ExpiredLeases
+			lags[i].Scheduled, lags[i].Parked, lags[i].Age = q.Scheduled, q.Parked, q.OldestReadyAge
+		}
 	}
 	return lags, nil
 }

@@ -156,15 +156,17 @@ func publishInTx(fin context.Context, exec Executor, config MiddlewareConfig, ms
 	if topic == "" {
 		return fmt.Errorf("pgoutbox: the handler returned %d messages but has no publish topic; add it with Router.AddHandler and a publish topic", len(produced))
 	}
-	for _, m := range produced {
-		// The publisher runs its statement in the transaction with the
-		// first message's context: the finishing one, carrying the
-		// transaction (the messages' own values stay on them).
-		m.SetContext(WithExecutor(m.Context(), exec))
+	for i, m := range produced {
+		// Every message carries the transaction (a publisher that splits
+		// the call still finds it); the first one's context is the one the
+		// statement runs with: the finishing context, which the end of the
+		// message's own cannot cancel.
+		ctx := m.Context()
+		if i == 0 {
+			ctx = fin
+		}
+		m.SetContext(WithExecutor(ctx, exec))
 	}
-	first := produced[0].Context()
-	produced[0].SetContext(WithExecutor(fin, exec))
-	defer produced[0].SetContext(first)
 	if err := config.Publisher.Publish(topic, produced...); err != nil {
 		return fmt.Errorf("pgoutbox: publish the handler's messages in its transaction: %w", err)
 	}

@@ -9,7 +9,6 @@ package relaytest
 import (
 	"context"
 	"fmt"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -20,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/relay"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -65,15 +65,6 @@ type Result struct {
 	RelaysStarted  int
 	RelayDuration  time.Duration
 	FaultsInjected int
-}
-
-// PostgresDSN is the database of the runs: POSTGRES_DSN, else the local
-// default.
-func PostgresDSN() string {
-	if dsn := os.Getenv("POSTGRES_DSN"); dsn != "" {
-		return dsn
-	}
-	return "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
 }
 
 // Run relays cfg.Messages messages from a fresh outbox (a schema of its
@@ -222,23 +213,17 @@ func (p *recordingPublisher) Publish(topic string, msgs ...*message.Message) err
 // Close leaves the target to its owner.
 func (p *recordingPublisher) Close() error { return nil }
 
-// Outbox creates an outbox in a fresh schema, dropped when the test ends,
-// and returns a pool (closed then too) and its tables.
+// Outbox creates an outbox in a schema of its own (pgoutboxtest.NewSchema:
+// the same PostgreSQL discovery as the project's tests), dropped when the
+// test ends, and returns a pool on it (closed then too) and its tables.
 func Outbox(t testing.TB, ctx context.Context) (*pgxpool.Pool, schema.Config) {
 	t.Helper()
-	pool, err := pgxpool.New(ctx, PostgresDSN())
-	if err != nil {
+	s := pgoutboxtest.NewSchema(t, pgoutboxtest.Options{MaxConns: 16})
+	tables := schema.Config{Schema: s.Name, Table: "outbox"}
+	if err := schema.Create(ctx, tx.FromPgxPool(s.Pool), tables); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(pool.Close)
-	tables := schema.Config{Schema: "relaytest_" + watermill.NewShortUUID()[:10], Table: "outbox"}
-	if err := schema.Create(ctx, tx.FromPgxPool(pool), tables); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = pool.Exec(context.Background(), `DROP SCHEMA `+pgx.Identifier{tables.Schema}.Sanitize()+` CASCADE`)
-	})
-	return pool, tables
+	return s.Pool, tables
 }
 
 // Publish writes n messages to topic in batches of 500 and returns their

@@ -287,9 +287,11 @@ func (k *killer) stop() {
 // consumer: up to MaxInFlight (8) messages in its handlers, plus up to
 // maxPendingCompletions (256, pkg/pgoutbox/completer.go) verdicts a
 // subscription holds recorded but not yet written (pending or in the write
-// under way). Rows it had only prefetched were never handled: they come back
-// without being duplicates.
-const maxKillDuplicates = 8 + 256
+// under way), plus the acks recorded in its open held batches, whose
+// transactions roll back (maxHeldBatches, 3, of at most maxClaim, 256,
+// rows: pkg/pgoutbox/held.go). Rows it had only prefetched were never
+// handled: they come back without being duplicates.
+const maxKillDuplicates = 8 + 256 + 3*256
 
 // TestFaultKilledConsumerProcess SIGKILLs a consumer process in the middle
 // of a 2,000-message drain; a second process finishes it. Every message is
@@ -400,9 +402,11 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	b.publishInTx(t, topic, true, newMsgs(messages)...)
 
 	bin := buildConsumer(t)
-	env := "CONSUMER_LEASE=" + lease.String()
-	victim := startConsumer(t, bin, b, topic, "victim", env)
-	survivor := startConsumer(t, bin, b, topic, "survivor", env)
+	// Leases only: held rows come back without the liveness lock
+	// (TestFaultKilledHeldConsumersRowsAreDueAtOnce).
+	env := []string{"CONSUMER_LEASE=" + lease.String(), "CONSUMER_CLAIM_MODE=lease"}
+	victim := startConsumer(t, bin, b, topic, "victim", env...)
+	survivor := startConsumer(t, bin, b, topic, "survivor", env...)
 	survivor.waitFor(t, "both are consuming", 30*time.Second, func() bool {
 		return b.count(t, `SELECT count(DISTINCT worker) FROM `+b.Schema+`.handled`) == 2
 	})
@@ -621,4 +625,66 @@ func TestFaultSubscribeAfterIdleConnectionsWereTerminated(t *testing.T) {
 	m := receive(t, msgs, 10*time.Second)
 	require.Equal(t, "after the kill", string(m.Payload))
 	m.Ack()
+}
+
+// TestFaultKilledHeldConsumersRowsAreDueAtOnce SIGKILLs one of two
+// competing consumers on the held path (ClaimHeld) mid-drain, with a 30s
+// lease and before the survivor could see the victim's liveness lock:
+// nothing but the held transactions' rollback can bring the victim's rows
+// back early. The messages the victim handled whose acks were not
+// committed (they were in its held transactions) reach the survivor within
+// seconds, not a lease; every message is handled, duplicates within what
+// the victim held.
+func TestFaultKilledHeldConsumersRowsAreDueAtOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	const (
+		messages = 40000
+		topic    = "t"
+		lease    = 30 * time.Second
+	)
+	_, err := b.Pool.Exec(ctx, `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
+	require.NoError(t, err)
+	b.publishInTx(t, topic, true, newMsgs(messages)...)
+
+	bin := buildConsumer(t)
+	env := []string{"CONSUMER_LEASE=" + lease.String(), "CONSUMER_CLAIM_MODE=held"}
+	victim := startConsumer(t, bin, b, topic, "victim", env...)
+	survivor := startConsumer(t, bin, b, topic, "survivor", env...)
+	survivor.waitFor(t, "both are consuming", 30*time.Second, func() bool {
+		return b.count(t, `SELECT count(DISTINCT worker) FROM `+b.Schema+`.handled`) == 2
+	})
+	require.Positive(t, b.outboxRows(t, topic), "the drain is over before the kill; the test proves nothing")
+	require.NoError(t, victim.cmd.Process.Kill())
+	killed := time.Now()
+	<-victim.done
+	// Handled by the victim, still in the outbox: acks its held
+	// transactions had not committed (or leases of rows that outlived the
+	// bound, which a survivor that never saw the victim alive gets back
+	// only when they expire: the test then fails).
+	var unacked []string
+	rows, err := b.Pool.Query(ctx, `SELECT DISTINCT h.uuid FROM `+b.Schema+`.handled h
+		JOIN `+b.Schema+`.outbox o ON o.uuid = h.uuid WHERE h.worker = 'victim'`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var u string
+		require.NoError(t, rows.Scan(&u))
+		unacked = append(unacked, u)
+	}
+	require.NoError(t, rows.Err())
+	require.NotEmpty(t, unacked, "the victim had no unacked message when killed; the test proves nothing")
+	leased := b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE leased_by = 'victim'`)
+
+	survivor.waitFor(t, "the victim's unacked messages are handled by the survivor", lease/2, func() bool {
+		return b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.handled WHERE worker = 'survivor' AND uuid = ANY($1)`, unacked) == len(unacked)
+	})
+	back := time.Since(killed)
+	survivor.waitFor(t, "the outbox is empty", 2*time.Minute, func() bool { return b.outboxRows(t, topic) == 0 })
+	total := b.count(t, `SELECT count(*) FROM `+b.Schema+`.handled`)
+	distinct := b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.handled`)
+	t.Logf("unacked_rows=%d leased_by_victim=%d back_after=%s (lease %s) handled=%d distinct=%d duplicates=%d",
+		len(unacked), leased, back.Round(time.Millisecond), lease, total, distinct, total-distinct)
+	require.Equal(t, messages, distinct)
+	require.LessOrEqual(t, total-distinct, maxKillDuplicates)
 }

@@ -48,6 +48,12 @@ type Queries struct {
 	CompleteInTx       string
 	Renew              string
 	Dead               string
+	// HeldClaim, HeldAck and HeldFinish are the held path's statements
+	// (a claim inside a transaction the subscription keeps open while
+	// the handlers run): see their comments in Build.
+	HeldClaim  string
+	HeldAck    string
+	HeldFinish string
 	ReleaseClaim       string
 	NextDue            string
 	Cancel             string
@@ -263,6 +269,53 @@ RETURNING o.id, c.token`, t, ac),
 		// back. No asynchronous-commit clause: that transaction commits
 		// the handler's own writes, with the user's durability.
 		CompleteInTx: fmt.Sprintf(`DELETE FROM %s WHERE id = $1 AND lease_token = $2`, t),
+
+		// HeldClaim locks up to $2 ready rows of topic $1 and group $3, from
+		// the cursor ($4, $5), in the transaction that runs it: the held
+		// path. It writes nothing: no new row version, no index entry.
+		// Competitors' claims skip the locked rows (SKIP LOCKED); if the
+		// holder dies, its transaction rolls back and the rows are due
+		// again at once, their delivery not counted. The ready predicate,
+		// ordering keys included, is ClaimFast's. The delivery count it
+		// returns is the one this delivery makes (stored only if the row
+		// becomes a lease or is nacked).
+		HeldClaim: fmt.Sprintf(`
+SELECT id, uuid, payload, metadata, deliveries + 1, available_at, ordering_key
+  FROM %[1]s r
+ WHERE topic = $1 AND consumer_group = $3 AND lease_token IS NULL AND available_at <= now()
+   AND (available_at, id) > ($4::timestamptz, $5::bigint)
+   AND (ordering_key IS NULL OR (NOT EXISTS (
+        SELECT 1 FROM %[1]s k
+         WHERE k.topic = $1 AND k.consumer_group = $3 AND k.ordering_key = r.ordering_key
+           AND k.id < r.id AND k.available_at < 'infinity')
+           AND NOT EXISTS (
+               SELECT 1 FROM %[1]s l
+                WHERE l.topic = $1 AND l.consumer_group = $3 AND l.ordering_key = r.ordering_key
+                  AND l.lease_token IS NOT NULL)))
+ ORDER BY available_at, id
+ LIMIT $2::int
+   FOR UPDATE OF r SKIP LOCKED`, t),
+
+		// HeldAck deletes the acked rows of a held claim, in its
+		// transaction: the locks make a token unnecessary.
+		HeldAck: fmt.Sprintf(`DELETE FROM %s WHERE id = ANY ($1::bigint[])`, t),
+
+		// HeldFinish is HeldAck plus the rows of the held claim that leave
+		// it without an ack (a handler still running at the bound, a nack,
+		// a dead letter): they become ordinary leases under token $3,
+		// counting their delivery, before the transaction commits. Their
+		// nacks and dead letters are then written like any lease's.
+		HeldFinish: fmt.Sprintf(`
+WITH acked AS (
+    DELETE FROM %[1]s WHERE id = ANY ($1::bigint[])
+)
+UPDATE %[1]s
+   SET lease_token  = $3::uuid,
+       leased_until = now() + $4::bigint * interval '1 microsecond',
+       leased_by    = $5,
+       lease_holder = $6::bigint,
+       deliveries   = deliveries + 1
+ WHERE id = ANY ($2::bigint[])`, t),
 
 		// Dead ends rows terminally, under their tokens: with a dead-letter
 		// table the row moves there in this one statement (if the INSERT

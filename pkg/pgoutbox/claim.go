@@ -22,6 +22,7 @@ type claimRequest struct {
 	endedKeys   []string    // ordering keys whose rows ended: claim their next rows
 	orphansOf   []int64     // look for orphaned rows, sparing these liveness keys (nil: do not look)
 	holder      pgtype.Int8 // our liveness key while we hold its lock, else NULL
+	held        bool        // the held path (held.go): lock the rows in a transaction kept open
 }
 
 // claimResult is what a claim leased, in queue order.
@@ -34,6 +35,7 @@ type claimResult struct {
 	cursor    pgtype.Int8
 	reclaimed int           // expired or orphaned leases taken
 	dueIn     time.Duration // after an empty claim: when the next row is due (0: unknown)
+	batch     *heldBatch    // the held path: the batch of the rows
 	err       error
 }
 

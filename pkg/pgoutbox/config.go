@@ -212,6 +212,11 @@ type SubscriberConfig struct {
 	// Set it to true if you want no redelivery from a server crash.
 	SynchronousCommit bool
 
+	// ClaimMode chooses how the subscription takes rows. Defaults to
+	// ClaimAuto: the held path (ClaimHeld) while it pays, leases
+	// (ClaimLease) when it does not; see ClaimMode.
+	ClaimMode ClaimMode
+
 	// ListenDSN is a direct connection string for the subscriber's LISTEN
 	// connection, which also holds its liveness lock. Set it when the pool
 	// goes through a pooler in transaction mode (PgBouncer): there LISTEN
@@ -321,6 +326,9 @@ func (c SubscriberConfig) Validate() error {
 		add("StatementTimeout is %s; it must be positive", c.StatementTimeout)
 	case leaseOK && c.StatementTimeout >= c.Lease/2:
 		add("StatementTimeout (%s) must be shorter than Lease/2 (%s), so a hung statement cannot outlive a lease renewal period; lower StatementTimeout or raise Lease", c.StatementTimeout, c.Lease/2)
+	}
+	if c.ClaimMode < ClaimAuto || c.ClaimMode > ClaimHeld {
+		add("ClaimMode is %d; use ClaimAuto, ClaimLease or ClaimHeld", c.ClaimMode)
 	}
 	if c.MaxDeliveries < 0 {
 		add("MaxDeliveries is %d; use 0 for no limit or a positive count", c.MaxDeliveries)

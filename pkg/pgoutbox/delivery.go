@@ -38,6 +38,8 @@ type delivery struct {
 	retryAt   instant // ordered mode: when a held nack is delivered again
 	holdDone  bool    // ordered mode: the hold of a nack is written
 	outcome   *outcome
+	batch     *heldBatch       // the held path: the batch whose transaction locks the row (nil: leased)
+	fate      heldFate         // the held path: how the batch's end treats the row
 	msg       *message.Message // the message handed out (nil before)
 	cancel    context.CancelFunc
 	stopWatch chan struct{} // closed by the owner when it stops waiting for a verdict
@@ -81,6 +83,10 @@ type outcome struct {
 	id       int64
 	token    pgtype.UUID
 	inTx     atomic.Int32 // txNone, txCompleting, txCommitted
+	// unhold asks the owner to make a held row a lease at once: the
+	// handler's transaction is about to delete it, and its DELETE waits
+	// for the held transaction's lock until then. nil for a leased row.
+	unhold func()
 }
 
 const (
@@ -89,14 +95,19 @@ const (
 	txCommitted  // ... and committed: the row is gone, nothing more to write
 )
 
-func newOutcome(d *delivery, complete string) *outcome {
-	return &outcome{complete: complete, id: d.id, token: d.token}
+func newOutcome(d *delivery, complete string, unhold func()) *outcome {
+	return &outcome{complete: complete, id: d.id, token: d.token, unhold: unhold}
 }
 
 var _ handoff.Row = (*outcome)(nil)
 
 // Completion implements handoff.Row.
-func (o *outcome) Completion() (string, []any) { return o.complete, []any{o.id, o.token} }
+func (o *outcome) Completion() (string, []any) {
+	if o.unhold != nil {
+		o.unhold()
+	}
+	return o.complete, []any{o.id, o.token}
+}
 
 // Begin implements handoff.Row. A committed completion stays committed:
 // a middleware that retries the handler after the commit must not undo it.

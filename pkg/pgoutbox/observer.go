@@ -21,6 +21,13 @@ const (
 	EventLeaseRenewed EventKind = "lease_renewed" // Count in-flight leases were extended
 	EventPoisoned     EventKind = "poisoned"      // a row could not be decoded into a message
 	EventPublished    EventKind = "published"     // a Publish call inserted Count rows
+	EventHeldToLease  EventKind = "held_to_lease" // Count rows of a held claim became ordinary leases (see ClaimMode)
+)
+
+// Paths a row takes (Event.Path): see ClaimMode.
+const (
+	PathLease = "lease" // claimed under a lease, written by its own statements
+	PathHeld  = "held"  // locked in a held transaction, acked in it
 )
 
 // Failure reasons of dead-lettered rows, stored in failure_reason.
@@ -46,7 +53,10 @@ type Event struct {
 	Phase string
 	// Reason is the failure reason of a dead-lettered row.
 	Reason string
-	Err    error
+	// Path is the path of the claim (claimed), or of the row (acked,
+	// released): PathLease or PathHeld.
+	Path string
+	Err  error
 }
 
 // Observer receives events. Implementations must be safe for concurrent use

@@ -92,6 +92,10 @@ type subscription struct {
 	drainEnd         time.Time
 	lastWrite        time.Time // when the last write was started
 	ackWait          time.Time // a paced write of acks is due then
+
+	batches      []*heldBatch // held claims' batches not ended yet (held.go), oldest first
+	txSeen       bool         // a handler completed its row in its own transaction (ClaimAuto leases then)
+	heldOffUntil time.Time    // ClaimAuto leases until then: the handlers were slow
 }
 
 // report is what the claim goroutine, the completer or forwardSignals
@@ -99,6 +103,7 @@ type subscription struct {
 type report struct {
 	claim *claimResult
 	write *writeResult
+	batch *batchResult
 	stop  bool // the Subscribe context ended or the Subscriber closes
 	// none of them: the notifier woke the subscription (waiter.Take says why)
 }
@@ -135,6 +140,9 @@ type verdict struct {
 	ack      bool
 	unsent   bool // the subscription stopped before the Router took the message
 	timedOut bool // no Ack or Nack within AckDeadline
+	convert  bool // a handler's transaction wants to delete this held row: make it a lease now
+	// converted is closed once the row is a lease (convert).
+	converted chan struct{}
 }
 
 func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *notifier.Waiter) *subscription {
@@ -148,7 +156,7 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 		logger:    s.logger.With(watermill.LogFields{"topic": topic}),
 		waiter:    waiter,
 		verdicts:  verdictInbox{wake: make(chan struct{}, 1)},
-		reports:   make(chan report, 3), // one claim, one write and one signal at a time
+		reports:   make(chan report, 3+maxHeldBatches), // one claim, one write, one signal and the held batches' ends
 		held:      map[*delivery]struct{}{},
 		endedKeys: map[string]struct{}{},
 		writeBO:   newBackoff(),
@@ -265,6 +273,8 @@ func (sub *subscription) run() {
 				sub.onClaimed(*r.claim)
 			case r.write != nil:
 				sub.onWritten(*r.write)
+			case r.batch != nil:
+				sub.finishedBatch(*r.batch)
 			case r.stop:
 				if !sub.stopping {
 					sub.beginStop()
@@ -359,6 +369,11 @@ func (sub *subscription) armTimer(now time.Time) {
 	earliest(sub.writeWait)
 	earliest(sub.ackWait)
 	earliest(sub.claimWait)
+	for _, b := range sub.batches {
+		if !b.closing {
+			earliest(b.deadline)
+		}
+	}
 	if sub.retry != nil && sub.retry.holdDone {
 		earliest(sub.retry.retryAt.time())
 	}
@@ -391,6 +406,9 @@ func (sub *subscription) passedTimes(now time.Time) {
 	if !sub.drainEnd.IsZero() && !now.Before(sub.drainEnd) {
 		sub.drainEnd = time.Time{}
 		sub.endDrain()
+	}
+	if len(sub.batches) > 0 {
+		sub.tendBatches(now, false)
 	}
 }
 
@@ -458,6 +476,27 @@ func (sub *subscription) startClaim(now time.Time) {
 			req.orphansOf = spare
 		}
 	}
+	if sub.wantHeld(req, now) {
+		req.held = true
+		go func() {
+			r := sub.runHeldClaim(req)
+			sub.reports <- report{claim: &r}
+		}()
+		return
+	}
+	if len(sub.batches) >= maxHeldBatches && !req.withExpired && req.window == 0 && sub.cfg.ClaimMode != ClaimLease {
+		// Busy on the held path with every batch open: end the oldest
+		// (its stragglers become leases) and claim held again.
+		sub.tendBatches(now, true)
+		if sub.wantHeld(req, now) {
+			req.held = true
+			go func() {
+				r := sub.runHeldClaim(req)
+				sub.reports <- report{claim: &r}
+			}()
+			return
+		}
+	}
 	go func() {
 		r := sub.runClaim(req)
 		sub.reports <- report{claim: &r}
@@ -477,6 +516,17 @@ func (sub *subscription) onClaimed(r claimResult) {
 	woke := sub.wokeDuringClaim
 	sub.wokeDuringClaim = false
 	now := time.Now()
+	if r.err != nil && r.req.held {
+		// The transaction rolled back (or its connection is closed, which
+		// the server rolls back): nothing to give back.
+		for _, k := range r.req.endedKeys {
+			sub.endedKeys[k] = struct{}{}
+		}
+		wait := sub.claimBO.NextBackOff()
+		sub.claimWait = now.Add(wait)
+		sub.logger.Error("Claim failed; retrying", r.err, watermill.LogFields{"retry_in": wait.String(), "path": PathHeld})
+		return
+	}
 	if r.err != nil {
 		// The statement may have committed: its rows would stay leased
 		// under a token nobody holds. Give them back (ReleaseClaim) instead
@@ -513,11 +563,20 @@ func (sub *subscription) onClaimed(r claimResult) {
 			}
 		}
 	}
-	sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, Count: len(r.rows)})
+	path := PathLease
+	if r.req.held {
+		path = PathHeld
+	}
+	sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, Count: len(r.rows), Path: path})
 	for _, d := range r.rows {
 		d.claimedAt = at(r.req.sent)
 		d.expiresAt = d.claimedAt.add(sub.cfg.Lease)
+		d.batch = r.batch
 		sub.held[d] = struct{}{}
+	}
+	if b := r.batch; b != nil {
+		b.deadline = sub.bound(now)
+		sub.batches = append(sub.batches, b)
 	}
 	if sub.stopping || r.req.gen != sub.gen {
 		// Stopping, or rows went back while this claim ran: these rows may
@@ -628,7 +687,7 @@ func (sub *subscription) prepare(d *delivery, now time.Time) bool {
 	if !sub.admit(d, now) {
 		return false
 	}
-	d.outcome = newOutcome(d, sub.s.q.CompleteInTx)
+	d.outcome = newOutcome(d, sub.s.q.CompleteInTx, sub.unholder(d))
 	msg, cancel, err := buildMessage(sub.ctx, d.uuid, d.payload, d.metaRaw, d.orderingKey, d.outcome)
 	if err != nil {
 		sub.poisoned(d, err)
@@ -694,7 +753,7 @@ func (sub *subscription) handedOut(d *delivery) {
 		sub.single = d
 		return
 	}
-	d.outcome, d.stopWatch = newOutcome(d, sub.s.q.CompleteInTx), make(chan struct{})
+	d.outcome, d.stopWatch = newOutcome(d, sub.s.q.CompleteInTx, sub.unholder(d)), make(chan struct{})
 	// Never blocks: see maxHandedOut.
 	sub.slots <- slotItem{d: d, seq: d.seq, uuid: d.uuid, payload: d.payload, metaRaw: d.metaRaw, orderingKey: d.orderingKey,
 		outcome: d.outcome, stop: d.stopWatch}
@@ -866,6 +925,10 @@ func (in *verdictInbox) take(buf []verdict) []verdict {
 func (sub *subscription) takeVerdicts() {
 	sub.verdictBuf = sub.verdicts.take(sub.verdictBuf)
 	for _, v := range sub.verdictBuf {
+		if v.convert {
+			sub.unhold(v)
+			continue
+		}
 		if v.timedOut {
 			if v.d.state == handedOut && v.d.seq == v.seq {
 				sub.ackDeadlinePassed(v.d, v.msg)
@@ -921,6 +984,10 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 	}
 	if v.ack {
 		d.state = writing
+		if d.batch != nil {
+			sub.heldAck(d)
+			return
+		}
 		sub.pending.acks = append(sub.pending.acks, d)
 		return
 	}
@@ -937,14 +1004,16 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 			d.metaRaw = n.meta // as the hold stores it
 		}
 		sub.retry = d
-		sub.pending.holds = append(sub.pending.holds, holdOp{d: d, err: textOrNull(n.errText), meta: metaOrNull(n.meta)})
+		job := sub.jobFor(d)
+		job.holds = append(job.holds, holdOp{d: d, err: textOrNull(n.errText), meta: metaOrNull(n.meta)})
 		if n.delay > 0 {
 			sub.giveBack(sub.takeBuffer())
 			sub.gen++ // a claim under way gives its rows back too
 		}
 	default:
 		d.state = writing
-		sub.pending.returns = append(sub.pending.returns, returnOp{d: d, delay: delayOf(n.delay),
+		job := sub.jobFor(d)
+		job.returns = append(job.returns, returnOp{d: d, delay: delayOf(n.delay),
 			err: textOrNull(n.errText), meta: metaOrNull(n.meta)})
 	}
 }
@@ -952,7 +1021,8 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 // deadLetter ends d terminally: moved to the dead-letter table, or parked.
 func (sub *subscription) deadLetter(d *delivery, reason, errText string) {
 	d.state = writing
-	sub.pending.dead = append(sub.pending.dead, deadOp{d: d, reason: reason, err: textOrNull(boundError(errText))})
+	job := sub.jobFor(d)
+	job.dead = append(job.dead, deadOp{d: d, reason: reason, err: textOrNull(boundError(errText))})
 }
 
 // giveBack returns rows that no handler saw, keeping their place in line
@@ -972,6 +1042,14 @@ func (sub *subscription) giveBack(ds []*delivery) {
 		sub.endMessage(d)
 		d.state = writing
 		sub.givingBack++
+		if b := d.batch; b != nil {
+			if b.closing { // becoming a lease: give that back after the commit
+				b.deferred.returns = append(b.deferred.returns, returnOp{d: d, undo: 1, giveBack: true})
+				continue
+			}
+			sub.decideHeld(d, heldReleased) // the commit drops its lock
+			continue
+		}
 		sub.pending.returns = append(sub.pending.returns, returnOp{d: d, undo: 1, giveBack: true})
 	}
 }
@@ -980,7 +1058,8 @@ func (sub *subscription) giveBack(ds []*delivery) {
 // over): due again at once, its delivery counted.
 func (sub *subscription) release(d *delivery) {
 	d.state = writing
-	sub.pending.returns = append(sub.pending.returns, returnOp{d: d})
+	job := sub.jobFor(d)
+	job.returns = append(job.returns, returnOp{d: d})
 }
 
 // housekeeping runs the periodic checks: ack deadlines, stalled buffers,
@@ -1013,7 +1092,8 @@ func (sub *subscription) housekeeping(now time.Time) {
 			// Rows with a write pending are left out: the write ends the
 			// lease (or keeps it, a hold), and a renewal after it in the
 			// same batch would find the row gone and call it lost.
-			if d.state != writing && !(d.state == retrying && !d.holdDone) {
+			// Held rows have no lease to renew.
+			if d.state != writing && !(d.state == retrying && !d.holdDone) && d.batch == nil {
 				rows = append(rows, d)
 			}
 		}
@@ -1084,7 +1164,7 @@ func (sub *subscription) endDrain() {
 // handler to wait for, no claim under way, everything written, or the final
 // writes given up on after their deadline.
 func (sub *subscription) finishedStopping(now time.Time) bool {
-	if sub.handed > 0 || sub.claiming {
+	if sub.handed > 0 || sub.claiming || len(sub.batches) > 0 {
 		return false
 	}
 	if sub.finalDeadline.IsZero() {
@@ -1317,25 +1397,30 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 		if d.state == handedOut && d.outcome.completingInTx() {
 			continue // the handler's transaction deleted it; its verdict follows
 		}
-		// Lost: someone else holds the row; it ends here, and nothing is
-		// written for it. A handed-out message's handler is told to stop.
-		sub.leaseLost(d, "renew")
-		if sub.ready == d {
-			sub.endMessage(d)
-			sub.ready = nil
-		}
-		if d.state == handedOut {
-			sub.stopWatching(d)
-			sub.endMessage(d)
-			sub.handed--
-		}
-		if sub.retry == d {
-			sub.retry = nil
-		}
-		delete(sub.held, d)
-		d.state = finished
+		sub.dropLost(d, "renew")
 	}
 	sub.s.obs.observe(Event{Kind: EventLeaseRenewed, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, Count: renewed})
+}
+
+// dropLost ends a row someone else holds now (phase: what found out): it
+// ends here, and nothing is written for it. A handed-out message's handler
+// is told to stop.
+func (sub *subscription) dropLost(d *delivery, phase string) {
+	sub.leaseLost(d, phase)
+	if sub.ready == d {
+		sub.endMessage(d)
+		sub.ready = nil
+	}
+	if d.state == handedOut {
+		sub.stopWatching(d)
+		sub.endMessage(d)
+		sub.handed--
+	}
+	if sub.retry == d {
+		sub.retry = nil
+	}
+	delete(sub.held, d)
+	d.state = finished
 }
 
 // leaseLost reports a row whose lease token no longer matches: its lease

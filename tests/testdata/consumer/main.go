@@ -13,7 +13,8 @@
 //	CONSUMER_MAX_IN_FLIGHT  SubscriberConfig.MaxInFlight
 //
 // Optional: CONSUMER_LEASE, SubscriberConfig.Lease as a Go duration
-// (default 2s).
+// (default 2s); CONSUMER_CLAIM_MODE, SubscriberConfig.ClaimMode (auto,
+// lease or held; default auto).
 //
 // It prints "consumer running" on stdout once the router runs.
 package main
@@ -51,6 +52,7 @@ type settings struct {
 	dsn, schema, topic, worker string
 	maxInFlight                int
 	lease                      time.Duration
+	claimMode                  pgoutbox.ClaimMode
 }
 
 func readSettings() (settings, error) {
@@ -81,6 +83,9 @@ func readSettings() (settings, error) {
 		if s.lease, err = time.ParseDuration(v); err != nil {
 			return s, fmt.Errorf("CONSUMER_LEASE is %q; it must be a Go duration such as 30s", v)
 		}
+	}
+	if s.claimMode, err = pgoutbox.ParseClaimMode(os.Getenv("CONSUMER_CLAIM_MODE")); err != nil {
+		return s, fmt.Errorf("CONSUMER_CLAIM_MODE: %w", err)
 	}
 	return s, nil
 }
@@ -114,6 +119,7 @@ func run() error {
 		MinPollInterval: 20 * time.Millisecond,
 		MaxPollInterval: time.Second,
 		WorkerID:        s.worker,
+		ClaimMode:       s.claimMode,
 	}, logger)
 	if err != nil {
 		return err

@@ -27,7 +27,8 @@ type heldBatch struct {
 	conn      *pgxpool.Conn
 	token     pgtype.UUID // the lease token of the rows that become leases
 	rows      []*delivery
-	undecided int       // rows without a verdict or give-back yet
+	undecided int // rows without a verdict or give-back yet
+	claimedAt time.Time
 	deadline  time.Time // the bound: undecided rows become leases then
 	closing   bool      // its finishing statement is under way
 	deferred  writeJob  // writes of rows that become leases: after the commit that makes them so
@@ -51,8 +52,8 @@ const (
 const heldBound = 100 * time.Millisecond
 
 // maxHeldBatches bounds a subscription's open held transactions (each on
-// a pool connection). When a claim finds them all open, the oldest ends
-// early, its stragglers becoming leases.
+// a pool connection). A claim that finds them all open waits a little for
+// one to end (batchesBusy), then leases.
 const maxHeldBatches = 3
 
 // heldOffFor is how long ClaimAuto leases after it found the handlers slow.
@@ -200,11 +201,8 @@ func (sub *subscription) heldAck(d *delivery) {
 	sub.decideHeld(d, heldAcked)
 }
 
-// tendBatches ends the held batches that are done or past their bound,
-// and the oldest when a claim needs room (wantRoom).
-func (sub *subscription) tendBatches(now time.Time, wantRoom bool) {
-	open := 0
-	var oldest *heldBatch
+// tendBatches ends the held batches that are done or past their bound.
+func (sub *subscription) tendBatches(now time.Time) {
 	for _, b := range sub.batches {
 		if b.closing {
 			continue
@@ -214,17 +212,25 @@ func (sub *subscription) tendBatches(now time.Time, wantRoom bool) {
 			sub.closeBatch(b, now, "done")
 		case !now.Before(b.deadline):
 			sub.closeBatch(b, now, "bound")
-		default:
-			open++
-			if oldest == nil {
-				oldest = b
-			}
 		}
 	}
-	if wantRoom && len(sub.batches) >= maxHeldBatches && oldest != nil {
-		sub.closeBatch(oldest, now, "room")
-	}
 }
+
+// batchesBusy reports whether a claim should wait for a held batch to
+// end: every batch is open and the oldest is young, so its rows are being
+// handled and it ends soon. A claim that does not wait while batches are
+// all open leases, at twice the cost per row; one that waits past a
+// straggler would stall the subscription, hence the patience.
+func (sub *subscription) batchesBusy(now time.Time) bool {
+	if len(sub.batches) < maxHeldBatches || sub.cfg.ClaimMode == ClaimLease {
+		return false
+	}
+	return now.Before(sub.batches[0].claimedAt.Add(heldPatience))
+}
+
+// heldPatience is how long a claim waits for a held batch to end (see
+// batchesBusy): a few batches' handling time.
+const heldPatience = 20 * time.Millisecond
 
 // closeBatch ends a held batch: its acked rows are deleted, every row
 // neither acked nor given back becomes a lease under the batch's token,

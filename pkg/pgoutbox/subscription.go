@@ -408,7 +408,7 @@ func (sub *subscription) passedTimes(now time.Time) {
 		sub.endDrain()
 	}
 	if len(sub.batches) > 0 {
-		sub.tendBatches(now, false)
+		sub.tendBatches(now)
 	}
 }
 
@@ -451,6 +451,9 @@ func (sub *subscription) startClaim(now time.Time) {
 		!sub.claimWait.IsZero(), sub.backpressured():
 		return
 	}
+	if sub.batchesBusy(now) {
+		return // a batch ends soon: claim on the held path then
+	}
 	floor := 0
 	if now.Before(sub.scan.keyedUntil) { // keyed rows seen, not just a slow claim
 		floor = maxClaim // hold many keys: see claimSizeAtLeast
@@ -483,19 +486,6 @@ func (sub *subscription) startClaim(now time.Time) {
 			sub.reports <- report{claim: &r}
 		}()
 		return
-	}
-	if len(sub.batches) >= maxHeldBatches && !req.withExpired && req.window == 0 && sub.cfg.ClaimMode != ClaimLease {
-		// Busy on the held path with every batch open: end the oldest
-		// (its stragglers become leases) and claim held again.
-		sub.tendBatches(now, true)
-		if sub.wantHeld(req, now) {
-			req.held = true
-			go func() {
-				r := sub.runHeldClaim(req)
-				sub.reports <- report{claim: &r}
-			}()
-			return
-		}
 	}
 	go func() {
 		r := sub.runClaim(req)
@@ -575,7 +565,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 		sub.held[d] = struct{}{}
 	}
 	if b := r.batch; b != nil {
-		b.deadline = sub.bound(now)
+		b.claimedAt, b.deadline = r.req.sent, sub.bound(r.req.sent)
 		sub.batches = append(sub.batches, b)
 	}
 	if sub.stopping || r.req.gen != sub.gen {

@@ -27,13 +27,21 @@ const (
 // notifyEach makes "pgoutbox-notify-each": publishers NOTIFY in every
 // transaction (NotifyCooldown -1), the behaviour before the cooldown; only
 // the scenarios that name it run it.
-type pgoutboxSystem struct{ notifyEach bool }
+// lease makes "pgoutbox-lease": ClaimMode ClaimLease, every claim a lease
+// (the only path before held claims).
+type pgoutboxSystem struct{ notifyEach, lease bool }
 
-const pgoutboxNotifyEachName = "pgoutbox-notify-each"
+const (
+	pgoutboxNotifyEachName = "pgoutbox-notify-each"
+	pgoutboxLeaseName      = "pgoutbox-lease"
+)
 
 func (s pgoutboxSystem) name() string {
-	if s.notifyEach {
+	switch {
+	case s.notifyEach:
 		return pgoutboxNotifyEachName
+	case s.lease:
+		return pgoutboxLeaseName
 	}
 	return "pgoutbox"
 }
@@ -47,13 +55,18 @@ func (s pgoutboxSystem) newInstance(ctx context.Context, b *bench, schemaName st
 	if s.notifyEach {
 		cooldown = -1
 	}
-	return &pgoutboxInstance{b: b, tables: tables, cooldown: cooldown}, nil
+	mode := pgoutbox.ClaimAuto
+	if s.lease {
+		mode = pgoutbox.ClaimLease
+	}
+	return &pgoutboxInstance{b: b, tables: tables, cooldown: cooldown, mode: mode}, nil
 }
 
 type pgoutboxInstance struct {
 	b        *bench
 	tables   schema.Config
 	cooldown time.Duration
+	mode     pgoutbox.ClaimMode
 }
 
 func (i *pgoutboxInstance) table() string {
@@ -92,6 +105,7 @@ func (i *pgoutboxInstance) consumer(_ context.Context, cfg consumeConfig) (consu
 		ConsumerGroup:     cfg.group,
 		MaxInFlight:       cfg.maxInFlight,
 		SynchronousCommit: i.b.opts.syncCommit,
+		ClaimMode:         i.mode,
 		// Acks are counted when the subscriber reports them written: a
 		// drain is over when the rows are gone, not when the handler
 		// returned. Anything else that ends a row without an ack breaks

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -107,14 +108,18 @@ type scenario struct {
 
 func (s *scenario) takes(sys string) bool {
 	if s.systems == nil { // the variants only where a scenario names them
-		return sys != rawInsertName && sys != pgoutboxNotifyEachName && !strings.HasPrefix(sys, rawHeldName)
+		return sys != rawInsertName && sys != pgoutboxNotifyEachName && sys != pgoutboxLeaseName && !strings.HasPrefix(sys, rawHeldName)
 	}
 	return slices.Contains(s.systems, sys)
 }
 
 // drainSystems are the systems of drain-16: all but the publish floor, and
 // the held-transaction ceiling.
-var drainSystems = []string{"pgoutbox", "raw", "raw-async", rawHeldName, rawHeldName + "-async", "watermill-sql"}
+var drainSystems = []string{"pgoutbox", pgoutboxLeaseName, "raw", "raw-async", rawHeldName, rawHeldName + "-async", "watermill-sql"}
+
+// pathSystems are pgoutbox on its default path (ClaimAuto) and on leases
+// alone, with watermill-sql: the scenarios where the held path may differ.
+var pathSystems = []string{"pgoutbox", pgoutboxLeaseName, "raw", "raw-async", "watermill-sql"}
 
 // publishSystems are the systems of the concurrent publish scenarios:
 // pgoutbox (and as it was, notifying in every transaction), the floor (a
@@ -131,11 +136,12 @@ var scenarios = []*scenario{
 	{name: "publish-100-g5", systems: []string{"pgoutbox"}, run: groupPublishScenario(5)},
 	{name: "drain-3groups", systems: []string{"pgoutbox"}, run: groupDrainScenario(3)},
 	{name: "latency-busy", systems: []string{"pgoutbox", pgoutboxNotifyEachName, "watermill-sql"}, run: busyLatencyScenario},
-	{name: "drain-1", run: drainScenario(false, 1)},
+	{name: "drain-1", systems: pathSystems, run: drainScenario(false, 1)},
 	{name: "drain-16", systems: drainSystems, run: drainScenario(false, 16)},
-	{name: "latency-1", run: latencyScenario(1)},
-	{name: "latency-16", run: latencyScenario(16)},
-	{name: "timers", systems: []string{"pgoutbox"}, run: timersScenario},
+	{name: "latency-1", systems: pathSystems, run: latencyScenario(1)},
+	{name: "latency-16", systems: pathSystems, run: latencyScenario(16)},
+	{name: "timers", systems: []string{"pgoutbox", pgoutboxLeaseName}, run: timersScenario},
+	{name: "slow-1-in-1000", systems: []string{"pgoutbox", pgoutboxLeaseName}, run: slowOneInThousandScenario},
 	{name: "drain-1m", systems: []string{"pgoutbox", "raw", "raw-async"}, run: drainScenario(true, 16)},
 	{name: "keyed-100-16", systems: []string{"pgoutbox"}, run: keyedDrainScenario(100, 16)},
 	{name: "unkeyed-work-16", systems: []string{"pgoutbox"}, run: keyedDrainScenario(0, 16)},
@@ -159,7 +165,7 @@ func scenarioByName(name string) *scenario {
 	panic("unknown scenario " + name)
 }
 
-var systems = []system{pgoutboxSystem{}, pgoutboxSystem{notifyEach: true}, rawSystem{}, rawSystem{async: true}, rawSystem{insertOnly: true},
+var systems = []system{pgoutboxSystem{}, pgoutboxSystem{notifyEach: true}, pgoutboxSystem{lease: true}, rawSystem{}, rawSystem{async: true}, rawSystem{insertOnly: true},
 	rawSystem{held: true}, rawSystem{held: true, async: true}, watermillSQLSystem{}}
 
 func systemNames() []string {
@@ -448,8 +454,10 @@ func latencyScenario(maxInFlight int) func(context.Context, *bench, instance) (r
 // timersScenario (pgoutbox only) publishes 200 messages due at random
 // points in the next 3 s to a subscriber that would poll only every 10 s,
 // and measures how late each fired on the database clock: claim time
-// (leased_until - Lease) minus available_at. A negative value means a timer
-// fired early, which is a bug, so the run fails.
+// (leased_until - Lease; for a held claim, which leaves no lease, the time
+// the handler reads the row, later than the claim) minus available_at. A
+// negative value means a timer fired early, which is a bug, so the run
+// fails.
 func timersScenario(ctx context.Context, b *bench, inst instance) (result, error) {
 	const (
 		span  = 3 * time.Second
@@ -470,7 +478,7 @@ func timersScenario(ctx context.Context, b *bench, inst instance) (result, error
 			var lateMs float64
 			// Read before the ack: the row (and its lease) is gone after it.
 			err := b.pool.QueryRow(ctx, `
-				SELECT 1000 * extract(epoch FROM (leased_until - $2 * interval '1 microsecond') - available_at)
+				SELECT 1000 * extract(epoch FROM coalesce(leased_until - $2 * interval '1 microsecond', clock_timestamp()) - available_at)
 				  FROM `+inst.table()+` WHERE uuid = $1`, uuid, timersLease.Microseconds()).Scan(&lateMs)
 			if err != nil {
 				return fmt.Errorf("read lateness of %s: %w", uuid, err)
@@ -879,4 +887,62 @@ func drainLoaded(ctx context.Context, b *bench, inst instance, n, maxInFlight in
 		return 0, 0, err
 	}
 	return elapsed, handled.count(), nil
+}
+
+// slowOneInThousandScenario drains a 20,000-row backlog with 16 in flight
+// where every 1000th message's handler sleeps 2 s, the rest return at
+// once. It reports the rate of the others (until the last of them was
+// handled) and, in the note, the oldest transaction pg_stat_activity
+// showed in this database meanwhile (sampled every 10 ms): on the held
+// path a slow handler must neither hold its batch's transaction open past
+// the bound nor hold back the other rows.
+func slowOneInThousandScenario(ctx context.Context, b *bench, inst instance) (result, error) {
+	const every, sleep, inFlight = 1000, 2 * time.Second, 16
+	n := b.count(20_000)
+	if err := inst.loadBacklog(ctx, n, newPayload()); err != nil {
+		return result{}, fmt.Errorf("load backlog: %w", err)
+	}
+	fast := int64(n - n/every)
+	var seen, fastDone atomic.Int64
+	var firstAt, fastAt atomic.Int64 // unix nanos: the first message handled, the last fast one
+	sampleCtx, stopSampling := context.WithCancel(ctx)
+	oldest := make(chan time.Duration, 1)
+	go func() {
+		var worst time.Duration
+		defer func() { oldest <- worst }()
+		tick := time.NewTicker(10 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-sampleCtx.Done():
+				return
+			case <-tick.C:
+			}
+			var us int64
+			if err := b.pool.QueryRow(sampleCtx, `
+				SELECT coalesce(max((extract(epoch FROM clock_timestamp() - xact_start) * 1000000)::bigint), 0)
+				  FROM pg_stat_activity
+				 WHERE datname = current_database() AND pid <> pg_backend_pid() AND xact_start IS NOT NULL`).Scan(&us); err == nil {
+				worst = max(worst, time.Duration(us)*time.Microsecond)
+			}
+		}
+	}()
+	_, _, err := drainLoaded(ctx, b, inst, n, inFlight, func() {
+		firstAt.CompareAndSwap(0, time.Now().UnixNano())
+		if seen.Add(1)%every == 0 {
+			time.Sleep(sleep)
+			return
+		}
+		if fastDone.Add(1) == fast {
+			fastAt.Store(time.Now().UnixNano())
+		}
+	})
+	stopSampling()
+	worst := <-oldest
+	if err != nil {
+		return result{}, err
+	}
+	elapsed := time.Duration(fastAt.Load() - firstAt.Load())
+	return result{msgsPerS: float64(fast) / elapsed.Seconds(),
+		note: fmt.Sprintf("rate of the fast ones; oldest transaction seen %s", worst.Round(time.Millisecond))}, nil
 }

@@ -17,6 +17,8 @@ type Observer struct {
 	published    *prometheus.CounterVec
 	claims       *prometheus.CounterVec
 	claimed      *prometheus.CounterVec
+	heldClaimed  *prometheus.CounterVec
+	heldToLease  *prometheus.CounterVec
 	acked        *prometheus.CounterVec
 	retried      *prometheus.CounterVec
 	released     *prometheus.CounterVec
@@ -46,7 +48,9 @@ func NewObserver(reg prometheus.Registerer, opts Options) (*Observer, error) {
 	}{
 		{&o.published, "publisher_messages_published_total", "Messages inserted into the outbox by Publish calls.", []string{"topic"}},
 		{&o.claims, "subscriber_claims_total", "Claim statements run by subscribers, empty ones included.", pair},
-		{&o.claimed, "subscriber_messages_claimed_total", "Rows leased by subscribers' claims.", pair},
+		{&o.claimed, "subscriber_messages_claimed_total", "Rows claimed by subscribers: leased, or locked by a held claim.", pair},
+		{&o.heldClaimed, "subscriber_messages_held_claimed_total", "Rows claimed on the held path (locked in a transaction kept open while handled; see pgoutbox.ClaimMode).", pair},
+		{&o.heldToLease, "subscriber_messages_held_to_lease_total", "Rows of held claims that became ordinary leases (a handler outlived the bound, a nack, a dead letter).", pair},
 		{&o.acked, "subscriber_messages_acked_total", "Acks written (rows deleted).", pair},
 		{&o.retried, "subscriber_messages_retried_total", "Nacks written: the row is due again after its retry delay.", pair},
 		{&o.released, "subscriber_messages_released_total", "Leases given back without a delivery outcome (at shutdown, or a prefetched row waited too long).", pair},
@@ -87,6 +91,13 @@ func (o *Observer) Observe(e pgoutbox.Event) {
 		o.claims.WithLabelValues(e.Topic, e.Group).Inc()
 		if e.Count > 0 {
 			o.claimed.WithLabelValues(e.Topic, e.Group).Add(float64(e.Count))
+			if e.Path == pgoutbox.PathHeld {
+				o.heldClaimed.WithLabelValues(e.Topic, e.Group).Add(float64(e.Count))
+			}
+		}
+	case pgoutbox.EventHeldToLease:
+		if e.Count > 0 {
+			o.heldToLease.WithLabelValues(e.Topic, e.Group).Add(float64(e.Count))
 		}
 	case pgoutbox.EventAcked:
 		o.acked.WithLabelValues(e.Topic, e.Group).Add(rows(e))

@@ -176,6 +176,8 @@ func TestObserverEveryKind(t *testing.T) {
 		{Kind: pgoutbox.EventPublished, Topic: "t", Count: 4},
 		{Kind: pgoutbox.EventClaimed, Topic: "t", Group: "g", Count: 3},
 		{Kind: pgoutbox.EventClaimed, Topic: "t", Group: "g", Count: 0},
+		{Kind: pgoutbox.EventClaimed, Topic: "t", Group: "g", Count: 5, Path: pgoutbox.PathHeld},
+		{Kind: pgoutbox.EventHeldToLease, Topic: "t", Group: "g", Count: 2},
 		{Kind: pgoutbox.EventAcked, Topic: "t", Group: "g", RowID: 1},
 		{Kind: pgoutbox.EventRetried, Topic: "t", Group: "g", RowID: 2},
 		{Kind: pgoutbox.EventReleased, Topic: "t", Group: "g", RowID: 3},
@@ -193,7 +195,7 @@ func TestObserverEveryKind(t *testing.T) {
 app_outbox_publisher_messages_published_total{db="main",topic="t"} 4
 # HELP app_outbox_subscriber_claims_total Claim statements run by subscribers, empty ones included.
 # TYPE app_outbox_subscriber_claims_total counter
-app_outbox_subscriber_claims_total{consumer_group="g",db="main",topic="t"} 2
+app_outbox_subscriber_claims_total{consumer_group="g",db="main",topic="t"} 3
 # HELP app_outbox_subscriber_leases_lost_total Writes that found their lease taken by another consumer, per write (ack, nack, release, renew, dead_letter).
 # TYPE app_outbox_subscriber_leases_lost_total counter
 app_outbox_subscriber_leases_lost_total{consumer_group="g",db="main",phase="ack",topic="t"} 1
@@ -203,9 +205,15 @@ app_outbox_subscriber_leases_renewed_total{consumer_group="g",db="main",topic="t
 # HELP app_outbox_subscriber_messages_acked_total Acks written (rows deleted).
 # TYPE app_outbox_subscriber_messages_acked_total counter
 app_outbox_subscriber_messages_acked_total{consumer_group="g",db="main",topic="t"} 1
-# HELP app_outbox_subscriber_messages_claimed_total Rows leased by subscribers' claims.
+# HELP app_outbox_subscriber_messages_claimed_total Rows claimed by subscribers: leased, or locked by a held claim.
 # TYPE app_outbox_subscriber_messages_claimed_total counter
-app_outbox_subscriber_messages_claimed_total{consumer_group="g",db="main",topic="t"} 3
+app_outbox_subscriber_messages_claimed_total{consumer_group="g",db="main",topic="t"} 8
+# HELP app_outbox_subscriber_messages_held_claimed_total Rows claimed on the held path (locked in a transaction kept open while handled; see pgoutbox.ClaimMode).
+# TYPE app_outbox_subscriber_messages_held_claimed_total counter
+app_outbox_subscriber_messages_held_claimed_total{consumer_group="g",db="main",topic="t"} 5
+# HELP app_outbox_subscriber_messages_held_to_lease_total Rows of held claims that became ordinary leases (a handler outlived the bound, a nack, a dead letter).
+# TYPE app_outbox_subscriber_messages_held_to_lease_total counter
+app_outbox_subscriber_messages_held_to_lease_total{consumer_group="g",db="main",topic="t"} 2
 # HELP app_outbox_subscriber_messages_dead_lettered_total Rows moved to the dead-letter table (or parked), per failure reason.
 # TYPE app_outbox_subscriber_messages_dead_lettered_total counter
 app_outbox_subscriber_messages_dead_lettered_total{consumer_group="g",db="main",reason="rejected",topic="t"} 1

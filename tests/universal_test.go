@@ -29,22 +29,22 @@ func universalFeatures() tests.Features {
 }
 
 // universalGroupConstructor is universalConstructor for a consumer group.
-func universalGroupConstructor(b *bundle) tests.ConsumerGroupPubSubConstructor {
+func universalGroupConstructor(b *bundle, mode pgoutbox.ClaimMode) tests.ConsumerGroupPubSubConstructor {
 	return func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
-		return universalPubSub(t, b, group)
+		return universalPubSub(t, b, group, mode)
 	}
 }
 
 // universalConstructor shares one pool (and so one LISTEN connection) among
 // the dozens of pub/subs the suite builds, keeping the run far below the
 // server's max_connections.
-func universalConstructor(b *bundle) tests.PubSubConstructor {
+func universalConstructor(b *bundle, mode pgoutbox.ClaimMode) tests.PubSubConstructor {
 	return func(t *testing.T) (message.Publisher, message.Subscriber) {
-		return universalPubSub(t, b, "")
+		return universalPubSub(t, b, "", mode)
 	}
 }
 
-func universalPubSub(t *testing.T, b *bundle, group string) (message.Publisher, message.Subscriber) {
+func universalPubSub(t *testing.T, b *bundle, group string, mode pgoutbox.ClaimMode) (message.Publisher, message.Subscriber) {
 	pub := b.poolPublisher(t)
 	sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
 		Tables:          b.tables,
@@ -55,6 +55,7 @@ func universalPubSub(t *testing.T, b *bundle, group string) (message.Publisher, 
 		DrainTimeout:    time.Second,
 		// The suite nacks one message hundreds of times in a row.
 		RetryPolicy: pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: -1},
+		ClaimMode:   mode,
 	}, b.logger)
 	require.NoError(t, err)
 	return pub, sub
@@ -65,7 +66,19 @@ func universalPubSub(t *testing.T, b *bundle, group string) (message.Publisher, 
 // break the packages running in parallel.
 func TestPubSub(t *testing.T) {
 	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
-	tests.TestPubSub(t, universalFeatures(), universalConstructor(b), universalGroupConstructor(b))
+	tests.TestPubSub(t, universalFeatures(), universalConstructor(b, pgoutbox.ClaimAuto), universalGroupConstructor(b, pgoutbox.ClaimAuto))
+}
+
+// TestPubSubEachClaimPath runs the suite again on each claim path alone:
+// ClaimAuto picks per claim (and leases when the shared pool is short of
+// connections), so either path could otherwise go untested in a case.
+func TestPubSubEachClaimPath(t *testing.T) {
+	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimHeld, pgoutbox.ClaimLease} {
+		t.Run(mode.String(), func(t *testing.T) {
+			b := setup(t, pgoutboxtest.Options{MaxConns: 30})
+			tests.TestPubSub(t, universalFeatures(), universalConstructor(b, mode), universalGroupConstructor(b, mode))
+		})
+	}
 }
 
 // TestReconnect runs the suite's reconnect case: 10,000 messages while the
@@ -79,5 +92,5 @@ func TestReconnect(t *testing.T) {
 	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
 	features := universalFeatures()
 	features.RestartServiceCommand = []string{"sh", "-c", cmd}
-	tests.TestReconnect(t, tests.TestContext{TestID: tests.NewTestID(), Features: features}, universalConstructor(b))
+	tests.TestReconnect(t, tests.TestContext{TestID: tests.NewTestID(), Features: features}, universalConstructor(b, pgoutbox.ClaimAuto))
 }

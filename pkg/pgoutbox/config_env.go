@@ -28,6 +28,7 @@ import (
 //	ACK_DEADLINE                  AckDeadline (Go duration, or -1)
 //	MAX_DELIVERIES                MaxDeliveries (integer, 0 for no limit)
 //	SYNCHRONOUS_COMMIT            SynchronousCommit (bool)
+//	CLAIM_MODE                    ClaimMode (auto, lease or held)
 //	WORKER_ID                     WorkerID
 //	LISTEN_DSN                    ListenDSN
 //	AUTO_INITIALIZE_SCHEMA        AutoInitializeSchema (bool)
@@ -186,6 +187,14 @@ func subscriberConfigFromLookup(prefix string, lookup func(string) (string, bool
 	r.duration("ACK_DEADLINE", &c.AckDeadline, "for no deadline")
 	r.integer("MAX_DELIVERIES", &c.MaxDeliveries, "a whole number, 0 for no limit")
 	r.boolean("SYNCHRONOUS_COMMIT", &c.SynchronousCommit)
+	var mode string
+	if r.str("CLAIM_MODE", &mode) {
+		m, err := ParseClaimMode(mode)
+		if err != nil {
+			r.fail(r.prefix+"CLAIM_MODE", mode, "auto, lease or held")
+		}
+		c.ClaimMode = m
+	}
 	r.str("WORKER_ID", &c.WorkerID)
 	r.str("LISTEN_DSN", &c.ListenDSN)
 	r.boolean("AUTO_INITIALIZE_SCHEMA", &c.AutoInitializeSchema)

@@ -34,6 +34,7 @@ func TestSubscriberConfigFromEnv(t *testing.T) {
 		"APP_ACK_DEADLINE":           "2m",
 		"APP_MAX_DELIVERIES":         "20",
 		"APP_SYNCHRONOUS_COMMIT":     "true",
+		"APP_CLAIM_MODE":             "Lease",
 		"APP_WORKER_ID":              "worker-1",
 		"APP_LISTEN_DSN":             "postgres://direct:5432/app",
 		"APP_AUTO_INITIALIZE_SCHEMA": "1",
@@ -49,7 +50,7 @@ func TestSubscriberConfigFromEnv(t *testing.T) {
 		Tables:        schema.Config{Schema: "shop", Table: "events", DeadLetterTable: "events_failed"},
 		ConsumerGroup: "billing", MaxInFlight: 16, Lease: time.Minute,
 		MinPollInterval: 50 * time.Millisecond, MaxPollInterval: 2 * time.Second, StatementTimeout: 5 * time.Second,
-		DrainTimeout: -1, AckDeadline: 2 * time.Minute, MaxDeliveries: 20, SynchronousCommit: true,
+		DrainTimeout: -1, AckDeadline: 2 * time.Minute, MaxDeliveries: 20, SynchronousCommit: true, ClaimMode: ClaimLease,
 		WorkerID: "worker-1", ListenDSN: "postgres://direct:5432/app", AutoInitializeSchema: true,
 		RetryPolicy: ExponentialBackoff{MaxAttempts: 5, InitialInterval: 200 * time.Millisecond, MaxInterval: time.Minute, Multiplier: 1.5, Jitter: -1},
 	}, c)
@@ -74,6 +75,7 @@ func TestConfigFromEnvReportsEveryInvalidValue(t *testing.T) {
 		"APP_DRAIN_TIMEOUT":      "-2s",
 		"APP_RETRY_MAX_ATTEMPTS": "0",
 		"APP_RETRY_JITTER":       "2",
+		"APP_CLAIM_MODE":         "fast",
 	}))
 	require.Error(t, err)
 	require.ErrorIs(t, err, ErrInvalidConfig)
@@ -85,6 +87,7 @@ func TestConfigFromEnvReportsEveryInvalidValue(t *testing.T) {
 		`APP_DRAIN_TIMEOUT="-2s" is not valid; use a positive Go duration such as 30s, 500ms or 1m30s, or -1 to release`,
 		`APP_RETRY_MAX_ATTEMPTS="0"`,
 		`APP_RETRY_JITTER="2"`,
+		`APP_CLAIM_MODE="fast" is not valid; use auto, lease or held`,
 	} {
 		require.Contains(t, msg, want)
 	}

@@ -190,3 +190,17 @@ func TestPublisherConfigValidate(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidConfig)
 	require.Contains(t, err.Error(), `schema name "1abc"`)
 }
+
+func TestClaimModeParsesItsNamesAndRejectsOthers(t *testing.T) {
+	t.Parallel()
+	for _, m := range []ClaimMode{ClaimAuto, ClaimLease, ClaimHeld} {
+		got, err := ParseClaimMode(strings.ToUpper(m.String()))
+		require.NoError(t, err)
+		require.Equal(t, m, got)
+	}
+	_, err := ParseClaimMode("fast")
+	require.ErrorContains(t, err, "use auto, lease or held")
+	err = SubscriberConfig{ClaimMode: ClaimMode(7)}.Validate()
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	require.ErrorContains(t, err, "ClaimMode is 7; use ClaimAuto, ClaimLease or ClaimHeld")
+}

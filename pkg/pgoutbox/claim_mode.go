@@ -37,14 +37,15 @@ import (
 type ClaimMode int
 
 const (
-	// ClaimAuto, the default, claims busy batches on the held path and
-	// switches to leases for the claims that must lease (reclaiming expired
-	// or orphaned leases, claims that follow ordering keys), while the
-	// handlers are slow (most rows of recent batches outlived the bound;
-	// it tries the held path again 10s later), while the pool has no spare
-	// connection, and for good once a handler completes its row in its own
-	// transaction (tx.Middleware, whose delete would wait for the held
-	// transaction).
+	// ClaimAuto, the default, claims on the held path after a claim that
+	// found rows (a busy subscription), and leases otherwise: an idle
+	// poll, the first claim after a wake-up, the claims that must lease
+	// (reclaiming expired or orphaned leases, claims that follow ordering
+	// keys); while the handlers are slow (most rows of recent batches
+	// outlived the bound; it tries the held path again 10s later); while
+	// the pool has fewer than two idle connections; and for good once a
+	// handler completes its row in its own transaction (tx.Middleware,
+	// whose delete would wait for the held transaction).
 	ClaimAuto ClaimMode = iota
 	// ClaimLease always leases: each claim writes its rows and commits
 	// before any handler runs. No transaction stays open while handlers

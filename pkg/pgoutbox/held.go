@@ -75,7 +75,9 @@ func (sub *subscription) wantHeld(req claimRequest, now time.Time) bool {
 		return false
 	case req.withExpired, req.orphansOf != nil, req.window > 0, len(req.endedKeys) > 0:
 		return false // reclaiming and ordering-key claims lease
-	case sub.cfg.ClaimMode == ClaimAuto && (sub.txSeen || now.Before(sub.heldOffUntil)):
+	case sub.cfg.ClaimMode == ClaimAuto && (sub.txSeen || now.Before(sub.heldOffUntil) || !sub.busy):
+		// Idle claims (mostly empty) cost one statement as leases and two
+		// round trips held; the first claim after a wake-up leases too.
 		return false
 	case len(sub.batches) >= maxHeldBatches:
 		return false

@@ -95,6 +95,7 @@ type subscription struct {
 
 	batches      []*heldBatch // held claims' batches not ended yet (held.go), oldest first
 	txSeen       bool         // a handler completed its row in its own transaction (ClaimAuto leases then)
+	busy         bool         // the last claim found rows (ClaimAuto holds only then)
 	heldOffUntil time.Time    // ClaimAuto leases until then: the handlers were slow
 }
 
@@ -539,6 +540,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 	}
 	sub.claimBO.Reset()
 	sub.claimWait = time.Time{}
+	sub.busy = len(r.rows) > 0
 	sub.scan.claimed(r)
 	if len(r.req.endedKeys) > 0 && (len(r.rows) >= r.req.n || r.reclaimed > 0) {
 		// The claim was full: the next rows of some ended keys may not have

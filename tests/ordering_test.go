@@ -235,11 +235,11 @@ func TestOrderingKeyDelayedHeadKeepsOrder(t *testing.T) {
 	pgoutbox.WithOrderingKey(second, "a")
 	other := newMsg("b1")
 	pgoutbox.WithOrderingKey(other, "b")
+	start := time.Now() // the delay runs from the publish
 	require.NoError(t, b.poolPublisher(t).Publish("t", first, second, other))
 	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
 	ch, err := sub.Subscribe(context.Background(), "t")
 	require.NoError(t, err)
-	start := time.Now()
 	var got []string
 	for range 3 {
 		m := receive(t, ch, 10*time.Second)

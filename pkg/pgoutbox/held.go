@@ -2,6 +2,7 @@ package pgoutbox
 
 import (
 	"context"
+	"fmt"
 	"sort"
 	"time"
 
@@ -9,6 +10,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 )
 
 // The held path (see ClaimMode): a claim locks its rows in a transaction
@@ -103,6 +106,11 @@ func (sub *subscription) runHeldClaim(req claimRequest) claimResult {
 	if !sub.cfg.SynchronousCommit {
 		b.Queue("SET LOCAL synchronous_commit = off") // see SubscriberConfig.SynchronousCommit
 	}
+	// If this process stalls or its network vanishes while the batch is
+	// held, the server ends the transaction after this long, and the rows
+	// are due again: the held path's bound on how long rows stay locked,
+	// where the lease path has Lease.
+	b.Queue(fmt.Sprintf("SET LOCAL idle_in_transaction_session_timeout = %d", sub.heldIdleTimeout().Milliseconds()))
 	b.Queue(sub.s.q.HeldClaim, sub.topic, req.n, sub.cfg.ConsumerGroup, req.at, req.id)
 	res := conn.SendBatch(ctx, b)
 	err = func() error {
@@ -255,8 +263,10 @@ func (sub *subscription) closeBatch(b *heldBatch, now time.Time, why string) {
 			if d.fate == heldOpen {
 				job.stragglers++
 			}
+			// Its lease ends Lease after the transaction began (now() in
+			// HeldFinish), before the claim returned: expiresAt already says
+			// claim + Lease.
 			job.leased = append(job.leased, d)
-			d.expiresAt = at(now).add(sub.cfg.Lease)
 		}
 	}
 	if why == "bound" && sub.cfg.ClaimMode == ClaimAuto && job.stragglers*2 > len(b.rows) {
@@ -315,6 +325,11 @@ func (sub *subscription) finishBatch(job batchJob) batchResult {
 		}
 		b.Queue(sub.s.q.HeldFinish, ackIDs, leaseIDs, job.b.token, sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, job.holder)
 	}
+	if len(job.released) > 0 {
+		// Rows given back are due again at commit: wake the idle
+		// subscribers of the group, as a lease's release does.
+		b.Queue("SELECT pg_notify($1, $2)", sub.s.q.Names.Channel, query.GroupMark+sub.topic+query.GroupMark+sub.cfg.ConsumerGroup)
+	}
 	b.Queue("COMMIT")
 	res := conn.SendBatch(ctx, b)
 	for i := range b.Len() {
@@ -362,10 +377,7 @@ func (sub *subscription) finishedBatch(r batchResult) {
 	sub.pending = sub.pending.merge(b.deferred)
 	ok := r.err == nil
 	if !ok {
-		sub.logger.Error("Ending a held batch failed; its rows are due again (acked ones are delivered again)", r.err,
-			watermill.LogFields{"acked": len(r.job.acks), "leased": len(r.job.leased)})
-		sub.scan.restart(false)
-		sub.wantClaim = true
+		sub.heldFailed(r)
 	}
 	for _, d := range r.job.acks {
 		sub.heldDone(d)
@@ -397,6 +409,41 @@ func (sub *subscription) finishedBatch(r batchResult) {
 	}
 }
 
+// heldFailed handles a held batch whose end did not commit. Most likely
+// the transaction rolled back: every row of the batch is due again, ahead
+// of rows claimed later, so those go back too when order matters, and a
+// claim under way gives its rows back (gen). But the COMMIT may have been
+// applied with its reply lost: then the rows that became leases hold the
+// batch's token, and are released under it like a lost claim's. Claims
+// lease for a while: if the rows make the end fail again and again (a
+// trigger, a constraint), leases write them one by one, and count their
+// deliveries.
+func (sub *subscription) heldFailed(r batchResult) {
+	now := time.Now()
+	sub.logger.Error("Ending a held batch failed; its rows are due again (acked ones are delivered again)", r.err,
+		watermill.LogFields{"acked": len(r.job.acks), "leased": len(r.job.leased)})
+	sub.gen++
+	sub.scan.restart(false)
+	sub.wantClaim = true
+	if sub.ordered() {
+		sub.giveBack(sub.takeBuffer())
+	}
+	if len(r.job.leased) > 0 {
+		sub.lostClaims = append(sub.lostClaims, claimToken{token: r.job.b.token, at: now})
+		sub.givingBack++
+	}
+	sub.heldOffUntil = now.Add(heldOffFor)
+	if sub.cfg.ClaimMode == ClaimHeld {
+		sub.claimWait = now.Add(sub.claimBO.NextBackOff())
+	}
+}
+
+// heldIdleTimeout is idle_in_transaction_session_timeout for held
+// transactions: the bound, plus time for the owner to end the batch.
+func (sub *subscription) heldIdleTimeout() time.Duration {
+	return heldBound + sub.cfg.StatementTimeout
+}
+
 // heldDone ends a held row that the batch's end acked or released.
 func (sub *subscription) heldDone(d *delivery) {
 	delete(sub.held, d)
@@ -421,6 +468,7 @@ func (sub *subscription) unholder(d *delivery) func() {
 		defer t.Stop()
 		select {
 		case <-done:
+		case <-sub.done: // the subscription ended: the row was given back
 		case <-t.C:
 		}
 	}

@@ -53,6 +53,7 @@ type subscription struct {
 	// (NextDue) stop waiting for the database then.
 	stopCtx    context.Context
 	cancelStop context.CancelFunc
+	done       chan struct{} // closed when run returns
 
 	// The owner's state; only run and the methods it calls touch it.
 	held      map[*delivery]struct{} // every row we lease, in any state but finished
@@ -169,6 +170,7 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 		wantClaim: true,
 	}
 	sub.stopCtx, sub.cancelStop = context.WithCancel(context.Background())
+	sub.done = make(chan struct{})
 	if s.cfg.MaxInFlight > 1 {
 		// The whole lease window fits: slots take the next message
 		// without waiting for the owner, as the claim fills the queue.
@@ -200,6 +202,7 @@ func (sub *subscription) run() {
 	// reports, so its select waits on few channels.
 	ended := make(chan struct{})
 	defer close(ended)
+	defer close(sub.done)
 	go sub.forwardSignals(ended)
 	if sub.cfg.MaxInFlight > 1 {
 		for range sub.cfg.MaxInFlight {
@@ -374,6 +377,9 @@ func (sub *subscription) armTimer(now time.Time) {
 		if !b.closing {
 			earliest(b.deadline)
 		}
+	}
+	if len(sub.batches) >= maxHeldBatches {
+		earliest(sub.batches[0].claimedAt.Add(heldPatience)) // see batchesBusy
 	}
 	if sub.retry != nil && sub.retry.holdDone {
 		earliest(sub.retry.retryAt.time())
@@ -971,7 +977,7 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		delete(sub.held, d)
 		d.state = finished
 		sub.keyEnded(d)
-		sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries})
+		sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathLease})
 		return
 	}
 	if v.ack {
@@ -1227,7 +1233,7 @@ func (sub *subscription) onWritten(r writeResult) {
 			continue // not written yet: stays pending
 		}
 		if sub.finish(d, r, "ack") {
-			sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries})
+			sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathLease})
 		}
 	}
 	for _, op := range job.returns {
@@ -1237,12 +1243,12 @@ func (sub *subscription) onWritten(r writeResult) {
 		if op.giveBack {
 			sub.givingBack--
 		}
-		phase, kind := "release", EventReleased
+		phase, kind, path := "release", EventReleased, PathLease
 		if op.delay.Valid {
-			phase, kind = "nack", EventRetried
+			phase, kind, path = "nack", EventRetried, ""
 		}
 		if sub.finish(op.d, r, phase) {
-			sub.s.obs.observe(Event{Kind: kind, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: op.d.id, Deliveries: op.d.deliveries})
+			sub.s.obs.observe(Event{Kind: kind, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: op.d.id, Deliveries: op.d.deliveries, Path: path})
 		}
 	}
 	for _, op := range job.holds {

@@ -44,8 +44,8 @@ const (
 	// keys); while the handlers are slow (most rows of recent batches
 	// outlived the bound; it tries the held path again 10s later); while
 	// the pool has fewer than two idle connections; and for good once a
-	// handler completes its row in its own transaction (tx.Middleware,
-	// whose delete would wait for the held transaction).
+	// handler completes a held row in its own transaction (tx.Middleware,
+	// whose delete has to wait for the held transaction's end).
 	ClaimAuto ClaimMode = iota
 	// ClaimLease always leases: each claim writes its rows and commits
 	// before any handler runs. No transaction stays open while handlers

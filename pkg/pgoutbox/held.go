@@ -76,8 +76,12 @@ func (sub *subscription) wantHeld(req claimRequest, now time.Time) bool {
 	switch {
 	case sub.cfg.ClaimMode == ClaimLease:
 		return false
-	case req.withExpired, req.orphansOf != nil, req.window > 0, len(req.endedKeys) > 0:
-		return false // reclaiming and ordering-key claims lease
+	case req.withExpired, req.orphansOf != nil, len(req.endedKeys) > 0,
+		req.window > 0 && now.Before(sub.scan.keyedUntil):
+		// Reclaiming and ordering-key claims lease. A window asked for by
+		// a slow claim alone (no keyed row seen) does not count: without
+		// keys the held claim's walk is the fast claim's.
+		return false
 	case sub.cfg.ClaimMode == ClaimAuto && (sub.txSeen || now.Before(sub.heldOffUntil) || !sub.busy):
 		// Idle claims (mostly empty) cost one statement as leases and two
 		// round trips held; the first claim after a wake-up leases too.
@@ -146,13 +150,13 @@ func (sub *subscription) runHeldClaim(req claimRequest) claimResult {
 		return r
 	}
 	if len(r.rows) == 0 {
+		r.took = time.Since(req.sent)
 		_, err := conn.Exec(ctx, "ROLLBACK")
 		if err != nil {
 			conn.Conn().Close(ctx) //nolint:errcheck // closing is the way out
 		}
 		conn.Release()
 		r.dueIn = sub.nextDue()
-		r.took = time.Since(req.sent)
 		return r
 	}
 	sort.Slice(r.rows, func(i, j int) bool { // FOR UPDATE keeps the order; make sure

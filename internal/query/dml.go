@@ -51,12 +51,12 @@ type Queries struct {
 	// HeldClaim, HeldAck and HeldFinish are the held path's statements
 	// (a claim inside a transaction the subscription keeps open while
 	// the handlers run): see their comments in Build.
-	HeldClaim  string
-	HeldAck    string
-	HeldFinish string
-	ReleaseClaim       string
-	NextDue            string
-	Cancel             string
+	HeldClaim    string
+	HeldAck      string
+	HeldFinish   string
+	ReleaseClaim string
+	NextDue      string
+	Cancel       string
 }
 
 // asyncCommit is a condition that is always true and, as a side effect,

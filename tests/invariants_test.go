@@ -239,7 +239,9 @@ func TestInvariant4_DatabaseClockGatesEligibility(t *testing.T) {
 // logical clock, from the moment the handler gets the message until it
 // acks, and it lasts (the handler yields and works a little), so two
 // consumers holding one row at once would show as overlapping intervals.
-// With no failures each message is handled exactly once.
+// With no failures each message is handled exactly once. It runs on each
+// claim path: on the held path, "its lease is live" reads "its held
+// transaction is open".
 func TestInvariant5_OneConsumerAtATime(t *testing.T) {
 	t.Parallel()
 
@@ -263,6 +265,15 @@ func TestInvariant5_OneConsumerAtATime(t *testing.T) {
 		}), "one after the other, or different rows")
 	})
 
+	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimLease, pgoutbox.ClaimHeld} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			oneConsumerAtATime(t, mode)
+		})
+	}
+}
+
+func oneConsumerAtATime(t *testing.T, mode pgoutbox.ClaimMode) {
 	b := setup(t)
 	const (
 		n         = 300
@@ -272,14 +283,22 @@ func TestInvariant5_OneConsumerAtATime(t *testing.T) {
 	b.publishInTx(t, "t", true, msgs...)
 
 	var (
-		clock atomic.Int64 // logical: every start and end takes a tick
-		mu    sync.Mutex
-		holds = map[string][]hold{}
-		total atomic.Int32
-		done  = make(chan struct{})
+		clock    atomic.Int64 // logical: every start and end takes a tick
+		mu       sync.Mutex
+		holds    = map[string][]hold{}
+		total    atomic.Int32
+		done     = make(chan struct{})
+		heldRows atomic.Int64
 	)
 	for consumer := range consumers {
-		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4; c.Lease = time.Minute })
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			c.MaxInFlight, c.Lease, c.ClaimMode = 4, time.Minute, mode
+			c.Observer = pgoutbox.ObserverFunc(func(e pgoutbox.Event) {
+				if e.Kind == pgoutbox.EventClaimed && e.Path == pgoutbox.PathHeld {
+					heldRows.Add(int64(e.Count))
+				}
+			})
+		})
 		ch, err := sub.Subscribe(context.Background(), "t")
 		require.NoError(t, err)
 		go func() {
@@ -312,6 +331,9 @@ func TestInvariant5_OneConsumerAtATime(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	require.Empty(t, overlappingHolds(holds), "a row was held by two handlers at once")
+	if mode == pgoutbox.ClaimHeld {
+		require.Positive(t, heldRows.Load(), "no row was claimed on the held path")
+	}
 	require.Len(t, holds, n)
 	for id, hs := range holds {
 		require.Len(t, hs, 1, "message %s", id)

@@ -397,19 +397,9 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 		topic    = "t"
 		lease    = 30 * time.Second
 	)
-	_, err := b.Pool.Exec(ctx, `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
-	require.NoError(t, err)
-	b.publishInTx(t, topic, true, newMsgs(messages)...)
-
-	bin := buildConsumer(t)
 	// Leases only: held rows come back without the liveness lock
 	// (TestFaultKilledHeldConsumersRowsAreDueAtOnce).
-	env := []string{"CONSUMER_LEASE=" + lease.String(), "CONSUMER_CLAIM_MODE=lease"}
-	victim := startConsumer(t, bin, b, topic, "victim", env...)
-	survivor := startConsumer(t, bin, b, topic, "survivor", env...)
-	survivor.waitFor(t, "both are consuming", 30*time.Second, func() bool {
-		return b.count(t, `SELECT count(DISTINCT worker) FROM `+b.Schema+`.handled`) == 2
-	})
+	victim, survivor := startCompetingConsumers(t, b, topic, messages, lease, pgoutbox.ClaimLease)
 	// The survivor's notifier checks liveness every LivenessEvery: let it
 	// see the victim alive once. (A process that dies before any other saw
 	// its lock is recovered when its leases expire; see the README.)
@@ -442,6 +432,25 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 		len(orphaned), back.Round(time.Millisecond), lease, total, distinct, total-distinct)
 	require.Equal(t, messages, distinct)
 	require.LessOrEqual(t, total-distinct, maxKillDuplicates)
+}
+
+// startCompetingConsumers publishes messages to topic and starts two
+// consumer processes on it, "victim" and "survivor", with the given lease
+// and claim mode, recording what they handle in <schema>.handled; it
+// returns once both handled messages.
+func startCompetingConsumers(t *testing.T, b *bundle, topic string, messages int, lease time.Duration, mode pgoutbox.ClaimMode) (victim, survivor *consumerProc) {
+	t.Helper()
+	_, err := b.Pool.Exec(context.Background(), `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
+	require.NoError(t, err)
+	b.publishInTx(t, topic, true, newMsgs(messages)...)
+	bin := buildConsumer(t)
+	env := []string{"CONSUMER_LEASE=" + lease.String(), "CONSUMER_CLAIM_MODE=" + mode.String()}
+	victim = startConsumer(t, bin, b, topic, "victim", env...)
+	survivor = startConsumer(t, bin, b, topic, "survivor", env...)
+	survivor.waitFor(t, "both are consuming", 30*time.Second, func() bool {
+		return b.count(t, `SELECT count(DISTINCT worker) FROM `+b.Schema+`.handled`) == 2
+	})
+	return victim, survivor
 }
 
 // buildConsumer builds testdata/consumer into a temporary directory.
@@ -644,17 +653,7 @@ func TestFaultKilledHeldConsumersRowsAreDueAtOnce(t *testing.T) {
 		topic    = "t"
 		lease    = 30 * time.Second
 	)
-	_, err := b.Pool.Exec(ctx, `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
-	require.NoError(t, err)
-	b.publishInTx(t, topic, true, newMsgs(messages)...)
-
-	bin := buildConsumer(t)
-	env := []string{"CONSUMER_LEASE=" + lease.String(), "CONSUMER_CLAIM_MODE=held"}
-	victim := startConsumer(t, bin, b, topic, "victim", env...)
-	survivor := startConsumer(t, bin, b, topic, "survivor", env...)
-	survivor.waitFor(t, "both are consuming", 30*time.Second, func() bool {
-		return b.count(t, `SELECT count(DISTINCT worker) FROM `+b.Schema+`.handled`) == 2
-	})
+	victim, survivor := startCompetingConsumers(t, b, topic, messages, lease, pgoutbox.ClaimHeld)
 	// Handled by the victim, still in the outbox: acks its held
 	// transactions had not committed (or leases of rows that outlived the
 	// bound, which a survivor that never saw the victim alive gets back

@@ -74,22 +74,12 @@ func warmUpPool(t *testing.T, pool *pgxpool.Pool, n int) {
 // (ClaimHeld), then mod.
 func (b *bundle) heldSubscriber(t *testing.T, pool *pgxpool.Pool, mod func(*pgoutbox.SubscriberConfig)) *pgoutbox.Subscriber {
 	t.Helper()
-	cfg := pgoutbox.SubscriberConfig{
-		Tables:          b.tables,
-		Lease:           5 * time.Second,
-		MinPollInterval: 20 * time.Millisecond,
-		MaxPollInterval: time.Second,
-		DrainTimeout:    2 * time.Second,
-		RetryPolicy:     pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: -1},
-		ClaimMode:       pgoutbox.ClaimHeld,
-	}
-	if mod != nil {
-		mod(&cfg)
-	}
-	sub, err := pgoutbox.NewSubscriber(pool, cfg, b.logger)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = sub.Close() })
-	return sub
+	return b.subscriberOn(t, pool, func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode = pgoutbox.ClaimHeld
+		if mod != nil {
+			mod(c)
+		}
+	})
 }
 
 // publishReturningIDs publishes msgs in one transaction and returns their row

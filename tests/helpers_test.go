@@ -9,6 +9,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -40,6 +41,12 @@ func setup(t testing.TB, opts ...pgoutboxtest.Options) *bundle {
 // defaults for tests, overridable through mod.
 func (b *bundle) subscriber(t *testing.T, mod func(*pgoutbox.SubscriberConfig)) *pgoutbox.Subscriber {
 	t.Helper()
+	return b.subscriberOn(t, b.Pool, mod)
+}
+
+// subscriberOn is subscriber on a pool of the test's own.
+func (b *bundle) subscriberOn(t *testing.T, pool *pgxpool.Pool, mod func(*pgoutbox.SubscriberConfig)) *pgoutbox.Subscriber {
+	t.Helper()
 	cfg := pgoutbox.SubscriberConfig{
 		Tables:          b.tables,
 		Lease:           5 * time.Second,
@@ -51,7 +58,7 @@ func (b *bundle) subscriber(t *testing.T, mod func(*pgoutbox.SubscriberConfig)) 
 	if mod != nil {
 		mod(&cfg)
 	}
-	sub, err := pgoutbox.NewSubscriber(b.Pool, cfg, b.logger)
+	sub, err := pgoutbox.NewSubscriber(pool, cfg, b.logger)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = sub.Close() })
 	return sub

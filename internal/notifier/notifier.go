@@ -95,10 +95,12 @@ type Waiter struct {
 
 // Kinds are the reasons of the wake-ups since the last Take: rows
 // published due now, rows scheduled for later (by a publisher, or returned
-// by a subscriber with a delay), rows a subscriber returned due now, and a
-// vanished liveness lock.
+// by a subscriber with a delay), rows a subscriber returned due now, a
+// liveness lock that stayed gone for two checks (its holder's leased rows
+// are orphans), and one missing at the last check (Vanished: its holder may
+// have died, and the rows of its held transactions are due again).
 type Kinds struct {
-	Due, Scheduled, Released, Orphans bool
+	Due, Scheduled, Released, Orphans, Vanished bool
 }
 
 // Take returns the reasons of the wake-ups received since the last Take,
@@ -106,7 +108,7 @@ type Kinds struct {
 func (w *Waiter) Take() Kinds {
 	k := w.kinds.Swap(0)
 	return Kinds{Due: k&(1<<wakeDue) != 0, Scheduled: k&(1<<wakeScheduled) != 0,
-		Released: k&(1<<wakeReleased) != 0, Orphans: k&(1<<wakeOrphans) != 0}
+		Released: k&(1<<wakeReleased) != 0, Orphans: k&(1<<wakeOrphans) != 0, Vanished: k&(1<<wakeVanished) != 0}
 }
 
 // Acquire returns the pool's notifier, starting it on first use. Every
@@ -245,6 +247,7 @@ const (
 	wakeScheduled
 	wakeReleased
 	wakeOrphans
+	wakeVanished
 )
 
 // wake wakes the waiters ws; with onlyGroup, only those of group.
@@ -377,11 +380,16 @@ func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn) error {
 		n.setLiveness(key, true)
 	}
 
-	gone := false
+	gone, vanished := false, false
 	n.mu.Lock()
 	for k := range n.prevHeld {
 		if _, now := held[k]; !now && !n.lastHeld[k] && !n.ownKeys[k] {
 			gone = true // missing from two checks in a row
+		}
+	}
+	for k := range n.lastHeld {
+		if _, now := held[k]; !now && !n.ownKeys[k] {
+			vanished = true // missing from this check only, so far
 		}
 	}
 	if n.lastHeld != nil {
@@ -394,6 +402,9 @@ func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn) error {
 	n.mu.Unlock()
 	if gone {
 		n.wakeAll(wakeOrphans)
+	}
+	if vanished {
+		n.wakeAll(wakeVanished)
 	}
 	return nil
 }

@@ -284,17 +284,10 @@ SELECT id, uuid, payload, metadata, deliveries + 1, available_at, ordering_key
   FROM %[1]s r
  WHERE topic = $1 AND consumer_group = $3 AND lease_token IS NULL AND available_at <= now()
    AND (available_at, id) > ($4::timestamptz, $5::bigint)
-   AND (ordering_key IS NULL OR (NOT EXISTS (
-        SELECT 1 FROM %[1]s k
-         WHERE k.topic = $1 AND k.consumer_group = $3 AND k.ordering_key = r.ordering_key
-           AND k.id < r.id AND k.available_at < 'infinity')
-           AND NOT EXISTS (
-               SELECT 1 FROM %[1]s l
-                WHERE l.topic = $1 AND l.consumer_group = $3 AND l.ordering_key = r.ordering_key
-                  AND l.lease_token IS NOT NULL)))
+   AND %[2]s
  ORDER BY available_at, id
  LIMIT $2::int
-   FOR UPDATE OF r SKIP LOCKED`, t),
+   FOR UPDATE OF r SKIP LOCKED`, t, keyIsFree(t, "r", "$3")),
 
 		// HeldAck deletes the acked rows of a held claim, in its
 		// transaction: the locks make a token unnecessary.
@@ -481,14 +474,7 @@ func claimFastStatement(t, ac string, orphans bool) string {
     SELECT id, available_at FROM %[1]s r
      WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NULL AND available_at <= now()
        AND (available_at, id) > ($6::timestamptz, $7::bigint)
-       AND (ordering_key IS NULL OR (NOT EXISTS (
-            SELECT 1 FROM %[1]s k
-             WHERE k.topic = $1 AND k.consumer_group = $10 AND k.ordering_key = r.ordering_key
-               AND k.id < r.id AND k.available_at < 'infinity')
-               AND NOT EXISTS (
-                   SELECT 1 FROM %[1]s l
-                    WHERE l.topic = $1 AND l.consumer_group = $10 AND l.ordering_key = r.ordering_key
-                      AND l.lease_token IS NOT NULL)))
+       AND %[7]s
      ORDER BY available_at, id
      LIMIT %[6]s
        FOR UPDATE SKIP LOCKED
@@ -504,7 +490,8 @@ UPDATE %[1]s o
  WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s
 RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key,
           (SELECT available_at FROM last_ready), (SELECT id FROM last_ready),
-          (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM ready)`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit)
+          (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM ready)`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
+		keyIsFree(t, "r", "$10"))
 }
 
 func claimStatement(t, ac string, orphans bool) string {
@@ -529,14 +516,7 @@ func claimStatement(t, ac string, orphans bool) string {
      LIMIT $11::int
 ), candidates AS (
     SELECT c.id FROM scan c
-     WHERE c.ordering_key IS NULL OR (NOT EXISTS (
-           SELECT 1 FROM %[1]s k
-            WHERE k.topic = $1 AND k.consumer_group = $10 AND k.ordering_key = c.ordering_key
-              AND k.id < c.id AND k.available_at < 'infinity')
-               AND NOT EXISTS (
-                   SELECT 1 FROM %[1]s l
-                    WHERE l.topic = $1 AND l.consumer_group = $10 AND l.ordering_key = c.ordering_key
-                      AND l.lease_token IS NOT NULL))
+     WHERE %[7]s
 ), ready AS (
     SELECT id, available_at FROM %[1]s
      WHERE id = ANY (ARRAY(SELECT id FROM heads UNION SELECT id FROM candidates))
@@ -567,7 +547,23 @@ SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.orde
        l.available_at, l.id, (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM candidates)
   FROM (SELECT 1) AS one
   LEFT JOIN claimed c ON true
-  LEFT JOIN next_cursor l ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit)
+  LEFT JOIN next_cursor l ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
+		keyIsFree(t, "c", "$10"))
+}
+
+// keyIsFree is the ordering-key condition of every claim, for the row
+// aliased row of topic $1 and group group: an unkeyed row, or one whose
+// key has no older row present (parked rows aside) and no leased row (a
+// row committed late may have a higher id than a leased one of its key).
+func keyIsFree(t, row, group string) string {
+	return fmt.Sprintf(`(%[2]s.ordering_key IS NULL OR (NOT EXISTS (
+        SELECT 1 FROM %[1]s k
+         WHERE k.topic = $1 AND k.consumer_group = %[3]s AND k.ordering_key = %[2]s.ordering_key
+           AND k.id < %[2]s.id AND k.available_at < 'infinity')
+       AND NOT EXISTS (
+        SELECT 1 FROM %[1]s l
+         WHERE l.topic = $1 AND l.consumer_group = %[3]s AND l.ordering_key = %[2]s.ordering_key
+           AND l.lease_token IS NOT NULL)))`, t, row, group)
 }
 
 // publishGroups is the consumer groups a message of topic $1 gets a row

@@ -307,6 +307,11 @@ func (sub *subscription) onNotified(k notifier.Kinds) {
 	if k.Orphans {
 		sub.scan.findOrphans = true
 	}
+	if k.Vanished {
+		// A process may have died: the rows of its held transactions are
+		// due again, behind a busy loop's cursor.
+		sub.scan.restart(false)
+	}
 	if k.Due {
 		// Publishers notify once per cooldown (PublisherConfig.
 		// NotifyCooldown): rows of the quiet publishes right after this

@@ -53,7 +53,8 @@ const (
 	ClaimLease
 	// ClaimHeld uses the held path for every claim that may: not for the
 	// reclaiming and ordering-key claims, nor without a spare pool
-	// connection. With tx.Middleware each message then ends its batch
+	// connection, nor for 10s after a batch's end failed (so rows whose
+	// end fails again and again are written, and counted, as leases). With tx.Middleware each message then ends its batch
 	// early: correct, but slower than ClaimAuto.
 	ClaimHeld
 )

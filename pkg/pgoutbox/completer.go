@@ -190,6 +190,9 @@ func (c *completer) write(j writeJob) writeResult {
 	r := writeResult{job: j, sent: time.Now(), done: written{}, abandoned: map[*delivery]error{}}
 	fail := func(err error, left writeJob) writeResult {
 		r.err, r.left = err, left
+		if len(j.releaseTokens) > 0 {
+			r.releaseErr = err // not run: the claims stay to release
+		}
 		return r
 	}
 	if j.ops()-len(j.dead) > 0 {

@@ -76,12 +76,15 @@ func (sub *subscription) wantHeld(req claimRequest, now time.Time) bool {
 	switch {
 	case sub.cfg.ClaimMode == ClaimLease:
 		return false
-	case req.withExpired, req.orphansOf != nil, len(req.endedKeys) > 0,
-		req.window > 0 && now.Before(sub.scan.keyedUntil):
-		// Reclaiming and ordering-key claims lease. A window asked for by
-		// a slow claim alone (no keyed row seen) does not count: without
-		// keys the held claim's walk is the fast claim's.
+	case req.withExpired, req.orphansOf != nil, len(req.endedKeys) > 0:
+		return false // reclaiming and ordering-key claims lease
+	case req.window > 0 && (now.Before(sub.scan.keyedUntil) || sub.cfg.ClaimMode == ClaimAuto):
+		// Keyed rows seen, or (ClaimAuto) a slow short claim, which may
+		// have walked rows held back by keys a competitor holds: the held
+		// claim has no window, and would walk them holding its locks.
 		return false
+	case now.Before(sub.heldFailedUntil):
+		return false // see heldFailed
 	case sub.cfg.ClaimMode == ClaimAuto && (sub.txSeen || now.Before(sub.heldOffUntil) || !sub.busy):
 		// Idle claims (mostly empty) cost one statement as leases and two
 		// round trips held; the first claim after a wake-up leases too.
@@ -378,8 +381,18 @@ func (sub *subscription) finishedBatch(r batchResult) {
 	}
 	// The writes that waited for the rows to become leases. After a failed
 	// commit they find no lease and say so.
-	sub.pending = sub.pending.merge(b.deferred)
 	ok := r.err == nil
+	if !ok {
+		// Not the holds (ordered mode's nack, whose row the subscription
+		// keeps): if the COMMIT applied after all, the release of the
+		// batch's token (heldFailed) would take the row from under the
+		// hold. The retry is lost with the batch.
+		for _, op := range b.deferred.holds {
+			sub.dropLost(op.d, "commit")
+		}
+		b.deferred.holds = nil
+	}
+	sub.pending = sub.pending.merge(b.deferred)
 	if !ok {
 		sub.heldFailed(r)
 	}
@@ -407,6 +420,8 @@ func (sub *subscription) finishedBatch(r batchResult) {
 		case d.state == finished:
 		case d.state == writing || (d.state == retrying && !d.holdDone):
 			// Its write finds the lease missing and reports it.
+		case d.state == handedOut && d.outcome.completingInTx():
+			// The handler's transaction is deleting it; its verdict follows.
 		default:
 			sub.dropLost(d, "commit")
 		}
@@ -436,10 +451,7 @@ func (sub *subscription) heldFailed(r batchResult) {
 		sub.lostClaims = append(sub.lostClaims, claimToken{token: r.job.b.token, at: now})
 		sub.givingBack++
 	}
-	sub.heldOffUntil = now.Add(heldOffFor)
-	if sub.cfg.ClaimMode == ClaimHeld {
-		sub.claimWait = now.Add(sub.claimBO.NextBackOff())
-	}
+	sub.heldFailedUntil = now.Add(heldOffFor)
 }
 
 // heldIdleTimeout is idle_in_transaction_session_timeout for held

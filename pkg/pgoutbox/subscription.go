@@ -98,6 +98,8 @@ type subscription struct {
 	txSeen       bool         // a handler completed its row in its own transaction (ClaimAuto leases then)
 	busy         bool         // the last claim found rows (ClaimAuto holds only then)
 	heldOffUntil time.Time    // ClaimAuto leases until then: the handlers were slow
+	// heldFailedUntil: every mode leases until then, a batch's end failed.
+	heldFailedUntil time.Time
 }
 
 // report is what the claim goroutine, the completer or forwardSignals

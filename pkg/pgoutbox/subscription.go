@@ -1311,6 +1311,15 @@ func (sub *subscription) onWritten(r writeResult) {
 		sub.logger.Error("Writing acks and lease returns failed; retrying", r.err, watermill.LogFields{"retry_in": wait.String()})
 		return
 	}
+	if r.releaseErr != nil && len(sub.lostClaims) > 0 {
+		// Only the release failed: retry it after a backoff too, not at
+		// once in a loop.
+		if sub.stopping && !sub.finalDeadline.IsZero() {
+			sub.finalFailures++
+		}
+		sub.writeWait = time.Now().Add(sub.writeBO.NextBackOff())
+		return
+	}
 	sub.writeBO.Reset()
 	sub.writeWait = time.Time{}
 }

@@ -35,7 +35,7 @@ type heldBatch struct {
 	deadline  time.Time // the bound: undecided rows become leases then
 	closing   bool      // its finishing statement is under way
 	deferred  writeJob  // writes of rows that become leases: after the commit that makes them so
-	waiters   []chan struct{}
+	waiters   []chan struct{} // handlers' transactions waiting for this batch's end (unhold)
 }
 
 // heldFate is what the end of a held batch does with one of its rows.
@@ -62,7 +62,7 @@ const maxHeldBatches = 3
 // heldOffFor is how long ClaimAuto leases after it found the handlers slow.
 const heldOffFor = 10 * time.Second
 
-// bound is how long the batch claimed at now stays held at most.
+// bound is when the batch claimed at now ends at the latest.
 func (sub *subscription) bound(now time.Time) time.Time {
 	d := heldBound
 	if sub.cfg.AckDeadline > 0 {

@@ -32,9 +32,9 @@ type heldBatch struct {
 	rows      []*delivery
 	undecided int // rows without a verdict or give-back yet
 	claimedAt time.Time
-	deadline  time.Time // the bound: undecided rows become leases then
-	closing   bool      // its finishing statement is under way
-	deferred  writeJob  // writes of rows that become leases: after the commit that makes them so
+	deadline  time.Time       // the bound: undecided rows become leases then
+	closing   bool            // its finishing statement is under way
+	deferred  writeJob        // writes of rows that become leases: after the commit that makes them so
 	waiters   []chan struct{} // handlers' transactions waiting for this batch's end (unhold)
 }
 

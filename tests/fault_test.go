@@ -391,7 +391,6 @@ func TestFaultKilledConsumerProcess(t *testing.T) {
 func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	ctx := context.Background()
 	const (
 		messages = 40000 // a drain of several seconds: the kill strikes mid-way
 		topic    = "t"
@@ -410,24 +409,10 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	require.NoError(t, victim.cmd.Process.Kill())
 	killed := time.Now()
 	<-victim.done
-	var orphaned []string
-	rows, err := b.Pool.Query(ctx, `SELECT uuid FROM `+b.Schema+`.outbox WHERE leased_by = 'victim'`)
-	require.NoError(t, err)
-	for rows.Next() {
-		var u string
-		require.NoError(t, rows.Scan(&u))
-		orphaned = append(orphaned, u)
-	}
-	require.NoError(t, rows.Err())
+	orphaned := b.strings(t, `SELECT uuid FROM `+b.Schema+`.outbox WHERE leased_by = 'victim'`)
 	require.NotEmpty(t, orphaned, "the victim held nothing when killed; the test proves nothing")
 
-	survivor.waitFor(t, "the victim's rows are handled by the survivor", lease/2, func() bool {
-		return b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.handled WHERE worker = 'survivor' AND uuid = ANY($1)`, orphaned) == len(orphaned)
-	})
-	back := time.Since(killed)
-	survivor.waitFor(t, "the outbox is empty", 2*time.Minute, func() bool { return b.outboxRows(t, topic) == 0 })
-	total := b.count(t, `SELECT count(*) FROM `+b.Schema+`.handled`)
-	distinct := b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.handled`)
+	back, total, distinct := survivor.takeOver(t, b, topic, orphaned, killed, lease/2)
 	t.Logf("orphaned_rows=%d back_after=%s (lease %s) handled=%d distinct=%d duplicates=%d",
 		len(orphaned), back.Round(time.Millisecond), lease, total, distinct, total-distinct)
 	require.Equal(t, messages, distinct)
@@ -451,6 +436,22 @@ func startCompetingConsumers(t *testing.T, b *bundle, topic string, messages int
 		return b.count(t, `SELECT count(DISTINCT worker) FROM `+b.Schema+`.handled`) == 2
 	})
 	return victim, survivor
+}
+
+// takeOver waits until the survivor p handled every message of uuids
+// (within), then until the outbox of topic is empty, and returns how long
+// after killed the first wait ended, and the handlings and distinct
+// messages recorded in <schema>.handled.
+func (p *consumerProc) takeOver(t *testing.T, b *bundle, topic string, uuids []string, killed time.Time, within time.Duration) (back time.Duration, total, distinct int) {
+	t.Helper()
+	p.waitFor(t, "the victim's messages are handled by the survivor", within, func() bool {
+		return b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.handled WHERE worker = 'survivor' AND uuid = ANY($1)`, uuids) == len(uuids)
+	})
+	back = time.Since(killed)
+	p.waitFor(t, "the outbox is empty", 2*time.Minute, func() bool { return b.outboxRows(t, topic) == 0 })
+	total = b.count(t, `SELECT count(*) FROM `+b.Schema+`.handled`)
+	distinct = b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.handled`)
+	return back, total, distinct
 }
 
 // buildConsumer builds testdata/consumer into a temporary directory.
@@ -647,7 +648,6 @@ func TestFaultSubscribeAfterIdleConnectionsWereTerminated(t *testing.T) {
 func TestFaultKilledHeldConsumersRowsAreDueAtOnce(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	ctx := context.Background()
 	const (
 		messages = 40000
 		topic    = "t"
@@ -671,15 +671,7 @@ func TestFaultKilledHeldConsumersRowsAreDueAtOnce(t *testing.T) {
 			return b.count(t, `SELECT count(*) FROM (`+unackedSQL+`) u`) > 0
 		})
 		require.NoError(t, victim.cmd.Process.Signal(syscall.SIGSTOP))
-		rows, err := b.Pool.Query(ctx, unackedSQL)
-		require.NoError(t, err)
-		for rows.Next() {
-			var u string
-			require.NoError(t, rows.Scan(&u))
-			unacked = append(unacked, u)
-		}
-		require.NoError(t, rows.Err())
-		if len(unacked) == 0 {
+		if unacked = b.strings(t, unackedSQL); len(unacked) == 0 {
 			require.NoError(t, victim.cmd.Process.Signal(syscall.SIGCONT))
 		}
 	}
@@ -688,13 +680,7 @@ func TestFaultKilledHeldConsumersRowsAreDueAtOnce(t *testing.T) {
 	killed := time.Now()
 	<-victim.done
 
-	survivor.waitFor(t, "the victim's unacked messages are handled by the survivor", lease/2, func() bool {
-		return b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.handled WHERE worker = 'survivor' AND uuid = ANY($1)`, unacked) == len(unacked)
-	})
-	back := time.Since(killed)
-	survivor.waitFor(t, "the outbox is empty", 2*time.Minute, func() bool { return b.outboxRows(t, topic) == 0 })
-	total := b.count(t, `SELECT count(*) FROM `+b.Schema+`.handled`)
-	distinct := b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.handled`)
+	back, total, distinct := survivor.takeOver(t, b, topic, unacked, killed, lease/2)
 	t.Logf("unacked_rows=%d leased_by_victim=%d back_after=%s (lease %s) handled=%d distinct=%d duplicates=%d",
 		len(unacked), leased, back.Round(time.Millisecond), lease, total, distinct, total-distinct)
 	require.Equal(t, messages, distinct)

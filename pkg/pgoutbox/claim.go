@@ -93,19 +93,24 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 	}
 	r.reclaimed, r.free = int(reclaimed), int(free)
 
-	// RETURNING order is unspecified; deliver in queue order.
-	sort.Slice(r.rows, func(i, j int) bool {
-		a, b := r.rows[i], r.rows[j]
-		if !a.availableAt.Equal(b.availableAt) {
-			return a.availableAt.Before(b.availableAt)
-		}
-		return a.id < b.id
-	})
+	sortQueueOrder(r.rows)        // RETURNING order is unspecified
 	r.took = time.Since(req.sent) // the claim's own time (see claimScan.claimed)
 	if len(r.rows) == 0 {
 		r.dueIn = sub.nextDue()
 	}
 	return r
+}
+
+// sortQueueOrder sorts claimed rows into queue order (available_at, id),
+// the order they are delivered in.
+func sortQueueOrder(rows []*delivery) {
+	sort.Slice(rows, func(i, j int) bool {
+		a, b := rows[i], rows[j]
+		if !a.availableAt.Equal(b.availableAt) {
+			return a.availableAt.Before(b.availableAt)
+		}
+		return a.id < b.id
+	})
 }
 
 // nextDue asks when the next row of the topic becomes claimable (a

@@ -3,7 +3,6 @@ package pgoutbox
 import (
 	"context"
 	"fmt"
-	"sort"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -162,13 +161,9 @@ func (sub *subscription) runHeldClaim(req claimRequest) claimResult {
 		r.dueIn = sub.nextDue()
 		return r
 	}
-	sort.Slice(r.rows, func(i, j int) bool { // FOR UPDATE keeps the order; make sure
-		a, b := r.rows[i], r.rows[j]
-		if !a.availableAt.Equal(b.availableAt) {
-			return a.availableAt.Before(b.availableAt)
-		}
-		return a.id < b.id
-	})
+	// ORDER BY with FOR UPDATE may return a row out of order when it was
+	// changed while the claim waited for it (READ COMMITTED re-reads it).
+	sortQueueOrder(r.rows)
 	last := r.rows[len(r.rows)-1]
 	r.cursorAt = pgtype.Timestamptz{Time: last.availableAt, Valid: true}
 	r.cursor = pgtype.Int8{Int64: last.id, Valid: true}
@@ -477,7 +472,7 @@ func (sub *subscription) unholder(d *delivery) func() {
 	}
 	return func() {
 		done := make(chan struct{})
-		sub.verdicts.put(verdict{d: d, convert: true, converted: done})
+		sub.verdicts.put(verdict{d: d, converted: done})
 		// The handler's DELETE must start after the commit that makes the
 		// row a lease: before it, it would not find the lease token.
 		t := time.NewTimer(heldBound + sub.cfg.StatementTimeout)

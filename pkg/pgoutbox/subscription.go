@@ -144,8 +144,9 @@ type verdict struct {
 	ack      bool
 	unsent   bool // the subscription stopped before the Router took the message
 	timedOut bool // no Ack or Nack within AckDeadline
-	convert  bool // a handler's transaction wants to delete this held row: make it a lease now
-	// converted is closed once the row is a lease (convert).
+	// converted, when set, is no verdict: a handler's transaction wants to
+	// delete this held row, so make it a lease now, and close converted
+	// once it is one.
 	converted chan struct{}
 }
 
@@ -493,16 +494,12 @@ func (sub *subscription) startClaim(now time.Time) {
 			req.orphansOf = spare
 		}
 	}
+	run := sub.runClaim
 	if sub.wantHeld(req, now) {
-		req.held = true
-		go func() {
-			r := sub.runHeldClaim(req)
-			sub.reports <- report{claim: &r}
-		}()
-		return
+		req.held, run = true, sub.runHeldClaim
 	}
 	go func() {
-		r := sub.runClaim(req)
+		r := run(req)
 		sub.reports <- report{claim: &r}
 	}()
 }
@@ -930,7 +927,7 @@ func (in *verdictInbox) take(buf []verdict) []verdict {
 func (sub *subscription) takeVerdicts() {
 	sub.verdictBuf = sub.verdicts.take(sub.verdictBuf)
 	for _, v := range sub.verdictBuf {
-		if v.convert {
+		if v.converted != nil {
 			sub.unhold(v)
 			continue
 		}

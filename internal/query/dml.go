@@ -54,7 +54,11 @@ type Queries struct {
 	HeldClaim    string
 	HeldAck      string
 	HeldFinish   string
-	ReleaseClaim string
+	// KeyVerifyLease and KeyVerifyHeld check the keyed rows a claim took
+	// against a newer snapshot (keys.go).
+	KeyVerifyLease string
+	KeyVerifyHeld  string
+	ReleaseClaim   string
 	NextDue      string
 	Cancel       string
 }
@@ -279,15 +283,24 @@ RETURNING o.id, c.token`, t, ac),
 		// ordering keys included, is ClaimFast's. The delivery count it
 		// returns is the one this delivery makes (stored only if the row
 		// becomes a lease or is nacked).
+		//
+		// A keyed row is returned only with its key lock (keys.go), held
+		// until the transaction ends; a row whose key lock another session
+		// holds stays locked here, unreturned, and is free again at commit.
 		HeldClaim: fmt.Sprintf(`
-SELECT id, uuid, payload, metadata, deliveries + 1, available_at, ordering_key
-  FROM %[1]s r
- WHERE topic = $1 AND consumer_group = $3 AND lease_token IS NULL AND available_at <= now()
-   AND (available_at, id) > ($4::timestamptz, $5::bigint)
-   AND %[2]s
- ORDER BY available_at, id
- LIMIT $2::int
-   FOR UPDATE OF r SKIP LOCKED`, t, keyIsFree(t, "r", "$3")),
+WITH locked AS MATERIALIZED (
+    SELECT id, uuid, payload, metadata, deliveries + 1 AS deliveries, available_at, ordering_key
+      FROM %[1]s r
+     WHERE topic = $1 AND consumer_group = $3 AND lease_token IS NULL AND available_at <= now()
+       AND (available_at, id) > ($4::timestamptz, $5::bigint)
+       AND %[2]s
+     ORDER BY available_at, id
+     LIMIT $2::int
+       FOR UPDATE OF r SKIP LOCKED
+)
+SELECT id, uuid, payload, metadata, deliveries, available_at, ordering_key
+  FROM locked l
+ WHERE l.ordering_key IS NULL OR %[3]s`, t, keyIsFree(t, "r", "$3"), keyLock(n, "l", "$3")),
 
 		// HeldAck deletes the acked rows of a held claim, in its
 		// transaction: the locks make a token unnecessary.
@@ -309,6 +322,9 @@ UPDATE %[1]s
        lease_holder = $6::bigint,
        deliveries   = deliveries + 1
  WHERE id = ANY ($2::bigint[])`, t),
+
+		KeyVerifyLease: keyVerifyLease(n, ac),
+		KeyVerifyHeld:  keyVerifyHeld(n),
 
 		// Dead ends rows terminally, under their tokens: with a dead-letter
 		// table the row moves there in this one statement (if the INSERT
@@ -549,21 +565,6 @@ SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.orde
   LEFT JOIN claimed c ON true
   LEFT JOIN next_cursor l ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
 		keyIsFree(t, "c", "$10"))
-}
-
-// keyIsFree is the ordering-key condition of every claim, for the row
-// aliased row of topic $1 and group group: an unkeyed row, or one whose
-// key has no older row present (parked rows aside) and no leased row (a
-// row committed late may have a higher id than a leased one of its key).
-func keyIsFree(t, row, group string) string {
-	return fmt.Sprintf(`(%[2]s.ordering_key IS NULL OR (NOT EXISTS (
-        SELECT 1 FROM %[1]s k
-         WHERE k.topic = $1 AND k.consumer_group = %[3]s AND k.ordering_key = %[2]s.ordering_key
-           AND k.id < %[2]s.id AND k.available_at < 'infinity')
-       AND NOT EXISTS (
-        SELECT 1 FROM %[1]s l
-         WHERE l.topic = $1 AND l.consumer_group = %[3]s AND l.ordering_key = %[2]s.ordering_key
-           AND l.lease_token IS NOT NULL)))`, t, row, group)
 }
 
 // publishGroups is the consumer groups a message of topic $1 gets a row

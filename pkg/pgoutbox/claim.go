@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -36,6 +37,7 @@ type claimResult struct {
 	reclaimed int           // expired or orphaned leases taken
 	dueIn     time.Duration // after an empty claim: when the next row is due (0: unknown)
 	batch     *heldBatch    // the held path: the batch of the rows
+	keyBusy   int           // keyed rows given back by the claim's verification: their key was busy
 	err       error
 }
 
@@ -92,6 +94,12 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 		return r
 	}
 	r.reclaimed, r.free = int(reclaimed), int(free)
+	if err := sub.verifyLeasedKeys(ctx, &r); err != nil {
+		// The rows stay leased under the claim's token: the owner releases
+		// them like a lost claim's.
+		r.rows, r.err = nil, err
+		return r
+	}
 
 	sortQueueOrder(r.rows)        // RETURNING order is unspecified
 	r.took = time.Since(req.sent) // the claim's own time (see claimScan.claimed)
@@ -99,6 +107,64 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 		r.dueIn = sub.nextDue()
 	}
 	return r
+}
+
+// verifyLeasedKeys gives back the keyed rows of a committed lease claim
+// whose key turned out busy (query.KeyVerifyLease): of two claims of one
+// key, the one that looks last sees the other's lease or key lock.
+func (sub *subscription) verifyLeasedKeys(ctx context.Context, r *claimResult) error {
+	ids := keyedIDs(r.rows)
+	if ids == nil {
+		return nil
+	}
+	busy, err := collectIDs(sub.s.pool.Query(ctx, sub.s.q.KeyVerifyLease, sub.topic, ids, r.req.token, sub.cfg.ConsumerGroup))
+	if err != nil {
+		return err
+	}
+	r.rows, r.keyBusy = dropIDs(r.rows, busy), len(busy)
+	return nil
+}
+
+// keyedIDs returns the ids of the keyed rows, nil when there are none.
+func keyedIDs(rows []*delivery) []int64 {
+	var ids []int64
+	for _, d := range rows {
+		if d.orderingKey != "" {
+			ids = append(ids, d.id)
+		}
+	}
+	return ids
+}
+
+// collectIDs reads a result of ids.
+func collectIDs(rows pgx.Rows, err error) (map[int64]bool, error) {
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	ids := map[int64]bool{}
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		ids[id] = true
+	}
+	return ids, rows.Err()
+}
+
+// dropIDs removes the rows whose id is in drop, keeping the order.
+func dropIDs(rows []*delivery, drop map[int64]bool) []*delivery {
+	if len(drop) == 0 {
+		return rows
+	}
+	kept := rows[:0]
+	for _, d := range rows {
+		if !drop[d.id] {
+			kept = append(kept, d)
+		}
+	}
+	return kept
 }
 
 // sortQueueOrder sorts claimed rows into queue order (available_at, id),

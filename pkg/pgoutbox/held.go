@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 )
 
 // The held path (see ClaimMode): a claim locks its rows in a transaction
@@ -72,6 +73,12 @@ func (sub *subscription) bound(now time.Time) time.Time {
 
 // wantHeld decides whether a claim takes the held path.
 func (sub *subscription) wantHeld(req claimRequest, now time.Time) bool {
+	switch sub.forcedPath {
+	case testhook.PathLease:
+		return false
+	case testhook.PathHeld:
+		return len(sub.batches) < maxHeldBatches && sub.poolHasSpare()
+	}
 	switch {
 	case sub.cfg.ClaimMode == ClaimLease:
 		return false
@@ -91,7 +98,12 @@ func (sub *subscription) wantHeld(req claimRequest, now time.Time) bool {
 	case len(sub.batches) >= maxHeldBatches:
 		return false
 	}
-	// Leave the pool a connection for the completer and the user.
+	return sub.poolHasSpare()
+}
+
+// poolHasSpare reports whether a held claim leaves the pool a connection
+// for the completer and the user.
+func (sub *subscription) poolHasSpare() bool {
 	st := sub.s.pool.Stat()
 	return st.AcquiredConns()+2 <= st.MaxConns()
 }
@@ -142,7 +154,21 @@ func (sub *subscription) runHeldClaim(req claimRequest) claimResult {
 			r.rows = append(r.rows, d)
 		}
 		rows.Close()
-		return rows.Err()
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		// The claim locked the rows' keys: look again with a newer
+		// snapshot (query.KeyVerifyHeld). Rows left out stay locked,
+		// unhandled, until the batch ends.
+		if ids := keyedIDs(r.rows); ids != nil {
+			res.Close() // the batch's results are read: the connection is free
+			busy, err := collectIDs(conn.Query(ctx, sub.s.q.KeyVerifyHeld, sub.topic, ids, sub.cfg.ConsumerGroup))
+			if err != nil {
+				return err
+			}
+			r.rows, r.keyBusy = dropIDs(r.rows, busy), len(busy)
+		}
+		return nil
 	}()
 	if err != nil {
 		// A connection left inside a transaction is not reused: the pool

@@ -15,6 +15,7 @@ import (
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/handoff"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/notifier"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 )
 
 // subscription is one Subscribe call. One goroutine, the owner (run), holds
@@ -100,6 +101,7 @@ type subscription struct {
 	heldOffUntil time.Time    // ClaimAuto leases until then: the handlers were slow
 	// heldFailedUntil: every mode leases until then, a batch's end failed.
 	heldFailedUntil time.Time
+	forcedPath      string // a test's choice of claim path (internal/testhook), "" for none
 }
 
 // report is what the claim goroutine, the completer or forwardSignals
@@ -153,24 +155,25 @@ type verdict struct {
 func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *notifier.Waiter) *subscription {
 	now := time.Now()
 	sub := &subscription{
-		s:         s,
-		cfg:       &s.cfg,
-		topic:     topic,
-		ctx:       ctx,
-		out:       make(chan *message.Message),
-		logger:    s.logger.With(watermill.LogFields{"topic": topic}),
-		waiter:    waiter,
-		verdicts:  verdictInbox{wake: make(chan struct{}, 1)},
-		reports:   make(chan report, 3+maxHeldBatches), // one claim, one write, one signal and the held batches' ends
-		held:      map[*delivery]struct{}{},
-		endedKeys: map[string]struct{}{},
-		writeBO:   newBackoff(),
-		claimBO:   newBackoff(),
-		pf:        newPrefetch(s.cfg.MaxInFlight, s.cfg.MaxDeliveries == 0, now),
-		scan:      newClaimScan(),
-		idlePoll:  s.cfg.MinPollInterval,
-		nextRenew: now.Add(s.cfg.Lease / 2),
-		wantClaim: true,
+		s:          s,
+		cfg:        &s.cfg,
+		topic:      topic,
+		ctx:        ctx,
+		out:        make(chan *message.Message),
+		logger:     s.logger.With(watermill.LogFields{"topic": topic}),
+		waiter:     waiter,
+		verdicts:   verdictInbox{wake: make(chan struct{}, 1)},
+		reports:    make(chan report, 3+maxHeldBatches), // one claim, one write, one signal and the held batches' ends
+		held:       map[*delivery]struct{}{},
+		endedKeys:  map[string]struct{}{},
+		writeBO:    newBackoff(),
+		claimBO:    newBackoff(),
+		pf:         newPrefetch(s.cfg.MaxInFlight, s.cfg.MaxDeliveries == 0, now),
+		scan:       newClaimScan(),
+		idlePoll:   s.cfg.MinPollInterval,
+		nextRenew:  now.Add(s.cfg.Lease / 2),
+		wantClaim:  true,
+		forcedPath: testhook.ClaimPath(s.cfg.WorkerID),
 	}
 	sub.stopCtx, sub.cancelStop = context.WithCancel(context.Background())
 	sub.done = make(chan struct{})
@@ -595,6 +598,14 @@ func (sub *subscription) onClaimed(r claimResult) {
 			// keep coming, keep looking again after the claims run dry.
 			sub.lookAgain = lookAgainFirst
 		}
+		return
+	}
+	if r.keyBusy > 0 {
+		// Keyed rows whose key another claim took meanwhile: look again
+		// after the shortest idle wait, from the start, not at claim speed.
+		sub.scan.restart(false)
+		sub.wantClaim = false
+		sub.idleUntil = now.Add(sub.cfg.MinPollInterval)
 		return
 	}
 	if woke {

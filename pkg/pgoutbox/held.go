@@ -33,6 +33,7 @@ type heldBatch struct {
 	undecided int // rows without a verdict or give-back yet
 	claimedAt time.Time
 	deadline  time.Time       // the bound: undecided rows become leases then
+	endNow    bool            // end at the owner's next turn: an ordered retry waits for its write
 	closing   bool            // its finishing statement is under way
 	deferred  writeJob        // writes of rows that become leases: after the commit that makes them so
 	waiters   []chan struct{} // handlers' transactions waiting for this batch's end (unhold)
@@ -222,7 +223,7 @@ func (sub *subscription) jobFor(d *delivery) *writeJob {
 	if !b.closing {
 		sub.decideHeld(d, heldLeased)
 		if sub.ordered() {
-			b.deadline = time.Now()
+			b.endNow = true
 		}
 	}
 	return &b.deferred
@@ -248,6 +249,8 @@ func (sub *subscription) tendBatches(now time.Time) {
 		switch {
 		case b.undecided == 0:
 			sub.closeBatch(b, now, "done")
+		case b.endNow:
+			sub.closeBatch(b, now, "retry")
 		case !now.Before(b.deadline):
 			sub.closeBatch(b, now, "bound")
 		}
@@ -288,8 +291,8 @@ func (sub *subscription) closeBatch(b *heldBatch, now time.Time, why string) {
 			if d.state == finished {
 				continue
 			}
-			if d.fate == heldOpen {
-				job.stragglers++
+			if d.fate == heldOpen && d.state == handedOut {
+				job.stragglers++ // a handler still running: buffered rows say nothing of their speed
 			}
 			// Its lease ends Lease after the transaction began (now() in
 			// HeldFinish), before the claim returned: expiresAt already says
@@ -498,7 +501,7 @@ func (sub *subscription) unholder(d *delivery) func() {
 	}
 	return func() {
 		done := make(chan struct{})
-		sub.verdicts.put(verdict{d: d, converted: done})
+		sub.inbox.putUnhold(unholdRequest{d: d, done: done})
 		// The handler's DELETE must start after the commit that makes the
 		// row a lease: before it, it would not find the lease token.
 		t := time.NewTimer(heldBound + sub.cfg.StatementTimeout)
@@ -512,15 +515,15 @@ func (sub *subscription) unholder(d *delivery) func() {
 }
 
 // unhold ends the batch of a held row at once, for a handler's
-// transaction that waits (converted) to delete the row.
-func (sub *subscription) unhold(v verdict) {
+// transaction that waits (r.done) to delete the row.
+func (sub *subscription) unhold(r unholdRequest) {
 	sub.txSeen = true
-	b := v.d.batch
+	b := r.d.batch
 	if b == nil {
-		close(v.converted)
+		close(r.done)
 		return
 	}
-	b.waiters = append(b.waiters, v.converted)
+	b.waiters = append(b.waiters, r.done)
 	if !b.closing {
 		sub.closeBatch(b, time.Now(), "transaction")
 	}

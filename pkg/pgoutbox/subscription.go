@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -42,10 +41,9 @@ type subscription struct {
 	logger watermill.LoggerAdapter
 	waiter *notifier.Waiter
 
-	verdicts   verdictInbox
-	slots      chan slotItem // MaxInFlight > 1: messages for the slots to hand out
-	slotStop   chan struct{} // closed when stopping: slots hand out nothing more
-	slotsDone  sync.WaitGroup
+	msgParent  context.Context // the parent of message contexts (messageParent)
+	inbox      *verdictInbox
+	slots      *slots // MaxInFlight > 1; nil: the owner hands out itself
 	verdictBuf []verdict
 	reports    chan report // results of the claim goroutine and the completer
 	comp       *completer
@@ -146,10 +144,6 @@ type verdict struct {
 	ack      bool
 	unsent   bool // the subscription stopped before the Router took the message
 	timedOut bool // no Ack or Nack within AckDeadline
-	// converted, when set, is no verdict: a handler's transaction wants to
-	// delete this held row, so make it a lease now, and close converted
-	// once it is one.
-	converted chan struct{}
 }
 
 func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *notifier.Waiter) *subscription {
@@ -162,7 +156,8 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 		out:        make(chan *message.Message),
 		logger:     s.logger.With(watermill.LogFields{"topic": topic}),
 		waiter:     waiter,
-		verdicts:   verdictInbox{wake: make(chan struct{}, 1)},
+		msgParent:  messageParent(ctx),
+		inbox:      newVerdictInbox(),
 		reports:    make(chan report, 3+maxHeldBatches), // one claim, one write, one signal and the held batches' ends
 		held:       map[*delivery]struct{}{},
 		endedKeys:  map[string]struct{}{},
@@ -180,7 +175,8 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 	if s.cfg.MaxInFlight > 1 {
 		// The whole lease window fits: slots take the next message
 		// without waiting for the owner, as the claim fills the queue.
-		sub.slots, sub.slotStop = make(chan slotItem, s.cfg.MaxInFlight+maxPrefetch), make(chan struct{})
+		sub.slots = newSlots(s.cfg.MaxInFlight+maxPrefetch, sub.inbox,
+			slotEnv{out: sub.out, parent: sub.msgParent, ackDeadline: s.cfg.AckDeadline})
 	}
 	sub.comp = newCompleter(s.pool, s.q, &s.cfg, topic, sub.reports)
 	sub.timer = time.NewTimer(time.Hour)
@@ -210,11 +206,8 @@ func (sub *subscription) run() {
 	defer close(ended)
 	defer close(sub.done)
 	go sub.forwardSignals(ended)
-	if sub.cfg.MaxInFlight > 1 {
-		for range sub.cfg.MaxInFlight {
-			sub.slotsDone.Add(1)
-			go sub.slot()
-		}
+	if sub.slots != nil {
+		sub.slots.start(sub.cfg.MaxInFlight)
 	}
 	sub.nextHousekeeping = time.Now().Add(housekeepingEvery(sub.cfg))
 	fast := 0
@@ -253,7 +246,7 @@ func (sub *subscription) run() {
 			case sendC <- msg:
 				sub.handedOut(head)
 				continue
-			case <-sub.verdicts.wake:
+			case <-sub.inbox.wake:
 				sub.takeVerdicts()
 				continue
 			case <-ackC:
@@ -271,7 +264,7 @@ func (sub *subscription) run() {
 		select {
 		case sendC <- msg:
 			sub.handedOut(head)
-		case <-sub.verdicts.wake:
+		case <-sub.inbox.wake:
 			sub.takeVerdicts()
 		case <-ackC:
 			sub.onVerdict(verdict{d: sub.single, seq: sub.single.seq, msg: single, ack: true}, false)
@@ -297,8 +290,7 @@ func (sub *subscription) run() {
 		}
 	}
 	if sub.slots != nil {
-		close(sub.slots)
-		sub.slotsDone.Wait() // none sends on out any more
+		sub.slots.end() // none sends on out any more
 	}
 	sub.waiter.Stop()
 	close(sub.out)
@@ -701,7 +693,7 @@ func (sub *subscription) prepare(d *delivery, now time.Time) bool {
 		return false
 	}
 	d.outcome = newOutcome(d, sub.s.q.CompleteInTx, sub.unholder(d))
-	msg, cancel, err := buildMessage(sub.ctx, d.uuid, d.payload, d.metaRaw, d.orderingKey, d.outcome)
+	msg, cancel, err := buildMessage(sub.msgParent, d.uuid, d.payload, d.metaRaw, d.orderingKey, d.outcome)
 	if err != nil {
 		sub.poisoned(d, err)
 		return false
@@ -716,8 +708,15 @@ func (sub *subscription) poisoned(d *delivery, err error) {
 	sub.deadLetter(d, ReasonPoisoned, err.Error())
 }
 
+// messageParent is the parent of message contexts: the Subscribe context's
+// values (a trace, a logger) without its cancellation. A Router cancels
+// that context when it closes, and a handler mid-work must be let finish
+// within DrainTimeout; the subscription cancels each message's context
+// itself when its delivery ends, or when the drain does.
+func messageParent(ctx context.Context) context.Context { return context.WithoutCancel(ctx) }
+
 // buildMessage decodes a row into the message handed to the Router, with a
-// context (derived from the Subscribe context) that carries the outcome.
+// context (derived from messageParent) that carries the outcome.
 // It touches no subscription state: slots call it too.
 func buildMessage(parent context.Context, uuid string, payload, metaRaw []byte, orderingKey string, o *outcome) (*message.Message, context.CancelFunc, error) {
 	msg, err := decodeMessage(uuid, payload, metaRaw)
@@ -768,24 +767,21 @@ func (sub *subscription) handedOut(d *delivery) {
 	}
 	d.outcome, d.stopWatch = newOutcome(d, sub.s.q.CompleteInTx, sub.unholder(d)), make(chan struct{})
 	// Never blocks: see maxHandedOut.
-	sub.slots <- slotItem{d: d, seq: d.seq, uuid: d.uuid, payload: d.payload, metaRaw: d.metaRaw, orderingKey: d.orderingKey,
-		outcome: d.outcome, stop: d.stopWatch}
+	sub.slots.hand(slotItem{d: d, seq: d.seq, uuid: d.uuid, payload: d.payload, metaRaw: d.metaRaw, orderingKey: d.orderingKey,
+		outcome: d.outcome, abandon: d.stopWatch})
 }
 
 // takeQueued takes back the deliveries in the slots' queue that no slot
 // took yet, in queue order; they count as handed out no more.
 func (sub *subscription) takeQueued() []*delivery {
+	if sub.slots == nil {
+		return nil
+	}
 	var out []*delivery
-	for sub.slots != nil {
-		select {
-		case it := <-sub.slots:
-			it.d.state = buffered
-			sub.handed--
-			out = append(out, it.d)
-			continue
-		default:
-		}
-		break
+	for _, it := range sub.slots.takeQueued() {
+		it.d.state = buffered
+		sub.handed--
+		out = append(out, it.d)
 	}
 	return out
 }
@@ -808,7 +804,7 @@ func (sub *subscription) oldestHandedOut(now time.Time) time.Duration {
 // its verdict takes the next message without waiting for the owner.
 func (sub *subscription) maxHandedOut() int {
 	if sub.slots != nil {
-		return cap(sub.slots)
+		return sub.slots.capacity()
 	}
 	return sub.cfg.MaxInFlight
 }
@@ -820,7 +816,7 @@ func (sub *subscription) dispatch(now time.Time) {
 	if sub.slots == nil {
 		return
 	}
-	for sub.handed < cap(sub.slots) && !sub.stopping && !sub.backpressured() && len(sub.buffer) > 0 {
+	for sub.handed < sub.slots.capacity() && !sub.stopping && !sub.backpressured() && len(sub.buffer) > 0 {
 		d := sub.buffer[0]
 		sub.buffer[0] = nil
 		sub.buffer = sub.buffer[1:]
@@ -830,118 +826,14 @@ func (sub *subscription) dispatch(now time.Time) {
 	}
 }
 
-// slotItem is a delivery for a slot, with what the slot may read of it.
-type slotItem struct {
-	d                *delivery // only passed back in the verdict
-	seq              uint32
-	uuid             string
-	payload, metaRaw []byte
-	orderingKey      string
-	outcome          *outcome
-	stop             <-chan struct{} // closed when the owner stops waiting for the verdict
-}
-
-// slot is one of MaxInFlight goroutines that hand messages to the Router and
-// report their verdicts. It reads nothing of a delivery but what its
-// slotItem carries. A message not yet taken by the Router when the
-// subscription stops is reported unsent, and given back.
-func (sub *subscription) slot() {
-	defer sub.slotsDone.Done()
-	// The slot waits for the verdict, so it keeps the ack deadline.
-	var deadline *time.Timer
-	var expired <-chan time.Time
-	if sub.cfg.AckDeadline > 0 {
-		deadline = time.NewTimer(sub.cfg.AckDeadline)
-		deadline.Stop()
-		defer deadline.Stop()
-		expired = deadline.C
-	}
-	for it := range sub.slots {
-		v := verdict{d: it.d, seq: it.seq}
-		msg, cancel, err := buildMessage(sub.ctx, it.uuid, it.payload, it.metaRaw, it.orderingKey, it.outcome)
-		if err != nil {
-			v.poison = err
-			sub.verdicts.put(v)
-			continue
-		}
-		v.msg = msg
-		select {
-		case <-sub.slotStop:
-			v.unsent = true
-		default:
-			select {
-			case sub.out <- msg:
-				if deadline != nil {
-					deadline.Reset(sub.cfg.AckDeadline)
-				}
-			wait:
-				select {
-				case <-msg.Acked():
-					v.ack = true
-				case <-msg.Nacked():
-				case <-expired:
-					if it.outcome.completingInTx() {
-						// The handler's transaction is completing the row
-						// (bounded by its commit timeout): its answer
-						// decides, a nack now would only race it.
-						expired = nil
-						goto wait
-					}
-					v.timedOut = true
-				case <-it.stop:
-				}
-				if deadline != nil {
-					deadline.Stop()
-				}
-			case <-sub.slotStop:
-				v.unsent = true
-			case <-it.stop:
-			}
-		}
-		cancel() // an answer, a deadline or a stop ends the message's context
-		select {
-		case <-it.stop: // the owner stopped waiting: it wants no verdict
-		default:
-			sub.verdicts.put(v)
-		}
-	}
-}
-
-// verdictInbox is where the slots leave verdicts for the owner: a mailbox,
-// so a busy owner takes the verdicts of many messages per wake-up instead
-// of being woken for each.
-type verdictInbox struct {
-	mu   sync.Mutex
-	list []verdict
-	wake chan struct{} // a value while the list is not empty
-}
-
-func (in *verdictInbox) put(v verdict) {
-	in.mu.Lock()
-	in.list = append(in.list, v)
-	in.mu.Unlock()
-	select {
-	case in.wake <- struct{}{}:
-	default:
-	}
-}
-
-func (in *verdictInbox) take(buf []verdict) []verdict {
-	in.mu.Lock()
-	buf = append(buf[:0], in.list...)
-	in.list = in.list[:0]
-	in.mu.Unlock()
-	return buf
-}
-
 // takeVerdicts applies the verdicts the slots reported.
 func (sub *subscription) takeVerdicts() {
-	sub.verdictBuf = sub.verdicts.take(sub.verdictBuf)
+	var unholds []unholdRequest
+	sub.verdictBuf, unholds = sub.inbox.take(sub.verdictBuf)
+	for _, r := range unholds {
+		sub.unhold(r)
+	}
 	for _, v := range sub.verdictBuf {
-		if v.converted != nil {
-			sub.unhold(v)
-			continue
-		}
 		if v.timedOut {
 			if v.d.state == handedOut && v.d.seq == v.seq {
 				sub.ackDeadlinePassed(v.d, v.msg)
@@ -1095,7 +987,7 @@ func (sub *subscription) housekeeping(now time.Time) {
 	if oldest != nil && at(now).since(oldest.claimedAt) > sub.cfg.Lease/2 {
 		sub.giveBack(sub.takeBuffer())
 	}
-	if sub.slots != nil && len(sub.slots) > 0 && sub.oldestHandedOut(now) > sub.cfg.Lease/2 {
+	if sub.slots != nil && sub.slots.queued() > 0 && sub.oldestHandedOut(now) > sub.cfg.Lease/2 {
 		// The same for the slots' queue: what no slot took yet goes back.
 		sub.giveBack(sub.takeQueued())
 	}
@@ -1143,8 +1035,8 @@ func (sub *subscription) beginStop() {
 	sub.stopping = true
 	sub.cancelStop()
 	queued := sub.takeQueued()
-	if sub.slotStop != nil {
-		close(sub.slotStop) // a slot holding a message reports it unsent
+	if sub.slots != nil {
+		sub.slots.stopOffering() // a slot holding a message reports it unsent
 	}
 	sub.giveBack(append(queued, sub.takeBuffer()...))
 	if d := sub.retry; d != nil && d.holdDone {

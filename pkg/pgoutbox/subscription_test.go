@@ -141,7 +141,7 @@ func TestOwnerHandsOutInQueueOrder(t *testing.T) {
 	b.sub.dispatch(time.Now())
 	require.Equal(t, 5, b.sub.handed, "the whole window is queued for the two slots")
 	for id := range int64(5) {
-		it := <-b.sub.slots
+		it := <-b.sub.slots.queue
 		require.Equal(t, id+1, it.d.id, "in queue order")
 		require.Equal(t, it.d.seq, it.seq)
 	}
@@ -325,7 +325,7 @@ func TestOwnerStopGivesBackTheBufferAndReleasesAfterTheDrain(t *testing.T) {
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
 	b.claimed(t, 1, 2, 3)
 	d := b.handOut(t)
-	<-b.sub.slots // a slot took it to the Router
+	<-b.sub.slots.queue // a slot took it to the Router
 	b.sub.claiming = false
 	b.sub.beginStop()
 	require.Len(t, b.sub.pending.returns, 2, "the buffer goes back at once")

@@ -51,16 +51,16 @@ type Queries struct {
 	// HeldClaim, HeldAck and HeldFinish are the held path's statements
 	// (a claim inside a transaction the subscription keeps open while
 	// the handlers run): see their comments in Build.
-	HeldClaim    string
-	HeldAck      string
-	HeldFinish   string
+	HeldClaim  string
+	HeldAck    string
+	HeldFinish string
 	// KeyVerifyLease and KeyVerifyHeld check the keyed rows a claim took
 	// against a newer snapshot (keys.go).
 	KeyVerifyLease string
 	KeyVerifyHeld  string
 	ReleaseClaim   string
-	NextDue      string
-	Cancel       string
+	NextDue        string
+	Cancel         string
 }
 
 // asyncCommit is a condition that is always true and, as a side effect,

@@ -1,12 +1,10 @@
 package pgoutbox
 
 import (
-	"context"
 	"sort"
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -41,132 +39,6 @@ type claimResult struct {
 	err       error
 }
 
-// runClaim leases up to req.n rows with the claim statement (query.Claim),
-// on the claim goroutine. It does not use the subscription's context: a
-// claim cut off after the server ran it would leave rows leased that nobody
-// knows of. After an empty claim it asks when the next row is due, so timers
-// fire on time instead of at the next poll.
-func (sub *subscription) runClaim(req claimRequest) claimResult {
-	r := claimResult{req: req}
-	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
-	defer cancel()
-	args := []any{sub.topic, req.n, req.token,
-		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, req.at, req.id, req.withExpired, req.holder, sub.cfg.ConsumerGroup}
-	var stmt string
-	switch {
-	case req.window == 0 && req.orphansOf == nil:
-		stmt = sub.s.q.ClaimFastNoOrphans
-	case req.window == 0:
-		stmt, args = sub.s.q.ClaimFast, append(args, req.orphansOf)
-	case req.orphansOf == nil:
-		stmt, args = sub.s.q.ClaimNoOrphans, append(args, req.window, req.endedKeys)
-	default:
-		stmt, args = sub.s.q.Claim, append(args, req.window, req.endedKeys, req.orphansOf)
-	}
-	rows, err := sub.s.pool.Query(ctx, stmt, args...)
-	if err != nil {
-		r.err = err
-		return r
-	}
-	var reclaimed, free int64
-	for rows.Next() {
-		d := &delivery{token: req.token}
-		var id pgtype.Int8
-		var uuid, key pgtype.Text
-		var deliveries pgtype.Int4
-		var availableAt pgtype.Timestamptz
-		if err := rows.Scan(&id, &uuid, &d.payload, &d.metaRaw, &deliveries, &availableAt, &key,
-			&r.cursorAt, &r.cursor, &reclaimed, &free); err != nil {
-			rows.Close()
-			r.err = err
-			return r
-		}
-		if !id.Valid {
-			continue // nothing claimed: the row only carries the cursor
-		}
-		d.id, d.uuid, d.deliveries = id.Int64, uuid.String, int(deliveries.Int32)
-		d.availableAt, d.orderingKey = availableAt.Time, key.String
-		r.rows = append(r.rows, d)
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		r.rows, r.err = nil, err
-		return r
-	}
-	r.reclaimed, r.free = int(reclaimed), int(free)
-	if err := sub.verifyLeasedKeys(ctx, &r); err != nil {
-		// The rows stay leased under the claim's token: the owner releases
-		// them like a lost claim's.
-		r.rows, r.err = nil, err
-		return r
-	}
-
-	sortQueueOrder(r.rows)        // RETURNING order is unspecified
-	r.took = time.Since(req.sent) // the claim's own time (see claimScan.claimed)
-	if len(r.rows) == 0 {
-		r.dueIn = sub.nextDue()
-	}
-	return r
-}
-
-// verifyLeasedKeys gives back the keyed rows of a committed lease claim
-// whose key turned out busy (query.KeyVerifyLease): of two claims of one
-// key, the one that looks last sees the other's lease or key lock.
-func (sub *subscription) verifyLeasedKeys(ctx context.Context, r *claimResult) error {
-	ids := keyedIDs(r.rows)
-	if ids == nil {
-		return nil
-	}
-	busy, err := collectIDs(sub.s.pool.Query(ctx, sub.s.q.KeyVerifyLease, sub.topic, ids, r.req.token, sub.cfg.ConsumerGroup))
-	if err != nil {
-		return err
-	}
-	r.rows, r.keyBusy = dropIDs(r.rows, busy), len(busy)
-	return nil
-}
-
-// keyedIDs returns the ids of the keyed rows, nil when there are none.
-func keyedIDs(rows []*delivery) []int64 {
-	var ids []int64
-	for _, d := range rows {
-		if d.orderingKey != "" {
-			ids = append(ids, d.id)
-		}
-	}
-	return ids
-}
-
-// collectIDs reads a result of ids.
-func collectIDs(rows pgx.Rows, err error) (map[int64]bool, error) {
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	ids := map[int64]bool{}
-	for rows.Next() {
-		var id int64
-		if err := rows.Scan(&id); err != nil {
-			return nil, err
-		}
-		ids[id] = true
-	}
-	return ids, rows.Err()
-}
-
-// dropIDs removes the rows whose id is in drop, keeping the order.
-func dropIDs(rows []*delivery, drop map[int64]bool) []*delivery {
-	if len(drop) == 0 {
-		return rows
-	}
-	kept := rows[:0]
-	for _, d := range rows {
-		if !drop[d.id] {
-			kept = append(kept, d)
-		}
-	}
-	return kept
-}
-
 // sortQueueOrder sorts claimed rows into queue order (available_at, id),
 // the order they are delivered in.
 func sortQueueOrder(rows []*delivery) {
@@ -177,21 +49,6 @@ func sortQueueOrder(rows []*delivery) {
 		}
 		return a.id < b.id
 	})
-}
-
-// nextDue asks when the next row of the topic becomes claimable (a
-// scheduled row or an expiring lease); 0 when none is, or on error.
-func (sub *subscription) nextDue() time.Duration {
-	// It only plans: a stopping subscription does not wait for it.
-	ctx, cancel := context.WithTimeout(sub.stopCtx, sub.cfg.StatementTimeout)
-	defer cancel()
-	var us *int64
-	if err := sub.s.pool.QueryRow(ctx, sub.s.q.NextDue, sub.topic, sub.cfg.ConsumerGroup).Scan(&us); err != nil || us == nil {
-		return 0
-	}
-	// At least a millisecond: rounding must not make the loop spin on a
-	// row that is due within a microsecond.
-	return max(time.Duration(*us)*time.Microsecond, time.Millisecond)
 }
 
 // claimScan is where claims start scanning, and which optional branches

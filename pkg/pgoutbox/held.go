@@ -1,8 +1,6 @@
 package pgoutbox
 
 import (
-	"context"
-	"fmt"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -23,6 +21,17 @@ import (
 // write goes through the completer. Give-backs write nothing: the commit
 // drops the lock. One statement and one commit per batch, where the lease
 // path has two of each.
+
+// heldPath is the held path's part of a subscription: its open batches
+// and what decides whether a claim holds. Only the owner touches it.
+type heldPath struct {
+	batches     []*heldBatch // batches not ended yet, oldest first
+	txSeen      bool         // a handler completed its row in its own transaction (ClaimAuto leases then)
+	busy        bool         // the last claim found rows (ClaimAuto holds only then)
+	offUntil    time.Time    // ClaimAuto leases until then: the handlers were slow
+	failedUntil time.Time    // every mode leases until then: a batch's end failed
+	forced      string       // a test's choice of claim path (internal/testhook), "" for none
+}
 
 // heldBatch is the rows of one held claim. Only the owner touches it,
 // except conn, which the claim and the finishing goroutine use in turn.
@@ -74,29 +83,29 @@ func (sub *subscription) bound(now time.Time) time.Time {
 
 // wantHeld decides whether a claim takes the held path.
 func (sub *subscription) wantHeld(req claimRequest, now time.Time) bool {
-	switch sub.forcedPath {
+	switch sub.held.forced {
 	case testhook.PathLease:
 		return false
 	case testhook.PathHeld:
-		return len(sub.batches) < maxHeldBatches && sub.poolHasSpare()
+		return len(sub.held.batches) < maxHeldBatches && sub.poolHasSpare()
 	}
 	switch {
 	case sub.cfg.ClaimMode == ClaimLease:
 		return false
 	case req.withExpired, req.orphansOf != nil, len(req.endedKeys) > 0:
 		return false // reclaiming and ordering-key claims lease
-	case req.window > 0 && (now.Before(sub.scan.keyedUntil) || sub.cfg.ClaimMode == ClaimAuto):
+	case req.window > 0 && (now.Before(sub.claims.scan.keyedUntil) || sub.cfg.ClaimMode == ClaimAuto):
 		// Keyed rows seen, or (ClaimAuto) a slow short claim, which may
 		// have walked rows held back by keys a competitor holds: the held
 		// claim has no window, and would walk them holding its locks.
 		return false
-	case now.Before(sub.heldFailedUntil):
+	case now.Before(sub.held.failedUntil):
 		return false // see heldFailed
-	case sub.cfg.ClaimMode == ClaimAuto && (sub.txSeen || now.Before(sub.heldOffUntil) || !sub.busy):
+	case sub.cfg.ClaimMode == ClaimAuto && (sub.held.txSeen || now.Before(sub.held.offUntil) || !sub.held.busy):
 		// Idle claims (mostly empty) cost one statement as leases and two
 		// round trips held; the first claim after a wake-up leases too.
 		return false
-	case len(sub.batches) >= maxHeldBatches:
+	case len(sub.held.batches) >= maxHeldBatches:
 		return false
 	}
 	return sub.poolHasSpare()
@@ -107,97 +116,6 @@ func (sub *subscription) wantHeld(req claimRequest, now time.Time) bool {
 func (sub *subscription) poolHasSpare() bool {
 	st := sub.s.pool.Stat()
 	return st.AcquiredConns()+2 <= st.MaxConns()
-}
-
-// runHeldClaim opens a held transaction and locks up to req.n ready rows
-// in it. A transaction that locked nothing ends at once.
-func (sub *subscription) runHeldClaim(req claimRequest) claimResult {
-	r := claimResult{req: req}
-	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
-	defer cancel()
-	conn, err := sub.s.pool.Acquire(ctx)
-	if err != nil {
-		r.err = err
-		return r
-	}
-	b := &pgx.Batch{}
-	b.Queue("BEGIN")
-	if !sub.cfg.SynchronousCommit {
-		b.Queue("SET LOCAL synchronous_commit = off") // see SubscriberConfig.SynchronousCommit
-	}
-	// If this process stalls or its network vanishes while the batch is
-	// held, the server ends the transaction after this long, and the rows
-	// are due again: the held path's bound on how long rows stay locked,
-	// where the lease path has Lease.
-	b.Queue(fmt.Sprintf("SET LOCAL idle_in_transaction_session_timeout = %d", sub.heldIdleTimeout().Milliseconds()))
-	b.Queue(sub.s.q.HeldClaim, sub.topic, req.n, sub.cfg.ConsumerGroup, req.at, req.id)
-	res := conn.SendBatch(ctx, b)
-	err = func() error {
-		defer res.Close()
-		for range b.Len() - 1 {
-			if _, err := res.Exec(); err != nil {
-				return err
-			}
-		}
-		rows, err := res.Query()
-		if err != nil {
-			return err
-		}
-		for rows.Next() {
-			d := &delivery{token: req.token}
-			var uuid, key pgtype.Text
-			var deliveries int32
-			if err := rows.Scan(&d.id, &uuid, &d.payload, &d.metaRaw, &deliveries, &d.availableAt, &key); err != nil {
-				rows.Close()
-				return err
-			}
-			d.uuid, d.deliveries, d.orderingKey = uuid.String, int(deliveries), key.String
-			r.rows = append(r.rows, d)
-		}
-		rows.Close()
-		if err := rows.Err(); err != nil {
-			return err
-		}
-		// The claim locked the rows' keys: look again with a newer
-		// snapshot (query.KeyVerifyHeld). Rows left out stay locked,
-		// unhandled, until the batch ends.
-		if ids := keyedIDs(r.rows); ids != nil {
-			res.Close() // the batch's results are read: the connection is free
-			busy, err := collectIDs(conn.Query(ctx, sub.s.q.KeyVerifyHeld, sub.topic, ids, sub.cfg.ConsumerGroup))
-			if err != nil {
-				return err
-			}
-			r.rows, r.keyBusy = dropIDs(r.rows, busy), len(busy)
-		}
-		return nil
-	}()
-	if err != nil {
-		// A connection left inside a transaction is not reused: the pool
-		// closes it, and the server rolls the transaction back.
-		conn.Release()
-		r.rows, r.err = nil, err
-		return r
-	}
-	if len(r.rows) == 0 {
-		r.took = time.Since(req.sent)
-		_, err := conn.Exec(ctx, "ROLLBACK")
-		if err != nil {
-			conn.Conn().Close(ctx) //nolint:errcheck // closing is the way out
-		}
-		conn.Release()
-		r.dueIn = sub.nextDue()
-		return r
-	}
-	// ORDER BY with FOR UPDATE may return a row out of order when it was
-	// changed while the claim waited for it (READ COMMITTED re-reads it).
-	sortQueueOrder(r.rows)
-	last := r.rows[len(r.rows)-1]
-	r.cursorAt = pgtype.Timestamptz{Time: last.availableAt, Valid: true}
-	r.cursor = pgtype.Int8{Int64: last.id, Valid: true}
-	r.free = len(r.rows)
-	r.batch = &heldBatch{conn: conn, token: req.token, rows: r.rows, undecided: len(r.rows)}
-	r.took = time.Since(req.sent)
-	return r
 }
 
 // decideHeld records how a held row ends; when every row of its batch is
@@ -218,7 +136,7 @@ func (sub *subscription) decideHeld(d *delivery, f heldFate) {
 func (sub *subscription) jobFor(d *delivery) *writeJob {
 	b := d.batch
 	if b == nil {
-		return &sub.pending
+		return &sub.writes.pending
 	}
 	if !b.closing {
 		sub.decideHeld(d, heldLeased)
@@ -242,7 +160,7 @@ func (sub *subscription) heldAck(d *delivery) {
 
 // tendBatches ends the held batches that are done or past their bound.
 func (sub *subscription) tendBatches(now time.Time) {
-	for _, b := range sub.batches {
+	for _, b := range sub.held.batches {
 		if b.closing {
 			continue
 		}
@@ -263,10 +181,10 @@ func (sub *subscription) tendBatches(now time.Time) {
 // all open leases, at twice the cost per row; one that waits past a
 // straggler would stall the subscription, hence the patience.
 func (sub *subscription) batchesBusy(now time.Time) bool {
-	if len(sub.batches) < maxHeldBatches || sub.cfg.ClaimMode == ClaimLease {
+	if len(sub.held.batches) < maxHeldBatches || sub.cfg.ClaimMode == ClaimLease {
 		return false
 	}
-	return now.Before(sub.batches[0].claimedAt.Add(heldPatience))
+	return now.Before(sub.held.batches[0].claimedAt.Add(heldPatience))
 }
 
 // heldPatience is how long a claim waits for a held batch to end (see
@@ -303,7 +221,7 @@ func (sub *subscription) closeBatch(b *heldBatch, now time.Time, why string) {
 	if why == "bound" && sub.cfg.ClaimMode == ClaimAuto && job.stragglers*2 > len(b.rows) {
 		// Most handlers outlived the bound: they are slow, and a held row
 		// that becomes a lease costs more than a lease alone.
-		sub.heldOffUntil = now.Add(heldOffFor)
+		sub.held.offUntil = now.Add(heldOffFor)
 		sub.logger.Debug("Handlers slower than the held path's bound; leasing for a while", watermill.LogFields{
 			"rows": len(b.rows), "still_running": job.stragglers, "lease_for": heldOffFor.String()})
 	}
@@ -391,9 +309,9 @@ func (rolledBackError) Error() string { return "pgoutbox: the held transaction r
 // to become leases are lost to this subscription like any lost lease.
 func (sub *subscription) finishedBatch(r batchResult) {
 	b := r.job.b
-	for i, x := range sub.batches {
+	for i, x := range sub.held.batches {
 		if x == b {
-			sub.batches = append(sub.batches[:i], sub.batches[i+1:]...)
+			sub.held.batches = append(sub.held.batches[:i], sub.held.batches[i+1:]...)
 			break
 		}
 	}
@@ -416,7 +334,7 @@ func (sub *subscription) finishedBatch(r batchResult) {
 		}
 		b.deferred.holds = nil
 	}
-	sub.pending = sub.pending.merge(b.deferred)
+	sub.writes.pending = sub.writes.pending.merge(b.deferred)
 	if !ok {
 		sub.heldFailed(r)
 	}
@@ -429,7 +347,7 @@ func (sub *subscription) finishedBatch(r batchResult) {
 		}
 	}
 	for _, d := range r.job.released {
-		sub.givingBack--
+		sub.claims.givingBack--
 		sub.heldDone(d)
 		sub.s.obs.observe(Event{Kind: EventReleased, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathHeld})
 	}
@@ -465,28 +383,22 @@ func (sub *subscription) heldFailed(r batchResult) {
 	now := time.Now()
 	sub.logger.Error("Ending a held batch failed; its rows are due again (acked ones are delivered again)", r.err,
 		watermill.LogFields{"acked": len(r.job.acks), "leased": len(r.job.leased)})
-	sub.gen++
-	sub.scan.restart(false)
-	sub.wantClaim = true
+	sub.claims.gen++
+	sub.claims.scan.restart(false)
+	sub.claims.want = true
 	if sub.ordered() {
 		sub.giveBack(sub.takeBuffer())
 	}
 	if len(r.job.leased) > 0 {
-		sub.lostClaims = append(sub.lostClaims, claimToken{token: r.job.b.token, at: now})
-		sub.givingBack++
+		sub.claims.lost = append(sub.claims.lost, claimToken{token: r.job.b.token, at: now})
+		sub.claims.givingBack++
 	}
-	sub.heldFailedUntil = now.Add(heldOffFor)
-}
-
-// heldIdleTimeout is idle_in_transaction_session_timeout for held
-// transactions: the bound, plus time for the owner to end the batch.
-func (sub *subscription) heldIdleTimeout() time.Duration {
-	return heldBound + sub.cfg.StatementTimeout
+	sub.held.failedUntil = now.Add(heldOffFor)
 }
 
 // heldDone ends a held row that the batch's end acked or released.
 func (sub *subscription) heldDone(d *delivery) {
-	delete(sub.held, d)
+	delete(sub.hand.rows, d)
 	d.state, d.batch = finished, nil
 	sub.keyEnded(d)
 }
@@ -508,7 +420,7 @@ func (sub *subscription) unholder(d *delivery) func() {
 		defer t.Stop()
 		select {
 		case <-done:
-		case <-sub.done: // the subscription ended: the row was given back
+		case <-sub.signals.done: // the subscription ended: the row was given back
 		case <-t.C:
 		}
 	}
@@ -517,7 +429,7 @@ func (sub *subscription) unholder(d *delivery) func() {
 // unhold ends the batch of a held row at once, for a handler's
 // transaction that waits (r.done) to delete the row.
 func (sub *subscription) unhold(r unholdRequest) {
-	sub.txSeen = true
+	sub.held.txSeen = true
 	b := r.d.batch
 	if b == nil {
 		close(r.done)

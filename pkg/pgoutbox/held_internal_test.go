@@ -12,22 +12,22 @@ import (
 // the lost claim stays to release (the owner used to drop it).
 func TestLostClaimStaysWhenItsWriteJobFailsEarly(t *testing.T) {
 	b := setup(t, func(c *SubscriberConfig) { c.StatementTimeout = time.Second })
-	req := b.sub.scan.request(2, b.sub.gen, time.Now())
-	b.sub.claiming = true
+	req := b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
+	b.sub.claims.claiming = true
 	b.sub.onClaimed(claimResult{req: req, err: errors.New("reply lost")})
 	b.claimed(t, 1)
 	d := b.handOut(t)
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, ack: true}, false)
-	job := b.sub.pending
-	b.sub.pending = writeJob{}
-	for _, c := range b.sub.lostClaims {
+	job := b.sub.writes.pending
+	b.sub.writes.pending = writeJob{}
+	for _, c := range b.sub.claims.lost {
 		job.releaseTokens = append(job.releaseTokens, c.token)
 	}
 	r := b.sub.comp.write(job) // pool cannot connect: transient error
 	require.Error(t, r.err)
-	b.sub.inWrite = true
+	b.sub.writes.inWrite = true
 	b.sub.onWritten(r)
-	require.Len(t, b.sub.lostClaims, 1, "ReleaseClaim never ran, but the lost claim was dropped")
+	require.Len(t, b.sub.claims.lost, 1, "ReleaseClaim never ran, but the lost claim was dropped")
 }
 
 // Ordered nack in a held batch whose COMMIT may have applied with its
@@ -39,9 +39,9 @@ func TestHeldFailedEndDropsTheOrderedRetry(t *testing.T) {
 		c.MaxInFlight = 1
 		c.RetryPolicy = ConstantBackoff{Delay: 0, MaxAttempts: -1}
 	})
-	req := b.sub.scan.request(2, b.sub.gen, time.Now())
+	req := b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
 	req.held = true
-	b.sub.claiming = true
+	b.sub.claims.claiming = true
 	rows := []*delivery{
 		{id: 1, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(1, 0)},
 		{id: 2, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(2, 0)},
@@ -60,11 +60,11 @@ func TestHeldFailedEndDropsTheOrderedRetry(t *testing.T) {
 		}
 	}
 	b.sub.finishedBatch(batchResult{job: job, err: errors.New("connection reset during COMMIT")})
-	require.Len(t, b.sub.lostClaims, 1)
+	require.Len(t, b.sub.claims.lost, 1)
 	// The completer's job: the hold applies (COMMIT had applied), then ReleaseClaim.
-	wj := b.sub.pending
-	b.sub.pending = writeJob{}
-	for _, c := range b.sub.lostClaims {
+	wj := b.sub.writes.pending
+	b.sub.writes.pending = writeJob{}
+	for _, c := range b.sub.claims.lost {
 		wj.releaseTokens = append(wj.releaseTokens, c.token)
 	}
 	r := writeResult{job: wj, done: written{}, sent: time.Now(), abandoned: map[*delivery]error{}}
@@ -74,7 +74,7 @@ func TestHeldFailedEndDropsTheOrderedRetry(t *testing.T) {
 	for _, op := range wj.returns {
 		r.done[writtenKey{op.d.id, op.d.token.Bytes}] = true
 	}
-	b.sub.inWrite = true
+	b.sub.writes.inWrite = true
 	b.sub.onWritten(r)
-	require.Nil(t, b.sub.retry, "the owner would redeliver a row ReleaseClaim just unleased")
+	require.Nil(t, b.sub.hand.retry, "the owner would redeliver a row ReleaseClaim just unleased")
 }

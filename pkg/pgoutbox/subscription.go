@@ -4,12 +4,10 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/handoff"
@@ -17,93 +15,51 @@ import (
 	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 )
 
-// subscription is one Subscribe call. One goroutine, the owner (run), holds
-// all of its state: the prefetch buffer, the rows handed out, the claim
-// cursor, the verdicts waiting to be written, and every decision to renew,
-// give back or release a lease. Everything else reports to it over
-// channels and keeps no state of the subscription:
+// subscription is one Subscribe call. One goroutine, the owner (run),
+// holds all of its state, in parts that each keep their own fields:
 //
-//   - a claim goroutine runs one claim statement at a time (claim.go) and
-//     sends the rows back on claimed;
-//   - a watcher goroutine per handed-out message waits for its Ack or Nack
-//     and sends the verdict on verdicts;
-//   - the completer (completer.go) writes the batches the owner gives it
-//     and sends back which (row, token) pairs it wrote.
+//   - claims (claims.go): when to claim, how many rows, from where;
+//   - hand (handout.go): the rows we hold, the buffer, what is handed out;
+//   - writes (writes.go): verdicts waiting for the completer, its pacing;
+//   - house (housekeeping.go): ack deadlines, stalled buffers, renewals;
+//   - drain (shutdown.go): stopping and the drain;
+//   - held (held.go): the held path's open batches and when to hold.
 //
-// Nothing is shared under a lock, so there is no lock order to get wrong,
-// and one row is in exactly one state (deliveryState) at a time.
+// Code that runs beside the owner keeps no state of the subscription: it
+// gets a request and returns a result over reports (the claimer runs claim
+// statements, the completer writes batches, batch ends commit held
+// transactions) or the inbox (the slots' verdicts, handlers' unhold
+// requests). Nothing is shared under a lock, so there is no lock order to
+// get wrong, and one row is in exactly one state (deliveryState) at a time.
 type subscription struct {
 	s      *Subscriber
 	cfg    *SubscriberConfig
 	topic  string
-	ctx    context.Context // the Subscribe ctx: parent of message contexts
-	out    chan *message.Message
 	logger watermill.LoggerAdapter
-	waiter *notifier.Waiter
 
-	msgParent  context.Context // the parent of message contexts (messageParent)
+	// Plumbing to the goroutines beside the owner.
+	out        chan *message.Message
+	signals    signals     // wake-ups and stop signals, forwarded as reports
+	reports    chan report // results of the claimer, the completer and batch ends
 	inbox      *verdictInbox
-	slots      *slots // MaxInFlight > 1; nil: the owner hands out itself
 	verdictBuf []verdict
-	reports    chan report // results of the claim goroutine and the completer
+	slots      *slots          // MaxInFlight > 1; nil: the owner hands out itself
+	msgParent  context.Context // the parent of message contexts (messageParent)
 	comp       *completer
+	claimer    *claimer
+	timer      ownerTimer
 
-	// stopCtx ends when the subscription stops: reads that only plan
-	// (NextDue) stop waiting for the database then.
-	stopCtx    context.Context
-	cancelStop context.CancelFunc
-	done       chan struct{} // closed when run returns
-
-	// The owner's state; only run and the methods it calls touch it.
-	held      map[*delivery]struct{} // every row we lease, in any state but finished
-	buffer    []*delivery            // claimed, not handed out, in queue order
-	ready     *delivery              // taken from the buffer (or the retry) and prepared: goes out next
-	single    *delivery              // MaxInFlight 1: the message in flight, whose Ack the owner waits for itself
-	handed    int                    // handed out, waiting for a verdict
-	retry     *delivery              // ordered mode: a nacked row delivered again at retryAt
-	pending   writeJob               // verdicts and releases not yet given to the completer
-	inWrite   bool                   // the completer has a job
-	writeWait time.Time              // after a failed write: not before then
-	writeBO   *backoff.ExponentialBackOff
-	pf        prefetch
-	scan      claimScan
-
-	claiming         bool
-	lookAgain        time.Duration // next look after a publisher's wake-up, 0: none (see onNotified)
-	wokeDuringClaim  bool          // something woke us while the claim ran: an empty claim may have missed it
-	wantClaim        bool          // claim when there is room: the last claim found rows, or something woke us
-	claimWait        time.Time     // after a failed claim: not before then
-	claimBO          *backoff.ExponentialBackOff
-	gen              uint64 // bumped by every give-back; a claim started before it gives its rows back too
-	givingBack       int    // give-backs not written yet: a claim now would overtake them
-	idleUntil        time.Time
-	endedKeys        map[string]struct{} // ordering keys whose rows ended since the last claim
-	idlePoll         time.Duration
-	nextRenew        time.Time
-	renewFailing     bool
-	lostClaims       []claimToken // claims whose reply was lost; their rows go back (ReleaseClaim)
-	stopping         bool
-	drainOver        bool
-	finalDeadline    time.Time // set when only the last writes remain
-	finalFailures    int
-	timer            *time.Timer
-	timerAt          time.Time
-	nextHousekeeping time.Time
-	drainEnd         time.Time
-	lastWrite        time.Time // when the last write was started
-	ackWait          time.Time // a paced write of acks is due then
-
-	batches      []*heldBatch // held claims' batches not ended yet (held.go), oldest first
-	txSeen       bool         // a handler completed its row in its own transaction (ClaimAuto leases then)
-	busy         bool         // the last claim found rows (ClaimAuto holds only then)
-	heldOffUntil time.Time    // ClaimAuto leases until then: the handlers were slow
-	// heldFailedUntil: every mode leases until then, a batch's end failed.
-	heldFailedUntil time.Time
-	forcedPath      string // a test's choice of claim path (internal/testhook), "" for none
+	// The owner's state, in parts.
+	claims claimSchedule
+	hand   handout
+	writes writeQueue
+	house  housekeeping
+	drain  drain
+	held   heldPath
 }
 
-// report is what the claim goroutine, the completer or forwardSignals
-// sends the owner: one channel for all keeps the owner's select small.
+// report is what the claimer, the completer, a batch end or the signals
+// send the owner: one channel for all keeps the owner's select small.
 type report struct {
 	claim *claimResult
 	write *writeResult
@@ -112,30 +68,7 @@ type report struct {
 	// none of them: the notifier woke the subscription (waiter.Take says why)
 }
 
-// forwardSignals turns the notifier's wake-ups and the stop signals into
-// reports, until ended closes.
-func (sub *subscription) forwardSignals(ended <-chan struct{}) {
-	stop, closing := sub.ctx.Done(), sub.s.closing
-	for {
-		var r report
-		select {
-		case <-ended:
-			return
-		case <-sub.waiter.C:
-		case <-stop:
-			r.stop, stop, closing = true, nil, nil
-		case <-closing:
-			r.stop, stop, closing = true, nil, nil
-		}
-		select {
-		case sub.reports <- r:
-		case <-ended:
-			return
-		}
-	}
-}
-
-// verdict is a handler's answer for a delivery, sent by its watcher.
+// verdict is a handler's answer for a delivery, sent by its slot.
 type verdict struct {
 	d        *delivery
 	seq      uint32           // the hand-out it answers: a late answer of an earlier one is ignored
@@ -149,29 +82,22 @@ type verdict struct {
 func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *notifier.Waiter) *subscription {
 	now := time.Now()
 	sub := &subscription{
-		s:          s,
-		cfg:        &s.cfg,
-		topic:      topic,
-		ctx:        ctx,
-		out:        make(chan *message.Message),
-		logger:     s.logger.With(watermill.LogFields{"topic": topic}),
-		waiter:     waiter,
-		msgParent:  messageParent(ctx),
-		inbox:      newVerdictInbox(),
-		reports:    make(chan report, 3+maxHeldBatches), // one claim, one write, one signal and the held batches' ends
-		held:       map[*delivery]struct{}{},
-		endedKeys:  map[string]struct{}{},
-		writeBO:    newBackoff(),
-		claimBO:    newBackoff(),
-		pf:         newPrefetch(s.cfg.MaxInFlight, s.cfg.MaxDeliveries == 0, now),
-		scan:       newClaimScan(),
-		idlePoll:   s.cfg.MinPollInterval,
-		nextRenew:  now.Add(s.cfg.Lease / 2),
-		wantClaim:  true,
-		forcedPath: testhook.ClaimPath(s.cfg.WorkerID),
+		s:         s,
+		cfg:       &s.cfg,
+		topic:     topic,
+		logger:    s.logger.With(watermill.LogFields{"topic": topic}),
+		out:       make(chan *message.Message),
+		signals:   newSignals(ctx, s.closing, waiter),
+		msgParent: messageParent(ctx),
+		inbox:     newVerdictInbox(),
+		reports:   make(chan report, 3+maxHeldBatches), // one claim, one write, one signal and the held batches' ends
+		timer:     newOwnerTimer(),
+		claims:    newClaimSchedule(&s.cfg, now),
+		hand:      handout{rows: map[*delivery]struct{}{}},
+		writes:    writeQueue{gate: newRetryGate()},
+		house:     housekeeping{nextRenew: now.Add(s.cfg.Lease / 2)},
+		held:      heldPath{forced: testhook.ClaimPath(s.cfg.WorkerID)},
 	}
-	sub.stopCtx, sub.cancelStop = context.WithCancel(context.Background())
-	sub.done = make(chan struct{})
 	if s.cfg.MaxInFlight > 1 {
 		// The whole lease window fits: slots take the next message
 		// without waiting for the owner, as the claim fills the queue.
@@ -179,8 +105,7 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 			slotEnv{out: sub.out, parent: sub.msgParent, ackDeadline: s.cfg.AckDeadline})
 	}
 	sub.comp = newCompleter(s.pool, s.q, &s.cfg, topic, sub.reports)
-	sub.timer = time.NewTimer(time.Hour)
-	sub.timer.Stop()
+	sub.claimer = &claimer{pool: s.pool, q: s.q, cfg: &s.cfg, topic: topic, stop: sub.signals.stopCtx}
 	return sub
 }
 
@@ -202,14 +127,11 @@ func (sub *subscription) run() {
 	// The signals from outside (a wake-up from the notifier, the end of
 	// the Subscribe context, the Subscriber's Close) reach the owner as
 	// reports, so its select waits on few channels.
-	ended := make(chan struct{})
-	defer close(ended)
-	defer close(sub.done)
-	go sub.forwardSignals(ended)
+	sub.signals.start(sub.reports)
 	if sub.slots != nil {
 		sub.slots.start(sub.cfg.MaxInFlight)
 	}
-	sub.nextHousekeeping = time.Now().Add(housekeepingEvery(sub.cfg))
+	sub.house.next = time.Now().Add(housekeepingEvery(sub.cfg))
 	fast := 0
 
 	for {
@@ -217,7 +139,7 @@ func (sub *subscription) run() {
 		sub.passedTimes(now)
 		sub.startClaim(now)
 		sub.startWrite(now)
-		if sub.stopping && sub.finishedStopping(now) {
+		if sub.drain.stopping && sub.finishedStopping(now) {
 			break
 		}
 		var head *delivery
@@ -233,8 +155,8 @@ func (sub *subscription) run() {
 		}
 		var ackC, nackC <-chan struct{}
 		var single *message.Message
-		if sub.single != nil {
-			single = sub.single.msg
+		if sub.hand.single != nil {
+			single = sub.hand.single.msg
 			ackC, nackC = single.Acked(), single.Nacked()
 		}
 		// Fast path while busy: hand out and take verdicts without the
@@ -250,10 +172,10 @@ func (sub *subscription) run() {
 				sub.takeVerdicts()
 				continue
 			case <-ackC:
-				sub.onVerdict(verdict{d: sub.single, seq: sub.single.seq, msg: single, ack: true}, false)
+				sub.onVerdict(verdict{d: sub.hand.single, seq: sub.hand.single.seq, msg: single, ack: true}, false)
 				continue
 			case <-nackC:
-				sub.onVerdict(verdict{d: sub.single, seq: sub.single.seq, msg: single}, false)
+				sub.onVerdict(verdict{d: sub.hand.single, seq: sub.hand.single.seq, msg: single}, false)
 				continue
 			default:
 			}
@@ -267,9 +189,9 @@ func (sub *subscription) run() {
 		case <-sub.inbox.wake:
 			sub.takeVerdicts()
 		case <-ackC:
-			sub.onVerdict(verdict{d: sub.single, seq: sub.single.seq, msg: single, ack: true}, false)
+			sub.onVerdict(verdict{d: sub.hand.single, seq: sub.hand.single.seq, msg: single, ack: true}, false)
 		case <-nackC:
-			sub.onVerdict(verdict{d: sub.single, seq: sub.single.seq, msg: single}, false)
+			sub.onVerdict(verdict{d: sub.hand.single, seq: sub.hand.single.seq, msg: single}, false)
 		case r := <-sub.reports:
 			switch {
 			case r.claim != nil:
@@ -279,20 +201,20 @@ func (sub *subscription) run() {
 			case r.batch != nil:
 				sub.finishedBatch(*r.batch)
 			case r.stop:
-				if !sub.stopping {
+				if !sub.drain.stopping {
 					sub.beginStop()
 				}
 			default:
-				sub.onNotified(sub.waiter.Take())
+				sub.onNotified(sub.signals.waiter.Take())
 			}
-		case <-sub.timer.C:
-			sub.timerAt = time.Time{} // passedTimes acts on it
+		case <-sub.timer.t.C:
+			sub.timer.fired() // passedTimes acts on it
 		}
 	}
 	if sub.slots != nil {
 		sub.slots.end() // none sends on out any more
 	}
-	sub.waiter.Stop()
+	sub.signals.end()
 	close(sub.out)
 	sub.logger.Debug("Subscription closed", nil)
 }
@@ -303,18 +225,18 @@ func (sub *subscription) run() {
 // rows).
 func (sub *subscription) onNotified(k notifier.Kinds) {
 	if k.Orphans {
-		sub.scan.findOrphans = true
+		sub.claims.scan.findOrphans = true
 	}
 	if k.Vanished {
 		// A process may have died: the rows of its held transactions are
 		// due again, behind a busy loop's cursor.
-		sub.scan.restart(false)
+		sub.claims.scan.restart(false)
 	}
 	if k.Due {
 		// Publishers notify once per cooldown (PublisherConfig.
 		// NotifyCooldown): rows of the quiet publishes right after this
 		// one are found by a look again shortly after.
-		sub.lookAgain = lookAgainFirst
+		sub.claims.lookAgain = lookAgainFirst
 	}
 	sub.wake(false)
 }
@@ -349,15 +271,15 @@ func housekeepingEvery(cfg *SubscriberConfig) time.Duration {
 // that began before rows it claimed, a released lease) may lie behind the
 // cursor; a busy loop scans from the start every second anyway.
 func (sub *subscription) wake(expired bool) {
-	if sub.claiming {
-		sub.wokeDuringClaim = true
+	if sub.claims.claiming {
+		sub.claims.wokeDuring = true
 	}
-	if !sub.wantClaim && !sub.scan.resume {
-		sub.scan.restart(expired)
+	if !sub.claims.want && !sub.claims.scan.resume {
+		sub.claims.scan.restart(expired)
 	}
-	sub.scan.resume = false
-	sub.wantClaim = true
-	sub.idleUntil = time.Time{}
+	sub.claims.scan.resume = false
+	sub.claims.want = true
+	sub.claims.idleUntil = time.Time{}
 }
 
 // armTimer points the owner's one timer at the next timed event still to
@@ -370,62 +292,51 @@ func (sub *subscription) armTimer(now time.Time) {
 			at = t
 		}
 	}
-	earliest(sub.idleUntil)
-	earliest(sub.nextHousekeeping)
-	earliest(sub.drainEnd)
-	earliest(sub.writeWait)
-	earliest(sub.ackWait)
-	earliest(sub.claimWait)
-	for _, b := range sub.batches {
+	earliest(sub.claims.idleUntil)
+	earliest(sub.house.next)
+	earliest(sub.drain.end)
+	earliest(sub.writes.gate.until)
+	earliest(sub.writes.ackWait)
+	earliest(sub.claims.gate.until)
+	for _, b := range sub.held.batches {
 		if !b.closing {
 			earliest(b.deadline)
 		}
 	}
-	if len(sub.batches) >= maxHeldBatches {
-		earliest(sub.batches[0].claimedAt.Add(heldPatience)) // see batchesBusy
+	if len(sub.held.batches) >= maxHeldBatches {
+		earliest(sub.held.batches[0].claimedAt.Add(heldPatience)) // see batchesBusy
 	}
-	if sub.retry != nil && sub.retry.holdDone {
-		earliest(sub.retry.retryAt.time())
+	if sub.hand.retry != nil && sub.hand.retry.holdDone {
+		earliest(sub.hand.retry.retryAt.time())
 	}
-	if at.Equal(sub.timerAt) {
-		return
-	}
-	sub.timer.Stop()
-	sub.timerAt = at
-	if !at.IsZero() {
-		sub.timer.Reset(at.Sub(now))
-	}
+	sub.timer.point(at, now)
 }
 
 // passedTimes acts on the timed events that are due: the end of an idle
 // sleep, of a backoff, of the drain, and housekeeping.
 func (sub *subscription) passedTimes(now time.Time) {
-	if !sub.idleUntil.IsZero() && !now.Before(sub.idleUntil) {
+	if !sub.claims.idleUntil.IsZero() && !now.Before(sub.claims.idleUntil) {
 		sub.wake(true) // the sleep may have been set to a lease expiry
 	}
-	if !sub.claimWait.IsZero() && !now.Before(sub.claimWait) {
-		sub.claimWait = time.Time{}
-	}
-	if !sub.writeWait.IsZero() && !now.Before(sub.writeWait) {
-		sub.writeWait = time.Time{}
-	}
-	if !now.Before(sub.nextHousekeeping) {
+	sub.claims.gate.pass(now)
+	sub.writes.gate.pass(now)
+	if !now.Before(sub.house.next) {
 		sub.housekeeping(now)
-		sub.nextHousekeeping = now.Add(housekeepingEvery(sub.cfg))
+		sub.house.next = now.Add(housekeepingEvery(sub.cfg))
 	}
-	if !sub.drainEnd.IsZero() && !now.Before(sub.drainEnd) {
-		sub.drainEnd = time.Time{}
+	if !sub.drain.end.IsZero() && !now.Before(sub.drain.end) {
+		sub.drain.end = time.Time{}
 		sub.endDrain()
 	}
-	if len(sub.batches) > 0 {
+	if len(sub.held.batches) > 0 {
 		sub.tendBatches(now)
 	}
 }
 
 // unjudged is the number of leased rows without a verdict: the lease window.
 func (sub *subscription) unjudged() int {
-	n := len(sub.buffer) + sub.handed
-	if sub.ready != nil {
+	n := len(sub.hand.buffer) + sub.hand.handed
+	if sub.hand.ready != nil {
 		n++
 	}
 	return n
@@ -433,11 +344,11 @@ func (sub *subscription) unjudged() int {
 
 // takeBuffer empties the buffer, the prepared message first, in order.
 func (sub *subscription) takeBuffer() []*delivery {
-	buf := sub.buffer
-	if sub.ready != nil {
-		buf = append([]*delivery{sub.ready}, buf...)
+	buf := sub.hand.buffer
+	if sub.hand.ready != nil {
+		buf = append([]*delivery{sub.hand.ready}, buf...)
 	}
-	sub.buffer, sub.ready = nil, nil
+	sub.hand.buffer, sub.hand.ready = nil, nil
 	return buf
 }
 
@@ -446,7 +357,7 @@ func (sub *subscription) takeBuffer() []*delivery {
 // completion path that cannot write would otherwise let it lease ever more
 // rows, and a crash would redeliver them all.
 func (sub *subscription) backpressured() bool {
-	return sub.pending.ops()+sub.comp.writing() >= maxPendingCompletions
+	return sub.writes.pending.ops()+sub.comp.writing() >= maxPendingCompletions
 }
 
 // maxPendingCompletions bounds the verdicts not yet written per
@@ -457,44 +368,41 @@ const maxPendingCompletions = 256
 // startClaim starts a claim when one is wanted and there is room.
 func (sub *subscription) startClaim(now time.Time) {
 	switch {
-	case sub.claiming, sub.stopping, !sub.wantClaim, sub.givingBack > 0, sub.retry != nil,
-		!sub.claimWait.IsZero(), sub.backpressured():
+	case sub.claims.claiming, sub.drain.stopping, !sub.claims.want, sub.claims.givingBack > 0, sub.hand.retry != nil,
+		sub.claims.gate.shut(), sub.backpressured():
 		return
 	}
 	if sub.batchesBusy(now) {
 		return // a batch ends soon: claim on the held path then
 	}
 	floor := 0
-	if now.Before(sub.scan.keyedUntil) { // keyed rows seen, not just a slow claim
+	if now.Before(sub.claims.scan.keyedUntil) { // keyed rows seen, not just a slow claim
 		floor = maxClaim // hold many keys: see claimSizeAtLeast
 	}
-	n := sub.pf.claimSizeAtLeast(sub.unjudged(), now, floor)
+	n := sub.claims.pf.claimSizeAtLeast(sub.unjudged(), now, floor)
 	if n == 0 {
 		return
 	}
-	sub.claiming = true
-	req := sub.scan.request(n, sub.gen, now)
+	sub.claims.claiming = true
+	req := sub.claims.scan.request(n, sub.claims.gen, now)
 	req.holder = sub.holder()
-	if len(sub.endedKeys) > 0 {
+	if len(sub.claims.endedKeys) > 0 {
 		req.window = max(2*n, minScanWindow) // "heads" is in the windowed claim only
-		for k := range sub.endedKeys {
+		for k := range sub.claims.endedKeys {
 			req.endedKeys = append(req.endedKeys, k)
 		}
-		clear(sub.endedKeys)
+		clear(sub.claims.endedKeys)
 	}
-	if sub.scan.findOrphans {
+	if sub.claims.scan.findOrphans {
 		// Not before the notifier made two checks: until then it cannot
 		// tell a dead holder from a reconnecting one.
-		if spare, ok := sub.waiter.Spare(); ok {
+		if spare, ok := sub.signals.waiter.Spare(); ok {
 			req.orphansOf = spare
 		}
 	}
-	run := sub.runClaim
-	if sub.wantHeld(req, now) {
-		req.held, run = true, sub.runHeldClaim
-	}
+	req.held = sub.wantHeld(req, now)
 	go func() {
-		r := run(req)
+		r := sub.claimer.run(req)
 		sub.reports <- report{claim: &r}
 	}()
 }
@@ -502,24 +410,23 @@ func (sub *subscription) startClaim(now time.Time) {
 // holder is what this process's rows are stamped with: its liveness key
 // while it holds the lock, else NULL (liveness unknown: lease expiry only).
 func (sub *subscription) holder() pgtype.Int8 {
-	key, live := sub.waiter.Liveness()
+	key, live := sub.signals.waiter.Liveness()
 	return pgtype.Int8{Int64: key, Valid: live && key != 0}
 }
 
 // onClaimed takes a claim's rows into the buffer.
 func (sub *subscription) onClaimed(r claimResult) {
-	sub.claiming = false
-	woke := sub.wokeDuringClaim
-	sub.wokeDuringClaim = false
+	sub.claims.claiming = false
+	woke := sub.claims.wokeDuring
+	sub.claims.wokeDuring = false
 	now := time.Now()
 	if r.err != nil && r.req.held {
 		// The transaction rolled back (or its connection is closed, which
 		// the server rolls back): nothing to give back.
 		for _, k := range r.req.endedKeys {
-			sub.endedKeys[k] = struct{}{}
+			sub.claims.endedKeys[k] = struct{}{}
 		}
-		wait := sub.claimBO.NextBackOff()
-		sub.claimWait = now.Add(wait)
+		wait := sub.claims.gate.failed(now)
 		sub.logger.Error("Claim failed; retrying", r.err, watermill.LogFields{"retry_in": wait.String(), "path": PathHeld})
 		return
 	}
@@ -529,24 +436,22 @@ func (sub *subscription) onClaimed(r claimResult) {
 		// of letting them wait for the lease, and without counting a
 		// delivery nobody saw. Like any give-back, claims wait for it and
 		// then scan from the start, so the rows keep their place.
-		sub.lostClaims = append(sub.lostClaims, claimToken{token: r.req.token, at: r.req.sent})
+		sub.claims.lost = append(sub.claims.lost, claimToken{token: r.req.token, at: r.req.sent})
 		for _, k := range r.req.endedKeys { // that claim did not happen
-			sub.endedKeys[k] = struct{}{}
+			sub.claims.endedKeys[k] = struct{}{}
 		}
-		sub.givingBack++
-		sub.gen++
+		sub.claims.givingBack++
+		sub.claims.gen++
 		if r.req.orphansOf != nil {
-			sub.scan.findOrphans = true // that look did not happen
+			sub.claims.scan.findOrphans = true // that look did not happen
 		}
-		wait := sub.claimBO.NextBackOff()
-		sub.claimWait = now.Add(wait)
+		wait := sub.claims.gate.failed(now)
 		sub.logger.Error("Claim failed; retrying", r.err, watermill.LogFields{"retry_in": wait.String()})
 		return
 	}
-	sub.claimBO.Reset()
-	sub.claimWait = time.Time{}
-	sub.busy = len(r.rows) > 0
-	sub.scan.claimed(r)
+	sub.claims.gate.succeeded()
+	sub.held.busy = len(r.rows) > 0
+	sub.claims.scan.claimed(r)
 	if len(r.req.endedKeys) > 0 && (len(r.rows) >= r.req.n || r.reclaimed > 0) {
 		// The claim was full: the next rows of some ended keys may not have
 		// fit. Ask again for the keys that got none.
@@ -556,7 +461,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 		}
 		for _, k := range r.req.endedKeys {
 			if !got[k] {
-				sub.endedKeys[k] = struct{}{}
+				sub.claims.endedKeys[k] = struct{}{}
 			}
 		}
 	}
@@ -569,48 +474,48 @@ func (sub *subscription) onClaimed(r claimResult) {
 		d.claimedAt = at(r.req.sent)
 		d.expiresAt = d.claimedAt.add(sub.cfg.Lease)
 		d.batch = r.batch
-		sub.held[d] = struct{}{}
+		sub.hand.rows[d] = struct{}{}
 	}
 	if b := r.batch; b != nil {
 		b.claimedAt, b.deadline = r.req.sent, sub.bound(r.req.sent)
-		sub.batches = append(sub.batches, b)
+		sub.held.batches = append(sub.held.batches, b)
 	}
-	if sub.stopping || r.req.gen != sub.gen {
+	if sub.drain.stopping || r.req.gen != sub.claims.gen {
 		// Stopping, or rows went back while this claim ran: these rows may
 		// be newer than those, so they go back too, and the next claim
 		// takes everything from the start, in order.
 		sub.giveBack(r.rows)
 		return
 	}
-	sub.buffer = append(sub.buffer, r.rows...)
+	sub.hand.buffer = append(sub.hand.buffer, r.rows...)
 	if len(r.rows) > 0 {
-		sub.wantClaim, sub.idlePoll = true, sub.cfg.MinPollInterval
-		if sub.lookAgain > 0 {
+		sub.claims.want, sub.claims.idlePoll = true, sub.cfg.MinPollInterval
+		if sub.claims.lookAgain > 0 {
 			// Still busy after a publisher's wake-up: quiet publishes may
 			// keep coming, keep looking again after the claims run dry.
-			sub.lookAgain = lookAgainFirst
+			sub.claims.lookAgain = lookAgainFirst
 		}
 		return
 	}
 	if r.keyBusy > 0 {
 		// Keyed rows whose key another claim took meanwhile: look again
 		// after the shortest idle wait, from the start, not at claim speed.
-		sub.scan.restart(false)
-		sub.wantClaim = false
-		sub.idleUntil = now.Add(sub.cfg.MinPollInterval)
+		sub.claims.scan.restart(false)
+		sub.claims.want = false
+		sub.claims.idleUntil = now.Add(sub.cfg.MinPollInterval)
 		return
 	}
 	if woke {
 		// The wake-up may announce a row committed after this claim's
 		// snapshot: claim again instead of sleeping.
-		sub.scan.restart(false)
-		sub.wantClaim = true
+		sub.claims.scan.restart(false)
+		sub.claims.want = true
 		return
 	}
 	if r.cursor.Valid && r.free > 0 {
 		// Competitors' claims had locked the rows of the window: the
 		// cursor moved past them, go on at once.
-		sub.wantClaim = true
+		sub.claims.want = true
 		return
 	}
 	if r.cursor.Valid {
@@ -618,25 +523,25 @@ func (sub *subscription) onClaimed(r claimResult) {
 		// competitor): go on from the cursor after the shortest idle wait,
 		// so a backlog of held keys is read one window per wait, not at
 		// claim speed. An ended key's next row is asked for directly.
-		sub.scan.resume = true
-		sub.wantClaim = false
-		sub.idleUntil = now.Add(sub.cfg.MinPollInterval)
+		sub.claims.scan.resume = true
+		sub.claims.want = false
+		sub.claims.idleUntil = now.Add(sub.cfg.MinPollInterval)
 		return
 	}
-	sub.wantClaim = false
+	sub.claims.want = false
 	var wait time.Duration
-	if sub.lookAgain > 0 && sub.lookAgain < sub.idlePoll && sub.lookAgain <= lookAgainLast {
-		wait = sub.lookAgain
-		sub.lookAgain *= 2
+	if sub.claims.lookAgain > 0 && sub.claims.lookAgain < sub.claims.idlePoll && sub.claims.lookAgain <= lookAgainLast {
+		wait = sub.claims.lookAgain
+		sub.claims.lookAgain *= 2
 	} else {
-		sub.lookAgain = 0
-		wait = jitter(sub.idlePoll)
-		sub.idlePoll = min(sub.idlePoll*2, sub.cfg.MaxPollInterval)
+		sub.claims.lookAgain = 0
+		wait = jitter(sub.claims.idlePoll)
+		sub.claims.idlePoll = min(sub.claims.idlePoll*2, sub.cfg.MaxPollInterval)
 	}
 	if r.dueIn > 0 && r.dueIn < wait {
 		wait = r.dueIn
 	}
-	sub.idleUntil = now.Add(wait)
+	sub.claims.idleUntil = now.Add(wait)
 }
 
 // nextMessage returns the delivery to hand out next, with the output
@@ -644,46 +549,46 @@ func (sub *subscription) onClaimed(r claimResult) {
 // that must not go out (lease likely gone, too many deliveries,
 // undecodable) are dealt with on the way.
 func (sub *subscription) nextMessage(now time.Time) (*delivery, chan *message.Message) {
-	if sub.stopping || sub.backpressured() {
+	if sub.drain.stopping || sub.backpressured() {
 		return nil, nil
 	}
-	full := sub.handed >= sub.maxHandedOut()
-	if d := sub.retry; d != nil {
+	full := sub.hand.handed >= sub.maxHandedOut()
+	if d := sub.hand.retry; d != nil {
 		if !d.holdDone || at(now) < d.retryAt || full {
 			return nil, nil // ordered: nothing overtakes the retry
 		}
-		if r := sub.ready; r != nil { // prepared before the nack: back in front
-			sub.ready = nil
-			sub.buffer = append([]*delivery{r}, sub.buffer...)
+		if r := sub.hand.ready; r != nil { // prepared before the nack: back in front
+			sub.hand.ready = nil
+			sub.hand.buffer = append([]*delivery{r}, sub.hand.buffer...)
 		}
-		sub.retry = nil
+		sub.hand.retry = nil
 		d.state = buffered
 		d.deliveries++ // the hold counted this delivery
 		// A handler past its ack deadline may still hold the payload.
 		d.payload = bytes.Clone(d.payload)
 		d.claimedAt = at(now) // the stalled-buffer check measures from here
 		if sub.prepare(d, now) {
-			sub.ready = d
+			sub.hand.ready = d
 		}
 	}
 	// The next message is prepared while the current one is in flight, so
 	// a verdict is followed by the next hand-out at once.
-	for sub.ready == nil && len(sub.buffer) > 0 {
-		d := sub.buffer[0]
-		sub.buffer[0] = nil
-		sub.buffer = sub.buffer[1:]
+	for sub.hand.ready == nil && len(sub.hand.buffer) > 0 {
+		d := sub.hand.buffer[0]
+		sub.hand.buffer[0] = nil
+		sub.hand.buffer = sub.hand.buffer[1:]
 		switch {
 		case d.state == finished: // lease lost while buffered
 		case d.msg != nil: // prepared already, then put back
-			sub.ready = d
+			sub.hand.ready = d
 		case sub.prepare(d, now):
-			sub.ready = d
+			sub.hand.ready = d
 		}
 	}
-	if sub.ready == nil || full {
+	if sub.hand.ready == nil || full {
 		return nil, nil
 	}
-	return sub.ready, sub.out
+	return sub.hand.ready, sub.out
 }
 
 // prepare admits d and builds its message (MaxInFlight 1: the owner hands
@@ -757,12 +662,12 @@ func (sub *subscription) admit(d *delivery, now time.Time) bool {
 // did (see dispatch). With one message in flight the owner waits for its
 // verdict itself, one goroutine hop less per message.
 func (sub *subscription) handedOut(d *delivery) {
-	sub.ready = nil
+	sub.hand.ready = nil
 	d.state, d.handedAt = handedOut, at(time.Now())
 	d.seq++
-	sub.handed++
+	sub.hand.handed++
 	if sub.slots == nil {
-		sub.single = d
+		sub.hand.single = d
 		return
 	}
 	d.outcome, d.stopWatch = newOutcome(d, sub.s.q.CompleteInTx, sub.unholder(d)), make(chan struct{})
@@ -780,7 +685,7 @@ func (sub *subscription) takeQueued() []*delivery {
 	var out []*delivery
 	for _, it := range sub.slots.takeQueued() {
 		it.d.state = buffered
-		sub.handed--
+		sub.hand.handed--
 		out = append(out, it.d)
 	}
 	return out
@@ -790,7 +695,7 @@ func (sub *subscription) takeQueued() []*delivery {
 // went to the slots.
 func (sub *subscription) oldestHandedOut(now time.Time) time.Duration {
 	var oldest time.Duration
-	for d := range sub.held {
+	for d := range sub.hand.rows {
 		if d.state == handedOut {
 			oldest = max(oldest, at(now).since(d.handedAt))
 		}
@@ -816,10 +721,10 @@ func (sub *subscription) dispatch(now time.Time) {
 	if sub.slots == nil {
 		return
 	}
-	for sub.handed < sub.slots.capacity() && !sub.stopping && !sub.backpressured() && len(sub.buffer) > 0 {
-		d := sub.buffer[0]
-		sub.buffer[0] = nil
-		sub.buffer = sub.buffer[1:]
+	for sub.hand.handed < sub.slots.capacity() && !sub.drain.stopping && !sub.backpressured() && len(sub.hand.buffer) > 0 {
+		d := sub.hand.buffer[0]
+		sub.hand.buffer[0] = nil
+		sub.hand.buffer = sub.hand.buffer[1:]
 		if d.state != finished && sub.admit(d, now) {
 			sub.handedOut(d) // the slot builds the message
 		}
@@ -847,8 +752,8 @@ func (sub *subscription) takeVerdicts() {
 
 // stopWatching ends the wait for d's verdict: a later answer is ignored.
 func (sub *subscription) stopWatching(d *delivery) {
-	if sub.single == d {
-		sub.single = nil
+	if sub.hand.single == d {
+		sub.hand.single = nil
 		return
 	}
 	close(d.stopWatch)
@@ -861,16 +766,16 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 	if d.state != handedOut || d.seq != v.seq {
 		return // a late answer: the deadline or the drain ended this delivery
 	}
-	if sub.single == d {
-		sub.single = nil
+	if sub.hand.single == d {
+		sub.hand.single = nil
 	}
-	sub.handed--
+	sub.hand.handed--
 	if v.unsent {
 		// The Router never took it: it goes back as if never handed out.
 		sub.giveBack([]*delivery{d})
 		return
 	}
-	sub.pf.verdicts(1)
+	sub.claims.pf.verdicts(1)
 	sub.endMessage(d) // Ack and Nack end the message's context
 	if v.poison != nil {
 		sub.poisoned(d, v.poison)
@@ -881,7 +786,7 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		// the handler's writes): acked, and nothing is left to write. A
 		// Nack after that commit (a middleware outside failed) cannot
 		// bring the row back.
-		delete(sub.held, d)
+		delete(sub.hand.rows, d)
 		d.state = finished
 		sub.keyEnded(d)
 		sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathLease})
@@ -893,14 +798,14 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 			sub.heldAck(d)
 			return
 		}
-		sub.pending.acks = append(sub.pending.acks, d)
+		sub.writes.pending.acks = append(sub.writes.pending.acks, d)
 		return
 	}
 	n := sub.decideNack(d, v.msg, timedOut)
 	switch {
 	case n.deadReason != "":
 		sub.deadLetter(d, n.deadReason, n.errText)
-	case sub.ordered() && !sub.stopping:
+	case sub.ordered() && !sub.drain.stopping:
 		// Ordered: the row stays ours and goes out again before anything
 		// later, after its delay. The buffer goes back meanwhile, in order,
 		// rather than sit leased through a long delay.
@@ -908,12 +813,12 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		if n.meta != nil {
 			d.metaRaw = n.meta // as the hold stores it
 		}
-		sub.retry = d
+		sub.hand.retry = d
 		job := sub.jobFor(d)
 		job.holds = append(job.holds, holdOp{d: d, err: textOrNull(n.errText), meta: metaOrNull(n.meta)})
 		if n.delay > 0 {
 			sub.giveBack(sub.takeBuffer())
-			sub.gen++ // a claim under way gives its rows back too
+			sub.claims.gen++ // a claim under way gives its rows back too
 		}
 	default:
 		d.state = writing
@@ -937,16 +842,16 @@ func (sub *subscription) giveBack(ds []*delivery) {
 	if len(ds) == 0 {
 		return
 	}
-	sub.gen++
-	sub.scan.restart(false)
-	sub.wantClaim = true
+	sub.claims.gen++
+	sub.claims.scan.restart(false)
+	sub.claims.want = true
 	for _, d := range ds {
 		if d.state == finished {
 			continue
 		}
 		sub.endMessage(d)
 		d.state = writing
-		sub.givingBack++
+		sub.claims.givingBack++
 		if b := d.batch; b != nil {
 			if b.closing { // becoming a lease: give that back after the commit
 				b.deferred.returns = append(b.deferred.returns, returnOp{d: d, undo: 1, giveBack: true})
@@ -955,7 +860,7 @@ func (sub *subscription) giveBack(ds []*delivery) {
 			sub.decideHeld(d, heldReleased) // the commit drops its lock
 			continue
 		}
-		sub.pending.returns = append(sub.pending.returns, returnOp{d: d, undo: 1, giveBack: true})
+		sub.writes.pending.returns = append(sub.writes.pending.returns, returnOp{d: d, undo: 1, giveBack: true})
 	}
 }
 
@@ -971,7 +876,7 @@ func (sub *subscription) release(d *delivery) {
 // lease renewals.
 func (sub *subscription) housekeeping(now time.Time) {
 	if sub.cfg.AckDeadline > 0 && sub.slots == nil { // with slots, each slot keeps it
-		for d := range sub.held {
+		for d := range sub.hand.rows {
 			if d.state == handedOut && at(now).since(d.handedAt) >= sub.cfg.AckDeadline && !d.outcome.completingInTx() {
 				sub.ackDeadlinePassed(d, d.msg)
 			}
@@ -980,9 +885,9 @@ func (sub *subscription) housekeeping(now time.Time) {
 	// A prefetched row still waiting half a lease after its claim means the
 	// handlers are stuck or slow: give the whole buffer back (all of it, so
 	// the rows keep their order) for other consumers, rather than hold it.
-	oldest := sub.ready
-	if oldest == nil && len(sub.buffer) > 0 {
-		oldest = sub.buffer[0]
+	oldest := sub.hand.ready
+	if oldest == nil && len(sub.hand.buffer) > 0 {
+		oldest = sub.hand.buffer[0]
 	}
 	if oldest != nil && at(now).since(oldest.claimedAt) > sub.cfg.Lease/2 {
 		sub.giveBack(sub.takeBuffer())
@@ -991,9 +896,9 @@ func (sub *subscription) housekeeping(now time.Time) {
 		// The same for the slots' queue: what no slot took yet goes back.
 		sub.giveBack(sub.takeQueued())
 	}
-	if !now.Before(sub.nextRenew) && sub.pending.renew == nil {
+	if !now.Before(sub.house.nextRenew) && sub.writes.pending.renew == nil {
 		var rows []*delivery
-		for d := range sub.held {
+		for d := range sub.hand.rows {
 			// Rows with a write pending are left out: the write ends the
 			// lease (or keeps it, a hold), and a renewal after it in the
 			// same batch would find the row gone and call it lost.
@@ -1003,9 +908,9 @@ func (sub *subscription) housekeeping(now time.Time) {
 			}
 		}
 		if len(rows) > 0 {
-			sub.pending.renew, sub.pending.renewHolder = rows, sub.holder()
+			sub.writes.pending.renew, sub.writes.pending.renewHolder = rows, sub.holder()
 		}
-		sub.nextRenew = now.Add(sub.cfg.Lease / 2)
+		sub.house.nextRenew = now.Add(sub.cfg.Lease / 2)
 	}
 }
 
@@ -1032,34 +937,34 @@ func (sub *subscription) endMessage(d *delivery) {
 // beginStop stops claiming and handing out, gives the buffer back, and
 // starts the drain.
 func (sub *subscription) beginStop() {
-	sub.stopping = true
-	sub.cancelStop()
+	sub.drain.stopping = true
+	sub.signals.cancelStop()
 	queued := sub.takeQueued()
 	if sub.slots != nil {
 		sub.slots.stopOffering() // a slot holding a message reports it unsent
 	}
 	sub.giveBack(append(queued, sub.takeBuffer()...))
-	if d := sub.retry; d != nil && d.holdDone {
+	if d := sub.hand.retry; d != nil && d.holdDone {
 		// Not delivered again yet: the hold counted that delivery.
-		sub.retry = nil
+		sub.hand.retry = nil
 		sub.giveBack([]*delivery{d})
 	}
 	if sub.cfg.DrainTimeout < 0 {
 		sub.endDrain()
 		return
 	}
-	sub.drainEnd = time.Now().Add(sub.cfg.DrainTimeout)
+	sub.drain.end = time.Now().Add(sub.cfg.DrainTimeout)
 }
 
 // endDrain stops waiting for handlers: the rows still handed out go back
 // (under their tokens), never deleted; a late Ack is ignored.
 func (sub *subscription) endDrain() {
-	sub.drainOver = true
-	for d := range sub.held {
+	sub.drain.over = true
+	for d := range sub.hand.rows {
 		if d.state == handedOut {
 			sub.stopWatching(d)
 			sub.endMessage(d)
-			sub.handed--
+			sub.hand.handed--
 			sub.release(d)
 		}
 	}
@@ -1069,22 +974,22 @@ func (sub *subscription) endDrain() {
 // handler to wait for, no claim under way, everything written, or the final
 // writes given up on after their deadline.
 func (sub *subscription) finishedStopping(now time.Time) bool {
-	if sub.handed > 0 || sub.claiming || len(sub.batches) > 0 {
+	if sub.hand.handed > 0 || sub.claims.claiming || len(sub.held.batches) > 0 {
 		return false
 	}
-	if sub.finalDeadline.IsZero() {
-		sub.finalDeadline = now.Add(sub.cfg.StatementTimeout)
-		sub.comp.setDeadline(sub.finalDeadline)
+	if sub.writes.finalDeadline.IsZero() {
+		sub.writes.finalDeadline = now.Add(sub.cfg.StatementTimeout)
+		sub.comp.setDeadline(sub.writes.finalDeadline)
 	}
-	if sub.inWrite {
+	if sub.writes.inWrite {
 		return false
 	}
-	if sub.pending.empty() && len(sub.lostClaims) == 0 && sub.retry == nil {
+	if sub.writes.pending.empty() && len(sub.claims.lost) == 0 && sub.hand.retry == nil {
 		return true
 	}
-	if sub.finalFailures >= 3 || now.After(sub.finalDeadline) {
+	if sub.writes.finalFailures >= 3 || now.After(sub.writes.finalDeadline) {
 		sub.logger.Error("Giving up writing acks and lease returns at close; those rows are redelivered when their leases expire", nil,
-			watermill.LogFields{"pending": sub.pending.ops()})
+			watermill.LogFields{"pending": sub.writes.pending.ops()})
 		return true
 	}
 	return false
@@ -1092,23 +997,23 @@ func (sub *subscription) finishedStopping(now time.Time) bool {
 
 // startWrite hands the pending verdicts to the completer when it is free.
 func (sub *subscription) startWrite(now time.Time) {
-	if sub.inWrite || !sub.writeWait.IsZero() {
+	if sub.writes.inWrite || sub.writes.gate.shut() {
 		return
 	}
-	if sub.onlyFewAcks() && now.Sub(sub.lastWrite) < ackPacing {
-		sub.ackWait = sub.lastWrite.Add(ackPacing) // armTimer wakes us then
+	if sub.onlyFewAcks() && now.Sub(sub.writes.last) < ackPacing {
+		sub.writes.ackWait = sub.writes.last.Add(ackPacing) // armTimer wakes us then
 		return
 	}
-	sub.ackWait, sub.lastWrite = time.Time{}, now
-	job := sub.pending
-	for _, c := range sub.lostClaims {
+	sub.writes.ackWait, sub.writes.last = time.Time{}, now
+	job := sub.writes.pending
+	for _, c := range sub.claims.lost {
 		job.releaseTokens = append(job.releaseTokens, c.token)
 	}
 	if job.empty() && len(job.releaseTokens) == 0 {
 		return
 	}
-	sub.pending = writeJob{}
-	sub.inWrite = true
+	sub.writes.pending = writeJob{}
+	sub.writes.inWrite = true
 	sub.comp.submit(job)
 }
 
@@ -1125,15 +1030,15 @@ const (
 // onlyFewAcks reports whether the pending writes are acks alone, fewer
 // than ackBatchMin, and nothing else waits.
 func (sub *subscription) onlyFewAcks() bool {
-	p := &sub.pending
+	p := &sub.writes.pending
 	return len(p.acks) < ackBatchMin && len(p.returns)+len(p.holds)+len(p.dead) == 0 &&
-		p.renew == nil && len(sub.lostClaims) == 0 && !sub.stopping
+		p.renew == nil && len(sub.claims.lost) == 0 && !sub.drain.stopping
 }
 
 // onWritten applies what the completer wrote: finished rows leave the
 // owner's hands, lost leases are reported, the rest is retried.
 func (sub *subscription) onWritten(r writeResult) {
-	sub.inWrite = false
+	sub.writes.inWrite = false
 	job := r.job
 	for _, d := range job.acks {
 		if r.left.has(d) {
@@ -1148,7 +1053,7 @@ func (sub *subscription) onWritten(r writeResult) {
 			continue
 		}
 		if op.giveBack {
-			sub.givingBack--
+			sub.claims.givingBack--
 		}
 		phase, kind, path := "release", EventReleased, PathLease
 		if op.delay.Valid {
@@ -1168,13 +1073,13 @@ func (sub *subscription) onWritten(r writeResult) {
 			d.holdDone = true
 			d.expiresAt = at(r.sent).add(sub.cfg.Lease)
 			sub.s.obs.observe(Event{Kind: EventRetried, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries})
-			if sub.stopping {
-				sub.retry = nil
+			if sub.drain.stopping {
+				sub.hand.retry = nil
 				sub.giveBack([]*delivery{d})
 			}
 		default:
-			if sub.retry == d {
-				sub.retry = nil
+			if sub.hand.retry == d {
+				sub.hand.retry = nil
 			}
 			sub.finish(d, r, "nack")
 		}
@@ -1202,26 +1107,24 @@ func (sub *subscription) onWritten(r writeResult) {
 
 	if r.err != nil {
 		// The unwritten rest goes first next time.
-		sub.pending = r.left.merge(sub.pending)
-		if sub.stopping && !sub.finalDeadline.IsZero() {
-			sub.finalFailures++
+		sub.writes.pending = r.left.merge(sub.writes.pending)
+		if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() {
+			sub.writes.finalFailures++
 		}
-		wait := sub.writeBO.NextBackOff()
-		sub.writeWait = time.Now().Add(wait)
+		wait := sub.writes.gate.failed(time.Now())
 		sub.logger.Error("Writing acks and lease returns failed; retrying", r.err, watermill.LogFields{"retry_in": wait.String()})
 		return
 	}
-	if r.releaseErr != nil && len(sub.lostClaims) > 0 {
+	if r.releaseErr != nil && len(sub.claims.lost) > 0 {
 		// Only the release failed: retry it after a backoff too, not at
 		// once in a loop.
-		if sub.stopping && !sub.finalDeadline.IsZero() {
-			sub.finalFailures++
+		if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() {
+			sub.writes.finalFailures++
 		}
-		sub.writeWait = time.Now().Add(sub.writeBO.NextBackOff())
+		sub.writes.gate.failed(time.Now())
 		return
 	}
-	sub.writeBO.Reset()
-	sub.writeWait = time.Time{}
+	sub.writes.gate.succeeded()
 }
 
 // onReleasedClaims applies the release of the first n lost claims. Once it
@@ -1232,7 +1135,7 @@ func (sub *subscription) onReleasedClaims(n int, err error) {
 	done := n
 	if err != nil {
 		done = 0
-		for done < n && time.Since(sub.lostClaims[done].at) > sub.cfg.Lease {
+		for done < n && time.Since(sub.claims.lost[done].at) > sub.cfg.Lease {
 			done++
 		}
 		sub.logger.Error("Releasing the rows of a failed claim failed; retrying", err, watermill.LogFields{"claims": n})
@@ -1240,17 +1143,17 @@ func (sub *subscription) onReleasedClaims(n int, err error) {
 	if done == 0 {
 		return
 	}
-	sub.lostClaims = sub.lostClaims[done:]
-	sub.givingBack -= done
-	sub.scan.restart(true)
-	sub.wantClaim = true
+	sub.claims.lost = sub.claims.lost[done:]
+	sub.claims.givingBack -= done
+	sub.claims.scan.restart(true)
+	sub.claims.want = true
 }
 
 // finish ends d's time in the owner's hands after its write, and reports
 // whether the write applied; a write that did not apply is a lost lease,
 // or a row abandoned because its write cannot succeed.
 func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
-	delete(sub.held, d)
+	delete(sub.hand.rows, d)
 	d.state = finished
 	sub.keyEnded(d)
 	if err, ok := r.abandoned[d]; ok {
@@ -1271,12 +1174,12 @@ func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
 // its predecessor was present): the next claim asks for the key's next
 // row by its key.
 func (sub *subscription) keyEnded(d *delivery) {
-	if d.orderingKey == "" || sub.stopping {
+	if d.orderingKey == "" || sub.drain.stopping {
 		return
 	}
-	sub.endedKeys[d.orderingKey] = struct{}{}
-	sub.wantClaim = true
-	sub.idleUntil = time.Time{}
+	sub.claims.endedKeys[d.orderingKey] = struct{}{}
+	sub.claims.want = true
+	sub.claims.idleUntil = time.Time{}
 }
 
 // onRenewed applies a renewal's result: extended leases, lost ones.
@@ -1287,14 +1190,14 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 	if !r.renewed {
 		// Once per outage at ERROR; retried within a second, not a period,
 		// or the leases would expire meanwhile.
-		if !sub.renewFailing {
+		if !sub.house.renewFailing {
 			sub.logger.Error("Renewing leases failed; retrying every second until it works", r.err, watermill.LogFields{"rows": len(rows)})
 		}
-		sub.renewFailing = true
-		sub.nextRenew = time.Now().Add(min(time.Second, sub.cfg.Lease/10))
+		sub.house.renewFailing = true
+		sub.house.nextRenew = time.Now().Add(min(time.Second, sub.cfg.Lease/10))
 		return
 	}
-	sub.renewFailing = false
+	sub.house.renewFailing = false
 	renewed := 0
 	for _, d := range rows {
 		if d.state == finished {
@@ -1321,19 +1224,19 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 // is told to stop.
 func (sub *subscription) dropLost(d *delivery, phase string) {
 	sub.leaseLost(d, phase)
-	if sub.ready == d {
+	if sub.hand.ready == d {
 		sub.endMessage(d)
-		sub.ready = nil
+		sub.hand.ready = nil
 	}
 	if d.state == handedOut {
 		sub.stopWatching(d)
 		sub.endMessage(d)
-		sub.handed--
+		sub.hand.handed--
 	}
-	if sub.retry == d {
-		sub.retry = nil
+	if sub.hand.retry == d {
+		sub.hand.retry = nil
 	}
-	delete(sub.held, d)
+	delete(sub.hand.rows, d)
 	d.state = finished
 }
 
@@ -1345,17 +1248,4 @@ func (sub *subscription) leaseLost(d *delivery, phase string) {
 		"event": "lease_lost", "phase": phase, "row_id": d.id, "deliveries": d.deliveries,
 	})
 	sub.s.obs.observe(Event{Kind: EventLeaseLost, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Phase: phase})
-}
-
-// newBackoff paces retries after database errors: 50ms doubling to 5s,
-// with jitter, forever. Options, not fields: NewExponentialBackOff resets
-// itself, so fields set afterwards would only apply after the next Reset.
-func newBackoff() *backoff.ExponentialBackOff {
-	return backoff.NewExponentialBackOff(backoff.WithInitialInterval(50*time.Millisecond),
-		backoff.WithMaxInterval(5*time.Second), backoff.WithMaxElapsedTime(0))
-}
-
-// jitter spreads d by ±20% so idle subscribers do not poll in lockstep.
-func jitter(d time.Duration) time.Duration {
-	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
 }

@@ -24,6 +24,14 @@ type claimRequest struct {
 	held        bool        // the held path (held.go): lock the rows in a transaction kept open
 }
 
+// path is the claim path the request takes (PathHeld, PathLease).
+func (r claimRequest) path() string {
+	if r.held {
+		return PathHeld
+	}
+	return PathLease
+}
+
 // claimResult is what a claim leased, in queue order.
 type claimResult struct {
 	req       claimRequest

@@ -158,6 +158,8 @@ func (c *completer) writing() int { return int(c.inFlight.Load()) }
 // setDeadline bounds every later statement by t (the final writes at close).
 func (c *completer) setDeadline(t time.Time) { c.deadline.Store(t.UnixNano()) }
 
+func (c *completer) start() { go c.run() }
+
 func (c *completer) stop() {
 	close(c.jobs)
 	<-c.done

@@ -4,11 +4,9 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 )
 
@@ -31,6 +29,7 @@ type heldPath struct {
 	offUntil    time.Time    // ClaimAuto leases until then: the handlers were slow
 	failedUntil time.Time    // every mode leases until then: a batch's end failed
 	forced      string       // a test's choice of claim path (internal/testhook), "" for none
+	cfg         *SubscriberConfig
 }
 
 // heldBatch is the rows of one held claim. Only the owner touches it,
@@ -73,54 +72,79 @@ const maxHeldBatches = 3
 const heldOffFor = 10 * time.Second
 
 // bound is when the batch claimed at now ends at the latest.
-func (sub *subscription) bound(now time.Time) time.Time {
+func (h *heldPath) bound(now time.Time) time.Time {
 	d := heldBound
-	if sub.cfg.AckDeadline > 0 {
-		d = min(d, sub.cfg.AckDeadline)
+	if h.cfg.AckDeadline > 0 {
+		d = min(d, h.cfg.AckDeadline)
 	}
 	return now.Add(d)
 }
 
-// wantHeld decides whether a claim takes the held path.
-func (sub *subscription) wantHeld(req claimRequest, now time.Time) bool {
-	switch sub.held.forced {
+// wantHeld decides whether a claim takes the held path; keyedUntil is when
+// the subscription stops expecting keyed rows, spare whether the pool has
+// a connection to keep for a batch.
+func (h *heldPath) wantHeld(req claimRequest, now, keyedUntil time.Time, spare func() bool) bool {
+	switch h.forced {
 	case testhook.PathLease:
 		return false
 	case testhook.PathHeld:
-		return len(sub.held.batches) < maxHeldBatches && sub.poolHasSpare()
+		return len(h.batches) < maxHeldBatches && spare()
 	}
+	mode := h.cfg.ClaimMode
 	switch {
-	case sub.cfg.ClaimMode == ClaimLease:
+	case mode == ClaimLease:
 		return false
 	case req.withExpired, req.orphansOf != nil, len(req.endedKeys) > 0:
 		return false // reclaiming and ordering-key claims lease
-	case req.window > 0 && (now.Before(sub.claims.scan.keyedUntil) || sub.cfg.ClaimMode == ClaimAuto):
+	case req.window > 0 && (now.Before(keyedUntil) || mode == ClaimAuto):
 		// Keyed rows seen, or (ClaimAuto) a slow short claim, which may
 		// have walked rows held back by keys a competitor holds: the held
 		// claim has no window, and would walk them holding its locks.
 		return false
-	case now.Before(sub.held.failedUntil):
+	case now.Before(h.failedUntil):
 		return false // see heldFailed
-	case sub.cfg.ClaimMode == ClaimAuto && (sub.held.txSeen || now.Before(sub.held.offUntil) || !sub.held.busy):
+	case mode == ClaimAuto && (h.txSeen || now.Before(h.offUntil) || !h.busy):
 		// Idle claims (mostly empty) cost one statement as leases and two
 		// round trips held; the first claim after a wake-up leases too.
 		return false
-	case len(sub.held.batches) >= maxHeldBatches:
+	case len(h.batches) >= maxHeldBatches:
 		return false
 	}
-	return sub.poolHasSpare()
+	return spare()
 }
 
-// poolHasSpare reports whether a held claim leaves the pool a connection
-// for the completer and the user.
-func (sub *subscription) poolHasSpare() bool {
-	st := sub.s.pool.Stat()
-	return st.AcquiredConns()+2 <= st.MaxConns()
+// opened adds the batch of a held claim sent at sent.
+func (h *heldPath) opened(b *heldBatch, sent time.Time) {
+	b.claimedAt, b.deadline = sent, h.bound(sent)
+	h.batches = append(h.batches, b)
 }
 
-// decideHeld records how a held row ends; when every row of its batch is
+// ended removes a batch whose end was written.
+func (h *heldPath) ended(b *heldBatch) {
+	for i, x := range h.batches {
+		if x == b {
+			h.batches = append(h.batches[:i], h.batches[i+1:]...)
+			return
+		}
+	}
+}
+
+// nextEvent calls earliest with the times its batches need the owner at:
+// their bounds, and the end of a claim's patience (batchesBusy).
+func (h *heldPath) nextEvent(earliest func(time.Time)) {
+	for _, b := range h.batches {
+		if !b.closing {
+			earliest(b.deadline)
+		}
+	}
+	if len(h.batches) >= maxHeldBatches {
+		earliest(h.batches[0].claimedAt.Add(heldPatience))
+	}
+}
+
+// decide records how a held row ends; when every row of its batch is
 // decided, the batch ends at the owner's next turn (tendBatches).
-func (sub *subscription) decideHeld(d *delivery, f heldFate) {
+func (h *heldPath) decide(d *delivery, f heldFate) {
 	if d.fate == heldOpen {
 		d.batch.undecided--
 	}
@@ -139,7 +163,7 @@ func (sub *subscription) jobFor(d *delivery) *writeJob {
 		return &sub.writes.pending
 	}
 	if !b.closing {
-		sub.decideHeld(d, heldLeased)
+		sub.held.decide(d, heldLeased)
 		if sub.ordered() {
 			b.endNow = true
 		}
@@ -155,7 +179,7 @@ func (sub *subscription) heldAck(d *delivery) {
 		b.deferred.acks = append(b.deferred.acks, d)
 		return
 	}
-	sub.decideHeld(d, heldAcked)
+	sub.held.decide(d, heldAcked)
 }
 
 // tendBatches ends the held batches that are done or past their bound.
@@ -180,11 +204,11 @@ func (sub *subscription) tendBatches(now time.Time) {
 // handled and it ends soon. A claim that does not wait while batches are
 // all open leases, at twice the cost per row; one that waits past a
 // straggler would stall the subscription, hence the patience.
-func (sub *subscription) batchesBusy(now time.Time) bool {
-	if len(sub.held.batches) < maxHeldBatches || sub.cfg.ClaimMode == ClaimLease {
+func (h *heldPath) batchesBusy(now time.Time) bool {
+	if len(h.batches) < maxHeldBatches || h.cfg.ClaimMode == ClaimLease {
 		return false
 	}
-	return now.Before(sub.held.batches[0].claimedAt.Add(heldPatience))
+	return now.Before(h.batches[0].claimedAt.Add(heldPatience))
 }
 
 // heldPatience is how long a claim waits for a held batch to end (see
@@ -197,8 +221,28 @@ const heldPatience = 20 * time.Millisecond
 // result). The writes of the rows that become leases wait for that commit
 // (jobFor).
 func (sub *subscription) closeBatch(b *heldBatch, now time.Time, why string) {
+	job := sub.held.close(b, now, why, sub.holder())
+	if job.slow {
+		sub.logger.Debug("Handlers slower than the held path's bound; leasing for a while", watermill.LogFields{
+			"rows": len(b.rows), "still_running": job.stragglers, "lease_for": heldOffFor.String()})
+	}
+	if len(job.leased) > 0 {
+		sub.logger.Trace("Held rows become leases", watermill.LogFields{"rows": len(job.leased), "reason": why})
+	}
+	go func() {
+		r := sub.ender.end(job)
+		sub.reports <- report{batch: &r}
+	}()
+}
+
+// close decides the end of batch b: its acked rows are deleted, its
+// released ones unlocked, every other row still ours becomes a lease. When
+// most handlers outlived the bound (ClaimAuto), the handlers are slow, and
+// a held row that becomes a lease costs more than a lease alone: the path
+// leases for a while.
+func (h *heldPath) close(b *heldBatch, now time.Time, why string, holder pgtype.Int8) batchJob {
 	b.closing = true
-	job := batchJob{b: b, holder: sub.holder()}
+	job := batchJob{b: b, holder: holder}
 	for _, d := range b.rows {
 		switch d.fate {
 		case heldAcked:
@@ -218,90 +262,11 @@ func (sub *subscription) closeBatch(b *heldBatch, now time.Time, why string) {
 			job.leased = append(job.leased, d)
 		}
 	}
-	if why == "bound" && sub.cfg.ClaimMode == ClaimAuto && job.stragglers*2 > len(b.rows) {
-		// Most handlers outlived the bound: they are slow, and a held row
-		// that becomes a lease costs more than a lease alone.
-		sub.held.offUntil = now.Add(heldOffFor)
-		sub.logger.Debug("Handlers slower than the held path's bound; leasing for a while", watermill.LogFields{
-			"rows": len(b.rows), "still_running": job.stragglers, "lease_for": heldOffFor.String()})
+	if why == "bound" && h.cfg.ClaimMode == ClaimAuto && job.stragglers*2 > len(b.rows) {
+		h.offUntil, job.slow = now.Add(heldOffFor), true
 	}
-	if len(job.leased) > 0 {
-		sub.logger.Trace("Held rows become leases", watermill.LogFields{"rows": len(job.leased), "reason": why})
-	}
-	go func() {
-		r := sub.finishBatch(job)
-		sub.reports <- report{batch: &r}
-	}()
+	return job
 }
-
-// batchJob is the end of a held batch.
-type batchJob struct {
-	b          *heldBatch
-	acks       []*delivery
-	released   []*delivery
-	leased     []*delivery
-	stragglers int
-	holder     pgtype.Int8
-}
-
-// batchResult is what finishBatch did.
-type batchResult struct {
-	job batchJob
-	err error
-}
-
-// finishBatch writes the end of a held batch and commits, in one round
-// trip, then gives the connection back to the pool.
-func (sub *subscription) finishBatch(job batchJob) batchResult {
-	r := batchResult{job: job}
-	conn := job.b.conn
-	defer conn.Release() // a connection still in a transaction is closed, not reused
-	ctx, cancel := sub.comp.stmtCtx()
-	defer cancel()
-	b := &pgx.Batch{}
-	ackIDs := make([]int64, len(job.acks))
-	for i, d := range job.acks {
-		ackIDs[i] = d.id
-	}
-	if len(job.leased) == 0 {
-		if len(ackIDs) > 0 {
-			b.Queue(sub.s.q.HeldAck, ackIDs)
-		}
-	} else {
-		leaseIDs := make([]int64, len(job.leased))
-		for i, d := range job.leased {
-			leaseIDs[i] = d.id
-		}
-		b.Queue(sub.s.q.HeldFinish, ackIDs, leaseIDs, job.b.token, sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, job.holder)
-	}
-	if len(job.released) > 0 {
-		// Rows given back are due again at commit: wake the idle
-		// subscribers of the group, as a lease's release does.
-		b.Queue("SELECT pg_notify($1, $2)", sub.s.q.Names.Channel, query.GroupMark+sub.topic+query.GroupMark+sub.cfg.ConsumerGroup)
-	}
-	b.Queue("COMMIT")
-	res := conn.SendBatch(ctx, b)
-	for i := range b.Len() {
-		tag, err := res.Exec()
-		if err != nil {
-			r.err = err
-			break
-		}
-		if i == b.Len()-1 && tag.String() != "COMMIT" {
-			r.err = errHeldRolledBack // the server answers ROLLBACK to the COMMIT of a failed transaction
-		}
-	}
-	if err := res.Close(); err != nil && r.err == nil {
-		r.err = err
-	}
-	return r
-}
-
-var errHeldRolledBack = rolledBackError{}
-
-type rolledBackError struct{}
-
-func (rolledBackError) Error() string { return "pgoutbox: the held transaction rolled back" }
 
 // finishedBatch applies the end of a held batch. If the commit failed, the
 // transaction rolled back: every row of the batch is as before the claim,
@@ -309,12 +274,7 @@ func (rolledBackError) Error() string { return "pgoutbox: the held transaction r
 // to become leases are lost to this subscription like any lost lease.
 func (sub *subscription) finishedBatch(r batchResult) {
 	b := r.job.b
-	for i, x := range sub.held.batches {
-		if x == b {
-			sub.held.batches = append(sub.held.batches[:i], sub.held.batches[i+1:]...)
-			break
-		}
-	}
+	sub.held.ended(b)
 	for _, w := range b.waiters {
 		close(w)
 	}
@@ -339,16 +299,16 @@ func (sub *subscription) finishedBatch(r batchResult) {
 		sub.heldFailed(r)
 	}
 	for _, d := range r.job.acks {
-		sub.heldDone(d)
+		sub.endRow(d)
 		if ok {
 			sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathHeld})
 		} else {
-			sub.leaseLost(d, "ack")
+			sub.leaseLost(d, "commit") // its ack did not commit
 		}
 	}
 	for _, d := range r.job.released {
 		sub.claims.givingBack--
-		sub.heldDone(d)
+		sub.endRow(d)
 		sub.s.obs.observe(Event{Kind: EventReleased, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathHeld})
 	}
 	if ok {
@@ -383,24 +343,15 @@ func (sub *subscription) heldFailed(r batchResult) {
 	now := time.Now()
 	sub.logger.Error("Ending a held batch failed; its rows are due again (acked ones are delivered again)", r.err,
 		watermill.LogFields{"acked": len(r.job.acks), "leased": len(r.job.leased)})
-	sub.claims.gen++
-	sub.claims.scan.restart(false)
-	sub.claims.want = true
+	sub.claims.gaveBack()
 	if sub.ordered() {
-		sub.giveBack(sub.takeBuffer())
+		sub.giveBack(sub.hand.takeBuffer())
 	}
 	if len(r.job.leased) > 0 {
 		sub.claims.lost = append(sub.claims.lost, claimToken{token: r.job.b.token, at: now})
 		sub.claims.givingBack++
 	}
 	sub.held.failedUntil = now.Add(heldOffFor)
-}
-
-// heldDone ends a held row that the batch's end acked or released.
-func (sub *subscription) heldDone(d *delivery) {
-	delete(sub.hand.rows, d)
-	d.state, d.batch = finished, nil
-	sub.keyEnded(d)
 }
 
 // unholder returns the function a held row's outcome calls when a

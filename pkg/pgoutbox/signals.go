@@ -21,20 +21,21 @@ type signals struct {
 	cancelStop context.CancelFunc
 	done       chan struct{} // closed when the owner returns
 	ended      chan struct{} // closed when the owner returns, after done: the forwarder's end
+	reports    chan<- report
 }
 
-func newSignals(ctx context.Context, closing <-chan struct{}, waiter *notifier.Waiter) signals {
+func newSignals(ctx context.Context, closing <-chan struct{}, waiter *notifier.Waiter, reports chan<- report) signals {
 	stopCtx, cancel := context.WithCancel(context.Background())
 	return signals{ctx: ctx, closing: closing, waiter: waiter, stopCtx: stopCtx, cancelStop: cancel,
-		done: make(chan struct{}), ended: make(chan struct{})}
+		done: make(chan struct{}), ended: make(chan struct{}), reports: reports}
 }
 
-// start forwards signals to reports until end.
-func (g *signals) start(reports chan<- report) { go g.forward(reports) }
+// start forwards signals to the reports until stop.
+func (g *signals) start() { go g.forward(g.reports) }
 
-// end stops the forwarder and the waiter, and tells waiting handlers'
+// stop stops the forwarder and the waiter, and tells waiting handlers'
 // transactions (unhold) that the subscription is gone.
-func (g *signals) end() {
+func (g *signals) stop() {
 	g.waiter.Stop()
 	close(g.done)
 	close(g.ended)

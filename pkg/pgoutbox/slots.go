@@ -16,9 +16,10 @@ import (
 // slotEnv fixed at start: the owner keeps every decision.
 type slots struct {
 	queue chan slotItem // hand-outs in queue order; its capacity is the lease window
-	stop  chan struct{} // closed when the subscription stops: nothing more is offered
+	halt  chan struct{} // closed when the subscription stops: nothing more is offered
 	inbox *verdictInbox
 	env   slotEnv
+	n     int // slots to run: MaxInFlight
 	wg    sync.WaitGroup
 }
 
@@ -42,13 +43,13 @@ type slotItem struct {
 	abandon          <-chan struct{} // closed when the owner stops waiting for the verdict
 }
 
-func newSlots(window int, inbox *verdictInbox, env slotEnv) *slots {
-	return &slots{queue: make(chan slotItem, window), stop: make(chan struct{}), inbox: inbox, env: env}
+func newSlots(n, window int, inbox *verdictInbox, env slotEnv) *slots {
+	return &slots{queue: make(chan slotItem, window), halt: make(chan struct{}), inbox: inbox, env: env, n: n}
 }
 
-// start runs n slots.
-func (s *slots) start(n int) {
-	for range n {
+// start runs the slots.
+func (s *slots) start() {
+	for range s.n {
 		s.wg.Add(1)
 		go s.run()
 	}
@@ -78,10 +79,10 @@ func (s *slots) takeQueued() []slotItem {
 
 // stopOffering makes every slot report what it has not offered yet as
 // unsent.
-func (s *slots) stopOffering() { close(s.stop) }
+func (s *slots) stopOffering() { close(s.halt) }
 
-// end stops the slots once they are idle; none sends on out afterwards.
-func (s *slots) end() {
+// stop stops the slots once they are idle; none sends on out afterwards.
+func (s *slots) stop() {
 	close(s.queue)
 	s.wg.Wait()
 }
@@ -121,13 +122,13 @@ func (s *slots) handle(it slotItem, deadline *time.Timer) (v verdict, ok bool) {
 	switch {
 	case closed(it.abandon):
 		return v, false
-	case closed(s.stop):
+	case closed(s.halt):
 		v.unsent = true
 		return v, true
 	}
 	select {
 	case s.env.out <- msg:
-	case <-s.stop:
+	case <-s.halt:
 		v.unsent = true
 		return v, !closed(it.abandon)
 	case <-it.abandon:

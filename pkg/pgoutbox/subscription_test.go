@@ -289,7 +289,7 @@ func TestOwnerClaimStartedBeforeAGiveBackGivesItsRowsBack(t *testing.T) {
 	req := b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
 	b.sub.claims.claiming = true
 	b.claimed(t, 1)
-	b.sub.giveBack(b.sub.takeBuffer()) // meanwhile: the buffer went back
+	b.sub.giveBack(b.sub.hand.takeBuffer()) // meanwhile: the buffer went back
 	rows := []*delivery{{id: 5, token: req.token, metaRaw: []byte(`{}`)}, {id: 6, token: req.token, metaRaw: []byte(`{}`)}}
 	b.sub.onClaimed(claimResult{req: req, rows: rows})
 	require.Empty(t, b.sub.hand.buffer, "rows newer than those given back must not overtake them")
@@ -437,7 +437,7 @@ func TestOwnerWakeDuringAnEmptyClaimIsNotLost(t *testing.T) {
 	b := setup(t, nil)
 	req := b.sub.claims.scan.request(1, b.sub.claims.gen, time.Now())
 	b.sub.claims.claiming = true
-	b.sub.wake(false) // a NOTIFY while the claim runs
+	b.sub.claims.wake(false) // a NOTIFY while the claim runs
 	b.sub.onClaimed(claimResult{req: req})
 	require.True(t, b.sub.claims.want, "claim again")
 	require.True(t, b.sub.claims.idleUntil.IsZero(), "no sleep")

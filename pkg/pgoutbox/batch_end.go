@@ -60,7 +60,8 @@ func (e *batchEnder) end(job batchJob) batchResult {
 		for i, d := range job.leased {
 			leaseIDs[i] = d.id
 		}
-		b.Queue(e.q.HeldFinish, ackIDs, leaseIDs, job.b.token, e.cfg.Lease.Microseconds(), e.cfg.WorkerID, job.holder)
+		b.Queue(e.q.HeldFinish, query.FinishArgs{AckIDs: ackIDs, LeaseIDs: leaseIDs, Token: job.b.token,
+			LeaseUS: e.cfg.Lease.Microseconds(), WorkerID: e.cfg.WorkerID, Holder: job.holder}.Finish()...)
 	}
 	if len(job.released) > 0 {
 		// Rows given back are due again at commit: wake the idle

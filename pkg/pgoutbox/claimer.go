@@ -41,19 +41,12 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	r := claimResult{req: req}
 	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.StatementTimeout)
 	defer cancel()
-	args := []any{c.topic, req.n, req.token,
-		c.cfg.Lease.Microseconds(), c.cfg.WorkerID, req.at, req.id, req.withExpired, req.holder, c.cfg.ConsumerGroup}
-	var stmt string
-	switch {
-	case req.window == 0 && req.orphansOf == nil:
-		stmt = c.q.ClaimFastNoOrphans
-	case req.window == 0:
-		stmt, args = c.q.ClaimFast, append(args, req.orphansOf)
-	case req.orphansOf == nil:
-		stmt, args = c.q.ClaimNoOrphans, append(args, req.window, req.endedKeys)
-	default:
-		stmt, args = c.q.Claim, append(args, req.window, req.endedKeys, req.orphansOf)
-	}
+	stmt, args := c.q.Lease(query.ClaimArgs{
+		Topic: c.topic, Group: c.cfg.ConsumerGroup, N: req.n, Token: req.token,
+		LeaseUS: c.cfg.Lease.Microseconds(), WorkerID: c.cfg.WorkerID, Holder: req.holder,
+		CursorAt: req.at, CursorID: req.id, WithExpired: req.withExpired,
+		Window: req.window, EndedKeys: req.endedKeys, Spare: req.orphansOf,
+	})
 	rows, err := c.pool.Query(ctx, stmt, args...)
 	if err != nil {
 		r.err = err
@@ -194,7 +187,7 @@ func (c *claimer) held(req claimRequest) claimResult {
 	// are due again: the held path's bound on how long rows stay locked,
 	// where the lease path has Lease.
 	b.Queue(fmt.Sprintf("SET LOCAL idle_in_transaction_session_timeout = %d", heldIdleTimeout(c.cfg).Milliseconds()))
-	b.Queue(c.q.HeldClaim, c.topic, req.n, c.cfg.ConsumerGroup, req.at, req.id)
+	b.Queue(c.q.HeldClaim, query.HeldArgs{Topic: c.topic, Group: c.cfg.ConsumerGroup, N: req.n, CursorAt: req.at, CursorID: req.id}.Held()...)
 	res := conn.SendBatch(ctx, b)
 	err = func() error {
 		defer res.Close()

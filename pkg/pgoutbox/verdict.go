@@ -196,6 +196,7 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		// the handler's writes): acked, and nothing is left to write. A
 		// Nack after that commit (a middleware outside failed) cannot
 		// bring the row back.
+		d.state = writing // its hand-out ended above
 		sub.endRow(d)
 		sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathLease})
 		return

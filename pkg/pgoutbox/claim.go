@@ -72,8 +72,8 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 		var id pgtype.Int8
 		var uuid, key pgtype.Text
 		var deliveries pgtype.Int4
-		var availableAt pgtype.Timestamptz
-		if err := rows.Scan(&id, &uuid, &d.payload, &d.metaRaw, &deliveries, &availableAt, &key,
+		var availableAt, createdAt pgtype.Timestamptz
+		if err := rows.Scan(&id, &uuid, &d.payload, &d.metaRaw, &deliveries, &availableAt, &key, &createdAt,
 			&r.cursorAt, &r.cursor, &reclaimed, &free); err != nil {
 			rows.Close()
 			r.err = err
@@ -83,7 +83,7 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 			continue // nothing claimed: the row only carries the cursor
 		}
 		d.id, d.uuid, d.deliveries = id.Int64, uuid.String, int(deliveries.Int32)
-		d.availableAt, d.orderingKey = availableAt.Time, key.String
+		d.availableAt, d.orderingKey, d.createdAt = availableAt.Time, key.String, createdAt.Time
 		r.rows = append(r.rows, d)
 	}
 	rows.Close()

@@ -134,7 +134,7 @@ func (sub *subscription) runHeldClaim(req claimRequest) claimResult {
 			d := &delivery{token: req.token}
 			var uuid, key pgtype.Text
 			var deliveries int32
-			if err := rows.Scan(&d.id, &uuid, &d.payload, &d.metaRaw, &deliveries, &d.availableAt, &key); err != nil {
+			if err := rows.Scan(&d.id, &uuid, &d.payload, &d.metaRaw, &deliveries, &d.availableAt, &key, &d.createdAt); err != nil {
 				rows.Close()
 				return err
 			}

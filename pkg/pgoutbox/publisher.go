@@ -43,6 +43,7 @@ type Publisher struct {
 	q           *query.Queries
 	logger      watermill.LoggerAdapter
 	obs         safeObserver
+	hook        PublishHook // PublisherConfig.PublishHook; nil: none
 	closed      atomic.Bool
 }
 
@@ -90,6 +91,7 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 		logger:      logger,
 		obs:         safeObserver{o: config.Observer, logger: logger},
 		orderingKey: config.GenerateOrderingKey,
+		hook:        config.PublishHook,
 	}, nil
 }
 
@@ -167,6 +169,14 @@ func (p *Publisher) prepare(topic string, msgs []*message.Message) (publishBatch
 	}
 	if len(msgs) == 0 {
 		return publishBatch{}, nil
+	}
+	if p.hook != nil && msgs[0] != nil {
+		ctx := msgs[0].Context()
+		for _, m := range msgs {
+			if m != nil { // publishArgs reports it
+				p.hook.BeforePublish(ctx, topic, m)
+			}
+		}
 	}
 	return publishArgs(topic, msgs, p.orderingKey, p.maxPayload)
 }

@@ -689,7 +689,7 @@ func (sub *subscription) prepare(d *delivery, now time.Time) bool {
 	if !sub.admit(d, now) {
 		return false
 	}
-	d.outcome = newOutcome(d, sub.s.q.CompleteInTx, sub.unholder(d))
+	d.outcome = sub.newOutcome(d)
 	msg, cancel, err := buildMessage(sub.ctx, d.uuid, d.payload, d.metaRaw, d.orderingKey, d.outcome)
 	if err != nil {
 		sub.poisoned(d, err)
@@ -753,9 +753,10 @@ func (sub *subscription) handedOut(d *delivery) {
 	sub.handed++
 	if sub.slots == nil {
 		sub.single = d
+		sub.s.obs.handedOut(d.outcome)
 		return
 	}
-	d.outcome, d.stopWatch = newOutcome(d, sub.s.q.CompleteInTx, sub.unholder(d)), make(chan struct{})
+	d.outcome, d.stopWatch = sub.newOutcome(d), make(chan struct{})
 	// Never blocks: see maxHandedOut.
 	sub.slots <- slotItem{d: d, seq: d.seq, uuid: d.uuid, payload: d.payload, metaRaw: d.metaRaw, orderingKey: d.orderingKey,
 		outcome: d.outcome, stop: d.stopWatch}
@@ -860,6 +861,7 @@ func (sub *subscription) slot() {
 		default:
 			select {
 			case sub.out <- msg:
+				sub.s.obs.handedOut(it.outcome)
 				if deadline != nil {
 					deadline.Reset(sub.cfg.AckDeadline)
 				}

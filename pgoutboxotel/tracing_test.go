@@ -273,3 +273,52 @@ func TestPublishHookPrefersTheMessagesOwnSpan(t *testing.T) {
 	require.Equal(t, own.SpanContext().SpanID(), read(withOwn).SpanID())
 	require.Equal(t, call.SpanContext().SpanID(), read(without).SpanID())
 }
+
+// The trace context stays in the row through a dead letter and a requeue:
+// the rejected delivery and the one after the requeue are both children
+// of the publishing span.
+func TestTraceSurvivesADeadLetterAndARequeue(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := pgoutboxtest.PubSub(t)
+	exp := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	t.Cleanup(func() { _ = tp.Shutdown(ctx) })
+	tracing := pgoutboxotel.NewTracing(pgoutboxotel.TracingOptions{TracerProvider: tp})
+
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	require.NoError(t, err)
+	router.AddMiddleware(tracing.Middleware, pgoutbox.ErrorRecorder)
+	var calls atomic.Int32
+	router.AddConsumerHandler("once", "dlq", env.Subscriber, func(msg *message.Message) error {
+		if calls.Add(1) == 1 {
+			return pgoutbox.Reject(msg, "not yet")
+		}
+		return nil
+	})
+	runCtx, stop := context.WithCancel(ctx)
+	t.Cleanup(stop)
+	go func() { _ = router.Run(runCtx) }()
+	<-router.Running()
+
+	pubCtx, span := tp.Tracer("t").Start(ctx, "publish")
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(env.Pool), pgoutbox.PublisherConfig{Tables: env.Tables, PublishHook: tracing}, nil)
+	require.NoError(t, err)
+	m := message.NewMessage(watermill.NewUUID(), []byte("x"))
+	m.SetContext(pubCtx)
+	require.NoError(t, pub.Publish("dlq", m))
+	span.End()
+
+	spans(t, exp, "process dlq", 1)
+	require.Eventually(t, func() bool {
+		n, err := pgoutbox.RequeueDeadLettersMatching(ctx, env.Exec(), env.Tables, pgoutbox.DeadLetterFilter{Topic: "dlq"})
+		require.NoError(t, err)
+		return n == 1
+	}, 10*time.Second, 5*time.Millisecond, "the rejected message is dead-lettered")
+	got := spans(t, exp, "process dlq", 2)
+	require.Equal(t, codes.Error, got[0].Status.Code)
+	for _, s := range got {
+		requireChildOf(t, s, span.SpanContext())
+		require.EqualValues(t, 1, attrsOf(s)[pgoutboxotel.DeliveryAttemptKey].AsInt64(), "a requeue starts the count again")
+	}
+}

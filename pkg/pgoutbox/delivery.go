@@ -89,7 +89,7 @@ type outcome struct {
 	// for the held transaction's lock until then. nil for a leased row.
 	unhold func()
 
-	facts Delivery // what DeliveryOf returns; set at hand-out, never changed
+	facts facts // what DeliveryOf returns; set when created, never changed
 }
 
 const (
@@ -100,7 +100,7 @@ const (
 
 func (sub *subscription) newOutcome(d *delivery) *outcome {
 	o := &outcome{complete: sub.s.q.CompleteInTx, id: d.id, token: d.token, unhold: sub.unholder(d)}
-	o.facts = deliveryFacts(sub, d, o.unhold != nil)
+	o.facts = newFacts(sub, d)
 	return o
 }
 

@@ -56,32 +56,49 @@ func DeliveryOf(msg *message.Message) (Delivery, bool) {
 	if o == nil {
 		return Delivery{}, false
 	}
-	return o.facts, true
+	return o.delivery(), true
 }
 
-// deliveryFacts is the Delivery of d's hand-out by sub.
-func deliveryFacts(sub *subscription, d *delivery, held bool) Delivery {
-	f := Delivery{
-		Topic:         sub.topic,
-		ConsumerGroup: sub.cfg.ConsumerGroup,
-		RowID:         d.id,
-		Attempt:       d.deliveries,
-		PublishedAt:   d.createdAt,
-		DueAt:         d.availableAt,
-		OrderingKey:   d.orderingKey,
-		Path:          PathLease,
-	}
-	if held {
-		f.Path = PathHeld
-	}
+// facts is what a Delivery holds that the outcome does not already:
+// compact, as the subscriber allocates an outcome per hand-out.
+type facts struct {
+	sub              *subscription // its topic and group (immutable)
+	attempt          int
+	publishedUs, due int64 // unix microseconds
+	orderingKey      string
+}
+
+// newFacts records d's facts at its hand-out by sub.
+func newFacts(sub *subscription, d *delivery) facts {
+	due := d.availableAt
 	// An ordered retry is kept in memory, not written: it is due when its
 	// delay ends, not at the available_at it was claimed with.
 	if d.retryAt != 0 {
-		if t := d.retryAt.time(); t.After(f.DueAt) {
-			f.DueAt = t
+		if t := d.retryAt.time(); t.After(due) {
+			due = t
 		}
 	}
-	return f
+	return facts{sub: sub, attempt: d.deliveries, publishedUs: d.createdAt.UnixMicro(), due: due.UnixMicro(), orderingKey: d.orderingKey}
+}
+
+// delivery returns o's Delivery.
+func (o *outcome) delivery() Delivery {
+	f := &o.facts
+	d := Delivery{
+		RowID:       o.id,
+		Attempt:     f.attempt,
+		PublishedAt: time.UnixMicro(f.publishedUs),
+		DueAt:       time.UnixMicro(f.due),
+		OrderingKey: f.orderingKey,
+		Path:        PathLease,
+	}
+	if f.sub != nil {
+		d.Topic, d.ConsumerGroup = f.sub.topic, f.sub.cfg.ConsumerGroup
+	}
+	if o.unhold != nil { // set for a held row only
+		d.Path = PathHeld
+	}
+	return d
 }
 
 // handedOut reports that the Router took o's message (EventHandedOut).
@@ -89,7 +106,7 @@ func (e *eventQueue) handedOut(o *outcome) {
 	if e.obs.o == nil || o == nil {
 		return
 	}
-	f := &o.facts
-	e.observe(Event{Kind: EventHandedOut, Topic: f.Topic, Group: f.ConsumerGroup, RowID: f.RowID, Deliveries: f.Attempt,
-		Path: f.Path, CreatedAt: f.PublishedAt, DueAt: f.DueAt, Lateness: time.Since(f.DueAt)})
+	d := o.delivery()
+	e.observe(Event{Kind: EventHandedOut, Topic: d.Topic, Group: d.ConsumerGroup, RowID: d.RowID, Deliveries: d.Attempt,
+		Path: d.Path, CreatedAt: d.PublishedAt, DueAt: d.DueAt, Lateness: time.Since(d.DueAt)})
 }

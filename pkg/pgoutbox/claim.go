@@ -83,7 +83,7 @@ func (sub *subscription) runClaim(req claimRequest) claimResult {
 			continue // nothing claimed: the row only carries the cursor
 		}
 		d.id, d.uuid, d.deliveries = id.Int64, uuid.String, int(deliveries.Int32)
-		d.availableAt, d.orderingKey, d.createdAt = availableAt.Time, key.String, createdAt.Time
+		d.availableAt, d.orderingKey, d.createdAt = availableAt.Time, key.String, createdAt.Time.UnixMicro()
 		r.rows = append(r.rows, d)
 	}
 	rows.Close()

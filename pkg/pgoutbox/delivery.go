@@ -25,7 +25,7 @@ type delivery struct {
 	token       pgtype.UUID // lease token of the claim that leased it
 	deliveries  int         // including this one
 	availableAt time.Time
-	createdAt   time.Time // when the row was published (its transaction's now())
+	createdAt   int64 // when the row was published (its transaction's now()), unix microseconds
 	uuid        string
 	payload     []byte
 	metaRaw     []byte // metadata as stored, to detect a handler's changes

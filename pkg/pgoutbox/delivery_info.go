@@ -78,7 +78,7 @@ func newFacts(sub *subscription, d *delivery) facts {
 			due = t
 		}
 	}
-	return facts{sub: sub, attempt: d.deliveries, publishedUs: d.createdAt.UnixMicro(), due: due.UnixMicro(), orderingKey: d.orderingKey}
+	return facts{sub: sub, attempt: d.deliveries, publishedUs: d.createdAt, due: due.UnixMicro(), orderingKey: d.orderingKey}
 }
 
 // delivery returns o's Delivery.

@@ -134,11 +134,12 @@ func (sub *subscription) runHeldClaim(req claimRequest) claimResult {
 			d := &delivery{token: req.token}
 			var uuid, key pgtype.Text
 			var deliveries int32
-			if err := rows.Scan(&d.id, &uuid, &d.payload, &d.metaRaw, &deliveries, &d.availableAt, &key, &d.createdAt); err != nil {
+			var createdAt time.Time
+			if err := rows.Scan(&d.id, &uuid, &d.payload, &d.metaRaw, &deliveries, &d.availableAt, &key, &createdAt); err != nil {
 				rows.Close()
 				return err
 			}
-			d.uuid, d.deliveries, d.orderingKey = uuid.String, int(deliveries), key.String
+			d.uuid, d.deliveries, d.orderingKey, d.createdAt = uuid.String, int(deliveries), key.String, createdAt.UnixMicro()
 			r.rows = append(r.rows, d)
 		}
 		rows.Close()

@@ -3,6 +3,8 @@ package pgoutboxotel_test
 import (
 	"context"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -150,23 +152,55 @@ func TestOneTraceFromTheRequestThroughRetryTxMiddlewareAndRelay(t *testing.T) {
 	})
 	<-router.Running()
 
-	// The request: a server span with baggage, a transaction begun with
-	// its context, the message built with that context.
-	member, err := baggage.NewMember("customer", "42")
+	// The request: an HTTP handler that starts a server span (reading the
+	// caller's baggage from the headers, as HTTP instrumentation does),
+	// begins its transaction with the span's context and publishes a
+	// message built with that context.
+	type published struct {
+		request trace.SpanContext
+		order   *message.Message
+	}
+	handled := make(chan published, 1) // the race detector sees no order through a socket
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		in := propagation.Baggage{}.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
+		reqCtx, reqSpan := tp.Tracer("http").Start(in, r.Method+" "+r.URL.Path, trace.WithSpanKind(trace.SpanKindServer))
+		defer reqSpan.End()
+		var order *message.Message
+		err := func() error {
+			pgTx, err := env.Pool.Begin(reqCtx)
+			if err != nil {
+				return err
+			}
+			defer pgTx.Rollback(reqCtx) //nolint:errcheck // after Commit, a no-op
+			pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(pgTx), pubCfg, logger)
+			if err != nil {
+				return err
+			}
+			order = message.NewMessage(watermill.NewUUID(), []byte("order"))
+			order.SetContext(reqCtx)
+			if err := pub.Publish("orders", order); err != nil {
+				return err
+			}
+			return pgTx.Commit(reqCtx)
+		}()
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		handled <- published{reqSpan.SpanContext(), order}
+		w.WriteHeader(http.StatusAccepted)
+	}))
+	t.Cleanup(srv.Close)
+	req, err := http.NewRequest(http.MethodPost, srv.URL+"/orders", nil)
 	require.NoError(t, err)
-	bag, err := baggage.New(member)
+	req.Header.Set("baggage", "customer=42")
+	resp, err := http.DefaultClient.Do(req)
 	require.NoError(t, err)
-	reqCtx, reqSpan := tp.Tracer("http").Start(baggage.ContextWithBaggage(ctx, bag), "POST /orders", trace.WithSpanKind(trace.SpanKindServer))
-	pgTx, err := env.Pool.Begin(reqCtx)
-	require.NoError(t, err)
-	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(pgTx), pubCfg, logger)
-	require.NoError(t, err)
-	order := message.NewMessage(watermill.NewUUID(), []byte("order"))
-	order.SetContext(reqCtx)
-	require.NoError(t, pub.Publish("orders", order))
-	require.NoError(t, pgTx.Commit(reqCtx))
-	reqSpan.End()
-	request := reqSpan.SpanContext()
+	require.NoError(t, resp.Body.Close())
+	require.Equal(t, http.StatusAccepted, resp.StatusCode)
+	p := <-handled
+	request, order := p.request, p.order
+	require.True(t, request.IsValid())
 	require.NotEmpty(t, order.Metadata.Get("traceparent"), "the W3C trace context is in the metadata")
 
 	ship := spans(t, exp, "process orders", 2)

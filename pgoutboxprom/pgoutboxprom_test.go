@@ -99,6 +99,7 @@ func TestCollectorAndObserverOverHTTP(t *testing.T) {
 		"the observer runs on a goroutine of the subscriber's own: its counters follow the acks")
 	body = scrape(t, srv)
 	requireLine(t, body, `pgoutbox_subscriber_messages_claimed_total{consumer_group="",topic="orders"} 3`)
+	requireLine(t, body, `pgoutbox_subscriber_lateness_seconds_count{consumer_group="",topic="orders"} 3`)
 	requireLine(t, body, `pgoutbox_messages{consumer_group="",state="ready",topic="orders"} 0`)
 	requireLine(t, body, `pgoutbox_oldest_ready_age_seconds{consumer_group="",topic="orders"} 0`)
 

@@ -94,7 +94,7 @@ func buildClaim(n Names, ac string) ClaimStatements {
 		// holds stays locked here, unreturned, and is free again at commit.
 		HeldClaim: fmt.Sprintf(`
 WITH locked AS MATERIALIZED (
-    SELECT id, uuid, payload, metadata, deliveries + 1 AS deliveries, available_at, ordering_key
+    SELECT id, uuid, payload, metadata, deliveries + 1 AS deliveries, available_at, ordering_key, created_at
       FROM %[1]s r
      WHERE topic = $1 AND consumer_group = $3 AND lease_token IS NULL AND available_at <= now()
        AND (available_at, id) > ($4::timestamptz, $5::bigint)
@@ -103,7 +103,7 @@ WITH locked AS MATERIALIZED (
      LIMIT $2::int
        FOR UPDATE OF r SKIP LOCKED
 )
-SELECT id, uuid, payload, metadata, deliveries, available_at, ordering_key
+SELECT id, uuid, payload, metadata, deliveries, available_at, ordering_key, created_at
   FROM locked l
  WHERE l.ordering_key IS NULL OR %[3]s`, t, keyIsFree(t, "r", "$3"), keyLock(n, "l", "$3")),
 
@@ -194,7 +194,7 @@ UPDATE %[1]s o
        lease_holder = $9::bigint,
        deliveries   = o.deliveries + 1
  WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s
-RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key,
+RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key, o.created_at,
           (SELECT available_at FROM last_ready), (SELECT id FROM last_ready),
           (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM ready)`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
 		keyIsFree(t, "r", "$10"))
@@ -238,7 +238,7 @@ func claimStatement(t, ac string, orphans bool) string {
            lease_holder = $9::bigint,
            deliveries   = o.deliveries + 1
      WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s
-    RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key
+    RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key, o.created_at
 ), next_cursor AS (
     -- A full claim stops at its last ready row of the window: the rows
     -- after it are for the next claim. Otherwise the whole window is done.
@@ -249,7 +249,7 @@ func claimStatement(t, ac string, orphans bool) string {
     SELECT * FROM (SELECT available_at, id FROM scan ORDER BY available_at DESC, id DESC LIMIT 1) s
      WHERE (SELECT count(*) FROM ready) < %[6]s
 )
-SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.ordering_key,
+SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.ordering_key, c.created_at,
        l.available_at, l.id, (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM candidates)
   FROM (SELECT 1) AS one
   LEFT JOIN claimed c ON true

@@ -58,8 +58,8 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		var id pgtype.Int8
 		var uuid, key pgtype.Text
 		var deliveries pgtype.Int4
-		var availableAt pgtype.Timestamptz
-		if err := rows.Scan(&id, &uuid, &d.payload, &d.metaRaw, &deliveries, &availableAt, &key,
+		var availableAt, createdAt pgtype.Timestamptz
+		if err := rows.Scan(&id, &uuid, &d.payload, &d.metaRaw, &deliveries, &availableAt, &key, &createdAt,
 			&r.cursorAt, &r.cursor, &reclaimed, &free); err != nil {
 			rows.Close()
 			r.err = err
@@ -69,7 +69,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 			continue // nothing claimed: the row only carries the cursor
 		}
 		d.id, d.uuid, d.deliveries = id.Int64, uuid.String, int(deliveries.Int32)
-		d.availableAt, d.orderingKey = availableAt.Time, key.String
+		d.availableAt, d.orderingKey, d.createdAt = availableAt.Time, key.String, createdAt.Time.UnixMicro()
 		r.rows = append(r.rows, d)
 	}
 	rows.Close()
@@ -204,11 +204,12 @@ func (c *claimer) held(req claimRequest) claimResult {
 			d := &delivery{token: req.token}
 			var uuid, key pgtype.Text
 			var deliveries int32
-			if err := rows.Scan(&d.id, &uuid, &d.payload, &d.metaRaw, &deliveries, &d.availableAt, &key); err != nil {
+			var createdAt time.Time
+			if err := rows.Scan(&d.id, &uuid, &d.payload, &d.metaRaw, &deliveries, &d.availableAt, &key, &createdAt); err != nil {
 				rows.Close()
 				return err
 			}
-			d.uuid, d.deliveries, d.orderingKey = uuid.String, int(deliveries), key.String
+			d.uuid, d.deliveries, d.orderingKey, d.createdAt = uuid.String, int(deliveries), key.String, createdAt.UnixMicro()
 			r.rows = append(r.rows, d)
 		}
 		rows.Close()

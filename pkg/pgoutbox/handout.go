@@ -93,7 +93,7 @@ func (sub *subscription) prepare(d *delivery, now time.Time) bool {
 	if !sub.admit(d, now) {
 		return false
 	}
-	d.outcome = newOutcome(d, sub.s.q.CompleteInTx, sub.unholder(d))
+	d.outcome = sub.newOutcome(d)
 	msg, cancel, err := buildMessage(sub.msgParent, d.uuid, d.payload, d.metaRaw, d.orderingKey, d.outcome)
 	if err != nil {
 		sub.poisoned(d, err)
@@ -164,9 +164,10 @@ func (sub *subscription) handedOut(d *delivery) {
 	sub.hand.handed++
 	if sub.slots == nil {
 		sub.hand.single = d
+		sub.s.obs.handedOut(d.outcome)
 		return
 	}
-	d.outcome, d.stopWatch = newOutcome(d, sub.s.q.CompleteInTx, sub.unholder(d)), make(chan struct{})
+	d.outcome, d.stopWatch = sub.newOutcome(d), make(chan struct{})
 	// Never blocks: see maxHandedOut.
 	sub.slots.hand(slotItem{d: d, seq: d.seq, uuid: d.uuid, payload: d.payload, metaRaw: d.metaRaw, orderingKey: d.orderingKey,
 		outcome: d.outcome, abandon: d.stopWatch})

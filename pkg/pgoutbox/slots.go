@@ -30,6 +30,9 @@ type slotEnv struct {
 	// (see messageParent).
 	parent      context.Context
 	ackDeadline time.Duration // 0: none
+	// handedOut reports that the Router took a message (EventHandedOut);
+	// it must not block.
+	handedOut func(*outcome)
 }
 
 // slotItem is a delivery for a slot, with what the slot may read of it.
@@ -128,6 +131,7 @@ func (s *slots) handle(it slotItem, deadline *time.Timer) (v verdict, ok bool) {
 	}
 	select {
 	case s.env.out <- msg:
+		s.env.handedOut(it.outcome)
 	case <-s.halt:
 		v.unsent = true
 		return v, !closed(it.abandon)

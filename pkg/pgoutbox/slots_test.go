@@ -23,7 +23,7 @@ type slotBundle struct {
 func newSlotBundle(t *testing.T, n int, ackDeadline time.Duration) *slotBundle {
 	t.Helper()
 	b := &slotBundle{inbox: newVerdictInbox(), out: make(chan *message.Message), taken: make(chan *message.Message, 1000)}
-	b.slots = newSlots(n, 1000, b.inbox, slotEnv{out: b.out, parent: context.Background(), ackDeadline: ackDeadline})
+	b.slots = newSlots(n, 1000, b.inbox, slotEnv{out: b.out, parent: context.Background(), ackDeadline: ackDeadline, handedOut: func(*outcome) {}})
 	stopReader := make(chan struct{})
 	readerDone := make(chan struct{})
 	go func() {

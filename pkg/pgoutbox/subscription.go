@@ -100,7 +100,7 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 		// The whole lease window fits: slots take the next message
 		// without waiting for the owner, as the claim fills the queue.
 		sub.slots = newSlots(s.cfg.MaxInFlight, s.cfg.MaxInFlight+maxPrefetch, sub.inbox,
-			slotEnv{out: sub.out, parent: sub.msgParent, ackDeadline: s.cfg.AckDeadline})
+			slotEnv{out: sub.out, parent: sub.msgParent, ackDeadline: s.cfg.AckDeadline, handedOut: s.obs.handedOut})
 	}
 	sub.comp = newCompleter(s.pool, s.q, &s.cfg, topic, sub.reports)
 	sub.ender = &batchEnder{q: s.q, cfg: &s.cfg, topic: topic, stmtCtx: sub.comp.stmtCtx}

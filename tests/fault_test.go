@@ -680,6 +680,7 @@ func TestFaultKilledHeldConsumersRowsAreDueAtOnce(t *testing.T) {
 	killed := time.Now()
 	<-victim.done
 
+	t.Logf("killed the victim holding unacked_rows=%d leased_by_victim=%d", len(unacked), leased)
 	back, total, distinct := survivor.takeOver(t, b, topic, unacked, killed, lease/2)
 	t.Logf("unacked_rows=%d leased_by_victim=%d back_after=%s (lease %s) handled=%d distinct=%d duplicates=%d",
 		len(unacked), leased, back.Round(time.Millisecond), lease, total, distinct, total-distinct)

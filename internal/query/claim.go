@@ -17,6 +17,7 @@ type ClaimStatements struct {
 	ClaimFast          string
 	ClaimFastNoOrphans string
 	HeldClaim          string
+	KeyLockHeld        string
 	KeyVerifyLease     string
 	KeyVerifyHeld      string
 	ReleaseClaim       string
@@ -88,25 +89,17 @@ func buildClaim(n Names, ac string) ClaimStatements {
 		// ordering keys included, is ClaimFast's. The delivery count it
 		// returns is the one this delivery makes (stored only if the row
 		// becomes a lease or is nacked).
-		//
-		// A keyed row is returned only with its key lock (keys.go), held
-		// until the transaction ends; a row whose key lock another session
-		// holds stays locked here, unreturned, and is free again at commit.
 		HeldClaim: fmt.Sprintf(`
-WITH locked AS MATERIALIZED (
-    SELECT id, uuid, payload, metadata, deliveries + 1 AS deliveries, available_at, ordering_key, created_at
-      FROM %[1]s r
-     WHERE topic = $1 AND consumer_group = $3 AND lease_token IS NULL AND available_at <= now()
-       AND (available_at, id) > ($4::timestamptz, $5::bigint)
-       AND %[2]s
-     ORDER BY available_at, id
-     LIMIT $2::int
-       FOR UPDATE OF r SKIP LOCKED
-)
-SELECT id, uuid, payload, metadata, deliveries, available_at, ordering_key, created_at
-  FROM locked l
- WHERE l.ordering_key IS NULL OR %[3]s`, t, keyIsFree(t, "r", "$3"), keyLock(n, "l", "$3")),
+SELECT id, uuid, payload, metadata, deliveries + 1, available_at, ordering_key, created_at
+  FROM %[1]s r
+ WHERE topic = $1 AND consumer_group = $3 AND lease_token IS NULL AND available_at <= now()
+   AND (available_at, id) > ($4::timestamptz, $5::bigint)
+   AND %[2]s
+ ORDER BY available_at, id
+ LIMIT $2::int
+   FOR UPDATE OF r SKIP LOCKED`, t, keyIsFree(t, "r", "$3")),
 
+		KeyLockHeld:    keyLockHeld(n),
 		KeyVerifyLease: keyVerifyLease(n, ac),
 		KeyVerifyHeld:  keyVerifyHeld(n),
 

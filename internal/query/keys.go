@@ -17,6 +17,7 @@ const KeyClass = 0x70676f6b
 // with a newer snapshot (KeyVerifyLease, KeyVerifyHeld) and gives back the
 // rows whose key turned out busy. Of two claims of one key, the one that
 // looks last sees the other. TestOrderingKey* run this on each claim path.
+// Both steps run only when a claim took keyed rows.
 
 // keyLock takes the key lock of row's ordering key in topic $1 and group
 // group, or reports that another session holds it. It is taken only for
@@ -62,6 +63,18 @@ UPDATE %[1]s o
  WHERE o.id = ANY ($2::bigint[]) AND o.lease_token = $3::uuid AND o.ordering_key IS NOT NULL
    AND CASE WHEN %[2]s THEN true ELSE NOT %[3]s END%[4]s
 RETURNING o.id`, t, keyTaken(t, "o", "$4"), keyLock(n, "o", "$4"), ac)
+}
+
+// keyLockHeld takes the key locks of the keyed rows $2 of a held claim
+// (topic $1, group $3), in its transaction, until it ends, and returns the
+// rows whose lock another session holds. It runs after the claim, not in
+// it: a lock taken in the claim's own scan could be taken for rows it then
+// skips, and the claim's plan stays the fast one.
+func keyLockHeld(n Names) string {
+	return fmt.Sprintf(`
+SELECT o.id FROM %[1]s o
+ WHERE o.id = ANY ($2::bigint[])
+   AND CASE WHEN o.ordering_key IS NULL THEN false ELSE NOT %[2]s END`, n.QTable, keyLock(n, "o", "$3"))
 }
 
 // keyVerifyHeld returns the held rows $2 (topic $1, group $3) whose key is

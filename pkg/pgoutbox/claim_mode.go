@@ -7,55 +7,55 @@ import (
 
 // ClaimMode chooses how a subscription takes rows.
 //
-// A lease claim writes every row it takes (a lease token and expiry: a new
-// row version and index entries) and commits, and its ack deletes the row
-// in a second write: two writes and two commits per batch, whatever the
-// handlers do. A held claim locks the rows (SELECT ... FOR UPDATE SKIP
-// LOCKED) in a transaction the subscription keeps open while their
-// handlers run, and deletes the acked rows in that transaction when the
-// batch is done: one write and one commit, about twice the drain rate. The
-// held transaction never lives long: when a handler of the batch is still
-// running after a short bound (100ms, or AckDeadline when shorter), its row
-// becomes an ordinary lease in that transaction, which then commits. A nack,
-// a dead letter or a give-back turns its row into a lease the same way, and
-// is written like any lease's.
+// A lease claim writes every row it takes (a lease token and expiry) and
+// commits before any handler runs; the ack deletes the row in a second
+// write. A held claim locks the rows (SELECT ... FOR UPDATE SKIP LOCKED)
+// in a transaction kept open while their handlers run, and deletes the
+// acked rows in that transaction when the batch is done: one write and one
+// commit per batch instead of two of each, about twice the drain rate for
+// fast handlers. The held transaction never lives long: a row whose
+// handler is still running after a short bound (or AckDeadline, when
+// shorter) becomes an ordinary lease in that transaction, which then
+// commits; so does a nacked or dead-lettered row, and it is then written
+// like any lease's.
 //
-// Every guarantee holds on both paths: at-least-once delivery, lease
-// tokens, renewal and AckDeadline for rows that became leases, release at
-// close, retries, dead letters, consumer groups, ordering keys. If the
-// process dies, the rows of its held transactions are due again at once
-// (the server rolls the transaction back when the connection drops), where
-// leased rows wait for their lease to expire or their holder to be found
-// dead. One difference: a delivery that ends in a crash before its row
-// became a lease is not counted against MaxDeliveries.
+// Every guarantee holds on both paths: at-least-once delivery, writes
+// guarded by the lease or the lock, renewal and AckDeadline, release at
+// close, retries, dead letters, consumer groups, and ordering keys (a held
+// row's key is as busy as a leased one's). The paths differ in three ways.
+// If the process dies, its held rows are due again at once (the server
+// rolls the transaction back when the connection drops), where leased rows
+// wait for their holder to be found dead or their lease to expire; the
+// acks of its open batches are lost with it, so those messages are
+// delivered again. A delivery that crashes the process before its row
+// became a lease is not counted against MaxDeliveries. And Stats counts
+// held rows as ready (they are locked, not leased), and an operator's
+// CancelScheduled or Unbind purge of a held row waits for the batch to end.
 //
-// A held claim keeps one pool connection for as long as its batch runs (at
-// most three per subscription, and only while the pool has spare
-// connections: otherwise the subscription leases). Behind PgBouncer in
-// transaction mode that is one server connection per open batch, for at
-// most the bound.
+// A held batch keeps one pool connection while it runs, and only while the
+// pool has spare connections: otherwise the subscription leases. Behind
+// PgBouncer in transaction mode that is one server connection per open
+// batch, for at most the bound.
 type ClaimMode int
 
 const (
-	// ClaimAuto, the default, claims on the held path after a claim that
-	// found rows (a busy subscription), and leases otherwise: an idle
-	// poll, the first claim after a wake-up, the claims that must lease
-	// (reclaiming expired or orphaned leases, claims that follow ordering
-	// keys); while the handlers are slow (most rows of recent batches
-	// outlived the bound; it tries the held path again 10s later); while
-	// the pool has fewer than two idle connections; and for good once a
-	// handler completes a held row in its own transaction (tx.Middleware,
-	// whose delete has to wait for the held transaction's end).
+	// ClaimAuto, the default, holds while the subscription is busy (its
+	// last claim found rows) and the handlers are fast, and leases
+	// otherwise: idle polls and the first claim after a wake-up, claims
+	// that reclaim expired or orphaned leases or follow ordering keys,
+	// a while after most handlers of a batch outlived the bound or a
+	// batch's end failed, while the pool has no spare connection, and for
+	// good once a handler completes a held row in its own transaction
+	// (tx.Middleware, whose delete would wait for the batch's end).
 	ClaimAuto ClaimMode = iota
-	// ClaimLease always leases: each claim writes its rows and commits
-	// before any handler runs. No transaction stays open while handlers
+	// ClaimLease always leases: no transaction stays open while handlers
 	// run.
 	ClaimLease
-	// ClaimHeld uses the held path for every claim that may: not for the
-	// reclaiming and ordering-key claims, nor without a spare pool
-	// connection, nor for 10s after a batch's end failed (so rows whose
-	// end fails again and again are written, and counted, as leases). With tx.Middleware each message then ends its batch
-	// early: correct, but slower than ClaimAuto.
+	// ClaimHeld holds every claim that may: not those that reclaim leases
+	// or follow ordering keys, nor without a spare pool connection, nor a
+	// while after a batch's end failed (so rows whose end fails again and
+	// again are written, and counted, as leases). With tx.Middleware each
+	// message ends its batch early: correct, but slower than ClaimAuto.
 	ClaimHeld
 )
 

@@ -216,14 +216,26 @@ func (c *claimer) held(req claimRequest) claimResult {
 		if err := rows.Err(); err != nil {
 			return err
 		}
-		// The claim locked the rows' keys: look again with a newer
-		// snapshot (query.KeyVerifyHeld). Rows left out stay locked,
-		// unhandled, until the batch ends.
+		// Keyed rows: lock their keys, then look again with a newer
+		// snapshot (query.KeyLockHeld, KeyVerifyHeld), in one round trip.
+		// Rows left out stay locked, unhandled, until the batch ends.
 		if ids := keyedIDs(r.rows); ids != nil {
 			res.Close() // the batch's results are read: the connection is free
-			busy, err := collectIDs(conn.Query(ctx, c.q.KeyVerifyHeld, c.topic, ids, c.cfg.ConsumerGroup))
+			kb := &pgx.Batch{}
+			kb.Queue(c.q.KeyLockHeld, c.topic, ids, c.cfg.ConsumerGroup)
+			kb.Queue(c.q.KeyVerifyHeld, c.topic, ids, c.cfg.ConsumerGroup)
+			kr := conn.SendBatch(ctx, kb)
+			defer kr.Close()
+			taken, err := collectIDs(kr.Query())
 			if err != nil {
 				return err
+			}
+			busy, err := collectIDs(kr.Query())
+			if err != nil {
+				return err
+			}
+			for id := range taken {
+				busy[id] = true
 			}
 			r.rows, r.keyBusy = dropIDs(r.rows, busy), len(busy)
 		}

@@ -48,7 +48,7 @@ func (sub *subscription) nextMessage(now time.Time) (*delivery, chan *message.Me
 	if sub.drain.stopping || sub.backpressured() {
 		return nil, nil
 	}
-	full := sub.hand.handed >= sub.maxHandedOut()
+	full := sub.hand.handed >= sub.maxHandedOut() || sub.hand.single != nil
 	if d := sub.hand.retry; d != nil {
 		if !d.holdDone || at(now) < d.retryAt || full {
 			return nil, nil // ordered: nothing overtakes the retry
@@ -248,8 +248,16 @@ func (sub *subscription) endRow(d *delivery) {
 		sub.hand.ready = nil
 	}
 	if d.state == handedOut {
-		sub.stopWatching(d)
-		sub.endMessage(d)
+		if sub.hand.single == d && !sub.drain.over {
+			// Ordered: its handler is told to stop (its context ends), and
+			// nothing is handed out until it returns: one message at a
+			// time, even one whose row is no longer ours. The owner still
+			// waits for its Ack or Nack, so the message stays.
+			d.cancel()
+		} else {
+			sub.stopWatching(d)
+			sub.endMessage(d)
+		}
 		sub.hand.handed--
 	}
 	if sub.hand.retry == d {

@@ -448,3 +448,23 @@ func TestOwnerWakeDuringAnEmptyClaimIsNotLost(t *testing.T) {
 	require.False(t, b.sub.claims.want, "nothing woke it: an empty claim goes idle")
 	require.False(t, b.sub.claims.idleUntil.IsZero())
 }
+
+// Ordered: a handed-out row found lost (a renewal that did not match) has
+// its context cancelled, and nothing else is handed out until its handler
+// returns, so two messages never run at once.
+func TestOwnerOrderedLostRowHoldsTheNextUntilItsHandlerReturns(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.claimed(t, 1, 2)
+	d := b.handOut(t)
+	msg := d.msg
+	b.sub.dropLost(d, "renew")
+	require.Error(t, msg.Context().Err(), "its handler is told to stop")
+	_, ch := b.sub.nextMessage(time.Now())
+	require.Nil(t, ch, "the next waits for the lost row's handler")
+	msg.Ack()
+	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: msg, ack: true}, false)
+	next, ch := b.sub.nextMessage(time.Now())
+	require.NotNil(t, ch)
+	require.Equal(t, int64(2), next.id)
+}

@@ -174,6 +174,9 @@ func (sub *subscription) stopWatching(d *delivery) {
 func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 	d := v.d
 	if d.state != handedOut || d.seq != v.seq {
+		if sub.hand.single == d {
+			sub.hand.single = nil // a lost row's handler has returned (endRow)
+		}
 		return // a late answer: the deadline or the drain ended this delivery
 	}
 	if sub.hand.single == d {

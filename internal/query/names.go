@@ -51,6 +51,10 @@ type Names struct {
 	Channel   string // LISTEN/NOTIFY channel, unquoted, at most 63 bytes
 	QBindings string // "schema"."table_bindings": consumer groups bound to topics
 	Bindings  string // unquoted
+	// QVersions is "schema"."table_schema_version": the schema versions
+	// applied by migrations (and recorded by Create).
+	QVersions string
+	Versions  string // unquoted
 
 	ReadyIdx string // unquoted index names
 	LeaseIdx string
@@ -92,6 +96,7 @@ func NewNames(schema, table, dlq string) (Names, error) {
 		QSchema:  Quote(schema),
 		QTable:   Quote(schema) + "." + Quote(table),
 		Bindings: derive(table, "_bindings"),
+		Versions: derive(table, "_schema_version"),
 		ReadyIdx: derive(table, "_group_ready_idx"),
 		LeaseIdx: derive(table, "_group_lease_idx"),
 		DedupIdx: derive(table, "_group_dedup_idx"),
@@ -103,6 +108,7 @@ func NewNames(schema, table, dlq string) (Names, error) {
 		},
 	}
 	n.QBindings = Quote(schema) + "." + Quote(n.Bindings)
+	n.QVersions = Quote(schema) + "." + Quote(n.Versions)
 	if dlq != "" {
 		n.QDLQ = Quote(schema) + "." + Quote(dlq)
 		n.DLQIdx = derive(dlq, "_topic_failed_at_idx")

@@ -123,48 +123,41 @@ func isLockTimeout(err error) bool {
 // Create creates whatever of the schema is missing. It is idempotent and
 // safe to call from several processes at once. When db is bound to the
 // caller's transaction the DDL runs in it (and commits with it); otherwise
-// Create runs in a transaction of its own.
+// Create runs in a transaction of its own. It records LatestVersion in the
+// version table (<table>_schema_version), so Migrate can upgrade the
+// outbox from there later.
 func Create(ctx context.Context, db tx.Executor, c Config) error {
 	n, err := c.names()
 	if err != nil {
 		return err
 	}
-	return tx.RunInTx(ctx, db, func(e tx.Executor) error {
-		// One lock per schema: creators of different tables in one new
-		// schema would otherwise race on CREATE SCHEMA IF NOT EXISTS.
-		if _, err := e.Exec(ctx, query.CreateLock, "pgoutbox:"+n.QSchema); err != nil {
-			return fmt.Errorf("pgoutbox: create schema: lock: %w", err)
-		}
-		// An upgrade alters the table: ACCESS EXCLUSIVE, which waits for
-		// every open transaction that touched the table while every later
-		// reader and writer waits behind it. Bound the wait, unless the
-		// caller's transaction set its own.
-		prev, err := currentSetting(ctx, e, "lock_timeout")
-		if err != nil {
-			return fmt.Errorf("pgoutbox: create schema: %w", err)
-		}
-		if prev == "0" {
-			if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", DDLLockTimeout.Milliseconds())); err != nil {
-				return fmt.Errorf("pgoutbox: create schema: %w", err)
-			}
-		}
+	ms, err := migrationList(n)
+	if err != nil {
+		return err
+	}
+	// One lock per schema: creators of different tables in one new schema
+	// would otherwise race on CREATE SCHEMA IF NOT EXISTS. An upgrade
+	// alters the table: ACCESS EXCLUSIVE, which waits for every open
+	// transaction that touched the table while every later reader and
+	// writer waits behind it; inLockedTx bounds the wait.
+	err = inLockedTx(ctx, db, n, func(e tx.Executor) error {
 		for _, stmt := range query.DDL(n) {
 			if _, err := e.Exec(ctx, stmt); err != nil {
-				if isLockTimeout(err) {
-					return fmt.Errorf("pgoutbox: create schema: a table change waited longer than lock_timeout (%s) for a lock another transaction holds; run it again when no long transaction uses the outbox (see pg_stat_activity), or set a longer lock_timeout in your transaction: %w\nstatement: %s",
-						DDLLockTimeout, err, stmt)
-				}
-				return fmt.Errorf("pgoutbox: create schema: %w\nstatement: %s", err, stmt)
+				return ddlError(stmt, err)
 			}
 		}
-		if prev == "0" {
-			// Bound to the caller's transaction: give it its setting back.
-			if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', '0', true)`); err != nil {
-				return fmt.Errorf("pgoutbox: create schema: %w", err)
-			}
+		if _, err := e.Exec(ctx, query.VersionTable(n)); err != nil {
+			return err
+		}
+		if err := recordUpTo(ctx, e, n, ms, len(ms)); err != nil {
+			return fmt.Errorf("record the version: %w", err)
 		}
 		return nil
 	})
+	if err != nil {
+		return fmt.Errorf("pgoutbox: create schema: %w", err)
+	}
+	return nil
 }
 
 // ValidationError lists everything Validate found missing or wrong.

@@ -13,14 +13,15 @@ const schemaUsage = `Usage:
   pgoutbox schema sql       print the DDL (idempotent) for your migration tool
   pgoutbox schema apply     create the tables and indexes (needs DDL rights)
   pgoutbox schema validate  check the tables, columns and indexes; exit code 4 on problems
+  pgoutbox schema migrate   versioned migrations: up, down, status, baseline, files
 
-Run "pgoutbox schema <sql|apply|validate> --help" for flags.
+Run "pgoutbox schema <sql|apply|validate|migrate> --help" for flags.
 `
 
 func (c *cli) schemaCmd(args []string) error {
 	if len(args) == 0 {
 		fmt.Fprint(c.stderr, schemaUsage)
-		return usagef("schema", "missing subcommand: sql, apply or validate")
+		return usagef("schema", "missing subcommand: sql, apply, validate or migrate")
 	}
 	switch args[0] {
 	case "-h", "-help", "--help", "help":
@@ -32,8 +33,10 @@ func (c *cli) schemaCmd(args []string) error {
 		return c.schemaApply(args[1:])
 	case "validate":
 		return c.schemaValidate(args[1:])
+	case "migrate":
+		return c.migrateCmd(args[1:])
 	}
-	return usagef("schema", "unknown subcommand %q; use sql, apply or validate", args[0])
+	return usagef("schema", "unknown subcommand %q; use sql, apply, validate or migrate", args[0])
 }
 
 func (c *cli) schemaSQL(args []string) error {

@@ -1,8 +1,36 @@
-// Package schema creates and checks the tables pgoutbox stores messages in.
+// Package schema creates, migrates and checks the tables pgoutbox stores
+// messages in.
 //
-// Use SQL to get the DDL for a migration tool, Create for quick starts and
-// tests (idempotent, safe to call concurrently), and Validate at start-up or
-// in a health check to learn, by name, everything the database is missing.
+// Three ways to own the schema:
+//   - Create, for quick starts and tests: idempotent, safe to call
+//     concurrently, it brings any earlier layout up to date and records the
+//     latest version.
+//   - Migrate (and the "pgoutbox schema migrate" command), versioned up and
+//     down migrations with a version table of the outbox's own,
+//     <table>_schema_version; MigrationStatus reads it, MigrationPlan is a
+//     dry run, Baseline records the version of an outbox made before
+//     versions were recorded.
+//   - Migrations, the same versions rendered as files for goose or
+//     golang-migrate (atlas reads golang-migrate's layout), which keep their
+//     own version tables. SQL is the whole layout as one idempotent script.
+//
+// Validate, at start-up or in a health check, reports by name everything
+// the database is missing.
+//
+// # Versions
+//
+// Version 1 is the first released layout; 2 adds the lease holder and
+// parking columns, 3 consumer groups (the bindings table, group indexes), 4
+// ordering keys. Each version is two embedded template files,
+// migrations/NNNN_name.up.sql and NNNN_name.down.sql, over the outbox's
+// quoted names ({{.Table}}, {{.DLQ}}, {{.Bindings}}, index names; see
+// migrationNames); {{if .DLQ}} guards what concerns the dead-letter table.
+// Adding a version means adding those two files and changing Create's DDL
+// (internal/query/ddl.go) to the same layout: the package's tests fail
+// until the migrations, applied from nothing, build the catalog Create
+// builds. Up migrations must be idempotent (IF NOT EXISTS), since Baseline
+// may record an older version than an outbox partly has. A statement ends
+// with a line ending in ";" outside a dollar-quoted body.
 package schema
 
 import (

@@ -41,7 +41,7 @@ func (c *cli) schemaCmd(args []string) error {
 
 func (c *cli) schemaSQL(args []string) error {
 	cmd := c.newCommand("schema sql", "schema sql [--schema S] [--table T] [--dlq-table D | --no-dlq]",
-		"  pgoutbox schema sql > migrations/0001_outbox.up.sql\n  pgoutbox schema sql --schema app --table events\n", false)
+		"  pgoutbox schema sql --schema app --table events > outbox.sql\n  (versioned files for goose or golang-migrate: pgoutbox schema migrate files)\n", false)
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}

@@ -199,3 +199,54 @@ func TestUpgradeFromFirstRelease(t *testing.T) {
 	require.NoError(t, b.target.Pool.QueryRow(b.ctx, `SELECT count(*) FROM "`+b.target.Name+`".outbox WHERE consumer_group = ''`).Scan(&n))
 	require.Equal(t, 1, n)
 }
+
+// TestBaselineACreatedOutbox follows docs/upgrading.md for an outbox that
+// schema.Create made: each tool is told the latest version is applied
+// (golang-migrate: force; goose: rows in its table), then has nothing to
+// do, and can go down.
+func TestBaselineACreatedOutbox(t *testing.T) {
+	t.Parallel()
+	latest := schema.LatestVersion()
+
+	t.Run("GolangMigrateForce", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, schema.Config{})
+		require.NoError(t, schema.Create(b.ctx, tx.FromPgxPool(b.target.Pool), b.cfg))
+		fsys, err := schema.Migrations(b.cfg, schema.FormatGolangMigrate)
+		require.NoError(t, err)
+		src, err := iofs.New(fsys, ".")
+		require.NoError(t, err)
+		driver, err := migratepgx.WithInstance(b.db, &migratepgx.Config{})
+		require.NoError(t, err)
+		m, err := migrate.NewWithInstance("iofs", src, "pgx5", driver)
+		require.NoError(t, err)
+		t.Cleanup(func() { _, _ = m.Close() })
+		require.NoError(t, m.Force(latest))
+		require.ErrorIs(t, m.Up(), migrate.ErrNoChange)
+		require.NoError(t, m.Steps(-1))
+		require.NoError(t, m.Up())
+		b.requireHead(t)
+	})
+
+	t.Run("GooseVersionRows", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, schema.Config{})
+		require.NoError(t, schema.Create(b.ctx, tx.FromPgxPool(b.target.Pool), b.cfg))
+		fsys, err := schema.Migrations(b.cfg, schema.FormatGoose)
+		require.NoError(t, err)
+		p, err := goose.NewProvider(goose.DialectPostgres, b.db, fsys)
+		require.NoError(t, err)
+		_, err = p.GetDBVersion(b.ctx) // creates goose's table
+		require.NoError(t, err)
+		_, err = b.db.ExecContext(b.ctx, `INSERT INTO goose_db_version (version_id, is_applied) SELECT v, true FROM generate_series(1, $1) v`, latest)
+		require.NoError(t, err)
+		res, err := p.Up(b.ctx)
+		require.NoError(t, err)
+		require.Empty(t, res)
+		_, err = p.Down(b.ctx)
+		require.NoError(t, err)
+		_, err = p.Up(b.ctx)
+		require.NoError(t, err)
+		b.requireHead(t)
+	})
+}

@@ -8,8 +8,9 @@
 //     group's lag) and the dead letters per reason. Register it once per
 //     outbox.
 //   - Observer (NewObserver) counts what publishers and subscribers report
-//     through pgoutbox.Observer: messages published, claimed, acked,
-//     retried, released, dead-lettered, poisoned, leases renewed and lost.
+//     through pgoutbox.Observer: messages published, claimed (and of those,
+//     held), held rows that became leases, acked, retried, released,
+//     dead-lettered, poisoned, leases renewed and lost.
 //     Set it as PublisherConfig.Observer and SubscriberConfig.Observer.
 //
 // Both complement Watermill's own metrics (components/metrics), which see
@@ -27,6 +28,8 @@
 //	pgoutbox_publisher_messages_published_total{topic}
 //	pgoutbox_subscriber_claims_total{topic,consumer_group}
 //	pgoutbox_subscriber_messages_claimed_total{topic,consumer_group}
+//	pgoutbox_subscriber_messages_held_claimed_total{topic,consumer_group}  (claimed on the held path)
+//	pgoutbox_subscriber_messages_held_to_lease_total{topic,consumer_group} (held rows that became leases)
 //	pgoutbox_subscriber_messages_acked_total{topic,consumer_group}
 //	pgoutbox_subscriber_messages_retried_total{topic,consumer_group}
 //	pgoutbox_subscriber_messages_released_total{topic,consumer_group}

@@ -113,7 +113,8 @@ func NewNames(schema, table, dlq string) (Names, error) {
 		n.QDLQ = Quote(schema) + "." + Quote(dlq)
 		n.DLQIdx = derive(dlq, "_topic_failed_at_idx")
 	}
-	// The default schema keeps the short channel name DESIGN.md documents;
+	// The default schema keeps the short channel name, pgoutbox_<table>,
+	// that earlier releases used (a listener of theirs keeps hearing it);
 	// other schemas get their own channel so outboxes do not wake each other.
 	ch := "pgoutbox_" + table
 	if schema != "public" {

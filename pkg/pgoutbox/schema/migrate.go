@@ -226,13 +226,14 @@ func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]Migra
 				return nil
 			}
 			next, _ := step(ms, st.Current, target)
-			if _, err := e.Exec(ctx, query.VersionTable(n)); err != nil {
-				return err
-			}
 			for _, stmt := range next.Statements {
 				if _, err := e.Exec(ctx, stmt); err != nil {
 					return fmt.Errorf("%s version %d (%s): %w", direction(next), next.Version, next.Name, ddlError(stmt, err))
 				}
+			}
+			// After the step: version 1 may have created the schema.
+			if _, err := e.Exec(ctx, query.VersionTable(n)); err != nil {
+				return err
 			}
 			if next.Down {
 				_, err = e.Exec(ctx, query.ForgetVersion(n), next.Version)

@@ -179,6 +179,18 @@ func TestMigrate(t *testing.T) {
 		require.Empty(t, steps, "nothing to do at the latest version")
 	})
 
+	t.Run("CreatesTheSchema", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		cfg := schema.Config{Schema: b.freshSchema(t, "new"), Table: "events"}
+		_, err := schema.Migrate(ctx, b.exec, cfg, schema.Latest)
+		require.NoError(t, err)
+		require.NoError(t, schema.Validate(ctx, b.exec, cfg))
+		st, err := schema.MigrationStatus(ctx, b.exec, cfg)
+		require.NoError(t, err)
+		require.Equal(t, schema.LatestVersion(), st.Current)
+	})
+
 	t.Run("UpgradesTheFirstReleaseKeepingRows", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)

@@ -90,7 +90,9 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	router.AddMiddleware(middleware.CorrelationID, pgoutbox.ErrorRecorder)
+	// The first added is the outermost; _examples/middleware-stack has the whole
+	// recommended stack.
+	router.AddMiddleware(pgoutbox.ErrorRecorder, middleware.CorrelationID)
 
 	handled := make(chan orderPlaced, 1)
 	router.AddConsumerHandler("ship_order", topic, sub, func(msg *message.Message) error {

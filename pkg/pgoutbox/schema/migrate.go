@@ -271,7 +271,9 @@ func direction(s MigrationStep) string {
 // Create before it recorded versions. It reads the layout from the
 // catalog and records the highest version whose every column, table and
 // index is there; the later migrations then fill in the rest (they are
-// idempotent). It returns the version recorded, and an error when the
+// idempotent). An outbox of the first layout without the configured
+// dead-letter table (the first release made none by default) gets it.
+// It returns the version recorded, and an error when the
 // outbox table is missing (nothing to baseline: run Migrate) or a version
 // is already recorded.
 func Baseline(ctx context.Context, db tx.Executor, c Config) (int, error) {
@@ -295,8 +297,21 @@ func Baseline(ctx context.Context, db tx.Executor, c Config) (int, error) {
 		if st.Current > 0 {
 			return fmt.Errorf("%s already records version %d; run \"pgoutbox schema migrate up\" to upgrade", n.QVersions, st.Current)
 		}
-		if version, err = detectLayout(ctx, e, n); err != nil {
+		var dlqMissing bool
+		if version, dlqMissing, err = detectLayout(ctx, e, n); err != nil {
 			return err
+		}
+		switch {
+		case dlqMissing && version == 1:
+			// The first release made no dead-letter table by default.
+			// Version 1 makes it, and runs again safely on its layout.
+			for _, stmt := range ms[0].Up {
+				if _, err := e.Exec(ctx, stmt); err != nil {
+					return fmt.Errorf("create the dead-letter table: %w", ddlError(stmt, err))
+				}
+			}
+		case dlqMissing:
+			return fmt.Errorf("the dead-letter table %s.%s is missing; create it (\"pgoutbox schema apply\") or pass --no-dlq (NoDeadLetterTable) if this outbox has none", n.Schema, n.DLQTable)
 		}
 		if _, err := e.Exec(ctx, query.VersionTable(n)); err != nil {
 			return err
@@ -320,9 +335,11 @@ func recordUpTo(ctx context.Context, e tx.Executor, n query.Names, ms []Migratio
 
 // detectLayout tells which of the layouts before versions were recorded
 // (1 to 4) an outbox has, from its catalog: the highest version whose
-// additions are all there. Layouts after version 4 are always recorded
-// (Create and Migrate record them), so this never needs a new case.
-func detectLayout(ctx context.Context, e tx.Executor, n query.Names) (int, error) {
+// additions are all there (a missing dead-letter table counts as missing
+// its additions), and whether the configured dead-letter table is
+// missing. Layouts after version 4 are always recorded (Create and
+// Migrate record them), so this never needs a new case.
+func detectLayout(ctx context.Context, e tx.Executor, n query.Names) (version int, dlqMissing bool, err error) {
 	cols := map[string]map[string]bool{}
 	idx := map[string]bool{}
 	for _, table := range []string{n.Table, n.DLQTable, n.Bindings} {
@@ -331,7 +348,7 @@ func detectLayout(ctx context.Context, e tx.Executor, n query.Names) (int, error
 		}
 		rows, err := catalog(ctx, e, query.CatalogColumns, n.Schema, table, 2)
 		if err != nil {
-			return 0, err
+			return 0, false, err
 		}
 		if len(rows) > 0 {
 			cols[table] = map[string]bool{}
@@ -341,15 +358,13 @@ func detectLayout(ctx context.Context, e tx.Executor, n query.Names) (int, error
 		}
 		irows, err := catalog(ctx, e, query.CatalogIndexes, n.Schema, table, 1)
 		if err != nil {
-			return 0, err
+			return 0, false, err
 		}
 		for _, r := range irows {
 			idx[r[0]] = true
 		}
 	}
-	if n.DLQTable != "" && cols[n.DLQTable] == nil {
-		return 0, fmt.Errorf("the dead-letter table %s.%s is missing; create it (\"pgoutbox schema apply\") or pass --no-dlq (NoDeadLetterTable) if this outbox has none", n.Schema, n.DLQTable)
-	}
+	dlqMissing = n.DLQTable != "" && cols[n.DLQTable] == nil
 	has := func(table string, names ...string) bool {
 		for _, c := range names {
 			if !cols[table][c] {
@@ -359,17 +374,16 @@ func detectLayout(ctx context.Context, e tx.Executor, n query.Names) (int, error
 		return true
 	}
 	dlqHas := func(names ...string) bool { return n.DLQTable == "" || has(n.DLQTable, names...) }
-	if !has(n.Table, "lease_holder", "failure_reason") {
-		return 1, nil
+	switch {
+	case !has(n.Table, "lease_holder", "failure_reason"):
+		return 1, dlqMissing, nil
+	case !has(n.Table, "consumer_group") || !dlqHas("consumer_group") || cols[n.Bindings] == nil ||
+		!idx[n.ReadyIdx] || !idx[n.LeaseIdx] || !idx[n.DedupIdx] || idx[n.OldIndexes[2]]:
+		return 2, dlqMissing, nil
+	case !has(n.Table, "ordering_key") || !dlqHas("ordering_key") || !idx[n.OrderIdx] || !idx[n.OrderLeaseIdx]:
+		return 3, dlqMissing, nil
 	}
-	if !has(n.Table, "consumer_group") || !dlqHas("consumer_group") || cols[n.Bindings] == nil ||
-		!idx[n.ReadyIdx] || !idx[n.LeaseIdx] || !idx[n.DedupIdx] || idx[n.OldIndexes[2]] {
-		return 2, nil
-	}
-	if !has(n.Table, "ordering_key") || !dlqHas("ordering_key") || !idx[n.OrderIdx] || !idx[n.OrderLeaseIdx] {
-		return 3, nil
-	}
-	return 4, nil
+	return 4, dlqMissing, nil
 }
 
 // inLockedTx runs fn in a transaction (or the caller's) holding Create's

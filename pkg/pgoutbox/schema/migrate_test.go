@@ -302,5 +302,26 @@ func TestMigrate(t *testing.T) {
 		}
 		_, err := schema.Baseline(ctx, b.exec, schema.Config{Schema: b.env.Name, Table: "none"})
 		require.ErrorContains(t, err, "does not exist")
+
+		// The first release made no dead-letter table by default:
+		// Baseline makes it for version 1, and refuses for later layouts.
+		first := schema.Config{Schema: b.env.Name, Table: "first"}
+		_, err = schema.Migrate(ctx, b.exec, schema.Config{Schema: first.Schema, Table: first.Table, NoDeadLetterTable: true}, 1)
+		require.NoError(t, err)
+		b.exec1(t, `DROP TABLE "`+b.env.Name+`".first_schema_version`)
+		got, err := schema.Baseline(ctx, b.exec, first)
+		require.NoError(t, err)
+		require.Equal(t, 1, got)
+		_, err = schema.Migrate(ctx, b.exec, first, schema.Latest)
+		require.NoError(t, err)
+		require.NoError(t, schema.Validate(ctx, b.exec, first))
+
+		later := schema.Config{Schema: b.env.Name, Table: "later", NoDeadLetterTable: true}
+		_, err = schema.Migrate(ctx, b.exec, later, 2)
+		require.NoError(t, err)
+		b.exec1(t, `DROP TABLE "`+b.env.Name+`".later_schema_version`)
+		_, err = schema.Baseline(ctx, b.exec, schema.Config{Schema: later.Schema, Table: later.Table})
+		require.ErrorContains(t, err, "dead-letter table")
+		require.ErrorContains(t, err, "--no-dlq")
 	})
 }

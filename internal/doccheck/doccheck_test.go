@@ -24,9 +24,31 @@ var unchecked = map[string]bool{
 }
 
 var (
-	markerRE = regexp.MustCompile(`^<!-- snippet: (\S+) -->$`)
-	linkRE   = regexp.MustCompile(`\]\(([^)#\s]+)(#[^)\s]*)?\)`)
+	markerRE  = regexp.MustCompile(`^<!-- snippet: (\S+) -->$`)
+	linkRE    = regexp.MustCompile(`\]\(([^)#\s]*)(#[^)\s]*)?\)`)
+	headingRE = regexp.MustCompile(`(?m)^#{1,6} (.+)$`)
+	slugDrop  = regexp.MustCompile(`[^\p{L}\p{N} _-]`)
 )
+
+// anchors returns the heading anchors of a Markdown file, as GitHub makes
+// them: lower case, punctuation dropped, spaces turned into hyphens.
+func anchors(t *testing.T, doc string) map[string]bool {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(root, doc))
+	require.NoError(t, err)
+	out := map[string]bool{}
+	inFence := false
+	for _, line := range strings.Split(string(data), "\n") {
+		if strings.HasPrefix(strings.TrimSpace(line), "```") {
+			inFence = !inFence
+		}
+		if m := headingRE.FindStringSubmatch(line); m != nil && !inFence {
+			slug := slugDrop.ReplaceAllString(strings.ToLower(m[1]), "")
+			out[strings.ReplaceAll(slug, " ", "-")] = true
+		}
+	}
+	return out
+}
 
 func docs(t *testing.T) []string {
 	t.Helper()
@@ -144,19 +166,31 @@ func TestCheckFindsStaleLines(t *testing.T) {
 	require.Contains(t, check(snippet{lines: []string{"x"}}), "no <!-- snippet")
 }
 
+// Relative links point at files that exist, and at headings they have.
 func TestRelativeLinksResolve(t *testing.T) {
 	t.Parallel()
 	for _, doc := range docs(t) {
 		data, err := os.ReadFile(filepath.Join(root, doc))
 		require.NoError(t, err)
 		for _, m := range linkRE.FindAllStringSubmatch(string(data), -1) {
-			target := m[1]
+			target, frag := m[1], strings.TrimPrefix(m[2], "#")
 			if strings.Contains(target, "://") || strings.HasPrefix(target, "mailto:") {
 				continue
 			}
-			path := filepath.Join(root, filepath.Dir(doc), target)
-			_, err := os.Stat(path)
-			require.NoError(t, err, "%s links to %s, which does not exist", doc, target)
+			linked := doc
+			if target != "" {
+				path := filepath.Join(root, filepath.Dir(doc), target)
+				_, err := os.Stat(path)
+				require.NoError(t, err, "%s links to %s, which does not exist", doc, target)
+				rel, err := filepath.Rel(root, path)
+				require.NoError(t, err)
+				linked = filepath.ToSlash(rel)
+			}
+			if frag != "" && strings.HasSuffix(linked, ".md") {
+				if !anchors(t, linked)[frag] {
+					t.Errorf("%s links to %s#%s: no such heading", doc, linked, frag)
+				}
+			}
 		}
 	}
 }

@@ -124,9 +124,13 @@ func NewNames(schema, table, dlq string) (Names, error) {
 	return n, nil
 }
 
-// derive appends suffix to base, replacing the tail of base by a short hash
-// when the result would exceed PostgreSQL's identifier limit, so two long
-// names never collide after truncation.
+// Derive names an object after base (a table's name): it appends suffix,
+// replacing the tail of base by a short hash when the result would exceed
+// PostgreSQL's identifier limit, so two long names never collide after
+// truncation. Every derived name (indexes, the bindings and version
+// tables, the channel) comes from it.
+func Derive(base, suffix string) string { return derive(base, suffix) }
+
 func derive(base, suffix string) string {
 	if len(base)+len(suffix) <= maxIdentLen {
 		return base + suffix

@@ -186,6 +186,16 @@ func TestMigrate(t *testing.T) {
 		_, err := schema.Migrate(ctx, b.exec, cfg, schema.Latest)
 		require.NoError(t, err)
 		require.NoError(t, schema.Validate(ctx, b.exec, cfg))
+		// Names too long for their suffixes are hashed, as Create does.
+		long := schema.Config{Schema: cfg.Schema, Table: strings.Repeat("t", 60), DeadLetterTable: strings.Repeat("d", 60)}
+		_, err = schema.Migrate(ctx, b.exec, long, schema.Latest)
+		require.NoError(t, err)
+		require.NoError(t, schema.Validate(ctx, b.exec, long))
+		before := b.catalog(t, cfg.Schema)
+		require.NoError(t, schema.Create(ctx, b.exec, long))
+		require.Equal(t, before, b.catalog(t, cfg.Schema), "Create finds every object by the same names and adds none")
+		_, err = schema.Migrate(ctx, b.exec, long, 0)
+		require.NoError(t, err, "and down finds them too")
 		st, err := schema.MigrationStatus(ctx, b.exec, cfg)
 		require.NoError(t, err)
 		require.Equal(t, schema.LatestVersion(), st.Current)

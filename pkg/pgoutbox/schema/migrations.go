@@ -72,7 +72,7 @@ var migrationTemplates = sync.OnceValues(func() ([]migrationTemplate, error) {
 		if err != nil {
 			return nil, err
 		}
-		t, err := template.New(e.Name()).Option("missingkey=error").Parse(string(text))
+		t, err := template.New(e.Name()).Option("missingkey=error").Funcs(templateFuncs(query.Names{})).Parse(string(text))
 		if err != nil {
 			return nil, fmt.Errorf("migration file %s: %w", e.Name(), err)
 		}
@@ -113,47 +113,33 @@ func LatestVersion() int {
 	return len(ts)
 }
 
-// migrationNames are the template fields: quoted, schema-qualified where
-// a statement needs it.
+// migrationNames are the template fields: quoted, schema-qualified.
 type migrationNames struct {
 	CreateSchema bool   // the schema is not public
 	Schema       string // quoted
 	Table        string // "schema"."table"
 	DLQ          string // "schema"."dlq", "" without a dead-letter table
-	DLQIdx       string
-	Bindings     string
+}
 
-	// Index names as CREATE INDEX takes them (quoted) and as DROP INDEX
-	// does (Q…: schema-qualified).
-	V1ReadyIdx, V1LeaseIdx, V1DedupIdx    string
-	QV1ReadyIdx, QV1LeaseIdx, QV1DedupIdx string
-	ReadyIdx, LeaseIdx, DedupIdx          string
-	QReadyIdx, QLeaseIdx, QDedupIdx       string
-	OrderIdx, OrderLeaseIdx               string
-	QOrderIdx, QOrderLeaseIdx             string
+// templateFuncs name objects after the outbox's tables, as Names does
+// (query.Derive), so the files and Create's DDL agree on every name:
+//
+//	{{idx "_ready_idx"}}     "outbox_ready_idx", for CREATE INDEX
+//	{{qidx "_ready_idx"}}    "schema"."outbox_ready_idx", for DROP INDEX
+//	{{dlqidx "_x_idx"}}      an index named after the dead-letter table
+//	{{table "_bindings"}}    "schema"."outbox_bindings"
+func templateFuncs(n query.Names) template.FuncMap {
+	q := query.Quote
+	return template.FuncMap{
+		"idx":    func(suffix string) string { return q(query.Derive(n.Table, suffix)) },
+		"qidx":   func(suffix string) string { return n.QSchema + "." + q(query.Derive(n.Table, suffix)) },
+		"dlqidx": func(suffix string) string { return q(query.Derive(n.DLQTable, suffix)) },
+		"table":  func(suffix string) string { return n.QSchema + "." + q(query.Derive(n.Table, suffix)) },
+	}
 }
 
 func newMigrationNames(n query.Names) migrationNames {
-	q := query.Quote
-	qq := func(name string) string { return n.QSchema + "." + q(name) }
-	m := migrationNames{
-		CreateSchema: n.Schema != "public",
-		Schema:       n.QSchema,
-		Table:        n.QTable,
-		DLQ:          n.QDLQ,
-		Bindings:     n.QBindings,
-
-		V1ReadyIdx: q(n.OldIndexes[0]), V1LeaseIdx: q(n.OldIndexes[1]), V1DedupIdx: q(n.OldIndexes[2]),
-		QV1ReadyIdx: qq(n.OldIndexes[0]), QV1LeaseIdx: qq(n.OldIndexes[1]), QV1DedupIdx: qq(n.OldIndexes[2]),
-		ReadyIdx: q(n.ReadyIdx), LeaseIdx: q(n.LeaseIdx), DedupIdx: q(n.DedupIdx),
-		QReadyIdx: qq(n.ReadyIdx), QLeaseIdx: qq(n.LeaseIdx), QDedupIdx: qq(n.DedupIdx),
-		OrderIdx: q(n.OrderIdx), OrderLeaseIdx: q(n.OrderLeaseIdx),
-		QOrderIdx: qq(n.OrderIdx), QOrderLeaseIdx: qq(n.OrderLeaseIdx),
-	}
-	if n.DLQTable != "" {
-		m.DLQIdx = q(n.DLQIdx)
-	}
-	return m
+	return migrationNames{CreateSchema: n.Schema != "public", Schema: n.QSchema, Table: n.QTable, DLQ: n.QDLQ}
 }
 
 // MigrationList returns every migration, version 1 first, rendered for
@@ -172,11 +158,12 @@ func migrationList(n query.Names) ([]Migration, error) {
 		return nil, fmt.Errorf("pgoutbox: embedded migrations: %w", err)
 	}
 	data := newMigrationNames(n)
+	funcs := templateFuncs(n)
 	out := make([]Migration, 0, len(ts))
 	for _, t := range ts {
 		m := Migration{Version: t.version, Name: t.name}
-		if m.Up, err = renderStatements(t.up, data); err == nil {
-			m.Down, err = renderStatements(t.down, data)
+		if m.Up, err = renderStatements(t.up, funcs, data); err == nil {
+			m.Down, err = renderStatements(t.down, funcs, data)
 		}
 		if err != nil {
 			return nil, fmt.Errorf("pgoutbox: render migration %d (%s): %w", t.version, t.name, err)
@@ -186,9 +173,15 @@ func migrationList(n query.Names) ([]Migration, error) {
 	return out, nil
 }
 
-func renderStatements(t *template.Template, data migrationNames) ([]string, error) {
+func renderStatements(t *template.Template, funcs template.FuncMap, data migrationNames) ([]string, error) {
+	// A clone per rendering binds the names: the parsed templates are
+	// shared.
+	c, err := t.Clone()
+	if err != nil {
+		return nil, err
+	}
 	var b bytes.Buffer
-	if err := t.Execute(&b, data); err != nil {
+	if err := c.Funcs(funcs).Execute(&b, data); err != nil {
 		return nil, err
 	}
 	return splitStatements(b.String())

@@ -23,8 +23,10 @@
 // parking columns, 3 consumer groups (the bindings table, group indexes), 4
 // ordering keys. Each version is two embedded template files,
 // migrations/NNNN_name.up.sql and NNNN_name.down.sql, over the outbox's
-// quoted names ({{.Table}}, {{.DLQ}}, {{.Bindings}}, index names; see
-// migrationNames); {{if .DLQ}} guards what concerns the dead-letter table.
+// quoted names ({{.Schema}}, {{.Table}}, {{.DLQ}}) and on functions that
+// derive the other names from the table's as Create does ({{idx
+// "_suffix"}}, {{qidx "_suffix"}}, {{table "_suffix"}}; see
+// templateFuncs); {{if .DLQ}} guards what concerns the dead-letter table.
 // Adding a version means adding those two files and changing Create's DDL
 // (internal/query/ddl.go) to the same layout: the package's tests fail
 // until the migrations, applied from nothing, build the catalog Create

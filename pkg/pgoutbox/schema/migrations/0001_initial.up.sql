@@ -26,11 +26,11 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
     autovacuum_analyze_scale_factor = 0.02
 );
 
-CREATE INDEX IF NOT EXISTS {{.V1ReadyIdx}} ON {{.Table}} (topic, available_at, id) WHERE lease_token IS NULL;
+CREATE INDEX IF NOT EXISTS {{idx "_ready_idx"}} ON {{.Table}} (topic, available_at, id) WHERE lease_token IS NULL;
 
-CREATE INDEX IF NOT EXISTS {{.V1LeaseIdx}} ON {{.Table}} (topic, leased_until) WHERE lease_token IS NOT NULL;
+CREATE INDEX IF NOT EXISTS {{idx "_lease_idx"}} ON {{.Table}} (topic, leased_until) WHERE lease_token IS NOT NULL;
 
-CREATE UNIQUE INDEX IF NOT EXISTS {{.V1DedupIdx}} ON {{.Table}} (topic, dedup_key) WHERE dedup_key IS NOT NULL;
+CREATE UNIQUE INDEX IF NOT EXISTS {{idx "_dedup_idx"}} ON {{.Table}} (topic, dedup_key) WHERE dedup_key IS NOT NULL;
 {{- if .DLQ}}
 
 CREATE TABLE IF NOT EXISTS {{.DLQ}} (
@@ -48,5 +48,5 @@ CREATE TABLE IF NOT EXISTS {{.DLQ}} (
     failed_at      timestamptz NOT NULL DEFAULT now()
 );
 
-CREATE INDEX IF NOT EXISTS {{.DLQIdx}} ON {{.DLQ}} (topic, failed_at);
+CREATE INDEX IF NOT EXISTS {{dlqidx "_topic_failed_at_idx"}} ON {{.DLQ}} (topic, failed_at);
 {{- end}}

@@ -7,15 +7,15 @@ DO $pgoutbox$ BEGIN
     END IF;
 END $pgoutbox$;
 
-DROP TABLE IF EXISTS {{.Bindings}};
+DROP TABLE IF EXISTS {{table "_bindings"}};
 
-CREATE INDEX IF NOT EXISTS {{.V1ReadyIdx}} ON {{.Table}} (topic, available_at, id) WHERE lease_token IS NULL;
+CREATE INDEX IF NOT EXISTS {{idx "_ready_idx"}} ON {{.Table}} (topic, available_at, id) WHERE lease_token IS NULL;
 
-CREATE INDEX IF NOT EXISTS {{.V1LeaseIdx}} ON {{.Table}} (topic, leased_until) WHERE lease_token IS NOT NULL;
+CREATE INDEX IF NOT EXISTS {{idx "_lease_idx"}} ON {{.Table}} (topic, leased_until) WHERE lease_token IS NOT NULL;
 
-CREATE UNIQUE INDEX IF NOT EXISTS {{.V1DedupIdx}} ON {{.Table}} (topic, dedup_key) WHERE dedup_key IS NOT NULL;
+CREATE UNIQUE INDEX IF NOT EXISTS {{idx "_dedup_idx"}} ON {{.Table}} (topic, dedup_key) WHERE dedup_key IS NOT NULL;
 
-DROP INDEX IF EXISTS {{.QReadyIdx}}, {{.QLeaseIdx}}, {{.QDedupIdx}};
+DROP INDEX IF EXISTS {{qidx "_group_ready_idx"}}, {{qidx "_group_lease_idx"}}, {{qidx "_group_dedup_idx"}};
 
 ALTER TABLE {{.Table}} DROP COLUMN IF EXISTS consumer_group;
 {{- if .DLQ}}

@@ -9,20 +9,20 @@ ALTER TABLE {{.DLQ}} ADD COLUMN IF NOT EXISTS consumer_group text NOT NULL DEFAU
 
 -- Ready rows of a topic and group, in delivery order; the claim's "ready"
 -- branch scans it.
-CREATE INDEX IF NOT EXISTS {{.ReadyIdx}} ON {{.Table}} (topic, consumer_group, available_at, id) WHERE lease_token IS NULL;
+CREATE INDEX IF NOT EXISTS {{idx "_group_ready_idx"}} ON {{.Table}} (topic, consumer_group, available_at, id) WHERE lease_token IS NULL;
 
 -- Leased rows by expiry; the claim's "expired" branch scans it.
-CREATE INDEX IF NOT EXISTS {{.LeaseIdx}} ON {{.Table}} (topic, consumer_group, leased_until) WHERE lease_token IS NOT NULL;
+CREATE INDEX IF NOT EXISTS {{idx "_group_lease_idx"}} ON {{.Table}} (topic, consumer_group, leased_until) WHERE lease_token IS NOT NULL;
 
 -- Timer / idempotency keys: unique per topic and group while the row
 -- exists (every group gets its own copy of a keyed message).
-CREATE UNIQUE INDEX IF NOT EXISTS {{.DedupIdx}} ON {{.Table}} (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL;
+CREATE UNIQUE INDEX IF NOT EXISTS {{idx "_group_dedup_idx"}} ON {{.Table}} (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL;
 
 -- The first release's indexes, without the group: the unique one would
 -- refuse a keyed message's copy for a second group.
-DROP INDEX IF EXISTS {{.QV1ReadyIdx}}, {{.QV1LeaseIdx}}, {{.QV1DedupIdx}};
+DROP INDEX IF EXISTS {{qidx "_ready_idx"}}, {{qidx "_lease_idx"}}, {{qidx "_dedup_idx"}};
 
-CREATE TABLE IF NOT EXISTS {{.Bindings}} (
+CREATE TABLE IF NOT EXISTS {{table "_bindings"}} (
     topic          text        NOT NULL,
     consumer_group text        NOT NULL,
     bound_at       timestamptz NOT NULL DEFAULT now(),
@@ -32,6 +32,6 @@ CREATE TABLE IF NOT EXISTS {{.Bindings}} (
 -- The rows already there are for the default group, whose subscribers
 -- never bound: bind it to their topics, so binding a new group later does
 -- not stop the copies the running consumers get.
-INSERT INTO {{.Bindings}} (topic, consumer_group)
+INSERT INTO {{table "_bindings"}} (topic, consumer_group)
 SELECT DISTINCT topic, consumer_group FROM {{.Table}}
 ON CONFLICT DO NOTHING;

@@ -1,5 +1,5 @@
 -- Messages keep flowing, without their order per key.
-DROP INDEX IF EXISTS {{.QOrderLeaseIdx}}, {{.QOrderIdx}};
+DROP INDEX IF EXISTS {{qidx "_group_order_lease_idx"}}, {{qidx "_group_order_idx"}};
 
 ALTER TABLE {{.Table}} DROP COLUMN IF EXISTS ordering_key;
 {{- if .DLQ}}

@@ -3,7 +3,7 @@
 -- are any (unbind the named groups with --purge first).
 DO $pgoutbox$ BEGIN
     IF EXISTS (SELECT 1 FROM {{.Table}} WHERE consumer_group <> '') THEN
-        RAISE EXCEPTION 'pgoutbox: migrate down to version 2: % holds messages of named consumer groups; unbind them with --purge (pgoutbox unbind) first', '{{.Table}}';
+        RAISE EXCEPTION '% holds messages of named consumer groups, which version 2 cannot tell apart; unbind those groups with --purge (pgoutbox unbind) first', '{{.Table}}';
     END IF;
 END $pgoutbox$;
 

@@ -115,7 +115,8 @@ func (c Config) names() (query.Names, error) {
 
 // SQL returns the DDL that creates the outbox table, its indexes and, when
 // configured, the dead-letter table, as one script for a migration tool.
-// Every statement is idempotent (IF NOT EXISTS).
+// Every statement is idempotent (IF NOT EXISTS). For versioned up and down
+// files, use Migrations instead.
 func SQL(c Config) (string, error) {
 	n, err := c.names()
 	if err != nil {
@@ -197,7 +198,7 @@ type ValidationError struct {
 
 func (e *ValidationError) Error() string {
 	return "pgoutbox: schema does not match: " + strings.Join(e.Problems, "; ") +
-		"; run schema.Create or apply schema.SQL with your migration tool"
+		"; run schema.Create or schema.Migrate (pgoutbox schema migrate up), or apply schema.Migrations with your migration tool"
 }
 
 // Validate reads the catalog and reports, in one *ValidationError, every

@@ -12,9 +12,10 @@ BENCH_FLAGS ?=
 # EXAMPLES, built and tested from their own directory.
 BROKER_MODULES := $(patsubst %/go.mod,%,$(wildcard _examples/*/go.mod))
 # Modules of the library's own that depend on what the library must not
-# (pgoutboxprom: client_golang; pgoutboxotel: the OpenTelemetry SDK),
-# tested like the library, under -race.
-LIB_MODULES := pgoutboxprom pgoutboxotel
+# (pgoutboxprom: client_golang; pgoutboxotel: the OpenTelemetry SDK;
+# tests/migrations: goose and golang-migrate, which apply the rendered
+# migrations), tested like the library, under -race.
+LIB_MODULES := pgoutboxprom pgoutboxotel tests/migrations
 EXAMPLES := $(patsubst %/,./%,$(filter-out $(addsuffix /,$(BROKER_MODULES)),$(wildcard _examples/*/)))
 
 .PHONY: demo examples test test-quick lint fuzz bench bench-relay bench-compare

@@ -45,7 +45,7 @@ type Collector struct {
 var _ prometheus.Collector = (*Collector)(nil)
 
 // NewCollector returns a Collector of the outbox named by tables, read
-// through exec (a pool: tx.FromPgxPool or tx.FromStdDB). Register it with
+// through exec (a pool: tx.FromPgxPool or tx.FromSQLDB). Register it with
 // prometheus.Registerer.Register or MustRegister.
 func NewCollector(exec tx.Executor, tables schema.Config, opts Options) *Collector {
 	timeout := opts.ScrapeTimeout

@@ -157,7 +157,8 @@ func TestPublishBadInput(t *testing.T) {
 	}
 }
 
-// Each bad input's error should say what to do (DESIGN.md, Publish).
+// Each bad input's error should say what to do, so a caller can fix the
+// call from the message alone.
 func TestPublishBadInputSaysWhatToDo(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

@@ -1,7 +1,8 @@
 package tests
 
 // Fault tests: delivery survives killed server connections and a killed
-// consumer process (DESIGN.md invariants 3 and 6).
+// consumer process: nothing is deleted without an ack, nothing is lost
+// (invariants 3 and 6 in docs/delivery.md).
 
 import (
 	"bytes"

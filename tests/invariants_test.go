@@ -1,7 +1,7 @@
 package tests
 
-// One test (or more) per invariant of DESIGN.md. Each would fail if its
-// invariant broke.
+// One test (or more) per delivery invariant (the list in docs/delivery.md,
+// "Invariants"). Each would fail if its invariant broke.
 
 import (
 	"context"

@@ -81,7 +81,7 @@ func run() error {
 
 	// 2. A Watermill router consumes the outbox.
 	// Warnings and errors only, so the demo's own lines stand out.
-	logger := watermill.NewSlogLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
+	logger := pgoutbox.NewSlogLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))) // warnings at slog.LevelWarn
 	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: tables}, logger)
 	if err != nil {
 		return err
@@ -90,7 +90,9 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	router.AddMiddleware(middleware.CorrelationID, pgoutbox.ErrorRecorder)
+	// The first added is the outermost; _examples/middleware-stack has the whole
+	// recommended stack.
+	router.AddMiddleware(pgoutbox.ErrorRecorder, middleware.CorrelationID)
 
 	handled := make(chan orderPlaced, 1)
 	router.AddConsumerHandler("ship_order", topic, sub, func(msg *message.Message) error {

@@ -12,6 +12,7 @@
 //	pgoutbox <command> [flags]
 //
 //	schema sql|apply|validate   print, create or check the tables
+//	schema migrate up|down|status|baseline|files  versioned migrations
 //	stats                       messages per topic and group (--watch for a live table)
 //	dlq list|show|requeue|purge dead letters
 //	peek                        the next messages of a topic and group
@@ -68,6 +69,7 @@ Usage:
 
 Commands:
   schema sql|apply|validate    print the DDL, create the tables, or check them
+  schema migrate up|down|...   versioned migrations (status, baseline, files for goose/golang-migrate)
   stats                        messages per topic and consumer group (--watch: live)
   dlq list|show|requeue|purge  inspect and act on dead letters
   peek                         the next messages a topic and group will deliver

@@ -13,14 +13,15 @@ const schemaUsage = `Usage:
   pgoutbox schema sql       print the DDL (idempotent) for your migration tool
   pgoutbox schema apply     create the tables and indexes (needs DDL rights)
   pgoutbox schema validate  check the tables, columns and indexes; exit code 4 on problems
+  pgoutbox schema migrate   versioned migrations: up, down, status, baseline, files
 
-Run "pgoutbox schema <sql|apply|validate> --help" for flags.
+Run "pgoutbox schema <sql|apply|validate|migrate> --help" for flags.
 `
 
 func (c *cli) schemaCmd(args []string) error {
 	if len(args) == 0 {
 		fmt.Fprint(c.stderr, schemaUsage)
-		return usagef("schema", "missing subcommand: sql, apply or validate")
+		return usagef("schema", "missing subcommand: sql, apply, validate or migrate")
 	}
 	switch args[0] {
 	case "-h", "-help", "--help", "help":
@@ -32,13 +33,15 @@ func (c *cli) schemaCmd(args []string) error {
 		return c.schemaApply(args[1:])
 	case "validate":
 		return c.schemaValidate(args[1:])
+	case "migrate":
+		return c.migrateCmd(args[1:])
 	}
-	return usagef("schema", "unknown subcommand %q; use sql, apply or validate", args[0])
+	return usagef("schema", "unknown subcommand %q; use sql, apply, validate or migrate", args[0])
 }
 
 func (c *cli) schemaSQL(args []string) error {
 	cmd := c.newCommand("schema sql", "schema sql [--schema S] [--table T] [--dlq-table D | --no-dlq]",
-		"  pgoutbox schema sql > migrations/0001_outbox.up.sql\n  pgoutbox schema sql --schema app --table events\n", false)
+		"  pgoutbox schema sql --schema app --table events > outbox.sql\n  (versioned files for goose or golang-migrate: pgoutbox schema migrate files)\n", false)
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
@@ -103,7 +106,7 @@ func (c *cli) schemaValidate(args []string) error {
 		for _, p := range problems {
 			fmt.Fprintf(c.stdout, "problem: %s\n", p)
 		}
-		fmt.Fprintln(c.stderr, `pgoutbox: the schema does not match; run "pgoutbox schema apply", or apply "pgoutbox schema sql" with your migration tool`)
+		fmt.Fprintln(c.stderr, `pgoutbox: the schema does not match; run "pgoutbox schema migrate up" (or "pgoutbox schema apply"), or apply "pgoutbox schema migrate files" with your migration tool`)
 	}
 	if len(problems) > 0 {
 		return &problemsError{n: len(problems)}

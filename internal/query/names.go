@@ -51,6 +51,10 @@ type Names struct {
 	Channel   string // LISTEN/NOTIFY channel, unquoted, at most 63 bytes
 	QBindings string // "schema"."table_bindings": consumer groups bound to topics
 	Bindings  string // unquoted
+	// QVersions is "schema"."table_schema_version": the schema versions
+	// applied by migrations (and recorded by Create).
+	QVersions string
+	Versions  string // unquoted
 
 	ReadyIdx string // unquoted index names
 	LeaseIdx string
@@ -92,6 +96,7 @@ func NewNames(schema, table, dlq string) (Names, error) {
 		QSchema:  Quote(schema),
 		QTable:   Quote(schema) + "." + Quote(table),
 		Bindings: derive(table, "_bindings"),
+		Versions: derive(table, "_schema_version"),
 		ReadyIdx: derive(table, "_group_ready_idx"),
 		LeaseIdx: derive(table, "_group_lease_idx"),
 		DedupIdx: derive(table, "_group_dedup_idx"),
@@ -103,11 +108,13 @@ func NewNames(schema, table, dlq string) (Names, error) {
 		},
 	}
 	n.QBindings = Quote(schema) + "." + Quote(n.Bindings)
+	n.QVersions = Quote(schema) + "." + Quote(n.Versions)
 	if dlq != "" {
 		n.QDLQ = Quote(schema) + "." + Quote(dlq)
 		n.DLQIdx = derive(dlq, "_topic_failed_at_idx")
 	}
-	// The default schema keeps the short channel name DESIGN.md documents;
+	// The default schema keeps the short channel name, pgoutbox_<table>,
+	// that earlier releases used (a listener of theirs keeps hearing it);
 	// other schemas get their own channel so outboxes do not wake each other.
 	ch := "pgoutbox_" + table
 	if schema != "public" {
@@ -117,9 +124,13 @@ func NewNames(schema, table, dlq string) (Names, error) {
 	return n, nil
 }
 
-// derive appends suffix to base, replacing the tail of base by a short hash
-// when the result would exceed PostgreSQL's identifier limit, so two long
-// names never collide after truncation.
+// Derive names an object after base (a table's name): it appends suffix,
+// replacing the tail of base by a short hash when the result would exceed
+// PostgreSQL's identifier limit, so two long names never collide after
+// truncation. Every derived name (indexes, the bindings and version
+// tables, the channel) comes from it.
+func Derive(base, suffix string) string { return derive(base, suffix) }
+
 func derive(base, suffix string) string {
 	if len(base)+len(suffix) <= maxIdentLen {
 		return base + suffix

@@ -208,8 +208,9 @@ func Reject(msg *message.Message, reason string) error {
 // ErrorRecorder is a Router middleware that hands the handler's error to the
 // subscriber, which stores it in last_error (bounded to 8 KiB) and passes it
 // to the RetryPolicy. Add it outside the middlewares that produce the final
-// error: after Retry, so only the last attempt's error counts, and before
-// Recoverer, so a panic is recorded as the error it becomes:
+// error (the first added is the outermost): outside Retry, so only the last
+// attempt's error counts, and outside Recoverer, so a panic is recorded as
+// the error it becomes:
 //
 //	router.AddMiddleware(pgoutbox.ErrorRecorder, middleware.Retry{...}.Middleware, middleware.Recoverer)
 func ErrorRecorder(h message.HandlerFunc) message.HandlerFunc {

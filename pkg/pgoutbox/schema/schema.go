@@ -1,8 +1,38 @@
-// Package schema creates and checks the tables pgoutbox stores messages in.
+// Package schema creates, migrates and checks the tables pgoutbox stores
+// messages in.
 //
-// Use SQL to get the DDL for a migration tool, Create for quick starts and
-// tests (idempotent, safe to call concurrently), and Validate at start-up or
-// in a health check to learn, by name, everything the database is missing.
+// Three ways to own the schema:
+//   - Create, for quick starts and tests: idempotent, safe to call
+//     concurrently, it brings any earlier layout up to date and records the
+//     latest version.
+//   - Migrate (and the "pgoutbox schema migrate" command), versioned up and
+//     down migrations with a version table of the outbox's own,
+//     <table>_schema_version; MigrationStatus reads it, MigrationPlan is a
+//     dry run, Baseline records the version of an outbox made before
+//     versions were recorded.
+//   - Migrations, the same versions rendered as files for goose or
+//     golang-migrate (atlas reads golang-migrate's layout), which keep their
+//     own version tables. SQL is the whole layout as one idempotent script.
+//
+// Validate, at start-up or in a health check, reports by name everything
+// the database is missing.
+//
+// # Versions
+//
+// Version 1 is the first released layout; 2 adds the lease holder and
+// parking columns, 3 consumer groups (the bindings table, group indexes), 4
+// ordering keys. Each version is two embedded template files,
+// migrations/NNNN_name.up.sql and NNNN_name.down.sql, over the outbox's
+// quoted names ({{.Schema}}, {{.Table}}, {{.DLQ}}) and on functions that
+// derive the other names from the table's as Create does ({{idx
+// "_suffix"}}, {{qidx "_suffix"}}, {{table "_suffix"}}; see
+// templateFuncs); {{if .DLQ}} guards what concerns the dead-letter table.
+// Adding a version means adding those two files and changing Create's DDL
+// (internal/query/ddl.go) to the same layout: the package's tests fail
+// until the migrations, applied from nothing, build the catalog Create
+// builds. Up migrations must be idempotent (IF NOT EXISTS), since Baseline
+// may record an older version than an outbox partly has. A statement ends
+// with a line ending in ";" outside a dollar-quoted body.
 package schema
 
 import (
@@ -85,7 +115,8 @@ func (c Config) names() (query.Names, error) {
 
 // SQL returns the DDL that creates the outbox table, its indexes and, when
 // configured, the dead-letter table, as one script for a migration tool.
-// Every statement is idempotent (IF NOT EXISTS).
+// Every statement is idempotent (IF NOT EXISTS). For versioned up and down
+// files, use Migrations instead.
 func SQL(c Config) (string, error) {
 	n, err := c.names()
 	if err != nil {
@@ -123,48 +154,41 @@ func isLockTimeout(err error) bool {
 // Create creates whatever of the schema is missing. It is idempotent and
 // safe to call from several processes at once. When db is bound to the
 // caller's transaction the DDL runs in it (and commits with it); otherwise
-// Create runs in a transaction of its own.
+// Create runs in a transaction of its own. It records LatestVersion in the
+// version table (<table>_schema_version), so Migrate can upgrade the
+// outbox from there later.
 func Create(ctx context.Context, db tx.Executor, c Config) error {
 	n, err := c.names()
 	if err != nil {
 		return err
 	}
-	return tx.RunInTx(ctx, db, func(e tx.Executor) error {
-		// One lock per schema: creators of different tables in one new
-		// schema would otherwise race on CREATE SCHEMA IF NOT EXISTS.
-		if _, err := e.Exec(ctx, query.CreateLock, "pgoutbox:"+n.QSchema); err != nil {
-			return fmt.Errorf("pgoutbox: create schema: lock: %w", err)
-		}
-		// An upgrade alters the table: ACCESS EXCLUSIVE, which waits for
-		// every open transaction that touched the table while every later
-		// reader and writer waits behind it. Bound the wait, unless the
-		// caller's transaction set its own.
-		prev, err := currentSetting(ctx, e, "lock_timeout")
-		if err != nil {
-			return fmt.Errorf("pgoutbox: create schema: %w", err)
-		}
-		if prev == "0" {
-			if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", DDLLockTimeout.Milliseconds())); err != nil {
-				return fmt.Errorf("pgoutbox: create schema: %w", err)
-			}
-		}
+	ms, err := migrationList(n)
+	if err != nil {
+		return err
+	}
+	// One lock per schema: creators of different tables in one new schema
+	// would otherwise race on CREATE SCHEMA IF NOT EXISTS. An upgrade
+	// alters the table: ACCESS EXCLUSIVE, which waits for every open
+	// transaction that touched the table while every later reader and
+	// writer waits behind it; inLockedTx bounds the wait.
+	err = inLockedTx(ctx, db, n, func(e tx.Executor) error {
 		for _, stmt := range query.DDL(n) {
 			if _, err := e.Exec(ctx, stmt); err != nil {
-				if isLockTimeout(err) {
-					return fmt.Errorf("pgoutbox: create schema: a table change waited longer than lock_timeout (%s) for a lock another transaction holds; run it again when no long transaction uses the outbox (see pg_stat_activity), or set a longer lock_timeout in your transaction: %w\nstatement: %s",
-						DDLLockTimeout, err, stmt)
-				}
-				return fmt.Errorf("pgoutbox: create schema: %w\nstatement: %s", err, stmt)
+				return ddlError(stmt, err)
 			}
 		}
-		if prev == "0" {
-			// Bound to the caller's transaction: give it its setting back.
-			if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', '0', true)`); err != nil {
-				return fmt.Errorf("pgoutbox: create schema: %w", err)
-			}
+		if _, err := e.Exec(ctx, query.VersionTable(n)); err != nil {
+			return err
+		}
+		if err := recordUpTo(ctx, e, n, ms, len(ms)); err != nil {
+			return fmt.Errorf("record the version: %w", err)
 		}
 		return nil
 	})
+	if err != nil {
+		return fmt.Errorf("pgoutbox: create schema: %w", err)
+	}
+	return nil
 }
 
 // ValidationError lists everything Validate found missing or wrong.
@@ -174,7 +198,7 @@ type ValidationError struct {
 
 func (e *ValidationError) Error() string {
 	return "pgoutbox: schema does not match: " + strings.Join(e.Problems, "; ") +
-		"; run schema.Create or apply schema.SQL with your migration tool"
+		"; run schema.Create or schema.Migrate (pgoutbox schema migrate up), or apply schema.Migrations with your migration tool"
 }
 
 // Validate reads the catalog and reports, in one *ValidationError, every

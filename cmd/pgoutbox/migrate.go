@@ -1,0 +1,275 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+const migrateUsage = `Usage:
+  pgoutbox schema migrate up [--to N] [--dry-run]     apply the pending migrations (to the latest, or N)
+  pgoutbox schema migrate down [--to N] [--dry-run]   undo the last migration (or down to N; 0 drops the tables)
+  pgoutbox schema migrate status [--json]             the recorded version and what is pending
+  pgoutbox schema migrate baseline                    record the version of an outbox made before versions were recorded
+  pgoutbox schema migrate files --format F --out DIR  write the migrations for goose or golang-migrate (and atlas)
+
+Run "pgoutbox schema migrate <command> --help" for flags.
+`
+
+func (c *cli) migrateCmd(args []string) error {
+	if len(args) == 0 {
+		fmt.Fprint(c.stderr, migrateUsage)
+		return usagef("schema migrate", "missing subcommand: up, down, status, baseline or files")
+	}
+	switch args[0] {
+	case "-h", "-help", "--help", "help":
+		fmt.Fprint(c.stdout, migrateUsage+"\n"+exitCodesHelp)
+		return errHelp
+	case "up":
+		return c.migrateUpDown(args[1:], false)
+	case "down":
+		return c.migrateUpDown(args[1:], true)
+	case "status":
+		return c.migrateStatus(args[1:])
+	case "baseline":
+		return c.migrateBaseline(args[1:])
+	case "files":
+		return c.migrateFiles(args[1:])
+	}
+	return usagef("schema migrate", "unknown subcommand %q; use up, down, status, baseline or files", args[0])
+}
+
+func (c *cli) migrateUpDown(args []string, down bool) error {
+	name := "schema migrate up"
+	usage := "schema migrate up [--to N] [--dry-run] [connection flags]"
+	examples := "  pgoutbox schema migrate up\n  pgoutbox schema migrate up --to 3 --dry-run\n"
+	if down {
+		name = "schema migrate down"
+		usage = "schema migrate down [--to N] [--dry-run] [--yes] [connection flags]"
+		examples = "  pgoutbox schema migrate down --dry-run\n  pgoutbox schema migrate down --to 3 --yes\n"
+	}
+	cmd := c.newCommand(name, usage, examples, false)
+	to := cmd.fs.Int("to", -1, "the version to reach (default: the latest for up, one below the current for down)")
+	dryRun := cmd.fs.Bool("dry-run", false, "print the SQL it would run, and run nothing")
+	var yes *bool
+	if down {
+		yes = cmd.fs.Bool("yes", false, "do not ask for confirmation")
+	}
+	if err := cmd.parseNoArgs(args); err != nil {
+		return err
+	}
+	latest := schema.LatestVersion()
+	if *to != -1 && (*to < 0 || *to > latest) {
+		return usagef(name, "--to %d is out of range; use 0 to %d", *to, latest)
+	}
+	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, t schema.Config) error {
+		st, err := schema.MigrationStatus(ctx, exec, t)
+		if err != nil {
+			return err
+		}
+		target := *to
+		switch {
+		case target == -1 && down:
+			target = max(st.Current-1, 0)
+		case target == -1:
+			target = latest
+		case down && target > st.Current:
+			return usagef(name, "--to %d is above the current version %d; use \"schema migrate up\"", target, st.Current)
+		case !down && target < st.Current:
+			return usagef(name, "--to %d is below the current version %d; use \"schema migrate down\"", target, st.Current)
+		}
+		plan, err := schema.MigrationPlan(ctx, exec, t, target)
+		if err != nil {
+			return err
+		}
+		if len(plan) == 0 {
+			fmt.Fprintf(c.stdout, "nothing to do: %s is at version %d\n", tablesName(t), st.Current)
+			return nil
+		}
+		if *dryRun {
+			for _, s := range plan {
+				fmt.Fprintf(c.stdout, "-- %s version %d (%s)\n", stepVerb(s), s.Version, s.Name)
+				for _, stmt := range s.Statements {
+					fmt.Fprintf(c.stdout, "%s;\n\n", stmt)
+				}
+			}
+			return nil
+		}
+		if down {
+			q := fmt.Sprintf("Migrate %s down from version %d to %d?", tablesName(t), st.Current, target)
+			if target == 0 {
+				q = fmt.Sprintf("Migrate %s down to version 0, dropping its tables and every message in them?", tablesName(t))
+			}
+			if err := c.confirm(name, q, *yes); err != nil {
+				return err
+			}
+		}
+		steps, err := schema.Migrate(ctx, exec, t, target)
+		for _, s := range steps {
+			fmt.Fprintf(c.stdout, "%s version %d (%s)\n", stepPast(s), s.Version, s.Name)
+		}
+		if err != nil {
+			return err
+		}
+		if len(steps) == 0 {
+			fmt.Fprintf(c.stdout, "nothing to do: another migration got there first\n")
+		}
+		return nil
+	})
+}
+
+func stepVerb(s schema.MigrationStep) string {
+	if s.Down {
+		return "undo"
+	}
+	return "apply"
+}
+
+func stepPast(s schema.MigrationStep) string {
+	if s.Down {
+		return "undid"
+	}
+	return "applied"
+}
+
+func tablesName(t schema.Config) string {
+	t = t.WithDefaults()
+	return t.Schema + "." + t.Table
+}
+
+func (c *cli) migrateStatus(args []string) error {
+	cmd := c.newCommand("schema migrate status", "schema migrate status [--json] [connection flags]",
+		"  pgoutbox schema migrate status\n  pgoutbox schema migrate status --json\n", true)
+	if err := cmd.parseNoArgs(args); err != nil {
+		return err
+	}
+	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, t schema.Config) error {
+		st, err := schema.MigrationStatus(ctx, exec, t)
+		if err != nil {
+			return err
+		}
+		needsBaseline := st.Current == 0 && st.OutboxExists
+		if cmd.json {
+			type applied struct {
+				Version   int       `json:"version"`
+				Name      string    `json:"name"`
+				AppliedAt time.Time `json:"applied_at"`
+			}
+			type pending struct {
+				Version int    `json:"version"`
+				Name    string `json:"name"`
+			}
+			doc := struct {
+				Current       int       `json:"current"`
+				Latest        int       `json:"latest"`
+				NeedsBaseline bool      `json:"needs_baseline"`
+				Applied       []applied `json:"applied"`
+				Pending       []pending `json:"pending"`
+			}{Current: st.Current, Latest: st.Latest, NeedsBaseline: needsBaseline, Applied: []applied{}, Pending: []pending{}}
+			for _, a := range st.Applied {
+				doc.Applied = append(doc.Applied, applied{a.Version, a.Name, a.AppliedAt})
+			}
+			for _, p := range st.Pending {
+				doc.Pending = append(doc.Pending, pending{p.Version, p.Name})
+			}
+			return writeJSON(c.stdout, doc)
+		}
+		fmt.Fprintf(c.stdout, "%s: version %d of %d\n", tablesName(t), st.Current, st.Latest)
+		for _, a := range st.Applied {
+			fmt.Fprintf(c.stdout, "  applied  %4d %-24s %s\n", a.Version, a.Name, a.AppliedAt.UTC().Format(time.RFC3339))
+		}
+		for _, p := range st.Pending {
+			fmt.Fprintf(c.stdout, "  pending  %4d %s\n", p.Version, p.Name)
+		}
+		if needsBaseline {
+			fmt.Fprintln(c.stdout, `the tables exist but no version is recorded: run "pgoutbox schema migrate baseline" first`)
+		}
+		return nil
+	})
+}
+
+func (c *cli) migrateBaseline(args []string) error {
+	cmd := c.newCommand("schema migrate baseline", "schema migrate baseline [connection flags]",
+		"  pgoutbox schema migrate baseline && pgoutbox schema migrate up\n", false)
+	if err := cmd.parseNoArgs(args); err != nil {
+		return err
+	}
+	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, t schema.Config) error {
+		v, err := schema.Baseline(ctx, exec, t)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(c.stdout, "recorded version %d for %s (of %d); \"pgoutbox schema migrate up\" applies the rest\n", v, tablesName(t), schema.LatestVersion())
+		return nil
+	})
+}
+
+func (c *cli) migrateFiles(args []string) error {
+	cmd := c.newCommand("schema migrate files", "schema migrate files --format goose|golang-migrate --out DIR [--schema S] [--table T] [--dlq-table D | --no-dlq]",
+		"  pgoutbox schema migrate files --format goose --out db/migrations\n  pgoutbox schema migrate files --format golang-migrate --out migrations --schema app\n", false)
+	format := cmd.fs.String("format", "", "goose, or golang-migrate (which atlas reads too)")
+	out := cmd.fs.String("out", "", "the directory to write to (created when missing; existing files are not overwritten)")
+	if err := cmd.parseNoArgs(args); err != nil {
+		return err
+	}
+	if err := cmd.required("format", *format); err != nil {
+		return err
+	}
+	if err := cmd.required("out", *out); err != nil {
+		return err
+	}
+	f, err := schema.ParseMigrationFormat(*format)
+	if err != nil {
+		return usagef(cmd.name, "%s", strings.TrimPrefix(err.Error(), "pgoutbox: "))
+	}
+	t, err := cmd.tables()
+	if err != nil {
+		return err
+	}
+	fsys, err := schema.Migrations(t, f)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(*out, 0o755); err != nil {
+		return fmt.Errorf("write migrations: %w", err)
+	}
+	entries, err := fs.ReadDir(fsys, ".")
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		data, err := fs.ReadFile(fsys, e.Name())
+		if err != nil {
+			return err
+		}
+		path := filepath.Join(*out, e.Name())
+		file, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+		if errors.Is(err, fs.ErrExist) {
+			existing, rerr := os.ReadFile(path)
+			if rerr == nil && string(existing) == string(data) {
+				continue // the same file, from an earlier run
+			}
+			return fmt.Errorf("write migrations: %s exists with other content; a migration already applied must not change: write the new versions to an empty directory and copy them over", path)
+		}
+		if err != nil {
+			return fmt.Errorf("write migrations: %w", err)
+		}
+		_, werr := file.Write(data)
+		if cerr := file.Close(); werr == nil {
+			werr = cerr
+		}
+		if werr != nil {
+			return fmt.Errorf("write migrations: %w", werr)
+		}
+		fmt.Fprintln(c.stdout, path)
+	}
+	return nil
+}

@@ -1,0 +1,132 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+func TestSchemaMigrate(t *testing.T) {
+	t.Parallel()
+	s := pgoutboxtest.NewSchema(t, pgoutboxtest.Options{})
+	conn := []string{"--dsn", s.DSN, "--schema", s.Name}
+	run := func(args ...string) (string, string, int) {
+		t.Helper()
+		return cliRun(t, nil, append(args, conn...)...)
+	}
+	status := func() map[string]any {
+		t.Helper()
+		out, errOut, code := run("schema", "migrate", "status", "--json")
+		require.Equal(t, 0, code, errOut)
+		var doc map[string]any
+		require.NoError(t, json.Unmarshal([]byte(out), &doc), out)
+		return doc
+	}
+	latest := float64(schema.LatestVersion())
+
+	doc := status()
+	require.Equal(t, 0.0, doc["current"])
+	require.Equal(t, latest, doc["latest"])
+	require.Len(t, doc["pending"], int(latest))
+	require.Equal(t, false, doc["needs_baseline"])
+
+	out, errOut, code := run("schema", "migrate", "up", "--dry-run")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "-- apply version 1 (initial)\n")
+	require.Contains(t, out, "-- apply version 4 (ordering_keys)\n")
+	require.Contains(t, out, `CREATE TABLE IF NOT EXISTS "`+s.Name+`"."outbox"`)
+	require.Equal(t, 0.0, status()["current"], "a dry run changes nothing")
+
+	out, errOut, code = run("schema", "migrate", "up", "--to", "2")
+	require.Equal(t, 0, code, errOut)
+	require.Equal(t, "applied version 1 (initial)\napplied version 2 (lease_holder_parking)\n", out)
+	out, errOut, code = run("schema", "migrate", "up")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "applied version 4 (ordering_keys)")
+	_, errOut, code = run("schema", "validate")
+	require.Equal(t, 0, code, errOut)
+	out, _, code = run("schema", "migrate", "status")
+	require.Equal(t, 0, code)
+	require.Contains(t, out, "version 4 of 4")
+	out, _, _ = run("schema", "migrate", "up")
+	require.Contains(t, out, "nothing to do")
+
+	_, errOut, code = run("schema", "migrate", "down")
+	require.Equal(t, exitRefused, code, "down asks, and there is no terminal")
+	require.Contains(t, errOut, "--yes")
+	out, errOut, code = run("schema", "migrate", "down", "--dry-run")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "-- undo version 4 (ordering_keys)\n")
+	require.Contains(t, out, "\nDROP INDEX IF EXISTS")
+	out, errOut, code = run("schema", "migrate", "down", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Equal(t, "undid version 4 (ordering_keys)\n", out)
+	require.Equal(t, 3.0, status()["current"])
+
+	_, errOut, code = run("schema", "migrate", "down", "--to", "4")
+	require.Equal(t, exitUsage, code)
+	require.Contains(t, errOut, "above the current version 3")
+	_, _, code = run("schema", "migrate", "up", "--to", "99")
+	require.Equal(t, exitUsage, code)
+
+	out, errOut, code = run("schema", "migrate", "down", "--to", "0", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "undid version 1 (initial)")
+	_, _, code = run("schema", "validate")
+	require.Equal(t, exitValidation, code)
+
+	// An outbox made by an older Create: tables without a version.
+	require.NoError(t, schema.Create(context.Background(), tx.FromPgxPool(s.Pool), schema.Config{Schema: s.Name}))
+	_, err := s.Pool.Exec(context.Background(), `DROP TABLE "`+s.Name+`".outbox_schema_version`)
+	require.NoError(t, err)
+	require.Equal(t, true, status()["needs_baseline"])
+	_, errOut, code = run("schema", "migrate", "up")
+	require.Equal(t, exitError, code)
+	require.Contains(t, errOut, "migrate baseline")
+	out, errOut, code = run("schema", "migrate", "baseline")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "recorded version 4")
+	require.Equal(t, latest, status()["current"])
+}
+
+func TestSchemaMigrateFiles(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	out, errOut, code := cliRun(t, nil, "schema", "migrate", "files", "--format", "goose", "--out", dir, "--schema", "app")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, filepath.Join(dir, "0001_initial.sql"))
+	text, err := os.ReadFile(filepath.Join(dir, "0003_consumer_groups.sql"))
+	require.NoError(t, err)
+	require.Contains(t, string(text), "-- +goose Up")
+	require.Contains(t, string(text), `"app"."outbox_bindings"`)
+	_, errOut, code = cliRun(t, nil, "schema", "migrate", "files", "--format", "goose", "--out", dir, "--schema", "app")
+	require.Equal(t, 0, code, "the same files again: %s", errOut)
+	_, errOut, code = cliRun(t, nil, "schema", "migrate", "files", "--format", "goose", "--out", dir, "--schema", "other")
+	require.Equal(t, exitError, code)
+	require.Contains(t, errOut, "exists with other content")
+
+	gm := t.TempDir()
+	_, errOut, code = cliRun(t, nil, "schema", "migrate", "files", "--format", "golang-migrate", "--out", gm, "--no-dlq")
+	require.Equal(t, 0, code, errOut)
+	names, err := filepath.Glob(filepath.Join(gm, "*.sql"))
+	require.NoError(t, err)
+	require.Len(t, names, 2*schema.LatestVersion())
+
+	for _, args := range [][]string{
+		{"schema", "migrate"},
+		{"schema", "migrate", "sideways"},
+		{"schema", "migrate", "files", "--out", gm},
+		{"schema", "migrate", "files", "--format", "flyway", "--out", gm},
+	} {
+		_, errOut, code := cliRun(t, nil, args...)
+		require.Equal(t, exitUsage, code, "%v: %s", args, errOut)
+	}
+}

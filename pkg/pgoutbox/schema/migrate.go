@@ -1,0 +1,427 @@
+package schema
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// Latest, as Migrate's target, is the latest version.
+const Latest = -1
+
+// ErrNoVersion is returned by Migrate and MigrationPlan for an outbox
+// whose tables exist but whose version was never recorded (created by the
+// SQL script, or by a Create of a release before migrations). Baseline
+// records it.
+var ErrNoVersion = errors.New("pgoutbox: the outbox has no recorded schema version")
+
+// MigrationStep is one migration Migrate applies or undoes.
+type MigrationStep struct {
+	// Version is the version reached (up) or undone (down).
+	Version int
+	Name    string
+	// Down is set when the step undoes Version.
+	Down bool
+	// Statements are what the step runs, in its own transaction.
+	Statements []string
+}
+
+// AppliedVersion is one row of the version table.
+type AppliedVersion struct {
+	Version   int
+	Name      string
+	AppliedAt time.Time
+}
+
+// MigrationState is what MigrationStatus reads.
+type MigrationState struct {
+	// Current is the highest applied version; 0 when none is.
+	Current int
+	// Latest is the version this release's migrations reach.
+	Latest int
+	// Applied lists the version table, oldest first.
+	Applied []AppliedVersion
+	// Pending lists the versions Migrate to Latest would apply.
+	Pending []Migration
+	// OutboxExists tells whether the outbox table exists; with Current 0
+	// it means Baseline must record the version first.
+	OutboxExists bool
+}
+
+// MigrationStatus reads the recorded version of the outbox in c. It
+// creates nothing.
+func MigrationStatus(ctx context.Context, db tx.Executor, c Config) (MigrationState, error) {
+	n, err := c.names()
+	if err != nil {
+		return MigrationState{}, err
+	}
+	ms, err := migrationList(n)
+	if err != nil {
+		return MigrationState{}, err
+	}
+	st, err := readState(ctx, db, n)
+	if err != nil {
+		return MigrationState{}, fmt.Errorf("pgoutbox: migration status: %w", err)
+	}
+	st.Latest = len(ms)
+	if st.Current < st.Latest {
+		st.Pending = ms[st.Current:]
+	}
+	return st, nil
+}
+
+func readState(ctx context.Context, db tx.Executor, n query.Names) (MigrationState, error) {
+	var st MigrationState
+	var err error
+	if st.OutboxExists, err = exists(ctx, db, n.QTable); err != nil {
+		return st, err
+	}
+	haveTable, err := exists(ctx, db, n.QVersions)
+	if err != nil || !haveTable {
+		return st, err
+	}
+	rows, err := db.Query(ctx, query.VersionsApplied(n))
+	if err != nil {
+		return st, err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var a AppliedVersion
+		if err := rows.Scan(&a.Version, &a.Name, &a.AppliedAt); err != nil {
+			return st, err
+		}
+		st.Applied = append(st.Applied, a)
+		st.Current = max(st.Current, a.Version)
+	}
+	return st, rows.Err()
+}
+
+func exists(ctx context.Context, db tx.Executor, qname string) (bool, error) {
+	rows, err := db.Query(ctx, query.TableExists, qname)
+	if err != nil {
+		return false, err
+	}
+	defer rows.Close()
+	var ok bool
+	if rows.Next() {
+		err = rows.Scan(&ok)
+	}
+	if err == nil {
+		err = rows.Err()
+	}
+	return ok, err
+}
+
+// MigrationPlan returns the steps Migrate(ctx, db, c, target) would run
+// now, without running them (a dry run). target is a version from 0 (no
+// tables) to LatestVersion, or Latest.
+func MigrationPlan(ctx context.Context, db tx.Executor, c Config, target int) ([]MigrationStep, error) {
+	n, err := c.names()
+	if err != nil {
+		return nil, err
+	}
+	ms, err := migrationList(n)
+	if err != nil {
+		return nil, err
+	}
+	if target, err = checkTarget(target, len(ms)); err != nil {
+		return nil, err
+	}
+	st, err := readState(ctx, db, n)
+	if err != nil {
+		return nil, fmt.Errorf("pgoutbox: migration plan: %w", err)
+	}
+	if err := checkRecorded(n, st); err != nil {
+		return nil, err
+	}
+	var steps []MigrationStep
+	for v := st.Current; v != target; {
+		s, next := step(ms, v, target)
+		steps = append(steps, s)
+		v = next
+	}
+	return steps, nil
+}
+
+func checkTarget(target, latest int) (int, error) {
+	if target == Latest {
+		return latest, nil
+	}
+	if target < 0 || target > latest {
+		return 0, fmt.Errorf("pgoutbox: migrate: target version %d is out of range; use 0 (no tables) to %d (latest), or Latest", target, latest)
+	}
+	return target, nil
+}
+
+func checkRecorded(n query.Names, st MigrationState) error {
+	if st.Current == 0 && st.OutboxExists {
+		return fmt.Errorf("%w: %s exists but %s records no version (it was created by the SQL script or an older schema.Create); run \"pgoutbox schema migrate baseline\" (schema.Baseline) once to record it", ErrNoVersion, n.QTable, n.QVersions)
+	}
+	if st.Current > len(st.Applied) && len(st.Applied) > 0 {
+		// Versions are recorded one by one; a gap means a hand edit.
+		have := map[int]bool{}
+		for _, a := range st.Applied {
+			have[a.Version] = true
+		}
+		for v := 1; v <= st.Current; v++ {
+			if !have[v] {
+				return fmt.Errorf("pgoutbox: migrate: %s records version %d but not %d; record the missing versions or restore the table", n.QVersions, st.Current, v)
+			}
+		}
+	}
+	return nil
+}
+
+// step returns the migration from version v toward target, and the
+// version after it.
+func step(ms []Migration, v, target int) (MigrationStep, int) {
+	if target > v {
+		m := ms[v]
+		return MigrationStep{Version: m.Version, Name: m.Name, Statements: m.Up}, v + 1
+	}
+	m := ms[v-1]
+	return MigrationStep{Version: m.Version, Name: m.Name, Down: true, Statements: m.Down}, v - 1
+}
+
+// Migrate brings the outbox in c to the target version (Latest, or 0 to
+// LatestVersion; 0 drops the tables and every message in them) and
+// returns the steps it ran. Each step runs in a transaction of its own
+// that takes the same advisory lock as Create, so concurrent Migrate and
+// Create calls (two deploys) run one after the other: the second finds
+// the work done. When db is bound to the caller's transaction, every step
+// runs in it. Table changes wait at most DDLLockTimeout for their locks,
+// unless the transaction set its own lock_timeout.
+//
+// An outbox created before versions were recorded needs Baseline first
+// (Migrate returns ErrNoVersion). Create records the latest version, so
+// an outbox made by Create is migrated from there.
+func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]MigrationStep, error) {
+	n, err := c.names()
+	if err != nil {
+		return nil, err
+	}
+	ms, err := migrationList(n)
+	if err != nil {
+		return nil, err
+	}
+	if target, err = checkTarget(target, len(ms)); err != nil {
+		return nil, err
+	}
+	var done []MigrationStep
+	for {
+		var s *MigrationStep
+		err := inLockedTx(ctx, db, n, func(e tx.Executor) error {
+			st, err := readState(ctx, e, n)
+			if err != nil {
+				return err
+			}
+			if err := checkRecorded(n, st); err != nil {
+				return err
+			}
+			if st.Current == target {
+				return nil
+			}
+			next, _ := step(ms, st.Current, target)
+			for _, stmt := range next.Statements {
+				if _, err := e.Exec(ctx, stmt); err != nil {
+					return fmt.Errorf("%s version %d (%s): %w", direction(next), next.Version, next.Name, ddlError(stmt, err))
+				}
+			}
+			// After the step: version 1 may have created the schema.
+			if _, err := e.Exec(ctx, query.VersionTable(n)); err != nil {
+				return err
+			}
+			if next.Down {
+				_, err = e.Exec(ctx, query.ForgetVersion(n), next.Version)
+			} else {
+				_, err = e.Exec(ctx, query.RecordVersion(n), next.Version, next.Name)
+			}
+			if err != nil {
+				return err
+			}
+			s = &next
+			return nil
+		})
+		if err != nil {
+			if errors.Is(err, ErrNoVersion) {
+				return done, err
+			}
+			return done, fmt.Errorf("pgoutbox: migrate: %w", err)
+		}
+		if s == nil {
+			return done, nil
+		}
+		done = append(done, *s)
+	}
+}
+
+func direction(s MigrationStep) string {
+	if s.Down {
+		return "down"
+	}
+	return "up"
+}
+
+// Baseline records the version of an outbox whose tables exist but whose
+// version was never recorded: one created by the SQL script, or by
+// Create before it recorded versions. It reads the layout from the
+// catalog and records the highest version whose every column, table and
+// index is there; the later migrations then fill in the rest (they are
+// idempotent). An outbox of the first layout without the configured
+// dead-letter table (the first release made none by default) gets it.
+// It returns the version recorded, and an error when the
+// outbox table is missing (nothing to baseline: run Migrate) or a version
+// is already recorded.
+func Baseline(ctx context.Context, db tx.Executor, c Config) (int, error) {
+	n, err := c.names()
+	if err != nil {
+		return 0, err
+	}
+	ms, err := migrationList(n)
+	if err != nil {
+		return 0, err
+	}
+	var version int
+	err = inLockedTx(ctx, db, n, func(e tx.Executor) error {
+		st, err := readState(ctx, e, n)
+		if err != nil {
+			return err
+		}
+		if !st.OutboxExists {
+			return fmt.Errorf("%s does not exist, so there is no layout to record; run \"pgoutbox schema migrate up\" to create it", n.QTable)
+		}
+		if st.Current > 0 {
+			return fmt.Errorf("%s already records version %d; run \"pgoutbox schema migrate up\" to upgrade", n.QVersions, st.Current)
+		}
+		var dlqMissing bool
+		if version, dlqMissing, err = detectLayout(ctx, e, n); err != nil {
+			return err
+		}
+		switch {
+		case dlqMissing && version == 1:
+			// The first release made no dead-letter table by default.
+			// Version 1 makes it, and runs again safely on its layout.
+			for _, stmt := range ms[0].Up {
+				if _, err := e.Exec(ctx, stmt); err != nil {
+					return fmt.Errorf("create the dead-letter table: %w", ddlError(stmt, err))
+				}
+			}
+		case dlqMissing:
+			return fmt.Errorf("the dead-letter table %s.%s is missing; create it (\"pgoutbox schema apply\") or pass --no-dlq (NoDeadLetterTable) if this outbox has none", n.Schema, n.DLQTable)
+		}
+		if _, err := e.Exec(ctx, query.VersionTable(n)); err != nil {
+			return err
+		}
+		return recordUpTo(ctx, e, n, ms, version)
+	})
+	if err != nil {
+		return 0, fmt.Errorf("pgoutbox: migrate baseline: %w", err)
+	}
+	return version, nil
+}
+
+func recordUpTo(ctx context.Context, e tx.Executor, n query.Names, ms []Migration, version int) error {
+	for _, m := range ms[:version] {
+		if _, err := e.Exec(ctx, query.RecordVersion(n), m.Version, m.Name); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// detectLayout tells which of the layouts before versions were recorded
+// (1 to 4) an outbox has, from its catalog: the highest version whose
+// additions are all there (a missing dead-letter table counts as missing
+// its additions), and whether the configured dead-letter table is
+// missing. Layouts after version 4 are always recorded (Create and
+// Migrate record them), so this never needs a new case.
+func detectLayout(ctx context.Context, e tx.Executor, n query.Names) (version int, dlqMissing bool, err error) {
+	cols := map[string]map[string]bool{}
+	idx := map[string]bool{}
+	for _, table := range []string{n.Table, n.DLQTable, n.Bindings} {
+		if table == "" {
+			continue
+		}
+		rows, err := catalog(ctx, e, query.CatalogColumns, n.Schema, table, 2)
+		if err != nil {
+			return 0, false, err
+		}
+		if len(rows) > 0 {
+			cols[table] = map[string]bool{}
+		}
+		for _, r := range rows {
+			cols[table][r[0]] = true
+		}
+		irows, err := catalog(ctx, e, query.CatalogIndexes, n.Schema, table, 1)
+		if err != nil {
+			return 0, false, err
+		}
+		for _, r := range irows {
+			idx[r[0]] = true
+		}
+	}
+	dlqMissing = n.DLQTable != "" && cols[n.DLQTable] == nil
+	has := func(table string, names ...string) bool {
+		for _, c := range names {
+			if !cols[table][c] {
+				return false
+			}
+		}
+		return true
+	}
+	dlqHas := func(names ...string) bool { return n.DLQTable == "" || has(n.DLQTable, names...) }
+	switch {
+	case !has(n.Table, "lease_holder", "failure_reason"):
+		return 1, dlqMissing, nil
+	case !has(n.Table, "consumer_group") || !dlqHas("consumer_group") || cols[n.Bindings] == nil ||
+		!idx[n.ReadyIdx] || !idx[n.LeaseIdx] || !idx[n.DedupIdx] || idx[n.OldIndexes[2]]:
+		return 2, dlqMissing, nil
+	case !has(n.Table, "ordering_key") || !dlqHas("ordering_key") || !idx[n.OrderIdx] || !idx[n.OrderLeaseIdx]:
+		return 3, dlqMissing, nil
+	}
+	return 4, dlqMissing, nil
+}
+
+// inLockedTx runs fn in a transaction (or the caller's) holding Create's
+// advisory lock, with lock_timeout bounded by DDLLockTimeout unless the
+// transaction set its own.
+func inLockedTx(ctx context.Context, db tx.Executor, n query.Names, fn func(e tx.Executor) error) error {
+	return tx.RunInTx(ctx, db, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, query.CreateLock, "pgoutbox:"+n.QSchema); err != nil {
+			return fmt.Errorf("lock: %w", err)
+		}
+		prev, err := currentSetting(ctx, e, "lock_timeout")
+		if err != nil {
+			return err
+		}
+		if prev == "0" {
+			if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", DDLLockTimeout.Milliseconds())); err != nil {
+				return err
+			}
+		}
+		if err := fn(e); err != nil {
+			return err
+		}
+		if prev == "0" {
+			// Bound to the caller's transaction: give it its setting back.
+			if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', '0', true)`); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// ddlError explains a failed schema statement, with the hint for a lock
+// wait.
+func ddlError(stmt string, err error) error {
+	if isLockTimeout(err) {
+		return fmt.Errorf("a table change waited longer than lock_timeout (%s) for a lock another transaction holds; run it again when no long transaction uses the outbox (see pg_stat_activity), or set a longer lock_timeout in your transaction: %w\nstatement: %s",
+			DDLLockTimeout, err, stmt)
+	}
+	return fmt.Errorf("%w\nstatement: %s", err, stmt)
+}

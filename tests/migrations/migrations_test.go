@@ -1,0 +1,252 @@
+// Package migrations_test applies pgoutbox's rendered migrations with goose
+// and golang-migrate, as libraries, and checks that each tool reaches the
+// layout schema.Create builds, goes down to nothing and up again. It is a
+// module of its own so the library does not depend on either tool.
+package migrations_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"testing"
+
+	"github.com/golang-migrate/migrate/v4"
+	migratepgx "github.com/golang-migrate/migrate/v4/database/pgx/v5"
+	"github.com/golang-migrate/migrate/v4/source/iofs"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// catalogDumpSQL describes every relation of schema $1 but the version
+// tables (pgoutbox's, goose's, golang-migrate's): columns (type,
+// nullability, default, identity), relations with their storage
+// parameters, indexes and constraints, one sorted line each, with the
+// schema name replaced by S. Column order is left out: a migration adds
+// columns at the end where Create declares them in place.
+const catalogDumpSQL = `
+SELECT line FROM (
+  SELECT c.relname || '.' || a.attname || ' ' || format_type(a.atttypid, a.atttypmod)
+         || CASE WHEN a.attnotnull THEN ' not null' ELSE '' END
+         || coalesce(' default ' || pg_get_expr(d.adbin, d.adrelid), '')
+         || CASE WHEN a.attidentity <> '' THEN ' identity ' || a.attidentity::text ELSE '' END AS line
+    FROM pg_attribute a
+    JOIN pg_class c ON c.oid = a.attrelid
+    JOIN pg_namespace n ON n.oid = c.relnamespace
+    LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+   WHERE n.nspname = $1 AND c.relkind = 'r' AND a.attnum > 0 AND NOT a.attisdropped
+  UNION ALL
+  SELECT 'relation ' || c.relname || ' ' || c.relkind::text || ' ' || coalesce(array_to_string(c.reloptions, ','), '')
+    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1
+  UNION ALL
+  SELECT 'index ' || replace(indexdef, quote_ident($1) || '.', 'S.') FROM pg_indexes WHERE schemaname = $1
+  UNION ALL
+  SELECT 'constraint ' || c.relname || ' ' || con.conname || ' ' || pg_get_constraintdef(con.oid)
+    FROM pg_constraint con JOIN pg_class c ON c.oid = con.conrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+   WHERE n.nspname = $1
+) l
+WHERE line NOT LIKE '%schema_version%' AND line NOT LIKE '%goose_db_version%' AND line NOT LIKE '%schema_migrations%'
+ORDER BY line`
+
+type testBundle struct {
+	ctx    context.Context
+	target *pgoutboxtest.Schema // the tool migrates this one
+	cfg    schema.Config        // the outbox in target
+	db     *sql.DB              // on target, search_path = target (the tool's table lands there)
+	want   []string             // the catalog schema.Create builds for cfg
+}
+
+func setup(t *testing.T, cfg schema.Config) *testBundle {
+	t.Helper()
+	ctx := context.Background()
+	b := &testBundle{ctx: ctx, target: pgoutboxtest.NewSchema(t, pgoutboxtest.Options{})}
+	cfg.Schema = b.target.Name
+	b.cfg = cfg
+
+	created := pgoutboxtest.NewSchema(t, pgoutboxtest.Options{})
+	ccfg := cfg
+	ccfg.Schema = created.Name
+	require.NoError(t, schema.Create(ctx, tx.FromPgxPool(created.Pool), ccfg))
+	b.want = b.catalog(t, created.Name)
+	require.Greater(t, len(b.want), 20)
+
+	conf, err := pgx.ParseConfig(b.target.DSN)
+	require.NoError(t, err)
+	conf.RuntimeParams["search_path"] = b.target.Name
+	b.db = stdlib.OpenDB(*conf)
+	t.Cleanup(func() { _ = b.db.Close() })
+	return b
+}
+
+func (b *testBundle) catalog(t *testing.T, schemaName string) []string {
+	t.Helper()
+	rows, err := b.target.Pool.Query(b.ctx, catalogDumpSQL, schemaName)
+	require.NoError(t, err)
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var l string
+		require.NoError(t, rows.Scan(&l))
+		out = append(out, l)
+	}
+	require.NoError(t, rows.Err())
+	return out
+}
+
+// requireHead checks the target against Create's layout, by Validate and
+// by the whole catalog.
+func (b *testBundle) requireHead(t *testing.T) {
+	t.Helper()
+	require.NoError(t, schema.Validate(b.ctx, tx.FromPgxPool(b.target.Pool), b.cfg))
+	require.Equal(t, b.want, b.catalog(t, b.target.Name))
+}
+
+var configs = map[string]schema.Config{
+	"Default":                    {},
+	"OwnNamesWithoutDeadLetters": {Table: "events", NoDeadLetterTable: true},
+	"OwnDeadLetterTable":         {Table: "jobs", DeadLetterTable: "jobs_failed"},
+}
+
+func TestGoose(t *testing.T) {
+	t.Parallel()
+	for name, cfg := range configs {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, cfg)
+			fsys, err := schema.Migrations(b.cfg, schema.FormatGoose)
+			require.NoError(t, err)
+			p, err := goose.NewProvider(goose.DialectPostgres, b.db, fsys)
+			require.NoError(t, err)
+			require.Len(t, p.ListSources(), schema.LatestVersion())
+
+			res, err := p.Up(b.ctx)
+			require.NoError(t, err)
+			require.Len(t, res, schema.LatestVersion())
+			b.requireHead(t)
+
+			_, err = p.DownTo(b.ctx, 0)
+			require.NoError(t, err)
+			require.Empty(t, b.catalog(t, b.target.Name), "down to 0 leaves only goose's table")
+
+			_, err = p.Up(b.ctx)
+			require.NoError(t, err)
+			b.requireHead(t)
+			v, err := p.GetDBVersion(b.ctx)
+			require.NoError(t, err)
+			require.Equal(t, int64(schema.LatestVersion()), v)
+		})
+	}
+}
+
+func TestGolangMigrate(t *testing.T) {
+	t.Parallel()
+	for name, cfg := range configs {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, cfg)
+			fsys, err := schema.Migrations(b.cfg, schema.FormatGolangMigrate)
+			require.NoError(t, err)
+			src, err := iofs.New(fsys, ".")
+			require.NoError(t, err)
+			driver, err := migratepgx.WithInstance(b.db, &migratepgx.Config{})
+			require.NoError(t, err)
+			m, err := migrate.NewWithInstance("iofs", src, "pgx5", driver)
+			require.NoError(t, err)
+			t.Cleanup(func() { _, _ = m.Close() })
+
+			require.NoError(t, m.Up())
+			b.requireHead(t)
+			v, dirty, err := m.Version()
+			require.NoError(t, err)
+			require.False(t, dirty)
+			require.Equal(t, uint(schema.LatestVersion()), v)
+
+			require.NoError(t, m.Steps(-1))
+			require.NoError(t, m.Up(), "the last version again")
+			b.requireHead(t)
+
+			require.NoError(t, m.Down())
+			require.Empty(t, b.catalog(t, b.target.Name), "down to nothing leaves only golang-migrate's table")
+			require.NoError(t, m.Up())
+			b.requireHead(t)
+			require.True(t, errors.Is(m.Up(), migrate.ErrNoChange))
+		})
+	}
+}
+
+// TestUpgradeFromFirstRelease migrates an outbox at version 1 that holds
+// messages to the latest with goose, and the rows survive.
+func TestUpgradeFromFirstRelease(t *testing.T) {
+	t.Parallel()
+	b := setup(t, schema.Config{})
+	fsys, err := schema.Migrations(b.cfg, schema.FormatGoose)
+	require.NoError(t, err)
+	p, err := goose.NewProvider(goose.DialectPostgres, b.db, fsys)
+	require.NoError(t, err)
+	_, err = p.UpTo(b.ctx, 1)
+	require.NoError(t, err)
+	_, err = b.target.Pool.Exec(b.ctx, `INSERT INTO "`+b.target.Name+`".outbox (topic, uuid, payload) VALUES ('orders', 'u1', 'x')`)
+	require.NoError(t, err)
+	_, err = p.Up(b.ctx)
+	require.NoError(t, err)
+	b.requireHead(t)
+	var n int
+	require.NoError(t, b.target.Pool.QueryRow(b.ctx, `SELECT count(*) FROM "`+b.target.Name+`".outbox WHERE consumer_group = ''`).Scan(&n))
+	require.Equal(t, 1, n)
+}
+
+// TestBaselineACreatedOutbox follows docs/upgrading.md for an outbox that
+// schema.Create made: each tool is told the latest version is applied
+// (golang-migrate: force; goose: rows in its table), then has nothing to
+// do, and can go down.
+func TestBaselineACreatedOutbox(t *testing.T) {
+	t.Parallel()
+	latest := schema.LatestVersion()
+
+	t.Run("GolangMigrateForce", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, schema.Config{})
+		require.NoError(t, schema.Create(b.ctx, tx.FromPgxPool(b.target.Pool), b.cfg))
+		fsys, err := schema.Migrations(b.cfg, schema.FormatGolangMigrate)
+		require.NoError(t, err)
+		src, err := iofs.New(fsys, ".")
+		require.NoError(t, err)
+		driver, err := migratepgx.WithInstance(b.db, &migratepgx.Config{})
+		require.NoError(t, err)
+		m, err := migrate.NewWithInstance("iofs", src, "pgx5", driver)
+		require.NoError(t, err)
+		t.Cleanup(func() { _, _ = m.Close() })
+		require.NoError(t, m.Force(latest))
+		require.ErrorIs(t, m.Up(), migrate.ErrNoChange)
+		require.NoError(t, m.Steps(-1))
+		require.NoError(t, m.Up())
+		b.requireHead(t)
+	})
+
+	t.Run("GooseVersionRows", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, schema.Config{})
+		require.NoError(t, schema.Create(b.ctx, tx.FromPgxPool(b.target.Pool), b.cfg))
+		fsys, err := schema.Migrations(b.cfg, schema.FormatGoose)
+		require.NoError(t, err)
+		p, err := goose.NewProvider(goose.DialectPostgres, b.db, fsys)
+		require.NoError(t, err)
+		_, err = p.GetDBVersion(b.ctx) // creates goose's table
+		require.NoError(t, err)
+		_, err = b.db.ExecContext(b.ctx, `INSERT INTO goose_db_version (version_id, is_applied) SELECT v, true FROM generate_series(1, $1) v`, latest)
+		require.NoError(t, err)
+		res, err := p.Up(b.ctx)
+		require.NoError(t, err)
+		require.Empty(t, res)
+		_, err = p.Down(b.ctx)
+		require.NoError(t, err)
+		_, err = p.Up(b.ctx)
+		require.NoError(t, err)
+		b.requireHead(t)
+	})
+}

@@ -341,7 +341,8 @@ func TestOrderingKeyLateCommitWaitsForTheKeysMessageInFlight(t *testing.T) {
 		before := ev.countKind(pgoutbox.EventClaimed)
 		require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("unkeyed"))) // wakes the loop: a claim runs
 		require.Equal(t, "unkeyed", string(receive(t, ch, 10*time.Second).Payload))
-		require.Greater(t, ev.countKind(pgoutbox.EventClaimed), before)
+		// Events reach the observer on a goroutine of their own.
+		pollUntil(t, "a claim ran after the commit", 10*time.Second, nil, func() bool { return ev.countKind(pgoutbox.EventClaimed) > before })
 		requireNothing(t, ch, 300*time.Millisecond)
 		m1.Ack()
 		require.Equal(t, "first id, commits last", string(receive(t, ch, 10*time.Second).Payload))

@@ -100,6 +100,7 @@ type subscription struct {
 	heldOffUntil time.Time    // ClaimAuto leases until then: the handlers were slow
 	// heldFailedUntil: every mode leases until then, a batch's end failed.
 	heldFailedUntil time.Time
+	poolClosed      bool // the pool was closed: the subscription ends (pool_closed.go)
 }
 
 // report is what the claim goroutine, the completer or forwardSignals
@@ -275,6 +276,7 @@ func (sub *subscription) run() {
 		case <-nackC:
 			sub.onVerdict(verdict{d: sub.single, seq: sub.single.seq, msg: single}, false)
 		case r := <-sub.reports:
+			poolClosed := sub.poolClosedBy(r)
 			switch {
 			case r.claim != nil:
 				sub.onClaimed(*r.claim)
@@ -288,6 +290,9 @@ func (sub *subscription) run() {
 				}
 			default:
 				sub.onNotified(sub.waiter.Take())
+			}
+			if poolClosed && !sub.stopping {
+				sub.beginStop()
 			}
 		case <-sub.timer.C:
 			sub.timerAt = time.Time{} // passedTimes acts on it
@@ -1175,6 +1180,9 @@ func (sub *subscription) finishedStopping(now time.Time) bool {
 	}
 	if sub.inWrite {
 		return false
+	}
+	if sub.poolClosed {
+		return true // nothing can be written any more
 	}
 	if sub.pending.empty() && len(sub.lostClaims) == 0 && sub.retry == nil {
 		return true

@@ -43,7 +43,7 @@ func Bind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 		return err
 	}
 	if _, err := exec.Exec(ctx, q.Bind, topic, group); err != nil {
-		return fmt.Errorf("pgoutbox: bind group %q to topic %q: %w", group, topic, err)
+		return errorf("pgoutbox: bind group %q to topic %q: %w", group, topic, err)
 	}
 	return nil
 }
@@ -70,7 +70,7 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 		return err
 	})
 	if err != nil {
-		return 0, fmt.Errorf("pgoutbox: unbind group %q from topic %q: %w", group, topic, err)
+		return 0, errorf("pgoutbox: unbind group %q from topic %q: %w", group, topic, err)
 	}
 	return purged, nil
 }

@@ -3,6 +3,7 @@ package pgoutbox
 import (
 	"errors"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -28,3 +29,7 @@ var (
 	// committed or rolled back.
 	ErrTxDone = tx.ErrTxDone
 )
+
+// errorf is fmt.Errorf for pgoutbox's errors: the text names "pgoutbox:"
+// once however many pgoutbox errors it wraps.
+func errorf(format string, args ...any) error { return errtext.Errorf(format, args...) }

@@ -306,12 +306,12 @@ func (p *Publisher) wrapErr(topic string, err error) error {
 	if errors.As(err, &pgErr) {
 		switch pgErr.Code {
 		case "42P01": // undefined_table
-			return fmt.Errorf("pgoutbox: publish to %q: table %s does not exist; run schema.Create or apply schema.SQL: %w", topic, p.q.Names.QTable, err)
+			return errorf("pgoutbox: publish to %q: table %s does not exist; run schema.Create or apply schema.SQL: %w", topic, p.q.Names.QTable, err)
 		case "25P02": // in_failed_sql_transaction
-			return fmt.Errorf("pgoutbox: publish to %q: the transaction already failed; roll it back and retry the whole unit of work: %w", topic, err)
+			return errorf("pgoutbox: publish to %q: the transaction already failed; roll it back and retry the whole unit of work: %w", topic, err)
 		}
 	}
-	return fmt.Errorf("pgoutbox: publish to %q: %w", topic, err)
+	return errorf("pgoutbox: publish to %q: %w", topic, err)
 }
 
 // publishBatch holds one Publish call as parallel arrays (see query.Publish
@@ -396,7 +396,7 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 
 		delay, at, err := schedule(m.Metadata)
 		if err != nil {
-			return b, fmt.Errorf("%w: message %d: %v", ErrInvalidMessage, i, err)
+			return b, errorf("%w: message %d: %w", ErrInvalidMessage, i, err)
 		}
 		key, keyed := m.Metadata[dedupKeyKey]
 		if keyed && key == "" {

@@ -170,17 +170,9 @@ func DeadLetters(ctx context.Context, exec tx.Executor, tables schema.Config, f 
 	defer rows.Close()
 	var page DeadLetterPage
 	for rows.Next() {
-		var d DeadLetter
-		var md string
-		var dedup, lastErr, failedBy *string
-		if err := rows.Scan(&d.ID, &d.Topic, &d.ConsumerGroup, &d.UUID, &d.Payload, &md, &d.CreatedAt, &d.Deliveries,
-			&dedup, &lastErr, &d.FailureReason, &failedBy, &d.FailedAt); err != nil {
-			return DeadLetterPage{}, errorf("pgoutbox: list dead letters: %w", err)
-		}
-		d.DedupKey, d.LastError, d.FailedBy = deref(dedup), deref(lastErr), deref(failedBy)
-		d.Metadata = message.Metadata{}
-		if err := decodeMetadata([]byte(md), d.Metadata); err != nil {
-			return DeadLetterPage{}, errorf("pgoutbox: dead letter %d: %w", d.ID, err)
+		d, err := scanDeadLetter(rows)
+		if err != nil {
+			return DeadLetterPage{}, err
 		}
 		page.Letters = append(page.Letters, d)
 	}
@@ -193,6 +185,64 @@ func DeadLetters(ctx context.Context, exec tx.Executor, tables schema.Config, f 
 		page.Next = DeadLetterCursor{FailedAt: last.FailedAt, ID: last.ID}
 	}
 	return page, nil
+}
+
+// scanDeadLetter reads one row of query.DeadLetterColumns.
+func scanDeadLetter(rows tx.Rows) (DeadLetter, error) {
+	var d DeadLetter
+	var md string
+	var dedup, lastErr, failedBy *string
+	if err := rows.Scan(&d.ID, &d.Topic, &d.ConsumerGroup, &d.UUID, &d.Payload, &md, &d.CreatedAt, &d.Deliveries,
+		&dedup, &lastErr, &d.FailureReason, &failedBy, &d.FailedAt); err != nil {
+		return DeadLetter{}, errorf("pgoutbox: read dead letters: %w", err)
+	}
+	d.DedupKey, d.LastError, d.FailedBy = deref(dedup), deref(lastErr), deref(failedBy)
+	d.Metadata = message.Metadata{}
+	if err := decodeMetadata([]byte(md), d.Metadata); err != nil {
+		return DeadLetter{}, errorf("pgoutbox: dead letter %d: %w", d.ID, err)
+	}
+	return d, nil
+}
+
+// DeadLetterByID reads the dead letter with id, and reports whether there
+// is one (a requeued or purged dead letter is not). It runs in exec's
+// transaction when exec is one, and writes nothing.
+func DeadLetterByID(ctx context.Context, exec tx.Executor, tables schema.Config, id int64) (DeadLetter, bool, error) {
+	q, err := dlqQueries(exec, tables)
+	if err != nil {
+		return DeadLetter{}, false, err
+	}
+	rows, err := exec.Query(ctx, query.DeadLetterByID(q.Names), id)
+	if err != nil {
+		return DeadLetter{}, false, errorf("pgoutbox: read dead letter %d: %w", id, err)
+	}
+	defer rows.Close()
+	if !rows.Next() {
+		if err := rows.Err(); err != nil {
+			return DeadLetter{}, false, errorf("pgoutbox: read dead letter %d: %w", id, err)
+		}
+		return DeadLetter{}, false, nil
+	}
+	d, err := scanDeadLetter(rows)
+	return d, err == nil, err
+}
+
+// DeleteDeadLetters deletes the dead letters with the given ids, for good,
+// in one statement, and returns how many it deleted (ids that are not dead
+// letters are ignored). It runs in exec's transaction when exec is one.
+func DeleteDeadLetters(ctx context.Context, exec tx.Executor, tables schema.Config, ids []int64) (int64, error) {
+	q, err := dlqQueries(exec, tables)
+	if err != nil {
+		return 0, err
+	}
+	if len(ids) == 0 {
+		return 0, errorf("%w: no dead-letter ids given; pass the DeadLetter.ID values to delete, or use PurgeDeadLettersMatching", ErrInvalidConfig)
+	}
+	n, err := exec.Exec(ctx, query.DeleteDeadLetters(q.Names), ids)
+	if err != nil {
+		return 0, errorf("pgoutbox: delete dead letters: %w", err)
+	}
+	return n, nil
 }
 
 func deref(s *string) string {
@@ -276,10 +326,28 @@ func requeue(ctx context.Context, exec tx.Executor, what, stmt string, args ...a
 // the whole table. There is no retention built in: call it from a cron
 // job.
 func PurgeDeadLetters(ctx context.Context, exec tx.Executor, tables schema.Config, olderThan time.Duration, batchSize int) (int64, error) {
+	return PurgeDeadLettersMatching(ctx, exec, tables, olderThan, DeadLetterFilter{}, batchSize)
+}
+
+// PurgeDeadLettersMatching is PurgeDeadLetters for the dead letters of one
+// topic, consumer group or failure reason: f.Topic, f.ConsumerGroup and
+// f.Reason select them as in DeadLetters (the zero filter selects all);
+// its other fields must be zero (olderThan sets the time bound). With a
+// topic, each batch is a range of the (topic, failed_at) index.
+func PurgeDeadLettersMatching(ctx context.Context, exec tx.Executor, tables schema.Config, olderThan time.Duration, f DeadLetterFilter, batchSize int) (int64, error) {
 	q, err := dlqQueries(exec, tables)
 	if err != nil {
 		return 0, err
 	}
+	if !f.FailedAfter.IsZero() || !f.FailedBefore.IsZero() || !f.After.IsZero() || f.Limit != 0 {
+		return 0, errorf("%w: a purge filter takes Topic, ConsumerGroup and Reason only; olderThan bounds the time, batchSize the statements", ErrInvalidConfig)
+	}
+	args, err := f.args(pgtype.Int8{})
+	if err != nil {
+		return 0, err
+	}
+	topic, group, reason := args[0], args[1], args[2]
+	filtered := f != (DeadLetterFilter{})
 	if olderThan < 0 {
 		return 0, errorf("%w: olderThan is %s; pass how old a dead letter must be to go, 0 for all", ErrInvalidConfig, olderThan)
 	}
@@ -306,10 +374,13 @@ func PurgeDeadLetters(ctx context.Context, exec tx.Executor, tables schema.Confi
 	if err != nil {
 		return 0, errorf("pgoutbox: purge dead letters: %w", err)
 	}
-	stmt := query.PurgeDeadLetters(q.Names)
+	stmt, args := query.PurgeDeadLetters(q.Names), []any{cutoff, batchSize}
+	if filtered {
+		stmt, args = query.PurgeDeadLettersMatching(q.Names, f.Topic != ""), []any{cutoff, batchSize, topic, group, reason}
+	}
 	var total int64
 	for {
-		n, err := exec.Exec(ctx, stmt, cutoff, batchSize)
+		n, err := exec.Exec(ctx, stmt, args...)
 		total += n
 		if err != nil {
 			return total, errorf("pgoutbox: purge dead letters (%d deleted so far): %w", total, err)

@@ -25,6 +25,9 @@ var (
 	// ErrAckDeadline is the error recorded (last_error, RetryPolicy) for a
 	// message whose handler did not answer within AckDeadline.
 	ErrAckDeadline = errors.New("pgoutbox: ack deadline exceeded")
+	// ErrNotBound is returned by Unbind for a consumer group that was not
+	// bound to the topic.
+	ErrNotBound = errors.New("pgoutbox: the consumer group is not bound to the topic")
 	// ErrTxDone is returned when the publisher's transaction was already
 	// committed or rolled back.
 	ErrTxDone = tx.ErrTxDone

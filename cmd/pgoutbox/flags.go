@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -107,7 +108,7 @@ func (cmd *command) tables() (schema.Config, error) {
 		return t, usagef(cmd.name, "--no-dlq and a dead-letter table (--dlq-table or $PGOUTBOX_DLQ_TABLE=%q) were both given; drop one", t.DeadLetterTable)
 	}
 	if err := t.Validate(); err != nil {
-		return t, usagef(cmd.name, "%v; fix --schema, --table or --dlq-table (or their PGOUTBOX_* variables)", err)
+		return t, usagef(cmd.name, "%s; fix --schema, --table or --dlq-table (or their PGOUTBOX_* variables)", errtext.Trim(err))
 	}
 	return t, nil
 }

@@ -213,6 +213,8 @@ type SubscriberConfig struct {
 
 	// RetryPolicy decides when a nacked message is delivered again. Defaults
 	// to DefaultRetryPolicy() (exponential, 1s to 5min, 10 attempts).
+	// Validate checks the fields of an ExponentialBackoff or ConstantBackoff
+	// against the ranges their docs give.
 	RetryPolicy RetryPolicy
 
 	// MaxDeliveries dead-letters a row, without running the handler, when it

@@ -39,9 +39,10 @@ const ephemeralPort = "54329"
 // returns its DSN. It runs at most once per process, when neither
 // POSTGRES_DSN, nor 127.0.0.1:5432, nor a locally installed PostgreSQL
 // works. Set it in TestMain, before the tests run; stopping the server is
-// up to you (after m.Run). Defaults to nil: pgoutbox does not depend on a
-// container library. See the package documentation for a dockertest
-// version.
+// up to you (after m.Run). Defaults to nil: pgoutboxtest does not depend
+// on a container library; the module
+// github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest/dockerpg
+// sets it to start PostgreSQL in Docker (dockerpg.Main).
 var StartServer func(ctx context.Context) (dsn string, err error)
 
 var (

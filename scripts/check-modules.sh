@@ -19,6 +19,10 @@ sums=$(go run scripts/modproxy.go "$tmp/proxy" "$version")
 export GOWORK=off GOMODCACHE="$tmp/modcache" GONOSUMDB="$main" GOFLAGS="-modcacherw ${GOFLAGS:-}"
 export GOPROXY="file://$tmp/proxy,file://$(go env GOMODCACHE)/cache/download,$(go env GOPROXY)"
 
+# The fresh module cache makes go report every module it copies; keep the
+# errors only.
+quiet() { "$@" 2> >(grep -v '^go: downloading ' >&2); }
+
 failed=()
 for m in "$@"; do
   echo "--- $m (GOWORK=off, $main@$version from the working tree)"
@@ -34,7 +38,7 @@ for m in "$@"; do
   work="$tmp/mod/$m"; mkdir -p "$work"
   cp "$m/go.mod" "$work/go.mod"
   { grep -v "^$main $version[ /]" "$m/go.sum" 2>/dev/null || true; echo "$sums"; } > "$work/go.sum"
-  if ! (cd "$m" && go build -o /dev/null -modfile="$work/go.mod" ./... && go vet -modfile="$work/go.mod" ./...); then
+  if ! (cd "$m" && quiet go build -o /dev/null -modfile="$work/go.mod" ./... && quiet go vet -modfile="$work/go.mod" ./...); then
     failed+=("$m")
   fi
 done

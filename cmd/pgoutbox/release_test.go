@@ -72,13 +72,16 @@ func TestVersion(t *testing.T) {
 	t.Parallel()
 	out, errOut, code := cliRun(t, nil, "version")
 	require.Equal(t, 0, code, errOut)
-	// A build from a working tree has no module version.
-	require.Regexp(t, regexp.MustCompile(`^pgoutbox \(devel\) \(go[0-9.]+.*\)\n$`), out)
+	// A build from a working tree has no module version ("(devel)"), or,
+	// with VCS stamping (Go 1.24+, -buildvcs), a pseudo-version.
+	want := debugVersion()
+	require.Regexp(t, regexp.MustCompile(`^pgoutbox (\(devel\)|v[0-9]+\.[0-9]+\.[0-9]+\S*) \(go[0-9.]+.*\)\n$`), out)
+	require.Contains(t, out, "pgoutbox "+want+" (")
 	out, errOut, code = cliRun(t, nil, "--version", "--json")
 	require.Equal(t, 0, code, errOut)
 	var v map[string]string
 	require.NoError(t, json.Unmarshal([]byte(out), &v), out)
-	require.Equal(t, "(devel)", v["version"])
+	require.Equal(t, want, v["version"])
 }
 
 // A value the outbox refuses is a usage error (2), and every error names
@@ -248,4 +251,19 @@ func TestCancelByDedupKey(t *testing.T) {
 	require.Contains(t, errOut, "nothing cancelled")
 	_, _, code = cliRun(t, env, "cancel", "--topic", "reminders")
 	require.Equal(t, exitUsage, code)
+}
+
+// debugVersion is the module version the test binary's build stamped
+// into the CLI binary: both are built from the same tree with the same flags.
+func debugVersion() string {
+	out, err := exec.Command("go", "version", "-m", binary).Output()
+	if err != nil {
+		return "(devel)"
+	}
+	for _, line := range strings.Split(string(out), "\n") {
+		if f := strings.Fields(line); len(f) >= 3 && f[0] == "mod" {
+			return f[2]
+		}
+	}
+	return "(devel)"
 }

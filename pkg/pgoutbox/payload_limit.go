@@ -10,7 +10,7 @@ import (
 var ErrPayloadTooLarge = errors.New("pgoutbox: payload too large")
 
 func payloadTooLarge(i, size, limit int) error {
-	return errorf("%w: %w: message %d: payload is %d bytes, over PublisherConfig.MaxPayloadBytes (%d); store large bodies elsewhere (object storage) and publish a reference, or raise MaxPayloadBytes (NoPayloadLimit, -1, disables the check)",
+	return errorf("%w: %w: message %d: payload is %d bytes, over PublisherConfig.MaxPayloadBytes (%d); store large bodies elsewhere (object storage) and publish a reference, or raise MaxPayloadBytes (NoPayloadLimit, -1, turns the check off)",
 		ErrInvalidMessage, ErrPayloadTooLarge, i, size, limit)
 }
 

@@ -12,12 +12,12 @@ BENCH_FLAGS ?=
 # EXAMPLES, built and tested from their own directory.
 BROKER_MODULES := $(patsubst %/go.mod,%,$(wildcard _examples/*/go.mod))
 # Modules of the library's own that depend on what the library must not
-# (pgoutboxprom: client_golang; pgoutboxtest/dockerpg: the Docker client),
-# tested like the library, under -race.
-# To add a module: create its go.mod requiring the main module at
+# (pgoutboxprom: client_golang; pgoutboxotel: the OpenTelemetry SDK;
+# pgoutboxtest/dockerpg: the Docker client), tested like the library, under
+# -race. To add a module: create its go.mod requiring the main module at
 # RELEASE_VERSION (no replace), `go work use ./dir`, and add it here
 # (docs/versioning.md).
-LIB_MODULES := pgoutboxprom pkg/pgoutbox/pgoutboxtest/dockerpg
+LIB_MODULES := pgoutboxprom pgoutboxotel pkg/pgoutbox/pgoutboxtest/dockerpg
 # Every module but the root, each listed in go.work, so builds in the
 # repository use the working tree; `make modules` builds each without the
 # workspace against the tree served as RELEASE_VERSION, the version its

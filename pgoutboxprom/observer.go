@@ -26,6 +26,7 @@ type Observer struct {
 	poisoned     *prometheus.CounterVec
 	renewed      *prometheus.CounterVec
 	leaseLost    *prometheus.CounterVec
+	lateness     *prometheus.HistogramVec
 }
 
 var _ pgoutbox.Observer = (*Observer)(nil)
@@ -77,8 +78,30 @@ func NewObserver(reg prometheus.Registerer, opts Options) (*Observer, error) {
 		}
 		*c.dst = vec
 	}
+	lateness := prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:        opts.name("subscriber_lateness_seconds"),
+		Help:        "How long after it became due a message was handed to the Router: for a message neither delayed nor retried, the time from its publish to its hand-out.",
+		ConstLabels: opts.ConstLabels,
+		Buckets:     LatenessBuckets,
+	}, pair)
+	if err := reg.Register(lateness); err != nil {
+		var already prometheus.AlreadyRegisteredError
+		if !errors.As(err, &already) {
+			return nil, fmt.Errorf("pgoutboxprom: register %s: %w", opts.name("subscriber_lateness_seconds"), err)
+		}
+		existing, ok := already.ExistingCollector.(*prometheus.HistogramVec)
+		if !ok {
+			return nil, fmt.Errorf("pgoutboxprom: %s is registered already, not as a histogram vector", opts.name("subscriber_lateness_seconds"))
+		}
+		lateness = existing
+	}
+	o.lateness = lateness
 	return o, nil
 }
+
+// LatenessBuckets are the bucket boundaries of the lateness histogram, in
+// seconds: from 5 ms (a subscriber woken by NOTIFY) to an hour (a backlog).
+var LatenessBuckets = []float64{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600}
 
 // Observe implements pgoutbox.Observer.
 func (o *Observer) Observe(e pgoutbox.Event) {
@@ -99,6 +122,8 @@ func (o *Observer) Observe(e pgoutbox.Event) {
 		if e.Count > 0 {
 			o.heldToLease.WithLabelValues(e.Topic, e.Group).Add(float64(e.Count))
 		}
+	case pgoutbox.EventHandedOut:
+		o.lateness.WithLabelValues(e.Topic, e.Group).Observe(max(e.Lateness, 0).Seconds())
 	case pgoutbox.EventAcked:
 		o.acked.WithLabelValues(e.Topic, e.Group).Add(rows(e))
 	case pgoutbox.EventRetried:

@@ -99,6 +99,7 @@ func TestCollectorAndObserverOverHTTP(t *testing.T) {
 		"the observer runs on a goroutine of the subscriber's own: its counters follow the acks")
 	body = scrape(t, srv)
 	requireLine(t, body, `pgoutbox_subscriber_messages_claimed_total{consumer_group="",topic="orders"} 3`)
+	requireLine(t, body, `pgoutbox_subscriber_lateness_seconds_count{consumer_group="",topic="orders"} 3`)
 	requireLine(t, body, `pgoutbox_messages{consumer_group="",state="ready",topic="orders"} 0`)
 	requireLine(t, body, `pgoutbox_oldest_ready_age_seconds{consumer_group="",topic="orders"} 0`)
 
@@ -228,6 +229,34 @@ app_outbox_subscriber_messages_released_total{consumer_group="g",db="main",topic
 app_outbox_subscriber_messages_retried_total{consumer_group="g",db="main",topic="t"} 1
 `
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(want)))
+
+	// A hand-out's lateness lands in its bucket.
+	obs.Observe(pgoutbox.Event{Kind: pgoutbox.EventHandedOut, Topic: "t", Group: "g", RowID: 7, Deliveries: 1, Lateness: 3 * time.Second})
+	obs.Observe(pgoutbox.Event{Kind: pgoutbox.EventHandedOut, Topic: "t", Group: "g", RowID: 8, Deliveries: 1, Lateness: 40 * time.Second})
+	const lateness = `
+# HELP app_outbox_subscriber_lateness_seconds How long after it became due a message was handed to the Router: for a message neither delayed nor retried, the time from its publish to its hand-out.
+# TYPE app_outbox_subscriber_lateness_seconds histogram
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="0.005"} 0
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="0.01"} 0
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="0.025"} 0
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="0.05"} 0
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="0.1"} 0
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="0.25"} 0
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="0.5"} 0
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="1"} 0
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="2.5"} 0
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="5"} 1
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="10"} 1
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="30"} 1
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="60"} 2
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="300"} 2
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="900"} 2
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="3600"} 2
+app_outbox_subscriber_lateness_seconds_bucket{consumer_group="g",db="main",topic="t",le="+Inf"} 2
+app_outbox_subscriber_lateness_seconds_sum{consumer_group="g",db="main",topic="t"} 43
+app_outbox_subscriber_lateness_seconds_count{consumer_group="g",db="main",topic="t"} 2
+`
+	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(lateness), "app_outbox_subscriber_lateness_seconds"))
 
 	// A name taken by another kind of collector is an error, not a panic.
 	clash := prometheus.NewRegistry()

@@ -111,7 +111,15 @@ func moduleFiles() []string {
 	if err != nil {
 		fail("git ls-files: %v", err)
 	}
-	all := strings.Split(strings.TrimSpace(string(out)), "\n")
+	// A file in conflict is listed once per stage.
+	var all []string
+	seen := map[string]bool{}
+	for _, f := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		if !seen[f] {
+			seen[f] = true
+			all = append(all, f)
+		}
+	}
 	var nested []string
 	for _, f := range all {
 		if path.Base(f) == "go.mod" && f != "go.mod" {

@@ -1005,3 +1005,44 @@ func TestHeldAutoLeasesOnceAHandlerUsesItsOwnTransaction(t *testing.T) {
 	}
 	t.Fatal("the first messages were never claimed on the held path, in 5 attempts")
 }
+
+// One nack on an ordered ClaimAuto subscription ends its batch at once (the
+// retry waits for its write): the rows still buffered in that batch say
+// nothing about the handlers' speed, and the held path goes on.
+func TestHeldOrderedNackDoesNotTurnTheHeldPathOff(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pool, _ := heldPool(t, b, 10)
+	const n = 6000
+	pub := b.poolPublisher(t)
+	msgs := newMsgs(n)
+	for i := 0; i < n; i += 1000 {
+		require.NoError(t, pub.Publish("t", msgs[i:i+1000]...))
+	}
+	ev := newEvents()
+	sub := b.subscriberOn(t, pool, func(c *pgoutbox.SubscriberConfig) { c.Observer = ev }) // ClaimAuto, MaxInFlight 1
+	var handled atomic.Int32
+	var nacked atomic.Bool
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		if handled.Add(1) == 1500 && nacked.CompareAndSwap(false, true) {
+			return errors.New("once")
+		}
+		return nil
+	})
+	pollUntil(t, "every message acked", time.Minute, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+	ev.mu.Lock()
+	evs := append([]pgoutbox.Event(nil), ev.list...)
+	ev.mu.Unlock()
+	retried := -1
+	for i, e := range evs {
+		if e.Kind == pgoutbox.EventRetried {
+			retried = i
+			break
+		}
+	}
+	require.GreaterOrEqual(t, retried, 0, "the nack was recorded")
+	after := evs[retried:]
+	held, leased := rowsClaimedOnPath(after, pgoutbox.PathHeld), rowsClaimedOnPath(after, pgoutbox.PathLease)
+	t.Logf("after the nack: held %d, leased %d", held, leased)
+	require.Greater(t, held, 3*leased, "after the nack the rows were claimed held (held %d, leased %d)", held, leased)
+}

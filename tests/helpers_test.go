@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
@@ -218,4 +219,34 @@ func (l *logCapture) find(level string, match func(logEntry) bool) []logEntry {
 		}
 	}
 	return out
+}
+
+// claimPaths are the claim paths every guarantee is tested on: the default
+// (ClaimAuto, which picks per claim), and each path forced for every claim.
+var claimPaths = []string{"auto", testhook.PathHeld, testhook.PathLease}
+
+// onEachClaimPath runs f as a parallel subtest per claim path.
+func onEachClaimPath(t *testing.T, f func(t *testing.T, path string)) {
+	t.Helper()
+	for _, p := range claimPaths {
+		t.Run("path="+p, func(t *testing.T) {
+			t.Parallel()
+			f(t, p)
+		})
+	}
+}
+
+// onPath makes a subscriber configured by c take path on every claim (a
+// worker id of its own carries the hook); "auto" leaves c as it is.
+func onPath(t *testing.T, path string, c *pgoutbox.SubscriberConfig) {
+	t.Helper()
+	if path == "auto" {
+		return
+	}
+	if c.WorkerID == "" {
+		c.WorkerID = "test-" + path + "-" + watermill.NewShortUUID()
+	}
+	id := c.WorkerID
+	testhook.ForceClaimPath(id, path)
+	t.Cleanup(func() { testhook.ForceClaimPath(id, "") })
 }

@@ -113,23 +113,26 @@ func (l *keyLog) requireOrder(t *testing.T, keys, perKey int) {
 // parallel.
 func TestOrderingKeysKeepPublishOrderPerKeyInParallel(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	const n, keys = 10_000, 100
-	pub := b.poolPublisher(t)
-	msgs := keyedMsgs(n, keys)
-	for i := 0; i < n; i += 1000 {
-		require.NoError(t, pub.Publish("orders", msgs[i:i+1000]...))
-	}
-	log := newKeyLog()
-	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
-		c.MaxInFlight = 16
-		c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 5 * time.Millisecond, MaxAttempts: -1}
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		const n, keys = 10_000, 100
+		pub := b.poolPublisher(t)
+		msgs := keyedMsgs(n, keys)
+		for i := 0; i < n; i += 1000 {
+			require.NoError(t, pub.Publish("orders", msgs[i:i+1000]...))
+		}
+		log := newKeyLog()
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.MaxInFlight = 16
+			c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 5 * time.Millisecond, MaxAttempts: -1}
+		})
+		runRouter(t, sub, "orders", log.handler(5*time.Millisecond, 5))
+		pollUntil(t, "every message handled", 2*time.Minute, nil, func() bool { return log.successes.Load() == n })
+		log.requireOrder(t, keys, n/keys)
+		require.Greater(t, log.peak.Load(), int32(4), "different keys ran in parallel")
+		pollUntil(t, "the outbox emptied", 10*time.Second, nil, func() bool { return b.outboxRows(t, "orders") == 0 })
 	})
-	runRouter(t, sub, "orders", log.handler(5*time.Millisecond, 5))
-	pollUntil(t, "every message handled", 2*time.Minute, nil, func() bool { return log.successes.Load() == n })
-	log.requireOrder(t, keys, n/keys)
-	require.Greater(t, log.peak.Load(), int32(4), "different keys ran in parallel")
-	pollUntil(t, "the outbox emptied", 10*time.Second, nil, func() bool { return b.outboxRows(t, "orders") == 0 })
 }
 
 // Two competing subscribers (each with its own pool, as two processes
@@ -137,31 +140,35 @@ func TestOrderingKeysKeepPublishOrderPerKeyInParallel(t *testing.T) {
 // key is claimable only once the previous one is gone, whoever held it.
 func TestOrderingKeysHoldAcrossCompetingSubscribers(t *testing.T) {
 	t.Parallel()
-	b := setup(t, pgoutboxtest.Options{MaxConns: 10})
-	const n, keys = 2000, 20
-	require.NoError(t, b.poolPublisher(t).Publish("orders", keyedMsgs(n, keys)...))
-	log := newKeyLog()
-	var byWorker [2]atomic.Int32
-	for w := range 2 {
-		pool, err := pgxpool.New(context.Background(), b.DSN)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
-		sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{
-			Tables: b.tables, MaxInFlight: 8, MinPollInterval: 10 * time.Millisecond, MaxPollInterval: 200 * time.Millisecond,
-			RetryPolicy: pgoutbox.ConstantBackoff{Delay: 5 * time.Millisecond, MaxAttempts: -1},
-		}, nil)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = sub.Close() })
-		h := log.handler(2*time.Millisecond, 5)
-		runRouter(t, sub, "orders", func(m *message.Message) error {
-			byWorker[w].Add(1)
-			return h(m)
-		})
-	}
-	pollUntil(t, "every message handled", 2*time.Minute, nil, func() bool { return log.successes.Load() == n })
-	log.requireOrder(t, keys, n/keys)
-	require.Positive(t, byWorker[0].Load(), "both subscribers took part")
-	require.Positive(t, byWorker[1].Load(), "both subscribers took part")
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t, pgoutboxtest.Options{MaxConns: 10})
+		const n, keys = 2000, 20
+		require.NoError(t, b.poolPublisher(t).Publish("orders", keyedMsgs(n, keys)...))
+		log := newKeyLog()
+		var byWorker [2]atomic.Int32
+		for w := range 2 {
+			pool, err := pgxpool.New(context.Background(), b.DSN)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			cfg := pgoutbox.SubscriberConfig{
+				Tables: b.tables, MaxInFlight: 8, MinPollInterval: 10 * time.Millisecond, MaxPollInterval: 200 * time.Millisecond,
+				RetryPolicy: pgoutbox.ConstantBackoff{Delay: 5 * time.Millisecond, MaxAttempts: -1},
+			}
+			onPath(t, path, &cfg)
+			sub, err := pgoutbox.NewSubscriber(pool, cfg, nil)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = sub.Close() })
+			h := log.handler(2*time.Millisecond, 5)
+			runRouter(t, sub, "orders", func(m *message.Message) error {
+				byWorker[w].Add(1)
+				return h(m)
+			})
+		}
+		pollUntil(t, "every message handled", 2*time.Minute, nil, func() bool { return log.successes.Load() == n })
+		log.requireOrder(t, keys, n/keys)
+		require.Positive(t, byWorker[0].Load(), "both subscribers took part")
+		require.Positive(t, byWorker[1].Load(), "both subscribers took part")
+	})
 }
 
 // A failing head message holds back only its key, through its retries;
@@ -169,87 +176,95 @@ func TestOrderingKeysHoldAcrossCompetingSubscribers(t *testing.T) {
 // messages never wait for it.
 func TestOrderingKeyHeadOfLineFailureBlocksOnlyItsKey(t *testing.T) {
 	t.Parallel()
-	for _, parked := range []bool{false, true} {
-		t.Run(fmt.Sprintf("parked=%v", parked), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t)
-			if parked {
-				b.tables.DeadLetterTable, b.tables.NoDeadLetterTable = "", true
-			}
-			msg := func(key, name string) *message.Message {
-				m := newMsg(name)
-				pgoutbox.WithOrderingKey(m, key)
-				return m
-			}
-			require.NoError(t, b.poolPublisher(t).Publish("t",
-				msg("a", "a1 poison"), msg("a", "a2"), msg("b", "b1"), newMsg("plain"), msg("b", "b2"), msg("a", "a3")))
-			ev := newEvents()
-			sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
-				c.MaxInFlight = 4
-				c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 150 * time.Millisecond, MaxAttempts: 4}
-				c.Observer = ev
-			})
-			var mu sync.Mutex
-			var order []string
-			runRouter(t, sub, "t", func(m *message.Message) error {
-				if string(m.Payload) == "a1 poison" {
-					return errors.New("poison")
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		for _, parked := range []bool{false, true} {
+			t.Run(fmt.Sprintf("parked=%v", parked), func(t *testing.T) {
+				t.Parallel()
+				b := setup(t)
+				if parked {
+					b.tables.DeadLetterTable, b.tables.NoDeadLetterTable = "", true
 				}
-				mu.Lock()
-				order = append(order, string(m.Payload))
-				mu.Unlock()
-				return nil
-			})
-			dead := ev.wait(t, pgoutbox.EventDeadLettered, 10*time.Second)
-			require.Equal(t, 4, dead.Deliveries)
-			pollUntil(t, "every other message handled", 10*time.Second, nil, func() bool {
+				msg := func(key, name string) *message.Message {
+					m := newMsg(name)
+					pgoutbox.WithOrderingKey(m, key)
+					return m
+				}
+				require.NoError(t, b.poolPublisher(t).Publish("t",
+					msg("a", "a1 poison"), msg("a", "a2"), msg("b", "b1"), newMsg("plain"), msg("b", "b2"), msg("a", "a3")))
+				ev := newEvents()
+				sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+					onPath(t, path, c)
+					c.MaxInFlight = 4
+					c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 150 * time.Millisecond, MaxAttempts: 4}
+					c.Observer = ev
+				})
+				var mu sync.Mutex
+				var order []string
+				runRouter(t, sub, "t", func(m *message.Message) error {
+					if string(m.Payload) == "a1 poison" {
+						return errors.New("poison")
+					}
+					mu.Lock()
+					order = append(order, string(m.Payload))
+					mu.Unlock()
+					return nil
+				})
+				dead := ev.wait(t, pgoutbox.EventDeadLettered, 10*time.Second)
+				require.Equal(t, 4, dead.Deliveries)
+				pollUntil(t, "every other message handled", 10*time.Second, nil, func() bool {
+					mu.Lock()
+					defer mu.Unlock()
+					return len(order) == 5
+				})
 				mu.Lock()
 				defer mu.Unlock()
-				return len(order) == 5
+				pos := map[string]int{}
+				for i, p := range order {
+					pos[p] = i
+				}
+				require.Less(t, pos["b1"], pos["b2"])
+				require.Less(t, pos["a2"], pos["a3"])
+				// b1, b2 and plain ran during a1's 450 ms of retries; a2 only
+				// after a1 was dead-lettered (or parked).
+				require.Less(t, pos["b2"], pos["a2"], "key b did not wait for key a: %v", order)
+				require.Less(t, pos["plain"], pos["a2"], "unkeyed messages did not wait for key a: %v", order)
 			})
-			mu.Lock()
-			defer mu.Unlock()
-			pos := map[string]int{}
-			for i, p := range order {
-				pos[p] = i
-			}
-			require.Less(t, pos["b1"], pos["b2"])
-			require.Less(t, pos["a2"], pos["a3"])
-			// b1, b2 and plain ran during a1's 450 ms of retries; a2 only
-			// after a1 was dead-lettered (or parked).
-			require.Less(t, pos["b2"], pos["a2"], "key b did not wait for key a: %v", order)
-			require.Less(t, pos["plain"], pos["a2"], "unkeyed messages did not wait for key a: %v", order)
-		})
-	}
+		}
+	})
 }
 
 // A delayed message holds back the later messages of its key until it is
 // delivered; messages of other keys are not delayed.
 func TestOrderingKeyDelayedHeadKeepsOrder(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	first := newMsg("a1 delayed")
-	pgoutbox.WithOrderingKey(first, "a")
-	pgoutbox.DeliverAfter(first, 300*time.Millisecond)
-	second := newMsg("a2")
-	pgoutbox.WithOrderingKey(second, "a")
-	other := newMsg("b1")
-	pgoutbox.WithOrderingKey(other, "b")
-	start := time.Now() // the delay runs from the publish
-	require.NoError(t, b.poolPublisher(t).Publish("t", first, second, other))
-	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
-	ch, err := sub.Subscribe(context.Background(), "t")
-	require.NoError(t, err)
-	var got []string
-	for range 3 {
-		m := receive(t, ch, 10*time.Second)
-		got = append(got, string(m.Payload))
-		if string(m.Payload) == "a1 delayed" {
-			require.GreaterOrEqual(t, time.Since(start), 250*time.Millisecond, "the delay applies")
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		first := newMsg("a1 delayed")
+		pgoutbox.WithOrderingKey(first, "a")
+		pgoutbox.DeliverAfter(first, 300*time.Millisecond)
+		second := newMsg("a2")
+		pgoutbox.WithOrderingKey(second, "a")
+		other := newMsg("b1")
+		pgoutbox.WithOrderingKey(other, "b")
+		start := time.Now() // the delay runs from the publish
+		require.NoError(t, b.poolPublisher(t).Publish("t", first, second, other))
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.MaxInFlight = 4
+		})
+		ch, err := sub.Subscribe(context.Background(), "t")
+		require.NoError(t, err)
+		var got []string
+		for range 3 {
+			m := receive(t, ch, 10*time.Second)
+			got = append(got, string(m.Payload))
+			if string(m.Payload) == "a1 delayed" {
+				require.GreaterOrEqual(t, time.Since(start), 250*time.Millisecond, "the delay applies")
+			}
+			m.Ack()
 		}
-		m.Ack()
-	}
-	require.Equal(t, []string{"b1", "a1 delayed", "a2"}, got)
+		require.Equal(t, []string{"b1", "a1 delayed", "a2"}, got)
+	})
 }
 
 // GenerateOrderingKey keys every message, like Kafka's partition key
@@ -301,94 +316,106 @@ func keyedMsg(key, payload string) *message.Message {
 // not run beside it.
 func TestOrderingKeyLateCommitWaitsForTheKeysMessageInFlight(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	ctx := context.Background()
-	t1, err := b.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = t1.Rollback(ctx) }()
-	p1, err := pgoutbox.NewPublisher(tx.FromPgxTx(t1), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
-	require.NoError(t, err)
-	require.NoError(t, p1.Publish("t", keyedMsg("k", "first id, commits last")))
-	require.NoError(t, b.poolPublisher(t).Publish("t", keyedMsg("k", "second id, commits first")))
-	ev := newEvents()
-	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4; c.Observer = ev })
-	ch, err := sub.Subscribe(ctx, "t")
-	require.NoError(t, err)
-	m1 := receive(t, ch, 10*time.Second)
-	require.Equal(t, "second id, commits first", string(m1.Payload))
-	require.NoError(t, t1.Commit(ctx))
-	// Claims after the commit see the late row and must leave it.
-	before := ev.countKind(pgoutbox.EventClaimed)
-	require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("unkeyed"))) // wakes the loop: a claim runs
-	require.Equal(t, "unkeyed", string(receive(t, ch, 10*time.Second).Payload))
-	require.Greater(t, ev.countKind(pgoutbox.EventClaimed), before)
-	requireNothing(t, ch, 300*time.Millisecond)
-	m1.Ack()
-	require.Equal(t, "first id, commits last", string(receive(t, ch, 10*time.Second).Payload))
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		ctx := context.Background()
+		t1, err := b.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = t1.Rollback(ctx) }()
+		p1, err := pgoutbox.NewPublisher(tx.FromPgxTx(t1), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+		require.NoError(t, err)
+		require.NoError(t, p1.Publish("t", keyedMsg("k", "first id, commits last")))
+		require.NoError(t, b.poolPublisher(t).Publish("t", keyedMsg("k", "second id, commits first")))
+		ev := newEvents()
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.MaxInFlight = 4
+			c.Observer = ev
+		})
+		ch, err := sub.Subscribe(ctx, "t")
+		require.NoError(t, err)
+		m1 := receive(t, ch, 10*time.Second)
+		require.Equal(t, "second id, commits first", string(m1.Payload))
+		require.NoError(t, t1.Commit(ctx))
+		// Claims after the commit see the late row and must leave it.
+		before := ev.countKind(pgoutbox.EventClaimed)
+		require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("unkeyed"))) // wakes the loop: a claim runs
+		require.Equal(t, "unkeyed", string(receive(t, ch, 10*time.Second).Payload))
+		require.Greater(t, ev.countKind(pgoutbox.EventClaimed), before)
+		requireNothing(t, ch, 300*time.Millisecond)
+		m1.Ack()
+		require.Equal(t, "first id, commits last", string(receive(t, ch, 10*time.Second).Payload))
+	})
 }
 
 // A requeued dead letter of a key whose next message is in flight waits
 // for it, then runs before the key's later messages.
 func TestOrderingKeyRequeuedDeadLetterWaitsForTheKeysMessageInFlight(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	ctx := context.Background()
-	require.NoError(t, b.poolPublisher(t).Publish("t", keyedMsg("k", "a1"), keyedMsg("k", "a2"), keyedMsg("k", "a3")))
-	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
-		c.MaxInFlight = 4
-		c.RetryPolicy = pgoutbox.ConstantBackoff{MaxAttempts: 1}
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		ctx := context.Background()
+		require.NoError(t, b.poolPublisher(t).Publish("t", keyedMsg("k", "a1"), keyedMsg("k", "a2"), keyedMsg("k", "a3")))
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.MaxInFlight = 4
+			c.RetryPolicy = pgoutbox.ConstantBackoff{MaxAttempts: 1}
+		})
+		ch, err := sub.Subscribe(ctx, "t")
+		require.NoError(t, err)
+		m := receive(t, ch, 10*time.Second)
+		require.Equal(t, "a1", string(m.Payload))
+		m.Nack() // dead-lettered: the key moves on
+		m2 := receive(t, ch, 10*time.Second)
+		require.Equal(t, "a2", string(m2.Payload))
+		n, err := pgoutbox.RequeueDeadLettersMatching(ctx, tx.FromPgxPool(b.Pool), b.tables, pgoutbox.DeadLetterFilter{})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, n)
+		requireNothing(t, ch, 300*time.Millisecond)
+		m2.Ack()
+		require.Equal(t, "a1", string(receive(t, ch, 10*time.Second).Payload), "the requeued message, at the front of its key")
 	})
-	ch, err := sub.Subscribe(ctx, "t")
-	require.NoError(t, err)
-	m := receive(t, ch, 10*time.Second)
-	require.Equal(t, "a1", string(m.Payload))
-	m.Nack() // dead-lettered: the key moves on
-	m2 := receive(t, ch, 10*time.Second)
-	require.Equal(t, "a2", string(m2.Payload))
-	n, err := pgoutbox.RequeueDeadLettersMatching(ctx, tx.FromPgxPool(b.Pool), b.tables, pgoutbox.DeadLetterFilter{})
-	require.NoError(t, err)
-	require.EqualValues(t, 1, n)
-	requireNothing(t, ch, 300*time.Millisecond)
-	m2.Ack()
-	require.Equal(t, "a1", string(receive(t, ch, 10*time.Second).Payload), "the requeued message, at the front of its key")
 }
 
 // A head nacked with a delay sorts behind its own backlog once due, and
 // other keys keep flowing meanwhile: the windowed pass must still reach it.
 func TestOrderingKeyDelayedRetryBehindABacklogIsReached(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	_, err := b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, ordering_key)
-		SELECT 't', gen_random_uuid()::text, convert_to('k' || g, 'UTF8'), 'k' FROM generate_series(0, 20000) g`)
-	require.NoError(t, err)
-	_, err = b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, ordering_key)
-		SELECT 't', gen_random_uuid()::text, convert_to('hot', 'UTF8'), 'hot' FROM generate_series(1, 3000)`)
-	require.NoError(t, err)
-	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
-		c.MaxInFlight = 4
-		c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 200 * time.Millisecond, MaxAttempts: -1}
-	})
-	ch, err := sub.Subscribe(ctx, "t")
-	require.NoError(t, err)
-	nacked := false
-	deadline := time.After(30 * time.Second)
-	for {
-		select {
-		case m := <-ch:
-			if string(m.Payload) == "k0" {
-				if !nacked {
-					nacked = true
-					m.Nack()
-					continue
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		_, err := b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, ordering_key)
+			SELECT 't', gen_random_uuid()::text, convert_to('k' || g, 'UTF8'), 'k' FROM generate_series(0, 20000) g`)
+		require.NoError(t, err)
+		_, err = b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, ordering_key)
+			SELECT 't', gen_random_uuid()::text, convert_to('hot', 'UTF8'), 'hot' FROM generate_series(1, 3000)`)
+		require.NoError(t, err)
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.MaxInFlight = 4
+			c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 200 * time.Millisecond, MaxAttempts: -1}
+		})
+		ch, err := sub.Subscribe(ctx, "t")
+		require.NoError(t, err)
+		nacked := false
+		deadline := time.After(30 * time.Second)
+		for {
+			select {
+			case m := <-ch:
+				if string(m.Payload) == "k0" {
+					if !nacked {
+						nacked = true
+						m.Nack()
+						continue
+					}
+					m.Ack()
+					return
 				}
 				m.Ack()
-				return
+			case <-deadline:
+				t.Fatalf("k0, nacked with a 200 ms delay (nacked: %v), never came back while key hot flowed", nacked)
 			}
-			m.Ack()
-		case <-deadline:
-			t.Fatalf("k0, nacked with a 200 ms delay (nacked: %v), never came back while key hot flowed", nacked)
 		}
-	}
+	})
 }

@@ -383,10 +383,11 @@ func (b *bundle) strings(t *testing.T, q string) []string {
 	return out
 }
 
-// A handler that finished when its Router began to close (which cancels
-// the message contexts) still commits: its write, its output and the
-// row's completion; nothing is rolled back and redone. Both drivers:
-// database/sql would roll back a transaction whose BeginTx context ended.
+// A handler still running when its Router begins to close keeps a live
+// message context through the drain, and commits: its write, its output
+// and the row's completion; nothing is rolled back and redone. Both
+// drivers: database/sql would roll back a transaction whose BeginTx
+// context ended.
 func TestTxMiddlewareCommitsFinishedWorkWhileTheRouterCloses(t *testing.T) {
 	t.Parallel()
 	for _, driver := range []string{"pgx", "database/sql"} {
@@ -423,7 +424,7 @@ func TestTxMiddlewareCommitsFinishedWorkWhileTheRouterCloses(t *testing.T) {
 				select {
 				case <-m.Context().Done():
 					cancelled <- true
-				case <-time.After(10 * time.Second):
+				case <-time.After(300 * time.Millisecond): // the rest of its work, during the Close
 					cancelled <- false
 				}
 				return []*message.Message{newMsg("output")}, nil
@@ -435,7 +436,7 @@ func TestTxMiddlewareCommitsFinishedWorkWhileTheRouterCloses(t *testing.T) {
 			<-started
 			require.NoError(t, r.Close())
 			require.NoError(t, <-done)
-			require.True(t, <-cancelled, "closing the Router cancels the message context")
+			require.False(t, <-cancelled, "closing the Router leaves the message context live during the drain")
 			require.Equal(t, 1, h.counter(t), "the handler's write committed")
 			require.Equal(t, 1, b.outboxRows(t, "out"), "its output committed")
 			require.Equal(t, 0, b.outboxRows(t, "in"), "the message was completed")

@@ -1,7 +1,6 @@
 package pgoutbox
 
 import (
-	"context"
 	"sort"
 	"time"
 
@@ -25,6 +24,14 @@ type claimRequest struct {
 	held        bool        // the held path (held.go): lock the rows in a transaction kept open
 }
 
+// path is the claim path the request takes (PathHeld, PathLease).
+func (r claimRequest) path() string {
+	if r.held {
+		return PathHeld
+	}
+	return PathLease
+}
+
 // claimResult is what a claim leased, in queue order.
 type claimResult struct {
 	req       claimRequest
@@ -36,69 +43,8 @@ type claimResult struct {
 	reclaimed int           // expired or orphaned leases taken
 	dueIn     time.Duration // after an empty claim: when the next row is due (0: unknown)
 	batch     *heldBatch    // the held path: the batch of the rows
+	keyBusy   int           // keyed rows given back by the claim's verification: their key was busy
 	err       error
-}
-
-// runClaim leases up to req.n rows with the claim statement (query.Claim),
-// on the claim goroutine. It does not use the subscription's context: a
-// claim cut off after the server ran it would leave rows leased that nobody
-// knows of. After an empty claim it asks when the next row is due, so timers
-// fire on time instead of at the next poll.
-func (sub *subscription) runClaim(req claimRequest) claimResult {
-	r := claimResult{req: req}
-	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
-	defer cancel()
-	args := []any{sub.topic, req.n, req.token,
-		sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, req.at, req.id, req.withExpired, req.holder, sub.cfg.ConsumerGroup}
-	var stmt string
-	switch {
-	case req.window == 0 && req.orphansOf == nil:
-		stmt = sub.s.q.ClaimFastNoOrphans
-	case req.window == 0:
-		stmt, args = sub.s.q.ClaimFast, append(args, req.orphansOf)
-	case req.orphansOf == nil:
-		stmt, args = sub.s.q.ClaimNoOrphans, append(args, req.window, req.endedKeys)
-	default:
-		stmt, args = sub.s.q.Claim, append(args, req.window, req.endedKeys, req.orphansOf)
-	}
-	rows, err := sub.s.pool.Query(ctx, stmt, args...)
-	if err != nil {
-		r.err = err
-		return r
-	}
-	var reclaimed, free int64
-	for rows.Next() {
-		d := &delivery{token: req.token}
-		var id pgtype.Int8
-		var uuid, key pgtype.Text
-		var deliveries pgtype.Int4
-		var availableAt pgtype.Timestamptz
-		if err := rows.Scan(&id, &uuid, &d.payload, &d.metaRaw, &deliveries, &availableAt, &key,
-			&r.cursorAt, &r.cursor, &reclaimed, &free); err != nil {
-			rows.Close()
-			r.err = err
-			return r
-		}
-		if !id.Valid {
-			continue // nothing claimed: the row only carries the cursor
-		}
-		d.id, d.uuid, d.deliveries = id.Int64, uuid.String, int(deliveries.Int32)
-		d.availableAt, d.orderingKey = availableAt.Time, key.String
-		r.rows = append(r.rows, d)
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		r.rows, r.err = nil, err
-		return r
-	}
-	r.reclaimed, r.free = int(reclaimed), int(free)
-
-	sortQueueOrder(r.rows)        // RETURNING order is unspecified
-	r.took = time.Since(req.sent) // the claim's own time (see claimScan.claimed)
-	if len(r.rows) == 0 {
-		r.dueIn = sub.nextDue()
-	}
-	return r
 }
 
 // sortQueueOrder sorts claimed rows into queue order (available_at, id),
@@ -111,21 +57,6 @@ func sortQueueOrder(rows []*delivery) {
 		}
 		return a.id < b.id
 	})
-}
-
-// nextDue asks when the next row of the topic becomes claimable (a
-// scheduled row or an expiring lease); 0 when none is, or on error.
-func (sub *subscription) nextDue() time.Duration {
-	// It only plans: a stopping subscription does not wait for it.
-	ctx, cancel := context.WithTimeout(sub.stopCtx, sub.cfg.StatementTimeout)
-	defer cancel()
-	var us *int64
-	if err := sub.s.pool.QueryRow(ctx, sub.s.q.NextDue, sub.topic, sub.cfg.ConsumerGroup).Scan(&us); err != nil || us == nil {
-		return 0
-	}
-	// At least a millisecond: rounding must not make the loop spin on a
-	// row that is due within a microsecond.
-	return max(time.Duration(*us)*time.Microsecond, time.Millisecond)
 }
 
 // claimScan is where claims start scanning, and which optional branches

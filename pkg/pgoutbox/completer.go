@@ -158,6 +158,8 @@ func (c *completer) writing() int { return int(c.inFlight.Load()) }
 // setDeadline bounds every later statement by t (the final writes at close).
 func (c *completer) setDeadline(t time.Time) { c.deadline.Store(t.UnixNano()) }
 
+func (c *completer) start() { go c.run() }
+
 func (c *completer) stop() {
 	close(c.jobs)
 	<-c.done
@@ -284,33 +286,33 @@ func isPermanent(err error) bool {
 }
 
 func (c *completer) writeComplete(acks []*delivery, returns []returnOp, holds []holdOp, done written) error {
-	ackIDs, ackTokens := make([]int64, len(acks)), make([]pgtype.UUID, len(acks))
+	a := query.CompleteArgs{
+		AckIDs: make([]int64, len(acks)), AckTokens: make([]pgtype.UUID, len(acks)),
+		LeaseUS: c.cfg.Lease.Microseconds(), Channel: c.q.Names.Channel, WakeKey: c.topic + query.GroupMark + c.cfg.ConsumerGroup,
+	}
 	for i, d := range acks {
-		ackIDs[i], ackTokens[i] = d.id, d.token
+		a.AckIDs[i], a.AckTokens[i] = d.id, d.token
 	}
-	n := len(returns)
-	retIDs, retTokens := make([]int64, n), make([]pgtype.UUID, n)
-	delays, undos := make([]pgtype.Int8, n), make([]int32, n)
-	errs, metas := make([]pgtype.Text, n), make([]pgtype.Text, n)
-	for i, op := range returns {
-		retIDs[i], retTokens[i] = op.d.id, op.d.token
-		delays[i], undos[i], errs[i], metas[i] = op.delay, op.undo, op.err, op.meta
+	if n := len(returns); n > 0 {
+		a.RetIDs, a.RetTokens = make([]int64, n), make([]pgtype.UUID, n)
+		a.DelayUS, a.Undo = make([]pgtype.Int8, n), make([]int32, n)
+		a.Errs, a.Metas = make([]pgtype.Text, n), make([]pgtype.Text, n)
+		for i, op := range returns {
+			a.RetIDs[i], a.RetTokens[i] = op.d.id, op.d.token
+			a.DelayUS[i], a.Undo[i], a.Errs[i], a.Metas[i] = op.delay, op.undo, op.err, op.meta
+		}
 	}
-	h := len(holds)
-	holdIDs, holdTokens := make([]int64, h), make([]pgtype.UUID, h)
-	holdErrs, holdMetas := make([]pgtype.Text, h), make([]pgtype.Text, h)
-	for i, op := range holds {
-		holdIDs[i], holdTokens[i], holdErrs[i], holdMetas[i] = op.d.id, op.d.token, op.err, op.meta
+	if h := len(holds); h > 0 {
+		a.HoldIDs, a.HoldTokens = make([]int64, h), make([]pgtype.UUID, h)
+		a.HoldErrs, a.HoldMetas = make([]pgtype.Text, h), make([]pgtype.Text, h)
+		for i, op := range holds {
+			a.HoldIDs[i], a.HoldTokens[i], a.HoldErrs[i], a.HoldMetas[i] = op.d.id, op.d.token, op.err, op.meta
+		}
 	}
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
-	if n == 0 && h == 0 {
-		return collectWritten(done)(c.pool.Query(ctx, c.q.Ack, ackIDs, ackTokens))
-	}
-	return collectWritten(done)(c.pool.Query(ctx, c.q.Complete, ackIDs, ackTokens,
-		retIDs, retTokens, delays, undos, errs, metas,
-		holdIDs, holdTokens, holdErrs, holdMetas, c.cfg.Lease.Microseconds(),
-		c.q.Names.Channel, c.topic+query.GroupMark+c.cfg.ConsumerGroup))
+	stmt, args := c.q.Write(a)
+	return collectWritten(done)(c.pool.Query(ctx, stmt, args...))
 }
 
 func (c *completer) writeDead(ops []deadOp, done written) error {

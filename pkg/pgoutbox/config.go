@@ -69,6 +69,11 @@ type PublisherConfig struct {
 	// relayed there unchanged. Store large bodies elsewhere (object
 	// storage) and publish a reference; raise the limit if you must.
 	MaxPayloadBytes int
+	// PublishHook is called for every message of a Publish call before
+	// the message is written, so it can add metadata: pgoutboxotel's
+	// tracing puts the publishing code's trace context there. Defaults to
+	// none, which costs Publish nothing.
+	PublishHook PublishHook
 }
 
 // DefaultMaxPayloadBytes is PublisherConfig.MaxPayloadBytes' default: 1 MiB.

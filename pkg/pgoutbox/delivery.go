@@ -25,6 +25,7 @@ type delivery struct {
 	token       pgtype.UUID // lease token of the claim that leased it
 	deliveries  int         // including this one
 	availableAt time.Time
+	createdAt   int64 // when the row was published (its transaction's now()), unix microseconds
 	uuid        string
 	payload     []byte
 	metaRaw     []byte // metadata as stored, to detect a handler's changes
@@ -87,6 +88,8 @@ type outcome struct {
 	// handler's transaction is about to delete it, and its DELETE waits
 	// for the held transaction's lock until then. nil for a leased row.
 	unhold func()
+
+	facts facts // what DeliveryOf returns; set when created, never changed
 }
 
 const (
@@ -95,8 +98,10 @@ const (
 	txCommitted  // ... and committed: the row is gone, nothing more to write
 )
 
-func newOutcome(d *delivery, complete string, unhold func()) *outcome {
-	return &outcome{complete: complete, id: d.id, token: d.token, unhold: unhold}
+func (sub *subscription) newOutcome(d *delivery) *outcome {
+	o := &outcome{complete: sub.s.q.CompleteInTx, id: d.id, token: d.token, unhold: sub.unholder(d)}
+	o.facts = newFacts(sub, d)
+	return o
 }
 
 var _ handoff.Row = (*outcome)(nil)

@@ -1,16 +1,13 @@
 package pgoutbox
 
 import (
-	"context"
-	"fmt"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 )
 
 // The held path (see ClaimMode): a claim locks its rows in a transaction
@@ -23,6 +20,18 @@ import (
 // drops the lock. One statement and one commit per batch, where the lease
 // path has two of each.
 
+// heldPath is the held path's part of a subscription: its open batches
+// and what decides whether a claim holds. Only the owner touches it.
+type heldPath struct {
+	batches     []*heldBatch // batches not ended yet, oldest first
+	txSeen      bool         // a handler completed its row in its own transaction (ClaimAuto leases then)
+	busy        bool         // the last claim found rows (ClaimAuto holds only then)
+	offUntil    time.Time    // ClaimAuto leases until then: the handlers were slow
+	failedUntil time.Time    // every mode leases until then: a batch's end failed
+	forced      string       // a test's choice of claim path (internal/testhook), "" for none
+	cfg         *SubscriberConfig
+}
+
 // heldBatch is the rows of one held claim. Only the owner touches it,
 // except conn, which the claim and the finishing goroutine use in turn.
 type heldBatch struct {
@@ -32,6 +41,7 @@ type heldBatch struct {
 	undecided int // rows without a verdict or give-back yet
 	claimedAt time.Time
 	deadline  time.Time       // the bound: undecided rows become leases then
+	endNow    bool            // end at the owner's next turn: an ordered retry waits for its write
 	closing   bool            // its finishing statement is under way
 	deferred  writeJob        // writes of rows that become leases: after the commit that makes them so
 	waiters   []chan struct{} // handlers' transactions waiting for this batch's end (unhold)
@@ -62,120 +72,79 @@ const maxHeldBatches = 3
 const heldOffFor = 10 * time.Second
 
 // bound is when the batch claimed at now ends at the latest.
-func (sub *subscription) bound(now time.Time) time.Time {
+func (h *heldPath) bound(now time.Time) time.Time {
 	d := heldBound
-	if sub.cfg.AckDeadline > 0 {
-		d = min(d, sub.cfg.AckDeadline)
+	if h.cfg.AckDeadline > 0 {
+		d = min(d, h.cfg.AckDeadline)
 	}
 	return now.Add(d)
 }
 
-// wantHeld decides whether a claim takes the held path.
-func (sub *subscription) wantHeld(req claimRequest, now time.Time) bool {
+// wantHeld decides whether a claim takes the held path; keyedUntil is when
+// the subscription stops expecting keyed rows, spare whether the pool has
+// a connection to keep for a batch.
+func (h *heldPath) wantHeld(req claimRequest, now, keyedUntil time.Time, spare func() bool) bool {
+	switch h.forced {
+	case testhook.PathLease:
+		return false
+	case testhook.PathHeld:
+		return len(h.batches) < maxHeldBatches && spare()
+	}
+	mode := h.cfg.ClaimMode
 	switch {
-	case sub.cfg.ClaimMode == ClaimLease:
+	case mode == ClaimLease:
 		return false
 	case req.withExpired, req.orphansOf != nil, len(req.endedKeys) > 0:
 		return false // reclaiming and ordering-key claims lease
-	case req.window > 0 && (now.Before(sub.scan.keyedUntil) || sub.cfg.ClaimMode == ClaimAuto):
+	case req.window > 0 && (now.Before(keyedUntil) || mode == ClaimAuto):
 		// Keyed rows seen, or (ClaimAuto) a slow short claim, which may
 		// have walked rows held back by keys a competitor holds: the held
 		// claim has no window, and would walk them holding its locks.
 		return false
-	case now.Before(sub.heldFailedUntil):
+	case now.Before(h.failedUntil):
 		return false // see heldFailed
-	case sub.cfg.ClaimMode == ClaimAuto && (sub.txSeen || now.Before(sub.heldOffUntil) || !sub.busy):
+	case mode == ClaimAuto && (h.txSeen || now.Before(h.offUntil) || !h.busy):
 		// Idle claims (mostly empty) cost one statement as leases and two
 		// round trips held; the first claim after a wake-up leases too.
 		return false
-	case len(sub.batches) >= maxHeldBatches:
+	case len(h.batches) >= maxHeldBatches:
 		return false
 	}
-	// Leave the pool a connection for the completer and the user.
-	st := sub.s.pool.Stat()
-	return st.AcquiredConns()+2 <= st.MaxConns()
+	return spare()
 }
 
-// runHeldClaim opens a held transaction and locks up to req.n ready rows
-// in it. A transaction that locked nothing ends at once.
-func (sub *subscription) runHeldClaim(req claimRequest) claimResult {
-	r := claimResult{req: req}
-	ctx, cancel := context.WithTimeout(context.Background(), sub.cfg.StatementTimeout)
-	defer cancel()
-	conn, err := sub.s.pool.Acquire(ctx)
-	if err != nil {
-		r.err = err
-		return r
-	}
-	b := &pgx.Batch{}
-	b.Queue("BEGIN")
-	if !sub.cfg.SynchronousCommit {
-		b.Queue("SET LOCAL synchronous_commit = off") // see SubscriberConfig.SynchronousCommit
-	}
-	// If this process stalls or its network vanishes while the batch is
-	// held, the server ends the transaction after this long, and the rows
-	// are due again: the held path's bound on how long rows stay locked,
-	// where the lease path has Lease.
-	b.Queue(fmt.Sprintf("SET LOCAL idle_in_transaction_session_timeout = %d", sub.heldIdleTimeout().Milliseconds()))
-	b.Queue(sub.s.q.HeldClaim, sub.topic, req.n, sub.cfg.ConsumerGroup, req.at, req.id)
-	res := conn.SendBatch(ctx, b)
-	err = func() error {
-		defer res.Close()
-		for range b.Len() - 1 {
-			if _, err := res.Exec(); err != nil {
-				return err
-			}
-		}
-		rows, err := res.Query()
-		if err != nil {
-			return err
-		}
-		for rows.Next() {
-			d := &delivery{token: req.token}
-			var uuid, key pgtype.Text
-			var deliveries int32
-			if err := rows.Scan(&d.id, &uuid, &d.payload, &d.metaRaw, &deliveries, &d.availableAt, &key); err != nil {
-				rows.Close()
-				return err
-			}
-			d.uuid, d.deliveries, d.orderingKey = uuid.String, int(deliveries), key.String
-			r.rows = append(r.rows, d)
-		}
-		rows.Close()
-		return rows.Err()
-	}()
-	if err != nil {
-		// A connection left inside a transaction is not reused: the pool
-		// closes it, and the server rolls the transaction back.
-		conn.Release()
-		r.rows, r.err = nil, err
-		return r
-	}
-	if len(r.rows) == 0 {
-		r.took = time.Since(req.sent)
-		_, err := conn.Exec(ctx, "ROLLBACK")
-		if err != nil {
-			conn.Conn().Close(ctx) //nolint:errcheck // closing is the way out
-		}
-		conn.Release()
-		r.dueIn = sub.nextDue()
-		return r
-	}
-	// ORDER BY with FOR UPDATE may return a row out of order when it was
-	// changed while the claim waited for it (READ COMMITTED re-reads it).
-	sortQueueOrder(r.rows)
-	last := r.rows[len(r.rows)-1]
-	r.cursorAt = pgtype.Timestamptz{Time: last.availableAt, Valid: true}
-	r.cursor = pgtype.Int8{Int64: last.id, Valid: true}
-	r.free = len(r.rows)
-	r.batch = &heldBatch{conn: conn, token: req.token, rows: r.rows, undecided: len(r.rows)}
-	r.took = time.Since(req.sent)
-	return r
+// opened adds the batch of a held claim sent at sent.
+func (h *heldPath) opened(b *heldBatch, sent time.Time) {
+	b.claimedAt, b.deadline = sent, h.bound(sent)
+	h.batches = append(h.batches, b)
 }
 
-// decideHeld records how a held row ends; when every row of its batch is
+// ended removes a batch whose end was written.
+func (h *heldPath) ended(b *heldBatch) {
+	for i, x := range h.batches {
+		if x == b {
+			h.batches = append(h.batches[:i], h.batches[i+1:]...)
+			return
+		}
+	}
+}
+
+// nextEvent calls earliest with the times its batches need the owner at:
+// their bounds, and the end of a claim's patience (batchesBusy).
+func (h *heldPath) nextEvent(earliest func(time.Time)) {
+	for _, b := range h.batches {
+		if !b.closing {
+			earliest(b.deadline)
+		}
+	}
+	if len(h.batches) >= maxHeldBatches {
+		earliest(h.batches[0].claimedAt.Add(heldPatience))
+	}
+}
+
+// decide records how a held row ends; when every row of its batch is
 // decided, the batch ends at the owner's next turn (tendBatches).
-func (sub *subscription) decideHeld(d *delivery, f heldFate) {
+func (h *heldPath) decide(d *delivery, f heldFate) {
 	if d.fate == heldOpen {
 		d.batch.undecided--
 	}
@@ -191,12 +160,12 @@ func (sub *subscription) decideHeld(d *delivery, f heldFate) {
 func (sub *subscription) jobFor(d *delivery) *writeJob {
 	b := d.batch
 	if b == nil {
-		return &sub.pending
+		return &sub.writes.pending
 	}
 	if !b.closing {
-		sub.decideHeld(d, heldLeased)
+		sub.held.decide(d, heldLeased)
 		if sub.ordered() {
-			b.deadline = time.Now()
+			b.endNow = true
 		}
 	}
 	return &b.deferred
@@ -210,18 +179,20 @@ func (sub *subscription) heldAck(d *delivery) {
 		b.deferred.acks = append(b.deferred.acks, d)
 		return
 	}
-	sub.decideHeld(d, heldAcked)
+	sub.held.decide(d, heldAcked)
 }
 
 // tendBatches ends the held batches that are done or past their bound.
 func (sub *subscription) tendBatches(now time.Time) {
-	for _, b := range sub.batches {
+	for _, b := range sub.held.batches {
 		if b.closing {
 			continue
 		}
 		switch {
 		case b.undecided == 0:
 			sub.closeBatch(b, now, "done")
+		case b.endNow:
+			sub.closeBatch(b, now, "retry")
 		case !now.Before(b.deadline):
 			sub.closeBatch(b, now, "bound")
 		}
@@ -233,11 +204,11 @@ func (sub *subscription) tendBatches(now time.Time) {
 // handled and it ends soon. A claim that does not wait while batches are
 // all open leases, at twice the cost per row; one that waits past a
 // straggler would stall the subscription, hence the patience.
-func (sub *subscription) batchesBusy(now time.Time) bool {
-	if len(sub.batches) < maxHeldBatches || sub.cfg.ClaimMode == ClaimLease {
+func (h *heldPath) batchesBusy(now time.Time) bool {
+	if len(h.batches) < maxHeldBatches || h.cfg.ClaimMode == ClaimLease {
 		return false
 	}
-	return now.Before(sub.batches[0].claimedAt.Add(heldPatience))
+	return now.Before(h.batches[0].claimedAt.Add(heldPatience))
 }
 
 // heldPatience is how long a claim waits for a held batch to end (see
@@ -250,8 +221,28 @@ const heldPatience = 20 * time.Millisecond
 // result). The writes of the rows that become leases wait for that commit
 // (jobFor).
 func (sub *subscription) closeBatch(b *heldBatch, now time.Time, why string) {
+	job := sub.held.close(b, now, why, sub.holder())
+	if job.slow {
+		sub.logger.Debug("Handlers slower than the held path's bound; leasing for a while", watermill.LogFields{
+			"rows": len(b.rows), "still_running": job.stragglers, "lease_for": heldOffFor.String()})
+	}
+	if len(job.leased) > 0 {
+		sub.logger.Trace("Held rows become leases", watermill.LogFields{"rows": len(job.leased), "reason": why})
+	}
+	go func() {
+		r := sub.ender.end(job)
+		sub.reports <- report{batch: &r}
+	}()
+}
+
+// close decides the end of batch b: its acked rows are deleted, its
+// released ones unlocked, every other row still ours becomes a lease. When
+// most handlers outlived the bound (ClaimAuto), the handlers are slow, and
+// a held row that becomes a lease costs more than a lease alone: the path
+// leases for a while.
+func (h *heldPath) close(b *heldBatch, now time.Time, why string, holder pgtype.Int8) batchJob {
 	b.closing = true
-	job := batchJob{b: b, holder: sub.holder()}
+	job := batchJob{b: b, holder: holder}
 	for _, d := range b.rows {
 		switch d.fate {
 		case heldAcked:
@@ -262,8 +253,8 @@ func (sub *subscription) closeBatch(b *heldBatch, now time.Time, why string) {
 			if d.state == finished {
 				continue
 			}
-			if d.fate == heldOpen {
-				job.stragglers++
+			if d.fate == heldOpen && d.state == handedOut {
+				job.stragglers++ // a handler still running: buffered rows say nothing of their speed
 			}
 			// Its lease ends Lease after the transaction began (now() in
 			// HeldFinish), before the claim returned: expiresAt already says
@@ -271,90 +262,11 @@ func (sub *subscription) closeBatch(b *heldBatch, now time.Time, why string) {
 			job.leased = append(job.leased, d)
 		}
 	}
-	if why == "bound" && sub.cfg.ClaimMode == ClaimAuto && job.stragglers*2 > len(b.rows) {
-		// Most handlers outlived the bound: they are slow, and a held row
-		// that becomes a lease costs more than a lease alone.
-		sub.heldOffUntil = now.Add(heldOffFor)
-		sub.logger.Debug("Handlers slower than the held path's bound; leasing for a while", watermill.LogFields{
-			"rows": len(b.rows), "still_running": job.stragglers, "lease_for": heldOffFor.String()})
+	if why == "bound" && h.cfg.ClaimMode == ClaimAuto && job.stragglers*2 > len(b.rows) {
+		h.offUntil, job.slow = now.Add(heldOffFor), true
 	}
-	if len(job.leased) > 0 {
-		sub.logger.Trace("Held rows become leases", watermill.LogFields{"rows": len(job.leased), "reason": why})
-	}
-	go func() {
-		r := sub.finishBatch(job)
-		sub.reports <- report{batch: &r}
-	}()
+	return job
 }
-
-// batchJob is the end of a held batch.
-type batchJob struct {
-	b          *heldBatch
-	acks       []*delivery
-	released   []*delivery
-	leased     []*delivery
-	stragglers int
-	holder     pgtype.Int8
-}
-
-// batchResult is what finishBatch did.
-type batchResult struct {
-	job batchJob
-	err error
-}
-
-// finishBatch writes the end of a held batch and commits, in one round
-// trip, then gives the connection back to the pool.
-func (sub *subscription) finishBatch(job batchJob) batchResult {
-	r := batchResult{job: job}
-	conn := job.b.conn
-	defer conn.Release() // a connection still in a transaction is closed, not reused
-	ctx, cancel := sub.comp.stmtCtx()
-	defer cancel()
-	b := &pgx.Batch{}
-	ackIDs := make([]int64, len(job.acks))
-	for i, d := range job.acks {
-		ackIDs[i] = d.id
-	}
-	if len(job.leased) == 0 {
-		if len(ackIDs) > 0 {
-			b.Queue(sub.s.q.HeldAck, ackIDs)
-		}
-	} else {
-		leaseIDs := make([]int64, len(job.leased))
-		for i, d := range job.leased {
-			leaseIDs[i] = d.id
-		}
-		b.Queue(sub.s.q.HeldFinish, ackIDs, leaseIDs, job.b.token, sub.cfg.Lease.Microseconds(), sub.cfg.WorkerID, job.holder)
-	}
-	if len(job.released) > 0 {
-		// Rows given back are due again at commit: wake the idle
-		// subscribers of the group, as a lease's release does.
-		b.Queue("SELECT pg_notify($1, $2)", sub.s.q.Names.Channel, query.GroupMark+sub.topic+query.GroupMark+sub.cfg.ConsumerGroup)
-	}
-	b.Queue("COMMIT")
-	res := conn.SendBatch(ctx, b)
-	for i := range b.Len() {
-		tag, err := res.Exec()
-		if err != nil {
-			r.err = err
-			break
-		}
-		if i == b.Len()-1 && tag.String() != "COMMIT" {
-			r.err = errHeldRolledBack // the server answers ROLLBACK to the COMMIT of a failed transaction
-		}
-	}
-	if err := res.Close(); err != nil && r.err == nil {
-		r.err = err
-	}
-	return r
-}
-
-var errHeldRolledBack = rolledBackError{}
-
-type rolledBackError struct{}
-
-func (rolledBackError) Error() string { return "pgoutbox: the held transaction rolled back" }
 
 // finishedBatch applies the end of a held batch. If the commit failed, the
 // transaction rolled back: every row of the batch is as before the claim,
@@ -362,12 +274,7 @@ func (rolledBackError) Error() string { return "pgoutbox: the held transaction r
 // to become leases are lost to this subscription like any lost lease.
 func (sub *subscription) finishedBatch(r batchResult) {
 	b := r.job.b
-	for i, x := range sub.batches {
-		if x == b {
-			sub.batches = append(sub.batches[:i], sub.batches[i+1:]...)
-			break
-		}
-	}
+	sub.held.ended(b)
 	for _, w := range b.waiters {
 		close(w)
 	}
@@ -387,21 +294,21 @@ func (sub *subscription) finishedBatch(r batchResult) {
 		}
 		b.deferred.holds = nil
 	}
-	sub.pending = sub.pending.merge(b.deferred)
+	sub.writes.pending = sub.writes.pending.merge(b.deferred)
 	if !ok {
 		sub.heldFailed(r)
 	}
 	for _, d := range r.job.acks {
-		sub.heldDone(d)
+		sub.endRow(d)
 		if ok {
 			sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathHeld})
 		} else {
-			sub.leaseLost(d, "ack")
+			sub.leaseLost(d, "commit") // its ack did not commit
 		}
 	}
 	for _, d := range r.job.released {
-		sub.givingBack--
-		sub.heldDone(d)
+		sub.claims.givingBack--
+		sub.endRow(d)
 		sub.s.obs.observe(Event{Kind: EventReleased, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathHeld})
 	}
 	if ok {
@@ -436,30 +343,15 @@ func (sub *subscription) heldFailed(r batchResult) {
 	now := time.Now()
 	sub.logger.Error("Ending a held batch failed; its rows are due again (acked ones are delivered again)", r.err,
 		watermill.LogFields{"acked": len(r.job.acks), "leased": len(r.job.leased)})
-	sub.gen++
-	sub.scan.restart(false)
-	sub.wantClaim = true
+	sub.claims.gaveBack()
 	if sub.ordered() {
-		sub.giveBack(sub.takeBuffer())
+		sub.giveBack(sub.hand.takeBuffer())
 	}
 	if len(r.job.leased) > 0 {
-		sub.lostClaims = append(sub.lostClaims, claimToken{token: r.job.b.token, at: now})
-		sub.givingBack++
+		sub.claims.lost = append(sub.claims.lost, claimToken{token: r.job.b.token, at: now})
+		sub.claims.givingBack++
 	}
-	sub.heldFailedUntil = now.Add(heldOffFor)
-}
-
-// heldIdleTimeout is idle_in_transaction_session_timeout for held
-// transactions: the bound, plus time for the owner to end the batch.
-func (sub *subscription) heldIdleTimeout() time.Duration {
-	return heldBound + sub.cfg.StatementTimeout
-}
-
-// heldDone ends a held row that the batch's end acked or released.
-func (sub *subscription) heldDone(d *delivery) {
-	delete(sub.held, d)
-	d.state, d.batch = finished, nil
-	sub.keyEnded(d)
+	sub.held.failedUntil = now.Add(heldOffFor)
 }
 
 // unholder returns the function a held row's outcome calls when a
@@ -472,29 +364,29 @@ func (sub *subscription) unholder(d *delivery) func() {
 	}
 	return func() {
 		done := make(chan struct{})
-		sub.verdicts.put(verdict{d: d, converted: done})
+		sub.inbox.putUnhold(unholdRequest{d: d, done: done})
 		// The handler's DELETE must start after the commit that makes the
 		// row a lease: before it, it would not find the lease token.
 		t := time.NewTimer(heldBound + sub.cfg.StatementTimeout)
 		defer t.Stop()
 		select {
 		case <-done:
-		case <-sub.done: // the subscription ended: the row was given back
+		case <-sub.signals.done: // the subscription ended: the row was given back
 		case <-t.C:
 		}
 	}
 }
 
 // unhold ends the batch of a held row at once, for a handler's
-// transaction that waits (converted) to delete the row.
-func (sub *subscription) unhold(v verdict) {
-	sub.txSeen = true
-	b := v.d.batch
+// transaction that waits (r.done) to delete the row.
+func (sub *subscription) unhold(r unholdRequest) {
+	sub.held.txSeen = true
+	b := r.d.batch
 	if b == nil {
-		close(v.converted)
+		close(r.done)
 		return
 	}
-	b.waiters = append(b.waiters, v.converted)
+	b.waiters = append(b.waiters, r.done)
 	if !b.closing {
 		sub.closeBatch(b, time.Now(), "transaction")
 	}

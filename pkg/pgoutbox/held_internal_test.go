@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/require"
 )
 
@@ -12,22 +13,22 @@ import (
 // the lost claim stays to release (the owner used to drop it).
 func TestLostClaimStaysWhenItsWriteJobFailsEarly(t *testing.T) {
 	b := setup(t, func(c *SubscriberConfig) { c.StatementTimeout = time.Second })
-	req := b.sub.scan.request(2, b.sub.gen, time.Now())
-	b.sub.claiming = true
+	req := b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
+	b.sub.claims.claiming = true
 	b.sub.onClaimed(claimResult{req: req, err: errors.New("reply lost")})
 	b.claimed(t, 1)
 	d := b.handOut(t)
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, ack: true}, false)
-	job := b.sub.pending
-	b.sub.pending = writeJob{}
-	for _, c := range b.sub.lostClaims {
+	job := b.sub.writes.pending
+	b.sub.writes.pending = writeJob{}
+	for _, c := range b.sub.claims.lost {
 		job.releaseTokens = append(job.releaseTokens, c.token)
 	}
 	r := b.sub.comp.write(job) // pool cannot connect: transient error
 	require.Error(t, r.err)
-	b.sub.inWrite = true
+	b.sub.writes.inWrite = true
 	b.sub.onWritten(r)
-	require.Len(t, b.sub.lostClaims, 1, "ReleaseClaim never ran, but the lost claim was dropped")
+	require.Len(t, b.sub.claims.lost, 1, "ReleaseClaim never ran, but the lost claim was dropped")
 }
 
 // Ordered nack in a held batch whose COMMIT may have applied with its
@@ -39,9 +40,9 @@ func TestHeldFailedEndDropsTheOrderedRetry(t *testing.T) {
 		c.MaxInFlight = 1
 		c.RetryPolicy = ConstantBackoff{Delay: 0, MaxAttempts: -1}
 	})
-	req := b.sub.scan.request(2, b.sub.gen, time.Now())
+	req := b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
 	req.held = true
-	b.sub.claiming = true
+	b.sub.claims.claiming = true
 	rows := []*delivery{
 		{id: 1, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(1, 0)},
 		{id: 2, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(2, 0)},
@@ -51,20 +52,13 @@ func TestHeldFailedEndDropsTheOrderedRetry(t *testing.T) {
 	d := b.handOut(t)
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg}, false) // nack: ordered hold, deferred
 	require.Len(t, hb.deferred.holds, 1)
-	// closeBatch without the goroutine
-	hb.closing = true
-	job := batchJob{b: hb}
-	for _, x := range hb.rows {
-		if x.fate != heldAcked && x.fate != heldReleased && x.state != finished {
-			job.leased = append(job.leased, x)
-		}
-	}
+	job := b.sub.held.close(hb, time.Now(), "retry", pgtype.Int8{}) // the batch end's job, not run
 	b.sub.finishedBatch(batchResult{job: job, err: errors.New("connection reset during COMMIT")})
-	require.Len(t, b.sub.lostClaims, 1)
+	require.Len(t, b.sub.claims.lost, 1)
 	// The completer's job: the hold applies (COMMIT had applied), then ReleaseClaim.
-	wj := b.sub.pending
-	b.sub.pending = writeJob{}
-	for _, c := range b.sub.lostClaims {
+	wj := b.sub.writes.pending
+	b.sub.writes.pending = writeJob{}
+	for _, c := range b.sub.claims.lost {
 		wj.releaseTokens = append(wj.releaseTokens, c.token)
 	}
 	r := writeResult{job: wj, done: written{}, sent: time.Now(), abandoned: map[*delivery]error{}}
@@ -74,7 +68,70 @@ func TestHeldFailedEndDropsTheOrderedRetry(t *testing.T) {
 	for _, op := range wj.returns {
 		r.done[writtenKey{op.d.id, op.d.token.Bytes}] = true
 	}
-	b.sub.inWrite = true
+	b.sub.writes.inWrite = true
 	b.sub.onWritten(r)
-	require.Nil(t, b.sub.retry, "the owner would redeliver a row ReleaseClaim just unleased")
+	require.Nil(t, b.sub.hand.retry, "the owner would redeliver a row ReleaseClaim just unleased")
+}
+
+// A batch's end decides each row's fate without running a statement: acked
+// rows are deleted, released ones unlocked, the rest become leases; only
+// handlers still running at the bound count as slow, and when most of a
+// batch's handlers are, ClaimAuto leases for a while.
+func TestHeldBatchEndDecidesEachRow(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4 })
+	now := time.Now()
+	rows := make([]*delivery, 5)
+	for i := range rows {
+		rows[i] = &delivery{id: int64(i + 1), state: buffered}
+	}
+	hb := &heldBatch{rows: rows, undecided: 5}
+	for _, d := range rows {
+		d.batch = hb
+	}
+	b.sub.held.decide(rows[0], heldAcked)
+	b.sub.held.decide(rows[1], heldReleased)
+	rows[2].state = handedOut // still running
+	b.sub.held.decide(rows[3], heldLeased)
+	job := b.sub.held.close(hb, now, "bound", pgtype.Int8{})
+	require.True(t, hb.closing)
+	require.Equal(t, []*delivery{rows[0]}, job.acks)
+	require.Equal(t, []*delivery{rows[1]}, job.released)
+	require.Equal(t, []*delivery{rows[2], rows[3], rows[4]}, job.leased)
+	require.Equal(t, 1, job.stragglers, "a buffered row says nothing of the handlers' speed")
+	require.False(t, job.slow)
+	require.True(t, b.sub.held.offUntil.IsZero())
+
+	slow := &heldBatch{rows: []*delivery{{id: 9, state: handedOut}, {id: 10, state: handedOut}}, undecided: 2}
+	job = b.sub.held.close(slow, now, "bound", pgtype.Int8{})
+	require.True(t, job.slow)
+	require.True(t, b.sub.held.offUntil.After(now), "ClaimAuto leases for a while")
+	req := claimRequest{}
+	require.False(t, b.sub.held.wantHeld(req, now, time.Time{}, func() bool { return true }))
+}
+
+// Which claims hold: none that reclaim leases, follow ordering keys or
+// find the pool without a spare connection; ClaimAuto only while busy.
+func TestHeldPathChoosesPerClaim(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	spare := func() bool { return true }
+	auto := heldPath{cfg: &SubscriberConfig{ClaimMode: ClaimAuto}, busy: true}
+	require.True(t, auto.wantHeld(claimRequest{}, now, time.Time{}, spare))
+	require.False(t, auto.wantHeld(claimRequest{withExpired: true}, now, time.Time{}, spare))
+	require.False(t, auto.wantHeld(claimRequest{endedKeys: []string{"k"}}, now, time.Time{}, spare))
+	require.False(t, auto.wantHeld(claimRequest{window: 256}, now, time.Time{}, spare), "a windowed claim leases")
+	require.False(t, auto.wantHeld(claimRequest{}, now, time.Time{}, func() bool { return false }))
+	idle := auto
+	idle.busy = false
+	require.False(t, idle.wantHeld(claimRequest{}, now, time.Time{}, spare), "an idle ClaimAuto claim leases")
+	held := heldPath{cfg: &SubscriberConfig{ClaimMode: ClaimHeld}}
+	require.True(t, held.wantHeld(claimRequest{}, now, time.Time{}, spare), "ClaimHeld holds when idle too")
+	require.False(t, held.wantHeld(claimRequest{window: 256}, now, now.Add(time.Second), spare), "keyed rows seen: lease")
+	held.failedUntil = now.Add(time.Second)
+	require.False(t, held.wantHeld(claimRequest{}, now, time.Time{}, spare), "after a failed batch end: lease")
+	lease := heldPath{cfg: &SubscriberConfig{ClaimMode: ClaimLease}, busy: true}
+	require.False(t, lease.wantHeld(claimRequest{}, now, time.Time{}, spare))
+	forced := heldPath{cfg: &SubscriberConfig{ClaimMode: ClaimLease}, forced: "held"}
+	require.True(t, forced.wantHeld(claimRequest{withExpired: true}, now, time.Time{}, spare), "a test hook forces the path")
 }

@@ -2,6 +2,7 @@ package pgoutbox
 
 import (
 	"sync"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 )
@@ -22,6 +23,7 @@ const (
 	EventPoisoned     EventKind = "poisoned"      // a row could not be decoded into a message
 	EventPublished    EventKind = "published"     // a Publish call inserted Count rows
 	EventHeldToLease  EventKind = "held_to_lease" // Count rows of a held claim became ordinary leases (see ClaimMode)
+	EventHandedOut    EventKind = "handed_out"    // the Router took a message; see CreatedAt, DueAt, Lateness
 )
 
 // Paths a row takes (Event.Path): see ClaimMode.
@@ -54,9 +56,17 @@ type Event struct {
 	// Reason is the failure reason of a dead-lettered row.
 	Reason string
 	// Path is the path of the claim (claimed), or of the row (acked,
-	// released): PathLease or PathHeld.
+	// released, handed_out): PathLease or PathHeld.
 	Path string
 	Err  error
+	// CreatedAt and DueAt are the row's publish time and the time it
+	// became due (handed_out; see Delivery.PublishedAt and DueAt).
+	CreatedAt, DueAt time.Time
+	// Lateness is how long after DueAt the Router took the message
+	// (handed_out), by this process's clock against the database's:
+	// for a message neither delayed nor retried, the time from its
+	// publish to its hand-out.
+	Lateness time.Duration
 }
 
 // Observer receives events. Implementations must be safe for concurrent use

@@ -18,7 +18,7 @@ func isPoolClosed(err error) bool { return err != nil && errors.Is(err, puddle.E
 // Nothing is deleted: rows still leased come back when their leases
 // expire.
 func (sub *subscription) poolClosedBy(r report) bool {
-	if sub.poolClosed {
+	if sub.drain.poolClosed {
 		return false
 	}
 	var err error
@@ -33,7 +33,7 @@ func (sub *subscription) poolClosedBy(r report) bool {
 	if !isPoolClosed(err) {
 		return false
 	}
-	sub.poolClosed = true
+	sub.drain.poolClosed = true
 	sub.logger.Error("Subscription ends: its pool was closed; close the Subscriber (or end the Subscribe context) before closing its pool", err, nil)
 	sub.logger = errorsAsDebug{sub.logger}
 	return true

@@ -79,8 +79,8 @@ func (b *testBundle) eventCount(k EventKind) int {
 // claimed feeds the owner a claim result of rows with the given ids.
 func (b *testBundle) claimed(t *testing.T, ids ...int64) []*delivery {
 	t.Helper()
-	req := b.sub.scan.request(len(ids), b.sub.gen, time.Now())
-	b.sub.claiming = true
+	req := b.sub.claims.scan.request(len(ids), b.sub.claims.gen, time.Now())
+	b.sub.claims.claiming = true
 	var rows []*delivery
 	for _, id := range ids {
 		rows = append(rows, &delivery{id: id, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`),
@@ -102,8 +102,8 @@ func (b *testBundle) handOut(t *testing.T) *delivery {
 // written reports every op of the pending job written, as the completer
 // would.
 func (b *testBundle) written(lost ...*delivery) {
-	job := b.sub.pending
-	b.sub.pending = writeJob{}
+	job := b.sub.writes.pending
+	b.sub.writes.pending = writeJob{}
 	r := writeResult{job: job, done: written{}, sent: time.Now(), abandoned: map[*delivery]error{}}
 	isLost := func(d *delivery) bool {
 		for _, l := range lost {
@@ -130,7 +130,7 @@ func (b *testBundle) written(lost ...*delivery) {
 	for _, op := range job.dead {
 		mark(op.d)
 	}
-	b.sub.inWrite = true
+	b.sub.writes.inWrite = true
 	b.sub.onWritten(r)
 }
 
@@ -139,9 +139,9 @@ func TestOwnerHandsOutInQueueOrder(t *testing.T) {
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
 	b.claimed(t, 1, 2, 3, 4, 5)
 	b.sub.dispatch(time.Now())
-	require.Equal(t, 5, b.sub.handed, "the whole window is queued for the two slots")
+	require.Equal(t, 5, b.sub.hand.handed, "the whole window is queued for the two slots")
 	for id := range int64(5) {
-		it := <-b.sub.slots
+		it := <-b.sub.slots.queue
 		require.Equal(t, id+1, it.d.id, "in queue order")
 		require.Equal(t, it.d.seq, it.seq)
 	}
@@ -151,7 +151,7 @@ func TestOwnerHandsOutInQueueOrder(t *testing.T) {
 	require.Equal(t, int64(1), ordered.handOut(t).id)
 	_, ch := ordered.sub.nextMessage(time.Now())
 	require.Nil(t, ch, "MaxInFlight 1: the second waits for the first's verdict")
-	require.Equal(t, int64(2), ordered.sub.ready.id, "prepared meanwhile")
+	require.Equal(t, int64(2), ordered.sub.hand.ready.id, "prepared meanwhile")
 }
 
 func TestOwnerAckIsWrittenThenFinished(t *testing.T) {
@@ -162,16 +162,16 @@ func TestOwnerAckIsWrittenThenFinished(t *testing.T) {
 	msg := d.msg
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: msg, ack: true}, false)
 	require.Equal(t, writing, d.state)
-	require.Equal(t, []*delivery{d}, b.sub.pending.acks)
+	require.Equal(t, []*delivery{d}, b.sub.writes.pending.acks)
 	require.ErrorIs(t, msg.Context().Err(), context.Canceled, "Ack ends the message's context")
 	b.written()
 	require.Equal(t, finished, d.state)
-	require.Empty(t, b.sub.held)
+	require.Empty(t, b.sub.hand.rows)
 	require.Equal(t, 1, b.eventCount(EventAcked))
 
 	// A second answer to the same message changes nothing.
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: msg, ack: true}, false)
-	require.Empty(t, b.sub.pending.acks)
+	require.Empty(t, b.sub.writes.pending.acks)
 }
 
 func TestOwnerReportsLostLeaseOnce(t *testing.T) {
@@ -195,7 +195,7 @@ func TestOwnerOrderedNackIsRetriedBeforeTheBuffer(t *testing.T) {
 	d := b.handOut(t)
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg}, false)
 	require.Equal(t, retrying, d.state)
-	require.Len(t, b.sub.pending.holds, 1, "the nack is written as a hold: the row stays ours")
+	require.Len(t, b.sub.writes.pending.holds, 1, "the nack is written as a hold: the row stays ours")
 	_, ch := b.sub.nextMessage(time.Now())
 	require.Nil(t, ch, "nothing goes out before the hold is written")
 	b.written()
@@ -213,18 +213,18 @@ func TestOwnerOrderedNackWithDelayGivesTheBufferBack(t *testing.T) {
 	})
 	b.claimed(t, 1, 2, 3)
 	d := b.handOut(t)
-	gen := b.sub.gen
+	gen := b.sub.claims.gen
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg}, false)
-	require.Empty(t, b.sub.buffer)
-	require.Greater(t, b.sub.gen, gen, "a claim under way gives its rows back too")
-	require.Len(t, b.sub.pending.returns, 2)
-	for _, op := range b.sub.pending.returns {
+	require.Empty(t, b.sub.hand.buffer)
+	require.Greater(t, b.sub.claims.gen, gen, "a claim under way gives its rows back too")
+	require.Len(t, b.sub.writes.pending.returns, 2)
+	for _, op := range b.sub.writes.pending.returns {
 		require.Equal(t, int32(1), op.undo, "never handed out: the delivery is taken back")
 		require.False(t, op.delay.Valid, "released rows keep their place")
 	}
-	require.Equal(t, 2, b.sub.givingBack)
+	require.Equal(t, 2, b.sub.claims.givingBack)
 	b.written()
-	require.Zero(t, b.sub.givingBack)
+	require.Zero(t, b.sub.claims.givingBack)
 	_, ch := b.sub.nextMessage(time.Now())
 	require.Nil(t, ch, "the retry waits an hour, and nothing overtakes it")
 }
@@ -239,8 +239,8 @@ func TestOwnerUnorderedNackReturnsTheRowWithItsDelay(t *testing.T) {
 	d := b.handOut(t)
 	d.outcome.setErr(errors.New("boom"))
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg}, false)
-	require.Len(t, b.sub.pending.returns, 1)
-	op := b.sub.pending.returns[0]
+	require.Len(t, b.sub.writes.pending.returns, 1)
+	op := b.sub.writes.pending.returns[0]
 	require.Equal(t, time.Second.Microseconds(), op.delay.Int64)
 	require.Equal(t, "boom", op.err.String)
 	b.written()
@@ -260,63 +260,63 @@ func TestOwnerAckDeadlineNacksWithARecordedError(t *testing.T) {
 	msg := d.msg
 	b.sub.housekeeping(time.Now().Add(time.Second))
 	require.ErrorIs(t, msg.Context().Err(), context.Canceled, "the handler is told to stop")
-	require.Len(t, b.sub.pending.holds, 1, "ordered: the row is held for its retry")
-	require.Contains(t, b.sub.pending.holds[0].err.String, "ack deadline exceeded")
-	require.Zero(t, b.sub.handed)
+	require.Len(t, b.sub.writes.pending.holds, 1, "ordered: the row is held for its retry")
+	require.Contains(t, b.sub.writes.pending.holds[0].err.String, "ack deadline exceeded")
+	require.Zero(t, b.sub.hand.handed)
 	// A late Ack is ignored.
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: msg, ack: true}, false)
-	require.Empty(t, b.sub.pending.acks)
+	require.Empty(t, b.sub.writes.pending.acks)
 }
 
 func TestOwnerBackpressureStopsHandingOutAndClaiming(t *testing.T) {
 	t.Parallel()
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4 })
 	b.claimed(t, 1, 2)
-	b.sub.claiming = false
+	b.sub.claims.claiming = false
 	for range maxPendingCompletions {
-		b.sub.pending.acks = append(b.sub.pending.acks, &delivery{})
+		b.sub.writes.pending.acks = append(b.sub.writes.pending.acks, &delivery{})
 	}
 	require.True(t, b.sub.backpressured())
 	_, ch := b.sub.nextMessage(time.Now())
 	require.Nil(t, ch)
 	b.sub.startClaim(time.Now()) // would need the notifier if it claimed
-	require.False(t, b.sub.claiming)
+	require.False(t, b.sub.claims.claiming)
 }
 
 func TestOwnerClaimStartedBeforeAGiveBackGivesItsRowsBack(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	req := b.sub.scan.request(2, b.sub.gen, time.Now())
-	b.sub.claiming = true
+	req := b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
+	b.sub.claims.claiming = true
 	b.claimed(t, 1)
-	b.sub.giveBack(b.sub.takeBuffer()) // meanwhile: the buffer went back
+	b.sub.giveBack(b.sub.hand.takeBuffer()) // meanwhile: the buffer went back
 	rows := []*delivery{{id: 5, token: req.token, metaRaw: []byte(`{}`)}, {id: 6, token: req.token, metaRaw: []byte(`{}`)}}
 	b.sub.onClaimed(claimResult{req: req, rows: rows})
-	require.Empty(t, b.sub.buffer, "rows newer than those given back must not overtake them")
-	require.Equal(t, 3, b.sub.givingBack)
+	require.Empty(t, b.sub.hand.buffer, "rows newer than those given back must not overtake them")
+	require.Equal(t, 3, b.sub.claims.givingBack)
 }
 
 func TestOwnerLostClaimIsReleasedBeforeClaimingOn(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	req := b.sub.scan.request(2, b.sub.gen, time.Now())
-	b.sub.claiming = true
+	req := b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
+	b.sub.claims.claiming = true
 	b.sub.onClaimed(claimResult{req: req, err: errors.New("reply lost")})
-	require.Len(t, b.sub.lostClaims, 1)
-	require.Equal(t, 1, b.sub.givingBack, "claims wait for the release")
+	require.Len(t, b.sub.claims.lost, 1)
+	require.Equal(t, 1, b.sub.claims.givingBack, "claims wait for the release")
 	b.sub.startWrite(time.Now().Add(time.Hour)) // past the backoff
 	require.Equal(t, []pgtype.UUID{req.token}, drainJob(b))
 	b.sub.onReleasedClaims(1, nil)
-	require.Empty(t, b.sub.lostClaims)
-	require.Zero(t, b.sub.givingBack)
-	require.Equal(t, scanFromStart, b.sub.scan.at, "the released rows lie behind any cursor")
+	require.Empty(t, b.sub.claims.lost)
+	require.Zero(t, b.sub.claims.givingBack)
+	require.Equal(t, scanFromStart, b.sub.claims.scan.at, "the released rows lie behind any cursor")
 }
 
 // drainJob takes the job startWrite submitted and returns its release
 // tokens.
 func drainJob(b *testBundle) []pgtype.UUID {
 	j := <-b.sub.comp.jobs
-	b.sub.inWrite = false
+	b.sub.writes.inWrite = false
 	return j.releaseTokens
 }
 
@@ -325,14 +325,14 @@ func TestOwnerStopGivesBackTheBufferAndReleasesAfterTheDrain(t *testing.T) {
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
 	b.claimed(t, 1, 2, 3)
 	d := b.handOut(t)
-	<-b.sub.slots // a slot took it to the Router
-	b.sub.claiming = false
+	<-b.sub.slots.queue // a slot took it to the Router
+	b.sub.claims.claiming = false
 	b.sub.beginStop()
-	require.Len(t, b.sub.pending.returns, 2, "the buffer goes back at once")
+	require.Len(t, b.sub.writes.pending.returns, 2, "the buffer goes back at once")
 	require.False(t, b.sub.finishedStopping(time.Now()), "a handler is still running")
 	b.sub.endDrain()
-	require.Len(t, b.sub.pending.returns, 3)
-	last := b.sub.pending.returns[2]
+	require.Len(t, b.sub.writes.pending.returns, 3)
+	last := b.sub.writes.pending.returns[2]
 	require.Same(t, d, last.d)
 	require.Equal(t, int32(0), last.undo, "it was delivered: the count stays")
 	b.written()
@@ -346,8 +346,8 @@ func TestOwnerStalledBufferGoesBackWhole(t *testing.T) {
 	b.claimed(t, 1, 2, 3)
 	d := b.handOut(t) // MaxInFlight 1: 2 and 3 wait
 	b.sub.housekeeping(time.Now().Add(b.sub.cfg.Lease))
-	require.Empty(t, b.sub.buffer)
-	require.Len(t, b.sub.pending.returns, 2)
+	require.Empty(t, b.sub.hand.buffer)
+	require.Len(t, b.sub.writes.pending.returns, 2)
 	require.Equal(t, handedOut, d.state, "the message in flight stays")
 }
 
@@ -357,9 +357,9 @@ func TestOwnerRenewalSkipsRowsWithAPendingWrite(t *testing.T) {
 	b.claimed(t, 1, 2, 3)
 	acked := b.handOut(t)
 	b.sub.onVerdict(verdict{d: acked, seq: acked.seq, msg: acked.msg, ack: true}, false)
-	b.sub.housekeeping(b.sub.nextRenew)
-	require.Len(t, b.sub.pending.renew, 2, "the acked row's lease ends with its write")
-	for _, d := range b.sub.pending.renew {
+	b.sub.housekeeping(b.sub.house.nextRenew)
+	require.Len(t, b.sub.writes.pending.renew, 2, "the acked row's lease ends with its write")
+	for _, d := range b.sub.writes.pending.renew {
 		require.NotSame(t, acked, d)
 	}
 }
@@ -435,16 +435,16 @@ func TestDeliveryMessageDropsDelayKeys(t *testing.T) {
 func TestOwnerWakeDuringAnEmptyClaimIsNotLost(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	req := b.sub.scan.request(1, b.sub.gen, time.Now())
-	b.sub.claiming = true
-	b.sub.wake(false) // a NOTIFY while the claim runs
+	req := b.sub.claims.scan.request(1, b.sub.claims.gen, time.Now())
+	b.sub.claims.claiming = true
+	b.sub.claims.wake(false) // a NOTIFY while the claim runs
 	b.sub.onClaimed(claimResult{req: req})
-	require.True(t, b.sub.wantClaim, "claim again")
-	require.True(t, b.sub.idleUntil.IsZero(), "no sleep")
+	require.True(t, b.sub.claims.want, "claim again")
+	require.True(t, b.sub.claims.idleUntil.IsZero(), "no sleep")
 
-	req = b.sub.scan.request(1, b.sub.gen, time.Now())
-	b.sub.claiming = true
+	req = b.sub.claims.scan.request(1, b.sub.claims.gen, time.Now())
+	b.sub.claims.claiming = true
 	b.sub.onClaimed(claimResult{req: req})
-	require.False(t, b.sub.wantClaim, "nothing woke it: an empty claim goes idle")
-	require.False(t, b.sub.idleUntil.IsZero())
+	require.False(t, b.sub.claims.want, "nothing woke it: an empty claim goes idle")
+	require.False(t, b.sub.claims.idleUntil.IsZero())
 }

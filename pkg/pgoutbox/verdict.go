@@ -140,3 +140,141 @@ func metaOrNull(meta []byte) pgtype.Text {
 func delayOf(d time.Duration) pgtype.Int8 {
 	return pgtype.Int8{Int64: max(d, 0).Microseconds(), Valid: true}
 }
+
+// takeVerdicts applies the verdicts the slots reported.
+func (sub *subscription) takeVerdicts() {
+	var unholds []unholdRequest
+	sub.verdictBuf, unholds = sub.inbox.take(sub.verdictBuf)
+	for _, r := range unholds {
+		sub.unhold(r)
+	}
+	for _, v := range sub.verdictBuf {
+		if v.timedOut {
+			if v.d.state == handedOut && v.d.seq == v.seq {
+				sub.ackDeadlinePassed(v.d, v.msg)
+			}
+			continue
+		}
+		sub.onVerdict(v, false)
+	}
+	clear(sub.verdictBuf)
+}
+
+// stopWatching ends the wait for d's verdict: a later answer is ignored.
+func (sub *subscription) stopWatching(d *delivery) {
+	if sub.hand.single == d {
+		sub.hand.single = nil
+		return
+	}
+	close(d.stopWatch)
+}
+
+// onVerdict records a handler's answer. timedOut marks a nack the owner
+// made itself when the ack deadline passed.
+func (sub *subscription) onVerdict(v verdict, timedOut bool) {
+	d := v.d
+	if d.state != handedOut || d.seq != v.seq {
+		return // a late answer: the deadline or the drain ended this delivery
+	}
+	if sub.hand.single == d {
+		sub.hand.single = nil
+	}
+	sub.hand.handed--
+	if v.unsent {
+		// The Router never took it: it goes back as if never handed out.
+		sub.giveBack([]*delivery{d})
+		return
+	}
+	sub.claims.pf.verdicts(1)
+	sub.endMessage(d) // Ack and Nack end the message's context
+	if v.poison != nil {
+		sub.poisoned(d, v.poison)
+		return
+	}
+	if d.outcome.completedInTx() {
+		// The handler's transaction deleted the row and committed (with
+		// the handler's writes): acked, and nothing is left to write. A
+		// Nack after that commit (a middleware outside failed) cannot
+		// bring the row back.
+		d.state = writing // its hand-out ended above
+		sub.endRow(d)
+		sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathLease})
+		return
+	}
+	if v.ack {
+		d.state = writing
+		if d.batch != nil {
+			sub.heldAck(d)
+			return
+		}
+		sub.writes.pending.acks = append(sub.writes.pending.acks, d)
+		return
+	}
+	n := sub.decideNack(d, v.msg, timedOut)
+	switch {
+	case n.deadReason != "":
+		sub.deadLetter(d, n.deadReason, n.errText)
+	case sub.ordered() && !sub.drain.stopping:
+		// Ordered: the row stays ours and goes out again before anything
+		// later, after its delay. The buffer goes back meanwhile, in order,
+		// rather than sit leased through a long delay.
+		d.state, d.retryAt, d.holdDone = retrying, at(time.Now()).add(n.delay), false
+		if n.meta != nil {
+			d.metaRaw = n.meta // as the hold stores it
+		}
+		sub.hand.retry = d
+		job := sub.jobFor(d)
+		job.holds = append(job.holds, holdOp{d: d, err: textOrNull(n.errText), meta: metaOrNull(n.meta)})
+		if n.delay > 0 {
+			sub.giveBack(sub.hand.takeBuffer())
+			sub.claims.gen++ // a claim under way gives its rows back too
+		}
+	default:
+		d.state = writing
+		job := sub.jobFor(d)
+		job.returns = append(job.returns, returnOp{d: d, delay: delayOf(n.delay),
+			err: textOrNull(n.errText), meta: metaOrNull(n.meta)})
+	}
+}
+
+// deadLetter ends d terminally: moved to the dead-letter table, or parked.
+func (sub *subscription) deadLetter(d *delivery, reason, errText string) {
+	d.state = writing
+	job := sub.jobFor(d)
+	job.dead = append(job.dead, deadOp{d: d, reason: reason, err: textOrNull(boundError(errText))})
+}
+
+// giveBack returns rows that no handler saw, keeping their place in line
+// and taking their delivery back. Claims wait until the give-back is
+// written, and then scan from the start, so the rows come back in order.
+func (sub *subscription) giveBack(ds []*delivery) {
+	if len(ds) == 0 {
+		return
+	}
+	sub.claims.gaveBack()
+	for _, d := range ds {
+		if d.state == finished {
+			continue
+		}
+		sub.endMessage(d)
+		d.state = writing
+		sub.claims.givingBack++
+		if b := d.batch; b != nil {
+			if b.closing { // becoming a lease: give that back after the commit
+				b.deferred.returns = append(b.deferred.returns, returnOp{d: d, undo: 1, giveBack: true})
+				continue
+			}
+			sub.held.decide(d, heldReleased) // the commit drops its lock
+			continue
+		}
+		sub.writes.pending.returns = append(sub.writes.pending.returns, returnOp{d: d, undo: 1, giveBack: true})
+	}
+}
+
+// release returns a handed-out row whose verdict will not come (the drain is
+// over): due again at once, its delivery counted.
+func (sub *subscription) release(d *delivery) {
+	d.state = writing
+	job := sub.jobFor(d)
+	job.returns = append(job.returns, returnOp{d: d})
+}

@@ -1,0 +1,220 @@
+package query
+
+import (
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// CompleteStatements write what handlers decided: acks, returns, holds
+// (Complete, or Ack alone), dead letters, renewals, a handler's own
+// completion (CompleteInTx) and the end of a held batch.
+type CompleteStatements struct {
+	Complete     string
+	Ack          string
+	CompleteInTx string
+	HeldAck      string
+	HeldFinish   string
+	Dead         string
+	Renew        string
+}
+
+func buildComplete(n Names, ac string) CompleteStatements {
+	t := n.QTable
+	return CompleteStatements{
+		// Complete applies a batch of acks, lease returns and holds in one
+		// statement. Every row is matched on (id, lease_token): a row whose
+		// lease expired and was claimed by someone else does not match, and
+		// is reported by the absence of its (id, token) pair from the result
+		// (lease lost) instead of being touched.
+		//
+		// Acks ($1, $2) delete. Returns ($3..$8) clear the lease and set when
+		// the row is due again: delay_us NULL keeps available_at (a release
+		// keeps the row's place in line), otherwise now() + delay. undo = 1
+		// takes back the delivery count of a row claimed but never handed to
+		// a handler. err and meta NULL keep the stored values. Holds ($9..$12)
+		// keep the lease of a nacked row that an ordered subscription will
+		// deliver again itself, counting that delivery now.
+		//
+		// A return that makes a row due wakes the idle subscribers of the
+		// topic and group (NOTIFY $14 with the payload GroupMark || $15,
+		// where $15 is topic GroupMark group; a row due later sends
+		// ScheduleMark || $15). The row it adds to the result has id 0.
+		Complete: fmt.Sprintf(`
+WITH acked AS (
+    DELETE FROM %[1]s o
+     USING unnest($1::bigint[], $2::uuid[]) AS c(id, token)
+     WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+    RETURNING o.id, c.token
+), returned AS (
+    UPDATE %[1]s o
+       SET lease_token  = NULL,
+           leased_until = NULL,
+           leased_by    = NULL,
+           lease_holder = NULL,
+           available_at = CASE WHEN c.delay_us IS NULL THEN o.available_at
+                               ELSE now() + c.delay_us * interval '1 microsecond' END,
+           deliveries   = o.deliveries - c.undo,
+           last_error   = coalesce(c.err, o.last_error),
+           metadata     = coalesce(c.meta::jsonb, o.metadata)
+      FROM unnest($3::bigint[], $4::uuid[], $5::bigint[], $6::int[], $7::text[], $8::text[])
+           AS c(id, token, delay_us, undo, err, meta)
+     WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+    RETURNING o.id, c.token, o.available_at <= now() AS due
+), held AS (
+    UPDATE %[1]s o
+       SET deliveries   = o.deliveries + 1,
+           leased_until = now() + $13::bigint * interval '1 microsecond',
+           last_error   = coalesce(c.err, o.last_error),
+           metadata     = coalesce(c.meta::jsonb, o.metadata)
+      FROM unnest($9::bigint[], $10::uuid[], $11::text[], $12::text[]) AS c(id, token, err, meta)
+     WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+    RETURNING o.id, c.token
+), woken AS (
+    SELECT pg_notify($14, CASE WHEN bool_or(due) THEN chr(30) ELSE %[3]s END || $15)
+      FROM returned HAVING count(*) > 0
+)
+SELECT id, token FROM acked
+UNION ALL SELECT id, token FROM returned
+UNION ALL SELECT id, token FROM held
+UNION ALL SELECT 0, NULL::uuid FROM woken`, t, ac, "chr(31)"),
+
+		// Ack is Complete for a batch of acks alone, the common batch: one
+		// DELETE, without the other branches' planning and parameters.
+		Ack: fmt.Sprintf(`
+DELETE FROM %[1]s o
+ USING unnest($1::bigint[], $2::uuid[]) AS c(id, token)
+ WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+RETURNING o.id, c.token`, t, ac),
+
+		// CompleteInTx deletes a delivered row in the transaction of the
+		// handler that processed it (tx.Middleware), under its lease token:
+		// 0 rows means the lease was lost and the transaction must roll
+		// back. No asynchronous-commit clause: that transaction commits
+		// the handler's own writes, with the user's durability.
+		CompleteInTx: fmt.Sprintf(`DELETE FROM %s WHERE id = $1 AND lease_token = $2`, t),
+
+		// HeldAck deletes the acked rows of a held claim, in its
+		// transaction: the locks make a token unnecessary.
+		HeldAck: fmt.Sprintf(`DELETE FROM %s WHERE id = ANY ($1::bigint[])`, t),
+
+		// HeldFinish is HeldAck plus the rows of the held claim that leave
+		// it without an ack (a handler still running at the bound, a nack,
+		// a dead letter): they become ordinary leases under token $3,
+		// counting their delivery, before the transaction commits. Their
+		// nacks and dead letters are then written like any lease's.
+		HeldFinish: fmt.Sprintf(`
+WITH acked AS (
+    DELETE FROM %[1]s WHERE id = ANY ($1::bigint[])
+)
+UPDATE %[1]s
+   SET lease_token  = $3::uuid,
+       leased_until = now() + $4::bigint * interval '1 microsecond',
+       leased_by    = $5,
+       lease_holder = $6::bigint,
+       deliveries   = deliveries + 1
+ WHERE id = ANY ($2::bigint[])`, t),
+
+		// Dead ends rows terminally, under their tokens: with a dead-letter
+		// table the row moves there in this one statement (if the INSERT
+		// fails the DELETE rolls back, the row stays leased and comes back:
+		// never lost); without one the row is parked in the outbox: never
+		// due again, its reason and error kept for an operator.
+		Dead: deadStatement(n, ac),
+
+		// Renew extends the leases of held rows, under their tokens, and
+		// stamps them with the holder's current liveness key ($4, NULL when
+		// it holds none): a process that had to take a new key must not
+		// leave rows under its old one, which looks dead.
+		Renew: fmt.Sprintf(`
+UPDATE %[1]s o
+   SET leased_until = now() + $3::bigint * interval '1 microsecond',
+       lease_holder = $4::bigint
+  FROM unnest($1::bigint[], $2::uuid[]) AS c(id, token)
+ WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+RETURNING o.id, c.token`, t, ac),
+	}
+}
+
+func deadStatement(n Names, ac string) string {
+	if n.QDLQ == "" {
+		// Parked: available_at 'infinity' is never due, and the ready
+		// index keeps the row out of every claim's way at its far end.
+		return fmt.Sprintf(`
+UPDATE %[1]s o
+   SET lease_token = NULL, leased_until = NULL, leased_by = NULL, lease_holder = NULL,
+       available_at   = 'infinity',
+       failure_reason = c.reason,
+       last_error     = coalesce(c.err, o.last_error)
+  FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::text[]) AS c(id, token, reason, err)
+ WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+RETURNING o.id, c.token`, n.QTable, ac)
+	}
+	// The INSERT runs although nothing reads its result: PostgreSQL always
+	// executes data-modifying CTEs, and a failure fails the whole statement.
+	return fmt.Sprintf(`WITH dead AS (
+    DELETE FROM %[1]s o
+     USING unnest($1::bigint[], $2::uuid[], $3::text[], $4::text[]) AS c(id, token, reason, err)
+     WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+    RETURNING o.id, o.topic, o.consumer_group, o.uuid, o.payload, o.metadata, o.created_at, o.deliveries,
+              o.dedup_key, coalesce(c.err, o.last_error) AS last_error, c.reason, o.leased_by, c.token, o.ordering_key
+), moved AS (
+    INSERT INTO %[3]s (id, topic, consumer_group, uuid, payload, metadata, created_at, deliveries,
+                    dedup_key, last_error, failure_reason, failed_by, ordering_key)
+    SELECT id, topic, consumer_group, uuid, payload, metadata, created_at, deliveries,
+           dedup_key, last_error, reason, leased_by, ordering_key FROM dead
+)
+SELECT id, token FROM dead`, n.QTable, ac, n.QDLQ)
+}
+
+// CompleteArgs are the parameters of a batch of acks, returns and holds,
+// each a set of parallel arrays.
+type CompleteArgs struct {
+	AckIDs    []int64
+	AckTokens []pgtype.UUID
+	// Returns give rows back: due again after DelayUS (NULL: keep
+	// available_at), Undo 1 takes back a delivery nobody saw, Errs and
+	// Metas NULL keep what is stored.
+	RetIDs    []int64
+	RetTokens []pgtype.UUID
+	DelayUS   []pgtype.Int8
+	Undo      []int32
+	Errs      []pgtype.Text
+	Metas     []pgtype.Text
+	// Holds keep a nacked row's lease (ordered mode), counting its next
+	// delivery.
+	HoldIDs    []int64
+	HoldTokens []pgtype.UUID
+	HoldErrs   []pgtype.Text
+	HoldMetas  []pgtype.Text
+	LeaseUS    int64  // the lease a hold extends
+	Channel    string // the NOTIFY channel of returned rows
+	WakeKey    string // topic GroupMark group: who wakes
+}
+
+// Write returns the statement for a (Ack when it holds acks alone) and
+// its arguments in the statement's order.
+func (q *CompleteStatements) Write(a CompleteArgs) (string, []any) {
+	if len(a.RetIDs) == 0 && len(a.HoldIDs) == 0 {
+		return q.Ack, []any{a.AckIDs, a.AckTokens}
+	}
+	return q.Complete, []any{a.AckIDs, a.AckTokens,
+		a.RetIDs, a.RetTokens, a.DelayUS, a.Undo, a.Errs, a.Metas,
+		a.HoldIDs, a.HoldTokens, a.HoldErrs, a.HoldMetas, a.LeaseUS,
+		a.Channel, a.WakeKey}
+}
+
+// FinishArgs are the parameters of HeldFinish.
+type FinishArgs struct {
+	AckIDs   []int64
+	LeaseIDs []int64     // rows that become leases
+	Token    pgtype.UUID // their lease token
+	LeaseUS  int64
+	WorkerID string
+	Holder   pgtype.Int8
+}
+
+// Finish returns HeldFinish's arguments in the statement's order.
+func (a FinishArgs) Finish() []any {
+	return []any{a.AckIDs, a.LeaseIDs, a.Token, a.LeaseUS, a.WorkerID, a.Holder}
+}

@@ -1,0 +1,48 @@
+package query
+
+import "fmt"
+
+// GroupStatements bind and unbind consumer groups, purge an unbound
+// group's rows, and cancel scheduled rows by key.
+type GroupStatements struct {
+	Bind   string
+	Unbind string
+	Purge  string
+	Cancel string
+}
+
+func buildGroups(n Names) GroupStatements {
+	t := n.QTable
+	return GroupStatements{
+		// Bind binds consumer group $2 to topic $1: from then on every
+		// message published to the topic gets a row for the group.
+		Bind: fmt.Sprintf(`INSERT INTO %s (topic, consumer_group) VALUES ($1, $2) ON CONFLICT DO NOTHING`, n.QBindings),
+		// Unbind removes the binding; Purge deletes the group's rows of the
+		// topic that nobody holds: unleased, or leased until a time already
+		// past (their holder is gone, and with the group unbound nobody may
+		// come to claim them). A delivery under way completes.
+		Unbind: fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2`, n.QBindings),
+		Purge: fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2
+   AND (lease_token IS NULL OR leased_until < now())`, t),
+
+		// Cancel deletes a scheduled row by key, in every consumer group,
+		// but only while nobody holds it: a delivery already running
+		// completes normally. The dedup index is led by (topic,
+		// consumer_group), so the groups holding keyed rows of the topic
+		// are found first, one index probe each (a loose index scan), and
+		// each group's row is then looked up by its full key: filtering the
+		// key over the topic's whole range would read every keyed row.
+		Cancel: fmt.Sprintf(`
+WITH RECURSIVE grp(g) AS (
+    (SELECT consumer_group FROM %[1]s WHERE topic = $1 AND dedup_key IS NOT NULL
+      ORDER BY consumer_group LIMIT 1)
+    UNION ALL
+    SELECT (SELECT consumer_group FROM %[1]s WHERE topic = $1 AND dedup_key IS NOT NULL AND consumer_group > grp.g
+             ORDER BY consumer_group LIMIT 1)
+      FROM grp WHERE grp.g IS NOT NULL
+)
+DELETE FROM %[1]s
+ WHERE topic = $1 AND consumer_group IN (SELECT g FROM grp WHERE g IS NOT NULL)
+   AND dedup_key = $2 AND lease_token IS NULL`, t),
+	}
+}

@@ -1,0 +1,200 @@
+package pgoutboxotel_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pgoutboxotel"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// collect reads every metric of reader by name.
+func collect(t *testing.T, reader *sdkmetric.ManualReader) map[string]metricdata.Metrics {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(context.Background(), &rm))
+	out := map[string]metricdata.Metrics{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			out[m.Name] = m
+		}
+	}
+	return out
+}
+
+// has reports whether set has every attribute of want.
+func has(set attribute.Set, want ...attribute.KeyValue) bool {
+	for _, kv := range want {
+		if v, ok := set.Value(kv.Key); !ok || v != kv.Value {
+			return false
+		}
+	}
+	return true
+}
+
+// sum is the value of the counter's data point with the attributes want.
+func sum(t *testing.T, m metricdata.Metrics, want ...attribute.KeyValue) int64 {
+	t.Helper()
+	s, ok := m.Data.(metricdata.Sum[int64])
+	require.True(t, ok, "%s is a %T", m.Name, m.Data)
+	for _, dp := range s.DataPoints {
+		if has(dp.Attributes, want...) {
+			return dp.Value
+		}
+	}
+	t.Fatalf("%s has no data point with %v", m.Name, want)
+	return 0
+}
+
+func gauge(t *testing.T, m metricdata.Metrics, want ...attribute.KeyValue) int64 {
+	t.Helper()
+	g, ok := m.Data.(metricdata.Gauge[int64])
+	require.True(t, ok, "%s is a %T", m.Name, m.Data)
+	for _, dp := range g.DataPoints {
+		if has(dp.Attributes, want...) {
+			return dp.Value
+		}
+	}
+	t.Fatalf("%s has no data point with %v", m.Name, want)
+	return 0
+}
+
+// The lateness histogram records each hand-out's delay after the row's
+// due time: two messages whose publish (and due) times are 3 s and 40 s in
+// the past land in the buckets (2.5, 5] and (30, 60], summing to about
+// 43 s; the counters count the publish, the claims and the acks.
+func TestLatenessHistogramAgainstKnownPublishTimes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := pgoutboxtest.PubSub(t)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	obs, err := pgoutboxotel.NewObserver(pgoutboxotel.MetricsOptions{MeterProvider: mp, Attributes: []attribute.KeyValue{attribute.String("outbox", "orders")}})
+	require.NoError(t, err)
+
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(env.Pool), pgoutbox.PublisherConfig{Tables: env.Tables, Observer: obs}, nil)
+	require.NoError(t, err)
+	early, late := message.NewMessage(watermill.NewUUID(), []byte("3s")), message.NewMessage(watermill.NewUUID(), []byte("40s"))
+	require.NoError(t, pub.Publish("late", early, late))
+	// Published that long ago, by the database's clock.
+	for uuid, ago := range map[string]string{early.UUID: "3 s", late.UUID: "40 s"} {
+		_, err := env.Pool.Exec(ctx, `UPDATE outbox SET created_at = now() - $2::interval, available_at = now() - $2::interval WHERE uuid = $1`, uuid, ago)
+		require.NoError(t, err)
+	}
+
+	sub := env.NewSubscriber(t, func(c *pgoutbox.SubscriberConfig) { c.Observer = obs })
+	msgs, err := sub.Subscribe(ctx, "late")
+	require.NoError(t, err)
+	for range 2 {
+		select {
+		case m := <-msgs:
+			m.Ack()
+		case <-time.After(10 * time.Second):
+			t.Fatal("no message")
+		}
+	}
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, env.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&n))
+		return n == 0
+	}, 10*time.Second, 5*time.Millisecond)
+	require.NoError(t, sub.Close()) // the Observer has every event once Close returns
+
+	got := collect(t, reader)
+	pair := []attribute.KeyValue{
+		attribute.String("messaging.system", "pgoutbox"),
+		attribute.String("messaging.destination.name", "late"),
+		attribute.String("messaging.consumer.group.name", ""),
+		attribute.String("outbox", "orders"),
+	}
+	h, ok := got["pgoutbox.subscriber.lateness"].Data.(metricdata.Histogram[float64])
+	require.True(t, ok)
+	require.Len(t, h.DataPoints, 1)
+	dp := h.DataPoints[0]
+	require.True(t, has(dp.Attributes, pair...), "attributes %v", dp.Attributes.ToSlice())
+	require.EqualValues(t, 2, dp.Count)
+	require.InDelta(t, 43, dp.Sum, 2, "3 s and 40 s late, plus the time to hand them out")
+	bucket := func(upper float64) uint64 {
+		for i, b := range dp.Bounds {
+			if b == upper {
+				return dp.BucketCounts[i]
+			}
+		}
+		t.Fatalf("no bucket bound %v", upper)
+		return 0
+	}
+	require.EqualValues(t, 1, bucket(5), "the 3 s message")
+	require.EqualValues(t, 1, bucket(60), "the 40 s message")
+
+	require.EqualValues(t, 2, sum(t, got["pgoutbox.publisher.published"], pair[:2]...))
+	require.EqualValues(t, 2, sum(t, got["pgoutbox.subscriber.claimed"], pair...))
+	require.EqualValues(t, 2, sum(t, got["pgoutbox.subscriber.acked"], pair...))
+	require.Positive(t, sum(t, got["pgoutbox.subscriber.claims"], pair...))
+}
+
+// The Stats gauges report the rows per state and the dead letters per
+// reason on each collection; a failed Stats call is counted and reports
+// no gauges.
+func TestStatsGauges(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := pgoutboxtest.PubSub(t)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	reg, err := pgoutboxotel.RegisterStats(tx.FromPgxPool(env.Pool), env.Tables, pgoutboxotel.MetricsOptions{MeterProvider: mp})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = reg.Unregister() })
+
+	ready := []*message.Message{
+		message.NewMessage(watermill.NewUUID(), []byte("a")),
+		message.NewMessage(watermill.NewUUID(), []byte("b")),
+		message.NewMessage(watermill.NewUUID(), []byte("c")),
+	}
+	require.NoError(t, env.Publisher.Publish("gauged", ready...))
+	later := message.NewMessage(watermill.NewUUID(), []byte("later"))
+	pgoutbox.DeliverAfter(later, time.Hour)
+	require.NoError(t, env.Publisher.Publish("gauged", later))
+	_, err = env.Pool.Exec(ctx, `INSERT INTO outbox_dlq (id, topic, consumer_group, uuid, payload, metadata, created_at, deliveries, failure_reason)
+		VALUES (1000, 'gauged', '', 'dead', '', '{}', now(), 3, 'rejected')`)
+	require.NoError(t, err)
+
+	got := collect(t, reader)
+	topic := attribute.String("messaging.destination.name", "gauged")
+	require.EqualValues(t, 3, gauge(t, got["pgoutbox.messages"], topic, attribute.String("pgoutbox.state", "ready")))
+	require.EqualValues(t, 1, gauge(t, got["pgoutbox.messages"], topic, attribute.String("pgoutbox.state", "scheduled")))
+	require.EqualValues(t, 0, gauge(t, got["pgoutbox.messages"], topic, attribute.String("pgoutbox.state", "leased")))
+	require.EqualValues(t, 1, gauge(t, got["pgoutbox.dead_letters"], topic, attribute.String("pgoutbox.failure_reason", "rejected")))
+	age, ok := got["pgoutbox.oldest_ready_age"].Data.(metricdata.Gauge[float64])
+	require.True(t, ok)
+	require.Len(t, age.DataPoints, 1)
+	require.GreaterOrEqual(t, age.DataPoints[0].Value, 0.0)
+	require.EqualValues(t, 0, sum(t, got["pgoutbox.stats.errors"]))
+	dur, ok := got["pgoutbox.stats.duration"].Data.(metricdata.Gauge[float64])
+	require.True(t, ok)
+	require.Positive(t, dur.DataPoints[0].Value)
+
+	// A pool that is closed: Stats fails.
+	closed, err := pgxpool.New(ctx, env.DSN)
+	require.NoError(t, err)
+	closed.Close()
+	failReader := sdkmetric.NewManualReader()
+	failing, err := pgoutboxotel.RegisterStats(tx.FromPgxPool(closed), env.Tables,
+		pgoutboxotel.MetricsOptions{MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(failReader))})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = failing.Unregister() })
+	got = collect(t, failReader)
+	require.EqualValues(t, 1, sum(t, got["pgoutbox.stats.errors"]))
+	_, reported := got["pgoutbox.messages"]
+	require.False(t, reported, "no stale gauges after a failed Stats")
+}

@@ -1,0 +1,93 @@
+package pgoutbox
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+)
+
+// batchEnder ends held batches: it deletes a batch's acked rows, makes the
+// rows that leave it without an ack leases, and commits, in one round trip
+// on the batch's connection, which it then gives back to the pool. Each
+// end runs on a goroutine of its own; it keeps no state of the
+// subscription (like completer).
+type batchEnder struct {
+	q     *query.Queries
+	cfg   *SubscriberConfig
+	topic string
+	// stmtCtx bounds a statement (the completer's: at close, the final
+	// deadline).
+	stmtCtx func() (context.Context, context.CancelFunc)
+}
+
+// batchJob is the end of a held batch.
+type batchJob struct {
+	b          *heldBatch
+	acks       []*delivery
+	released   []*delivery
+	leased     []*delivery
+	stragglers int  // rows whose handler still ran at the bound
+	slow       bool // most handlers outlived the bound: ClaimAuto leases for a while
+	holder     pgtype.Int8
+}
+
+// batchResult is what a batch end did.
+type batchResult struct {
+	job batchJob
+	err error
+}
+
+// end writes the end of a held batch and commits.
+func (e *batchEnder) end(job batchJob) batchResult {
+	r := batchResult{job: job}
+	conn := job.b.conn
+	defer conn.Release() // a connection still in a transaction is closed, not reused
+	ctx, cancel := e.stmtCtx()
+	defer cancel()
+	b := &pgx.Batch{}
+	ackIDs := make([]int64, len(job.acks))
+	for i, d := range job.acks {
+		ackIDs[i] = d.id
+	}
+	if len(job.leased) == 0 {
+		if len(ackIDs) > 0 {
+			b.Queue(e.q.HeldAck, ackIDs)
+		}
+	} else {
+		leaseIDs := make([]int64, len(job.leased))
+		for i, d := range job.leased {
+			leaseIDs[i] = d.id
+		}
+		b.Queue(e.q.HeldFinish, query.FinishArgs{AckIDs: ackIDs, LeaseIDs: leaseIDs, Token: job.b.token,
+			LeaseUS: e.cfg.Lease.Microseconds(), WorkerID: e.cfg.WorkerID, Holder: job.holder}.Finish()...)
+	}
+	if len(job.released) > 0 {
+		// Rows given back are due again at commit: wake the idle
+		// subscribers of the group, as a lease's release does.
+		b.Queue("SELECT pg_notify($1, $2)", e.q.Names.Channel, query.GroupMark+e.topic+query.GroupMark+e.cfg.ConsumerGroup)
+	}
+	b.Queue("COMMIT")
+	res := conn.SendBatch(ctx, b)
+	for i := range b.Len() {
+		tag, err := res.Exec()
+		if err != nil {
+			r.err = err
+			break
+		}
+		if i == b.Len()-1 && tag.String() != "COMMIT" {
+			r.err = errHeldRolledBack // the server answers ROLLBACK to the COMMIT of a failed transaction
+		}
+	}
+	if err := res.Close(); err != nil && r.err == nil {
+		r.err = err
+	}
+	return r
+}
+
+var errHeldRolledBack = rolledBackError{}
+
+type rolledBackError struct{}
+
+func (rolledBackError) Error() string { return "pgoutbox: the held transaction rolled back" }

@@ -1,0 +1,265 @@
+package pgoutbox
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+)
+
+// claimer runs a subscription's claim statements, one at a time, on a
+// goroutine of its own: it takes a claimRequest the owner fixed and returns
+// a claimResult, and keeps no state of the subscription (like completer).
+type claimer struct {
+	pool  *pgxpool.Pool
+	q     *query.Queries
+	cfg   *SubscriberConfig
+	topic string
+	// stop ends when the subscription stops: reads that only plan
+	// (nextDue) stop waiting for the database then.
+	stop context.Context
+}
+
+// run claims on the path the request names.
+func (c *claimer) run(req claimRequest) claimResult {
+	if req.held {
+		return c.held(req)
+	}
+	return c.lease(req)
+}
+
+// lease leases up to req.n rows with the claim statement (query.Claim). It does not use the subscription's context: a
+// claim cut off after the server ran it would leave rows leased that nobody
+// knows of. After an empty claim it asks when the next row is due, so timers
+// fire on time instead of at the next poll.
+func (c *claimer) lease(req claimRequest) claimResult {
+	r := claimResult{req: req}
+	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.StatementTimeout)
+	defer cancel()
+	stmt, args := c.q.Lease(query.ClaimArgs{
+		Topic: c.topic, Group: c.cfg.ConsumerGroup, N: req.n, Token: req.token,
+		LeaseUS: c.cfg.Lease.Microseconds(), WorkerID: c.cfg.WorkerID, Holder: req.holder,
+		CursorAt: req.at, CursorID: req.id, WithExpired: req.withExpired,
+		Window: req.window, EndedKeys: req.endedKeys, Spare: req.orphansOf,
+	})
+	rows, err := c.pool.Query(ctx, stmt, args...)
+	if err != nil {
+		r.err = err
+		return r
+	}
+	var reclaimed, free int64
+	for rows.Next() {
+		d := &delivery{token: req.token}
+		var id pgtype.Int8
+		var uuid, key pgtype.Text
+		var deliveries pgtype.Int4
+		var availableAt, createdAt pgtype.Timestamptz
+		if err := rows.Scan(&id, &uuid, &d.payload, &d.metaRaw, &deliveries, &availableAt, &key, &createdAt,
+			&r.cursorAt, &r.cursor, &reclaimed, &free); err != nil {
+			rows.Close()
+			r.err = err
+			return r
+		}
+		if !id.Valid {
+			continue // nothing claimed: the row only carries the cursor
+		}
+		d.id, d.uuid, d.deliveries = id.Int64, uuid.String, int(deliveries.Int32)
+		d.availableAt, d.orderingKey, d.createdAt = availableAt.Time, key.String, createdAt.Time.UnixMicro()
+		r.rows = append(r.rows, d)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		r.rows, r.err = nil, err
+		return r
+	}
+	r.reclaimed, r.free = int(reclaimed), int(free)
+	if err := c.verifyLeasedKeys(ctx, &r); err != nil {
+		// The rows stay leased under the claim's token: the owner releases
+		// them like a lost claim's.
+		r.rows, r.err = nil, err
+		return r
+	}
+
+	sortQueueOrder(r.rows)        // RETURNING order is unspecified
+	r.took = time.Since(req.sent) // the claim's own time (see claimScan.claimed)
+	if len(r.rows) == 0 {
+		r.dueIn = c.nextDue()
+	}
+	return r
+}
+
+// verifyLeasedKeys gives back the keyed rows of a committed lease claim
+// whose key turned out busy (query.KeyVerifyLease): of two claims of one
+// key, the one that looks last sees the other's lease or key lock.
+func (c *claimer) verifyLeasedKeys(ctx context.Context, r *claimResult) error {
+	ids := keyedIDs(r.rows)
+	if ids == nil {
+		return nil
+	}
+	busy, err := collectIDs(c.pool.Query(ctx, c.q.KeyVerifyLease, c.topic, ids, r.req.token, c.cfg.ConsumerGroup))
+	if err != nil {
+		return err
+	}
+	r.rows, r.keyBusy = dropIDs(r.rows, busy), len(busy)
+	return nil
+}
+
+// keyedIDs returns the ids of the keyed rows, nil when there are none.
+func keyedIDs(rows []*delivery) []int64 {
+	var ids []int64
+	for _, d := range rows {
+		if d.orderingKey != "" {
+			ids = append(ids, d.id)
+		}
+	}
+	return ids
+}
+
+// collectIDs reads a result of ids.
+func collectIDs(rows pgx.Rows, err error) (map[int64]bool, error) {
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	ids := map[int64]bool{}
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		ids[id] = true
+	}
+	return ids, rows.Err()
+}
+
+// dropIDs removes the rows whose id is in drop, keeping the order.
+func dropIDs(rows []*delivery, drop map[int64]bool) []*delivery {
+	if len(drop) == 0 {
+		return rows
+	}
+	kept := rows[:0]
+	for _, d := range rows {
+		if !drop[d.id] {
+			kept = append(kept, d)
+		}
+	}
+	return kept
+}
+
+// nextDue asks when the next row of the topic becomes claimable (a
+// scheduled row or an expiring lease); 0 when none is, or on error.
+func (c *claimer) nextDue() time.Duration {
+	// It only plans: a stopping subscription does not wait for it.
+	ctx, cancel := context.WithTimeout(c.stop, c.cfg.StatementTimeout)
+	defer cancel()
+	var us *int64
+	if err := c.pool.QueryRow(ctx, c.q.NextDue, c.topic, c.cfg.ConsumerGroup).Scan(&us); err != nil || us == nil {
+		return 0
+	}
+	// At least a millisecond: rounding must not make the loop spin on a
+	// row that is due within a microsecond.
+	return max(time.Duration(*us)*time.Microsecond, time.Millisecond)
+}
+
+// held opens a held transaction and locks up to req.n ready rows
+// in it. A transaction that locked nothing ends at once.
+func (c *claimer) held(req claimRequest) claimResult {
+	r := claimResult{req: req}
+	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.StatementTimeout)
+	defer cancel()
+	conn, err := c.pool.Acquire(ctx)
+	if err != nil {
+		r.err = err
+		return r
+	}
+	b := &pgx.Batch{}
+	b.Queue("BEGIN")
+	if !c.cfg.SynchronousCommit {
+		b.Queue("SET LOCAL synchronous_commit = off") // see SubscriberConfig.SynchronousCommit
+	}
+	// If this process stalls or its network vanishes while the batch is
+	// held, the server ends the transaction after this long, and the rows
+	// are due again: the held path's bound on how long rows stay locked,
+	// where the lease path has Lease.
+	b.Queue(fmt.Sprintf("SET LOCAL idle_in_transaction_session_timeout = %d", heldIdleTimeout(c.cfg).Milliseconds()))
+	b.Queue(c.q.HeldClaim, query.HeldArgs{Topic: c.topic, Group: c.cfg.ConsumerGroup, N: req.n, CursorAt: req.at, CursorID: req.id}.Held()...)
+	res := conn.SendBatch(ctx, b)
+	err = func() error {
+		defer res.Close()
+		for range b.Len() - 1 {
+			if _, err := res.Exec(); err != nil {
+				return err
+			}
+		}
+		rows, err := res.Query()
+		if err != nil {
+			return err
+		}
+		for rows.Next() {
+			d := &delivery{token: req.token}
+			var uuid, key pgtype.Text
+			var deliveries int32
+			var createdAt time.Time
+			if err := rows.Scan(&d.id, &uuid, &d.payload, &d.metaRaw, &deliveries, &d.availableAt, &key, &createdAt); err != nil {
+				rows.Close()
+				return err
+			}
+			d.uuid, d.deliveries, d.orderingKey, d.createdAt = uuid.String, int(deliveries), key.String, createdAt.UnixMicro()
+			r.rows = append(r.rows, d)
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		// The claim locked the rows' keys: look again with a newer
+		// snapshot (query.KeyVerifyHeld). Rows left out stay locked,
+		// unhandled, until the batch ends.
+		if ids := keyedIDs(r.rows); ids != nil {
+			res.Close() // the batch's results are read: the connection is free
+			busy, err := collectIDs(conn.Query(ctx, c.q.KeyVerifyHeld, c.topic, ids, c.cfg.ConsumerGroup))
+			if err != nil {
+				return err
+			}
+			r.rows, r.keyBusy = dropIDs(r.rows, busy), len(busy)
+		}
+		return nil
+	}()
+	if err != nil {
+		// A connection left inside a transaction is not reused: the pool
+		// closes it, and the server rolls the transaction back.
+		conn.Release()
+		r.rows, r.err = nil, err
+		return r
+	}
+	if len(r.rows) == 0 {
+		r.took = time.Since(req.sent)
+		_, err := conn.Exec(ctx, "ROLLBACK")
+		if err != nil {
+			conn.Conn().Close(ctx) //nolint:errcheck // closing is the way out
+		}
+		conn.Release()
+		r.dueIn = c.nextDue()
+		return r
+	}
+	// ORDER BY with FOR UPDATE may return a row out of order when it was
+	// changed while the claim waited for it (READ COMMITTED re-reads it).
+	sortQueueOrder(r.rows)
+	last := r.rows[len(r.rows)-1]
+	r.cursorAt = pgtype.Timestamptz{Time: last.availableAt, Valid: true}
+	r.cursor = pgtype.Int8{Int64: last.id, Valid: true}
+	r.free = len(r.rows)
+	r.batch = &heldBatch{conn: conn, token: req.token, rows: r.rows, undecided: len(r.rows)}
+	r.took = time.Since(req.sent)
+	return r
+}
+
+// heldIdleTimeout is idle_in_transaction_session_timeout for held
+// transactions: the bound, plus time for the owner to end the batch.
+func heldIdleTimeout(cfg *SubscriberConfig) time.Duration {
+	return heldBound + cfg.StatementTimeout
+}

@@ -1,0 +1,261 @@
+package pgoutbox
+
+import (
+	"bytes"
+	"context"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/handoff"
+)
+
+// handout is the part of a subscription that holds its rows: every row it
+// leases or holds, the prefetch buffer, the prepared next message, what is
+// handed out, and ordered mode's retry. Only the owner touches it.
+type handout struct {
+	rows   map[*delivery]struct{} // every row we lease or hold, in any state but finished
+	buffer []*delivery            // claimed, not handed out, in queue order
+	ready  *delivery              // taken from the buffer (or the retry) and prepared: goes out next
+	single *delivery              // MaxInFlight 1: the message in flight, whose Ack the owner waits for itself
+	handed int                    // handed out, waiting for a verdict
+	retry  *delivery              // ordered mode: a nacked row delivered again at retryAt
+}
+
+// unjudged is the number of leased rows without a verdict: the lease window.
+func (h *handout) unjudged() int {
+	n := len(h.buffer) + h.handed
+	if h.ready != nil {
+		n++
+	}
+	return n
+}
+
+// takeBuffer empties the buffer, the prepared message first, in order.
+func (h *handout) takeBuffer() []*delivery {
+	buf := h.buffer
+	if h.ready != nil {
+		buf = append([]*delivery{h.ready}, buf...)
+	}
+	h.buffer, h.ready = nil, nil
+	return buf
+}
+
+// nextMessage returns the delivery to hand out next, with the output
+// channel to send it on, or a nil channel when nothing may go out now. Rows
+// that must not go out (lease likely gone, too many deliveries,
+// undecodable) are dealt with on the way.
+func (sub *subscription) nextMessage(now time.Time) (*delivery, chan *message.Message) {
+	if sub.drain.stopping || sub.backpressured() {
+		return nil, nil
+	}
+	full := sub.hand.handed >= sub.maxHandedOut()
+	if d := sub.hand.retry; d != nil {
+		if !d.holdDone || at(now) < d.retryAt || full {
+			return nil, nil // ordered: nothing overtakes the retry
+		}
+		if r := sub.hand.ready; r != nil { // prepared before the nack: back in front
+			sub.hand.ready = nil
+			sub.hand.buffer = append([]*delivery{r}, sub.hand.buffer...)
+		}
+		sub.hand.retry = nil
+		d.state = buffered
+		d.deliveries++ // the hold counted this delivery
+		// A handler past its ack deadline may still hold the payload.
+		d.payload = bytes.Clone(d.payload)
+		d.claimedAt = at(now) // the stalled-buffer check measures from here
+		if sub.prepare(d, now) {
+			sub.hand.ready = d
+		}
+	}
+	// The next message is prepared while the current one is in flight, so
+	// a verdict is followed by the next hand-out at once.
+	for sub.hand.ready == nil && len(sub.hand.buffer) > 0 {
+		d := sub.hand.buffer[0]
+		sub.hand.buffer[0] = nil
+		sub.hand.buffer = sub.hand.buffer[1:]
+		switch {
+		case d.state == finished: // lease lost while buffered
+		case d.msg != nil: // prepared already, then put back
+			sub.hand.ready = d
+		case sub.prepare(d, now):
+			sub.hand.ready = d
+		}
+	}
+	if sub.hand.ready == nil || full {
+		return nil, nil
+	}
+	return sub.hand.ready, sub.out
+}
+
+// prepare admits d and builds its message (MaxInFlight 1: the owner hands
+// it out itself), or sends d where it belongs instead and returns false.
+func (sub *subscription) prepare(d *delivery, now time.Time) bool {
+	if !sub.admit(d, now) {
+		return false
+	}
+	d.outcome = sub.newOutcome(d)
+	msg, cancel, err := buildMessage(sub.msgParent, d.uuid, d.payload, d.metaRaw, d.orderingKey, d.outcome)
+	if err != nil {
+		sub.poisoned(d, err)
+		return false
+	}
+	d.msg, d.cancel = msg, cancel
+	return true
+}
+
+// poisoned dead-letters a row that does not decode into a message.
+func (sub *subscription) poisoned(d *delivery, err error) {
+	sub.s.obs.observe(Event{Kind: EventPoisoned, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Err: err})
+	sub.deadLetter(d, ReasonPoisoned, err.Error())
+}
+
+// messageParent is the parent of message contexts: the Subscribe context's
+// values (a trace, a logger) without its cancellation. A Router cancels
+// that context when it closes, and a handler mid-work must be let finish
+// within DrainTimeout; the subscription cancels each message's context
+// itself when its delivery ends, or when the drain does.
+func messageParent(ctx context.Context) context.Context { return context.WithoutCancel(ctx) }
+
+// buildMessage decodes a row into the message handed to the Router, with a
+// context (derived from messageParent) that carries the outcome.
+// It touches no subscription state: slots call it too.
+func buildMessage(parent context.Context, uuid string, payload, metaRaw []byte, orderingKey string, o *outcome) (*message.Message, context.CancelFunc, error) {
+	msg, err := decodeMessage(uuid, payload, metaRaw)
+	if err != nil {
+		return nil, nil, err
+	}
+	if orderingKey != "" {
+		msg.Metadata[OrderingKeyMetadataKey] = orderingKey
+	}
+	ctx, cancel := context.WithCancel(handoff.With(parent, o))
+	msg.SetContext(ctx)
+	return msg, cancel, nil
+}
+
+// admit decides whether d may go out: false (and d sent where it belongs)
+// when its lease is likely gone or it was delivered too often.
+func (sub *subscription) admit(d *delivery, now time.Time) bool {
+	// A row that waited while renewals could not reach the database may be
+	// someone else's by now: give it back (under its token) rather than
+	// risk two holders.
+	if at(now).add(sub.cfg.StatementTimeout) >= d.expiresAt {
+		back := []*delivery{d}
+		if sub.ordered() {
+			// Nothing may overtake it: everything behind goes back too.
+			back = append(back, sub.hand.takeBuffer()...)
+		}
+		sub.giveBack(back)
+		return false
+	}
+	if limit := sub.cfg.MaxDeliveries; limit > 0 && d.deliveries > limit {
+		sub.deadLetter(d, ReasonMaxDeliveries, "")
+		return false
+	}
+	return true
+}
+
+// handedOut records that the Router took d (MaxInFlight 1), or that a slot
+// did (see dispatch). With one message in flight the owner waits for its
+// verdict itself, one goroutine hop less per message.
+func (sub *subscription) handedOut(d *delivery) {
+	sub.hand.ready = nil
+	d.state, d.handedAt = handedOut, at(time.Now())
+	d.seq++
+	sub.hand.handed++
+	if sub.slots == nil {
+		sub.hand.single = d
+		sub.s.obs.handedOut(d.outcome)
+		return
+	}
+	d.outcome, d.stopWatch = sub.newOutcome(d), make(chan struct{})
+	// Never blocks: see maxHandedOut.
+	sub.slots.hand(slotItem{d: d, seq: d.seq, uuid: d.uuid, payload: d.payload, metaRaw: d.metaRaw, orderingKey: d.orderingKey,
+		outcome: d.outcome, abandon: d.stopWatch})
+}
+
+// takeQueued takes back the deliveries in the slots' queue that no slot
+// took yet, in queue order; they count as handed out no more.
+func (sub *subscription) takeQueued() []*delivery {
+	if sub.slots == nil {
+		return nil
+	}
+	var out []*delivery
+	for _, it := range sub.slots.takeQueued() {
+		it.d.state = buffered
+		sub.hand.handed--
+		out = append(out, it.d)
+	}
+	return out
+}
+
+// oldestHandedOut is how long ago the oldest delivery still handed out
+// went to the slots.
+func (h *handout) oldestHandedOut(now time.Time) time.Duration {
+	var oldest time.Duration
+	for d := range h.rows {
+		if d.state == handedOut {
+			oldest = max(oldest, at(now).since(d.handedAt))
+		}
+	}
+	return oldest
+}
+
+// maxHandedOut bounds the deliveries given to the Router or to the slots.
+// MaxInFlight slots send at most MaxInFlight messages to the Router; the
+// rest of the lease window waits in the slots' queue, so a slot that got
+// its verdict takes the next message without waiting for the owner.
+func (sub *subscription) maxHandedOut() int {
+	if sub.slots != nil {
+		return sub.slots.capacity()
+	}
+	return sub.cfg.MaxInFlight
+}
+
+// dispatch hands messages to the slots while there is room (MaxInFlight >
+// 1). A slot sends the message to the Router and waits for its verdict, so
+// the owner wakes only to take verdicts, in batches while busy.
+func (sub *subscription) dispatch(now time.Time) {
+	if sub.slots == nil {
+		return
+	}
+	for sub.hand.handed < sub.slots.capacity() && !sub.drain.stopping && !sub.backpressured() && len(sub.hand.buffer) > 0 {
+		d := sub.hand.buffer[0]
+		sub.hand.buffer[0] = nil
+		sub.hand.buffer = sub.hand.buffer[1:]
+		if d.state != finished && sub.admit(d, now) {
+			sub.handedOut(d) // the slot builds the message
+		}
+	}
+}
+
+// endMessage cancels the context of d's message where the owner built it
+// (a slot cancels the ones it built itself).
+func (sub *subscription) endMessage(d *delivery) {
+	if d.cancel != nil {
+		d.cancel()
+	}
+	d.msg, d.cancel = nil, nil
+}
+
+// endRow is the one way a row leaves the subscription's hands: written,
+// ended with its held batch, completed by a handler's transaction, or
+// held by someone else now. Whatever still points at it (the prepared
+// message, a hand-out, ordered mode's retry) lets go, and the next row of
+// its key may be claimed.
+func (sub *subscription) endRow(d *delivery) {
+	if sub.hand.ready == d {
+		sub.endMessage(d)
+		sub.hand.ready = nil
+	}
+	if d.state == handedOut {
+		sub.stopWatching(d)
+		sub.endMessage(d)
+		sub.hand.handed--
+	}
+	if sub.hand.retry == d {
+		sub.hand.retry = nil
+	}
+	delete(sub.hand.rows, d)
+	d.state, d.batch = finished, nil
+	sub.keyEnded(d)
+}

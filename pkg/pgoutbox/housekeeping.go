@@ -1,0 +1,119 @@
+package pgoutbox
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// housekeeping is the part of a subscription that runs periodic checks:
+// ack deadlines (MaxInFlight 1), stalled buffers, lease renewals. Only the
+// owner touches it.
+type housekeeping struct {
+	next         time.Time // the next check
+	nextRenew    time.Time
+	renewFailing bool // the last renewal failed: logged once per outage
+}
+
+// housekeepingEvery is the period of the owner's checks of renewals, ack
+// deadlines and stalled buffers.
+func housekeepingEvery(cfg *SubscriberConfig) time.Duration {
+	d := min(time.Second, cfg.Lease/10)
+	if cfg.AckDeadline > 0 {
+		d = min(d, cfg.AckDeadline/10)
+	}
+	return max(d, 10*time.Millisecond)
+}
+
+// housekeeping runs the periodic checks: ack deadlines, stalled buffers,
+// lease renewals.
+func (sub *subscription) housekeeping(now time.Time) {
+	if sub.cfg.AckDeadline > 0 && sub.slots == nil { // with slots, each slot keeps it
+		for d := range sub.hand.rows {
+			if d.state == handedOut && at(now).since(d.handedAt) >= sub.cfg.AckDeadline && !d.outcome.completingInTx() {
+				sub.ackDeadlinePassed(d, d.msg)
+			}
+		}
+	}
+	// A prefetched row still waiting half a lease after its claim means the
+	// handlers are stuck or slow: give the whole buffer back (all of it, so
+	// the rows keep their order) for other consumers, rather than hold it.
+	oldest := sub.hand.ready
+	if oldest == nil && len(sub.hand.buffer) > 0 {
+		oldest = sub.hand.buffer[0]
+	}
+	if oldest != nil && at(now).since(oldest.claimedAt) > sub.cfg.Lease/2 {
+		sub.giveBack(sub.hand.takeBuffer())
+	}
+	if sub.slots != nil && sub.slots.queued() > 0 && sub.hand.oldestHandedOut(now) > sub.cfg.Lease/2 {
+		// The same for the slots' queue: what no slot took yet goes back.
+		sub.giveBack(sub.takeQueued())
+	}
+	if !now.Before(sub.house.nextRenew) && sub.writes.pending.renew == nil {
+		var rows []*delivery
+		for d := range sub.hand.rows {
+			// Rows with a write pending are left out: the write ends the
+			// lease (or keeps it, a hold), and a renewal after it in the
+			// same batch would find the row gone and call it lost.
+			// Held rows have no lease to renew.
+			if d.state != writing && !(d.state == retrying && !d.holdDone) && d.batch == nil {
+				rows = append(rows, d)
+			}
+		}
+		if len(rows) > 0 {
+			sub.writes.pending.renew, sub.writes.pending.renewHolder = rows, sub.holder()
+		}
+		sub.house.nextRenew = now.Add(sub.cfg.Lease / 2)
+	}
+}
+
+// ackDeadlinePassed ends a delivery whose handler did not answer within
+// AckDeadline: its context is cancelled, its lease no longer renewed, and
+// the row nacked with a recorded error (a delivery, counted as such).
+func (sub *subscription) ackDeadlinePassed(d *delivery, msg *message.Message) {
+	sub.stopWatching(d)
+	err := fmt.Errorf("%w: no ack or nack within %s", ErrAckDeadline, sub.cfg.AckDeadline)
+	sub.logger.Error("Handler did not ack or nack within AckDeadline; the message is nacked and its context cancelled", err,
+		watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "deliveries": d.deliveries, "ack_deadline": sub.cfg.AckDeadline.String()})
+	d.outcome.setErr(err)
+	sub.onVerdict(verdict{d: d, seq: d.seq, msg: msg}, true)
+}
+
+// onRenewed applies a renewal's result: extended leases, lost ones.
+func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
+	if rows == nil {
+		return
+	}
+	if !r.renewed {
+		// Once per outage at ERROR; retried within a second, not a period,
+		// or the leases would expire meanwhile.
+		if !sub.house.renewFailing {
+			sub.logger.Error("Renewing leases failed; retrying every second until it works", r.err, watermill.LogFields{"rows": len(rows)})
+		}
+		sub.house.renewFailing = true
+		sub.house.nextRenew = time.Now().Add(min(time.Second, sub.cfg.Lease/10))
+		return
+	}
+	sub.house.renewFailing = false
+	renewed := 0
+	for _, d := range rows {
+		if d.state == finished {
+			continue // ended while the renewal ran
+		}
+		if r.renewDone.has(d) {
+			renewed++
+			d.expiresAt = at(r.renewSent).add(sub.cfg.Lease)
+			continue
+		}
+		if d.state == writing || (d.state == retrying && !d.holdDone) {
+			continue // its pending write finds the lease lost and says so
+		}
+		if d.state == handedOut && d.outcome.completingInTx() {
+			continue // the handler's transaction deleted it; its verdict follows
+		}
+		sub.dropLost(d, "renew")
+	}
+	sub.s.obs.observe(Event{Kind: EventLeaseRenewed, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, Count: renewed})
+}

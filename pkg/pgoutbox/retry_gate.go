@@ -1,0 +1,53 @@
+package pgoutbox
+
+import (
+	"math/rand/v2"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+)
+
+// retryGate paces the retries of a statement that failed: claims and
+// writes each have one. After a failure it stays shut for a backoff (50ms
+// doubling to 5s, with jitter, forever); a success opens it and resets the
+// backoff.
+type retryGate struct {
+	bo    *backoff.ExponentialBackOff
+	until time.Time // shut until then; zero: open
+}
+
+func newRetryGate() retryGate {
+	// Options, not fields: NewExponentialBackOff resets itself, so fields
+	// set afterwards would only apply after the next Reset.
+	return retryGate{bo: backoff.NewExponentialBackOff(backoff.WithInitialInterval(50*time.Millisecond),
+		backoff.WithMaxInterval(5*time.Second), backoff.WithMaxElapsedTime(0))}
+}
+
+// failed shuts the gate for the next backoff and returns its length.
+func (g *retryGate) failed(now time.Time) time.Duration {
+	wait := g.bo.NextBackOff()
+	g.until = now.Add(wait)
+	return wait
+}
+
+// succeeded opens the gate and resets the backoff.
+func (g *retryGate) succeeded() {
+	g.bo.Reset()
+	g.until = time.Time{}
+}
+
+// shut reports whether the gate is shut; passedTimes opens it once its
+// time has come (pass).
+func (g *retryGate) shut() bool { return !g.until.IsZero() }
+
+// pass opens the gate if its backoff is over.
+func (g *retryGate) pass(now time.Time) {
+	if !g.until.IsZero() && !now.Before(g.until) {
+		g.until = time.Time{}
+	}
+}
+
+// jitter spreads d by ±20% so idle subscribers do not poll in lockstep.
+func jitter(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
+}

@@ -1,0 +1,83 @@
+package pgoutbox
+
+import (
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+// drain is the part of a subscription that stops it: claiming and handing
+// out end, handlers get until the drain's end to answer, and the rows
+// still out are released after it. Only the owner touches it.
+type drain struct {
+	stopping bool
+	over     bool      // the drain ended: no verdict is waited for
+	end      time.Time // when the drain ends; zero once it did
+	// poolClosed: the pool was closed, nothing can be written any more
+	// (pool_closed.go).
+	poolClosed bool
+}
+
+// beginStop stops claiming and handing out, gives the buffer back, and
+// starts the drain.
+func (sub *subscription) beginStop() {
+	sub.drain.stopping = true
+	sub.signals.cancelStop()
+	queued := sub.takeQueued()
+	if sub.slots != nil {
+		sub.slots.stopOffering() // a slot holding a message reports it unsent
+	}
+	sub.giveBack(append(queued, sub.hand.takeBuffer()...))
+	if d := sub.hand.retry; d != nil && d.holdDone {
+		// Not delivered again yet: the hold counted that delivery.
+		sub.hand.retry = nil
+		sub.giveBack([]*delivery{d})
+	}
+	if sub.cfg.DrainTimeout < 0 {
+		sub.endDrain()
+		return
+	}
+	sub.drain.end = time.Now().Add(sub.cfg.DrainTimeout)
+}
+
+// endDrain stops waiting for handlers: the rows still handed out go back
+// (under their tokens), never deleted; a late Ack is ignored.
+func (sub *subscription) endDrain() {
+	sub.drain.over = true
+	for d := range sub.hand.rows {
+		if d.state == handedOut {
+			sub.stopWatching(d)
+			sub.endMessage(d)
+			sub.hand.handed--
+			sub.release(d)
+		}
+	}
+}
+
+// finishedStopping reports whether a stopping subscription may end: no
+// handler to wait for, no claim under way, everything written, or the final
+// writes given up on after their deadline.
+func (sub *subscription) finishedStopping(now time.Time) bool {
+	if sub.hand.handed > 0 || sub.claims.claiming || len(sub.held.batches) > 0 {
+		return false
+	}
+	if sub.writes.finalDeadline.IsZero() {
+		sub.writes.finalDeadline = now.Add(sub.cfg.StatementTimeout)
+		sub.comp.setDeadline(sub.writes.finalDeadline)
+	}
+	if sub.writes.inWrite {
+		return false
+	}
+	if sub.drain.poolClosed {
+		return true
+	}
+	if sub.writes.pending.empty() && len(sub.claims.lost) == 0 && sub.hand.retry == nil {
+		return true
+	}
+	if sub.writes.finalFailures >= 3 || now.After(sub.writes.finalDeadline) {
+		sub.logger.Error("Giving up writing acks and lease returns at close; those rows are redelivered when their leases expire", nil,
+			watermill.LogFields{"pending": sub.writes.pending.ops()})
+		return true
+	}
+	return false
+}

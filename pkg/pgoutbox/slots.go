@@ -1,0 +1,236 @@
+package pgoutbox
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// slots are the goroutines that hand messages to the Router beside the
+// owner when MaxInFlight > 1, one per message in flight. A slot takes an
+// item from the queue, builds its message, offers it to the Router, waits
+// for its Ack or Nack (keeping the ack deadline) and leaves the verdict in
+// the inbox. It reads nothing of the subscription but its slotItem and the
+// slotEnv fixed at start: the owner keeps every decision.
+type slots struct {
+	queue chan slotItem // hand-outs in queue order; its capacity is the lease window
+	halt  chan struct{} // closed when the subscription stops: nothing more is offered
+	inbox *verdictInbox
+	env   slotEnv
+	n     int // slots to run: MaxInFlight
+	wg    sync.WaitGroup
+}
+
+// slotEnv is what every slot reads, fixed before they start.
+type slotEnv struct {
+	out chan<- *message.Message
+	// parent gives message contexts their values; not its cancellation
+	// (see messageParent).
+	parent      context.Context
+	ackDeadline time.Duration // 0: none
+	// handedOut reports that the Router took a message (EventHandedOut);
+	// it must not block.
+	handedOut func(*outcome)
+}
+
+// slotItem is a delivery for a slot, with what the slot may read of it.
+type slotItem struct {
+	d                *delivery // only passed back in the verdict
+	seq              uint32
+	uuid             string
+	payload, metaRaw []byte
+	orderingKey      string
+	outcome          *outcome
+	abandon          <-chan struct{} // closed when the owner stops waiting for the verdict
+}
+
+func newSlots(n, window int, inbox *verdictInbox, env slotEnv) *slots {
+	return &slots{queue: make(chan slotItem, window), halt: make(chan struct{}), inbox: inbox, env: env, n: n}
+}
+
+// start runs the slots.
+func (s *slots) start() {
+	for range s.n {
+		s.wg.Add(1)
+		go s.run()
+	}
+}
+
+// hand queues an item; the owner never queues more than the capacity.
+func (s *slots) hand(it slotItem) { s.queue <- it }
+
+// capacity is how many items the queue holds.
+func (s *slots) capacity() int { return cap(s.queue) }
+
+// queued is how many items wait for a slot.
+func (s *slots) queued() int { return len(s.queue) }
+
+// takeQueued takes back, in queue order, the items no slot took yet.
+func (s *slots) takeQueued() []slotItem {
+	var out []slotItem
+	for {
+		select {
+		case it := <-s.queue:
+			out = append(out, it)
+		default:
+			return out
+		}
+	}
+}
+
+// stopOffering makes every slot report what it has not offered yet as
+// unsent.
+func (s *slots) stopOffering() { close(s.halt) }
+
+// stop stops the slots once they are idle; none sends on out afterwards.
+func (s *slots) stop() {
+	close(s.queue)
+	s.wg.Wait()
+}
+
+func (s *slots) run() {
+	defer s.wg.Done()
+	// One timer per slot, armed for each message in turn.
+	var deadline *time.Timer
+	if s.env.ackDeadline > 0 {
+		deadline = time.NewTimer(time.Hour)
+		deadline.Stop()
+		defer deadline.Stop()
+	}
+	for it := range s.queue {
+		if v, ok := s.handle(it, deadline); ok {
+			s.inbox.put(v)
+		}
+	}
+}
+
+// handle offers one item and waits for its verdict; ok is false when the
+// owner abandoned it and wants no verdict.
+func (s *slots) handle(it slotItem, deadline *time.Timer) (v verdict, ok bool) {
+	v = verdict{d: it.d, seq: it.seq}
+	msg, cancel, err := buildMessage(s.env.parent, it.uuid, it.payload, it.metaRaw, it.orderingKey, it.outcome)
+	if err != nil {
+		v.poison = err
+		return v, !closed(it.abandon)
+	}
+	defer cancel() // an answer, a deadline or an abandonment ends the message's context
+	v.msg = msg
+	// Checked before the offer: a select whose send is ready too picks at
+	// random, and an abandoned or stopped message must not reach the
+	// Router. (Only a stop that comes while the offer waits can lose the
+	// race to a Router that takes the message at that very moment; then
+	// the message counts as handed out.)
+	switch {
+	case closed(it.abandon):
+		return v, false
+	case closed(s.halt):
+		v.unsent = true
+		return v, true
+	}
+	select {
+	case s.env.out <- msg:
+		s.env.handedOut(it.outcome)
+	case <-s.halt:
+		v.unsent = true
+		return v, !closed(it.abandon)
+	case <-it.abandon:
+		return v, false
+	}
+	var expired <-chan time.Time
+	if deadline != nil {
+		deadline.Reset(s.env.ackDeadline)
+		defer deadline.Stop()
+		expired = deadline.C
+	}
+	for {
+		select {
+		case <-msg.Acked():
+			v.ack = true
+		case <-msg.Nacked():
+		case <-expired:
+			if it.outcome.completingInTx() {
+				// The handler's transaction is completing the row (bounded
+				// by its commit timeout): its answer decides, a nack now
+				// would only race it. Look again shortly: if it rolls back,
+				// the deadline still applies.
+				deadline.Reset(completingRecheck(s.env.ackDeadline))
+				continue
+			}
+			v.timedOut = true
+		case <-it.abandon:
+			return v, false
+		}
+		return v, !closed(it.abandon)
+	}
+}
+
+// completingRecheck is how long a deadline that found the handler's
+// transaction completing waits before it looks again.
+func completingRecheck(ackDeadline time.Duration) time.Duration {
+	return max(ackDeadline/10, 10*time.Millisecond)
+}
+
+func closed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
+}
+
+// verdictInbox is where the slots leave verdicts, and handlers' transactions
+// their unhold requests, for the owner: a mailbox, so a busy owner takes
+// many per wake-up instead of being woken for each.
+type verdictInbox struct {
+	mu      sync.Mutex
+	list    []verdict
+	unholds []unholdRequest
+	wake    chan struct{} // a value while a list is not empty
+}
+
+func newVerdictInbox() *verdictInbox { return &verdictInbox{wake: make(chan struct{}, 1)} }
+
+func (in *verdictInbox) put(v verdict) {
+	in.mu.Lock()
+	in.list = append(in.list, v)
+	in.mu.Unlock()
+	in.notify()
+}
+
+func (in *verdictInbox) putUnhold(r unholdRequest) {
+	in.mu.Lock()
+	in.unholds = append(in.unholds, r)
+	in.mu.Unlock()
+	in.notify()
+}
+
+func (in *verdictInbox) notify() {
+	select {
+	case in.wake <- struct{}{}:
+	default:
+	}
+}
+
+// take moves the waiting verdicts into buf and returns them, with the
+// unhold requests.
+func (in *verdictInbox) take(buf []verdict) ([]verdict, []unholdRequest) {
+	in.mu.Lock()
+	buf = append(buf[:0], in.list...)
+	in.list = in.list[:0]
+	unholds := in.unholds
+	in.unholds = nil
+	in.mu.Unlock()
+	return buf, unholds
+}
+
+// unholdRequest asks the owner to make a held row a lease at once: a
+// handler's transaction is about to delete it (tx.Middleware), and its
+// DELETE would wait for the held transaction's lock until then. The owner
+// closes done once the row is a lease (or gone).
+type unholdRequest struct {
+	d    *delivery
+	done chan struct{}
+}

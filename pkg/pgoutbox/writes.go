@@ -1,0 +1,207 @@
+package pgoutbox
+
+import (
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+// writeQueue is the part of a subscription that feeds the completer: the
+// verdicts and releases waiting to be written, whether a job is under way,
+// the pacing of acks and the backoff after a failure, and the deadline of
+// the last writes at close. Only the owner touches it.
+type writeQueue struct {
+	pending       writeJob  // not yet given to the completer
+	inWrite       bool      // the completer has a job
+	gate          retryGate // after a failed write
+	last          time.Time // when the last write was started
+	ackWait       time.Time // a paced write of acks is due then
+	finalDeadline time.Time // set when only the last writes remain
+	finalFailures int
+}
+
+// backpressured reports whether verdicts wait to be written in such numbers
+// that the subscription should neither claim nor hand out more: a
+// completion path that cannot write would otherwise let it lease ever more
+// rows, and a crash would redeliver them all.
+func (sub *subscription) backpressured() bool {
+	return sub.writes.pending.ops()+sub.comp.writing() >= maxPendingCompletions
+}
+
+// maxPendingCompletions bounds the verdicts not yet written per
+// subscription, so a crashed process leaves at most MaxInFlight +
+// maxPendingCompletions handled but unacked messages behind.
+const maxPendingCompletions = 256
+
+// startWrite hands the pending verdicts to the completer when it is free.
+func (sub *subscription) startWrite(now time.Time) {
+	if sub.writes.inWrite || sub.writes.gate.shut() {
+		return
+	}
+	if sub.onlyFewAcks() && now.Sub(sub.writes.last) < ackPacing {
+		sub.writes.ackWait = sub.writes.last.Add(ackPacing) // armTimer wakes us then
+		return
+	}
+	sub.writes.ackWait, sub.writes.last = time.Time{}, now
+	job := sub.writes.pending
+	for _, c := range sub.claims.lost {
+		job.releaseTokens = append(job.releaseTokens, c.token)
+	}
+	if job.empty() && len(job.releaseTokens) == 0 {
+		return
+	}
+	sub.writes.pending = writeJob{}
+	sub.writes.inWrite = true
+	sub.comp.submit(job)
+}
+
+// ackPacing spaces writes that carry only a few acks: written back to back
+// they would cost a statement (and a commit) for a handful of rows each,
+// and the database's CPU is what bounds a drain. Acks need no hurry (the
+// handler is done; a verdict frees its slot at once); anything else is
+// written at once.
+const (
+	ackPacing   = time.Millisecond
+	ackBatchMin = 128
+)
+
+// onlyFewAcks reports whether the pending writes are acks alone, fewer
+// than ackBatchMin, and nothing else waits.
+func (sub *subscription) onlyFewAcks() bool {
+	p := &sub.writes.pending
+	return len(p.acks) < ackBatchMin && len(p.returns)+len(p.holds)+len(p.dead) == 0 &&
+		p.renew == nil && len(sub.claims.lost) == 0 && !sub.drain.stopping
+}
+
+// onWritten applies what the completer wrote: finished rows leave the
+// owner's hands, lost leases are reported, the rest is retried.
+func (sub *subscription) onWritten(r writeResult) {
+	sub.writes.inWrite = false
+	job := r.job
+	for _, d := range job.acks {
+		if r.left.has(d) {
+			continue // not written yet: stays pending
+		}
+		if sub.finish(d, r, "ack") {
+			sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathLease})
+		}
+	}
+	for _, op := range job.returns {
+		if r.left.has(op.d) {
+			continue
+		}
+		if op.giveBack {
+			sub.claims.givingBack--
+		}
+		phase, kind, path := "release", EventReleased, PathLease
+		if op.delay.Valid {
+			phase, kind, path = "nack", EventRetried, ""
+		}
+		if sub.finish(op.d, r, phase) {
+			sub.s.obs.observe(Event{Kind: kind, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: op.d.id, Deliveries: op.d.deliveries, Path: path})
+		}
+	}
+	for _, op := range job.holds {
+		d := op.d
+		if r.left.has(d) {
+			continue
+		}
+		switch {
+		case r.done.has(d):
+			d.holdDone = true
+			d.expiresAt = at(r.sent).add(sub.cfg.Lease)
+			sub.s.obs.observe(Event{Kind: EventRetried, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries})
+			if sub.drain.stopping {
+				sub.hand.retry = nil
+				sub.giveBack([]*delivery{d})
+			}
+		default:
+			if sub.hand.retry == d {
+				sub.hand.retry = nil
+			}
+			sub.finish(d, r, "nack")
+		}
+	}
+	for _, op := range job.dead {
+		if r.left.has(op.d) {
+			continue
+		}
+		if !sub.finish(op.d, r, "dead_letter") {
+			continue
+		}
+		fields := watermill.LogFields{"event": "dead_lettered", "reason": op.reason, "row_id": op.d.id,
+			"deliveries": op.d.deliveries, "message_uuid": op.d.uuid, "last_error": op.err.String}
+		if sub.s.q.Names.QDLQ == "" {
+			logWarn(sub.logger, "Message failed terminally and was parked in the outbox (no dead-letter table configured)", fields)
+		} else {
+			sub.logger.Info("Message moved to the dead-letter table", fields)
+		}
+		sub.s.obs.observe(Event{Kind: EventDeadLettered, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: op.d.id, Deliveries: op.d.deliveries, Reason: op.reason})
+	}
+	sub.onRenewed(job.renew, r)
+	if len(job.releaseTokens) > 0 {
+		sub.onReleasedClaims(len(job.releaseTokens), r.releaseErr)
+	}
+
+	if r.err != nil {
+		// The unwritten rest goes first next time.
+		sub.writes.pending = r.left.merge(sub.writes.pending)
+		if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() {
+			sub.writes.finalFailures++
+		}
+		wait := sub.writes.gate.failed(time.Now())
+		sub.logger.Error("Writing acks and lease returns failed; retrying", r.err, watermill.LogFields{"retry_in": wait.String()})
+		return
+	}
+	if r.releaseErr != nil && len(sub.claims.lost) > 0 {
+		// Only the release failed: retry it after a backoff too, not at
+		// once in a loop.
+		if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() {
+			sub.writes.finalFailures++
+		}
+		sub.writes.gate.failed(time.Now())
+		return
+	}
+	sub.writes.gate.succeeded()
+}
+
+// finish ends d's time in the owner's hands after its write, and reports
+// whether the write applied; a write that did not apply is a lost lease,
+// or a row abandoned because its write cannot succeed.
+func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
+	sub.endRow(d)
+	if err, ok := r.abandoned[d]; ok {
+		sub.logger.Error("Cannot write this row's ack, nack or dead-letter move; it comes back when its lease expires", err,
+			watermill.LogFields{"event": "write_abandoned", "row_id": d.id, "deliveries": d.deliveries})
+		return false
+	}
+	if r.done.has(d) {
+		return true
+	}
+	sub.leaseLost(d, phase)
+	return false
+}
+
+// dropLost ends a row someone else holds now (phase: what found out): it
+// ends here, and nothing is written for it. A handed-out message's handler
+// is told to stop.
+func (sub *subscription) dropLost(d *delivery, phase string) {
+	sub.leaseLost(d, phase)
+	sub.endRow(d)
+}
+
+// leaseLost reports a row that is no longer ours: its lease token no longer
+// matches (its lease expired and another consumer claimed it, or an
+// operator removed it), or, phase "commit", the held transaction it was in
+// did not commit. The write was not applied; the row is delivered again,
+// here or elsewhere.
+func (sub *subscription) leaseLost(d *delivery, phase string) {
+	msg := "Lease lost: the row was reclaimed by another consumer or removed by an operator; this write was not applied"
+	if phase == "commit" {
+		msg = "A held batch did not commit (rolled back, or its reply was lost); this row is due again and is delivered again"
+	}
+	logWarn(sub.logger, msg, watermill.LogFields{
+		"event": "lease_lost", "phase": phase, "row_id": d.id, "deliveries": d.deliveries,
+	})
+	sub.s.obs.observe(Event{Kind: EventLeaseLost, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Phase: phase})
+}

@@ -127,7 +127,7 @@ func (c PublisherConfig) Validate() error {
 	if c.NotifyCooldown < 0 && c.NotifyCooldown != NotifyEveryPublish {
 		return errorf("%w: NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", ErrInvalidConfig, c.NotifyCooldown)
 	}
-	if c.MaxPayloadBytes < -1 {
+	if c.MaxPayloadBytes < NoPayloadLimit {
 		return maxPayloadInvalid(c.MaxPayloadBytes)
 	}
 	return nil

@@ -63,10 +63,10 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 	if config.StatementTimeout < 0 {
 		return nil, fmt.Errorf("%w: StatementTimeout is %s; use a positive duration", ErrInvalidConfig, config.StatementTimeout)
 	}
-	if config.NotifyCooldown < 0 && config.NotifyCooldown != -1 {
+	if config.NotifyCooldown < 0 && config.NotifyCooldown != NotifyEveryPublish {
 		return nil, fmt.Errorf("%w: NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", ErrInvalidConfig, config.NotifyCooldown)
 	}
-	if config.MaxPayloadBytes < -1 {
+	if config.MaxPayloadBytes < NoPayloadLimit {
 		return nil, maxPayloadInvalid(config.MaxPayloadBytes)
 	}
 	if config.StatementTimeout == 0 {

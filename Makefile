@@ -14,11 +14,20 @@ BROKER_MODULES := $(patsubst %/go.mod,%,$(wildcard _examples/*/go.mod))
 # Modules of the library's own that depend on what the library must not
 # (pgoutboxprom: client_golang; pgoutboxotel: the OpenTelemetry SDK;
 # tests/migrations: goose and golang-migrate, which apply the rendered
-# migrations), tested like the library, under -race.
-LIB_MODULES := pgoutboxprom pgoutboxotel tests/migrations
+# migrations; pgoutboxtest/dockerpg: the Docker client), tested like the
+# library, under -race. To add a module: create its go.mod requiring the
+# main module at RELEASE_VERSION (no replace), `go work use ./dir`, and add
+# it here (docs/versioning.md).
+LIB_MODULES := pgoutboxprom pgoutboxotel tests/migrations pkg/pgoutbox/pgoutboxtest/dockerpg
+# Every module but the root, each listed in go.work, so builds in the
+# repository use the working tree; `make modules` builds each without the
+# workspace against the tree served as RELEASE_VERSION, the version its
+# go.mod requires and the next tag of the main module.
+MODULES := $(LIB_MODULES) $(BROKER_MODULES) tests/bench
+RELEASE_VERSION := v0.1.0
 EXAMPLES := $(patsubst %/,./%,$(filter-out $(addsuffix /,$(BROKER_MODULES)),$(wildcard _examples/*/)))
 
-.PHONY: demo examples test test-quick lint fuzz bench bench-relay bench-compare
+.PHONY: demo examples test test-quick lint modules fuzz bench bench-relay bench-compare
 
 ## demo: run _examples/basic (an order and its message in one transaction, consumed by a router)
 demo:
@@ -29,7 +38,7 @@ examples:
 	@for d in $(EXAMPLES); do echo "go build $$d"; go build -o /dev/null $$d; done
 	@for d in $(BROKER_MODULES); do echo "go build in $$d"; (cd $$d && go build -o /dev/null .); done
 
-## test: lint, every test under -race, the relay examples' broker tests, then the reconnect test on its own
+## test: every step below, all run even when one fails, then the list of the failed ones: lint, modules, every test under -race, each LIB module, the relay examples' broker tests, the reconnect test on its own
 # The broker tests run without -race: watermill-amqp v3.0.2 races in its own
 # reconnect code (ConnectionWrapper.IsConnected); the relay itself runs
 # under -race in ./tests. They skip where the broker is unreachable,
@@ -39,26 +48,50 @@ examples:
 # code runs under -race in the first step, universal suite included).
 # With a restart command the step fails unless TestReconnect passed: a skip
 # or a -run matching nothing would otherwise look like success.
-test: lint
-	@$(PG_ENV); \
-	env -u PGOUTBOX_TEST_RESTART_CMD go test $(GO_TEST_FLAGS) -timeout 20m ./... $(EXAMPLES); \
-	for m in $(LIB_MODULES); do \
-		echo "--- $$m (a module of its own)"; \
-		(cd $$m && go vet ./... && go test $(GO_TEST_FLAGS) -timeout 5m ./...); \
-	done; \
-	for m in $(BROKER_MODULES); do \
-		echo "--- $$m (a module of its own: relay tests against a real broker)"; \
-		(cd $$m && go vet ./... && go test -count=1 -timeout 5m ./...); \
-	done; \
-	if [ -n "$${PGOUTBOX_TEST_RESTART_CMD:-}" ]; then \
-		echo "--- TestReconnect (restarts PostgreSQL with: $$PGOUTBOX_TEST_RESTART_CMD)"; \
+test:
+	@$(PG_ENV); failed=(); \
+	step() { local name=$$1; shift; echo "=== $$name"; if ! "$$@"; then failed+=("$$name"); echo "=== FAILED: $$name"; fi; }; \
+	in_dir() { (cd "$$1" && shift && "$$@"); }; \
+	reconnect() { \
 		go test -count=1 -timeout 5m -run '^TestReconnect$$' -v ./tests/ \
 			| awk '/^(=== RUN|--- |PASS|FAIL|ok|panic)|received in bulk read|missing/ { print } \
 				/^--- PASS: TestReconnect / { passed = 1 } \
 				END { if (!passed) { print "--- TestReconnect did not pass (failed, skipped or not run): see the lines above"; exit 1 } }'; \
+	}; \
+	step lint $(MAKE) --no-print-directory lint; \
+	step modules $(MAKE) --no-print-directory modules; \
+	step "go test ./..." env -u PGOUTBOX_TEST_RESTART_CMD go test $(GO_TEST_FLAGS) -timeout 20m ./... $(EXAMPLES); \
+	for m in $(LIB_MODULES); do \
+		step "$$m (a module of its own)" in_dir $$m go test $(GO_TEST_FLAGS) -timeout 5m ./...; \
+	done; \
+	for m in $(BROKER_MODULES); do \
+		step "$$m (a module of its own: relay tests against a real broker)" in_dir $$m go test -count=1 -timeout 5m ./...; \
+	done; \
+	if [ -n "$${PGOUTBOX_TEST_RESTART_CMD:-}" ]; then \
+		step "TestReconnect (restarts PostgreSQL with: $$PGOUTBOX_TEST_RESTART_CMD)" reconnect; \
 	else \
 		echo "--- TestReconnect skipped: set PGOUTBOX_TEST_RESTART_CMD to a command that restarts PostgreSQL (CI requires it)"; \
+	fi; \
+	if [ $${#failed[@]} -gt 0 ]; then \
+		echo "make test: $${#failed[@]} step(s) failed:"; printf '  - %s\n' "$${failed[@]}"; exit 1; \
+	fi; \
+	echo "make test: every step passed"
+
+## modules: build and vet every module but the root without go.work, against the working tree served as RELEASE_VERSION (what users resolve once it is tagged)
+modules:
+	@listed=$$(go work edit -json | sed -n 's/.*"DiskPath": "\.\/\(.*\)".*/\1/p' | sort); \
+	want=$$(printf '%s\n' $(MODULES) | sort); \
+	if [ "$$listed" != "$$want" ]; then \
+		echo "go.work lists: $$(echo $$listed); the Makefile's MODULES: $$(echo $$want); make them the same (go work use ./dir, docs/versioning.md)"; exit 1; \
+	fi; \
+	untracked=$$(git ls-files --cached --others --exclude-standard '*go.mod' | grep -v '^go.mod$$' | sed 's|/go.mod$$||' | sort); \
+	if [ "$$untracked" != "$$want" ]; then \
+		echo "modules in the tree: $$(echo $$untracked); the Makefile's MODULES: $$(echo $$want); add the new one to LIB_MODULES and go.work"; exit 1; \
 	fi
+	@if ! go work edit -json | tr -d ' \n\t' | grep -q '"Old":{"Path":"github.com/pgoutbox/watermill-pgoutbox","Version":"$(RELEASE_VERSION)"}'; then \
+		echo "go.work must replace github.com/pgoutbox/watermill-pgoutbox $(RELEASE_VERSION) by ./ (the version the modules require)"; exit 1; \
+	fi
+	@scripts/check-modules.sh $(RELEASE_VERSION) $(MODULES)
 
 ## test-quick: the library packages' own tests (seconds), not the integration, suite and fault tests
 test-quick:

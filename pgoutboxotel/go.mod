@@ -2,12 +2,10 @@ module github.com/pgoutbox/watermill-pgoutbox/pgoutboxotel
 
 go 1.26.0
 
-replace github.com/pgoutbox/watermill-pgoutbox => ../
-
 require (
 	github.com/ThreeDotsLabs/watermill v1.5.1
 	github.com/jackc/pgx/v5 v5.12.0
-	github.com/pgoutbox/watermill-pgoutbox v0.0.0
+	github.com/pgoutbox/watermill-pgoutbox v0.1.0
 	github.com/stretchr/testify v1.12.1
 	go.opentelemetry.io/otel v1.47.0
 	go.opentelemetry.io/otel/metric v1.47.0

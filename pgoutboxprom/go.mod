@@ -4,7 +4,7 @@ go 1.26
 
 require (
 	github.com/ThreeDotsLabs/watermill v1.5.1
-	github.com/pgoutbox/watermill-pgoutbox v0.0.0
+	github.com/pgoutbox/watermill-pgoutbox v0.1.0
 	github.com/stretchr/testify v1.12.1
 )
 
@@ -38,5 +38,3 @@ require (
 	golang.org/x/text v0.41.0 // indirect
 	google.golang.org/protobuf v1.36.8 // indirect
 )
-
-replace github.com/pgoutbox/watermill-pgoutbox => ../

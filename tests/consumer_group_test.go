@@ -285,6 +285,9 @@ func TestBindAheadAndUnbind(t *testing.T) {
 	b.publishInTx(t, "t2", true, rebound)
 	require.Equal(t, rebound.UUID, receive(t, first, 10*time.Second).UUID, "the group got its copy again")
 
+	_, err = pgoutbox.Unbind(ctx, exec, b.tables, "t", "never-bound", true)
+	require.ErrorIs(t, err, pgoutbox.ErrNotBound)
+	require.Contains(t, err.Error(), `group "never-bound", topic "t"`)
 	_, err = pgoutbox.Unbind(ctx, exec, b.tables, "", "x", false)
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidTopic)
 	require.ErrorIs(t, pgoutbox.Bind(ctx, exec, b.tables, "t", "bad\x00group"), pgoutbox.ErrInvalidGroup)

@@ -3,10 +3,13 @@ package tests
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -116,4 +119,52 @@ func TestSingleInFlightKeepsPublishOrder(t *testing.T) {
 		require.Equal(t, fmt.Sprint(i), string(m.Payload))
 		m.Ack()
 	}
+}
+
+// TestClosedPoolEndsTheSubscription: a Subscriber whose pool is closed
+// under it (a test closing its pool first, a service shutting down in the
+// wrong order) ends each subscription with one ERROR saying so, instead of
+// retrying for ever, and deletes nothing: the message it held is delivered
+// again to a subscriber on a live pool.
+func TestClosedPoolEndsTheSubscription(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	logs := &logCapture{}
+	pool, err := pgxpool.New(context.Background(), b.DSN)
+	require.NoError(t, err)
+	b.logger = logs
+	sub := b.subscriberOn(t, pool, func(c *pgoutbox.SubscriberConfig) {
+		c.Lease = 2 * time.Second
+		c.DrainTimeout = -1
+	})
+	msgs, err := sub.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	held := newMsg("held")
+	b.publishInTx(t, "t", true, held)
+	require.Equal(t, held.UUID, receive(t, msgs, 10*time.Second).UUID) // never acked
+
+	pool.Close()
+	select {
+	case _, ok := <-msgs:
+		for ok { // drain whatever was prefetched
+			_, ok = <-msgs
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the subscription did not end after its pool was closed")
+	}
+	isClosedPool := func(e logEntry) bool {
+		return e.err != nil && strings.Contains(e.err.Error(), "closed pool")
+	}
+	errs := logs.find("error", isClosedPool)
+	require.Len(t, errs, 1, "one ERROR for a closed pool: %v", errs)
+	require.Contains(t, errs[0].msg, "its pool was closed")
+
+	// Nothing was deleted: the row comes back once its lease expires.
+	b.logger = watermill.NopLogger{}
+	other := b.subscriber(t, nil)
+	again, err := other.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	m := receive(t, again, 15*time.Second)
+	require.Equal(t, held.UUID, m.UUID)
+	m.Ack()
 }

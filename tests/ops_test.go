@@ -346,6 +346,66 @@ func TestPurgeDeadLettersInBatches(t *testing.T) {
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
 }
 
+// PurgeDeadLettersMatching deletes one topic's, group's or reason's old
+// dead letters only, in batches.
+func TestPurgeDeadLettersMatching(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	b.addDeadLetters(t, 1, 120, "a", "", "rejected", 48*time.Hour)
+	b.addDeadLetters(t, 1000, 30, "a", "billing", "rejected", 48*time.Hour)
+	b.addDeadLetters(t, 2000, 20, "b", "", "poisoned", 48*time.Hour)
+	b.addDeadLetters(t, 3000, 5, "a", "", "rejected", time.Hour)
+
+	n, err := pgoutbox.PurgeDeadLettersMatching(ctx, exec, b.tables, 24*time.Hour,
+		pgoutbox.DeadLetterFilter{Topic: "a", ConsumerGroup: new("")}, 50)
+	require.NoError(t, err)
+	require.EqualValues(t, 120, n, "topic a, default group, older than a day")
+	require.Equal(t, 55, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`))
+
+	n, err = pgoutbox.PurgeDeadLettersMatching(ctx, exec, b.tables, 0, pgoutbox.DeadLetterFilter{ConsumerGroup: new("billing")}, 0)
+	require.NoError(t, err)
+	require.EqualValues(t, 30, n)
+	n, err = pgoutbox.PurgeDeadLettersMatching(ctx, exec, b.tables, 0, pgoutbox.DeadLetterFilter{Reason: "poisoned"}, 0)
+	require.NoError(t, err)
+	require.EqualValues(t, 20, n)
+	require.Equal(t, 5, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`), "the recent ones stay")
+
+	_, err = pgoutbox.PurgeDeadLettersMatching(ctx, exec, b.tables, 0, pgoutbox.DeadLetterFilter{Limit: 3}, 0)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	_, err = pgoutbox.PurgeDeadLettersMatching(ctx, exec, b.tables, 0, pgoutbox.DeadLetterFilter{Topic: "bad\x00topic"}, 0)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidTopic)
+}
+
+// DeadLetterByID reads one dead letter; DeleteDeadLetters deletes some.
+func TestDeadLetterByIDAndDelete(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	b.addDeadLetters(t, 1, 3, "a", "g", "rejected", time.Hour)
+
+	d, ok, err := pgoutbox.DeadLetterByID(ctx, exec, b.tables, 2)
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.Equal(t, "a", d.Topic)
+	require.Equal(t, "g", d.ConsumerGroup)
+	require.Equal(t, "u-2", d.UUID)
+	require.Equal(t, "p-2", string(d.Payload))
+	require.Equal(t, "v2", d.Metadata.Get("k"))
+
+	n, err := pgoutbox.DeleteDeadLetters(ctx, exec, b.tables, []int64{2, 3, 99})
+	require.NoError(t, err)
+	require.EqualValues(t, 2, n, "99 is no dead letter")
+	_, ok, err = pgoutbox.DeadLetterByID(ctx, exec, b.tables, 2)
+	require.NoError(t, err)
+	require.False(t, ok)
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`))
+	_, err = pgoutbox.DeleteDeadLetters(ctx, exec, b.tables, nil)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+}
+
 func TestRequeueParkedAndPeek(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

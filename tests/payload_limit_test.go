@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -28,7 +29,8 @@ func TestPublishPayloadLimit(t *testing.T) {
 	require.ErrorIs(t, err, pgoutbox.ErrPayloadTooLarge)
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidMessage)
 	require.ErrorContains(t, err, "message 1: payload is 1048577 bytes, over PublisherConfig.MaxPayloadBytes (1048576)")
-	require.ErrorContains(t, err, "-1 disables")
+	require.ErrorContains(t, err, "NoPayloadLimit, -1, turns the check off")
+	require.Equal(t, 1, strings.Count(err.Error(), "pgoutbox:"), err.Error())
 	_, err = pub.PublishWithResult("limit", big(pgoutbox.DefaultMaxPayloadBytes+1))
 	require.ErrorIs(t, err, pgoutbox.ErrPayloadTooLarge)
 	require.NoError(t, pub.Publish("limit", big(pgoutbox.DefaultMaxPayloadBytes)))

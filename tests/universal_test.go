@@ -58,6 +58,9 @@ func universalPubSub(t *testing.T, b *bundle, group string, mode pgoutbox.ClaimM
 		ClaimMode:   mode,
 	}, b.logger)
 	require.NoError(t, err)
+	// Some cases of the suite leave their subscriber open; it must end
+	// before the shared pool closes at the end of the whole suite.
+	t.Cleanup(func() { _ = sub.Close() })
 	return pub, sub
 }
 

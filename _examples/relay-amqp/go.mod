@@ -6,7 +6,7 @@ require (
 	github.com/ThreeDotsLabs/watermill v1.5.1
 	github.com/ThreeDotsLabs/watermill-amqp/v3 v3.0.2
 	github.com/jackc/pgx/v5 v5.12.0
-	github.com/pgoutbox/watermill-pgoutbox v0.0.0-00010101000000-000000000000
+	github.com/pgoutbox/watermill-pgoutbox v0.1.0
 )
 
 require (
@@ -26,5 +26,3 @@ require (
 	golang.org/x/sync v0.22.0 // indirect
 	golang.org/x/text v0.41.0 // indirect
 )
-
-replace github.com/pgoutbox/watermill-pgoutbox => ../..

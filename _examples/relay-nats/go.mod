@@ -7,7 +7,7 @@ require (
 	github.com/ThreeDotsLabs/watermill-nats/v2 v2.1.3
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/nats-io/nats.go v1.37.0
-	github.com/pgoutbox/watermill-pgoutbox v0.0.0-00010101000000-000000000000
+	github.com/pgoutbox/watermill-pgoutbox v0.1.0
 )
 
 require (
@@ -28,5 +28,3 @@ require (
 	golang.org/x/sys v0.35.0 // indirect
 	golang.org/x/text v0.41.0 // indirect
 )
-
-replace github.com/pgoutbox/watermill-pgoutbox => ../..

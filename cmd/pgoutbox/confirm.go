@@ -15,6 +15,13 @@ var isTerminal = func(r io.Reader) bool {
 	return ok && fileIsTerminal(f)
 }
 
+// stdoutIsTerminal reports whether w is a terminal, where stats --watch
+// redraws the screen. A variable so tests can pretend.
+var stdoutIsTerminal = func(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	return ok && fileIsTerminal(f)
+}
+
 // confirm asks question on stderr when stdin is a terminal and yes is
 // false. It returns a *refusedError when the answer is not yes, or when
 // stdin is not a terminal and yes is false.

@@ -12,12 +12,13 @@ import (
 )
 
 const dlqUsage = `Usage:
-  pgoutbox dlq list [--topic T] [--group G] [--reason R] [--limit N] [--json]
+  pgoutbox dlq list [--topic T] [--group G] [--reason R] [--since T] [--until T] [--after ID] [--limit N] [--json]
   pgoutbox dlq show ID [--json]
-  pgoutbox dlq requeue (--id N ... | --topic T --group G --reason R | --all) [--yes]
-  pgoutbox dlq purge --older-than DUR [--yes]
+  pgoutbox dlq requeue (--id N ... | --topic T --group G --reason R | --all) [--no-dlq] [--yes]
+  pgoutbox dlq delete --id N ... [--yes]
+  pgoutbox dlq purge --older-than DUR [--topic T] [--group G] [--reason R] [--yes]
 
-Run "pgoutbox dlq <list|show|requeue|purge> --help" for flags and examples.
+Run "pgoutbox dlq <list|show|requeue|delete|purge> --help" for flags and examples.
 `
 
 // deadLetterJSON is a dead letter in --json output.
@@ -49,7 +50,7 @@ func deadLetterToJSON(d pgoutbox.DeadLetter) deadLetterJSON {
 func (c *cli) dlqCmd(args []string) error {
 	if len(args) == 0 {
 		fmt.Fprint(c.stderr, dlqUsage)
-		return usagef("dlq", "missing subcommand: list, show, requeue or purge")
+		return usagef("dlq", "missing subcommand: list, show, requeue, delete or purge")
 	}
 	switch args[0] {
 	case "-h", "-help", "--help", "help":
@@ -61,10 +62,12 @@ func (c *cli) dlqCmd(args []string) error {
 		return c.dlqShow(args[1:])
 	case "requeue":
 		return c.dlqRequeue(args[1:])
+	case "delete":
+		return c.dlqDelete(args[1:])
 	case "purge":
 		return c.dlqPurge(args[1:])
 	}
-	return usagef("dlq", "unknown subcommand %q; use list, show, requeue or purge", args[0])
+	return usagef("dlq", "unknown subcommand %q; use list, show, requeue, delete or purge", args[0])
 }
 
 // filterFlags adds --topic, --group and --reason to cmd.
@@ -75,20 +78,45 @@ func filterFlags(cmd *command, f *pgoutbox.DeadLetterFilter, group *optString) {
 }
 
 func (c *cli) dlqList(args []string) error {
-	cmd := c.newCommand("dlq list", "dlq list [--topic T] [--group G] [--reason R] [--limit N] [--json]",
-		"  pgoutbox dlq list\n  pgoutbox dlq list --topic orders.placed --reason rejected\n  pgoutbox dlq list --json | jq -r '.dead_letters[].id'\n", true)
+	cmd := c.newCommand("dlq list", "dlq list [--topic T] [--group G] [--reason R] [--since T] [--until T] [--after ID] [--limit N] [--json]",
+		"  pgoutbox dlq list\n  pgoutbox dlq list --topic orders.placed --reason rejected --since 24h\n  pgoutbox dlq list --after 4711   # the next page: the last id of the previous one\n  pgoutbox dlq list --json | jq -r '.dead_letters[].id'\n", true)
 	var f pgoutbox.DeadLetterFilter
 	var group optString
 	filterFlags(cmd, &f, &group)
 	cmd.fs.IntVar(&f.Limit, "limit", pgoutbox.DefaultDeadLetterLimit, fmt.Sprintf("at most this many, oldest failure first (up to %d)", pgoutbox.MaxDeadLetterLimit))
+	since := cmd.fs.String("since", "", "only those that failed at or after this time (RFC 3339, or a Go duration before now: 24h)")
+	until := cmd.fs.String("until", "", "only those that failed before this time (RFC 3339, or a Go duration before now)")
+	after := cmd.fs.Int64("after", 0, "start after this dead letter's id (the last one of the previous page)")
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
 	if err := cmd.limitInRange(f.Limit, pgoutbox.MaxDeadLetterLimit); err != nil {
 		return err
 	}
+	var err error
+	if f.FailedAfter, err = cmd.timeFlag("since", *since); err != nil {
+		return err
+	}
+	if f.FailedBefore, err = cmd.timeFlag("until", *until); err != nil {
+		return err
+	}
+	if *after < 0 {
+		return usagef(cmd.name, "--after %d is not a dead-letter id; use the positive id the previous page ended with", *after)
+	}
 	f.ConsumerGroup = group.ptr()
 	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		if *after > 0 {
+			// A page resumes at a (failed_at, id) position: read the
+			// failed_at of the id given.
+			d, ok, err := pgoutbox.DeadLetterByID(ctx, exec, tables, *after)
+			if err != nil {
+				return err
+			}
+			if !ok {
+				return fmt.Errorf("--after %d: no dead letter has that id (requeued or purged since?); list again with --since the failure time of the last row you saw", *after)
+			}
+			f.After = pgoutbox.DeadLetterCursor{FailedAt: d.FailedAt, ID: d.ID}
+		}
 		page, err := pgoutbox.DeadLetters(ctx, exec, tables, f)
 		if err != nil {
 			return err
@@ -98,7 +126,9 @@ func (c *cli) dlqList(args []string) error {
 			out := struct {
 				DeadLetters []deadLetterJSON `json:"dead_letters"`
 				More        bool             `json:"more"`
-			}{DeadLetters: []deadLetterJSON{}, More: more}
+				// NextAfter is the --after of the next page, 0 when none.
+				NextAfter int64 `json:"next_after,omitempty"`
+			}{DeadLetters: []deadLetterJSON{}, More: more, NextAfter: page.Next.ID}
 			for _, d := range page.Letters {
 				out.DeadLetters = append(out.DeadLetters, deadLetterToJSON(d))
 			}
@@ -116,7 +146,7 @@ func (c *cli) dlqList(args []string) error {
 		}
 		tw.Flush()
 		if more {
-			fmt.Fprintf(c.stdout, "(more dead letters match: raise --limit or narrow the filters)\n")
+			fmt.Fprintf(c.stdout, "(more dead letters match: the next page is \"pgoutbox dlq list --after %d\" with the same filters)\n", page.Next.ID)
 		}
 		return nil
 	})
@@ -136,37 +166,27 @@ func (c *cli) dlqShow(args []string) error {
 		return usagef(cmd.name, "%q is not a dead-letter id; use the positive integer dlq list shows", pos[0])
 	}
 	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
-		// There is no lookup by id: page through the dead letters.
-		f := pgoutbox.DeadLetterFilter{Limit: pgoutbox.MaxDeadLetterLimit}
-		for {
-			page, err := pgoutbox.DeadLetters(ctx, exec, tables, f)
-			if err != nil {
-				return err
-			}
-			for _, d := range page.Letters {
-				if d.ID != id {
-					continue
-				}
-				if cmd.json {
-					return writeJSON(c.stdout, deadLetterToJSON(d))
-				}
-				w := c.stdout
-				fmt.Fprintf(w, "ID:           %d\nTopic:        %s\nGroup:        %s\nUUID:         %s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.UUID)
-				fmt.Fprintf(w, "Created at:   %s\nFailed at:    %s\nFailed by:    %s\n", d.CreatedAt.Local().Format(time.RFC3339), d.FailedAt.Local().Format(time.RFC3339), d.FailedBy)
-				fmt.Fprintf(w, "Reason:       %s\nDeliveries:   %d\nDedup key:    %s\nLast error:   %s\n", d.FailureReason, d.Deliveries, d.DedupKey, d.LastError)
-				fmt.Fprintln(w, "Metadata:")
-				for k, v := range d.Metadata {
-					fmt.Fprintf(w, "  %s=%s\n", k, v)
-				}
-				fmt.Fprintln(w, "Payload:")
-				printPayload(w, d.Payload)
-				return nil
-			}
-			if page.Next.IsZero() {
-				return fmt.Errorf("no dead letter with id %d; run \"pgoutbox dlq list\" for the ids (a requeued one is back in the outbox: see \"pgoutbox peek\")", id)
-			}
-			f.After = page.Next
+		d, ok, err := pgoutbox.DeadLetterByID(ctx, exec, tables, id)
+		if err != nil {
+			return err
 		}
+		if !ok {
+			return fmt.Errorf("no dead letter with id %d; run \"pgoutbox dlq list\" for the ids (a requeued one is back in the outbox: see \"pgoutbox peek\")", id)
+		}
+		if cmd.json {
+			return writeJSON(c.stdout, deadLetterToJSON(d))
+		}
+		w := c.stdout
+		fmt.Fprintf(w, "ID:           %d\nTopic:        %s\nGroup:        %s\nUUID:         %s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.UUID)
+		fmt.Fprintf(w, "Created at:   %s\nFailed at:    %s\nFailed by:    %s\n", d.CreatedAt.Local().Format(time.RFC3339), d.FailedAt.Local().Format(time.RFC3339), d.FailedBy)
+		fmt.Fprintf(w, "Reason:       %s\nDeliveries:   %d\nDedup key:    %s\nLast error:   %s\n", d.FailureReason, d.Deliveries, d.DedupKey, d.LastError)
+		fmt.Fprintln(w, "Metadata:")
+		for k, v := range d.Metadata {
+			fmt.Fprintf(w, "  %s=%s\n", k, v)
+		}
+		fmt.Fprintln(w, "Payload:")
+		printPayload(w, d.Payload)
+		return nil
 	})
 }
 
@@ -248,10 +268,56 @@ func describeFilter(f pgoutbox.DeadLetterFilter) string {
 	return s[1:]
 }
 
+func (c *cli) dlqDelete(args []string) error {
+	cmd := c.newCommand("dlq delete", "dlq delete --id N [--id N ...] [--yes]",
+		"  pgoutbox dlq delete --id 42 --yes\n  pgoutbox dlq delete --id 42,43 --yes\n", false)
+	var ids idList
+	cmd.fs.Var(&ids, "id", "a dead-letter id to delete (repeat, or separate with commas)")
+	yes := cmd.fs.Bool("yes", false, "do not ask for confirmation")
+	if err := cmd.parseNoArgs(args); err != nil {
+		return err
+	}
+	if len(ids) == 0 {
+		return usagef(cmd.name, "say which dead letters to delete: --id N (dlq list shows the ids); dlq purge deletes by age")
+	}
+	confirm := func() error {
+		return c.confirm(cmd.name, fmt.Sprintf("Delete %d dead letter(s) for good?", len(ids)), *yes)
+	}
+	return cmd.withOutbox(context.Background(), confirm, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		n, err := pgoutbox.DeleteDeadLetters(ctx, exec, tables, ids)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(c.stdout, "deleted %d dead letter(s)\n", n)
+		if n < int64(len(ids)) {
+			return fmt.Errorf("%d of the ids were not dead letters (already requeued, purged, or mistyped; see \"pgoutbox dlq list\")", int64(len(ids))-n)
+		}
+		return nil
+	})
+}
+
+// timeFlag reads a --since/--until value: an RFC 3339 time, or a Go
+// duration before now. "" is no bound.
+func (cmd *command) timeFlag(name, v string) (time.Time, error) {
+	if v == "" {
+		return time.Time{}, nil
+	}
+	if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
+		return t, nil
+	}
+	if d, err := time.ParseDuration(v); err == nil && d >= 0 {
+		return time.Now().Add(-d), nil
+	}
+	return time.Time{}, usagef(cmd.name, "--%s %q is neither an RFC 3339 time (2026-01-02T15:04:05Z) nor a duration before now (24h, 90m)", name, v)
+}
+
 func (c *cli) dlqPurge(args []string) error {
-	cmd := c.newCommand("dlq purge", "dlq purge --older-than DUR [--yes]",
-		"  pgoutbox dlq purge --older-than 720h --yes   # failed more than 30 days ago\n  pgoutbox dlq purge --older-than 0 --yes      # every dead letter\n", false)
+	cmd := c.newCommand("dlq purge", "dlq purge --older-than DUR [--topic T] [--group G] [--reason R] [--yes]",
+		"  pgoutbox dlq purge --older-than 720h --yes   # failed more than 30 days ago\n  pgoutbox dlq purge --older-than 0 --yes      # every dead letter\n  pgoutbox dlq purge --older-than 720h --topic orders.placed --group billing --yes\n", false)
 	olderThan := cmd.fs.String("older-than", "", "delete dead letters that failed longer ago than this Go duration (720h, 90m; 0 for all)")
+	var f pgoutbox.DeadLetterFilter
+	var group optString
+	filterFlags(cmd, &f, &group)
 	yes := cmd.fs.Bool("yes", false, "do not ask for confirmation")
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
@@ -263,13 +329,18 @@ func (c *cli) dlqPurge(args []string) error {
 	if err != nil || d < 0 {
 		return usagef(cmd.name, "--older-than %q is not a duration; use a Go duration such as 720h or 90m (0 for all)", *olderThan)
 	}
-	q := fmt.Sprintf("Delete dead letters that failed more than %s ago?", d)
+	f.ConsumerGroup = group.ptr()
+	q := fmt.Sprintf("Delete dead letters that failed more than %s ago", d)
 	if d == 0 {
-		q = "Delete every dead letter?"
+		q = "Delete every dead letter"
 	}
+	if f != (pgoutbox.DeadLetterFilter{}) {
+		q += " matching " + describeFilter(f)
+	}
+	q += "?"
 	confirm := func() error { return c.confirm(cmd.name, q, *yes) }
 	return cmd.withOutbox(context.Background(), confirm, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
-		n, err := pgoutbox.PurgeDeadLetters(ctx, exec, tables, d, 0)
+		n, err := pgoutbox.PurgeDeadLettersMatching(ctx, exec, tables, d, f, 0)
 		if err != nil {
 			return err
 		}

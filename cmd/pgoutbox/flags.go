@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -28,6 +29,7 @@ type command struct {
 	noDLQ    bool
 	json     bool
 	help     func() // prints --help
+	envErr   error  // a variable the command reads is invalid: reported by parse
 }
 
 // newCommand returns the flag set of a command. summary and examples
@@ -40,7 +42,13 @@ func (c *cli) newCommand(name, usage, examples string, readCmd bool) *command {
 	fs.StringVar(&cmd.schema, "schema", os.Getenv("PGOUTBOX_SCHEMA"), "schema of the tables ($PGOUTBOX_SCHEMA; default public)")
 	fs.StringVar(&cmd.table, "table", os.Getenv("PGOUTBOX_TABLE"), "outbox table ($PGOUTBOX_TABLE; default outbox)")
 	fs.StringVar(&cmd.dlqTable, "dlq-table", os.Getenv("PGOUTBOX_DLQ_TABLE"), "dead-letter table ($PGOUTBOX_DLQ_TABLE; default <table>_dlq)")
-	noDLQ, _ := strconv.ParseBool(os.Getenv("PGOUTBOX_NO_DLQ"))
+	var noDLQ bool
+	if v := strings.TrimSpace(os.Getenv("PGOUTBOX_NO_DLQ")); v != "" {
+		var err error
+		if noDLQ, err = strconv.ParseBool(v); err != nil {
+			cmd.envErr = usagef(name, "PGOUTBOX_NO_DLQ=%q is not valid; use true or false (or 1, 0), or unset it", v)
+		}
+	}
 	fs.BoolVar(&cmd.noDLQ, "no-dlq", noDLQ, "the outbox has no dead-letter table ($PGOUTBOX_NO_DLQ)")
 	if readCmd {
 		fs.BoolVar(&cmd.json, "json", false, "write one JSON document to stdout")
@@ -75,10 +83,10 @@ func (cmd *command) parse(args []string) ([]string, error) {
 		}
 		args = cmd.fs.Args()
 		if len(args) == 0 {
-			return pos, nil
+			return pos, cmd.envErr
 		}
 		if args[0] == "--" {
-			return append(pos, args[1:]...), nil
+			return append(pos, args[1:]...), cmd.envErr
 		}
 		pos = append(pos, args[0])
 		args = args[1:]
@@ -100,7 +108,7 @@ func (cmd *command) tables() (schema.Config, error) {
 		return t, usagef(cmd.name, "--no-dlq and a dead-letter table (--dlq-table or $PGOUTBOX_DLQ_TABLE=%q) were both given; drop one", t.DeadLetterTable)
 	}
 	if err := t.Validate(); err != nil {
-		return t, usagef(cmd.name, "%v; fix --schema, --table or --dlq-table (or their PGOUTBOX_* variables)", err)
+		return t, usagef(cmd.name, "%s; fix --schema, --table or --dlq-table (or their PGOUTBOX_* variables)", errtext.Trim(err))
 	}
 	return t, nil
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -36,7 +37,7 @@ func (c *cli) bindCmd(args []string) error {
 }
 
 func (c *cli) unbindCmd(args []string) error {
-	cmd := c.newCommand("unbind", "unbind --topic T --group G [--purge [--yes]]",
+	cmd := c.newCommand("unbind", "unbind --topic T --group G [--purge [--yes]]   (exits 1 when the group was not bound)",
 		"  pgoutbox unbind --topic orders.placed --group old-service\n  pgoutbox unbind --topic orders.placed --group old-service --purge --yes\n", false)
 	topic, group := topicGroupFlags(cmd)
 	purge := cmd.fs.Bool("purge", false, "also delete the group's pending copies (asks for confirmation)")
@@ -55,6 +56,12 @@ func (c *cli) unbindCmd(args []string) error {
 	}
 	return cmd.withOutbox(context.Background(), confirm, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
 		n, err := pgoutbox.Unbind(ctx, exec, tables, *topic, *group, *purge)
+		if errors.Is(err, pgoutbox.ErrNotBound) {
+			if *purge {
+				fmt.Fprintf(c.stdout, "deleted %d pending message(s)\n", n)
+			}
+			return fmt.Errorf("group %s was not bound to topic %q; nothing was unbound (\"pgoutbox stats --topic %s\" lists its groups)", groupName(*group), *topic, *topic)
+		}
 		if err != nil {
 			return err
 		}

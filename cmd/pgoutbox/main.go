@@ -1,6 +1,6 @@
 // Command pgoutbox operates a pgoutbox outbox from a shell: it prints and
-// applies the schema, shows queue statistics, lists, requeues and purges
-// dead letters, peeks at pending messages, publishes test messages and
+// applies the schema, shows queue statistics, lists, requeues, deletes and
+// purges dead letters, peeks at pending messages, publishes test messages and
 // binds consumer groups.
 //
 // Install it with:
@@ -14,10 +14,12 @@
 //	schema sql|apply|validate   print, create or check the tables
 //	schema migrate up|down|status|baseline|files  versioned migrations
 //	stats                       messages per topic and group (--watch for a live table)
-//	dlq list|show|requeue|purge dead letters
+//	dlq list|show|requeue|delete|purge  dead letters
 //	peek                        the next messages of a topic and group
 //	publish                     publish one message (manual testing)
+//	cancel                      cancel a scheduled message by its dedup key
 //	bind|unbind                 bind a consumer group to a topic, or unbind it
+//	version                     the version of this build
 //
 // Every command takes the connection and table flags: --dsn (else
 // PGOUTBOX_DSN, else POSTGRES_DSN), --schema (PGOUTBOX_SCHEMA), --table
@@ -32,8 +34,10 @@
 // Exit codes:
 //
 //	0  success
-//	1  runtime or database error
-//	2  usage error (unknown command or flag, missing argument)
+//	1  runtime or database error, or nothing to act on (unbind of a group
+//	   that is not bound, cancel of a message that is not scheduled)
+//	2  usage error (unknown command or flag, missing argument, a value the
+//	   outbox refuses such as a topic with a control character)
 //	3  confirmation refused (answered no, or no terminal and no --yes)
 //	4  validation found problems (schema validate)
 package main
@@ -43,6 +47,13 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 )
 
 // Exit codes, as documented in the package doc and in usage.
@@ -56,8 +67,10 @@ const (
 
 const exitCodesHelp = `Exit codes:
   0  success
-  1  runtime or database error
-  2  usage error (unknown command or flag, missing argument)
+  1  runtime or database error, or nothing to act on (unbind of a group
+     that is not bound, cancel of a message that is not scheduled)
+  2  usage error (unknown command or flag, missing argument, a value the
+     outbox refuses such as a topic with a control character)
   3  confirmation refused (answered no, or no terminal and no --yes)
   4  validation found problems (schema validate)
 `
@@ -71,10 +84,12 @@ Commands:
   schema sql|apply|validate    print the DDL, create the tables, or check them
   schema migrate up|down|...   versioned migrations (status, baseline, files for goose/golang-migrate)
   stats                        messages per topic and consumer group (--watch: live)
-  dlq list|show|requeue|purge  inspect and act on dead letters
+  dlq list|show|requeue|delete|purge  inspect and act on dead letters
   peek                         the next messages a topic and group will deliver
   publish                      publish one message (manual testing)
+  cancel                       cancel a scheduled message by its dedup key
   bind | unbind                bind a consumer group to a topic, or unbind it
+  version                      the version of this build
 
 Connection and tables (every command):
   --dsn        PostgreSQL DSN (else $PGOUTBOX_DSN, else $POSTGRES_DSN)
@@ -158,10 +173,33 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 		return exitRefused
 	case errors.As(err, &pe):
 		return exitValidation
+	case badInput(err):
+		fmt.Fprintf(stderr, "pgoutbox: %s\n", errtext.Trim(err))
+		return exitUsage
 	default:
-		fmt.Fprintf(stderr, "pgoutbox: %v\n", err)
+		fmt.Fprintf(stderr, "pgoutbox: %s%s\n", errtext.Trim(err), hint(err))
 		return exitError
 	}
+}
+
+// badInput reports whether err is the library refusing a value given on
+// the command line (a topic, a group, a table name): a usage error.
+func badInput(err error) bool {
+	for _, e := range []error{pgoutbox.ErrInvalidTopic, pgoutbox.ErrInvalidGroup, pgoutbox.ErrInvalidMessage, pgoutbox.ErrInvalidConfig, schema.ErrInvalidName} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// hint adds what to do to a database error whose cause the CLI knows.
+func hint(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == undefinedTable && !strings.Contains(err.Error(), "schema.Create") {
+		return "; run \"pgoutbox schema apply\" to create the tables, or check --schema and --table (or PGOUTBOX_SCHEMA, PGOUTBOX_TABLE)"
+	}
+	return ""
 }
 
 // errHelp ends a run that printed help: exit code 0.
@@ -187,10 +225,17 @@ func (c *cli) dispatch(args []string) error {
 		return c.peekCmd(rest)
 	case "publish":
 		return c.publishCmd(rest)
+	case "cancel":
+		return c.cancelCmd(rest)
 	case "bind":
 		return c.bindCmd(rest)
 	case "unbind":
 		return c.unbindCmd(rest)
+	case "version", "--version", "-version":
+		return c.versionCmd(rest)
 	}
-	return usagef("", "unknown command %q; the commands are schema, stats, dlq, peek, publish, bind, unbind", cmd)
+	return usagef("", "unknown command %q; the commands are schema, stats, dlq, peek, publish, cancel, bind, unbind, version", cmd)
 }
+
+// undefinedTable is PostgreSQL's SQLSTATE for a missing table.
+const undefinedTable = "42P01"

@@ -301,6 +301,7 @@ func TestHelp(t *testing.T) {
 		{"--help"}, {"schema", "--help"}, {"schema", "sql", "--help"}, {"stats", "--help"}, {"dlq", "--help"},
 		{"dlq", "list", "--help"}, {"dlq", "show", "-h"}, {"dlq", "requeue", "--help"}, {"dlq", "purge", "--help"},
 		{"peek", "--help"}, {"publish", "--help"}, {"bind", "--help"}, {"unbind", "--help"},
+		{"dlq", "delete", "--help"}, {"cancel", "--help"}, {"version", "--help"},
 	} {
 		var stdout, stderr bytes.Buffer
 		code := run(args, strings.NewReader(""), &stdout, &stderr)

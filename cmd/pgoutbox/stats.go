@@ -78,13 +78,19 @@ func (c *cli) statsCmd(args []string) error {
 		}
 		tick := time.NewTicker(*interval)
 		defer tick.Stop()
+		first := true
 		for {
 			stats, err := pgoutbox.Stats(ctx, exec, tables, opts...)
 			if ctx.Err() != nil {
 				return nil // Ctrl-C
 			}
-			// Clear the screen and home the cursor, then draw.
-			fmt.Fprint(c.stdout, "\033[H\033[2J")
+			if stdoutIsTerminal(c.stdout) {
+				// Clear the screen and home the cursor, then draw.
+				fmt.Fprint(c.stdout, "\033[H\033[2J")
+			} else if !first {
+				fmt.Fprintln(c.stdout) // a pipe or file gets the tables one after another
+			}
+			first = false
 			fmt.Fprintf(c.stdout, "pgoutbox stats  %s  every %s  (Ctrl-C to stop)\n\n", time.Now().Format("15:04:05"), *interval)
 			if err != nil {
 				fmt.Fprintf(c.stdout, "error: %v (retrying)\n", err)

@@ -181,6 +181,35 @@ func PurgeDeadLetters(n Names) string {
 DELETE FROM %[1]s WHERE id IN (SELECT id FROM victims)`, n.QDLQ)
 }
 
+// PurgeDeadLettersMatching deletes at most $2 dead letters that failed
+// before $1 and match $3 topic, $4 group, $5 reason (NULL matches all),
+// oldest first. The topic filter is spelled out when given, so the (topic,
+// failed_at) index serves it.
+func PurgeDeadLettersMatching(n Names, topic bool) string {
+	tc := ""
+	if topic {
+		tc = " AND topic = $3"
+	}
+	return fmt.Sprintf(`DELETE FROM %[1]s WHERE id IN (
+    SELECT id FROM %[1]s
+     WHERE failed_at < $1
+       AND ($3::text IS NULL OR topic = $3)
+       AND ($4::text IS NULL OR consumer_group = $4)
+       AND ($5::text IS NULL OR failure_reason = $5)%[2]s
+     ORDER BY failed_at, id
+     LIMIT $2)`, n.QDLQ, tc)
+}
+
+// DeleteDeadLetters deletes the dead letters with ids $1.
+func DeleteDeadLetters(n Names) string {
+	return fmt.Sprintf(`DELETE FROM %s WHERE id = ANY ($1::bigint[])`, n.QDLQ)
+}
+
+// DeadLetterByID reads one dead letter, DeadLetterColumns, by id $1.
+func DeadLetterByID(n Names) string {
+	return fmt.Sprintf(`SELECT %s FROM %s WHERE id = $1`, DeadLetterColumns, n.QDLQ)
+}
+
 // RequeueParked makes parked rows (available_at = 'infinity', the outbox's
 // dead letters without a dead-letter table) due again, clearing their
 // delivery count and failure fields: $1 topic, $2 group, $3 reason (NULL

@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 )
@@ -42,8 +43,8 @@ type PublisherConfig struct {
 	// intervals), which picks up the rows of the quiet publishes that
 	// followed it. A Publish with a scheduled message (DeliverAfter,
 	// DeliverAt) always notifies. The record is per channel and topic in
-	// the process, not per database. Defaults to 2ms. The special value -1
-	// notifies in every Publish.
+	// the process, not per database. Defaults to 2ms. The special value
+	// NotifyEveryPublish (-1) notifies in every Publish.
 	NotifyCooldown time.Duration
 	// GenerateOrderingKey gives each published message its ordering key
 	// (see WithOrderingKey), like the partition key generator of
@@ -55,8 +56,8 @@ type PublisherConfig struct {
 	// MaxPayloadBytes is the largest payload a Publish accepts; a call
 	// with a bigger message fails with ErrPayloadTooLarge and writes
 	// nothing. Defaults to 1 MiB (DefaultMaxPayloadBytes). The special
-	// value -1 disables the check (PostgreSQL's bytea still caps a payload
-	// at 1 GB).
+	// value NoPayloadLimit (-1) disables the check (PostgreSQL's bytea
+	// still caps a payload at 1 GB).
 	//
 	// Why 1 MiB: a subscriber claims rows in batches and holds their
 	// payloads in memory (the claim's result, the prefetch buffer, the
@@ -78,6 +79,29 @@ type PublisherConfig struct {
 // DefaultMaxPayloadBytes is PublisherConfig.MaxPayloadBytes' default: 1 MiB.
 const DefaultMaxPayloadBytes = 1 << 20
 
+// Special values of configuration fields; each is -1, named so that code
+// reads as what it asks for.
+const (
+	// NotifyEveryPublish, as PublisherConfig.NotifyCooldown, sends a NOTIFY
+	// in every Publish.
+	NotifyEveryPublish time.Duration = -1
+	// NoPayloadLimit, as PublisherConfig.MaxPayloadBytes, disables the
+	// payload check.
+	NoPayloadLimit = -1
+	// NoDrain, as SubscriberConfig.DrainTimeout, releases the rows of
+	// in-flight messages at Close without waiting for their handlers.
+	NoDrain time.Duration = -1
+	// NoAckDeadline, as SubscriberConfig.AckDeadline, lets a handler run
+	// for as long as it takes (its lease is renewed meanwhile).
+	NoAckDeadline time.Duration = -1
+	// RetryForever, as MaxAttempts of ExponentialBackoff or
+	// ConstantBackoff, never gives up on a message.
+	RetryForever = -1
+	// NoJitter, as ExponentialBackoff.Jitter, waits exactly the computed
+	// delays.
+	NoJitter = -1.0
+)
+
 // DefaultNotifyCooldown is PublisherConfig.NotifyCooldown's default.
 const DefaultNotifyCooldown = 2 * time.Millisecond
 
@@ -95,15 +119,15 @@ func (c *PublisherConfig) setDefaults() {
 func (c PublisherConfig) Validate() error {
 	c.setDefaults()
 	if err := c.Tables.Validate(); err != nil {
-		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+		return errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	if c.StatementTimeout < 0 {
-		return fmt.Errorf("%w: StatementTimeout is %s; use a positive duration", ErrInvalidConfig, c.StatementTimeout)
+		return errorf("%w: StatementTimeout is %s; use a positive duration", ErrInvalidConfig, c.StatementTimeout)
 	}
-	if c.NotifyCooldown < 0 && c.NotifyCooldown != -1 {
-		return fmt.Errorf("%w: NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", ErrInvalidConfig, c.NotifyCooldown)
+	if c.NotifyCooldown < 0 && c.NotifyCooldown != NotifyEveryPublish {
+		return errorf("%w: NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", ErrInvalidConfig, c.NotifyCooldown)
 	}
-	if c.MaxPayloadBytes < -1 {
+	if c.MaxPayloadBytes < NoPayloadLimit {
 		return maxPayloadInvalid(c.MaxPayloadBytes)
 	}
 	return nil
@@ -171,7 +195,7 @@ type SubscriberConfig struct {
 	// context, waits for in-flight messages to be acked or nacked. The leases
 	// of messages still unacked after it are released, so another consumer
 	// gets them at once; they are never deleted. Defaults to 10s. The special
-	// value -1 releases them without waiting. Message contexts derive from
+	// value NoDrain (-1) releases them without waiting. Message contexts derive from
 	// the Subscribe context, as in every Watermill subscriber: when the
 	// Router closes, handlers see their context cancelled, and one that stops
 	// early and returns an error is nacked (redelivered). While the database
@@ -188,12 +212,14 @@ type SubscriberConfig struct {
 	// a database or an HTTP service, short enough that one hung handler
 	// (which, with MaxInFlight 1, stops its subscription) is noticed within
 	// the half minute. Raise it for handlers that legitimately run longer.
-	// The special value -1 disables it: a handler may run forever, and its
-	// lease is renewed while it does.
+	// The special value NoAckDeadline (-1) disables it: a handler may run
+	// forever, and its lease is renewed while it does.
 	AckDeadline time.Duration
 
 	// RetryPolicy decides when a nacked message is delivered again. Defaults
 	// to DefaultRetryPolicy() (exponential, 1s to 5min, 10 attempts).
+	// Validate checks the fields of an ExponentialBackoff or ConstantBackoff
+	// against the ranges their docs give.
 	RetryPolicy RetryPolicy
 
 	// MaxDeliveries dead-letters a row, without running the handler, when it
@@ -298,7 +324,7 @@ func (c SubscriberConfig) Validate() error {
 	e := &configError{}
 	add := func(format string, args ...any) { e.problems = append(e.problems, fmt.Sprintf(format, args...)) }
 	if err := c.Tables.Validate(); err != nil {
-		add("%v", err)
+		add("%s", errtext.Trim(err))
 		e.causes = append(e.causes, err)
 	}
 	if c.MaxInFlight < 1 {
@@ -338,17 +364,20 @@ func (c SubscriberConfig) Validate() error {
 	if c.MaxDeliveries < 0 {
 		add("MaxDeliveries is %d; use 0 for no limit or a positive count", c.MaxDeliveries)
 	}
-	if c.DrainTimeout < 0 && c.DrainTimeout != -1 {
+	if c.DrainTimeout < 0 && c.DrainTimeout != NoDrain {
 		add("DrainTimeout is %s; use a positive duration, or -1 to release in-flight rows without waiting", c.DrainTimeout)
 	}
-	if c.AckDeadline < 0 && c.AckDeadline != -1 {
+	if c.AckDeadline < 0 && c.AckDeadline != NoAckDeadline {
 		add("AckDeadline is %s; use a positive duration, or -1 to let handlers run without a deadline", c.AckDeadline)
+	}
+	for _, p := range retryPolicyProblems(c.RetryPolicy) {
+		add("RetryPolicy: %s.%s is %v; use %s", p.policy, p.field, p.value, p.want)
 	}
 	if err := checkWorkerID(c.WorkerID); err != "" {
 		add("%s", err)
 	}
 	if err := checkGroup(c.ConsumerGroup); err != nil {
-		add("%v", err)
+		add("%s", errtext.Trim(err))
 	}
 	if len(e.problems) > 0 {
 		return e

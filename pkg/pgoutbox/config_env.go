@@ -2,7 +2,6 @@ package pgoutbox
 
 import (
 	"errors"
-	"fmt"
 	"math"
 	"os"
 	"strconv"
@@ -88,7 +87,7 @@ func (r *envReader) get(name string) (string, string, bool) {
 }
 
 func (r *envReader) fail(key, value, format string) {
-	r.errs = append(r.errs, fmt.Errorf("%w: %s=%q is not valid; use %s", ErrInvalidConfig, key, value, format))
+	r.errs = append(r.errs, errorf("%w: %s=%q is not valid; use %s", ErrInvalidConfig, key, value, format))
 }
 
 func (r *envReader) str(name string, dst *string) bool {
@@ -173,6 +172,15 @@ func (r *envReader) tables(c *SubscriberConfig) {
 	r.boolean("NO_DLQ", &c.Tables.NoDeadLetterTable)
 }
 
+// retryVariables names the variable of each ExponentialBackoff field.
+var retryVariables = map[string]string{
+	"InitialInterval": "RETRY_INITIAL_INTERVAL",
+	"MaxInterval":     "RETRY_MAX_INTERVAL",
+	"Multiplier":      "RETRY_MULTIPLIER",
+	"MaxAttempts":     "RETRY_MAX_ATTEMPTS",
+	"Jitter":          "RETRY_JITTER",
+}
+
 func subscriberConfigFromLookup(prefix string, lookup func(string) (string, bool)) (SubscriberConfig, error) {
 	r := newEnvReader(prefix, lookup)
 	var c SubscriberConfig
@@ -200,38 +208,24 @@ func subscriberConfigFromLookup(prefix string, lookup func(string) (string, bool
 	r.boolean("AUTO_INITIALIZE_SCHEMA", &c.AutoInitializeSchema)
 
 	var b ExponentialBackoff
-	retry := false
-	if r.integer("RETRY_MAX_ATTEMPTS", &b.MaxAttempts, "a whole number of deliveries, at least 1, or -1 to retry forever") {
-		retry = true
-		if b.MaxAttempts < 1 && b.MaxAttempts != -1 {
-			_, v, _ := r.get("RETRY_MAX_ATTEMPTS")
-			r.fail(r.prefix+"RETRY_MAX_ATTEMPTS", v, "a whole number of deliveries, at least 1, or -1 to retry forever")
-		}
-	}
+	retry := r.integer("RETRY_MAX_ATTEMPTS", &b.MaxAttempts, "a whole number of deliveries, at least 1, or -1 to retry forever")
 	retry = r.duration("RETRY_INITIAL_INTERVAL", &b.InitialInterval, "") || retry
 	retry = r.duration("RETRY_MAX_INTERVAL", &b.MaxInterval, "") || retry
-	if r.float("RETRY_MULTIPLIER", &b.Multiplier, "a number greater than 0, such as 2 or 1.5") {
-		retry = true
-		if b.Multiplier <= 0 {
-			_, v, _ := r.get("RETRY_MULTIPLIER")
-			r.fail(r.prefix+"RETRY_MULTIPLIER", v, "a number greater than 0, such as 2 or 1.5")
-		}
-	}
-	if r.float("RETRY_JITTER", &b.Jitter, "a number from 0 to 1 (0.2 spreads delays by ±20%), or -1 for none") {
-		retry = true
-		if (b.Jitter < 0 || b.Jitter > 1) && b.Jitter != -1 {
-			_, v, _ := r.get("RETRY_JITTER")
-			r.fail(r.prefix+"RETRY_JITTER", v, "a number from 0 to 1 (0.2 spreads delays by ±20%), or -1 for none")
-		}
-	}
+	retry = r.float("RETRY_MULTIPLIER", &b.Multiplier, "a number of 1 or more, such as 2 or 1.5") || retry
+	retry = r.float("RETRY_JITTER", &b.Jitter, "a number from 0 to 1 (0.2 spreads delays by ±20%), or -1 for none") || retry
 	if retry {
+		// The checks of SubscriberConfig.Validate, reported per variable.
+		for _, p := range b.problems() {
+			key, v, _ := r.get(retryVariables[p.field])
+			r.fail(key, v, p.want)
+		}
 		c.RetryPolicy = b
 	}
 	if err := r.err(); err != nil {
 		return SubscriberConfig{}, err
 	}
 	if err := c.Validate(); err != nil {
-		return SubscriberConfig{}, fmt.Errorf("the %s* variables: %w", r.prefix, err)
+		return SubscriberConfig{}, errorf("pgoutbox: the %s* variables: %w", r.prefix, err)
 	}
 	return c, nil
 }
@@ -248,7 +242,7 @@ func publisherConfigFromLookup(prefix string, lookup func(string) (string, bool)
 		return PublisherConfig{}, err
 	}
 	if err := c.Validate(); err != nil {
-		return PublisherConfig{}, fmt.Errorf("the %s* variables: %w", r.prefix, err)
+		return PublisherConfig{}, errorf("pgoutbox: the %s* variables: %w", r.prefix, err)
 	}
 	return c, nil
 }

@@ -73,8 +73,9 @@ func TestConfigFromEnvReportsEveryInvalidValue(t *testing.T) {
 		"APP_MAX_IN_FLIGHT":      "many",
 		"APP_SYNCHRONOUS_COMMIT": "sure",
 		"APP_DRAIN_TIMEOUT":      "-2s",
-		"APP_RETRY_MAX_ATTEMPTS": "0",
+		"APP_RETRY_MAX_ATTEMPTS": "-5",
 		"APP_RETRY_JITTER":       "2",
+		"APP_RETRY_MULTIPLIER":   "0.5",
 		"APP_CLAIM_MODE":         "fast",
 	}))
 	require.Error(t, err)
@@ -85,8 +86,9 @@ func TestConfigFromEnvReportsEveryInvalidValue(t *testing.T) {
 		`APP_MAX_IN_FLIGHT="many" is not valid; use a whole number`,
 		`APP_SYNCHRONOUS_COMMIT="sure" is not valid; use true or false`,
 		`APP_DRAIN_TIMEOUT="-2s" is not valid; use a positive Go duration such as 30s, 500ms or 1m30s, or -1 to release`,
-		`APP_RETRY_MAX_ATTEMPTS="0"`,
-		`APP_RETRY_JITTER="2"`,
+		`APP_RETRY_MAX_ATTEMPTS="-5"`,
+		`APP_RETRY_JITTER="2" is not valid; use a number from 0 to 1`,
+		`APP_RETRY_MULTIPLIER="0.5" is not valid; use 1 or more`,
 		`APP_CLAIM_MODE="fast" is not valid; use auto, lease or held`,
 	} {
 		require.Contains(t, msg, want)

@@ -110,6 +110,30 @@ func TestSubscriberConfigValidateRefusesFootguns(t *testing.T) {
 			cfg:  SubscriberConfig{Lease: 500 * time.Millisecond, MaxPollInterval: 100 * time.Millisecond},
 			want: []string{"Lease is 500ms", "at least 1s"},
 		},
+		"ExponentialBackoffShrinking": {
+			cfg:  SubscriberConfig{RetryPolicy: ExponentialBackoff{Multiplier: 0.5}},
+			want: []string{"RetryPolicy: ExponentialBackoff.Multiplier is 0.5", "use 1 or more"},
+		},
+		"ExponentialBackoffJitterAboveOne": {
+			cfg:  SubscriberConfig{RetryPolicy: &ExponentialBackoff{Jitter: 3}},
+			want: []string{"RetryPolicy: ExponentialBackoff.Jitter is 3", "from 0 to 1", "NoJitter (-1)"},
+		},
+		"ExponentialBackoffNegativeJitter": {
+			cfg:  SubscriberConfig{RetryPolicy: ExponentialBackoff{Jitter: -0.5}},
+			want: []string{"RetryPolicy: ExponentialBackoff.Jitter is -0.5"},
+		},
+		"ExponentialBackoffCapBelowStart": {
+			cfg:  SubscriberConfig{RetryPolicy: ExponentialBackoff{InitialInterval: time.Minute, MaxInterval: time.Second}},
+			want: []string{"RetryPolicy: ExponentialBackoff.MaxInterval is 1s", "at least InitialInterval (1m0s)"},
+		},
+		"ConstantBackoffNegativeDelay": {
+			cfg:  SubscriberConfig{RetryPolicy: ConstantBackoff{Delay: -time.Second}},
+			want: []string{"RetryPolicy: ConstantBackoff.Delay is -1s"},
+		},
+		"ConstantBackoffAttemptsBelowMinusOne": {
+			cfg:  SubscriberConfig{RetryPolicy: ConstantBackoff{MaxAttempts: -2}},
+			want: []string{"RetryPolicy: ConstantBackoff.MaxAttempts is -2", "RetryForever (-1)"},
+		},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -136,6 +160,7 @@ var constraints = []string{
 	"must be shorter than Lease/2",
 	"MaxDeliveries is",
 	"DrainTimeout is",
+	"RetryPolicy:",
 }
 
 // countProblems counts the checks a Validate error reports.
@@ -175,6 +200,41 @@ func TestSubscriberConfigValidateReportsAllProblemsAtOnce(t *testing.T) {
 	}
 	require.Equal(t, 6, countProblems(err), msg)
 	require.Equal(t, 1, strings.Count(msg, ErrInvalidConfig.Error()), "one error, not one per problem: %s", msg)
+}
+
+// The special values pass, and the defaults of retry policies too.
+func TestSubscriberConfigValidateAcceptsSpecialValues(t *testing.T) {
+	t.Parallel()
+	for _, c := range []SubscriberConfig{
+		{DrainTimeout: NoDrain, AckDeadline: NoAckDeadline},
+		{RetryPolicy: ExponentialBackoff{}},
+		{RetryPolicy: ExponentialBackoff{MaxAttempts: RetryForever, Jitter: NoJitter, Multiplier: 1}},
+		{RetryPolicy: ConstantBackoff{MaxAttempts: RetryForever}},
+		{RetryPolicy: NoRetry()},
+	} {
+		require.NoError(t, c.Validate(), "%+v", c)
+	}
+	require.NoError(t, PublisherConfig{NotifyCooldown: NotifyEveryPublish, MaxPayloadBytes: NoPayloadLimit}.Validate())
+}
+
+// An error names "pgoutbox:" once, however many pgoutbox errors it wraps.
+func TestErrorsNamePgoutboxOnce(t *testing.T) {
+	t.Parallel()
+	_, envErr := subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_TABLE": "bad name"}))
+	for _, err := range []error{
+		PublisherConfig{Tables: schema.Config{Table: "bad name"}}.Validate(),
+		SubscriberConfig{Tables: schema.Config{Table: "bad name"}, ConsumerGroup: "a\x01"}.Validate(),
+		payloadTooLarge(0, 2<<20, 1<<20),
+		envErr,
+	} {
+		require.Error(t, err)
+		require.Equal(t, 1, strings.Count(err.Error(), "pgoutbox:"), err.Error())
+		require.True(t, strings.HasPrefix(err.Error(), "pgoutbox: "), err.Error())
+	}
+	err := payloadTooLarge(0, 2<<20, 1<<20)
+	require.ErrorIs(t, err, ErrInvalidMessage)
+	require.ErrorIs(t, err, ErrPayloadTooLarge)
+	require.Contains(t, err.Error(), "pgoutbox: invalid message: payload too large: message 0")
 }
 
 func TestPublisherConfigValidate(t *testing.T) {

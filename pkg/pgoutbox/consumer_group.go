@@ -43,7 +43,7 @@ func Bind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 		return err
 	}
 	if _, err := exec.Exec(ctx, q.Bind, topic, group); err != nil {
-		return fmt.Errorf("pgoutbox: bind group %q to topic %q: %w", group, topic, err)
+		return errorf("pgoutbox: bind group %q to topic %q: %w", group, topic, err)
 	}
 	return nil
 }
@@ -54,14 +54,17 @@ func Bind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 // those nobody holds (unleased, or leased by a holder whose lease expired)
 // are deleted, and their number returned (a delivery under way completes
 // normally). Watch out: with no binding left at all,
-// a topic's messages go to the default group.
+// a topic's messages go to the default group. When group was not bound
+// to topic the error wraps ErrNotBound (the purge, if asked, still ran and
+// purged counts its rows).
 func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, group string, purge bool) (purged int64, err error) {
 	q, err := groupQueries(exec, tables, topic, group)
 	if err != nil {
 		return 0, err
 	}
+	var unbound int64
 	err = tx.RunInTx(ctx, exec, func(e tx.Executor) error {
-		if _, err := e.Exec(ctx, q.Unbind, topic, group); err != nil {
+		if unbound, err = e.Exec(ctx, q.Unbind, topic, group); err != nil {
 			return err
 		}
 		if purge {
@@ -70,7 +73,10 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 		return err
 	})
 	if err != nil {
-		return 0, fmt.Errorf("pgoutbox: unbind group %q from topic %q: %w", group, topic, err)
+		return 0, errorf("pgoutbox: unbind group %q from topic %q: %w", group, topic, err)
+	}
+	if unbound == 0 {
+		return purged, errorf("%w: group %q, topic %q; nothing was unbound (Stats lists the groups of a topic)", ErrNotBound, group, topic)
 	}
 	return purged, nil
 }

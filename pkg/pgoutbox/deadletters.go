@@ -3,7 +3,6 @@ package pgoutbox
 import (
 	"context"
 	"errors"
-	"fmt"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -121,10 +120,10 @@ func (f DeadLetterFilter) args(limit pgtype.Int8) ([]any, error) {
 		return pgtype.Timestamptz{Time: t, Valid: !t.IsZero()}
 	}
 	if !f.FailedAfter.IsZero() && !f.FailedBefore.IsZero() && !f.FailedAfter.Before(f.FailedBefore) {
-		return nil, fmt.Errorf("%w: DeadLetterFilter.FailedAfter (%s) is not before FailedBefore (%s); swap them or leave one zero", ErrInvalidConfig, f.FailedAfter, f.FailedBefore)
+		return nil, errorf("%w: DeadLetterFilter.FailedAfter (%s) is not before FailedBefore (%s); swap them or leave one zero", ErrInvalidConfig, f.FailedAfter, f.FailedBefore)
 	}
 	if f.After.ID < 0 || (f.After.ID != 0 && f.After.FailedAt.IsZero()) {
-		return nil, fmt.Errorf("%w: DeadLetterFilter.After is not a cursor DeadLetters returned; pass DeadLetterPage.Next or the zero value", ErrInvalidConfig)
+		return nil, errorf("%w: DeadLetterFilter.After is not a cursor DeadLetters returned; pass DeadLetterPage.Next or the zero value", ErrInvalidConfig)
 	}
 	return []any{topic, group, reason, ts(f.FailedAfter), ts(f.FailedBefore), ts(f.After.FailedAt), f.After.ID, limit}, nil
 }
@@ -135,7 +134,7 @@ func dlqQueries(exec tx.Executor, tables schema.Config) (*query.Queries, error) 
 		return nil, err
 	}
 	if q.Names.QDLQ == "" {
-		return nil, fmt.Errorf("%w (NoDeadLetterTable is set): failed messages are parked in the outbox; use Peek and RequeueParked", ErrNoDeadLetterTable)
+		return nil, errorf("%w (NoDeadLetterTable is set): failed messages are parked in the outbox; use Peek and RequeueParked", ErrNoDeadLetterTable)
 	}
 	return q, nil
 }
@@ -153,11 +152,11 @@ func DeadLetters(ctx context.Context, exec tx.Executor, tables schema.Config, f 
 	limit := f.Limit
 	switch {
 	case limit < 0:
-		return DeadLetterPage{}, fmt.Errorf("%w: DeadLetterFilter.Limit is %d; use 0 for the default (%d) or a positive number up to %d", ErrInvalidConfig, limit, DefaultDeadLetterLimit, MaxDeadLetterLimit)
+		return DeadLetterPage{}, errorf("%w: DeadLetterFilter.Limit is %d; use 0 for the default (%d) or a positive number up to %d", ErrInvalidConfig, limit, DefaultDeadLetterLimit, MaxDeadLetterLimit)
 	case limit == 0:
 		limit = DefaultDeadLetterLimit
 	case limit > MaxDeadLetterLimit:
-		return DeadLetterPage{}, fmt.Errorf("%w: DeadLetterFilter.Limit is %d; use at most %d and page with DeadLetterPage.Next", ErrInvalidConfig, limit, MaxDeadLetterLimit)
+		return DeadLetterPage{}, errorf("%w: DeadLetterFilter.Limit is %d; use at most %d and page with DeadLetterPage.Next", ErrInvalidConfig, limit, MaxDeadLetterLimit)
 	}
 	// One row more than asked tells whether there is a next page.
 	args, err := f.args(pgtype.Int8{Int64: int64(limit) + 1, Valid: true})
@@ -166,27 +165,19 @@ func DeadLetters(ctx context.Context, exec tx.Executor, tables schema.Config, f 
 	}
 	rows, err := exec.Query(ctx, query.DeadLetters(q.Names, f.Topic != ""), args...)
 	if err != nil {
-		return DeadLetterPage{}, fmt.Errorf("pgoutbox: list dead letters: %w", err)
+		return DeadLetterPage{}, errorf("pgoutbox: list dead letters: %w", err)
 	}
 	defer rows.Close()
 	var page DeadLetterPage
 	for rows.Next() {
-		var d DeadLetter
-		var md string
-		var dedup, lastErr, failedBy *string
-		if err := rows.Scan(&d.ID, &d.Topic, &d.ConsumerGroup, &d.UUID, &d.Payload, &md, &d.CreatedAt, &d.Deliveries,
-			&dedup, &lastErr, &d.FailureReason, &failedBy, &d.FailedAt); err != nil {
-			return DeadLetterPage{}, fmt.Errorf("pgoutbox: list dead letters: %w", err)
-		}
-		d.DedupKey, d.LastError, d.FailedBy = deref(dedup), deref(lastErr), deref(failedBy)
-		d.Metadata = message.Metadata{}
-		if err := decodeMetadata([]byte(md), d.Metadata); err != nil {
-			return DeadLetterPage{}, fmt.Errorf("pgoutbox: dead letter %d: %w", d.ID, err)
+		d, err := scanDeadLetter(rows)
+		if err != nil {
+			return DeadLetterPage{}, err
 		}
 		page.Letters = append(page.Letters, d)
 	}
 	if err := rows.Err(); err != nil {
-		return DeadLetterPage{}, fmt.Errorf("pgoutbox: list dead letters: %w", err)
+		return DeadLetterPage{}, errorf("pgoutbox: list dead letters: %w", err)
 	}
 	if len(page.Letters) > limit {
 		page.Letters = page.Letters[:limit]
@@ -194,6 +185,64 @@ func DeadLetters(ctx context.Context, exec tx.Executor, tables schema.Config, f 
 		page.Next = DeadLetterCursor{FailedAt: last.FailedAt, ID: last.ID}
 	}
 	return page, nil
+}
+
+// scanDeadLetter reads one row of query.DeadLetterColumns.
+func scanDeadLetter(rows tx.Rows) (DeadLetter, error) {
+	var d DeadLetter
+	var md string
+	var dedup, lastErr, failedBy *string
+	if err := rows.Scan(&d.ID, &d.Topic, &d.ConsumerGroup, &d.UUID, &d.Payload, &md, &d.CreatedAt, &d.Deliveries,
+		&dedup, &lastErr, &d.FailureReason, &failedBy, &d.FailedAt); err != nil {
+		return DeadLetter{}, errorf("pgoutbox: read dead letters: %w", err)
+	}
+	d.DedupKey, d.LastError, d.FailedBy = deref(dedup), deref(lastErr), deref(failedBy)
+	d.Metadata = message.Metadata{}
+	if err := decodeMetadata([]byte(md), d.Metadata); err != nil {
+		return DeadLetter{}, errorf("pgoutbox: dead letter %d: %w", d.ID, err)
+	}
+	return d, nil
+}
+
+// DeadLetterByID reads the dead letter with id, and reports whether there
+// is one (a requeued or purged dead letter is not). It runs in exec's
+// transaction when exec is one, and writes nothing.
+func DeadLetterByID(ctx context.Context, exec tx.Executor, tables schema.Config, id int64) (DeadLetter, bool, error) {
+	q, err := dlqQueries(exec, tables)
+	if err != nil {
+		return DeadLetter{}, false, err
+	}
+	rows, err := exec.Query(ctx, query.DeadLetterByID(q.Names), id)
+	if err != nil {
+		return DeadLetter{}, false, errorf("pgoutbox: read dead letter %d: %w", id, err)
+	}
+	defer rows.Close()
+	if !rows.Next() {
+		if err := rows.Err(); err != nil {
+			return DeadLetter{}, false, errorf("pgoutbox: read dead letter %d: %w", id, err)
+		}
+		return DeadLetter{}, false, nil
+	}
+	d, err := scanDeadLetter(rows)
+	return d, err == nil, err
+}
+
+// DeleteDeadLetters deletes the dead letters with the given ids, for good,
+// in one statement, and returns how many it deleted (ids that are not dead
+// letters are ignored). It runs in exec's transaction when exec is one.
+func DeleteDeadLetters(ctx context.Context, exec tx.Executor, tables schema.Config, ids []int64) (int64, error) {
+	q, err := dlqQueries(exec, tables)
+	if err != nil {
+		return 0, err
+	}
+	if len(ids) == 0 {
+		return 0, errorf("%w: no dead-letter ids given; pass the DeadLetter.ID values to delete, or use PurgeDeadLettersMatching", ErrInvalidConfig)
+	}
+	n, err := exec.Exec(ctx, query.DeleteDeadLetters(q.Names), ids)
+	if err != nil {
+		return 0, errorf("pgoutbox: delete dead letters: %w", err)
+	}
+	return n, nil
 }
 
 func deref(s *string) string {
@@ -220,7 +269,7 @@ func RequeueDeadLetters(ctx context.Context, exec tx.Executor, tables schema.Con
 		return 0, err
 	}
 	if len(ids) == 0 {
-		return 0, fmt.Errorf("%w: no dead-letter ids given; pass the DeadLetter.ID values to requeue, or use RequeueDeadLettersMatching", ErrInvalidConfig)
+		return 0, errorf("%w: no dead-letter ids given; pass the DeadLetter.ID values to requeue, or use RequeueDeadLettersMatching", ErrInvalidConfig)
 	}
 	return requeue(ctx, exec, "requeue dead letters", query.RequeueDeadLetterIDs(q.Names), ids, q.Names.Channel)
 }
@@ -235,7 +284,7 @@ func RequeueDeadLettersMatching(ctx context.Context, exec tx.Executor, tables sc
 		return 0, err
 	}
 	if f.Limit < 0 {
-		return 0, fmt.Errorf("%w: DeadLetterFilter.Limit is %d; use 0 to requeue every match or a positive batch size", ErrInvalidConfig, f.Limit)
+		return 0, errorf("%w: DeadLetterFilter.Limit is %d; use 0 to requeue every match or a positive batch size", ErrInvalidConfig, f.Limit)
 	}
 	var limit pgtype.Int8
 	if f.Limit > 0 {
@@ -251,7 +300,7 @@ func RequeueDeadLettersMatching(ctx context.Context, exec tx.Executor, tables sc
 func requeue(ctx context.Context, exec tx.Executor, what, stmt string, args ...any) (int64, error) {
 	rows, err := exec.Query(ctx, stmt, args...)
 	if err != nil {
-		return 0, fmt.Errorf("pgoutbox: %s: %w", what, err)
+		return 0, errorf("pgoutbox: %s: %w", what, err)
 	}
 	defer rows.Close()
 	var moved, woken int64
@@ -262,7 +311,7 @@ func requeue(ctx context.Context, exec tx.Executor, what, stmt string, args ...a
 		err = rows.Err()
 	}
 	if err != nil {
-		return 0, fmt.Errorf("pgoutbox: %s: %w", what, err)
+		return 0, errorf("pgoutbox: %s: %w", what, err)
 	}
 	return moved, nil
 }
@@ -277,15 +326,33 @@ func requeue(ctx context.Context, exec tx.Executor, what, stmt string, args ...a
 // the whole table. There is no retention built in: call it from a cron
 // job.
 func PurgeDeadLetters(ctx context.Context, exec tx.Executor, tables schema.Config, olderThan time.Duration, batchSize int) (int64, error) {
+	return PurgeDeadLettersMatching(ctx, exec, tables, olderThan, DeadLetterFilter{}, batchSize)
+}
+
+// PurgeDeadLettersMatching is PurgeDeadLetters for the dead letters of one
+// topic, consumer group or failure reason: f.Topic, f.ConsumerGroup and
+// f.Reason select them as in DeadLetters (the zero filter selects all);
+// its other fields must be zero (olderThan sets the time bound). With a
+// topic, each batch is a range of the (topic, failed_at) index.
+func PurgeDeadLettersMatching(ctx context.Context, exec tx.Executor, tables schema.Config, olderThan time.Duration, f DeadLetterFilter, batchSize int) (int64, error) {
 	q, err := dlqQueries(exec, tables)
 	if err != nil {
 		return 0, err
 	}
+	if !f.FailedAfter.IsZero() || !f.FailedBefore.IsZero() || !f.After.IsZero() || f.Limit != 0 {
+		return 0, errorf("%w: a purge filter takes Topic, ConsumerGroup and Reason only; olderThan bounds the time, batchSize the statements", ErrInvalidConfig)
+	}
+	args, err := f.args(pgtype.Int8{})
+	if err != nil {
+		return 0, err
+	}
+	topic, group, reason := args[0], args[1], args[2]
+	filtered := f != (DeadLetterFilter{})
 	if olderThan < 0 {
-		return 0, fmt.Errorf("%w: olderThan is %s; pass how old a dead letter must be to go, 0 for all", ErrInvalidConfig, olderThan)
+		return 0, errorf("%w: olderThan is %s; pass how old a dead letter must be to go, 0 for all", ErrInvalidConfig, olderThan)
 	}
 	if batchSize < 0 {
-		return 0, fmt.Errorf("%w: batchSize is %d; use 0 for the default (%d) or a positive number", ErrInvalidConfig, batchSize, DefaultPurgeBatchSize)
+		return 0, errorf("%w: batchSize is %d; use 0 for the default (%d) or a positive number", ErrInvalidConfig, batchSize, DefaultPurgeBatchSize)
 	}
 	if batchSize == 0 {
 		batchSize = DefaultPurgeBatchSize
@@ -294,7 +361,7 @@ func PurgeDeadLetters(ctx context.Context, exec tx.Executor, tables schema.Confi
 	// committed later do not chase rows failing meanwhile.
 	rows, err := exec.Query(ctx, `SELECT now() - $1::bigint * interval '1 microsecond'`, olderThan.Microseconds())
 	if err != nil {
-		return 0, fmt.Errorf("pgoutbox: purge dead letters: %w", err)
+		return 0, errorf("pgoutbox: purge dead letters: %w", err)
 	}
 	var cutoff time.Time
 	if rows.Next() {
@@ -305,15 +372,18 @@ func PurgeDeadLetters(ctx context.Context, exec tx.Executor, tables schema.Confi
 	}
 	rows.Close()
 	if err != nil {
-		return 0, fmt.Errorf("pgoutbox: purge dead letters: %w", err)
+		return 0, errorf("pgoutbox: purge dead letters: %w", err)
 	}
-	stmt := query.PurgeDeadLetters(q.Names)
+	stmt, args := query.PurgeDeadLetters(q.Names), []any{cutoff, batchSize}
+	if filtered {
+		stmt, args = query.PurgeDeadLettersMatching(q.Names, f.Topic != ""), []any{cutoff, batchSize, topic, group, reason}
+	}
 	var total int64
 	for {
-		n, err := exec.Exec(ctx, stmt, cutoff, batchSize)
+		n, err := exec.Exec(ctx, stmt, args...)
 		total += n
 		if err != nil {
-			return total, fmt.Errorf("pgoutbox: purge dead letters (%d deleted so far): %w", total, err)
+			return total, errorf("pgoutbox: purge dead letters (%d deleted so far): %w", total, err)
 		}
 		if n < int64(batchSize) {
 			return total, nil
@@ -368,10 +438,10 @@ func RequeueParked(ctx context.Context, exec tx.Executor, tables schema.Config, 
 		reason = pgtype.Text{String: f.Reason, Valid: true}
 	}
 	if f.IDs != nil && len(f.IDs) == 0 {
-		return 0, fmt.Errorf("%w: ParkedFilter.IDs is empty; list the ids to requeue, or leave it nil to match any row", ErrInvalidConfig)
+		return 0, errorf("%w: ParkedFilter.IDs is empty; list the ids to requeue, or leave it nil to match any row", ErrInvalidConfig)
 	}
 	if f.Limit < 0 {
-		return 0, fmt.Errorf("%w: ParkedFilter.Limit is %d; use 0 to requeue every match or a positive batch size", ErrInvalidConfig, f.Limit)
+		return 0, errorf("%w: ParkedFilter.Limit is %d; use 0 to requeue every match or a positive batch size", ErrInvalidConfig, f.Limit)
 	}
 	var limit pgtype.Int8
 	if f.Limit > 0 {
@@ -408,13 +478,13 @@ func Peek(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 	}
 	switch {
 	case limit < 0 || limit > MaxPeekLimit:
-		return nil, fmt.Errorf("%w: Peek limit is %d; use 0 for the default (%d) or a positive number up to %d", ErrInvalidConfig, limit, DefaultPeekLimit, MaxPeekLimit)
+		return nil, errorf("%w: Peek limit is %d; use 0 for the default (%d) or a positive number up to %d", ErrInvalidConfig, limit, DefaultPeekLimit, MaxPeekLimit)
 	case limit == 0:
 		limit = DefaultPeekLimit
 	}
 	rows, err := exec.Query(ctx, query.Peek(q.Names), topic, group, limit)
 	if err != nil {
-		return nil, fmt.Errorf("pgoutbox: peek: %w", err)
+		return nil, errorf("pgoutbox: peek: %w", err)
 	}
 	defer rows.Close()
 	var out []PendingMessage
@@ -424,7 +494,7 @@ func Peek(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 		var avail pgtype.Timestamptz
 		var dedup, lastErr, reason *string
 		if err := rows.Scan(&m.ID, &m.UUID, &m.Payload, &md, &m.CreatedAt, &avail, &m.Deliveries, &dedup, &lastErr, &reason); err != nil {
-			return nil, fmt.Errorf("pgoutbox: peek: %w", err)
+			return nil, errorf("pgoutbox: peek: %w", err)
 		}
 		m.DedupKey, m.LastError, m.FailureReason = deref(dedup), deref(lastErr), deref(reason)
 		m.AvailableAt = avail.Time
@@ -434,12 +504,12 @@ func Peek(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 		}
 		m.Metadata = message.Metadata{}
 		if err := decodeMetadata([]byte(md), m.Metadata); err != nil {
-			return nil, fmt.Errorf("pgoutbox: peek: row %d: %w", m.ID, err)
+			return nil, errorf("pgoutbox: peek: row %d: %w", m.ID, err)
 		}
 		out = append(out, m)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("pgoutbox: peek: %w", err)
+		return nil, errorf("pgoutbox: peek: %w", err)
 	}
 	return out, nil
 }

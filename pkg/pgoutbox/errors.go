@@ -3,6 +3,7 @@ package pgoutbox
 import (
 	"errors"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -24,7 +25,14 @@ var (
 	// ErrAckDeadline is the error recorded (last_error, RetryPolicy) for a
 	// message whose handler did not answer within AckDeadline.
 	ErrAckDeadline = errors.New("pgoutbox: ack deadline exceeded")
+	// ErrNotBound is returned by Unbind for a consumer group that was not
+	// bound to the topic.
+	ErrNotBound = errors.New("pgoutbox: the consumer group is not bound to the topic")
 	// ErrTxDone is returned when the publisher's transaction was already
 	// committed or rolled back.
 	ErrTxDone = tx.ErrTxDone
 )
+
+// errorf is fmt.Errorf for pgoutbox's errors: the text names "pgoutbox:"
+// once however many pgoutbox errors it wraps.
+func errorf(format string, args ...any) error { return errtext.Errorf(format, args...) }

@@ -2,7 +2,6 @@ package pgoutbox
 
 import (
 	"errors"
-	"fmt"
 )
 
 // ErrPayloadTooLarge is returned by Publish for a message whose payload
@@ -11,10 +10,10 @@ import (
 var ErrPayloadTooLarge = errors.New("pgoutbox: payload too large")
 
 func payloadTooLarge(i, size, limit int) error {
-	return fmt.Errorf("%w: %w: message %d: payload is %d bytes, over PublisherConfig.MaxPayloadBytes (%d); store large bodies elsewhere (object storage) and publish a reference, or raise MaxPayloadBytes (-1 disables the check)",
+	return errorf("%w: %w: message %d: payload is %d bytes, over PublisherConfig.MaxPayloadBytes (%d); store large bodies elsewhere (object storage) and publish a reference, or raise MaxPayloadBytes (NoPayloadLimit, -1, turns the check off)",
 		ErrInvalidMessage, ErrPayloadTooLarge, i, size, limit)
 }
 
 func maxPayloadInvalid(v int) error {
-	return fmt.Errorf("%w: MaxPayloadBytes is %d; use a positive number of bytes, 0 for the default (%d), or -1 to disable the check", ErrInvalidConfig, v, DefaultMaxPayloadBytes)
+	return errorf("%w: MaxPayloadBytes is %d; use a positive number of bytes, 0 for the default (%d), or NoPayloadLimit (-1) to disable the check", ErrInvalidConfig, v, DefaultMaxPayloadBytes)
 }

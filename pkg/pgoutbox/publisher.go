@@ -63,10 +63,10 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 	if config.StatementTimeout < 0 {
 		return nil, fmt.Errorf("%w: StatementTimeout is %s; use a positive duration", ErrInvalidConfig, config.StatementTimeout)
 	}
-	if config.NotifyCooldown < 0 && config.NotifyCooldown != -1 {
+	if config.NotifyCooldown < 0 && config.NotifyCooldown != NotifyEveryPublish {
 		return nil, fmt.Errorf("%w: NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", ErrInvalidConfig, config.NotifyCooldown)
 	}
-	if config.MaxPayloadBytes < -1 {
+	if config.MaxPayloadBytes < NoPayloadLimit {
 		return nil, maxPayloadInvalid(config.MaxPayloadBytes)
 	}
 	if config.StatementTimeout == 0 {
@@ -318,12 +318,12 @@ func (p *Publisher) wrapErr(topic string, err error) error {
 	if errors.As(err, &pgErr) {
 		switch pgErr.Code {
 		case "42P01": // undefined_table
-			return fmt.Errorf("pgoutbox: publish to %q: table %s does not exist; run schema.Create or apply schema.SQL: %w", topic, p.q.Names.QTable, err)
+			return errorf("pgoutbox: publish to %q: table %s does not exist; run schema.Create or apply schema.SQL: %w", topic, p.q.Names.QTable, err)
 		case "25P02": // in_failed_sql_transaction
-			return fmt.Errorf("pgoutbox: publish to %q: the transaction already failed; roll it back and retry the whole unit of work: %w", topic, err)
+			return errorf("pgoutbox: publish to %q: the transaction already failed; roll it back and retry the whole unit of work: %w", topic, err)
 		}
 	}
-	return fmt.Errorf("pgoutbox: publish to %q: %w", topic, err)
+	return errorf("pgoutbox: publish to %q: %w", topic, err)
 }
 
 // publishBatch holds one Publish call as parallel arrays (see query.Publish
@@ -408,7 +408,7 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 
 		delay, at, err := schedule(m.Metadata)
 		if err != nil {
-			return b, fmt.Errorf("%w: message %d: %v", ErrInvalidMessage, i, err)
+			return b, errorf("%w: message %d: %w", ErrInvalidMessage, i, err)
 		}
 		key, keyed := m.Metadata[dedupKeyKey]
 		if keyed && key == "" {

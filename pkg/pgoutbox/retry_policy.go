@@ -49,11 +49,66 @@ type ExponentialBackoff struct {
 	// MaxInterval caps the delay (before jitter). Defaults to 5 minutes.
 	MaxInterval time.Duration
 	// MaxAttempts is the number of deliveries before giving up. Defaults
-	// to 10. The special value -1 retries forever.
+	// to 10. The special value RetryForever (-1) retries forever.
 	MaxAttempts int
-	// Jitter spreads each delay uniformly over [d*(1-Jitter), d*(1+Jitter)].
-	// Defaults to 0.2. The special value -1 disables it.
+	// Jitter spreads each delay uniformly over [d*(1-Jitter), d*(1+Jitter)];
+	// from 0 to 1. Defaults to 0.2. The special value NoJitter (-1)
+	// disables it.
 	Jitter float64
+}
+
+// policyProblem is one field of a retry policy that cannot work.
+type policyProblem struct {
+	policy, field string
+	value         any
+	want          string
+}
+
+// problems lists the fields that cannot work (zero values are defaults).
+// SubscriberConfig.Validate and the environment path both use it.
+func (b ExponentialBackoff) problems() []policyProblem {
+	var out []policyProblem
+	add := func(field string, value any, want string) {
+		out = append(out, policyProblem{"ExponentialBackoff", field, value, want})
+	}
+	if b.InitialInterval < 0 {
+		add("InitialInterval", b.InitialInterval, "a positive duration (0 for the default 1s)")
+	}
+	if b.MaxInterval < 0 {
+		add("MaxInterval", b.MaxInterval, "a positive duration (0 for the default 5m)")
+	} else if b.MaxInterval > 0 && b.MaxInterval < b.InitialInterval {
+		add("MaxInterval", b.MaxInterval, "at least InitialInterval ("+b.InitialInterval.String()+")")
+	}
+	if b.Multiplier != 0 && !(b.Multiplier >= 1) { // !(>=) also catches NaN
+		add("Multiplier", b.Multiplier, "1 or more, such as 2 (doubling) or 1.5 (0 for the default 2)")
+	}
+	if b.MaxAttempts < RetryForever {
+		add("MaxAttempts", b.MaxAttempts, "a positive number of deliveries, 0 for the default 10, or RetryForever (-1)")
+	}
+	if b.Jitter != NoJitter && !(b.Jitter >= 0 && b.Jitter <= 1) {
+		add("Jitter", b.Jitter, "a number from 0 to 1 (0.2 spreads delays by ±20%), or NoJitter (-1)")
+	}
+	return out
+}
+
+// retryPolicyProblems lists what cannot work in the policies pgoutbox
+// ships; a policy of your own is yours to check.
+func retryPolicyProblems(p RetryPolicy) []policyProblem {
+	switch p := p.(type) {
+	case ExponentialBackoff:
+		return p.problems()
+	case *ExponentialBackoff:
+		if p != nil {
+			return p.problems()
+		}
+	case ConstantBackoff:
+		return p.problems()
+	case *ConstantBackoff:
+		if p != nil {
+			return p.problems()
+		}
+	}
+	return nil
 }
 
 func (b ExponentialBackoff) withDefaults() ExponentialBackoff {
@@ -70,7 +125,7 @@ func (b ExponentialBackoff) withDefaults() ExponentialBackoff {
 		b.MaxAttempts = 10
 	}
 	switch {
-	case b.Jitter == -1:
+	case b.Jitter == NoJitter:
 		b.Jitter = 0
 	case b.Jitter <= 0:
 		b.Jitter = 0.2
@@ -110,11 +165,23 @@ func (b ExponentialBackoff) NextDelay(deliveries int, _ error) (time.Duration, b
 
 // ConstantBackoff waits the same Delay after every failure.
 type ConstantBackoff struct {
-	// Delay before the next delivery; 0 redelivers at once.
+	// Delay before the next delivery; 0 redelivers at once. Must not be
+	// negative.
 	Delay time.Duration
 	// MaxAttempts is the number of deliveries before giving up. Defaults
-	// to 10. The special value -1 retries forever.
+	// to 10. The special value RetryForever (-1) retries forever.
 	MaxAttempts int
+}
+
+func (c ConstantBackoff) problems() []policyProblem {
+	var out []policyProblem
+	if c.Delay < 0 {
+		out = append(out, policyProblem{"ConstantBackoff", "Delay", c.Delay, "0 (at once) or a positive duration"})
+	}
+	if c.MaxAttempts < RetryForever {
+		out = append(out, policyProblem{"ConstantBackoff", "MaxAttempts", c.MaxAttempts, "a positive number of deliveries, 0 for the default 10, or RetryForever (-1)"})
+	}
+	return out
 }
 
 // NextDelay implements RetryPolicy.

@@ -13,6 +13,9 @@ type drain struct {
 	stopping bool
 	over     bool      // the drain ended: no verdict is waited for
 	end      time.Time // when the drain ends; zero once it did
+	// poolClosed: the pool was closed, nothing can be written any more
+	// (pool_closed.go).
+	poolClosed bool
 }
 
 // beginStop stops claiming and handing out, gives the buffer back, and
@@ -64,6 +67,9 @@ func (sub *subscription) finishedStopping(now time.Time) bool {
 	}
 	if sub.writes.inWrite {
 		return false
+	}
+	if sub.drain.poolClosed {
+		return true
 	}
 	if sub.writes.pending.empty() && len(sub.claims.lost) == 0 && sub.hand.retry == nil {
 		return true

@@ -3,7 +3,6 @@ package pgoutbox
 import (
 	"cmp"
 	"context"
-	"fmt"
 	"slices"
 	"time"
 
@@ -101,7 +100,7 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 	n := q.Names
 	rows, err := exec.Query(ctx, query.Stats(n, o.hasTopic, o.hasGroup), args...)
 	if err != nil {
-		return nil, fmt.Errorf("pgoutbox: stats: %w", err)
+		return nil, errorf("pgoutbox: stats: %w", err)
 	}
 	var out []QueueStats
 	index := map[[2]string]int{}
@@ -110,7 +109,7 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 		var lagUS int64
 		if err := rows.Scan(&s.Topic, &s.ConsumerGroup, &s.Ready, &s.Scheduled, &s.Parked, &lagUS, &s.Leased, &s.ExpiredLeases); err != nil {
 			rows.Close()
-			return nil, fmt.Errorf("pgoutbox: stats: %w", err)
+			return nil, errorf("pgoutbox: stats: %w", err)
 		}
 		if s.Ready > 0 && lagUS > 0 {
 			s.OldestReadyAge = time.Duration(lagUS) * time.Microsecond
@@ -120,7 +119,7 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("pgoutbox: stats: %w", err)
+		return nil, errorf("pgoutbox: stats: %w", err)
 	}
 	if n.QDLQ == "" {
 		return out, nil
@@ -131,7 +130,7 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 	}
 	rows, err = exec.Query(ctx, query.DLQStats(n, o.hasTopic, o.hasGroup), args...)
 	if err != nil {
-		return nil, fmt.Errorf("pgoutbox: stats: dead letters: %w", err)
+		return nil, errorf("pgoutbox: stats: dead letters: %w", err)
 	}
 	defer rows.Close()
 	added := false
@@ -139,7 +138,7 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 		var topic, group, reason string
 		var count int64
 		if err := rows.Scan(&topic, &group, &reason, &count); err != nil {
-			return nil, fmt.Errorf("pgoutbox: stats: dead letters: %w", err)
+			return nil, errorf("pgoutbox: stats: dead letters: %w", err)
 		}
 		i, ok := index[[2]string{topic, group}]
 		if !ok {
@@ -155,7 +154,7 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 		out[i].DeadLetters[reason] = count
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("pgoutbox: stats: dead letters: %w", err)
+		return nil, errorf("pgoutbox: stats: dead letters: %w", err)
 	}
 	if added {
 		sortStats(out)
@@ -175,7 +174,7 @@ func sortStats(s []QueueStats) {
 func dlqExists(ctx context.Context, exec tx.Executor, n query.Names) (bool, error) {
 	rows, err := exec.Query(ctx, query.DLQExists, n.QDLQ)
 	if err != nil {
-		return false, fmt.Errorf("pgoutbox: look up the dead-letter table: %w", err)
+		return false, errorf("pgoutbox: look up the dead-letter table: %w", err)
 	}
 	defer rows.Close()
 	var ok bool
@@ -186,14 +185,14 @@ func dlqExists(ctx context.Context, exec tx.Executor, n query.Names) (bool, erro
 		err = rows.Err()
 	}
 	if err != nil {
-		return false, fmt.Errorf("pgoutbox: look up the dead-letter table: %w", err)
+		return false, errorf("pgoutbox: look up the dead-letter table: %w", err)
 	}
 	return ok, nil
 }
 
 func opsQueries(exec tx.Executor, tables schema.Config) (*query.Queries, error) {
 	if exec == nil {
-		return nil, fmt.Errorf("%w: executor is nil; pass tx.FromPgxPool(pool) or another tx executor", ErrInvalidConfig)
+		return nil, errorf("%w: executor is nil; pass tx.FromPgxPool(pool) or another tx executor", ErrInvalidConfig)
 	}
 	return queriesForTables(tables, false)
 }

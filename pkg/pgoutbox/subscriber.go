@@ -158,7 +158,7 @@ func (s *Subscriber) bind(ctx context.Context, topic string) error {
 		return err
 	})
 	if err != nil {
-		return fmt.Errorf("pgoutbox: bind consumer group %q to topic %q: %w", s.cfg.ConsumerGroup, topic, err)
+		return errorf("pgoutbox: bind consumer group %q to topic %q: %w", s.cfg.ConsumerGroup, topic, err)
 	}
 	return nil
 }

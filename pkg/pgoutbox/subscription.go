@@ -193,6 +193,7 @@ func (sub *subscription) run() {
 		case <-nackC:
 			sub.onVerdict(verdict{d: sub.hand.single, seq: sub.hand.single.seq, msg: single}, false)
 		case r := <-sub.reports:
+			poolClosed := sub.poolClosedBy(r)
 			switch {
 			case r.claim != nil:
 				sub.onClaimed(*r.claim)
@@ -206,6 +207,9 @@ func (sub *subscription) run() {
 				}
 			default:
 				sub.claims.notified(sub.signals.waiter.Take())
+			}
+			if poolClosed && !sub.drain.stopping {
+				sub.beginStop()
 			}
 		case <-sub.timer.t.C:
 			sub.timer.fired() // passedTimes acts on it

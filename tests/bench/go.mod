@@ -7,7 +7,7 @@ require (
 	github.com/ThreeDotsLabs/watermill-sql/v4 v4.1.2
 	github.com/google/uuid v1.6.0
 	github.com/jackc/pgx/v5 v5.12.0
-	github.com/pgoutbox/watermill-pgoutbox v0.0.0-00010101000000-000000000000
+	github.com/pgoutbox/watermill-pgoutbox v0.1.0
 )
 
 require (
@@ -24,5 +24,3 @@ require (
 	golang.org/x/sync v0.22.0 // indirect
 	golang.org/x/text v0.41.0 // indirect
 )
-
-replace github.com/pgoutbox/watermill-pgoutbox => ../..

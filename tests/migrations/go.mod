@@ -5,7 +5,7 @@ go 1.26.0
 require (
 	github.com/golang-migrate/migrate/v4 v4.20.1
 	github.com/jackc/pgx/v5 v5.12.0
-	github.com/pgoutbox/watermill-pgoutbox v0.0.0
+	github.com/pgoutbox/watermill-pgoutbox v0.1.0
 	github.com/pressly/goose/v3 v3.30.0
 	github.com/stretchr/testify v1.12.1
 )
@@ -29,5 +29,3 @@ require (
 	golang.org/x/sync v0.25.0 // indirect
 	golang.org/x/text v0.44.0 // indirect
 )
-
-replace github.com/pgoutbox/watermill-pgoutbox => ../..

@@ -26,30 +26,21 @@
 //
 // ServerDSN finds a server the way the project's `make test` does:
 // POSTGRES_DSN, else 127.0.0.1:5432, else a locally installed PostgreSQL
-// started for the run, else StartServer, a hook for Docker. pgoutbox does
-// not depend on a container library; with github.com/ory/dockertest/v3 in
-// your own module:
+// started for the run, else StartServer, a hook for Docker. The schemas go
+// into the database POSTGRES_DSN names (postgres://localhost/myapp_test:
+// myapp_test, which must exist); when it names none, or the server's own
+// postgres database, they go into Database, "pgoutbox_test", created on
+// first use, so tests never fill a database they were not given.
 //
-//	func TestMain(m *testing.M) {
-//		var resource *dockertest.Resource
-//		pgoutboxtest.StartServer = func(ctx context.Context) (string, error) {
-//			pool, err := dockertest.NewPool("")
-//			if err != nil {
-//				return "", err
-//			}
-//			resource, err = pool.Run("postgres", "17", []string{"POSTGRES_HOST_AUTH_METHOD=trust"})
-//			if err != nil {
-//				return "", err
-//			}
-//			dsn := "postgres://postgres@" + resource.GetHostPort("5432/tcp") + "/postgres?sslmode=disable"
-//			return dsn, pool.Retry(func() error { c, err := pgx.Connect(ctx, dsn); if err == nil { c.Close(ctx) }; return err })
-//		}
-//		code := pgoutboxtest.Run(m)
-//		if resource != nil {
-//			_ = resource.Close()
-//		}
-//		os.Exit(code)
-//	}
+// The module github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest/dockerpg
+// sets StartServer to start PostgreSQL in Docker (with dockertest); it is a
+// module of its own so that the Docker client stays out of your module
+// graph unless you ask for it:
+//
+//	func TestMain(m *testing.M) { dockerpg.Main(m) }
+//
+// Any other way of starting a server fits the same hook: a function that
+// starts it and returns its DSN.
 //
 // When no way works, a test fails with a message listing them, or skips
 // with Options.SkipIfNoDatabase.

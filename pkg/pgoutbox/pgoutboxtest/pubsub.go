@@ -18,10 +18,12 @@ import (
 // Options tune PubSubWithOptions and NewSchema. The zero value is what
 // PubSub uses.
 type Options struct {
-	// DSN is the database to create the test's schema in. Defaults to
-	// Database ("pgoutbox_test", created on first use) on the server
-	// ServerDSN finds. Set it to your own test database when your tests
-	// write your tables and the outbox in one transaction.
+	// DSN is the database to create the test's schema in. Defaults to the
+	// database POSTGRES_DSN names, or Database ("pgoutbox_test", created on
+	// first use) when it names none or the server's postgres database, on
+	// the server ServerDSN finds. Set it to your own test database when
+	// your tests write your tables and the outbox in one transaction and
+	// POSTGRES_DSN points elsewhere.
 	DSN string
 
 	// Table names the outbox table in the test's schema. Defaults to

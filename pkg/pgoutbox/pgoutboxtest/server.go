@@ -18,9 +18,12 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// Database is the database PubSub and NewSchema create their schemas in,
-// on the server found by ServerDSN, unless Options.DSN names another one.
-// It is created on first use.
+// Database is the database PubSub and NewSchema create their schemas in
+// when the server DSN (see ServerDSN) names none, or names one of the
+// server's own databases (postgres, template0, template1), which tests
+// should not fill. It is created on first use. A DSN naming any other
+// database, such as POSTGRES_DSN=postgres://localhost/myapp_test, is used
+// as it is: that database must exist. Options.DSN overrides both.
 const Database = "pgoutbox_test"
 
 // LocalDSN is the server tried when POSTGRES_DSN is unset: 127.0.0.1:5432,
@@ -36,9 +39,10 @@ const ephemeralPort = "54329"
 // returns its DSN. It runs at most once per process, when neither
 // POSTGRES_DSN, nor 127.0.0.1:5432, nor a locally installed PostgreSQL
 // works. Set it in TestMain, before the tests run; stopping the server is
-// up to you (after m.Run). Defaults to nil: pgoutbox does not depend on a
-// container library. See the package documentation for a dockertest
-// version.
+// up to you (after m.Run). Defaults to nil: pgoutboxtest does not depend
+// on a container library; the module
+// github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest/dockerpg
+// sets it to start PostgreSQL in Docker (dockerpg.Main).
 var StartServer func(ctx context.Context) (dsn string, err error)
 
 var (
@@ -187,17 +191,55 @@ var (
 	dbDSNs = map[string]string{} // server DSN -> test database DSN
 )
 
-// testDatabaseDSN returns the DSN of Database on the server of serverDSN,
-// creating the database on first use.
+// serverDatabases are the databases every server has: a DSN naming one of
+// them names a server, not a database for tests.
+var serverDatabases = map[string]bool{"postgres": true, "template0": true, "template1": true}
+
+// namedDatabase returns the database a DSN (URL or keyword/value form)
+// names itself, or "" when it names none.
+func namedDatabase(dsn string) string {
+	if strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://") {
+		u, err := url.Parse(dsn)
+		if err != nil {
+			return ""
+		}
+		return strings.TrimPrefix(u.Path, "/")
+	}
+	cfg, err := pgconn.ParseConfig(dsn)
+	if err != nil || !strings.Contains(dsn, "dbname") {
+		return "" // the database pgconn found came from the environment or the user name
+	}
+	return cfg.Database
+}
+
+// withDatabase returns dsn with its database replaced by db.
+func withDatabase(dsn, db string) (string, error) {
+	if strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://") {
+		u, err := url.Parse(dsn)
+		if err != nil {
+			return "", fmt.Errorf("pgoutboxtest: the server DSN is not a valid URL: %w", err)
+		}
+		u.Path = "/" + db
+		return u.String(), nil
+	}
+	return dsn + " dbname=" + db, nil // the last value of a keyword wins
+}
+
+// testDatabaseDSN returns the DSN of the database for tests on the server
+// of serverDSN: the database it names, or Database, created on first use
+// (see Database).
 func testDatabaseDSN(serverDSN string) (string, error) {
+	if db := namedDatabase(serverDSN); db != "" && !serverDatabases[db] {
+		return serverDSN, nil
+	}
 	dbMu.Lock()
 	defer dbMu.Unlock()
 	if dsn, ok := dbDSNs[serverDSN]; ok {
 		return dsn, nil
 	}
-	u, err := url.Parse(serverDSN)
+	dsn, err := withDatabase(serverDSN, Database)
 	if err != nil {
-		return "", fmt.Errorf("pgoutboxtest: the server DSN is not a URL: %w", err)
+		return "", err
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
@@ -218,13 +260,13 @@ func testDatabaseDSN(serverDSN string) (string, error) {
 			return "", fmt.Errorf("pgoutboxtest: create database %s: %w", Database, err)
 		}
 	}
-	u.Path = "/" + Database
-	dbDSNs[serverDSN] = u.String()
-	return u.String(), nil
+	dbDSNs[serverDSN] = dsn
+	return dsn, nil
 }
 
-// DSN returns the DSN of the test database (Database on the server
-// ServerDSN finds), creating the database on first use. When no server is
+// DSN returns the DSN of the test database on the server ServerDSN finds:
+// the database that DSN names, else Database, created on first use (see
+// Database). When no server is
 // found it fails the test with the ways to provide one, or skips it when
 // skip is true.
 func DSN(t testing.TB, skip bool) string {

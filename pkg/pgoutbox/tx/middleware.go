@@ -3,12 +3,12 @@ package tx
 import (
 	"context"
 	"errors"
-	"fmt"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v5"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/handoff"
 )
 
@@ -66,10 +66,10 @@ const DefaultCommitTimeout = 10 * time.Second
 func Middleware(db Executor, config MiddlewareConfig) (message.HandlerMiddleware, error) {
 	b, ok := db.(beginner)
 	if db == nil || !ok || db.InTx() {
-		return nil, fmt.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not %T", db)
+		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not %T", db)
 	}
 	if config.CommitTimeout < 0 {
-		return nil, fmt.Errorf("pgoutbox: tx.MiddlewareConfig.CommitTimeout is negative (%v); leave it 0 for the default (%v)", config.CommitTimeout, DefaultCommitTimeout)
+		return nil, errtext.Errorf("pgoutbox: tx.MiddlewareConfig.CommitTimeout is negative (%v); leave it 0 for the default (%v)", config.CommitTimeout, DefaultCommitTimeout)
 	}
 	if config.CommitTimeout == 0 {
 		config.CommitTimeout = DefaultCommitTimeout
@@ -95,7 +95,7 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 	// still commit (see CommitTimeout).
 	exec, commit, rollback, err := b.begin(context.WithoutCancel(orig))
 	if err != nil {
-		return nil, fmt.Errorf("pgoutbox: begin the handler's transaction: %w", err)
+		return nil, errtext.Errorf("pgoutbox: begin the handler's transaction: %w", err)
 	}
 	committed := false
 	defer func() {
@@ -130,7 +130,7 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		row.Begin()
 		n, err := exec.Exec(fin, stmt, args...)
 		if err != nil {
-			return nil, fmt.Errorf("pgoutbox: complete the message in the handler's transaction: %w", err)
+			return nil, errtext.Errorf("pgoutbox: complete the message in the handler's transaction: %w", err)
 		}
 		if n == 0 {
 			// Permanent: Watermill's Retry must not run the handler again,
@@ -139,7 +139,7 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		}
 	}
 	if err := commit(fin); err != nil {
-		return nil, fmt.Errorf("pgoutbox: commit the handler's transaction: %w", err)
+		return nil, errtext.Errorf("pgoutbox: commit the handler's transaction: %w", err)
 	}
 	committed = true
 	if row != nil {
@@ -150,11 +150,11 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 
 func publishInTx(fin context.Context, exec Executor, config MiddlewareConfig, msg *message.Message, produced []*message.Message) error {
 	if config.Publisher == nil {
-		return fmt.Errorf("pgoutbox: the handler returned %d messages, but tx.MiddlewareConfig.Publisher is not set; set it to a publisher that follows the context (pgoutbox.NewContextPublisher) so they commit with the handler's transaction", len(produced))
+		return errtext.Errorf("pgoutbox: the handler returned %d messages, but tx.MiddlewareConfig.Publisher is not set; set it to a publisher that follows the context (pgoutbox.NewContextPublisher) so they commit with the handler's transaction", len(produced))
 	}
 	topic := message.PublishTopicFromCtx(msg.Context())
 	if topic == "" {
-		return fmt.Errorf("pgoutbox: the handler returned %d messages but has no publish topic; add it with Router.AddHandler and a publish topic", len(produced))
+		return errtext.Errorf("pgoutbox: the handler returned %d messages but has no publish topic; add it with Router.AddHandler and a publish topic", len(produced))
 	}
 	for i, m := range produced {
 		// Every message carries the transaction (a publisher that splits
@@ -168,7 +168,7 @@ func publishInTx(fin context.Context, exec Executor, config MiddlewareConfig, ms
 		m.SetContext(WithExecutor(ctx, exec))
 	}
 	if err := config.Publisher.Publish(topic, produced...); err != nil {
-		return fmt.Errorf("pgoutbox: publish the handler's messages in its transaction: %w", err)
+		return errtext.Errorf("pgoutbox: publish the handler's messages in its transaction: %w", err)
 	}
 	return nil
 }

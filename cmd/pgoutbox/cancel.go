@@ -1,0 +1,55 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// errNothingCancelled ends a cancel that found no message to cancel: exit
+// code 1, as for any command with nothing to act on.
+var errNothingCancelled = errors.New("nothing cancelled")
+
+func (c *cli) cancelCmd(args []string) error {
+	cmd := c.newCommand("cancel", "cancel --topic T --dedup-key K [--json]",
+		"  pgoutbox cancel --topic reminders --dedup-key order-42-reminder\n", true)
+	topic := cmd.fs.String("topic", "", "the topic (required)")
+	key := cmd.fs.String("dedup-key", "", "the dedup key the message was published with (required)")
+	if err := cmd.parseNoArgs(args); err != nil {
+		return err
+	}
+	if err := cmd.required("topic", *topic); err != nil {
+		return err
+	}
+	if err := cmd.required("dedup-key", *key); err != nil {
+		return err
+	}
+	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		pub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: tables, StatementTimeout: 10 * time.Second}, nil)
+		if err != nil {
+			return err
+		}
+		defer pub.Close()
+		ok, err := pub.CancelScheduled(ctx, *topic, *key)
+		if err != nil {
+			return err
+		}
+		if cmd.json {
+			if err := writeJSON(c.stdout, map[string]any{"topic": *topic, "dedup_key": *key, "cancelled": ok}); err != nil {
+				return err
+			}
+		} else if ok {
+			fmt.Fprintf(c.stdout, "cancelled the message of %q with dedup key %q\n", *topic, *key)
+		}
+		if !ok {
+			return fmt.Errorf("%w: no message of %q with dedup key %q is waiting (never published, already delivered, or being delivered now: see \"pgoutbox peek --topic %s\")",
+				errNothingCancelled, *topic, *key, *topic)
+		}
+		return nil
+	})
+}

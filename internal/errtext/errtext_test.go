@@ -1,0 +1,26 @@
+package errtext
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestErrorfNamesThePrefixOnce(t *testing.T) {
+	t.Parallel()
+	invalid, tooLarge := errors.New("pgoutbox: invalid message"), errors.New("pgoutbox: payload too large")
+	err := Errorf("%w: %w: message %d", invalid, tooLarge, 3)
+	require.Equal(t, "pgoutbox: invalid message: payload too large: message 3", err.Error())
+	require.ErrorIs(t, err, invalid)
+	require.ErrorIs(t, err, tooLarge)
+
+	err = Errorf("pgoutbox: publish to %q: %w", "t", fmt.Errorf("%w (closed)", errors.New("pgoutbox: the transaction is done")))
+	require.Equal(t, `pgoutbox: publish to "t": the transaction is done (closed)`, err.Error())
+
+	plain := errors.New("connection refused")
+	require.Equal(t, "pgoutbox: stats: connection refused", Errorf("pgoutbox: stats: %w", plain).Error())
+	require.Equal(t, "no prefix: pgoutbox: x", Errorf("no prefix: %w", errors.New("pgoutbox: x")).Error())
+	require.Equal(t, "stats: x", Trim(errors.New("pgoutbox: stats: x")))
+}

@@ -28,12 +28,16 @@ const (
 // transaction (NotifyCooldown -1), the behaviour before the cooldown; only
 // the scenarios that name it run it.
 // lease makes "pgoutbox-lease": ClaimMode ClaimLease, every claim a lease
-// (the only path before held claims).
-type pgoutboxSystem struct{ notifyEach, lease bool }
+// (the only path before held claims). txHandler makes "pgoutbox-tx": the
+// Router runs each handler in tx.Middleware, whose transaction deletes the
+// row (the transactional handlers' path: a lease per row, completed in the
+// handler's own commit).
+type pgoutboxSystem struct{ notifyEach, lease, txHandler bool }
 
 const (
 	pgoutboxNotifyEachName = "pgoutbox-notify-each"
 	pgoutboxLeaseName      = "pgoutbox-lease"
+	pgoutboxTxName         = "pgoutbox-tx"
 )
 
 func (s pgoutboxSystem) name() string {
@@ -42,6 +46,8 @@ func (s pgoutboxSystem) name() string {
 		return pgoutboxNotifyEachName
 	case s.lease:
 		return pgoutboxLeaseName
+	case s.txHandler:
+		return pgoutboxTxName
 	}
 	return "pgoutbox"
 }
@@ -59,14 +65,15 @@ func (s pgoutboxSystem) newInstance(ctx context.Context, b *bench, schemaName st
 	if s.lease {
 		mode = pgoutbox.ClaimLease
 	}
-	return &pgoutboxInstance{b: b, tables: tables, cooldown: cooldown, mode: mode}, nil
+	return &pgoutboxInstance{b: b, tables: tables, cooldown: cooldown, mode: mode, txHandler: s.txHandler}, nil
 }
 
 type pgoutboxInstance struct {
-	b        *bench
-	tables   schema.Config
-	cooldown time.Duration
-	mode     pgoutbox.ClaimMode
+	b         *bench
+	tables    schema.Config
+	cooldown  time.Duration
+	mode      pgoutbox.ClaimMode
+	txHandler bool
 }
 
 func (i *pgoutboxInstance) table() string {
@@ -128,7 +135,16 @@ func (i *pgoutboxInstance) consumer(_ context.Context, cfg consumeConfig) (consu
 	if err != nil {
 		return nil, err
 	}
-	rc, err = newRouterConsumer(i.b, sub, cfg.handle)
+	var mw []message.HandlerMiddleware
+	if i.txHandler {
+		m, err := tx.Middleware(tx.FromPgxPool(i.b.pool), tx.MiddlewareConfig{})
+		if err != nil {
+			_ = sub.Close()
+			return nil, err
+		}
+		mw = append(mw, m)
+	}
+	rc, err = newRouterConsumer(i.b, sub, cfg.handle, mw...)
 	if err != nil {
 		_ = sub.Close()
 		return nil, err

@@ -27,11 +27,12 @@ type routerConsumer struct {
 	closing   chan struct{}
 }
 
-func newRouterConsumer(b *bench, sub message.Subscriber, handle func(uuid string) error) (*routerConsumer, error) {
+func newRouterConsumer(b *bench, sub message.Subscriber, handle func(uuid string) error, mw ...message.HandlerMiddleware) (*routerConsumer, error) {
 	router, err := message.NewRouter(message.RouterConfig{}, b.logger)
 	if err != nil {
 		return nil, err
 	}
+	router.AddMiddleware(mw...)
 	rc := &routerConsumer{
 		failure: newFailure(),
 		router:  router,

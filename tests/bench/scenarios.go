@@ -108,14 +108,14 @@ type scenario struct {
 
 func (s *scenario) takes(sys string) bool {
 	if s.systems == nil { // the variants only where a scenario names them
-		return sys != rawInsertName && sys != pgoutboxNotifyEachName && sys != pgoutboxLeaseName && !strings.HasPrefix(sys, rawHeldName)
+		return sys != rawInsertName && sys != pgoutboxNotifyEachName && sys != pgoutboxLeaseName && sys != pgoutboxTxName && !strings.HasPrefix(sys, rawHeldName)
 	}
 	return slices.Contains(s.systems, sys)
 }
 
 // drainSystems are the systems of drain-16: all but the publish floor, and
 // the held-transaction ceiling.
-var drainSystems = []string{"pgoutbox", pgoutboxLeaseName, "raw", "raw-async", rawHeldName, rawHeldName + "-async", "watermill-sql"}
+var drainSystems = []string{"pgoutbox", pgoutboxLeaseName, pgoutboxTxName, "raw", "raw-async", rawHeldName, rawHeldName + "-async", "watermill-sql"}
 
 // pathSystems are pgoutbox on its default path (ClaimAuto) and on leases
 // alone, with watermill-sql: the scenarios where the held path may differ.
@@ -165,7 +165,7 @@ func scenarioByName(name string) *scenario {
 	panic("unknown scenario " + name)
 }
 
-var systems = []system{pgoutboxSystem{}, pgoutboxSystem{notifyEach: true}, pgoutboxSystem{lease: true}, rawSystem{}, rawSystem{async: true}, rawSystem{insertOnly: true},
+var systems = []system{pgoutboxSystem{}, pgoutboxSystem{notifyEach: true}, pgoutboxSystem{lease: true}, pgoutboxSystem{txHandler: true}, rawSystem{}, rawSystem{async: true}, rawSystem{insertOnly: true},
 	rawSystem{held: true}, rawSystem{held: true, async: true}, watermillSQLSystem{}}
 
 func systemNames() []string {

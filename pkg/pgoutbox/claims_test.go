@@ -1,0 +1,97 @@
+package pgoutbox
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/notifier"
+)
+
+func newTestSchedule() claimSchedule {
+	cfg := &SubscriberConfig{MinPollInterval: 10 * time.Millisecond, MaxPollInterval: time.Second, Lease: 10 * time.Second}
+	return newClaimSchedule(cfg, time.Now())
+}
+
+// The claim schedule alone, without a subscription: busy claims follow
+// each other at once, an empty one sleeps and backs off, a wake-up ends
+// the sleep, and a failed lease claim is given back before claims go on.
+func TestClaimScheduleDecidesWhenToClaim(t *testing.T) {
+	t.Parallel()
+	c := newTestSchedule()
+	now := time.Now()
+	require.False(t, c.waiting(), "the first claim is wanted")
+	req := c.start(10, now, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
+	require.True(t, c.waiting(), "one claim at a time")
+	r := claimResult{req: req, rows: []*delivery{{id: 1}}}
+	c.next(r, c.succeeded(r), now)
+	require.False(t, c.waiting(), "rows found: claim again at once")
+
+	req = c.start(10, now, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
+	r = claimResult{req: req}
+	c.next(r, c.succeeded(r), now)
+	require.True(t, c.waiting(), "nothing found: sleep")
+	require.True(t, c.idleUntil.After(now))
+	first := c.idlePoll
+	c.notified(notifier.Kinds{Due: true})
+	require.False(t, c.waiting(), "a wake-up ends the sleep")
+	require.Equal(t, lookAgainFirst, c.lookAgain)
+	require.Equal(t, first, c.idlePoll)
+
+	req = c.start(10, now, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
+	gen := c.gen
+	wait := c.failed(claimResult{req: req, err: errors.New("connection reset")}, now)
+	require.Positive(t, wait)
+	require.Equal(t, gen+1, c.gen, "a claim under way when it failed gives its rows back")
+	require.Equal(t, 1, c.givingBack)
+	require.Len(t, c.lost, 1, "its token is released before claims go on")
+	c.gate.pass(now.Add(time.Minute))
+	require.True(t, c.waiting(), "the release comes first")
+	c.releasedClaims(1, nil, now)
+	require.False(t, c.waiting())
+	require.True(t, c.scan.forceExpired, "and the next claim looks for expired leases")
+}
+
+// An ended key is asked for by the next claim, which then reads a window.
+func TestClaimScheduleAsksForEndedKeys(t *testing.T) {
+	t.Parallel()
+	c := newTestSchedule()
+	c.want = false
+	c.keyEnded("k")
+	require.True(t, c.want)
+	req := c.start(4, time.Now(), pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
+	require.Equal(t, []string{"k"}, req.endedKeys)
+	require.Equal(t, minScanWindow, req.window)
+	require.Empty(t, c.endedKeys)
+	// A full claim that got no row of k asks for it again.
+	rows := []*delivery{{id: 1, orderingKey: "x"}, {id: 2}, {id: 3}, {id: 4}}
+	c.succeeded(claimResult{req: req, rows: rows})
+	require.Contains(t, c.endedKeys, "k")
+}
+
+// The retry gate shuts for a growing backoff after each failure and opens
+// at once after a success.
+func TestRetryGateBacksOff(t *testing.T) {
+	t.Parallel()
+	g := newRetryGate()
+	now := time.Now()
+	require.False(t, g.shut())
+	w1 := g.failed(now)
+	require.True(t, g.shut())
+	g.pass(now.Add(w1 / 2))
+	require.True(t, g.shut(), "not before its backoff")
+	g.pass(now.Add(w1))
+	require.False(t, g.shut())
+	var w time.Duration
+	for range 6 {
+		w = g.failed(now)
+	}
+	require.Greater(t, w, w1, "the backoff grows")
+	require.LessOrEqual(t, w, 5*time.Second*12/10)
+	g.succeeded()
+	require.False(t, g.shut())
+	require.Less(t, g.failed(now), time.Second, "and starts again small")
+}

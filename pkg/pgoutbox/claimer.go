@@ -52,13 +52,15 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		r.err = err
 		return r
 	}
+	// Scan targets live outside the loop: Scan takes their addresses, and
+	// per-row variables would each be an allocation per row.
 	var reclaimed, free int64
+	var id pgtype.Int8
+	var uuid, key pgtype.Text
+	var deliveries pgtype.Int4
+	var availableAt, createdAt pgtype.Timestamptz
 	for rows.Next() {
 		d := &delivery{token: req.token}
-		var id pgtype.Int8
-		var uuid, key pgtype.Text
-		var deliveries pgtype.Int4
-		var availableAt, createdAt pgtype.Timestamptz
 		if err := rows.Scan(&id, &uuid, &d.payload, &d.metaRaw, &deliveries, &availableAt, &key, &createdAt,
 			&r.cursorAt, &r.cursor, &reclaimed, &free); err != nil {
 			rows.Close()
@@ -200,11 +202,11 @@ func (c *claimer) held(req claimRequest) claimResult {
 		if err != nil {
 			return err
 		}
+		var uuid, key pgtype.Text // outside the loop: see lease
+		var deliveries int32
+		var createdAt time.Time
 		for rows.Next() {
 			d := &delivery{token: req.token}
-			var uuid, key pgtype.Text
-			var deliveries int32
-			var createdAt time.Time
 			if err := rows.Scan(&d.id, &uuid, &d.payload, &d.metaRaw, &deliveries, &d.availableAt, &key, &createdAt); err != nil {
 				rows.Close()
 				return err

@@ -35,6 +35,7 @@ import (
 	"math"
 	"os"
 	"os/signal"
+	"runtime"
 	"runtime/pprof"
 	"slices"
 	"strings"
@@ -45,6 +46,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 )
 
 const (
@@ -66,6 +68,7 @@ type options struct {
 	backlogLarge int
 	syncCommit   bool
 	cpuProfile   string
+	memProfile   string
 }
 
 // bench is what every run shares: the pool, the connection settings and the
@@ -108,6 +111,7 @@ func parseFlags() (options, error) {
 	flag.Float64Var(&o.scale, "scale", 1, "multiply every message count (including -backlog-large) by this factor, e.g. 0.1 for a quick run")
 	flag.IntVar(&o.backlogLarge, "backlog-large", 1_000_000, "backlog size of the drain-1m scenario")
 	flag.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run to this file (go tool pprof)")
+	flag.StringVar(&o.memProfile, "memprofile", "", "write an allocation profile of the whole run to this file at its end (go tool pprof -sample_index=alloc_objects)")
 	flag.BoolVar(&o.syncCommit, "sync-commit", false, "make pgoutbox's claims and acks wait for the WAL flush (SubscriberConfig.SynchronousCommit; default: asynchronous, pgoutbox's default). raw always waits, raw-async never does; watermill-sql always waits")
 	flag.Parse()
 
@@ -178,10 +182,19 @@ func run(ctx context.Context, opts options) error {
 		}
 		defer pprof.StopCPUProfile()
 	}
+	if opts.memProfile != "" {
+		runtime.MemProfileRate = 4096
+		defer func() {
+			if f, err := os.Create(opts.memProfile); err == nil {
+				_ = pprof.Lookup("allocs").WriteTo(f, 0)
+				f.Close()
+			}
+		}()
+	}
 	b := &bench{
 		opts: opts,
 		// Errors only: a benchmark run must stay quiet unless something breaks.
-		logger:   watermill.NewSlogLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))),
+		logger:   pgoutbox.NewSlogLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))), // skips disabled levels before building fields, as users of the README do
 		progress: os.Stderr,
 	}
 	out := io.Writer(os.Stdout)

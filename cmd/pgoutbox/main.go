@@ -17,6 +17,8 @@
 //	peek                        the next messages of a topic and group
 //	publish                     publish one message (manual testing)
 //	bind|unbind                 bind a consumer group to a topic, or unbind it
+//	pause|resume                stop a consumer group's claims of a topic, or restart them
+//	ui                          a web page for operators
 //
 // Every command takes the connection and table flags: --dsn (else
 // PGOUTBOX_DSN, else POSTGRES_DSN), --schema (PGOUTBOX_SCHEMA), --table
@@ -73,6 +75,8 @@ Commands:
   peek                         the next messages a topic and group will deliver
   publish                      publish one message (manual testing)
   bind | unbind                bind a consumer group to a topic, or unbind it
+  pause | resume               stop a consumer group's claims of a topic, or restart them
+  ui                           a web page for operators (--listen 127.0.0.1:8080)
 
 Connection and tables (every command):
   --dsn        PostgreSQL DSN (else $PGOUTBOX_DSN, else $POSTGRES_DSN)
@@ -189,6 +193,10 @@ func (c *cli) dispatch(args []string) error {
 		return c.bindCmd(rest)
 	case "unbind":
 		return c.unbindCmd(rest)
+	case "pause", "resume":
+		return c.pauseCmd(rest, cmd == "resume")
+	case "ui":
+		return c.uiCmd(rest)
 	}
-	return usagef("", "unknown command %q; the commands are schema, stats, dlq, peek, publish, bind, unbind", cmd)
+	return usagef("", "unknown command %q; the commands are schema, stats, dlq, peek, publish, bind, unbind, pause, resume, ui", cmd)
 }

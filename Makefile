@@ -16,7 +16,7 @@ BROKER_MODULES := $(patsubst %/go.mod,%,$(wildcard _examples/*/go.mod))
 LIB_MODULES := pgoutboxprom
 EXAMPLES := $(patsubst %/,./%,$(filter-out $(addsuffix /,$(BROKER_MODULES)),$(wildcard _examples/*/)))
 
-.PHONY: demo examples test test-quick lint fuzz bench bench-relay bench-compare
+.PHONY: demo examples test test-quick lint fuzz bench bench-relay bench-compare ui-screenshots
 
 ## demo: run _examples/basic (an order and its message in one transaction, consumed by a router)
 demo:
@@ -95,3 +95,7 @@ bench-relay:
 ## bench-compare: pgoutbox at BASE (a commit) vs the working tree, side by side, medians; e.g. make bench-compare BASE=35b3c5e
 bench-compare:
 	@$(PG_ENV); scripts/bench-compare.sh $(BASE) $(or $(ROUNDS),3) $(or $(SCENARIOS),drain-1,drain-16,drain-1m,latency-1,latency-16) $(or $(SCALE),5)
+
+## ui-screenshots: regenerate docs/images/ui-*.png, the operator page in headless chromium (tests/browser)
+ui-screenshots:
+	@$(PG_ENV); cd tests/browser && PGOUTBOX_REQUIRE_BROWSER=1 PGOUTBOX_SCREENSHOTS=$(CURDIR)/docs/images go test -count=1 -run '^TestScreenshots$$' -v . | grep -E '^(---|ok|FAIL|panic)|Error'

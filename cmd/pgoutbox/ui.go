@@ -59,6 +59,7 @@ func (c *cli) uiCmd(args []string) error {
 			return err
 		}
 		defer ui.Close()
+		ui.Start() // the charts fill from now, not from the first page view
 		var h http.Handler = ui
 		if *user != "" {
 			h = basicAuth(*user, password, ui)

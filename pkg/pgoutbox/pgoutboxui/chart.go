@@ -39,7 +39,7 @@ type chart struct {
 }
 
 const (
-	chartW, chartH    = 300, 140
+	chartW, chartH    = 280, 140
 	padLeft, padRight = 48, 8
 	padTop, padBottom = 8, 22
 	sparkW, sparkH    = 120, 28

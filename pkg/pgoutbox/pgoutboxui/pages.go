@@ -74,7 +74,7 @@ func (ui *UI) overview(w http.ResponseWriter, r *http.Request) error {
 			if v, ok := rate(ss, func(s sample) int64 { return s.acked }); ok {
 				row.Out = perSec(max(v, 0))
 			}
-			if v, ok := rate(ss, func(s sample) int64 { return s.published }); ok {
+			if v, ok := rate(ss, func(s sample) int64 { return s.published }); ok && snap.bound[p] {
 				row.In = perSec(max(v, 0))
 			}
 		}

@@ -252,13 +252,18 @@ func (s *sampler) snapshot(all bool, want ...pair) snapshot {
 	return snap
 }
 
-// rate is the per-second change of f between the last two samples; false
-// when there are fewer than two.
+// rate is the per-second change of f over the last rateSpan of samples
+// (or the last two samples, if further apart); false when there are fewer
+// than two.
 func rate(ss []sample, f func(sample) int64) (float64, bool) {
 	if len(ss) < 2 {
 		return 0, false
 	}
-	a, b := ss[len(ss)-2], ss[len(ss)-1]
+	b := ss[len(ss)-1]
+	a := ss[len(ss)-2]
+	for i := len(ss) - 2; i >= 0 && b.at-a.at < rateSpan.Milliseconds(); i-- {
+		a = ss[i]
+	}
 	dt := float64(b.at-a.at) / 1000
 	if dt <= 0 {
 		return 0, false
@@ -267,18 +272,26 @@ func rate(ss []sample, f func(sample) int64) (float64, bool) {
 }
 
 // perSecond turns a cumulative counter series into a rate series (one
-// point fewer; negative steps, from a reset or a requeue, count as 0).
+// point fewer; negative steps, from a reset or a requeue, count as 0). Each
+// rate spans at least rateSpan: table statistics arrive in steps of about
+// a second, and a shorter span would show the steps, not the rate.
 func perSecond(ss []sample, f func(sample) int64) []point {
 	var out []point
+	j := 0
 	for i := 1; i < len(ss); i++ {
-		dt := float64(ss[i].at-ss[i-1].at) / 1000
+		for j+1 < i && ss[i].at-ss[j+1].at >= rateSpan.Milliseconds() {
+			j++
+		}
+		dt := float64(ss[i].at-ss[j].at) / 1000
 		if dt <= 0 {
 			continue
 		}
-		out = append(out, point{ss[i].at, max(0, float64(f(ss[i])-f(ss[i-1]))/dt)})
+		out = append(out, point{ss[i].at, max(0, float64(f(ss[i])-f(ss[j]))/dt)})
 	}
 	return out
 }
+
+const rateSpan = 2 * time.Second
 
 // gauge turns a series into points.
 func gauge(ss []sample, f func(sample) float64) []point {

@@ -51,6 +51,7 @@ SELECT 'orders.placed', 'legacy-reports', gen_random_uuid()::text, '{}', '{}', n
 			c.ConsumerGroup = group
 			c.RetryPolicy = pgoutbox.NoRetry()
 			c.Observer = b.ui.Observer()
+			c.WorkerID = group + "-7d9f4c:1:" + watermill.NewShortUUID()[:8]
 		})
 		ch, err := sub.Subscribe(ctx, topic)
 		require.NoError(t, err)

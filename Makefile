@@ -12,8 +12,9 @@ BENCH_FLAGS ?=
 # EXAMPLES, built and tested from their own directory.
 BROKER_MODULES := $(patsubst %/go.mod,%,$(wildcard _examples/*/go.mod))
 # Modules of the library's own that depend on what the library must not
-# (pgoutboxprom: client_golang), tested like the library, under -race.
-LIB_MODULES := pgoutboxprom
+# (pgoutboxprom: client_golang; tests/browser: chromedp, driving chromium),
+# tested like the library, under -race.
+LIB_MODULES := pgoutboxprom tests/browser
 EXAMPLES := $(patsubst %/,./%,$(filter-out $(addsuffix /,$(BROKER_MODULES)),$(wildcard _examples/*/)))
 
 .PHONY: demo examples test test-quick lint fuzz bench bench-relay bench-compare ui-screenshots

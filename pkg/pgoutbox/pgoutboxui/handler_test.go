@@ -146,8 +146,11 @@ func TestOverview(t *testing.T) {
 	b := setup(t, false)
 	ctx := context.Background()
 	require.NoError(t, pgoutbox.Bind(ctx, b.exec(), b.env.Tables, "orders", "billing"))
+	require.NoError(t, pgoutbox.Bind(ctx, b.exec(), b.env.Tables, "orders", "old"))
 	publish(t, b, "orders", msg("1"), msg("2"), msg("3"))
-	publish(t, b, "unbound", msg("x")) // no binding: the default group's row, stranded
+	_, err := pgoutbox.Unbind(ctx, b.exec(), b.env.Tables, "orders", "old", false) // its 3 rows are stranded
+	require.NoError(t, err)
+	publish(t, b, "unbound", msg("x")) // nobody bound the topic: the default group's row waits
 	require.NoError(t, pgoutbox.PauseGroup(ctx, b.exec(), b.env.Tables, "orders", "billing"))
 
 	var body string
@@ -159,10 +162,14 @@ func TestOverview(t *testing.T) {
 	require.NotNil(t, row, body)
 	require.Contains(t, row[1], "paused")
 	require.Contains(t, row[2], `<td class="n ready">3</td>`)
-	stranded := regexp.MustCompile(`(?s)<tr class="([^"]*)" data-topic="unbound" data-group="">`).FindStringSubmatch(body)
+	stranded := regexp.MustCompile(`(?s)<tr class="([^"]*)" data-topic="orders" data-group="old">`).FindStringSubmatch(body)
 	require.NotNil(t, stranded)
 	require.Contains(t, stranded[1], "stranded")
-	require.Contains(t, body, `id="stranded-warning"`)
+	require.Contains(t, body, `<strong>1</strong> group holds rows without a binding`)
+	waiting := regexp.MustCompile(`(?s)<tr class="([^"]*)" data-topic="unbound" data-group="">(.*?)</tr>`).FindStringSubmatch(body)
+	require.NotNil(t, waiting)
+	require.NotContains(t, waiting[1], "stranded")
+	require.Contains(t, waiting[2], "no subscriber yet")
 	require.Contains(t, body, "<svg", "charts are inline SVG")
 
 	// Counts follow publishing, from the next sample.

@@ -20,7 +20,7 @@ type overviewRow struct {
 	Oldest                            string
 	OldestWarn                        bool
 	In, Out, Net                      string
-	Stranded, Paused                  bool
+	Stranded, Waiting, Paused         bool
 	Spark                             spark
 }
 
@@ -56,12 +56,20 @@ func (ui *UI) overview(w http.ResponseWriter, r *http.Request) error {
 		d.SampledAgo = ageString(time.Since(snap.at))
 		d.SampleCost = snap.cost.Round(time.Millisecond).String()
 	}
+	topicBound := map[string]bool{}
+	for p := range snap.bound {
+		topicBound[p.topic] = true
+	}
 	for _, s := range snap.stats {
 		p := pair{s.Topic, s.ConsumerGroup}
+		// Rows of a group without a binding: stranded while the topic
+		// has other groups; waiting for the first subscriber when
+		// nobody ever bound the topic (the default group's rows).
+		unbound := !snap.bound[p] && s.Ready+s.Scheduled+s.Leased+s.ExpiredLeases+s.Parked > 0
 		row := overviewRow{Topic: s.Topic, Group: s.ConsumerGroup, GroupURL: ui.groupURL(s.Topic, s.ConsumerGroup),
 			Ready: s.Ready, Scheduled: s.Scheduled, Leased: s.Leased, Expired: s.ExpiredLeases, Parked: s.Parked,
 			Oldest: ageString(s.OldestReadyAge), OldestWarn: s.OldestReadyAge > time.Minute,
-			Stranded: !snap.bound[p] && s.Ready+s.Scheduled+s.Leased+s.ExpiredLeases+s.Parked > 0, Paused: s.Paused,
+			Stranded: unbound && topicBound[s.Topic], Waiting: unbound && !topicBound[s.Topic], Paused: s.Paused,
 			In: "-", Out: "-", Net: "-"}
 		for _, n := range s.DeadLetters {
 			row.Dead += n
@@ -118,6 +126,7 @@ type groupData struct {
 	Stats        pgoutbox.QueueStats
 	Dead         int64
 	Bound        bool
+	TopicBound   bool // some group is bound to the topic
 	Charts       []chart
 	Pending      []pendingView
 	Blocked      []blockedKey
@@ -176,6 +185,9 @@ func (ui *UI) groupPage(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	d.Bound = bound[pair{topic, group}]
+	for p := range bound {
+		d.TopicBound = d.TopicBound || p.topic == topic
+	}
 	if ui.names.QDLQ != "" {
 		d.DeadURL = ui.opts.BasePath + "dead-letters?" + url.Values{"topic": {topic}, "gmode": {"is"}, "group": {group}}.Encode()
 	}

@@ -44,7 +44,6 @@ const (
 	padTop, padBottom = 8, 22
 	sparkW, sparkH    = 120, 28
 	sparkPad          = 2
-	maxChartPoints    = 720
 )
 
 // newChart draws pts (time order) with a y axis from 0.
@@ -58,7 +57,7 @@ func newChart(title, unit string, pts []point, format func(float64) string) char
 		c.Note = "collecting samples…"
 		return c
 	}
-	pts = thin(pts, maxChartPoints)
+	pts = thin(pts, c.PlotW) // a point per pixel is as much as shows
 	t0, t1 := pts[0].at, pts[len(pts)-1].at
 	ymax := 0.0
 	for _, p := range pts {

@@ -14,11 +14,12 @@ BROKER_MODULES := $(patsubst %/go.mod,%,$(wildcard _examples/*/go.mod))
 # Modules of the library's own that depend on what the library must not
 # (pgoutboxprom: client_golang; pgoutboxotel: the OpenTelemetry SDK;
 # tests/migrations: goose and golang-migrate, which apply the rendered
-# migrations; pgoutboxtest/dockerpg: the Docker client), tested like the
+# migrations; pgoutboxtest/dockerpg: the Docker client; tests/browser:
+# chromedp, driving chromium), tested like the
 # library, under -race. To add a module: create its go.mod requiring the
 # main module at RELEASE_VERSION (no replace), `go work use ./dir`, and add
 # it here (docs/versioning.md).
-LIB_MODULES := pgoutboxprom pgoutboxotel tests/migrations pkg/pgoutbox/pgoutboxtest/dockerpg
+LIB_MODULES := pgoutboxprom pgoutboxotel tests/migrations pkg/pgoutbox/pgoutboxtest/dockerpg tests/browser
 # Every module but the root, each listed in go.work, so builds in the
 # repository use the working tree; `make modules` builds each without the
 # workspace against the tree served as RELEASE_VERSION, the version its
@@ -27,7 +28,7 @@ MODULES := $(LIB_MODULES) $(BROKER_MODULES) tests/bench
 RELEASE_VERSION := v0.1.0
 EXAMPLES := $(patsubst %/,./%,$(filter-out $(addsuffix /,$(BROKER_MODULES)),$(wildcard _examples/*/)))
 
-.PHONY: demo examples test test-quick lint modules fuzz bench bench-relay bench-compare
+.PHONY: demo examples test test-quick lint modules fuzz bench bench-relay bench-compare ui-screenshots
 
 ## demo: run _examples/basic (an order and its message in one transaction, consumed by a router)
 demo:
@@ -130,3 +131,7 @@ bench-relay:
 ## bench-compare: pgoutbox at BASE (a commit) vs the working tree, side by side, medians; e.g. make bench-compare BASE=35b3c5e
 bench-compare:
 	@$(PG_ENV); scripts/bench-compare.sh $(BASE) $(or $(ROUNDS),3) $(or $(SCENARIOS),drain-1,drain-16,drain-1m,latency-1,latency-16) $(or $(SCALE),5)
+
+## ui-screenshots: regenerate docs/images/ui-*.png, the operator page in headless chromium (tests/browser)
+ui-screenshots:
+	@$(PG_ENV); cd tests/browser && PGOUTBOX_REQUIRE_BROWSER=1 PGOUTBOX_SCREENSHOTS=$(CURDIR)/docs/images go test -count=1 -run '^TestScreenshots$$' -v . | grep -E '^(---|ok|FAIL|panic)|Error'

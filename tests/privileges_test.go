@@ -68,7 +68,8 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 		`GRANT USAGE ON SCHEMA %s TO %r`,
 		`GRANT SELECT, UPDATE, DELETE ON %s.outbox TO %r`,
 		`GRANT SELECT, INSERT ON %s.outbox_bindings TO %r`,
-		`GRANT SELECT, INSERT ON %s.outbox_dlq TO %r`)
+		`GRANT SELECT, INSERT ON %s.outbox_dlq TO %r`,
+		`GRANT SELECT ON %s.outbox_paused TO %r`)
 
 	sub, err := pgoutbox.NewSubscriber(subPool, pgoutbox.SubscriberConfig{
 		Tables: b.tables, ConsumerGroup: "billing", MinPollInterval: 20 * time.Millisecond, MaxPollInterval: time.Second,

@@ -19,6 +19,8 @@
 //	publish                     publish one message (manual testing)
 //	cancel                      cancel a scheduled message by its dedup key
 //	bind|unbind                 bind a consumer group to a topic, or unbind it
+//	pause|resume                stop a consumer group's claims of a topic, or restart them
+//	ui                          a web page for operators
 //	version                     the version of this build
 //
 // Every command takes the connection and table flags: --dsn (else
@@ -89,6 +91,8 @@ Commands:
   publish                      publish one message (manual testing)
   cancel                       cancel a scheduled message by its dedup key
   bind | unbind                bind a consumer group to a topic, or unbind it
+  pause | resume               stop a consumer group's claims of a topic, or restart them
+  ui                           a web page for operators (--listen 127.0.0.1:8080)
   version                      the version of this build
 
 Connection and tables (every command):
@@ -231,10 +235,14 @@ func (c *cli) dispatch(args []string) error {
 		return c.bindCmd(rest)
 	case "unbind":
 		return c.unbindCmd(rest)
+	case "pause", "resume":
+		return c.pauseCmd(rest, cmd == "resume")
+	case "ui":
+		return c.uiCmd(rest)
 	case "version", "--version", "-version":
 		return c.versionCmd(rest)
 	}
-	return usagef("", "unknown command %q; the commands are schema, stats, dlq, peek, publish, cancel, bind, unbind, version", cmd)
+	return usagef("", "unknown command %q; the commands are schema, stats, dlq, peek, publish, cancel, bind, unbind, pause, resume, ui, version", cmd)
 }
 
 // undefinedTable is PostgreSQL's SQLSTATE for a missing table.

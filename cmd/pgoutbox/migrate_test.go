@@ -55,7 +55,7 @@ func TestSchemaMigrate(t *testing.T) {
 	require.Equal(t, 0, code, errOut)
 	out, _, code = run("schema", "migrate", "status")
 	require.Equal(t, 0, code)
-	require.Contains(t, out, "version 4 of 4")
+	require.Contains(t, out, "version 5 of 5")
 	out, _, _ = run("schema", "migrate", "up")
 	require.Contains(t, out, "nothing to do")
 
@@ -64,16 +64,16 @@ func TestSchemaMigrate(t *testing.T) {
 	require.Contains(t, errOut, "--yes")
 	out, errOut, code = run("schema", "migrate", "down", "--dry-run")
 	require.Equal(t, 0, code, errOut)
-	require.Contains(t, out, "-- undo version 4 (ordering_keys)\n")
-	require.Contains(t, out, "\nDROP INDEX IF EXISTS")
+	require.Contains(t, out, "-- undo version 5 (paused_groups)\n")
+	require.Contains(t, out, "\nDROP TABLE IF EXISTS")
 	out, errOut, code = run("schema", "migrate", "down", "--yes")
 	require.Equal(t, 0, code, errOut)
-	require.Equal(t, "undid version 4 (ordering_keys)\n", out)
-	require.Equal(t, 3.0, status()["current"])
+	require.Equal(t, "undid version 5 (paused_groups)\n", out)
+	require.Equal(t, 4.0, status()["current"])
 
-	_, errOut, code = run("schema", "migrate", "down", "--to", "4")
+	_, errOut, code = run("schema", "migrate", "down", "--to", "5")
 	require.Equal(t, exitUsage, code)
-	require.Contains(t, errOut, "above the current version 3")
+	require.Contains(t, errOut, "above the current version 4")
 	_, _, code = run("schema", "migrate", "up", "--to", "99")
 	require.Equal(t, exitUsage, code)
 
@@ -93,7 +93,7 @@ func TestSchemaMigrate(t *testing.T) {
 	require.Contains(t, errOut, "migrate baseline")
 	out, errOut, code = run("schema", "migrate", "baseline")
 	require.Equal(t, 0, code, errOut)
-	require.Contains(t, out, "recorded version 4")
+	require.Contains(t, out, "recorded version 5")
 	require.Equal(t, latest, status()["current"])
 }
 

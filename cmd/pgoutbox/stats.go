@@ -35,6 +35,7 @@ type statsJSON struct {
 	OldestReadyAgeSecond float64          `json:"oldest_ready_age_seconds"`
 	DeadLetters          map[string]int64 `json:"dead_letters"`
 	DeadLettersTotal     int64            `json:"dead_letters_total"`
+	Paused               bool             `json:"paused"`
 }
 
 func (c *cli) statsCmd(args []string) error {
@@ -112,7 +113,7 @@ func statsToJSON(stats []pgoutbox.QueueStats) []statsJSON {
 		j := statsJSON{
 			Topic: s.Topic, ConsumerGroup: s.ConsumerGroup, Ready: s.Ready, Scheduled: s.Scheduled,
 			Leased: s.Leased, ExpiredLeases: s.ExpiredLeases, Parked: s.Parked,
-			OldestReadyAgeSecond: s.OldestReadyAge.Seconds(), DeadLetters: s.DeadLetters,
+			OldestReadyAgeSecond: s.OldestReadyAge.Seconds(), DeadLetters: s.DeadLetters, Paused: s.Paused,
 		}
 		if j.DeadLetters == nil {
 			j.DeadLetters = map[string]int64{}
@@ -131,7 +132,7 @@ func printStats(w io.Writer, stats []pgoutbox.QueueStats) {
 		return
 	}
 	tw := newTable(w)
-	fmt.Fprintln(tw, "TOPIC\tGROUP\tREADY\tSCHEDULED\tLEASED\tEXPIRED\tPARKED\tOLDEST READY\tDEAD LETTERS")
+	fmt.Fprintln(tw, "TOPIC\tGROUP\tREADY\tSCHEDULED\tLEASED\tEXPIRED\tPARKED\tOLDEST READY\tDEAD LETTERS\tSTATE")
 	for _, s := range stats {
 		dl := "-"
 		if len(s.DeadLetters) > 0 {
@@ -141,8 +142,12 @@ func printStats(w io.Writer, stats []pgoutbox.QueueStats) {
 			}
 			dl = strings.Join(parts, " ")
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\n", s.Topic, groupName(s.ConsumerGroup),
-			s.Ready, s.Scheduled, s.Leased, s.ExpiredLeases, s.Parked, age(s.OldestReadyAge), dl)
+		state := "running"
+		if s.Paused {
+			state = "PAUSED"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", s.Topic, groupName(s.ConsumerGroup),
+			s.Ready, s.Scheduled, s.Leased, s.ExpiredLeases, s.Parked, age(s.OldestReadyAge), dl, state)
 	}
 	tw.Flush()
 }

@@ -94,7 +94,7 @@ SELECT id, uuid, payload, metadata, deliveries + 1, available_at, ordering_key, 
   FROM %[1]s r
  WHERE topic = $1 AND consumer_group = $3 AND lease_token IS NULL AND available_at <= now()
    AND (available_at, id) > ($4::timestamptz, $5::bigint)
-   AND %[2]s
+   AND %[2]s`+NotPaused(t, "$3")+`
  ORDER BY available_at, id
  LIMIT $2::int
    FOR UPDATE OF r SKIP LOCKED`, t, keyIsFree(t, "r", "$3")),
@@ -144,7 +144,7 @@ func leaseBranches(t string, orphans bool, spare string) (ctes, count, ids, read
 	ctes = fmt.Sprintf(`
 WITH expired AS (
     SELECT id FROM %s
-     WHERE $8::bool AND topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until < now()
+     WHERE $8::bool AND topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until < now()`+NotPaused(t, "$10")+`
      ORDER BY leased_until
      LIMIT $2::int
        FOR UPDATE SKIP LOCKED`, t)
@@ -156,7 +156,7 @@ WITH expired AS (
     SELECT id FROM %[1]s
      WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL AND leased_until >= now()
        AND lease_holder <> ALL (%[3]s::bigint[])
-       AND lease_holder NOT IN (%[2]s)
+       AND lease_holder NOT IN (%[2]s)`+NotPaused(t, "$10")+`
      LIMIT (SELECT $2::int - count(*) FROM expired)
        FOR UPDATE SKIP LOCKED`, t, LiveHolders, spare)
 	return ctes, "(SELECT count(*) FROM orphaned)", " UNION ALL SELECT id FROM orphaned",
@@ -173,7 +173,7 @@ func claimFastStatement(t, ac string, orphans bool) string {
     SELECT id, available_at FROM %[1]s r
      WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NULL AND available_at <= now()
        AND (available_at, id) > ($6::timestamptz, $7::bigint)
-       AND %[7]s
+       AND %[7]s`+NotPaused(t, "$10")+`
      ORDER BY available_at, id
      LIMIT %[6]s
        FOR UPDATE SKIP LOCKED
@@ -202,7 +202,7 @@ func claimStatement(t, ac string, orphans bool) string {
         SELECT id, available_at, lease_token FROM %[1]s
          WHERE topic = $1 AND consumer_group = $10 AND ordering_key = e.k AND available_at < 'infinity'
          ORDER BY id LIMIT 1) h
-     WHERE h.lease_token IS NULL AND h.available_at <= now()
+     WHERE h.lease_token IS NULL AND h.available_at <= now()`+NotPaused(t, "$10")+`
                AND NOT EXISTS (
                    SELECT 1 FROM %[1]s l
                     WHERE l.topic = $1 AND l.consumer_group = $10 AND l.ordering_key = e.k
@@ -210,7 +210,7 @@ func claimStatement(t, ac string, orphans bool) string {
 ), scan AS (
     SELECT id, available_at, ordering_key FROM %[1]s
      WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NULL AND available_at <= now()
-       AND (available_at, id) > ($6::timestamptz, $7::bigint)
+       AND (available_at, id) > ($6::timestamptz, $7::bigint)`+NotPaused(t, "$10")+`
      ORDER BY available_at, id
      LIMIT $11::int
 ), candidates AS (

@@ -171,6 +171,7 @@ func DDL(n Names) []string {
         INSERT INTO %[1]s (topic, consumer_group) SELECT DISTINCT topic, consumer_group FROM %[2]s;
     END IF;
 END $pgoutbox$`, n.QBindings, n.QTable))
+	stmts = append(stmts, pausedDDL(n))
 	if n.DLQTable != "" {
 		stmts = append(stmts,
 			fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (

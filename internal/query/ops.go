@@ -92,7 +92,7 @@ func DLQStats(n Names, topic, group bool) string {
 
 // DeadLetterColumns are the columns DeadLetters reads, in scan order.
 const DeadLetterColumns = `id, topic, consumer_group, uuid, payload, metadata::text, created_at, deliveries,
-       dedup_key, last_error, failure_reason, failed_by, failed_at`
+       dedup_key, last_error, failure_reason, failed_by, failed_at, ordering_key`
 
 // DeadLetterWhere is the filter of DeadLetters and of the requeue by
 // filter. NULL parameters match everything: $1 topic, $2 group, $3 reason,
@@ -243,7 +243,7 @@ SELECT (SELECT count(*) FROM upd), (SELECT count(*) FROM woken)`, n.QTable)
 // locking or leasing them: a range scan of the ready index.
 func Peek(n Names) string {
 	return fmt.Sprintf(`SELECT id, uuid, payload, metadata::text, created_at, available_at, deliveries,
-       dedup_key, last_error, failure_reason
+       dedup_key, last_error, failure_reason, ordering_key
   FROM %s
  WHERE topic = $1 AND consumer_group = $2 AND lease_token IS NULL
  ORDER BY available_at, id

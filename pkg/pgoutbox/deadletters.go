@@ -50,6 +50,7 @@ type DeadLetter struct {
 	FailureReason string
 	FailedBy      string // the worker that held it, "" when unknown
 	FailedAt      time.Time
+	OrderingKey   string // "" when it has none (see WithOrderingKey)
 }
 
 // DeadLetterCursor is a position in the (FailedAt, ID) order of dead
@@ -191,12 +192,12 @@ func DeadLetters(ctx context.Context, exec tx.Executor, tables schema.Config, f 
 func scanDeadLetter(rows tx.Rows) (DeadLetter, error) {
 	var d DeadLetter
 	var md string
-	var dedup, lastErr, failedBy *string
+	var dedup, lastErr, failedBy, okey *string
 	if err := rows.Scan(&d.ID, &d.Topic, &d.ConsumerGroup, &d.UUID, &d.Payload, &md, &d.CreatedAt, &d.Deliveries,
-		&dedup, &lastErr, &d.FailureReason, &failedBy, &d.FailedAt); err != nil {
+		&dedup, &lastErr, &d.FailureReason, &failedBy, &d.FailedAt, &okey); err != nil {
 		return DeadLetter{}, errorf("pgoutbox: read dead letters: %w", err)
 	}
-	d.DedupKey, d.LastError, d.FailedBy = deref(dedup), deref(lastErr), deref(failedBy)
+	d.DedupKey, d.LastError, d.FailedBy, d.OrderingKey = deref(dedup), deref(lastErr), deref(failedBy), deref(okey)
 	d.Metadata = message.Metadata{}
 	if err := decodeMetadata([]byte(md), d.Metadata); err != nil {
 		return DeadLetter{}, errorf("pgoutbox: dead letter %d: %w", d.ID, err)
@@ -464,6 +465,7 @@ type PendingMessage struct {
 	LastError   string // "" when none recorded
 	// FailureReason is set on parked rows only.
 	FailureReason string
+	OrderingKey   string // "" when it has none (see WithOrderingKey)
 }
 
 // Peek reads up to limit rows of topic for consumer group ("" is the
@@ -492,11 +494,11 @@ func Peek(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 		var m PendingMessage
 		var md string
 		var avail pgtype.Timestamptz
-		var dedup, lastErr, reason *string
-		if err := rows.Scan(&m.ID, &m.UUID, &m.Payload, &md, &m.CreatedAt, &avail, &m.Deliveries, &dedup, &lastErr, &reason); err != nil {
+		var dedup, lastErr, reason, okey *string
+		if err := rows.Scan(&m.ID, &m.UUID, &m.Payload, &md, &m.CreatedAt, &avail, &m.Deliveries, &dedup, &lastErr, &reason, &okey); err != nil {
 			return nil, errorf("pgoutbox: peek: %w", err)
 		}
-		m.DedupKey, m.LastError, m.FailureReason = deref(dedup), deref(lastErr), deref(reason)
+		m.DedupKey, m.LastError, m.FailureReason, m.OrderingKey = deref(dedup), deref(lastErr), deref(reason), deref(okey)
 		m.AvailableAt = avail.Time
 		if avail.InfinityModifier == pgtype.Infinity {
 			m.Parked = true

@@ -35,6 +35,11 @@ type QueueStats struct {
 	// failure reason ("max_deliveries", "retry_exhausted", "rejected",
 	// "poisoned"). Empty without a dead-letter table.
 	DeadLetters map[string]int64
+	// Paused is set while the group is paused on this topic (PauseGroup):
+	// its rows wait, nothing of it is claimed. PausedAt is when the pause
+	// began (zero when not paused).
+	Paused   bool
+	PausedAt time.Time
 }
 
 // StatsOption narrows Stats.
@@ -120,6 +125,32 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 	rows.Close()
 	if err := rows.Err(); err != nil {
 		return nil, errorf("pgoutbox: stats: %w", err)
+	}
+	// Paused groups, with an entry of their own when they have no rows
+	// and no binding (the pause of a group not yet deployed shows).
+	paused, err := pausedGroups(ctx, exec, n, o.topic)
+	if err != nil {
+		return nil, err
+	}
+	sorted := true
+	for _, p := range paused {
+		if o.hasGroup && p.ConsumerGroup != o.group {
+			continue
+		}
+		i, ok := index[[2]string{p.Topic, p.ConsumerGroup}]
+		if !ok {
+			i = len(out)
+			index[[2]string{p.Topic, p.ConsumerGroup}] = i
+			out = append(out, QueueStats{Topic: p.Topic, ConsumerGroup: p.ConsumerGroup})
+			sorted = false
+		}
+		out[i].Paused, out[i].PausedAt = true, p.PausedAt
+	}
+	if !sorted {
+		sortStats(out)
+		for i, s := range out {
+			index[[2]string{s.Topic, s.ConsumerGroup}] = i
+		}
 	}
 	if n.QDLQ == "" {
 		return out, nil

@@ -187,7 +187,7 @@ func (d *database) take(ctx context.Context, c schema.Config) (*pooledSchema, er
 func (d *database) give(s *pooledSchema) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	tables := []string{s.name + "." + s.tables.Table, s.name + "." + s.tables.Table + "_bindings"}
+	tables := []string{s.name + "." + s.tables.Table, s.name + "." + s.tables.Table + "_bindings", s.name + "." + s.tables.Table + "_paused"}
 	if s.tables.DeadLetterTable != "" {
 		tables = append(tables, s.name+"."+s.tables.DeadLetterTable)
 	}

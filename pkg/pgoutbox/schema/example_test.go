@@ -49,6 +49,7 @@ func ExampleMigrations() {
 	// 0002_lease_holder_parking.sql
 	// 0003_consumer_groups.sql
 	// 0004_ordering_keys.sql
+	// 0005_paused_groups.sql
 }
 
 // ExampleMigrate creates an outbox by migration, reads its version, and
@@ -98,6 +99,7 @@ func ExampleMigrate() {
 	// applied 2 lease_holder_parking
 	// applied 3 consumer_groups
 	// applied 4 ordering_keys
-	// version 4 of 4, 0 pending
-	// down would undo 4 ordering_keys in 3 statements
+	// applied 5 paused_groups
+	// version 5 of 5, 0 pending
+	// down would undo 5 paused_groups in 1 statements
 }

@@ -342,7 +342,7 @@ func recordUpTo(ctx context.Context, e tx.Executor, n query.Names, ms []Migratio
 func detectLayout(ctx context.Context, e tx.Executor, n query.Names) (version int, dlqMissing bool, err error) {
 	cols := map[string]map[string]bool{}
 	idx := map[string]bool{}
-	for _, table := range []string{n.Table, n.DLQTable, n.Bindings} {
+	for _, table := range []string{n.Table, n.DLQTable, n.Bindings, n.PausedTable()} {
 		if table == "" {
 			continue
 		}
@@ -382,8 +382,10 @@ func detectLayout(ctx context.Context, e tx.Executor, n query.Names) (version in
 		return 2, dlqMissing, nil
 	case !has(n.Table, "ordering_key") || !dlqHas("ordering_key") || !idx[n.OrderIdx] || !idx[n.OrderLeaseIdx]:
 		return 3, dlqMissing, nil
+	case cols[n.PausedTable()] == nil:
+		return 4, dlqMissing, nil
 	}
-	return 4, dlqMissing, nil
+	return 5, dlqMissing, nil
 }
 
 // inLockedTx runs fn in a transaction (or the caller's) holding Create's

@@ -242,6 +242,9 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 	if err := check(n.Bindings, query.BindingsColumns); err != nil {
 		return err
 	}
+	if err := check(n.PausedTable(), query.PausedColumns); err != nil {
+		return err
+	}
 	if n.DLQTable != "" {
 		if err := check(n.DLQTable, query.DLQColumns); err != nil {
 			return err

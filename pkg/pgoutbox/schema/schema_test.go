@@ -132,7 +132,7 @@ func TestSQL(t *testing.T) {
 		without, err := schema.SQL(schema.Config{Table: "jobs", NoDeadLetterTable: true})
 		require.NoError(t, err)
 		require.NotContains(t, without, "jobs_dlq")
-		require.Equal(t, 2, strings.Count(without, "CREATE TABLE"), "the outbox and its bindings: %s", without)
+		require.Equal(t, 3, strings.Count(without, "CREATE TABLE"), "the outbox, its bindings and its paused groups: %s", without)
 
 		_, err = schema.SQL(schema.Config{Table: "jobs", DeadLetterTable: "d", NoDeadLetterTable: true})
 		require.ErrorIs(t, err, schema.ErrInvalidName)
@@ -140,7 +140,7 @@ func TestSQL(t *testing.T) {
 
 		with, err := schema.SQL(schema.Config{Table: "jobs", DeadLetterTable: "jobs_dead"})
 		require.NoError(t, err)
-		require.Equal(t, 3, strings.Count(with, "CREATE TABLE"), with)
+		require.Equal(t, 4, strings.Count(with, "CREATE TABLE"), with)
 		require.Contains(t, with, `CREATE TABLE IF NOT EXISTS "public"."jobs_dead" (`)
 		require.Contains(t, with, "failure_reason")
 		require.Contains(t, with, `CREATE INDEX IF NOT EXISTS "jobs_dead_topic_failed_at_idx" ON "public"."jobs_dead" (topic, failed_at)`)
@@ -484,7 +484,7 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 	cfg := schema.Config{Schema: b.env.Name, Table: "outbox"} // dead letters in outbox_dlq
 
 	verr := validationError(t, schema.Validate(ctx, b.exec, cfg))
-	require.Len(t, verr.Problems, 12, "%q", verr.Problems)
+	require.Len(t, verr.Problems, 13, "%q", verr.Problems)
 	requireProblem(t, verr.Problems, "index outbox_dedup_idx on outbox is left from the first release", "drop it")
 	requireProblem(t, verr.Problems, "outbox.lease_holder", "missing", "bigint")
 	requireProblem(t, verr.Problems, "outbox.failure_reason", "missing", "text")
@@ -492,6 +492,7 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 	requireProblem(t, verr.Problems, "outbox.ordering_key", "missing", "text")
 	requireProblem(t, verr.Problems, "table "+b.env.Name+".outbox_dlq is missing")
 	requireProblem(t, verr.Problems, "table "+b.env.Name+".outbox_bindings is missing")
+	requireProblem(t, verr.Problems, "table "+b.env.Name+".outbox_paused is missing")
 	for _, idx := range []string{"outbox_group_ready_idx", "outbox_group_lease_idx", "outbox_group_dedup_idx", "outbox_group_order_idx", "outbox_group_order_lease_idx"} {
 		requireProblem(t, verr.Problems, "index "+idx+" ", "missing")
 	}

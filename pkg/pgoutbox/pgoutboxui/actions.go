@@ -1,0 +1,258 @@
+package pgoutboxui
+
+import (
+	"fmt"
+	"net/http"
+	"net/url"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+// Write actions. A form posts to "confirm" (nothing changes): the page
+// says what will happen to how many rows and posts the same fields to
+// "do", which acts and redirects back (303) with a short result message.
+// Both steps check the CSRF token; both refuse when writes are off.
+
+type confirmData struct {
+	Action   string
+	What     string
+	Rows     int64
+	RowsNote string
+	Fields   []kv
+	Return   string
+	Danger   bool
+}
+
+// maxIDs bounds the ids one action takes (a page of dead letters).
+const maxIDs = 1000
+
+func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
+	if !ui.opts.Writes {
+		return &httpError{code: http.StatusForbidden, msg: "this page is read-only: write actions are not enabled (Options.Writes, or pgoutbox ui --write)"}
+	}
+	r.Body = http.MaxBytesReader(w, r.Body, 1<<20)
+	if err := r.ParseForm(); err != nil {
+		return badRequest("the form does not parse: %v", err)
+	}
+	if why := ui.checkCSRF(r); why != "" {
+		return &httpError{code: http.StatusForbidden, msg: "refused: " + why}
+	}
+	f := r.PostForm
+	ret := ui.safeReturn(f.Get("return"))
+	ctx := r.Context()
+	act := f.Get("action")
+	c := confirmData{Action: act, Return: ret}
+	var result func() (string, error)
+	switch act {
+	case "requeue", "delete":
+		ids, err := parseIDs(f["id"])
+		if err != nil {
+			return err
+		}
+		ls, err := ui.deadLettersByID(ctx, ids)
+		if err != nil {
+			return err
+		}
+		c.Rows = int64(len(ls))
+		if act == "requeue" {
+			c.What = fmt.Sprintf("Requeue %s: each goes back into the outbox, due at once, with its delivery count and error cleared.", plural(len(ids), "selected dead letter"))
+			result = func() (string, error) {
+				n, err := pgoutbox.RequeueDeadLetters(ctx, ui.exec, ui.tables, ids)
+				if err == nil && strings.Contains(ret, "dead-letter?") {
+					ret = ui.opts.BasePath + "dead-letters"
+				}
+				return fmt.Sprintf("Requeued %s.", plural(int(n), "dead letter")), err
+			}
+		} else {
+			c.Danger = true
+			c.What = fmt.Sprintf("Delete %s for good: nobody will ever process them.", plural(len(ids), "selected dead letter"))
+			result = func() (string, error) {
+				n, err := pgoutbox.DeleteDeadLetters(ctx, ui.exec, ui.tables, ids)
+				if err == nil && strings.Contains(ret, "dead-letter?") {
+					ret = ui.opts.BasePath + "dead-letters"
+				}
+				return fmt.Sprintf("Deleted %s.", plural(int(n), "dead letter")), err
+			}
+		}
+	case "requeue-matching":
+		flt, err := parseFilter(f)
+		if err != nil {
+			return err
+		}
+		if c.Rows, err = ui.countDeadLetters(ctx, flt.f); err != nil {
+			return err
+		}
+		c.What = "Requeue every dead letter matching " + describe(flt) + ", in one statement."
+		result = func() (string, error) {
+			n, err := pgoutbox.RequeueDeadLettersMatching(ctx, ui.exec, ui.tables, flt.f)
+			return fmt.Sprintf("Requeued %s.", plural(int(n), "dead letter")), err
+		}
+	case "purge":
+		d, err := parseAge(f.Get("older_than"))
+		if err != nil {
+			return err
+		}
+		if c.Rows, err = ui.countDeadLetters(ctx, pgoutbox.DeadLetterFilter{FailedBefore: time.Now().Add(-d)}); err != nil {
+			return err
+		}
+		c.Danger = true
+		c.RowsNote = "counted now; the purge counts by the database clock"
+		c.What = fmt.Sprintf("Delete every dead letter, of every topic, that failed more than %s ago, for good.", ageString(d))
+		result = func() (string, error) {
+			n, err := pgoutbox.PurgeDeadLetters(ctx, ui.exec, ui.tables, d, 0)
+			return fmt.Sprintf("Purged %s.", plural(int(n), "dead letter")), err
+		}
+	case "pause", "resume":
+		topic, group := f.Get("topic"), f.Get("group")
+		st, err := pgoutbox.Stats(ctx, ui.exec, ui.tables, pgoutbox.StatsForGroup(topic, group))
+		if err != nil {
+			return err
+		}
+		s := st[0]
+		who := fmt.Sprintf("group %s of topic %q", groupLabel(group), topic)
+		if act == "pause" {
+			c.Rows = s.Ready + s.Scheduled + s.ExpiredLeases
+			c.RowsNote = fmt.Sprintf("rows that will wait; %d in flight finish", s.Leased)
+			c.What = "Pause " + who + ": no subscriber of it claims anything new until resumed; messages in flight finish; publishing goes on."
+			result = func() (string, error) {
+				return "Paused " + who + ".", pgoutbox.PauseGroup(ctx, ui.exec, ui.tables, topic, group)
+			}
+		} else {
+			c.Rows = s.Ready + s.ExpiredLeases
+			c.RowsNote = "rows claimable at once"
+			c.What = "Resume " + who + " and wake its subscribers."
+			result = func() (string, error) {
+				was, err := pgoutbox.ResumeGroup(ctx, ui.exec, ui.tables, topic, group)
+				if err == nil && !was {
+					return "The " + who + " was not paused.", nil
+				}
+				return "Resumed " + who + ".", err
+			}
+		}
+	default:
+		return badRequest("unknown action %q", act)
+	}
+	if !do {
+		for k, vs := range f {
+			if k == "csrf" || k == "return" {
+				continue
+			}
+			for _, v := range vs {
+				c.Fields = append(c.Fields, kv{k, v})
+			}
+		}
+		sort.SliceStable(c.Fields, func(i, j int) bool { return c.Fields[i].K < c.Fields[j].K })
+		return ui.render(w, r, "confirm", "Confirm", c)
+	}
+	msg, err := result()
+	if err != nil {
+		return err
+	}
+	sep := "?"
+	if strings.Contains(ret, "?") {
+		sep = "&"
+	}
+	http.Redirect(w, r, ret+sep+url.Values{"done": {msg}, "sig": {ui.sign("flash\x00" + msg)}}.Encode(), http.StatusSeeOther)
+	return nil
+}
+
+// flash is the result message of the action that redirected here, shown
+// only when this handler signed it (a link cannot make the page say
+// anything).
+func (ui *UI) flash(r *http.Request) string {
+	q := r.URL.Query()
+	msg := q.Get("done")
+	if msg == "" || q.Get("sig") != ui.sign("flash\x00"+msg) {
+		return ""
+	}
+	return msg
+}
+
+// safeReturn keeps a return path under BasePath, on this site.
+func (ui *UI) safeReturn(s string) string {
+	if !strings.HasPrefix(s, ui.opts.BasePath) || strings.Contains(s, "//") || strings.ContainsAny(s, "\\\r\n") {
+		return ui.opts.BasePath
+	}
+	// Drop an earlier action's message.
+	if u, err := url.Parse(s); err == nil {
+		q := u.Query()
+		q.Del("done")
+		q.Del("sig")
+		u.RawQuery = q.Encode()
+		return u.RequestURI()
+	}
+	return ui.opts.BasePath
+}
+
+func parseIDs(vs []string) ([]int64, error) {
+	var ids []int64
+	for _, v := range vs {
+		for _, part := range strings.Split(v, ",") {
+			part = strings.TrimSpace(part)
+			if part == "" {
+				continue
+			}
+			id, err := strconv.ParseInt(part, 10, 64)
+			if err != nil || id <= 0 {
+				return nil, badRequest("%q is not a dead-letter id", part)
+			}
+			ids = append(ids, id)
+		}
+	}
+	if len(ids) == 0 {
+		return nil, badRequest("no dead letters selected; tick the ones to act on")
+	}
+	if len(ids) > maxIDs {
+		return nil, badRequest("%d dead letters selected; at most %d at once (use requeue all matching)", len(ids), maxIDs)
+	}
+	return ids, nil
+}
+
+// parseAge parses "30d", "12h", "90m" or any Go duration.
+func parseAge(s string) (time.Duration, error) {
+	s = strings.TrimSpace(s)
+	if n, ok := strings.CutSuffix(s, "d"); ok {
+		if days, err := strconv.Atoi(n); err == nil && days >= 0 {
+			return time.Duration(days) * 24 * time.Hour, nil
+		}
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil || d < 0 {
+		return 0, badRequest("older than %q is not an age like 30d, 12h or 90m", s)
+	}
+	return d, nil
+}
+
+func describe(f dlFilter) string {
+	var parts []string
+	if f.Topic != "" {
+		parts = append(parts, fmt.Sprintf("topic %q", f.Topic))
+	}
+	if f.GroupMode == "is" {
+		parts = append(parts, "group "+groupLabel(f.Group))
+	}
+	if f.Reason != "" {
+		parts = append(parts, "reason "+f.Reason)
+	}
+	if f.After != "" {
+		parts = append(parts, "failed at or after "+f.After+" UTC")
+	}
+	if f.Before != "" {
+		parts = append(parts, "failed before "+f.Before+" UTC")
+	}
+	if len(parts) == 0 {
+		return "no filter (every dead letter)"
+	}
+	return strings.Join(parts, ", ")
+}
+
+func plural(n int, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return strconv.Itoa(n) + " " + what + "s"
+}

@@ -1,0 +1,417 @@
+package pgoutboxui_test
+
+import (
+	"context"
+	"fmt"
+	"html"
+	"io"
+	"net/http"
+	"net/http/cookiejar"
+	"net/http/httptest"
+	"net/url"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxui"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// bundle is one test's outbox and the page served over HTTP.
+type bundle struct {
+	env    *pgoutboxtest.Env
+	srv    *httptest.Server
+	client *http.Client
+	base   string // the page's URL, BasePath included
+	ui     *pgoutboxui.UI
+}
+
+func setup(t *testing.T, writes bool) *bundle {
+	t.Helper()
+	env := pgoutboxtest.PubSub(t)
+	require.NoError(t, env.Subscriber.Close()) // the tests consume with subscribers of their own, or not at all
+	ui, err := pgoutboxui.New(env.Exec(), env.Tables, pgoutboxui.Options{BasePath: "/ops/outbox/", Writes: writes, SampleInterval: 100 * time.Millisecond})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ui.Close() })
+	mux := http.NewServeMux()
+	mux.Handle("/ops/outbox/", ui)
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	jar, err := cookiejar.New(nil)
+	require.NoError(t, err)
+	client := &http.Client{Jar: jar, Timeout: 30 * time.Second, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	return &bundle{env: env, srv: srv, client: client, base: srv.URL + "/ops/outbox/", ui: ui}
+}
+
+func (b *bundle) get(t *testing.T, path string) (int, string) {
+	t.Helper()
+	resp, err := b.client.Get(b.base + path)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp.StatusCode, string(body)
+}
+
+func (b *bundle) page(t *testing.T, path string) string {
+	t.Helper()
+	code, body := b.get(t, path)
+	require.Equal(t, http.StatusOK, code, body)
+	return body
+}
+
+func (b *bundle) post(t *testing.T, path string, form url.Values) (*http.Response, string) {
+	t.Helper()
+	resp, err := b.client.PostForm(b.base+path, form)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp, string(body)
+}
+
+var csrfRE = regexp.MustCompile(`name="csrf" value="([^"]+)"`)
+
+// csrf reads the form token of a page (and gets the cookie it belongs to).
+func (b *bundle) csrf(t *testing.T) string {
+	t.Helper()
+	m := csrfRE.FindStringSubmatch(b.page(t, "dead-letters"))
+	require.NotNil(t, m, "the page has a CSRF field")
+	return html.UnescapeString(m[1])
+}
+
+var rowsRE = regexp.MustCompile(`id="confirm-rows">([^<]+)<`)
+
+// act posts an action to confirm, checks the number of rows it announces,
+// posts the confirmation and returns the page it redirects to.
+func (b *bundle) act(t *testing.T, form url.Values, rows int) string {
+	t.Helper()
+	form.Set("csrf", b.csrf(t))
+	resp, body := b.post(t, "confirm", form)
+	require.Equal(t, http.StatusOK, resp.StatusCode, body)
+	m := rowsRE.FindStringSubmatch(body)
+	require.NotNil(t, m, body)
+	require.Equal(t, fmt.Sprint(rows), strings.ReplaceAll(m[1], "\u202f", ""), "the confirmation counts the rows")
+	// The confirmation page's own form, as a browser would post it.
+	fields := url.Values{}
+	for _, f := range regexp.MustCompile(`<input type="hidden" name="([^"]+)" value="([^"]*)">`).FindAllStringSubmatch(body, -1) {
+		fields.Add(html.UnescapeString(f[1]), html.UnescapeString(f[2]))
+	}
+	resp, body = b.post(t, "do", fields)
+	require.Equal(t, http.StatusSeeOther, resp.StatusCode, body)
+	loc := resp.Header.Get("Location")
+	require.True(t, strings.HasPrefix(loc, "/ops/outbox/"), loc)
+	return b.page(t, strings.TrimPrefix(loc, "/ops/outbox/"))
+}
+
+func (b *bundle) exec() tx.Executor { return b.env.Exec() }
+
+// deadLetters inserts n dead letters of topic and group.
+func (b *bundle) deadLetters(t *testing.T, topic, group, reason string, n int, lastError string) {
+	t.Helper()
+	_, err := b.env.Pool.Exec(context.Background(), fmt.Sprintf(`
+INSERT INTO %[1]s.%[2]s (id, topic, consumer_group, uuid, payload, metadata, created_at, deliveries, last_error, failure_reason, failed_at)
+SELECT (SELECT coalesce(max(id), 999) FROM %[1]s.%[2]s) + g, $1, $2, gen_random_uuid()::text, convert_to('{"n": ' || g || '}', 'UTF8'), '{}', now(), 5, $4, $3, now() - g * interval '1 minute'
+  FROM generate_series(1, $5::int) g`, b.env.Schema, b.env.Tables.DeadLetterTable), topic, group, reason, lastError, n)
+	require.NoError(t, err)
+}
+
+func (b *bundle) dlqCount(t *testing.T) int {
+	t.Helper()
+	var n int
+	require.NoError(t, b.env.Pool.QueryRow(context.Background(), fmt.Sprintf(`SELECT count(*) FROM %s.%s`, b.env.Schema, b.env.Tables.DeadLetterTable)).Scan(&n))
+	return n
+}
+
+func publish(t *testing.T, b *bundle, topic string, msgs ...*message.Message) {
+	t.Helper()
+	require.NoError(t, b.env.Publisher.Publish(topic, msgs...))
+}
+
+func msg(payload string) *message.Message {
+	return message.NewMessage(watermill.NewUUID(), []byte(payload))
+}
+
+// The overview lists every topic and group with its counts from the
+// sampler, marks a group with rows and no binding, and a paused group.
+func TestOverview(t *testing.T) {
+	t.Parallel()
+	b := setup(t, false)
+	ctx := context.Background()
+	require.NoError(t, pgoutbox.Bind(ctx, b.exec(), b.env.Tables, "orders", "billing"))
+	require.NoError(t, pgoutbox.Bind(ctx, b.exec(), b.env.Tables, "orders", "old"))
+	publish(t, b, "orders", msg("1"), msg("2"), msg("3"))
+	_, err := pgoutbox.Unbind(ctx, b.exec(), b.env.Tables, "orders", "old", false) // its 3 rows are stranded
+	require.NoError(t, err)
+	publish(t, b, "unbound", msg("x")) // nobody bound the topic: the default group's row waits
+	require.NoError(t, pgoutbox.PauseGroup(ctx, b.exec(), b.env.Tables, "orders", "billing"))
+
+	var body string
+	require.Eventually(t, func() bool {
+		body = b.page(t, "")
+		return strings.Contains(body, `data-topic="unbound"`) && strings.Contains(body, "paused")
+	}, 10*time.Second, 50*time.Millisecond)
+	row := regexp.MustCompile(`(?s)<tr class="([^"]*)" data-topic="orders" data-group="billing">(.*?)</tr>`).FindStringSubmatch(body)
+	require.NotNil(t, row, body)
+	require.Contains(t, row[1], "paused")
+	require.Contains(t, row[2], `<td class="n ready">3</td>`)
+	stranded := regexp.MustCompile(`(?s)<tr class="([^"]*)" data-topic="orders" data-group="old">`).FindStringSubmatch(body)
+	require.NotNil(t, stranded)
+	require.Contains(t, stranded[1], "stranded")
+	require.Contains(t, body, `<strong>1</strong> group holds rows without a binding`)
+	waiting := regexp.MustCompile(`(?s)<tr class="([^"]*)" data-topic="unbound" data-group="">(.*?)</tr>`).FindStringSubmatch(body)
+	require.NotNil(t, waiting)
+	require.NotContains(t, waiting[1], "stranded")
+	require.Contains(t, waiting[2], "no subscriber yet")
+	require.Contains(t, body, "<svg", "charts are inline SVG")
+
+	// Counts follow publishing, from the next sample.
+	publish(t, b, "orders", msg("4"))
+	require.Eventually(t, func() bool {
+		return strings.Contains(b.page(t, ""), `<td class="n ready">4</td>`)
+	}, 10*time.Second, 50*time.Millisecond)
+}
+
+// Read-only (the default): no form, no token, and every POST is refused
+// with 403 without touching anything.
+func TestReadOnly(t *testing.T) {
+	t.Parallel()
+	b := setup(t, false)
+	b.deadLetters(t, "t", "", "rejected", 2, "boom")
+	for _, p := range []string{"", "dead-letters", "group?topic=t&group=", "dead-letter?id=1000"} {
+		body := b.page(t, p)
+		require.NotContains(t, body, `method="post"`, p)
+		require.NotContains(t, body, `name="csrf"`, p)
+		require.Contains(t, body, "read-only", p)
+	}
+	for _, action := range []url.Values{
+		{"action": {"requeue"}, "id": {"1000"}}, {"action": {"delete"}, "id": {"1000"}},
+		{"action": {"purge"}, "older_than": {"0s"}}, {"action": {"pause"}, "topic": {"t"}, "group": {""}},
+	} {
+		for _, step := range []string{"confirm", "do"} {
+			resp, body := b.post(t, step, action)
+			require.Equal(t, http.StatusForbidden, resp.StatusCode, body)
+			require.Contains(t, body, "read-only")
+		}
+	}
+	require.Equal(t, 2, b.dlqCount(t))
+	paused, err := pgoutbox.PausedGroups(context.Background(), b.exec(), b.env.Tables, "")
+	require.NoError(t, err)
+	require.Empty(t, paused)
+}
+
+// A write without the CSRF token, with a forged one, without the cookie
+// it belongs to, or from another site is refused; nothing changes.
+func TestCSRFRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t, true)
+	b.deadLetters(t, "t", "", "rejected", 1, "boom")
+	token := b.csrf(t)
+	form := func(tok string) url.Values { return url.Values{"action": {"delete"}, "id": {"1000"}, "csrf": {tok}} }
+	nonce, _, _ := strings.Cut(token, ".")
+	for name, f := range map[string]url.Values{
+		"no token":    {"action": {"delete"}, "id": {"1000"}},
+		"forged":      form(nonce + ".00ff"),
+		"other nonce": form(strings.Repeat("ab", 16) + "." + strings.Split(token, ".")[1]),
+		"empty":       form(""),
+	} {
+		for _, step := range []string{"confirm", "do"} {
+			resp, body := b.post(t, step, f)
+			require.Equal(t, http.StatusForbidden, resp.StatusCode, "%s, %s: %s", name, step, body)
+			require.Contains(t, body, "refused", name)
+		}
+	}
+	// The right token without its cookie (another browser).
+	resp, err := http.PostForm(b.base+"do", form(token))
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusForbidden, resp.StatusCode)
+	// The right token and cookie, posted from another site.
+	req, err := http.NewRequest(http.MethodPost, b.base+"do", strings.NewReader(form(token).Encode()))
+	require.NoError(t, err)
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.Header.Set("Origin", "https://evil.example")
+	resp, err = b.client.Do(req)
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusForbidden, resp.StatusCode)
+	require.Equal(t, 1, b.dlqCount(t), "nothing was deleted")
+	// A GET cannot act.
+	code, _ := b.get(t, "do?action=delete&id=1000&csrf="+url.QueryEscape(token))
+	require.Equal(t, http.StatusMethodNotAllowed, code)
+	require.Equal(t, 1, b.dlqCount(t))
+}
+
+// Requeue one dead letter from its page, then selected ones, then every
+// one matching a filter: each confirmation counts the rows, the rows move
+// back into the outbox, and the page says how many moved.
+func TestRequeue(t *testing.T) {
+	t.Parallel()
+	b := setup(t, true)
+	b.deadLetters(t, "orders", "billing", "rejected", 3, "boom")        // 1000..1002
+	b.deadLetters(t, "orders", "billing", "retry_exhausted", 4, "slow") // 1003..1006
+	b.deadLetters(t, "other", "", "rejected", 2, "x")                   // 1007..1008
+
+	one := b.page(t, "dead-letter?id=1000")
+	require.Contains(t, one, `id="requeue-one"`)
+	done := b.act(t, url.Values{"action": {"requeue"}, "id": {"1000"}, "return": {"/ops/outbox/dead-letter?id=1000"}}, 1)
+	require.Contains(t, done, "Requeued 1 dead letter.")
+	require.Equal(t, 8, b.dlqCount(t))
+
+	done = b.act(t, url.Values{"action": {"requeue"}, "id": {"1001", "1002", "999999"}, "return": {"/ops/outbox/dead-letters"}}, 2)
+	require.Contains(t, done, "Requeued 2 dead letters.")
+
+	done = b.act(t, url.Values{"action": {"requeue-matching"}, "topic": {"orders"}, "gmode": {"is"}, "group": {"billing"},
+		"reason": {"retry_exhausted"}, "return": {"/ops/outbox/dead-letters?topic=orders"}}, 4)
+	require.Contains(t, done, "Requeued 4 dead letters.")
+	require.Equal(t, 2, b.dlqCount(t), "the other topic's stay")
+
+	s, err := pgoutbox.Stats(context.Background(), b.exec(), b.env.Tables, pgoutbox.StatsForGroup("orders", "billing"))
+	require.NoError(t, err)
+	require.EqualValues(t, 7, s[0].Ready)
+}
+
+// Delete one dead letter, then purge those older than an age.
+func TestDeleteAndPurge(t *testing.T) {
+	t.Parallel()
+	b := setup(t, true)
+	b.deadLetters(t, "t", "", "rejected", 10, "boom") // failed 1..10 minutes ago
+	done := b.act(t, url.Values{"action": {"delete"}, "id": {"1000"}, "return": {"/ops/outbox/dead-letter?id=1000"}}, 1)
+	require.Contains(t, done, "Deleted 1 dead letter.")
+	require.Equal(t, 9, b.dlqCount(t))
+	code, _ := b.get(t, "dead-letter?id=1000")
+	require.Equal(t, http.StatusNotFound, code)
+
+	done = b.act(t, url.Values{"action": {"purge"}, "older_than": {"5m30s"}, "return": {"/ops/outbox/dead-letters"}}, 5)
+	require.Contains(t, done, "Purged 5 dead letters.")
+	require.Equal(t, 4, b.dlqCount(t))
+}
+
+// Pause and resume a group from its page; the confirmation counts the
+// rows that will wait.
+func TestPauseResume(t *testing.T) {
+	t.Parallel()
+	b := setup(t, true)
+	ctx := context.Background()
+	require.NoError(t, pgoutbox.Bind(ctx, b.exec(), b.env.Tables, "orders", "billing"))
+	publish(t, b, "orders", msg("1"), msg("2"))
+	page := b.page(t, "group?topic=orders&group=billing")
+	require.Contains(t, page, `id="pause-button"`)
+	done := b.act(t, url.Values{"action": {"pause"}, "topic": {"orders"}, "group": {"billing"}, "return": {"/ops/outbox/group?topic=orders&group=billing"}}, 2)
+	require.Contains(t, done, `id="paused-badge"`)
+	require.Contains(t, done, `id="resume-button"`)
+	paused, err := pgoutbox.PausedGroups(ctx, b.exec(), b.env.Tables, "orders")
+	require.NoError(t, err)
+	require.Len(t, paused, 1)
+
+	done = b.act(t, url.Values{"action": {"resume"}, "topic": {"orders"}, "group": {"billing"}, "return": {"/ops/outbox/group?topic=orders&group=billing"}}, 2)
+	require.Contains(t, done, "Resumed group billing")
+	require.NotContains(t, done, `id="paused-badge"`)
+	paused, err = pgoutbox.PausedGroups(ctx, b.exec(), b.env.Tables, "orders")
+	require.NoError(t, err)
+	require.Empty(t, paused)
+}
+
+// Topic, group, payload, metadata and error shaped like HTML and script
+// come out escaped on every page: nothing of them is markup.
+func TestEscaping(t *testing.T) {
+	t.Parallel()
+	b := setup(t, true)
+	ctx := context.Background()
+	evil := `<script>alert("x")</script><img src=x onerror=alert(1)>`
+	topic, group := "t"+evil, "g"+evil
+	require.NoError(t, pgoutbox.Bind(ctx, b.exec(), b.env.Tables, topic, group))
+	m := msg(evil)
+	m.Metadata.Set(evil, evil)
+	pgoutbox.WithOrderingKey(m, evil)
+	publish(t, b, topic, m)
+	_, err := b.env.Pool.Exec(ctx, fmt.Sprintf(`UPDATE %s.%s SET last_error = $1, deliveries = 5`, b.env.Schema, b.env.Tables.Table), evil)
+	require.NoError(t, err)
+	b.deadLetters(t, topic, group, evil, 1, evil)
+	_, err = b.env.Pool.Exec(ctx, fmt.Sprintf(`UPDATE %s.%s SET metadata = jsonb_build_object($1::text, $1::text)`, b.env.Schema, b.env.Tables.DeadLetterTable), evil)
+	require.NoError(t, err)
+
+	groupPath := "group?" + url.Values{"topic": {topic}, "group": {group}}.Encode()
+	var overview string
+	require.Eventually(t, func() bool {
+		overview = b.page(t, "")
+		return strings.Contains(overview, "data-topic=")
+	}, 10*time.Second, 50*time.Millisecond)
+	pages := map[string]string{"overview": overview, "group": b.page(t, groupPath),
+		"dead letters": b.page(t, "dead-letters"), "dead letter": b.page(t, "dead-letter?id=1000"),
+		"dead letters filtered": b.page(t, "dead-letters?"+url.Values{"topic": {topic}, "reason": {evil}}.Encode())}
+	form := url.Values{"action": {"pause"}, "topic": {topic}, "group": {group}, "csrf": {b.csrf(t)}}
+	resp, confirm := b.post(t, "confirm", form)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	pages["confirm"] = confirm
+	code, errPage := b.get(t, "dead-letter?id="+url.QueryEscape(evil))
+	require.Equal(t, http.StatusBadRequest, code)
+	pages["error"] = errPage
+	for name, body := range pages {
+		require.NotContains(t, body, "<script>alert", name)
+		require.NotContains(t, body, "<img src=x", name)
+		require.NotContains(t, body, "onerror=alert(1)>", name)
+		// The one script is the page's own.
+		require.Equal(t, 1, strings.Count(body, "<script"), name)
+	}
+	require.Contains(t, pages["group"], "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;", "the payload is shown, escaped")
+	require.Contains(t, pages["dead letter"], "&lt;img src=x onerror=alert(1)&gt;", "the error is shown, escaped")
+	require.Contains(t, overview, "t&lt;script&gt;")
+	resp, err = b.client.Get(b.base)
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Contains(t, resp.Header.Get("Content-Security-Policy"), "script-src 'self'", "no inline script would run anyway")
+}
+
+// The group page shows pending messages with their fields, payloads by
+// kind, and an ordering key blocked by a head delivered many times.
+func TestGroupPage(t *testing.T) {
+	t.Parallel()
+	b := setup(t, false)
+	ctx := context.Background()
+	head := msg(`{"a":1,"b":[1,2]}`)
+	pgoutbox.WithOrderingKey(head, "customer-7")
+	behind := msg("second")
+	pgoutbox.WithOrderingKey(behind, "customer-7")
+	bin := message.NewMessage(watermill.NewUUID(), []byte{0, 1, 2, 0xff})
+	publish(t, b, "t", head, behind, bin)
+	_, err := b.env.Pool.Exec(ctx, fmt.Sprintf(`UPDATE %s.%s SET deliveries = 6, last_error = 'card declined' WHERE uuid = $1`, b.env.Schema, b.env.Tables.Table), head.UUID)
+	require.NoError(t, err)
+
+	body := b.page(t, "group?topic=t&group=")
+	require.Contains(t, body, "customer-7")
+	require.Contains(t, body, "card declined")
+	require.Contains(t, body, "{\n  &#34;a&#34;: 1,", "JSON is pretty-printed")
+	require.Contains(t, body, "00000000  00 01 02 ff", "binary is shown as hex")
+	require.Contains(t, body, "AAEC/w==", "and base64")
+	blocked := regexp.MustCompile(`(?s)<table class="list" id="blocked">.*?</table>`).FindString(body)
+	require.Contains(t, blocked, "customer-7")
+	require.Contains(t, blocked, `<td class="n">6</td>`)
+	require.Contains(t, blocked, `<td class="n">1</td>`, "one row waits behind the head")
+}
+
+// Dead letters come in keyset pages of 50 and filter by reason and group.
+func TestDeadLetterPages(t *testing.T) {
+	t.Parallel()
+	b := setup(t, false)
+	b.deadLetters(t, "t", "a", "rejected", 60, "boom")
+	b.deadLetters(t, "t", "b", "poisoned", 3, "bad")
+	first := b.page(t, "dead-letters?topic=t&gmode=is&group=a")
+	require.Equal(t, 50, strings.Count(first, `class="dl-link"`))
+	next := regexp.MustCompile(`<a href="/ops/outbox/([^"]+)" id="next-page">`).FindStringSubmatch(first)
+	require.NotNil(t, next)
+	second := b.page(t, html.UnescapeString(next[1]))
+	require.Equal(t, 10, strings.Count(second, `class="dl-link"`))
+	require.NotContains(t, second, `id="next-page"`)
+	poisoned := b.page(t, "dead-letters?reason=poisoned")
+	require.Equal(t, 3, strings.Count(poisoned, `class="dl-link"`))
+	code, _ := b.get(t, "dead-letters?after=yesterday")
+	require.Equal(t, http.StatusBadRequest, code)
+}

@@ -17,6 +17,7 @@
 //	peek                        the next messages of a topic and group
 //	publish                     publish one message (manual testing)
 //	bind|unbind                 bind a consumer group to a topic, or unbind it
+//	move                        move a group's waiting messages into another group
 //
 // Every command takes the connection and table flags: --dsn (else
 // PGOUTBOX_DSN, else POSTGRES_DSN), --schema (PGOUTBOX_SCHEMA), --table
@@ -25,7 +26,7 @@
 // "pgoutbox <command> --help" shows a command's flags and examples.
 //
 // Commands that delete or move messages (dlq requeue, dlq purge, unbind
-// --purge) ask for confirmation when stdin is a terminal; --yes skips the
+// --purge, move) ask for confirmation when stdin is a terminal; --yes skips the
 // question. Without a terminal they refuse to run unless --yes is given.
 //
 // Exit codes:
@@ -73,6 +74,7 @@ Commands:
   peek                         the next messages a topic and group will deliver
   publish                      publish one message (manual testing)
   bind | unbind                bind a consumer group to a topic, or unbind it
+  move                         move a group's waiting messages into another group
 
 Connection and tables (every command):
   --dsn        PostgreSQL DSN (else $PGOUTBOX_DSN, else $POSTGRES_DSN)
@@ -189,6 +191,8 @@ func (c *cli) dispatch(args []string) error {
 		return c.bindCmd(rest)
 	case "unbind":
 		return c.unbindCmd(rest)
+	case "move":
+		return c.moveCmd(rest)
 	}
-	return usagef("", "unknown command %q; the commands are schema, stats, dlq, peek, publish, bind, unbind", cmd)
+	return usagef("", "unknown command %q; the commands are schema, stats, dlq, peek, publish, bind, unbind, move", cmd)
 }

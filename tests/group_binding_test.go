@@ -7,10 +7,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/cqrs"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/cqrsbind"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/relay"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -219,4 +224,125 @@ func TestUnbindDefaultGroupAndMoveGroup(t *testing.T) {
 	require.NoError(t, err, "empty now")
 	_, err = pgoutbox.MoveGroup(ctx, exec, b.tables, "t", "b", "b")
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidGroup)
+}
+
+type bookRoom struct {
+	Room string `json:"room"`
+}
+
+type roomBooked struct {
+	Room string `json:"room"`
+}
+
+// cqrsConfigs are the CQRS processor configurations of the tests: topic
+// per command or event name, one pgoutbox subscriber per handler whose
+// group is the handler name.
+func (b *bundle) cqrsConfigs() (cqrs.CommandProcessorConfig, cqrs.EventProcessorConfig) {
+	sub := func(handler string) (message.Subscriber, error) {
+		return pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
+			Tables: b.tables, ConsumerGroup: handler, MinPollInterval: 20 * time.Millisecond, MaxPollInterval: time.Second,
+		}, nil)
+	}
+	marshaler := cqrs.JSONMarshaler{}
+	return cqrs.CommandProcessorConfig{
+			GenerateSubscribeTopic: func(p cqrs.CommandProcessorGenerateSubscribeTopicParams) (string, error) {
+				return "commands." + p.CommandName, nil
+			},
+			SubscriberConstructor: func(p cqrs.CommandProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+				return sub(p.HandlerName)
+			},
+			Marshaler: marshaler,
+		}, cqrs.EventProcessorConfig{
+			GenerateSubscribeTopic: func(p cqrs.EventProcessorGenerateSubscribeTopicParams) (string, error) {
+				return "events." + p.EventName, nil
+			},
+			SubscriberConstructor: func(p cqrs.EventProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+				return sub(p.HandlerName)
+			},
+			Marshaler: marshaler,
+		}
+}
+
+// Story 2: commands the API sends before the worker's first deploy are
+// handled when the worker starts (its command handler's group is the
+// first to bind the command topic).
+func TestCQRSCommandsSentBeforeTheWorkersFirstDeployAreHandled(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
+	ctx := context.Background()
+	commandsCfg, _ := b.cqrsConfigs()
+	bus, err := cqrs.NewCommandBusWithConfig(b.poolPublisher(t), cqrs.CommandBusConfig{
+		GeneratePublishTopic: func(p cqrs.CommandBusGeneratePublishTopicParams) (string, error) { return "commands." + p.CommandName, nil },
+		Marshaler:            commandsCfg.Marshaler,
+	})
+	require.NoError(t, err)
+	for i := range 3 {
+		require.NoError(t, bus.Send(ctx, &bookRoom{Room: fmt.Sprint(100 + i)}))
+	}
+
+	// The worker's first deploy.
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	commands, err := cqrs.NewCommandProcessorWithConfig(r, commandsCfg)
+	require.NoError(t, err)
+	handled := newHandledSet()
+	require.NoError(t, commands.AddHandlers(cqrs.NewCommandHandler("book_room", func(ctx context.Context, c *bookRoom) error {
+		handled.add(c.Room)
+		return nil
+	})))
+	startRouter(t, r)
+	pollUntil(t, "the three early commands handled", 20*time.Second, nil, func() bool { return handled.distinct() == 3 })
+	pollUntil(t, "nothing left", 10*time.Second, nil, func() bool { return b.outboxRows(t, "commands.tests.bookRoom") == 0 })
+}
+
+// cqrsbind binds every handler group of a processor ahead of traffic
+// (a deploy step): events published before (unbound) and after it reach
+// every handler, although no router ran yet.
+func TestCQRSBindAheadOfTraffic(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
+	ctx := context.Background()
+	commandsCfg, eventsCfg := b.cqrsConfigs()
+	bus, err := cqrs.NewEventBusWithConfig(b.poolPublisher(t), cqrs.EventBusConfig{
+		GeneratePublishTopic: func(p cqrs.GenerateEventPublishTopicParams) (string, error) { return "events." + p.EventName, nil },
+		Marshaler:            eventsCfg.Marshaler,
+	})
+	require.NoError(t, err)
+	require.NoError(t, bus.Publish(ctx, &roomBooked{Room: "early-1"}))
+	require.NoError(t, bus.Publish(ctx, &roomBooked{Room: "early-2"}))
+
+	counts := map[string]*handledSet{}
+	var handlers []cqrs.EventHandler
+	for _, name := range []string{"invoice", "notification", "statistics"} {
+		counts[name] = newHandledSet()
+		handlers = append(handlers, cqrs.NewEventHandler(name, func(ctx context.Context, e *roomBooked) error {
+			counts[name].add(e.Room)
+			return nil
+		}))
+	}
+	commandHandlers := []cqrs.CommandHandler{cqrs.NewCommandHandler("book_room", func(ctx context.Context, c *bookRoom) error { return nil })}
+	// The deploy step: no router, no subscription.
+	require.NoError(t, cqrsbind.Events(ctx, eventsCfg, handlers))
+	require.NoError(t, cqrsbind.Commands(ctx, commandsCfg, commandHandlers))
+	require.Equal(t, 4, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings`), "three event groups and one command group")
+	for i := range 3 {
+		require.NoError(t, bus.Publish(ctx, &roomBooked{Room: fmt.Sprint("later-", i)}))
+	}
+
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	events, err := cqrs.NewEventProcessorWithConfig(r, eventsCfg)
+	require.NoError(t, err)
+	require.NoError(t, events.AddHandlers(handlers...))
+	startRouter(t, r)
+	for name, seen := range counts {
+		pollUntil(t, name+" saw all five events", 20*time.Second, nil, func() bool { return seen.distinct() == 5 })
+	}
+
+	// A subscriber behind a decorator cannot be read: said so.
+	bad := eventsCfg
+	bad.SubscriberConstructor = func(p cqrs.EventProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+		return gochannel.NewGoChannel(gochannel.Config{}, nil), nil
+	}
+	require.ErrorContains(t, cqrsbind.Events(ctx, bad, handlers), "not a *pgoutbox.Subscriber")
 }

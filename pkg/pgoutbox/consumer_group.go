@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 	"unicode"
@@ -417,4 +418,44 @@ func groupQueries(exec tx.Executor, tables schema.Config, topic, group string) (
 		return nil, err
 	}
 	return queriesForTables(tables, false)
+}
+
+// BindSubscribers binds the consumer groups of subs to topic as their
+// Subscribe would, all in one BindGroups call per outbox and StartFrom:
+// when the topic had no binding, every one of them is among its first
+// groups and gets what was published before. Helpers that bind the
+// handlers of a processor ahead of traffic use it (package cqrsbind).
+func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) error {
+	if err := checkTopic(topic); err != nil {
+		return err
+	}
+	type key struct {
+		s    *Subscriber // the first of its set: pool, queries and timeout
+		from StartFrom
+	}
+	var order []key
+	sets := map[key][]string{}
+	for _, s := range subs {
+		if s == nil {
+			return fmt.Errorf("%w: a nil *Subscriber to bind to topic %q", ErrInvalidConfig, topic)
+		}
+		k := key{s, s.cfg.StartFrom}
+		for _, o := range order {
+			if o.s.pool == s.pool && o.s.q == s.q && o.from == s.cfg.StartFrom {
+				k = o
+			}
+		}
+		if _, ok := sets[k]; !ok {
+			order = append(order, k)
+		}
+		if !slices.Contains(sets[k], s.cfg.ConsumerGroup) {
+			sets[k] = append(sets[k], s.cfg.ConsumerGroup)
+		}
+	}
+	for _, k := range order {
+		if _, err := bindGroups(ctx, tx.FromPgxPool(k.s.pool), k.s.q, topic, sets[k], k.from, k.s.cfg.StatementTimeout); err != nil {
+			return fmt.Errorf("pgoutbox: bind groups %q to topic %q: %w", sets[k], topic, err)
+		}
+	}
+	return nil
 }

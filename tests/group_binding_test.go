@@ -272,8 +272,10 @@ func TestCQRSCommandsSentBeforeTheWorkersFirstDeployAreHandled(t *testing.T) {
 	ctx := context.Background()
 	commandsCfg, _ := b.cqrsConfigs()
 	bus, err := cqrs.NewCommandBusWithConfig(b.poolPublisher(t), cqrs.CommandBusConfig{
-		GeneratePublishTopic: func(p cqrs.CommandBusGeneratePublishTopicParams) (string, error) { return "commands." + p.CommandName, nil },
-		Marshaler:            commandsCfg.Marshaler,
+		GeneratePublishTopic: func(p cqrs.CommandBusGeneratePublishTopicParams) (string, error) {
+			return "commands." + p.CommandName, nil
+		},
+		Marshaler: commandsCfg.Marshaler,
 	})
 	require.NoError(t, err)
 	for i := range 3 {

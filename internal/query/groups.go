@@ -86,12 +86,31 @@ const WritersLeft = `SELECT count(*) FROM pg_catalog.pg_locks
 // (topic, consumer_group); SKIP LOCKED never waits for a claimer. The
 // caller holds TopicLock, so batches of concurrent binders do not
 // interleave.
-func AdoptUnbound(n Names) string {
+//
+// With copies false, the statement has no INSERT (a subscriber role may
+// lack the privilege) and moves rows only while exactly one group is
+// bound; its third column is then the number of groups bound, so that the
+// caller switches to the statement with copies when there are more.
+func AdoptUnbound(n Names, copies bool) string {
+	one, copiesCTE, third := " AND count(*) = 1", "", "(SELECT count(*) FROM bound)"
+	if copies {
+		one, third = "", "(SELECT count(*) FROM copies)"
+		copiesCTE = fmt.Sprintf(`), copies AS (
+    INSERT INTO %[1]s (topic, consumer_group, uuid, payload, metadata, created_at, available_at, deliveries,
+                       dedup_key, last_error, failure_reason, ordering_key)
+    SELECT $1, b.consumer_group, m.uuid, m.payload, m.metadata, m.created_at, m.available_at, m.deliveries,
+           m.dedup_key, m.last_error, m.failure_reason, m.ordering_key
+      FROM moved m CROSS JOIN bound b
+     WHERE b.consumer_group <> (SELECT g FROM target)
+     ORDER BY m.id, b.consumer_group
+        ON CONFLICT (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+    RETURNING 1`, n.QTable)
+	}
 	return fmt.Sprintf(`WITH bound AS (
     SELECT consumer_group, backlog_next FROM %[1]s WHERE topic = $1
 ), target AS (
     SELECT min(consumer_group) AS g FROM bound
-     HAVING count(*) > 0 AND NOT bool_or(consumer_group = '') AND NOT bool_or(backlog_next IS NOT NULL)
+     HAVING count(*) > 0 AND NOT bool_or(consumer_group = '') AND NOT bool_or(backlog_next IS NOT NULL)%[3]s
 ), unleased AS (
     SELECT id FROM %[2]s o
      WHERE topic = $1 AND consumer_group = '' AND lease_token IS NULL AND EXISTS (SELECT 1 FROM target)
@@ -114,20 +133,11 @@ func AdoptUnbound(n Names) string {
      WHERE o.id = ANY (ARRAY(SELECT id FROM unleased UNION ALL SELECT id FROM expired))
     RETURNING o.id, o.uuid, o.payload, o.metadata, o.created_at, o.available_at, o.deliveries,
               o.dedup_key, o.last_error, o.failure_reason, o.ordering_key
-), copies AS (
-    INSERT INTO %[2]s (topic, consumer_group, uuid, payload, metadata, created_at, available_at, deliveries,
-                       dedup_key, last_error, failure_reason, ordering_key)
-    SELECT $1, b.consumer_group, m.uuid, m.payload, m.metadata, m.created_at, m.available_at, m.deliveries,
-           m.dedup_key, m.last_error, m.failure_reason, m.ordering_key
-      FROM moved m CROSS JOIN bound b
-     WHERE b.consumer_group <> (SELECT g FROM target)
-     ORDER BY m.id, b.consumer_group
-        ON CONFLICT (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
-    RETURNING 1
+%[4]s
 ), woken AS (
     SELECT pg_notify($3, $1) WHERE EXISTS (SELECT 1 FROM moved)
 )
-SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM copies), (SELECT count(*) FROM woken)`, n.QBindings, n.QTable)
+SELECT (SELECT count(*) FROM moved), %[5]s, (SELECT count(*) FROM woken)`, n.QBindings, n.QTable, one, copiesCTE, third)
 }
 
 // SetBacklogEnd fixes the end of the backlog copies of the groups $2 of

@@ -226,20 +226,27 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 			res.Copied += copied
 		}
 	}
+	// One group bound (the common case: a relay, a command handler) takes
+	// the rows without an INSERT, which a subscriber's role may not hold.
+	copies := false
 	for {
-		var moved, copies, woken int64
+		var moved, third, woken int64
 		err := stmt(func(ctx context.Context) error {
 			return tx.RunInTx(ctx, exec, func(e tx.Executor) error {
 				if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
 					return err
 				}
-				return queryRow(ctx, e, query.AdoptUnbound(n), []any{topic, groupBatch, n.Channel}, &moved, &copies, &woken)
+				return queryRow(ctx, e, query.AdoptUnbound(n, copies), []any{topic, groupBatch, n.Channel}, &moved, &third, &woken)
 			})
 		})
 		if err != nil {
 			return res, fmt.Errorf("adopt the unbound messages: %w", err)
 		}
 		res.Adopted += moved
+		if !copies && third > 1 {
+			copies = true // several groups bound: each its copy
+			continue
+		}
 		if moved < groupBatch {
 			return res, nil
 		}

@@ -17,6 +17,7 @@ import (
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/cqrsbind"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/relay"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -347,4 +348,133 @@ func TestCQRSBindAheadOfTraffic(t *testing.T) {
 		return gochannel.NewGoChannel(gochannel.Config{}, nil), nil
 	}
 	require.ErrorContains(t, cqrsbind.Events(ctx, bad, handlers), "not a *pgoutbox.Subscriber")
+}
+
+// A group bound with StartFromBacklog gets a copy of every message the
+// topic holds, once, in batches: on a 200,000-row topic, cut short in the
+// middle and resumed by the next Bind, while messages keep being
+// published; afterwards it holds exactly the messages of the group that
+// was there before. A group bound later without the option gets none.
+func TestBindFromBacklogOnALargeTopic(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgoutboxtest.Options{MaxConns: 10})
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	const n = 200000
+	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "big", "a"))
+	b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload, available_at)
+		SELECT 'big', 'a', 'u' || g, '\x00', now() - interval '1 minute' FROM generate_series(1, 200000) g`)
+
+	stop := make(chan struct{})
+	published := make(chan int)
+	go func() {
+		pub, total := b.poolPublisher(t), 0
+		defer func() { published <- total }()
+		pace := time.NewTicker(5 * time.Millisecond) // a steady trickle, not a load test
+		defer pace.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-pace.C:
+			}
+			if err := pub.Publish("big", newMsgs(10)...); err != nil {
+				t.Error(err)
+				return
+			}
+			total += 10
+		}
+	}()
+
+	cutCtx, cut := context.WithCancel(ctx)
+	go func() {
+		pollUntil(t, "the copy under way", 30*time.Second, nil, func() bool {
+			return b.count(t, `SELECT coalesce(max(backlog_next), 0) FROM `+b.Schema+`.outbox_bindings WHERE consumer_group = 'b'`) > 0
+		})
+		cut()
+	}()
+	start := time.Now()
+	_, err := pgoutbox.BindGroups(cutCtx, exec, b.tables, "big", []string{"b"}, pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+	require.ErrorIs(t, err, context.Canceled, "cut short")
+	copiedBefore := b.groupRows(t, "big", "b")
+	require.Less(t, copiedBefore, n)
+
+	res, err := pgoutbox.BindGroups(ctx, exec, b.tables, "big", []string{"b"}, pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+	require.NoError(t, err)
+	took := time.Since(start)
+	require.Empty(t, res.New, "bound already: the copy resumed")
+	close(stop)
+	total := <-published
+	t.Logf("backlog copy of %d rows: %s (cut short after %d rows, resumed), %d messages published meanwhile", n, took.Round(time.Millisecond), copiedBefore, total)
+
+	require.Equal(t, n+total, b.groupRows(t, "big", "a"))
+	require.Equal(t, n+total, b.groupRows(t, "big", "b"), "every message once")
+	require.Equal(t, n+total, b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.outbox WHERE consumer_group = 'b'`))
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox a WHERE a.consumer_group = 'a'
+		AND NOT EXISTS (SELECT 1 FROM `+b.Schema+`.outbox c WHERE c.consumer_group = 'b' AND c.uuid = a.uuid)`))
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE backlog_next IS NOT NULL`), "done")
+
+	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "big", "c"))
+	require.Zero(t, b.groupRows(t, "big", "c"), "StartFromNew")
+}
+
+// An outbox of the previous release: topic "orders" has the default group
+// bound (the upgrade from the first release bound it) and "billing", each
+// with its copies; "commands" got two messages before its worker bound,
+// which that release left in "" for good; "fresh" has no binding. After
+// schema.Create, with subscribers of both releases running (a rolling
+// deploy), nothing is lost or duplicated: the stranded commands go to the
+// worker, the default group keeps its copies, and messages a binder of the
+// previous release left unbound go to the next binder of the new one.
+func TestUpgradeOfAnOutboxWithRowsInTheDefaultAndNamedGroups(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	b.exec(t, `ALTER TABLE %s.outbox_bindings DROP COLUMN backlog_next, DROP COLUMN backlog_bound, DROP COLUMN backlog_end`)
+	require.Error(t, schema.Validate(ctx, exec, b.tables), "the previous release's bindings table")
+	b.exec(t, `INSERT INTO %s.outbox_bindings (topic, consumer_group) VALUES ('orders', ''), ('orders', 'billing'), ('commands', 'worker')`)
+	b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload) VALUES
+		('orders', '', 'o1', ''), ('orders', 'billing', 'o1', ''), ('orders', '', 'o2', ''), ('orders', 'billing', 'o2', ''),
+		('commands', '', 'c1', ''), ('commands', '', 'c2', ''), ('commands', 'worker', 'c3', ''),
+		('fresh', '', 'f1', ''), ('fresh', '', 'f2', '')`)
+
+	require.NoError(t, schema.Create(ctx, exec, b.tables))
+	require.NoError(t, schema.Validate(ctx, exec, b.tables))
+	require.False(t, b.statsOf(t, "commands", "").Bound)
+	require.EqualValues(t, 2, b.statsOf(t, "commands", "").Unbound(), "Stats shows what the previous release stranded")
+
+	// A subscriber of the previous release binds as it did, adopting nothing.
+	b.exec(t, `INSERT INTO %s.outbox_bindings (topic, consumer_group) VALUES ('fresh', 'audit') ON CONFLICT DO NOTHING`)
+	require.EqualValues(t, 2, b.statsOf(t, "fresh", "").Unbound())
+
+	uuidsOf := func(ch <-chan *message.Message, n int) []string {
+		var got []string
+		for range n {
+			m := receive(t, ch, 10*time.Second)
+			got = append(got, m.UUID)
+			m.Ack()
+		}
+		requireNothing(t, ch, 200*time.Millisecond)
+		return got
+	}
+	worker, err := b.groupSubscriber(t, "worker", nil).Subscribe(ctx, "commands")
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"c1", "c2", "c3"}, uuidsOf(worker, 3), "the stranded commands reach the worker")
+	audit, err := b.groupSubscriber(t, "audit", nil).Subscribe(ctx, "fresh")
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"f1", "f2"}, uuidsOf(audit, 2), "the new release's binder adopts")
+	def, err := b.subscriber(t, nil).Subscribe(ctx, "orders")
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"o1", "o2"}, uuidsOf(def, 2), "the default group keeps its copies")
+	billing, err := b.groupSubscriber(t, "billing", nil).Subscribe(ctx, "orders")
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"o1", "o2"}, uuidsOf(billing, 2))
+
+	// Publishers of either release run the same statement: one copy per bound group.
+	m := newMsg("after")
+	b.publishInTx(t, "orders", true, m)
+	require.Equal(t, m.UUID, receive(t, def, 10*time.Second).UUID)
+	require.Equal(t, m.UUID, receive(t, billing, 10*time.Second).UUID)
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic IN ('commands', 'fresh')`))
 }

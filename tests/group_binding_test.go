@@ -478,3 +478,55 @@ func TestUpgradeOfAnOutboxWithRowsInTheDefaultAndNamedGroups(t *testing.T) {
 	require.Equal(t, m.UUID, receive(t, billing, 10*time.Second).UUID)
 	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic IN ('commands', 'fresh')`))
 }
+
+// SubscriberConfig.StartFrom: a subscriber whose Subscribe creates its
+// group's binding with StartFromBacklog gets what the topic's other group
+// holds; StartFromNew (the default) does not. An invalid value is refused.
+func TestSubscriberStartFrom(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "t", "old"))
+	waiting := newMsgs(3)
+	b.publishInTx(t, "t", true, waiting...)
+
+	fresh, err := b.groupSubscriber(t, "fresh", nil).Subscribe(ctx, "t")
+	require.NoError(t, err)
+	catchUp, err := b.groupSubscriber(t, "catch-up", func(c *pgoutbox.SubscriberConfig) { c.StartFrom = pgoutbox.StartFromBacklog }).Subscribe(ctx, "t")
+	require.NoError(t, err)
+	for i := range waiting {
+		got := receive(t, catchUp, 10*time.Second)
+		require.Equal(t, waiting[i].UUID, got.UUID, "the backlog in order")
+		got.Ack()
+	}
+	requireNothing(t, fresh, 200*time.Millisecond)
+	_, err = pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: b.tables, StartFrom: "earliest"}, nil)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.ErrorContains(t, err, `StartFrom is "earliest"`)
+	_, err = pgoutbox.BindGroups(ctx, tx.FromPgxPool(b.Pool), b.tables, "t", nil)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidGroup)
+}
+
+// Bind in the caller's transaction: the binding, the adoption and the
+// backlog copy commit or roll back with it.
+func TestBindInsideATransaction(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	b.publishInTx(t, "t", true, newMsgs(2)...)
+	for _, commit := range []bool{false, true} {
+		pgTx, err := b.Pool.Begin(ctx)
+		require.NoError(t, err)
+		res, err := pgoutbox.BindGroups(ctx, tx.FromPgxTx(pgTx), b.tables, "t", []string{"g"}, pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+		require.NoError(t, err)
+		require.EqualValues(t, 2, res.Adopted)
+		if !commit {
+			require.NoError(t, pgTx.Rollback(ctx))
+			require.EqualValues(t, 2, b.statsOf(t, "t", "").Unbound(), "rolled back: still unbound")
+			continue
+		}
+		require.NoError(t, pgTx.Commit(ctx))
+	}
+	require.Equal(t, 2, b.groupRows(t, "t", "g"))
+	require.True(t, b.statsOf(t, "t", "g").Bound)
+}

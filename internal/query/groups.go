@@ -91,7 +91,9 @@ const WritersLeft = `SELECT count(*) FROM pg_catalog.pg_locks
 //
 // Shape: the rows are found through the ready and lease indexes, led by
 // (topic, consumer_group), each branch ordered by its index so that the
-// planner scans it (see BindState); the UPDATE finds its rows by primary
+// planner scans it (see BindState), and the dedup-key probe repeats the
+// dedup index's predicate so that, hashed or not, it reads only keyed rows
+// (without it, a sequential scan of the group); the UPDATE finds its rows by primary
 // key (id = ANY(ARRAY(...)), as the claim does). SKIP LOCKED never waits
 // for a claimer. The
 // caller holds TopicLock, so batches of concurrent binders do not
@@ -126,7 +128,7 @@ func AdoptUnbound(n Names, copies bool) string {
      WHERE topic = $1 AND consumer_group = '' AND lease_token IS NULL AND EXISTS (SELECT 1 FROM target)
        AND (o.dedup_key IS NULL OR NOT EXISTS (
             SELECT 1 FROM %[2]s d WHERE d.topic = $1 AND d.consumer_group = (SELECT g FROM target)
-               AND d.dedup_key = o.dedup_key))
+               AND d.dedup_key = o.dedup_key AND d.dedup_key IS NOT NULL))
      ORDER BY available_at, id
      LIMIT $2 FOR UPDATE SKIP LOCKED
 ), expired AS (
@@ -135,7 +137,7 @@ func AdoptUnbound(n Names, copies bool) string {
        AND EXISTS (SELECT 1 FROM target)
        AND (o.dedup_key IS NULL OR NOT EXISTS (
             SELECT 1 FROM %[2]s d WHERE d.topic = $1 AND d.consumer_group = (SELECT g FROM target)
-               AND d.dedup_key = o.dedup_key))
+               AND d.dedup_key = o.dedup_key AND d.dedup_key IS NOT NULL))
      ORDER BY leased_until
      LIMIT (SELECT $2::int - count(*) FROM unleased) FOR UPDATE SKIP LOCKED
 ), moved AS (
@@ -236,14 +238,14 @@ func MoveGroup(n Names) string {
     SELECT id FROM %[1]s o
      WHERE topic = $1 AND consumer_group = $2 AND lease_token IS NULL
        AND (o.dedup_key IS NULL OR NOT EXISTS (
-            SELECT 1 FROM %[1]s d WHERE d.topic = $1 AND d.consumer_group = $3 AND d.dedup_key = o.dedup_key))
+            SELECT 1 FROM %[1]s d WHERE d.topic = $1 AND d.consumer_group = $3 AND d.dedup_key = o.dedup_key AND d.dedup_key IS NOT NULL))
      ORDER BY available_at, id
      LIMIT $4 FOR UPDATE SKIP LOCKED
 ), expired AS (
     SELECT id FROM %[1]s o
      WHERE topic = $1 AND consumer_group = $2 AND lease_token IS NOT NULL AND leased_until < now()
        AND (o.dedup_key IS NULL OR NOT EXISTS (
-            SELECT 1 FROM %[1]s d WHERE d.topic = $1 AND d.consumer_group = $3 AND d.dedup_key = o.dedup_key))
+            SELECT 1 FROM %[1]s d WHERE d.topic = $1 AND d.consumer_group = $3 AND d.dedup_key = o.dedup_key AND d.dedup_key IS NOT NULL))
      ORDER BY leased_until
      LIMIT (SELECT $4::int - count(*) FROM unleased) FOR UPDATE SKIP LOCKED
 ), moved AS (

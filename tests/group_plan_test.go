@@ -1,0 +1,67 @@
+package tests
+
+import (
+	"context"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+)
+
+// TestBindStatementsUseIndexes pins the plans of the binding statements on
+// a table large enough for the planner to care: topic and consumer group
+// are correlated, and the plans that looked fine on a small table read the
+// whole outbox per Bind (an unbound-row probe planned as a sequential scan)
+// or per backlog batch (the cursor as a filter instead of an index bound).
+// Neither plan may scan the outbox sequentially, custom or generic.
+func TestBindStatementsUseIndexes(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload)
+		SELECT CASE WHEN g % 2 = 0 THEN 'big' ELSE 'fresh' END, CASE WHEN g % 2 = 0 THEN 'a' ELSE '' END, g::text, '\x00'
+		  FROM generate_series(1, 100000) g`)
+	b.exec(t, `INSERT INTO %s.outbox_bindings (topic, consumer_group) VALUES ('big', 'a'), ('fresh', 'r')`)
+	b.exec(t, `INSERT INTO %s.outbox_bindings (topic, consumer_group, backlog_next, backlog_bound, backlog_end)
+		SELECT 'big', 'c', 50000, max(id), max(id) FROM %s.outbox`)
+	b.exec(t, `ANALYZE %s.outbox`)
+	names, err := query.NewNames(b.Schema, "outbox", "")
+	require.NoError(t, err)
+	conn, err := b.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	seq := regexp.MustCompile(`Seq Scan on outbox( |$)`)
+	for _, st := range []struct {
+		name, sql string
+		args      []any
+		want      []string
+	}{
+		{"bind state", query.BindState(names), []any{"big", []string{"a"}}, []string{names.ReadyIdx, names.LeaseIdx}},
+		{"backlog copy", query.CopyBacklog(names), []any{"big", "c", 5000, "[]", "ch"}, []string{"Index Cond: ((id > "}},
+		{"adopt", query.AdoptUnbound(names, false), []any{"fresh", 5000, "ch"}, []string{names.ReadyIdx, names.LeaseIdx}},
+		{"adopt with copies", query.AdoptUnbound(names, true), []any{"fresh", 5000, "ch"}, []string{names.ReadyIdx, names.LeaseIdx}},
+		{"move", query.MoveGroup(names), []any{"fresh", "", "x", 5000, "ch"}, []string{names.ReadyIdx, names.LeaseIdx}},
+	} {
+		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+			_, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode)
+			require.NoError(t, err)
+			rows, err := conn.Query(ctx, "EXPLAIN "+st.sql, st.args...)
+			require.NoError(t, err)
+			var plan []string
+			for rows.Next() {
+				var line string
+				require.NoError(t, rows.Scan(&line))
+				plan = append(plan, line)
+			}
+			require.NoError(t, rows.Err())
+			text := strings.Join(plan, "\n")
+			require.NotRegexp(t, seq, text, "%s (%s) must not scan the outbox sequentially:\n%s", st.name, mode, text)
+			for _, w := range st.want {
+				require.Contains(t, text, w, "%s (%s):\n%s", st.name, mode, text)
+			}
+		}
+	}
+}

@@ -28,12 +28,15 @@ const TopicLock = `SELECT pg_advisory_xact_lock(hashtextextended($1, 0))`
 // binding is new. With $3 set, a new binding records the start of its
 // backlog copy: backlog_next 0 (the copy's cursor) and backlog_bound, the
 // highest row id when it was bound (rows above it may have been fanned out
-// to the group already, see CopyBacklog).
+// to the group already, see CopyBacklog). Only when another group is
+// bound: a topic without one has no backlog, only unbound rows (adopted).
 func BindGroups(n Names) string {
-	return fmt.Sprintf(`WITH new AS (
+	return fmt.Sprintf(`WITH c AS (
+    SELECT $3::bool AND EXISTS (SELECT 1 FROM %[1]s WHERE topic = $1 AND consumer_group <> ALL ($2::text[])) AS copy
+), new AS (
     INSERT INTO %[1]s (topic, consumer_group, backlog_next, backlog_bound)
-    SELECT $1, g, CASE WHEN $3::bool THEN 0 END,
-           CASE WHEN $3::bool THEN (SELECT coalesce(max(id), 0) FROM %[2]s) END
+    SELECT $1, g, CASE WHEN (SELECT copy FROM c) THEN 0 END,
+           CASE WHEN (SELECT copy FROM c) THEN (SELECT coalesce(max(id), 0) FROM %[2]s) END
       FROM unnest($2::text[]) AS g
         ON CONFLICT DO NOTHING
     RETURNING consumer_group

@@ -2,13 +2,17 @@ package tests
 
 import (
 	"context"
+	"os"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // TestBindStatementsUseIndexes pins the plans of the binding statements on
@@ -64,4 +68,43 @@ func TestBindStatementsUseIndexes(t *testing.T) {
 			}
 		}
 	}
+}
+
+// TestMeasureBindOnAMillionRows measures, by hand, a backlog copy and an
+// adoption of 1,000,000 rows each, and a re-bind (what every Subscribe of
+// a bound group does) on the 3,000,000-row table they leave:
+//
+//	PGOUTBOX_MEASURE_BIND=1 go test -run TestMeasureBindOnAMillionRows -v ./tests/
+//
+// Skipped otherwise (a minute or two of a shared machine).
+func TestMeasureBindOnAMillionRows(t *testing.T) {
+	if os.Getenv("PGOUTBOX_MEASURE_BIND") == "" {
+		t.Skip("set PGOUTBOX_MEASURE_BIND=1 to measure")
+	}
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "big", "a"))
+	for _, row := range []string{`'big', 'a'`, `'fresh', ''`} {
+		b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload, metadata)
+			SELECT `+row+`, gen_random_uuid()::text, convert_to(repeat('x', 100), 'UTF8'), '{"k":"v"}'
+			  FROM generate_series(1, 1000000)`)
+	}
+	b.exec(t, `VACUUM ANALYZE %s.outbox`)
+
+	start := time.Now()
+	res, err := pgoutbox.BindGroups(ctx, exec, b.tables, "big", []string{"b"}, pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+	require.NoError(t, err)
+	require.EqualValues(t, 1000000, res.Copied)
+	t.Logf("backlog copy of 1,000,000 rows: %s", time.Since(start).Round(time.Millisecond))
+
+	start = time.Now()
+	res, err = pgoutbox.BindGroups(ctx, exec, b.tables, "fresh", []string{"relay"})
+	require.NoError(t, err)
+	require.EqualValues(t, 1000000, res.Adopted)
+	t.Logf("adoption of 1,000,000 unbound rows into one group: %s", time.Since(start).Round(time.Millisecond))
+
+	start = time.Now()
+	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "big", "a"))
+	t.Logf("re-bind of a bound group on 3,000,000 rows: %s", time.Since(start).Round(time.Microsecond))
 }

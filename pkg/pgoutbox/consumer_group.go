@@ -400,19 +400,8 @@ func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topi
 }
 
 // ConsumerGroup returns the consumer group the Subscriber consumes for ("" is
-// the default group): helpers that bind ahead of traffic (package cqrsbind)
-// read it.
+// the default group).
 func (s *Subscriber) ConsumerGroup() string { return s.cfg.ConsumerGroup }
-
-// BindTopic binds the Subscriber's consumer group to topic as Subscribe
-// does (with its StartFrom), without subscribing: from a deploy step, or
-// at start before traffic.
-func (s *Subscriber) BindTopic(ctx context.Context, topic string) error {
-	if err := checkTopic(topic); err != nil {
-		return err
-	}
-	return s.bind(ctx, topic)
-}
 
 func groupQueries(exec tx.Executor, tables schema.Config, topic, group string) (*query.Queries, error) {
 	if exec == nil {
@@ -460,6 +449,9 @@ func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) err
 		}
 	}
 	for _, k := range order {
+		if err := k.s.ensureSchema(ctx); err != nil { // as SubscribeInitialize does
+			return err
+		}
 		if _, err := bindGroups(ctx, tx.FromPgxPool(k.s.pool), k.s.q, topic, sets[k], k.from, k.s.cfg.StatementTimeout); err != nil {
 			return fmt.Errorf("pgoutbox: bind groups %q to topic %q: %w", sets[k], topic, err)
 		}

@@ -22,6 +22,7 @@
 //	pgoutbox_messages{topic,consumer_group,state}         gauge (ready, scheduled, leased, expired_lease, parked)
 //	pgoutbox_oldest_ready_age_seconds{topic,consumer_group} gauge
 //	pgoutbox_dead_letters{topic,consumer_group,reason}    gauge
+//	pgoutbox_unbound_messages{topic,consumer_group}       gauge (rows of a group not bound: nobody consumes them)
 //	pgoutbox_stats_errors_total                           counter (failed scrapes)
 //	pgoutbox_stats_duration_seconds                       gauge (the last Stats call)
 //	pgoutbox_publisher_messages_published_total{topic}

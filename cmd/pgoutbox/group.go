@@ -55,12 +55,15 @@ func (c *cli) bindCmd(args []string) error {
 			fmt.Fprintf(c.stdout, "%d message(s) published while nothing consumed the topic went to the groups bound now\n", res.Adopted)
 		}
 		for _, s := range before {
-			if s.Bound || s.Unbound() == 0 || s.ConsumerGroup == *group || s.ConsumerGroup == "" {
-				continue
+			if *group == "" && s.ConsumerGroup == "" && !s.Bound && s.Unbound() > 0 {
+				fmt.Fprintf(c.stdout, "%d message(s) published while nothing was bound stay in the default group, which is bound now\n", s.Unbound())
 			}
-			fmt.Fprintf(c.stdout, "warning: group %s is not bound to %q and holds %d message(s) nobody will consume; "+
-				"hand them on with: pgoutbox move --topic %s --from %s --to GROUP\n", groupName(s.ConsumerGroup), *topic, s.Unbound(), *topic, shellArg(s.ConsumerGroup))
 		}
+		after, err := pgoutbox.Stats(ctx, exec, tables, pgoutbox.StatsForTopic(*topic))
+		if err != nil {
+			return err
+		}
+		printUnboundWarnings(c.stdout, after)
 		return nil
 	})
 }

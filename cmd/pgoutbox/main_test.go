@@ -295,10 +295,15 @@ func TestBindStrandedAndMove(t *testing.T) {
 	require.Equal(t, 0, code, errOut)
 	out, errOut, code = cliRun(t, env, "bind", "--topic", "orders", "--group", "invoicing", "--from", "backlog")
 	require.Equal(t, 0, code, errOut)
-	require.Contains(t, out, "warning: group billing is not bound")
-	require.Contains(t, out, "pgoutbox move --topic orders --from billing --to GROUP")
+	require.Contains(t, out, `warning: group billing is not bound to topic "orders" and holds 1 message(s)`)
+	require.Contains(t, out, "pgoutbox move --topic orders --from billing --to G")
 	out, _, _ = cliRun(t, env, "stats")
 	require.Contains(t, out, `warning: group billing is not bound to topic "orders" and holds 1 message(s)`)
+
+	publish(t, env, "audit", "a")
+	out, errOut, code = cliRun(t, env, "bind", "--topic", "audit", "--group", "")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "1 message(s) published while nothing was bound stay in the default group")
 
 	_, _, code = cliRun(t, env, "move", "--topic", "orders", "--from", "billing", "--to", "invoicing")
 	require.Equal(t, exitRefused, code)

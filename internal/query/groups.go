@@ -64,8 +64,8 @@ func BindState(n Names) string {
 		n.QBindings, n.QTable)
 }
 
-// Writers lists (as a JSON array) the transactions, other than this one, holding a write
-// lock on the outbox ($1: its qualified name): every publish whose
+// Writers lists (as a JSON array) the transactions, other than this one,
+// holding a write lock on the outbox ($1: its qualified name): every publish whose
 // snapshot predates a binding just committed is among them (a statement
 // locks its tables before it takes its snapshot).
 const Writers = `SELECT coalesce(json_agg(virtualtransaction), '[]')::text FROM pg_catalog.pg_locks
@@ -73,8 +73,8 @@ const Writers = `SELECT coalesce(json_agg(virtualtransaction), '[]')::text FROM 
    AND pid <> pg_backend_pid()`
 
 // WritersLeft counts the transactions of $1 (a JSON array of virtual
-// transaction ids)
-// still running: each holds the lock on its own virtual id until it ends.
+// transaction ids) still running: each holds the lock on its own virtual
+// id until it ends.
 const WritersLeft = `SELECT count(*) FROM pg_catalog.pg_locks
  WHERE locktype = 'virtualxid' AND granted
    AND virtualxid IN (SELECT jsonb_array_elements_text($1::jsonb))`
@@ -96,11 +96,10 @@ const WritersLeft = `SELECT count(*) FROM pg_catalog.pg_locks
 // (topic, consumer_group), each branch ordered by its index so that the
 // planner scans it (see BindState), and the dedup-key probe repeats the
 // dedup index's predicate so that, hashed or not, it reads only keyed rows
-// (without it, a sequential scan of the group); the UPDATE finds its rows by primary
-// key (id = ANY(ARRAY(...)), as the claim does). SKIP LOCKED never waits
-// for a claimer. The
-// caller holds TopicLock, so batches of concurrent binders do not
-// interleave.
+// (without it, a sequential scan of the group); the UPDATE finds its rows
+// by primary key (id = ANY(ARRAY(...)), as the claim does). SKIP LOCKED
+// never waits for a claimer. The caller holds TopicLock, so batches of
+// concurrent binders do not interleave.
 //
 // With copies false, the statement has no INSERT (a subscriber role may
 // lack the privilege) and moves rows only while exactly one group is

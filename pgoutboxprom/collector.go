@@ -36,6 +36,7 @@ type Collector struct {
 	messages    *prometheus.Desc
 	oldestAge   *prometheus.Desc
 	deadLetters *prometheus.Desc
+	unbound     *prometheus.Desc
 	errors      prometheus.Counter
 	duration    prometheus.Gauge
 
@@ -72,6 +73,10 @@ func NewCollector(exec tx.Executor, tables schema.Config, opts Options) *Collect
 		deadLetters: prometheus.NewDesc(opts.name("dead_letters"),
 			"Rows of the dead-letter table per topic, consumer group and failure reason.",
 			append(pair, "reason"), opts.ConstLabels),
+		unbound: prometheus.NewDesc(opts.name("unbound_messages"),
+			"Rows of a consumer group that is not bound to the topic: messages no bound group will consume (alert on > 0; "+
+				"for the default group, messages published while nothing was bound, which the next group to bind gets).",
+			pair, opts.ConstLabels),
 		errors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name:        opts.name("stats_errors_total"),
 			Help:        "Scrapes whose pgoutbox.Stats call failed or timed out (they expose no outbox gauges).",
@@ -90,6 +95,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.messages
 	ch <- c.oldestAge
 	ch <- c.deadLetters
+	ch <- c.unbound
 	c.errors.Describe(ch)
 	c.duration.Describe(ch)
 }
@@ -122,6 +128,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 				ch <- prometheus.MustNewConstMetric(c.messages, prometheus.GaugeValue, float64(v.n), s.Topic, s.ConsumerGroup, v.state)
 			}
 			ch <- prometheus.MustNewConstMetric(c.oldestAge, prometheus.GaugeValue, s.OldestReadyAge.Seconds(), s.Topic, s.ConsumerGroup)
+			ch <- prometheus.MustNewConstMetric(c.unbound, prometheus.GaugeValue, float64(s.Unbound()), s.Topic, s.ConsumerGroup)
 			for reason, n := range s.DeadLetters {
 				ch <- prometheus.MustNewConstMetric(c.deadLetters, prometheus.GaugeValue, float64(n), s.Topic, s.ConsumerGroup, reason)
 			}

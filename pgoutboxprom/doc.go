@@ -34,6 +34,9 @@
 //	                                                        the group's lag: the one to alert on
 //	pgoutbox_dead_letters{topic,consumer_group,reason}     gauge: rows in the dead-letter table per reason
 //	                                                        (max_deliveries, retry_exhausted, rejected, poisoned)
+//	pgoutbox_unbound_messages{topic,consumer_group}        gauge: rows of a group that is not bound to the topic:
+//	                                                        nobody consumes them until a group binds (see
+//	                                                        pgoutbox.BindGroups; pgoutbox stats warns of them)
 //	pgoutbox_stats_errors_total                            counter: scrapes whose Stats failed or timed out
 //	                                                        (that scrape has no outbox gauges, rather than stale ones)
 //	pgoutbox_stats_duration_seconds                        gauge: how long the last Stats call took (scrape less

@@ -91,6 +91,9 @@ func TestCollectorAndObserverOverHTTP(t *testing.T) {
 	requireLine(t, body, `pgoutbox_publisher_messages_published_total{topic="payments"} 1`)
 	requireLine(t, body, `pgoutbox_stats_errors_total 0`)
 	require.Contains(t, body, `pgoutbox_oldest_ready_age_seconds{consumer_group="",topic="orders"} `)
+	// Nothing is bound yet: the messages are unbound, waiting for the
+	// first group to bind.
+	requireLine(t, body, `pgoutbox_unbound_messages{consumer_group="",topic="orders"} 3`)
 
 	// Consume and ack the orders.
 	env.Drain(t, "orders", 3, 10*time.Second) // acks each message
@@ -102,6 +105,7 @@ func TestCollectorAndObserverOverHTTP(t *testing.T) {
 	requireLine(t, body, `pgoutbox_subscriber_lateness_seconds_count{consumer_group="",topic="orders"} 3`)
 	requireLine(t, body, `pgoutbox_messages{consumer_group="",state="ready",topic="orders"} 0`)
 	requireLine(t, body, `pgoutbox_oldest_ready_age_seconds{consumer_group="",topic="orders"} 0`)
+	requireLine(t, body, `pgoutbox_unbound_messages{consumer_group="",topic="orders"} 0`)
 
 	// A payment whose one allowed delivery is nacked is dead-lettered.
 	sub := env.NewSubscriber(t, func(c *pgoutbox.SubscriberConfig) {

@@ -210,29 +210,29 @@ func TestAStuckGroupDoesNotDelayAnother(t *testing.T) {
 		"the stuck group's copies are all still there")
 }
 
-// A message published before anybody bound the topic is kept for the
-// default group: a subscriber without a group gets it when it starts.
-// A group bound later gets only what is published after its binding.
-func TestMessageBeforeAnyBindingGoesToTheDefaultGroup(t *testing.T) {
+// A message published before anybody bound the topic waits, unbound,
+// for the first group to bind (here a named one); a subscriber without a
+// group that binds later starts at new messages, like any later group.
+func TestMessageBeforeAnyBindingGoesToTheFirstGroup(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	early := newMsg("early")
 	b.publishInTx(t, "t", true, early)
 
-	lateGroup, err := b.groupSubscriber(t, "late", nil).Subscribe(context.Background(), "t")
+	firstGroup, err := b.groupSubscriber(t, "first", nil).Subscribe(context.Background(), "t")
 	require.NoError(t, err)
-	later := newMsg("later")
-	b.publishInTx(t, "t", true, later)
-	got := receive(t, lateGroup, 10*time.Second)
-	require.Equal(t, later.UUID, got.UUID, "a new group starts with what is published after its binding")
+	got := receive(t, firstGroup, 10*time.Second)
+	require.Equal(t, early.UUID, got.UUID, "the first group to bind gets what was published before")
 	got.Ack()
 
 	def, err := b.subscriber(t, nil).Subscribe(context.Background(), "t")
 	require.NoError(t, err)
+	later := newMsg("later")
+	b.publishInTx(t, "t", true, later)
 	got = receive(t, def, 10*time.Second)
-	require.Equal(t, early.UUID, got.UUID)
+	require.Equal(t, later.UUID, got.UUID)
 	got.Ack()
-	requireNothing(t, def, 300*time.Millisecond) // "later" was published while only "late" was bound
+	require.Equal(t, later.UUID, receive(t, firstGroup, 10*time.Second).UUID)
 }
 
 // Bind from a deploy step: a group bound before its first subscriber runs

@@ -76,7 +76,10 @@ INSERT INTO %s.outbox (topic, consumer_group, uuid, payload, lease_token, leased
 	require.Equal(t, map[string]int64{"rejected": 2, "poisoned": 1}, a.DeadLetters)
 	require.Equal(t, pgoutbox.QueueStats{Topic: "a", ConsumerGroup: "g", Ready: 1, OldestReadyAge: all[1].OldestReadyAge}, all[1])
 	require.Equal(t, pgoutbox.QueueStats{Topic: "b", ConsumerGroup: "dlq-only", DeadLetters: map[string]int64{"max_deliveries": 4}}, all[2])
-	require.Equal(t, pgoutbox.QueueStats{Topic: "b", ConsumerGroup: "idle"}, all[3], "a bound group without rows reports zeros")
+	require.Equal(t, pgoutbox.QueueStats{Topic: "b", ConsumerGroup: "idle", Bound: true}, all[3], "a bound group without rows reports zeros")
+	require.False(t, a.Bound, "nothing bound topic a: its rows are unbound")
+	require.EqualValues(t, 3+2+1+2+1, a.Unbound())
+	require.Zero(t, all[3].Unbound())
 
 	// The lag grows between calls: compare the rest.
 	noLag := func(s []pgoutbox.QueueStats) []pgoutbox.QueueStats {

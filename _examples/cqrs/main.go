@@ -4,6 +4,11 @@
 // notification, a statistic) each receive every RoomBooked, because each
 // subscribes with its own consumer group (the handler name).
 //
+// A deploy step binds every handler's group ahead of traffic
+// (cqrsbind.Commands and cqrsbind.Events, from the processors' own
+// configuration), so the commands sent below, before the router first
+// runs, and the events they cause are kept for every handler.
+//
 // With tx.Middleware on the router, every handler runs in a transaction of
 // its own: the command handler writes the booking row in it
 // (tx.PgxTxFromContext), and the event bus, built on a context publisher,
@@ -28,6 +33,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/cqrsbind"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -133,7 +139,7 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	commands, err := cqrs.NewCommandProcessorWithConfig(router, cqrs.CommandProcessorConfig{
+	commandsConfig := cqrs.CommandProcessorConfig{
 		GenerateSubscribeTopic: func(p cqrs.CommandProcessorGenerateSubscribeTopicParams) (string, error) {
 			return topic(p.CommandName), nil
 		},
@@ -141,11 +147,8 @@ func run() error {
 			return subscriberFor(p.HandlerName)
 		},
 		Marshaler: marshaler,
-	})
-	if err != nil {
-		return err
 	}
-	events, err := cqrs.NewEventProcessorWithConfig(router, cqrs.EventProcessorConfig{
+	eventsConfig := cqrs.EventProcessorConfig{
 		GenerateSubscribeTopic: func(p cqrs.EventProcessorGenerateSubscribeTopicParams) (string, error) {
 			return topic(p.EventName), nil
 		},
@@ -153,12 +156,9 @@ func run() error {
 			return subscriberFor(p.HandlerName)
 		},
 		Marshaler: marshaler,
-	})
-	if err != nil {
-		return err
 	}
 
-	if err := commands.AddHandlers(cqrs.NewCommandHandler("book_room", func(ctx context.Context, c *BookRoom) error {
+	commandHandlers := []cqrs.CommandHandler{cqrs.NewCommandHandler("book_room", func(ctx context.Context, c *BookRoom) error {
 		pgTx, ok := tx.PgxTxFromContext(ctx)
 		if !ok {
 			return errors.New("no transaction in the command's context: is tx.Middleware on the router?")
@@ -168,31 +168,51 @@ func run() error {
 		}
 		// ctx carries the transaction: the event commits with the booking.
 		return eventBus.Publish(ctx, &RoomBooked{Room: c.Room, Guest: c.Guest})
-	})); err != nil {
-		return err
-	}
+	})}
 	const bookings = 3
 	handlers := []string{"book_room", "invoice", "notification", "statistics"}
+	var eventHandlers []cqrs.EventHandler
 	for _, name := range handlers[1:] {
-		err := events.AddHandlers(cqrs.NewEventHandler(name, func(ctx context.Context, e *RoomBooked) error {
+		eventHandlers = append(eventHandlers, cqrs.NewEventHandler(name, func(ctx context.Context, e *RoomBooked) error {
 			fmt.Printf("%-12s got RoomBooked room=%s guest=%s\n", name, e.Room, e.Guest)
 			return nil
 		}))
-		if err != nil {
-			return err
-		}
 	}
 
-	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	go func() { _ = router.Run(runCtx) }()
-	<-router.Running() // every subscriber subscribed: every group is bound
-
+	// The deploy step: bind every handler's group to its topic before any
+	// traffic (it needs no router, only the processors' configuration).
+	if err := cqrsbind.Commands(ctx, commandsConfig, commandHandlers); err != nil {
+		return err
+	}
+	if err := cqrsbind.Events(ctx, eventsConfig, eventHandlers); err != nil {
+		return err
+	}
+	// The API sends its commands before the worker ever ran: they wait
+	// for the book_room group, and the events for each event handler.
 	for i := range bookings {
 		if err := commandBus.Send(ctx, &BookRoom{Room: fmt.Sprint(101 + i), Guest: "guest " + fmt.Sprint(i)}); err != nil {
 			return err
 		}
 	}
+
+	commands, err := cqrs.NewCommandProcessorWithConfig(router, commandsConfig)
+	if err != nil {
+		return err
+	}
+	events, err := cqrs.NewEventProcessorWithConfig(router, eventsConfig)
+	if err != nil {
+		return err
+	}
+	if err := commands.AddHandlers(commandHandlers...); err != nil {
+		return err
+	}
+	if err := events.AddHandlers(eventHandlers...); err != nil {
+		return err
+	}
+
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	go func() { _ = router.Run(runCtx) }()
 	// Every handler commits once per booking: the command handler and
 	// each event handler.
 	commits := map[string]int{}

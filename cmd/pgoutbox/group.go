@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
@@ -18,22 +19,96 @@ func topicGroupFlags(cmd *command) (topic, group *string) {
 }
 
 func (c *cli) bindCmd(args []string) error {
-	cmd := c.newCommand("bind", "bind --topic T --group G",
-		"  pgoutbox bind --topic orders.placed --group billing   # before the first deploy of billing\n", false)
+	cmd := c.newCommand("bind", "bind --topic T --group G [--from new|backlog]",
+		"  pgoutbox bind --topic orders.placed --group billing                  # before the first deploy of billing\n"+
+			"  pgoutbox bind --topic orders.placed --group projection --from backlog # also copy what waits now\n", false)
 	topic, group := topicGroupFlags(cmd)
+	from := cmd.fs.String("from", string(pgoutbox.StartFromNew), "where a new group starts: \"new\" (messages published from now on) or \"backlog\" (also a copy of the topic's current backlog)")
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
 	if err := cmd.required("topic", *topic); err != nil {
 		return err
 	}
+	start := pgoutbox.StartFrom(*from)
+	if start != pgoutbox.StartFromNew && start != pgoutbox.StartFromBacklog {
+		return usagef(cmd.name, "--from %q: use new or backlog", *from)
+	}
 	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
-		if err := pgoutbox.Bind(ctx, exec, tables, *topic, *group); err != nil {
+		before, err := pgoutbox.Stats(ctx, exec, tables, pgoutbox.StatsForTopic(*topic))
+		if err != nil {
 			return err
 		}
-		fmt.Fprintf(c.stdout, "bound group %s to topic %q: it gets every message published from now on\n", groupName(*group), *topic)
+		res, err := pgoutbox.BindGroups(ctx, exec, tables, *topic, []string{*group}, pgoutbox.BindStartFrom(start))
+		if err != nil {
+			return err
+		}
+		g := groupName(*group)
+		if len(res.New) == 0 {
+			fmt.Fprintf(c.stdout, "group %s was bound to topic %q already: it gets every message published to it\n", g, *topic)
+		} else {
+			fmt.Fprintf(c.stdout, "bound group %s to topic %q: it gets every message published from now on\n", g, *topic)
+		}
+		if res.Copied > 0 {
+			fmt.Fprintf(c.stdout, "copied the topic's backlog for group %s: %d message(s)\n", g, res.Copied)
+		}
+		if res.Adopted > 0 {
+			fmt.Fprintf(c.stdout, "%d message(s) published while nothing consumed the topic went to the groups bound now\n", res.Adopted)
+		}
+		for _, s := range before {
+			if *group == "" && s.ConsumerGroup == "" && !s.Bound && s.Unbound() > 0 {
+				fmt.Fprintf(c.stdout, "%d message(s) published while nothing was bound stay in the default group, which is bound now\n", s.Unbound())
+			}
+		}
+		after, err := pgoutbox.Stats(ctx, exec, tables, pgoutbox.StatsForTopic(*topic))
+		if err != nil {
+			return err
+		}
+		printUnboundWarnings(c.stdout, after)
 		return nil
 	})
+}
+
+func (c *cli) moveCmd(args []string) error {
+	cmd := c.newCommand("move", "move --topic T --from G1 --to G2 [--yes]",
+		"  pgoutbox move --topic orders.placed --from old-billing --to billing --yes\n"+
+			"  pgoutbox move --topic orders.placed --from \"\" --to billing   # messages published before billing's binding\n", false)
+	topic := cmd.fs.String("topic", "", "the topic (required)")
+	from := cmd.fs.String("from", "", "the group whose waiting messages move (\"\" is the default group)")
+	to := cmd.fs.String("to", "", "the group they move to (\"\" is the default group)")
+	yes := cmd.fs.Bool("yes", false, "do not ask for confirmation")
+	if err := cmd.parseNoArgs(args); err != nil {
+		return err
+	}
+	if err := cmd.required("topic", *topic); err != nil {
+		return err
+	}
+	if *from == *to {
+		return usagef(cmd.name, "--from and --to name the same group %s; name two different groups", groupName(*from))
+	}
+	confirm := func() error {
+		return c.confirm(cmd.name, fmt.Sprintf("Move the waiting messages of group %s of %q into group %s?", groupName(*from), *topic, groupName(*to)), *yes)
+	}
+	return cmd.withOutbox(context.Background(), confirm, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		n, err := pgoutbox.MoveGroup(ctx, exec, tables, *topic, *from, *to)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(c.stdout, "moved %d message(s) of topic %q from group %s to group %s\n", n, *topic, groupName(*from), groupName(*to))
+		st, err := pgoutbox.Stats(ctx, exec, tables, pgoutbox.StatsForGroup(*topic, *to))
+		if err == nil && len(st) == 1 && !st[0].Bound {
+			fmt.Fprintf(c.stdout, "warning: group %s is not bound to %q: bind it (pgoutbox bind) or its subscribers' Subscribe will\n", groupName(*to), *topic)
+		}
+		return err
+	})
+}
+
+// shellArg quotes a group for a command line to copy.
+func shellArg(s string) string {
+	if s == "" || strings.ContainsAny(s, " \t'\"$`\\!*?[]{}()<>|&;#~") {
+		return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+	}
+	return s
 }
 
 func (c *cli) unbindCmd(args []string) error {

@@ -19,6 +19,7 @@
 //	publish                     publish one message (manual testing)
 //	cancel                      cancel a scheduled message by its dedup key
 //	bind|unbind                 bind a consumer group to a topic, or unbind it
+//	move                        move a group's waiting messages into another group
 //	pause|resume                stop a consumer group's claims of a topic, or restart them
 //	ui                          a web page for operators
 //	version                     the version of this build
@@ -30,7 +31,7 @@
 // "pgoutbox <command> --help" shows a command's flags and examples.
 //
 // Commands that delete or move messages (dlq requeue, dlq purge, unbind
-// --purge) ask for confirmation when stdin is a terminal; --yes skips the
+// --purge, move) ask for confirmation when stdin is a terminal; --yes skips the
 // question. Without a terminal they refuse to run unless --yes is given.
 //
 // Exit codes:
@@ -91,6 +92,7 @@ Commands:
   publish                      publish one message (manual testing)
   cancel                       cancel a scheduled message by its dedup key
   bind | unbind                bind a consumer group to a topic, or unbind it
+  move                         move a group's waiting messages into another group
   pause | resume               stop a consumer group's claims of a topic, or restart them
   ui                           a web page for operators (--listen 127.0.0.1:8080)
   version                      the version of this build
@@ -239,10 +241,12 @@ func (c *cli) dispatch(args []string) error {
 		return c.pauseCmd(rest, cmd == "resume")
 	case "ui":
 		return c.uiCmd(rest)
+	case "move":
+		return c.moveCmd(rest)
 	case "version", "--version", "-version":
 		return c.versionCmd(rest)
 	}
-	return usagef("", "unknown command %q; the commands are schema, stats, dlq, peek, publish, cancel, bind, unbind, pause, resume, ui, version", cmd)
+	return usagef("", "unknown command %q; the commands are schema, stats, dlq, peek, publish, cancel, bind, unbind, move, pause, resume, ui, version", cmd)
 }
 
 // undefinedTable is PostgreSQL's SQLSTATE for a missing table.

@@ -269,6 +269,52 @@ func TestBindUnbind(t *testing.T) {
 	require.Contains(t, out, "deleted 1")
 }
 
+// Messages published while nothing consumed a topic: stats warns, bind
+// says the new group got them; a group unbound with messages left is
+// warned about, and move hands its messages on.
+func TestBindStrandedAndMove(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env, "orders", "early")
+	out, errOut, code := cliRun(t, env, "stats")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `warning: 1 message(s) of topic "orders" were published while nothing was bound to it`)
+	out, errOut, code = cliRun(t, env, "stats", "--json")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `"unbound": 1`)
+
+	out, errOut, code = cliRun(t, env, "bind", "--topic", "orders", "--group", "billing")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "bound group billing")
+	require.Contains(t, out, "1 message(s) published while nothing consumed the topic went to the groups bound now")
+	out, errOut, code = cliRun(t, env, "stats")
+	require.Equal(t, 0, code, errOut)
+	require.NotContains(t, out, "warning")
+
+	_, errOut, code = cliRun(t, env, "unbind", "--topic", "orders", "--group", "billing")
+	require.Equal(t, 0, code, errOut)
+	out, errOut, code = cliRun(t, env, "bind", "--topic", "orders", "--group", "invoicing", "--from", "backlog")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `warning: group billing is not bound to topic "orders" and holds 1 message(s)`)
+	require.Contains(t, out, "pgoutbox move --topic orders --from billing --to G")
+	out, _, _ = cliRun(t, env, "stats")
+	require.Contains(t, out, `warning: group billing is not bound to topic "orders" and holds 1 message(s)`)
+
+	publish(t, env, "audit", "a")
+	out, errOut, code = cliRun(t, env, "bind", "--topic", "audit", "--group", "")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "1 message(s) published while nothing was bound stay in the default group")
+
+	_, _, code = cliRun(t, env, "move", "--topic", "orders", "--from", "billing", "--to", "invoicing")
+	require.Equal(t, exitRefused, code)
+	out, errOut, code = cliRun(t, env, "move", "--topic", "orders", "--from", "billing", "--to", "invoicing", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "moved 1 message(s)")
+	out, errOut, code = cliRun(t, env, "peek", "--topic", "orders", "--group", "invoicing", "--json")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `"payload": "early"`)
+}
+
 func TestUsageErrors(t *testing.T) {
 	t.Parallel()
 	for _, args := range [][]string{
@@ -284,6 +330,8 @@ func TestUsageErrors(t *testing.T) {
 		{"peek"},
 		{"publish", "--payload", "x"},
 		{"schema", "drop"},
+		{"bind", "--topic", "t", "--from", "earliest"},
+		{"move", "--topic", "t", "--from", "a", "--to", "a"},
 	} {
 		_, errOut, code := cliRun(t, nil, args...)
 		require.Equal(t, exitUsage, code, "%v: %s", args, errOut)
@@ -300,7 +348,7 @@ func TestHelp(t *testing.T) {
 	for _, args := range [][]string{
 		{"--help"}, {"schema", "--help"}, {"schema", "sql", "--help"}, {"stats", "--help"}, {"dlq", "--help"},
 		{"dlq", "list", "--help"}, {"dlq", "show", "-h"}, {"dlq", "requeue", "--help"}, {"dlq", "purge", "--help"},
-		{"peek", "--help"}, {"publish", "--help"}, {"bind", "--help"}, {"unbind", "--help"},
+		{"peek", "--help"}, {"publish", "--help"}, {"bind", "--help"}, {"unbind", "--help"}, {"move", "--help"},
 		{"dlq", "delete", "--help"}, {"cancel", "--help"}, {"version", "--help"},
 	} {
 		var stdout, stderr bytes.Buffer

@@ -27,6 +27,8 @@ const statsExamples = `  pgoutbox stats
 type statsJSON struct {
 	Topic                string           `json:"topic"`
 	ConsumerGroup        string           `json:"consumer_group"`
+	Bound                bool             `json:"bound"`
+	Unbound              int64            `json:"unbound"`
 	Ready                int64            `json:"ready"`
 	Scheduled            int64            `json:"scheduled"`
 	Leased               int64            `json:"leased"`
@@ -111,7 +113,7 @@ func statsToJSON(stats []pgoutbox.QueueStats) []statsJSON {
 	out := make([]statsJSON, 0, len(stats))
 	for _, s := range stats {
 		j := statsJSON{
-			Topic: s.Topic, ConsumerGroup: s.ConsumerGroup, Ready: s.Ready, Scheduled: s.Scheduled,
+			Topic: s.Topic, ConsumerGroup: s.ConsumerGroup, Bound: s.Bound, Unbound: s.Unbound(), Ready: s.Ready, Scheduled: s.Scheduled,
 			Leased: s.Leased, ExpiredLeases: s.ExpiredLeases, Parked: s.Parked,
 			OldestReadyAgeSecond: s.OldestReadyAge.Seconds(), DeadLetters: s.DeadLetters, Paused: s.Paused,
 		}
@@ -150,4 +152,31 @@ func printStats(w io.Writer, stats []pgoutbox.QueueStats) {
 			s.Ready, s.Scheduled, s.Leased, s.ExpiredLeases, s.Parked, age(s.OldestReadyAge), dl, state)
 	}
 	tw.Flush()
+	printUnboundWarnings(w, stats)
+}
+
+// printUnboundWarnings says, under the table, which groups hold messages
+// no bound group will consume, and what to do.
+func printUnboundWarnings(w io.Writer, stats []pgoutbox.QueueStats) {
+	bound := map[string]bool{} // topics with a binding
+	for _, s := range stats {
+		if s.Bound {
+			bound[s.Topic] = true
+		}
+	}
+	for _, s := range stats {
+		n := s.Unbound()
+		switch {
+		case n == 0:
+		case s.ConsumerGroup == "" && !bound[s.Topic]:
+			fmt.Fprintf(w, "warning: %d message(s) of topic %q were published while nothing was bound to it; "+
+				"the first group to bind it gets them (Subscribe, or pgoutbox bind --topic %s --group G)\n", n, s.Topic, shellArg(s.Topic))
+		case s.ConsumerGroup == "":
+			fmt.Fprintf(w, "warning: %d message(s) of topic %q wait in the default group, which is not bound; "+
+				"the next bind of the topic hands them to its groups, or pgoutbox move --topic %s --from '' --to G\n", n, s.Topic, shellArg(s.Topic))
+		default:
+			fmt.Fprintf(w, "warning: group %s is not bound to topic %q and holds %d message(s) nobody will consume; "+
+				"pgoutbox move --topic %s --from %s --to G, or unbind --purge\n", s.ConsumerGroup, s.Topic, n, shellArg(s.Topic), shellArg(s.ConsumerGroup))
+		}
+	}
 }

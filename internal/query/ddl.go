@@ -56,6 +56,19 @@ var BindingsColumns = []Column{
 	{"topic", "text", ""},
 	{"consumer_group", "text", ""},
 	{"bound_at", "timestamp with time zone", ""},
+	{"backlog_next", "bigint", ""},
+	{"backlog_bound", "bigint", ""},
+	{"backlog_end", "bigint", ""},
+}
+
+// AddedBindingsColumns are the bindings columns added after the release
+// that introduced the table: the cursor of a new group's backlog copy
+// (NULL when there is none to do; see CopyBacklog). Publishers never read
+// them.
+var AddedBindingsColumns = []Column{
+	{"backlog_next", "bigint", ""},
+	{"backlog_bound", "bigint", ""},
+	{"backlog_end", "bigint", ""},
 }
 
 // DLQColumns are the columns of the dead-letter table.
@@ -172,6 +185,7 @@ func DDL(n Names) []string {
     END IF;
 END $pgoutbox$`, n.QBindings, n.QTable))
 	stmts = append(stmts, pausedDDL(n))
+	stmts = append(stmts, addColumns(n.QBindings, AddedBindingsColumns)...)
 	if n.DLQTable != "" {
 		stmts = append(stmts,
 			fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (

@@ -12,6 +12,12 @@ import "fmt"
 const statsColumns = `k.topic, k.consumer_group, coalesce(ready, 0), coalesce(scheduled, 0), coalesce(parked, 0),
        coalesce(extract(epoch FROM now() - oldest) * 1000000, 0)::bigint, coalesce(leased, 0), coalesce(expired, 0)`
 
+// boundColumn is the last Stats column: whether the pair is bound (a
+// primary-key probe of the bindings).
+func boundColumn(n Names) string {
+	return fmt.Sprintf(`EXISTS (SELECT 1 FROM %s b WHERE b.topic = k.topic AND b.consumer_group = k.consumer_group)`, n.QBindings)
+}
+
 const unleasedAggs = `count(*) FILTER (WHERE available_at <= now()) AS ready,
            count(*) FILTER (WHERE available_at > now() AND available_at < 'infinity') AS scheduled,
            count(*) FILTER (WHERE available_at = 'infinity') AS parked,
@@ -47,9 +53,9 @@ func Stats(n Names, topic, group bool) string {
 ), k AS (
     SELECT topic, consumer_group FROM %[2]s UNION SELECT topic, consumer_group FROM c
 )
-SELECT %[3]s
+SELECT %[3]s, %[4]s
   FROM k LEFT JOIN c ON c.topic = k.topic AND c.consumer_group = k.consumer_group
- ORDER BY 1, 2`, t, n.QBindings, statsColumns)
+ ORDER BY 1, 2`, t, n.QBindings, statsColumns, boundColumn(n))
 	}
 	cond, pair := "topic = $1", ""
 	if group {
@@ -67,10 +73,10 @@ SELECT %[3]s
     UNION SELECT topic, consumer_group FROM u
     UNION SELECT topic, consumer_group FROM l%[6]s
 )
-SELECT %[7]s
+SELECT %[7]s, %[8]s
   FROM k LEFT JOIN u ON u.topic = k.topic AND u.consumer_group = k.consumer_group
          LEFT JOIN l ON l.topic = k.topic AND l.consumer_group = k.consumer_group
- ORDER BY 1, 2`, t, n.QBindings, cond, unleasedAggs, leasedAggs, pair, statsColumns)
+ ORDER BY 1, 2`, t, n.QBindings, cond, unleasedAggs, leasedAggs, pair, statsColumns, boundColumn(n))
 }
 
 // DLQExists tells whether the dead-letter table exists ($1: its quoted,

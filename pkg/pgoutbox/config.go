@@ -148,10 +148,18 @@ type SubscriberConfig struct {
 	// like Kafka consumer groups or queues bound to an AMQP fanout
 	// exchange. Subscribe and SubscribeInitialize bind the group to the
 	// topic; Bind does it ahead of a first deploy. Defaults to "", the
-	// default group, which is bound like any other; a message published to
-	// a topic nobody bound is kept for the default group. Watermill's CQRS
-	// components pass the handler name.
+	// default group, which is bound like any other. A message published
+	// to a topic nobody bound waits for the first group(s) to bind (see
+	// BindGroups). Watermill's CQRS components pass the handler name.
 	ConsumerGroup string
+
+	// StartFrom is where ConsumerGroup starts when Subscribe binds it to a
+	// topic for the first time: StartFromNew (the default, "") for the
+	// messages published after the binding, StartFromBacklog for a copy of
+	// the topic's current backlog too (Subscribe returns once the copy is
+	// done; for a large backlog, Bind from a deploy step instead). It has
+	// no effect on a group already bound.
+	StartFrom StartFrom
 
 	// MaxInFlight is how many messages of one subscription may be handed out
 	// and not yet acked or nacked. Must be at least 1.
@@ -378,6 +386,9 @@ func (c SubscriberConfig) Validate() error {
 	}
 	if err := checkGroup(c.ConsumerGroup); err != nil {
 		add("%s", errtext.Trim(err))
+	}
+	if err := c.StartFrom.check(); err != nil {
+		add("%v", err)
 	}
 	if len(e.problems) > 0 {
 		return e

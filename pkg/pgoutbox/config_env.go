@@ -18,6 +18,7 @@ import (
 //	SCHEMA, TABLE, DLQ_TABLE      Tables.Schema, Table, DeadLetterTable (identifiers)
 //	NO_DLQ                        Tables.NoDeadLetterTable (bool: true, false, 1, 0)
 //	CONSUMER_GROUP                ConsumerGroup
+//	START_FROM                    StartFrom (new or backlog)
 //	MAX_IN_FLIGHT                 MaxInFlight (integer)
 //	LEASE                         Lease (Go duration: 30s, 1m30s)
 //	MIN_POLL_INTERVAL             MinPollInterval (Go duration)
@@ -186,6 +187,10 @@ func subscriberConfigFromLookup(prefix string, lookup func(string) (string, bool
 	var c SubscriberConfig
 	r.tables(&c)
 	r.str("CONSUMER_GROUP", &c.ConsumerGroup)
+	var from string
+	if r.str("START_FROM", &from) {
+		c.StartFrom = StartFrom(from)
+	}
 	r.integer("MAX_IN_FLIGHT", &c.MaxInFlight, "a whole number, at least 1")
 	r.duration("LEASE", &c.Lease, "")
 	r.duration("MIN_POLL_INTERVAL", &c.MinPollInterval, "")

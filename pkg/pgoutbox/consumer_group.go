@@ -2,8 +2,12 @@ package pgoutbox
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
+	"slices"
 	"strings"
+	"time"
 	"unicode"
 	"unicode/utf8"
 
@@ -17,7 +21,7 @@ const maxGroupLen = 1024
 
 // ErrInvalidGroup is returned for a consumer group name that cannot be
 // stored.
-var ErrInvalidGroup = fmt.Errorf("pgoutbox: invalid consumer group")
+var ErrInvalidGroup = errorf("pgoutbox: invalid consumer group")
 
 func checkGroup(group string) error {
 	switch {
@@ -31,39 +35,310 @@ func checkGroup(group string) error {
 	return nil
 }
 
+// StartFrom says where a consumer group starts when it is first bound to
+// a topic that already has messages for other groups.
+type StartFrom string
+
+const (
+	// StartFromNew gives a new group the messages published after its
+	// binding, like a queue bound to an AMQP fanout exchange. It is the
+	// default ("" means it).
+	StartFromNew StartFrom = "new"
+	// StartFromBacklog also gives a new group a copy of the topic's
+	// current backlog, like Kafka's "earliest": every message still
+	// waiting in another bound group when the copy reaches it, once per
+	// message. The copy runs in batches of its own short statements and
+	// resumes where it stopped if cut short (the next Bind of the group,
+	// or its next Subscribe, goes on with it).
+	StartFromBacklog StartFrom = "backlog"
+)
+
+func (s StartFrom) check() error {
+	switch s {
+	case "", StartFromNew, StartFromBacklog:
+		return nil
+	}
+	return fmt.Errorf("%w: StartFrom is %q; use %q or %q", ErrInvalidConfig, string(s), StartFromNew, StartFromBacklog)
+}
+
+// BindOption adjusts Bind and BindGroups.
+type BindOption func(*bindOptions)
+
+type bindOptions struct {
+	from StartFrom
+}
+
+// BindStartFrom makes a group whose binding is new start from "from":
+// StartFromNew (the default) or StartFromBacklog. A group already bound
+// keeps what it has.
+func BindStartFrom(from StartFrom) BindOption {
+	return func(o *bindOptions) { o.from = from }
+}
+
+// BindResult is what a Bind did.
+type BindResult struct {
+	// New lists the groups whose binding this call created.
+	New []string
+	// Adopted counts the unbound messages (published while the topic had
+	// no binding, or while only groups since unbound had one) that went to
+	// the groups bound; each got a copy.
+	Adopted int64
+	// Copied counts the backlog copies written (StartFromBacklog).
+	Copied int64
+}
+
 // Bind binds consumer group group ("" is the default group) to topic, so
 // that every message published to topic from now on gets a copy for the
 // group, whether or not one of its subscribers runs. Subscribe binds its
 // own group; call Bind from a migration or a deploy step so that a new
 // service's group does not miss the messages published before it first
-// starts. It is idempotent and runs in exec's transaction when exec is one.
-func Bind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, group string) error {
-	q, err := groupQueries(exec, tables, topic, group)
-	if err != nil {
-		return err
+// starts. It is idempotent; see BindGroups for what it does with the
+// topic's earlier messages.
+func Bind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, group string, opts ...BindOption) error {
+	_, err := BindGroups(ctx, exec, tables, topic, []string{group}, opts...)
+	return err
+}
+
+// BindGroups binds every group of groups to topic, together: when the
+// topic had no binding, all of them are its first groups. It is idempotent.
+//
+// Messages published while a topic has no binding are kept for the
+// default group "" and, as long as "" is not bound, belong to no consumer
+// yet (Stats shows them with Bound false): every Bind of the topic hands
+// them to the groups then bound, each its copy. So the first group to bind
+// a fresh topic (a relay, a command handler) gets what was published
+// before it; if that group is "", they simply stay where they are. Groups
+// binding concurrently bind one after the other; whoever adopts first
+// gives every group bound at that moment its copy.
+//
+// Before adopting or copying, Bind waits (up to 10 s, or ctx) for the
+// transactions writing to the outbox when the binding was made to end: a
+// publish that could not yet see the binding stores its message for the
+// groups it saw, and the wait lets Bind take it into account. Within
+// exec's transaction (exec.InTx) the binding becomes visible only at
+// commit, so Bind cannot wait: what such publishes store after the commit
+// stays unbound, shown by Stats, until the next Bind of the topic (every
+// Subscribe binds).
+//
+// With BindStartFrom(StartFromBacklog), a group whose binding is new also
+// gets the topic's current backlog (see StartFromBacklog); the copy runs
+// in batches of short statements, each committing on its own outside a
+// transaction.
+func BindGroups(ctx context.Context, exec tx.Executor, tables schema.Config, topic string, groups []string, opts ...BindOption) (BindResult, error) {
+	var o bindOptions
+	for _, opt := range opts {
+		if opt != nil {
+			opt(&o)
+		}
 	}
-	if _, err := exec.Exec(ctx, q.Bind, topic, group); err != nil {
-		return errorf("pgoutbox: bind group %q to topic %q: %w", group, topic, err)
+	if len(groups) == 0 {
+		return BindResult{}, fmt.Errorf("%w: no consumer group to bind to topic %q; name at least one (\"\" is the default group)", ErrInvalidGroup, topic)
+	}
+	if err := o.from.check(); err != nil {
+		return BindResult{}, err
+	}
+	var q *query.Queries
+	for _, g := range groups {
+		var err error
+		if q, err = groupQueries(exec, tables, topic, g); err != nil {
+			return BindResult{}, err
+		}
+	}
+	res, err := bindGroups(ctx, exec, q, topic, groups, o.from, 0)
+	if err != nil {
+		return res, errorf("pgoutbox: bind groups %q to topic %q: %w", groups, topic, err)
+	}
+	return res, nil
+}
+
+// Sizes of the batches of adoption, backlog copy and move: each batch is
+// one statement of its own, a few tens of milliseconds.
+const (
+	groupBatch     = 5000
+	bindWriterWait = 10 * time.Second
+)
+
+// bindGroups is BindGroups without the argument checks, for Subscribe too.
+// timeout, when positive, bounds each statement.
+func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic string, groups []string, from StartFrom, timeout time.Duration) (BindResult, error) {
+	var res BindResult
+	n := q.Names
+	lockKey := n.QBindings + query.GroupMark + topic
+	stmt := func(f func(context.Context) error) error {
+		if timeout <= 0 {
+			return f(ctx)
+		}
+		sctx, cancel := context.WithTimeout(ctx, timeout)
+		defer cancel()
+		return f(sctx)
+	}
+	var unbound bool
+	var newJSON, pendingJSON string
+	var pending []string
+	err := stmt(func(ctx context.Context) error {
+		return tx.RunInTx(ctx, exec, func(e tx.Executor) error {
+			if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
+				return err
+			}
+			if err := queryRow(ctx, e, query.BindGroups(n), []any{topic, groups, from == StartFromBacklog}, &newJSON); err != nil {
+				return err
+			}
+			var defaultBound bool
+			if err := queryRow(ctx, e, query.BindState(n), []any{topic, groups}, &defaultBound, &unbound, &pendingJSON); err != nil {
+				return err
+			}
+			unbound = unbound && !defaultBound
+			return nil
+		})
+	})
+	if err == nil {
+		err = errors.Join(json.Unmarshal([]byte(newJSON), &res.New), json.Unmarshal([]byte(pendingJSON), &pending))
+	}
+	// A new binding may have publishes in flight that could not see it
+	// and store their messages as unbound: wait for them, then adopt.
+	if err != nil || (!unbound && len(pending) == 0 && len(res.New) == 0) {
+		return res, err
+	}
+	if !exec.InTx() {
+		if err := waitWriters(ctx, exec, n.QTable); err != nil {
+			return res, err
+		}
+	}
+	if len(pending) > 0 {
+		if err := stmt(func(ctx context.Context) error {
+			_, err := exec.Exec(ctx, query.SetBacklogEnd(n), topic, pending)
+			return err
+		}); err != nil {
+			return res, err
+		}
+	}
+	// The backlog first: adoption waits for every copy of the topic to end.
+	for _, g := range pending {
+		prev := "[]"
+		for more := true; more; {
+			var copied, woken int64
+			err := stmt(func(ctx context.Context) error {
+				return queryRow(ctx, exec, query.CopyBacklog(n), []any{topic, g, groupBatch, prev, n.Channel}, &copied, &more, &prev, &woken)
+			})
+			if err != nil {
+				return res, fmt.Errorf("copy the backlog for group %q (resumes at the next Bind): %w", g, err)
+			}
+			res.Copied += copied
+		}
+	}
+	// One group bound (the common case: a relay, a command handler) takes
+	// the rows without an INSERT, which a subscriber's role may not hold.
+	copies := false
+	for {
+		var moved, third, woken int64
+		err := stmt(func(ctx context.Context) error {
+			return tx.RunInTx(ctx, exec, func(e tx.Executor) error {
+				if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
+					return err
+				}
+				return queryRow(ctx, e, query.AdoptUnbound(n, copies), []any{topic, groupBatch, n.Channel}, &moved, &third, &woken)
+			})
+		})
+		if err != nil {
+			return res, fmt.Errorf("adopt the unbound messages: %w", err)
+		}
+		res.Adopted += moved
+		if !copies && third > 1 {
+			copies = true // several groups bound: each its copy
+			continue
+		}
+		if moved < groupBatch {
+			return res, nil
+		}
+	}
+}
+
+// waitWriters waits until the transactions writing to the outbox now have
+// ended, at most bindWriterWait: then every publish that started before a
+// binding just committed has committed or rolled back.
+func waitWriters(ctx context.Context, exec tx.Executor, qtable string) error {
+	var writers string
+	if err := queryRow(ctx, exec, query.Writers, []any{qtable}, &writers); err != nil {
+		return fmt.Errorf("list the outbox's writers: %w", err)
+	}
+	deadline := time.Now().Add(bindWriterWait)
+	for writers != "[]" && time.Now().Before(deadline) {
+		var left int64
+		if err := queryRow(ctx, exec, query.WritersLeft, []any{writers}, &left); err != nil {
+			return fmt.Errorf("wait for the outbox's writers: %w", err)
+		}
+		if left == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
 	}
 	return nil
 }
 
+// queryRow scans the single row of a statement into dest.
+func queryRow(ctx context.Context, exec tx.Executor, q string, args []any, dest ...any) error {
+	rows, err := exec.Query(ctx, q, args...)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	if !rows.Next() {
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		return fmt.Errorf("no row returned")
+	}
+	if err := rows.Scan(dest...); err != nil {
+		return err
+	}
+	rows.Close()
+	return rows.Err()
+}
+
+// ErrGroupNotEmpty is returned by Unbind of the default group while it
+// still holds messages and purge is not set.
+var ErrGroupNotEmpty = errors.New("pgoutbox: consumer group not empty")
+
 // Unbind removes the binding of group to topic: messages published from
 // now on get no copy for the group. The group's copies already stored stay
-// (its subscribers may still be draining them) unless purge is set: then
-// those nobody holds (unleased, or leased by a holder whose lease expired)
-// are deleted, and their number returned (a delivery under way completes
-// normally). Watch out: with no binding left at all,
-// a topic's messages go to the default group. When group was not bound
-// to topic the error wraps ErrNotBound (the purge, if asked, still ran and
-// purged counts its rows).
+// (its subscribers may still be draining them; Stats shows them with Bound
+// false) unless purge is set: then those nobody holds (unleased, or leased
+// by a holder whose lease expired) are deleted, and their number returned
+// (a delivery under way completes normally). MoveGroup hands them to
+// another group instead.
+//
+// With no binding left, the topic's next messages are unbound again: they
+// wait for the next group to bind (see BindGroups). The default group is
+// the exception that proves it: its rows while it is unbound are the
+// unbound ones, so Unbind of "" refuses (ErrGroupNotEmpty) while it holds
+// messages, unless purge is set: drain them first, or MoveGroup them.
+// When group was not bound to topic the error wraps ErrNotBound (the
+// purge, if asked, still ran and purged counts its rows).
 func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, group string, purge bool) (purged int64, err error) {
 	q, err := groupQueries(exec, tables, topic, group)
 	if err != nil {
 		return 0, err
 	}
+	n := q.Names
+	lockKey := n.QBindings + query.GroupMark + topic
 	var unbound int64
 	err = tx.RunInTx(ctx, exec, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
+			return err
+		}
+		if group == "" && !purge {
+			var left int64
+			if err := queryRow(ctx, e, query.GroupRows(n), []any{topic, group}, &left); err != nil {
+				return err
+			}
+			if left > 0 {
+				return fmt.Errorf("%w: the default group still holds %d message(s) of topic %q, which would be taken for unbound ones; let its subscribers drain them, move them (MoveGroup, pgoutbox move) or purge them", ErrGroupNotEmpty, left, topic)
+			}
+		}
 		if unbound, err = e.Exec(ctx, q.Unbind, topic, group); err != nil {
 			return err
 		}
@@ -72,14 +347,67 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 		}
 		return err
 	})
+	if err == nil && unbound == 0 {
+		return purged, errorf("%w: group %q, topic %q; nothing was unbound (Stats lists the groups of a topic)", ErrNotBound, group, topic)
+	}
+	if err == nil && group == "" && !exec.InTx() {
+		// Publishes that still saw the binding store copies after the
+		// commit: purge those too, or bind again rather than let them pass
+		// for unbound messages (the other groups have their copies).
+		err = waitWriters(ctx, exec, n.QTable)
+		var late int64
+		if err == nil && purge {
+			late, err = exec.Exec(ctx, q.Purge, topic, group)
+			purged += late
+		} else if err == nil {
+			if err = queryRow(ctx, exec, query.GroupRows(n), []any{topic, group}, &late); err == nil && late > 0 {
+				if _, err = exec.Exec(ctx, q.Bind, topic, group); err == nil {
+					err = fmt.Errorf("%w: %d message(s) reached the default group of topic %q while it was being unbound; it is bound again: retry once its publishers see the change", ErrGroupNotEmpty, late, topic)
+				}
+			}
+		}
+	}
 	if err != nil {
 		return 0, errorf("pgoutbox: unbind group %q from topic %q: %w", group, topic, err)
 	}
-	if unbound == 0 {
-		return purged, errorf("%w: group %q, topic %q; nothing was unbound (Stats lists the groups of a topic)", ErrNotBound, group, topic)
-	}
 	return purged, nil
 }
+
+// MoveGroup moves the waiting messages of group from into group to, for
+// topic: every row nobody holds (unleased, or leased under an expired
+// lease; parked ones too), in place, keeping its due time and delivery
+// count, in batches of short statements. A row leased right now stays
+// with its delivery; a row whose dedup key group to already holds stays
+// too (the key is unique per group). It returns how many rows moved.
+// Use it for a group that was unbound, renamed, or stranded messages in
+// "" before its first binding. The binding of either group is not changed.
+func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topic, from, to string) (int64, error) {
+	q, err := groupQueries(exec, tables, topic, from)
+	if err != nil {
+		return 0, err
+	}
+	if err := checkGroup(to); err != nil {
+		return 0, err
+	}
+	if from == to {
+		return 0, fmt.Errorf("%w: moving group %q into itself; name two different groups", ErrInvalidGroup, from)
+	}
+	var total int64
+	for {
+		var moved, woken int64
+		if err := queryRow(ctx, exec, query.MoveGroup(q.Names), []any{topic, from, to, groupBatch, q.Names.Channel}, &moved, &woken); err != nil {
+			return total, errorf("pgoutbox: move group %q of topic %q into %q: %w", from, topic, to, err)
+		}
+		total += moved
+		if moved < groupBatch {
+			return total, nil
+		}
+	}
+}
+
+// ConsumerGroup returns the consumer group the Subscriber consumes for ("" is
+// the default group).
+func (s *Subscriber) ConsumerGroup() string { return s.cfg.ConsumerGroup }
 
 func groupQueries(exec tx.Executor, tables schema.Config, topic, group string) (*query.Queries, error) {
 	if exec == nil {
@@ -92,4 +420,47 @@ func groupQueries(exec tx.Executor, tables schema.Config, topic, group string) (
 		return nil, err
 	}
 	return queriesForTables(tables, false)
+}
+
+// BindSubscribers binds the consumer groups of subs to topic as their
+// Subscribe would, all in one BindGroups call per outbox and StartFrom:
+// when the topic had no binding, every one of them is among its first
+// groups and gets what was published before. Helpers that bind the
+// handlers of a processor ahead of traffic use it (package cqrsbind).
+func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) error {
+	if err := checkTopic(topic); err != nil {
+		return err
+	}
+	type key struct {
+		s    *Subscriber // the first of its set: pool, queries and timeout
+		from StartFrom
+	}
+	var order []key
+	sets := map[key][]string{}
+	for _, s := range subs {
+		if s == nil {
+			return fmt.Errorf("%w: a nil *Subscriber to bind to topic %q", ErrInvalidConfig, topic)
+		}
+		k := key{s, s.cfg.StartFrom}
+		for _, o := range order {
+			if o.s.pool == s.pool && o.s.q == s.q && o.from == s.cfg.StartFrom {
+				k = o
+			}
+		}
+		if _, ok := sets[k]; !ok {
+			order = append(order, k)
+		}
+		if !slices.Contains(sets[k], s.cfg.ConsumerGroup) {
+			sets[k] = append(sets[k], s.cfg.ConsumerGroup)
+		}
+	}
+	for _, k := range order {
+		if err := k.s.ensureSchema(ctx); err != nil { // as SubscribeInitialize does
+			return err
+		}
+		if _, err := bindGroups(ctx, tx.FromPgxPool(k.s.pool), k.s.q, topic, sets[k], k.from, k.s.cfg.StatementTimeout); err != nil {
+			return errorf("pgoutbox: bind groups %q to topic %q: %w", sets[k], topic, err)
+		}
+	}
+	return nil
 }

@@ -15,6 +15,12 @@ import (
 type QueueStats struct {
 	Topic         string
 	ConsumerGroup string // "" is the default group
+	// Bound tells whether the group is bound to the topic. The rows of a
+	// group that is not bound wait for nobody (see Unbound): a group
+	// unbound while it still had messages, or, for the default group "",
+	// messages published while the topic had no binding, which the next
+	// group to bind the topic adopts (see BindGroups).
+	Bound bool
 	// Ready rows are due now and not leased: waiting for a consumer.
 	Ready int64
 	// Scheduled rows are due later (DeliverAfter, DeliverAt, retry
@@ -40,6 +46,17 @@ type QueueStats struct {
 	// began (zero when not paused).
 	Paused   bool
 	PausedAt time.Time
+}
+
+// Unbound is the number of the group's messages that no bound group will
+// consume: every row of it, leased ones included, when the group is not
+// bound to the topic; 0 when it is. An alert on it finds messages
+// stranded by a binding mistake (pgoutbox move hands them on).
+func (s QueueStats) Unbound() int64 {
+	if s.Bound {
+		return 0
+	}
+	return s.Ready + s.Scheduled + s.Leased + s.ExpiredLeases + s.Parked
 }
 
 // StatsOption narrows Stats.
@@ -112,7 +129,7 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 	for rows.Next() {
 		var s QueueStats
 		var lagUS int64
-		if err := rows.Scan(&s.Topic, &s.ConsumerGroup, &s.Ready, &s.Scheduled, &s.Parked, &lagUS, &s.Leased, &s.ExpiredLeases); err != nil {
+		if err := rows.Scan(&s.Topic, &s.ConsumerGroup, &s.Ready, &s.Scheduled, &s.Parked, &lagUS, &s.Leased, &s.ExpiredLeases, &s.Bound); err != nil {
 			rows.Close()
 			return nil, errorf("pgoutbox: stats: %w", err)
 		}

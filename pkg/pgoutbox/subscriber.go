@@ -151,10 +151,10 @@ func (s *Subscriber) bind(ctx context.Context, topic string) error {
 	// (Unbind in a deploy step, by an operator) comes back with the
 	// subscription that needs it. The statement is an insert that usually
 	// conflicts and does nothing.
+	// Binding also adopts the topic's unbound messages and, for a new
+	// binding with StartFromBacklog, copies the backlog (consumer_group.go).
 	err := s.retryConnectionLost(ctx, func() error {
-		ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
-		defer cancel()
-		_, err := s.pool.Exec(ctx, s.q.Bind, topic, s.cfg.ConsumerGroup)
+		_, err := bindGroups(ctx, tx.FromPgxPool(s.pool), s.q, topic, []string{s.cfg.ConsumerGroup}, s.cfg.StartFrom, s.cfg.StatementTimeout)
 		return err
 	})
 	if err != nil {

@@ -64,7 +64,11 @@ type Config struct {
 	PublishTimeout time.Duration
 
 	// Subscriber configures how the outbox is read (Tables, ConsumerGroup,
-	// Lease, ...). Relay sets these fields when they are zero:
+	// Lease, ...). Relay sets these fields when they are zero: StartFrom
+	// to pgoutbox.StartFromBacklog, so a relay added to an outbox in use
+	// relays what its topics already hold, whatever its group (set
+	// pgoutbox.StartFromNew to relay only what is published after its
+	// first start);
 	// MaxInFlight to BatchSize × Workers; RetryPolicy to exponential backoff
 	// from 100ms to 10s with no attempt limit (a broker that is down for an
 	// hour must not turn messages into dead letters); DrainTimeout and
@@ -148,6 +152,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.PublishTimeout == 0 {
 		c.PublishTimeout = DefaultPublishTimeout
+	}
+	if c.Subscriber.StartFrom == "" {
+		c.Subscriber.StartFrom = pgoutbox.StartFromBacklog
 	}
 	if c.Subscriber.MaxInFlight == 0 {
 		c.Subscriber.MaxInFlight = c.BatchSize * c.Workers
@@ -316,23 +323,54 @@ type TopicLag struct {
 	Age time.Duration
 }
 
-// Lag reports, per topic of Config.Topics, what waits in the outbox for
-// the relay's consumer group: pgoutbox.Stats for each topic and group (its
-// cost follows the backlog, not the table); poll it for a dashboard or an
-// alert on Age.
+// Lag reports, per topic of Config.Topics, what the relay will relay: the
+// messages waiting for its consumer group, and the topic's unbound
+// messages (published while nothing was bound, which its next start
+// adopts; see pgoutbox.BindGroups). Before the relay's group is first
+// bound, with StartFrom backlog, the backlog it will copy counts too,
+// estimated by the largest bound group's (a lower bound: messages only
+// some groups hold are not added up). It reads pgoutbox.Stats for each
+// topic (its cost follows the backlog, not the table); poll it for a
+// dashboard or an alert on Age.
 func (r *Relay) Lag(ctx context.Context) ([]TopicLag, error) {
 	exec := tx.FromPgxPool(r.pool)
+	group := r.cfg.Subscriber.ConsumerGroup
 	lags := make([]TopicLag, len(r.cfg.Topics))
 	for i, topic := range r.cfg.Topics {
-		st, err := pgoutbox.Stats(ctx, exec, r.cfg.Subscriber.Tables, pgoutbox.StatsForGroup(topic, r.cfg.Subscriber.ConsumerGroup))
+		st, err := pgoutbox.Stats(ctx, exec, r.cfg.Subscriber.Tables, pgoutbox.StatsForTopic(topic))
 		if err != nil {
 			return nil, fmt.Errorf("pgoutbox/relay: lag: %w", err)
 		}
 		lags[i] = TopicLag{Topic: topic}
-		for _, q := range st { // one entry: StatsForGroup
-			lags[i].Ready = q.Ready + q.Leased + q.ExpiredLeases
-			lags[i].Scheduled, lags[i].Parked, lags[i].Age = q.Scheduled, q.Parked, q.OldestReadyAge
+		bound := false
+		for _, q := range st {
+			if q.ConsumerGroup == group && q.Bound {
+				bound = true
+			}
+		}
+		var backlog *pgoutbox.QueueStats
+		for j, q := range st {
+			counts := q.ConsumerGroup == group ||
+				(q.ConsumerGroup == "" && !q.Bound) // unbound: adopted at the next start
+			if !counts && !bound && r.cfg.Subscriber.StartFrom == pgoutbox.StartFromBacklog && q.Bound {
+				if backlog == nil || q.Ready+q.Leased+q.ExpiredLeases+q.Scheduled > backlog.Ready+backlog.Leased+backlog.ExpiredLeases+backlog.Scheduled {
+					backlog = &st[j]
+				}
+			}
+			if counts {
+				lags[i].add(q)
+			}
+		}
+		if backlog != nil {
+			lags[i].add(*backlog)
 		}
 	}
 	return lags, nil
+}
+
+func (l *TopicLag) add(q pgoutbox.QueueStats) {
+	l.Ready += q.Ready + q.Leased + q.ExpiredLeases
+	l.Scheduled += q.Scheduled
+	l.Parked += q.Parked
+	l.Age = max(l.Age, q.OldestReadyAge)
 }

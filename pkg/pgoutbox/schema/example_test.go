@@ -50,6 +50,7 @@ func ExampleMigrations() {
 	// 0003_consumer_groups.sql
 	// 0004_ordering_keys.sql
 	// 0005_paused_groups.sql
+	// 0006_backlog_copies.sql
 }
 
 // ExampleMigrate creates an outbox by migration, reads its version, and
@@ -100,6 +101,7 @@ func ExampleMigrate() {
 	// applied 3 consumer_groups
 	// applied 4 ordering_keys
 	// applied 5 paused_groups
-	// version 5 of 5, 0 pending
-	// down would undo 5 paused_groups in 1 statements
+	// applied 6 backlog_copies
+	// version 6 of 6, 0 pending
+	// down would undo 6 backlog_copies in 3 statements
 }

@@ -384,8 +384,10 @@ func detectLayout(ctx context.Context, e tx.Executor, n query.Names) (version in
 		return 3, dlqMissing, nil
 	case cols[n.PausedTable()] == nil:
 		return 4, dlqMissing, nil
+	case !has(n.Bindings, "backlog_next", "backlog_bound", "backlog_end"):
+		return 5, dlqMissing, nil
 	}
-	return 5, dlqMissing, nil
+	return 6, dlqMissing, nil
 }
 
 // inLockedTx runs fn in a transaction (or the caller's) holding Create's

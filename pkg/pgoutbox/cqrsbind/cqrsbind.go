@@ -1,0 +1,125 @@
+// Package cqrsbind binds the consumer groups of Watermill CQRS handlers to
+// their topics ahead of traffic, from a deploy step or at start, without
+// listing topic and group pairs by hand.
+//
+// A CQRS processor learns a handler's topic from GenerateSubscribeTopic and
+// its subscriber (whose ConsumerGroup is, by convention, the handler name)
+// from SubscriberConstructor. Events and Commands call both, with the same
+// parameters the processor passes, for every handler, and bind each
+// subscriber's group to its topic. The groups of one topic are bound in one
+// call: if the topic had no binding, each of them gets the messages it
+// received so far (see pgoutbox.BindGroups). The subscribers built for
+// this are closed again; they never subscribe.
+//
+//	eventsConfig := cqrs.EventProcessorConfig{GenerateSubscribeTopic: ..., SubscriberConstructor: ..., Marshaler: ...}
+//	handlers := []cqrs.EventHandler{invoice, notification, statistics}
+//	if err := cqrsbind.Events(ctx, eventsConfig, handlers); err != nil { ... }
+//	events, err := cqrs.NewEventProcessorWithConfig(router, eventsConfig)
+//	err = events.AddHandlers(handlers...)
+//
+// SubscriberConstructor must return a *pgoutbox.Subscriber (not wrapped by
+// a decorator), so that its group and outbox can be read.
+package cqrsbind
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/components/cqrs"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+// Events binds the consumer group of every event handler of handlers to
+// its topic, as config's processor would subscribe it. config needs
+// GenerateSubscribeTopic, SubscriberConstructor and Marshaler, as
+// cqrs.NewEventProcessorWithConfig does.
+func Events(ctx context.Context, config cqrs.EventProcessorConfig, handlers []cqrs.EventHandler) error {
+	if config.GenerateSubscribeTopic == nil || config.SubscriberConstructor == nil || config.Marshaler == nil {
+		return errors.New("pgoutbox/cqrsbind: EventProcessorConfig needs GenerateSubscribeTopic, SubscriberConstructor and Marshaler; pass the config of the processor")
+	}
+	b := newBinder()
+	defer b.close()
+	for _, h := range handlers {
+		eventName := config.Marshaler.Name(h.NewEvent())
+		topic, err := config.GenerateSubscribeTopic(cqrs.EventProcessorGenerateSubscribeTopicParams{EventName: eventName, EventHandler: h})
+		if err != nil {
+			return fmt.Errorf("pgoutbox/cqrsbind: topic of event handler %q: %w", h.HandlerName(), err)
+		}
+		sub, err := config.SubscriberConstructor(cqrs.EventProcessorSubscriberConstructorParams{
+			EventName: eventName, HandlerName: h.HandlerName(), EventHandler: h})
+		if err := b.add(topic, h.HandlerName(), sub, err); err != nil {
+			return err
+		}
+	}
+	return b.bind(ctx)
+}
+
+// Commands binds the consumer group of every command handler of handlers
+// to its topic, as config's processor would subscribe it. config needs
+// GenerateSubscribeTopic, SubscriberConstructor and Marshaler, as
+// cqrs.NewCommandProcessorWithConfig does.
+func Commands(ctx context.Context, config cqrs.CommandProcessorConfig, handlers []cqrs.CommandHandler) error {
+	if config.GenerateSubscribeTopic == nil || config.SubscriberConstructor == nil || config.Marshaler == nil {
+		return errors.New("pgoutbox/cqrsbind: CommandProcessorConfig needs GenerateSubscribeTopic, SubscriberConstructor and Marshaler; pass the config of the processor")
+	}
+	b := newBinder()
+	defer b.close()
+	for _, h := range handlers {
+		commandName := config.Marshaler.Name(h.NewCommand())
+		topic, err := config.GenerateSubscribeTopic(cqrs.CommandProcessorGenerateSubscribeTopicParams{CommandName: commandName, CommandHandler: h})
+		if err != nil {
+			return fmt.Errorf("pgoutbox/cqrsbind: topic of command handler %q: %w", h.HandlerName(), err)
+		}
+		sub, err := config.SubscriberConstructor(cqrs.CommandProcessorSubscriberConstructorParams{
+			CommandName: commandName, HandlerName: h.HandlerName(), Handler: h})
+		if err := b.add(topic, h.HandlerName(), sub, err); err != nil {
+			return err
+		}
+	}
+	return b.bind(ctx)
+}
+
+// binder collects the subscribers per topic, in the order first seen.
+type binder struct {
+	topics []string
+	subs   map[string][]*pgoutbox.Subscriber
+	built  []message.Subscriber
+}
+
+func newBinder() *binder { return &binder{subs: map[string][]*pgoutbox.Subscriber{}} }
+
+func (b *binder) add(topic, handler string, sub message.Subscriber, err error) error {
+	if err != nil {
+		return fmt.Errorf("pgoutbox/cqrsbind: subscriber of handler %q: %w", handler, err)
+	}
+	b.built = append(b.built, sub)
+	ps, ok := sub.(*pgoutbox.Subscriber)
+	if !ok {
+		return fmt.Errorf("pgoutbox/cqrsbind: the subscriber of handler %q is a %T, not a *pgoutbox.Subscriber; return the pgoutbox subscriber itself from SubscriberConstructor", handler, sub)
+	}
+	if _, seen := b.subs[topic]; !seen {
+		b.topics = append(b.topics, topic)
+	}
+	b.subs[topic] = append(b.subs[topic], ps)
+	return nil
+}
+
+func (b *binder) bind(ctx context.Context) error {
+	for _, topic := range b.topics {
+		if err := pgoutbox.BindSubscribers(ctx, topic, b.subs[topic]...); err != nil {
+			return fmt.Errorf("pgoutbox/cqrsbind: %w", err)
+		}
+	}
+	return nil
+}
+
+func (b *binder) close() {
+	for _, s := range b.built {
+		if s != nil {
+			_ = s.Close()
+		}
+	}
+}

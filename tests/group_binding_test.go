@@ -1,0 +1,532 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/cqrs"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/cqrsbind"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/relay"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// groupRows counts the rows of one topic and group.
+func (b *bundle) groupRows(t *testing.T, topic, group string) int {
+	t.Helper()
+	return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1 AND consumer_group = $2`, topic, group)
+}
+
+// statsOf returns the stats of one topic and group.
+func (b *bundle) statsOf(t *testing.T, topic, group string) pgoutbox.QueueStats {
+	t.Helper()
+	st, err := pgoutbox.Stats(context.Background(), tx.FromPgxPool(b.Pool), b.tables, pgoutbox.StatsForGroup(topic, group))
+	require.NoError(t, err)
+	require.Len(t, st, 1)
+	return st[0]
+}
+
+// Story 3: messages published while a topic has no binding are unbound
+// (Stats says so), and the first group to bind gets them; the default
+// group, bound later, starts at new messages like any later group.
+func TestTheFirstGroupToBindGetsWhatWasPublishedBefore(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	early := newMsgs(3)
+	b.publishInTx(t, "t", true, early...)
+	st := b.statsOf(t, "t", "")
+	require.False(t, st.Bound)
+	require.EqualValues(t, 3, st.Unbound(), "Stats shows the unbound messages")
+
+	late, err := b.groupSubscriber(t, "late", nil).Subscribe(ctx, "t")
+	require.NoError(t, err)
+	for i := range early {
+		got := receive(t, late, 10*time.Second)
+		require.Equal(t, early[i].UUID, got.UUID, "in publish order")
+		got.Ack()
+	}
+	require.Zero(t, b.statsOf(t, "t", "").Unbound())
+
+	def, err := b.subscriber(t, nil).Subscribe(ctx, "t")
+	require.NoError(t, err)
+	later := newMsg("later")
+	b.publishInTx(t, "t", true, later)
+	got := receive(t, def, 10*time.Second)
+	require.Equal(t, later.UUID, got.UUID, "the default group bound later starts at new messages")
+	got.Ack()
+	require.Equal(t, later.UUID, receive(t, late, 10*time.Second).UUID)
+}
+
+// If the default group is the first to bind, the unbound messages stay
+// where they are, its own.
+func TestTheDefaultGroupBindingFirstKeepsTheUnboundMessages(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	b.publishInTx(t, "t", true, newMsgs(2)...)
+	res, err := pgoutbox.BindGroups(ctx, tx.FromPgxPool(b.Pool), b.tables, "t", []string{""})
+	require.NoError(t, err)
+	require.Equal(t, []string{""}, res.New)
+	require.Zero(t, res.Adopted)
+	st := b.statsOf(t, "t", "")
+	require.True(t, st.Bound)
+	require.EqualValues(t, 2, st.Ready)
+	require.Zero(t, st.Unbound())
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "t", "other"))
+	require.Zero(t, b.groupRows(t, "t", "other"), "a later group starts at new messages")
+}
+
+// Groups bound together are all first groups: each gets every unbound
+// message once. Binding concurrently, nothing is lost or duplicated
+// (whoever adopts first gives every group bound by then its copy).
+func TestFirstGroupsBoundTogetherEachGetTheUnboundMessages(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	b.publishInTx(t, "t", true, newMsgs(12000)...) // more than one adoption batch
+	res, err := pgoutbox.BindGroups(ctx, exec, b.tables, "t", []string{"invoice", "mail", "stats"})
+	require.NoError(t, err)
+	require.EqualValues(t, 12000, res.Adopted)
+	for _, g := range []string{"invoice", "mail", "stats"} {
+		require.Equal(t, 12000, b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.outbox WHERE consumer_group = $1`, g))
+		require.Equal(t, 12000, b.groupRows(t, "t", g), g)
+	}
+	require.Zero(t, b.groupRows(t, "t", ""))
+
+	// Concurrent first binders of another topic.
+	b.publishInTx(t, "u", true, newMsgs(500)...)
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	for i := range errs {
+		wg.Go(func() { errs[i] = pgoutbox.Bind(ctx, exec, b.tables, "u", fmt.Sprint("g", i)) })
+	}
+	wg.Wait()
+	total := 0
+	for i, err := range errs {
+		require.NoError(t, err)
+		n := b.groupRows(t, "u", fmt.Sprint("g", i))
+		require.Contains(t, []int{0, 500}, n, "a group gets all of them or none")
+		require.Equal(t, n, b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.outbox WHERE topic = 'u' AND consumer_group = $1`, fmt.Sprint("g", i)))
+		total += n
+	}
+	require.GreaterOrEqual(t, total, 500, "nothing lost")
+	require.Zero(t, b.groupRows(t, "u", ""))
+}
+
+// A publish whose transaction began before the first binding and commits
+// after it stores its message for "" (it could not see the binding): Bind
+// waits for it and adopts it too.
+func TestBindAdoptsWhatAConcurrentPublishStoredForNobody(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	pgTx, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pgTx.Rollback(ctx) })
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(pgTx), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	inFlight := newMsg("in flight")
+	require.NoError(t, pub.Publish("t", inFlight))
+	bound := make(chan error, 1)
+	go func() { bound <- pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "t", "worker") }()
+	pollUntil(t, "the binding committed", 10*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE topic = 't'`) == 1
+	})
+	select {
+	case err := <-bound:
+		t.Fatalf("Bind returned (%v) while a publish it could not see was open", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	require.NoError(t, pgTx.Commit(ctx))
+	require.NoError(t, <-bound)
+	require.Equal(t, 1, b.groupRows(t, "t", "worker"))
+	require.Zero(t, b.groupRows(t, "t", ""))
+}
+
+// Story 1: a relay added to an outbox in use relays what its topics held
+// before its first start, whatever its group: unbound messages (nothing
+// consumed the topic), and the backlog of a group already bound. Lag
+// counts them before the relay runs.
+func TestARelayAddedLaterRelaysTheBacklog(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	targetTables, target := b.relayTarget(t)
+	before := newMsgs(5)
+	b.publishInTx(t, "orders", true, before...)
+	// "audit" has a consumer already: its messages wait in the default group.
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "audit", ""))
+	audits := newMsgs(4)
+	b.publishInTx(t, "audit", true, audits...)
+
+	cfg := relay.Config{Topics: []string{"orders", "audit"}, Subscriber: pgoutbox.SubscriberConfig{
+		Tables: b.tables, ConsumerGroup: "relay", MinPollInterval: 20 * time.Millisecond, MaxPollInterval: 200 * time.Millisecond,
+	}}
+	r, err := relay.New(b.Pool, target, cfg)
+	require.NoError(t, err)
+	lag, err := r.Lag(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 5, lag[0].Ready, "the unbound messages the relay will adopt")
+	require.EqualValues(t, 4, lag[1].Ready, "the backlog the relay will copy")
+	require.NoError(t, r.Close())
+
+	b.startRelay(t, target, func(c *relay.Config) {
+		c.Topics = []string{"orders", "audit"}
+		c.Subscriber.ConsumerGroup = "relay"
+	})
+	relayed := `SELECT count(*) FROM ` + b.Schema + `.` + targetTables.Table + ` WHERE uuid = ANY ($1)`
+	uuids := func(msgs []*message.Message) []string {
+		var out []string
+		for _, m := range msgs {
+			out = append(out, m.UUID)
+		}
+		return out
+	}
+	pollUntil(t, "every earlier message relayed", 20*time.Second, nil, func() bool {
+		return b.count(t, relayed, uuids(before)) == 5 && b.count(t, relayed, uuids(audits)) == 4
+	})
+	require.Equal(t, 4, b.groupRows(t, "audit", ""), "the default group keeps its own copies")
+	require.Zero(t, b.groupRows(t, "orders", ""))
+}
+
+// Unbind of the default group refuses to turn its waiting messages into
+// unbound ones; MoveGroup hands a group's waiting messages to another.
+func TestUnbindDefaultGroupAndMoveGroup(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	_, err := pgoutbox.BindGroups(ctx, exec, b.tables, "t", []string{"", "a"})
+	require.NoError(t, err)
+	b.publishInTx(t, "t", true, newMsgs(3)...)
+	_, err = pgoutbox.Unbind(ctx, exec, b.tables, "t", "", false)
+	require.ErrorIs(t, err, pgoutbox.ErrGroupNotEmpty)
+	require.True(t, b.statsOf(t, "t", "").Bound, "still bound")
+
+	moved, err := pgoutbox.MoveGroup(ctx, exec, b.tables, "t", "", "b")
+	require.NoError(t, err)
+	require.EqualValues(t, 3, moved)
+	st := b.statsOf(t, "t", "b")
+	require.False(t, st.Bound)
+	require.EqualValues(t, 3, st.Unbound(), "b is not bound: Stats shows its rows as stranded")
+	_, err = pgoutbox.Unbind(ctx, exec, b.tables, "t", "", false)
+	require.NoError(t, err, "empty now")
+	_, err = pgoutbox.MoveGroup(ctx, exec, b.tables, "t", "b", "b")
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidGroup)
+}
+
+type bookRoom struct {
+	Room string `json:"room"`
+}
+
+type roomBooked struct {
+	Room string `json:"room"`
+}
+
+// cqrsConfigs are the CQRS processor configurations of the tests: topic
+// per command or event name, one pgoutbox subscriber per handler whose
+// group is the handler name.
+func (b *bundle) cqrsConfigs() (cqrs.CommandProcessorConfig, cqrs.EventProcessorConfig) {
+	sub := func(handler string) (message.Subscriber, error) {
+		return pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
+			Tables: b.tables, ConsumerGroup: handler, MinPollInterval: 20 * time.Millisecond, MaxPollInterval: time.Second,
+		}, nil)
+	}
+	marshaler := cqrs.JSONMarshaler{}
+	return cqrs.CommandProcessorConfig{
+			GenerateSubscribeTopic: func(p cqrs.CommandProcessorGenerateSubscribeTopicParams) (string, error) {
+				return "commands." + p.CommandName, nil
+			},
+			SubscriberConstructor: func(p cqrs.CommandProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+				return sub(p.HandlerName)
+			},
+			Marshaler: marshaler,
+		}, cqrs.EventProcessorConfig{
+			GenerateSubscribeTopic: func(p cqrs.EventProcessorGenerateSubscribeTopicParams) (string, error) {
+				return "events." + p.EventName, nil
+			},
+			SubscriberConstructor: func(p cqrs.EventProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+				return sub(p.HandlerName)
+			},
+			Marshaler: marshaler,
+		}
+}
+
+// Story 2: commands the API sends before the worker's first deploy are
+// handled when the worker starts (its command handler's group is the
+// first to bind the command topic).
+func TestCQRSCommandsSentBeforeTheWorkersFirstDeployAreHandled(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
+	ctx := context.Background()
+	commandsCfg, _ := b.cqrsConfigs()
+	bus, err := cqrs.NewCommandBusWithConfig(b.poolPublisher(t), cqrs.CommandBusConfig{
+		GeneratePublishTopic: func(p cqrs.CommandBusGeneratePublishTopicParams) (string, error) {
+			return "commands." + p.CommandName, nil
+		},
+		Marshaler: commandsCfg.Marshaler,
+	})
+	require.NoError(t, err)
+	for i := range 3 {
+		require.NoError(t, bus.Send(ctx, &bookRoom{Room: fmt.Sprint(100 + i)}))
+	}
+
+	// The worker's first deploy.
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	commands, err := cqrs.NewCommandProcessorWithConfig(r, commandsCfg)
+	require.NoError(t, err)
+	handled := newHandledSet()
+	require.NoError(t, commands.AddHandlers(cqrs.NewCommandHandler("book_room", func(ctx context.Context, c *bookRoom) error {
+		handled.add(c.Room)
+		return nil
+	})))
+	startRouter(t, r)
+	pollUntil(t, "the three early commands handled", 20*time.Second, nil, func() bool { return handled.distinct() == 3 })
+	pollUntil(t, "nothing left", 10*time.Second, nil, func() bool { return b.outboxRows(t, "commands.tests.bookRoom") == 0 })
+}
+
+// cqrsbind binds every handler group of a processor ahead of traffic
+// (a deploy step): events published before (unbound) and after it reach
+// every handler, although no router ran yet.
+func TestCQRSBindAheadOfTraffic(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
+	ctx := context.Background()
+	commandsCfg, eventsCfg := b.cqrsConfigs()
+	bus, err := cqrs.NewEventBusWithConfig(b.poolPublisher(t), cqrs.EventBusConfig{
+		GeneratePublishTopic: func(p cqrs.GenerateEventPublishTopicParams) (string, error) { return "events." + p.EventName, nil },
+		Marshaler:            eventsCfg.Marshaler,
+	})
+	require.NoError(t, err)
+	require.NoError(t, bus.Publish(ctx, &roomBooked{Room: "early-1"}))
+	require.NoError(t, bus.Publish(ctx, &roomBooked{Room: "early-2"}))
+
+	counts := map[string]*handledSet{}
+	var handlers []cqrs.EventHandler
+	for _, name := range []string{"invoice", "notification", "statistics"} {
+		counts[name] = newHandledSet()
+		handlers = append(handlers, cqrs.NewEventHandler(name, func(ctx context.Context, e *roomBooked) error {
+			counts[name].add(e.Room)
+			return nil
+		}))
+	}
+	commandHandlers := []cqrs.CommandHandler{cqrs.NewCommandHandler("book_room", func(ctx context.Context, c *bookRoom) error { return nil })}
+	// The deploy step: no router, no subscription.
+	require.NoError(t, cqrsbind.Events(ctx, eventsCfg, handlers))
+	require.NoError(t, cqrsbind.Commands(ctx, commandsCfg, commandHandlers))
+	require.Equal(t, 4, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings`), "three event groups and one command group")
+	for i := range 3 {
+		require.NoError(t, bus.Publish(ctx, &roomBooked{Room: fmt.Sprint("later-", i)}))
+	}
+
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	events, err := cqrs.NewEventProcessorWithConfig(r, eventsCfg)
+	require.NoError(t, err)
+	require.NoError(t, events.AddHandlers(handlers...))
+	startRouter(t, r)
+	for name, seen := range counts {
+		pollUntil(t, name+" saw all five events", 20*time.Second, nil, func() bool { return seen.distinct() == 5 })
+	}
+
+	// A subscriber behind a decorator cannot be read: said so.
+	bad := eventsCfg
+	bad.SubscriberConstructor = func(p cqrs.EventProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+		return gochannel.NewGoChannel(gochannel.Config{}, nil), nil
+	}
+	require.ErrorContains(t, cqrsbind.Events(ctx, bad, handlers), "not a *pgoutbox.Subscriber")
+}
+
+// A group bound with StartFromBacklog gets a copy of every message the
+// topic holds, once, in batches: on a 200,000-row topic, cut short in the
+// middle and resumed by the next Bind, while messages keep being
+// published; afterwards it holds exactly the messages of the group that
+// was there before. A group bound later without the option gets none.
+func TestBindFromBacklogOnALargeTopic(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgoutboxtest.Options{MaxConns: 10})
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	const n = 200000
+	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "big", "a"))
+	b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload, available_at)
+		SELECT 'big', 'a', 'u' || g, '\x00', now() - interval '1 minute' FROM generate_series(1, 200000) g`)
+
+	stop := make(chan struct{})
+	published := make(chan int)
+	go func() {
+		pub, total := b.poolPublisher(t), 0
+		defer func() { published <- total }()
+		pace := time.NewTicker(5 * time.Millisecond) // a steady trickle, not a load test
+		defer pace.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-pace.C:
+			}
+			if err := pub.Publish("big", newMsgs(10)...); err != nil {
+				t.Error(err)
+				return
+			}
+			total += 10
+		}
+	}()
+
+	cutCtx, cut := context.WithCancel(ctx)
+	go func() {
+		pollUntil(t, "the copy under way", 30*time.Second, nil, func() bool {
+			return b.count(t, `SELECT coalesce(max(backlog_next), 0) FROM `+b.Schema+`.outbox_bindings WHERE consumer_group = 'b'`) > 0
+		})
+		cut()
+	}()
+	start := time.Now()
+	_, err := pgoutbox.BindGroups(cutCtx, exec, b.tables, "big", []string{"b"}, pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+	require.ErrorIs(t, err, context.Canceled, "cut short")
+	copiedBefore := b.groupRows(t, "big", "b")
+	require.Less(t, copiedBefore, n)
+
+	res, err := pgoutbox.BindGroups(ctx, exec, b.tables, "big", []string{"b"}, pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+	require.NoError(t, err)
+	took := time.Since(start)
+	require.Empty(t, res.New, "bound already: the copy resumed")
+	close(stop)
+	total := <-published
+	t.Logf("backlog copy of %d rows: %s (cut short after %d rows, resumed), %d messages published meanwhile", n, took.Round(time.Millisecond), copiedBefore, total)
+
+	require.Equal(t, n+total, b.groupRows(t, "big", "a"))
+	require.Equal(t, n+total, b.groupRows(t, "big", "b"), "every message once")
+	require.Equal(t, n+total, b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.outbox WHERE consumer_group = 'b'`))
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox a WHERE a.consumer_group = 'a'
+		AND NOT EXISTS (SELECT 1 FROM `+b.Schema+`.outbox c WHERE c.consumer_group = 'b' AND c.uuid = a.uuid)`))
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE backlog_next IS NOT NULL`), "done")
+
+	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "big", "c"))
+	require.Zero(t, b.groupRows(t, "big", "c"), "StartFromNew")
+}
+
+// An outbox of the previous release: topic "orders" has the default group
+// bound (the upgrade from the first release bound it) and "billing", each
+// with its copies; "commands" got two messages before its worker bound,
+// which that release left in "" for good; "fresh" has no binding. After
+// schema.Create, with subscribers of both releases running (a rolling
+// deploy), nothing is lost or duplicated: the stranded commands go to the
+// worker, the default group keeps its copies, and messages a binder of the
+// previous release left unbound go to the next binder of the new one.
+func TestUpgradeOfAnOutboxWithRowsInTheDefaultAndNamedGroups(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	b.exec(t, `ALTER TABLE %s.outbox_bindings DROP COLUMN backlog_next, DROP COLUMN backlog_bound, DROP COLUMN backlog_end`)
+	require.Error(t, schema.Validate(ctx, exec, b.tables), "the previous release's bindings table")
+	b.exec(t, `INSERT INTO %s.outbox_bindings (topic, consumer_group) VALUES ('orders', ''), ('orders', 'billing'), ('commands', 'worker')`)
+	b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload) VALUES
+		('orders', '', 'o1', ''), ('orders', 'billing', 'o1', ''), ('orders', '', 'o2', ''), ('orders', 'billing', 'o2', ''),
+		('commands', '', 'c1', ''), ('commands', '', 'c2', ''), ('commands', 'worker', 'c3', ''),
+		('fresh', '', 'f1', ''), ('fresh', '', 'f2', '')`)
+
+	require.NoError(t, schema.Create(ctx, exec, b.tables))
+	require.NoError(t, schema.Validate(ctx, exec, b.tables))
+	require.False(t, b.statsOf(t, "commands", "").Bound)
+	require.EqualValues(t, 2, b.statsOf(t, "commands", "").Unbound(), "Stats shows what the previous release stranded")
+
+	// A subscriber of the previous release binds as it did, adopting nothing.
+	b.exec(t, `INSERT INTO %s.outbox_bindings (topic, consumer_group) VALUES ('fresh', 'audit') ON CONFLICT DO NOTHING`)
+	require.EqualValues(t, 2, b.statsOf(t, "fresh", "").Unbound())
+
+	uuidsOf := func(ch <-chan *message.Message, n int) []string {
+		var got []string
+		for range n {
+			m := receive(t, ch, 10*time.Second)
+			got = append(got, m.UUID)
+			m.Ack()
+		}
+		requireNothing(t, ch, 200*time.Millisecond)
+		return got
+	}
+	worker, err := b.groupSubscriber(t, "worker", nil).Subscribe(ctx, "commands")
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"c1", "c2", "c3"}, uuidsOf(worker, 3), "the stranded commands reach the worker")
+	audit, err := b.groupSubscriber(t, "audit", nil).Subscribe(ctx, "fresh")
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"f1", "f2"}, uuidsOf(audit, 2), "the new release's binder adopts")
+	def, err := b.subscriber(t, nil).Subscribe(ctx, "orders")
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"o1", "o2"}, uuidsOf(def, 2), "the default group keeps its copies")
+	billing, err := b.groupSubscriber(t, "billing", nil).Subscribe(ctx, "orders")
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"o1", "o2"}, uuidsOf(billing, 2))
+
+	// Publishers of either release run the same statement: one copy per bound group.
+	m := newMsg("after")
+	b.publishInTx(t, "orders", true, m)
+	require.Equal(t, m.UUID, receive(t, def, 10*time.Second).UUID)
+	require.Equal(t, m.UUID, receive(t, billing, 10*time.Second).UUID)
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic IN ('commands', 'fresh')`))
+}
+
+// SubscriberConfig.StartFrom: a subscriber whose Subscribe creates its
+// group's binding with StartFromBacklog gets what the topic's other group
+// holds; StartFromNew (the default) does not. An invalid value is refused.
+func TestSubscriberStartFrom(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "t", "old"))
+	waiting := newMsgs(3)
+	b.publishInTx(t, "t", true, waiting...)
+
+	fresh, err := b.groupSubscriber(t, "fresh", nil).Subscribe(ctx, "t")
+	require.NoError(t, err)
+	catchUp, err := b.groupSubscriber(t, "catch-up", func(c *pgoutbox.SubscriberConfig) { c.StartFrom = pgoutbox.StartFromBacklog }).Subscribe(ctx, "t")
+	require.NoError(t, err)
+	for i := range waiting {
+		got := receive(t, catchUp, 10*time.Second)
+		require.Equal(t, waiting[i].UUID, got.UUID, "the backlog in order")
+		got.Ack()
+	}
+	requireNothing(t, fresh, 200*time.Millisecond)
+	_, err = pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: b.tables, StartFrom: "earliest"}, nil)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.ErrorContains(t, err, `StartFrom is "earliest"`)
+	_, err = pgoutbox.BindGroups(ctx, tx.FromPgxPool(b.Pool), b.tables, "t", nil)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidGroup)
+}
+
+// Bind in the caller's transaction: the binding, the adoption and the
+// backlog copy commit or roll back with it.
+func TestBindInsideATransaction(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	b.publishInTx(t, "t", true, newMsgs(2)...)
+	for _, commit := range []bool{false, true} {
+		pgTx, err := b.Pool.Begin(ctx)
+		require.NoError(t, err)
+		res, err := pgoutbox.BindGroups(ctx, tx.FromPgxTx(pgTx), b.tables, "t", []string{"g"}, pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+		require.NoError(t, err)
+		require.EqualValues(t, 2, res.Adopted)
+		if !commit {
+			require.NoError(t, pgTx.Rollback(ctx))
+			require.EqualValues(t, 2, b.statsOf(t, "t", "").Unbound(), "rolled back: still unbound")
+			continue
+		}
+		require.NoError(t, pgTx.Commit(ctx))
+	}
+	require.Equal(t, 2, b.groupRows(t, "t", "g"))
+	require.True(t, b.statsOf(t, "t", "g").Bound)
+}

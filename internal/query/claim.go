@@ -180,12 +180,7 @@ func claimFastStatement(t, ac string, orphans bool) string {
 ), last_ready AS (
     SELECT available_at, id FROM ready ORDER BY available_at DESC, id DESC LIMIT 1
 )
-UPDATE %[1]s o
-   SET lease_token  = $3::uuid,
-       leased_until = now() + $4::bigint * interval '1 microsecond',
-       leased_by    = $5,
-       lease_holder = $9::bigint,
-       deliveries   = o.deliveries + 1
+UPDATE %[1]s o`+leaseTaken+`
  WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s
 RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key, o.created_at,
           (SELECT available_at FROM last_ready), (SELECT id FROM last_ready),
@@ -224,12 +219,7 @@ func claimStatement(t, ac string, orphans bool) string {
      LIMIT %[6]s
        FOR UPDATE SKIP LOCKED
 ), claimed AS (
-    UPDATE %[1]s o
-       SET lease_token  = $3::uuid,
-           leased_until = now() + $4::bigint * interval '1 microsecond',
-           leased_by    = $5,
-           lease_holder = $9::bigint,
-           deliveries   = o.deliveries + 1
+    UPDATE %[1]s o`+leaseTaken+`
      WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s
     RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key, o.created_at
 ), next_cursor AS (
@@ -249,6 +239,16 @@ SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.orde
   LEFT JOIN next_cursor l ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
 		keyIsFree(t, "c", "$10"))
 }
+
+// leaseTaken is what every lease claim writes to the rows it takes: its
+// token ($3), the lease's end ($4 microseconds from now), the worker ($5),
+// its liveness key ($9), one more delivery.
+const leaseTaken = `
+   SET lease_token  = $3::uuid,
+       leased_until = now() + $4::bigint * interval '1 microsecond',
+       leased_by    = $5,
+       lease_holder = $9::bigint,
+       deliveries   = o.deliveries + 1`
 
 // ClaimArgs are the parameters of a lease claim.
 type ClaimArgs struct {

@@ -171,12 +171,12 @@ SELECT id, token FROM dead`, n.QTable, ac, n.QDLQ)
 // each a set of parallel arrays.
 type CompleteArgs struct {
 	AckIDs    []int64
-	AckTokens []pgtype.UUID
+	AckTokens Tokens
 	// Returns give rows back: due again after DelayUS (NULL: keep
 	// available_at), Undo 1 takes back a delivery nobody saw, Errs and
 	// Metas NULL keep what is stored.
 	RetIDs    []int64
-	RetTokens []pgtype.UUID
+	RetTokens Tokens
 	DelayUS   []pgtype.Int8
 	Undo      []int32
 	Errs      []pgtype.Text
@@ -184,7 +184,7 @@ type CompleteArgs struct {
 	// Holds keep a nacked row's lease (ordered mode), counting its next
 	// delivery.
 	HoldIDs    []int64
-	HoldTokens []pgtype.UUID
+	HoldTokens Tokens
 	HoldErrs   []pgtype.Text
 	HoldMetas  []pgtype.Text
 	LeaseUS    int64  // the lease a hold extends
@@ -218,3 +218,9 @@ type FinishArgs struct {
 func (a FinishArgs) Finish() []any {
 	return []any{a.AckIDs, a.LeaseIDs, a.Token, a.LeaseUS, a.WorkerID, a.Holder}
 }
+
+// Tokens is an array parameter of lease tokens. Its elements are pointers
+// (to the tokens the deliveries hold): pgx boxes each element of an array
+// parameter into an interface, which allocates for a 16-byte value and not
+// for a pointer, and a batch of acks is thousands of tokens a second.
+type Tokens = pgtype.FlatArray[*pgtype.UUID]

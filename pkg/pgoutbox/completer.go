@@ -32,6 +32,7 @@ type completer struct {
 	done     chan struct{}
 	deadline atomic.Int64 // unix nanos; set for the final writes at close: bounds every statement
 	inFlight atomic.Int64 // ops of the job under way, for the owner's backpressure bound
+	keys     []writtenKey // collectWritten's staging buffer, reused
 }
 
 // writeJob is one batch of writes.
@@ -189,7 +190,7 @@ func (c *completer) stmtCtx() (context.Context, context.CancelFunc) {
 // ack behind it; so the batch is then written in parts, down to single
 // rows, and a row whose own write cannot succeed is abandoned.
 func (c *completer) write(j writeJob) writeResult {
-	r := writeResult{job: j, sent: time.Now(), done: written{}, abandoned: map[*delivery]error{}}
+	r := writeResult{job: j, sent: time.Now(), done: make(written, j.ops())}
 	fail := func(err error, left writeJob) writeResult {
 		r.err, r.left = err, left
 		if len(j.releaseTokens) > 0 {
@@ -228,7 +229,7 @@ func (c *completer) write(j writeJob) writeResult {
 		}
 	}
 	if j.renew != nil {
-		r.renewSent, r.renewDone = time.Now(), written{}
+		r.renewSent, r.renewDone = time.Now(), make(written, len(j.renew))
 		if err := c.writeRenew(j.renew, j.renewHolder, r.renewDone); err != nil {
 			return fail(err, writeJob{})
 		}
@@ -262,6 +263,9 @@ func writeEach[T any](r *writeResult, items []T, row func(T) *delivery, write fu
 		switch err := write(items[i : i+1]); {
 		case err == nil:
 		case isPermanent(err):
+			if r.abandoned == nil {
+				r.abandoned = map[*delivery]error{}
+			}
 			r.abandoned[row(it)] = err
 		default:
 			return items[i:], err
@@ -287,54 +291,54 @@ func isPermanent(err error) bool {
 
 func (c *completer) writeComplete(acks []*delivery, returns []returnOp, holds []holdOp, done written) error {
 	a := query.CompleteArgs{
-		AckIDs: make([]int64, len(acks)), AckTokens: make([]pgtype.UUID, len(acks)),
+		AckIDs: make([]int64, len(acks)), AckTokens: make(query.Tokens, len(acks)),
 		LeaseUS: c.cfg.Lease.Microseconds(), Channel: c.q.Names.Channel, WakeKey: c.topic + query.GroupMark + c.cfg.ConsumerGroup,
 	}
 	for i, d := range acks {
-		a.AckIDs[i], a.AckTokens[i] = d.id, d.token
+		a.AckIDs[i], a.AckTokens[i] = d.id, &d.token
 	}
 	if n := len(returns); n > 0 {
-		a.RetIDs, a.RetTokens = make([]int64, n), make([]pgtype.UUID, n)
+		a.RetIDs, a.RetTokens = make([]int64, n), make(query.Tokens, n)
 		a.DelayUS, a.Undo = make([]pgtype.Int8, n), make([]int32, n)
 		a.Errs, a.Metas = make([]pgtype.Text, n), make([]pgtype.Text, n)
 		for i, op := range returns {
-			a.RetIDs[i], a.RetTokens[i] = op.d.id, op.d.token
+			a.RetIDs[i], a.RetTokens[i] = op.d.id, &op.d.token
 			a.DelayUS[i], a.Undo[i], a.Errs[i], a.Metas[i] = op.delay, op.undo, op.err, op.meta
 		}
 	}
 	if h := len(holds); h > 0 {
-		a.HoldIDs, a.HoldTokens = make([]int64, h), make([]pgtype.UUID, h)
+		a.HoldIDs, a.HoldTokens = make([]int64, h), make(query.Tokens, h)
 		a.HoldErrs, a.HoldMetas = make([]pgtype.Text, h), make([]pgtype.Text, h)
 		for i, op := range holds {
-			a.HoldIDs[i], a.HoldTokens[i], a.HoldErrs[i], a.HoldMetas[i] = op.d.id, op.d.token, op.err, op.meta
+			a.HoldIDs[i], a.HoldTokens[i], a.HoldErrs[i], a.HoldMetas[i] = op.d.id, &op.d.token, op.err, op.meta
 		}
 	}
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
 	stmt, args := c.q.Write(a)
-	return collectWritten(done)(c.pool.Query(ctx, stmt, args...))
+	return c.collectWritten(done)(c.pool.Query(ctx, stmt, args...))
 }
 
 func (c *completer) writeDead(ops []deadOp, done written) error {
 	n := len(ops)
-	ids, tokens := make([]int64, n), make([]pgtype.UUID, n)
+	ids, tokens := make([]int64, n), make(query.Tokens, n)
 	reasons, errs := make([]string, n), make([]pgtype.Text, n)
 	for i, op := range ops {
-		ids[i], tokens[i], reasons[i], errs[i] = op.d.id, op.d.token, op.reason, op.err
+		ids[i], tokens[i], reasons[i], errs[i] = op.d.id, &op.d.token, op.reason, op.err
 	}
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
-	return collectWritten(done)(c.pool.Query(ctx, c.q.Dead, ids, tokens, reasons, errs))
+	return c.collectWritten(done)(c.pool.Query(ctx, c.q.Dead, ids, tokens, reasons, errs))
 }
 
 func (c *completer) writeRenew(rows []*delivery, holder pgtype.Int8, done written) error {
-	ids, tokens := make([]int64, len(rows)), make([]pgtype.UUID, len(rows))
+	ids, tokens := make([]int64, len(rows)), make(query.Tokens, len(rows))
 	for i, d := range rows {
-		ids[i], tokens[i] = d.id, d.token
+		ids[i], tokens[i] = d.id, &d.token
 	}
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
-	return collectWritten(done)(c.pool.Query(ctx, c.q.Renew, ids, tokens, c.cfg.Lease.Microseconds(), holder))
+	return c.collectWritten(done)(c.pool.Query(ctx, c.q.Renew, ids, tokens, c.cfg.Lease.Microseconds(), holder))
 }
 
 // written is the set of (row, lease) pairs a statement applied to. Keying
@@ -350,16 +354,19 @@ type writtenKey struct {
 func (w written) has(d *delivery) bool { return w[writtenKey{d.id, d.token.Bytes}] }
 
 // collectWritten adds the (id, token) rows of a result to w.
-func collectWritten(w written) func(pgx.Rows, error) error {
+func (c *completer) collectWritten(w written) func(pgx.Rows, error) error {
 	return func(rows pgx.Rows, err error) error {
 		if err != nil {
 			return err
 		}
 		defer rows.Close()
-		got := make([]writtenKey, 0, 128)
+		// The completer writes one job at a time: the staging buffer and
+		// the scan targets are reused (Scan takes their addresses).
+		got := c.keys[:0]
+		defer func() { c.keys = got[:0] }()
+		var id int64
+		var token pgtype.UUID
 		for rows.Next() {
-			var id int64
-			var token pgtype.UUID
 			if err := rows.Scan(&id, &token); err != nil {
 				return err
 			}

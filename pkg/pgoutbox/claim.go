@@ -154,7 +154,10 @@ func (c *claimScan) claimed(r claimResult) {
 	// A windowed pass goes on to the end of the rows before it starts
 	// again: rows deep in a backlog held back by their keys (the next row
 	// of a key ended elsewhere, a new key's first row) are reached only so.
-	windowedPass := r.req.window > 0 && r.cursor.Valid
+	// A held claim reads no window (the request may carry one it ignores):
+	// it scans from the start every second like any unwindowed claim, or a
+	// crashed consumer's rows behind its cursor wait for the backlog's end.
+	windowedPass := r.req.window > 0 && !r.req.held && r.cursor.Valid
 	if now.Sub(c.fromStartAt) >= rescanEvery && !windowedPass {
 		c.restart(false)
 		return

@@ -95,3 +95,33 @@ func TestRetryGateBacksOff(t *testing.T) {
 	require.False(t, g.shut())
 	require.Less(t, g.failed(now), time.Second, "and starts again small")
 }
+
+// A held claim reads no window: a busy held scan starts again from the
+// start every second, even while windowed claims were asked for (a slow
+// short claim), so rows behind its cursor (a crashed consumer's, rolled
+// back) are reached within a second, not at the end of the backlog.
+func TestClaimScanHeldClaimsRescanEverySecond(t *testing.T) {
+	t.Parallel()
+	c := newClaimScan()
+	start := time.Now()
+	c.windowUntil = start.Add(time.Hour) // windowed claims asked for
+	req := c.request(10, 0, start)
+	req.held = true
+	c.claimed(claimResult{req: req, rows: []*delivery{{id: 5}}, cursor: pgtype.Int8{Int64: 5, Valid: true}, cursorAt: pgtype.Timestamptz{Time: start, Valid: true}})
+	require.Equal(t, int64(5), c.id, "the cursor moves on")
+	later := start.Add(rescanEvery)
+	req = c.request(10, 0, later)
+	req.held = true
+	c.claimed(claimResult{req: req, rows: []*delivery{{id: 9}}, cursor: pgtype.Int8{Int64: 9, Valid: true}, cursorAt: pgtype.Timestamptz{Time: later, Valid: true}})
+	require.Equal(t, scanFromStart, c.at, "a second later the held scan starts again from the start")
+
+	// A windowed lease pass goes on to its end instead.
+	w := newClaimScan()
+	w.windowUntil = start.Add(time.Hour)
+	req = w.request(10, 0, start)
+	w.claimed(claimResult{req: req, cursor: pgtype.Int8{Int64: 5, Valid: true}, cursorAt: pgtype.Timestamptz{Time: start, Valid: true}})
+	req = w.request(10, 0, later)
+	require.Positive(t, req.window)
+	w.claimed(claimResult{req: req, cursor: pgtype.Int8{Int64: 9, Valid: true}, cursorAt: pgtype.Timestamptz{Time: later, Valid: true}})
+	require.Equal(t, int64(9), w.id, "the windowed pass goes on")
+}

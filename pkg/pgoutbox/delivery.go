@@ -100,7 +100,7 @@ const (
 
 func (sub *subscription) newOutcome(d *delivery) *outcome {
 	o := &outcome{complete: sub.s.q.CompleteInTx, id: d.id, token: d.token, unhold: sub.unholder(d)}
-	o.facts = newFacts(sub, d)
+	o.facts = newFacts(sub.origin, d)
 	return o
 }
 

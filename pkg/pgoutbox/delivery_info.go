@@ -62,14 +62,19 @@ func DeliveryOf(msg *message.Message) (Delivery, bool) {
 // facts is what a Delivery holds that the outcome does not already:
 // compact, as the subscriber allocates an outcome per hand-out.
 type facts struct {
-	sub              *subscription // its topic and group (immutable)
+	of               *origin // the subscription it came from
 	attempt          int
 	publishedUs, due int64 // unix microseconds
 	orderingKey      string
 }
 
-// newFacts records d's facts at its hand-out by sub.
-func newFacts(sub *subscription, d *delivery) facts {
+// origin is a subscription's topic and group, fixed when it starts: handlers
+// read it through DeliveryOf, so it is its own immutable value, not the
+// subscription the owner goroutine keeps.
+type origin struct{ topic, group string }
+
+// newFacts records d's facts at its hand-out by the subscription of of.
+func newFacts(of *origin, d *delivery) facts {
 	due := d.availableAt
 	// An ordered retry is kept in memory, not written: it is due when its
 	// delay ends, not at the available_at it was claimed with.
@@ -78,7 +83,7 @@ func newFacts(sub *subscription, d *delivery) facts {
 			due = t
 		}
 	}
-	return facts{sub: sub, attempt: d.deliveries, publishedUs: d.createdAt, due: due.UnixMicro(), orderingKey: d.orderingKey}
+	return facts{of: of, attempt: d.deliveries, publishedUs: d.createdAt, due: due.UnixMicro(), orderingKey: d.orderingKey}
 }
 
 // delivery returns o's Delivery.
@@ -92,8 +97,8 @@ func (o *outcome) delivery() Delivery {
 		OrderingKey: f.orderingKey,
 		Path:        PathLease,
 	}
-	if f.sub != nil {
-		d.Topic, d.ConsumerGroup = f.sub.topic, f.sub.cfg.ConsumerGroup
+	if f.of != nil {
+		d.Topic, d.ConsumerGroup = f.of.topic, f.of.group
 	}
 	if o.unhold != nil { // set for a held row only
 		d.Path = PathHeld

@@ -41,6 +41,7 @@ type subscription struct {
 	verdictBuf []verdict
 	slots      *slots          // MaxInFlight > 1; nil: the owner hands out itself
 	msgParent  context.Context // the parent of message contexts (messageParent)
+	origin     *origin         // topic and group, for DeliveryOf (read by handlers)
 	comp       *completer
 	claimer    *claimer
 	ender      *batchEnder
@@ -87,6 +88,7 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 		out:       make(chan *message.Message),
 		signals:   newSignals(ctx, s.closing, waiter, reports),
 		msgParent: messageParent(ctx),
+		origin:    &origin{topic: topic, group: s.cfg.ConsumerGroup},
 		inbox:     newVerdictInbox(),
 		reports:   reports,
 		timer:     newOwnerTimer(),

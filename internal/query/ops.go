@@ -79,10 +79,6 @@ SELECT %[7]s, %[8]s
  ORDER BY 1, 2`, t, n.QBindings, cond, unleasedAggs, leasedAggs, pair, statsColumns, boundColumn(n))
 }
 
-// DLQExists tells whether the dead-letter table exists ($1: its quoted,
-// qualified name).
-const DLQExists = `SELECT to_regclass($1) IS NOT NULL`
-
 // DLQStats counts dead letters per topic, group and reason, optionally of
 // topic $1 (the (topic, failed_at) index) and group $2.
 func DLQStats(n Names, topic, group bool) string {

@@ -85,7 +85,3 @@ func PausedGroups(n Names, topic bool) string {
 	}
 	return fmt.Sprintf(`SELECT topic, consumer_group, paused_at FROM %s%s ORDER BY 1, 2`, n.QPaused(), where)
 }
-
-// PausedExists tells whether the paused table exists ($1: QPaused), so that
-// Stats keeps working on a schema not yet upgraded.
-const PausedExists = `SELECT to_regclass($1) IS NOT NULL`

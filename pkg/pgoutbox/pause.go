@@ -118,22 +118,3 @@ func pausedGroups(ctx context.Context, exec tx.Executor, n query.Names, topic st
 	}
 	return out, nil
 }
-
-func tableExists(ctx context.Context, exec tx.Executor, qname string) (bool, error) {
-	rows, err := exec.Query(ctx, query.PausedExists, qname)
-	if err != nil {
-		return false, fmt.Errorf("pgoutbox: look up table %s: %w", qname, err)
-	}
-	defer rows.Close()
-	var ok bool
-	if rows.Next() {
-		err = rows.Scan(&ok)
-	}
-	if err == nil {
-		err = rows.Err()
-	}
-	if err != nil {
-		return false, fmt.Errorf("pgoutbox: look up table %s: %w", qname, err)
-	}
-	return ok, nil
-}

@@ -172,7 +172,7 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 	if n.QDLQ == "" {
 		return out, nil
 	}
-	exists, err := dlqExists(ctx, exec, n)
+	exists, err := tableExists(ctx, exec, n.QDLQ)
 	if err != nil || !exists {
 		return out, err
 	}
@@ -219,10 +219,11 @@ func sortStats(s []QueueStats) {
 	})
 }
 
-func dlqExists(ctx context.Context, exec tx.Executor, n query.Names) (bool, error) {
-	rows, err := exec.Query(ctx, query.DLQExists, n.QDLQ)
+// tableExists reports whether the table qname (quoted, qualified) exists.
+func tableExists(ctx context.Context, exec tx.Executor, qname string) (bool, error) {
+	rows, err := exec.Query(ctx, query.TableExists, qname)
 	if err != nil {
-		return false, errorf("pgoutbox: look up the dead-letter table: %w", err)
+		return false, errorf("pgoutbox: look up table %s: %w", qname, err)
 	}
 	defer rows.Close()
 	var ok bool
@@ -233,7 +234,7 @@ func dlqExists(ctx context.Context, exec tx.Executor, n query.Names) (bool, erro
 		err = rows.Err()
 	}
 	if err != nil {
-		return false, errorf("pgoutbox: look up the dead-letter table: %w", err)
+		return false, errorf("pgoutbox: look up table %s: %w", qname, err)
 	}
 	return ok, nil
 }

@@ -69,6 +69,10 @@ type options struct {
 	syncCommit   bool
 	cpuProfile   string
 	memProfile   string
+	publishCost  int // -publish-cost: transactions per case and round; 0: run the scenarios
+	// publishCostSize: -publish-cost-size, the messages per transaction of
+	// the cases to run; 0: all.
+	publishCostSize int
 }
 
 // bench is what every run shares: the pool, the connection settings and the
@@ -113,6 +117,8 @@ func parseFlags() (options, error) {
 	flag.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run to this file (go tool pprof)")
 	flag.StringVar(&o.memProfile, "memprofile", "", "write an allocation profile of the whole run to this file at its end (go tool pprof -sample_index=alloc_objects)")
 	flag.BoolVar(&o.syncCommit, "sync-commit", false, "make pgoutbox's claims and acks wait for the WAL flush (SubscriberConfig.SynchronousCommit; default: asynchronous, pgoutbox's default). raw always waits, raw-async never does; watermill-sql always waits")
+	flag.IntVar(&o.publishCost, "publish-cost", 0, "instead of the scenarios, break a Publish's cost down step by step (tests/bench/publish_cost.go): N transactions per case and round, -repeat rounds")
+	flag.IntVar(&o.publishCostSize, "publish-cost-size", 0, "with -publish-cost, only the cases of this many messages per transaction (1 or 100; 0: both)")
 	flag.Parse()
 
 	var problems []string
@@ -210,6 +216,9 @@ func run(ctx context.Context, opts options) error {
 	}
 	if err := b.dropLeftovers(ctx); err != nil {
 		return err
+	}
+	if opts.publishCost > 0 {
+		return runPublishCost(ctx, b, out, opts.publishCost, opts.repeat)
 	}
 
 	type key struct{ scenario, system string }

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -187,6 +188,16 @@ func TestHealthDeadTuplesHeldBySnapshot(t *testing.T) {
 	require.Less(t, oldest.Age, time.Since(began)+time.Minute)
 	_, listed := holderOf(h, pgoutbox.SnapshotBackend, int(deleter.PgConn().PID()))
 	require.False(t, listed, "an idle session without a transaction holds nothing")
+
+	// The same through database/sql (NULL times, a NULL parameter).
+	db := stdlib.OpenDB(*b.cfg.Copy())
+	t.Cleanup(func() { _ = db.Close() })
+	viaSQL := b.health(t, tx.FromSQLDB(db))
+	require.Equal(t, h.Outbox.DeadTuples, viaSQL.Outbox.DeadTuples)
+	require.True(t, viaSQL.Outbox.LastAutovacuum.IsZero())
+	s, ok := holderOf(viaSQL, pgoutbox.SnapshotBackend, holderPID)
+	require.True(t, ok)
+	require.Equal(t, oldest.Since, s.Since)
 
 	// Health in a transaction of its own does not count that transaction.
 	inTx, err := b.pool.Begin(ctx)

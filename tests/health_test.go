@@ -90,6 +90,20 @@ func holderOf(h pgoutbox.HealthReport, kind pgoutbox.SnapshotKind, pid int) (pgo
 	return pgoutbox.SnapshotHolder{}, false
 }
 
+// oldestOf returns the holder of kind in the test's database (slots: any)
+// with the greatest XminAge. Walsenders and replication slots are the
+// server's, not the database's: a test looks only at what it made.
+func (b *healthBundle) oldestOf(h pgoutbox.HealthReport, kind pgoutbox.SnapshotKind) (pgoutbox.SnapshotHolder, bool) {
+	var out pgoutbox.SnapshotHolder
+	found := false
+	for _, s := range h.SnapshotHolders {
+		if s.Kind == kind && (kind == pgoutbox.SnapshotReplicationSlot || s.Database == b.db) && (!found || s.XminAge > out.XminAge) {
+			out, found = s, true
+		}
+	}
+	return out, found
+}
+
 // holdSnapshot begins a REPEATABLE READ transaction on a connection of its
 // own and takes its snapshot; it returns the connection (whose PID is the
 // holder's) and when the transaction began, by this process's clock, at
@@ -134,7 +148,7 @@ func TestHealthDeadTuplesHeldBySnapshot(t *testing.T) {
 	require.Zero(t, h.Outbox.DeadTuples)
 	require.Positive(t, h.Outbox.TableBytes, "an empty table still has its first page")
 	require.Positive(t, h.Outbox.IndexBytes)
-	_, ok := h.OldestSnapshot()
+	_, ok := b.oldestOf(h, pgoutbox.SnapshotBackend)
 	require.False(t, ok, "nothing holds a snapshot in a database of the test's own: %+v", h.SnapshotHolders)
 
 	pub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: b.tables}, nil)
@@ -177,6 +191,9 @@ func TestHealthDeadTuplesHeldBySnapshot(t *testing.T) {
 	require.True(t, ok, "the snapshot is listed: %+v", h.SnapshotHolders)
 	require.Equal(t, pgoutbox.SnapshotBackend, oldest.Kind)
 	require.Equal(t, holderPID, oldest.PID, "the oldest snapshot is the REPEATABLE READ transaction's: %+v", h.SnapshotHolders)
+	ofKind, ok := b.oldestOf(h, pgoutbox.SnapshotBackend)
+	require.True(t, ok)
+	require.Equal(t, oldest, ofKind)
 	require.GreaterOrEqual(t, oldest.XminAge, int64(3), "three deleting transactions began after its snapshot")
 	require.Equal(t, "idle in transaction", oldest.State)
 	require.Equal(t, "client backend", oldest.BackendType)
@@ -217,7 +234,7 @@ func TestHealthDeadTuplesHeldBySnapshot(t *testing.T) {
 	require.Zero(t, h.Outbox.DeadTuples, "VACUUM removed every dead tuple")
 	_, listed = holderOf(h, pgoutbox.SnapshotBackend, holderPID)
 	require.False(t, listed, "the ended transaction is not listed: %+v", h.SnapshotHolders)
-	if oldest, ok := h.OldestSnapshot(); ok {
+	if oldest, ok := b.oldestOf(h, pgoutbox.SnapshotBackend); ok {
 		require.Less(t, oldest.XminAge, int64(3), "no holder older than the deletes: %+v", oldest)
 	}
 }
@@ -312,9 +329,9 @@ func TestHealthErrors(t *testing.T) {
 // replica's hot_standby_feedback through a physical slot gives the slot an
 // xmin, which holds the outbox back; a logical slot's catalog_xmin holds
 // the catalogs only. Every slot is temporary: it goes with the connection
-// that made it, even if the test dies.
+// that made it, even if the test dies. Not parallel: a slot is the
+// server's, and its xmin would show in the other tests' reports.
 func TestHealthReplicationSlots(t *testing.T) {
-	t.Parallel()
 	b := setupHealth(t)
 	ctx := context.Background()
 	exec := tx.FromPgxPool(b.pool)
@@ -499,9 +516,8 @@ func TestHealthPreparedTransaction(t *testing.T) {
 	consumeXids(t, b.pool, 2)
 
 	h := b.health(t, tx.FromPgxPool(b.pool))
-	oldest, ok := h.OldestSnapshot()
+	oldest, ok := b.oldestOf(h, pgoutbox.SnapshotPreparedXact)
 	require.True(t, ok, "%+v", h.SnapshotHolders)
-	require.Equal(t, pgoutbox.SnapshotPreparedXact, oldest.Kind)
 	require.Equal(t, gid, oldest.Name)
 	require.Equal(t, b.cfg.User, oldest.User)
 	require.Equal(t, b.db, oldest.Database)

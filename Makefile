@@ -28,7 +28,7 @@ MODULES := $(LIB_MODULES) $(BROKER_MODULES) tests/bench
 RELEASE_VERSION := v0.1.0
 EXAMPLES := $(patsubst %/,./%,$(filter-out $(addsuffix /,$(BROKER_MODULES)),$(wildcard _examples/*/)))
 
-.PHONY: demo examples test test-quick lint modules fuzz bench bench-relay bench-compare ui-screenshots
+.PHONY: demo examples test test-quick lint modules fuzz bench bench-relay bench-compare bench-soak ui-screenshots
 
 ## demo: run _examples/basic (an order and its message in one transaction, consumed by a router)
 demo:
@@ -120,6 +120,11 @@ lint:
 bench:
 	@$(PG_ENV); cd tests/bench && go run . $(BENCH_FLAGS)
 	@$(MAKE) --no-print-directory bench-relay
+
+## bench-soak: steady load for minutes (SOAK_SCENARIOS; pgoutbox and pgoutbox-lease): latency, backlog, table size and dead tuples per window; needs autovacuum on (eval "$$(scripts/soak-cluster.sh)" first); e.g. SOAK_FLAGS="-soak-duration 60s"
+SOAK_SCENARIOS ?= soak,soak-blocked,soak-timer,soak-blocked-timer
+bench-soak:
+	@$(PG_ENV); cd tests/bench && go run . -repeat 1 -systems pgoutbox,pgoutbox-lease -scenarios $(SOAK_SCENARIOS) $(SOAK_FLAGS)
 
 ## bench-relay: the relay to each broker (RabbitMQ, NATS JetStream) next to a direct publish to it, same confirmations and concurrency
 bench-relay:

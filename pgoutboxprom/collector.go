@@ -22,10 +22,19 @@ const (
 	StateParked       = "parked"
 )
 
-// Collector is a prometheus.Collector that reads pgoutbox.Stats on each
-// scrape. Stats is cheap but not free (about 300 ms on an outbox of
-// 1,000,000 rows, see the README): scrape every 15 to 60 seconds.
-// Concurrent scrapes run one Stats call at a time.
+// Snapshot holder kinds of the oldest-snapshot gauges: the values of
+// pgoutbox.SnapshotKind.
+const (
+	KindBackend         = string(pgoutbox.SnapshotBackend)
+	KindReplicationSlot = string(pgoutbox.SnapshotReplicationSlot)
+	KindPreparedXact    = string(pgoutbox.SnapshotPreparedXact)
+)
+
+// Collector is a prometheus.Collector that reads pgoutbox.Stats and
+// pgoutbox.Health on each scrape. Stats is cheap but not free (about 300 ms
+// on an outbox of 1,000,000 rows, see the README): scrape every 15 to 60
+// seconds; Health reads catalogs only (milliseconds). Concurrent scrapes
+// run one pair of calls at a time.
 type Collector struct {
 	exec    tx.Executor
 	tables  schema.Config
@@ -37,6 +46,12 @@ type Collector struct {
 	oldestAge   *prometheus.Desc
 	deadLetters *prometheus.Desc
 	unbound     *prometheus.Desc
+	liveTuples  *prometheus.Desc
+	deadTuples  *prometheus.Desc
+	tableBytes  *prometheus.Desc
+	indexBytes  *prometheus.Desc
+	snapshotAge *prometheus.Desc
+	snapshotXid *prometheus.Desc
 	errors      prometheus.Counter
 	duration    prometheus.Gauge
 
@@ -77,14 +92,41 @@ func NewCollector(exec tx.Executor, tables schema.Config, opts Options) *Collect
 			"Rows of a consumer group that is not bound to the topic: messages no bound group will consume (alert on > 0; "+
 				"for the default group, messages published while nothing was bound, which the next group to bind gets).",
 			pair, opts.ConstLabels),
+		liveTuples: prometheus.NewDesc(opts.name("table_live_tuples"),
+			"Estimated live rows of the outbox table and of its dead-letter table (pg_stat_user_tables.n_live_tup).",
+			[]string{"table"}, opts.ConstLabels),
+		deadTuples: prometheus.NewDesc(opts.name("table_dead_tuples"),
+			"Estimated dead rows vacuum has not removed yet (pg_stat_user_tables.n_dead_tup). A queue makes them all the time and "+
+				"autovacuum removes them; alert when they keep growing for longer than a few autovacuum runs, and look at "+
+				"oldest_snapshot_age_seconds for what holds them.",
+			[]string{"table"}, opts.ConstLabels),
+		tableBytes: prometheus.NewDesc(opts.name("table_bytes"),
+			"Size of the table with its TOAST data (pg_table_size). A queue's should stay flat; steady growth means vacuum "+
+				"cannot keep up or is held back.",
+			[]string{"table"}, opts.ConstLabels),
+		indexBytes: prometheus.NewDesc(opts.name("table_index_bytes"),
+			"Size of the table's indexes (pg_indexes_size); growth makes every claim slower.",
+			[]string{"table"}, opts.ConstLabels),
+		snapshotAge: prometheus.NewDesc(opts.name("oldest_snapshot_age_seconds"),
+			"How long the oldest transaction of each kind (backend: a session of the outbox's database or a replica's "+
+				"feedback; prepared_xact) has held the snapshot that keeps vacuum from removing the outbox's dead rows; "+
+				"0 when none. Alert above 10 minutes (pgoutbox health names the holder). Replication slots record no time: "+
+				"see oldest_snapshot_xmin_age. Without pg_read_all_stats (pg_monitor) other roles' sessions show no time.",
+			[]string{"kind"}, opts.ConstLabels),
+		snapshotXid: prometheus.NewDesc(opts.name("oldest_snapshot_xmin_age"),
+			"Transactions begun since the oldest snapshot of each kind (backend, replication_slot, prepared_xact) that keeps "+
+				"vacuum from removing the outbox's dead rows (age of its xmin); 0 when none. Alert when it grows for minutes "+
+				"without falling back, and long before autovacuum_freeze_max_age (200 million by default). Logical slots' "+
+				"catalog_xmin is left out: it holds the catalogs, not the outbox.",
+			[]string{"kind"}, opts.ConstLabels),
 		errors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name:        opts.name("stats_errors_total"),
-			Help:        "Scrapes whose pgoutbox.Stats call failed or timed out (they expose no outbox gauges).",
+			Help:        "Scrapes whose pgoutbox.Stats or pgoutbox.Health call failed or timed out (they expose none of the failed call's gauges).",
 			ConstLabels: opts.ConstLabels,
 		}),
 		duration: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name:        opts.name("stats_duration_seconds"),
-			Help:        "How long the last pgoutbox.Stats call took.",
+			Help:        "How long the last pgoutbox.Stats and pgoutbox.Health calls took.",
 			ConstLabels: opts.ConstLabels,
 		}),
 	}
@@ -96,12 +138,18 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.oldestAge
 	ch <- c.deadLetters
 	ch <- c.unbound
+	ch <- c.liveTuples
+	ch <- c.deadTuples
+	ch <- c.tableBytes
+	ch <- c.indexBytes
+	ch <- c.snapshotAge
+	ch <- c.snapshotXid
 	c.errors.Describe(ch)
 	c.duration.Describe(ch)
 }
 
-// Collect implements prometheus.Collector: one pgoutbox.Stats call, bounded
-// by Options.ScrapeTimeout.
+// Collect implements prometheus.Collector: one pgoutbox.Stats and one
+// pgoutbox.Health call, bounded together by Options.ScrapeTimeout.
 func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -109,9 +157,17 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	defer cancel()
 	start := time.Now()
 	stats, err := pgoutbox.Stats(ctx, c.exec, c.tables, c.opts...)
+	health, healthErr := pgoutbox.Health(ctx, c.exec, c.tables)
 	c.duration.Set(time.Since(start).Seconds())
-	if err != nil {
+	if err != nil || healthErr != nil {
 		c.errors.Inc()
+	}
+	if healthErr != nil {
+		c.logger.Error("pgoutbox health for Prometheus failed", healthErr, nil)
+	} else {
+		c.collectHealth(ch, health)
+	}
+	if err != nil {
 		c.logger.Error("pgoutbox stats for Prometheus failed", err, nil)
 	} else {
 		for _, s := range stats {
@@ -136,4 +192,39 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	c.errors.Collect(ch)
 	c.duration.Collect(ch)
+}
+
+// collectHealth sends the tables' gauges and, per kind of snapshot holder,
+// the oldest one's age (0 for a kind with none, so an alert resolves
+// rather than going stale).
+func (c *Collector) collectHealth(ch chan<- prometheus.Metric, h pgoutbox.HealthReport) {
+	for _, t := range []*pgoutbox.TableHealth{&h.Outbox, h.DeadLetters} {
+		if t == nil {
+			continue
+		}
+		ch <- prometheus.MustNewConstMetric(c.liveTuples, prometheus.GaugeValue, float64(t.LiveTuples), t.Table)
+		ch <- prometheus.MustNewConstMetric(c.deadTuples, prometheus.GaugeValue, float64(t.DeadTuples), t.Table)
+		ch <- prometheus.MustNewConstMetric(c.tableBytes, prometheus.GaugeValue, float64(t.TableBytes), t.Table)
+		ch <- prometheus.MustNewConstMetric(c.indexBytes, prometheus.GaugeValue, float64(t.IndexBytes), t.Table)
+	}
+	age := map[string]time.Duration{KindBackend: 0, KindPreparedXact: 0}
+	xmin := map[string]int64{KindBackend: 0, KindReplicationSlot: 0, KindPreparedXact: 0}
+	for _, s := range h.SnapshotHolders {
+		if s.CatalogOnly {
+			continue
+		}
+		k := string(s.Kind)
+		if _, ok := age[k]; ok {
+			age[k] = max(age[k], s.Age)
+		}
+		if _, ok := xmin[k]; ok {
+			xmin[k] = max(xmin[k], s.XminAge)
+		}
+	}
+	for k, d := range age {
+		ch <- prometheus.MustNewConstMetric(c.snapshotAge, prometheus.GaugeValue, d.Seconds(), k)
+	}
+	for k, n := range xmin {
+		ch <- prometheus.MustNewConstMetric(c.snapshotXid, prometheus.GaugeValue, float64(n), k)
+	}
 }

@@ -3,10 +3,11 @@
 //
 // Two parts, used together or apart:
 //
-//   - Collector (NewCollector) reads pgoutbox.Stats on each scrape: the rows
-//     per topic, consumer group and state, the oldest ready row's age (the
-//     group's lag) and the dead letters per reason. Register it once per
-//     outbox.
+//   - Collector (NewCollector) reads pgoutbox.Stats and pgoutbox.Health on
+//     each scrape: the rows per topic, consumer group and state, the oldest
+//     ready row's age (the group's lag), the dead letters per reason, the
+//     tables' dead tuples and sizes, and the age of the oldest snapshot
+//     holding vacuum back. Register it once per outbox.
 //   - Observer (NewObserver) counts what publishers and subscribers report
 //     through pgoutbox.Observer: messages published, claimed (on each
 //     path), acked, retried, released, dead-lettered, poisoned, leases
@@ -22,7 +23,7 @@
 // PrometheusMetricsBuilder; Namespace defaults to "pgoutbox". Every metric
 // the package registers, and what it tells an operator:
 //
-// From the Collector (each scrape reads pgoutbox.Stats):
+// From the Collector (each scrape reads pgoutbox.Stats and pgoutbox.Health):
 //
 //	pgoutbox_messages{topic,consumer_group,state}          gauge: rows per state. ready: due, waiting for a
 //	                                                        consumer (a growing count: consumers too slow or gone);
@@ -37,10 +38,25 @@
 //	pgoutbox_unbound_messages{topic,consumer_group}        gauge: rows of a group that is not bound to the topic:
 //	                                                        nobody consumes them until a group binds (see
 //	                                                        pgoutbox.BindGroups; pgoutbox stats warns of them)
-//	pgoutbox_stats_errors_total                            counter: scrapes whose Stats failed or timed out
-//	                                                        (that scrape has no outbox gauges, rather than stale ones)
-//	pgoutbox_stats_duration_seconds                        gauge: how long the last Stats call took (scrape less
-//	                                                        often when it nears the scrape interval)
+//	pgoutbox_table_live_tuples{table}                      gauge: estimated live rows of the outbox and of its
+//	                                                        dead-letter table (n_live_tup)
+//	pgoutbox_table_dead_tuples{table}                      gauge: estimated dead rows vacuum has not removed yet
+//	                                                        (n_dead_tup): alert when they keep growing across
+//	                                                        autovacuum runs
+//	pgoutbox_table_bytes{table}                            gauge: the table's size with TOAST (pg_table_size):
+//	                                                        a queue's should stay flat
+//	pgoutbox_table_index_bytes{table}                      gauge: its indexes' size (pg_indexes_size)
+//	pgoutbox_oldest_snapshot_age_seconds{kind}             gauge: how long the oldest transaction of each kind
+//	                                                        (backend, prepared_xact) has held back vacuum of the
+//	                                                        outbox; alert above 10 minutes, pgoutbox health names it
+//	pgoutbox_oldest_snapshot_xmin_age{kind}                gauge: transactions begun since the oldest snapshot of
+//	                                                        each kind (backend, replication_slot, prepared_xact):
+//	                                                        the one that covers slots, which record no time
+//	pgoutbox_stats_errors_total                            counter: scrapes whose Stats or Health failed or timed
+//	                                                        out (that scrape has none of the failed call's gauges,
+//	                                                        rather than stale ones)
+//	pgoutbox_stats_duration_seconds                        gauge: how long the last Stats and Health calls took
+//	                                                        (scrape less often when it nears the scrape interval)
 //
 // From the Observer (events of publishers and subscribers):
 //

@@ -6,12 +6,14 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -267,4 +269,59 @@ app_outbox_subscriber_lateness_seconds_count{consumer_group="g",db="main",topic=
 	clash.MustRegister(prometheus.NewGauge(prometheus.GaugeOpts{Name: "pgoutbox_subscriber_messages_acked_total", Help: "x"}))
 	_, err = pgoutboxprom.NewObserver(clash, pgoutboxprom.Options{})
 	require.Error(t, err)
+}
+
+// sample returns the value of the sample whose name and labels are
+// prefix, failing when the scrape has none.
+func sample(t *testing.T, body, prefix string) float64 {
+	t.Helper()
+	for _, l := range strings.Split(body, "\n") {
+		if rest, ok := strings.CutPrefix(l, prefix+" "); ok {
+			v, err := strconv.ParseFloat(rest, 64)
+			require.NoError(t, err, l)
+			return v
+		}
+	}
+	t.Fatalf("scrape has no sample %s; it has:\n%s", prefix, grep(body, "pgoutbox_"))
+	return 0
+}
+
+// The Collector exports both tables' tuples and sizes, and the age of the
+// oldest snapshot per kind: an open REPEATABLE READ transaction shows as
+// a backend's, and the kinds without a holder report 0.
+func TestCollectorHealth(t *testing.T) {
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env.Publisher, "orders", 2)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(pgoutboxprom.NewCollector(tx.FromPgxPool(env.Pool), env.Tables, pgoutboxprom.Options{}))
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	t.Cleanup(srv.Close)
+
+	ctx := context.Background()
+	holder, err := pgx.Connect(ctx, env.DSN)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Close(context.Background()) })
+	_, err = holder.Exec(ctx, `BEGIN ISOLATION LEVEL REPEATABLE READ`)
+	require.NoError(t, err)
+	_, err = holder.Exec(ctx, `SELECT 1`)
+	require.NoError(t, err)
+	_, err = env.Pool.Exec(ctx, `SELECT txid_current()`) // one transaction after the snapshot
+	require.NoError(t, err)
+
+	body := scrape(t, srv)
+	outbox, dlq := env.Schema+".outbox", env.Schema+".outbox_dlq"
+	for _, table := range []string{outbox, dlq} {
+		require.GreaterOrEqual(t, sample(t, body, `pgoutbox_table_dead_tuples{table="`+table+`"}`), 0.0)
+		require.GreaterOrEqual(t, sample(t, body, `pgoutbox_table_live_tuples{table="`+table+`"}`), 0.0)
+		require.Positive(t, sample(t, body, `pgoutbox_table_bytes{table="`+table+`"}`))
+		require.Positive(t, sample(t, body, `pgoutbox_table_index_bytes{table="`+table+`"}`))
+	}
+	require.Positive(t, sample(t, body, `pgoutbox_oldest_snapshot_age_seconds{kind="backend"}`), "the open transaction's")
+	require.GreaterOrEqual(t, sample(t, body, `pgoutbox_oldest_snapshot_xmin_age{kind="backend"}`), 1.0)
+	sample(t, body, `pgoutbox_oldest_snapshot_age_seconds{kind="prepared_xact"}`)
+	sample(t, body, `pgoutbox_oldest_snapshot_xmin_age{kind="prepared_xact"}`)
+	sample(t, body, `pgoutbox_oldest_snapshot_xmin_age{kind="replication_slot"}`)
+	require.NotContains(t, body, `pgoutbox_oldest_snapshot_age_seconds{kind="replication_slot"}`, "slots record no time")
+	requireLine(t, body, `pgoutbox_stats_errors_total 0`)
+	requireLine(t, body, `pgoutbox_messages{consumer_group="",state="ready",topic="orders"} 2`)
 }

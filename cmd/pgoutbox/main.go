@@ -13,7 +13,8 @@
 //
 //	schema sql|apply|validate   print, create or check the tables
 //	schema migrate up|down|status|baseline|files  versioned migrations
-//	stats                       messages per topic and group (--watch for a live table)
+//	stats                       messages per topic and group (--watch for a live table), and the tables' health
+//	health                      dead tuples, sizes, and the oldest snapshots holding vacuum back
 //	dlq list|show|requeue|delete|purge  dead letters
 //	peek                        the next messages of a topic and group
 //	publish                     publish one message (manual testing)
@@ -86,7 +87,8 @@ Usage:
 Commands:
   schema sql|apply|validate    print the DDL, create the tables, or check them
   schema migrate up|down|...   versioned migrations (status, baseline, files for goose/golang-migrate)
-  stats                        messages per topic and consumer group (--watch: live)
+  stats                        messages per topic and consumer group (--watch: live), and the tables' health
+  health                       dead tuples, sizes, and the oldest snapshots holding vacuum back
   dlq list|show|requeue|delete|purge  inspect and act on dead letters
   peek                         the next messages a topic and group will deliver
   publish                      publish one message (manual testing)
@@ -225,6 +227,8 @@ func (c *cli) dispatch(args []string) error {
 		return c.schemaCmd(rest)
 	case "stats":
 		return c.statsCmd(rest)
+	case "health":
+		return c.healthCmd(rest)
 	case "dlq":
 		return c.dlqCmd(rest)
 	case "peek":
@@ -246,7 +250,7 @@ func (c *cli) dispatch(args []string) error {
 	case "version", "--version", "-version":
 		return c.versionCmd(rest)
 	}
-	return usagef("", "unknown command %q; the commands are schema, stats, dlq, peek, publish, cancel, bind, unbind, move, pause, resume, ui, version", cmd)
+	return usagef("", "unknown command %q; the commands are schema, stats, health, dlq, peek, publish, cancel, bind, unbind, move, pause, resume, ui, version", cmd)
 }
 
 // undefinedTable is PostgreSQL's SQLSTATE for a missing table.

@@ -76,7 +76,13 @@ func (c *cli) statsCmd(args []string) error {
 			if cmd.json {
 				return writeJSON(c.stdout, statsToJSON(stats))
 			}
+			health, err := pgoutbox.Health(ctx, exec, tables)
+			if err != nil {
+				return err
+			}
 			printStats(c.stdout, stats)
+			fmt.Fprintln(c.stdout)
+			printHealth(c.stdout, health, false)
 			return nil
 		}
 		tick := time.NewTicker(*interval)
@@ -84,6 +90,10 @@ func (c *cli) statsCmd(args []string) error {
 		first := true
 		for {
 			stats, err := pgoutbox.Stats(ctx, exec, tables, opts...)
+			var health pgoutbox.HealthReport
+			if err == nil {
+				health, err = pgoutbox.Health(ctx, exec, tables)
+			}
 			if ctx.Err() != nil {
 				return nil // Ctrl-C
 			}
@@ -99,6 +109,8 @@ func (c *cli) statsCmd(args []string) error {
 				fmt.Fprintf(c.stdout, "error: %v (retrying)\n", err)
 			} else {
 				printStats(c.stdout, stats)
+				fmt.Fprintln(c.stdout)
+				printHealth(c.stdout, health, false)
 			}
 			select {
 			case <-ctx.Done():

@@ -13,7 +13,8 @@
 // (the same loop with pgoutbox's asynchronous-commit condition) and
 // "watermill-sql" (v4 queue schema with delete on ack, through a Router). Scenarios: publish-1, publish-100, drain-1,
 // drain-16, latency-1, latency-16, timers and drain-1m; scenarios.go says
-// what each measures. -scale 0.1 makes a quick run; -sync-commit makes the
+// what each measures. The soak scenarios (soak.go: steady load for minutes,
+// with the table's size and dead tuples per window) run only when named. -scale 0.1 makes a quick run; -sync-commit makes the
 // consumers' bookkeeping writes wait for the WAL flush.
 //
 // Every scenario run gets a fresh PostgreSQL schema (dropped afterwards) in
@@ -73,6 +74,7 @@ type options struct {
 	// publishCostSize: -publish-cost-size, the messages per transaction of
 	// the cases to run; 0: all.
 	publishCostSize int
+	soak            soakOptions
 }
 
 // bench is what every run shares: the pool, the connection settings and the
@@ -108,7 +110,8 @@ func parseFlags() (options, error) {
 		defaultDSN = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
 	}
 	flag.IntVar(&o.repeat, "repeat", 3, "run every scenario N times and report the median of each figure")
-	flag.StringVar(&scenarioList, "scenarios", strings.Join(scenarioNames(), ","), "comma-separated scenarios to run")
+	flag.StringVar(&scenarioList, "scenarios", strings.Join(scenarioNames(), ","), "comma-separated scenarios to run; the soak scenarios ("+
+		strings.Join(knownScenarioNames()[len(scenarioNames()):], ", ")+") only when named")
 	flag.StringVar(&systemList, "systems", strings.Join(systemNames(), ","), "comma-separated systems to measure")
 	flag.StringVar(&o.dsn, "dsn", defaultDSN, "PostgreSQL DSN (default $POSTGRES_DSN); the benchmark works in database "+benchDB+" on that server and creates it if missing")
 	flag.BoolVar(&o.json, "json", false, "print one JSON object per system and scenario on stdout (the table then goes to stderr)")
@@ -119,6 +122,11 @@ func parseFlags() (options, error) {
 	flag.BoolVar(&o.syncCommit, "sync-commit", false, "make pgoutbox's claims and acks wait for the WAL flush (SubscriberConfig.SynchronousCommit; default: asynchronous, pgoutbox's default). raw always waits, raw-async never does; watermill-sql always waits")
 	flag.IntVar(&o.publishCost, "publish-cost", 0, "instead of the scenarios, break a Publish's cost down step by step (tests/bench/publish_cost.go): N transactions per case and round, -repeat rounds")
 	flag.IntVar(&o.publishCostSize, "publish-cost-size", 0, "with -publish-cost, only the cases of this many messages per transaction (1 or 100; 0: both)")
+	flag.DurationVar(&o.soak.duration, "soak-duration", 5*time.Minute, "how long each soak scenario publishes")
+	flag.Float64Var(&o.soak.rate, "soak-rate", 2000, "messages per second of the soak scenarios, in all")
+	flag.IntVar(&o.soak.publishers, "soak-publishers", 16, "publishers of the soak scenarios, each on its own connection, one message per transaction")
+	flag.DurationVar(&o.soak.window, "soak-window", 10*time.Second, "the soak scenarios print one line per window")
+	flag.BoolVar(&o.soak.noAutovacuum, "soak-allow-no-autovacuum", false, "run the soak scenarios on a server with autovacuum off (they refuse to by default)")
 	flag.Parse()
 
 	var problems []string
@@ -132,7 +140,8 @@ func parseFlags() (options, error) {
 		problems = append(problems, "-backlog-large must be at least 1")
 	}
 	var err error
-	if o.scenarios, err = pick("scenario", scenarioList, scenarioNames()); err != nil {
+	problems = append(problems, o.soak.problems()...)
+	if o.scenarios, err = pick("scenario", scenarioList, knownScenarioNames()); err != nil {
 		problems = append(problems, err.Error())
 	}
 	if o.systems, err = pick("system", systemList, systemNames()); err != nil {
@@ -212,6 +221,9 @@ func run(ctx context.Context, opts options) error {
 	}
 	defer b.pool.Close()
 	if err := b.printConditions(ctx, out); err != nil {
+		return err
+	}
+	if err := b.checkSoak(ctx, out); err != nil {
 		return err
 	}
 	if err := b.dropLeftovers(ctx); err != nil {

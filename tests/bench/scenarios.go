@@ -103,7 +103,10 @@ type scenario struct {
 	name string
 	// systems that take part; nil means all.
 	systems []string
-	run     func(ctx context.Context, b *bench, inst instance) (result, error)
+	// explicit scenarios run only when -scenarios names them (the soaks,
+	// minutes each; soak.go).
+	explicit bool
+	run      func(ctx context.Context, b *bench, inst instance) (result, error)
 }
 
 func (s *scenario) takes(sys string) bool {
@@ -148,6 +151,8 @@ var scenarios = []*scenario{
 	{name: "unkeyed-work-1", systems: []string{"pgoutbox"}, run: keyedDrainScenario(0, 1)},
 }
 
+// scenarioNames are the scenarios run by default; knownScenarioNames adds
+// the explicit ones.
 func scenarioNames() []string {
 	var out []string
 	for _, s := range scenarios {
@@ -156,8 +161,16 @@ func scenarioNames() []string {
 	return out
 }
 
+func knownScenarioNames() []string {
+	out := scenarioNames()
+	for _, s := range soakScenarios {
+		out = append(out, s.name)
+	}
+	return out
+}
+
 func scenarioByName(name string) *scenario {
-	for _, s := range scenarios {
+	for _, s := range append(slices.Clip(scenarios), soakScenarios...) {
 		if s.name == name {
 			return s
 		}

@@ -1,0 +1,63 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+)
+
+// health --json reports both tables and lists an open REPEATABLE READ
+// transaction with its pid; stats prints the health lines below the
+// queues, and health the holders' table.
+func TestHealthCommand(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env, "orders", "a", "b")
+	ctx := context.Background()
+	holder, err := pgx.Connect(ctx, env.DSN)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Close(context.Background()) })
+	_, err = holder.Exec(ctx, `BEGIN ISOLATION LEVEL REPEATABLE READ`)
+	require.NoError(t, err)
+	_, err = holder.Exec(ctx, `SELECT 1`)
+	require.NoError(t, err)
+	pid := int(holder.PgConn().PID())
+
+	out, errOut, code := cliRun(t, env, "health", "--json")
+	require.Equal(t, 0, code, errOut)
+	var h healthJSON
+	require.NoError(t, json.Unmarshal([]byte(out), &h), out)
+	require.Equal(t, env.Schema+".outbox", h.Outbox.Table)
+	require.NotNil(t, h.DeadLetters)
+	require.Equal(t, env.Schema+".outbox_dlq", h.DeadLetters.Table)
+	require.Positive(t, h.Outbox.TableBytes)
+	var found *holderJSON
+	for i, s := range h.SnapshotHolders {
+		if s.Kind == "backend" && s.PID == pid {
+			found = &h.SnapshotHolders[i]
+		}
+	}
+	require.NotNil(t, found, out)
+	require.Equal(t, "idle in transaction", found.State)
+	require.NotNil(t, found.AgeSeconds)
+
+	out, errOut, code = cliRun(t, env, "stats")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "orders")
+	require.Contains(t, out, "\nTABLE ")
+	require.Contains(t, out, env.Schema+".outbox ")
+	require.Contains(t, out, "oldest snapshot: ")
+
+	out, errOut, code = cliRun(t, env, "health")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "HOLDER ")
+	require.Contains(t, out, "idle in transaction")
+
+	_, errOut, code = cliRun(t, env, "health", "extra")
+	require.Equal(t, exitUsage, code, errOut)
+}

@@ -1,0 +1,69 @@
+package query
+
+// Health statements: the outbox's storage and what holds its vacuum back.
+// They read catalogs and statistics views only, which every role may
+// read, so they need no grant beyond USAGE on the outbox's schema.
+
+// TableHealth reads the statistics of the tables $1 and $2 (quoted,
+// qualified names; $2 may be NULL), one row per table that exists:
+// which (1 or 2), n_live_tup, n_dead_tup, table and index bytes, the four
+// (auto)vacuum and (auto)analyze times, whether autovacuum visits the
+// table (the server's setting and the table's autovacuum_enabled), and the
+// server's track_counts. The counts come from the cumulative statistics:
+// estimates, updated when backends report, zero while track_counts is off.
+const TableHealth = `SELECT t.which,
+       coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),
+       pg_table_size(c.oid), pg_indexes_size(c.oid),
+       s.last_vacuum, s.last_autovacuum, s.last_analyze, s.last_autoanalyze,
+       current_setting('autovacuum')::bool,
+       coalesce((SELECT o.option_value::bool FROM pg_options_to_table(c.reloptions) o
+                  WHERE o.option_name = 'autovacuum_enabled'), true),
+       current_setting('track_counts')::bool
+  FROM (VALUES (1, to_regclass($1::text)), (2, to_regclass($2::text))) AS t(which, oid)
+  JOIN pg_class c ON c.oid = t.oid
+  LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+ ORDER BY t.which`
+
+// SnapshotHolders lists what keeps vacuum from removing the outbox's dead
+// rows, oldest first, at most $1 of each kind: sessions of this database
+// (and walsenders, whose hot_standby_feedback holds every database) with
+// an xmin or an xid, other than the caller's own; replication slots with an
+// xmin or a catalog_xmin (the latter only holds the catalogs: catalog_only);
+// prepared transactions of this database. Sessions of other databases are
+// left out: they do not hold back this database's tables. xid_age is
+// age() of the oldest of the holder's xids; age_us how long since its
+// transaction began or was prepared (NULL when unknown: slots record no
+// time, and pg_stat_activity hides xact_start of other roles' sessions
+// from a role without pg_read_all_stats). No query text is read: it may
+// hold secrets.
+const SnapshotHolders = `SELECT kind, pid, usr, app, btype, state, name, slot_type, active, catalog_only, db, xid_age, since,
+       (extract(epoch FROM clock_timestamp() - since) * 1000000)::bigint
+  FROM (
+(SELECT 'backend' AS kind, a.pid AS pid, coalesce(a.usename::text, '') AS usr,
+        coalesce(a.application_name, '') AS app, coalesce(a.backend_type, '') AS btype, coalesce(a.state, '') AS state,
+        '' AS name, '' AS slot_type, false AS active, false AS catalog_only, coalesce(a.datname::text, '') AS db,
+        greatest(age(a.backend_xid), age(a.backend_xmin))::bigint AS xid_age, a.xact_start AS since
+   FROM pg_stat_activity a
+  WHERE a.pid <> pg_backend_pid()
+    AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+    AND (a.datname = current_database() OR a.backend_type = 'walsender')
+  ORDER BY xid_age DESC, a.xact_start
+  LIMIT $1)
+UNION ALL
+(SELECT 'replication_slot', coalesce(r.active_pid, 0), '', '', '', '',
+        r.slot_name::text, coalesce(r.slot_type, ''), r.active, r.xmin IS NULL, coalesce(r.database::text, ''),
+        coalesce(age(r.xmin), age(r.catalog_xmin))::bigint AS xid_age, NULL::timestamptz
+   FROM pg_replication_slots r
+  WHERE r.xmin IS NOT NULL OR r.catalog_xmin IS NOT NULL
+  ORDER BY xid_age DESC
+  LIMIT $1)
+UNION ALL
+(SELECT 'prepared_xact', 0, coalesce(p.owner::text, ''), '', '', '',
+        p.gid, '', false, false, coalesce(p.database::text, ''),
+        age(p.transaction)::bigint AS xid_age, p.prepared
+   FROM pg_prepared_xacts p
+  WHERE p.database = current_database()
+  ORDER BY xid_age DESC
+  LIMIT $1)
+) h
+ ORDER BY xid_age DESC, since`

@@ -6,6 +6,7 @@ import (
 	"maps"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
@@ -14,22 +15,54 @@ import (
 // the hot path; a drain profile showed it costing more than the rest of a
 // delivery.
 
+// instructions records which keys of a message's metadata the publisher
+// must read (schedule, dedup key, ordering key), found while the metadata
+// is encoded: the commonest message has none, and looking each up costs
+// more than the encoding (BenchmarkPublisherOverhead).
+type instructions uint8
+
+const (
+	hasDeliverAfter instructions = 1 << iota
+	hasDeliverAt
+	hasDelayedFor
+	hasDelayedUntil
+	hasDedupKey
+	hasOrderingKey
+)
+
 // appendMetadataJSON appends md as a JSON object, leaving out the keys that
 // are instructions to the publisher, after checking that every key and
-// value can be stored as text.
-func appendMetadataJSON(buf []byte, i int, md message.Metadata) ([]byte, error) {
+// value can be stored as text; it reports which instruction keys it saw.
+func appendMetadataJSON(buf []byte, i int, md message.Metadata) ([]byte, instructions, error) {
+	var seen instructions
 	buf = append(buf, '{')
 	first := true
 	for k, v := range md {
 		if err := checkText(i, k, func() string { return fmt.Sprintf("metadata key %q", k) }); err != nil {
-			return buf, err
+			return buf, seen, err
 		}
 		if err := checkText(i, v, func() string { return fmt.Sprintf("metadata value of %q", k) }); err != nil {
-			return buf, err
+			return buf, seen, err
 		}
-		switch k {
-		case deliverAfterKey, deliverAtKey, dedupKeyKey, OrderingKeyMetadataKey:
-			continue
+		if len(k) > 0 && k[0] == '_' { // every instruction key starts so
+			switch k {
+			case deliverAfterKey:
+				seen |= hasDeliverAfter
+				continue
+			case deliverAtKey:
+				seen |= hasDeliverAt
+				continue
+			case dedupKeyKey:
+				seen |= hasDedupKey
+				continue
+			case OrderingKeyMetadataKey:
+				seen |= hasOrderingKey
+				continue
+			case delay.DelayedForKey:
+				seen |= hasDelayedFor
+			case delay.DelayedUntilKey:
+				seen |= hasDelayedUntil
+			}
 		}
 		if !first {
 			buf = append(buf, ',')
@@ -39,7 +72,7 @@ func appendMetadataJSON(buf []byte, i int, md message.Metadata) ([]byte, error) 
 		buf = append(buf, ':')
 		buf = appendJSONString(buf, v)
 	}
-	return append(buf, '}'), nil
+	return append(buf, '}'), seen, nil
 }
 
 // appendJSONString appends s, valid UTF-8 without NUL (checkText), as a JSON

@@ -25,7 +25,7 @@ func TestMetadataJSONRoundTrips(t *testing.T) {
 		"correlation_id":  "c-1",
 		"reason_poisoned": "handler: \"x\" failed\n",
 	}
-	buf, err := appendMetadataJSON(nil, 0, md)
+	buf, _, err := appendMetadataJSON(nil, 0, md)
 	require.NoError(t, err)
 	var back map[string]string
 	require.NoError(t, json.Unmarshal(buf, &back), string(buf))
@@ -42,7 +42,7 @@ func FuzzMetadataJSON(f *testing.F) {
 	f.Add("k", "v")
 	f.Add("\"", "\\\x00\x1f")
 	f.Fuzz(func(t *testing.T, k, v string) {
-		buf, err := appendMetadataJSON(nil, 0, message.Metadata{k: v})
+		buf, _, err := appendMetadataJSON(nil, 0, message.Metadata{k: v})
 		if !utf8.ValidString(k) || !utf8.ValidString(v) || containsNUL(k) || containsNUL(v) {
 			require.Error(t, err)
 			return

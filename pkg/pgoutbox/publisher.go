@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -378,7 +379,11 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 	if n > 1 {
 		seen = make(map[string]int, n)
 	}
+	// Every message's metadata goes into one buffer, turned into one string
+	// at the end and sliced: one allocation for the call, not one per
+	// message. An empty object is a constant.
 	var buf []byte
+	ends := make([]int, n) // ends[i]: where message i's metadata ends in buf; -1: empty
 	for i, m := range msgs {
 		if m == nil {
 			return b, fmt.Errorf("%w: message %d is nil; build every message with message.NewMessage and remove the nil entries", ErrInvalidMessage, i)
@@ -395,27 +400,52 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 		if err := checkText(i, m.UUID, func() string { return "UUID" }); err != nil {
 			return b, err
 		}
-		var err error
-		if buf, err = appendMetadataJSON(buf[:0], i, m.Metadata); err != nil {
-			return b, err
-		}
 		b.uuids[i] = m.UUID
 		b.payloads[i] = m.Payload
 		if b.payloads[i] == nil {
 			b.payloads[i] = []byte{} // payload is NOT NULL; nil means empty
 		}
-		b.metadata[i] = string(buf)
+		ends[i] = -1
+		var told instructions
+		if len(m.Metadata) > 0 {
+			var err error
+			start := len(buf)
+			if buf, told, err = appendMetadataJSON(buf, i, m.Metadata); err != nil {
+				return b, err
+			}
+			if len(buf)-start == len("{}") {
+				buf = buf[:start] // only instructions: stored as the constant
+			} else {
+				ends[i] = len(buf)
+			}
+			if i == 0 && n > 1 {
+				buf = slices.Grow(buf, len(buf)*(n-1)) // messages of a call look alike
+			}
+		}
+		if told == 0 && orderingKey == nil {
+			continue // nothing to schedule, deduplicate or order
+		}
 
-		delay, at, err := schedule(m.Metadata)
-		if err != nil {
-			return b, errorf("%w: message %d: %w", ErrInvalidMessage, i, err)
+		var delay pgtype.Int8
+		var at pgtype.Timestamptz
+		if told&(hasDeliverAfter|hasDeliverAt|hasDelayedFor|hasDelayedUntil) != 0 {
+			var err error
+			if delay, at, err = schedule(m.Metadata); err != nil {
+				return b, errorf("%w: message %d: %w", ErrInvalidMessage, i, err)
+			}
 		}
-		key, keyed := m.Metadata[dedupKeyKey]
-		if keyed && key == "" {
-			return b, fmt.Errorf("%w: message %d: dedup key is empty; pass a non-empty key to WithDedupKey", ErrInvalidMessage, i)
+		key, keyed := "", told&hasDedupKey != 0
+		if keyed {
+			if key = m.Metadata[dedupKeyKey]; key == "" {
+				return b, fmt.Errorf("%w: message %d: dedup key is empty; pass a non-empty key to WithDedupKey", ErrInvalidMessage, i)
+			}
 		}
-		order := m.Metadata[OrderingKeyMetadataKey]
+		var order string
+		if told&hasOrderingKey != 0 {
+			order = m.Metadata[OrderingKeyMetadataKey]
+		}
 		if order == "" && orderingKey != nil {
+			var err error
 			if order, err = orderingKey(topic, m); err != nil {
 				return b, fmt.Errorf("%w: message %d: GenerateOrderingKey: %v", ErrInvalidMessage, i, err)
 			}
@@ -440,6 +470,14 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 				b.ordering[i] = pgtype.Text{String: order, Valid: true}
 			}
 		}
+	}
+	all, start := string(buf), 0
+	for i, end := range ends {
+		if end < 0 {
+			b.metadata[i] = "{}"
+			continue
+		}
+		b.metadata[i], start = all[start:end], end
 	}
 	return b, nil
 }

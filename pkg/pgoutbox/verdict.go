@@ -78,7 +78,7 @@ func (sub *subscription) decideNack(d *delivery, msg *message.Message, timedOut 
 	delete(stored, delay.DelayedForKey)
 	delete(stored, delay.DelayedUntilKey)
 	if !maps.Equal(stored, next) {
-		n.meta, _ = appendMetadataJSON(nil, 0, sanitizeMetadata(next))
+		n.meta, _, _ = appendMetadataJSON(nil, 0, sanitizeMetadata(next))
 	}
 	return n
 }

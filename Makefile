@@ -134,8 +134,11 @@ bench-relay:
 	done
 
 ## bench-compare: pgoutbox at BASE (a commit) vs the working tree, side by side, medians; e.g. make bench-compare BASE=35b3c5e
+# (A comma-separated default inside $(or ...) would be split into its
+# arguments: the list is a variable of its own.)
+SCENARIOS ?= drain-1,drain-16,drain-1m,latency-1,latency-16
 bench-compare:
-	@$(PG_ENV); scripts/bench-compare.sh $(BASE) $(or $(ROUNDS),3) $(or $(SCENARIOS),drain-1,drain-16,drain-1m,latency-1,latency-16) $(or $(SCALE),5)
+	@$(PG_ENV); scripts/bench-compare.sh $(BASE) $(or $(ROUNDS),3) $(SCENARIOS) $(or $(SCALE),5)
 
 ## ui-screenshots: regenerate docs/images/ui-*.png, the operator page in headless chromium (tests/browser)
 ui-screenshots:

@@ -232,6 +232,16 @@ func costCases() []costCase {
 			costCase{name: "bare table, same payload", perTx: perTx, setup: sqlSetup(bareTable), publish: unnestOrValues(one, "bare")},
 			costCase{name: "watermill-sql queue table", perTx: perTx, setup: sqlSetup(watermillQueueTable), publish: valuesCost("queue", false, "json")},
 		)
+		if !one {
+			// Fan-out: five groups bound. Today each gets a full row;
+			// the alternative stores the payload once and gives each
+			// group a narrow row that points at it.
+			cases = append(cases,
+				costCase{name: "Publisher, 1 group bound", perTx: perTx, setup: bound(outboxSetup(), 1), publish: publisherCost(0)},
+				costCase{name: "Publisher, 5 groups bound", perTx: perTx, setup: bound(outboxSetup(), 5), publish: publisherCost(0)},
+				costCase{name: "payload once + 5 narrow rows", perTx: perTx, setup: sqlSetup(splitTables), publish: splitCost(5)},
+			)
+		}
 	}
 	return cases
 }
@@ -252,6 +262,59 @@ SELECT $1, g.consumer_group, $2, $3, $4::jsonb FROM `+groups, topic, msgs[0].UUI
 		_, err := t.Exec(ctx, `INSERT INTO `+q.Names.QTable+` (topic, consumer_group, uuid, payload, metadata)
 SELECT $1, g.consumer_group, m.uuid, m.payload, m.metadata::jsonb
   FROM unnest($2::text[], $3::bytea[], $4::text[]) AS m(uuid, payload, metadata) CROSS JOIN `+groups, topic, uuids, payloads, metadata)
+		return err
+	}
+}
+
+// bound binds groups g0... to the bench topic.
+func bound(setup func(ctx context.Context, b *bench, s string) error, groups int) func(ctx context.Context, b *bench, s string) error {
+	return func(ctx context.Context, b *bench, s string) error {
+		if err := setup(ctx, b, s); err != nil {
+			return err
+		}
+		for g := range groups {
+			if err := pgoutbox.Bind(ctx, tx.FromPgxPool(b.pool), schema.Config{Schema: s, Table: "outbox"}, topic, fmt.Sprintf("g%d", g)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+}
+
+// splitTables is a layout that stores a message once and gives each group
+// a row of its own without the payload: what a fan-out would cost if a
+// copy were only the delivery state (a sketch for the comparison, with the
+// outbox's ready index on the narrow rows).
+const splitTables = `CREATE TABLE %[1]s.messages (
+    id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    topic      text  NOT NULL,
+    uuid       text  NOT NULL,
+    payload    bytea NOT NULL,
+    metadata   jsonb NOT NULL DEFAULT '{}',
+    created_at timestamptz NOT NULL DEFAULT now());
+CREATE TABLE %[1]s.deliveries (
+    id             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    topic          text   NOT NULL,
+    consumer_group text   NOT NULL,
+    message_id     bigint NOT NULL,
+    available_at   timestamptz NOT NULL DEFAULT now(),
+    deliveries     integer NOT NULL DEFAULT 0,
+    lease_token    uuid,
+    leased_until   timestamptz);
+CREATE INDEX ON %[1]s.deliveries (topic, consumer_group, available_at, id) WHERE lease_token IS NULL;
+CREATE TABLE %[1]s.groups (topic text, consumer_group text, PRIMARY KEY (topic, consumer_group));
+INSERT INTO %[1]s.groups SELECT 'bench', 'g' || g FROM generate_series(0, 4) g`
+
+func splitCost(groups int) func(ctx context.Context, t pgx.Tx, s string, msgs []*message.Message) error {
+	return func(ctx context.Context, t pgx.Tx, s string, msgs []*message.Message) error {
+		q := pgx.Identifier{s}.Sanitize()
+		uuids, payloads, metadata := columns(msgs)
+		_, err := t.Exec(ctx, `WITH m AS (
+    INSERT INTO `+q+`.messages (topic, uuid, payload, metadata)
+    SELECT $1, m.uuid, m.payload, m.metadata::jsonb FROM unnest($2::text[], $3::bytea[], $4::text[]) AS m(uuid, payload, metadata)
+    RETURNING id)
+INSERT INTO `+q+`.deliveries (topic, consumer_group, message_id)
+SELECT $1, g.consumer_group, m.id FROM m CROSS JOIN `+q+`.groups g WHERE g.topic = $1`, topic, uuids, payloads, metadata)
 		return err
 	}
 }

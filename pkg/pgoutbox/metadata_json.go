@@ -58,7 +58,7 @@ func appendMetadataJSON(buf []byte, i int, md message.Metadata) ([]byte, instruc
 			case OrderingKeyMetadataKey:
 				seen |= hasOrderingKey
 				continue
-			case delay.DelayedForKey:
+			case delay.DelayedForKey: // Watermill's: read, and kept with the message
 				seen |= hasDelayedFor
 			case delay.DelayedUntilKey:
 				seen |= hasDelayedUntil

@@ -3,9 +3,13 @@ package pgoutbox
 import (
 	"encoding/json"
 	"testing"
+	"time"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/require"
 )
 
@@ -106,4 +110,41 @@ func FuzzDecodeMetadataAgreesWithEncodingJSON(f *testing.F) {
 		require.NoError(t, err, "%q", raw)
 		require.Equal(t, message.Metadata(want), md, "%q", raw)
 	})
+}
+
+// One Publish call encodes every message's metadata into one buffer and
+// slices it: each message must get its own object, whatever lies between
+// (no metadata, only instructions), and the instructions must be read
+// from what the encoding saw.
+func TestPublishArgsSlicesEachMessagesMetadata(t *testing.T) {
+	t.Parallel()
+	msg := func(md message.Metadata) *message.Message {
+		m := message.NewMessage(watermill.NewUUID(), []byte("p"))
+		m.Metadata = md
+		return m
+	}
+	msgs := []*message.Message{
+		msg(message.Metadata{"a": "1"}),
+		msg(nil),
+		msg(message.Metadata{dedupKeyKey: "k"}), // only an instruction: stored as {}
+		msg(message.Metadata{"b": "2", deliverAfterKey: "1m"}),
+		msg(message.Metadata{delay.DelayedForKey: "2s"}), // Watermill's: kept, and read
+		msg(message.Metadata{OrderingKeyMetadataKey: "o", "c": "3"}),
+	}
+	b, err := publishArgs("t", msgs, nil, NoPayloadLimit)
+	require.NoError(t, err)
+	require.Equal(t, []string{`{"a":"1"}`, `{}`, `{}`, `{"b":"2"}`, `{"_watermill_delayed_for":"2s"}`, `{"c":"3"}`}, b.metadata)
+	require.NotNil(t, b.delays, "scheduled and keyed messages take the full statement")
+	require.Equal(t, pgtype.Text{String: "k", Valid: true}, b.dedup[2])
+	require.Equal(t, pgtype.Int8{Int64: time.Minute.Microseconds(), Valid: true}, b.delays[3])
+	require.Equal(t, pgtype.Int8{Int64: (2 * time.Second).Microseconds(), Valid: true}, b.delays[4])
+	require.Equal(t, pgtype.Text{String: "o", Valid: true}, b.ordering[5])
+	require.True(t, b.scheduled)
+	for _, i := range []int{0, 1} {
+		require.False(t, b.delays[i].Valid || b.dedup[i].Valid || b.ordering[i].Valid, "message %d has no instruction", i)
+	}
+
+	plain, err := publishArgs("t", msgs[:2], nil, NoPayloadLimit)
+	require.NoError(t, err)
+	require.Nil(t, plain.delays, "without instructions the plain statement's arrays suffice")
 }

@@ -42,7 +42,7 @@ type costCase struct {
 	publish func(ctx context.Context, t pgx.Tx, s string, msgs []*message.Message) error
 }
 
-// outboxCase creates the outbox with schema.Create and then drops the
+// outboxSetup creates the outbox with schema.Create and then drops the
 // named indexes: what is left is the layout the case measures.
 func outboxSetup(drop ...string) func(ctx context.Context, b *bench, s string) error {
 	return func(ctx context.Context, b *bench, s string) error {

@@ -18,40 +18,14 @@ import (
 	"github.com/pressly/goose/v3"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/catalogtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
-// catalogDumpSQL describes every relation of schema $1 but the version
-// tables (pgoutbox's, goose's, golang-migrate's): columns (type,
-// nullability, default, identity), relations with their storage
-// parameters, indexes and constraints, one sorted line each, with the
-// schema name replaced by S. Column order is left out: a migration adds
-// columns at the end where Create declares them in place.
-const catalogDumpSQL = `
-SELECT line FROM (
-  SELECT c.relname || '.' || a.attname || ' ' || format_type(a.atttypid, a.atttypmod)
-         || CASE WHEN a.attnotnull THEN ' not null' ELSE '' END
-         || coalesce(' default ' || pg_get_expr(d.adbin, d.adrelid), '')
-         || CASE WHEN a.attidentity <> '' THEN ' identity ' || a.attidentity::text ELSE '' END AS line
-    FROM pg_attribute a
-    JOIN pg_class c ON c.oid = a.attrelid
-    JOIN pg_namespace n ON n.oid = c.relnamespace
-    LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-   WHERE n.nspname = $1 AND c.relkind = 'r' AND a.attnum > 0 AND NOT a.attisdropped
-  UNION ALL
-  SELECT 'relation ' || c.relname || ' ' || c.relkind::text || ' ' || coalesce(array_to_string(c.reloptions, ','), '')
-    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1
-  UNION ALL
-  SELECT 'index ' || replace(indexdef, quote_ident($1) || '.', 'S.') FROM pg_indexes WHERE schemaname = $1
-  UNION ALL
-  SELECT 'constraint ' || c.relname || ' ' || con.conname || ' ' || pg_get_constraintdef(con.oid)
-    FROM pg_constraint con JOIN pg_class c ON c.oid = con.conrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-   WHERE n.nspname = $1
-) l
-WHERE line NOT LIKE '%schema_version%' AND line NOT LIKE '%goose_db_version%' AND line NOT LIKE '%schema_migrations%'
-ORDER BY line`
+// The layouts compared: the version tables aside (catalogtest.DumpSQL).
+var catalogDumpSQL = catalogtest.DumpSQL("schema_version", "goose_db_version", "schema_migrations")
 
 type testBundle struct {
 	ctx    context.Context

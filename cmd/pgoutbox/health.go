@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -168,8 +169,8 @@ func printHealthWarnings(w io.Writer, h pgoutbox.HealthReport) {
 		fmt.Fprintln(w, "warning: track_counts is off on this server: the tuple counts stay 0 and autovacuum cannot see which tables need it; turn it on")
 	}
 	for _, t := range []*pgoutbox.TableHealth{&h.Outbox, h.DeadLetters} {
-		if t != nil && h.Autovacuum && !t.Autovacuum {
-			fmt.Fprintf(w, "warning: autovacuum is disabled for %s; ALTER TABLE %s RESET (autovacuum_enabled)\n", t.Table, t.Table)
+		if t != nil && h.Autovacuum && h.TrackCounts && !t.Autovacuum {
+			fmt.Fprintf(w, "warning: autovacuum is disabled for %s; ALTER TABLE %s RESET (autovacuum_enabled)\n", t.Table, quoteQualified(t.Table))
 		}
 	}
 	for _, s := range h.SnapshotHolders {
@@ -189,10 +190,10 @@ func printHealthWarnings(w io.Writer, h pgoutbox.HealthReport) {
 			if s.CatalogOnly {
 				what = "holds back vacuum of the system catalogs and keeps WAL (not the outbox's rows)"
 			}
-			fmt.Fprintf(w, "warning: %s: it %s; if its consumer is gone, SELECT pg_drop_replication_slot('%s')\n", describeHolder(s), what, s.Name)
+			fmt.Fprintf(w, "warning: %s: it %s; if its consumer is gone, SELECT pg_drop_replication_slot(%s)\n", describeHolder(s), what, sqlString(s.Name))
 		case pgoutbox.SnapshotPreparedXact:
-			fmt.Fprintf(w, "warning: %s: it holds vacuum back until its transaction manager ends it, or you: COMMIT PREPARED '%s' or ROLLBACK PREPARED '%s'\n",
-				describeHolder(s), s.Name, s.Name)
+			fmt.Fprintf(w, "warning: %s: it holds vacuum back until its transaction manager ends it, or you: COMMIT PREPARED %s or ROLLBACK PREPARED %s\n",
+				describeHolder(s), sqlString(s.Name), sqlString(s.Name))
 		}
 	}
 }
@@ -276,4 +277,17 @@ func dashIfZero(n int) string {
 		return "-"
 	}
 	return fmt.Sprint(n)
+}
+
+// quoteQualified quotes "schema.table" (TableHealth.Table, unquoted) for a
+// statement to paste: names may hold capitals or dots.
+func quoteQualified(table string) string {
+	schemaName, name, _ := strings.Cut(table, ".")
+	return query.Quote(schemaName) + "." + query.Quote(name)
+}
+
+// sqlString is s as an SQL string literal (a slot name, a prepared
+// transaction's gid).
+func sqlString(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", "''") + "'"
 }

@@ -76,13 +76,8 @@ func (c *cli) statsCmd(args []string) error {
 			if cmd.json {
 				return writeJSON(c.stdout, statsToJSON(stats))
 			}
-			health, err := pgoutbox.Health(ctx, exec, tables)
-			if err != nil {
-				return err
-			}
 			printStats(c.stdout, stats)
-			fmt.Fprintln(c.stdout)
-			printHealth(c.stdout, health, false)
+			printStatsHealth(ctx, c.stdout, exec, tables)
 			return nil
 		}
 		tick := time.NewTicker(*interval)
@@ -90,10 +85,6 @@ func (c *cli) statsCmd(args []string) error {
 		first := true
 		for {
 			stats, err := pgoutbox.Stats(ctx, exec, tables, opts...)
-			var health pgoutbox.HealthReport
-			if err == nil {
-				health, err = pgoutbox.Health(ctx, exec, tables)
-			}
 			if ctx.Err() != nil {
 				return nil // Ctrl-C
 			}
@@ -109,8 +100,7 @@ func (c *cli) statsCmd(args []string) error {
 				fmt.Fprintf(c.stdout, "error: %v (retrying)\n", err)
 			} else {
 				printStats(c.stdout, stats)
-				fmt.Fprintln(c.stdout)
-				printHealth(c.stdout, health, false)
+				printStatsHealth(ctx, c.stdout, exec, tables)
 			}
 			select {
 			case <-ctx.Done():
@@ -119,6 +109,19 @@ func (c *cli) statsCmd(args []string) error {
 			}
 		}
 	})
+}
+
+// printStatsHealth prints the table lines under the queues; when Health
+// fails (a role without a grant it needs), a warning says so and the
+// queues stay printed.
+func printStatsHealth(ctx context.Context, w io.Writer, exec tx.Executor, tables schema.Config) {
+	fmt.Fprintln(w)
+	health, err := pgoutbox.Health(ctx, exec, tables)
+	if err != nil {
+		fmt.Fprintf(w, "warning: table health not shown: %v\n", err)
+		return
+	}
+	printHealth(w, health, false)
 }
 
 func statsToJSON(stats []pgoutbox.QueueStats) []statsJSON {

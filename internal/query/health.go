@@ -27,7 +27,10 @@ const TableHealth = `SELECT t.which,
 // SnapshotHolders lists what keeps vacuum from removing the outbox's dead
 // rows, oldest first, at most $1 of each kind: sessions of this database
 // (and walsenders, whose hot_standby_feedback holds every database) with
-// an xmin or an xid, other than the caller's own; replication slots with an
+// an xmin or an xid, other than the caller's own and VACUUMs (whose xmin
+// other vacuums ignore). Walsenders are found through pg_stat_replication:
+// pg_stat_activity hides backend_type from a role without
+// pg_read_all_stats; replication slots with an
 // xmin or a catalog_xmin (the latter only holds the catalogs: catalog_only);
 // prepared transactions of this database. Sessions of other databases are
 // left out: they do not hold back this database's tables. xid_age is
@@ -40,13 +43,16 @@ const SnapshotHolders = `SELECT kind, pid, usr, app, btype, state, name, slot_ty
        (extract(epoch FROM clock_timestamp() - since) * 1000000)::bigint
   FROM (
 (SELECT 'backend' AS kind, a.pid AS pid, coalesce(a.usename::text, '') AS usr,
-        coalesce(a.application_name, '') AS app, coalesce(a.backend_type, '') AS btype, coalesce(a.state, '') AS state,
+        coalesce(a.application_name, '') AS app,
+        coalesce(a.backend_type, CASE WHEN w.pid IS NOT NULL THEN 'walsender' END, '') AS btype, coalesce(a.state, '') AS state,
         '' AS name, '' AS slot_type, false AS active, false AS catalog_only, coalesce(a.datname::text, '') AS db,
         greatest(age(a.backend_xid), age(a.backend_xmin))::bigint AS xid_age, a.xact_start AS since
    FROM pg_stat_activity a
+   LEFT JOIN pg_stat_replication w ON w.pid = a.pid
   WHERE a.pid <> pg_backend_pid()
     AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
-    AND (a.datname = current_database() OR a.backend_type = 'walsender')
+    AND (a.datname = current_database() OR w.pid IS NOT NULL)
+    AND NOT EXISTS (SELECT 1 FROM pg_stat_progress_vacuum v WHERE v.pid = a.pid)
   ORDER BY xid_age DESC, a.xact_start
   LIMIT $1)
 UNION ALL

@@ -58,7 +58,9 @@ type TableHealth struct {
 	// zero for never (since the statistics were last reset).
 	LastVacuum, LastAutovacuum, LastAnalyze, LastAutoanalyze time.Time
 	// Autovacuum tells whether autovacuum visits the table: the server's
-	// setting and the table's autovacuum_enabled storage parameter.
+	// autovacuum and track_counts settings (without counts it cannot see
+	// which tables need it) and the table's autovacuum_enabled storage
+	// parameter.
 	Autovacuum bool
 }
 
@@ -202,7 +204,7 @@ func Health(ctx context.Context, exec tx.Executor, tables schema.Config) (Health
 			return HealthReport{}, healthError("table statistics", err)
 		}
 		t.LastVacuum, t.LastAutovacuum, t.LastAnalyze, t.LastAutoanalyze = timeOrZero(vac), timeOrZero(autovac), timeOrZero(an), timeOrZero(autoan)
-		t.Autovacuum = t.Autovacuum && h.Autovacuum
+		t.Autovacuum = t.Autovacuum && h.Autovacuum && h.TrackCounts
 		if which == 1 {
 			t.Table = n.Schema + "." + n.Table
 			h.Outbox, found = t, true

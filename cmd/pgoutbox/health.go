@@ -131,7 +131,7 @@ func printHealth(w io.Writer, h pgoutbox.HealthReport, all bool) {
 			continue
 		}
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\n", t.Table, t.LiveTuples, t.DeadTuples, bytesHuman(t.TableBytes),
-			bytesHuman(t.IndexBytes), ago(now, t.LastAutovacuum), ago(now, t.LastVacuum), ago(now, later(t.LastAnalyze, t.LastAutoanalyze)))
+			bytesHuman(t.IndexBytes), ago(now, t.LastAutovacuum), ago(now, t.LastVacuum), ago(now, t.LastAnalyzed()))
 	}
 	tw.Flush()
 	if s, ok := h.OldestSnapshot(); ok {
@@ -256,13 +256,6 @@ func ago(now, t time.Time) string {
 		return "never"
 	}
 	return age(max(now.Sub(t), time.Millisecond)) + " ago"
-}
-
-func later(a, b time.Time) time.Time {
-	if a.After(b) {
-		return a
-	}
-	return b
 }
 
 func dashIfEmpty(s string) string {

@@ -81,6 +81,15 @@ func (t TableHealth) LastVacuumed() time.Time {
 	return t.LastAutovacuum
 }
 
+// LastAnalyzed is the later of LastAnalyze and LastAutoanalyze (zero for
+// never).
+func (t TableHealth) LastAnalyzed() time.Time {
+	if t.LastAnalyze.After(t.LastAutoanalyze) {
+		return t.LastAnalyze
+	}
+	return t.LastAutoanalyze
+}
+
 // SnapshotKind names what a SnapshotHolder is.
 type SnapshotKind string
 

@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"context"
 	"os"
 	"testing"
 	"time"
@@ -95,5 +96,72 @@ func TestReconnect(t *testing.T) {
 	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
 	features := universalFeatures()
 	features.RestartServiceCommand = []string{"sh", "-c", cmd}
-	tests.TestReconnect(t, tests.TestContext{TestID: tests.NewTestID(), Features: features}, universalConstructor(b, pgoutbox.ClaimAuto))
+	construct := func(t *testing.T) (message.Publisher, message.Subscriber) {
+		pub := b.poolPublisher(t)
+		sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
+			Tables:          b.tables,
+			Lease:           5 * time.Second,
+			MinPollInterval: 10 * time.Millisecond,
+			MaxPollInterval: time.Second,
+			DrainTimeout:    time.Second,
+			MaxInFlight:     reconnectInFlight,
+		}, b.logger)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = sub.Close() })
+		return pub, &recordedFirst{Subscriber: sub, after: reconnectRecordLag}
+	}
+	tests.TestReconnect(t, tests.TestContext{TestID: tests.NewTestID(), Features: features}, construct)
+}
+
+// The suite's reconnect case records a message as published on a goroutine
+// of its own, fed by a channel after Publish returned, and compares the
+// record with what was received as soon as the last message arrives. A
+// delivery quicker than that goroutine's next turn (LISTEN/NOTIFY takes a
+// few milliseconds; a loaded 2-core runner can leave a goroutine waiting
+// longer) reads as an "extra" message that was never published. So each
+// message reaches the suite no sooner than reconnectRecordLag after the
+// subscription handed it out, in order; with reconnectInFlight messages
+// out at once the drain still runs at thousands per second.
+const (
+	reconnectRecordLag = 50 * time.Millisecond
+	reconnectInFlight  = 100
+)
+
+// recordedFirst is a message.Subscriber whose channels hand each message on
+// no sooner than after the moment the subscription handed it out.
+type recordedFirst struct {
+	message.Subscriber
+	after time.Duration
+}
+
+func (r *recordedFirst) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	in, err := r.Subscriber.Subscribe(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	type timed struct {
+		msg *message.Message
+		at  time.Time
+	}
+	// Deeper than the messages out at once: reading in never waits.
+	queue := make(chan timed, 2*reconnectInFlight)
+	out := make(chan *message.Message)
+	go func() {
+		defer close(queue)
+		for msg := range in {
+			queue <- timed{msg, time.Now()}
+		}
+	}()
+	go func() {
+		defer close(out)
+		for m := range queue {
+			time.Sleep(time.Until(m.at.Add(r.after)))
+			select {
+			case out <- m.msg:
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	return out, nil
 }

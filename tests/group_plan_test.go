@@ -4,7 +4,6 @@ import (
 	"context"
 	"os"
 	"regexp"
-	"strings"
 	"testing"
 	"time"
 
@@ -52,16 +51,7 @@ func TestBindStatementsUseIndexes(t *testing.T) {
 		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
 			_, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode)
 			require.NoError(t, err)
-			rows, err := conn.Query(ctx, "EXPLAIN "+st.sql, st.args...)
-			require.NoError(t, err)
-			var plan []string
-			for rows.Next() {
-				var line string
-				require.NoError(t, rows.Scan(&line))
-				plan = append(plan, line)
-			}
-			require.NoError(t, rows.Err())
-			text := strings.Join(plan, "\n")
+			text := explain(t, conn, st.sql, st.args...)
 			require.NotRegexp(t, seq, text, "%s (%s) must not scan the outbox sequentially:\n%s", st.name, mode, text)
 			for _, w := range st.want {
 				require.Contains(t, text, w, "%s (%s):\n%s", st.name, mode, text)

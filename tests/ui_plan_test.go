@@ -72,16 +72,7 @@ SELECT g, 'topic-' || (g %% 20), 'group-' || (g %% 3), g::text, '\x00', '{}', no
 		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
 			_, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode)
 			require.NoError(t, err)
-			rows, err := conn.Query(ctx, "EXPLAIN "+st.sql, st.args...)
-			require.NoError(t, err)
-			var plan []string
-			for rows.Next() {
-				var line string
-				require.NoError(t, rows.Scan(&line))
-				plan = append(plan, line)
-			}
-			require.NoError(t, rows.Err())
-			text := strings.Join(plan, "\n")
+			text := explain(t, conn, st.sql, st.args...)
 			require.NotRegexp(t, seq, text, "%s (%s) must not scan the outbox:\n%s", st.name, mode, text)
 			if strings.Contains(st.name, "dead letters of a topic") {
 				require.Contains(t, text, n.DLQIdx, "%s (%s) reads the (topic, failed_at) index", st.name, mode)

@@ -97,6 +97,55 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 	require.NoError(t, err)
 }
 
+// TestClaimSettingsPlanGenericallyWithoutJIT runs the claims' EXPLAIN in a
+// transaction with query.ClaimSettings, on a server that would JIT-compile
+// every statement (jit_above_cost 0, standing in for a table whose claim
+// costs more than the default 100,000): no JIT, and the plan is the
+// generic one (parameters, not values). Without the settings the same
+// EXPLAIN shows JIT, so the check can fail.
+func TestClaimSettingsPlanGenericallyWithoutJIT(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	names, err := query.NewNames(b.Schema, "outbox", "")
+	require.NoError(t, err)
+	q := query.Build(names, true)
+	args := []any{"t", 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), true, pgtype.Int8{}, ""}
+	conn, err := b.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	var jitAvailable bool
+	require.NoError(t, conn.QueryRow(ctx, `SELECT pg_jit_available()`).Scan(&jitAvailable))
+
+	for _, settings := range []bool{false, true} {
+		_, err := conn.Exec(ctx, "BEGIN")
+		require.NoError(t, err)
+		_, err = conn.Exec(ctx, "SET LOCAL jit = on")
+		require.NoError(t, err)
+		_, err = conn.Exec(ctx, "SET LOCAL jit_above_cost = 0")
+		require.NoError(t, err)
+		if settings {
+			_, err = conn.Exec(ctx, query.ClaimSettings)
+			require.NoError(t, err)
+		}
+		var mode string
+		require.NoError(t, conn.QueryRow(ctx, "SHOW plan_cache_mode").Scan(&mode))
+		text := explain(t, conn, q.ClaimFastNoOrphans, args...)
+		_, err = conn.Exec(ctx, "ROLLBACK")
+		require.NoError(t, err)
+		if !settings {
+			require.Equal(t, "auto", mode)
+			if jitAvailable {
+				require.Contains(t, text, "JIT:", "without the settings the claim is compiled:\n%s", text)
+			}
+			continue
+		}
+		require.Equal(t, "force_generic_plan", mode)
+		require.NotContains(t, text, "JIT:", "a claim is never JIT-compiled:\n%s", text)
+		require.Contains(t, text, "$1", "a claim runs its generic plan:\n%s", text)
+	}
+}
+
 // The subscriber's own writes commit asynchronously by default
 // (SynchronousCommit false): the claim sets synchronous_commit=off for its
 // own transaction only. Run inside an explicit transaction, the setting is

@@ -47,16 +47,12 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		CursorAt: req.at, CursorID: req.id, WithExpired: req.withExpired,
 		Window: req.window, EndedKeys: req.endedKeys, Spare: req.orphansOf,
 	})
-	// The claim runs in a transaction of its own that plans it
-	// generically (force_generic_plan): with a cursor among its arguments
-	// the planner estimates a custom plan cheaper than the generic one, so
-	// it planned every claim anew, 0.6 ms of server time per claim; the
-	// generic plan has the same shape (TestClaimUsesPartialIndexes checks
-	// both). One round trip. A claim that fails leaves the transaction
-	// aborted, and the pool closes such a connection instead of reusing it.
+	// The claim runs in a transaction of its own with query.ClaimSettings. One
+	// round trip. A claim that fails leaves the transaction aborted, and
+	// the pool closes such a connection instead of reusing it.
 	b := &pgx.Batch{}
 	b.Queue("BEGIN")
-	b.Queue(planGeneric)
+	b.Queue(query.ClaimSettings)
 	b.Queue(stmt, args...)
 	b.Queue("COMMIT")
 	res := c.pool.SendBatch(ctx, b)
@@ -217,7 +213,7 @@ func (c *claimer) held(req claimRequest) claimResult {
 	// are due again: the held path's bound on how long rows stay locked,
 	// where the lease path has Lease.
 	b.Queue(fmt.Sprintf("SET LOCAL idle_in_transaction_session_timeout = %d", heldIdleTimeout(c.cfg).Milliseconds()))
-	b.Queue(planGeneric) // see lease
+	b.Queue(query.ClaimSettings)
 	b.Queue(c.q.HeldClaim, query.HeldArgs{Topic: c.topic, Group: c.cfg.ConsumerGroup, N: req.n, CursorAt: req.at, CursorID: req.id}.Held()...)
 	res := conn.SendBatch(ctx, b)
 	err = func() error {
@@ -300,10 +296,6 @@ func (c *claimer) held(req claimRequest) claimResult {
 	r.took = time.Since(req.sent)
 	return r
 }
-
-// planGeneric makes the claims of a transaction use their generic plans;
-// see claimer.lease.
-const planGeneric = "SET LOCAL plan_cache_mode = force_generic_plan"
 
 // heldIdleTimeout is idle_in_transaction_session_timeout for held
 // transactions: the bound, plus time for the owner to end the batch.

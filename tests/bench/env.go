@@ -46,7 +46,11 @@ func (b *bench) connect(ctx context.Context) error {
 	if b.pool, err = pgxpool.NewWithConfig(ctx, pcfg); err != nil {
 		return err
 	}
-	return b.pool.Ping(ctx)
+	if err := b.pool.Ping(ctx); err != nil {
+		return err
+	}
+	b.postmaster = findPostmaster(ctx, b.pool)
+	return nil
 }
 
 // conn opens a dedicated connection (publishers, the raw floor's loops).

@@ -86,6 +86,9 @@ type bench struct {
 	logger   watermill.LoggerAdapter
 	progress io.Writer
 	seq      int
+	// postmaster is the server's postmaster pid when the server runs on
+	// this machine (serverCPU), else 0.
+	postmaster int
 }
 
 func main() {
@@ -283,6 +286,8 @@ func run(ctx context.Context, opts options) error {
 			rw.MsgsPerS = round(median(pick(func(r result) float64 { return r.msgsPerS })), 1)
 			rw.P50ms = round(median(pick(func(r result) float64 { return r.p50ms })), 2)
 			rw.P99ms = round(median(pick(func(r result) float64 { return r.p99ms })), 2)
+			rw.ServerUs = round(median(pick(func(r result) float64 { return r.serverUs })), 1)
+			rw.ClientUs = round(median(pick(func(r result) float64 { return r.clientUs })), 1)
 			rw.Note = rs[0].note
 		}
 		if f := failures[k]; len(f) > 0 {
@@ -314,6 +319,10 @@ type row struct {
 	MsgsPerS float64 `json:"msgs_per_s"`
 	P50ms    float64 `json:"p50_ms"`
 	P99ms    float64 `json:"p99_ms"`
+	// CPU µs per message of the server and of the bench (drains; 0: not
+	// measured, -1: the server is not on this machine).
+	ServerUs float64 `json:"server_us_per_msg"`
+	ClientUs float64 `json:"client_us_per_msg"`
 	Note     string  `json:"note"`
 	Runs     int     `json:"runs"`
 }
@@ -325,7 +334,7 @@ func round(x float64, digits int) float64 {
 
 func printTable(w io.Writer, rows []row) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "system\tscenario\tmsgs/s\tp50 ms\tp99 ms\t\tnote")
+	fmt.Fprintln(tw, "system\tscenario\tmsgs/s\tp50 ms\tp99 ms\tserver µs/msg\tclient µs/msg\t\tnote")
 	num := func(x float64, digits int) string {
 		if x == 0 {
 			return "-"
@@ -335,8 +344,8 @@ func printTable(w io.Writer, rows []row) {
 	for _, r := range rows {
 		// The note is left-aligned after an empty column, so AlignRight
 		// only affects the figures.
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t\t%s\n", r.System, r.Scenario,
-			num(r.MsgsPerS, 1), num(r.P50ms, 2), num(r.P99ms, 2), r.Note)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t\t%s\n", r.System, r.Scenario,
+			num(r.MsgsPerS, 1), num(r.P50ms, 2), num(r.P99ms, 2), num(max(r.ServerUs, 0), 1), num(max(r.ClientUs, 0), 1), r.Note)
 	}
 	fmt.Fprintln(w)
 	_ = tw.Flush()

@@ -4,11 +4,9 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"os"
 	"sort"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -459,31 +457,4 @@ func (b *bench) measureCost(ctx context.Context, c costCase, i, txs int) (costFi
 		f.serverUs = float64((srv1 - srv0).Microseconds()) / n
 	}
 	return f, nil
-}
-
-// backendCPU is the CPU time a server process has run, or -1 when the
-// server is not on this machine (or /proc cannot be read).
-func backendCPU(pid int) time.Duration {
-	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/schedstat", pid))
-	if err != nil {
-		return -1
-	}
-	fields := strings.Fields(string(raw))
-	if len(fields) == 0 {
-		return -1
-	}
-	ns, err := strconv.ParseInt(fields[0], 10, 64)
-	if err != nil {
-		return -1
-	}
-	return time.Duration(ns)
-}
-
-// processCPU is the benchmark process's CPU time, user and system.
-func processCPU() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }

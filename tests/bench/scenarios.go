@@ -306,11 +306,13 @@ func drainScenario(large bool, maxInFlight int) func(context.Context, *bench, in
 		if err := inst.loadBacklog(ctx, n, newPayload()); err != nil {
 			return result{}, fmt.Errorf("load backlog: %w", err)
 		}
-		elapsed, handled, err := drainLoaded(ctx, b, inst, n, maxInFlight, nil)
+		var cpu cpuUse
+		elapsed, handled, err := drainLoaded(ctx, b, inst, n, maxInFlight, nil, &cpu)
 		if err != nil {
 			return result{}, err
 		}
-		res := result{msgsPerS: float64(n) / elapsed.Seconds(), note: joinNote(inFlightNote(inst, maxInFlight), commitNote(b, inst))}
+		res := result{msgsPerS: float64(n) / elapsed.Seconds(), note: joinNote(inFlightNote(inst, maxInFlight), commitNote(b, inst)),
+			serverUs: cpu.perMessage(cpu.server, n), clientUs: cpu.perMessage(cpu.client, n)}
 		if extra := handled - int64(n); extra > 0 {
 			res.note = joinNote(res.note, fmt.Sprintf("%d redeliveries", extra))
 		}
@@ -850,7 +852,7 @@ func keyedDrainScenario(keys, maxInFlight int) func(context.Context, *bench, ins
 			topic, newPayload(), n); err != nil {
 			return result{}, fmt.Errorf("load backlog: %w", err)
 		}
-		elapsed, _, err := drainLoaded(ctx, b, inst, n, maxInFlight, func() { time.Sleep(time.Millisecond) })
+		elapsed, _, err := drainLoaded(ctx, b, inst, n, maxInFlight, func() { time.Sleep(time.Millisecond) }, nil)
 		if err != nil {
 			return result{}, err
 		}
@@ -866,7 +868,12 @@ func keyedDrainScenario(keys, maxInFlight int) func(context.Context, *bench, ins
 // handlers that run work (if any) per message, and returns how long from
 // the consumer's start until all were handled, and how many handlings
 // there were (redeliveries included). The table must be empty after.
-func drainLoaded(ctx context.Context, b *bench, inst instance, n, maxInFlight int, work func()) (time.Duration, int64, error) {
+//
+// With cpu, it also measures the CPU time the server (when it runs on this
+// machine: the machine's less this process's, so nothing else may run
+// meanwhile) and this process spent from the consumer's start to the end
+// of the drain.
+func drainLoaded(ctx context.Context, b *bench, inst instance, n, maxInFlight int, work func(), cpu *cpuUse) (time.Duration, int64, error) {
 	if err := settle(ctx, b, inst); err != nil {
 		return 0, 0, err
 	}
@@ -889,6 +896,7 @@ func drainLoaded(ctx context.Context, b *bench, inst instance, n, maxInFlight in
 	// Generous: fail only below 200 msg/s, far under any system here.
 	timeout := time.Minute + time.Duration(n)*5*time.Millisecond
 	start := time.Now()
+	all0, cli0 := machineCPU(b.postmaster), processCPU()
 	if err := cons.start(ctx); err != nil {
 		return 0, 0, err
 	}
@@ -898,6 +906,13 @@ func drainLoaded(ctx context.Context, b *bench, inst instance, n, maxInFlight in
 	elapsed := time.Since(start)
 	if err := closeEmpty(ctx, b, inst, cons, "after the drain"); err != nil {
 		return 0, 0, err
+	}
+	if cpu != nil {
+		all1, cli1 := machineCPU(b.postmaster), processCPU()
+		cpu.server, cpu.client = -1, cli1-cli0
+		if all0 >= 0 && all1 >= 0 {
+			cpu.server = max(all1-all0-cpu.client, 0)
+		}
 	}
 	return elapsed, handled.count(), nil
 }
@@ -949,7 +964,7 @@ func slowOneInThousandScenario(ctx context.Context, b *bench, inst instance) (re
 		if fastDone.Add(1) == fast {
 			fastAt.Store(time.Now().UnixNano())
 		}
-	})
+	}, nil)
 	stopSampling()
 	worst := <-oldest
 	if err != nil {

@@ -17,7 +17,10 @@ type result struct {
 	msgsPerS float64
 	p50ms    float64
 	p99ms    float64
-	note     string
+	// CPU time per message, µs: the server's and the bench process's
+	// (drains only; -1 where unknown: a server on another machine).
+	serverUs, clientUs float64
+	note               string
 }
 
 // figures formats the figures that apply, for the progress lines.
@@ -25,6 +28,9 @@ func (r result) figures() string {
 	var parts []string
 	if r.msgsPerS != 0 {
 		parts = append(parts, fmt.Sprintf("%10.1f msg/s", r.msgsPerS))
+	}
+	if r.serverUs > 0 || r.clientUs > 0 {
+		parts = append(parts, fmt.Sprintf("cpu/msg server %5.1f µs  client %5.1f µs", r.serverUs, r.clientUs))
 	}
 	if r.p50ms != 0 || r.p99ms != 0 {
 		parts = append(parts, fmt.Sprintf("p50 %8.2f ms  p99 %8.2f ms", r.p50ms, r.p99ms))

@@ -531,3 +531,45 @@ func TestHealthPreparedTransaction(t *testing.T) {
 	require.False(t, oldest.Since.Before(began.Add(-time.Minute)))
 	require.Positive(t, oldest.Age)
 }
+
+// TestHealthSumsAPartitionedOutbox: an outbox partitioned by hand (here by
+// the time a row was stored, as a rotation would) reports the sums over
+// its partitions; the partitioned table itself has no storage, and read
+// alone it would report an empty outbox.
+func TestHealthSumsAPartitionedOutbox(t *testing.T) {
+	t.Parallel()
+	b := setupHealth(t)
+	ctx := context.Background()
+	tables := schema.Config{Schema: "parted"}
+	for _, s := range []string{
+		`CREATE SCHEMA parted`,
+		`CREATE TABLE parted.outbox (
+    id bigint GENERATED ALWAYS AS IDENTITY, topic text NOT NULL, consumer_group text NOT NULL DEFAULT '',
+    uuid text NOT NULL, payload bytea NOT NULL, metadata jsonb NOT NULL DEFAULT '{}',
+    created_at timestamptz NOT NULL DEFAULT now(), available_at timestamptz NOT NULL DEFAULT now(),
+    deliveries integer NOT NULL DEFAULT 0, lease_token uuid, leased_until timestamptz, leased_by text,
+    dedup_key text, last_error text, lease_holder bigint, failure_reason text, ordering_key text,
+    stored_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (id, stored_at)) PARTITION BY RANGE (stored_at)`,
+		`CREATE TABLE parted.outbox_old PARTITION OF parted.outbox FOR VALUES FROM (MINVALUE) TO ('2000-01-01')`,
+		`CREATE TABLE parted.outbox_new PARTITION OF parted.outbox FOR VALUES FROM ('2000-01-01') TO (MAXVALUE)`,
+		`CREATE UNIQUE INDEX outbox_group_dedup_idx ON parted.outbox (topic, consumer_group, dedup_key, stored_at) WHERE dedup_key IS NOT NULL`,
+	} {
+		_, err := b.pool.Exec(ctx, s)
+		require.NoError(t, err)
+	}
+	require.NoError(t, schema.Create(ctx, tx.FromPgxPool(b.pool), tables))
+	_, err := b.pool.Exec(ctx, `INSERT INTO parted.outbox (topic, uuid, payload, stored_at)
+SELECT 't', g::text, '\x00', CASE WHEN g % 2 = 0 THEN timestamptz '1999-01-01' ELSE now() END FROM generate_series(1, 2000) g`)
+	require.NoError(t, err)
+
+	h, err := pgoutbox.Health(ctx, tx.FromPgxPool(b.pool), tables)
+	require.NoError(t, err)
+	var tableBytes, indexBytes int64
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT sum(pg_table_size(relid))::bigint, sum(pg_indexes_size(relid))::bigint
+  FROM pg_partition_tree('parted.outbox') WHERE isleaf`).Scan(&tableBytes, &indexBytes))
+	require.Positive(t, tableBytes)
+	require.Equal(t, tableBytes, h.Outbox.TableBytes, "the outbox's size is its partitions'")
+	require.Equal(t, indexBytes, h.Outbox.IndexBytes, "the outbox's index size is its partitions'")
+	require.NotNil(t, h.DeadLetters, "the dead-letter table, a plain one, is reported too")
+}

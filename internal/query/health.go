@@ -11,17 +11,22 @@ package query
 // table (the server's setting and the table's autovacuum_enabled), and the
 // server's track_counts. The counts come from the cumulative statistics:
 // estimates, updated when backends report, zero while track_counts is off.
+// A partitioned table reports the sums over its partitions (the latest of
+// their vacuum and analyze times); pg_partition_tree lists nothing for a
+// plain table, so the table itself is added to the list.
 const TableHealth = `SELECT t.which,
-       coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),
-       pg_table_size(c.oid), pg_indexes_size(c.oid),
-       s.last_vacuum, s.last_autovacuum, s.last_analyze, s.last_autoanalyze,
+       coalesce(sum(s.n_live_tup), 0)::bigint, coalesce(sum(s.n_dead_tup), 0)::bigint,
+       sum(pg_table_size(p.relid))::bigint, sum(pg_indexes_size(p.relid))::bigint,
+       max(s.last_vacuum), max(s.last_autovacuum), max(s.last_analyze), max(s.last_autoanalyze),
        current_setting('autovacuum')::bool,
-       coalesce((SELECT o.option_value::bool FROM pg_options_to_table(c.reloptions) o
-                  WHERE o.option_name = 'autovacuum_enabled'), true),
+       coalesce((SELECT o.option_value::bool FROM pg_class c, pg_options_to_table(c.reloptions) o
+                  WHERE c.oid = t.oid AND o.option_name = 'autovacuum_enabled'), true),
        current_setting('track_counts')::bool
   FROM (VALUES (1, to_regclass($1::text)), (2, to_regclass($2::text))) AS t(which, oid)
-  JOIN pg_class c ON c.oid = t.oid
-  LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+ CROSS JOIN LATERAL (SELECT relid FROM pg_partition_tree(t.oid) UNION SELECT t.oid) AS p(relid)
+  LEFT JOIN pg_stat_user_tables s ON s.relid = p.relid
+ WHERE t.oid IS NOT NULL
+ GROUP BY t.which, t.oid
  ORDER BY t.which`
 
 // SnapshotHolders lists what keeps vacuum from removing the outbox's dead

@@ -111,7 +111,7 @@ type scenario struct {
 
 func (s *scenario) takes(sys string) bool {
 	if s.systems == nil { // the variants only where a scenario names them
-		return sys != rawInsertName && sys != pgoutboxNotifyEachName && sys != pgoutboxLeaseName && sys != pgoutboxTxName && !strings.HasPrefix(sys, rawHeldName)
+		return sys != rawInsertName && sys != pgoutboxNotifyEachName && sys != pgoutboxLeaseName && sys != pgoutboxTxName && sys != rotatingName && !strings.HasPrefix(sys, rawHeldName)
 	}
 	return slices.Contains(s.systems, sys)
 }
@@ -163,14 +163,14 @@ func scenarioNames() []string {
 
 func knownScenarioNames() []string {
 	out := scenarioNames()
-	for _, s := range soakScenarios {
+	for _, s := range explicitScenarios {
 		out = append(out, s.name)
 	}
 	return out
 }
 
 func scenarioByName(name string) *scenario {
-	for _, s := range append(slices.Clip(scenarios), soakScenarios...) {
+	for _, s := range append(slices.Clip(scenarios), explicitScenarios...) {
 		if s.name == name {
 			return s
 		}
@@ -179,7 +179,7 @@ func scenarioByName(name string) *scenario {
 }
 
 var systems = []system{pgoutboxSystem{}, pgoutboxSystem{notifyEach: true}, pgoutboxSystem{lease: true}, pgoutboxSystem{txHandler: true}, rawSystem{}, rawSystem{async: true}, rawSystem{insertOnly: true},
-	rawSystem{held: true}, rawSystem{held: true, async: true}, watermillSQLSystem{}}
+	rawSystem{held: true}, rawSystem{held: true, async: true}, watermillSQLSystem{}, rotatingSystem{}}
 
 func systemNames() []string {
 	var out []string

@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -31,10 +32,13 @@ import (
 // grows and the run measures the server's setting, not the queue.
 
 // soakSystems: the library on its default path and on leases alone.
-var soakSystems = []string{"pgoutbox", pgoutboxLeaseName}
+var soakSystems = []string{"pgoutbox", pgoutboxLeaseName, rotatingName}
 
-// soakScenarios are only run when named in -scenarios.
-var soakScenarios = []*scenario{
+// explicitScenarios are only run when named in -scenarios: the soaks, and
+// the rotating layout's drain and publish beside pgoutbox's (rotating.go).
+var explicitScenarios = []*scenario{
+	{name: "drain-16-rotating", systems: []string{"pgoutbox", rotatingName}, explicit: true, run: drainScenario(false, 16)},
+	{name: "publish-100-rotating", systems: []string{"pgoutbox", rotatingName}, explicit: true, run: publishScenario(100)},
 	{name: "soak", systems: soakSystems, explicit: true, run: soakScenario(false, false)},
 	{name: "soak-blocked", systems: soakSystems, explicit: true, run: soakScenario(true, false)},
 	{name: "soak-timer", systems: soakSystems, explicit: true, run: soakScenario(false, true)},
@@ -69,7 +73,7 @@ func (o soakOptions) problems() []string {
 // checkSoak prints whether the server runs autovacuum, and refuses the
 // soak scenarios without it unless -soak-allow-no-autovacuum is set.
 func (b *bench) checkSoak(ctx context.Context, w io.Writer) error {
-	if !slices.ContainsFunc(b.opts.scenarios, func(s string) bool { return scenarioByName(s).explicit }) {
+	if !slices.ContainsFunc(b.opts.scenarios, func(s string) bool { return strings.HasPrefix(s, "soak") }) {
 		return nil
 	}
 	var on bool
@@ -98,8 +102,14 @@ type soakWindow struct {
 
 func soakScenario(blocked, timer bool) func(context.Context, *bench, instance) (result, error) {
 	return func(ctx context.Context, b *bench, inst instance) (result, error) {
-		pi, ok := inst.(*pgoutboxInstance)
-		if !ok {
+		var pi *pgoutboxInstance
+		switch i := inst.(type) {
+		case *pgoutboxInstance:
+			pi = i
+		case *rotatingInstance:
+			pi = i.pgoutboxInstance
+		}
+		if pi == nil {
 			return result{}, fmt.Errorf("the soak scenarios run pgoutbox systems only (they read pgoutbox.Health)")
 		}
 		o := b.opts.soak

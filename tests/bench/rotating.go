@@ -1,0 +1,240 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// rotatingSystem ("pgoutbox-rotating") is an experiment for the storage
+// layout of a future release, run by the unchanged library: the outbox is a
+// table partitioned by the time a row was stored (stored_at, the server's
+// clock_timestamp() at the insert), one partition per rotationWindow, plus
+// a "long" partition below 2000-01-01 for rows that outlive their window.
+// A rotator creates the partitions ahead, moves what is left in a window
+// that ended (timers due later, leases still running: never a locked row)
+// to the long partition, and detaches and drops the emptied window, which
+// frees its space whatever snapshots are open, where DELETE and VACUUM
+// cannot while one is held. Dedup keys are left out (a unique index of a
+// partitioned table must contain the partition key); the soak scenarios
+// use none.
+type rotatingSystem struct{}
+
+const (
+	rotatingName = "pgoutbox-rotating"
+	// rotationWindow is how long one partition takes the new rows.
+	rotationWindow = 10 * time.Second
+	// longBelow bounds the long partition; rows moved there get it as
+	// stored_at.
+	longBelow = "2000-01-01 00:00:00+00"
+)
+
+func (rotatingSystem) name() string { return rotatingName }
+
+func (rotatingSystem) newInstance(ctx context.Context, b *bench, schemaName string) (instance, error) {
+	tables := schema.Config{Schema: schemaName, Table: "outbox"}
+	parent := pgx.Identifier{schemaName, "outbox"}.Sanitize()
+	// The library's DDL then adds what is missing (its indexes become
+	// partitioned indexes, created on every partition) and leaves the
+	// table; the dedup index it would add needs the partition key in it.
+	stmts := []string{
+		`CREATE SCHEMA IF NOT EXISTS ` + pgx.Identifier{schemaName}.Sanitize(),
+		`CREATE TABLE ` + parent + ` (
+    id           bigint      GENERATED ALWAYS AS IDENTITY,
+    topic        text        NOT NULL,
+    consumer_group text      NOT NULL DEFAULT '',
+    uuid         text        NOT NULL,
+    payload      bytea       NOT NULL,
+    metadata     jsonb       NOT NULL DEFAULT '{}',
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    available_at timestamptz NOT NULL DEFAULT now(),
+    deliveries   integer     NOT NULL DEFAULT 0,
+    lease_token  uuid,
+    leased_until timestamptz,
+    leased_by    text,
+    dedup_key    text,
+    last_error   text,
+    lease_holder bigint,
+    failure_reason text,
+    ordering_key text,
+    stored_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (id, stored_at)
+) PARTITION BY RANGE (stored_at)`,
+		`CREATE TABLE ` + pgx.Identifier{schemaName, "outbox_long"}.Sanitize() + ` PARTITION OF ` + parent +
+			` FOR VALUES FROM (MINVALUE) TO ('` + longBelow + `')`,
+		`CREATE UNIQUE INDEX outbox_group_dedup_idx ON ` + parent + ` (topic, consumer_group, dedup_key, stored_at) WHERE dedup_key IS NOT NULL`,
+	}
+	for _, s := range stmts {
+		if _, err := b.pool.Exec(ctx, s); err != nil {
+			return nil, fmt.Errorf("rotating outbox: %w", err)
+		}
+	}
+	r := &rotator{b: b, schema: schemaName, parent: parent, attached: map[int64]bool{}}
+	if err := r.ensureAhead(ctx); err != nil {
+		return nil, err
+	}
+	if err := schema.Create(ctx, tx.FromPgxPool(b.pool), tables); err != nil {
+		return nil, err
+	}
+	return &rotatingInstance{pgoutboxInstance: &pgoutboxInstance{b: b, tables: tables}, rot: r}, nil
+}
+
+// rotatingInstance is a pgoutbox instance whose consumer runs the rotator
+// beside it.
+type rotatingInstance struct {
+	*pgoutboxInstance
+	rot *rotator
+}
+
+func (i *rotatingInstance) consumer(ctx context.Context, cfg consumeConfig) (consumer, error) {
+	c, err := i.pgoutboxInstance.consumer(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	return &rotatingConsumer{consumer: c, rot: i.rot}, nil
+}
+
+type rotatingConsumer struct {
+	consumer
+	rot  *rotator
+	stop context.CancelFunc
+	done chan struct{}
+	once sync.Once
+}
+
+func (c *rotatingConsumer) start(ctx context.Context) error {
+	if err := c.consumer.start(ctx); err != nil {
+		return err
+	}
+	rctx, stop := context.WithCancel(context.Background())
+	c.stop, c.done = stop, make(chan struct{})
+	go func() {
+		defer close(c.done)
+		c.rot.run(rctx)
+	}()
+	return nil
+}
+
+func (c *rotatingConsumer) close() error {
+	c.once.Do(func() {
+		if c.stop != nil {
+			c.stop()
+			<-c.done
+		}
+	})
+	return c.consumer.close()
+}
+
+// rotator keeps the window partitions of one rotating outbox. It runs on
+// one goroutine; its counters are read after it stopped.
+type rotator struct {
+	b              *bench
+	schema, parent string
+	attached       map[int64]bool // windows (unix seconds of their start) with a partition
+	dropped        int
+	moved          int64
+	failures       int
+	lastErr        error
+}
+
+func (r *rotator) partition(w int64) string {
+	return pgx.Identifier{r.schema, fmt.Sprintf("outbox_w%d", w)}.Sanitize()
+}
+
+func windowOf(t time.Time) int64 {
+	s := int64(rotationWindow / time.Second)
+	return t.Unix() / s * s
+}
+
+// ensureAhead creates the partitions of the current window and the next
+// two, so a row always has one: a missing partition fails the INSERT.
+func (r *rotator) ensureAhead(ctx context.Context) error {
+	step := int64(rotationWindow / time.Second)
+	now := windowOf(time.Now())
+	for w := now; w <= now+2*step; w += step {
+		if r.attached[w] {
+			continue
+		}
+		from, to := time.Unix(w, 0).UTC().Format(time.RFC3339), time.Unix(w+step, 0).UTC().Format(time.RFC3339)
+		if _, err := r.b.pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+r.partition(w)+` PARTITION OF `+r.parent+
+			` FOR VALUES FROM ('`+from+`') TO ('`+to+`')`); err != nil {
+			return fmt.Errorf("create partition: %w", err)
+		}
+		r.attached[w] = true
+	}
+	return nil
+}
+
+// run rotates every half window until ctx ends.
+func (r *rotator) run(ctx context.Context) {
+	t := time.NewTicker(rotationWindow / 2)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if err := r.rotate(ctx); err != nil && ctx.Err() == nil {
+			r.failures++
+			r.lastErr = err
+			fmt.Fprintf(r.b.progress, "  rotator: %v\n", err)
+		}
+	}
+}
+
+// rotate creates partitions ahead, and for every window that ended a whole
+// window ago moves its unlocked rows to the long partition and, once it is
+// empty, detaches and drops it.
+func (r *rotator) rotate(ctx context.Context) error {
+	if err := r.ensureAhead(ctx); err != nil {
+		return err
+	}
+	step := int64(rotationWindow / time.Second)
+	cutoff := windowOf(time.Now()) - step // windows before this one ended a window ago
+	for w := range r.attached {
+		if w >= cutoff {
+			continue
+		}
+		part := r.partition(w)
+		tag, err := r.b.pool.Exec(ctx, `UPDATE `+r.parent+` o SET stored_at = '`+longBelow+`'::timestamptz - interval '1 second'
+  FROM (SELECT id, stored_at FROM `+part+` FOR UPDATE SKIP LOCKED) m
+ WHERE o.id = m.id AND o.stored_at = m.stored_at`)
+		if err != nil {
+			return fmt.Errorf("move stragglers of %s: %w", part, err)
+		}
+		r.moved += tag.RowsAffected()
+		var empty bool
+		if err := r.b.pool.QueryRow(ctx, `SELECT NOT EXISTS (SELECT FROM `+part+`)`).Scan(&empty); err != nil {
+			return err
+		}
+		if !empty {
+			continue // locked rows (held, being acked): next time
+		}
+		// Concurrently: claims and publishes on the parent go on; it waits
+		// for the transactions that use the outbox now.
+		if _, err := r.b.pool.Exec(ctx, `ALTER TABLE `+r.parent+` DETACH PARTITION `+part+` CONCURRENTLY`); err != nil {
+			return fmt.Errorf("detach %s: %w", part, err)
+		}
+		delete(r.attached, w)
+		// A row committed while the detach waited stays in the detached
+		// table: put it back before dropping.
+		if _, err := r.b.pool.Exec(ctx, `INSERT INTO `+r.parent+` OVERRIDING SYSTEM VALUE
+SELECT id, topic, consumer_group, uuid, payload, metadata, created_at, available_at, deliveries, lease_token, leased_until,
+       leased_by, dedup_key, last_error, lease_holder, failure_reason, ordering_key, '`+longBelow+`'::timestamptz - interval '1 second'
+  FROM `+part); err != nil {
+			return fmt.Errorf("rows of detached %s back: %w", part, err)
+		}
+		if _, err := r.b.pool.Exec(ctx, `DROP TABLE `+part); err != nil {
+			return fmt.Errorf("drop %s: %w", part, err)
+		}
+		r.dropped++
+	}
+	return nil
+}

@@ -146,6 +146,62 @@ func TestClaimSettingsPlanGenericallyWithoutJIT(t *testing.T) {
 	}
 }
 
+// TestClaimPlansHoldOnStaleStatistics: statistics taken while a topic had
+// one ready row, then a backlog of 50,000 (autovacuum's ANALYZE comes
+// later): the generic plans must still walk the ready index in its order
+// and stop at the limit. Without the claim settings' bitmap ban the plan
+// reads the whole range through a bitmap and sorts it, every claim.
+func TestClaimPlansHoldOnStaleStatistics(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	tbl := b.Schema + ".outbox"
+	insert := func(n int) {
+		_, err := b.Pool.Exec(ctx, fmt.Sprintf(`INSERT INTO %s (topic, uuid, payload) SELECT 'bench', g::text, '\x00' FROM generate_series(1, %d) g`, tbl, n))
+		require.NoError(t, err)
+	}
+	insert(1)
+	_, err := b.Pool.Exec(ctx, "ANALYZE "+tbl)
+	require.NoError(t, err)
+	insert(50000)
+
+	names, err := query.NewNames(b.Schema, "outbox", "")
+	require.NoError(t, err)
+	q := query.Build(names, true)
+	conn, err := b.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	statements := []struct {
+		name, sql string
+		args      []any
+	}{
+		{"fast", q.ClaimFastNoOrphans, []any{"bench", 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), false, pgtype.Int8{}, ""}},
+		{"held", q.HeldClaim, query.HeldArgs{Topic: "bench", N: 100, CursorAt: fromStart}.Held()},
+	}
+	plan := func(sql string, args []any, settings string) string {
+		_, err := conn.Exec(ctx, "BEGIN")
+		require.NoError(t, err)
+		defer func() {
+			_, err := conn.Exec(ctx, "ROLLBACK")
+			require.NoError(t, err)
+		}()
+		_, err = conn.Exec(ctx, settings)
+		require.NoError(t, err)
+		return explain(t, conn, sql, args...)
+	}
+	for _, st := range statements {
+		text := plan(st.sql, st.args, query.ClaimSettings)
+		t.Logf("%s, claim settings:\n%s", st.name, text)
+		require.Contains(t, text, "Index Scan using "+names.ReadyIdx, "%s: the ready index, walked in order", st.name)
+		require.NotContains(t, text, "Bitmap", "%s: no bitmap over the ready range", st.name)
+		require.NotRegexp(t, `Sort Key: r\.available_at, r\.id`, text, "%s: the ready rows are not sorted", st.name)
+	}
+	// The same generic plan with bitmaps allowed: the check above can fail.
+	text := plan(q.ClaimFastNoOrphans, statements[0].args, `SELECT set_config('plan_cache_mode', 'force_generic_plan', true)`)
+	t.Logf("fast, generic with bitmaps:\n%s", text)
+	require.Contains(t, text, "Bitmap", "stale statistics no longer tempt the planner; the bitmap ban may be unnecessary")
+}
+
 // The subscriber's own writes commit asynchronously by default
 // (SynchronousCommit false): the claim sets synchronous_commit=off for its
 // own transaction only. Run inside an explicit transaction, the setting is

@@ -572,4 +572,21 @@ SELECT 't', g::text, '\x00', CASE WHEN g % 2 = 0 THEN timestamptz '1999-01-01' E
 	require.Equal(t, tableBytes, h.Outbox.TableBytes, "the outbox's size is its partitions'")
 	require.Equal(t, indexBytes, h.Outbox.IndexBytes, "the outbox's index size is its partitions'")
 	require.NotNil(t, h.DeadLetters, "the dead-letter table, a plain one, is reported too")
+
+	// One partition vacuumed, the other not: no vacuum time is reported,
+	// since the oldest partition's is none. One partition without
+	// autovacuum: the outbox is not one autovacuum visits.
+	_, err = b.pool.Exec(ctx, `VACUUM parted.outbox_new`)
+	require.NoError(t, err)
+	_, err = b.pool.Exec(ctx, `ALTER TABLE parted.outbox_old SET (autovacuum_enabled = off)`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		var vacuumed bool
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT last_vacuum IS NOT NULL FROM pg_stat_user_tables WHERE relid = 'parted.outbox_new'::regclass`).Scan(&vacuumed))
+		return vacuumed
+	}, 10*time.Second, 20*time.Millisecond, "the vacuum of one partition reaches the statistics")
+	h, err = pgoutbox.Health(ctx, tx.FromPgxPool(b.pool), tables)
+	require.NoError(t, err)
+	require.True(t, h.Outbox.LastVacuum.IsZero(), "a partition never vacuumed: the outbox's last vacuum is none, got %s", h.Outbox.LastVacuum)
+	require.False(t, h.Outbox.Autovacuum, "autovacuum skips one partition")
 }

@@ -2,7 +2,9 @@ package query
 
 // Health statements: the outbox's storage and what holds its vacuum back.
 // They read catalogs and statistics views only, which every role may
-// read, so they need no grant beyond USAGE on the outbox's schema.
+// read, so they need no grant beyond USAGE on the outbox's schema. The
+// size functions take a shared lock on every table and index they measure
+// until the caller's transaction ends: run them outside long transactions.
 
 // TableHealth reads the statistics of the tables $1 and $2 (quoted,
 // qualified names; $2 may be NULL), one row per table that exists:
@@ -11,19 +13,25 @@ package query
 // table (the server's setting and the table's autovacuum_enabled), and the
 // server's track_counts. The counts come from the cumulative statistics:
 // estimates, updated when backends report, zero while track_counts is off.
-// A partitioned table reports the sums over its partitions (the latest of
-// their vacuum and analyze times); pg_partition_tree lists nothing for a
-// plain table, so the table itself is added to the list.
+// A partitioned table reports its partitions: the sums of their counts
+// and sizes, autovacuum only if it visits every one of them, and the
+// oldest partition's vacuum and analyze times (NULL while one has none),
+// so a neglected partition is not hidden by a fresh one. pg_partition_tree
+// lists nothing for a plain table, which is its own only partition.
 const TableHealth = `SELECT t.which,
        coalesce(sum(s.n_live_tup), 0)::bigint, coalesce(sum(s.n_dead_tup), 0)::bigint,
        sum(pg_table_size(p.relid))::bigint, sum(pg_indexes_size(p.relid))::bigint,
-       max(s.last_vacuum), max(s.last_autovacuum), max(s.last_analyze), max(s.last_autoanalyze),
+       CASE WHEN bool_and(s.last_vacuum IS NOT NULL) THEN min(s.last_vacuum) END,
+       CASE WHEN bool_and(s.last_autovacuum IS NOT NULL) THEN min(s.last_autovacuum) END,
+       CASE WHEN bool_and(s.last_analyze IS NOT NULL) THEN min(s.last_analyze) END,
+       CASE WHEN bool_and(s.last_autoanalyze IS NOT NULL) THEN min(s.last_autoanalyze) END,
        current_setting('autovacuum')::bool,
-       coalesce((SELECT o.option_value::bool FROM pg_class c, pg_options_to_table(c.reloptions) o
-                  WHERE c.oid = t.oid AND o.option_name = 'autovacuum_enabled'), true),
+       bool_and(coalesce((SELECT o.option_value::bool FROM pg_class c, pg_options_to_table(c.reloptions) o
+                           WHERE c.oid = p.relid AND o.option_name = 'autovacuum_enabled'), true)),
        current_setting('track_counts')::bool
   FROM (VALUES (1, to_regclass($1::text)), (2, to_regclass($2::text))) AS t(which, oid)
- CROSS JOIN LATERAL (SELECT relid FROM pg_partition_tree(t.oid) UNION SELECT t.oid) AS p(relid)
+ CROSS JOIN LATERAL (SELECT relid FROM pg_partition_tree(t.oid) WHERE isleaf
+                     UNION SELECT t.oid WHERE NOT EXISTS (SELECT FROM pg_partition_tree(t.oid))) AS p(relid)
   LEFT JOIN pg_stat_user_tables s ON s.relid = p.relid
  WHERE t.oid IS NOT NULL
  GROUP BY t.which, t.oid

@@ -23,8 +23,9 @@ type Queries struct {
 }
 
 // asyncCommit is a condition that is always true and, as a side effect,
-// makes the statement's own implicit transaction commit without waiting for
-// its WAL to reach disk (set_config(..., true) is local to that transaction,
+// makes the statement's implicit transaction (its own, or its batch's: a claim
+// runs after its settings in one) commit without waiting for its WAL to reach
+// disk (set_config(..., true) is local to that transaction,
 // and the commit reads the setting before it is reset). It is an
 // uncorrelated subquery, so it runs once, and only a statement that writes
 // has anything to wait for.

@@ -47,21 +47,21 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		CursorAt: req.at, CursorID: req.id, WithExpired: req.withExpired,
 		Window: req.window, EndedKeys: req.endedKeys, Spare: req.orphansOf,
 	})
-	// The claim runs in a transaction of its own with query.ClaimSettings. One
-	// round trip. A claim that fails leaves the transaction aborted, and
-	// the pool closes such a connection instead of reusing it.
+	// query.ClaimSettings, then the claim: one round trip, one implicit
+	// transaction (a batch ends in one Sync), so the settings are the
+	// claim's alone, and a claim the server fails rolls back and leaves
+	// the connection idle. The whole batch runs whatever the client does
+	// with the results: after a client-side error (a row that does not
+	// scan) the rows are leased under the token, and the owner releases
+	// them like a lost claim's.
 	b := &pgx.Batch{}
-	b.Queue("BEGIN")
 	b.Queue(query.ClaimSettings)
 	b.Queue(stmt, args...)
-	b.Queue("COMMIT")
 	res := c.pool.SendBatch(ctx, b)
 	defer res.Close()
-	for range 2 {
-		if _, err := res.Exec(); err != nil {
-			r.err = err
-			return r
-		}
+	if _, err := res.Exec(); err != nil {
+		r.err = err
+		return r
 	}
 	rows, err := res.Query()
 	if err != nil {
@@ -95,11 +95,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		r.rows, r.err = nil, err
 		return r
 	}
-	if _, err := res.Exec(); err != nil { // COMMIT
-		r.rows, r.err = nil, err
-		return r
-	}
-	if err := res.Close(); err != nil {
+	if err := res.Close(); err != nil { // the commit's outcome
 		r.rows, r.err = nil, err
 		return r
 	}

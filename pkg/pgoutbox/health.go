@@ -42,7 +42,10 @@ type HealthReport struct {
 
 // TableHealth is one table's size and vacuum state. The tuple counts are
 // the server's estimates (pg_stat_user_tables), updated as backends report
-// their work and set exactly by each VACUUM and ANALYZE.
+// their work and set exactly by each VACUUM and ANALYZE. A partitioned
+// table reports its partitions: counts and sizes summed, Autovacuum only
+// if autovacuum visits every partition, and each time the oldest
+// partition's (zero while one partition has none).
 type TableHealth struct {
 	// Table is the schema-qualified name, unquoted ("public.outbox").
 	Table string

@@ -177,6 +177,8 @@ func TestClaimPlansHoldOnStaleStatistics(t *testing.T) {
 	}{
 		{"fast", q.ClaimFastNoOrphans, []any{"bench", 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), false, pgtype.Int8{}, ""}},
 		{"held", q.HeldClaim, query.HeldArgs{Topic: "bench", N: 100, CursorAt: fromStart}.Held()},
+		{"windowed", q.Claim, []any{"bench", 100, uuid.NewString(), int64(30e6), "test",
+			fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, "", 256, []string{"k1"}, []int64{1, 2}}},
 	}
 	plan := func(sql string, args []any, settings string) string {
 		_, err := conn.Exec(ctx, "BEGIN")
@@ -194,6 +196,7 @@ func TestClaimPlansHoldOnStaleStatistics(t *testing.T) {
 		t.Logf("%s, claim settings:\n%s", st.name, text)
 		require.Contains(t, text, "Index Scan using "+names.ReadyIdx, "%s: the ready index, walked in order", st.name)
 		require.NotContains(t, text, "Bitmap", "%s: no bitmap over the ready range", st.name)
+		require.NotRegexp(t, `Seq Scan on outbox( |$)`, text, "%s: no sequential scan of the outbox", st.name)
 		require.NotRegexp(t, `Sort Key: r\.available_at, r\.id`, text, "%s: the ready rows are not sorted", st.name)
 	}
 	// The same generic plan with bitmaps allowed: the check above can fail.

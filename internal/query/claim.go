@@ -257,7 +257,10 @@ const leaseTaken = `
 // arguments the planner estimated each custom plan cheaper than the
 // generic one, so it planned every claim anew: 0.6 ms of server time per
 // lease claim, a third of a held claim's. The generic plan has the same
-// shape (TestClaimUsesPartialIndexes checks both).
+// shape (TestClaimUsesPartialIndexes checks both). This applies to
+// prepared statements, pgx's default; a pool in simple-protocol or exec
+// mode (a pooler in transaction mode) plans each claim anyway, and the
+// other settings still hold.
 //
 // No JIT: a claim reads a few hundred rows through indexes, but its
 // estimated cost grows with the table (LIMIT under FOR UPDATE is costed

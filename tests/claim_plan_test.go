@@ -3,12 +3,14 @@ package tests
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
@@ -53,16 +55,8 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 	conn, err := b.Pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer conn.Release()
-	statements := []struct {
-		name, sql string
-		args      []any
-	}{
-		{"windowed", q.Claim, []any{"topic-3", 100, uuid.NewString(), int64(30e6), "test",
-			fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, "", 256, []string{"k1"}, []int64{1, 2}}},
-		{"fast", q.ClaimFast, []any{"topic-3", 100, uuid.NewString(), int64(30e6), "test",
-			fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, "", []int64{1, 2}}},
-	}
-	for _, st := range statements {
+	statements := claimStatements(q, "topic-3")
+	for _, st := range statements[:2] { // the lease claims; the held one below
 		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
 			_, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode)
 			require.NoError(t, err)
@@ -83,11 +77,11 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 	}
 	// The held claim locks ready rows from the cursor: the ready index,
 	// and a keyed row's predecessor by the ordering-key index.
-	held := query.HeldArgs{Topic: "topic-3", Group: "", N: 100, CursorAt: fromStart}.Held()
+	held := statements[2]
 	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
 		_, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode)
 		require.NoError(t, err)
-		text := explain(t, conn, q.HeldClaim, held...)
+		text := explain(t, conn, held.sql, held.args...)
 		t.Logf("held, %s:\n%s", mode, text)
 		require.NotRegexp(t, `Seq Scan on outbox`, text, "the held claim must not scan the table sequentially (%s)", mode)
 		require.Contains(t, text, names.ReadyIdx, "the held claim must use the ready-rows index (%s)", mode)
@@ -95,6 +89,42 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 	}
 	_, err = conn.Exec(ctx, "RESET plan_cache_mode")
 	require.NoError(t, err)
+}
+
+// claimStatement is a claim statement with arguments for EXPLAIN.
+type claimStatement struct {
+	name, sql string
+	args      []any
+}
+
+// claimStatements are the claims of topic with every branch on: the
+// windowed and the fast lease claim (expired and orphaned leases, ended
+// keys), and the held claim; each from the start of the range.
+func claimStatements(q *query.Queries, topic string) []claimStatement {
+	lease := []any{topic, 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, ""}
+	return []claimStatement{
+		{"windowed", q.Claim, append(slices.Clone(lease), 256, []string{"k1"}, []int64{1, 2})},
+		{"fast", q.ClaimFast, append(slices.Clone(lease), []int64{1, 2})},
+		{"held", q.HeldClaim, query.HeldArgs{Topic: topic, N: 100, CursorAt: fromStart}.Held()},
+	}
+}
+
+// explainIn explains st on conn in a transaction that first runs each of
+// settings, and rolls it back.
+func explainIn(t *testing.T, conn *pgxpool.Conn, st claimStatement, settings ...string) string {
+	t.Helper()
+	ctx := context.Background()
+	_, err := conn.Exec(ctx, "BEGIN")
+	require.NoError(t, err)
+	defer func() {
+		_, err := conn.Exec(ctx, "ROLLBACK")
+		require.NoError(t, err)
+	}()
+	for _, s := range settings {
+		_, err := conn.Exec(ctx, s)
+		require.NoError(t, err)
+	}
+	return explain(t, conn, st.sql, st.args...)
 }
 
 // TestClaimSettingsPlanGenericallyWithoutJIT runs the claims' EXPLAIN in a
@@ -110,39 +140,21 @@ func TestClaimSettingsPlanGenericallyWithoutJIT(t *testing.T) {
 	names, err := query.NewNames(b.Schema, "outbox", "")
 	require.NoError(t, err)
 	q := query.Build(names, true)
-	args := []any{"t", 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), true, pgtype.Int8{}, ""}
 	conn, err := b.Pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer conn.Release()
 	var jitAvailable bool
 	require.NoError(t, conn.QueryRow(ctx, `SELECT pg_jit_available()`).Scan(&jitAvailable))
 
-	for _, settings := range []bool{false, true} {
-		_, err := conn.Exec(ctx, "BEGIN")
-		require.NoError(t, err)
-		_, err = conn.Exec(ctx, "SET LOCAL jit = on")
-		require.NoError(t, err)
-		_, err = conn.Exec(ctx, "SET LOCAL jit_above_cost = 0")
-		require.NoError(t, err)
-		if settings {
-			_, err = conn.Exec(ctx, query.ClaimSettings)
-			require.NoError(t, err)
+	compileAll := []string{"SET LOCAL jit = on", "SET LOCAL jit_above_cost = 0"}
+	for _, st := range claimStatements(q, "t") {
+		if jitAvailable {
+			text := explainIn(t, conn, st, compileAll...)
+			require.Contains(t, text, "JIT:", "%s: without the settings the claim is compiled:\n%s", st.name, text)
 		}
-		var mode string
-		require.NoError(t, conn.QueryRow(ctx, "SHOW plan_cache_mode").Scan(&mode))
-		text := explain(t, conn, q.ClaimFastNoOrphans, args...)
-		_, err = conn.Exec(ctx, "ROLLBACK")
-		require.NoError(t, err)
-		if !settings {
-			require.Equal(t, "auto", mode)
-			if jitAvailable {
-				require.Contains(t, text, "JIT:", "without the settings the claim is compiled:\n%s", text)
-			}
-			continue
-		}
-		require.Equal(t, "force_generic_plan", mode)
-		require.NotContains(t, text, "JIT:", "a claim is never JIT-compiled:\n%s", text)
-		require.Contains(t, text, "$1", "a claim runs its generic plan:\n%s", text)
+		text := explainIn(t, conn, st, append(compileAll, query.ClaimSettings)...)
+		require.NotContains(t, text, "JIT:", "%s: a claim is never JIT-compiled:\n%s", st.name, text)
+		require.Contains(t, text, "$1", "%s: a claim runs its generic plan:\n%s", st.name, text)
 	}
 }
 
@@ -171,28 +183,9 @@ func TestClaimPlansHoldOnStaleStatistics(t *testing.T) {
 	conn, err := b.Pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer conn.Release()
-	statements := []struct {
-		name, sql string
-		args      []any
-	}{
-		{"fast", q.ClaimFastNoOrphans, []any{"bench", 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), false, pgtype.Int8{}, ""}},
-		{"held", q.HeldClaim, query.HeldArgs{Topic: "bench", N: 100, CursorAt: fromStart}.Held()},
-		{"windowed", q.Claim, []any{"bench", 100, uuid.NewString(), int64(30e6), "test",
-			fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, "", 256, []string{"k1"}, []int64{1, 2}}},
-	}
-	plan := func(sql string, args []any, settings string) string {
-		_, err := conn.Exec(ctx, "BEGIN")
-		require.NoError(t, err)
-		defer func() {
-			_, err := conn.Exec(ctx, "ROLLBACK")
-			require.NoError(t, err)
-		}()
-		_, err = conn.Exec(ctx, settings)
-		require.NoError(t, err)
-		return explain(t, conn, sql, args...)
-	}
+	statements := claimStatements(q, "bench")
 	for _, st := range statements {
-		text := plan(st.sql, st.args, query.ClaimSettings)
+		text := explainIn(t, conn, st, query.ClaimSettings)
 		t.Logf("%s, claim settings:\n%s", st.name, text)
 		require.Contains(t, text, "Index Scan using "+names.ReadyIdx, "%s: the ready index, walked in order", st.name)
 		require.NotContains(t, text, "Bitmap", "%s: no bitmap over the ready range", st.name)
@@ -200,7 +193,8 @@ func TestClaimPlansHoldOnStaleStatistics(t *testing.T) {
 		require.NotRegexp(t, `Sort Key: r\.available_at, r\.id`, text, "%s: the ready rows are not sorted", st.name)
 	}
 	// The same generic plan with bitmaps allowed: the check above can fail.
-	text := plan(q.ClaimFastNoOrphans, statements[0].args, `SELECT set_config('plan_cache_mode', 'force_generic_plan', true)`)
+	fast := claimStatement{"fast", q.ClaimFastNoOrphans, []any{"bench", 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), false, pgtype.Int8{}, ""}}
+	text := explainIn(t, conn, fast, "SET LOCAL plan_cache_mode = force_generic_plan")
 	t.Logf("fast, generic with bitmaps:\n%s", text)
 	require.Contains(t, text, "Bitmap", "stale statistics no longer tempt the planner; the bitmap ban may be unnecessary")
 }

@@ -32,7 +32,7 @@ func universalFeatures() tests.Features {
 // universalGroupConstructor is universalConstructor for a consumer group.
 func universalGroupConstructor(b *bundle, mode pgoutbox.ClaimMode) tests.ConsumerGroupPubSubConstructor {
 	return func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
-		return universalPubSub(t, b, group, mode)
+		return universalPubSub(t, b, universalConfig(b, group, mode))
 	}
 }
 
@@ -41,13 +41,13 @@ func universalGroupConstructor(b *bundle, mode pgoutbox.ClaimMode) tests.Consume
 // server's max_connections.
 func universalConstructor(b *bundle, mode pgoutbox.ClaimMode) tests.PubSubConstructor {
 	return func(t *testing.T) (message.Publisher, message.Subscriber) {
-		return universalPubSub(t, b, "", mode)
+		return universalPubSub(t, b, universalConfig(b, "", mode))
 	}
 }
 
-func universalPubSub(t *testing.T, b *bundle, group string, mode pgoutbox.ClaimMode) (message.Publisher, message.Subscriber) {
-	pub := b.poolPublisher(t)
-	sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
+// universalConfig is the subscribers' configuration for the suite.
+func universalConfig(b *bundle, group string, mode pgoutbox.ClaimMode) pgoutbox.SubscriberConfig {
+	return pgoutbox.SubscriberConfig{
 		Tables:          b.tables,
 		ConsumerGroup:   group,
 		Lease:           5 * time.Second,
@@ -57,7 +57,12 @@ func universalPubSub(t *testing.T, b *bundle, group string, mode pgoutbox.ClaimM
 		// The suite nacks one message hundreds of times in a row.
 		RetryPolicy: pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: -1},
 		ClaimMode:   mode,
-	}, b.logger)
+	}
+}
+
+func universalPubSub(t *testing.T, b *bundle, cfg pgoutbox.SubscriberConfig) (message.Publisher, message.Subscriber) {
+	pub := b.poolPublisher(t)
+	sub, err := pgoutbox.NewSubscriber(b.Pool, cfg, b.logger)
 	require.NoError(t, err)
 	// Some cases of the suite leave their subscriber open; it must end
 	// before the shared pool closes at the end of the whole suite.
@@ -96,18 +101,10 @@ func TestReconnect(t *testing.T) {
 	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
 	features := universalFeatures()
 	features.RestartServiceCommand = []string{"sh", "-c", cmd}
+	cfg := universalConfig(b, "", pgoutbox.ClaimAuto)
+	cfg.MaxInFlight = reconnectInFlight
 	construct := func(t *testing.T) (message.Publisher, message.Subscriber) {
-		pub := b.poolPublisher(t)
-		sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
-			Tables:          b.tables,
-			Lease:           5 * time.Second,
-			MinPollInterval: 10 * time.Millisecond,
-			MaxPollInterval: time.Second,
-			DrainTimeout:    time.Second,
-			MaxInFlight:     reconnectInFlight,
-		}, b.logger)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = sub.Close() })
+		pub, sub := universalPubSub(t, b, cfg)
 		return pub, &recordedFirst{Subscriber: sub, after: reconnectRecordLag}
 	}
 	tests.TestReconnect(t, tests.TestContext{TestID: tests.NewTestID(), Features: features}, construct)

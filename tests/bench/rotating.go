@@ -3,11 +3,13 @@ package main
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -30,9 +32,10 @@ const (
 	rotatingName = "pgoutbox-rotating"
 	// rotationWindow is how long one partition takes the new rows.
 	rotationWindow = 10 * time.Second
-	// longBelow bounds the long partition; rows moved there get it as
-	// stored_at.
-	longBelow = "2000-01-01 00:00:00+00"
+	// longBelow bounds the long partition; rows moved there get
+	// longStoredAt as stored_at.
+	longBelow    = "2000-01-01 00:00:00+00"
+	longStoredAt = `'` + longBelow + `'::timestamptz - interval '1 second'`
 )
 
 func (rotatingSystem) name() string { return rotatingName }
@@ -40,32 +43,23 @@ func (rotatingSystem) name() string { return rotatingName }
 func (rotatingSystem) newInstance(ctx context.Context, b *bench, schemaName string) (instance, error) {
 	tables := schema.Config{Schema: schemaName, Table: "outbox"}
 	parent := pgx.Identifier{schemaName, "outbox"}.Sanitize()
-	// The library's DDL then adds what is missing (its indexes become
-	// partitioned indexes, created on every partition) and leaves the
-	// table; the dedup index it would add needs the partition key in it.
+	// The columns, defaults and identity come from the library's own DDL,
+	// applied to a template table; the partitioned outbox adds stored_at
+	// and a primary key that holds it. The library's DDL then adds what
+	// is missing (its indexes become partitioned indexes, created on
+	// every partition) and leaves the table; the dedup index it would add
+	// needs the partition key in it.
+	tmpl := schema.Config{Schema: schemaName + "_template", Table: "outbox"}
+	if err := schema.Create(ctx, tx.FromPgxPool(b.pool), tmpl); err != nil {
+		return nil, err
+	}
 	stmts := []string{
 		`CREATE SCHEMA IF NOT EXISTS ` + pgx.Identifier{schemaName}.Sanitize(),
-		`CREATE TABLE ` + parent + ` (
-    id           bigint      GENERATED ALWAYS AS IDENTITY,
-    topic        text        NOT NULL,
-    consumer_group text      NOT NULL DEFAULT '',
-    uuid         text        NOT NULL,
-    payload      bytea       NOT NULL,
-    metadata     jsonb       NOT NULL DEFAULT '{}',
-    created_at   timestamptz NOT NULL DEFAULT now(),
-    available_at timestamptz NOT NULL DEFAULT now(),
-    deliveries   integer     NOT NULL DEFAULT 0,
-    lease_token  uuid,
-    leased_until timestamptz,
-    leased_by    text,
-    dedup_key    text,
-    last_error   text,
-    lease_holder bigint,
-    failure_reason text,
-    ordering_key text,
-    stored_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+		`CREATE TABLE ` + parent + ` (LIKE ` + pgx.Identifier{tmpl.Schema, tmpl.Table}.Sanitize() + ` INCLUDING DEFAULTS INCLUDING IDENTITY,
+    stored_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     PRIMARY KEY (id, stored_at)
 ) PARTITION BY RANGE (stored_at)`,
+		`DROP SCHEMA ` + pgx.Identifier{tmpl.Schema}.Sanitize() + ` CASCADE`,
 		`CREATE TABLE ` + pgx.Identifier{schemaName, "outbox_long"}.Sanitize() + ` PARTITION OF ` + parent +
 			` FOR VALUES FROM (MINVALUE) TO ('` + longBelow + `')`,
 		`CREATE UNIQUE INDEX outbox_group_dedup_idx ON ` + parent + ` (topic, consumer_group, dedup_key, stored_at) WHERE dedup_key IS NOT NULL`,
@@ -131,16 +125,12 @@ func (c *rotatingConsumer) close() error {
 	return c.consumer.close()
 }
 
-// rotator keeps the window partitions of one rotating outbox. It runs on
-// one goroutine; its counters are read after it stopped.
+// rotator keeps the window partitions of one rotating outbox. Only its
+// goroutine (run) touches it once the consumer started.
 type rotator struct {
 	b              *bench
 	schema, parent string
 	attached       map[int64]bool // windows (unix seconds of their start) with a partition
-	dropped        int
-	moved          int64
-	failures       int
-	lastErr        error
 }
 
 func (r *rotator) partition(w int64) string {
@@ -190,8 +180,6 @@ func (r *rotator) run(ctx context.Context) {
 		case <-t.C:
 		}
 		if err := r.rotate(ctx); err != nil && ctx.Err() == nil {
-			r.failures++
-			r.lastErr = err
 			fmt.Fprintf(r.b.progress, "  rotator: %v\n", err)
 		}
 	}
@@ -211,13 +199,11 @@ func (r *rotator) rotate(ctx context.Context) error {
 			continue
 		}
 		part := r.partition(w)
-		tag, err := r.b.pool.Exec(ctx, `UPDATE `+r.parent+` o SET stored_at = '`+longBelow+`'::timestamptz - interval '1 second'
+		if _, err := r.b.pool.Exec(ctx, `UPDATE `+r.parent+` o SET stored_at = `+longStoredAt+`
   FROM (SELECT id, stored_at FROM `+part+` FOR UPDATE SKIP LOCKED) m
- WHERE o.id = m.id AND o.stored_at = m.stored_at`)
-		if err != nil {
+ WHERE o.id = m.id AND o.stored_at = m.stored_at`); err != nil {
 			return fmt.Errorf("move stragglers of %s: %w", part, err)
 		}
-		r.moved += tag.RowsAffected()
 		var empty bool
 		if err := r.b.pool.QueryRow(ctx, `SELECT NOT EXISTS (SELECT FROM `+part+`)`).Scan(&empty); err != nil {
 			return err
@@ -233,16 +219,23 @@ func (r *rotator) rotate(ctx context.Context) error {
 		delete(r.attached, w)
 		// A row committed while the detach waited stays in the detached
 		// table: put it back before dropping.
-		if _, err := r.b.pool.Exec(ctx, `INSERT INTO `+r.parent+` OVERRIDING SYSTEM VALUE
-SELECT id, topic, consumer_group, uuid, payload, metadata, created_at, available_at, deliveries, lease_token, leased_until,
-       leased_by, dedup_key, last_error, lease_holder, failure_reason, ordering_key, '`+longBelow+`'::timestamptz - interval '1 second'
-  FROM `+part); err != nil {
+		cols := outboxColumnList()
+		if _, err := r.b.pool.Exec(ctx, `INSERT INTO `+r.parent+` (`+cols+`, stored_at) OVERRIDING SYSTEM VALUE
+SELECT `+cols+`, `+longStoredAt+` FROM `+part); err != nil {
 			return fmt.Errorf("rows of detached %s back: %w", part, err)
 		}
 		if _, err := r.b.pool.Exec(ctx, `DROP TABLE `+part); err != nil {
 			return fmt.Errorf("drop %s: %w", part, err)
 		}
-		r.dropped++
 	}
 	return nil
+}
+
+// outboxColumnList is the outbox's columns, comma-separated.
+func outboxColumnList() string {
+	names := make([]string, len(query.OutboxColumns))
+	for i, c := range query.OutboxColumns {
+		names[i] = c.Name
+	}
+	return strings.Join(names, ", ")
 }

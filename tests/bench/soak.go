@@ -41,8 +41,10 @@ var explicitScenarios = []*scenario{
 	{name: "publish-100-rotating", systems: []string{"pgoutbox", rotatingName}, explicit: true, run: publishScenario(100)},
 	{name: "soak", systems: soakSystems, explicit: true, run: soakScenario(false, false)},
 	{name: "soak-blocked", systems: soakSystems, explicit: true, run: soakScenario(true, false)},
-	{name: "soak-timer", systems: soakSystems, explicit: true, run: soakScenario(false, true)},
-	{name: "soak-blocked-timer", systems: soakSystems, explicit: true, run: soakScenario(true, true)},
+	// Not on pgoutbox-rotating: a scheduled publish uses the dedup index's
+	// ON CONFLICT, which the partitioned experiment's index cannot match.
+	{name: "soak-timer", systems: soakSystems[:2], explicit: true, run: soakScenario(false, true)},
+	{name: "soak-blocked-timer", systems: soakSystems[:2], explicit: true, run: soakScenario(true, true)},
 }
 
 // soakOptions are the soak scenarios' flags.

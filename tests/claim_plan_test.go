@@ -161,8 +161,9 @@ func TestClaimSettingsPlanGenericallyWithoutJIT(t *testing.T) {
 // TestClaimPlansHoldOnStaleStatistics: statistics taken while a topic had
 // one ready row, then a backlog of 50,000 (autovacuum's ANALYZE comes
 // later): the generic plans must still walk the ready index in its order
-// and stop at the limit. Without the claim settings' bitmap ban the plan
-// reads the whole range through a bitmap and sorts it, every claim.
+// and stop at the limit. Without the claim settings' scan bans the plan
+// reads the whole range through a bitmap and sorts it, or finds the rows
+// to update by a sequential scan, every claim.
 func TestClaimPlansHoldOnStaleStatistics(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -196,7 +197,9 @@ func TestClaimPlansHoldOnStaleStatistics(t *testing.T) {
 	fast := claimStatement{"fast", q.ClaimFastNoOrphans, []any{"bench", 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), false, pgtype.Int8{}, ""}}
 	text := explainIn(t, conn, fast, "SET LOCAL plan_cache_mode = force_generic_plan")
 	t.Logf("fast, generic with bitmaps:\n%s", text)
-	require.Contains(t, text, "Bitmap", "stale statistics no longer tempt the planner; the bitmap ban may be unnecessary")
+	// Which of the two it picks depends on the table's pages and the
+	// statistics of the moment: either is what the settings forbid.
+	require.Regexp(t, `Bitmap|Seq Scan on outbox( |$)`, text, "stale statistics no longer tempt the planner into a bitmap or a sequential scan; the scan bans may be unnecessary")
 }
 
 // The subscriber's own writes commit asynchronously by default

@@ -161,9 +161,9 @@ func TestClaimSettingsPlanGenericallyWithoutJIT(t *testing.T) {
 // TestClaimPlansHoldOnStaleStatistics: statistics taken while a topic had
 // one ready row, then a backlog of 50,000 (autovacuum's ANALYZE comes
 // later): the generic plans must still walk the ready index in its order
-// and stop at the limit. Without the claim settings' scan bans the plan
-// reads the whole range through a bitmap and sorts it, or finds the rows
-// to update by a sequential scan, every claim.
+// and stop at the limit. Without the claim settings' scan bans a plan can
+// read the whole range through a bitmap and sort it, or find the rows to
+// update by a sequential scan, every claim.
 func TestClaimPlansHoldOnStaleStatistics(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -193,13 +193,10 @@ func TestClaimPlansHoldOnStaleStatistics(t *testing.T) {
 		require.NotRegexp(t, `Seq Scan on outbox( |$)`, text, "%s: no sequential scan of the outbox", st.name)
 		require.NotRegexp(t, `Sort Key: r\.available_at, r\.id`, text, "%s: the ready rows are not sorted", st.name)
 	}
-	// The same generic plan with bitmaps allowed: the check above can fail.
-	fast := claimStatement{"fast", q.ClaimFastNoOrphans, []any{"bench", 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), false, pgtype.Int8{}, ""}}
-	text := explainIn(t, conn, fast, "SET LOCAL plan_cache_mode = force_generic_plan")
-	t.Logf("fast, generic with bitmaps:\n%s", text)
-	// Which of the two it picks depends on the table's pages and the
-	// statistics of the moment: either is what the settings forbid.
-	require.Regexp(t, `Bitmap|Seq Scan on outbox( |$)`, text, "stale statistics no longer tempt the planner into a bitmap or a sequential scan; the scan bans may be unnecessary")
+	// Without the settings the generic plan here is a bitmap, a
+	// sequential scan or, on some runs, the index walk itself: which one
+	// depends on the table's size when the plan is made, so that
+	// counterpart is not asserted (the soak showed the first two).
 }
 
 // The subscriber's own writes commit asynchronously by default

@@ -15,6 +15,7 @@ import (
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -332,4 +333,88 @@ func TestReleaseClaimGivesBackALostClaim(t *testing.T) {
 	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[row])
 	require.NoError(t, err)
 	require.Equal(t, []row{{"a", false, 0}, {"b", true, 1}}, got, "a's row is back and uncounted; b's lease is b's")
+}
+
+// TestWindowedClaimProbesTheRowsItChose: the windowed claim's last step
+// locks the rows its window chose, by id. Its plan must probe the primary
+// key for them, never walk a ready index in order with the ids as a
+// filter, which reads the whole ready range, dead entries included (on a
+// partitioned outbox under a held snapshot that was 480 ms a claim, one
+// after another). Checked on a partitioned outbox whose partitions have
+// no statistics yet (where the walk was chosen) and on the plain table
+// with stale ones, under the claim settings.
+func TestWindowedClaimProbesTheRowsItChose(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	conn, err := b.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+
+	plain := b.Schema + ".outbox"
+	_, err = b.Pool.Exec(ctx, `INSERT INTO `+plain+` (topic, uuid, payload) VALUES ('bench', 'u', '\x00')`)
+	require.NoError(t, err)
+	_, err = b.Pool.Exec(ctx, "ANALYZE "+plain)
+	require.NoError(t, err)
+	_, err = b.Pool.Exec(ctx, `INSERT INTO `+plain+` (topic, uuid, payload) SELECT 'bench', g::text, '\x00' FROM generate_series(1, 50000) g`)
+	require.NoError(t, err)
+
+	parted := b.Schema + "_parted"
+	for _, s := range []string{
+		`CREATE SCHEMA ` + parted,
+		`CREATE TABLE ` + parted + `.outbox (LIKE ` + plain + ` INCLUDING DEFAULTS INCLUDING IDENTITY,
+    stored_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (id, stored_at)) PARTITION BY RANGE (stored_at)`,
+		`CREATE TABLE ` + parted + `.outbox_long PARTITION OF ` + parted + `.outbox FOR VALUES FROM (MINVALUE) TO ('2000-01-01')`,
+		`CREATE TABLE ` + parted + `.outbox_now PARTITION OF ` + parted + `.outbox FOR VALUES FROM ('2000-01-01') TO (MAXVALUE)`,
+		// A unique index of a partitioned table holds the partition key.
+		`CREATE UNIQUE INDEX outbox_group_dedup_idx ON ` + parted + `.outbox (topic, consumer_group, dedup_key, stored_at) WHERE dedup_key IS NOT NULL`,
+	} {
+		_, err := b.Pool.Exec(ctx, s)
+		require.NoError(t, err)
+	}
+	t.Cleanup(func() {
+		_, err := b.Pool.Exec(context.Background(), `DROP SCHEMA `+parted+` CASCADE`)
+		require.NoError(t, err)
+	})
+	require.NoError(t, schema.Create(ctx, tx.FromPgxPool(b.Pool), schema.Config{Schema: parted}))
+	_, err = b.Pool.Exec(ctx, `INSERT INTO `+parted+`.outbox (topic, uuid, payload) SELECT 'bench', g::text, '\x00' FROM generate_series(1, 20000) g`)
+	require.NoError(t, err)
+
+	for _, s := range []string{b.Schema, parted} {
+		names, err := query.NewNames(s, "outbox", "")
+		require.NoError(t, err)
+		windowed := claimStatements(query.Build(names, true), "bench")[0]
+		text := explainIn(t, conn, windowed, query.ClaimSettings)
+		t.Logf("%s:\n%s", s, text)
+		require.Empty(t, readyWalksForIDs(text), "%s: the chosen rows are probed by id, not looked for along a ready index", s)
+		require.Contains(t, text, "Index Cond: (id = ANY", "%s: the chosen rows are probed by primary key", s)
+	}
+}
+
+// readyWalksForIDs returns the index scans of plan text that walk a range
+// of available_at (a ready index) while looking for ids given as an array.
+func readyWalksForIDs(text string) []string {
+	var found []string
+	nodes := strings.Split(text, "->")
+	for _, n := range nodes {
+		head, _, _ := strings.Cut(strings.TrimSpace(n), "\n")
+		if !strings.HasPrefix(head, "Index Scan") && !strings.HasPrefix(head, "Index Only Scan") {
+			continue
+		}
+		var cond, filter string
+		for _, l := range strings.Split(n, "\n") {
+			l = strings.TrimSpace(l)
+			if c, ok := strings.CutPrefix(l, "Index Cond: "); ok {
+				cond = c
+			}
+			if f, ok := strings.CutPrefix(l, "Filter: "); ok {
+				filter = f
+			}
+		}
+		if strings.Contains(cond, "available_at") && strings.Contains(cond+filter, "id = ANY") {
+			found = append(found, head+" / "+cond+" / "+filter)
+		}
+	}
+	return found
 }

@@ -212,9 +212,14 @@ func claimStatement(t, ac string, orphans bool) string {
     SELECT c.id FROM scan c
      WHERE %[7]s
 ), ready AS (
+    -- The rows chosen are probed by id. "num_nulls(lease_token) = 1" is
+    -- "not leased" in a form that does not match the ready index's
+    -- predicate, so the planner cannot walk that index with the ids as a
+    -- filter, reading the whole ready range and its dead entries (it did
+    -- on a partitioned outbox: 480 ms a claim under a held snapshot).
     SELECT id, available_at FROM %[1]s
      WHERE id = ANY (ARRAY(SELECT id FROM heads UNION SELECT id FROM candidates))
-       AND lease_token IS NULL AND available_at <= now()
+       AND num_nulls(lease_token) = 1 AND available_at <= now()
      ORDER BY available_at, id
      LIMIT %[6]s
        FOR UPDATE SKIP LOCKED

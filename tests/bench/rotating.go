@@ -19,9 +19,10 @@ import (
 // table partitioned by the time a row was stored (stored_at, the server's
 // clock_timestamp() at the insert), one partition per rotationWindow, plus
 // a "long" partition below 2000-01-01 for rows that outlive their window.
-// A rotator creates the partitions ahead, moves what is left in a window
-// that ended (timers due later, leases still running: never a locked row)
-// to the long partition, and detaches and drops the emptied window, which
+// A rotator creates the partitions ahead, moves the rows of a window that
+// ended which are due after the next window (timers, retries backing off;
+// never a locked, leased or ready row) to the long partition, and detaches
+// and drops a window once its ready rows are consumed, which
 // frees its space whatever snapshots are open, where DELETE and VACUUM
 // cannot while one is held. Dedup keys are left out (a unique index of a
 // partitioned table must contain the partition key); the soak scenarios
@@ -186,8 +187,8 @@ func (r *rotator) run(ctx context.Context) {
 }
 
 // rotate creates partitions ahead, and for every window that ended a whole
-// window ago moves its unlocked rows to the long partition and, once it is
-// empty, detaches and drops it.
+// window ago moves its rows due after the next window to the long
+// partition and, once it is empty, detaches and drops it.
 func (r *rotator) rotate(ctx context.Context) error {
 	if err := r.ensureAhead(ctx); err != nil {
 		return err
@@ -199,9 +200,17 @@ func (r *rotator) rotate(ctx context.Context) error {
 			continue
 		}
 		part := r.partition(w)
+		// Only rows due after the next window move: the ready ones (a
+		// backlog) and the leased ones stay where claims and acks find
+		// them, and the window waits until they are consumed. A claim or
+		// an ack that meets a row moved under it fails ("already moved to
+		// another partition"), and moving a backlog made every claim race
+		// the mover.
 		if _, err := r.b.pool.Exec(ctx, `UPDATE `+r.parent+` o SET stored_at = `+longStoredAt+`
-  FROM (SELECT id, stored_at FROM `+part+` FOR UPDATE SKIP LOCKED) m
- WHERE o.id = m.id AND o.stored_at = m.stored_at`); err != nil {
+  FROM (SELECT id, stored_at FROM `+part+`
+         WHERE lease_token IS NULL AND available_at > now() + make_interval(secs => $1)
+           FOR UPDATE SKIP LOCKED) m
+ WHERE o.id = m.id AND o.stored_at = m.stored_at`, rotationWindow.Seconds()); err != nil {
 			return fmt.Errorf("move stragglers of %s: %w", part, err)
 		}
 		var empty bool

@@ -418,3 +418,40 @@ func readyWalksForIDs(text string) []string {
 	}
 	return found
 }
+
+// TestWritePlansProbeByPrimaryKey: the subscriber's writes find their rows
+// by primary key under query.WriteSettings, even in a plan made while the
+// outbox was empty (a subscriber started on a new outbox keeps that
+// prepared plan while the table grows, until an ANALYZE). Without the
+// settings that plan is a sequential scan, so the check can fail.
+func TestWritePlansProbeByPrimaryKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	names, err := query.NewNames(b.Schema, "outbox", "")
+	require.NoError(t, err)
+	q := query.Build(names, true)
+	conn, err := b.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+
+	ack, ackArgs := q.Write(query.CompleteArgs{})
+	complete, completeArgs := q.Write(query.CompleteArgs{RetIDs: []int64{1}})
+	writes := []claimStatement{
+		{"ack", ack, ackArgs},
+		{"ack, return and hold", complete, completeArgs},
+		{"dead letter", q.Dead, make([]any, 4)},
+		{"renew", q.Renew, make([]any, 4)},
+	}
+	generic := "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
+	without := explainIn(t, conn, writes[0], generic)
+	require.Regexp(t, `Seq Scan on outbox( |$)`, without, "without the settings, a plan made on an empty outbox scans it")
+	for _, st := range writes {
+		text := explainIn(t, conn, st, generic, query.WriteSettings)
+		t.Logf("%s:\n%s", st.name, text)
+		require.NotRegexp(t, `Seq Scan on outbox( |$)`, text, "%s: no sequential scan of the outbox", st.name)
+		require.NotContains(t, text, "Hash Join", "%s: one probe per row", st.name)
+		require.NotContains(t, text, "Bitmap", "%s: one probe per row", st.name)
+		require.Contains(t, text, "using outbox_pkey on outbox", "%s: rows found by primary key", st.name)
+	}
+}

@@ -284,6 +284,16 @@ const leaseTaken = `
 const ClaimSettings = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('jit', 'off', true),
        set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true)`
 
+// WriteSettings sets what the subscriber's writes (acks, returns, dead
+// letters, renewals) run with, local to their transaction: each finds its
+// rows by primary key, one probe per row. A plan made while the outbox was
+// small (a subscriber that starts on an empty outbox, a partition just
+// created) is a hash join over a sequential scan, and as a prepared
+// statement's plan it stays while the table grows, until the next ANALYZE:
+// with autovacuum off, for good (TestWritePlansProbeByPrimaryKey).
+const WriteSettings = `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),
+       set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true), set_config('jit', 'off', true)`
+
 // ClaimArgs are the parameters of a lease claim.
 type ClaimArgs struct {
 	Topic, Group string

@@ -316,7 +316,7 @@ func (c *completer) writeComplete(acks []*delivery, returns []returnOp, holds []
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
 	stmt, args := c.q.Write(a)
-	return c.collectWritten(done)(c.pool.Query(ctx, stmt, args...))
+	return c.writeStmt(ctx, done, stmt, args...)
 }
 
 func (c *completer) writeDead(ops []deadOp, done written) error {
@@ -328,7 +328,7 @@ func (c *completer) writeDead(ops []deadOp, done written) error {
 	}
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
-	return c.collectWritten(done)(c.pool.Query(ctx, c.q.Dead, ids, tokens, reasons, errs))
+	return c.writeStmt(ctx, done, c.q.Dead, ids, tokens, reasons, errs)
 }
 
 func (c *completer) writeRenew(rows []*delivery, holder pgtype.Int8, done written) error {
@@ -338,7 +338,7 @@ func (c *completer) writeRenew(rows []*delivery, holder pgtype.Int8, done writte
 	}
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
-	return c.collectWritten(done)(c.pool.Query(ctx, c.q.Renew, ids, tokens, c.cfg.Lease.Microseconds(), holder))
+	return c.writeStmt(ctx, done, c.q.Renew, ids, tokens, c.cfg.Lease.Microseconds(), holder)
 }
 
 // written is the set of (row, lease) pairs a statement applied to. Keying
@@ -354,34 +354,52 @@ type writtenKey struct {
 func (w written) has(d *delivery) bool { return w[writtenKey{d.id, d.token.Bytes}] }
 
 // collectWritten adds the (id, token) rows of a result to w.
-func (c *completer) collectWritten(w written) func(pgx.Rows, error) error {
-	return func(rows pgx.Rows, err error) error {
-		if err != nil {
-			return err
-		}
-		defer rows.Close()
-		// The completer writes one job at a time: the staging buffer and
-		// the scan targets are reused (Scan takes their addresses).
-		got := c.keys[:0]
-		defer func() { c.keys = got[:0] }()
-		var id int64
-		var token pgtype.UUID
-		for rows.Next() {
-			if err := rows.Scan(&id, &token); err != nil {
-				return err
-			}
-			if token.Valid {
-				got = append(got, writtenKey{id, token.Bytes})
-			}
-		}
-		if err := rows.Err(); err != nil {
-			return err
-		}
-		// Only a statement that succeeded counts: a failed one wrote
-		// nothing.
-		for _, k := range got {
-			w[k] = true
-		}
-		return nil
+// writeStmt runs a write statement after query.WriteSettings, in one round trip
+// and one implicit transaction (a batch ends in one Sync), and records in
+// w the (row, lease) pairs it applied to, once it committed: a statement
+// that failed, or whose transaction did not commit, wrote nothing.
+func (c *completer) writeStmt(ctx context.Context, w written, stmt string, args ...any) error {
+	b := &pgx.Batch{}
+	b.Queue(query.WriteSettings)
+	b.Queue(stmt, args...)
+	res := c.pool.SendBatch(ctx, b)
+	if _, err := res.Exec(); err != nil {
+		_ = res.Close()
+		return err
 	}
+	// The completer writes one job at a time: the staging buffer and the
+	// scan targets are reused (Scan takes their addresses).
+	got, err := c.scanWritten(res)
+	defer func() { c.keys = got[:0] }()
+	if cerr := res.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return err
+	}
+	for _, k := range got {
+		w[k] = true
+	}
+	return nil
+}
+
+// scanWritten reads the (id, token) rows of a write statement into c.keys.
+func (c *completer) scanWritten(res pgx.BatchResults) ([]writtenKey, error) {
+	got := c.keys[:0]
+	rows, err := res.Query()
+	if err != nil {
+		return got, err
+	}
+	defer rows.Close()
+	var id int64
+	var token pgtype.UUID
+	for rows.Next() {
+		if err := rows.Scan(&id, &token); err != nil {
+			return got, err
+		}
+		if token.Valid {
+			got = append(got, writtenKey{id, token.Bytes})
+		}
+	}
+	return got, rows.Err()
 }

@@ -72,6 +72,8 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 			// (The check for a key's leased row may read it too, hashed.)
 			require.GreaterOrEqual(t, strings.Count(text, names.LeaseIdx), 2, "the expired and orphaned branches must use the leased-rows index (%s, %s)", st.name, mode)
 			require.Contains(t, text, "hashed SubPlan", "the orphaned branch must read the live holders once (%s, %s)", st.name, mode)
+			require.Regexp(t, `Index Cond: .*\(leased_until < now\(\)\) AND \(leased_until >= `, text,
+				"the expired branch reads the lease index from its bound, not from the start (%s, %s)", st.name, mode)
 			require.Contains(t, text, "outbox_pkey", "the update must find rows by primary key (%s, %s)", st.name, mode)
 			require.Contains(t, text, names.OrderIdx, "a keyed row's predecessor is found by the ordering-key index (%s, %s)", st.name, mode)
 		}
@@ -102,7 +104,7 @@ type claimStatement struct {
 // windowed and the fast lease claim (expired and orphaned leases, ended
 // keys), and the held claim; each from the start of the range.
 func claimStatements(q *query.Queries, topic string) []claimStatement {
-	lease := []any{topic, 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, ""}
+	lease := []any{topic, 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), fromStart, pgtype.Int8{Int64: 7, Valid: true}, ""}
 	return []claimStatement{
 		{"windowed", q.Claim, append(slices.Clone(lease), 256, []string{"k1"}, []int64{1, 2})},
 		{"fast", q.ClaimFast, append(slices.Clone(lease), []int64{1, 2})},
@@ -213,7 +215,7 @@ func TestSubscriberWritesCommitAsynchronously(t *testing.T) {
 		Query(context.Context, string, ...any) (pgx.Rows, error)
 	}, stmt string) {
 		t.Helper()
-		rows, err := q.Query(ctx, stmt, "t", 1, uuid.New(), int64(30e6), "test", fromStart, int64(0), true, nil, "", 256, []string{}, []int64{})
+		rows, err := q.Query(ctx, stmt, "t", 1, uuid.New(), int64(30e6), "test", fromStart, int64(0), fromStart, nil, "", 256, []string{}, []int64{})
 		require.NoError(t, err)
 		claimed := 0
 		for rows.Next() {
@@ -312,7 +314,7 @@ func TestReleaseClaimGivesBackALostClaim(t *testing.T) {
 	b.publishInTx(t, "t", true, newMsg("x"))
 	token := uuid.New()
 	for _, group := range []string{"a", "b"} {
-		rows, err := b.Pool.Query(ctx, q.ClaimNoOrphans, "t", 10, token, int64(30e6), "test", fromStart, int64(0), true, nil, group, 256, []string{})
+		rows, err := b.Pool.Query(ctx, q.ClaimNoOrphans, "t", 10, token, int64(30e6), "test", fromStart, int64(0), fromStart, nil, group, 256, []string{})
 		require.NoError(t, err)
 		n := 0
 		for rows.Next() {
@@ -428,7 +430,14 @@ func TestWritePlansProbeByPrimaryKey(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	names, err := query.NewNames(b.Schema, "outbox", "")
+	// A new outbox of its own: a test schema may be reused, emptied.
+	fresh := b.Schema + "_fresh"
+	require.NoError(t, schema.Create(ctx, tx.FromPgxPool(b.Pool), schema.Config{Schema: fresh}))
+	t.Cleanup(func() {
+		_, err := b.Pool.Exec(context.Background(), `DROP SCHEMA `+fresh+` CASCADE`)
+		require.NoError(t, err)
+	})
+	names, err := query.NewNames(fresh, "outbox", "")
 	require.NoError(t, err)
 	q := query.Build(names, true)
 	conn, err := b.Pool.Acquire(ctx)

@@ -147,7 +147,7 @@ SELECT 'topic-' || (g %% 20), CASE WHEN g %% 2 = 0 THEN 'paused' ELSE 'running' 
 	require.NoError(t, err)
 	q := query.Build(names, true)
 	lease := func(stmt, group string) []any {
-		args := []any{"topic-3", 10, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), true, pgtype.Int8{Int64: 7, Valid: true}, group}
+		args := []any{"topic-3", 10, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), fromStart, pgtype.Int8{Int64: 7, Valid: true}, group}
 		switch stmt {
 		case q.Claim:
 			return append(args, 256, []string{"k3"}, []int64{1})

@@ -44,7 +44,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	stmt, args := c.q.Lease(query.ClaimArgs{
 		Topic: c.topic, Group: c.cfg.ConsumerGroup, N: req.n, Token: req.token,
 		LeaseUS: c.cfg.Lease.Microseconds(), WorkerID: c.cfg.WorkerID, Holder: req.holder,
-		CursorAt: req.at, CursorID: req.id, WithExpired: req.withExpired,
+		CursorAt: req.at, CursorID: req.id, ExpiredFrom: req.expiredFrom(),
 		Window: req.window, EndedKeys: req.endedKeys, Spare: req.orphansOf,
 	})
 	// query.ClaimSettings, then the claim: one round trip, one implicit
@@ -78,7 +78,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	for rows.Next() {
 		d := &delivery{token: req.token}
 		if err := rows.Scan(&id, &uuid, &d.payload, &d.metaRaw, &deliveries, &availableAt, &key, &createdAt,
-			&r.cursorAt, &r.cursor, &reclaimed, &free); err != nil {
+			&r.cursorAt, &r.cursor, &reclaimed, &free, &r.serverNow); err != nil {
 			rows.Close()
 			r.err = err
 			return r

@@ -125,3 +125,36 @@ func TestClaimScanHeldClaimsRescanEverySecond(t *testing.T) {
 	w.claimed(claimResult{req: req, cursor: pgtype.Int8{Int64: 9, Valid: true}, cursorAt: pgtype.Timestamptz{Time: later, Valid: true}})
 	require.Equal(t, int64(9), w.id, "the windowed pass goes on")
 }
+
+// Looks for expired leases read from a bound: the first from the start,
+// then from the last empty look's server time less a margin; a look that
+// took some keeps the bound (more may wait behind its limit); every
+// expiredFullEvery, and after restart(true), one starts from the start.
+func TestClaimScanLooksForExpiredLeasesFromTheLastLook(t *testing.T) {
+	t.Parallel()
+	c := newClaimScan()
+	start := time.Now()
+	server := start.Add(-time.Hour) // the server's clock need not be the client's
+	look := func(at time.Time, reclaimed int) claimRequest {
+		t.Helper()
+		req := c.request(10, 0, at)
+		require.True(t, req.withExpired, "a look for expired leases at %v", at.Sub(start))
+		c.claimed(claimResult{req: req, reclaimed: reclaimed, serverNow: pgtype.Timestamptz{Time: server.Add(at.Sub(start)), Valid: true}})
+		return req
+	}
+	require.Equal(t, scanFromStart, look(start, 0).expiredFrom(), "the first look reads every expired lease")
+	bound := pgtype.Timestamptz{Time: server.Add(-expiredMargin), Valid: true}
+	require.Equal(t, bound, look(start.Add(rescanEvery), 3).expiredFrom(), "the next reads from the first one's start")
+	require.Equal(t, bound, look(start.Add(rescanEvery+time.Millisecond), 0).expiredFrom(), "after a look that took some, the same bound")
+	next := pgtype.Timestamptz{Time: server.Add(rescanEvery + time.Millisecond - expiredMargin), Valid: true}
+	require.Equal(t, next, look(start.Add(2*rescanEvery+time.Millisecond), 0).expiredFrom(), "after an empty look, its start")
+
+	none := c.request(10, 0, start.Add(2*rescanEvery+2*time.Millisecond))
+	require.False(t, none.withExpired)
+	require.False(t, none.expiredFrom().Valid, "a claim that does not look passes NULL")
+
+	require.Equal(t, scanFromStart, look(start.Add(expiredFullEvery), 0).expiredFrom(), "a look from the start every expiredFullEvery")
+	require.NotEqual(t, scanFromStart, look(start.Add(expiredFullEvery+rescanEvery), 0).expiredFrom())
+	c.restart(true)
+	require.Equal(t, scanFromStart, look(start.Add(expiredFullEvery+2*rescanEvery), 0).expiredFrom(), "and after restart(true)")
+}

@@ -44,7 +44,7 @@ func buildComplete(n Names, ac string) CompleteStatements {
 WITH acked AS (
     DELETE FROM %[1]s o
      USING unnest($1::bigint[], $2::uuid[]) AS c(id, token)
-     WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+     WHERE `+underToken+`%[2]s
     RETURNING o.id, c.token
 ), returned AS (
     UPDATE %[1]s o
@@ -59,7 +59,7 @@ WITH acked AS (
            metadata     = coalesce(c.meta::jsonb, o.metadata)
       FROM unnest($3::bigint[], $4::uuid[], $5::bigint[], $6::int[], $7::text[], $8::text[])
            AS c(id, token, delay_us, undo, err, meta)
-     WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+     WHERE `+underToken+`%[2]s
     RETURNING o.id, c.token, o.available_at <= now() AS due
 ), held AS (
     UPDATE %[1]s o
@@ -68,7 +68,7 @@ WITH acked AS (
            last_error   = coalesce(c.err, o.last_error),
            metadata     = coalesce(c.meta::jsonb, o.metadata)
       FROM unnest($9::bigint[], $10::uuid[], $11::text[], $12::text[]) AS c(id, token, err, meta)
-     WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+     WHERE `+underToken+`%[2]s
     RETURNING o.id, c.token
 ), woken AS (
     SELECT pg_notify($14, CASE WHEN bool_or(due) THEN chr(30) ELSE %[3]s END || $15)
@@ -84,7 +84,7 @@ UNION ALL SELECT 0, NULL::uuid FROM woken`, t, ac, "chr(31)"),
 		Ack: fmt.Sprintf(`
 DELETE FROM %[1]s o
  USING unnest($1::bigint[], $2::uuid[]) AS c(id, token)
- WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+ WHERE `+underToken+`%[2]s
 RETURNING o.id, c.token`, t, ac),
 
 		// CompleteInTx deletes a delivered row in the transaction of the
@@ -131,7 +131,7 @@ UPDATE %[1]s o
    SET leased_until = now() + $3::bigint * interval '1 microsecond',
        lease_holder = $4::bigint
   FROM unnest($1::bigint[], $2::uuid[]) AS c(id, token)
- WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+ WHERE `+underToken+`%[2]s
 RETURNING o.id, c.token`, t, ac),
 	}
 }
@@ -147,7 +147,7 @@ UPDATE %[1]s o
        failure_reason = c.reason,
        last_error     = coalesce(c.err, o.last_error)
   FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::text[]) AS c(id, token, reason, err)
- WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+ WHERE `+underToken+`%[2]s
 RETURNING o.id, c.token`, n.QTable, ac)
 	}
 	// The INSERT runs although nothing reads its result: PostgreSQL always
@@ -155,7 +155,7 @@ RETURNING o.id, c.token`, n.QTable, ac)
 	return fmt.Sprintf(`WITH dead AS (
     DELETE FROM %[1]s o
      USING unnest($1::bigint[], $2::uuid[], $3::text[], $4::text[]) AS c(id, token, reason, err)
-     WHERE o.id = c.id AND o.lease_token = c.token%[2]s
+     WHERE `+underToken+`%[2]s
     RETURNING o.id, o.topic, o.consumer_group, o.uuid, o.payload, o.metadata, o.created_at, o.deliveries,
               o.dedup_key, coalesce(c.err, o.last_error) AS last_error, c.reason, o.leased_by, c.token, o.ordering_key
 ), moved AS (
@@ -224,3 +224,12 @@ func (a FinishArgs) Finish() []any {
 // parameter into an interface, which allocates for a 16-byte value and not
 // for a pointer, and a batch of acks is thousands of tokens a second.
 type Tokens = pgtype.FlatArray[*pgtype.UUID]
+
+// underToken is how a write finds its rows: by id, still under the token
+// the caller holds (c, an unnest of ids and tokens). The token is compared
+// with IS NOT DISTINCT FROM (the tokens are never NULL) because "=" implies
+// lease_token IS NOT NULL, which lets the planner take the lease index's
+// partial predicate for granted and walk that whole index for the rows:
+// with the statistics saying few leases, it did, and under a held snapshot
+// the index is mostly dead entries (0.4 s an ack in the blocked soak).
+const underToken = "o.id = c.id AND o.lease_token IS NOT DISTINCT FROM c.token AND c.token IS NOT NULL"

@@ -480,6 +480,7 @@ func TestWritePlansProbeByPrimaryKey(t *testing.T) {
 	// take a whole index as its outer side.
 	text := explainIn(t, conn, writes[0], generic, query.WriteSettings)
 	require.Contains(t, text, "Tid Scan on outbox o", "the ack deletes by ctid")
+	require.Regexp(t, `Function Scan on c[^\n]*\n(\s+Filter[^\n]*\n)?\s+->  Limit`, text, "the pairs are the outer side, each probed")
 	// Whatever the statistics, the lease index is no way to the rows: with
 	// the primary key gone (in a transaction rolled back), a write still
 	// does not walk it. With "lease_token = c.token" it did.

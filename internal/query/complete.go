@@ -82,8 +82,9 @@ UNION ALL SELECT 0, NULL::uuid FROM woken`, t, ac, "chr(31)"),
 		// Ack is Complete for a batch of acks alone, the common batch: one
 		// DELETE, without the other branches' planning and parameters.
 		//
-		// It finds each row by a primary-key probe per (id, token) (the
-		// LATERAL makes the pairs the outer side) and deletes the versions
+		// It finds each row by a primary-key probe per (id, token) (a
+		// LATERAL subquery that LIMIT keeps from being flattened into a
+		// join, so the pairs are the outer side) and deletes the versions
 		// found by their ctid. Written as a join, the planner could take a
 		// whole index as the outer side instead: while a snapshot holds
 		// vacuum back, the statistics count a million index entries for a
@@ -96,7 +97,8 @@ DELETE FROM %[1]s o
  WHERE o.ctid = ANY (ARRAY(
          SELECT r.ctid FROM unnest($1::bigint[], $2::uuid[]) AS c(id, token)
           CROSS JOIN LATERAL (SELECT ctid FROM %[1]s l
-                               WHERE l.id = c.id AND l.lease_token IS NOT DISTINCT FROM c.token AND c.token IS NOT NULL) r))%[2]s
+                               WHERE l.id = c.id AND l.lease_token IS NOT DISTINCT FROM c.token AND c.token IS NOT NULL
+                               LIMIT 1) r))%[2]s
 RETURNING o.id, o.lease_token`, t, ac),
 
 		// CompleteInTx deletes a delivered row in the transaction of the

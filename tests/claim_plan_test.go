@@ -453,7 +453,7 @@ func TestWritePlansProbeByPrimaryKey(t *testing.T) {
 		{"renew", q.Renew, make([]any, 4)},
 	}
 	generic := "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
-	without := explainIn(t, conn, writes[0], generic)
+	without := explainIn(t, conn, writes[1], generic)
 	require.Regexp(t, `Seq Scan on outbox( |$)`, without, "without the settings, a plan made on an empty outbox scans it")
 	check := func(when string) {
 		t.Helper()

@@ -90,15 +90,23 @@ UNION ALL SELECT 0, NULL::uuid FROM woken`, t, ac, "chr(31)"),
 		// vacuum back, the statistics count a million index entries for a
 		// thousand live rows, a probe looks costlier than a full scan, and
 		// an ack walked the whole primary key (0.4-1 s an ack in the
-		// blocked soak). A version updated since the probe (a lease taken
-		// over) fails the ctid's recheck and is not deleted.
+		// blocked soak). The id and the token are checked again on the
+		// version deleted: a ctid is unique only within one partition, and
+		// a version updated since the probe (a lease taken over, a row
+		// moved to another group) is rechecked by these conditions, not by
+		// the ctid (servers before late 2025 recheck no TID list). The
+		// coalesce keeps "lease_token IS NOT NULL" from being implied,
+		// which would let the planner walk the lease index (see
+		// underToken).
 		Ack: fmt.Sprintf(`
 DELETE FROM %[1]s o
  WHERE o.ctid = ANY (ARRAY(
          SELECT r.ctid FROM unnest($1::bigint[], $2::uuid[]) AS c(id, token)
           CROSS JOIN LATERAL (SELECT ctid FROM %[1]s l
                                WHERE l.id = c.id AND l.lease_token IS NOT DISTINCT FROM c.token AND c.token IS NOT NULL
-                               LIMIT 1) r))%[2]s
+                               LIMIT 1) r))
+   AND o.id = ANY ($1::bigint[])
+   AND coalesce(o.lease_token, '00000000-0000-0000-0000-000000000000') = ANY ($2::uuid[])%[2]s
 RETURNING o.id, o.lease_token`, t, ac),
 
 		// CompleteInTx deletes a delivered row in the transaction of the
@@ -116,14 +124,17 @@ RETURNING o.id, o.lease_token`, t, ac),
 		// it without an ack (a handler still running at the bound, a nack,
 		// a dead letter): they become ordinary leases under token $3,
 		// counting their delivery, before the transaction commits. Their
-		// nacks and dead letters are then written like any lease's.
+		// nacks and dead letters are then written like any lease's. The
+		// lease runs from this statement, not from the held transaction's
+		// start: a lease must be written ending in the future, or a look
+		// for expired leases that starts after its end misses it.
 		HeldFinish: fmt.Sprintf(`
 WITH acked AS (
     DELETE FROM %[1]s WHERE id = ANY ($1::bigint[])
 )
 UPDATE %[1]s
    SET lease_token  = $3::uuid,
-       leased_until = now() + $4::bigint * interval '1 microsecond',
+       leased_until = statement_timestamp() + $4::bigint * interval '1 microsecond',
        leased_by    = $5,
        lease_holder = $6::bigint,
        deliveries   = deliveries + 1

@@ -1,0 +1,134 @@
+package tests
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// ack runs the subscriber's ack statement for (id, token) pairs and
+// returns the pairs it deleted.
+func ack(t *testing.T, b *bundle, names query.Names, ids []int64, tokens []uuid.UUID) map[int64]uuid.UUID {
+	t.Helper()
+	toks := make(query.Tokens, len(tokens))
+	for i := range tokens {
+		toks[i] = &pgtype.UUID{Bytes: tokens[i], Valid: true}
+	}
+	stmt, args := query.Build(names, true).Write(query.CompleteArgs{AckIDs: ids, AckTokens: toks})
+	rows, err := b.Pool.Query(context.Background(), stmt, args...)
+	require.NoError(t, err)
+	defer rows.Close()
+	got := map[int64]uuid.UUID{}
+	for rows.Next() {
+		var id int64
+		var token uuid.UUID
+		require.NoError(t, rows.Scan(&id, &token))
+		got[id] = token
+	}
+	require.NoError(t, rows.Err())
+	return got
+}
+
+// An ack deletes the rows it names under their tokens and nothing else,
+// on a partitioned outbox too, where two partitions' rows share a ctid
+// (the ack finds its rows by ctid).
+func TestAckDeletesOnlyItsRowsOnAPartitionedOutbox(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	parted := b.Schema + "_ackparted"
+	for _, s := range []string{
+		`CREATE SCHEMA ` + parted,
+		`CREATE TABLE ` + parted + `.outbox (LIKE ` + b.Schema + `.outbox INCLUDING DEFAULTS INCLUDING IDENTITY,
+    stored_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (id, stored_at)) PARTITION BY RANGE (stored_at)`,
+		`CREATE TABLE ` + parted + `.outbox_long PARTITION OF ` + parted + `.outbox FOR VALUES FROM (MINVALUE) TO ('2000-01-01')`,
+		`CREATE TABLE ` + parted + `.outbox_now PARTITION OF ` + parted + `.outbox FOR VALUES FROM ('2000-01-01') TO (MAXVALUE)`,
+		`CREATE UNIQUE INDEX outbox_group_dedup_idx ON ` + parted + `.outbox (topic, consumer_group, dedup_key, stored_at) WHERE dedup_key IS NOT NULL`,
+	} {
+		_, err := b.Pool.Exec(ctx, s)
+		require.NoError(t, err)
+	}
+	t.Cleanup(func() {
+		_, err := b.Pool.Exec(context.Background(), `DROP SCHEMA `+parted+` CASCADE`)
+		require.NoError(t, err)
+	})
+	require.NoError(t, schema.Create(ctx, tx.FromPgxPool(b.Pool), schema.Config{Schema: parted}))
+	// The first row of each partition: both at ctid (0,1). One leased
+	// under ours, one under another consumer's token.
+	ours, theirs := uuid.New(), uuid.New()
+	var mine, other int64
+	require.NoError(t, b.Pool.QueryRow(ctx, `INSERT INTO `+parted+`.outbox (topic, uuid, payload, lease_token, leased_until)
+VALUES ('t', 'a', '\x00', $1, now() + interval '1 minute') RETURNING id`, ours).Scan(&mine))
+	require.NoError(t, b.Pool.QueryRow(ctx, `INSERT INTO `+parted+`.outbox (topic, uuid, payload, lease_token, leased_until, stored_at)
+VALUES ('t', 'b', '\x00', $1, now() + interval '1 minute', '1999-01-01') RETURNING id`, theirs).Scan(&other))
+	var sameCtid bool
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT count(DISTINCT ctid) = 1 FROM `+parted+`.outbox`).Scan(&sameCtid))
+	require.True(t, sameCtid, "the two rows share a ctid, in two partitions")
+
+	names, err := query.NewNames(parted, "outbox", "")
+	require.NoError(t, err)
+	require.Equal(t, map[int64]uuid.UUID{mine: ours}, ack(t, b, names, []int64{mine}, []uuid.UUID{ours}))
+	var left []int64
+	rows, err := b.Pool.Query(ctx, `SELECT id FROM `+parted+`.outbox`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var id int64
+		require.NoError(t, rows.Scan(&id))
+		left = append(left, id)
+	}
+	require.NoError(t, rows.Err())
+	require.Equal(t, []int64{other}, left, "the other partition's row at the same ctid stays")
+}
+
+// An ack whose row changes hands while it waits for the row's lock (a
+// competitor takes the expired lease over, or the row moves to another
+// group) deletes nothing: the version it deletes is checked again for its
+// id and token.
+func TestAckDeletesNothingOfARowThatChangedHandsWhileItWaited(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	names := b.names(t)
+	tbl := b.Schema + ".outbox"
+	for _, change := range []string{"lease_token = gen_random_uuid()", "lease_token = NULL, consumer_group = 'other'"} {
+		t.Run(change, func(t *testing.T) {
+			token := uuid.New()
+			var id int64
+			require.NoError(t, b.Pool.QueryRow(ctx, `INSERT INTO `+tbl+` (topic, uuid, payload, lease_token, leased_until)
+VALUES ('t', $2, '\x00', $1, now() - interval '1 second') RETURNING id`, token, uuid.NewString()).Scan(&id))
+
+			locker, err := b.Pool.Begin(ctx)
+			require.NoError(t, err)
+			defer func() { _ = locker.Rollback(context.Background()) }()
+			_, err = locker.Exec(ctx, `SELECT 1 FROM `+tbl+` WHERE id = $1 FOR UPDATE`, id)
+			require.NoError(t, err)
+
+			acked := make(chan map[int64]uuid.UUID, 1)
+			go func() { acked <- ack(t, b, names, []int64{id}, []uuid.UUID{token}) }()
+			// The ack has read the row under our token and waits for its lock.
+			require.Eventually(t, func() bool {
+				var waiting bool
+				require.NoError(t, b.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
+ WHERE wait_event_type = 'Lock' AND position('DELETE FROM' in query) > 0 AND position($1 in query) > 0)`, b.Schema).Scan(&waiting))
+				return waiting
+			}, 10*time.Second, 5*time.Millisecond, "the ack waits for the row's lock")
+			_, err = locker.Exec(ctx, `UPDATE `+tbl+` SET `+change+` WHERE id = $1`, id)
+			require.NoError(t, err)
+			require.NoError(t, locker.Commit(ctx))
+
+			require.Empty(t, <-acked, "the ack deletes nothing")
+			var present bool
+			require.NoError(t, b.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM `+tbl+` WHERE id = $1)`, id).Scan(&present))
+			require.True(t, present, "the row that changed hands stays")
+		})
+	}
+}

@@ -10,8 +10,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
-	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
-	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // ack runs the subscriber's ack statement for (id, token) pairs and
@@ -44,24 +42,7 @@ func TestAckDeletesOnlyItsRowsOnAPartitionedOutbox(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	parted := b.Schema + "_ackparted"
-	for _, s := range []string{
-		`CREATE SCHEMA ` + parted,
-		`CREATE TABLE ` + parted + `.outbox (LIKE ` + b.Schema + `.outbox INCLUDING DEFAULTS INCLUDING IDENTITY,
-    stored_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-    PRIMARY KEY (id, stored_at)) PARTITION BY RANGE (stored_at)`,
-		`CREATE TABLE ` + parted + `.outbox_long PARTITION OF ` + parted + `.outbox FOR VALUES FROM (MINVALUE) TO ('2000-01-01')`,
-		`CREATE TABLE ` + parted + `.outbox_now PARTITION OF ` + parted + `.outbox FOR VALUES FROM ('2000-01-01') TO (MAXVALUE)`,
-		`CREATE UNIQUE INDEX outbox_group_dedup_idx ON ` + parted + `.outbox (topic, consumer_group, dedup_key, stored_at) WHERE dedup_key IS NOT NULL`,
-	} {
-		_, err := b.Pool.Exec(ctx, s)
-		require.NoError(t, err)
-	}
-	t.Cleanup(func() {
-		_, err := b.Pool.Exec(context.Background(), `DROP SCHEMA `+parted+` CASCADE`)
-		require.NoError(t, err)
-	})
-	require.NoError(t, schema.Create(ctx, tx.FromPgxPool(b.Pool), schema.Config{Schema: parted}))
+	parted := partitionedOutbox(t, b, "_ackparted")
 	// The first row of each partition: both at ctid (0,1). One leased
 	// under ours, one under another consumer's token.
 	ours, theirs := uuid.New(), uuid.New()

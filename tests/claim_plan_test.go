@@ -361,25 +361,7 @@ func TestWindowedClaimProbesTheRowsItChose(t *testing.T) {
 	_, err = b.Pool.Exec(ctx, `INSERT INTO `+plain+` (topic, uuid, payload) SELECT 'bench', g::text, '\x00' FROM generate_series(1, 50000) g`)
 	require.NoError(t, err)
 
-	parted := b.Schema + "_parted"
-	for _, s := range []string{
-		`CREATE SCHEMA ` + parted,
-		`CREATE TABLE ` + parted + `.outbox (LIKE ` + plain + ` INCLUDING DEFAULTS INCLUDING IDENTITY,
-    stored_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-    PRIMARY KEY (id, stored_at)) PARTITION BY RANGE (stored_at)`,
-		`CREATE TABLE ` + parted + `.outbox_long PARTITION OF ` + parted + `.outbox FOR VALUES FROM (MINVALUE) TO ('2000-01-01')`,
-		`CREATE TABLE ` + parted + `.outbox_now PARTITION OF ` + parted + `.outbox FOR VALUES FROM ('2000-01-01') TO (MAXVALUE)`,
-		// A unique index of a partitioned table holds the partition key.
-		`CREATE UNIQUE INDEX outbox_group_dedup_idx ON ` + parted + `.outbox (topic, consumer_group, dedup_key, stored_at) WHERE dedup_key IS NOT NULL`,
-	} {
-		_, err := b.Pool.Exec(ctx, s)
-		require.NoError(t, err)
-	}
-	t.Cleanup(func() {
-		_, err := b.Pool.Exec(context.Background(), `DROP SCHEMA `+parted+` CASCADE`)
-		require.NoError(t, err)
-	})
-	require.NoError(t, schema.Create(ctx, tx.FromPgxPool(b.Pool), schema.Config{Schema: parted}))
+	parted := partitionedOutbox(t, b, "_parted")
 	_, err = b.Pool.Exec(ctx, `INSERT INTO `+parted+`.outbox (topic, uuid, payload) SELECT 'bench', g::text, '\x00' FROM generate_series(1, 20000) g`)
 	require.NoError(t, err)
 
@@ -488,4 +470,33 @@ func TestWritePlansProbeByPrimaryKey(t *testing.T) {
 		text := explainIn(t, conn, st, generic, query.WriteSettings, `ALTER TABLE `+fresh+`.outbox DROP CONSTRAINT outbox_pkey`)
 		require.NotContains(t, text, names.LeaseIdx, "%s: the lease index is not a way to the rows", st.name)
 	}
+}
+
+// partitionedOutbox creates, in a schema of its own (the test's schema
+// with suffix), an outbox partitioned by the time a row was stored: the
+// library's columns and DDL, a "long" partition below 2000-01-01 and one
+// for the rest. It returns the schema, dropped when the test ends.
+func partitionedOutbox(t *testing.T, b *bundle, suffix string) string {
+	t.Helper()
+	ctx := context.Background()
+	parted := b.Schema + suffix
+	for _, s := range []string{
+		`CREATE SCHEMA ` + parted,
+		`CREATE TABLE ` + parted + `.outbox (LIKE ` + b.Schema + `.outbox INCLUDING DEFAULTS INCLUDING IDENTITY,
+    stored_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (id, stored_at)) PARTITION BY RANGE (stored_at)`,
+		`CREATE TABLE ` + parted + `.outbox_long PARTITION OF ` + parted + `.outbox FOR VALUES FROM (MINVALUE) TO ('2000-01-01')`,
+		`CREATE TABLE ` + parted + `.outbox_now PARTITION OF ` + parted + `.outbox FOR VALUES FROM ('2000-01-01') TO (MAXVALUE)`,
+		// A unique index of a partitioned table holds the partition key.
+		`CREATE UNIQUE INDEX outbox_group_dedup_idx ON ` + parted + `.outbox (topic, consumer_group, dedup_key, stored_at) WHERE dedup_key IS NOT NULL`,
+	} {
+		_, err := b.Pool.Exec(ctx, s)
+		require.NoError(t, err)
+	}
+	t.Cleanup(func() {
+		_, err := b.Pool.Exec(context.Background(), `DROP SCHEMA `+parted+` CASCADE`)
+		require.NoError(t, err)
+	})
+	require.NoError(t, schema.Create(ctx, tx.FromPgxPool(b.Pool), schema.Config{Schema: parted}))
+	return parted
 }

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/require"
 
@@ -21,7 +22,16 @@ func ack(t *testing.T, b *bundle, names query.Names, ids []int64, tokens []uuid.
 		toks[i] = &pgtype.UUID{Bytes: tokens[i], Valid: true}
 	}
 	stmt, args := query.Build(names, true).Write(query.CompleteArgs{AckIDs: ids, AckTokens: toks})
-	rows, err := b.Pool.Query(context.Background(), stmt, args...)
+	// As the completer runs it: after the write settings, whose plan is
+	// the one these tests are about.
+	batch := &pgx.Batch{}
+	batch.Queue(query.WriteSettings)
+	batch.Queue(stmt, args...)
+	res := b.Pool.SendBatch(context.Background(), batch)
+	defer func() { require.NoError(t, res.Close()) }()
+	_, err := res.Exec()
+	require.NoError(t, err)
+	rows, err := res.Query()
 	require.NoError(t, err)
 	defer rows.Close()
 	got := map[int64]uuid.UUID{}

@@ -295,8 +295,12 @@ const leaseTaken = `
 // a sequential scan (a second per claim on a 30 MB outbox). Every table a
 // claim reads has the index it needs: the ready index walked in its order,
 // stopping at the limit, the primary key for the rows taken.
-const ClaimSettings = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('jit', 'off', true),
-       set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true)`
+const ClaimSettings = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true), ` + indexScansOnly
+
+// indexScansOnly is what claims and writes share: no JIT, no bitmap, no
+// sequential scan (see ClaimSettings and WriteSettings for why).
+const indexScansOnly = `set_config('jit', 'off', true), set_config('enable_bitmapscan', 'off', true),
+       set_config('enable_seqscan', 'off', true)`
 
 // WriteSettings sets what the subscriber's writes (acks, returns, dead
 // letters, renewals) run with, local to their transaction: each finds its
@@ -305,8 +309,8 @@ const ClaimSettings = `SELECT set_config('plan_cache_mode', 'force_generic_plan'
 // created) is a hash join over a sequential scan, and as a prepared
 // statement's plan it stays while the table grows, until the next ANALYZE:
 // with autovacuum off, for good (TestWritePlansProbeByPrimaryKey).
-const WriteSettings = `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),
-       set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true), set_config('jit', 'off', true)`
+const WriteSettings = `SELECT ` + indexScansOnly + `,
+       set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true)`
 
 // ClaimArgs are the parameters of a lease claim.
 type ClaimArgs struct {

@@ -80,11 +80,11 @@ func (rotatingSystem) newInstance(ctx context.Context, b *bench, schemaName stri
 	return &rotatingInstance{pgoutboxInstance: &pgoutboxInstance{b: b, tables: tables}, rot: r}, nil
 }
 
-// rotatingInstance is a pgoutbox instance whose consumer runs the rotator
-// beside it.
+// rotatingInstance is a pgoutbox instance whose consumer runs a rotator
+// beside it (this file's, or generations.go's).
 type rotatingInstance struct {
 	*pgoutboxInstance
-	rot *rotator
+	rot interface{ run(context.Context) }
 }
 
 func (i *rotatingInstance) consumer(ctx context.Context, cfg consumeConfig) (consumer, error) {
@@ -97,7 +97,7 @@ func (i *rotatingInstance) consumer(ctx context.Context, cfg consumeConfig) (con
 
 type rotatingConsumer struct {
 	consumer
-	rot  *rotator
+	rot  interface{ run(context.Context) }
 	stop context.CancelFunc
 	done chan struct{}
 	once sync.Once

@@ -32,13 +32,13 @@ import (
 // grows and the run measures the server's setting, not the queue.
 
 // soakSystems: the library on its default path and on leases alone.
-var soakSystems = []string{"pgoutbox", pgoutboxLeaseName, rotatingName}
+var soakSystems = []string{"pgoutbox", pgoutboxLeaseName, rotatingName, generationsName}
 
 // explicitScenarios are only run when named in -scenarios: the soaks, and
 // the rotating layout's drain and publish beside pgoutbox's (rotating.go).
 var explicitScenarios = []*scenario{
-	{name: "drain-16-rotating", systems: []string{"pgoutbox", rotatingName}, explicit: true, run: drainScenario(false, 16)},
-	{name: "publish-100-rotating", systems: []string{"pgoutbox", rotatingName}, explicit: true, run: publishScenario(100)},
+	{name: "drain-16-rotating", systems: []string{"pgoutbox", rotatingName, generationsName}, explicit: true, run: drainScenario(false, 16)},
+	{name: "publish-100-rotating", systems: []string{"pgoutbox", rotatingName, generationsName}, explicit: true, run: publishScenario(100)},
 	{name: "soak", systems: soakSystems, explicit: true, run: soakScenario(false, false)},
 	{name: "soak-blocked", systems: soakSystems, explicit: true, run: soakScenario(true, false)},
 	// Not on pgoutbox-rotating: a scheduled publish uses the dedup index's

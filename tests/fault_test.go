@@ -23,7 +23,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/notifier"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 )
 
@@ -400,12 +400,10 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	// Leases only: held rows come back without the liveness lock
 	// (TestFaultKilledHeldConsumersRowsAreDueAtOnce).
 	victim, survivor := startCompetingConsumers(t, b, topic, messages, lease, pgoutbox.ClaimLease)
-	// The survivor's notifier checks liveness every LivenessEvery: let it
-	// see the victim alive once. (A process that dies before any other saw
-	// its lock is recovered when its leases expire; see the README.)
-	// Its checks have no event a test can await, and on a loaded machine
-	// (the whole suite in parallel) one may come late: allow four periods.
-	time.Sleep(4 * notifier.LivenessEvery)
+	// The survivor must have seen the victim alive once. (A process that
+	// dies before any other saw its lock is recovered when its leases
+	// expire; see the README.)
+	survivor.waitSawAlive(t, b, victim)
 	require.Positive(t, b.outboxRows(t, topic), "the drain is over before the kill; the test proves nothing")
 	require.NoError(t, victim.cmd.Process.Kill())
 	killed := time.Now()
@@ -477,6 +475,28 @@ type consumerProc struct {
 	err    error
 }
 
+// appName is the application_name of a consumer process's connections.
+func appName(b *bundle, worker string) string { return b.Schema + ":" + worker }
+
+// waitSawAlive waits until p's notifier ran a liveness check after the
+// other consumer's liveness lock was held: from then on p knows it alive,
+// and takes its rows once the lock is gone. The check runs every
+// notifier.LivenessEvery on the LISTEN connection; pg_stat_activity shows
+// it as that connection's last query.
+func (p *consumerProc) waitSawAlive(t *testing.T, b *bundle, other *consumerProc) {
+	t.Helper()
+	var since time.Time
+	p.waitFor(t, other.name+"'s liveness lock is held", 30*time.Second, func() bool {
+		return b.Pool.QueryRow(context.Background(), `SELECT now() FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+ WHERE l.locktype = 'advisory' AND l.classid = $1 AND l.objsubid = 2 AND l.granted AND a.application_name = $2`,
+			query.LivenessClass, appName(b, other.name)).Scan(&since) == nil
+	})
+	p.waitFor(t, p.name+" checked liveness since", 30*time.Second, func() bool {
+		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query = $2 AND query_start > $3`,
+			appName(b, p.name), query.LiveHoldersMine, since) > 0
+	})
+}
+
 func startConsumer(t *testing.T, bin string, b *bundle, topic, worker string, env ...string) *consumerProc {
 	t.Helper()
 	p := &consumerProc{
@@ -492,6 +512,7 @@ func startConsumer(t *testing.T, bin string, b *bundle, topic, worker string, en
 		"CONSUMER_TOPIC="+topic,
 		"CONSUMER_WORKER="+worker,
 		"CONSUMER_MAX_IN_FLIGHT=8",
+		"PGAPPNAME="+appName(b, worker), // its connections, in pg_stat_activity
 	)
 	p.cmd.Env = append(p.cmd.Env, env...)
 	p.cmd.Stdout = p.stdout

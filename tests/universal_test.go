@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
 	"github.com/stretchr/testify/require"
@@ -57,6 +58,8 @@ func universalConfig(b *bundle, group string, mode pgoutbox.ClaimMode) pgoutbox.
 		// The suite nacks one message hundreds of times in a row.
 		RetryPolicy: pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: -1},
 		ClaimMode:   mode,
+		// A rotating outbox's ring turns within every case.
+		RotationWindow: time.Second,
 	}
 }
 
@@ -75,6 +78,18 @@ func universalPubSub(t *testing.T, b *bundle, cfg pgoutbox.SubscriberConfig) (me
 // break the packages running in parallel.
 func TestPubSub(t *testing.T) {
 	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
+	tests.TestPubSub(t, universalFeatures(), universalConstructor(b, pgoutbox.ClaimAuto), universalGroupConstructor(b, pgoutbox.ClaimAuto))
+}
+
+// TestPubSubRotating runs the suite on a rotating outbox
+// (schema.Config.Rotating), whose subscribers rotate it every second.
+func TestPubSubRotating(t *testing.T) {
+	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{MaxConns: 20, Rotating: true})
+	b := &bundle{Env: env, tables: env.Tables, logger: watermill.NopLogger{}}
+	turns := `SELECT pg_sequence_last_value('` + b.Schema + `.outbox_generation')::int`
+	start := b.count(t, turns)
+	// After the suite's parallel cases, before the schema goes.
+	t.Cleanup(func() { require.Greater(t, b.count(t, turns), start+3, "the ring turned during the suite") })
 	tests.TestPubSub(t, universalFeatures(), universalConstructor(b, pgoutbox.ClaimAuto), universalGroupConstructor(b, pgoutbox.ClaimAuto))
 }
 

@@ -107,18 +107,19 @@ const WritersLeft = `SELECT count(*) FROM pg_catalog.pg_locks
 // caller switches to the statement with copies when there are more.
 func AdoptUnbound(n Names, copies bool) string {
 	one, copiesCTE, third := " AND count(*) = 1", "", "(SELECT count(*) FROM bound)"
+	genCol, genVal := n.generationColumn("m.dedup_key")
 	if copies {
 		one, third = "", "(SELECT count(*) FROM copies)"
 		copiesCTE = fmt.Sprintf(`), copies AS (
     INSERT INTO %[1]s (topic, consumer_group, uuid, payload, metadata, created_at, available_at, deliveries,
-                       dedup_key, last_error, failure_reason, ordering_key)
+                       dedup_key, last_error, failure_reason, ordering_key%[2]s)
     SELECT $1, b.consumer_group, m.uuid, m.payload, m.metadata, m.created_at, m.available_at, m.deliveries,
-           m.dedup_key, m.last_error, m.failure_reason, m.ordering_key
+           m.dedup_key, m.last_error, m.failure_reason, m.ordering_key%[3]s
       FROM moved m CROSS JOIN bound b
      WHERE b.consumer_group <> (SELECT g FROM target)
      ORDER BY m.id, b.consumer_group
-        ON CONFLICT (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
-    RETURNING 1`, n.QTable)
+        ON CONFLICT %[4]s DO NOTHING
+    RETURNING 1`, n.QTable, genCol, genVal, n.dedupConflict())
 	}
 	return fmt.Sprintf(`WITH bound AS (
     SELECT consumer_group, backlog_next FROM %[1]s WHERE topic = $1
@@ -189,6 +190,7 @@ func SetBacklogEnd(n Names) string {
 // when its source was first due (a source already delivered or retried is
 // due now).
 func CopyBacklog(n Names) string {
+	genCol, genVal := n.generationColumn("o.dedup_key")
 	return fmt.Sprintf(`WITH b AS (
     SELECT backlog_next AS next, backlog_end AS last, backlog_bound AS bound
       FROM %[1]s WHERE topic = $1 AND consumer_group = $2 AND backlog_next IS NOT NULL AND backlog_end IS NOT NULL
@@ -208,14 +210,14 @@ func CopyBacklog(n Names) string {
                AND t.topic = $1 AND t.consumer_group = $2 AND t.uuid = w.uuid))
      ORDER BY w.uuid, w.id
 ), ins AS (
-    INSERT INTO %[2]s (topic, consumer_group, uuid, payload, metadata, created_at, available_at, dedup_key, ordering_key)
+    INSERT INTO %[2]s (topic, consumer_group, uuid, payload, metadata, created_at, available_at, dedup_key, ordering_key%[3]s)
     SELECT $1, $2, o.uuid, o.payload, o.metadata, o.created_at,
            CASE WHEN o.deliveries > 0 OR o.lease_token IS NOT NULL THEN least(o.available_at, now())
                 ELSE o.available_at END,
-           o.dedup_key, o.ordering_key
+           o.dedup_key, o.ordering_key%[4]s
       FROM %[2]s o WHERE o.id = ANY (ARRAY(SELECT id FROM src))
      ORDER BY o.id
-        ON CONFLICT (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+        ON CONFLICT %[5]s DO NOTHING
     RETURNING uuid
 ), adv AS (
     UPDATE %[1]s SET backlog_next = CASE WHEN (SELECT count(*) FROM win) < $3 THEN NULL ELSE (SELECT max(id) FROM win) END,
@@ -227,7 +229,7 @@ func CopyBacklog(n Names) string {
     SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)
 )
 SELECT (SELECT count(*) FROM ins), EXISTS (SELECT 1 FROM adv WHERE backlog_next IS NOT NULL),
-       coalesce((SELECT json_agg(s.uuid) FROM src JOIN win s ON s.id = src.id), '[]')::text, (SELECT count(*) FROM woken)`, n.QBindings, n.QTable)
+       coalesce((SELECT json_agg(s.uuid) FROM src JOIN win s ON s.id = src.id), '[]')::text, (SELECT count(*) FROM woken)`, n.QBindings, n.QTable, genCol, genVal, n.dedupConflict())
 }
 
 // MoveGroup moves up to $4 waiting rows of group $2 of topic $1 into group

@@ -33,6 +33,9 @@ var OutboxColumns = []Column{
 	{"ordering_key", "text", ""},
 }
 
+// GenerationColumn is a rotating outbox's partition key (see Names.Rotated).
+var GenerationColumn = Column{"generation", "smallint", ""}
+
 // groupColumn is the consumer group a row is for; ” is the default group
 // (subscribers without a ConsumerGroup). A constant default makes adding it
 // to a full table a catalog change, not a rewrite.
@@ -115,31 +118,13 @@ func DDL(n Names) []string {
 	if n.Schema != "public" {
 		stmts = append(stmts, fmt.Sprintf(`CREATE SCHEMA IF NOT EXISTS %s`, n.QSchema))
 	}
-	stmts = append(stmts,
-		fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
-    id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    topic        text        NOT NULL,
-    consumer_group text      NOT NULL DEFAULT '',
-    uuid         text        NOT NULL,
-    payload      bytea       NOT NULL,
-    metadata     jsonb       NOT NULL DEFAULT '{}',
-    created_at   timestamptz NOT NULL DEFAULT now(),
-    available_at timestamptz NOT NULL DEFAULT now(),
-    deliveries   integer     NOT NULL DEFAULT 0,
-    lease_token  uuid,
-    leased_until timestamptz,
-    leased_by    text,
-    dedup_key    text,
-    last_error   text,
-    lease_holder bigint,
-    failure_reason text,
-    ordering_key text
-) WITH (
-    autovacuum_vacuum_scale_factor = 0.01,
-    autovacuum_vacuum_insert_scale_factor = 0.01,
-    autovacuum_analyze_scale_factor = 0.02
-)`, n.QTable),
-	)
+	if n.Rotating {
+		stmts = append(stmts, rotatingTable(n))
+	} else {
+		stmts = append(stmts, fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
+    id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,%s
+) WITH (%s)`, n.QTable, outboxColumnsDDL, queueStorage))
+	}
 	stmts = append(stmts, addColumns(n.QTable, AddedColumns)...)
 	stmts = append(stmts,
 		// Ready rows of a topic and group, in delivery order; the claim's
@@ -151,8 +136,8 @@ func DDL(n Names) []string {
 			Quote(n.LeaseIdx), n.QTable)),
 		// Timer / idempotency keys: unique per topic and group while the
 		// row exists (every group gets its own copy of a keyed message).
-		ifNoIndex(n, n.DedupIdx, fmt.Sprintf(`CREATE UNIQUE INDEX IF NOT EXISTS %s ON %s (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL`,
-			Quote(n.DedupIdx), n.QTable)),
+		ifNoIndex(n, n.DedupIdx, fmt.Sprintf(`CREATE UNIQUE INDEX IF NOT EXISTS %s ON %s %s`,
+			Quote(n.DedupIdx), n.QTable, n.dedupConflict())),
 		// Ordering keys: a keyed row is claimable only while no older row
 		// of its key is present; the claim probes this index for one.
 		ifNoIndex(n, n.OrderIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, consumer_group, ordering_key, id) WHERE ordering_key IS NOT NULL`,
@@ -210,6 +195,58 @@ END $pgoutbox$`, n.QBindings, n.QTable))
 			ifNoIndex(n, n.DLQIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, failed_at)`, Quote(n.DLQIdx), n.QDLQ)))
 	}
 	return stmts
+}
+
+// outboxColumnsDDL declares the outbox's columns after id.
+const outboxColumnsDDL = `
+    topic        text        NOT NULL,
+    consumer_group text      NOT NULL DEFAULT '',
+    uuid         text        NOT NULL,
+    payload      bytea       NOT NULL,
+    metadata     jsonb       NOT NULL DEFAULT '{}',
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    available_at timestamptz NOT NULL DEFAULT now(),
+    deliveries   integer     NOT NULL DEFAULT 0,
+    lease_token  uuid,
+    leased_until timestamptz,
+    leased_by    text,
+    dedup_key    text,
+    last_error   text,
+    lease_holder bigint,
+    failure_reason text,
+    ordering_key text`
+
+// queueStorage are the outbox's storage parameters (see DDL).
+const queueStorage = `
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_insert_scale_factor = 0.01,
+    autovacuum_analyze_scale_factor = 0.02
+`
+
+// rotatingTable creates a rotating outbox (see Names.Rotated): its
+// generation sequence, the partitioned table and its partitions, whose
+// storage parameters are the single table's (a partitioned table has
+// none). It refuses a single table of the same name: turning one into a
+// rotating outbox is not done by Create.
+func rotatingTable(n Names) string {
+	parts := ""
+	for g, name := range n.Generations {
+		parts += fmt.Sprintf(`
+        CREATE TABLE %s PARTITION OF %s FOR VALUES IN (%d) WITH (%s);`, n.QSchema+"."+Quote(name), n.QTable, g, queueStorage)
+	}
+	return fmt.Sprintf(`DO $pgoutbox$ BEGIN
+    IF to_regclass('%[1]s') IS NULL THEN
+        CREATE SEQUENCE %[2]s MINVALUE 0 START 0;
+        PERFORM setval('%[2]s', 0, true); -- last_value is NULL until then
+        CREATE TABLE %[1]s (
+    id           bigint      GENERATED ALWAYS AS IDENTITY,%[3]s,
+    generation   smallint    NOT NULL DEFAULT %[4]s,
+    PRIMARY KEY (id, generation)
+        ) PARTITION BY LIST (generation);%[5]s
+    ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_partitioned_table WHERE partrelid = '%[1]s'::regclass) THEN
+        RAISE EXCEPTION 'pgoutbox: %[1]s is a single table, not a rotating outbox; create the rotating one under another name, or leave Rotating unset';
+    END IF;
+END $pgoutbox$`, n.QTable, n.QGenSeq, outboxColumnsDDL, n.currentGeneration(), parts)
 }
 
 // addColumns adds columns to a table created by an earlier release, each

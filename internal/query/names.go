@@ -63,6 +63,13 @@ type Names struct {
 	// OrderLeaseIdx: the leased rows of ordering keys.
 	OrderLeaseIdx string
 	DLQIdx        string
+	// Rotating: the outbox is a ring of partitions (see Rotated); GenSeq
+	// is its generation sequence and Generations its partitions, by
+	// generation (unquoted).
+	Rotating    bool
+	GenSeq      string
+	QGenSeq     string
+	Generations []string
 	// OldIndexes are the first release's indexes, replaced by ReadyIdx,
 	// LeaseIdx and DedupIdx (which lead with the consumer group); DDL
 	// drops them.

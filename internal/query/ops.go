@@ -130,11 +130,12 @@ func DeadLetters(n Names, topic bool) string {
 // letter. Only inserted rows are deleted. One NOTIFY per topic
 // wakes idle subscribers ($N: the channel).
 func requeueFrom(n Names, sel, channelParam string) string {
+	genCol, genVal := n.generationColumn("d.dedup_key")
 	return fmt.Sprintf(`WITH sel AS (%[3]s
 ), ins AS (
-    INSERT INTO %[1]s (id, topic, consumer_group, uuid, payload, metadata, created_at, available_at, deliveries, dedup_key, ordering_key)
+    INSERT INTO %[1]s (id, topic, consumer_group, uuid, payload, metadata, created_at, available_at, deliveries, dedup_key, ordering_key%[5]s)
     OVERRIDING SYSTEM VALUE
-    SELECT d.id, d.topic, d.consumer_group, d.uuid, d.payload, d.metadata, d.created_at, now(), 0, d.dedup_key, d.ordering_key
+    SELECT d.id, d.topic, d.consumer_group, d.uuid, d.payload, d.metadata, d.created_at, now(), 0, d.dedup_key, d.ordering_key%[6]s
       FROM %[2]s d JOIN sel ON sel.id = d.id
      ORDER BY d.failed_at, d.id
         ON CONFLICT DO NOTHING
@@ -144,7 +145,7 @@ func requeueFrom(n Names, sel, channelParam string) string {
 ), woken AS (
     SELECT pg_notify(%[4]s, topic) FROM (SELECT DISTINCT topic FROM ins) t
 )
-SELECT (SELECT count(*) FROM del), (SELECT count(*) FROM woken)`, n.QTable, n.QDLQ, sel, channelParam)
+SELECT (SELECT count(*) FROM del), (SELECT count(*) FROM woken)`, n.QTable, n.QDLQ, sel, channelParam, genCol, genVal)
 }
 
 // RequeueDeadLetterIDs requeues the dead letters with ids $1; $2 is the

@@ -89,18 +89,19 @@ func publishGroups(n Names) string {
 }
 
 func fullInsert(n Names) string {
+	genCol, genVal := n.generationColumn("m.dedup_key")
 	return fmt.Sprintf(`
-    INSERT INTO %[1]s (topic, consumer_group, uuid, payload, metadata, available_at, dedup_key, ordering_key)
+    INSERT INTO %[1]s (topic, consumer_group, uuid, payload, metadata, available_at, dedup_key, ordering_key%[3]s)
     SELECT $1, g.consumer_group, m.uuid, m.payload, m.metadata::jsonb,
            CASE WHEN m.delay_us IS NOT NULL THEN now() + m.delay_us * interval '1 microsecond'
                 WHEN m.at IS NOT NULL THEN greatest(m.at, now())
                 ELSE now() END,
-           m.dedup_key, m.ordering_key
+           m.dedup_key, m.ordering_key%[4]s
       FROM unnest($2::text[], $3::bytea[], $4::text[], $5::bigint[], $6::timestamptz[], $7::text[], $8::text[])
            WITH ORDINALITY AS m(uuid, payload, metadata, delay_us, at, dedup_key, ordering_key, ord)
      CROSS JOIN %[2]s
      ORDER BY m.ord, g.consumer_group
-        ON CONFLICT (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING`, n.QTable, publishGroups(n))
+        ON CONFLICT %[5]s DO NOTHING`, n.QTable, publishGroups(n), genCol, genVal, n.dedupConflict())
 }
 
 func plainInsert(n Names) string {

@@ -20,6 +20,7 @@ type Queries struct {
 	GroupStatements
 	ClaimStatements
 	CompleteStatements
+	RotationStatements
 }
 
 // asyncCommit is a condition that is always true and, as a side effect,
@@ -45,5 +46,6 @@ func Build(n Names, async bool) *Queries {
 		GroupStatements:    buildGroups(n),
 		ClaimStatements:    buildClaim(n, ac),
 		CompleteStatements: buildComplete(n, ac),
+		RotationStatements: buildRotation(n),
 	}
 }

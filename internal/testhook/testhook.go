@@ -4,7 +4,11 @@
 // it wanted happened. Nothing outside tests sets a hook.
 package testhook
 
-import "sync"
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+)
 
 // Claim paths a test can force.
 const (
@@ -33,3 +37,13 @@ func ClaimPath(workerID string) string {
 	s, _ := p.(string)
 	return s
 }
+
+var rotateLockTimeout atomic.Int64 // nanoseconds; 0: the default
+
+// SetRotateLockTimeout makes every rotation step's TRUNCATE wait up to d
+// for its lock instead of schema.RotateLockTimeout, so a test can change
+// the partition while the TRUNCATE waits. 0 removes the hook.
+func SetRotateLockTimeout(d time.Duration) { rotateLockTimeout.Store(int64(d)) }
+
+// RotateLockTimeout returns the lock timeout forced for rotation steps, or 0.
+func RotateLockTimeout() time.Duration { return time.Duration(rotateLockTimeout.Load()) }

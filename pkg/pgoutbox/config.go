@@ -265,6 +265,13 @@ type SubscriberConfig struct {
 	// Defaults to "": the pool's own settings.
 	ListenDSN string
 
+	// RotationWindow is how long each partition of a rotating outbox
+	// (Tables.Rotating) takes the new rows before the ring advances; the
+	// Subscriber runs a rotation step (schema.Rotate) every fifth of it
+	// while it has a subscription. Defaults to schema.DefaultRotationWindow
+	// (10s); ignored for a single-table outbox.
+	RotationWindow time.Duration
+
 	// WorkerID names this process in the leased_by column, for operators.
 	// Defaults to "host:pid:short-uuid". At most 255 bytes of valid UTF-8,
 	// without control characters.
@@ -320,6 +327,9 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.WorkerID == "" {
 		c.WorkerID = defaultWorkerID()
 	}
+	if c.RotationWindow == 0 {
+		c.RotationWindow = schema.DefaultRotationWindow
+	}
 }
 
 // Validate applies the defaults and reports every problem at once, each with
@@ -334,6 +344,9 @@ func (c SubscriberConfig) Validate() error {
 	if err := c.Tables.Validate(); err != nil {
 		add("%s", errtext.Trim(err))
 		e.causes = append(e.causes, err)
+	}
+	if c.RotationWindow < 0 {
+		add("RotationWindow is %s; use a positive duration, or 0 for %s", c.RotationWindow, schema.DefaultRotationWindow)
 	}
 	if c.MaxInFlight < 1 {
 		add("MaxInFlight is %d; it must be at least 1 (1 delivers one message at a time)", c.MaxInFlight)
@@ -429,6 +442,9 @@ func resolveNames(t schema.Config) (query.Names, error) {
 	n, err := query.NewNames(t.Schema, t.Table, t.DeadLetterTable)
 	if err != nil {
 		return query.Names{}, errors.Join(ErrInvalidConfig, schema.ErrInvalidName, err)
+	}
+	if t.Rotating {
+		n = n.Rotated()
 	}
 	return n, nil
 }

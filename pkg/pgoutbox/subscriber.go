@@ -47,6 +47,8 @@ type Subscriber struct {
 
 	schemaMu    sync.Mutex
 	schemaReady bool
+
+	rotatorOnce sync.Once // see startRotator
 }
 
 var (
@@ -117,6 +119,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	s.subs.Add(1)
 	waiter := s.notifier.Listen(s.q.Names.Channel, topic, s.cfg.ConsumerGroup)
+	s.startRotator() // under mu: Close cannot be waiting for subs yet
 	s.mu.Unlock()
 
 	sub := newSubscription(s, ctx, topic, waiter)

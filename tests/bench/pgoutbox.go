@@ -32,12 +32,15 @@ const (
 // Router runs each handler in tx.Middleware, whose transaction deletes the
 // row (the transactional handlers' path: a lease per row, completed in the
 // handler's own commit).
-type pgoutboxSystem struct{ notifyEach, lease, txHandler bool }
+// rotating makes "pgoutbox-ring": the library's rotating outbox
+// (schema.Config.Rotating), rotated by its subscriber.
+type pgoutboxSystem struct{ notifyEach, lease, txHandler, rotating bool }
 
 const (
 	pgoutboxNotifyEachName = "pgoutbox-notify-each"
 	pgoutboxLeaseName      = "pgoutbox-lease"
 	pgoutboxTxName         = "pgoutbox-tx"
+	pgoutboxRingName       = "pgoutbox-ring"
 )
 
 func (s pgoutboxSystem) name() string {
@@ -48,12 +51,14 @@ func (s pgoutboxSystem) name() string {
 		return pgoutboxLeaseName
 	case s.txHandler:
 		return pgoutboxTxName
+	case s.rotating:
+		return pgoutboxRingName
 	}
 	return "pgoutbox"
 }
 
 func (s pgoutboxSystem) newInstance(ctx context.Context, b *bench, schemaName string) (instance, error) {
-	tables := schema.Config{Schema: schemaName, Table: "outbox"}
+	tables := schema.Config{Schema: schemaName, Table: "outbox", Rotating: s.rotating}
 	if err := schema.Create(ctx, tx.FromPgxPool(b.pool), tables); err != nil {
 		return nil, err
 	}

@@ -111,7 +111,7 @@ type scenario struct {
 
 func (s *scenario) takes(sys string) bool {
 	if s.systems == nil { // the variants only where a scenario names them
-		return sys != rawInsertName && sys != pgoutboxNotifyEachName && sys != pgoutboxLeaseName && sys != pgoutboxTxName && sys != rotatingName && sys != generationsName && !strings.HasPrefix(sys, rawHeldName)
+		return sys != rawInsertName && sys != pgoutboxNotifyEachName && sys != pgoutboxLeaseName && sys != pgoutboxTxName && sys != rotatingName && sys != generationsName && sys != pgoutboxRingName && !strings.HasPrefix(sys, rawHeldName)
 	}
 	return slices.Contains(s.systems, sys)
 }
@@ -179,7 +179,7 @@ func scenarioByName(name string) *scenario {
 }
 
 var systems = []system{pgoutboxSystem{}, pgoutboxSystem{notifyEach: true}, pgoutboxSystem{lease: true}, pgoutboxSystem{txHandler: true}, rawSystem{}, rawSystem{async: true}, rawSystem{insertOnly: true},
-	rawSystem{held: true}, rawSystem{held: true, async: true}, watermillSQLSystem{}, rotatingSystem{}, generationsSystem{}}
+	rawSystem{held: true}, rawSystem{held: true, async: true}, watermillSQLSystem{}, rotatingSystem{}, generationsSystem{}, pgoutboxSystem{rotating: true}}
 
 func systemNames() []string {
 	var out []string

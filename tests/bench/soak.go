@@ -32,19 +32,19 @@ import (
 // grows and the run measures the server's setting, not the queue.
 
 // soakSystems: the library on its default path and on leases alone.
-var soakSystems = []string{"pgoutbox", pgoutboxLeaseName, rotatingName, generationsName}
+var soakSystems = []string{"pgoutbox", pgoutboxLeaseName, pgoutboxRingName, rotatingName, generationsName}
 
 // explicitScenarios are only run when named in -scenarios: the soaks, and
 // the rotating layout's drain and publish beside pgoutbox's (rotating.go).
 var explicitScenarios = []*scenario{
-	{name: "drain-16-rotating", systems: []string{"pgoutbox", rotatingName, generationsName}, explicit: true, run: drainScenario(false, 16)},
-	{name: "publish-100-rotating", systems: []string{"pgoutbox", rotatingName, generationsName}, explicit: true, run: publishScenario(100)},
+	{name: "drain-16-rotating", systems: []string{"pgoutbox", pgoutboxRingName, rotatingName, generationsName}, explicit: true, run: drainScenario(false, 16)},
+	{name: "publish-100-rotating", systems: []string{"pgoutbox", pgoutboxRingName, rotatingName, generationsName}, explicit: true, run: publishScenario(100)},
 	{name: "soak", systems: soakSystems, explicit: true, run: soakScenario(false, false)},
 	{name: "soak-blocked", systems: soakSystems, explicit: true, run: soakScenario(true, false)},
-	// Not on pgoutbox-rotating: a scheduled publish uses the dedup index's
-	// ON CONFLICT, which the partitioned experiment's index cannot match.
-	{name: "soak-timer", systems: soakSystems[:2], explicit: true, run: soakScenario(false, true)},
-	{name: "soak-blocked-timer", systems: soakSystems[:2], explicit: true, run: soakScenario(true, true)},
+	// Not on the two experiments: a scheduled publish uses the dedup index's
+	// ON CONFLICT, which their partitioned index cannot match.
+	{name: "soak-timer", systems: soakSystems[:3], explicit: true, run: soakScenario(false, true)},
+	{name: "soak-blocked-timer", systems: soakSystems[:3], explicit: true, run: soakScenario(true, true)},
 }
 
 // soakOptions are the soak scenarios' flags.

@@ -35,6 +35,9 @@ type Options struct {
 	// NoDeadLetterTable creates no dead-letter table (see
 	// schema.Config.NoDeadLetterTable). Defaults to false.
 	NoDeadLetterTable bool
+	// Rotating makes the outbox a rotating one (see
+	// schema.Config.Rotating). Defaults to false.
+	Rotating bool
 
 	// ConsumerGroup is Env.Subscriber's consumer group. Defaults to "", the
 	// default group.
@@ -61,7 +64,7 @@ type Options struct {
 }
 
 func (o Options) tables() schema.Config {
-	c := schema.Config{Table: o.Table, DeadLetterTable: o.DeadLetterTable, NoDeadLetterTable: o.NoDeadLetterTable}
+	c := schema.Config{Table: o.Table, DeadLetterTable: o.DeadLetterTable, NoDeadLetterTable: o.NoDeadLetterTable, Rotating: o.Rotating}
 	if c.Table == "" {
 		c.Table = schema.DefaultTable
 	}

@@ -125,7 +125,7 @@ func (d *database) sweep(ctx context.Context) {
 }
 
 func tablesKey(c schema.Config) string {
-	return fmt.Sprintf("%s|%s|%t", c.Table, c.DeadLetterTable, c.NoDeadLetterTable)
+	return fmt.Sprintf("%s|%s|%t|%t", c.Table, c.DeadLetterTable, c.NoDeadLetterTable, c.Rotating)
 }
 
 // fingerprintSQL sums up a schema's catalog: anything a test adds, drops or
@@ -221,7 +221,7 @@ END $pgoutboxtest$`, fingerprintSQL, s.name, s.fingerprint, tables[0], deletes, 
 	}
 	s.name, s.tables.Schema = newName, newName
 	d.mu.Lock()
-	key := tablesKey(schema.Config{Table: s.tables.Table, DeadLetterTable: s.tables.DeadLetterTable, NoDeadLetterTable: s.tables.NoDeadLetterTable})
+	key := tablesKey(schema.Config{Table: s.tables.Table, DeadLetterTable: s.tables.DeadLetterTable, NoDeadLetterTable: s.tables.NoDeadLetterTable, Rotating: s.tables.Rotating})
 	d.free[key] = append(d.free[key], s)
 	d.mu.Unlock()
 	return true

@@ -39,6 +39,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -78,6 +79,14 @@ type Config struct {
 	// requeues or deletes it. pgoutbox never deletes a message that was not
 	// acked. Setting it together with DeadLetterTable is an error.
 	NoDeadLetterTable bool
+	// Rotating makes the outbox a ring of partitions that take the new
+	// rows in turn, each emptied by TRUNCATE once its rows are consumed
+	// (see Rotate and docs/rotation.md): a long transaction elsewhere then
+	// no longer makes the outbox grow or its claims slow. Create makes a
+	// new outbox so; it refuses to turn an existing single table into one.
+	// Publishers, subscribers and Create of one outbox must all set it,
+	// or none. Default false: one table, kept small by vacuum.
+	Rotating bool
 }
 
 // WithDefaults returns c with empty fields set to their defaults.
@@ -109,6 +118,9 @@ func (c Config) names() (query.Names, error) {
 	n, err := query.NewNames(c.Schema, c.Table, c.DeadLetterTable)
 	if err != nil {
 		return query.Names{}, fmt.Errorf("%w: %v", ErrInvalidName, err)
+	}
+	if c.Rotating {
+		n = n.Rotated()
 	}
 	return n, nil
 }
@@ -236,7 +248,11 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 		}
 		return nil
 	}
-	if err := check(n.Table, query.OutboxColumns); err != nil {
+	outboxCols := query.OutboxColumns
+	if n.Rotating {
+		outboxCols = append(slices.Clip(outboxCols), query.GenerationColumn)
+	}
+	if err := check(n.Table, outboxCols); err != nil {
 		return err
 	}
 	if err := check(n.Bindings, query.BindingsColumns); err != nil {

@@ -104,7 +104,11 @@ func run() error {
 	}
 	// Handlers, claims and completions each need a connection at times.
 	poolCfg.MaxConns = int32(s.maxInFlight + 4)
-	poolCfg.ConnConfig.RuntimeParams["application_name"] = "pgoutbox-consumer-" + s.worker
+	// The test names the process's connections (PGAPPNAME) to find them
+	// in pg_stat_activity; otherwise they say what they are.
+	if poolCfg.ConnConfig.RuntimeParams["application_name"] == "" {
+		poolCfg.ConnConfig.RuntimeParams["application_name"] = "pgoutbox-consumer-" + s.worker
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
 	if err != nil {
 		return fmt.Errorf("open pool: %w", err)

@@ -1,0 +1,70 @@
+package pgoutbox
+
+import (
+	"context"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// rotator runs the rotation steps of a rotating outbox (schema.Rotate)
+// beside a Subscriber's subscriptions, from the first Subscribe until
+// Close. Every Subscriber of the outbox runs one; a step that finds another
+// session rotating does nothing. Only its goroutine touches it.
+type rotator struct {
+	s       *Subscriber
+	failing bool // the last step failed: logged once per outage
+}
+
+// startRotator starts the Subscriber's rotator once, for a rotating outbox.
+func (s *Subscriber) startRotator() {
+	if !s.cfg.Tables.Rotating {
+		return
+	}
+	s.rotatorOnce.Do(func() {
+		s.subs.Add(1)
+		go func() {
+			defer s.subs.Done()
+			(&rotator{s: s}).run()
+		}()
+	})
+}
+
+func (r *rotator) run() {
+	every := max(r.s.cfg.RotationWindow/5, 10*time.Millisecond)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-r.s.closing:
+			return
+		case <-t.C:
+		}
+		r.step()
+	}
+}
+
+func (r *rotator) step() {
+	ctx, cancel := context.WithTimeout(context.Background(), r.s.cfg.StatementTimeout)
+	defer cancel()
+	res, err := schema.Rotate(ctx, tx.FromPgxPool(r.s.pool), r.s.cfg.Tables, r.s.cfg.RotationWindow)
+	if err != nil {
+		if !r.failing {
+			r.s.logger.Error("Rotating the outbox failed; rows go on into the current partition, retrying every step", err,
+				watermill.LogFields{"every": (r.s.cfg.RotationWindow / 5).String()})
+		}
+		r.failing = true
+		return
+	}
+	if r.failing {
+		r.s.logger.Info("Rotating the outbox works again", nil)
+	}
+	r.failing = false
+	if res.Advanced || len(res.Truncated) > 0 || res.Moved > 0 {
+		r.s.logger.Debug("Rotated the outbox", watermill.LogFields{
+			"current": res.Current, "advanced": res.Advanced, "truncated": res.Truncated, "moved": res.Moved, "lock_timeouts": res.LockTimeouts})
+	}
+}

@@ -1,0 +1,264 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// rotatingSetup is setup for a rotating outbox. Its subscribers rotate
+// once an hour: the tests call schema.Rotate themselves, step by step.
+func rotatingSetup(t *testing.T) *bundle {
+	t.Helper()
+	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{Rotating: true, MaxConns: 20})
+	require.True(t, env.Tables.Rotating)
+	return &bundle{Env: env, tables: env.Tables, logger: watermill.NewStdLogger(false, false)}
+}
+
+func (b *bundle) rotate(t *testing.T, window time.Duration) schema.RotateResult {
+	t.Helper()
+	res, err := schema.Rotate(context.Background(), tx.FromPgxPool(b.Pool), b.tables, window)
+	require.NoError(t, err)
+	require.False(t, res.Busy)
+	return res
+}
+
+// generationOf is the partition holding the rows of topic (one name, or
+// "" without rows; several partitions fail the test).
+func (b *bundle) generationOf(t *testing.T, topic string) string {
+	t.Helper()
+	var parts []string
+	rows, err := b.Pool.Query(context.Background(), `SELECT DISTINCT c.relname::text FROM `+b.Schema+`.outbox o JOIN pg_class c ON c.oid = o.tableoid WHERE o.topic = $1`, topic)
+	require.NoError(t, err)
+	parts, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.LessOrEqual(t, len(parts), 1, "rows of %s in several partitions: %v", topic, parts)
+	if len(parts) == 0 {
+		return ""
+	}
+	return parts[0]
+}
+
+func (b *bundle) relationSize(t *testing.T, rel string) int64 {
+	t.Helper()
+	var size int64
+	require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT pg_relation_size(c.oid) FROM pg_class c WHERE c.relname = $1 AND c.relnamespace = $2::regnamespace`, rel, b.Schema).Scan(&size))
+	return size
+}
+
+// consumeAll receives n messages of topic, acks them, and waits until the
+// outbox has none of them left.
+func consumeAll(t *testing.T, b *bundle, topic string, n int) map[string]bool {
+	t.Helper()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.RotationWindow = time.Hour })
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	got := map[string]bool{}
+	for len(got) < n {
+		m := receive(t, ch, 10*time.Second)
+		got[m.UUID] = true
+		m.Ack()
+	}
+	require.Eventually(t, func() bool { return b.outboxRows(t, topic) == 0 }, 10*time.Second, 10*time.Millisecond)
+	return got
+}
+
+// The point of a rotating outbox: with a snapshot held elsewhere (which
+// keeps vacuum from removing anything the outbox deletes), a partition
+// whose rows were all consumed is truncated, and its space is free.
+func TestRotatingOutboxFreesConsumedRowsUnderAHeldSnapshot(t *testing.T) {
+	t.Parallel()
+	b := rotatingSetup(t)
+	ctx := context.Background()
+
+	holder, err := b.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer holder.Release()
+	held, err := holder.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	require.NoError(t, err)
+	defer held.Rollback(ctx) //nolint:errcheck // ends the snapshot
+	var one int
+	require.NoError(t, held.QueryRow(ctx, `SELECT 1 FROM pg_class LIMIT 1`).Scan(&one)) // takes the snapshot
+
+	first := b.generationName(t, 0)
+	require.NoError(t, b.poolPublisher(t).Publish("rot.held", newMsgs(200)...))
+	require.Equal(t, first, b.generationOf(t, "rot.held"))
+	require.Len(t, consumeAll(t, b, "rot.held", 200), 200)
+	require.Positive(t, b.relationSize(t, first), "the consumed rows are still on disk: the snapshot keeps them")
+
+	res := b.rotate(t, time.Hour)
+	require.True(t, res.Advanced, "a partition whose rows are all consumed gives way at once: %+v", res)
+	res = b.rotate(t, time.Hour)
+	require.Equal(t, []string{first}, res.Truncated, "%+v", res)
+	require.Zero(t, b.relationSize(t, first), "truncated while the snapshot is held")
+
+	// New rows go to the next partition and are delivered as before.
+	require.NoError(t, b.poolPublisher(t).Publish("rot.held", newMsgs(3)...))
+	require.Equal(t, b.generationName(t, 0), b.generationOf(t, "rot.held"), "the ring advanced")
+	require.Len(t, consumeAll(t, b, "rot.held", 3), 3)
+}
+
+// generationName is the partition of generation g, offset generations
+// after the current one (the test schemas are reused, and their ring has
+// turned).
+func (b *bundle) generationName(t *testing.T, offset int) string {
+	t.Helper()
+	if offset == 3 {
+		return "outbox_long"
+	}
+	last := b.count(t, `SELECT pg_sequence_last_value('`+b.Schema+`.outbox_generation')::int`)
+	return fmt.Sprintf("outbox_g%d", (last+offset)%3)
+}
+
+// A publisher that read the generation before the ring advanced commits
+// into the partition the ring left. Its row is never truncated: not while
+// its transaction is open (the TRUNCATE cannot get its lock), and not when
+// it commits while the TRUNCATE waits (the partition is checked again
+// under the lock).
+func TestRotateNeverTruncatesARowCommittedIntoTheLeftPartition(t *testing.T) {
+	t.Parallel()
+	b := rotatingSetup(t)
+	ctx := context.Background()
+	first := b.generationName(t, 0)
+
+	// Rows stored and consumed, so the first partition has taken rows.
+	require.NoError(t, b.poolPublisher(t).Publish("rot.late", newMsgs(2)...))
+	consumeAll(t, b, "rot.late", 2)
+
+	late, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer late.Rollback(ctx) //nolint:errcheck // committed below
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(late), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+	require.NoError(t, err)
+	lateMsg := newMsg("late")
+	require.NoError(t, pub.Publish("rot.late", lateMsg))
+
+	require.True(t, b.rotate(t, time.Hour).Advanced)
+	res := b.rotate(t, time.Hour)
+	require.Empty(t, res.Truncated, "the open transaction's row is in %s", first)
+	require.Equal(t, 1, res.LockTimeouts, "%+v", res)
+
+	// Now the TRUNCATE waits for its lock, and the row commits meanwhile.
+	testhook.SetRotateLockTimeout(time.Minute)
+	t.Cleanup(func() { testhook.SetRotateLockTimeout(0) })
+	done := make(chan schema.RotateResult, 1)
+	go func() {
+		r, err := schema.Rotate(ctx, tx.FromPgxPool(b.Pool), b.tables, time.Hour)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- r
+	}()
+	require.Eventually(t, func() bool {
+		return b.count(t, `SELECT count(*) FROM pg_locks WHERE relation = (SELECT oid FROM pg_class WHERE relname = $1 AND relnamespace = $2::regnamespace) AND mode = 'AccessExclusiveLock' AND NOT granted`, first, b.Schema) == 1
+	}, 10*time.Second, time.Millisecond, "the TRUNCATE waits for the publisher's lock")
+	require.NoError(t, late.Commit(ctx))
+	res = <-done
+	require.Empty(t, res.Truncated, "%+v", res)
+	require.Equal(t, first, b.generationOf(t, "rot.late"))
+	got := consumeAll(t, b, "rot.late", 1)
+	require.True(t, got[lateMsg.UUID])
+
+	require.Equal(t, []string{first}, b.rotate(t, time.Hour).Truncated, "consumed at last")
+}
+
+// Rows that outlive a turn of the ring leave it: keyed rows are stored
+// outside it from the start (their dedup key stays unique however the ring
+// turns), timers move out when their partition drains, and a partition
+// left with rows nobody consumes for three windows gives them up too.
+func TestRotateMovesRowsThatOutliveTheRing(t *testing.T) {
+	t.Parallel()
+	b := rotatingSetup(t)
+	ctx := context.Background()
+	pub := b.poolPublisher(t)
+	long, first := b.generationName(t, 3), b.generationName(t, 0)
+
+	keyed := newMsg("keyed")
+	pgoutbox.WithDedupKey(keyed, "k1")
+	pgoutbox.DeliverAfter(keyed, time.Hour)
+	require.NoError(t, pub.Publish("rot.keyed", keyed))
+	require.Equal(t, long, b.generationOf(t, "rot.keyed"))
+
+	timer := newMsg("timer")
+	pgoutbox.DeliverAfter(timer, time.Hour)
+	require.NoError(t, pub.Publish("rot.timer", timer))
+	require.NoError(t, pub.Publish("rot.unread", newMsg("nobody reads me")))
+	require.Equal(t, first, b.generationOf(t, "rot.timer"))
+
+	// As if stored 15 s ago, with 10 s windows: the ring advances.
+	_, err := b.Pool.Exec(ctx, `UPDATE `+b.Schema+`.outbox SET created_at = now() - interval '15 seconds'`)
+	require.NoError(t, err)
+	require.True(t, b.rotate(t, 10*time.Second).Advanced)
+	res := b.rotate(t, 10*time.Second)
+	require.EqualValues(t, 1, res.Moved, "the timer only: the unread row is due, and young: %+v", res)
+	require.Equal(t, long, b.generationOf(t, "rot.timer"))
+	require.Equal(t, first, b.generationOf(t, "rot.unread"))
+
+	_, err = b.Pool.Exec(ctx, `UPDATE `+b.Schema+`.outbox SET created_at = now() - interval '31 seconds' WHERE topic = 'rot.unread'`)
+	require.NoError(t, err)
+	res = b.rotate(t, 10*time.Second)
+	require.EqualValues(t, 1, res.Moved, "%+v", res)
+	require.Equal(t, long, b.generationOf(t, "rot.unread"))
+	require.Equal(t, []string{first}, res.Truncated)
+
+	// The dedup key still holds: a second message with it is skipped.
+	again := newMsg("keyed again")
+	pgoutbox.WithDedupKey(again, "k1")
+	r, err := pub.PublishWithResult("rot.keyed", again)
+	require.NoError(t, err)
+	require.Equal(t, []int{0}, r.Skipped())
+	ok, err := pub.CancelScheduled(ctx, "rot.keyed", "k1")
+	require.NoError(t, err)
+	require.True(t, ok)
+
+	// Rows moved out of the ring are delivered as any other.
+	got := consumeAll(t, b, "rot.unread", 1)
+	require.Len(t, got, 1)
+}
+
+// The Subscriber rotates a rotating outbox by itself while it has a
+// subscription: a steady stream through short windows leaves the ring
+// turning, its drained partitions truncated, and every message delivered.
+func TestSubscriberRotatesItsOutbox(t *testing.T) {
+	t.Parallel()
+	b := rotatingSetup(t)
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.RotationWindow = 100 * time.Millisecond; c.MaxInFlight = 4 })
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ch, err := sub.Subscribe(ctx, "rot.steady")
+	require.NoError(t, err)
+	pub := b.poolPublisher(t)
+	sent := map[string]bool{}
+	got := map[string]bool{}
+	start := b.count(t, `SELECT pg_sequence_last_value('`+b.Schema+`.outbox_generation')::int`)
+	for round := 0; b.count(t, `SELECT pg_sequence_last_value('`+b.Schema+`.outbox_generation')::int`) < start+4; round++ {
+		require.Less(t, round, 2000, "the ring did not turn")
+		msgs := newMsgs(5)
+		for _, m := range msgs {
+			sent[m.UUID] = true
+		}
+		require.NoError(t, pub.Publish("rot.steady", msgs...))
+		for range msgs {
+			m := receive(t, ch, 10*time.Second)
+			got[m.UUID] = true
+			m.Ack()
+		}
+	}
+	require.Equal(t, sent, got)
+	require.Eventually(t, func() bool {
+		return b.count(t, `SELECT count(*) FROM pg_class WHERE relname LIKE 'outbox_g_' AND relnamespace = $1::regnamespace AND pg_relation_size(oid) = 0`, b.Schema) >= 1
+	}, 10*time.Second, 10*time.Millisecond, "a drained partition is truncated")
+}

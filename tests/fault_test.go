@@ -404,6 +404,10 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	// dies before any other saw its lock is recovered when its leases
 	// expire; see the README.)
 	survivor.waitSawAlive(t, b, victim)
+	// Killed while it holds leases (its lease window ramps up as it drains).
+	victim.waitFor(t, "the victim holds leases", 30*time.Second, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE leased_by = 'victim'`) >= 8
+	})
 	require.Positive(t, b.outboxRows(t, topic), "the drain is over before the kill; the test proves nothing")
 	require.NoError(t, victim.cmd.Process.Kill())
 	killed := time.Now()

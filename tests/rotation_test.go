@@ -262,3 +262,32 @@ func TestSubscriberRotatesItsOutbox(t *testing.T) {
 		return b.count(t, `SELECT count(*) FROM pg_class WHERE relname LIKE 'outbox_g_' AND relnamespace = $1::regnamespace AND pg_relation_size(oid) = 0`, b.Schema) >= 1
 	}, 10*time.Second, 10*time.Millisecond, "a drained partition is truncated")
 }
+
+// Publishers and subscribers of one outbox must agree on its layout: a
+// subscriber that does not know the outbox rotates (or thinks a single
+// table does) refuses to start, saying what to set.
+func TestSubscriberRefusesAMismatchedRotatingSetting(t *testing.T) {
+	t.Parallel()
+	ring := rotatingSetup(t)
+	single := setup(t)
+	for _, c := range []struct {
+		b    *bundle
+		flip bool
+		want string
+	}{
+		{ring, false, "is a rotating outbox; set Rotating"},
+		{single, true, "is a single table, not a rotating outbox"},
+	} {
+		tables := c.b.tables
+		tables.Rotating = c.flip
+		err := schema.Validate(context.Background(), tx.FromPgxPool(c.b.Pool), tables)
+		require.ErrorContains(t, err, c.want)
+		require.ErrorContains(t, schema.Create(context.Background(), tx.FromPgxPool(c.b.Pool), tables), c.want)
+		sub, err := pgoutbox.NewSubscriber(c.b.Pool, pgoutbox.SubscriberConfig{Tables: tables}, nil)
+		require.NoError(t, err)
+		_, err = sub.Subscribe(context.Background(), "rot.mismatch")
+		require.ErrorContains(t, err, c.want)
+		require.NoError(t, sub.Close())
+	}
+	require.NoError(t, schema.Validate(context.Background(), tx.FromPgxPool(ring.Pool), ring.tables))
+}

@@ -296,6 +296,13 @@ SELECT a.attname, format_type(a.atttypid, a.atttypmod)
   JOIN pg_namespace ns ON ns.oid = c.relnamespace
  WHERE ns.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped`
 
+// CatalogPartitioned tells whether a table ($1 schema, $2 name) is
+// partitioned: a rotating outbox is.
+const CatalogPartitioned = `
+SELECT CASE WHEN c.relkind = 'p' THEN 'partitioned' ELSE 'table' END
+  FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace
+ WHERE ns.nspname = $1 AND c.relname = $2`
+
 // CatalogIndexes lists the index names of one table.
 const CatalogIndexes = `
 SELECT ic.relname

@@ -184,6 +184,12 @@ func Create(ctx context.Context, db tx.Executor, c Config) error {
 	// transaction that touched the table while every later reader and
 	// writer waits behind it; inLockedTx bounds the wait.
 	err = inLockedTx(ctx, db, n, func(e tx.Executor) error {
+		if p, err := layoutProblem(ctx, e, n); err != nil || p != "" {
+			if err == nil {
+				err = errors.New(p)
+			}
+			return err
+		}
 		for _, stmt := range query.DDL(n) {
 			if _, err := e.Exec(ctx, stmt); err != nil {
 				return ddlError(stmt, err)
@@ -285,6 +291,15 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 			problems = append(problems, fmt.Sprintf("index %s on %s is missing", idx.Name, idx.Table))
 		}
 	}
+	if !missing[n.Table] {
+		p, err := layoutProblem(ctx, db, n)
+		if err != nil {
+			return err
+		}
+		if p != "" {
+			problems = append(problems, p)
+		}
+	}
 	if !missing[n.Table] && idxByTable[n.Table] != nil {
 		// The first release's unique dedup index: it refuses the second
 		// consumer group's copy of a keyed message, failing the publish.
@@ -296,6 +311,24 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 		return &ValidationError{Problems: problems}
 	}
 	return nil
+}
+
+// layoutProblem says what is wrong when an existing outbox is rotating and
+// n does not say so, or the other way round: a mismatch would put keyed
+// rows in a partition that does not keep their keys unique, or fail every
+// keyed publish.
+func layoutProblem(ctx context.Context, db tx.Executor, n query.Names) (string, error) {
+	parted, err := catalog(ctx, db, query.CatalogPartitioned, n.Schema, n.Table, 1)
+	if err != nil || len(parted) == 0 {
+		return "", err
+	}
+	switch isRotating := parted[0][0] == "partitioned"; {
+	case isRotating && !n.Rotating:
+		return fmt.Sprintf("table %s.%s is a rotating outbox; set Rotating in the schema.Config (Tables) of every publisher and subscriber of it", n.Schema, n.Table), nil
+	case !isRotating && n.Rotating:
+		return fmt.Sprintf("table %s.%s is a single table, not a rotating outbox; leave Rotating unset, or create a rotating outbox under another name", n.Schema, n.Table), nil
+	}
+	return "", nil
 }
 
 func catalog(ctx context.Context, db tx.Executor, q, schema, table string, ncol int) ([][]string, error) {

@@ -237,16 +237,17 @@ func rotatingTable(n Names) string {
 	return fmt.Sprintf(`DO $pgoutbox$ BEGIN
     IF to_regclass('%[1]s') IS NULL THEN
         CREATE SEQUENCE %[2]s MINVALUE 0 START 0;
-        PERFORM setval('%[2]s', 0, true); -- last_value is NULL until then
+        PERFORM setval('%[2]s', %[6]s, true); -- generation 0, current from now (see Names.seqAt)
         CREATE TABLE %[1]s (
     id           bigint      GENERATED ALWAYS AS IDENTITY,%[3]s,
     generation   smallint    NOT NULL DEFAULT %[4]s,
     PRIMARY KEY (id, generation)
         ) PARTITION BY LIST (generation);%[5]s
+        ALTER SEQUENCE %[2]s OWNED BY %[1]s.generation;
     ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_partitioned_table WHERE partrelid = '%[1]s'::regclass) THEN
         RAISE EXCEPTION 'pgoutbox: %[1]s is a single table, not a rotating outbox; create the rotating one under another name, or leave Rotating unset';
     END IF;
-END $pgoutbox$`, n.QTable, n.QGenSeq, outboxColumnsDDL, n.currentGeneration(), parts)
+END $pgoutbox$`, n.QTable, n.QGenSeq, outboxColumnsDDL, n.currentGeneration(), parts, n.seqAt("clock_timestamp()", "0"))
 }
 
 // addColumns adds columns to a table created by an earlier release, each

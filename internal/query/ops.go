@@ -131,12 +131,18 @@ func DeadLetters(n Names, topic bool) string {
 // wakes idle subscribers ($N: the channel).
 func requeueFrom(n Names, sel, channelParam string) string {
 	genCol, genVal := n.generationColumn("d.dedup_key")
+	// A rotating outbox's primary key holds the generation: an id alive
+	// in another partition would not conflict.
+	sameID := ""
+	if n.Rotating {
+		sameID = fmt.Sprintf("\n     WHERE NOT EXISTS (SELECT 1 FROM %s o WHERE o.id = d.id)", n.QTable)
+	}
 	return fmt.Sprintf(`WITH sel AS (%[3]s
 ), ins AS (
     INSERT INTO %[1]s (id, topic, consumer_group, uuid, payload, metadata, created_at, available_at, deliveries, dedup_key, ordering_key%[5]s)
     OVERRIDING SYSTEM VALUE
     SELECT d.id, d.topic, d.consumer_group, d.uuid, d.payload, d.metadata, d.created_at, now(), 0, d.dedup_key, d.ordering_key%[6]s
-      FROM %[2]s d JOIN sel ON sel.id = d.id
+      FROM %[2]s d JOIN sel ON sel.id = d.id%[7]s
      ORDER BY d.failed_at, d.id
         ON CONFLICT DO NOTHING
     RETURNING id, topic
@@ -145,7 +151,7 @@ func requeueFrom(n Names, sel, channelParam string) string {
 ), woken AS (
     SELECT pg_notify(%[4]s, topic) FROM (SELECT DISTINCT topic FROM ins) t
 )
-SELECT (SELECT count(*) FROM del), (SELECT count(*) FROM woken)`, n.QTable, n.QDLQ, sel, channelParam, genCol, genVal)
+SELECT (SELECT count(*) FROM del), (SELECT count(*) FROM woken)`, n.QTable, n.QDLQ, sel, channelParam, genCol, genVal, sameID)
 }
 
 // RequeueDeadLetterIDs requeues the dead letters with ids $1; $2 is the

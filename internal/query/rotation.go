@@ -63,26 +63,37 @@ func (n Names) dedupConflict() string {
 	return "(topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL"
 }
 
-// RotationStatements are the rotator's (see schema.Rotate). Each step runs
-// in one transaction under RotationLock.
+// The generation sequence holds two things in one value: the current
+// generation (the value modulo RingSize, which is all a row's default
+// reads) and when it became current (the value divided by RingSize, in
+// milliseconds since the epoch). The rotator advances it with setval,
+// which is written to the WAL as it is (nextval logs values ahead, and
+// after a crash would jump to an arbitrary generation).
+func (n Names) seqAt(when, generation string) string {
+	return fmt.Sprintf(`(floor(extract(epoch FROM %s) * 1000)::bigint * %d + (%s))`, when, RingSize, generation)
+}
+
+// RotationStatements are the rotator's (see schema.Rotate).
 type RotationStatements struct {
 	// RotationLock: $1 the outbox's quoted name; true when this session
 	// may rotate now (one rotator at a time per outbox).
 	RotationLock string
-	// LastGeneration: the sequence's last value (the current generation
-	// is it modulo RingSize).
-	LastGeneration string
-	// Advance makes the next partition of the ring the current one.
+	// Current: the current generation and how many milliseconds ago it
+	// became current (by the database's clock).
+	Current string
+	// Advance makes the generation after $1 the current one, from now.
 	Advance string
-	// MoveLater moves to the long partition the rows of partition $1 that
-	// nothing holds and that are due after $2 seconds (timers, retries
-	// backing off, parked rows); MoveAll, every row of it nothing holds,
-	// ready ones too (a partition left with rows of a topic nobody
-	// consumes). Both return the number of rows moved.
+	// MoveLater moves to the long partition at most $2 rows of partition
+	// g that nothing holds and that are due after $1 seconds (timers,
+	// retries backing off, parked rows); MoveAll, at most $1 rows of it
+	// that nothing holds or whose lease expired a minute ago, ready ones
+	// too (a partition left with rows of a topic nobody consumes, or by a
+	// consumer that died). Both return the number of rows moved. A claim
+	// whose snapshot still has such a row fails on it ("already moved to
+	// another partition") and is retried; only rows nobody could take now
+	// (later ones) move while the ring turns, all of them only when it is
+	// stuck.
 	MoveLater, MoveAll []string
-	// Oldest: when partition g's first row (by id) was stored; no row
-	// when it has none. One probe of its primary key.
-	Oldest []string
 	// Occupied: whether partition g holds a row (visible to the
 	// statement's snapshot).
 	Occupied []string
@@ -98,28 +109,27 @@ func buildRotation(n Names) RotationStatements {
 		return RotationStatements{}
 	}
 	r := RotationStatements{
-		RotationLock:   `SELECT pg_try_advisory_xact_lock(hashtext('pgoutbox rotate ' || $1))`,
-		LastGeneration: fmt.Sprintf(`SELECT pg_sequence_last_value('%s'::regclass)`, n.QGenSeq),
-		Advance:        fmt.Sprintf(`SELECT nextval('%s'::regclass)`, n.QGenSeq),
+		RotationLock: `SELECT pg_try_advisory_xact_lock(hashtext('pgoutbox rotate ' || $1))`,
+		Current: fmt.Sprintf(`SELECT (v %% %[2]d)::int, floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint - v / %[2]d
+  FROM pg_sequence_last_value('%[1]s'::regclass) AS v`, n.QGenSeq, RingSize),
+		Advance: fmt.Sprintf(`SELECT setval('%s'::regclass, %s, true)`, n.QGenSeq, n.seqAt("clock_timestamp()", fmt.Sprintf("($1::int + 1) %% %d", RingSize))),
 	}
 	for g := range LongGeneration + 1 {
 		part := n.QGeneration(g)
 		// SKIP LOCKED: a row a claim or a held batch has is left where it
-		// is, and a claim never meets a row being moved under it (it
-		// would fail: "already moved to another partition").
-		move := func(cond string) string {
+		// is (held rows have no lease, but their batch locks them).
+		move := func(cond, limit string) string {
 			return fmt.Sprintf(`
 WITH moved AS (
     UPDATE %[1]s o SET generation = %[2]d
-      FROM (SELECT id FROM %[3]s WHERE lease_token IS NULL%[4]s FOR UPDATE SKIP LOCKED) m
+      FROM (SELECT id FROM %[3]s WHERE %[4]s LIMIT %[6]s FOR UPDATE SKIP LOCKED) m
      WHERE o.id = m.id AND o.generation = %[5]d
     RETURNING 1
 )
-SELECT count(*) FROM moved`, n.QTable, LongGeneration, part, cond, g)
+SELECT count(*) FROM moved`, n.QTable, LongGeneration, part, cond, g, limit)
 		}
-		r.MoveLater = append(r.MoveLater, move(` AND available_at > now() + make_interval(secs => $1)`))
-		r.MoveAll = append(r.MoveAll, move(""))
-		r.Oldest = append(r.Oldest, fmt.Sprintf(`SELECT created_at FROM %s ORDER BY id LIMIT 1`, part))
+		r.MoveLater = append(r.MoveLater, move(`lease_token IS NULL AND available_at > now() + make_interval(secs => $1)`, "$2"))
+		r.MoveAll = append(r.MoveAll, move(`(lease_token IS NULL OR leased_until < now() - interval '1 minute')`, "$1"))
 		r.Occupied = append(r.Occupied, fmt.Sprintf(`SELECT EXISTS (SELECT FROM %s)`, part))
 		r.Size = append(r.Size, fmt.Sprintf(`SELECT pg_relation_size('%s'::regclass)`, part))
 		r.LockGeneration = append(r.LockGeneration, fmt.Sprintf(`LOCK TABLE %s IN ACCESS EXCLUSIVE MODE`, part))

@@ -6,7 +6,6 @@ package testhook
 
 import (
 	"sync"
-	"sync/atomic"
 	"time"
 )
 
@@ -38,12 +37,24 @@ func ClaimPath(workerID string) string {
 	return s
 }
 
-var rotateLockTimeout atomic.Int64 // nanoseconds; 0: the default
+var rotateLockTimeouts sync.Map // quoted outbox name -> time.Duration
 
-// SetRotateLockTimeout makes every rotation step's TRUNCATE wait up to d
-// for its lock instead of schema.RotateLockTimeout, so a test can change
-// the partition while the TRUNCATE waits. 0 removes the hook.
-func SetRotateLockTimeout(d time.Duration) { rotateLockTimeout.Store(int64(d)) }
+// SetRotateLockTimeout makes the rotation steps of the outbox named table
+// (quoted, as query.Names.QTable) wait up to d for a TRUNCATE's lock
+// instead of schema.RotateLockTimeout, so a test can change a partition
+// while the TRUNCATE waits, or outwait autovacuum. 0 removes the hook.
+func SetRotateLockTimeout(table string, d time.Duration) {
+	if d == 0 {
+		rotateLockTimeouts.Delete(table)
+		return
+	}
+	rotateLockTimeouts.Store(table, d)
+}
 
-// RotateLockTimeout returns the lock timeout forced for rotation steps, or 0.
-func RotateLockTimeout() time.Duration { return time.Duration(rotateLockTimeout.Load()) }
+// RotateLockTimeout returns the lock timeout forced for the rotation steps
+// of table, or 0.
+func RotateLockTimeout(table string) time.Duration {
+	d, _ := rotateLockTimeouts.Load(table)
+	v, _ := d.(time.Duration)
+	return v
+}

@@ -34,6 +34,16 @@ func (s *Subscriber) startRotator() {
 }
 
 func (r *rotator) run() {
+	// Close does not wait for a step to end: it cancels it.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		select {
+		case <-r.s.closing:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
 	every := max(r.s.cfg.RotationWindow/5, 10*time.Millisecond)
 	t := time.NewTicker(every)
 	defer t.Stop()
@@ -43,14 +53,17 @@ func (r *rotator) run() {
 			return
 		case <-t.C:
 		}
-		r.step()
+		r.step(ctx)
 	}
 }
 
-func (r *rotator) step() {
-	ctx, cancel := context.WithTimeout(context.Background(), r.s.cfg.StatementTimeout)
+func (r *rotator) step(parent context.Context) {
+	ctx, cancel := context.WithTimeout(parent, r.s.cfg.StatementTimeout)
 	defer cancel()
 	res, err := schema.Rotate(ctx, tx.FromPgxPool(r.s.pool), r.s.cfg.Tables, r.s.cfg.RotationWindow)
+	if err != nil && parent.Err() != nil {
+		return // closing
+	}
 	if err != nil {
 		if !r.failing {
 			r.s.logger.Error("Rotating the outbox failed; rows go on into the current partition, retrying every step", err,

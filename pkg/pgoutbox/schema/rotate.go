@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgtype"
-
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -47,23 +45,25 @@ type RotateResult struct {
 }
 
 // Rotate runs one step of a rotating outbox's rotation (Config.Rotating),
-// in a transaction of its own, and reports what it did. The subscribers of
-// a rotating outbox call it every window/5 (SubscriberConfig.RotationWindow);
-// call it yourself, from a scheduled job, when no subscriber runs. Several
-// callers at once are safe: one rotates, the others return Busy. window 0
-// means DefaultRotationWindow.
+// in a READ COMMITTED transaction of its own, and reports what it did. The
+// subscribers of a rotating outbox call it every fifth of
+// SubscriberConfig.RotationWindow; call it yourself, from a scheduled job,
+// when no subscriber runs. Several callers at once are safe: one rotates,
+// the others return Busy. window 0 means DefaultRotationWindow.
 //
-// A step, for each partition of the ring other than the current one, oldest
-// first: it moves the rows nothing holds that are due after the next window
-// (timers, retries backing off, parked rows) out of the ring, and all rows
-// nothing holds once the partition is three windows old (a topic nobody
-// consumes must not stop the ring); a partition with no row left is
-// truncated, which frees its space whatever snapshots are open, after
-// checking again, under its ACCESS EXCLUSIVE lock, that no row was
-// committed into it meanwhile. Then, if the next partition of the ring is
-// empty and the current one took rows for a whole window, the ring
-// advances. If the next partition still holds rows (a backlog), the ring
-// waits: rows go on into the current partition, and nothing fails.
+// A step moves the rows of the two partitions the ring left that nothing
+// holds and that are due after the next window (timers, retries backing
+// off, parked rows) out of the ring. When the next partition of the ring
+// still holds rows two windows after its turn came, those it can (nothing
+// holds them, or their lease expired a minute ago) leave the ring too: a
+// topic nobody consumes must not stop it. Then it truncates one drained
+// partition, the next one first, which frees its space whatever snapshots
+// are open, after checking again under its ACCESS EXCLUSIVE lock that no
+// row was committed into it meanwhile; and once the next partition is
+// empty and the current one took rows for a whole window (or took rows
+// that are all consumed), the ring advances. While the next partition
+// holds rows (a backlog), the ring waits: rows go on into the current
+// partition, and nothing fails.
 //
 // TRUNCATE is not MVCC-safe: a transaction whose snapshot predates it sees
 // the truncated partition empty. Only consumed rows are truncated.
@@ -88,6 +88,11 @@ func Rotate(ctx context.Context, db tx.Executor, c Config, window time.Duration)
 	var res RotateResult
 	err = tx.RunInTx(ctx, db, func(e tx.Executor) error {
 		res = RotateResult{}
+		// The check under the lock needs a snapshot of its own, whatever
+		// default_transaction_isolation says.
+		if _, err := e.Exec(ctx, `SET TRANSACTION ISOLATION LEVEL READ COMMITTED`); err != nil {
+			return err
+		}
 		var mine bool
 		if err := scanOne(ctx, e, q.RotationLock, []any{n.QTable}, &mine); err != nil {
 			return err
@@ -96,47 +101,7 @@ func Rotate(ctx context.Context, db tx.Executor, c Config, window time.Duration)
 			res.Busy = true
 			return nil
 		}
-		var last int64
-		if err := scanOne(ctx, e, q.LastGeneration, nil, &last); err != nil {
-			return err
-		}
-		cur := int(last % query.RingSize)
-		res.Current = cur
-		nextEmpty := false
-		for k := 1; k < query.RingSize; k++ {
-			g := (cur + k) % query.RingSize
-			empty, err := drainGeneration(ctx, e, q, n, g, window, &res)
-			if err != nil {
-				return err
-			}
-			if k == 1 {
-				nextEmpty = empty
-			}
-		}
-		if !nextEmpty {
-			return nil
-		}
-		// Advance once the current partition's first row is a window
-		// old, or once it took rows and holds none: all consumed, its
-		// space can be freed at once.
-		var since pgtype.Timestamptz
-		if err := scanOne(ctx, e, q.Oldest[cur], nil, &since); err != nil {
-			return err
-		}
-		if since.Valid && time.Since(since.Time) < window {
-			return nil
-		}
-		if !since.Valid {
-			var size int64
-			if err := scanOne(ctx, e, q.Size[cur], nil, &size); err != nil || size == 0 {
-				return err // nothing stored yet
-			}
-		}
-		if err := scanOne(ctx, e, q.Advance, nil, &last); err != nil {
-			return err
-		}
-		res.Advanced, res.Current = true, int(last%query.RingSize)
-		return nil
+		return rotateStep(ctx, e, q, n, window, &res)
 	})
 	if err != nil {
 		return RotateResult{}, fmt.Errorf("pgoutbox: rotate %s: %w", n.QTable, err)
@@ -144,72 +109,148 @@ func Rotate(ctx context.Context, db tx.Executor, c Config, window time.Duration)
 	return res, nil
 }
 
-// drainGeneration moves what must leave partition g and truncates it when
-// nothing is left; it reports whether g is empty at the end.
-func drainGeneration(ctx context.Context, e tx.Executor, q query.RotationStatements, n query.Names, g int, window time.Duration, res *RotateResult) (bool, error) {
-	var moved int64
-	if err := scanOne(ctx, e, q.MoveLater[g], []any{window.Seconds()}, &moved); err != nil {
-		return false, fmt.Errorf("move the later rows of %s: %w", n.Generations[g], err)
+// moveBatch bounds the rows one statement of a step moves, so a step stays
+// well inside a statement timeout; what is left moves at the next steps.
+const moveBatch = 10000
+
+// rotateStep is Rotate's work, in its transaction: the moves first, then
+// at most one TRUNCATE and the advance, so that the TRUNCATE's lock, which
+// every claim queues behind, is held only until the commit right after.
+func rotateStep(ctx context.Context, e tx.Executor, q query.RotationStatements, n query.Names, window time.Duration, res *RotateResult) error {
+	var cur int
+	var ageMs int64
+	if err := scanOne(ctx, e, q.Current, nil, &cur, &ageMs); err != nil {
+		return err
 	}
-	res.Moved += moved
-	var since pgtype.Timestamptz
-	if err := scanOne(ctx, e, q.Oldest[g], nil, &since); err != nil {
-		return false, err
-	}
-	if since.Valid && time.Since(since.Time) > 3*window {
-		if err := scanOne(ctx, e, q.MoveAll[g], nil, &moved); err != nil {
-			return false, fmt.Errorf("move the rows left in %s: %w", n.Generations[g], err)
+	res.Current = cur
+	age := time.Duration(ageMs) * time.Millisecond
+	next, prev := (cur+1)%query.RingSize, (cur+2)%query.RingSize
+	for _, g := range []int{next, prev} {
+		var moved int64
+		if err := scanOne(ctx, e, q.MoveLater[g], []any{window.Seconds(), moveBatch}, &moved); err != nil {
+			return fmt.Errorf("move the later rows of %s: %w", n.Generations[g], err)
 		}
 		res.Moved += moved
 	}
-	var occupied bool
-	if err := scanOne(ctx, e, q.Occupied[g], nil, &occupied); err != nil || occupied {
-		return false, err
+	occupied := func(g int) (bool, error) {
+		var any bool
+		err := scanOne(ctx, e, q.Occupied[g], nil, &any)
+		return any, err
 	}
+	nextBusy, err := occupied(next)
+	if err != nil {
+		return err
+	}
+	if nextBusy && age >= 3*window {
+		// The ring has waited two windows for the next partition: what
+		// is left in it (a topic nobody consumes, leases of a consumer
+		// that died) leaves the ring.
+		var moved int64
+		if err := scanOne(ctx, e, q.MoveAll[next], []any{moveBatch}, &moved); err != nil {
+			return fmt.Errorf("move the rows left in %s: %w", n.Generations[next], err)
+		}
+		res.Moved += moved
+		if nextBusy, err = occupied(next); err != nil {
+			return err
+		}
+	}
+	// At most one TRUNCATE a step: the next partition's, else the
+	// previous one's (which is the next one after the advance).
+	nextEmpty, tried := false, false
+	if !nextBusy {
+		if nextEmpty, tried, err = truncateGeneration(ctx, e, q, n, next, res); err != nil {
+			return err
+		}
+	}
+	if !tried {
+		busy, err := occupied(prev)
+		if err != nil {
+			return err
+		}
+		if !busy {
+			if _, _, err := truncateGeneration(ctx, e, q, n, prev, res); err != nil {
+				return err
+			}
+		}
+	}
+	if !nextEmpty {
+		return nil // the next partition still holds rows, or kept its lock
+	}
+	if age < window {
+		// Before its window is over, the ring advances only from a
+		// partition that took rows and holds none: its space can be freed
+		// at once.
+		if busy, err := occupied(cur); err != nil || busy {
+			return err
+		}
+		var size int64
+		if err := scanOne(ctx, e, q.Size[cur], nil, &size); err != nil || size == 0 {
+			return err
+		}
+	}
+	if err := scanOne(ctx, e, q.Advance, []any{cur}, new(int64)); err != nil {
+		return err
+	}
+	res.Advanced, res.Current = true, next
+	return nil
+}
+
+// truncateGeneration empties partition g, which held no visible row: it
+// reports whether g is empty on disk at the end (truncated now, or
+// already), and whether it tried to truncate (g was not empty on disk). A
+// lock it does not get within the lock timeout, or a row committed into g
+// meanwhile, leaves g as it is.
+func truncateGeneration(ctx context.Context, e tx.Executor, q query.RotationStatements, n query.Names, g int, res *RotateResult) (empty, tried bool, err error) {
 	var size int64
 	if err := scanOne(ctx, e, q.Size[g], nil, &size); err != nil || size == 0 {
-		return err == nil, err // size 0: truncated already
+		return err == nil, false, err // size 0: truncated already
 	}
-	// A savepoint, so that a lock timeout costs this truncation only.
+	empty, err = truncateNow(ctx, e, q, n, g, res)
+	return empty, true, err
+}
+
+func truncateNow(ctx context.Context, e tx.Executor, q query.RotationStatements, n query.Names, g int, res *RotateResult) (bool, error) {
+	// A savepoint, so that a lock timeout costs this truncation only, and
+	// a partition found occupied under the lock is not kept locked.
 	if _, err := e.Exec(ctx, `SAVEPOINT pgoutbox_truncate`); err != nil {
 		return false, err
 	}
-	truncated, err := func() (bool, error) {
-		timeout := RotateLockTimeout
-		if d := testhook.RotateLockTimeout(); d > 0 {
-			timeout = d
-		}
-		if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", timeout.Milliseconds())); err != nil {
-			return false, err
-		}
-		if _, err := e.Exec(ctx, q.LockGeneration[g]); err != nil {
-			return false, err
-		}
-		// Again under the lock, with a fresh snapshot (READ COMMITTED): a
-		// publisher that read the generation just before an advance may
-		// have committed into g since.
-		var again bool
-		if err := scanOne(ctx, e, q.Occupied[g], nil, &again); err != nil || again {
-			return false, err
-		}
-		_, err := e.Exec(ctx, q.Truncate[g])
-		return err == nil, err
-	}()
-	switch {
-	case isLockTimeout(err):
-		res.LockTimeouts++
-		_, err = e.Exec(ctx, `ROLLBACK TO SAVEPOINT pgoutbox_truncate`)
+	undo := func() error {
+		_, err := e.Exec(ctx, `ROLLBACK TO SAVEPOINT pgoutbox_truncate`)
+		return err
+	}
+	timeout := RotateLockTimeout
+	if d := testhook.RotateLockTimeout(n.QTable); d > 0 {
+		timeout = d
+	}
+	if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", timeout.Milliseconds())); err != nil {
 		return false, err
-	case err != nil:
+	}
+	if _, err := e.Exec(ctx, q.LockGeneration[g]); err != nil {
+		if isLockTimeout(err) {
+			res.LockTimeouts++
+			return false, undo()
+		}
+		return false, fmt.Errorf("lock %s: %w", n.Generations[g], err)
+	}
+	// Again under the lock, with a fresh snapshot (READ COMMITTED): a
+	// publisher that read the generation just before an advance may have
+	// committed into g since.
+	var again bool
+	if err := scanOne(ctx, e, q.Occupied[g], nil, &again); err != nil {
+		return false, err
+	}
+	if again {
+		return false, undo()
+	}
+	if _, err := e.Exec(ctx, q.Truncate[g]); err != nil {
 		return false, fmt.Errorf("truncate %s: %w", n.Generations[g], err)
 	}
 	if _, err := e.Exec(ctx, `RELEASE SAVEPOINT pgoutbox_truncate`); err != nil {
 		return false, err
 	}
-	if truncated {
-		res.Truncated = append(res.Truncated, n.Generations[g])
-	}
-	return truncated, nil
+	res.Truncated = append(res.Truncated, n.Generations[g])
+	return true, nil
 }
 
 // scanOne runs a statement that returns one row and scans it into dest.

@@ -244,7 +244,7 @@ func rotatingTable(n Names) string {
     PRIMARY KEY (id, generation)
         ) PARTITION BY LIST (generation);%[5]s
         ALTER SEQUENCE %[2]s OWNED BY %[1]s.generation;
-    ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_partitioned_table WHERE partrelid = '%[1]s'::regclass) THEN
+    ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute WHERE attrelid = '%[1]s'::regclass AND attname = 'generation' AND NOT attisdropped) THEN
         RAISE EXCEPTION 'pgoutbox: %[1]s is a single table, not a rotating outbox; create the rotating one under another name, or leave Rotating unset';
     END IF;
 END $pgoutbox$`, n.QTable, n.QGenSeq, outboxColumnsDDL, n.currentGeneration(), parts, n.seqAt("clock_timestamp()", "0"))
@@ -297,10 +297,13 @@ SELECT a.attname, format_type(a.atttypid, a.atttypmod)
   JOIN pg_namespace ns ON ns.oid = c.relnamespace
  WHERE ns.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped`
 
-// CatalogPartitioned tells whether a table ($1 schema, $2 name) is
-// partitioned: a rotating outbox is.
-const CatalogPartitioned = `
-SELECT CASE WHEN c.relkind = 'p' THEN 'partitioned' ELSE 'table' END
+// CatalogRotating tells whether a table ($1 schema, $2 name) is a
+// rotating outbox: partitioned by its generation column. (An outbox a user
+// partitioned otherwise is a single-table outbox to pgoutbox.)
+const CatalogRotating = `
+SELECT CASE WHEN c.relkind = 'p' AND EXISTS (
+           SELECT FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attname = 'generation' AND NOT a.attisdropped)
+       THEN 'rotating' ELSE 'table' END
   FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace
  WHERE ns.nspname = $1 AND c.relname = $2`
 

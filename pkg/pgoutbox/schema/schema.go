@@ -318,11 +318,11 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 // rows in a partition that does not keep their keys unique, or fail every
 // keyed publish.
 func layoutProblem(ctx context.Context, db tx.Executor, n query.Names) (string, error) {
-	parted, err := catalog(ctx, db, query.CatalogPartitioned, n.Schema, n.Table, 1)
+	parted, err := catalog(ctx, db, query.CatalogRotating, n.Schema, n.Table, 1)
 	if err != nil || len(parted) == 0 {
 		return "", err
 	}
-	switch isRotating := parted[0][0] == "partitioned"; {
+	switch isRotating := parted[0][0] == "rotating"; {
 	case isRotating && !n.Rotating:
 		return fmt.Sprintf("table %s.%s is a rotating outbox; set Rotating in the schema.Config (Tables) of every publisher and subscriber of it", n.Schema, n.Table), nil
 	case !isRotating && n.Rotating:

@@ -693,8 +693,10 @@ func TestFaultKilledHeldConsumersRowsAreDueAtOnce(t *testing.T) {
 		JOIN ` + b.Schema + `.outbox o ON o.uuid = h.uuid WHERE h.worker = 'victim' AND o.lease_token IS NULL`
 	// Frozen, the victim keeps its transactions open: read what it holds,
 	// then kill it (read after the kill, the survivor may have handled
-	// those rows already). A batch may commit just before the freeze:
-	// then thaw and try again.
+	// those rows already). The server still runs what the victim sent
+	// before the freeze (a commit of acks, a hold turned into leases), so
+	// the read waits until none of its connections is active. A batch may
+	// commit just before the freeze: then thaw and try again.
 	var unacked []string
 	for attempt := 0; len(unacked) == 0; attempt++ {
 		require.Less(t, attempt, 20, "the victim never held an unacked message when frozen; the test proves nothing")
@@ -702,6 +704,10 @@ func TestFaultKilledHeldConsumersRowsAreDueAtOnce(t *testing.T) {
 			return b.count(t, `SELECT count(*) FROM (`+unackedSQL+`) u`) > 0
 		})
 		require.NoError(t, victim.cmd.Process.Signal(syscall.SIGSTOP))
+		pollUntil(t, "the server ran what the frozen victim had sent", 10*time.Second, nil, func() bool {
+			return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND state = 'active'`,
+				appName(b, victim.name)) == 0
+		})
 		if unacked = b.strings(t, unackedSQL); len(unacked) == 0 {
 			require.NoError(t, victim.cmd.Process.Signal(syscall.SIGCONT))
 		}

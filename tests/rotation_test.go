@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
@@ -242,12 +243,25 @@ func TestRotateMovesRowsThatOutliveTheRing(t *testing.T) {
 }
 
 // The Subscriber rotates a rotating outbox by itself while it has a
-// subscription: a steady stream through short windows leaves the ring
-// turning, its drained partitions truncated, and every message delivered.
+// subscription, on each claim path: a steady stream through short windows
+// leaves the ring turning, its drained partitions truncated (while held
+// batches and leases come and go), and every message delivered.
 func TestSubscriberRotatesItsOutbox(t *testing.T) {
-	t.Parallel()
+	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimAuto, pgoutbox.ClaimLease, pgoutbox.ClaimHeld} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			testSubscriberRotates(t, mode)
+		})
+	}
+}
+
+func testSubscriberRotates(t *testing.T, mode pgoutbox.ClaimMode) {
 	b := rotatingSetup(t)
-	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.RotationWindow = 100 * time.Millisecond; c.MaxInFlight = 4 })
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.RotationWindow = 100 * time.Millisecond
+		c.MaxInFlight = 4
+		c.ClaimMode = mode
+	})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	ch, err := sub.Subscribe(ctx, "rot.steady")
@@ -319,4 +333,29 @@ func (b *bundle) filenodes(t *testing.T) string {
 	require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT string_agg(relname || '=' || pg_relation_filenode(oid), ',' ORDER BY relname)
   FROM pg_class WHERE relnamespace = $1::regnamespace AND relname LIKE 'outbox_g_'`, b.Schema).Scan(&files))
 	return files
+}
+
+// The operator page's rates read the outbox's insert and delete counters:
+// for a rotating outbox, the sums of its partitions' (the partitioned
+// table counts nothing itself).
+func TestTableCountersOfARotatingOutboxSumItsPartitions(t *testing.T) {
+	t.Parallel()
+	b := rotatingSetup(t)
+	ctx := context.Background()
+	counters := func() (ins, del int64) {
+		require.NoError(t, b.Pool.QueryRow(ctx, query.UITableCounters, qtable(b.Schema)).Scan(&ins, &del))
+		return ins, del
+	}
+	ins0, del0 := counters() // the test schemas are reused
+	require.NoError(t, b.poolPublisher(t).Publish("rot.counted", newMsgs(30)...))
+	require.Len(t, consumeAll(t, b, "rot.counted", 30), 30)
+	// Backends report their counts at the end of a transaction, at most
+	// once a second, and an idle one about ten seconds later.
+	var ins, del int64
+	deadline := time.Now().Add(30 * time.Second)
+	for ins, del = counters(); (ins-ins0 < 30 || del-del0 < 30) && time.Now().Before(deadline); ins, del = counters() {
+		time.Sleep(50 * time.Millisecond) // polling a statistics view: no event to wait for
+	}
+	require.GreaterOrEqual(t, ins-ins0, int64(30), "inserts counted")
+	require.GreaterOrEqual(t, del-del0, int64(30), "deletes counted")
 }

@@ -27,6 +27,7 @@ type command struct {
 	table    string
 	dlqTable string
 	noDLQ    bool
+	rotating optBool // --rotating: given, or else read from the catalog
 	json     bool
 	help     func() // prints --help
 	envErr   error  // a variable the command reads is invalid: reported by parse
@@ -50,6 +51,14 @@ func (c *cli) newCommand(name, usage, examples string, readCmd bool) *command {
 		}
 	}
 	fs.BoolVar(&cmd.noDLQ, "no-dlq", noDLQ, "the outbox has no dead-letter table ($PGOUTBOX_NO_DLQ)")
+	if v := strings.TrimSpace(os.Getenv("PGOUTBOX_ROTATING")); v != "" {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			cmd.envErr = usagef(name, "PGOUTBOX_ROTATING=%q is not valid; use true or false (or 1, 0), or unset it", v)
+		}
+		cmd.rotating = optBool{value: b, set: err == nil}
+	}
+	fs.Var(&cmd.rotating, "rotating", "the outbox is a rotating one ($PGOUTBOX_ROTATING); schema sql and apply make one so; other commands read it from the database when not given")
 	if readCmd {
 		fs.BoolVar(&cmd.json, "json", false, "write one JSON document to stdout")
 	}
@@ -103,7 +112,7 @@ func (cmd *command) noArgs(pos []string) error {
 
 // tables returns the table names from the flags and environment.
 func (cmd *command) tables() (schema.Config, error) {
-	t := schema.Config{Schema: cmd.schema, Table: cmd.table, DeadLetterTable: cmd.dlqTable, NoDeadLetterTable: cmd.noDLQ}
+	t := schema.Config{Schema: cmd.schema, Table: cmd.table, DeadLetterTable: cmd.dlqTable, NoDeadLetterTable: cmd.noDLQ, Rotating: cmd.rotating.value}
 	if t.NoDeadLetterTable && t.DeadLetterTable != "" {
 		return t, usagef(cmd.name, "--no-dlq and a dead-letter table (--dlq-table or $PGOUTBOX_DLQ_TABLE=%q) were both given; drop one", t.DeadLetterTable)
 	}
@@ -192,3 +201,29 @@ func (l *pairList) Set(s string) error {
 	*l = append(*l, [2]string{k, v})
 	return nil
 }
+
+// optBool is a boolean flag that knows whether it was given (on the
+// command line or in the environment).
+type optBool struct {
+	value bool
+	set   bool
+}
+
+func (o *optBool) String() string {
+	if o == nil {
+		return "false"
+	}
+	return strconv.FormatBool(o.value)
+}
+
+func (o *optBool) Set(v string) error {
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		return fmt.Errorf("use true or false")
+	}
+	o.value, o.set = b, true
+	return nil
+}
+
+// IsBoolFlag lets --rotating stand alone, as --rotating=true.
+func (o *optBool) IsBoolFlag() bool { return true }

@@ -409,3 +409,40 @@ func TestRequeueParked(t *testing.T) {
 	got := pgoutboxtest.Collect(t, msgs, 1, 10*time.Second) // acks it
 	require.Equal(t, "p", string(got[0].Payload))
 }
+
+// An operator converts a single table with the CLI; afterwards every
+// command knows the outbox rotates without being told, and a --rotating
+// that contradicts the database is a usage error.
+func TestSchemaConvertToRotating(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env, "conv", "kept")
+
+	_, errOut, code := cliRun(t, env, "schema", "convert-to-rotating")
+	require.Equal(t, exitRefused, code, "no terminal, no --yes: %s", errOut)
+	require.Contains(t, errOut, "pass --yes")
+	_, errOut, code = cliRun(t, env, "schema", "validate", "--rotating")
+	require.Equal(t, exitUsage, code)
+	require.Contains(t, errOut, "is a single table, not a rotating outbox")
+
+	out, errOut, code := cliRun(t, env, "schema", "convert-to-rotating", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "is a rotating outbox; its rows are in outbox_long")
+	out, errOut, code = cliRun(t, env, "schema", "convert-to-rotating", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "a rotating outbox already")
+
+	out, errOut, code = cliRun(t, env, "schema", "validate", "--json")
+	require.Equal(t, 0, code, errOut)
+	require.JSONEq(t, `{"ok":true,"problems":[]}`, out, "validated as the rotating outbox it is")
+	_, errOut, code = cliRun(t, env, "schema", "validate", "--rotating=false")
+	require.Equal(t, exitUsage, code)
+	require.Contains(t, errOut, "is a rotating outbox; drop --rotating=false")
+	out, errOut, code = cliRun(t, env, "peek", "--topic", "conv", "--json")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "kept")
+
+	out, errOut, code = cliRun(t, nil, "schema", "sql", "--rotating")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "PARTITION BY LIST (generation)")
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -14,14 +15,16 @@ const schemaUsage = `Usage:
   pgoutbox schema apply     create the tables and indexes (needs DDL rights)
   pgoutbox schema validate  check the tables, columns and indexes; exit code 4 on problems
   pgoutbox schema migrate   versioned migrations: up, down, status, baseline, files
+  pgoutbox schema convert-to-rotating
+                            turn a single-table outbox into a rotating one, in place
 
-Run "pgoutbox schema <sql|apply|validate|migrate> --help" for flags.
+Run "pgoutbox schema <sql|apply|validate|migrate|convert-to-rotating> --help" for flags.
 `
 
 func (c *cli) schemaCmd(args []string) error {
 	if len(args) == 0 {
 		fmt.Fprint(c.stderr, schemaUsage)
-		return usagef("schema", "missing subcommand: sql, apply, validate or migrate")
+		return usagef("schema", "missing subcommand: sql, apply, validate, migrate or convert-to-rotating")
 	}
 	switch args[0] {
 	case "-h", "-help", "--help", "help":
@@ -35,8 +38,10 @@ func (c *cli) schemaCmd(args []string) error {
 		return c.schemaValidate(args[1:])
 	case "migrate":
 		return c.migrateCmd(args[1:])
+	case "convert-to-rotating":
+		return c.schemaConvert(args[1:])
 	}
-	return usagef("schema", "unknown subcommand %q; use sql, apply, validate or migrate", args[0])
+	return usagef("schema", "unknown subcommand %q; use sql, apply, validate, migrate or convert-to-rotating", args[0])
 }
 
 func (c *cli) schemaSQL(args []string) error {
@@ -112,4 +117,32 @@ func (c *cli) schemaValidate(args []string) error {
 		return &problemsError{n: len(problems)}
 	}
 	return nil
+}
+
+func (c *cli) schemaConvert(args []string) error {
+	cmd := c.newCommand("schema convert-to-rotating", "schema convert-to-rotating [--yes] [connection flags]",
+		"  pgoutbox schema convert-to-rotating --dsn postgres://owner@db/app --yes\n  (then set Rotating in every publisher's and subscriber's Config, and restart them)\n", false)
+	yes := cmd.fs.Bool("yes", false, "do not ask for confirmation")
+	if err := cmd.parseNoArgs(args); err != nil {
+		return err
+	}
+	t, err := cmd.tables()
+	if err != nil {
+		return err
+	}
+	t = t.WithDefaults()
+	q := fmt.Sprintf("Convert %s.%s into a rotating outbox? Processes that keep the single table's setting cannot publish keyed messages until they set Rotating and restart.", t.Schema, t.Table)
+	return cmd.withOutbox(context.Background(), func() error { return c.confirm(cmd.name, q, *yes) },
+		func(ctx context.Context, exec tx.Executor, t schema.Config) error {
+			if t.Rotating {
+				fmt.Fprintf(c.stdout, "%s.%s is a rotating outbox already; nothing to do\n", t.WithDefaults().Schema, t.WithDefaults().Table)
+				return nil
+			}
+			if err := schema.ConvertToRotating(ctx, exec, t); err != nil {
+				return err
+			}
+			t = t.WithDefaults()
+			fmt.Fprintf(c.stdout, "converted: %s.%s is a rotating outbox; its rows are in %s. Set Rotating in every publisher's and subscriber's Config (pgoutbox commands find it out) and restart them.\n", t.Schema, t.Table, query.Derive(t.Table, "_long"))
+			return nil
+		})
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -52,5 +53,40 @@ func (cmd *command) withOutbox(ctx context.Context, before func() error,
 		return err
 	}
 	defer pool.Close()
+	if tables, err = cmd.layout(ctx, exec, tables); err != nil {
+		return err
+	}
 	return fn(ctx, exec, tables)
+}
+
+// layout sets tables.Rotating from the database when the outbox exists
+// and --rotating was not given: an operator should not have to know how
+// the outbox was made. A --rotating that contradicts the database is a
+// usage error.
+func (cmd *command) layout(ctx context.Context, exec tx.Executor, tables schema.Config) (schema.Config, error) {
+	t := tables.WithDefaults()
+	rows, err := exec.Query(ctx, query.CatalogRotating, t.Schema, t.Table)
+	if err != nil {
+		return tables, err
+	}
+	var kind string
+	for rows.Next() {
+		err = rows.Scan(&kind)
+	}
+	rows.Close()
+	if err == nil {
+		err = rows.Err()
+	}
+	if err != nil || kind == "" {
+		return tables, err // no outbox yet: the flag says what to make
+	}
+	rotating := kind == "rotating"
+	if cmd.rotating.set && cmd.rotating.value != rotating {
+		if rotating {
+			return tables, usagef(cmd.name, "%s.%s is a rotating outbox; drop --rotating=false (or $PGOUTBOX_ROTATING)", t.Schema, t.Table)
+		}
+		return tables, usagef(cmd.name, "%s.%s is a single table, not a rotating outbox; drop --rotating (or $PGOUTBOX_ROTATING), or convert it with pgoutbox schema convert-to-rotating", t.Schema, t.Table)
+	}
+	tables.Rotating = rotating
+	return tables, nil
 }

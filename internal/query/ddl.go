@@ -227,12 +227,16 @@ const queueStorage = `
 // generation sequence, the partitioned table and its partitions, whose
 // storage parameters are the single table's (a partitioned table has
 // none). It refuses a single table of the same name: turning one into a
-// rotating outbox is not done by Create.
+// rotating outbox is ConvertToRotating's job (see Conversion).
 func rotatingTable(n Names) string {
 	parts := ""
-	for g, name := range n.Generations {
+	for g := range n.Generations {
+		// A partition that exists is left alone: converting a single
+		// table makes that table the long partition, attached afterwards.
 		parts += fmt.Sprintf(`
-        CREATE TABLE %s PARTITION OF %s FOR VALUES IN (%d) WITH (%s);`, n.QSchema+"."+Quote(name), n.QTable, g, queueStorage)
+        IF to_regclass('%[1]s') IS NULL THEN
+            CREATE TABLE %[1]s PARTITION OF %[2]s FOR VALUES IN (%[3]d) WITH (%[4]s);
+        END IF;`, n.QGeneration(g), n.QTable, g, queueStorage)
 	}
 	return fmt.Sprintf(`DO $pgoutbox$ BEGIN
     IF to_regclass('%[1]s') IS NULL THEN
@@ -245,7 +249,7 @@ func rotatingTable(n Names) string {
         ) PARTITION BY LIST (generation);%[5]s
         ALTER SEQUENCE %[2]s OWNED BY %[1]s.generation;
     ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute WHERE attrelid = '%[1]s'::regclass AND attname = 'generation' AND NOT attisdropped) THEN
-        RAISE EXCEPTION 'pgoutbox: %[1]s is a single table, not a rotating outbox; create the rotating one under another name, or leave Rotating unset';
+        RAISE EXCEPTION 'pgoutbox: %[1]s is a single table, not a rotating outbox; convert it with schema.ConvertToRotating (pgoutbox schema convert-to-rotating), or leave Rotating unset';
     END IF;
 END $pgoutbox$`, n.QTable, n.QGenSeq, outboxColumnsDDL, n.currentGeneration(), parts, n.seqAt("clock_timestamp()", "0"))
 }

@@ -77,6 +77,11 @@ const (
 // UITableCounters reads the rows inserted and deleted in table $1 (a
 // quoted, qualified name) since the statistics were reset, from the
 // cumulative statistics (no table access; reported by every backend at
-// the end of its transactions, within about a second).
+// the end of its transactions, within about a second). A partitioned
+// table (a rotating outbox) counts nothing itself: its partitions' counts
+// are summed. A row the rotation moves out of the ring counts as a delete
+// and an insert; a TRUNCATE, as neither.
 const UITableCounters = `SELECT coalesce(sum(n_tup_ins), 0)::bigint, coalesce(sum(n_tup_del), 0)::bigint
-  FROM pg_catalog.pg_stat_user_tables WHERE relid = to_regclass($1)`
+  FROM pg_catalog.pg_stat_user_tables
+ WHERE relid = to_regclass($1)
+    OR relid IN (SELECT relid FROM pg_partition_tree(to_regclass($1)) WHERE isleaf)`

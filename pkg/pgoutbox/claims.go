@@ -1,9 +1,11 @@
 package pgoutbox
 
 import (
+	"errors"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/notifier"
 )
@@ -21,6 +23,7 @@ type claimSchedule struct {
 	idleUntil  time.Time     // an idle sleep ends then
 	idlePoll   time.Duration // the next idle sleep
 	gate       retryGate     // after a failed claim
+	failures   int           // claims failed since the last that ran
 	gen        uint64        // bumped by every give-back; a claim started before it gives its rows back too
 	givingBack int           // give-backs not written yet: a claim now would overtake them
 	endedKeys  map[string]struct{}
@@ -126,6 +129,7 @@ func (c *claimSchedule) start(n int, now time.Time, holder pgtype.Int8, spare fu
 // failed takes in a failed claim and returns the backoff before the next.
 func (c *claimSchedule) failed(r claimResult, now time.Time) time.Duration {
 	c.claiming, c.wokeDuring = false, false
+	c.failures++
 	for _, k := range r.req.endedKeys { // that claim did not happen
 		c.endedKeys[k] = struct{}{}
 	}
@@ -152,6 +156,7 @@ func (c *claimSchedule) failed(r claimResult, now time.Time) time.Duration {
 func (c *claimSchedule) succeeded(r claimResult) (woke bool) {
 	woke = c.wokeDuring
 	c.claiming, c.wokeDuring = false, false
+	c.failures = 0
 	c.gate.succeeded()
 	c.scan.claimed(r)
 	if len(r.req.endedKeys) > 0 && (len(r.rows) >= r.req.n || r.reclaimed > 0) {
@@ -314,7 +319,15 @@ func (sub *subscription) onClaimed(r claimResult) {
 	now := time.Now()
 	if r.err != nil {
 		wait := sub.claims.failed(r, now)
-		sub.logger.Error("Claim failed; retrying", r.err, watermill.LogFields{"retry_in": wait.String(), "path": r.req.path()})
+		fields := watermill.LogFields{"retry_in": wait.String(), "path": r.req.path()}
+		if conflict(r.err) && sub.claims.failures <= quietConflicts {
+			// A row the claim was about to take changed under it: the
+			// rotation of a rotating outbox moved it, or a deadlock with an
+			// operator's statement. The next claim sees the row as it is.
+			sub.logger.Debug("Claim met a row changed under it; claiming again", fields.Add(watermill.LogFields{"err": r.err.Error()}))
+			return
+		}
+		sub.logger.Error("Claim failed; retrying", r.err, fields)
 		return
 	}
 	woke := sub.claims.succeeded(r)
@@ -353,4 +366,17 @@ func (sub *subscription) keyEnded(d *delivery) {
 	if d.orderingKey != "" && !sub.drain.stopping {
 		sub.claims.keyEnded(d.orderingKey)
 	}
+}
+
+// quietConflicts is how many claims in a row may fail on a conflict
+// before the failures are logged as errors: one now and then is expected,
+// a run of them is not.
+const quietConflicts = 3
+
+// conflict reports whether err is a serialization failure or a deadlock:
+// the statement met a concurrent change, and running it again is the
+// remedy.
+func conflict(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "40001" || pgErr.Code == "40P01")
 }

@@ -75,6 +75,8 @@ type options struct {
 	// the cases to run; 0: all.
 	publishCostSize int
 	soak            soakOptions
+	// rotationWindow: -rotation-window, pgoutbox-ring's RotationWindow.
+	rotationWindow time.Duration
 }
 
 // bench is what every run shares: the pool, the connection settings and the
@@ -129,6 +131,7 @@ func parseFlags() (options, error) {
 	flag.Float64Var(&o.soak.rate, "soak-rate", 2000, "messages per second of the soak scenarios, in all")
 	flag.IntVar(&o.soak.publishers, "soak-publishers", 16, "publishers of the soak scenarios, each on its own connection, one message per transaction")
 	flag.DurationVar(&o.soak.window, "soak-window", 10*time.Second, "the soak scenarios print one line per window")
+	flag.DurationVar(&o.rotationWindow, "rotation-window", 0, "SubscriberConfig.RotationWindow of pgoutbox-ring (0: the library's default)")
 	flag.BoolVar(&o.soak.noAutovacuum, "soak-allow-no-autovacuum", false, "run the soak scenarios on a server with autovacuum off (they refuse to by default)")
 	flag.Parse()
 

@@ -118,6 +118,7 @@ func (i *pgoutboxInstance) consumer(_ context.Context, cfg consumeConfig) (consu
 		MaxInFlight:       cfg.maxInFlight,
 		SynchronousCommit: i.b.opts.syncCommit,
 		ClaimMode:         i.mode,
+		RotationWindow:    i.b.opts.rotationWindow,
 		// Acks are counted when the subscriber reports them written: a
 		// drain is over when the rows are gone, not when the handler
 		// returned. Anything else that ends a row without an ack breaks

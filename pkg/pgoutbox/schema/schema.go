@@ -83,7 +83,8 @@ type Config struct {
 	// rows in turn, each emptied by TRUNCATE once its rows are consumed
 	// (see Rotate and docs/rotation.md): a long transaction elsewhere then
 	// no longer makes the outbox grow or its claims slow. Create makes a
-	// new outbox so; it refuses to turn an existing single table into one.
+	// new outbox so; it refuses to turn an existing single table into one
+	// (ConvertToRotating does).
 	// Publishers, subscribers and Create of one outbox must all set it,
 	// or none. Default false: one table, kept small by vacuum.
 	Rotating bool
@@ -326,7 +327,7 @@ func layoutProblem(ctx context.Context, db tx.Executor, n query.Names) (string, 
 	case isRotating && !n.Rotating:
 		return fmt.Sprintf("table %s.%s is a rotating outbox; set Rotating in the schema.Config (Tables) of every publisher and subscriber of it", n.Schema, n.Table), nil
 	case !isRotating && n.Rotating:
-		return fmt.Sprintf("table %s.%s is a single table, not a rotating outbox; leave Rotating unset, or create a rotating outbox under another name", n.Schema, n.Table), nil
+		return fmt.Sprintf("table %s.%s is a single table, not a rotating outbox; convert it with schema.ConvertToRotating (pgoutbox schema convert-to-rotating), or leave Rotating unset", n.Schema, n.Table), nil
 	}
 	return "", nil
 }

@@ -1,0 +1,159 @@
+package query
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+)
+
+// ConversionStatements turn a single-table outbox into a rotating one
+// (see schema.ConvertToRotating). The single table becomes the long
+// partition: its rows stay where they are, and new rows go into the ring.
+// Everything that takes long (building two indexes, checking that every
+// row belongs to the long partition) runs first, without blocking
+// publishers or consumers; the swap itself is catalog changes under one
+// short ACCESS EXCLUSIVE lock.
+type ConversionStatements struct {
+	// ForeignColumns lists the single table's columns pgoutbox does not
+	// know: the partitioned table has none of them, so attaching refuses.
+	ForeignColumns string
+	// AddGeneration gives the single table its generation column, with a
+	// constant default (a catalog change, not a rewrite).
+	AddGeneration string
+	// IndexState: $1 an index name in the outbox's schema; its validity
+	// (false after a failed concurrent build), no row when it is missing.
+	IndexState string
+	// DropIndex: DropIndex[i] drops Prepared[i] (left invalid by a failed
+	// build).
+	DropIndex []string
+	// Prepared builds, concurrently, the long partition's indexes that the
+	// single table lacks: the primary key on (id, generation) and the
+	// dedup index with the generation, which a partitioned table's unique
+	// indexes must hold. PreparedNames are their names.
+	Prepared      []string
+	PreparedNames []string
+	// AddCheck adds CHECK (generation = 3) NOT VALID, ValidateCheck checks
+	// it against every row (without blocking writes): with it, attaching
+	// the table does not scan it under the lock.
+	AddCheck, ValidateCheck string
+	// Lock takes the single table's ACCESS EXCLUSIVE lock for the swap.
+	Lock string
+	// NextID: the id the partitioned table's identity starts from.
+	NextID string
+	// Release turns the locked single table into the long partition to
+	// be: primary key and dedup index with the generation, no identity,
+	// indexes and table renamed to the long partition's names.
+	Release string
+	// RestartID ($1 NextID's value, inlined: DDL takes no parameters) and
+	// Attach run after DDL made the partitioned table.
+	RestartID func(next int64) string
+	Attach    string
+	// DropCheck removes AddCheck's constraint once attached (the
+	// partition's bound says the same).
+	DropCheck string
+	// CopyGrants gives the partitioned table the single table's grants
+	// (table and column ones), and what the same roles need of a rotating
+	// outbox: who could insert may read the generation sequence (every
+	// insert does), who could delete (consumers) may also advance it and
+	// read, lock and truncate the partitions (the rotation step).
+	CopyGrants string
+}
+
+// Conversion returns the statements that convert n's single table; n is
+// the rotating outbox's names (Rotated).
+func Conversion(n Names) ConversionStatements {
+	long := n.Generations[LongGeneration]
+	qlong := n.QGeneration(LongGeneration)
+	ln, _ := NewNames(n.Schema, long, "") // the long partition's index names
+	pkey := derive(long, "_pkey")
+	check := derive(long, "_generation_check")
+	known := make([]string, 0, len(OutboxColumns)+1)
+	for _, c := range append(slices.Clip(OutboxColumns), GenerationColumn) {
+		known = append(known, "'"+c.Name+"'")
+	}
+	s := ConversionStatements{
+		ForeignColumns: fmt.Sprintf(`SELECT attname::text FROM pg_attribute WHERE attrelid = '%s'::regclass AND attnum > 0 AND NOT attisdropped
+   AND attname NOT IN (%s) ORDER BY attnum`, n.QTable, strings.Join(known, ", ")),
+		AddGeneration: fmt.Sprintf(`DO $pgoutbox$ BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute WHERE attrelid = '%[1]s'::regclass AND attname = 'generation' AND NOT attisdropped) THEN
+        ALTER TABLE %[1]s ADD COLUMN generation smallint NOT NULL DEFAULT %[2]d;
+    END IF;
+END $pgoutbox$`, n.QTable, LongGeneration),
+		IndexState: fmt.Sprintf(`SELECT i.indisvalid::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+  JOIN pg_namespace ns ON ns.oid = c.relnamespace WHERE ns.nspname = '%s' AND c.relname = $1`, n.Schema),
+		Prepared: []string{
+			fmt.Sprintf(`CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS %s ON %s (id, generation)`, Quote(pkey), n.QTable),
+			fmt.Sprintf(`CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS %s ON %s %s`, Quote(ln.DedupIdx), n.QTable, n.dedupConflict()),
+		},
+		PreparedNames: []string{pkey, ln.DedupIdx},
+		AddCheck: fmt.Sprintf(`DO $pgoutbox$ BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_constraint WHERE conrelid = '%[1]s'::regclass AND conname = '%[2]s') THEN
+        ALTER TABLE %[1]s ADD CONSTRAINT %[3]s CHECK (generation = %[4]d) NOT VALID;
+    END IF;
+END $pgoutbox$`, n.QTable, check, Quote(check), LongGeneration),
+		ValidateCheck: fmt.Sprintf(`ALTER TABLE %s VALIDATE CONSTRAINT %s`, n.QTable, Quote(check)),
+		Lock:          fmt.Sprintf(`LOCK TABLE %s IN ACCESS EXCLUSIVE MODE`, n.QTable),
+		NextID: fmt.Sprintf(`SELECT greatest(coalesce(pg_sequence_last_value(pg_get_serial_sequence('%[1]s', 'id')::regclass), 0),
+                coalesce((SELECT max(id) FROM %[1]s), 0)) + 1`, n.QTable),
+		Release: fmt.Sprintf(`DO $pgoutbox$ DECLARE pk name; BEGIN
+    SELECT conname INTO pk FROM pg_catalog.pg_constraint WHERE conrelid = '%[1]s'::regclass AND contype = 'p';
+    IF pk IS NOT NULL THEN
+        EXECUTE format('ALTER TABLE %[1]s DROP CONSTRAINT %%I', pk);
+    END IF;
+    ALTER TABLE %[1]s ADD CONSTRAINT %[2]s PRIMARY KEY USING INDEX %[2]s;
+    ALTER TABLE %[1]s ALTER COLUMN id DROP IDENTITY IF EXISTS;
+    DROP INDEX IF EXISTS %[3]s.%[4]s;
+%[5]s    ALTER TABLE %[1]s RENAME TO %[6]s;
+END $pgoutbox$`, n.QTable, Quote(pkey), n.QSchema, Quote(n.DedupIdx), renames(n, ln), Quote(long)),
+		RestartID: func(next int64) string {
+			return fmt.Sprintf(`ALTER TABLE %s ALTER COLUMN id RESTART WITH %d`, n.QTable, next)
+		},
+		Attach:    fmt.Sprintf(`ALTER TABLE %s ATTACH PARTITION %s FOR VALUES IN (%d)`, n.QTable, qlong, LongGeneration),
+		DropCheck: fmt.Sprintf(`ALTER TABLE %s DROP CONSTRAINT IF EXISTS %s`, qlong, Quote(check)),
+	}
+	for _, name := range s.PreparedNames {
+		s.DropIndex = append(s.DropIndex, fmt.Sprintf(`DROP INDEX CONCURRENTLY IF EXISTS %s.%s`, n.QSchema, Quote(name)))
+	}
+	var parts []string
+	for g := range n.Generations {
+		parts = append(parts, n.QGeneration(g))
+	}
+	s.CopyGrants = fmt.Sprintf(`DO $pgoutbox$ DECLARE r record; BEGIN
+    FOR r IN SELECT a.privilege_type AS priv,
+                    CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END AS who,
+                    CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END AS opt
+               FROM pg_catalog.pg_class c, aclexplode(c.relacl) a
+              WHERE c.oid = '%[1]s'::regclass AND a.grantee <> c.relowner LOOP
+        EXECUTE format('GRANT %%s ON %[2]s TO %%s%%s', r.priv, r.who, r.opt);
+        IF r.priv = 'INSERT' THEN
+            EXECUTE format('GRANT USAGE ON SEQUENCE %[3]s TO %%s', r.who);
+        ELSIF r.priv = 'DELETE' THEN
+            EXECUTE format('GRANT USAGE, SELECT, UPDATE ON SEQUENCE %[3]s TO %%s', r.who);
+            EXECUTE format('GRANT SELECT, UPDATE, TRUNCATE ON %[4]s TO %%s', r.who);
+        END IF;
+    END LOOP;
+    FOR r IN SELECT att.attname AS col, a.privilege_type AS priv,
+                    CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END AS who,
+                    CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END AS opt
+               FROM pg_catalog.pg_attribute att, aclexplode(att.attacl) a
+              WHERE att.attrelid = '%[1]s'::regclass AND att.attacl IS NOT NULL AND NOT att.attisdropped LOOP
+        EXECUTE format('GRANT %%s (%%I) ON %[2]s TO %%s%%s', r.priv, r.col, r.who, r.opt);
+        IF r.priv = 'SELECT' AND r.col = 'dedup_key' THEN
+            -- a keyed publish reads the generation of the row it collides with
+            EXECUTE format('GRANT SELECT (generation) ON %[2]s TO %%s', r.who);
+        END IF;
+    END LOOP;
+END $pgoutbox$`, qlong, n.QTable, n.QGenSeq, strings.Join(parts, ", "))
+	return s
+}
+
+// renames are Release's index renames: the single table's indexes take
+// the long partition's names, leaving the outbox's names to the
+// partitioned table's indexes.
+func renames(n, ln Names) string {
+	var b strings.Builder
+	for _, p := range [][2]string{{n.ReadyIdx, ln.ReadyIdx}, {n.LeaseIdx, ln.LeaseIdx}, {n.OrderIdx, ln.OrderIdx}, {n.OrderLeaseIdx, ln.OrderLeaseIdx}} {
+		fmt.Fprintf(&b, "    ALTER INDEX %s.%s RENAME TO %s;\n", n.QSchema, Quote(p[0]), Quote(p[1]))
+	}
+	return b.String()
+}

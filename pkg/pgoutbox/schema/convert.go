@@ -1,0 +1,189 @@
+package schema
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// ConvertToRotating turns an existing single-table outbox into a rotating
+// one (Config.Rotating; see docs/rotation.md), keeping every row, id,
+// lease, dedup key and grant. The single table becomes the ring's long
+// partition, which vacuum looks after as before; new rows go into the
+// ring. Nothing is copied, so the time it takes does not grow with the
+// backlog, except for what runs without blocking anyone: two indexes built
+// concurrently and a check of every row. The swap itself is catalog
+// changes under the table's ACCESS EXCLUSIVE lock, which waits at most
+// DDLLockTimeout for the transactions using the outbox and then fails,
+// saying so: run it again.
+//
+// Run it as the outbox's owner, with a pool (not a transaction: concurrent
+// index builds cannot run in one). It is idempotent: an outbox that is
+// rotating already is left as it is, and a conversion interrupted part way
+// goes on from where it stopped. The single table must have pgoutbox's
+// latest layout (Migrate or Create first) and no columns of your own (a
+// partition has its table's columns and no others); your own indexes stay
+// on the long partition.
+//
+// Afterwards, set Rotating in every publisher's and subscriber's Config
+// and restart them. Until then, processes that run with the single
+// table's setting go on publishing and consuming, but their keyed
+// publishes fail (the dedup index now holds the generation), and nothing
+// rotates.
+//
+// The roles granted privileges on the single table get the same on the
+// partitioned table, and what a rotating outbox needs of them besides:
+// USAGE on the generation sequence for those that may insert (every
+// insert reads it), SELECT (generation) for those that may read dedup_key,
+// and for those that may delete (consumers, who run the rotation) UPDATE
+// on the sequence and SELECT, UPDATE and TRUNCATE on the partitions.
+func ConvertToRotating(ctx context.Context, db tx.Executor, c Config) error {
+	c.Rotating = false
+	single, err := c.names()
+	if err != nil {
+		return err
+	}
+	n := single.Rotated()
+	if err := convert(ctx, db, c, single, n); err != nil {
+		return fmt.Errorf("pgoutbox: convert %s to a rotating outbox: %w", n.QTable, err)
+	}
+	return nil
+}
+
+func convert(ctx context.Context, db tx.Executor, c Config, single, n query.Names) error {
+	if db.InTx() {
+		return errors.New("pass a pool (tx.FromPgxPool, tx.FromSQLDB), not a transaction: the indexes are built concurrently, which a transaction cannot do")
+	}
+	layout, err := catalog(ctx, db, query.CatalogRotating, n.Schema, n.Table, 1)
+	if err != nil {
+		return err
+	}
+	switch {
+	case len(layout) == 0:
+		return fmt.Errorf("table %s.%s does not exist; create a rotating outbox with schema.Create and Config.Rotating set", n.Schema, n.Table)
+	case layout[0][0] == "rotating":
+		return nil // converted already
+	}
+	var ve *ValidationError
+	if err := Validate(ctx, db, c); errors.As(err, &ve) {
+		return fmt.Errorf("the single table is not at pgoutbox's latest layout; run schema.Migrate or schema.Create (pgoutbox schema migrate up) first: %s", strings.Join(ve.Problems, "; "))
+	} else if err != nil {
+		return err
+	}
+	q := query.Conversion(n)
+	foreign, err := queryStrings(ctx, db, q.ForeignColumns)
+	if err != nil {
+		return err
+	}
+	if len(foreign) > 0 {
+		return fmt.Errorf("the outbox has columns pgoutbox does not know (%s), which a partition cannot have; drop them or keep that data in a table of its own, then convert", strings.Join(foreign, ", "))
+	}
+
+	// What takes long first, none of it blocking publishers or consumers
+	// for more than a catalog change.
+	if err := inLockedTx(ctx, db, single, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, q.AddGeneration); err != nil {
+			return ddlError(q.AddGeneration, err)
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
+	for i, name := range q.PreparedNames {
+		valid, err := queryStrings(ctx, db, q.IndexState, name)
+		if err != nil {
+			return err
+		}
+		if len(valid) == 1 && valid[0] != "true" {
+			// A concurrent build that failed leaves an invalid index behind.
+			if _, err := db.Exec(ctx, q.DropIndex[i]); err != nil {
+				return ddlError(q.DropIndex[i], err)
+			}
+		}
+		if _, err := db.Exec(ctx, q.Prepared[i]); err != nil {
+			return ddlError(q.Prepared[i], err)
+		}
+	}
+	if err := inLockedTx(ctx, db, single, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, q.AddCheck); err != nil {
+			return ddlError(q.AddCheck, err)
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
+	if _, err := db.Exec(ctx, q.ValidateCheck); err != nil {
+		return ddlError(q.ValidateCheck, err)
+	}
+
+	// The swap, in one transaction under the table's lock.
+	return inLockedTx(ctx, db, single, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, q.Lock); err != nil {
+			return ddlError(q.Lock, err)
+		}
+		if layout, err := catalog(ctx, e, query.CatalogRotating, n.Schema, n.Table, 1); err != nil {
+			return err
+		} else if len(layout) == 1 && layout[0][0] == "rotating" {
+			return nil // another conversion finished while this one waited
+		}
+		var next int64
+		if err := scanOne(ctx, e, q.NextID, nil, &next); err != nil {
+			return err
+		}
+		stmts := []string{q.Release}
+		stmts = append(stmts, query.DDL(n)...)
+		stmts = append(stmts, q.RestartID(next), q.Attach, q.DropCheck, q.CopyGrants)
+		for _, stmt := range stmts {
+			if _, err := e.Exec(ctx, stmt); err != nil {
+				return ddlError(stmt, err)
+			}
+		}
+		rc := c
+		rc.Rotating = true
+		var ve *ValidationError
+		if err := Validate(ctx, e, rc); errors.As(err, &ve) {
+			return fmt.Errorf("the converted outbox does not validate (nothing was changed): %s", strings.Join(ve.Problems, "; "))
+		} else if err != nil {
+			return err
+		}
+		return nil
+	})
+}
+
+// IsRotating reports whether the outbox c names exists and is rotating
+// (made by Create with Config.Rotating, or by ConvertToRotating), whatever
+// c.Rotating says: tools that act on an outbox someone else made use it
+// to pick the setting.
+func IsRotating(ctx context.Context, db tx.Executor, c Config) (bool, error) {
+	n, err := c.names()
+	if err != nil {
+		return false, err
+	}
+	layout, err := catalog(ctx, db, query.CatalogRotating, n.Schema, n.Table, 1)
+	if err != nil {
+		return false, err
+	}
+	return len(layout) == 1 && layout[0][0] == "rotating", nil
+}
+
+// queryStrings returns the first column of every row of sql, as text.
+func queryStrings(ctx context.Context, e tx.Executor, sql string, args ...any) ([]string, error) {
+	rows, err := e.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var v string
+		if err := rows.Scan(&v); err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, rows.Err()
+}

@@ -1,0 +1,211 @@
+package tests
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// Converting a single-table outbox that is in use, on each claim path: a
+// subscriber of the single table keeps a message in hand across the
+// conversion and acks it after; the backlog, the timers and the dedup keys
+// published before stay as they were; the roles granted the documented
+// privileges on the single table publish and consume the rotating outbox,
+// and its ring turns.
+func TestConvertToRotatingKeepsAnOutboxInUse(t *testing.T) {
+	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimLease, pgoutbox.ClaimHeld} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			testConvertInUse(t, mode)
+		})
+	}
+}
+
+func testConvertInUse(t *testing.T, mode pgoutbox.ClaimMode) {
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
+	ctx := context.Background()
+	pubPool := b.loginRole(t, "pub",
+		`GRANT USAGE ON SCHEMA %s TO %r`,
+		`GRANT INSERT ON %s.outbox TO %r`,
+		`GRANT SELECT (id, uuid, available_at, topic, consumer_group, dedup_key) ON %s.outbox TO %r`,
+		`GRANT SELECT ON %s.outbox_bindings TO %r`)
+	subPool := b.loginRole(t, "sub",
+		`GRANT USAGE ON SCHEMA %s TO %r`,
+		`GRANT SELECT, UPDATE, DELETE ON %s.outbox TO %r`,
+		`GRANT SELECT, INSERT ON %s.outbox_bindings TO %r`,
+		`GRANT SELECT, INSERT ON %s.outbox_dlq TO %r`,
+		`GRANT SELECT ON %s.outbox_paused TO %r`)
+
+	// Before: a backlog, a timer an hour away with a dedup key, and a
+	// subscriber of the single table holding one message.
+	pub := b.poolPublisher(t)
+	require.NoError(t, pub.Publish("conv.backlog", newMsgs(40)...))
+	timer := newMsg("timer")
+	pgoutbox.WithDedupKey(timer, "daily-report")
+	pgoutbox.DeliverAfter(timer, time.Hour)
+	require.NoError(t, pub.Publish("conv.timer", timer))
+	maxBefore := b.count(t, `SELECT max(id)::int FROM `+b.Schema+`.outbox`)
+
+	old := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ClaimMode = mode; c.MaxInFlight = 1 })
+	oldCtx, stopOld := context.WithCancel(ctx)
+	defer stopOld()
+	oldCh, err := old.Subscribe(oldCtx, "conv.backlog")
+	require.NoError(t, err)
+	inHand := receive(t, oldCh, 10*time.Second)
+
+	require.NoError(t, schema.ConvertToRotating(ctx, tx.FromPgxPool(b.Pool), b.tables))
+
+	isRot, err := schema.IsRotating(ctx, tx.FromPgxPool(b.Pool), b.tables)
+	require.NoError(t, err)
+	require.True(t, isRot)
+	require.ErrorContains(t, schema.Validate(ctx, tx.FromPgxPool(b.Pool), b.tables), "is a rotating outbox; set Rotating")
+	ring := *b
+	ring.tables.Rotating = true
+	require.NoError(t, schema.Validate(ctx, tx.FromPgxPool(b.Pool), ring.tables))
+	require.NoError(t, schema.ConvertToRotating(ctx, tx.FromPgxPool(b.Pool), ring.tables), "converting again does nothing")
+
+	// The subscriber that ran across the conversion acks what it held and
+	// goes on with the backlog, from the long partition.
+	inHand.Ack()
+	select {
+	case <-inHand.Acked():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the message held across the conversion was not acked")
+	}
+	for range 9 {
+		m := receive(t, oldCh, 10*time.Second)
+		m.Ack()
+	}
+	stopOld()
+	require.NoError(t, old.Close())
+	require.Equal(t, 30, b.outboxRows(t, "conv.backlog"), "acks across the conversion removed their rows")
+	require.Equal(t, "outbox_long", b.generationOf(t, "conv.backlog"))
+
+	// The publisher role publishes into the ring, the timer's key still
+	// holds, and the ids go on from the single table's.
+	rpub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pubPool), pgoutbox.PublisherConfig{Tables: ring.tables}, b.logger)
+	require.NoError(t, err)
+	fresh := newMsgs(20)
+	require.NoError(t, rpub.Publish("conv.fresh", fresh...))
+	require.Equal(t, ring.generationName(t, 0), b.generationOf(t, "conv.fresh"))
+	require.Greater(t, b.count(t, `SELECT min(id)::int FROM `+b.Schema+`.outbox WHERE topic = 'conv.fresh'`), maxBefore)
+	again := newMsg("timer again")
+	pgoutbox.WithDedupKey(again, "daily-report")
+	res, err := rpub.PublishWithResult("conv.timer", again)
+	require.NoError(t, err)
+	require.Equal(t, []int{0}, res.Skipped(), "a dedup key published before the conversion still holds")
+	require.Equal(t, 1, b.outboxRows(t, "conv.timer"))
+
+	// The subscriber role consumes both and turns the ring.
+	filesBefore := ring.filenodes(t)
+	sub := ring.subscriberOn(t, subPool, func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode = mode
+		c.RotationWindow = 100 * time.Millisecond
+	})
+	subCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	for topic, want := range map[string]int{"conv.backlog": 30, "conv.fresh": 20} {
+		ch, err := sub.Subscribe(subCtx, topic)
+		require.NoError(t, err)
+		got := map[string]bool{}
+		for len(got) < want {
+			m := receive(t, ch, 10*time.Second)
+			got[m.UUID] = true
+			m.Ack()
+		}
+	}
+	require.Eventually(t, func() bool {
+		return b.outboxRows(t, "conv.backlog")+b.outboxRows(t, "conv.fresh") == 0
+	}, 10*time.Second, 10*time.Millisecond)
+	more := newMsgs(5)
+	require.NoError(t, rpub.Publish("conv.fresh", more...))
+	require.Eventually(t, func() bool { return ring.filenodes(t) != filesBefore }, 20*time.Second, 10*time.Millisecond,
+		"the subscriber role rotates the converted outbox (a partition truncated)")
+	require.Equal(t, 1, b.outboxRows(t, "conv.timer"), "the timer waits for its hour")
+}
+
+// The converted outbox is the one Create makes rotating: the same
+// columns, indexes and partitions.
+func TestConvertToRotatingMakesCreatesLayout(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	single := setup(t)
+	require.NoError(t, schema.ConvertToRotating(ctx, tx.FromPgxPool(single.Pool), single.tables))
+	made := rotatingSetup(t)
+	want := made.layout(t)
+	require.Contains(t, want, "partition outbox_long FOR VALUES IN ('3') "+
+		"autovacuum_vacuum_scale_factor=0.01,autovacuum_vacuum_insert_scale_factor=0.01,autovacuum_analyze_scale_factor=0.02 indexes 6")
+	require.Equal(t, want, single.layout(t))
+}
+
+// layout describes the outbox's tables for comparison: columns with their
+// types, nullability and defaults, index definitions, partitions with
+// their bounds, storage parameters; the schema's name is left out.
+func (b *bundle) layout(t *testing.T) []string {
+	t.Helper()
+	rows, err := b.Pool.Query(context.Background(), `
+SELECT 'column ' || c.relname || '.' || a.attname || ' ' || format_type(a.atttypid, a.atttypmod)
+       || CASE WHEN a.attnotnull THEN ' not null' ELSE '' END
+       || coalesce(' default ' || pg_get_expr(d.adbin, d.adrelid), '')
+       || CASE WHEN a.attidentity <> '' THEN ' identity ' || a.attidentity::text ELSE '' END
+  FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+  LEFT JOIN pg_attrdef d ON d.adrelid = c.oid AND d.adnum = a.attnum
+ WHERE c.relnamespace = $1::regnamespace AND c.relname = 'outbox'
+UNION ALL
+SELECT 'index ' || pg_get_indexdef(i.indexrelid) FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid
+ WHERE c.relnamespace = $1::regnamespace AND c.relname = 'outbox'
+UNION ALL
+SELECT 'partition ' || c.relname || ' ' || pg_get_expr(c.relpartbound, c.oid) || ' ' || coalesce(array_to_string(c.reloptions, ','), '')
+       || ' indexes ' || (SELECT count(*) FROM pg_index i WHERE i.indrelid = c.oid)
+  FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid
+ WHERE h.inhparent = ($1 || '.outbox')::regclass
+UNION ALL
+SELECT 'constraint ' || conname || ' ' || pg_get_constraintdef(oid) FROM pg_constraint
+ WHERE conrelid = ($1 || '.outbox')::regclass
+ORDER BY 1`, b.Schema)
+	require.NoError(t, err)
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	for i := range out {
+		out[i] = strings.ReplaceAll(out[i], b.Schema+".", "SCHEMA.")
+	}
+	return out
+}
+
+// What cannot be converted is refused with what to do, and nothing
+// changes: an outbox with columns of the user's own, a conversion given a
+// transaction, an outbox that does not exist.
+func TestConvertToRotatingRefusals(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	_, err := b.Pool.Exec(ctx, `ALTER TABLE `+b.Schema+`.outbox ADD COLUMN tenant text`)
+	require.NoError(t, err)
+	require.NoError(t, b.poolPublisher(t).Publish("conv.refused", newMsg("kept")))
+	err = schema.ConvertToRotating(ctx, tx.FromPgxPool(b.Pool), b.tables)
+	require.ErrorContains(t, err, "columns pgoutbox does not know (tenant)")
+	isRot, err := schema.IsRotating(ctx, tx.FromPgxPool(b.Pool), b.tables)
+	require.NoError(t, err)
+	require.False(t, isRot)
+	require.Equal(t, 1, b.outboxRows(t, "conv.refused"))
+	require.Zero(t, b.count(t, `SELECT count(*) FROM pg_attribute WHERE attrelid = '`+b.Schema+`.outbox'::regclass AND attname = 'generation'`),
+		"refused before anything changed")
+
+	err = pgx.BeginFunc(ctx, b.Pool, func(txn pgx.Tx) error {
+		return schema.ConvertToRotating(ctx, tx.FromPgxTx(txn), b.tables)
+	})
+	require.ErrorContains(t, err, "not a transaction")
+
+	missing := b.tables
+	missing.Table = "no_such_outbox"
+	require.ErrorContains(t, schema.ConvertToRotating(ctx, tx.FromPgxPool(b.Pool), missing), "does not exist; create a rotating outbox with schema.Create")
+}

@@ -6,9 +6,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
@@ -90,6 +92,18 @@ func testConvertInUse(t *testing.T, mode pgoutbox.ClaimMode) {
 	require.Equal(t, 30, b.outboxRows(t, "conv.backlog"), "acks across the conversion removed their rows")
 	require.Equal(t, "outbox_long", b.generationOf(t, "conv.backlog"))
 
+	// A publisher that still runs with the single table's setting goes on
+	// publishing unkeyed messages, into the ring; its keyed ones fail
+	// (and a keyed row never reaches the ring, where its key would not be
+	// unique).
+	require.NoError(t, pub.Publish("conv.old", newMsg("old setting")))
+	require.Equal(t, ring.generationName(t, 0), b.generationOf(t, "conv.old"))
+	oldKeyed := newMsg("old setting, keyed")
+	pgoutbox.WithDedupKey(oldKeyed, "daily-report")
+	require.Error(t, pub.Publish("conv.timer", oldKeyed))
+	_, err = b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, dedup_key) VALUES ('conv.timer', 'u', '', 'daily-report')`)
+	require.ErrorContains(t, err, "outbox_g0_unkeyed", "the ring's partitions refuse keyed rows")
+
 	// The publisher role publishes into the ring, the timer's key still
 	// holds, and the ids go on from the single table's.
 	rpub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pubPool), pgoutbox.PublisherConfig{Tables: ring.tables}, b.logger)
@@ -113,7 +127,7 @@ func testConvertInUse(t *testing.T, mode pgoutbox.ClaimMode) {
 	})
 	subCtx, stop := context.WithCancel(ctx)
 	defer stop()
-	for topic, want := range map[string]int{"conv.backlog": 30, "conv.fresh": 20} {
+	for topic, want := range map[string]int{"conv.backlog": 30, "conv.fresh": 20, "conv.old": 1} {
 		ch, err := sub.Subscribe(subCtx, topic)
 		require.NoError(t, err)
 		got := map[string]bool{}
@@ -124,7 +138,7 @@ func testConvertInUse(t *testing.T, mode pgoutbox.ClaimMode) {
 		}
 	}
 	require.Eventually(t, func() bool {
-		return b.outboxRows(t, "conv.backlog")+b.outboxRows(t, "conv.fresh") == 0
+		return b.outboxRows(t, "conv.backlog")+b.outboxRows(t, "conv.fresh")+b.outboxRows(t, "conv.old") == 0
 	}, 10*time.Second, 10*time.Millisecond)
 	more := newMsgs(5)
 	require.NoError(t, rpub.Publish("conv.fresh", more...))
@@ -169,8 +183,13 @@ SELECT 'partition ' || c.relname || ' ' || pg_get_expr(c.relpartbound, c.oid) ||
   FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid
  WHERE h.inhparent = ($1 || '.outbox')::regclass
 UNION ALL
-SELECT 'constraint ' || conname || ' ' || pg_get_constraintdef(oid) FROM pg_constraint
+SELECT 'constraint ' || conrelid::regclass::text || ' ' || conname || ' ' || pg_get_constraintdef(oid) FROM pg_constraint
  WHERE conrelid = ($1 || '.outbox')::regclass
+    OR conrelid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = ($1 || '.outbox')::regclass)
+UNION ALL
+SELECT 'owner ' || relname || ' ' || relowner::regrole::text FROM pg_class
+ WHERE relnamespace = $1::regnamespace
+   AND relname IN ('outbox', 'outbox_g0', 'outbox_g1', 'outbox_g2', 'outbox_long', 'outbox_generation', 'outbox_id_seq')
 ORDER BY 1`, b.Schema)
 	require.NoError(t, err)
 	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
@@ -179,6 +198,58 @@ ORDER BY 1`, b.Schema)
 		out[i] = strings.ReplaceAll(out[i], b.Schema+".", "SCHEMA.")
 	}
 	return out
+}
+
+// A conversion interrupted part way (a cancelled index build leaves an
+// invalid index; the column and its check were added) goes on from where
+// it stopped when run again, and the outbox ends as Create makes one,
+// owned by the single table's owner, not by whoever converted it.
+func TestConvertToRotatingGoesOnFromWhereItStopped(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	owner := b.ownerRole(t)
+	_, err := b.Pool.Exec(ctx, `ALTER TABLE `+b.Schema+`.outbox OWNER TO `+owner)
+	require.NoError(t, err)
+	require.NoError(t, b.poolPublisher(t).Publish("conv.resumed", newMsgs(10)...))
+	n, err := query.NewNames(b.Schema, "outbox", "outbox_dlq")
+	require.NoError(t, err)
+	q := query.Conversion(n.Rotated())
+	for _, stmt := range []string{q.Prepare, q.Prepared[0], q.Prepare} {
+		_, err := b.Pool.Exec(ctx, stmt)
+		require.NoError(t, err)
+	}
+	// What a cancelled CREATE INDEX CONCURRENTLY leaves.
+	_, err = b.Pool.Exec(ctx, `UPDATE pg_index SET indisvalid = false WHERE indexrelid = $1::regclass`, b.Schema+"."+q.PreparedNames[0])
+	require.NoError(t, err)
+
+	require.NoError(t, schema.ConvertToRotating(ctx, tx.FromPgxPool(b.Pool), b.tables))
+	require.Equal(t, 10, b.outboxRows(t, "conv.resumed"))
+	got := b.layout(t)
+	require.Contains(t, got, "owner outbox "+owner)
+	require.Contains(t, got, "owner outbox_g1 "+owner)
+	require.Contains(t, got, "owner outbox_generation "+owner)
+	made := rotatingSetup(t)
+	want := made.layout(t)
+	for i := range want {
+		want[i] = strings.Replace(want[i], " postgres", " "+owner, 1)
+	}
+	require.Equal(t, want, got)
+}
+
+// ownerRole creates a role (no login) that is dropped, with what it owns,
+// at the end of the test.
+func (b *bundle) ownerRole(t *testing.T) string {
+	t.Helper()
+	role := "pgoutbox_owner_" + strings.ReplaceAll(uuid.NewString(), "-", "")[:12]
+	_, err := b.Pool.Exec(context.Background(), `CREATE ROLE `+role)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		if _, err := b.Pool.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role); err != nil {
+			t.Logf("drop role %s: %v", role, err)
+		}
+	})
+	return role
 }
 
 // What cannot be converted is refused with what to do, and nothing

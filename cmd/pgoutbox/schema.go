@@ -126,17 +126,18 @@ func (c *cli) schemaConvert(args []string) error {
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
-	t, err := cmd.tables()
-	if err != nil {
-		return err
-	}
-	t = t.WithDefaults()
-	q := fmt.Sprintf("Convert %s.%s into a rotating outbox? Processes that keep the single table's setting cannot publish keyed messages until they set Rotating and restart.", t.Schema, t.Table)
-	return cmd.withOutbox(context.Background(), func() error { return c.confirm(cmd.name, q, *yes) },
+	// --rotating says what the outbox is, which is what this changes.
+	cmd.rotating = optBool{}
+	return cmd.withOutbox(context.Background(), nil,
 		func(ctx context.Context, exec tx.Executor, t schema.Config) error {
+			d := t.WithDefaults()
 			if t.Rotating {
-				fmt.Fprintf(c.stdout, "%s.%s is a rotating outbox already; nothing to do\n", t.WithDefaults().Schema, t.WithDefaults().Table)
+				fmt.Fprintf(c.stdout, "%s.%s is a rotating outbox already; nothing to do\n", d.Schema, d.Table)
 				return nil
+			}
+			q := fmt.Sprintf("Convert %s.%s into a rotating outbox? Processes that keep the single table's setting cannot publish keyed messages until they set Rotating and restart.", d.Schema, d.Table)
+			if err := c.confirm(cmd.name, q, *yes); err != nil {
+				return err
 			}
 			if err := schema.ConvertToRotating(ctx, exec, t); err != nil {
 				return err

@@ -17,9 +17,17 @@ type ConversionStatements struct {
 	// ForeignColumns lists the single table's columns pgoutbox does not
 	// know: the partitioned table has none of them, so attaching refuses.
 	ForeignColumns string
-	// AddGeneration gives the single table its generation column, with a
-	// constant default (a catalog change, not a rewrite).
-	AddGeneration string
+	// Prepare gives the single table its generation column, with a
+	// constant default (a catalog change, not a rewrite), and CHECK
+	// (generation = 3) NOT VALID, in one ALTER TABLE; ValidateCheck checks
+	// that against every row without blocking writes: with it, attaching
+	// the table does not scan it under the lock. Prepare does nothing to a
+	// table that is partitioned already (another conversion finished).
+	Prepare, ValidateCheck string
+	// Building: whether an index build runs on the outbox now (a
+	// conversion running beside this one), whose index looks invalid
+	// until it is done.
+	Building string
 	// IndexState: $1 an index name in the outbox's schema; its validity
 	// (false after a failed concurrent build), no row when it is missing.
 	IndexState string
@@ -32,10 +40,6 @@ type ConversionStatements struct {
 	// indexes must hold. PreparedNames are their names.
 	Prepared      []string
 	PreparedNames []string
-	// AddCheck adds CHECK (generation = 3) NOT VALID, ValidateCheck checks
-	// it against every row (without blocking writes): with it, attaching
-	// the table does not scan it under the lock.
-	AddCheck, ValidateCheck string
 	// Lock takes the single table's ACCESS EXCLUSIVE lock for the swap.
 	Lock string
 	// NextID: the id the partitioned table's identity starts from.
@@ -44,19 +48,25 @@ type ConversionStatements struct {
 	// be: primary key and dedup index with the generation, no identity,
 	// indexes and table renamed to the long partition's names.
 	Release string
-	// RestartID ($1 NextID's value, inlined: DDL takes no parameters) and
-	// Attach run after DDL made the partitioned table.
+	// RestartID ($1 NextID's value, inlined: DDL takes no parameters),
+	// Unmatched and Attach run after DDL made the partitioned table.
 	RestartID func(next int64) string
+	// Unmatched lists the partitioned table's indexes that the long
+	// partition to be has no index of the same definition for: ATTACH
+	// would build those under the lock, for as long as the table takes.
+	Unmatched string
 	Attach    string
 	// DropCheck removes AddCheck's constraint once attached (the
 	// partition's bound says the same).
 	DropCheck string
-	// CopyGrants gives the partitioned table the single table's grants
+	// Handover gives the partitioned table, its new partitions and its
+	// sequence the single table's owner (whoever converts it) and grants
 	// (table and column ones), and what the same roles need of a rotating
 	// outbox: who could insert may read the generation sequence (every
-	// insert does), who could delete (consumers) may also advance it and
-	// read, lock and truncate the partitions (the rotation step).
-	CopyGrants string
+	// insert does) and write the generation, who could delete (consumers)
+	// may also advance it and read, lock and truncate the partitions (the
+	// rotation step).
+	Handover string
 }
 
 // Conversion returns the statements that convert n's single table; n is
@@ -74,11 +84,14 @@ func Conversion(n Names) ConversionStatements {
 	s := ConversionStatements{
 		ForeignColumns: fmt.Sprintf(`SELECT attname::text FROM pg_attribute WHERE attrelid = '%s'::regclass AND attnum > 0 AND NOT attisdropped
    AND attname NOT IN (%s) ORDER BY attnum`, n.QTable, strings.Join(known, ", ")),
-		AddGeneration: fmt.Sprintf(`DO $pgoutbox$ BEGIN
-    IF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute WHERE attrelid = '%[1]s'::regclass AND attname = 'generation' AND NOT attisdropped) THEN
-        ALTER TABLE %[1]s ADD COLUMN generation smallint NOT NULL DEFAULT %[2]d;
+		Prepare: fmt.Sprintf(`DO $pgoutbox$ BEGIN
+    IF (SELECT relkind FROM pg_catalog.pg_class WHERE oid = '%[1]s'::regclass) = 'r' AND NOT EXISTS (
+           SELECT FROM pg_catalog.pg_attribute WHERE attrelid = '%[1]s'::regclass AND attname = 'generation' AND NOT attisdropped) THEN
+        ALTER TABLE %[1]s ADD COLUMN generation smallint NOT NULL DEFAULT %[2]d,
+            ADD CONSTRAINT %[3]s CHECK (generation = %[2]d) NOT VALID;
     END IF;
-END $pgoutbox$`, n.QTable, LongGeneration),
+END $pgoutbox$`, n.QTable, LongGeneration, Quote(check)),
+		Building: fmt.Sprintf(`SELECT EXISTS (SELECT FROM pg_stat_progress_create_index WHERE relid = '%s'::regclass)`, n.QTable),
 		IndexState: fmt.Sprintf(`SELECT i.indisvalid::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
   JOIN pg_namespace ns ON ns.oid = c.relnamespace WHERE ns.nspname = '%s' AND c.relname = $1`, n.Schema),
 		Prepared: []string{
@@ -86,11 +99,6 @@ END $pgoutbox$`, n.QTable, LongGeneration),
 			fmt.Sprintf(`CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS %s ON %s %s`, Quote(ln.DedupIdx), n.QTable, n.dedupConflict()),
 		},
 		PreparedNames: []string{pkey, ln.DedupIdx},
-		AddCheck: fmt.Sprintf(`DO $pgoutbox$ BEGIN
-    IF NOT EXISTS (SELECT FROM pg_catalog.pg_constraint WHERE conrelid = '%[1]s'::regclass AND conname = '%[2]s') THEN
-        ALTER TABLE %[1]s ADD CONSTRAINT %[3]s CHECK (generation = %[4]d) NOT VALID;
-    END IF;
-END $pgoutbox$`, n.QTable, check, Quote(check), LongGeneration),
 		ValidateCheck: fmt.Sprintf(`ALTER TABLE %s VALIDATE CONSTRAINT %s`, n.QTable, Quote(check)),
 		Lock:          fmt.Sprintf(`LOCK TABLE %s IN ACCESS EXCLUSIVE MODE`, n.QTable),
 		NextID: fmt.Sprintf(`SELECT greatest(coalesce(pg_sequence_last_value(pg_get_serial_sequence('%[1]s', 'id')::regclass), 0),
@@ -108,17 +116,31 @@ END $pgoutbox$`, n.QTable, Quote(pkey), n.QSchema, Quote(n.DedupIdx), renames(n,
 		RestartID: func(next int64) string {
 			return fmt.Sprintf(`ALTER TABLE %s ALTER COLUMN id RESTART WITH %d`, n.QTable, next)
 		},
+		Unmatched: fmt.Sprintf(`SELECT pc.relname::text FROM pg_catalog.pg_index p JOIN pg_catalog.pg_class pc ON pc.oid = p.indexrelid
+ WHERE p.indrelid = '%[1]s'::regclass AND NOT EXISTS (
+       SELECT FROM pg_catalog.pg_index l
+        WHERE l.indrelid = '%[2]s'::regclass AND l.indisvalid AND l.indisunique = p.indisunique
+          AND regexp_replace(pg_get_indexdef(l.indexrelid), '^.* USING ', '') = regexp_replace(pg_get_indexdef(p.indexrelid), '^.* USING ', ''))
+ ORDER BY 1`, n.QTable, qlong),
 		Attach:    fmt.Sprintf(`ALTER TABLE %s ATTACH PARTITION %s FOR VALUES IN (%d)`, n.QTable, qlong, LongGeneration),
 		DropCheck: fmt.Sprintf(`ALTER TABLE %s DROP CONSTRAINT IF EXISTS %s`, qlong, Quote(check)),
 	}
 	for _, name := range s.PreparedNames {
 		s.DropIndex = append(s.DropIndex, fmt.Sprintf(`DROP INDEX CONCURRENTLY IF EXISTS %s.%s`, n.QSchema, Quote(name)))
 	}
-	var parts []string
+	var parts, ringLiterals []string
 	for g := range n.Generations {
 		parts = append(parts, n.QGeneration(g))
+		if g != LongGeneration {
+			ringLiterals = append(ringLiterals, "'"+n.QGeneration(g)+"'")
+		}
 	}
-	s.CopyGrants = fmt.Sprintf(`DO $pgoutbox$ DECLARE r record; BEGIN
+	s.Handover = fmt.Sprintf(`DO $pgoutbox$ DECLARE r record; part text; owner text; BEGIN
+    SELECT relowner::regrole::text INTO owner FROM pg_catalog.pg_class WHERE oid = '%[1]s'::regclass;
+    EXECUTE format('ALTER TABLE %[2]s OWNER TO %%s', owner); -- its sequences follow
+    FOREACH part IN ARRAY ARRAY[%[5]s] LOOP
+        EXECUTE format('ALTER TABLE %%s OWNER TO %%s', part, owner);
+    END LOOP;
     FOR r IN SELECT a.privilege_type AS priv,
                     CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END AS who,
                     CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END AS opt
@@ -139,11 +161,14 @@ END $pgoutbox$`, n.QTable, Quote(pkey), n.QSchema, Quote(n.DedupIdx), renames(n,
               WHERE att.attrelid = '%[1]s'::regclass AND att.attacl IS NOT NULL AND NOT att.attisdropped LOOP
         EXECUTE format('GRANT %%s (%%I) ON %[2]s TO %%s%%s', r.priv, r.col, r.who, r.opt);
         IF r.priv = 'SELECT' AND r.col = 'dedup_key' THEN
-            -- a keyed publish reads the generation of the row it collides with
+            -- a keyed publish's conflict target holds the generation
             EXECUTE format('GRANT SELECT (generation) ON %[2]s TO %%s', r.who);
+        ELSIF r.priv = 'INSERT' AND r.col = 'topic' THEN
+            EXECUTE format('GRANT INSERT (generation) ON %[2]s TO %%s', r.who);
+            EXECUTE format('GRANT USAGE ON SEQUENCE %[3]s TO %%s', r.who);
         END IF;
     END LOOP;
-END $pgoutbox$`, qlong, n.QTable, n.QGenSeq, strings.Join(parts, ", "))
+END $pgoutbox$`, qlong, n.QTable, n.QGenSeq, strings.Join(parts, ", "), strings.Join(ringLiterals, ", "))
 	return s
 }
 

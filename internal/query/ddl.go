@@ -231,12 +231,20 @@ const queueStorage = `
 func rotatingTable(n Names) string {
 	parts := ""
 	for g := range n.Generations {
+		// The ring's partitions refuse keyed rows: the dedup index keeps
+		// keys unique within a partition only, so a keyed row written
+		// into the ring (by a process that does not know the outbox
+		// rotates) would make its key deliverable twice.
+		unkeyed := ""
+		if g != LongGeneration {
+			unkeyed = fmt.Sprintf(" (CONSTRAINT %s CHECK (dedup_key IS NULL))", Quote(derive(n.Generations[g], "_unkeyed")))
+		}
 		// A partition that exists is left alone: converting a single
 		// table makes that table the long partition, attached afterwards.
 		parts += fmt.Sprintf(`
         IF to_regclass('%[1]s') IS NULL THEN
-            CREATE TABLE %[1]s PARTITION OF %[2]s FOR VALUES IN (%[3]d) WITH (%[4]s);
-        END IF;`, n.QGeneration(g), n.QTable, g, queueStorage)
+            CREATE TABLE %[1]s PARTITION OF %[2]s%[5]s FOR VALUES IN (%[3]d) WITH (%[4]s);
+        END IF;`, n.QGeneration(g), n.QTable, g, queueStorage, unkeyed)
 	}
 	return fmt.Sprintf(`DO $pgoutbox$ BEGIN
     IF to_regclass('%[1]s') IS NULL THEN

@@ -268,8 +268,8 @@ type SubscriberConfig struct {
 	// RotationWindow is how long each partition of a rotating outbox
 	// (Tables.Rotating) takes the new rows before the ring advances; the
 	// Subscriber runs a rotation step (schema.Rotate) every fifth of it,
-	// from its first Subscribe until Close. Defaults to schema.DefaultRotationWindow
-	// (10s); ignored for a single-table outbox.
+	// from its first Subscribe until Close. Defaults to
+	// schema.DefaultRotationWindow (3s); ignored for a single-table outbox.
 	RotationWindow time.Duration
 
 	// WorkerID names this process in the leased_by column, for operators.

@@ -16,10 +16,11 @@ import (
 // partition, which vacuum looks after as before; new rows go into the
 // ring. Nothing is copied, so the time it takes does not grow with the
 // backlog, except for what runs without blocking anyone: two indexes built
-// concurrently and a check of every row. The swap itself is catalog
-// changes under the table's ACCESS EXCLUSIVE lock, which waits at most
-// DDLLockTimeout for the transactions using the outbox and then fails,
-// saying so: run it again.
+// concurrently and a check of every row. It takes the table's ACCESS
+// EXCLUSIVE lock twice, for catalog changes only: to add the generation
+// column, and for the swap. Each time it waits at most DDLLockTimeout for
+// the transactions using the outbox (publishers and consumers wait behind
+// it meanwhile), and then fails, saying so: run it again.
 //
 // Run it as the outbox's owner, with a pool (not a transaction: concurrent
 // index builds cannot run in one). It is idempotent: an outbox that is
@@ -31,16 +32,21 @@ import (
 //
 // Afterwards, set Rotating in every publisher's and subscriber's Config
 // and restart them. Until then, processes that run with the single
-// table's setting go on publishing and consuming, but their keyed
-// publishes fail (the dedup index now holds the generation), and nothing
+// table's setting go on publishing unkeyed messages and consuming, but
+// their keyed publishes, dead-letter requeues of keyed messages and
+// bindings of new consumer groups fail (the dedup index now holds the
+// generation, and the ring's partitions refuse keyed rows), and nothing
 // rotates.
 //
-// The roles granted privileges on the single table get the same on the
-// partitioned table, and what a rotating outbox needs of them besides:
-// USAGE on the generation sequence for those that may insert (every
-// insert reads it), SELECT (generation) for those that may read dedup_key,
-// and for those that may delete (consumers, who run the rotation) UPDATE
-// on the sequence and SELECT, UPDATE and TRUNCATE on the partitions.
+// The partitioned table, its sequence and the ring's partitions get the
+// single table's owner. The roles granted privileges on the single table
+// get the same on the partitioned table, and what a rotating outbox needs
+// of them besides: USAGE on the generation sequence for those that may
+// insert (every insert reads it), SELECT (generation) for those that may
+// read dedup_key, and for those that may delete (consumers, who run the
+// rotation) UPDATE on the sequence and SELECT, UPDATE and TRUNCATE on the
+// partitions. Row security policies and publications of the single table
+// stay on it, the long partition: recreate them on the outbox.
 func ConvertToRotating(ctx context.Context, db tx.Executor, c Config) error {
 	c.Rotating = false
 	single, err := c.names()
@@ -83,11 +89,16 @@ func convert(ctx context.Context, db tx.Executor, c Config, single, n query.Name
 		return fmt.Errorf("the outbox has columns pgoutbox does not know (%s), which a partition cannot have; drop them or keep that data in a table of its own, then convert", strings.Join(foreign, ", "))
 	}
 
+	rotating := func() (bool, error) {
+		layout, err := catalog(ctx, db, query.CatalogRotating, n.Schema, n.Table, 1)
+		return err == nil && len(layout) == 1 && layout[0][0] == "rotating", err
+	}
 	// What takes long first, none of it blocking publishers or consumers
-	// for more than a catalog change.
-	if err := inLockedTx(ctx, db, single, func(e tx.Executor) error {
-		if _, err := e.Exec(ctx, q.AddGeneration); err != nil {
-			return ddlError(q.AddGeneration, err)
+	// for more than a catalog change. Each step does nothing to an outbox
+	// another conversion finished meanwhile.
+	if err := convertTx(ctx, db, single, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, q.Prepare); err != nil {
+			return ddlError(q.Prepare, err)
 		}
 		return nil
 	}); err != nil {
@@ -99,21 +110,28 @@ func convert(ctx context.Context, db tx.Executor, c Config, single, n query.Name
 			return err
 		}
 		if len(valid) == 1 && valid[0] != "true" {
-			// A concurrent build that failed leaves an invalid index behind.
+			// A concurrent build that failed leaves an invalid index
+			// behind; one still running (another conversion's) looks the
+			// same until it is done.
+			var building bool
+			if err := scanOne(ctx, db, q.Building, nil, &building); err != nil {
+				return err
+			}
+			if building {
+				return fmt.Errorf("an index is being built on %s (another conversion?); run this again once it is done (see pg_stat_progress_create_index)", n.QTable)
+			}
 			if _, err := db.Exec(ctx, q.DropIndex[i]); err != nil {
 				return ddlError(q.DropIndex[i], err)
 			}
+		}
+		if done, err := rotating(); err != nil || done {
+			return err
 		}
 		if _, err := db.Exec(ctx, q.Prepared[i]); err != nil {
 			return ddlError(q.Prepared[i], err)
 		}
 	}
-	if err := inLockedTx(ctx, db, single, func(e tx.Executor) error {
-		if _, err := e.Exec(ctx, q.AddCheck); err != nil {
-			return ddlError(q.AddCheck, err)
-		}
-		return nil
-	}); err != nil {
+	if done, err := rotating(); err != nil || done {
 		return err
 	}
 	if _, err := db.Exec(ctx, q.ValidateCheck); err != nil {
@@ -121,7 +139,7 @@ func convert(ctx context.Context, db tx.Executor, c Config, single, n query.Name
 	}
 
 	// The swap, in one transaction under the table's lock.
-	return inLockedTx(ctx, db, single, func(e tx.Executor) error {
+	return convertTx(ctx, db, single, func(e tx.Executor) error {
 		if _, err := e.Exec(ctx, q.Lock); err != nil {
 			return ddlError(q.Lock, err)
 		}
@@ -136,8 +154,20 @@ func convert(ctx context.Context, db tx.Executor, c Config, single, n query.Name
 		}
 		stmts := []string{q.Release}
 		stmts = append(stmts, query.DDL(n)...)
-		stmts = append(stmts, q.RestartID(next), q.Attach, q.DropCheck, q.CopyGrants)
+		stmts = append(stmts, q.RestartID(next))
 		for _, stmt := range stmts {
+			if _, err := e.Exec(ctx, stmt); err != nil {
+				return ddlError(stmt, err)
+			}
+		}
+		unmatched, err := queryStrings(ctx, e, q.Unmatched)
+		if err != nil {
+			return err
+		}
+		if len(unmatched) > 0 {
+			return fmt.Errorf("the single table has no index of the definition of %s (an index of pgoutbox's name was changed?), which attaching would build under the table's lock; recreate it as schema.SQL has it (nothing was changed)", strings.Join(unmatched, ", "))
+		}
+		for _, stmt := range []string{q.Attach, q.DropCheck, q.Handover} {
 			if _, err := e.Exec(ctx, stmt); err != nil {
 				return ddlError(stmt, err)
 			}
@@ -186,4 +216,16 @@ func queryStrings(ctx context.Context, e tx.Executor, sql string, args ...any) (
 		out = append(out, v)
 	}
 	return out, rows.Err()
+}
+
+// convertTx is inLockedTx with a lock_timeout of DDLLockTimeout, whatever
+// the session's: every publisher and consumer queues behind a waiting
+// ACCESS EXCLUSIVE request.
+func convertTx(ctx context.Context, db tx.Executor, n query.Names, fn func(e tx.Executor) error) error {
+	return inLockedTx(ctx, db, n, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", DDLLockTimeout.Milliseconds())); err != nil {
+			return err
+		}
+		return fn(e)
+	})
 }

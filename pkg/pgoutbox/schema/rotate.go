@@ -18,8 +18,13 @@ import (
 const RotateLockTimeout = 50 * time.Millisecond
 
 // DefaultRotationWindow is how long a partition of a rotating outbox takes
-// the new rows before the ring advances (see Rotate).
-const DefaultRotationWindow = 10 * time.Second
+// the new rows before the ring advances (see Rotate). While a snapshot
+// held elsewhere keeps vacuum from removing anything, the current
+// partition keeps every row of its window, which claims step over: a
+// shorter window keeps it smaller (in the soak benchmark, 2,000 msg/s
+// under a held snapshot: a median window p99 of 11.3 ms with 3 s, 19.8 ms
+// with 10 s), at the cost of a TRUNCATE, and its brief lock, every window.
+const DefaultRotationWindow = 3 * time.Second
 
 // ErrNotRotating is returned by Rotate for an outbox whose Config does not
 // set Rotating.

@@ -35,17 +35,8 @@ func TestConvertToRotatingKeepsAnOutboxInUse(t *testing.T) {
 func testConvertInUse(t *testing.T, mode pgoutbox.ClaimMode) {
 	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
 	ctx := context.Background()
-	pubPool := b.loginRole(t, "pub",
-		`GRANT USAGE ON SCHEMA %s TO %r`,
-		`GRANT INSERT ON %s.outbox TO %r`,
-		`GRANT SELECT (id, uuid, available_at, topic, consumer_group, dedup_key) ON %s.outbox TO %r`,
-		`GRANT SELECT ON %s.outbox_bindings TO %r`)
-	subPool := b.loginRole(t, "sub",
-		`GRANT USAGE ON SCHEMA %s TO %r`,
-		`GRANT SELECT, UPDATE, DELETE ON %s.outbox TO %r`,
-		`GRANT SELECT, INSERT ON %s.outbox_bindings TO %r`,
-		`GRANT SELECT, INSERT ON %s.outbox_dlq TO %r`,
-		`GRANT SELECT ON %s.outbox_paused TO %r`)
+	pubPool := b.loginRole(t, "pub", publisherGrants...)
+	subPool := b.loginRole(t, "sub", subscriberGrants...)
 
 	// Before: a backlog, a timer an hour away with a dedup key, and a
 	// subscriber of the single table holding one message.

@@ -51,6 +51,24 @@ func (b *bundle) loginRole(t *testing.T, kind string, grants ...string) *pgxpool
 	return pool
 }
 
+// publisherGrants and subscriberGrants are the grants docs/operations.md
+// (Least privilege) gives a publisher and a subscriber role.
+var (
+	publisherGrants = []string{
+		`GRANT USAGE ON SCHEMA %s TO %r`,
+		`GRANT INSERT ON %s.outbox TO %r`,
+		`GRANT SELECT (id, uuid, available_at, topic, consumer_group, dedup_key) ON %s.outbox TO %r`,
+		`GRANT SELECT ON %s.outbox_bindings TO %r`,
+	}
+	subscriberGrants = []string{
+		`GRANT USAGE ON SCHEMA %s TO %r`,
+		`GRANT SELECT, UPDATE, DELETE ON %s.outbox TO %r`,
+		`GRANT SELECT, INSERT ON %s.outbox_bindings TO %r`,
+		`GRANT SELECT, INSERT ON %s.outbox_dlq TO %r`,
+		`GRANT SELECT ON %s.outbox_paused TO %r`,
+	}
+)
+
 // The GRANTs the README (Operations) documents are enough: a publisher
 // role publishes (plain, scheduled and keyed messages), a subscriber role
 // consumes, binds its group, dead-letters and runs the operator functions,
@@ -59,17 +77,8 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	pubPool := b.loginRole(t, "pub",
-		`GRANT USAGE ON SCHEMA %s TO %r`,
-		`GRANT INSERT ON %s.outbox TO %r`,
-		`GRANT SELECT (id, uuid, available_at, topic, consumer_group, dedup_key) ON %s.outbox TO %r`,
-		`GRANT SELECT ON %s.outbox_bindings TO %r`)
-	subPool := b.loginRole(t, "sub",
-		`GRANT USAGE ON SCHEMA %s TO %r`,
-		`GRANT SELECT, UPDATE, DELETE ON %s.outbox TO %r`,
-		`GRANT SELECT, INSERT ON %s.outbox_bindings TO %r`,
-		`GRANT SELECT, INSERT ON %s.outbox_dlq TO %r`,
-		`GRANT SELECT ON %s.outbox_paused TO %r`)
+	pubPool := b.loginRole(t, "pub", publisherGrants...)
+	subPool := b.loginRole(t, "sub", subscriberGrants...)
 
 	sub, err := pgoutbox.NewSubscriber(subPool, pgoutbox.SubscriberConfig{
 		Tables: b.tables, ConsumerGroup: "billing", MinPollInterval: 20 * time.Millisecond, MaxPollInterval: time.Second,

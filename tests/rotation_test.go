@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -358,4 +359,45 @@ func TestTableCountersOfARotatingOutboxSumItsPartitions(t *testing.T) {
 	}
 	require.GreaterOrEqual(t, ins-ins0, int64(30), "inserts counted")
 	require.GreaterOrEqual(t, del-del0, int64(30), "deletes counted")
+}
+
+// The grants docs/rotation.md adds to the single table's are enough: a
+// publisher role publishes plain and keyed messages into a rotating
+// outbox, and a subscriber role consumes them and turns the ring.
+func TestRotatingOutboxWithTheDocumentedGrants(t *testing.T) {
+	t.Parallel()
+	b := rotatingSetup(t)
+	ctx := context.Background()
+	pubPool := b.loginRole(t, "pub", append(slices.Clip(publisherGrants),
+		`GRANT USAGE ON SEQUENCE %s.outbox_generation TO %r`,
+		`GRANT SELECT (generation) ON %s.outbox TO %r`)...)
+	subPool := b.loginRole(t, "sub", append(slices.Clip(subscriberGrants),
+		`GRANT USAGE, UPDATE ON SEQUENCE %s.outbox_generation TO %r`,
+		`GRANT SELECT, UPDATE, TRUNCATE ON %s.outbox_g0, %s.outbox_g1, %s.outbox_g2, %s.outbox_long TO %r`)...)
+
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pubPool), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+	require.NoError(t, err)
+	keyed := newMsg("keyed")
+	pgoutbox.WithDedupKey(keyed, "once")
+	require.NoError(t, pub.Publish("rot.grants", append(newMsgs(20), keyed)...))
+	again := newMsg("keyed again")
+	pgoutbox.WithDedupKey(again, "once")
+	res, err := pub.PublishWithResult("rot.grants", again)
+	require.NoError(t, err)
+	require.Equal(t, []int{0}, res.Skipped())
+
+	filesBefore := b.filenodes(t)
+	sub := b.subscriberOn(t, subPool, func(c *pgoutbox.SubscriberConfig) { c.RotationWindow = 100 * time.Millisecond })
+	subCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	ch, err := sub.Subscribe(subCtx, "rot.grants")
+	require.NoError(t, err)
+	got := map[string]bool{}
+	for len(got) < 21 {
+		m := receive(t, ch, 10*time.Second)
+		got[m.UUID] = true
+		m.Ack()
+	}
+	require.Eventually(t, func() bool { return b.filenodes(t) != filesBefore }, 20*time.Second, 10*time.Millisecond,
+		"the subscriber role turns the ring and truncates a drained partition")
 }

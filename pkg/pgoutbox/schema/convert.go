@@ -44,7 +44,7 @@ import (
 // of them besides: USAGE on the generation sequence for those that may
 // insert (every insert reads it), SELECT (generation) for those that may
 // read dedup_key, and for those that may delete (consumers, who run the
-// rotation) UPDATE on the sequence and SELECT, UPDATE and TRUNCATE on the
+// rotation) USAGE, SELECT and UPDATE on the sequence and SELECT, UPDATE and TRUNCATE on the
 // partitions. Row security policies and publications of the single table
 // stay on it, the long partition: recreate them on the outbox.
 func ConvertToRotating(ctx context.Context, db tx.Executor, c Config) error {

@@ -401,3 +401,59 @@ func TestRotatingOutboxWithTheDocumentedGrants(t *testing.T) {
 	require.Eventually(t, func() bool { return b.filenodes(t) != filesBefore }, 20*time.Second, 10*time.Millisecond,
 		"the subscriber role turns the ring and truncates a drained partition")
 }
+
+// A rotation step beside an open held batch: the batch locks every
+// partition (a claim names the partitioned table), so the TRUNCATE of a
+// drained partition waits for it; the step then empties only that
+// partition, and the held message, in another, is acked afterwards and not
+// delivered again.
+func TestRotateBesideAHeldBatch(t *testing.T) {
+	t.Parallel()
+	b := rotatingSetup(t)
+	ctx := context.Background()
+	drained := b.generationName(t, 0)
+	require.NoError(t, b.poolPublisher(t).Publish("rot.drained", newMsgs(20)...))
+	require.Len(t, consumeAll(t, b, "rot.drained", 20), 20)
+	require.True(t, b.rotate(t, time.Microsecond).Advanced)
+	heldIn := b.generationName(t, 0)
+	require.NotEqual(t, drained, heldIn)
+	require.NoError(t, b.poolPublisher(t).Publish("rot.held-batch", newMsg("held")))
+
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		onPath(t, testhook.PathHeld, c) // the first claims too
+		c.RotationWindow = time.Hour
+	})
+	subCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	ch, err := sub.Subscribe(subCtx, "rot.held-batch")
+	require.NoError(t, err)
+	m := receive(t, ch, 10*time.Second)
+	// The batch stays open for at most its bound (then its row becomes a
+	// lease): whether the first step met it depends on the machine.
+	t.Logf("held batch open at the first step: %v", b.count(t, `SELECT count(*) FROM pg_locks
+ WHERE relation = $1::regclass AND granted AND pid <> pg_backend_pid()`, b.Schema+"."+drained) > 0)
+
+	// Steps until the drained partition is truncated (a reused schema's
+	// other partition may go first: one TRUNCATE a step).
+	var truncated []string
+	for range 3 {
+		res := b.rotate(t, time.Hour)
+		truncated = append(truncated, res.Truncated...)
+		if slices.Contains(truncated, drained) {
+			break
+		}
+	}
+	require.Contains(t, truncated, drained)
+	require.NotContains(t, truncated, heldIn, "the partition of the held message is not truncated")
+	require.Zero(t, b.relationSize(t, drained))
+	require.Equal(t, heldIn, b.generationOf(t, "rot.held-batch"), "the message in hand is still there")
+
+	m.Ack()
+	select {
+	case <-m.Acked():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the held message was not acked")
+	}
+	require.Eventually(t, func() bool { return b.outboxRows(t, "rot.held-batch") == 0 }, 10*time.Second, 10*time.Millisecond)
+	requireNothing(t, ch, 300*time.Millisecond)
+}

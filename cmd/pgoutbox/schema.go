@@ -135,7 +135,7 @@ func (c *cli) schemaConvert(args []string) error {
 				fmt.Fprintf(c.stdout, "%s.%s is a rotating outbox already; nothing to do\n", d.Schema, d.Table)
 				return nil
 			}
-			q := fmt.Sprintf("Convert %s.%s into a rotating outbox? Processes that keep the single table's setting cannot publish keyed messages until they set Rotating and restart.", d.Schema, d.Table)
+			q := fmt.Sprintf("Convert %s.%s into a rotating outbox? Processes that keep the single table's setting can publish only plain messages (no keyed, scheduled or ordered ones) until they set Rotating and restart.", d.Schema, d.Table)
 			if err := c.confirm(cmd.name, q, *yes); err != nil {
 				return err
 			}

@@ -64,8 +64,9 @@ type ConversionStatements struct {
 	// (table and column ones), and what the same roles need of a rotating
 	// outbox: who could insert may read the generation sequence (every
 	// insert does) and write the generation, who could delete (consumers)
-	// may also advance it and read, lock and truncate the partitions (the
-	// rotation step).
+	// may also advance it and read, lock and truncate the ring's
+	// partitions (the rotation step; the long partition is never
+	// truncated).
 	Handover string
 }
 
@@ -128,12 +129,10 @@ END $pgoutbox$`, n.QTable, Quote(pkey), n.QSchema, Quote(n.DedupIdx), renames(n,
 	for _, name := range s.PreparedNames {
 		s.DropIndex = append(s.DropIndex, fmt.Sprintf(`DROP INDEX CONCURRENTLY IF EXISTS %s.%s`, n.QSchema, Quote(name)))
 	}
-	var parts, ringLiterals []string
-	for g := range n.Generations {
-		parts = append(parts, n.QGeneration(g))
-		if g != LongGeneration {
-			ringLiterals = append(ringLiterals, "'"+n.QGeneration(g)+"'")
-		}
+	var ring, ringLiterals []string
+	for g := range RingSize {
+		ring = append(ring, n.QGeneration(g))
+		ringLiterals = append(ringLiterals, "'"+n.QGeneration(g)+"'")
 	}
 	s.Handover = fmt.Sprintf(`DO $pgoutbox$ DECLARE r record; part text; owner text; BEGIN
     SELECT relowner::regrole::text INTO owner FROM pg_catalog.pg_class WHERE oid = '%[1]s'::regclass;
@@ -147,10 +146,12 @@ END $pgoutbox$`, n.QTable, Quote(pkey), n.QSchema, Quote(n.DedupIdx), renames(n,
                FROM pg_catalog.pg_class c, aclexplode(c.relacl) a
               WHERE c.oid = '%[1]s'::regclass AND a.grantee <> c.relowner LOOP
         EXECUTE format('GRANT %%s ON %[2]s TO %%s%%s', r.priv, r.who, r.opt);
+        -- SELECT, not USAGE: reading the sequence is enough, and USAGE
+        -- would let a publisher turn the ring with nextval.
         IF r.priv = 'INSERT' THEN
-            EXECUTE format('GRANT USAGE ON SEQUENCE %[3]s TO %%s', r.who);
+            EXECUTE format('GRANT SELECT ON SEQUENCE %[3]s TO %%s', r.who);
         ELSIF r.priv = 'DELETE' THEN
-            EXECUTE format('GRANT USAGE, SELECT, UPDATE ON SEQUENCE %[3]s TO %%s', r.who);
+            EXECUTE format('GRANT SELECT, UPDATE ON SEQUENCE %[3]s TO %%s', r.who);
             EXECUTE format('GRANT SELECT, UPDATE, TRUNCATE ON %[4]s TO %%s', r.who);
         END IF;
     END LOOP;
@@ -165,10 +166,10 @@ END $pgoutbox$`, n.QTable, Quote(pkey), n.QSchema, Quote(n.DedupIdx), renames(n,
             EXECUTE format('GRANT SELECT (generation) ON %[2]s TO %%s', r.who);
         ELSIF r.priv = 'INSERT' AND r.col = 'topic' THEN
             EXECUTE format('GRANT INSERT (generation) ON %[2]s TO %%s', r.who);
-            EXECUTE format('GRANT USAGE ON SEQUENCE %[3]s TO %%s', r.who);
+            EXECUTE format('GRANT SELECT ON SEQUENCE %[3]s TO %%s', r.who);
         END IF;
     END LOOP;
-END $pgoutbox$`, qlong, n.QTable, n.QGenSeq, strings.Join(parts, ", "), strings.Join(ringLiterals, ", "))
+END $pgoutbox$`, qlong, n.QTable, n.QGenSeq, strings.Join(ring, ", "), strings.Join(ringLiterals, ", "))
 	return s
 }
 

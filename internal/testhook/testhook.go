@@ -58,3 +58,24 @@ func RotateLockTimeout(table string) time.Duration {
 	v, _ := d.(time.Duration)
 	return v
 }
+
+var rotateStuckAfter sync.Map // quoted outbox name -> time.Duration
+
+// SetRotateStuckAfter makes the rotation steps of the outbox named table
+// move a stuck partition's rows once the ring has waited 3 windows,
+// however short, instead of at least schema's floor: a test's windows are
+// microseconds. 0 removes the hook.
+func SetRotateStuckAfter(table string, d time.Duration) {
+	if d == 0 {
+		rotateStuckAfter.Delete(table)
+		return
+	}
+	rotateStuckAfter.Store(table, d)
+}
+
+// RotateStuckAfter returns the floor forced for table, or 0.
+func RotateStuckAfter(table string) time.Duration {
+	d, _ := rotateStuckAfter.Load(table)
+	v, _ := d.(time.Duration)
+	return v
+}

@@ -32,20 +32,21 @@ import (
 //
 // Afterwards, set Rotating in every publisher's and subscriber's Config
 // and restart them. Until then, processes that run with the single
-// table's setting go on publishing unkeyed messages and consuming, but
-// their keyed publishes, dead-letter requeues of keyed messages and
-// bindings of new consumer groups fail (the dedup index now holds the
-// generation, and the ring's partitions refuse keyed rows), and nothing
+// table's setting go on consuming and publishing plain messages, but
+// their keyed, scheduled and ordered publishes, dead-letter requeues and
+// bindings of new consumer groups fail (their statements name a conflict
+// target the dedup index, which now holds the generation, no longer
+// matches, and the ring's partitions refuse keyed rows), and nothing
 // rotates.
 //
 // The partitioned table, its sequence and the ring's partitions get the
 // single table's owner. The roles granted privileges on the single table
 // get the same on the partitioned table, and what a rotating outbox needs
-// of them besides: USAGE on the generation sequence for those that may
+// of them besides: SELECT on the generation sequence for those that may
 // insert (every insert reads it), SELECT (generation) for those that may
 // read dedup_key, and for those that may delete (consumers, who run the
-// rotation) USAGE, SELECT and UPDATE on the sequence and SELECT, UPDATE and TRUNCATE on the
-// partitions. Row security policies and publications of the single table
+// rotation) SELECT and UPDATE on the sequence and SELECT, UPDATE and
+// TRUNCATE on the ring's partitions. Row security policies and publications of the single table
 // stay on it, the long partition: recreate them on the outbox.
 func ConvertToRotating(ctx context.Context, db tx.Executor, c Config) error {
 	c.Rotating = false

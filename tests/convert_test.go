@@ -271,3 +271,25 @@ func TestConvertToRotatingRefusals(t *testing.T) {
 	missing.Table = "no_such_outbox"
 	require.ErrorContains(t, schema.ConvertToRotating(ctx, tx.FromPgxPool(b.Pool), missing), "does not exist; create a rotating outbox with schema.Create")
 }
+
+// The versioned migrations build a single table: asked for a rotating
+// outbox's files, or to migrate a rotating outbox, they refuse and say
+// what to use instead; a rotating outbox at the latest version has
+// nothing to migrate.
+func TestVersionedMigrationsRefuseARotatingOutbox(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := rotatingSetup(t)
+	_, err := schema.Migrations(b.tables, schema.FormatGoose)
+	require.ErrorIs(t, err, schema.ErrRotatingMigrations)
+	require.ErrorContains(t, err, "schema.ConvertToRotating")
+	steps, err := schema.Migrate(ctx, tx.FromPgxPool(b.Pool), b.tables, schema.Latest)
+	require.NoError(t, err, "Create recorded the latest version")
+	require.Empty(t, steps)
+
+	single := b.tables
+	single.Rotating = false
+	_, err = schema.Migrate(ctx, tx.FromPgxPool(b.Pool), single, 3)
+	require.ErrorIs(t, err, schema.ErrRotatingMigrations, "no single-table step on the partitioned table")
+	require.NoError(t, schema.Validate(ctx, tx.FromPgxPool(b.Pool), b.tables), "nothing changed")
+}

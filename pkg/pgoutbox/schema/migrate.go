@@ -198,7 +198,9 @@ func step(ms []Migration, v, target int) (MigrationStep, int) {
 //
 // An outbox created before versions were recorded needs Baseline first
 // (Migrate returns ErrNoVersion). Create records the latest version, so
-// an outbox made by Create is migrated from there.
+// an outbox made by Create is migrated from there. A rotating outbox has
+// nothing to migrate while it is at the latest version; a step it would
+// need returns ErrRotatingMigrations (Create brings it up to date).
 func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]MigrationStep, error) {
 	n, err := c.names()
 	if err != nil {
@@ -226,6 +228,11 @@ func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]Migra
 				return nil
 			}
 			next, _ := step(ms, st.Current, target)
+			if layout, err := catalog(ctx, e, query.CatalogRotating, n.Schema, n.Table, 1); err != nil {
+				return err
+			} else if n.Rotating || len(layout) == 1 && layout[0][0] == "rotating" {
+				return ErrRotatingMigrations
+			}
 			for _, stmt := range next.Statements {
 				if _, err := e.Exec(ctx, stmt); err != nil {
 					return fmt.Errorf("%s version %d (%s): %w", direction(next), next.Version, next.Name, ddlError(stmt, err))

@@ -143,14 +143,25 @@ func newMigrationNames(n query.Names) migrationNames {
 }
 
 // MigrationList returns every migration, version 1 first, rendered for
-// the names in c.
+// the names in c. The versions describe a single-table outbox: with
+// c.Rotating it returns ErrRotatingMigrations.
 func MigrationList(c Config) ([]Migration, error) {
 	n, err := c.names()
 	if err != nil {
 		return nil, err
 	}
+	if n.Rotating {
+		return nil, ErrRotatingMigrations
+	}
 	return migrationList(n)
 }
+
+// ErrRotatingMigrations is returned by MigrationList, Migrations and
+// Migrate for a rotating outbox (Config.Rotating, or an outbox that is
+// one): the versioned migrations build and change a single table.
+var ErrRotatingMigrations = errors.New("pgoutbox: the versioned migrations describe a single-table outbox, not a rotating one; " +
+	"create a rotating outbox with schema.Create or the script of schema.SQL (pgoutbox schema sql --rotating), " +
+	"or migrate the single table and then convert it with schema.ConvertToRotating (pgoutbox schema convert-to-rotating)")
 
 func migrationList(n query.Names) ([]Migration, error) {
 	ts, err := migrationTemplates()
@@ -266,7 +277,8 @@ func ParseMigrationFormat(s string) (MigrationFormat, error) {
 //	src, err := iofs.New(fsys, ".")
 //
 // The tool keeps its own version table; Migrate keeps pgoutbox's. Use one
-// or the other for an outbox, not both.
+// or the other for an outbox, not both. The files build a single-table
+// outbox: with c.Rotating, Migrations returns ErrRotatingMigrations.
 func Migrations(c Config, f MigrationFormat) (fs.FS, error) {
 	ms, err := MigrationList(c)
 	if err != nil {

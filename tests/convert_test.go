@@ -121,12 +121,7 @@ func testConvertInUse(t *testing.T, mode pgoutbox.ClaimMode) {
 	for topic, want := range map[string]int{"conv.backlog": 30, "conv.fresh": 20, "conv.old": 1} {
 		ch, err := sub.Subscribe(subCtx, topic)
 		require.NoError(t, err)
-		got := map[string]bool{}
-		for len(got) < want {
-			m := receive(t, ch, 10*time.Second)
-			got[m.UUID] = true
-			m.Ack()
-		}
+		ackAll(t, ch, want)
 	}
 	require.Eventually(t, func() bool {
 		return b.outboxRows(t, "conv.backlog")+b.outboxRows(t, "conv.fresh")+b.outboxRows(t, "conv.old") == 0

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
@@ -81,13 +82,21 @@ func consumeAll(t *testing.T, b *bundle, topic string, n int) map[string]bool {
 	defer cancel()
 	ch, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
+	got := ackAll(t, ch, n)
+	require.Eventually(t, func() bool { return b.outboxRows(t, topic) == 0 }, 10*time.Second, 10*time.Millisecond)
+	return got
+}
+
+// ackAll receives and acks messages from ch until it has had n distinct
+// ones, and returns their UUIDs.
+func ackAll(t *testing.T, ch <-chan *message.Message, n int) map[string]bool {
+	t.Helper()
 	got := map[string]bool{}
 	for len(got) < n {
 		m := receive(t, ch, 10*time.Second)
 		got[m.UUID] = true
 		m.Ack()
 	}
-	require.Eventually(t, func() bool { return b.outboxRows(t, topic) == 0 }, 10*time.Second, 10*time.Millisecond)
 	return got
 }
 
@@ -398,12 +407,7 @@ func TestRotatingOutboxWithTheDocumentedGrants(t *testing.T) {
 	defer cancel()
 	ch, err := sub.Subscribe(subCtx, "rot.grants")
 	require.NoError(t, err)
-	got := map[string]bool{}
-	for len(got) < 21 {
-		m := receive(t, ch, 10*time.Second)
-		got[m.UUID] = true
-		m.Ack()
-	}
+	ackAll(t, ch, 21)
 	require.Eventually(t, func() bool { return b.filenodes(t) != filesBefore }, 20*time.Second, 10*time.Millisecond,
 		"the subscriber role turns the ring and truncates a drained partition")
 }

@@ -37,45 +37,41 @@ func ClaimPath(workerID string) string {
 	return s
 }
 
-var rotateLockTimeouts sync.Map // quoted outbox name -> time.Duration
+// durations is a hook of a duration per outbox (its quoted name, as
+// query.Names.QTable).
+type durations struct{ m sync.Map }
+
+func (h *durations) set(table string, d time.Duration) {
+	if d == 0 {
+		h.m.Delete(table)
+		return
+	}
+	h.m.Store(table, d)
+}
+
+func (h *durations) get(table string) time.Duration {
+	d, _ := h.m.Load(table)
+	v, _ := d.(time.Duration)
+	return v
+}
+
+var rotateLockTimeouts, rotateStuckAfter durations
 
 // SetRotateLockTimeout makes the rotation steps of the outbox named table
 // (quoted, as query.Names.QTable) wait up to d for a TRUNCATE's lock
 // instead of schema.RotateLockTimeout, so a test can change a partition
 // while the TRUNCATE waits, or outwait autovacuum. 0 removes the hook.
-func SetRotateLockTimeout(table string, d time.Duration) {
-	if d == 0 {
-		rotateLockTimeouts.Delete(table)
-		return
-	}
-	rotateLockTimeouts.Store(table, d)
-}
+func SetRotateLockTimeout(table string, d time.Duration) { rotateLockTimeouts.set(table, d) }
 
 // RotateLockTimeout returns the lock timeout forced for the rotation steps
 // of table, or 0.
-func RotateLockTimeout(table string) time.Duration {
-	d, _ := rotateLockTimeouts.Load(table)
-	v, _ := d.(time.Duration)
-	return v
-}
-
-var rotateStuckAfter sync.Map // quoted outbox name -> time.Duration
+func RotateLockTimeout(table string) time.Duration { return rotateLockTimeouts.get(table) }
 
 // SetRotateStuckAfter makes the rotation steps of the outbox named table
-// move a stuck partition's rows once the ring has waited 3 windows,
-// however short, instead of at least schema's floor: a test's windows are
-// microseconds. 0 removes the hook.
-func SetRotateStuckAfter(table string, d time.Duration) {
-	if d == 0 {
-		rotateStuckAfter.Delete(table)
-		return
-	}
-	rotateStuckAfter.Store(table, d)
-}
+// move a stuck partition's rows once the ring has waited three windows
+// and d, instead of three windows and at least schema's floor (30 s): a
+// test's windows are microseconds. 0 removes the hook.
+func SetRotateStuckAfter(table string, d time.Duration) { rotateStuckAfter.set(table, d) }
 
 // RotateStuckAfter returns the floor forced for table, or 0.
-func RotateStuckAfter(table string) time.Duration {
-	d, _ := rotateStuckAfter.Load(table)
-	v, _ := d.(time.Duration)
-	return v
-}
+func RotateStuckAfter(table string) time.Duration { return rotateStuckAfter.get(table) }

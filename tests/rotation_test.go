@@ -467,3 +467,45 @@ func TestRotateBesideAHeldBatch(t *testing.T) {
 	require.Eventually(t, func() bool { return b.outboxRows(t, "rot.held-batch") == 0 }, 10*time.Second, 10*time.Millisecond)
 	requireNothing(t, ch, 300*time.Millisecond)
 }
+
+// Ordering keys hold across the ring's partitions, on each claim path: a
+// delayed head of a key moves out of the ring (it is due after the next
+// window) while the later message of its key stays in the ring, and the
+// later one still waits for it.
+func TestOrderingKeysAcrossTheRing(t *testing.T) {
+	t.Parallel()
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := rotatingSetup(t)
+		first := newMsg("a1 delayed")
+		pgoutbox.WithOrderingKey(first, "a")
+		pgoutbox.DeliverAfter(first, 3*time.Second)
+		second := newMsg("a2")
+		pgoutbox.WithOrderingKey(second, "a")
+		other := newMsg("b1")
+		pgoutbox.WithOrderingKey(other, "b")
+		require.NoError(t, b.poolPublisher(t).Publish("rot.ordered", first, second, other))
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.MaxInFlight = 4
+			c.RotationWindow = 50 * time.Millisecond
+		})
+		ch, err := sub.Subscribe(context.Background(), "rot.ordered")
+		require.NoError(t, err)
+		m := receive(t, ch, 10*time.Second)
+		require.Equal(t, "b1", string(m.Payload))
+		m.Ack()
+		partitionOf := func(uuid string) string {
+			var rel string
+			require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT c.relname::text FROM `+b.Schema+`.outbox o
+  JOIN pg_class c ON c.oid = o.tableoid WHERE o.uuid = $1`, uuid).Scan(&rel))
+			return rel
+		}
+		pollUntil(t, "the delayed head left the ring", 2500*time.Millisecond, nil, func() bool { return partitionOf(first.UUID) == "outbox_long" })
+		require.NotEqual(t, "outbox_long", partitionOf(second.UUID), "the later message of the key is still in the ring")
+		for _, want := range []string{"a1 delayed", "a2"} {
+			m := receive(t, ch, 10*time.Second)
+			require.Equal(t, want, string(m.Payload), "the key's order holds across partitions")
+			m.Ack()
+		}
+	})
+}

@@ -509,3 +509,38 @@ func TestOrderingKeysAcrossTheRing(t *testing.T) {
 		}
 	})
 }
+
+// Consumer groups on a rotating outbox: the first groups bound adopt what
+// was published before them, each getting its copies, the keyed ones in
+// the long partition (where every copy's key stays unique), and a dedup
+// key then holds per group.
+func TestGroupsAdoptTheBacklogOfARotatingOutbox(t *testing.T) {
+	t.Parallel()
+	b := rotatingSetup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	timer := newMsg("timer")
+	pgoutbox.WithDedupKey(timer, "remind-7")
+	pgoutbox.DeliverAfter(timer, time.Hour)
+	b.publishInTx(t, "rot.groups", true, append(newMsgs(5), timer)...)
+
+	res, err := pgoutbox.BindGroups(ctx, exec, b.tables, "rot.groups", []string{"a", "b"})
+	require.NoError(t, err)
+	require.EqualValues(t, 6, res.Adopted)
+	for _, g := range []string{"a", "b"} {
+		require.Equal(t, 6, b.groupRows(t, "rot.groups", g), g)
+	}
+	require.Zero(t, b.groupRows(t, "rot.groups", ""))
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox o JOIN pg_class c ON c.oid = o.tableoid
+ WHERE o.dedup_key = 'remind-7' AND c.relname = 'outbox_long'`), "every group's keyed copy in the long partition")
+
+	again := newMsg("again")
+	pgoutbox.WithDedupKey(again, "remind-7")
+	r, err := b.poolPublisher(t).PublishWithResult("rot.groups", again)
+	require.NoError(t, err)
+	require.Equal(t, []int{0}, r.Skipped(), "the key holds for both groups")
+	ok, err := b.poolPublisher(t).CancelScheduled(ctx, "rot.groups", "remind-7")
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE dedup_key = 'remind-7'`))
+}

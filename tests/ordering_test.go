@@ -233,19 +233,26 @@ func TestOrderingKeyHeadOfLineFailureBlocksOnlyItsKey(t *testing.T) {
 	})
 }
 
+// delayedHeadMsgs are key a's head "a1 delayed", due after delay, key a's
+// next message "a2", and key b's "b1".
+func delayedHeadMsgs(delay time.Duration) (first, second, other *message.Message) {
+	first = newMsg("a1 delayed")
+	pgoutbox.WithOrderingKey(first, "a")
+	pgoutbox.DeliverAfter(first, delay)
+	second = newMsg("a2")
+	pgoutbox.WithOrderingKey(second, "a")
+	other = newMsg("b1")
+	pgoutbox.WithOrderingKey(other, "b")
+	return first, second, other
+}
+
 // A delayed message holds back the later messages of its key until it is
 // delivered; messages of other keys are not delayed.
 func TestOrderingKeyDelayedHeadKeepsOrder(t *testing.T) {
 	t.Parallel()
 	onEachClaimPath(t, func(t *testing.T, path string) {
 		b := setup(t)
-		first := newMsg("a1 delayed")
-		pgoutbox.WithOrderingKey(first, "a")
-		pgoutbox.DeliverAfter(first, 300*time.Millisecond)
-		second := newMsg("a2")
-		pgoutbox.WithOrderingKey(second, "a")
-		other := newMsg("b1")
-		pgoutbox.WithOrderingKey(other, "b")
+		first, second, other := delayedHeadMsgs(300 * time.Millisecond)
 		start := time.Now() // the delay runs from the publish
 		require.NoError(t, b.poolPublisher(t).Publish("t", first, second, other))
 		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {

@@ -367,13 +367,10 @@ func TestTableCountersOfARotatingOutboxSumItsPartitions(t *testing.T) {
 	require.Len(t, consumeAll(t, b, "rot.counted", 30), 30)
 	// Backends report their counts at the end of a transaction, at most
 	// once a second, and an idle one about ten seconds later.
-	var ins, del int64
-	deadline := time.Now().Add(30 * time.Second)
-	for ins, del = counters(); (ins-ins0 < 30 || del-del0 < 30) && time.Now().Before(deadline); ins, del = counters() {
-		time.Sleep(50 * time.Millisecond) // polling a statistics view: no event to wait for
-	}
-	require.GreaterOrEqual(t, ins-ins0, int64(30), "inserts counted")
-	require.GreaterOrEqual(t, del-del0, int64(30), "deletes counted")
+	pollUntil(t, "30 rows inserted and 30 deleted are counted", 30*time.Second, nil, func() bool {
+		ins, del := counters()
+		return ins-ins0 >= 30 && del-del0 >= 30
+	})
 }
 
 // The grants docs/rotation.md adds to the single table's are enough: a
@@ -476,13 +473,7 @@ func TestOrderingKeysAcrossTheRing(t *testing.T) {
 	t.Parallel()
 	onEachClaimPath(t, func(t *testing.T, path string) {
 		b := rotatingSetup(t)
-		first := newMsg("a1 delayed")
-		pgoutbox.WithOrderingKey(first, "a")
-		pgoutbox.DeliverAfter(first, 3*time.Second)
-		second := newMsg("a2")
-		pgoutbox.WithOrderingKey(second, "a")
-		other := newMsg("b1")
-		pgoutbox.WithOrderingKey(other, "b")
+		first, second, other := delayedHeadMsgs(3 * time.Second)
 		require.NoError(t, b.poolPublisher(t).Publish("rot.ordered", first, second, other))
 		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
 			onPath(t, path, c)

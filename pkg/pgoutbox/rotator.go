@@ -16,7 +16,8 @@ import (
 // session rotating does nothing. Only its goroutine touches it.
 type rotator struct {
 	s       *Subscriber
-	failing bool // the last step failed: logged once per outage
+	every   time.Duration // between steps: a fifth of the window
+	failing bool          // the last step failed: logged once per outage
 }
 
 // startRotator starts the Subscriber's rotator once, for a rotating outbox.
@@ -28,7 +29,7 @@ func (s *Subscriber) startRotator() {
 		s.subs.Add(1)
 		go func() {
 			defer s.subs.Done()
-			(&rotator{s: s}).run()
+			(&rotator{s: s, every: max(s.cfg.RotationWindow/5, 10*time.Millisecond)}).run()
 		}()
 	})
 }
@@ -44,8 +45,7 @@ func (r *rotator) run() {
 		case <-ctx.Done():
 		}
 	}()
-	every := max(r.s.cfg.RotationWindow/5, 10*time.Millisecond)
-	t := time.NewTicker(every)
+	t := time.NewTicker(r.every)
 	defer t.Stop()
 	for {
 		select {
@@ -67,7 +67,7 @@ func (r *rotator) step(parent context.Context) {
 	if err != nil {
 		if !r.failing {
 			r.s.logger.Error("Rotating the outbox failed; rows go on into the current partition, retrying every step", err,
-				watermill.LogFields{"every": (r.s.cfg.RotationWindow / 5).String()})
+				watermill.LogFields{"every": r.every.String()})
 		}
 		r.failing = true
 		return

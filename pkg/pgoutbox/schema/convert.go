@@ -65,15 +65,14 @@ func convert(ctx context.Context, db tx.Executor, c Config, single, n query.Name
 	if db.InTx() {
 		return errors.New("pass a pool (tx.FromPgxPool, tx.FromSQLDB), not a transaction: the indexes are built concurrently, which a transaction cannot do")
 	}
-	layout, err := catalog(ctx, db, query.CatalogRotating, n.Schema, n.Table, 1)
-	if err != nil {
-		return err
-	}
+	exists, converted, err := outboxLayout(ctx, db, n)
 	switch {
-	case len(layout) == 0:
+	case err != nil:
+		return err
+	case !exists:
 		return fmt.Errorf("table %s.%s does not exist; create a rotating outbox with schema.Create and Config.Rotating set", n.Schema, n.Table)
-	case layout[0][0] == "rotating":
-		return nil // converted already
+	case converted:
+		return nil
 	}
 	var ve *ValidationError
 	if err := Validate(ctx, db, c); errors.As(err, &ve) {
@@ -91,8 +90,8 @@ func convert(ctx context.Context, db tx.Executor, c Config, single, n query.Name
 	}
 
 	rotating := func() (bool, error) {
-		layout, err := catalog(ctx, db, query.CatalogRotating, n.Schema, n.Table, 1)
-		return err == nil && len(layout) == 1 && layout[0][0] == "rotating", err
+		_, rotating, err := outboxLayout(ctx, db, n)
+		return rotating, err
 	}
 	// What takes long first, none of it blocking publishers or consumers
 	// for more than a catalog change. Each step does nothing to an outbox
@@ -144,10 +143,8 @@ func convert(ctx context.Context, db tx.Executor, c Config, single, n query.Name
 		if _, err := e.Exec(ctx, q.Lock); err != nil {
 			return ddlError(q.Lock, err)
 		}
-		if layout, err := catalog(ctx, e, query.CatalogRotating, n.Schema, n.Table, 1); err != nil {
-			return err
-		} else if len(layout) == 1 && layout[0][0] == "rotating" {
-			return nil // another conversion finished while this one waited
+		if _, converted, err := outboxLayout(ctx, e, n); err != nil || converted {
+			return err // converted: another conversion finished while this one waited
 		}
 		var next int64
 		if err := scanOne(ctx, e, q.NextID, nil, &next); err != nil {
@@ -194,29 +191,18 @@ func IsRotating(ctx context.Context, db tx.Executor, c Config) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	layout, err := catalog(ctx, db, query.CatalogRotating, n.Schema, n.Table, 1)
-	if err != nil {
-		return false, err
-	}
-	return len(layout) == 1 && layout[0][0] == "rotating", nil
+	_, rotating, err := outboxLayout(ctx, db, n)
+	return rotating, err
 }
 
 // queryStrings returns the first column of every row of sql, as text.
 func queryStrings(ctx context.Context, e tx.Executor, sql string, args ...any) ([]string, error) {
-	rows, err := e.Query(ctx, sql, args...)
-	if err != nil {
-		return nil, err
+	rows, err := queryRows(ctx, e, 1, sql, args...)
+	out := make([]string, len(rows))
+	for i, r := range rows {
+		out[i] = r[0]
 	}
-	defer rows.Close()
-	var out []string
-	for rows.Next() {
-		var v string
-		if err := rows.Scan(&v); err != nil {
-			return nil, err
-		}
-		out = append(out, v)
-	}
-	return out, rows.Err()
+	return out, err
 }
 
 // convertTx is inLockedTx with a lock_timeout of DDLLockTimeout, whatever

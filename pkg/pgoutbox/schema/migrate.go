@@ -228,9 +228,9 @@ func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]Migra
 				return nil
 			}
 			next, _ := step(ms, st.Current, target)
-			if layout, err := catalog(ctx, e, query.CatalogRotating, n.Schema, n.Table, 1); err != nil {
+			if _, rotating, err := outboxLayout(ctx, e, n); err != nil {
 				return err
-			} else if n.Rotating || len(layout) == 1 && layout[0][0] == "rotating" {
+			} else if n.Rotating || rotating {
 				return ErrRotatingMigrations
 			}
 			for _, stmt := range next.Statements {

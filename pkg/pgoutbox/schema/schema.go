@@ -319,11 +319,11 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 // rows in a partition that does not keep their keys unique, or fail every
 // keyed publish.
 func layoutProblem(ctx context.Context, db tx.Executor, n query.Names) (string, error) {
-	parted, err := catalog(ctx, db, query.CatalogRotating, n.Schema, n.Table, 1)
-	if err != nil || len(parted) == 0 {
+	exists, isRotating, err := outboxLayout(ctx, db, n)
+	if err != nil || !exists {
 		return "", err
 	}
-	switch isRotating := parted[0][0] == "rotating"; {
+	switch {
 	case isRotating && !n.Rotating:
 		return fmt.Sprintf("table %s.%s is a rotating outbox; set Rotating in the schema.Config (Tables) of every publisher and subscriber of it", n.Schema, n.Table), nil
 	case !isRotating && n.Rotating:
@@ -332,10 +332,29 @@ func layoutProblem(ctx context.Context, db tx.Executor, n query.Names) (string, 
 	return "", nil
 }
 
+// outboxLayout reports whether n's outbox table exists and whether it is
+// rotating (query.CatalogRotating), whatever n.Rotating says.
+func outboxLayout(ctx context.Context, db tx.Executor, n query.Names) (exists, rotating bool, err error) {
+	layout, err := catalog(ctx, db, query.CatalogRotating, n.Schema, n.Table, 1)
+	if err != nil || len(layout) == 0 {
+		return false, false, err
+	}
+	return true, layout[0][0] == "rotating", nil
+}
+
 func catalog(ctx context.Context, db tx.Executor, q, schema, table string, ncol int) ([][]string, error) {
-	rows, err := db.Query(ctx, q, schema, table)
+	out, err := queryRows(ctx, db, ncol, q, schema, table)
 	if err != nil {
 		return nil, fmt.Errorf("pgoutbox: validate schema: %w", err)
+	}
+	return out, nil
+}
+
+// queryRows returns the first ncol columns of every row of q, as text.
+func queryRows(ctx context.Context, db tx.Executor, ncol int, q string, args ...any) ([][]string, error) {
+	rows, err := db.Query(ctx, q, args...)
+	if err != nil {
+		return nil, err
 	}
 	defer rows.Close()
 	var out [][]string
@@ -346,12 +365,9 @@ func catalog(ctx context.Context, db tx.Executor, q, schema, table string, ncol 
 			dest[i] = &r[i]
 		}
 		if err := rows.Scan(dest...); err != nil {
-			return nil, fmt.Errorf("pgoutbox: validate schema: %w", err)
+			return nil, err
 		}
 		out = append(out, r)
 	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("pgoutbox: validate schema: %w", err)
-	}
-	return out, nil
+	return out, rows.Err()
 }

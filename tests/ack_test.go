@@ -47,7 +47,8 @@ func ack(t *testing.T, b *bundle, names query.Names, ids []int64, tokens []uuid.
 
 // An ack deletes the rows it names under their tokens and nothing else,
 // on a partitioned outbox too, where two partitions' rows share a ctid
-// (the ack finds its rows by ctid).
+// (an earlier ack, which deleted the versions it found by ctid, deleted
+// both).
 func TestAckDeletesOnlyItsRowsOnAPartitionedOutbox(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -122,4 +123,36 @@ VALUES ('t', $2, '\x00', $1, now() - interval '1 second') RETURNING id`, token, 
 			require.True(t, present, "the row that changed hands stays")
 		})
 	}
+}
+
+// A row acked twice in one batch, under the token of an earlier delivery
+// and under the one that holds it now (its lease expired and came back to
+// the same subscription), is deleted once, and the result names the pair
+// that held it; a row another consumer holds stays, whatever the batch's
+// tokens.
+func TestAckOfARowAckedTwiceInOneBatch(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	names := b.names(t)
+	tbl := b.Schema + ".outbox"
+	earlier, now, stranger := uuid.New(), uuid.New(), uuid.New()
+	var twice, other int64
+	require.NoError(t, b.Pool.QueryRow(ctx, `INSERT INTO `+tbl+` (topic, uuid, payload, lease_token, leased_until)
+VALUES ('t', $2, '\x00', $1, now() + interval '1 minute') RETURNING id`, now, uuid.NewString()).Scan(&twice))
+	require.NoError(t, b.Pool.QueryRow(ctx, `INSERT INTO `+tbl+` (topic, uuid, payload, lease_token, leased_until)
+VALUES ('t', $2, '\x00', $1, now() + interval '1 minute') RETURNING id`, stranger, uuid.NewString()).Scan(&other))
+
+	got := ack(t, b, names, []int64{twice, twice, other}, []uuid.UUID{earlier, now, earlier})
+	require.Equal(t, map[int64]uuid.UUID{twice: now}, got, "deleted under the token that held it")
+	var left []int64
+	rows, err := b.Pool.Query(ctx, `SELECT id FROM `+tbl+` WHERE topic = 't'`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var id int64
+		require.NoError(t, rows.Scan(&id))
+		left = append(left, id)
+	}
+	require.NoError(t, rows.Err())
+	require.Equal(t, []int64{other}, left, "a row held under a token outside the batch stays")
 }

@@ -84,10 +84,56 @@ type claimScan struct {
 	// expiredFullEvery, for a lease a look skipped because it was locked.
 	expiredSince  pgtype.Timestamptz
 	expiredFullAt time.Time
-	findOrphans   bool      // a liveness holder vanished: look for its rows (until a look finds none)
-	resume        bool      // the last claim read only rows it could not take: go on from the cursor
-	keyedUntil    time.Time // keyed rows were seen: hold many keys until then
-	windowUntil   time.Time // claim with a window until then (see query.ClaimFast)
+	findOrphans   bool          // a liveness holder vanished: look for its rows (until a look finds none)
+	relooks       orphanRelooks // later looks for a vanished holder's rows
+	resume        bool          // the last claim read only rows it could not take: go on from the cursor
+	keyedUntil    time.Time     // keyed rows were seen: hold many keys until then
+	windowUntil   time.Time     // claim with a window until then (see query.ClaimFast)
+}
+
+// orphanRelooks are the looks for a vanished liveness holder's rows that a
+// subscription makes after the first ones: orphanRelookFirst after them,
+// then at doubling intervals (1, 3 and 7 s after). A process killed while
+// its claim runs leaves that claim to the server, which runs a statement
+// to its end although its client is gone: the claim may commit, leasing
+// rows under the dead holder's key, after the looks that followed the
+// lock's vanishing found nothing. Without a later look those rows would
+// wait for their leases to end.
+type orphanRelooks struct {
+	left int           // looks still to make
+	at   time.Time     // the next one; zero: planned by the next claim
+	in   time.Duration // from the look before to the next
+}
+
+const (
+	orphanRelookCount = 3
+	orphanRelookFirst = time.Second
+)
+
+// holderGone looks for a vanished liveness holder's rows at the next
+// claim, until a look finds none, and orphanRelookCount times after.
+func (c *claimScan) holderGone() {
+	c.findOrphans = true
+	c.relooks = orphanRelooks{left: orphanRelookCount, in: orphanRelookFirst}
+}
+
+// relook makes the claim starting now look for orphaned rows when a
+// later look is due, and plans the one after.
+func (c *claimScan) relook(now time.Time) {
+	r := &c.relooks
+	switch {
+	case r.left == 0:
+	case r.at.IsZero():
+		r.at = now.Add(r.in)
+	case !now.Before(r.at):
+		c.findOrphans = true
+		r.left--
+		r.in *= 2
+		r.at = now.Add(r.in)
+		if r.left == 0 {
+			r.at = time.Time{}
+		}
+	}
 }
 
 // keyedFor is how long a subscription claims with a window after it last
@@ -158,6 +204,7 @@ func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 	if c.at == scanFromStart {
 		c.fromStartAt = now
 	}
+	c.relook(now)
 	if now.Before(c.windowUntil) {
 		req.window = max(2*n, minScanWindow)
 	}

@@ -51,7 +51,7 @@ func newClaimSchedule(cfg *SubscriberConfig, now time.Time) claimSchedule {
 // rows).
 func (c *claimSchedule) notified(k notifier.Kinds) {
 	if k.Orphans {
-		c.scan.findOrphans = true
+		c.scan.holderGone()
 	}
 	if k.Vanished {
 		// A process may have died: the rows of its held transactions are

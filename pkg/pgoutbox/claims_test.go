@@ -158,3 +158,41 @@ func TestClaimScanLooksForExpiredLeasesFromTheLastLook(t *testing.T) {
 	c.restart(true)
 	require.Equal(t, scanFromStart, look(start.Add(expiredFullEvery+2*rescanEvery), 0).expiredFrom(), "and after restart(true)")
 }
+
+// A vanished liveness holder's rows are looked for at the next claim,
+// until a look finds none, and then 1, 3 and 7 s later (a claim the dead
+// process sent may commit after the first looks).
+func TestClaimScheduleLooksForAVanishedHoldersRowsAgainLater(t *testing.T) {
+	t.Parallel()
+	c := newTestSchedule()
+	spare := func() ([]int64, bool) { return []int64{7}, true }
+	now := time.Now()
+	look := func(at time.Time, found int) claimRequest {
+		t.Helper()
+		req := c.start(10, at, pgtype.Int8{}, spare)
+		r := claimResult{req: req, reclaimed: found}
+		c.next(r, c.succeeded(r), at)
+		return req
+	}
+	// The first claims look for the rows of holders that died before we
+	// started, until one finds none.
+	require.NotNil(t, look(now, 2).orphansOf, "the first claim looks")
+	require.NotNil(t, look(now, 0).orphansOf, "and looks on while it finds some")
+	require.Nil(t, look(now, 0).orphansOf, "then stops")
+	require.True(t, c.scan.relooks.at.IsZero(), "no later look planned")
+
+	c.notified(notifier.Kinds{Orphans: true})
+	require.False(t, c.waiting(), "a vanished holder wakes the subscription")
+	require.NotNil(t, look(now, 0).orphansOf, "the next claim looks")
+	require.Equal(t, now.Add(time.Second), c.scan.relooks.at, "and plans a later look")
+	require.Nil(t, look(now.Add(500*time.Millisecond), 0).orphansOf, "claims before it do not look")
+	var looked []time.Duration
+	for ms := 1000; ms <= 20000; ms += 250 {
+		at := now.Add(time.Duration(ms) * time.Millisecond)
+		if look(at, 0).orphansOf != nil {
+			looked = append(looked, at.Sub(now))
+		}
+	}
+	require.Equal(t, []time.Duration{time.Second, 3 * time.Second, 7 * time.Second}, looked)
+	require.True(t, c.scan.relooks.at.IsZero(), "no look planned after the last")
+}

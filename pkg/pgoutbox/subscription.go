@@ -251,6 +251,7 @@ func (sub *subscription) armTimer(now time.Time) {
 		}
 	}
 	earliest(sub.claims.idleUntil)
+	earliest(sub.claims.scan.relooks.at)
 	earliest(sub.house.next)
 	earliest(sub.drain.end)
 	earliest(sub.writes.gate.until)
@@ -268,6 +269,9 @@ func (sub *subscription) armTimer(now time.Time) {
 func (sub *subscription) passedTimes(now time.Time) {
 	if !sub.claims.idleUntil.IsZero() && !now.Before(sub.claims.idleUntil) {
 		sub.claims.wake(true) // the sleep may have been set to a lease expiry
+	}
+	if at := sub.claims.scan.relooks.at; !at.IsZero() && !now.Before(at) && !sub.claims.want {
+		sub.claims.wake(false) // a later look for a vanished holder's rows
 	}
 	sub.claims.gate.pass(now)
 	sub.writes.gate.pass(now)

@@ -1,0 +1,108 @@
+package tests
+
+import (
+	"context"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+// A process killed while its claim runs leaves that claim to the server,
+// which runs it to its end and commits it although the client is gone: the
+// claim's rows are leased under the dead holder's key after its liveness
+// lock vanished, possibly after the survivors' looks for its rows found
+// nothing. They still come back within seconds, not at their lease's end.
+// The dead process is played by hand: a connection holding a liveness
+// lock, rows leased under its key, and a transaction leasing more that
+// commits only after the survivor took the first ones over.
+func TestOrphanedRowsOfAClaimThatCommittedAfterItsHolderDied(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimAuto, pgoutbox.ClaimLease} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			orphansOfALateClaim(t, mode)
+		})
+	}
+}
+
+func orphansOfALateClaim(t *testing.T, mode pgoutbox.ClaimMode) {
+	b := setup(t)
+	ctx := context.Background()
+	const (
+		topic = "t"
+		lease = 2 * time.Minute
+	)
+	tbl := b.Schema + ".outbox"
+	b.publishInTx(t, topic, true, newMsgs(20)...)
+	var ids []int64
+	rows, err := b.Pool.Query(ctx, `SELECT id FROM `+tbl+` WHERE topic = $1 ORDER BY id`, topic)
+	require.NoError(t, err)
+	ids, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+	require.NoError(t, err)
+	early, late := ids[:10], ids[10:]
+
+	// The dead process's liveness lock, and what it leased before it died.
+	key := rand.Int32N(1<<30) + 1
+	holder, err := pgx.Connect(ctx, b.DSN)
+	require.NoError(t, err)
+	defer func() { _ = holder.Close(context.Background()) }()
+	var locked bool
+	require.NoError(t, holder.QueryRow(ctx, query.TryLiveness, key).Scan(&locked))
+	require.True(t, locked)
+	leaseUnder := `UPDATE ` + tbl + ` SET lease_token = gen_random_uuid(), leased_until = now() + interval '2 minutes',
+       leased_by = 'dead', lease_holder = $2, deliveries = deliveries + 1 WHERE id = ANY ($1)`
+	_, err = b.Pool.Exec(ctx, leaseUnder, early, key)
+	require.NoError(t, err)
+	// Its last claim, still running on the server.
+	lastClaim, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = lastClaim.Rollback(context.Background()) }()
+	_, err = lastClaim.Exec(ctx, leaseUnder, late, key)
+	require.NoError(t, err)
+
+	// The survivor, on a pool of its own so that its liveness checks can
+	// be seen in pg_stat_activity.
+	app := "pgoutbox-orphans-" + b.Schema
+	cfg, err := pgxpool.ParseConfig(b.DSN)
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["application_name"] = app
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	sub := b.subscriberOn(t, pool, func(c *pgoutbox.SubscriberConfig) {
+		c.Lease = lease
+		c.MaxPollInterval = 30 * time.Second // only a look for orphans or a lease's end brings the rows back
+		c.ClaimMode = mode
+	})
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	// It must have seen the lock held, or its vanishing means nothing.
+	seen := time.Now()
+	require.Eventually(t, func() bool {
+		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query = $2 AND query_start > $3`,
+			app, query.LiveHoldersMine, seen) > 0
+	}, 10*time.Second, 10*time.Millisecond, "the survivor checked liveness while the lock was held")
+
+	require.NoError(t, holder.Close(ctx)) // the process dies
+	died := time.Now()
+	got := ackAll(t, msgs, len(early))
+	t.Logf("the rows leased before the death back after %s", time.Since(died).Round(time.Millisecond))
+	// Only now does its last claim commit: the looks that followed the
+	// death are over.
+	require.NoError(t, lastClaim.Commit(ctx))
+	committed := time.Now()
+	for len(got) < len(ids) {
+		m := receive(t, msgs, lease/4)
+		got[m.UUID] = true
+		m.Ack()
+	}
+	t.Logf("the rows of the claim that committed after the death back after %s (lease %s)", time.Since(committed).Round(time.Millisecond), lease)
+	require.Less(t, time.Since(committed), lease/4, "back long before their leases end")
+}

@@ -223,6 +223,25 @@ func TestConvertToRotatingGoesOnFromWhereItStopped(t *testing.T) {
 	require.Equal(t, want, got)
 }
 
+// An index the user gave storage parameters (a fillfactor) is one ATTACH
+// adopts as it is, so the conversion takes it too, and it keeps them.
+func TestConvertToRotatingKeepsAnIndexsStorageParameters(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	n := b.names(t)
+	_, err := b.Pool.Exec(ctx, `ALTER INDEX `+b.Schema+`.`+query.Quote(n.ReadyIdx)+` SET (fillfactor = 70)`)
+	require.NoError(t, err)
+	require.NoError(t, b.poolPublisher(t).Publish("conv.fillfactor", newMsgs(3)...))
+	require.NoError(t, schema.ConvertToRotating(ctx, tx.FromPgxPool(b.Pool), b.tables))
+	require.Equal(t, 3, b.outboxRows(t, "conv.fillfactor"))
+	var options []string
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT coalesce(c.reloptions, '{}') FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+ WHERE i.indrelid = $1::regclass AND pg_get_indexdef(i.indexrelid) LIKE '%WHERE (lease_token IS NULL)%'`,
+		b.Schema+".outbox_long").Scan(&options))
+	require.Equal(t, []string{"fillfactor=70"}, options, "the long partition's ready index is the one the user tuned")
+}
+
 // ownerRole creates a role (no login) that is dropped, with what it owns,
 // at the end of the test.
 func (b *bundle) ownerRole(t *testing.T) string {

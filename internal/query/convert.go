@@ -121,8 +121,8 @@ END $pgoutbox$`, n.QTable, Quote(pkey), n.QSchema, Quote(n.DedupIdx), renames(n,
  WHERE p.indrelid = '%[1]s'::regclass AND NOT EXISTS (
        SELECT FROM pg_catalog.pg_index l
         WHERE l.indrelid = '%[2]s'::regclass AND l.indisvalid AND l.indisunique = p.indisunique
-          AND regexp_replace(pg_get_indexdef(l.indexrelid), '^.* USING ', '') = regexp_replace(pg_get_indexdef(p.indexrelid), '^.* USING ', ''))
- ORDER BY 1`, n.QTable, qlong),
+          AND %[3]s = %[4]s)
+ ORDER BY 1`, n.QTable, qlong, indexShape("l"), indexShape("p")),
 		Attach:    fmt.Sprintf(`ALTER TABLE %s ATTACH PARTITION %s FOR VALUES IN (%d)`, n.QTable, qlong, LongGeneration),
 		DropCheck: fmt.Sprintf(`ALTER TABLE %s DROP CONSTRAINT IF EXISTS %s`, qlong, Quote(check)),
 	}
@@ -182,4 +182,13 @@ func renames(n, ln Names) string {
 		fmt.Fprintf(&b, "    ALTER INDEX %s.%s RENAME TO %s;\n", n.QSchema, Quote(p[0]), Quote(p[1]))
 	}
 	return b.String()
+}
+
+// indexShape is what ATTACH PARTITION compares of index p.indexrelid when
+// it looks for a partition's index to adopt: its definition after USING
+// (method, columns, operator classes, predicate), without the storage
+// parameters, which ATTACH does not compare (an index a user gave a
+// fillfactor is adopted as it is).
+func indexShape(p string) string {
+	return fmt.Sprintf(`regexp_replace(regexp_replace(pg_get_indexdef(%s.indexrelid), '^.* USING ', ''), ' WITH \([^)]*\)', '')`, p)
 }

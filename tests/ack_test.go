@@ -156,3 +156,26 @@ VALUES ('t', $2, '\x00', $1, now() + interval '1 minute') RETURNING id`, strange
 	require.NoError(t, rows.Err())
 	require.Equal(t, []int64{other}, left, "a row held under a token outside the batch stays")
 }
+
+// An ack of an older delivery of a row the subscription holds again under
+// a newer token (its lease expired and a claim of its own took it back)
+// deletes nothing, even when the batch carries the newer token for
+// another row: the newer delivery is still running, and its key must stay
+// busy until it ends.
+func TestAckOfAnOlderDeliveryLeavesTheNewerOne(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	names := b.names(t)
+	tbl := b.Schema + ".outbox"
+	older, newer := uuid.New(), uuid.New()
+	var again, other int64
+	for _, id := range []*int64{&again, &other} {
+		require.NoError(t, b.Pool.QueryRow(ctx, `INSERT INTO `+tbl+` (topic, uuid, payload, lease_token, leased_until)
+VALUES ('t', $2, '\x00', $1, now() + interval '1 minute') RETURNING id`, newer, uuid.NewString()).Scan(id))
+	}
+	got := ack(t, b, names, []int64{again, other}, []uuid.UUID{older, newer})
+	require.Equal(t, map[int64]uuid.UUID{other: newer}, got, "only the pair that holds its row")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+tbl+` WHERE id = $1 AND lease_token = $2`, again, newer),
+		"the row under its newer delivery stays")
+}

@@ -417,6 +417,22 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	<-victim.done
 	orphaned := b.strings(t, `SELECT uuid FROM `+b.Schema+`.outbox WHERE leased_by = 'victim'`)
 	require.NotEmpty(t, orphaned, "the victim held nothing when killed; the test proves nothing")
+	defer func() {
+		if t.Failed() { // what became of the victim's rows, for the next reader of a failure
+			rows, err := b.Pool.Query(context.Background(), `SELECT id, leased_by, lease_holder, deliveries,
+       round(extract(epoch FROM leased_until - now())::numeric, 1), lease_holder IN (`+query.LiveHolders+`)
+  FROM `+b.Schema+`.outbox WHERE uuid = ANY ($1) ORDER BY id`, orphaned)
+			if err != nil {
+				t.Logf("the victim's rows: %v", err)
+				return
+			}
+			defer rows.Close()
+			for rows.Next() {
+				v, _ := rows.Values()
+				t.Logf("row id, leased_by, lease_holder, deliveries, lease left (s), holder live: %v", v)
+			}
+		}
+	}()
 
 	back, total, distinct := survivor.takeOver(t, b, topic, orphaned, killed, lease/2)
 	t.Logf("orphaned_rows=%d back_after=%s (lease %s) handled=%d distinct=%d duplicates=%d",

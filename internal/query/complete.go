@@ -83,28 +83,27 @@ UNION ALL SELECT 0, NULL::uuid FROM woken`, t, ac, "chr(31)"),
 		// DELETE, without the other branches' planning and parameters.
 		//
 		// It is one walk of the primary key, probed with the ids as an
-		// index condition, with no join: no plan can take a whole index as
-		// its outer side. (While a snapshot holds vacuum back, the
-		// statistics count a million index entries for a thousand live
-		// rows, and a join of the pairs with the outbox walked the whole
-		// primary key: 0.4-1 s an ack in the blocked soak.) A row is
-		// deleted while one of the batch's tokens holds it. The tokens are
-		// all this subscription's, so that is one of its own deliveries of
-		// the row, and the row was handled: an id acked twice in one batch
-		// (its lease expired and came back to us) goes under whichever
-		// token holds it now, and the result names that pair. A row updated
-		// while the ack waits for its lock (a lease taken over, a row moved
-		// to another group) is checked again on its new version by the same
-		// conditions. The coalesce keeps "lease_token IS NOT NULL" from
-		// being implied, which would let the planner walk the lease index
-		// (see underToken). Against the earlier shape (a LATERAL probe per
-		// pair, then a delete by ctid) a 100-row ack takes about a quarter
-		// less server time, as much as a hand-written join with the pairs
-		// (docs/performance.md).
+		// index condition, and each row's token is compared with the one
+		// paired with its id (array_position; Write sends a batch whose ids
+		// repeat through Complete instead). No join, so no plan can take a
+		// whole index as its outer side: while a snapshot holds vacuum
+		// back, the statistics count a million index entries for a
+		// thousand live rows, and a join of the pairs with the outbox
+		// walked the whole primary key (0.4-1 s an ack in the blocked
+		// soak). Pairs, not any token of the batch: the subscription may
+		// hold the row again under a newer token (its lease expired and
+		// came back to it), and an ack of the older delivery must not end
+		// the newer one. A row updated while the ack waits for its lock (a
+		// lease taken over, a row moved to another group) is checked again
+		// on its new version by the same conditions. The coalesce keeps
+		// "lease_token IS NOT NULL" from being implied, which would let
+		// the planner walk the lease index (see underToken). Against the
+		// earlier shape (a LATERAL probe per pair, then a delete by ctid) an
+		// ack takes about a quarter less server time (docs/performance.md).
 		Ack: fmt.Sprintf(`
 DELETE FROM %[1]s o
  WHERE o.id = ANY ($1::bigint[])
-   AND coalesce(o.lease_token, '00000000-0000-0000-0000-000000000000') = ANY ($2::uuid[])%[2]s
+   AND coalesce(o.lease_token, '00000000-0000-0000-0000-000000000000') = ($2::uuid[])[array_position($1::bigint[], o.id)]%[2]s
 RETURNING o.id, o.lease_token`, t, ac),
 
 		// CompleteInTx deletes a delivered row in the transaction of the
@@ -218,7 +217,7 @@ type CompleteArgs struct {
 // Write returns the statement for a (Ack when it holds acks alone) and
 // its arguments in the statement's order.
 func (q *CompleteStatements) Write(a CompleteArgs) (string, []any) {
-	if len(a.RetIDs) == 0 && len(a.HoldIDs) == 0 {
+	if len(a.RetIDs) == 0 && len(a.HoldIDs) == 0 && distinct(a.AckIDs) {
 		return q.Ack, []any{a.AckIDs, a.AckTokens}
 	}
 	return q.Complete, []any{a.AckIDs, a.AckTokens,
@@ -256,3 +255,21 @@ type Tokens = pgtype.FlatArray[*pgtype.UUID]
 // with the statistics saying few leases, it did, and under a held snapshot
 // the index is mostly dead entries (0.4 s an ack in the blocked soak).
 const underToken = "o.id = c.id AND o.lease_token IS NOT DISTINCT FROM c.token AND c.token IS NOT NULL"
+
+// distinct reports whether no id repeats in ids. Ack pairs each row with
+// the first token of its id; a row acked twice in one batch (once under a
+// lease that expired, once under the one that took it back) needs
+// Complete's join, which tries every pair.
+func distinct(ids []int64) bool {
+	if len(ids) < 2 {
+		return true
+	}
+	seen := make(map[int64]struct{}, len(ids))
+	for _, id := range ids {
+		if _, dup := seen[id]; dup {
+			return false
+		}
+		seen[id] = struct{}{}
+	}
+	return true
+}

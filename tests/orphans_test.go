@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"math/rand/v2"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -76,7 +77,13 @@ func orphansOfALateClaim(t *testing.T, mode pgoutbox.ClaimMode) {
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
+	var lastEmptyClaim atomic.Int64 // unix nanoseconds
 	sub := b.subscriberOn(t, pool, func(c *pgoutbox.SubscriberConfig) {
+		c.Observer = pgoutbox.ObserverFunc(func(e pgoutbox.Event) {
+			if e.Kind == pgoutbox.EventClaimed && e.Count == 0 {
+				lastEmptyClaim.Store(time.Now().UnixNano())
+			}
+		})
 		c.Lease = lease
 		c.MaxPollInterval = 30 * time.Second // only a look for orphans or a lease's end brings the rows back
 		c.ClaimMode = mode
@@ -94,8 +101,12 @@ func orphansOfALateClaim(t *testing.T, mode pgoutbox.ClaimMode) {
 	died := time.Now()
 	got := ackAll(t, msgs, len(early))
 	t.Logf("the rows leased before the death back after %s", time.Since(died).Round(time.Millisecond))
-	// Only now does its last claim commit: the looks that followed the
-	// death are over.
+	// Only now does its last claim commit, once a claim after the last
+	// early row found nothing: the looks that followed the death are over
+	// (a look goes on while the one before took rows).
+	tookAll := time.Now()
+	require.Eventually(t, func() bool { return lastEmptyClaim.Load() > tookAll.UnixNano() }, 20*time.Second, 5*time.Millisecond,
+		"a claim after the early rows found nothing")
 	require.NoError(t, lastClaim.Commit(ctx))
 	committed := time.Now()
 	for len(got) < len(ids) {

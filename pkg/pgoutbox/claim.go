@@ -21,6 +21,7 @@ type claimRequest struct {
 	window       int                // ready rows the scan reads at most; 0: the fast claim (no window)
 	endedKeys    []string           // ordering keys whose rows ended: claim their next rows
 	orphansOf    []int64            // look for orphaned rows, sparing these liveness keys (nil: do not look)
+	vanishes     uint32             // holders seen vanishing when the claim started (see orphanRelooks)
 	holder       pgtype.Int8        // our liveness key while we hold its lock, else NULL
 	held         bool               // the held path (held.go): lock the rows in a transaction kept open
 }
@@ -100,9 +101,10 @@ type claimScan struct {
 // lock's vanishing found nothing. Without a later look those rows would
 // wait for their leases to end.
 type orphanRelooks struct {
-	left int           // looks still to make
-	at   time.Time     // the next one; zero: planned by the next claim
-	in   time.Duration // from the look before to the next
+	vanishes uint32        // holders seen vanishing so far: a look that started before the last one does not end the looks
+	left     int           // looks still to make
+	at       time.Time     // the next one; zero: planned by the next claim
+	in       time.Duration // from the look before to the next
 }
 
 const (
@@ -114,7 +116,7 @@ const (
 // claim, until a look finds none, and orphanRelookCount times after.
 func (c *claimScan) holderGone() {
 	c.findOrphans = true
-	c.relooks = orphanRelooks{left: orphanRelookCount, in: orphanRelookFirst}
+	c.relooks = orphanRelooks{vanishes: c.relooks.vanishes + 1, left: orphanRelookCount, in: orphanRelookFirst}
 }
 
 // relook makes the claim starting now look for orphaned rows when a
@@ -191,6 +193,7 @@ func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 		at:          c.at,
 		id:          c.id,
 		withExpired: c.forceExpired || now.Sub(c.expiredAt) >= rescanEvery,
+		vanishes:    c.relooks.vanishes,
 	}
 	if req.withExpired {
 		if now.Sub(c.expiredFullAt) >= expiredFullEvery {
@@ -240,7 +243,9 @@ func (c *claimScan) claimed(r claimResult) {
 			r.req.expiredSince == c.expiredSince {
 			c.expiredSince = pgtype.Timestamptz{Time: r.serverNow.Time.Add(-expiredMargin), Valid: true}
 		}
-		if r.req.orphansOf != nil {
+		if r.req.orphansOf != nil && r.req.vanishes == c.relooks.vanishes {
+			// (A holder that vanished while the look ran may have been
+			// spared by it: its rows are looked for by the next claim.)
 			c.findOrphans = r.reclaimed > 0
 		}
 	}

@@ -196,3 +196,19 @@ func TestClaimScheduleLooksForAVanishedHoldersRowsAgainLater(t *testing.T) {
 	require.Equal(t, []time.Duration{time.Second, 3 * time.Second, 7 * time.Second}, looked)
 	require.True(t, c.scan.relooks.at.IsZero(), "no look planned after the last")
 }
+
+// A holder that vanishes while a look for orphaned rows runs is looked for
+// by the next claim, whatever that look found: it may have spared the
+// holder, still alive when the look started.
+func TestClaimScheduleLooksAgainForAHolderThatVanishedDuringALook(t *testing.T) {
+	t.Parallel()
+	c := newTestSchedule()
+	spare := func() ([]int64, bool) { return []int64{7}, true }
+	now := time.Now()
+	req := c.start(10, now, pgtype.Int8{}, spare)
+	require.NotNil(t, req.orphansOf)
+	c.notified(notifier.Kinds{Orphans: true}) // while the look runs
+	r := claimResult{req: req}
+	c.next(r, c.succeeded(r), now)
+	require.NotNil(t, c.start(10, now, pgtype.Int8{}, spare).orphansOf, "the next claim looks again")
+}

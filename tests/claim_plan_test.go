@@ -458,6 +458,19 @@ func TestWritePlansProbeByPrimaryKey(t *testing.T) {
 	_, err = b.Pool.Exec(ctx, `ANALYZE `+fresh+`.outbox`)
 	require.NoError(t, err)
 	check("few leases")
+	// Statements that run with the session's own settings (a handler's
+	// transaction, the claimer's key check): their shape alone keeps them
+	// on the primary key. With "lease_token = $2" the handler's delete
+	// walked the whole lease index here.
+	for _, st := range []claimStatement{
+		{"a handler's own completion", q.CompleteInTx, make([]any, 2)},
+		{"the key check after a lease claim", q.KeyVerifyLease, make([]any, 4)},
+	} {
+		text := explainIn(t, conn, st, generic)
+		t.Logf("%s, few leases, the session's settings:\n%s", st.name, text)
+		require.Regexp(t, `Index Scan using outbox_pkey on outbox o?\s*\(cost[^\n]*\n\s+Index Cond: \(id = `, text, "%s: the row found by its id", st.name)
+		require.NotContains(t, text, names.LeaseIdx, "%s: not along the lease index", st.name)
+	}
 	// The ack is one probe of the primary key per id, with no join: no
 	// plan can take a whole index as its outer side.
 	text := explainIn(t, conn, writes[0], generic, query.WriteSettings)

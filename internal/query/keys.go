@@ -53,14 +53,17 @@ func keyIsFree(t, row, group string) string {
 // keyVerifyLease gives back the keyed rows $2 just claimed under token $3
 // (topic $1, group $4) whose key is busy after all: taken by a committed
 // fact, or locked by a held claim. Run after the claim committed; its
-// delivery is taken back. Returns the ids given back.
+// delivery is taken back. Returns the ids given back. The token and the
+// key are compared so that neither implies a partial index's predicate:
+// the rows are found by their ids only (see underToken).
 func keyVerifyLease(n Names, ac string) string {
 	t := n.QTable
 	return fmt.Sprintf(`
 UPDATE %[1]s o
    SET lease_token = NULL, leased_until = NULL, leased_by = NULL, lease_holder = NULL,
        deliveries = o.deliveries - 1
- WHERE o.id = ANY ($2::bigint[]) AND o.lease_token = $3::uuid AND o.ordering_key IS NOT NULL
+ WHERE o.id = ANY ($2::bigint[]) AND coalesce(o.lease_token, '00000000-0000-0000-0000-000000000000') = $3::uuid
+   AND num_nulls(o.ordering_key) = 0
    AND CASE WHEN %[2]s THEN true ELSE NOT %[3]s END%[4]s
 RETURNING o.id`, t, keyTaken(t, "o", "$4"), keyLock(n, "o", "$4"), ac)
 }

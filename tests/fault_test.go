@@ -415,6 +415,13 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	require.NoError(t, victim.cmd.Process.Kill())
 	killed := time.Now()
 	<-victim.done
+	// The server still runs what the victim sent before it died, and
+	// commits it: an ack batch that deletes rows the victim handled (never
+	// the survivor's to handle), a claim that leases more under its key.
+	// Read its rows once all of its connections are gone.
+	pollUntil(t, "the victim's connections are gone", 30*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, appName(b, victim.name)) == 0
+	})
 	orphaned := b.strings(t, `SELECT uuid FROM `+b.Schema+`.outbox WHERE leased_by = 'victim'`)
 	require.NotEmpty(t, orphaned, "the victim held nothing when killed; the test proves nothing")
 	defer func() {
@@ -431,6 +438,10 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 				v, _ := rows.Values()
 				t.Logf("row id, leased_by, lease_holder, deliveries, lease left (s), holder live: %v", v)
 			}
+			t.Logf("of the victim's rows, gone from the outbox without the survivor handling them: %d", b.count(t, `
+SELECT count(*) FROM unnest($1::text[]) u(uuid)
+ WHERE NOT EXISTS (SELECT FROM `+b.Schema+`.outbox o WHERE o.uuid = u.uuid)
+   AND NOT EXISTS (SELECT FROM `+b.Schema+`.handled h WHERE h.uuid = u.uuid AND h.worker = 'survivor')`, orphaned))
 		}
 	}()
 

@@ -69,15 +69,10 @@ VALUES ('t', 'b', '\x00', $1, now() + interval '1 minute', '1999-01-01') RETURNI
 	names, err := query.NewNames(parted, "outbox", "")
 	require.NoError(t, err)
 	require.Equal(t, map[int64]uuid.UUID{mine: ours}, ack(t, b, names, []int64{mine}, []uuid.UUID{ours}))
-	var left []int64
 	rows, err := b.Pool.Query(ctx, `SELECT id FROM `+parted+`.outbox`)
 	require.NoError(t, err)
-	for rows.Next() {
-		var id int64
-		require.NoError(t, rows.Scan(&id))
-		left = append(left, id)
-	}
-	require.NoError(t, rows.Err())
+	left, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	require.NoError(t, err)
 	require.Equal(t, []int64{other}, left, "the other partition's row at the same ctid stays")
 }
 
@@ -145,15 +140,10 @@ VALUES ('t', $2, '\x00', $1, now() + interval '1 minute') RETURNING id`, strange
 
 	got := ack(t, b, names, []int64{twice, twice, other}, []uuid.UUID{earlier, now, earlier})
 	require.Equal(t, map[int64]uuid.UUID{twice: now}, got, "deleted under the token that held it")
-	var left []int64
 	rows, err := b.Pool.Query(ctx, `SELECT id FROM `+tbl+` WHERE topic = 't'`)
 	require.NoError(t, err)
-	for rows.Next() {
-		var id int64
-		require.NoError(t, rows.Scan(&id))
-		left = append(left, id)
-	}
-	require.NoError(t, rows.Err())
+	left, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	require.NoError(t, err)
 	require.Equal(t, []int64{other}, left, "a row held under a token outside the batch stays")
 }
 

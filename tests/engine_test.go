@@ -446,12 +446,7 @@ func TestLivenessBlipsDoNotOrphanALiveHolder(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
 	appA := "blip-a-" + watermill.NewShortUUID()
-	cfg, err := pgxpool.ParseConfig(b.DSN)
-	require.NoError(t, err)
-	cfg.ConnConfig.RuntimeParams["application_name"] = appA
-	poolA, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(poolA.Close)
+	poolA := b.namedPool(t, appA)
 	newSub := func(pool *pgxpool.Pool) *pgoutbox.Subscriber {
 		s, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{
 			Tables: b.tables, Lease: time.Minute, MinPollInterval: 20 * time.Millisecond, MaxPollInterval: 200 * time.Millisecond,

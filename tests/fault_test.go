@@ -663,15 +663,11 @@ func TestFaultSubscribeAfterIdleConnectionsWereTerminated(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
 	appName := "pgoutbox-idlekill-" + b.Schema
-	cfg, err := pgxpool.ParseConfig(b.DSN)
-	require.NoError(t, err)
-	cfg.ConnConfig.RuntimeParams["application_name"] = appName
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.namedPool(t, appName)
 	// Open a few connections and leave them idle in the pool.
 	conns := make([]*pgxpool.Conn, 3)
 	for i := range conns {
+		var err error
 		conns[i], err = pool.Acquire(ctx)
 		require.NoError(t, err)
 	}

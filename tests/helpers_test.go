@@ -65,6 +65,21 @@ func (b *bundle) subscriberOn(t *testing.T, pool *pgxpool.Pool, mod func(*pgoutb
 	return sub
 }
 
+// namedPool is a pool of the test's own whose connections carry
+// application_name app, so that they can be found in pg_stat_activity
+// (the notifier opens its LISTEN connection with the pool's ConnConfig, so
+// it carries the name too). It is closed at the end of the test.
+func (b *bundle) namedPool(t *testing.T, app string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(b.DSN)
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["application_name"] = app
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
 func (b *bundle) poolPublisher(t testing.TB) *pgoutbox.Publisher {
 	t.Helper()
 	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
@@ -71,12 +70,7 @@ func orphansOfALateClaim(t *testing.T, mode pgoutbox.ClaimMode) {
 	// The survivor, on a pool of its own so that its liveness checks can
 	// be seen in pg_stat_activity.
 	app := "pgoutbox-orphans-" + b.Schema
-	cfg, err := pgxpool.ParseConfig(b.DSN)
-	require.NoError(t, err)
-	cfg.ConnConfig.RuntimeParams["application_name"] = app
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.namedPool(t, app)
 	var lastEmptyClaim atomic.Int64 // unix nanoseconds
 	sub := b.subscriberOn(t, pool, func(c *pgoutbox.SubscriberConfig) {
 		c.Observer = pgoutbox.ObserverFunc(func(e pgoutbox.Event) {

@@ -8,7 +8,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -173,12 +172,7 @@ func TestMessageIsClaimedAfterTheListenConnectionCameBack(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
 	app := "listen-drop-" + watermill.NewShortUUID()
-	cfg, err := pgxpool.ParseConfig(b.DSN)
-	require.NoError(t, err)
-	cfg.ConnConfig.RuntimeParams["application_name"] = app
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.namedPool(t, app)
 	ev := newEvents()
 	c := pgoutbox.SubscriberConfig{Tables: b.tables, DrainTimeout: -1}
 	idleSubscriber(ev)(&c) // 30s poll

@@ -87,7 +87,7 @@ func orphansOfALateClaim(t *testing.T, mode pgoutbox.ClaimMode) {
 	// It must have seen the lock held, or its vanishing means nothing.
 	seen := time.Now()
 	require.Eventually(t, func() bool {
-		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query = $2 AND query_start > $3`,
+		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query = $2 AND query_start > $3 AND state = 'idle'`,
 			app, query.LiveHoldersMine, seen) > 0
 	}, 10*time.Second, 10*time.Millisecond, "the survivor checked liveness while the lock was held")
 

@@ -374,9 +374,9 @@ func TestCQRSCommandHandlerCommitsEventsWithItsWrite(t *testing.T) {
 		"only the committed command's event exists")
 }
 
-func (b *bundle) strings(t *testing.T, q string) []string {
+func (b *bundle) strings(t *testing.T, q string, args ...any) []string {
 	t.Helper()
-	rows, err := b.Pool.Query(context.Background(), q)
+	rows, err := b.Pool.Query(context.Background(), q, args...)
 	require.NoError(t, err)
 	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)

@@ -132,11 +132,7 @@ func TestAckOfARowAckedTwiceInOneBatch(t *testing.T) {
 	names := b.names(t)
 	tbl := b.Schema + ".outbox"
 	earlier, now, stranger := uuid.New(), uuid.New(), uuid.New()
-	var twice, other int64
-	require.NoError(t, b.Pool.QueryRow(ctx, `INSERT INTO `+tbl+` (topic, uuid, payload, lease_token, leased_until)
-VALUES ('t', $2, '\x00', $1, now() + interval '1 minute') RETURNING id`, now, uuid.NewString()).Scan(&twice))
-	require.NoError(t, b.Pool.QueryRow(ctx, `INSERT INTO `+tbl+` (topic, uuid, payload, lease_token, leased_until)
-VALUES ('t', $2, '\x00', $1, now() + interval '1 minute') RETURNING id`, stranger, uuid.NewString()).Scan(&other))
+	twice, other := leasedRow(t, b, now), leasedRow(t, b, stranger)
 
 	got := ack(t, b, names, []int64{twice, twice, other}, []uuid.UUID{earlier, now, earlier})
 	require.Equal(t, map[int64]uuid.UUID{twice: now}, got, "deleted under the token that held it")
@@ -155,17 +151,22 @@ VALUES ('t', $2, '\x00', $1, now() + interval '1 minute') RETURNING id`, strange
 func TestAckOfAnOlderDeliveryLeavesTheNewerOne(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	ctx := context.Background()
 	names := b.names(t)
 	tbl := b.Schema + ".outbox"
 	older, newer := uuid.New(), uuid.New()
-	var again, other int64
-	for _, id := range []*int64{&again, &other} {
-		require.NoError(t, b.Pool.QueryRow(ctx, `INSERT INTO `+tbl+` (topic, uuid, payload, lease_token, leased_until)
-VALUES ('t', $2, '\x00', $1, now() + interval '1 minute') RETURNING id`, newer, uuid.NewString()).Scan(id))
-	}
+	again, other := leasedRow(t, b, newer), leasedRow(t, b, newer)
 	got := ack(t, b, names, []int64{again, other}, []uuid.UUID{older, newer})
 	require.Equal(t, map[int64]uuid.UUID{other: newer}, got, "only the pair that holds its row")
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+tbl+` WHERE id = $1 AND lease_token = $2`, again, newer),
 		"the row under its newer delivery stays")
+}
+
+// leasedRow stores a message of topic "t" leased under token for a
+// minute, and returns its id.
+func leasedRow(t *testing.T, b *bundle, token uuid.UUID) int64 {
+	t.Helper()
+	var id int64
+	require.NoError(t, b.Pool.QueryRow(context.Background(), `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, lease_token, leased_until)
+VALUES ('t', $2, '\x00', $1, now() + interval '1 minute') RETURNING id`, token, uuid.NewString()).Scan(&id))
+	return id
 }

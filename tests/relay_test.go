@@ -11,7 +11,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
@@ -254,12 +253,7 @@ func TestRelayRunEndedByContextReleasesTheSubscriber(t *testing.T) {
 	b := setup(t)
 	_, target := b.relayTarget(t)
 	app := "relay-run-" + b.Schema
-	cfg, err := pgxpool.ParseConfig(b.DSN)
-	require.NoError(t, err)
-	cfg.ConnConfig.RuntimeParams["application_name"] = app
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.namedPool(t, app)
 	r, err := relay.New(pool, target, relay.Config{Topics: []string{"orders"}, Subscriber: pgoutbox.SubscriberConfig{Tables: b.tables}})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())

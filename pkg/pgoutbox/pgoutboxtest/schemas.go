@@ -202,19 +202,26 @@ func (d *database) give(s *pooledSchema) bool {
 	for _, t := range tables {
 		deletes += "DELETE FROM " + t + "; "
 	}
+	empty := fmt.Sprintf(`IF (SELECT count(*) FROM (SELECT FROM %s LIMIT 1000) r) < 1000 THEN
+        %s
+    ELSE
+        TRUNCATE %s;
+    END IF;`, tables[0], deletes, strings.Join(tables, ", "))
+	if s.tables.Rotating {
+		// A rotation step reads its partitions' size on disk (a drained
+		// partition with space is truncated, an empty one is not): a
+		// reused outbox must be as a new one is, not full of dead rows.
+		empty = "TRUNCATE " + strings.Join(tables, ", ") + ";"
+	}
 	_, err := d.admin.Exec(ctx, fmt.Sprintf(`DO $pgoutboxtest$ BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     PERFORM set_config('lock_timeout', '5s', true);
     IF (%[1]s'%[2]s') IS DISTINCT FROM '%[3]s' THEN
         RAISE EXCEPTION 'pgoutboxtest: the test changed the schema';
     END IF;
-    IF (SELECT count(*) FROM (SELECT FROM %[4]s LIMIT 1000) r) < 1000 THEN
-        %[5]s
-    ELSE
-        TRUNCATE %[6]s;
-    END IF;
-    ALTER SCHEMA %[2]s RENAME TO %[7]s;
-END $pgoutboxtest$`, fingerprintSQL, s.name, s.fingerprint, tables[0], deletes, strings.Join(tables, ", "), newName))
+    %[4]s
+    ALTER SCHEMA %[2]s RENAME TO %[5]s;
+END $pgoutboxtest$`, fingerprintSQL, s.name, s.fingerprint, empty, newName))
 	if err != nil {
 		d.drop(s.name)
 		return false

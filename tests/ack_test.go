@@ -69,10 +69,7 @@ VALUES ('t', 'b', '\x00', $1, now() + interval '1 minute', '1999-01-01') RETURNI
 	names, err := query.NewNames(parted, "outbox", "")
 	require.NoError(t, err)
 	require.Equal(t, map[int64]uuid.UUID{mine: ours}, ack(t, b, names, []int64{mine}, []uuid.UUID{ours}))
-	rows, err := b.Pool.Query(ctx, `SELECT id FROM `+parted+`.outbox`)
-	require.NoError(t, err)
-	left, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-	require.NoError(t, err)
+	left := column[int64](t, b, `SELECT id FROM `+parted+`.outbox`)
 	require.Equal(t, []int64{other}, left, "the other partition's row at the same ctid stays")
 }
 
@@ -128,7 +125,6 @@ VALUES ('t', $2, '\x00', $1, now() - interval '1 second') RETURNING id`, token, 
 func TestAckOfARowAckedTwiceInOneBatch(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	ctx := context.Background()
 	names := b.names(t)
 	tbl := b.Schema + ".outbox"
 	earlier, now, stranger := uuid.New(), uuid.New(), uuid.New()
@@ -136,10 +132,7 @@ func TestAckOfARowAckedTwiceInOneBatch(t *testing.T) {
 
 	got := ack(t, b, names, []int64{twice, twice, other}, []uuid.UUID{earlier, now, earlier})
 	require.Equal(t, map[int64]uuid.UUID{twice: now}, got, "deleted under the token that held it")
-	rows, err := b.Pool.Query(ctx, `SELECT id FROM `+tbl+` WHERE topic = 't'`)
-	require.NoError(t, err)
-	left, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-	require.NoError(t, err)
+	left := column[int64](t, b, `SELECT id FROM `+tbl+` WHERE topic = 't'`)
 	require.Equal(t, []int64{other}, left, "a row held under a token outside the batch stays")
 }
 

@@ -9,6 +9,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -264,4 +265,26 @@ func onPath(t *testing.T, path string, c *pgoutbox.SubscriberConfig) {
 	id := c.WorkerID
 	testhook.ForceClaimPath(id, path)
 	t.Cleanup(func() { testhook.ForceClaimPath(id, "") })
+}
+
+// onEachClaimMode runs run as a parallel subtest per claim mode: the
+// default (ClaimAuto), leases only and the held path.
+func onEachClaimMode(t *testing.T, run func(t *testing.T, mode pgoutbox.ClaimMode)) {
+	t.Helper()
+	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimAuto, pgoutbox.ClaimLease, pgoutbox.ClaimHeld} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			run(t, mode)
+		})
+	}
+}
+
+// column returns the first column of every row of q, as T.
+func column[T any](t *testing.T, b *bundle, q string, args ...any) []T {
+	t.Helper()
+	rows, err := b.Pool.Query(context.Background(), q, args...)
+	require.NoError(t, err)
+	out, err := pgx.CollectRows(rows, pgx.RowTo[T])
+	require.NoError(t, err)
+	return out
 }

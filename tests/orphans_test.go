@@ -24,12 +24,7 @@ import (
 // commits only after the survivor took the first ones over.
 func TestOrphanedRowsOfAClaimThatCommittedAfterItsHolderDied(t *testing.T) {
 	t.Parallel()
-	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimAuto, pgoutbox.ClaimLease, pgoutbox.ClaimHeld} {
-		t.Run(mode.String(), func(t *testing.T) {
-			t.Parallel()
-			orphansOfALateClaim(t, mode)
-		})
-	}
+	onEachClaimMode(t, orphansOfALateClaim)
 }
 
 func orphansOfALateClaim(t *testing.T, mode pgoutbox.ClaimMode) {

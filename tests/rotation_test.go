@@ -263,12 +263,7 @@ func TestRotateMovesRowsThatOutliveTheRing(t *testing.T) {
 // leaves the ring turning, its drained partitions truncated (while held
 // batches and leases come and go), and every message delivered.
 func TestSubscriberRotatesItsOutbox(t *testing.T) {
-	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimAuto, pgoutbox.ClaimLease, pgoutbox.ClaimHeld} {
-		t.Run(mode.String(), func(t *testing.T) {
-			t.Parallel()
-			testSubscriberRotates(t, mode)
-		})
-	}
+	onEachClaimMode(t, testSubscriberRotates)
 }
 
 func testSubscriberRotates(t *testing.T, mode pgoutbox.ClaimMode) {

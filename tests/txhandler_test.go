@@ -12,7 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/cqrs"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -376,11 +375,7 @@ func TestCQRSCommandHandlerCommitsEventsWithItsWrite(t *testing.T) {
 
 func (b *bundle) strings(t *testing.T, q string, args ...any) []string {
 	t.Helper()
-	rows, err := b.Pool.Query(context.Background(), q, args...)
-	require.NoError(t, err)
-	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	require.NoError(t, err)
-	return out
+	return column[string](t, b, q, args...)
 }
 
 // A handler still running when its Router begins to close keeps a live

@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"slices"
 	"testing"
 	"time"
 
@@ -162,4 +163,43 @@ func leasedRow(t *testing.T, b *bundle, token uuid.UUID) int64 {
 	require.NoError(t, b.Pool.QueryRow(context.Background(), `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, lease_token, leased_until)
 VALUES ('t', $2, '\x00', $1, now() + interval '1 minute') RETURNING id`, token, uuid.NewString()).Scan(&id))
 	return id
+}
+
+// An ack pairs each id with its own token whatever order the batch came
+// in (acks arrive in the order handlers finish): the statement finds a
+// row's token by a binary search over the ids, which Write sorts first.
+// A pair with a token that does not hold its row, in the middle of the
+// batch, deletes nothing of that row and does not shift the others.
+func TestAckOfPairsInAnyOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	names := b.names(t)
+	tbl := b.Schema + ".outbox"
+	const n = 60
+	ids, tokens := make([]int64, n), make([]uuid.UUID, n)
+	for i := range ids {
+		tokens[i] = uuid.New()
+		ids[i] = leasedRow(t, b, tokens[i])
+	}
+	// Newest first, then every third pair moved to the front.
+	slices.Reverse(ids)
+	slices.Reverse(tokens)
+	for i := 3; i < n; i += 3 {
+		ids[0], ids[i] = ids[i], ids[0]
+		tokens[0], tokens[i] = tokens[i], tokens[0]
+	}
+	wrong := n / 2
+	kept, held := ids[wrong], tokens[wrong]
+	tokens[wrong] = uuid.New()
+
+	got := ack(t, b, names, slices.Clone(ids), slices.Clone(tokens))
+	want := map[int64]uuid.UUID{}
+	for i := range ids {
+		if i != wrong {
+			want[ids[i]] = tokens[i]
+		}
+	}
+	require.Equal(t, want, got, "every pair that holds its row, and only those")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+tbl+` WHERE id = $1 AND lease_token = $2`, kept, held),
+		"the row acked under another token stays")
 }

@@ -1,7 +1,9 @@
--- The subscriber's ack in three shapes, timed by EXPLAIN ANALYZE on a table
+-- The subscriber's ack in four shapes, timed by EXPLAIN ANALYZE on a table
 -- of leased rows (docs/performance.md, "The ack as one index walk"):
 --   cur    the earlier form: a LATERAL probe per (id, token), then a delete by ctid
---   pos    the ack as it is: one walk of the primary key, tokens paired by array_position
+--   pos    one walk of the primary key, tokens paired by array_position (a linear search)
+--   bin    the ack as it is: the same walk, tokens paired by width_bucket over the
+--          sorted ids (a binary search; the subscriber sorts an ack's pairs by id)
 --   raw    a hand-written DELETE ... USING unnest(ids, tokens) join
 -- Run against a scratch database:
 --   psql "$DSN" -v stmt=pos -v start=5000 -v n=100 -f tests/bench/sql/ack-shapes.sql
@@ -36,6 +38,10 @@ RETURNING o.id, o.lease_token;
 PREPARE pos(bigint[], uuid[]) AS DELETE FROM ackbench.o o
  WHERE o.id = ANY ($1::bigint[])
    AND coalesce(o.lease_token, '00000000-0000-0000-0000-000000000000') = ($2::uuid[])[array_position($1::bigint[], o.id)]
+RETURNING o.id, o.lease_token;
+PREPARE bin(bigint[], uuid[]) AS DELETE FROM ackbench.o o
+ WHERE o.id = ANY ($1::bigint[])
+   AND coalesce(o.lease_token, '00000000-0000-0000-0000-000000000000') = ($2::uuid[])[width_bucket(o.id, $1::bigint[])]
 RETURNING o.id, o.lease_token;
 PREPARE raw(bigint[], uuid[]) AS DELETE FROM ackbench.o o USING unnest($1::bigint[], $2::uuid[]) AS c(id, token)
  WHERE o.id = c.id AND o.lease_token = c.token;

@@ -446,3 +446,28 @@ func TestSchemaConvertToRotating(t *testing.T) {
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, "PARTITION BY LIST (generation)")
 }
+
+// And back: the operator turns the rotating outbox into a single table,
+// its message kept; the commands know it without being told.
+func TestSchemaConvertToSingle(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{Rotating: true})
+	publish(t, env, "back", "kept")
+
+	_, errOut, code := cliRun(t, env, "schema", "convert-to-single")
+	require.Equal(t, exitRefused, code, "no terminal, no --yes: %s", errOut)
+	require.Contains(t, errOut, "pass --yes")
+	out, errOut, code := cliRun(t, env, "schema", "convert-to-single", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "is a single table, with every row")
+	out, errOut, code = cliRun(t, env, "schema", "convert-to-single", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "a single table already")
+
+	out, errOut, code = cliRun(t, env, "schema", "validate", "--json")
+	require.Equal(t, 0, code, errOut)
+	require.JSONEq(t, `{"ok":true,"problems":[]}`, out, "validated as the single table it is")
+	out, errOut, code = cliRun(t, env, "peek", "--topic", "back", "--json")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "kept")
+}

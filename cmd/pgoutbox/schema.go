@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
@@ -17,14 +18,16 @@ const schemaUsage = `Usage:
   pgoutbox schema migrate   versioned migrations: up, down, status, baseline, files
   pgoutbox schema convert-to-rotating
                             turn a single-table outbox into a rotating one, in place
+  pgoutbox schema convert-to-single
+                            turn a rotating outbox back into a single table, in place
 
-Run "pgoutbox schema <sql|apply|validate|migrate|convert-to-rotating> --help" for flags.
+Run "pgoutbox schema <sql|apply|validate|migrate|convert-to-rotating|convert-to-single> --help" for flags.
 `
 
 func (c *cli) schemaCmd(args []string) error {
 	if len(args) == 0 {
 		fmt.Fprint(c.stderr, schemaUsage)
-		return usagef("schema", "missing subcommand: sql, apply, validate, migrate or convert-to-rotating")
+		return usagef("schema", "missing subcommand: sql, apply, validate, migrate, convert-to-rotating or convert-to-single")
 	}
 	switch args[0] {
 	case "-h", "-help", "--help", "help":
@@ -39,9 +42,11 @@ func (c *cli) schemaCmd(args []string) error {
 	case "migrate":
 		return c.migrateCmd(args[1:])
 	case "convert-to-rotating":
-		return c.schemaConvert(args[1:])
+		return c.schemaConvert(args[1:], toRotating)
+	case "convert-to-single":
+		return c.schemaConvert(args[1:], toSingle)
 	}
-	return usagef("schema", "unknown subcommand %q; use sql, apply, validate, migrate or convert-to-rotating", args[0])
+	return usagef("schema", "unknown subcommand %q; use sql, apply, validate, migrate, convert-to-rotating or convert-to-single", args[0])
 }
 
 func (c *cli) schemaSQL(args []string) error {
@@ -119,9 +124,39 @@ func (c *cli) schemaValidate(args []string) error {
 	return nil
 }
 
-func (c *cli) schemaConvert(args []string) error {
-	cmd := c.newCommand("schema convert-to-rotating", "schema convert-to-rotating [--yes] [connection flags]",
-		"  pgoutbox schema convert-to-rotating --dsn postgres://owner@db/app --yes\n  (then set Rotating in every publisher's and subscriber's Config, and restart them)\n", false)
+// conversion is one direction of schema convert-to-rotating and
+// convert-to-single: what it is called, says and does.
+type conversion struct {
+	// set is "set" or "unset": what the processes do to Rotating after.
+	name, set, already, ask string
+	done                    func(d schema.Config) string
+	// toRotating is the direction: the outbox is rotating afterwards.
+	toRotating bool
+	run        func(context.Context, tx.Executor, schema.Config) error
+}
+
+var (
+	toRotating = conversion{
+		name: "convert-to-rotating", set: "set", already: "a rotating outbox",
+		ask: "Convert %s.%s into a rotating outbox? Processes that keep the single table's setting can publish only plain messages (no keyed, scheduled or ordered ones) until they set Rotating and restart.",
+		done: func(d schema.Config) string {
+			return fmt.Sprintf("converted: %s.%s is a rotating outbox; its rows are in %s.", d.Schema, d.Table, query.Derive(d.Table, "_long"))
+		},
+		toRotating: true, run: schema.ConvertToRotating,
+	}
+	toSingle = conversion{
+		name: "convert-to-single", set: "unset", already: "a single table",
+		ask: "Convert %s.%s back into a single table? Processes that keep the rotating setting can publish only plain messages (no keyed, scheduled or ordered ones) until they unset Rotating and restart.",
+		done: func(d schema.Config) string {
+			return fmt.Sprintf("converted: %s.%s is a single table, with every row the rotating outbox had.", d.Schema, d.Table)
+		},
+		run: schema.ConvertToSingle,
+	}
+)
+
+func (c *cli) schemaConvert(args []string, cv conversion) error {
+	cmd := c.newCommand("schema "+cv.name, "schema "+cv.name+" [--yes] [connection flags]",
+		"  pgoutbox schema "+cv.name+" --dsn postgres://owner@db/app --yes\n  (then "+cv.set+" Rotating in every publisher's and subscriber's Config, and restart them)\n", false)
 	yes := cmd.fs.Bool("yes", false, "do not ask for confirmation")
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
@@ -131,19 +166,18 @@ func (c *cli) schemaConvert(args []string) error {
 	return cmd.withOutbox(context.Background(), nil,
 		func(ctx context.Context, exec tx.Executor, t schema.Config) error {
 			d := t.WithDefaults()
-			if t.Rotating {
-				fmt.Fprintf(c.stdout, "%s.%s is a rotating outbox already; nothing to do\n", d.Schema, d.Table)
+			if t.Rotating == cv.toRotating {
+				fmt.Fprintf(c.stdout, "%s.%s is %s already; nothing to do\n", d.Schema, d.Table, cv.already)
 				return nil
 			}
-			q := fmt.Sprintf("Convert %s.%s into a rotating outbox? Processes that keep the single table's setting can publish only plain messages (no keyed, scheduled or ordered ones) until they set Rotating and restart.", d.Schema, d.Table)
-			if err := c.confirm(cmd.name, q, *yes); err != nil {
+			if err := c.confirm(cmd.name, fmt.Sprintf(cv.ask, d.Schema, d.Table), *yes); err != nil {
 				return err
 			}
-			if err := schema.ConvertToRotating(ctx, exec, t); err != nil {
+			if err := cv.run(ctx, exec, t); err != nil {
 				return err
 			}
-			t = t.WithDefaults()
-			fmt.Fprintf(c.stdout, "converted: %s.%s is a rotating outbox; its rows are in %s. Set Rotating in every publisher's and subscriber's Config (pgoutbox commands find it out) and restart them.\n", t.Schema, t.Table, query.Derive(t.Table, "_long"))
+			fmt.Fprintf(c.stdout, "%s %s%s Rotating in every publisher's and subscriber's Config (pgoutbox commands find it out) and restart them.\n",
+				cv.done(d), strings.ToUpper(cv.set[:1]), cv.set[1:])
 			return nil
 		})
 }

@@ -140,11 +140,7 @@ END $pgoutbox$`, n.QTable, Quote(pkey), n.QSchema, Quote(n.DedupIdx), renames(n,
     FOREACH part IN ARRAY ARRAY[%[5]s] LOOP
         EXECUTE format('ALTER TABLE %%s OWNER TO %%s', part, owner);
     END LOOP;
-    FOR r IN SELECT a.privilege_type AS priv,
-                    CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END AS who,
-                    CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END AS opt
-               FROM pg_catalog.pg_class c, aclexplode(c.relacl) a
-              WHERE c.oid = '%[1]s'::regclass AND a.grantee <> c.relowner LOOP
+    FOR r IN `+tableGrants("'%[1]s'")+` LOOP
         EXECUTE format('GRANT %%s ON %[2]s TO %%s%%s', r.priv, r.who, r.opt);
         -- SELECT, not USAGE: reading the sequence is enough, and USAGE
         -- would let a publisher turn the ring with nextval.
@@ -155,11 +151,7 @@ END $pgoutbox$`, n.QTable, Quote(pkey), n.QSchema, Quote(n.DedupIdx), renames(n,
             EXECUTE format('GRANT SELECT, UPDATE, TRUNCATE ON %[4]s TO %%s', r.who);
         END IF;
     END LOOP;
-    FOR r IN SELECT att.attname AS col, a.privilege_type AS priv,
-                    CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END AS who,
-                    CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END AS opt
-               FROM pg_catalog.pg_attribute att, aclexplode(att.attacl) a
-              WHERE att.attrelid = '%[1]s'::regclass AND att.attacl IS NOT NULL AND NOT att.attisdropped LOOP
+    FOR r IN `+columnGrants("'%[1]s'")+` LOOP
         EXECUTE format('GRANT %%s (%%I) ON %[2]s TO %%s%%s', r.priv, r.col, r.who, r.opt);
         IF r.priv = 'SELECT' AND r.col = 'dedup_key' THEN
             -- a keyed publish's conflict target holds the generation
@@ -171,6 +163,27 @@ END $pgoutbox$`, n.QTable, Quote(pkey), n.QSchema, Quote(n.DedupIdx), renames(n,
     END LOOP;
 END $pgoutbox$`, qlong, n.QTable, n.QGenSeq, strings.Join(ring, ", "), strings.Join(ringLiterals, ", "))
 	return s
+}
+
+// tableGrants selects the grants on table rel (a quoted literal) to roles
+// other than its owner, as priv, who (the grantee, quoted, or PUBLIC) and
+// opt (" WITH GRANT OPTION" or ""), for a loop that grants them again.
+func tableGrants(rel string) string {
+	return `SELECT a.privilege_type AS priv,
+                    CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END AS who,
+                    CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END AS opt
+               FROM pg_catalog.pg_class c, aclexplode(c.relacl) a
+              WHERE c.oid = ` + rel + `::regclass AND a.grantee <> c.relowner`
+}
+
+// columnGrants is tableGrants for rel's column grants, with col the
+// column's name.
+func columnGrants(rel string) string {
+	return `SELECT att.attname AS col, a.privilege_type AS priv,
+                    CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END AS who,
+                    CASE WHEN a.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END AS opt
+               FROM pg_catalog.pg_attribute att, aclexplode(att.attacl) a
+              WHERE att.attrelid = ` + rel + `::regclass AND att.attacl IS NOT NULL AND NOT att.attisdropped`
 }
 
 // renames are Release's index renames: the single table's indexes take
@@ -191,4 +204,127 @@ func renames(n, ln Names) string {
 // fillfactor is adopted as it is).
 func indexShape(p string) string {
 	return fmt.Sprintf(`regexp_replace(regexp_replace(pg_get_indexdef(%s.indexrelid), '^.* USING ', ''), ' WITH \([^)]*\)', '')`, p)
+}
+
+// SingleConversionStatements turn a rotating outbox back into a single
+// table (see schema.ConvertToSingle). The long partition becomes the
+// table: the ring's rows are moved into it, in batches that skip what a
+// claim holds, and what is left under the partitioned table's lock; the
+// two indexes a single table has and the long partition lacks are built
+// concurrently first. The swap is then catalog changes under one short
+// ACCESS EXCLUSIVE lock, plus the move of the ring's last rows.
+type SingleConversionStatements struct {
+	// StopRing makes the generation column's default the long
+	// partition's, so plain inserts stop going into the ring (keyed,
+	// scheduled and ordered inserts of processes running with the
+	// rotating setting name their generation and still may, until the
+	// swap moves them).
+	StopRing string
+	// MoveOut[g] moves up to 10,000 rows nothing holds from ring
+	// partition g into the long partition, returning how many.
+	MoveOut []string
+	// MoveAll moves every row left in the ring, under the lock.
+	MoveAll string
+	// Building, IndexState, Prepared, PreparedNames and DropIndex are
+	// ConversionStatements' for the long partition's two new indexes: a
+	// unique index on id (the primary key to be) and the single table's
+	// dedup index, without the generation.
+	Building      string
+	IndexState    string
+	Prepared      []string
+	PreparedNames []string
+	DropIndex     []string
+	// Lock takes the partitioned table's ACCESS EXCLUSIVE lock.
+	Lock string
+	// NextID: the id the single table's identity starts from.
+	NextID string
+	// Swap ($1 NextID's value, inlined) gives the long partition the
+	// partitioned table's grants, detaches it, drops the partitioned table
+	// with the ring and the generation sequence, and makes the long
+	// partition the single table: its name, its indexes' names (those of
+	// the partitioned table's indexes they belonged to, yours included),
+	// the primary key on id, the dedup index without the generation, no
+	// generation column, and the identity.
+	Swap func(next int64) string
+}
+
+// SingleConversion returns the statements that turn n's rotating outbox
+// back into a single table; n is the rotating outbox's names (Rotated),
+// single the single table's.
+func SingleConversion(n, single Names) SingleConversionStatements {
+	long := n.Generations[LongGeneration]
+	qlong := n.QGeneration(LongGeneration)
+	idKey := derive(long, "_id_key")
+	dedupKey := derive(long, "_dedup_key")
+	s := SingleConversionStatements{
+		StopRing: fmt.Sprintf(`DO $pgoutbox$ BEGIN
+    IF (SELECT pg_get_expr(d.adbin, d.adrelid) FROM pg_catalog.pg_attrdef d JOIN pg_catalog.pg_attribute a
+           ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+         WHERE d.adrelid = '%[1]s'::regclass AND a.attname = 'generation') IS DISTINCT FROM '%[2]d' THEN
+        ALTER TABLE %[1]s ALTER COLUMN generation SET DEFAULT %[2]d;
+    END IF;
+END $pgoutbox$`, n.QTable, LongGeneration),
+		MoveAll:  fmt.Sprintf(`UPDATE %s SET generation = %d WHERE generation < %d`, n.QTable, LongGeneration, LongGeneration),
+		Building: fmt.Sprintf(`SELECT EXISTS (SELECT FROM pg_stat_progress_create_index WHERE relid = '%s'::regclass)`, qlong),
+		IndexState: fmt.Sprintf(`SELECT i.indisvalid::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+  JOIN pg_namespace ns ON ns.oid = c.relnamespace WHERE ns.nspname = '%s' AND c.relname = $1`, n.Schema),
+		Prepared: []string{
+			fmt.Sprintf(`CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS %s ON %s (id)`, Quote(idKey), qlong),
+			fmt.Sprintf(`CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS %s ON %s %s`, Quote(dedupKey), qlong, single.dedupConflict()),
+		},
+		PreparedNames: []string{idKey, dedupKey},
+		Lock:          fmt.Sprintf(`LOCK TABLE %s IN ACCESS EXCLUSIVE MODE`, n.QTable),
+		NextID: fmt.Sprintf(`SELECT greatest(coalesce(pg_sequence_last_value(pg_get_serial_sequence('%[1]s', 'id')::regclass), 0),
+                coalesce((SELECT max(id) FROM %[1]s), 0)) + 1`, n.QTable),
+	}
+	for g := range RingSize {
+		s.MoveOut = append(s.MoveOut, fmt.Sprintf(`WITH moved AS (
+    UPDATE %[1]s o SET generation = %[3]d
+     WHERE o.generation = %[4]d AND o.id = ANY (ARRAY(SELECT id FROM %[2]s LIMIT 10000 FOR UPDATE SKIP LOCKED))
+    RETURNING 1
+)
+SELECT count(*) FROM moved`, n.QTable, n.QGeneration(g), LongGeneration, g))
+	}
+	for _, name := range s.PreparedNames {
+		s.DropIndex = append(s.DropIndex, fmt.Sprintf(`DROP INDEX CONCURRENTLY IF EXISTS %s.%s`, n.QSchema, Quote(name)))
+	}
+	s.Swap = func(next int64) string {
+		return fmt.Sprintf(`DO $pgoutbox$ DECLARE r record; parent_pk name; parent_pk_index oid; renames text[] := '{}'; i int; BEGIN
+    -- The partitioned table's primary key was named as Create names the
+    -- single table's: the single table takes its name.
+    SELECT conname, conindid INTO parent_pk, parent_pk_index FROM pg_catalog.pg_constraint
+     WHERE conrelid = '%[1]s'::regclass AND contype = 'p';
+    FOR r IN `+tableGrants("'%[1]s'")+` LOOP
+        EXECUTE format('GRANT %%s ON %[2]s TO %%s%%s', r.priv, r.who, r.opt);
+    END LOOP;
+    FOR r IN `+columnGrants("'%[1]s'")+` AND att.attname <> 'generation' LOOP
+        EXECUTE format('GRANT %%s (%%I) ON %[2]s TO %%s%%s', r.priv, r.col, r.who, r.opt);
+    END LOOP;
+    -- The long partition's indexes take the names of the partitioned
+    -- table's indexes they belong to, but for the primary key and the
+    -- dedup index, which the new ones replace.
+    FOR r IN SELECT child.relname AS child, parent.relname AS parent
+               FROM pg_catalog.pg_index x
+               JOIN pg_catalog.pg_class child ON child.oid = x.indexrelid
+               JOIN pg_catalog.pg_inherits h ON h.inhrelid = x.indexrelid
+               JOIN pg_catalog.pg_class parent ON parent.oid = h.inhparent
+              WHERE x.indrelid = '%[2]s'::regclass AND h.inhparent <> parent_pk_index AND parent.relname <> '%[5]s' LOOP
+        renames := renames || ARRAY[r.child::text, r.parent::text];
+    END LOOP;
+    ALTER TABLE %[1]s DETACH PARTITION %[2]s;
+    -- With the column go the primary key and the dedup index that hold
+    -- it, and its default, which may read the sequence dropped next.
+    ALTER TABLE %[2]s DROP COLUMN generation;
+    DROP TABLE %[1]s;
+    ALTER TABLE %[2]s RENAME TO %[4]s;
+    FOR i IN 1 .. coalesce(array_length(renames, 1), 0) / 2 LOOP
+        EXECUTE format('ALTER INDEX %[3]s.%%I RENAME TO %%I', renames[2 * i - 1], renames[2 * i]);
+    END LOOP;
+    EXECUTE format('ALTER TABLE %[1]s ADD CONSTRAINT %%I PRIMARY KEY USING INDEX %[7]s', parent_pk);
+    ALTER INDEX %[3]s.%[8]s RENAME TO %[6]s;
+    ALTER TABLE %[1]s ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (START WITH %[9]d);
+END $pgoutbox$`, n.QTable, qlong, n.QSchema, Quote(n.Table), strings.ReplaceAll(n.DedupIdx, "'", "''"), Quote(n.DedupIdx),
+			Quote(idKey), Quote(dedupKey), next)
+	}
+	return s
 }

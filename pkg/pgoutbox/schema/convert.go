@@ -104,32 +104,9 @@ func convert(ctx context.Context, db tx.Executor, c Config, single, n query.Name
 	}); err != nil {
 		return err
 	}
-	for i, name := range q.PreparedNames {
-		valid, err := queryStrings(ctx, db, q.IndexState, name)
-		if err != nil {
-			return err
-		}
-		if len(valid) == 1 && valid[0] != "true" {
-			// A concurrent build that failed leaves an invalid index
-			// behind; one still running (another conversion's) looks the
-			// same until it is done.
-			var building bool
-			if err := scanOne(ctx, db, q.Building, nil, &building); err != nil {
-				return err
-			}
-			if building {
-				return fmt.Errorf("an index is being built on %s (another conversion?); run this again once it is done (see pg_stat_progress_create_index)", n.QTable)
-			}
-			if _, err := db.Exec(ctx, q.DropIndex[i]); err != nil {
-				return ddlError(q.DropIndex[i], err)
-			}
-		}
-		if done, err := rotating(); err != nil || done {
-			return err
-		}
-		if _, err := db.Exec(ctx, q.Prepared[i]); err != nil {
-			return ddlError(q.Prepared[i], err)
-		}
+	if err := buildConcurrently(ctx, db, n.QTable, q.Building, q.IndexState, q.Prepared, q.PreparedNames, q.DropIndex,
+		func() (bool, error) { return rotating() }); err != nil {
+		return err
 	}
 	if done, err := rotating(); err != nil || done {
 		return err
@@ -214,5 +191,167 @@ func convertTx(ctx context.Context, db tx.Executor, n query.Names, fn func(e tx.
 			return err
 		}
 		return fn(e)
+	})
+}
+
+// buildConcurrently builds a conversion's indexes with CREATE INDEX
+// CONCURRENTLY, one at a time, dropping one a failed build left invalid
+// and refusing while another build runs on the table (building). It
+// stops, without error, once done reports that another conversion
+// finished.
+func buildConcurrently(ctx context.Context, db tx.Executor, table, building, state string, build, names, drop []string, done func() (bool, error)) error {
+	for i, name := range names {
+		valid, err := queryStrings(ctx, db, state, name)
+		if err != nil {
+			return err
+		}
+		if len(valid) == 1 && valid[0] != "true" {
+			// A concurrent build that failed leaves an invalid index
+			// behind; one still running (another conversion's) looks the
+			// same until it is done.
+			var running bool
+			if err := scanOne(ctx, db, building, nil, &running); err != nil {
+				return err
+			}
+			if running {
+				return fmt.Errorf("an index is being built on %s (another conversion?); run this again once it is done (see pg_stat_progress_create_index)", table)
+			}
+			if _, err := db.Exec(ctx, drop[i]); err != nil {
+				return ddlError(drop[i], err)
+			}
+		}
+		if finished, err := done(); err != nil || finished {
+			return err
+		}
+		if _, err := db.Exec(ctx, build[i]); err != nil {
+			return ddlError(build[i], err)
+		}
+	}
+	return nil
+}
+
+// ConvertToSingle turns a rotating outbox back into a single table (see
+// docs/rotation.md), keeping every row, id, lease, dedup key and grant:
+// the long partition becomes the table. It first stops the ring taking
+// plain inserts, moves the ring's rows into the long partition in batches
+// that skip rows a claim holds, and builds the single table's primary key
+// on id and its dedup index concurrently; then, under the partitioned
+// table's ACCESS EXCLUSIVE lock, it moves what is left in the ring,
+// detaches the long partition, drops the partitioned table with the ring
+// and the generation sequence, and gives the long partition the outbox's
+// name, index names and identity (ids go on from the rotating outbox's).
+// Your own indexes on the outbox are kept, with their names. Each lock
+// waits at most DDLLockTimeout for the transactions using the outbox and
+// then fails, saying so: run it again.
+//
+// Run it as the outbox's owner, with a pool (not a transaction). It is
+// idempotent: a single table is left as it is, and a conversion
+// interrupted part way goes on from where it stopped. The rotating outbox
+// must have pgoutbox's latest layout.
+//
+// The single table keeps the long partition's owner and gets the grants
+// of the partitioned table (column grants on the generation aside). Row
+// security policies and publications of the partitioned table are
+// dropped with it: recreate them on the single table.
+//
+// Afterwards, unset Rotating in every publisher's and subscriber's Config
+// and restart them. Until then, processes that run with the rotating
+// setting go on consuming and publishing plain messages, but their keyed,
+// scheduled and ordered publishes, dead-letter requeues and bindings of
+// new consumer groups fail (their statements name the generation column),
+// and so does their rotation step, logged at every step.
+func ConvertToSingle(ctx context.Context, db tx.Executor, c Config) error {
+	c.Rotating = false
+	single, err := c.names()
+	if err != nil {
+		return err
+	}
+	n := single.Rotated()
+	if err := convertBack(ctx, db, c, single, n); err != nil {
+		return fmt.Errorf("pgoutbox: convert %s to a single table: %w", n.QTable, err)
+	}
+	return nil
+}
+
+func convertBack(ctx context.Context, db tx.Executor, c Config, single, n query.Names) error {
+	if db.InTx() {
+		return errors.New("pass a pool (tx.FromPgxPool, tx.FromSQLDB), not a transaction: the indexes are built concurrently, which a transaction cannot do")
+	}
+	rotating := func() (bool, error) {
+		exists, rotating, err := outboxLayout(ctx, db, n)
+		if err == nil && !exists {
+			err = fmt.Errorf("table %s.%s does not exist; create a single-table outbox with schema.Create", n.Schema, n.Table)
+		}
+		return rotating, err
+	}
+	switch rot, err := rotating(); {
+	case err != nil:
+		return err
+	case !rot:
+		return nil
+	}
+	rc := c
+	rc.Rotating = true
+	var ve *ValidationError
+	if err := Validate(ctx, db, rc); errors.As(err, &ve) {
+		return fmt.Errorf("the rotating outbox is not at pgoutbox's latest layout; run schema.Create with Config.Rotating set first: %s", strings.Join(ve.Problems, "; "))
+	} else if err != nil {
+		return err
+	}
+	q := query.SingleConversion(n, single)
+
+	// What takes long first, none of it blocking publishers or consumers
+	// for more than a catalog change.
+	if err := convertTx(ctx, db, single, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, q.StopRing); err != nil {
+			return ddlError(q.StopRing, err)
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
+	for _, move := range q.MoveOut {
+		for {
+			var moved int64
+			if err := scanOne(ctx, db, move, nil, &moved); err != nil {
+				return fmt.Errorf("move the ring's rows into the long partition: %w", err)
+			}
+			if moved == 0 {
+				break
+			}
+		}
+	}
+	done := func() (bool, error) {
+		rot, err := rotating()
+		return !rot, err
+	}
+	if err := buildConcurrently(ctx, db, n.QGeneration(query.LongGeneration), q.Building, q.IndexState, q.Prepared, q.PreparedNames, q.DropIndex, done); err != nil {
+		return err
+	}
+
+	// The swap, in one transaction under the partitioned table's lock.
+	return convertTx(ctx, db, single, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, q.Lock); err != nil {
+			return ddlError(q.Lock, err)
+		}
+		if _, rot, err := outboxLayout(ctx, e, n); err != nil || !rot {
+			return err // another conversion finished while this one waited
+		}
+		var next int64
+		if err := scanOne(ctx, e, q.NextID, nil, &next); err != nil {
+			return err
+		}
+		for _, stmt := range []string{q.MoveAll, q.Swap(next)} {
+			if _, err := e.Exec(ctx, stmt); err != nil {
+				return ddlError(stmt, err)
+			}
+		}
+		var ve *ValidationError
+		if err := Validate(ctx, e, c); errors.As(err, &ve) {
+			return fmt.Errorf("the single table does not validate (nothing was changed): %s", strings.Join(ve.Problems, "; "))
+		} else if err != nil {
+			return err
+		}
+		return nil
 	})
 }

@@ -1,0 +1,225 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// Converting a rotating outbox back to a single table while it is in use,
+// on each claim path: a subscriber of the rotating outbox keeps a message
+// of the ring in hand across the conversion and acks it after; the
+// backlog in the ring, a timer and its dedup key in the long partition
+// stay; roles granted the single table's documented privileges on the
+// rotating outbox publish and consume the single table.
+func TestConvertToSingleKeepsAnOutboxInUse(t *testing.T) {
+	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimLease, pgoutbox.ClaimHeld} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			testConvertBackInUse(t, mode)
+		})
+	}
+}
+
+func testConvertBackInUse(t *testing.T, mode pgoutbox.ClaimMode) {
+	ring := rotatingSetup(t)
+	single := *ring
+	single.tables.Rotating = false
+	ctx := context.Background()
+	pubPool := ring.loginRole(t, "pub", publisherGrants...)
+	subPool := ring.loginRole(t, "sub", subscriberGrants...)
+
+	pub := ring.poolPublisher(t)
+	require.NoError(t, pub.Publish("back.backlog", newMsgs(40)...))
+	require.Equal(t, ring.generationName(t, 0), ring.generationOf(t, "back.backlog"))
+	timer := newMsg("timer")
+	pgoutbox.WithDedupKey(timer, "daily-report")
+	pgoutbox.DeliverAfter(timer, time.Hour)
+	require.NoError(t, pub.Publish("back.timer", timer))
+	maxBefore := ring.count(t, `SELECT max(id)::int FROM `+ring.Schema+`.outbox`)
+
+	old := ring.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ClaimMode = mode; c.MaxInFlight = 1 })
+	oldCtx, stopOld := context.WithCancel(ctx)
+	defer stopOld()
+	oldCh, err := old.Subscribe(oldCtx, "back.backlog")
+	require.NoError(t, err)
+	inHand := receive(t, oldCh, 10*time.Second)
+
+	require.NoError(t, schema.ConvertToSingle(ctx, tx.FromPgxPool(ring.Pool), ring.tables))
+
+	isRot, err := schema.IsRotating(ctx, tx.FromPgxPool(ring.Pool), ring.tables)
+	require.NoError(t, err)
+	require.False(t, isRot)
+	require.NoError(t, schema.Validate(ctx, tx.FromPgxPool(ring.Pool), single.tables))
+	require.ErrorContains(t, schema.Validate(ctx, tx.FromPgxPool(ring.Pool), ring.tables), "is a single table, not a rotating outbox")
+	require.NoError(t, schema.ConvertToSingle(ctx, tx.FromPgxPool(ring.Pool), single.tables), "converting again does nothing")
+	require.Zero(t, ring.count(t, `SELECT count(*) FROM pg_class WHERE relnamespace = $1::regnamespace
+   AND relname IN ('outbox_g0', 'outbox_g1', 'outbox_g2', 'outbox_long', 'outbox_generation')`, ring.Schema),
+		"the ring, its sequence and the long partition's name are gone")
+
+	// The subscriber that ran across the conversion acks what it held and
+	// goes on with the backlog, now in the single table.
+	inHand.Ack()
+	select {
+	case <-inHand.Acked():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the message held across the conversion was not acked")
+	}
+	for range 9 {
+		receive(t, oldCh, 10*time.Second).Ack()
+	}
+	stopOld()
+	require.NoError(t, old.Close())
+	require.Equal(t, 30, single.outboxRows(t, "back.backlog"), "acks across the conversion removed their rows")
+
+	// A publisher still on the rotating setting publishes plain messages;
+	// its keyed ones fail (they name the generation).
+	require.NoError(t, pub.Publish("back.old", newMsg("old setting")))
+	oldKeyed := newMsg("old setting, keyed")
+	pgoutbox.WithDedupKey(oldKeyed, "daily-report")
+	require.Error(t, pub.Publish("back.timer", oldKeyed))
+
+	// The roles publish and consume the single table with what the
+	// rotating outbox granted them; ids go on, and the timer's key holds.
+	spub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pubPool), pgoutbox.PublisherConfig{Tables: single.tables}, single.logger)
+	require.NoError(t, err)
+	require.NoError(t, spub.Publish("back.fresh", newMsgs(20)...))
+	require.Greater(t, single.count(t, `SELECT min(id)::int FROM `+single.Schema+`.outbox WHERE topic = 'back.fresh'`), maxBefore)
+	again := newMsg("timer again")
+	pgoutbox.WithDedupKey(again, "daily-report")
+	res, err := spub.PublishWithResult("back.timer", again)
+	require.NoError(t, err)
+	require.Equal(t, []int{0}, res.Skipped(), "a dedup key published before the conversion still holds")
+
+	sub := single.subscriberOn(t, subPool, func(c *pgoutbox.SubscriberConfig) { c.ClaimMode = mode })
+	subCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	for topic, want := range map[string]int{"back.backlog": 30, "back.fresh": 20, "back.old": 1} {
+		ch, err := sub.Subscribe(subCtx, topic)
+		require.NoError(t, err)
+		ackAll(t, ch, want)
+	}
+	require.Eventually(t, func() bool {
+		return single.outboxRows(t, "back.backlog")+single.outboxRows(t, "back.fresh")+single.outboxRows(t, "back.old") == 0
+	}, 10*time.Second, 10*time.Millisecond)
+	require.Equal(t, 1, single.outboxRows(t, "back.timer"), "the timer waits for its hour")
+}
+
+// The single table a rotating outbox becomes is the one Create makes:
+// the same columns, indexes, constraints, storage parameters and owners,
+// whether Create made the outbox rotating or converted a single table;
+// an index of the user's own keeps its name.
+func TestConvertToSingleMakesCreatesLayout(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	want := setup(t).layout(t)
+
+	made := rotatingSetup(t)
+	require.NoError(t, made.poolPublisher(t).Publish("back.layout", newMsgs(5)...))
+	require.NoError(t, schema.ConvertToSingle(ctx, tx.FromPgxPool(made.Pool), made.tables))
+	require.Equal(t, want, made.layout(t))
+	require.Equal(t, 5, made.outboxRows(t, "back.layout"))
+	single := made.tables
+	single.Rotating = false
+	steps, err := schema.Migrate(ctx, tx.FromPgxPool(made.Pool), single, schema.Latest)
+	require.NoError(t, err, "the versioned migrations take the single table up from where Create left it")
+	require.Empty(t, steps, "at the latest version already")
+
+	there := setup(t)
+	_, err = there.Pool.Exec(ctx, `CREATE INDEX by_uuid ON `+there.Schema+`.outbox (uuid)`)
+	require.NoError(t, err)
+	require.NoError(t, schema.ConvertToRotating(ctx, tx.FromPgxPool(there.Pool), there.tables))
+	_, err = there.Pool.Exec(ctx, `CREATE INDEX by_created ON `+there.Schema+`.outbox (created_at)`)
+	require.NoError(t, err)
+	require.NoError(t, schema.ConvertToSingle(ctx, tx.FromPgxPool(there.Pool), there.tables))
+	got := there.layout(t)
+	require.Contains(t, got, "index CREATE INDEX by_created ON SCHEMA.outbox USING btree (created_at)", "an index made on the rotating outbox")
+	require.Contains(t, got, "index CREATE INDEX by_uuid ON SCHEMA.outbox USING btree (uuid)", "an index of the single table before")
+	var rest []string
+	for _, l := range got {
+		if l != "index CREATE INDEX by_created ON SCHEMA.outbox USING btree (created_at)" && l != "index CREATE INDEX by_uuid ON SCHEMA.outbox USING btree (uuid)" {
+			rest = append(rest, l)
+		}
+	}
+	require.Equal(t, want, rest, "there and back is the single table Create makes")
+}
+
+// A conversion back interrupted part way (the ring stopped, some rows
+// moved, a cancelled index build) goes on from where it stopped; rows a
+// claim holds in the ring are skipped by the moves and moved under the
+// lock once the claim's transaction ends.
+func TestConvertToSingleGoesOnFromWhereItStopped(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := rotatingSetup(t)
+	require.NoError(t, b.poolPublisher(t).Publish("back.resumed", newMsgs(10)...))
+	single, err := query.NewNames(b.Schema, "outbox", "outbox_dlq")
+	require.NoError(t, err)
+	q := query.SingleConversion(single.Rotated(), single)
+
+	exec := func(stmt string) {
+		t.Helper()
+		_, err := b.Pool.Exec(ctx, stmt)
+		require.NoError(t, err)
+	}
+	exec(q.StopRing)
+	// A claim holds one ring row while the moves run: they skip it.
+	held, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = held.Rollback(ctx) }) // a failed require leaves no transaction for an index build to wait on
+	var heldID int64
+	var gen int
+	// A reused schema's ring may have turned: the rows are wherever the
+	// current generation is.
+	require.NoError(t, held.QueryRow(ctx, `SELECT id, generation FROM `+b.Schema+`.outbox WHERE topic = 'back.resumed' ORDER BY id LIMIT 1 FOR UPDATE`).Scan(&heldID, &gen))
+	require.Less(t, gen, 3, "published into the ring")
+	exec(q.MoveOut[gen])
+	require.Equal(t, []string{fmt.Sprintf("outbox_g%d", gen)}, column[string](t, b, `SELECT tableoid::regclass::text FROM `+b.Schema+`.outbox WHERE topic = 'back.resumed' AND generation < 3`),
+		"the held row stays in the ring")
+	require.Equal(t, 9, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_long WHERE topic = 'back.resumed'`))
+	require.NoError(t, held.Rollback(ctx)) // an index build waits for every older transaction
+	exec(q.Prepared[0])
+	exec(q.StopRing)
+	// What a cancelled CREATE INDEX CONCURRENTLY leaves.
+	_, err = b.Pool.Exec(ctx, `UPDATE pg_index SET indisvalid = false WHERE indexrelid = $1::regclass`, b.Schema+"."+q.PreparedNames[0])
+	require.NoError(t, err)
+	require.NoError(t, b.poolPublisher(t).Publish("back.after", newMsg("after the ring stopped")))
+	require.Equal(t, "outbox_long", b.generationOf(t, "back.after"), "plain inserts go to the long partition once the ring stopped")
+
+	require.NoError(t, schema.ConvertToSingle(ctx, tx.FromPgxPool(b.Pool), b.tables))
+	require.Equal(t, 10, b.outboxRows(t, "back.resumed"))
+	require.Equal(t, 1, b.outboxRows(t, "back.after"))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE id = $1`, heldID))
+	want := setup(t).layout(t)
+	require.Equal(t, want, b.layout(t))
+}
+
+// What cannot be converted back is refused with what to do: a
+// transaction, an outbox that does not exist; a single table is left
+// alone.
+func TestConvertToSingleRefusals(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := rotatingSetup(t)
+	err := pgx.BeginFunc(ctx, b.Pool, func(txn pgx.Tx) error {
+		return schema.ConvertToSingle(ctx, tx.FromPgxTx(txn), b.tables)
+	})
+	require.ErrorContains(t, err, "not a transaction")
+	missing := b.tables
+	missing.Table = "no_such_outbox"
+	require.ErrorContains(t, schema.ConvertToSingle(ctx, tx.FromPgxPool(b.Pool), missing), "does not exist")
+
+	s := setup(t)
+	before := s.layout(t)
+	require.NoError(t, schema.ConvertToSingle(ctx, tx.FromPgxPool(s.Pool), s.tables))
+	require.Equal(t, before, s.layout(t))
+}

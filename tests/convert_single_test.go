@@ -223,3 +223,136 @@ func TestConvertToSingleRefusals(t *testing.T) {
 	require.NoError(t, schema.ConvertToSingle(ctx, tx.FromPgxPool(s.Pool), s.tables))
 	require.Equal(t, before, s.layout(t))
 }
+
+// A user index that holds the generation column would go with it: the
+// conversion refuses before it changes anything.
+func TestConvertToSingleRefusesAnIndexOnTheGeneration(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := rotatingSetup(t)
+	b.exec(t, `CREATE INDEX by_generation ON `+b.Schema+`.outbox (generation, topic)`)
+	before := b.layout(t)
+	err := schema.ConvertToSingle(ctx, tx.FromPgxPool(b.Pool), b.tables)
+	require.ErrorContains(t, err, "by_generation")
+	require.ErrorContains(t, err, "hold the generation column")
+	require.Equal(t, before, b.layout(t), "nothing changed")
+	require.Empty(t, b.strings(t, `SELECT pg_get_expr(d.adbin, d.adrelid) FROM pg_attrdef d JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+ WHERE d.adrelid = '`+b.Schema+`.outbox'::regclass AND a.attname = 'generation' AND pg_get_expr(d.adbin, d.adrelid) = '3'`), "the ring was not stopped")
+
+	b.exec(t, `DROP INDEX `+b.Schema+`.by_generation`)
+	require.NoError(t, schema.ConvertToSingle(ctx, tx.FromPgxPool(b.Pool), b.tables))
+}
+
+// Ids go on past every id the outbox and its dead letters ever had, both
+// ways, even when nothing was published between the conversions (a
+// restarted identity that was never used since) and after the rows were
+// consumed: a dead letter keeps its id, and a requeue puts it back.
+func TestConversionsNeverReuseAnID(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	require.NoError(t, b.poolPublisher(t).Publish("ids.kept", newMsgs(5)...))
+	last := b.count(t, `SELECT max(id)::int FROM `+b.Schema+`.outbox`)
+	b.exec(t, `INSERT INTO `+b.Schema+`.outbox_dlq (id, topic, uuid, payload, metadata, created_at, deliveries, failure_reason)
+  SELECT id, topic, uuid, payload, metadata, created_at, deliveries, 'failed' FROM `+b.Schema+`.outbox
+   WHERE id = (SELECT min(id) FROM `+b.Schema+`.outbox)`)
+	b.exec(t, `DELETE FROM `+b.Schema+`.outbox`)
+
+	publishOne := func() int {
+		t.Helper()
+		require.NoError(t, b.poolPublisher(t).Publish("ids.new", newMsg("new")))
+		id := b.count(t, `SELECT max(id)::int FROM `+b.Schema+`.outbox WHERE topic = 'ids.new'`)
+		b.exec(t, `DELETE FROM `+b.Schema+`.outbox WHERE topic = 'ids.new'`)
+		return id
+	}
+	require.NoError(t, schema.ConvertToRotating(ctx, tx.FromPgxPool(b.Pool), b.tables))
+	require.NoError(t, schema.ConvertToSingle(ctx, tx.FromPgxPool(b.Pool), b.tables))
+	id := publishOne()
+	require.Greater(t, id, last, "there and back with nothing published between")
+
+	rotating := b.tables
+	rotating.Rotating = true
+	require.NoError(t, schema.ConvertToRotating(ctx, tx.FromPgxPool(b.Pool), b.tables))
+	b.tables = rotating
+	next := publishOne()
+	require.Greater(t, next, id, "on the rotating outbox")
+	require.NoError(t, schema.ConvertToSingle(ctx, tx.FromPgxPool(b.Pool), rotating))
+	b.tables.Rotating = false
+	require.Greater(t, publishOne(), next, "back on the single table")
+}
+
+// The single table gets the grants of the rotating outbox, not those its
+// long partition kept from the single table it was before: a grant
+// revoked on the rotating outbox stays revoked.
+func TestConvertToSingleKeepsOnlyTheRotatingOutboxsGrants(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	role := "pgoutbox_revoked_" + b.Schema
+	b.exec(t, `CREATE ROLE `+role)
+	t.Cleanup(func() { b.exec(t, `DROP OWNED BY `+role); b.exec(t, `DROP ROLE `+role) })
+	b.exec(t, `GRANT SELECT, DELETE ON `+b.Schema+`.outbox TO `+role)
+	b.exec(t, `GRANT UPDATE (lease_token) ON `+b.Schema+`.outbox TO `+role)
+	require.NoError(t, schema.ConvertToRotating(ctx, tx.FromPgxPool(b.Pool), b.tables))
+	b.exec(t, `REVOKE ALL ON `+b.Schema+`.outbox FROM `+role)
+	b.exec(t, `REVOKE ALL (lease_token) ON `+b.Schema+`.outbox FROM `+role)
+	b.exec(t, `GRANT INSERT ON `+b.Schema+`.outbox TO `+role)
+
+	require.NoError(t, schema.ConvertToSingle(ctx, tx.FromPgxPool(b.Pool), b.tables))
+	privileges := func(q string) []string {
+		return b.strings(t, q, b.Schema+".outbox", role)
+	}
+	require.Equal(t, []string{"INSERT"}, privileges(`SELECT a.privilege_type::text FROM pg_class c, aclexplode(c.relacl) a
+ WHERE c.oid = $1::regclass AND a.grantee = $2::regrole ORDER BY 1`))
+	require.Empty(t, privileges(`SELECT att.attname::text FROM pg_attribute att, aclexplode(att.attacl) a
+ WHERE att.attrelid = $1::regclass AND a.grantee = $2::regrole`))
+}
+
+// A rotation step of a process that still runs with the rotating setting
+// may be under way when the swap comes: the swap waits for it rather
+// than deadlocking with it (the step reads the generation sequence, then
+// writes the outbox; the swap locks the outbox, then drops the sequence).
+func TestConvertToSingleWaitsForARotationStep(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := rotatingSetup(t)
+	require.NoError(t, b.poolPublisher(t).Publish("back.rotating", newMsgs(5)...))
+	single, err := query.NewNames(b.Schema, "outbox", "outbox_dlq")
+	require.NoError(t, err)
+	n := single.Rotated()
+	rq := query.Build(n, false).RotationStatements
+	// The indexes first, as an interrupted run left them: a build waits
+	// for every older transaction, the step's too.
+	sq := query.SingleConversion(n, single)
+	for _, stmt := range append([]string{sq.StopRing}, sq.Prepared...) {
+		b.exec(t, stmt)
+	}
+
+	// A rotation step, as Rotate runs it: its lock, then the current
+	// generation (a read of the sequence, held to the end).
+	step, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = step.Rollback(ctx) })
+	var mine bool
+	require.NoError(t, step.QueryRow(ctx, rq.RotationLock, n.QTable).Scan(&mine))
+	require.True(t, mine)
+	var cur int
+	var age int64
+	require.NoError(t, step.QueryRow(ctx, rq.Current).Scan(&cur, &age))
+
+	done := make(chan error, 1)
+	go func() { done <- schema.ConvertToSingle(ctx, tx.FromPgxPool(b.Pool), b.tables) }()
+	require.Eventually(t, func() bool {
+		return b.count(t, `SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'advisory'
+   AND pid IN (SELECT pid FROM pg_stat_activity WHERE datname = current_database())`) > 0
+	}, 20*time.Second, 10*time.Millisecond, "the swap waits for the step")
+	require.Zero(t, b.count(t, `SELECT count(*) FROM pg_locks WHERE mode = 'AccessExclusiveLock' AND relation = $1::regclass`, n.QTable),
+		"and takes the outbox's lock only after it")
+	// The step goes on to write the outbox, and ends.
+	var moved int64
+	require.NoError(t, step.QueryRow(ctx, rq.MoveLater[(cur+1)%3], 1.0, 10000).Scan(&moved))
+	require.NoError(t, step.Commit(ctx))
+	require.NoError(t, <-done)
+	require.Equal(t, 5, b.outboxRows(t, "back.rotating"))
+	require.Equal(t, setup(t).layout(t), b.layout(t))
+}

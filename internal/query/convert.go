@@ -102,8 +102,7 @@ END $pgoutbox$`, n.QTable, LongGeneration, Quote(check)),
 		PreparedNames: []string{pkey, ln.DedupIdx},
 		ValidateCheck: fmt.Sprintf(`ALTER TABLE %s VALIDATE CONSTRAINT %s`, n.QTable, Quote(check)),
 		Lock:          fmt.Sprintf(`LOCK TABLE %s IN ACCESS EXCLUSIVE MODE`, n.QTable),
-		NextID: fmt.Sprintf(`SELECT greatest(coalesce(pg_sequence_last_value(pg_get_serial_sequence('%[1]s', 'id')::regclass), 0),
-                coalesce((SELECT max(id) FROM %[1]s), 0)) + 1`, n.QTable),
+		NextID:        nextID(n),
 		Release: fmt.Sprintf(`DO $pgoutbox$ DECLARE pk name; BEGIN
     SELECT conname INTO pk FROM pg_catalog.pg_constraint WHERE conrelid = '%[1]s'::regclass AND contype = 'p';
     IF pk IS NOT NULL THEN
@@ -186,6 +185,20 @@ func columnGrants(rel string) string {
               WHERE att.attrelid = ` + rel + `::regclass AND att.attacl IS NOT NULL AND NOT att.attisdropped`
 }
 
+// nextID selects the id an identity of n's outbox, made anew, must start
+// from: the next value of the current one's sequence (taken, so even ids
+// handed out and not yet committed are behind it; a read would miss a
+// sequence restarted and not used since), and past every id in the outbox
+// and its dead letters, which keep their ids.
+func nextID(n Names) string {
+	dlq := ""
+	if n.QDLQ != "" {
+		dlq = fmt.Sprintf(`, coalesce((SELECT max(id) FROM %s), 0) + 1`, n.QDLQ)
+	}
+	return fmt.Sprintf(`SELECT greatest(nextval(pg_get_serial_sequence('%[1]s', 'id')::regclass),
+                coalesce((SELECT max(id) FROM %[2]s), 0) + 1%[3]s)`, strings.ReplaceAll(n.QTable, "'", "''"), n.QTable, dlq)
+}
+
 // renames are Release's index renames: the single table's indexes take
 // the long partition's names, leaving the outbox's names to the
 // partitioned table's indexes.
@@ -220,7 +233,7 @@ type SingleConversionStatements struct {
 	// rotating setting name their generation and still may, until the
 	// swap moves them).
 	StopRing string
-	// MoveOut[g] moves up to 10,000 rows nothing holds from ring
+	// MoveOut[g] moves up to MoveBatch rows nothing holds from ring
 	// partition g into the long partition, returning how many.
 	MoveOut []string
 	// MoveAll moves every row left in the ring, under the lock.
@@ -234,6 +247,15 @@ type SingleConversionStatements struct {
 	Prepared      []string
 	PreparedNames []string
 	DropIndex     []string
+	// GenerationIndexes lists the indexes, other than the primary key
+	// and the dedup index, that hold the generation column and would go
+	// with it: indexes of yours that a conversion would drop.
+	GenerationIndexes string
+	// RotationLock waits for the rotator's lock, so that no rotation step
+	// (which reads the generation sequence, then writes the outbox) runs
+	// across the swap: the swap drops that sequence, and a step holding
+	// it while waiting for the outbox would deadlock with it.
+	RotationLock string
 	// Lock takes the partitioned table's ACCESS EXCLUSIVE lock.
 	Lock string
 	// NextID: the id the single table's identity starts from.
@@ -247,6 +269,10 @@ type SingleConversionStatements struct {
 	// generation column, and the identity.
 	Swap func(next int64) string
 }
+
+// MoveBatch is how many rows a SingleConversionStatements.MoveOut moves
+// at most.
+const MoveBatch = 10000
 
 // SingleConversion returns the statements that turn n's rotating outbox
 // back into a single table; n is the rotating outbox's names (Rotated),
@@ -274,16 +300,28 @@ END $pgoutbox$`, n.QTable, LongGeneration),
 		},
 		PreparedNames: []string{idKey, dedupKey},
 		Lock:          fmt.Sprintf(`LOCK TABLE %s IN ACCESS EXCLUSIVE MODE`, n.QTable),
-		NextID: fmt.Sprintf(`SELECT greatest(coalesce(pg_sequence_last_value(pg_get_serial_sequence('%[1]s', 'id')::regclass), 0),
-                coalesce((SELECT max(id) FROM %[1]s), 0)) + 1`, n.QTable),
+		NextID:        nextID(n),
+		RotationLock:  fmt.Sprintf(`SELECT pg_advisory_xact_lock(hashtext('pgoutbox rotate ' || '%s'))`, strings.ReplaceAll(n.QTable, "'", "''")),
+		GenerationIndexes: fmt.Sprintf(`SELECT DISTINCT c.relname::text FROM pg_catalog.pg_depend d
+  JOIN pg_catalog.pg_class c ON c.oid = d.objid
+  JOIN pg_catalog.pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid
+ WHERE d.classid = 'pg_catalog.pg_class'::regclass AND c.relkind IN ('i', 'I')
+   AND d.refobjid IN ('%[1]s'::regclass, '%[2]s'::regclass) AND a.attname = 'generation'
+   AND c.oid NOT IN (SELECT conindid FROM pg_catalog.pg_constraint WHERE conrelid = '%[1]s'::regclass AND contype = 'p')
+   AND c.oid NOT IN (SELECT i.inhrelid FROM pg_catalog.pg_inherits i
+                      JOIN pg_catalog.pg_constraint p ON p.conindid = i.inhparent AND p.conrelid = '%[1]s'::regclass AND p.contype = 'p')
+   AND c.relname <> '%[3]s'
+   AND c.oid NOT IN (SELECT i.inhrelid FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class pc ON pc.oid = i.inhparent
+                      WHERE pc.relname = '%[3]s' AND pc.relnamespace = '%[4]s'::regnamespace)
+ ORDER BY 1`, n.QTable, qlong, strings.ReplaceAll(n.DedupIdx, "'", "''"), n.QSchema),
 	}
 	for g := range RingSize {
 		s.MoveOut = append(s.MoveOut, fmt.Sprintf(`WITH moved AS (
     UPDATE %[1]s o SET generation = %[3]d
-     WHERE o.generation = %[4]d AND o.id = ANY (ARRAY(SELECT id FROM %[2]s LIMIT 10000 FOR UPDATE SKIP LOCKED))
+     WHERE o.generation = %[4]d AND o.id = ANY (ARRAY(SELECT id FROM %[2]s LIMIT %[5]d FOR UPDATE SKIP LOCKED))
     RETURNING 1
 )
-SELECT count(*) FROM moved`, n.QTable, n.QGeneration(g), LongGeneration, g))
+SELECT count(*) FROM moved`, n.QTable, n.QGeneration(g), LongGeneration, g, MoveBatch))
 	}
 	for _, name := range s.PreparedNames {
 		s.DropIndex = append(s.DropIndex, fmt.Sprintf(`DROP INDEX CONCURRENTLY IF EXISTS %s.%s`, n.QSchema, Quote(name)))
@@ -294,6 +332,15 @@ SELECT count(*) FROM moved`, n.QTable, n.QGeneration(g), LongGeneration, g))
     -- single table's: the single table takes its name.
     SELECT conname, conindid INTO parent_pk, parent_pk_index FROM pg_catalog.pg_constraint
      WHERE conrelid = '%[1]s'::regclass AND contype = 'p';
+    -- The long partition may still hold grants it had as the single
+    -- table before a conversion to rotating: only the partitioned
+    -- table's count.
+    FOR r IN `+columnGrants("'%[2]s'")+` LOOP
+        EXECUTE format('REVOKE ALL (%%I) ON %[2]s FROM %%s CASCADE', r.col, r.who);
+    END LOOP;
+    FOR r IN SELECT DISTINCT who FROM (`+tableGrants("'%[2]s'")+`) g LOOP
+        EXECUTE format('REVOKE ALL ON %[2]s FROM %%s CASCADE', r.who);
+    END LOOP;
     FOR r IN `+tableGrants("'%[1]s'")+` LOOP
         EXECUTE format('GRANT %%s ON %[2]s TO %%s%%s', r.priv, r.who, r.opt);
     END LOOP;

@@ -5,6 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -247,7 +250,9 @@ func buildConcurrently(ctx context.Context, db tx.Executor, table, building, sta
 // Run it as the outbox's owner, with a pool (not a transaction). It is
 // idempotent: a single table is left as it is, and a conversion
 // interrupted part way goes on from where it stopped. The rotating outbox
-// must have pgoutbox's latest layout.
+// must have pgoutbox's latest layout, and no index of yours may hold the
+// generation column (it would go with the column: ConvertToSingle
+// refuses, naming it).
 //
 // The single table keeps the long partition's owner and gets the grants
 // of the partitioned table (column grants on the generation aside). Row
@@ -299,6 +304,11 @@ func convertBack(ctx context.Context, db tx.Executor, c Config, single, n query.
 		return err
 	}
 	q := query.SingleConversion(n, single)
+	if held, err := queryStrings(ctx, db, q.GenerationIndexes); err != nil {
+		return err
+	} else if len(held) > 0 {
+		return fmt.Errorf("indexes %s hold the generation column, which a single table does not have, and would be dropped with it: drop them, or create them again without the generation, then run this again", strings.Join(held, ", "))
+	}
 
 	// What takes long first, none of it blocking publishers or consumers
 	// for more than a catalog change.
@@ -310,16 +320,8 @@ func convertBack(ctx context.Context, db tx.Executor, c Config, single, n query.
 	}); err != nil {
 		return err
 	}
-	for _, move := range q.MoveOut {
-		for {
-			var moved int64
-			if err := scanOne(ctx, db, move, nil, &moved); err != nil {
-				return fmt.Errorf("move the ring's rows into the long partition: %w", err)
-			}
-			if moved == 0 {
-				break
-			}
-		}
+	if err := moveOut(ctx, db, q.MoveOut); err != nil {
+		return err
 	}
 	done := func() (bool, error) {
 		rot, err := rotating()
@@ -328,9 +330,18 @@ func convertBack(ctx context.Context, db tx.Executor, c Config, single, n query.
 	if err := buildConcurrently(ctx, db, n.QGeneration(query.LongGeneration), q.Building, q.IndexState, q.Prepared, q.PreparedNames, q.DropIndex, done); err != nil {
 		return err
 	}
+	// Processes with the rotating setting went on writing keyed,
+	// scheduled and ordered rows into the ring while the indexes were
+	// built: fewer rows to move under the lock.
+	if err := moveOut(ctx, db, q.MoveOut); err != nil {
+		return err
+	}
 
 	// The swap, in one transaction under the partitioned table's lock.
 	return convertTx(ctx, db, single, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, q.RotationLock); err != nil {
+			return ddlError(q.RotationLock, err)
+		}
 		if _, err := e.Exec(ctx, q.Lock); err != nil {
 			return ddlError(q.Lock, err)
 		}
@@ -354,4 +365,34 @@ func convertBack(ctx context.Context, db tx.Executor, c Config, single, n query.
 		}
 		return nil
 	})
+}
+
+// moveOut runs each ring partition's move until a batch comes back short:
+// what keeps arriving, or a claim holds, is moved under the swap's lock.
+// A batch that met a row moved by a rotation step since its snapshot
+// (serialization failure) is tried again.
+func moveOut(ctx context.Context, db tx.Executor, moves []string) error {
+	for _, move := range moves {
+		for failures := 0; ; {
+			var moved int64
+			err := scanOne(ctx, db, move, nil, &moved)
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == "40001" && failures < 10 {
+				failures++
+				select {
+				case <-time.After(time.Duration(failures) * 10 * time.Millisecond):
+				case <-ctx.Done():
+					return ctx.Err()
+				}
+				continue
+			}
+			if err != nil {
+				return fmt.Errorf("move the ring's rows into the long partition: %w", err)
+			}
+			if moved < query.MoveBatch {
+				break
+			}
+		}
+	}
+	return nil
 }

@@ -70,15 +70,19 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	}
 	// Scan targets live outside the loop: Scan takes their addresses, and
 	// per-row variables would each be an allocation per row.
+	// So is the list of them: Scan's variadic slice would be one more
+	// (each Scan gives the byte slices a new array, so they can be moved
+	// into the delivery afterwards).
 	var reclaimed, free int64
 	var id pgtype.Int8
 	var uuid, key pgtype.Text
+	var payload, metaRaw []byte
 	var deliveries pgtype.Int4
 	var availableAt, createdAt pgtype.Timestamptz
+	dest := []any{&id, &uuid, &payload, &metaRaw, &deliveries, &availableAt, &key, &createdAt,
+		&r.cursorAt, &r.cursor, &reclaimed, &free, &r.serverNow}
 	for rows.Next() {
-		d := &delivery{token: req.token}
-		if err := rows.Scan(&id, &uuid, &d.payload, &d.metaRaw, &deliveries, &availableAt, &key, &createdAt,
-			&r.cursorAt, &r.cursor, &reclaimed, &free, &r.serverNow); err != nil {
+		if err := rows.Scan(dest...); err != nil {
 			rows.Close()
 			r.err = err
 			return r
@@ -86,6 +90,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		if !id.Valid {
 			continue // nothing claimed: the row only carries the cursor
 		}
+		d := &delivery{token: req.token, payload: payload, metaRaw: metaRaw}
 		d.id, d.uuid, d.deliveries = id.Int64, uuid.String, int(deliveries.Int32)
 		d.availableAt, d.orderingKey, d.createdAt = availableAt.Time, key.String, createdAt.Time.UnixMicro()
 		r.rows = append(r.rows, d)
@@ -223,15 +228,18 @@ func (c *claimer) held(req claimRequest) claimResult {
 		if err != nil {
 			return err
 		}
-		var uuid, key pgtype.Text // outside the loop: see lease
+		var id int64 // outside the loop, and their list too: see lease
+		var uuid, key pgtype.Text
+		var payload, metaRaw []byte
 		var deliveries int32
-		var createdAt time.Time
+		var availableAt, createdAt time.Time
+		dest := []any{&id, &uuid, &payload, &metaRaw, &deliveries, &availableAt, &key, &createdAt}
 		for rows.Next() {
-			d := &delivery{token: req.token}
-			if err := rows.Scan(&d.id, &uuid, &d.payload, &d.metaRaw, &deliveries, &d.availableAt, &key, &createdAt); err != nil {
+			if err := rows.Scan(dest...); err != nil {
 				rows.Close()
 				return err
 			}
+			d := &delivery{token: req.token, id: id, payload: payload, metaRaw: metaRaw, availableAt: availableAt}
 			d.uuid, d.deliveries, d.orderingKey, d.createdAt = uuid.String, int(deliveries), key.String, createdAt.UnixMicro()
 			r.rows = append(r.rows, d)
 		}

@@ -393,8 +393,9 @@ func (c *completer) scanWritten(res pgx.BatchResults) ([]writtenKey, error) {
 	defer rows.Close()
 	var id int64
 	var token pgtype.UUID
+	dest := []any{&id, &token} // Scan's variadic list would be an allocation per row
 	for rows.Next() {
-		if err := rows.Scan(&id, &token); err != nil {
+		if err := rows.Scan(dest...); err != nil {
 			return got, err
 		}
 		if token.Valid {

@@ -262,13 +262,14 @@ func (p *Publisher) insert(ctx context.Context, exec tx.Executor, topic string, 
 	}
 	defer rows.Close()
 	idByUUID := make(map[string]int64, len(args.uuids))
+	var (
+		id    int64
+		uuid  string
+		woken int64
+	)
+	dest := []any{&id, &uuid, &woken} // Scan's variadic list would be an allocation per row
 	for rows.Next() {
-		var (
-			id    int64
-			uuid  string
-			woken int64
-		)
-		if err := rows.Scan(&id, &uuid, &woken); err != nil {
+		if err := rows.Scan(dest...); err != nil {
 			return nil, err
 		}
 		if prev, ok := idByUUID[uuid]; !ok || id < prev { // one row per consumer group: the first

@@ -265,5 +265,8 @@ func (sub *subscription) endRow(d *delivery) {
 	}
 	delete(sub.hand.rows, d)
 	d.state, d.batch = finished, nil
+	// The claim's slab array may outlive this row (deliverySlab): it must
+	// not keep the message's bytes.
+	d.payload, d.metaRaw = nil, nil
 	sub.keyEnded(d)
 }

@@ -88,6 +88,10 @@ func (c *claimer) lease(req claimRequest) claimResult {
 			r.err = err
 			return r
 		}
+		// The cursor, the counts and the server's time are the
+		// statement's, the same on every row: read once (pgx skips a nil
+		// target).
+		clear(dest[8:])
 		if !id.Valid {
 			continue // nothing claimed: the row only carries the cursor
 		}

@@ -16,18 +16,13 @@ import (
 )
 
 // Converting a rotating outbox back to a single table while it is in use,
-// on each claim path: a subscriber of the rotating outbox keeps a message
+// on each claim mode: a subscriber of the rotating outbox keeps a message
 // of the ring in hand across the conversion and acks it after; the
 // backlog in the ring, a timer and its dedup key in the long partition
 // stay; roles granted the single table's documented privileges on the
 // rotating outbox publish and consume the single table.
 func TestConvertToSingleKeepsAnOutboxInUse(t *testing.T) {
-	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimLease, pgoutbox.ClaimHeld} {
-		t.Run(mode.String(), func(t *testing.T) {
-			t.Parallel()
-			testConvertBackInUse(t, mode)
-		})
-	}
+	onEachClaimMode(t, testConvertBackInUse)
 }
 
 func testConvertBackInUse(t *testing.T, mode pgoutbox.ClaimMode) {
@@ -39,20 +34,9 @@ func testConvertBackInUse(t *testing.T, mode pgoutbox.ClaimMode) {
 	subPool := ring.loginRole(t, "sub", subscriberGrants...)
 
 	pub := ring.poolPublisher(t)
-	require.NoError(t, pub.Publish("back.backlog", newMsgs(40)...))
+	maxBefore := ring.publishBeforeConversion(t, pub, "back")
 	require.Equal(t, ring.generationName(t, 0), ring.generationOf(t, "back.backlog"))
-	timer := newMsg("timer")
-	pgoutbox.WithDedupKey(timer, "daily-report")
-	pgoutbox.DeliverAfter(timer, time.Hour)
-	require.NoError(t, pub.Publish("back.timer", timer))
-	maxBefore := ring.count(t, `SELECT max(id)::int FROM `+ring.Schema+`.outbox`)
-
-	old := ring.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ClaimMode = mode; c.MaxInFlight = 1 })
-	oldCtx, stopOld := context.WithCancel(ctx)
-	defer stopOld()
-	oldCh, err := old.Subscribe(oldCtx, "back.backlog")
-	require.NoError(t, err)
-	inHand := receive(t, oldCh, 10*time.Second)
+	held := ring.holdOne(t, mode, "back.backlog")
 
 	require.NoError(t, schema.ConvertToSingle(ctx, tx.FromPgxPool(ring.Pool), ring.tables))
 
@@ -68,17 +52,7 @@ func testConvertBackInUse(t *testing.T, mode pgoutbox.ClaimMode) {
 
 	// The subscriber that ran across the conversion acks what it held and
 	// goes on with the backlog, now in the single table.
-	inHand.Ack()
-	select {
-	case <-inHand.Acked():
-	case <-time.After(10 * time.Second):
-		t.Fatal("the message held across the conversion was not acked")
-	}
-	for range 9 {
-		receive(t, oldCh, 10*time.Second).Ack()
-	}
-	stopOld()
-	require.NoError(t, old.Close())
+	held.ackAndTakeNine(t)
 	require.Equal(t, 30, single.outboxRows(t, "back.backlog"), "acks across the conversion removed their rows")
 
 	// A publisher still on the rotating setting publishes plain messages;

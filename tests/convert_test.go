@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
@@ -17,19 +18,14 @@ import (
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
-// Converting a single-table outbox that is in use, on each claim path: a
+// Converting a single-table outbox that is in use, on each claim mode: a
 // subscriber of the single table keeps a message in hand across the
 // conversion and acks it after; the backlog, the timers and the dedup keys
 // published before stay as they were; the roles granted the documented
 // privileges on the single table publish and consume the rotating outbox,
 // and its ring turns.
 func TestConvertToRotatingKeepsAnOutboxInUse(t *testing.T) {
-	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimLease, pgoutbox.ClaimHeld} {
-		t.Run(mode.String(), func(t *testing.T) {
-			t.Parallel()
-			testConvertInUse(t, mode)
-		})
-	}
+	onEachClaimMode(t, testConvertInUse)
 }
 
 func testConvertInUse(t *testing.T, mode pgoutbox.ClaimMode) {
@@ -41,19 +37,8 @@ func testConvertInUse(t *testing.T, mode pgoutbox.ClaimMode) {
 	// Before: a backlog, a timer an hour away with a dedup key, and a
 	// subscriber of the single table holding one message.
 	pub := b.poolPublisher(t)
-	require.NoError(t, pub.Publish("conv.backlog", newMsgs(40)...))
-	timer := newMsg("timer")
-	pgoutbox.WithDedupKey(timer, "daily-report")
-	pgoutbox.DeliverAfter(timer, time.Hour)
-	require.NoError(t, pub.Publish("conv.timer", timer))
-	maxBefore := b.count(t, `SELECT max(id)::int FROM `+b.Schema+`.outbox`)
-
-	old := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ClaimMode = mode; c.MaxInFlight = 1 })
-	oldCtx, stopOld := context.WithCancel(ctx)
-	defer stopOld()
-	oldCh, err := old.Subscribe(oldCtx, "conv.backlog")
-	require.NoError(t, err)
-	inHand := receive(t, oldCh, 10*time.Second)
+	maxBefore := b.publishBeforeConversion(t, pub, "conv")
+	held := b.holdOne(t, mode, "conv.backlog")
 
 	require.NoError(t, schema.ConvertToRotating(ctx, tx.FromPgxPool(b.Pool), b.tables))
 
@@ -68,18 +53,7 @@ func testConvertInUse(t *testing.T, mode pgoutbox.ClaimMode) {
 
 	// The subscriber that ran across the conversion acks what it held and
 	// goes on with the backlog, from the long partition.
-	inHand.Ack()
-	select {
-	case <-inHand.Acked():
-	case <-time.After(10 * time.Second):
-		t.Fatal("the message held across the conversion was not acked")
-	}
-	for range 9 {
-		m := receive(t, oldCh, 10*time.Second)
-		m.Ack()
-	}
-	stopOld()
-	require.NoError(t, old.Close())
+	held.ackAndTakeNine(t)
 	require.Equal(t, 30, b.outboxRows(t, "conv.backlog"), "acks across the conversion removed their rows")
 	require.Equal(t, "outbox_long", b.generationOf(t, "conv.backlog"))
 
@@ -306,4 +280,58 @@ func TestVersionedMigrationsRefuseARotatingOutbox(t *testing.T) {
 	_, err = schema.Migrate(ctx, tx.FromPgxPool(b.Pool), single, 3)
 	require.ErrorIs(t, err, schema.ErrRotatingMigrations, "no single-table step on the partitioned table")
 	require.NoError(t, schema.Validate(ctx, tx.FromPgxPool(b.Pool), b.tables), "nothing changed")
+}
+
+// publishBeforeConversion publishes what a conversion test carries across:
+// 40 messages on <prefix>.backlog, and on <prefix>.timer one due in an
+// hour with the dedup key "daily-report". It returns the largest id.
+func (b *bundle) publishBeforeConversion(t *testing.T, pub *pgoutbox.Publisher, prefix string) int {
+	t.Helper()
+	require.NoError(t, pub.Publish(prefix+".backlog", newMsgs(40)...))
+	timer := newMsg("timer")
+	pgoutbox.WithDedupKey(timer, "daily-report")
+	pgoutbox.DeliverAfter(timer, time.Hour)
+	require.NoError(t, pub.Publish(prefix+".timer", timer))
+	return b.count(t, `SELECT max(id)::int FROM `+b.Schema+`.outbox`)
+}
+
+// heldAcross is a subscriber holding one message of a topic, unacked,
+// while the outbox is converted under it.
+type heldAcross struct {
+	sub    *pgoutbox.Subscriber
+	ch     <-chan *message.Message
+	stop   context.CancelFunc
+	inHand *message.Message
+}
+
+// holdOne subscribes to topic with one message in flight (mode's claim
+// path) and receives it.
+func (b *bundle) holdOne(t *testing.T, mode pgoutbox.ClaimMode, topic string) *heldAcross {
+	t.Helper()
+	h := &heldAcross{sub: b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ClaimMode = mode; c.MaxInFlight = 1 })}
+	ctx, stop := context.WithCancel(context.Background())
+	t.Cleanup(stop)
+	h.stop = stop
+	var err error
+	h.ch, err = h.sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	h.inHand = receive(t, h.ch, 10*time.Second)
+	return h
+}
+
+// ackAndTakeNine acks the message held across the conversion, handles
+// nine more, and closes the subscriber, which writes its acks first.
+func (h *heldAcross) ackAndTakeNine(t *testing.T) {
+	t.Helper()
+	h.inHand.Ack()
+	select {
+	case <-h.inHand.Acked():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the message held across the conversion was not acked")
+	}
+	for range 9 {
+		receive(t, h.ch, 10*time.Second).Ack()
+	}
+	h.stop()
+	require.NoError(t, h.sub.Close())
 }

@@ -136,16 +136,8 @@ func TestConvertToSingleGoesOnFromWhereItStopped(t *testing.T) {
 	ctx := context.Background()
 	b := rotatingSetup(t)
 	require.NoError(t, b.poolPublisher(t).Publish("back.resumed", newMsgs(10)...))
-	single, err := query.NewNames(b.Schema, "outbox", "outbox_dlq")
-	require.NoError(t, err)
-	q := query.SingleConversion(single.Rotated(), single)
-
-	exec := func(stmt string) {
-		t.Helper()
-		_, err := b.Pool.Exec(ctx, stmt)
-		require.NoError(t, err)
-	}
-	exec(q.StopRing)
+	_, q := b.singleConversion(t)
+	b.exec(t, q.StopRing)
 	// A claim holds one ring row while the moves run: they skip it.
 	held, err := b.Pool.Begin(ctx)
 	require.NoError(t, err)
@@ -156,13 +148,13 @@ func TestConvertToSingleGoesOnFromWhereItStopped(t *testing.T) {
 	// current generation is.
 	require.NoError(t, held.QueryRow(ctx, `SELECT id, generation FROM `+b.Schema+`.outbox WHERE topic = 'back.resumed' ORDER BY id LIMIT 1 FOR UPDATE`).Scan(&heldID, &gen))
 	require.Less(t, gen, 3, "published into the ring")
-	exec(q.MoveOut[gen])
+	b.exec(t, q.MoveOut[gen])
 	require.Equal(t, []string{fmt.Sprintf("outbox_g%d", gen)}, column[string](t, b, `SELECT tableoid::regclass::text FROM `+b.Schema+`.outbox WHERE topic = 'back.resumed' AND generation < 3`),
 		"the held row stays in the ring")
 	require.Equal(t, 9, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_long WHERE topic = 'back.resumed'`))
 	require.NoError(t, held.Rollback(ctx)) // an index build waits for every older transaction
-	exec(q.Prepared[0])
-	exec(q.StopRing)
+	b.exec(t, q.Prepared[0])
+	b.exec(t, q.StopRing)
 	// What a cancelled CREATE INDEX CONCURRENTLY leaves.
 	_, err = b.Pool.Exec(ctx, `UPDATE pg_index SET indisvalid = false WHERE indexrelid = $1::regclass`, b.Schema+"."+q.PreparedNames[0])
 	require.NoError(t, err)
@@ -291,13 +283,10 @@ func TestConvertToSingleWaitsForARotationStep(t *testing.T) {
 	ctx := context.Background()
 	b := rotatingSetup(t)
 	require.NoError(t, b.poolPublisher(t).Publish("back.rotating", newMsgs(5)...))
-	single, err := query.NewNames(b.Schema, "outbox", "outbox_dlq")
-	require.NoError(t, err)
-	n := single.Rotated()
+	n, sq := b.singleConversion(t)
 	rq := query.Build(n, false).RotationStatements
 	// The indexes first, as an interrupted run left them: a build waits
 	// for every older transaction, the step's too.
-	sq := query.SingleConversion(n, single)
 	for _, stmt := range append([]string{sq.StopRing}, sq.Prepared...) {
 		b.exec(t, stmt)
 	}
@@ -329,4 +318,14 @@ func TestConvertToSingleWaitsForARotationStep(t *testing.T) {
 	require.NoError(t, <-done)
 	require.Equal(t, 5, b.outboxRows(t, "back.rotating"))
 	require.Equal(t, setup(t).layout(t), b.layout(t))
+}
+
+// singleConversion returns the names of b's rotating outbox and the
+// statements that convert it back, for tests that run a conversion's
+// steps one by one.
+func (b *bundle) singleConversion(t *testing.T) (query.Names, query.SingleConversionStatements) {
+	t.Helper()
+	single, err := query.NewNames(b.Schema, "outbox", "outbox_dlq")
+	require.NoError(t, err)
+	return single.Rotated(), query.SingleConversion(single.Rotated(), single)
 }

@@ -251,7 +251,8 @@ type SingleConversionStatements struct {
 	// and the dedup index, that hold the generation column and would go
 	// with it: indexes of yours that a conversion would drop.
 	GenerationIndexes string
-	// RotationLock waits for the rotator's lock, so that no rotation step
+	// RotationLock ($1 the outbox's quoted name) waits for the
+	// rotator's lock, so that no rotation step
 	// (which reads the generation sequence, then writes the outbox) runs
 	// across the swap: the swap drops that sequence, and a step holding
 	// it while waiting for the outbox would deadlock with it.
@@ -301,7 +302,7 @@ END $pgoutbox$`, n.QTable, LongGeneration),
 		PreparedNames: []string{idKey, dedupKey},
 		Lock:          fmt.Sprintf(`LOCK TABLE %s IN ACCESS EXCLUSIVE MODE`, n.QTable),
 		NextID:        nextID(n),
-		RotationLock:  fmt.Sprintf(`SELECT pg_advisory_xact_lock(hashtext('pgoutbox rotate ' || '%s'))`, strings.ReplaceAll(n.QTable, "'", "''")),
+		RotationLock:  `SELECT pg_advisory_xact_lock(` + rotationLockKey + `)`,
 		GenerationIndexes: fmt.Sprintf(`SELECT DISTINCT c.relname::text FROM pg_catalog.pg_depend d
   JOIN pg_catalog.pg_class c ON c.oid = d.objid
   JOIN pg_catalog.pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid

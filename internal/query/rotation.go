@@ -104,12 +104,17 @@ type RotationStatements struct {
 	LockGeneration, Truncate []string
 }
 
+// rotationLockKey is the advisory lock that makes one rotation step at a
+// time per outbox, $1 the outbox's quoted name: rotation steps try it,
+// the conversion back waits for it.
+const rotationLockKey = `hashtext('pgoutbox rotate ' || $1)`
+
 func buildRotation(n Names) RotationStatements {
 	if !n.Rotating {
 		return RotationStatements{}
 	}
 	r := RotationStatements{
-		RotationLock: `SELECT pg_try_advisory_xact_lock(hashtext('pgoutbox rotate ' || $1))`,
+		RotationLock: `SELECT pg_try_advisory_xact_lock(` + rotationLockKey + `)`,
 		Current: fmt.Sprintf(`SELECT (v %% %[2]d)::int, floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint - v / %[2]d
   FROM pg_sequence_last_value('%[1]s'::regclass) AS v`, n.QGenSeq, RingSize),
 		Advance: fmt.Sprintf(`SELECT setval('%s'::regclass, %s, true)`, n.QGenSeq, n.seqAt("clock_timestamp()", fmt.Sprintf("($1::int + 1) %% %d", RingSize))),

@@ -79,8 +79,9 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	var payload, metaRaw []byte
 	var deliveries pgtype.Int4
 	var availableAt, createdAt pgtype.Timestamptz
-	dest := []any{&id, &uuid, &payload, &metaRaw, &deliveries, &availableAt, &key, &createdAt,
-		&r.cursorAt, &r.cursor, &reclaimed, &free, &r.serverNow}
+	dest := []any{&id, &uuid, &payload, &metaRaw, &deliveries, &availableAt, &key, &createdAt}
+	perRow := len(dest)
+	dest = append(dest, &r.cursorAt, &r.cursor, &reclaimed, &free, &r.serverNow)
 	var slab deliverySlab
 	for rows.Next() {
 		if err := rows.Scan(dest...); err != nil {
@@ -91,7 +92,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		// The cursor, the counts and the server's time are the
 		// statement's, the same on every row: read once (pgx skips a nil
 		// target).
-		clear(dest[8:])
+		clear(dest[perRow:])
 		if !id.Valid {
 			continue // nothing claimed: the row only carries the cursor
 		}

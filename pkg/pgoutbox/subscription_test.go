@@ -83,7 +83,7 @@ func (b *testBundle) claimed(t *testing.T, ids ...int64) []*delivery {
 	b.sub.claims.claiming = true
 	var rows []*delivery
 	for _, id := range ids {
-		rows = append(rows, &delivery{id: id, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`),
+		rows = append(rows, &delivery{id: id, token: req.token, deliveries: 1, uuid: "u", payload: []byte("p"), metaRaw: []byte(`{}`),
 			availableAt: time.Unix(id, 0)})
 	}
 	b.sub.onClaimed(claimResult{req: req, rows: rows, cursor: pgtype.Int8{Int64: ids[len(ids)-1], Valid: true}})
@@ -168,6 +168,8 @@ func TestOwnerAckIsWrittenThenFinished(t *testing.T) {
 	require.Equal(t, finished, d.state)
 	require.Empty(t, b.sub.hand.rows)
 	require.Equal(t, 1, b.eventCount(EventAcked))
+	require.Nil(t, d.payload, "a finished row keeps no bytes: its claim's slab may outlive it")
+	require.Nil(t, d.metaRaw)
 
 	// A second answer to the same message changes nothing.
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: msg, ack: true}, false)

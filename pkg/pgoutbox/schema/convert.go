@@ -7,8 +7,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
-
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -339,7 +337,7 @@ func convertBack(ctx context.Context, db tx.Executor, c Config, single, n query.
 
 	// The swap, in one transaction under the partitioned table's lock.
 	return convertTx(ctx, db, single, func(e tx.Executor) error {
-		if _, err := e.Exec(ctx, q.RotationLock); err != nil {
+		if _, err := e.Exec(ctx, q.RotationLock, n.QTable); err != nil {
 			return ddlError(q.RotationLock, err)
 		}
 		if _, err := e.Exec(ctx, q.Lock); err != nil {
@@ -376,8 +374,7 @@ func moveOut(ctx context.Context, db tx.Executor, moves []string) error {
 		for failures := 0; ; {
 			var moved int64
 			err := scanOne(ctx, db, move, nil, &moved)
-			var pgErr *pgconn.PgError
-			if errors.As(err, &pgErr) && pgErr.Code == "40001" && failures < 10 {
+			if isSerializationFailure(err) && failures < 10 {
 				failures++
 				select {
 				case <-time.After(time.Duration(failures) * 10 * time.Millisecond):

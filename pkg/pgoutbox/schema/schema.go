@@ -164,6 +164,13 @@ func isLockTimeout(err error) bool {
 	return errors.As(err, &pgErr) && pgErr.Code == "55P03" // lock_not_available
 }
 
+// isSerializationFailure: a row the statement meant to lock was updated
+// or moved to another partition since its snapshot; run it again.
+func isSerializationFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "40001" // serialization_failure
+}
+
 // Create creates whatever of the schema is missing. It is idempotent and
 // safe to call from several processes at once. When db is bound to the
 // caller's transaction the DDL runs in it (and commits with it); otherwise

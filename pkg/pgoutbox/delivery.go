@@ -68,7 +68,15 @@ var processStart = time.Now()
 func at(t time.Time) instant                    { return instant(t.Sub(processStart)) }
 func (i instant) add(d time.Duration) instant   { return i + instant(d) }
 func (i instant) since(j instant) time.Duration { return time.Duration(i - j) }
-func (i instant) time() time.Time               { return processStart.Add(time.Duration(i)) }
+
+// time is i as a time.Time, its wall reading taken from the present: the
+// wall clock may have been stepped since the process started (NTP, a
+// virtual machine paused or restored), and an instant follows the
+// monotonic clock, so processStart plus i would be off by every step.
+func (i instant) time() time.Time {
+	now := time.Now()
+	return now.Add(time.Duration(i - at(now)))
+}
 
 // outcome carries what the handler's side knows to the subscriber: the
 // error of a failure (Watermill's Nack carries none), and whether the

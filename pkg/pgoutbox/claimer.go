@@ -332,3 +332,17 @@ func (s *deliverySlab) next() *delivery {
 	s.free = s.free[1:]
 	return d
 }
+
+// claimedRow is what a claim statement returned for a row; the claimer
+// fills it in before the owner sees the delivery.
+type claimedRow struct {
+	id          int64
+	token       pgtype.UUID // lease token of the claim that leased it
+	deliveries  int         // including this one
+	availableAt time.Time
+	createdAt   int64 // when the row was published (its transaction's now()), unix microseconds
+	uuid        string
+	payload     []byte
+	metaRaw     []byte // metadata as stored, to detect a handler's changes
+	orderingKey string // "" for none; the end of a keyed row may unblock the next row of its key
+}

@@ -292,18 +292,18 @@ func (sub *subscription) startClaim(now time.Time) {
 	if n == 0 {
 		return
 	}
-	req := sub.claims.start(n, now, sub.holder(), sub.signals.waiter.Spare)
+	req := sub.claims.start(n, now, sub.holder(), sub.events.signals.waiter.Spare)
 	req.held = sub.held.wantHeld(req, now, sub.claims.scan.keyedUntil, sub.poolHasSpare)
 	go func() {
-		r := sub.claimer.run(req)
-		sub.reports <- report{claim: &r}
+		r := sub.runners.claimer.run(req)
+		sub.events.reports <- report{claim: &r}
 	}()
 }
 
 // holder is what this process's rows are stamped with: its liveness key
 // while it holds the lock, else NULL (liveness unknown: lease expiry only).
 func (sub *subscription) holder() pgtype.Int8 {
-	key, live := sub.signals.waiter.Liveness()
+	key, live := sub.events.signals.waiter.Liveness()
 	return pgtype.Int8{Int64: key, Valid: live && key != 0}
 }
 

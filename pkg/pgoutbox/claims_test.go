@@ -26,7 +26,7 @@ func TestClaimScheduleDecidesWhenToClaim(t *testing.T) {
 	require.False(t, c.waiting(), "the first claim is wanted")
 	req := c.start(10, now, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
 	require.True(t, c.waiting(), "one claim at a time")
-	r := claimResult{req: req, rows: []*delivery{{id: 1}}}
+	r := claimResult{req: req, rows: []*delivery{{claimedRow: claimedRow{id: 1}}}}
 	c.next(r, c.succeeded(r), now)
 	require.False(t, c.waiting(), "rows found: claim again at once")
 
@@ -67,7 +67,7 @@ func TestClaimScheduleAsksForEndedKeys(t *testing.T) {
 	require.Equal(t, minScanWindow, req.window)
 	require.Empty(t, c.endedKeys)
 	// A full claim that got no row of k asks for it again.
-	rows := []*delivery{{id: 1, orderingKey: "x"}, {id: 2}, {id: 3}, {id: 4}}
+	rows := []*delivery{{claimedRow: claimedRow{id: 1, orderingKey: "x"}}, {claimedRow: claimedRow{id: 2}}, {claimedRow: claimedRow{id: 3}}, {claimedRow: claimedRow{id: 4}}}
 	c.succeeded(claimResult{req: req, rows: rows})
 	require.Contains(t, c.endedKeys, "k")
 }
@@ -107,12 +107,12 @@ func TestClaimScanHeldClaimsRescanEverySecond(t *testing.T) {
 	c.windowUntil = start.Add(time.Hour) // windowed claims asked for
 	req := c.request(10, 0, start)
 	req.held = true
-	c.claimed(claimResult{req: req, rows: []*delivery{{id: 5}}, cursor: pgtype.Int8{Int64: 5, Valid: true}, cursorAt: pgtype.Timestamptz{Time: start, Valid: true}})
+	c.claimed(claimResult{req: req, rows: []*delivery{{claimedRow: claimedRow{id: 5}}}, cursor: pgtype.Int8{Int64: 5, Valid: true}, cursorAt: pgtype.Timestamptz{Time: start, Valid: true}})
 	require.Equal(t, int64(5), c.id, "the cursor moves on")
 	later := start.Add(rescanEvery)
 	req = c.request(10, 0, later)
 	req.held = true
-	c.claimed(claimResult{req: req, rows: []*delivery{{id: 9}}, cursor: pgtype.Int8{Int64: 9, Valid: true}, cursorAt: pgtype.Timestamptz{Time: later, Valid: true}})
+	c.claimed(claimResult{req: req, rows: []*delivery{{claimedRow: claimedRow{id: 9}}}, cursor: pgtype.Int8{Int64: 9, Valid: true}, cursorAt: pgtype.Timestamptz{Time: later, Valid: true}})
 	require.Equal(t, scanFromStart, c.at, "a second later the held scan starts again from the start")
 
 	// A windowed lease pass goes on to its end instead.

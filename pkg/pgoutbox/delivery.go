@@ -17,33 +17,19 @@ import (
 )
 
 // delivery is one claimed row, from its claim to its completion write. Only
-// the subscription's owner goroutine reads or writes its fields; the
-// handler's side reaches it through outcome (handler error, rejection) and
-// the watcher goroutine through stopWatch.
+// the subscription's owner goroutine reads or writes its fields once the
+// claimer handed it over; the handler's side reaches it through outcome
+// (handler error, rejection) and the watcher goroutine through stopWatch.
+// Its parts are embedded: each is one concern of the owner's bookkeeping.
 type delivery struct {
-	id          int64
-	token       pgtype.UUID // lease token of the claim that leased it
-	deliveries  int         // including this one
-	availableAt time.Time
-	createdAt   int64 // when the row was published (its transaction's now()), unix microseconds
-	uuid        string
-	payload     []byte
-	metaRaw     []byte // metadata as stored, to detect a handler's changes
-	orderingKey string // "" for none; the end of a keyed row may unblock the next row of its key
-
+	claimedRow
 	state     deliveryState
-	seq       uint32 // counts hand-outs: a verdict names the one it answers
-	claimedAt instant
+	seq       uint32  // counts hand-outs: a verdict names the one it answers
+	claimedAt instant // when the claim that took it was sent
 	expiresAt instant // our lease ends by then at the latest (sent time + Lease of the last write that set it)
-	handedAt  instant // when the message went to the Router
-	retryAt   instant // ordered mode: when a held nack is delivered again
-	holdDone  bool    // ordered mode: the hold of a nack is written
-	outcome   *outcome
-	batch     *heldBatch       // the held path: the batch whose transaction locks the row (nil: leased)
-	fate      heldFate         // the held path: how the batch's end treats the row
-	msg       *message.Message // the message handed out (nil before)
-	cancel    context.CancelFunc
-	stopWatch chan struct{} // closed by the owner when it stops waiting for a verdict
+	handing
+	orderedRetry
+	heldMark
 }
 
 // deliveryState is where a delivery is in the owner's hands.
@@ -108,7 +94,7 @@ const (
 
 func (sub *subscription) newOutcome(d *delivery) *outcome {
 	o := &outcome{complete: sub.s.q.CompleteInTx, id: d.id, token: d.token, unhold: sub.unholder(d)}
-	o.facts = newFacts(sub.origin, d)
+	o.facts = newFacts(sub.outlet.origin, d)
 	return o
 }
 

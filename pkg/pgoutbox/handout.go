@@ -84,7 +84,7 @@ func (sub *subscription) nextMessage(now time.Time) (*delivery, chan *message.Me
 	if sub.hand.ready == nil || full {
 		return nil, nil
 	}
-	return sub.hand.ready, sub.out
+	return sub.hand.ready, sub.outlet.out
 }
 
 // prepare admits d and builds its message (MaxInFlight 1: the owner hands
@@ -94,7 +94,7 @@ func (sub *subscription) prepare(d *delivery, now time.Time) bool {
 		return false
 	}
 	d.outcome = sub.newOutcome(d)
-	msg, cancel, err := buildMessage(sub.msgParent, d.uuid, d.payload, d.metaRaw, d.orderingKey, d.outcome)
+	msg, cancel, err := buildMessage(sub.outlet.parent, d.uuid, d.payload, d.metaRaw, d.orderingKey, d.outcome)
 	if err != nil {
 		sub.poisoned(d, err)
 		return false
@@ -162,25 +162,25 @@ func (sub *subscription) handedOut(d *delivery) {
 	d.state, d.handedAt = handedOut, at(time.Now())
 	d.seq++
 	sub.hand.handed++
-	if sub.slots == nil {
+	if sub.outlet.slots == nil {
 		sub.hand.single = d
 		sub.s.obs.handedOut(d.outcome)
 		return
 	}
 	d.outcome, d.stopWatch = sub.newOutcome(d), make(chan struct{})
 	// Never blocks: see maxHandedOut.
-	sub.slots.hand(slotItem{d: d, seq: d.seq, uuid: d.uuid, payload: d.payload, metaRaw: d.metaRaw, orderingKey: d.orderingKey,
+	sub.outlet.slots.hand(slotItem{d: d, seq: d.seq, uuid: d.uuid, payload: d.payload, metaRaw: d.metaRaw, orderingKey: d.orderingKey,
 		outcome: d.outcome, abandon: d.stopWatch})
 }
 
 // takeQueued takes back the deliveries in the slots' queue that no slot
 // took yet, in queue order; they count as handed out no more.
 func (sub *subscription) takeQueued() []*delivery {
-	if sub.slots == nil {
+	if sub.outlet.slots == nil {
 		return nil
 	}
 	var out []*delivery
-	for _, it := range sub.slots.takeQueued() {
+	for _, it := range sub.outlet.slots.takeQueued() {
 		it.d.state = buffered
 		sub.hand.handed--
 		out = append(out, it.d)
@@ -205,8 +205,8 @@ func (h *handout) oldestHandedOut(now time.Time) time.Duration {
 // rest of the lease window waits in the slots' queue, so a slot that got
 // its verdict takes the next message without waiting for the owner.
 func (sub *subscription) maxHandedOut() int {
-	if sub.slots != nil {
-		return sub.slots.capacity()
+	if sub.outlet.slots != nil {
+		return sub.outlet.slots.capacity()
 	}
 	return sub.cfg.MaxInFlight
 }
@@ -215,10 +215,10 @@ func (sub *subscription) maxHandedOut() int {
 // 1). A slot sends the message to the Router and waits for its verdict, so
 // the owner wakes only to take verdicts, in batches while busy.
 func (sub *subscription) dispatch(now time.Time) {
-	if sub.slots == nil {
+	if sub.outlet.slots == nil {
 		return
 	}
-	for sub.hand.handed < sub.slots.capacity() && !sub.drain.stopping && !sub.backpressured() && len(sub.hand.buffer) > 0 {
+	for sub.hand.handed < sub.outlet.slots.capacity() && !sub.drain.stopping && !sub.backpressured() && len(sub.hand.buffer) > 0 {
 		d := sub.hand.buffer[0]
 		sub.hand.buffer[0] = nil
 		sub.hand.buffer = sub.hand.buffer[1:]
@@ -269,4 +269,23 @@ func (sub *subscription) endRow(d *delivery) {
 	// not keep the message's bytes.
 	d.payload, d.metaRaw = nil, nil
 	sub.keyEnded(d)
+}
+
+// handing is a delivery's hand-out to the Router: the message, its
+// context's cancel, what the handler's side reports through, and the
+// watcher's stop (see handout.go).
+type handing struct {
+	handedAt  instant          // when the message went to the Router
+	msg       *message.Message // the message handed out (nil before)
+	cancel    context.CancelFunc
+	outcome   *outcome
+	stopWatch chan struct{} // closed by the owner when it stops waiting for a verdict
+}
+
+// orderedRetry is an ordered subscription's own redelivery of a nacked
+// row: it keeps the lease and delivers the row again at retryAt, once the
+// hold is written.
+type orderedRetry struct {
+	retryAt  instant
+	holdDone bool
 }

@@ -230,8 +230,8 @@ func (sub *subscription) closeBatch(b *heldBatch, now time.Time, why string) {
 		sub.logger.Trace("Held rows become leases", watermill.LogFields{"rows": len(job.leased), "reason": why})
 	}
 	go func() {
-		r := sub.ender.end(job)
-		sub.reports <- report{batch: &r}
+		r := sub.runners.ender.end(job)
+		sub.events.reports <- report{batch: &r}
 	}()
 }
 
@@ -364,14 +364,14 @@ func (sub *subscription) unholder(d *delivery) func() {
 	}
 	return func() {
 		done := make(chan struct{})
-		sub.inbox.putUnhold(unholdRequest{d: d, done: done})
+		sub.events.inbox.putUnhold(unholdRequest{d: d, done: done})
 		// The handler's DELETE must start after the commit that makes the
 		// row a lease: before it, it would not find the lease token.
 		t := time.NewTimer(heldBound + sub.cfg.StatementTimeout)
 		defer t.Stop()
 		select {
 		case <-done:
-		case <-sub.signals.done: // the subscription ended: the row was given back
+		case <-sub.events.signals.done: // the subscription ended: the row was given back
 		case <-t.C:
 		}
 	}
@@ -390,4 +390,11 @@ func (sub *subscription) unhold(r unholdRequest) {
 	if !b.closing {
 		sub.closeBatch(b, time.Now(), "transaction")
 	}
+}
+
+// heldMark ties a row of the held path to the batch whose transaction
+// locks it (see held.go).
+type heldMark struct {
+	batch *heldBatch // nil: leased
+	fate  heldFate   // how the batch's end treats the row
 }

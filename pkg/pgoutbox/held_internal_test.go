@@ -24,7 +24,7 @@ func TestLostClaimStaysWhenItsWriteJobFailsEarly(t *testing.T) {
 	for _, c := range b.sub.claims.lost {
 		job.releaseTokens = append(job.releaseTokens, c.token)
 	}
-	r := b.sub.comp.write(job) // pool cannot connect: transient error
+	r := b.sub.runners.completer.write(job) // pool cannot connect: transient error
 	require.Error(t, r.err)
 	b.sub.writes.inWrite = true
 	b.sub.onWritten(r)
@@ -44,8 +44,8 @@ func TestHeldFailedEndDropsTheOrderedRetry(t *testing.T) {
 	req.held = true
 	b.sub.claims.claiming = true
 	rows := []*delivery{
-		{id: 1, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(1, 0)},
-		{id: 2, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(2, 0)},
+		{claimedRow: claimedRow{id: 1, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(1, 0)}},
+		{claimedRow: claimedRow{id: 2, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(2, 0)}},
 	}
 	hb := &heldBatch{token: req.token, rows: rows, undecided: 2}
 	b.sub.onClaimed(claimResult{req: req, rows: rows, batch: hb})
@@ -83,7 +83,7 @@ func TestHeldBatchEndDecidesEachRow(t *testing.T) {
 	now := time.Now()
 	rows := make([]*delivery, 5)
 	for i := range rows {
-		rows[i] = &delivery{id: int64(i + 1), state: buffered}
+		rows[i] = &delivery{claimedRow: claimedRow{id: int64(i + 1)}, state: buffered}
 	}
 	hb := &heldBatch{rows: rows, undecided: 5}
 	for _, d := range rows {
@@ -102,7 +102,7 @@ func TestHeldBatchEndDecidesEachRow(t *testing.T) {
 	require.False(t, job.slow)
 	require.True(t, b.sub.held.offUntil.IsZero())
 
-	slow := &heldBatch{rows: []*delivery{{id: 9, state: handedOut}, {id: 10, state: handedOut}}, undecided: 2}
+	slow := &heldBatch{rows: []*delivery{{claimedRow: claimedRow{id: 9}, state: handedOut}, {claimedRow: claimedRow{id: 10}, state: handedOut}}, undecided: 2}
 	job = b.sub.held.close(slow, now, "bound", pgtype.Int8{})
 	require.True(t, job.slow)
 	require.True(t, b.sub.held.offUntil.After(now), "ClaimAuto leases for a while")

@@ -30,7 +30,7 @@ func housekeepingEvery(cfg *SubscriberConfig) time.Duration {
 // housekeeping runs the periodic checks: ack deadlines, stalled buffers,
 // lease renewals.
 func (sub *subscription) housekeeping(now time.Time) {
-	if sub.cfg.AckDeadline > 0 && sub.slots == nil { // with slots, each slot keeps it
+	if sub.cfg.AckDeadline > 0 && sub.outlet.slots == nil { // with slots, each slot keeps it
 		for d := range sub.hand.rows {
 			if d.state == handedOut && at(now).since(d.handedAt) >= sub.cfg.AckDeadline && !d.outcome.completingInTx() {
 				sub.ackDeadlinePassed(d, d.msg)
@@ -47,7 +47,7 @@ func (sub *subscription) housekeeping(now time.Time) {
 	if oldest != nil && at(now).since(oldest.claimedAt) > sub.cfg.Lease/2 {
 		sub.giveBack(sub.hand.takeBuffer())
 	}
-	if sub.slots != nil && sub.slots.queued() > 0 && sub.hand.oldestHandedOut(now) > sub.cfg.Lease/2 {
+	if sub.outlet.slots != nil && sub.outlet.slots.queued() > 0 && sub.hand.oldestHandedOut(now) > sub.cfg.Lease/2 {
 		// The same for the slots' queue: what no slot took yet goes back.
 		sub.giveBack(sub.takeQueued())
 	}

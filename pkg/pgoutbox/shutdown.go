@@ -22,10 +22,10 @@ type drain struct {
 // starts the drain.
 func (sub *subscription) beginStop() {
 	sub.drain.stopping = true
-	sub.signals.cancelStop()
+	sub.events.signals.cancelStop()
 	queued := sub.takeQueued()
-	if sub.slots != nil {
-		sub.slots.stopOffering() // a slot holding a message reports it unsent
+	if sub.outlet.slots != nil {
+		sub.outlet.slots.stopOffering() // a slot holding a message reports it unsent
 	}
 	sub.giveBack(append(queued, sub.hand.takeBuffer()...))
 	if d := sub.hand.retry; d != nil && d.holdDone {
@@ -63,7 +63,7 @@ func (sub *subscription) finishedStopping(now time.Time) bool {
 	}
 	if sub.writes.finalDeadline.IsZero() {
 		sub.writes.finalDeadline = now.Add(sub.cfg.StatementTimeout)
-		sub.comp.setDeadline(sub.writes.finalDeadline)
+		sub.runners.completer.setDeadline(sub.writes.finalDeadline)
 	}
 	if sub.writes.inWrite {
 		return false

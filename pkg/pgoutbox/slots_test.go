@@ -48,7 +48,7 @@ func newSlotBundle(t *testing.T, n int, ackDeadline time.Duration) *slotBundle {
 }
 
 func item(id int64, abandon <-chan struct{}) slotItem {
-	return slotItem{d: &delivery{id: id}, uuid: "u", payload: []byte("p"), metaRaw: []byte("{}"), outcome: &outcome{}, abandon: abandon}
+	return slotItem{d: &delivery{claimedRow: claimedRow{id: id}}, uuid: "u", payload: []byte("p"), metaRaw: []byte("{}"), outcome: &outcome{}, abandon: abandon}
 }
 
 // waitVerdicts takes verdicts until n arrived.

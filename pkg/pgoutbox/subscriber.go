@@ -124,7 +124,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 
 	sub := newSubscription(s, ctx, topic, waiter)
 	go sub.run()
-	return sub.out, nil
+	return sub.outlet.out, nil
 }
 
 func (s *Subscriber) isClosed() bool {

@@ -33,19 +33,11 @@ type subscription struct {
 	topic  string
 	logger watermill.LoggerAdapter
 
-	// Plumbing to the goroutines beside the owner.
-	out        chan *message.Message
-	signals    signals     // wake-ups and stop signals, forwarded as reports
-	reports    chan report // results of the claimer, the completer and batch ends
-	inbox      *verdictInbox
-	verdictBuf []verdict
-	slots      *slots          // MaxInFlight > 1; nil: the owner hands out itself
-	msgParent  context.Context // the parent of message contexts (messageParent)
-	origin     *origin         // topic and group, for DeliveryOf (read by handlers)
-	comp       *completer
-	claimer    *claimer
-	ender      *batchEnder
-	timer      ownerTimer
+	// The plumbing: what the owner waits on, where messages leave for the
+	// Router, and the stateless runners it sends requests to.
+	events  ownerEvents
+	outlet  outlet
+	runners runners
 
 	// The owner's state, in parts.
 	claims claimSchedule
@@ -54,6 +46,36 @@ type subscription struct {
 	house  housekeeping
 	drain  drain
 	held   heldPath
+}
+
+// ownerEvents are what the owner's select waits on besides its hand-outs:
+// the reports of the goroutines beside it (results, wake-ups, stops), its
+// one timer, and the slots' verdicts.
+type ownerEvents struct {
+	reports    chan report // results of the claimer, the completer and batch ends; signals
+	signals    signals     // wake-ups and stop signals, forwarded as reports
+	timer      ownerTimer
+	inbox      *verdictInbox
+	verdictBuf []verdict // the owner's buffer for the verdicts it takes from inbox
+}
+
+// outlet is where messages leave for the Router: the output channel, and
+// the slots that send on it when MaxInFlight > 1, with what each message
+// is built from.
+type outlet struct {
+	out    chan *message.Message
+	slots  *slots          // MaxInFlight > 1; nil: the owner hands out itself
+	parent context.Context // the parent of message contexts (messageParent)
+	origin *origin         // topic and group, for DeliveryOf (read by handlers)
+}
+
+// runners run the statements of a subscription on goroutines beside the
+// owner: each takes a request and returns a result, and keeps no state of
+// the subscription.
+type runners struct {
+	claimer   *claimer
+	completer *completer
+	ender     *batchEnder
 }
 
 // report is what the claimer, the completer, a batch end or the signals
@@ -81,32 +103,39 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 	now := time.Now()
 	reports := make(chan report, 3+maxHeldBatches) // one claim, one write, one signal and the held batches' ends
 	sub := &subscription{
-		s:         s,
-		cfg:       &s.cfg,
-		topic:     topic,
-		logger:    s.logger.With(watermill.LogFields{"topic": topic}),
-		out:       make(chan *message.Message),
-		signals:   newSignals(ctx, s.closing, waiter, reports),
-		msgParent: messageParent(ctx),
-		origin:    &origin{topic: topic, group: s.cfg.ConsumerGroup},
-		inbox:     newVerdictInbox(),
-		reports:   reports,
-		timer:     newOwnerTimer(),
-		claims:    newClaimSchedule(&s.cfg, now),
-		hand:      handout{rows: map[*delivery]struct{}{}},
-		writes:    writeQueue{gate: newRetryGate()},
-		house:     housekeeping{nextRenew: now.Add(s.cfg.Lease / 2)},
-		held:      heldPath{forced: testhook.ClaimPath(s.cfg.WorkerID), cfg: &s.cfg},
+		s:      s,
+		cfg:    &s.cfg,
+		topic:  topic,
+		logger: s.logger.With(watermill.LogFields{"topic": topic}),
+		events: ownerEvents{
+			reports: reports,
+			signals: newSignals(ctx, s.closing, waiter, reports),
+			timer:   newOwnerTimer(),
+			inbox:   newVerdictInbox(),
+		},
+		outlet: outlet{
+			out:    make(chan *message.Message),
+			parent: messageParent(ctx),
+			origin: &origin{topic: topic, group: s.cfg.ConsumerGroup},
+		},
+		claims: newClaimSchedule(&s.cfg, now),
+		hand:   handout{rows: map[*delivery]struct{}{}},
+		writes: writeQueue{gate: newRetryGate()},
+		house:  housekeeping{nextRenew: now.Add(s.cfg.Lease / 2)},
+		held:   heldPath{forced: testhook.ClaimPath(s.cfg.WorkerID), cfg: &s.cfg},
 	}
 	if s.cfg.MaxInFlight > 1 {
 		// The whole lease window fits: slots take the next message
 		// without waiting for the owner, as the claim fills the queue.
-		sub.slots = newSlots(s.cfg.MaxInFlight, s.cfg.MaxInFlight+maxPrefetch, sub.inbox,
-			slotEnv{out: sub.out, parent: sub.msgParent, ackDeadline: s.cfg.AckDeadline, handedOut: s.obs.handedOut})
+		sub.outlet.slots = newSlots(s.cfg.MaxInFlight, s.cfg.MaxInFlight+maxPrefetch, sub.events.inbox,
+			slotEnv{out: sub.outlet.out, parent: sub.outlet.parent, ackDeadline: s.cfg.AckDeadline, handedOut: s.obs.handedOut})
 	}
-	sub.comp = newCompleter(s.pool, s.q, &s.cfg, topic, sub.reports)
-	sub.ender = &batchEnder{q: s.q, cfg: &s.cfg, topic: topic, stmtCtx: sub.comp.stmtCtx}
-	sub.claimer = &claimer{pool: s.pool, q: s.q, cfg: &s.cfg, topic: topic, stop: sub.signals.stopCtx}
+	completer := newCompleter(s.pool, s.q, &s.cfg, topic, reports)
+	sub.runners = runners{
+		completer: completer,
+		ender:     &batchEnder{q: s.q, cfg: &s.cfg, topic: topic, stmtCtx: completer.stmtCtx},
+		claimer:   &claimer{pool: s.pool, q: s.q, cfg: &s.cfg, topic: topic, stop: sub.events.signals.stopCtx},
+	}
 	return sub
 }
 
@@ -126,9 +155,9 @@ func (sub *subscription) run() {
 	// in reverse order: the slots first (then none sends on out), the
 	// signals, the completer (idle by then: the owner waited for its
 	// writes).
-	loops := []background{sub.comp, &sub.signals}
-	if sub.slots != nil {
-		loops = append(loops, sub.slots)
+	loops := []background{sub.runners.completer, &sub.events.signals}
+	if sub.outlet.slots != nil {
+		loops = append(loops, sub.outlet.slots)
 	}
 	for _, l := range loops {
 		l.start()
@@ -146,7 +175,7 @@ func (sub *subscription) run() {
 		}
 		var head *delivery
 		var sendC chan *message.Message
-		if sub.slots != nil {
+		if sub.outlet.slots != nil {
 			sub.dispatch(now)
 		} else {
 			head, sendC = sub.nextMessage(now)
@@ -170,7 +199,7 @@ func (sub *subscription) run() {
 			case sendC <- msg:
 				sub.handedOut(head)
 				continue
-			case <-sub.inbox.wake:
+			case <-sub.events.inbox.wake:
 				sub.takeVerdicts()
 				continue
 			case <-ackC:
@@ -188,13 +217,13 @@ func (sub *subscription) run() {
 		select {
 		case sendC <- msg:
 			sub.handedOut(head)
-		case <-sub.inbox.wake:
+		case <-sub.events.inbox.wake:
 			sub.takeVerdicts()
 		case <-ackC:
 			sub.onVerdict(verdict{d: sub.hand.single, seq: sub.hand.single.seq, msg: single, ack: true}, false)
 		case <-nackC:
 			sub.onVerdict(verdict{d: sub.hand.single, seq: sub.hand.single.seq, msg: single}, false)
-		case r := <-sub.reports:
+		case r := <-sub.events.reports:
 			poolClosed := sub.poolClosedBy(r)
 			switch {
 			case r.claim != nil:
@@ -208,19 +237,19 @@ func (sub *subscription) run() {
 					sub.beginStop()
 				}
 			default:
-				sub.claims.notified(sub.signals.waiter.Take())
+				sub.claims.notified(sub.events.signals.waiter.Take())
 			}
 			if poolClosed && !sub.drain.stopping {
 				sub.beginStop()
 			}
-		case <-sub.timer.t.C:
-			sub.timer.fired() // passedTimes acts on it
+		case <-sub.events.timer.t.C:
+			sub.events.timer.fired() // passedTimes acts on it
 		}
 	}
 	for i := len(loops) - 1; i >= 0; i-- {
 		loops[i].stop()
 	}
-	close(sub.out)
+	close(sub.outlet.out)
 	sub.logger.Debug("Subscription closed", nil)
 }
 
@@ -261,7 +290,7 @@ func (sub *subscription) armTimer(now time.Time) {
 	if sub.hand.retry != nil && sub.hand.retry.holdDone {
 		earliest(sub.hand.retry.retryAt.time())
 	}
-	sub.timer.point(at, now)
+	sub.events.timer.point(at, now)
 }
 
 // passedTimes acts on the timed events that are due: the end of an idle

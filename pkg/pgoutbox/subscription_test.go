@@ -83,8 +83,7 @@ func (b *testBundle) claimed(t *testing.T, ids ...int64) []*delivery {
 	b.sub.claims.claiming = true
 	var rows []*delivery
 	for _, id := range ids {
-		rows = append(rows, &delivery{id: id, token: req.token, deliveries: 1, uuid: "u", payload: []byte("p"), metaRaw: []byte(`{}`),
-			availableAt: time.Unix(id, 0)})
+		rows = append(rows, &delivery{claimedRow: claimedRow{id: id, token: req.token, deliveries: 1, uuid: "u", payload: []byte("p"), metaRaw: []byte(`{}`), availableAt: time.Unix(id, 0)}})
 	}
 	b.sub.onClaimed(claimResult{req: req, rows: rows, cursor: pgtype.Int8{Int64: ids[len(ids)-1], Valid: true}})
 	return rows
@@ -141,7 +140,7 @@ func TestOwnerHandsOutInQueueOrder(t *testing.T) {
 	b.sub.dispatch(time.Now())
 	require.Equal(t, 5, b.sub.hand.handed, "the whole window is queued for the two slots")
 	for id := range int64(5) {
-		it := <-b.sub.slots.queue
+		it := <-b.sub.outlet.slots.queue
 		require.Equal(t, id+1, it.d.id, "in queue order")
 		require.Equal(t, it.d.seq, it.seq)
 	}
@@ -292,7 +291,7 @@ func TestOwnerClaimStartedBeforeAGiveBackGivesItsRowsBack(t *testing.T) {
 	b.sub.claims.claiming = true
 	b.claimed(t, 1)
 	b.sub.giveBack(b.sub.hand.takeBuffer()) // meanwhile: the buffer went back
-	rows := []*delivery{{id: 5, token: req.token, metaRaw: []byte(`{}`)}, {id: 6, token: req.token, metaRaw: []byte(`{}`)}}
+	rows := []*delivery{{claimedRow: claimedRow{id: 5, token: req.token, metaRaw: []byte(`{}`)}}, {claimedRow: claimedRow{id: 6, token: req.token, metaRaw: []byte(`{}`)}}}
 	b.sub.onClaimed(claimResult{req: req, rows: rows})
 	require.Empty(t, b.sub.hand.buffer, "rows newer than those given back must not overtake them")
 	require.Equal(t, 3, b.sub.claims.givingBack)
@@ -317,7 +316,7 @@ func TestOwnerLostClaimIsReleasedBeforeClaimingOn(t *testing.T) {
 // drainJob takes the job startWrite submitted and returns its release
 // tokens.
 func drainJob(b *testBundle) []pgtype.UUID {
-	j := <-b.sub.comp.jobs
+	j := <-b.sub.runners.completer.jobs
 	b.sub.writes.inWrite = false
 	return j.releaseTokens
 }
@@ -327,7 +326,7 @@ func TestOwnerStopGivesBackTheBufferAndReleasesAfterTheDrain(t *testing.T) {
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
 	b.claimed(t, 1, 2, 3)
 	d := b.handOut(t)
-	<-b.sub.slots.queue // a slot took it to the Router
+	<-b.sub.outlet.slots.queue // a slot took it to the Router
 	b.sub.claims.claiming = false
 	b.sub.beginStop()
 	require.Len(t, b.sub.writes.pending.returns, 2, "the buffer goes back at once")
@@ -399,7 +398,7 @@ func TestClaimScanCursor(t *testing.T) {
 	req := c.request(10, 0, start)
 	require.Equal(t, scanFromStart, req.at)
 	require.True(t, req.withExpired, "the first claim looks for expired leases")
-	rows := []*delivery{{id: 7, availableAt: start}, {id: 9, availableAt: start}}
+	rows := []*delivery{{claimedRow: claimedRow{id: 7, availableAt: start}}, {claimedRow: claimedRow{id: 9, availableAt: start}}}
 	c.claimed(claimResult{req: req, rows: rows, cursor: pgtype.Int8{Int64: 9, Valid: true}})
 	require.Equal(t, int64(9), c.id, "the next claim starts after the last ready row")
 
@@ -421,7 +420,7 @@ func TestClaimScanCursor(t *testing.T) {
 // but hands DelayOnError its last delay back.
 func TestDeliveryMessageDropsDelayKeys(t *testing.T) {
 	t.Parallel()
-	d := &delivery{uuid: "u", metaRaw: []byte(`{"_watermill_delayed_for": "1s", "_watermill_delayed_until": "x", "k": "v"}`)}
+	d := &delivery{claimedRow: claimedRow{uuid: "u", metaRaw: []byte(`{"_watermill_delayed_for": "1s", "_watermill_delayed_until": "x", "k": "v"}`)}}
 	msg, err := decodeMessage(d.uuid, d.payload, d.metaRaw)
 	require.NoError(t, err)
 	require.Equal(t, message.Metadata{"k": "v"}, msg.Metadata)

@@ -144,11 +144,11 @@ func delayOf(d time.Duration) pgtype.Int8 {
 // takeVerdicts applies the verdicts the slots reported.
 func (sub *subscription) takeVerdicts() {
 	var unholds []unholdRequest
-	sub.verdictBuf, unholds = sub.inbox.take(sub.verdictBuf)
+	sub.events.verdictBuf, unholds = sub.events.inbox.take(sub.events.verdictBuf)
 	for _, r := range unholds {
 		sub.unhold(r)
 	}
-	for _, v := range sub.verdictBuf {
+	for _, v := range sub.events.verdictBuf {
 		if v.timedOut {
 			if v.d.state == handedOut && v.d.seq == v.seq {
 				sub.ackDeadlinePassed(v.d, v.msg)
@@ -157,7 +157,7 @@ func (sub *subscription) takeVerdicts() {
 		}
 		sub.onVerdict(v, false)
 	}
-	clear(sub.verdictBuf)
+	clear(sub.events.verdictBuf)
 }
 
 // stopWatching ends the wait for d's verdict: a later answer is ignored.

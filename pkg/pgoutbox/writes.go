@@ -25,7 +25,7 @@ type writeQueue struct {
 // completion path that cannot write would otherwise let it lease ever more
 // rows, and a crash would redeliver them all.
 func (sub *subscription) backpressured() bool {
-	return sub.writes.pending.ops()+sub.comp.writing() >= maxPendingCompletions
+	return sub.writes.pending.ops()+sub.runners.completer.writing() >= maxPendingCompletions
 }
 
 // maxPendingCompletions bounds the verdicts not yet written per
@@ -52,7 +52,7 @@ func (sub *subscription) startWrite(now time.Time) {
 	}
 	sub.writes.pending = writeJob{}
 	sub.writes.inWrite = true
-	sub.comp.submit(job)
+	sub.runners.completer.submit(job)
 }
 
 // ackPacing spaces writes that carry only a few acks: written back to back

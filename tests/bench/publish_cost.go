@@ -186,6 +186,19 @@ const bareTable = `CREATE TABLE %s.bare (
     payload  bytea NOT NULL,
     metadata jsonb NOT NULL DEFAULT '{}')`
 
+// arrivalsTable is a table a plain message (due now, no keys) could
+// arrive in: what a message is, when it was published, and one index that
+// finds a topic's messages in order; its consumer group and delivery state
+// would be given when a subscriber takes it.
+const arrivalsTable = `CREATE TABLE %s.arrivals (
+    id         bigint GENERATED ALWAYS AS IDENTITY,
+    topic      text  NOT NULL,
+    uuid       text  NOT NULL,
+    payload    bytea NOT NULL,
+    metadata   jsonb NOT NULL DEFAULT '{}',
+    created_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (topic, id))`
+
 // watermillQueueTable is watermill-sql's PostgreSQLQueueSchema table with a
 // bytea payload (tests/bench/watermillsql.go).
 const watermillQueueTable = `CREATE TABLE %s.queue (
@@ -223,10 +236,13 @@ func costCases() []costCase {
 			costCase{name: "its statement with NOTIFY", perTx: perTx, setup: outboxSetup(), publish: stmtCost(pickNotify, true)},
 			costCase{name: "its statement, quiet", perTx: perTx, setup: outboxSetup(), publish: stmtCost(pickQuiet, false)},
 			costCase{name: "its statement, LEFT JOIN lookup", perTx: perTx, setup: outboxSetup(), publish: leftJoinCost(one)},
+			costCase{name: "  the groups as a parameter", perTx: perTx, setup: outboxSetup(), publish: groupsParamCost(one)},
 			costCase{name: "outbox, no bindings lookup", perTx: perTx, setup: outboxSetup(), publish: unnestOrValues(one, "outbox")},
 			costCase{name: "  keys in COLLATE \"C\"", perTx: perTx, setup: collateC(outboxSetup()), publish: unnestOrValues(one, "outbox")},
 			costCase{name: "  without the partial indexes", perTx: perTx, setup: outboxSetup(partial...), publish: unnestOrValues(one, "outbox")},
 			costCase{name: "  and without the ready index", perTx: perTx, setup: outboxSetup(append(partial, n.ReadyIdx)...), publish: unnestOrValues(one, "outbox")},
+			costCase{name: "  one key, PK (topic,group,at,id)", perTx: perTx, setup: rekeyed(outboxSetup(append(partial, n.ReadyIdx)...)), publish: unnestOrValues(one, "outbox")},
+			costCase{name: "arrivals table, PK (topic, id)", perTx: perTx, setup: sqlSetup(arrivalsTable), publish: unnestOrValues(one, "arrivals")},
 			costCase{name: "bare table, same payload", perTx: perTx, setup: sqlSetup(bareTable), publish: unnestOrValues(one, "bare")},
 			costCase{name: "watermill-sql queue table", perTx: perTx, setup: sqlSetup(watermillQueueTable), publish: valuesCost("queue", false, "json")},
 		)
@@ -260,6 +276,42 @@ SELECT $1, g.consumer_group, $2, $3, $4::jsonb FROM `+groups, topic, msgs[0].UUI
 		_, err := t.Exec(ctx, `INSERT INTO `+q.Names.QTable+` (topic, consumer_group, uuid, payload, metadata)
 SELECT $1, g.consumer_group, m.uuid, m.payload, m.metadata::jsonb
   FROM unnest($2::text[], $3::bytea[], $4::text[]) AS m(uuid, payload, metadata) CROSS JOIN `+groups, topic, uuids, payloads, metadata)
+		return err
+	}
+}
+
+// rekeyed replaces the outbox's primary key on id and its ready index by
+// one primary key that could serve the claim: (topic, consumer_group,
+// available_at, id). A sketch for the comparison: the statements that find
+// a row by its id alone would need the whole key.
+func rekeyed(setup func(ctx context.Context, b *bench, s string) error) func(ctx context.Context, b *bench, s string) error {
+	return func(ctx context.Context, b *bench, s string) error {
+		if err := setup(ctx, b, s); err != nil {
+			return err
+		}
+		t := pgx.Identifier{s, "outbox"}.Sanitize()
+		_, err := b.pool.Exec(ctx, `ALTER TABLE `+t+` DROP CONSTRAINT outbox_pkey;
+ALTER TABLE `+t+` ADD PRIMARY KEY (topic, consumer_group, available_at, id)`)
+		return err
+	}
+}
+
+// groupsParamCost is the publish statement with the groups given by the
+// client instead of looked up: what the bindings lookup costs.
+func groupsParamCost(one bool) func(ctx context.Context, t pgx.Tx, s string, msgs []*message.Message) error {
+	return func(ctx context.Context, t pgx.Tx, s string, msgs []*message.Message) error {
+		q := outboxQueries(s)
+		groups := []string{""}
+		if one {
+			_, err := t.Exec(ctx, `INSERT INTO `+q.Names.QTable+` (topic, consumer_group, uuid, payload, metadata)
+SELECT $1, g.consumer_group, $2, $3, $4::jsonb FROM unnest($5::text[]) AS g(consumer_group)`, topic, msgs[0].UUID, msgs[0].Payload, "{}", groups)
+			return err
+		}
+		uuids, payloads, metadata := columns(msgs)
+		_, err := t.Exec(ctx, `INSERT INTO `+q.Names.QTable+` (topic, consumer_group, uuid, payload, metadata)
+SELECT $1, g.consumer_group, m.uuid, m.payload, m.metadata::jsonb
+  FROM unnest($2::text[], $3::bytea[], $4::text[]) AS m(uuid, payload, metadata) CROSS JOIN unnest($5::text[]) AS g(consumer_group)`,
+			topic, uuids, payloads, metadata, groups)
 		return err
 	}
 }

@@ -108,7 +108,7 @@ func claimStatements(q *query.Queries, topic string) []claimStatement {
 	return []claimStatement{
 		{"windowed", q.Claim, append(slices.Clone(lease), 256, []string{"k1"}, []int64{1, 2})},
 		{"fast", q.ClaimFast, append(slices.Clone(lease), []int64{1, 2})},
-		{"held", q.HeldClaim, query.HeldArgs{Topic: topic, N: 100, CursorAt: fromStart}.Held()},
+		{"held", q.HeldClaim, q.Held(query.HeldArgs{Topic: topic, N: 100, CursorAt: fromStart})},
 	}
 }
 

@@ -30,18 +30,25 @@ const TopicLock = `SELECT pg_advisory_xact_lock(hashtextextended($1, 0))`
 // highest row id when it was bound (rows above it may have been fanned out
 // to the group already, see CopyBacklog). Only when another group is
 // bound: a topic without one has no backlog, only unbound rows (adopted).
+//
+// With arrivals, a new binding also records where its group's arrivals
+// start (ArrivalsFrom).
 func BindGroups(n Names) string {
+	arrCol, arrVal := "", ""
+	if n.Arrivals {
+		arrCol, arrVal = ", "+ArrivalsFromColumn.Name, ", "+ArrivalsFrom(n)
+	}
 	return fmt.Sprintf(`WITH c AS (
     SELECT $3::bool AND EXISTS (SELECT 1 FROM %[1]s WHERE topic = $1 AND consumer_group <> ALL ($2::text[])) AS copy
 ), new AS (
-    INSERT INTO %[1]s (topic, consumer_group, backlog_next, backlog_bound)
+    INSERT INTO %[1]s (topic, consumer_group, backlog_next, backlog_bound%[3]s)
     SELECT $1, g, CASE WHEN (SELECT copy FROM c) THEN 0 END,
-           CASE WHEN (SELECT copy FROM c) THEN (SELECT coalesce(max(id), 0) FROM %[2]s) END
+           CASE WHEN (SELECT copy FROM c) THEN (SELECT coalesce(max(id), 0) FROM %[2]s) END%[4]s
       FROM unnest($2::text[]) AS g
         ON CONFLICT DO NOTHING
     RETURNING consumer_group
 )
-SELECT coalesce(json_agg(consumer_group), '[]')::text FROM new`, n.QBindings, n.QTable)
+SELECT coalesce(json_agg(consumer_group), '[]')::text FROM new`, n.QBindings, n.QTable, arrCol, arrVal)
 }
 
 // BindState tells, for topic $1: whether the default group is bound,

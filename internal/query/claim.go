@@ -22,11 +22,13 @@ type ClaimStatements struct {
 	KeyVerifyHeld      string
 	ReleaseClaim       string
 	NextDue            string
+	arrivals           bool // the outbox has arrivals: the lease claims take an arrivals cursor last
 }
 
 func buildClaim(n Names, ac string) ClaimStatements {
 	t := n.QTable
 	return ClaimStatements{
+		arrivals: n.Arrivals,
 		// Claim leases up to $2 rows of topic $1 under token $3.
 		//
 		// Shape (measured on a 1,000,000-row backlog): one SELECT with
@@ -84,10 +86,10 @@ func buildClaim(n Names, ac string) ClaimStatements {
 		// the window were not held back by their keys (claimed, or locked
 		// by a competitor's claim), and the statement's now(). When nothing
 		// was claimed, one row of NULLs carries them.
-		Claim:              claimStatement(t, ac, true),
-		ClaimNoOrphans:     claimStatement(t, ac, false),
-		ClaimFast:          claimFastStatement(t, ac, true),
-		ClaimFastNoOrphans: claimFastStatement(t, ac, false),
+		Claim:              claimStatement(n, ac, true),
+		ClaimNoOrphans:     claimStatement(n, ac, false),
+		ClaimFast:          claimFastStatement(n, ac, true),
+		ClaimFastNoOrphans: claimFastStatement(n, ac, false),
 
 		// HeldClaim locks up to $2 ready rows of topic $1 and group $3, from
 		// the cursor ($4, $5), in the transaction that runs it: the held
@@ -98,7 +100,7 @@ func buildClaim(n Names, ac string) ClaimStatements {
 		// ordering keys included, is ClaimFast's. The delivery count it
 		// returns is the one this delivery makes (stored only if the row
 		// becomes a lease or is nacked).
-		HeldClaim: fmt.Sprintf(`
+		HeldClaim: heldClaim(n, fmt.Sprintf(`
 SELECT id, uuid, payload, metadata, deliveries + 1, available_at, ordering_key, created_at
   FROM %[1]s r
  WHERE topic = $1 AND consumer_group = $3 AND lease_token IS NULL AND available_at <= now()
@@ -106,7 +108,7 @@ SELECT id, uuid, payload, metadata, deliveries + 1, available_at, ordering_key, 
    AND %[2]s`+NotPaused(t, "$3")+`
  ORDER BY available_at, id
  LIMIT $2::int
-   FOR UPDATE OF r SKIP LOCKED`, t, keyIsFree(t, "r", "$3")),
+   FOR UPDATE OF r SKIP LOCKED`, t, keyIsFree(t, "r", "$3"))),
 
 		KeyLockHeld:    keyLockHeld(n),
 		KeyVerifyLease: keyVerifyLease(n, ac),
@@ -176,8 +178,10 @@ WITH expired AS (
 // claimFastStatement builds query.ClaimFast; see its comment. Its result
 // has the columns of claimStatement's: the cursor is the last ready row
 // claimed, and "free" the number of ready rows.
-func claimFastStatement(t, ac string, orphans bool) string {
+func claimFastStatement(n Names, ac string, orphans bool) string {
+	t := n.QTable
 	expired, orphanedCount, orphanedIDs, readyLimit := leaseBranches(t, orphans, "$11")
+	arr, from, cols := arrivalsOfClaim(n, map[bool]string{false: "$11", true: "$12"}[orphans], readyLimit)
 	return fmt.Sprintf(`%[3]s
 ), ready AS (
     SELECT id, available_at FROM %[1]s r
@@ -186,7 +190,7 @@ func claimFastStatement(t, ac string, orphans bool) string {
        AND %[7]s`+NotPaused(t, "$10")+`
      ORDER BY available_at, id
      LIMIT %[6]s
-       FOR UPDATE SKIP LOCKED
+       FOR UPDATE SKIP LOCKED%[8]s
 ), last_ready AS (
     SELECT available_at, id FROM ready ORDER BY available_at DESC, id DESC LIMIT 1
 ), claimed AS (
@@ -196,14 +200,16 @@ func claimFastStatement(t, ac string, orphans bool) string {
 )
 SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.ordering_key, c.created_at,
        (SELECT available_at FROM last_ready), (SELECT id FROM last_ready),
-       (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM ready), now()
+       (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM ready), now()%[10]s
   FROM (SELECT 1) AS one
-  LEFT JOIN claimed c ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
-		keyIsFree(t, "r", "$10"))
+  LEFT JOIN %[9]s c ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
+		keyIsFree(t, "r", "$10"), arr, from, cols)
 }
 
-func claimStatement(t, ac string, orphans bool) string {
+func claimStatement(n Names, ac string, orphans bool) string {
+	t := n.QTable
 	expired, orphanedCount, orphanedIDs, readyLimit := leaseBranches(t, orphans, "$13")
+	arr, from, cols := arrivalsOfClaim(n, map[bool]string{false: "$13", true: "$14"}[orphans], readyLimit)
 	return fmt.Sprintf(`%[3]s
 ), heads AS (
     SELECT h.id FROM unnest($12::text[]) AS e(k)
@@ -236,7 +242,7 @@ func claimStatement(t, ac string, orphans bool) string {
        AND num_nulls(lease_token) = 1 AND available_at <= now()
      ORDER BY available_at, id
      LIMIT %[6]s
-       FOR UPDATE SKIP LOCKED
+       FOR UPDATE SKIP LOCKED%[8]s
 ), claimed AS (
     UPDATE %[1]s o`+leaseTaken+`
      WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s
@@ -252,11 +258,35 @@ func claimStatement(t, ac string, orphans bool) string {
      WHERE (SELECT count(*) FROM ready) < %[6]s
 )
 SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.ordering_key, c.created_at,
-       l.available_at, l.id, (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM candidates), now()
+       l.available_at, l.id, (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM candidates), now()%[10]s
   FROM (SELECT 1) AS one
-  LEFT JOIN claimed c ON true
+  LEFT JOIN %[9]s c ON true
   LEFT JOIN next_cursor l ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
-		keyIsFree(t, "c", "$10"))
+		keyIsFree(t, "c", "$10"), arr, from, cols)
+}
+
+// arrivalsOfClaim is what a lease claim adds for an outbox with arrivals
+// (see arrivalsLeaseBranch): its CTEs after the ready rows, the rows it
+// returns (the claimed ones and the arrivals moved), and two more result
+// columns: the last arrival taken (the next arrivals cursor) and whether
+// arrivals of other groups wait. cursor is the arrivals cursor's
+// parameter. Without arrivals: nothing, and the claimed rows.
+func arrivalsOfClaim(n Names, cursor, readyLimit string) (ctes, from, cols string) {
+	if !n.Arrivals {
+		return "", "claimed", ""
+	}
+	return arrivalsLeaseBranch(n, cursor+"::bigint", readyLimit+" - (SELECT count(*) FROM ready)"),
+		"(SELECT * FROM claimed UNION ALL SELECT * FROM moved)",
+		",\n       (SELECT max(id) FROM arrivals_pick), " + arrivalsShared(n)
+}
+
+// heldClaim is HeldClaim for an outbox with arrivals (arrivalsHeld) or
+// without.
+func heldClaim(n Names, outbox string) string {
+	if !n.Arrivals {
+		return outbox
+	}
+	return arrivalsHeld(n, outbox)
 }
 
 // leaseTaken is what every lease claim writes to the rows it takes: its
@@ -330,6 +360,7 @@ type ClaimArgs struct {
 	Window      int      // ready rows the scan reads at most; 0: ClaimFast, no window
 	EndedKeys   []string // with a window: ordering keys whose next rows to take
 	Spare       []int64  // look for orphaned rows, sparing these liveness keys; nil: do not look
+	Arrivals    int64    // with arrivals: take those after this id (the arrivals cursor)
 }
 
 // Lease returns the lease claim for a (ClaimFast without a window, Claim
@@ -337,16 +368,21 @@ type ClaimArgs struct {
 // arguments in the statement's order.
 func (q *ClaimStatements) Lease(a ClaimArgs) (string, []any) {
 	args := []any{a.Topic, a.N, a.Token, a.LeaseUS, a.WorkerID, a.CursorAt, a.CursorID, a.ExpiredFrom, a.Holder, a.Group}
+	var stmt string
 	switch {
 	case a.Window == 0 && a.Spare == nil:
-		return q.ClaimFastNoOrphans, args
+		stmt = q.ClaimFastNoOrphans
 	case a.Window == 0:
-		return q.ClaimFast, append(args, a.Spare)
+		stmt, args = q.ClaimFast, append(args, a.Spare)
 	case a.Spare == nil:
-		return q.ClaimNoOrphans, append(args, a.Window, a.EndedKeys)
+		stmt, args = q.ClaimNoOrphans, append(args, a.Window, a.EndedKeys)
 	default:
-		return q.Claim, append(args, a.Window, a.EndedKeys, a.Spare)
+		stmt, args = q.Claim, append(args, a.Window, a.EndedKeys, a.Spare)
 	}
+	if q.arrivals {
+		args = append(args, a.Arrivals)
+	}
+	return stmt, args
 }
 
 // HeldArgs are the parameters of a held claim.
@@ -355,7 +391,14 @@ type HeldArgs struct {
 	N            int
 	CursorAt     pgtype.Timestamptz
 	CursorID     int64
+	Arrivals     int64 // with arrivals: take those after this id
 }
 
 // Held returns HeldClaim's arguments in the statement's order.
-func (a HeldArgs) Held() []any { return []any{a.Topic, a.N, a.Group, a.CursorAt, a.CursorID} }
+func (q *ClaimStatements) Held(a HeldArgs) []any {
+	args := []any{a.Topic, a.N, a.Group, a.CursorAt, a.CursorID}
+	if q.arrivals {
+		args = append(args, a.Arrivals)
+	}
+	return args
+}

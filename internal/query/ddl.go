@@ -104,6 +104,9 @@ func (n Names) Indexes() []Index {
 	if n.DLQTable != "" {
 		idx = append(idx, Index{n.DLQTable, n.DLQIdx})
 	}
+	if n.Arrivals {
+		idx = append(idx, Index{n.ArrivalsTable, n.ArrivalsPkey()})
+	}
 	return idx
 }
 
@@ -171,6 +174,9 @@ func DDL(n Names) []string {
 END $pgoutbox$`, n.QBindings, n.QTable))
 	stmts = append(stmts, pausedDDL(n))
 	stmts = append(stmts, addColumns(n.QBindings, AddedBindingsColumns)...)
+	if n.Arrivals {
+		stmts = append(stmts, arrivalsDDL(n)...)
+	}
 	if n.DLQTable != "" {
 		stmts = append(stmts,
 			fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (

@@ -70,6 +70,11 @@ type Names struct {
 	GenSeq      string
 	QGenSeq     string
 	Generations []string
+	// Arrivals: plain messages arrive in a table of their own (see
+	// WithArrivals); QArrivals is it, "" otherwise.
+	Arrivals      bool
+	ArrivalsTable string // unquoted
+	QArrivals     string
 	// OldIndexes are the first release's indexes, replaced by ReadyIdx,
 	// LeaseIdx and DedupIdx (which lead with the consumer group); DDL
 	// drops them.

@@ -16,6 +16,16 @@ type PublishStatements struct {
 }
 
 func buildPublish(n Names) PublishStatements {
+	p := publishStatements(n)
+	if n.Arrivals {
+		// Plain messages arrive without a lookup (arrivals.go); the rest
+		// (scheduled, keyed, PublishWithResult) go to the outbox.
+		p = arrivalsPublish(n, p)
+	}
+	return p
+}
+
+func publishStatements(n Names) PublishStatements {
 	return PublishStatements{
 		// Publish inserts a whole Publish call in one statement: the messages
 		// travel as parallel arrays, unnest turns them back into rows, in call

@@ -21,6 +21,8 @@ type Queries struct {
 	ClaimStatements
 	CompleteStatements
 	RotationStatements
+	// Arrivals: the statements of an outbox with arrivals (empty without).
+	Arrivals ArrivalsStatements
 }
 
 // asyncCommit is a condition that is always true and, as a side effect,
@@ -47,5 +49,6 @@ func Build(n Names, async bool) *Queries {
 		ClaimStatements:    buildClaim(n, ac),
 		CompleteStatements: buildComplete(n, ac),
 		RotationStatements: buildRotation(n),
+		Arrivals:           buildArrivals(n),
 	}
 }

@@ -47,21 +47,24 @@ func (e *batchEnder) end(job batchJob) batchResult {
 	ctx, cancel := e.stmtCtx()
 	defer cancel()
 	b := &pgx.Batch{}
-	ackIDs := make([]int64, len(job.acks))
-	for i, d := range job.acks {
-		ackIDs[i] = d.id
-	}
-	if len(job.leased) == 0 {
+	ackIDs, arrivedAcks := splitArrived(job.acks)
+	leaseIDs, arrivedLeases := splitArrived(job.leased)
+	if len(leaseIDs) == 0 {
 		if len(ackIDs) > 0 {
 			b.Queue(e.q.HeldAck, ackIDs)
 		}
 	} else {
-		leaseIDs := make([]int64, len(job.leased))
-		for i, d := range job.leased {
-			leaseIDs[i] = d.id
-		}
 		b.Queue(e.q.HeldFinish, query.FinishArgs{AckIDs: ackIDs, LeaseIDs: leaseIDs, Token: job.b.token,
 			LeaseUS: e.cfg.Lease.Microseconds(), WorkerID: e.cfg.WorkerID, Holder: job.holder}.Finish()...)
+	}
+	// Arrivals are deleted where they are; those that become leases move
+	// into the outbox (query.ArrivalsStatements.HeldFinish).
+	switch {
+	case len(arrivedLeases) > 0:
+		b.Queue(e.q.Arrivals.HeldFinish, e.topic, arrivedAcks, arrivedLeases, e.cfg.ConsumerGroup, job.b.token,
+			e.cfg.Lease.Microseconds(), e.cfg.WorkerID, job.holder)
+	case len(arrivedAcks) > 0:
+		b.Queue(e.q.Arrivals.HeldAck, e.topic, arrivedAcks)
 	}
 	if len(job.released) > 0 {
 		// Rows given back are due again at commit: wake the idle
@@ -91,3 +94,16 @@ var errHeldRolledBack = rolledBackError{}
 type rolledBackError struct{}
 
 func (rolledBackError) Error() string { return "pgoutbox: the held transaction rolled back" }
+
+// splitArrived returns the ids of the outbox rows and of the arrivals
+// among ds (Tables.Arrivals).
+func splitArrived(ds []*delivery) (outbox, arrived []int64) {
+	for _, d := range ds {
+		if d.arrived {
+			arrived = append(arrived, d.id)
+		} else {
+			outbox = append(outbox, d.id)
+		}
+	}
+	return outbox, arrived
+}

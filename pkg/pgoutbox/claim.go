@@ -24,6 +24,8 @@ type claimRequest struct {
 	vanishes     uint32             // holders seen vanishing when the claim started (see orphanRelooks)
 	holder       pgtype.Int8        // our liveness key while we hold its lock, else NULL
 	held         bool               // the held path (held.go): lock the rows in a transaction kept open
+	arrivals     int64              // with arrivals: the arrivals cursor, the last arrival a claim took
+	transfer     bool               // with arrivals: fan out the arrivals other groups have too, first
 }
 
 // expiredFrom is the claim's bound on the expired leases it reclaims:
@@ -56,7 +58,13 @@ type claimResult struct {
 	dueIn     time.Duration      // after an empty claim: when the next row is due (0: unknown)
 	batch     *heldBatch         // the held path: the batch of the rows
 	keyBusy   int                // keyed rows given back by the claim's verification: their key was busy
-	err       error
+	// With arrivals: the last arrival the claim took (0: none), whether
+	// arrivals of other groups wait (the next claim fans them out first),
+	// and how many the claim's transfer fanned out.
+	arrivals    int64
+	shared      bool
+	transferred int64
+	err         error
 }
 
 // sortQueueOrder sorts claimed rows into queue order (available_at, id),
@@ -90,6 +98,14 @@ type claimScan struct {
 	resume        bool          // the last claim read only rows it could not take: go on from the cursor
 	keyedUntil    time.Time     // keyed rows were seen: hold many keys until then
 	windowUntil   time.Time     // claim with a window until then (see query.ClaimFast)
+	// With arrivals: the last arrival a claim took (restart: 0; like the
+	// cursor, read from the start every second, for an arrival whose
+	// transaction committed after later ones were taken), when a claim
+	// last read them from the start, and whether arrivals wait to be
+	// fanned out.
+	arrivals       int64
+	arrivalsFromAt time.Time
+	shared         bool
 }
 
 // orphanRelooks are the looks for a vanished liveness holder's rows that a
@@ -176,7 +192,7 @@ func newClaimScan() claimScan {
 // restart makes the next claim scan from the start, and look for expired
 // leases too when asked.
 func (c *claimScan) restart(expired bool) {
-	c.at, c.id, c.resume = scanFromStart, 0, false
+	c.at, c.id, c.resume, c.arrivals = scanFromStart, 0, false, 0
 	c.forceExpired = c.forceExpired || expired
 	if expired {
 		c.expiredSince = scanFromStart
@@ -194,6 +210,8 @@ func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 		id:          c.id,
 		withExpired: c.forceExpired || now.Sub(c.expiredAt) >= rescanEvery,
 		vanishes:    c.relooks.vanishes,
+		arrivals:    c.arrivals,
+		transfer:    c.shared,
 	}
 	if req.withExpired {
 		if now.Sub(c.expiredFullAt) >= expiredFullEvery {
@@ -206,6 +224,9 @@ func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 	}
 	if c.at == scanFromStart {
 		c.fromStartAt = now
+	}
+	if c.arrivals == 0 {
+		c.arrivalsFromAt = now
 	}
 	c.relook(now)
 	if now.Before(c.windowUntil) {
@@ -255,6 +276,13 @@ func (c *claimScan) claimed(r claimResult) {
 	// A held claim reads no window (the request may carry one it ignores):
 	// it scans from the start every second like any unwindowed claim, or a
 	// crashed consumer's rows behind its cursor wait for the backlog's end.
+	c.shared = r.shared
+	if r.arrivals > 0 && r.req.arrivals == c.arrivals {
+		c.arrivals = r.arrivals
+	}
+	if now.Sub(c.arrivalsFromAt) >= rescanEvery {
+		c.arrivals = 0
+	}
 	windowedPass := r.req.window > 0 && !r.req.held && r.cursor.Valid
 	if now.Sub(c.fromStartAt) >= rescanEvery && !windowedPass {
 		c.restart(false)

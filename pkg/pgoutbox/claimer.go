@@ -27,10 +27,33 @@ type claimer struct {
 
 // run claims on the path the request names.
 func (c *claimer) run(req claimRequest) claimResult {
-	if req.held {
-		return c.held(req)
+	var transferred int64
+	if req.transfer {
+		var err error
+		if transferred, err = c.transfer(req.n); err != nil {
+			return claimResult{req: req, err: err}
+		}
 	}
-	return c.lease(req)
+	var r claimResult
+	if req.held {
+		r = c.held(req)
+	} else {
+		r = c.lease(req)
+	}
+	r.transferred = transferred
+	return r
+}
+
+// transfer fans out arrivals that other groups have too (query.Arrivals
+// Transfer), at least a claim's worth, in a statement of its own: the
+// other groups' copies are theirs once it commits, whatever this claim
+// does next. The claim that follows takes this group's copies.
+func (c *claimer) transfer(n int) (int64, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.StatementTimeout)
+	defer cancel()
+	var moved, woken int64
+	err := c.pool.QueryRow(ctx, c.q.Arrivals.Transfer, c.topic, c.cfg.ConsumerGroup, max(n, maxClaim), c.q.Names.Channel).Scan(&moved, &woken)
+	return moved, err
 }
 
 // lease leases up to req.n rows with the claim statement (query.Claim). It does not use the subscription's context: a
@@ -45,7 +68,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		Topic: c.topic, Group: c.cfg.ConsumerGroup, N: req.n, Token: req.token,
 		LeaseUS: c.cfg.Lease.Microseconds(), WorkerID: c.cfg.WorkerID, Holder: req.holder,
 		CursorAt: req.at, CursorID: req.id, ExpiredFrom: req.expiredFrom(),
-		Window: req.window, EndedKeys: req.endedKeys, Spare: req.orphansOf,
+		Window: req.window, EndedKeys: req.endedKeys, Spare: req.orphansOf, Arrivals: req.arrivals,
 	})
 	// query.ClaimSettings, then the claim: one round trip, one implicit
 	// transaction (a batch ends in one Sync), so the settings are the
@@ -82,6 +105,11 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	dest := []any{&id, &uuid, &payload, &metaRaw, &deliveries, &availableAt, &key, &createdAt}
 	perRow := len(dest)
 	dest = append(dest, &r.cursorAt, &r.cursor, &reclaimed, &free, &r.serverNow)
+	var arrivals pgtype.Int8
+	var shared pgtype.Bool
+	if c.q.Names.Arrivals {
+		dest = append(dest, &arrivals, &shared)
+	}
 	var slab deliverySlab
 	for rows.Next() {
 		if err := rows.Scan(dest...); err != nil {
@@ -112,6 +140,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		return r
 	}
 	r.reclaimed, r.free = int(reclaimed), int(free)
+	r.arrivals, r.shared = arrivals.Int64, shared.Bool
 	if err := c.verifyLeasedKeys(ctx, &r); err != nil {
 		// The rows stay leased under the claim's token: the owner releases
 		// them like a lost claim's.
@@ -222,7 +251,8 @@ func (c *claimer) held(req claimRequest) claimResult {
 	// where the lease path has Lease.
 	b.Queue(fmt.Sprintf("SET LOCAL idle_in_transaction_session_timeout = %d", heldIdleTimeout(c.cfg).Milliseconds()))
 	b.Queue(query.ClaimSettings)
-	b.Queue(c.q.HeldClaim, query.HeldArgs{Topic: c.topic, Group: c.cfg.ConsumerGroup, N: req.n, CursorAt: req.at, CursorID: req.id}.Held()...)
+	b.Queue(c.q.HeldClaim, c.q.Held(query.HeldArgs{Topic: c.topic, Group: c.cfg.ConsumerGroup, N: req.n,
+		CursorAt: req.at, CursorID: req.id, Arrivals: req.arrivals})...)
 	res := conn.SendBatch(ctx, b)
 	err = func() error {
 		defer res.Close()
@@ -235,21 +265,35 @@ func (c *claimer) held(req claimRequest) claimResult {
 		if err != nil {
 			return err
 		}
-		var id int64 // outside the loop, and their list too: see lease
+		var id pgtype.Int8 // outside the loop, and their list too: see lease
 		var uuid, key pgtype.Text
 		var payload, metaRaw []byte
-		var deliveries int32
-		var availableAt, createdAt time.Time
+		var deliveries pgtype.Int4
+		var availableAt, createdAt pgtype.Timestamptz
+		var arrived, shared pgtype.Bool
 		dest := []any{&id, &uuid, &payload, &metaRaw, &deliveries, &availableAt, &key, &createdAt}
+		if c.q.Names.Arrivals {
+			// Whether each row is an arrival; a last row of NULLs says
+			// whether arrivals of other groups wait.
+			dest = append(dest, &arrived, &shared)
+		}
 		var slab deliverySlab
 		for rows.Next() {
 			if err := rows.Scan(dest...); err != nil {
 				rows.Close()
 				return err
 			}
+			if !id.Valid {
+				r.shared = shared.Bool
+				continue
+			}
 			d := slab.next()
-			d.token, d.id, d.payload, d.metaRaw, d.availableAt = req.token, id, payload, metaRaw, availableAt
-			d.uuid, d.deliveries, d.orderingKey, d.createdAt = uuid.String, int(deliveries), key.String, createdAt.UnixMicro()
+			d.token, d.id, d.payload, d.metaRaw, d.availableAt = req.token, id.Int64, payload, metaRaw, availableAt.Time
+			d.uuid, d.deliveries, d.orderingKey, d.createdAt = uuid.String, int(deliveries.Int32), key.String, createdAt.Time.UnixMicro()
+			d.arrived = arrived.Bool
+			if d.arrived {
+				r.arrivals = max(r.arrivals, d.id)
+			}
 			r.rows = append(r.rows, d)
 		}
 		rows.Close()
@@ -301,9 +345,14 @@ func (c *claimer) held(req claimRequest) claimResult {
 	// ORDER BY with FOR UPDATE may return a row out of order when it was
 	// changed while the claim waited for it (READ COMMITTED re-reads it).
 	sortQueueOrder(r.rows)
-	last := r.rows[len(r.rows)-1]
-	r.cursorAt = pgtype.Timestamptz{Time: last.availableAt, Valid: true}
-	r.cursor = pgtype.Int8{Int64: last.id, Valid: true}
+	// The cursor is the last outbox row's: arrivals have their own (r.arrivals).
+	for i := len(r.rows) - 1; i >= 0; i-- {
+		if last := r.rows[i]; !last.arrived {
+			r.cursorAt = pgtype.Timestamptz{Time: last.availableAt, Valid: true}
+			r.cursor = pgtype.Int8{Int64: last.id, Valid: true}
+			break
+		}
+	}
 	r.free = len(r.rows)
 	r.batch = &heldBatch{conn: conn, token: req.token, rows: r.rows, undecided: len(r.rows)}
 	r.took = time.Since(req.sent)
@@ -345,4 +394,5 @@ type claimedRow struct {
 	payload     []byte
 	metaRaw     []byte // metadata as stored, to detect a handler's changes
 	orderingKey string // "" for none; the end of a keyed row may unblock the next row of its key
+	arrived     bool   // held in the arrivals table (Tables.Arrivals), not the outbox
 }

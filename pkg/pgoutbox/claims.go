@@ -178,7 +178,7 @@ func (c *claimSchedule) succeeded(r claimResult) (woke bool) {
 // next decides, after a claim whose rows were taken, when to claim again:
 // at once while claims find rows, else after an idle wait.
 func (c *claimSchedule) next(r claimResult, woke bool, now time.Time) {
-	if len(r.rows) > 0 {
+	if len(r.rows) > 0 || r.transferred > 0 {
 		c.want, c.idlePoll = true, c.cfg.MinPollInterval
 		if c.lookAgain > 0 {
 			// Still busy after a publisher's wake-up: quiet publishes may

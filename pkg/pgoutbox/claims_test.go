@@ -212,3 +212,32 @@ func TestClaimScheduleLooksAgainForAHolderThatVanishedDuringALook(t *testing.T) 
 	c.next(r, c.succeeded(r), now)
 	require.NotNil(t, c.start(10, now, pgtype.Int8{}, spare).orphansOf, "the next claim looks again")
 }
+
+// With arrivals, claims read them from the arrivals cursor, which moves
+// past the last arrival taken and goes back to the start every second,
+// also while the outbox's cursor never moves (a topic of arrivals only):
+// an arrival whose transaction committed after later ones were taken is
+// found within a second. A give-back sends it to the start at once, and a
+// claim that reports arrivals to fan out makes the next one fan them out.
+func TestClaimScanArrivalsCursor(t *testing.T) {
+	t.Parallel()
+	c := newClaimScan()
+	start := time.Now()
+	req := c.request(10, 0, start)
+	require.Zero(t, req.arrivals)
+	c.claimed(claimResult{req: req, arrivals: 40})
+	require.Equal(t, scanFromStart, c.at, "no outbox row: the outbox's cursor stays")
+	req = c.request(10, 0, start.Add(rescanEvery/2))
+	require.Equal(t, int64(40), req.arrivals, "the next claim goes on after the last arrival")
+	c.claimed(claimResult{req: req, arrivals: 80})
+	req = c.request(10, 0, start.Add(rescanEvery))
+	require.Equal(t, int64(80), req.arrivals)
+	c.claimed(claimResult{req: req, arrivals: 120})
+	require.Zero(t, c.request(10, 0, start.Add(rescanEvery)).arrivals, "a second after the last read from the start")
+
+	c.claimed(claimResult{req: claimRequest{sent: start.Add(rescanEvery)}, arrivals: 7, shared: true})
+	require.Equal(t, int64(7), c.arrivals)
+	require.True(t, c.request(10, 0, start.Add(rescanEvery)).transfer, "arrivals to fan out: the next claim fans them out first")
+	c.restart(false)
+	require.Zero(t, c.arrivals, "a give-back reads from the start")
+}

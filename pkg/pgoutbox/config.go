@@ -446,6 +446,13 @@ func resolveNames(t schema.Config) (query.Names, error) {
 	if t.Rotating {
 		n = n.Rotated()
 	}
+	if t.Arrivals {
+		if t.Rotating {
+			return query.Names{}, errors.Join(ErrInvalidConfig, schema.ErrInvalidName,
+				errors.New("Tables.Arrivals and Tables.Rotating are both set; a rotating outbox takes every message into its ring, leave Arrivals unset"))
+		}
+		n = n.WithArrivals()
+	}
 	return n, nil
 }
 

@@ -330,6 +330,9 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 		if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
 			return err
 		}
+		if err := settleArrivals(ctx, e, n, topic, group); err != nil {
+			return err
+		}
 		if group == "" && !purge {
 			var left int64
 			if err := queryRow(ctx, e, query.GroupRows(n), []any{topic, group}, &left); err != nil {
@@ -391,6 +394,14 @@ func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topi
 	}
 	if from == to {
 		return 0, fmt.Errorf("%w: moving group %q into itself; name two different groups", ErrInvalidGroup, from)
+	}
+	if err := tx.RunInTx(ctx, exec, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, query.TopicLock, q.Names.QBindings+query.GroupMark+topic); err != nil {
+			return err
+		}
+		return settleArrivals(ctx, e, q.Names, topic, from)
+	}); err != nil {
+		return 0, errorf("pgoutbox: move group %q of topic %q into %q: %w", from, topic, to, err)
 	}
 	var total int64
 	for {
@@ -463,4 +474,23 @@ func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) err
 		}
 	}
 	return nil
+}
+
+// settleArrivals fans out, with an outbox with arrivals, every arrival of
+// topic that group has (query.ArrivalsSettle): an Unbind or a MoveGroup
+// then finds all of the group's messages among its rows. The caller holds
+// the topic's lock.
+func settleArrivals(ctx context.Context, exec tx.Executor, n query.Names, topic, group string) error {
+	if !n.Arrivals {
+		return nil
+	}
+	for {
+		var moved, woken int64
+		if err := queryRow(ctx, exec, query.ArrivalsSettle(n), []any{topic, group, groupBatch, n.Channel}, &moved, &woken); err != nil {
+			return fmt.Errorf("fan out the group's arrivals: %w", err)
+		}
+		if moved < groupBatch {
+			return nil
+		}
+	}
 }

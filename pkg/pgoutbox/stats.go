@@ -143,6 +143,11 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 	if err := rows.Err(); err != nil {
 		return nil, errorf("pgoutbox: stats: %w", err)
 	}
+	if n.Arrivals {
+		if out, err = addArrivals(ctx, exec, n, o, out, index); err != nil {
+			return nil, err
+		}
+	}
 	// Paused groups, with an entry of their own when they have no rows
 	// and no binding (the pause of a group not yet deployed shows).
 	paused, err := pausedGroups(ctx, exec, n, o.topic)
@@ -244,4 +249,56 @@ func opsQueries(exec tx.Executor, tables schema.Config) (*query.Queries, error) 
 		return nil, errorf("%w: executor is nil; pass tx.FromPgxPool(pool) or another tx executor", ErrInvalidConfig)
 	}
 	return queriesForTables(tables, false)
+}
+
+// addArrivals counts, with an outbox with arrivals, each arrival as a
+// ready message of every group it belongs to (query.ArrivalsStats); an
+// arrival no group is bound for yet counts for the default group, unbound
+// (as a message published while its topic has no binding).
+func addArrivals(ctx context.Context, exec tx.Executor, n query.Names, o statsOptions, out []QueueStats, index map[[2]string]int) ([]QueueStats, error) {
+	var args []any
+	if o.hasTopic {
+		args = append(args, o.topic)
+	}
+	rows, err := exec.Query(ctx, query.ArrivalsStats(n, o.hasTopic), args...)
+	if err != nil {
+		return nil, errorf("pgoutbox: stats: arrivals: %w", err)
+	}
+	defer rows.Close()
+	added := false
+	for rows.Next() {
+		var topic string
+		var group *string
+		var count, lagUS int64
+		if err := rows.Scan(&topic, &group, &count, &lagUS); err != nil {
+			return nil, errorf("pgoutbox: stats: arrivals: %w", err)
+		}
+		g := ""
+		if group != nil {
+			g = *group
+		}
+		if o.hasGroup && g != o.group {
+			continue
+		}
+		i, ok := index[[2]string{topic, g}]
+		if !ok {
+			i = len(out)
+			index[[2]string{topic, g}] = i
+			out = append(out, QueueStats{Topic: topic, ConsumerGroup: g, Bound: group != nil})
+			added = true
+		}
+		out[i].Ready += count
+		out[i].OldestReadyAge = max(out[i].OldestReadyAge, time.Duration(lagUS)*time.Microsecond)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, errorf("pgoutbox: stats: arrivals: %w", err)
+	}
+	if added {
+		sortStats(out)
+		clear(index)
+		for i, s := range out {
+			index[[2]string{s.Topic, s.ConsumerGroup}] = i
+		}
+	}
+	return out, nil
 }

@@ -33,14 +33,17 @@ const (
 // row (the transactional handlers' path: a lease per row, completed in the
 // handler's own commit).
 // rotating makes "pgoutbox-ring": the library's rotating outbox
-// (schema.Config.Rotating), rotated by its subscriber.
-type pgoutboxSystem struct{ notifyEach, lease, txHandler, rotating bool }
+// (schema.Config.Rotating), rotated by its subscriber. arrivals makes
+// "pgoutbox-arrivals": an outbox with arrivals (schema.Config.Arrivals),
+// where plain messages arrive in a table of their own.
+type pgoutboxSystem struct{ notifyEach, lease, txHandler, rotating, arrivals bool }
 
 const (
 	pgoutboxNotifyEachName = "pgoutbox-notify-each"
 	pgoutboxLeaseName      = "pgoutbox-lease"
 	pgoutboxTxName         = "pgoutbox-tx"
 	pgoutboxRingName       = "pgoutbox-ring"
+	pgoutboxArrivalsName   = "pgoutbox-arrivals"
 )
 
 func (s pgoutboxSystem) name() string {
@@ -53,12 +56,14 @@ func (s pgoutboxSystem) name() string {
 		return pgoutboxTxName
 	case s.rotating:
 		return pgoutboxRingName
+	case s.arrivals:
+		return pgoutboxArrivalsName
 	}
 	return "pgoutbox"
 }
 
 func (s pgoutboxSystem) newInstance(ctx context.Context, b *bench, schemaName string) (instance, error) {
-	tables := schema.Config{Schema: schemaName, Table: "outbox", Rotating: s.rotating}
+	tables := schema.Config{Schema: schemaName, Table: "outbox", Rotating: s.rotating, Arrivals: s.arrivals}
 	if err := schema.Create(ctx, tx.FromPgxPool(b.pool), tables); err != nil {
 		return nil, err
 	}
@@ -95,7 +100,26 @@ func (i *pgoutboxInstance) publish(_ context.Context, t pgx.Tx, msgs []*message.
 }
 
 func (i *pgoutboxInstance) loadBacklog(ctx context.Context, n int, payload []byte) error {
+	if i.tables.Arrivals {
+		// Where a Publish of plain messages puts them.
+		return loadOutboxBacklog(ctx, i.b, i.arrivalsTable(), n, payload)
+	}
 	return loadOutboxBacklog(ctx, i.b, i.table(), n, payload)
+}
+
+func (i *pgoutboxInstance) arrivalsTable() string {
+	return pgx.Identifier{i.tables.Schema, i.tables.Table + "_arrivals"}.Sanitize()
+}
+
+// countRows counts the messages stored: with arrivals, in both tables.
+func (i *pgoutboxInstance) countRows(ctx context.Context) (int64, error) {
+	q := `SELECT count(*) FROM ` + i.table()
+	if i.tables.Arrivals {
+		q = `SELECT (SELECT count(*) FROM ` + i.table() + `) + (SELECT count(*) FROM ` + i.arrivalsTable() + `)`
+	}
+	var n int64
+	err := i.b.pool.QueryRow(ctx, q).Scan(&n)
+	return n, err
 }
 
 // loadOutboxBacklog fills a pgoutbox-format table (pgoutbox and raw share

@@ -38,6 +38,9 @@ type Options struct {
 	// Rotating makes the outbox a rotating one (see
 	// schema.Config.Rotating). Defaults to false.
 	Rotating bool
+	// Arrivals gives the outbox an arrivals table (see
+	// schema.Config.Arrivals). Defaults to false.
+	Arrivals bool
 
 	// ConsumerGroup is Env.Subscriber's consumer group. Defaults to "", the
 	// default group.
@@ -64,7 +67,7 @@ type Options struct {
 }
 
 func (o Options) tables() schema.Config {
-	c := schema.Config{Table: o.Table, DeadLetterTable: o.DeadLetterTable, NoDeadLetterTable: o.NoDeadLetterTable, Rotating: o.Rotating}
+	c := schema.Config{Table: o.Table, DeadLetterTable: o.DeadLetterTable, NoDeadLetterTable: o.NoDeadLetterTable, Rotating: o.Rotating, Arrivals: o.Arrivals}
 	if c.Table == "" {
 		c.Table = schema.DefaultTable
 	}

@@ -125,7 +125,7 @@ func (d *database) sweep(ctx context.Context) {
 }
 
 func tablesKey(c schema.Config) string {
-	return fmt.Sprintf("%s|%s|%t|%t", c.Table, c.DeadLetterTable, c.NoDeadLetterTable, c.Rotating)
+	return fmt.Sprintf("%s|%s|%t|%t|%t", c.Table, c.DeadLetterTable, c.NoDeadLetterTable, c.Rotating, c.Arrivals)
 }
 
 // fingerprintSQL sums up a schema's catalog: anything a test adds, drops or
@@ -191,6 +191,9 @@ func (d *database) give(s *pooledSchema) bool {
 	if s.tables.DeadLetterTable != "" {
 		tables = append(tables, s.name+"."+s.tables.DeadLetterTable)
 	}
+	if s.tables.Arrivals {
+		tables = append(tables, s.name+"."+s.tables.Table+"_arrivals")
+	}
 	// One statement (one round trip): check the shape, then empty the
 	// tables. DELETE takes a tenth of TRUNCATE's time on the few rows a
 	// test leaves; TRUNCATE (which makes new files) wins on big tables.
@@ -228,7 +231,7 @@ END $pgoutboxtest$`, fingerprintSQL, s.name, s.fingerprint, empty, newName))
 	}
 	s.name, s.tables.Schema = newName, newName
 	d.mu.Lock()
-	key := tablesKey(schema.Config{Table: s.tables.Table, DeadLetterTable: s.tables.DeadLetterTable, NoDeadLetterTable: s.tables.NoDeadLetterTable, Rotating: s.tables.Rotating})
+	key := tablesKey(schema.Config{Table: s.tables.Table, DeadLetterTable: s.tables.DeadLetterTable, NoDeadLetterTable: s.tables.NoDeadLetterTable, Rotating: s.tables.Rotating, Arrivals: s.tables.Arrivals})
 	d.free[key] = append(d.free[key], s)
 	d.mu.Unlock()
 	return true

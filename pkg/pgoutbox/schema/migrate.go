@@ -200,7 +200,8 @@ func step(ms []Migration, v, target int) (MigrationStep, int) {
 // (Migrate returns ErrNoVersion). Create records the latest version, so
 // an outbox made by Create is migrated from there. A rotating outbox has
 // nothing to migrate while it is at the latest version; a step it would
-// need returns ErrRotatingMigrations (Create brings it up to date).
+// need returns ErrRotatingMigrations (Create brings it up to date), and
+// one with arrivals (Config.Arrivals) ErrArrivalsMigrations.
 func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]MigrationStep, error) {
 	n, err := c.names()
 	if err != nil {
@@ -232,6 +233,8 @@ func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]Migra
 				return err
 			} else if n.Rotating || rotating {
 				return ErrRotatingMigrations
+			} else if n.Arrivals {
+				return ErrArrivalsMigrations
 			}
 			for _, stmt := range next.Statements {
 				if _, err := e.Exec(ctx, stmt); err != nil {

@@ -153,8 +153,17 @@ func MigrationList(c Config) ([]Migration, error) {
 	if n.Rotating {
 		return nil, ErrRotatingMigrations
 	}
+	if n.Arrivals {
+		return nil, ErrArrivalsMigrations
+	}
 	return migrationList(n)
 }
+
+// ErrArrivalsMigrations is returned by MigrationList, Migrations and
+// Migrate for an outbox with arrivals (Config.Arrivals): the versioned
+// migrations do not create the arrivals table yet.
+var ErrArrivalsMigrations = errors.New("pgoutbox: the versioned migrations do not create the arrivals table yet; " +
+	"migrate with Arrivals unset, then run schema.Create (or the script of schema.SQL) with Arrivals set: it adds the arrivals table to the migrated outbox")
 
 // ErrRotatingMigrations is returned by MigrationList, Migrations and
 // Migrate for a rotating outbox (Config.Rotating, or an outbox that is

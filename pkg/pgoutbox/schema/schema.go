@@ -88,6 +88,20 @@ type Config struct {
 	// Publishers, subscribers and Create of one outbox must all set it,
 	// or none. Default false: one table, kept small by vacuum.
 	Rotating bool
+	// Arrivals makes plain messages (due now, without a dedup or ordering
+	// key) arrive in a table of their own, <Table>_arrivals, which holds
+	// what a message is and nothing else: a Publish of them is a narrow
+	// INSERT with one index entry and no lookup of the topic's consumer
+	// groups, and so about as cheap as watermill-sql's (docs/performance.md).
+	// The subscribers give an arrival its consumer groups and delivery state
+	// when they take it; every guarantee stays as documented. Create adds
+	// the table (and a column of the bindings) to an outbox with or without
+	// rows. Publishers and subscribers of one outbox must all set it, or
+	// none: a subscriber without it does not see the arrivals. Publishers
+	// need USAGE on the outbox's id sequence, subscribers INSERT on the
+	// outbox (see docs/arrivals.md). Not with Rotating, nor with the
+	// versioned migrations yet. Default false.
+	Arrivals bool
 }
 
 // WithDefaults returns c with empty fields set to their defaults.
@@ -122,6 +136,12 @@ func (c Config) names() (query.Names, error) {
 	}
 	if c.Rotating {
 		n = n.Rotated()
+	}
+	if c.Arrivals {
+		if c.Rotating {
+			return query.Names{}, fmt.Errorf("%w: Arrivals and Rotating are both set; a rotating outbox takes every message into its ring, leave Arrivals unset", ErrInvalidName)
+		}
+		n = n.WithArrivals()
 	}
 	return n, nil
 }
@@ -278,6 +298,16 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 	if n.DLQTable != "" {
 		if err := check(n.DLQTable, query.DLQColumns); err != nil {
 			return err
+		}
+	}
+	if n.Arrivals {
+		if err := check(n.ArrivalsTable, query.ArrivalsColumns); err != nil {
+			return err
+		}
+		if !missing[n.Bindings] {
+			if err := check(n.Bindings, []query.Column{query.ArrivalsFromColumn}); err != nil {
+				return err
+			}
 		}
 	}
 	idxByTable := map[string]map[string]bool{}

@@ -1,0 +1,332 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// setupArrivals is setup for an outbox with arrivals (schema.Config.Arrivals).
+func setupArrivals(t *testing.T, opts ...pgoutboxtest.Options) *bundle {
+	t.Helper()
+	var o pgoutboxtest.Options
+	if len(opts) > 0 {
+		o = opts[0]
+	}
+	o.Arrivals = true
+	env := pgoutboxtest.PubSubWithOptions(t, o)
+	require.True(t, env.Tables.Arrivals)
+	return &bundle{Env: env, tables: env.Tables, logger: watermill.NopLogger{}}
+}
+
+func (b *bundle) arrivals(t testing.TB, topic string) int {
+	return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_arrivals WHERE topic = $1`, topic)
+}
+
+// TestPubSubArrivals runs Watermill's universal suite on an outbox with
+// arrivals, on each claim mode: every plain message the suite publishes
+// arrives in the arrivals table and is taken from there (held where it
+// is, leased by a move into the outbox), its consumer groups fanned out by
+// the subscribers.
+func TestPubSubArrivals(t *testing.T) {
+	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimAuto, pgoutbox.ClaimHeld, pgoutbox.ClaimLease} {
+		t.Run(mode.String(), func(t *testing.T) {
+			b := setupArrivals(t, pgoutboxtest.Options{MaxConns: 30})
+			tests.TestPubSub(t, universalFeatures(), universalConstructor(b, mode), universalGroupConstructor(b, mode))
+		})
+	}
+}
+
+// TestArrivalsTakePlainMessagesOnly: a plain message arrives in the
+// arrivals table; a scheduled, keyed or deduplicated one, and what
+// PublishWithResult writes, goes to the outbox as before.
+func TestArrivalsTakePlainMessagesOnly(t *testing.T) {
+	t.Parallel()
+	b := setupArrivals(t)
+	ctx := context.Background()
+	pub := b.poolPublisher(t)
+	topic := "arrive-" + watermill.NewShortUUID()
+
+	require.NoError(t, pub.Publish(topic, newMsg("one")))
+	require.NoError(t, pub.Publish(topic, newMsgs(3)...))
+	require.Equal(t, 4, b.arrivals(t, topic))
+	require.Equal(t, 0, b.outboxRows(t, topic))
+
+	scheduled := newMsg("later")
+	pgoutbox.DeliverAfter(scheduled, time.Hour)
+	keyed := newMsg("keyed")
+	pgoutbox.WithOrderingKey(keyed, "k")
+	dedup := newMsg("dedup")
+	pgoutbox.WithDedupKey(dedup, "d")
+	require.NoError(t, pub.Publish(topic, scheduled, keyed, dedup))
+	_, err := pub.PublishWithResult(topic, newMsg("with result"))
+	require.NoError(t, err)
+	require.Equal(t, 4, b.arrivals(t, topic))
+	require.Equal(t, 4, b.outboxRows(t, topic))
+
+	// In the caller's transaction: the arrival exists iff it commits.
+	for _, commit := range []bool{false, true} {
+		tx0, err := b.Pool.Begin(ctx)
+		require.NoError(t, err)
+		p, err := pgoutbox.NewPublisher(tx.FromPgxTx(tx0), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+		require.NoError(t, err)
+		require.NoError(t, p.Publish(topic, newMsg(fmt.Sprint("tx ", commit))))
+		if commit {
+			require.NoError(t, tx0.Commit(ctx))
+		} else {
+			require.NoError(t, tx0.Rollback(ctx))
+		}
+	}
+	require.Equal(t, 5, b.arrivals(t, topic), "the rolled-back publish left no arrival")
+}
+
+// TestArrivalsOnEachClaimPath: arrivals are delivered, acked, retried
+// after a nack (as a lease in the outbox, their delivery counted) and
+// dead-lettered after a rejection, on every claim path; nothing is left.
+func TestArrivalsOnEachClaimPath(t *testing.T) {
+	b := setupArrivals(t)
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		topic := "arrive-path-" + path + "-" + watermill.NewShortUUID()
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c); c.MaxInFlight = 4 })
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		ch, err := sub.Subscribe(ctx, topic)
+		require.NoError(t, err)
+
+		const n = 40
+		msgs := newMsgs(n)
+		msgs[7].Payload = []byte("nack")
+		msgs[9].Payload = []byte("reject")
+		require.NoError(t, b.poolPublisher(t).Publish(topic, msgs...))
+
+		seen := map[string]int{}
+		nacked := false
+		for done := 0; done < n; {
+			m := receive(t, ch, 10*time.Second)
+			seen[m.UUID]++
+			switch string(m.Payload) {
+			case "nack":
+				if !nacked {
+					nacked = true
+					m.Nack()
+					continue
+				}
+				d, ok := pgoutbox.DeliveryOf(m)
+				require.True(t, ok)
+				require.Equal(t, 2, d.Attempt, "the retry of an arrival counts its first delivery")
+			case "reject":
+				_ = pgoutbox.Reject(m, "bad")
+				m.Nack()
+				done++
+				continue
+			}
+			m.Ack()
+			done++
+		}
+		require.Len(t, seen, n)
+		require.Equal(t, 2, seen[msgs[7].UUID])
+		require.Eventually(t, func() bool {
+			return b.arrivals(t, topic) == 0 && b.outboxRows(t, topic) == 0
+		}, 10*time.Second, 10*time.Millisecond, "every arrival acked or dead")
+		require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq WHERE topic = $1 AND uuid = $2 AND failure_reason = 'rejected'`,
+			topic, msgs[9].UUID))
+	})
+}
+
+// TestArrivalsReachEveryBoundGroup: an arrival belongs to every group
+// bound when it was published: each gets it once, whichever subscriber
+// fans it out; the first groups of a topic get what arrived before them,
+// and a group bound later only what arrives after.
+func TestArrivalsReachEveryBoundGroup(t *testing.T) {
+	b := setupArrivals(t)
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		ctx := context.Background()
+		topic := "arrive-groups-" + path + "-" + watermill.NewShortUUID()
+		pub := b.poolPublisher(t)
+		early := newMsgs(5)
+		require.NoError(t, pub.Publish(topic, early...), "before any binding")
+		_, err := pgoutbox.BindGroups(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, []string{"a", "b"})
+		require.NoError(t, err)
+		middle := newMsgs(5)
+		require.NoError(t, pub.Publish(topic, middle...))
+		require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, "c"))
+		late := newMsgs(5)
+		require.NoError(t, pub.Publish(topic, late...))
+
+		uuids := func(ms ...[]*message.Message) []string {
+			var out []string
+			for _, m := range ms {
+				for _, x := range m {
+					out = append(out, x.UUID)
+				}
+			}
+			slices.Sort(out)
+			return out
+		}
+		want := map[string][]string{
+			"a": uuids(early, middle, late),
+			"b": uuids(early, middle, late),
+			"c": uuids(late),
+		}
+		for _, g := range []string{"a", "b", "c"} {
+			sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c); c.ConsumerGroup = g; c.MaxInFlight = 8 })
+			sctx, cancel := context.WithCancel(ctx)
+			ch, err := sub.Subscribe(sctx, topic)
+			require.NoError(t, err)
+			var got []string
+			for range want[g] {
+				m := receive(t, ch, 10*time.Second)
+				got = append(got, m.UUID)
+				m.Ack()
+			}
+			requireNothing(t, ch, 200*time.Millisecond)
+			cancel()
+			slices.Sort(got)
+			require.Equal(t, want[g], got, "group %s", g)
+		}
+		require.Zero(t, b.arrivals(t, topic))
+	})
+}
+
+// TestArrivalsInStats: Stats counts an arrival as a ready message of each
+// group it belongs to, and one no group is bound for as unbound.
+func TestArrivalsInStats(t *testing.T) {
+	t.Parallel()
+	b := setupArrivals(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	topic := "arrive-stats-" + watermill.NewShortUUID()
+	pub := b.poolPublisher(t)
+	require.NoError(t, pub.Publish(topic, newMsgs(3)...))
+
+	stats, err := pgoutbox.Stats(ctx, exec, b.tables, pgoutbox.StatsForTopic(topic))
+	require.NoError(t, err)
+	require.Len(t, stats, 1)
+	require.Equal(t, "", stats[0].ConsumerGroup)
+	require.False(t, stats[0].Bound)
+	require.EqualValues(t, 3, stats[0].Unbound(), "nobody is bound yet")
+
+	_, err = pgoutbox.BindGroups(ctx, exec, b.tables, topic, []string{"x", "y"})
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish(topic, newMsg("4")))
+	stats, err = pgoutbox.Stats(ctx, exec, b.tables, pgoutbox.StatsForTopic(topic))
+	require.NoError(t, err)
+	require.Len(t, stats, 2)
+	for _, s := range stats {
+		require.True(t, s.Bound)
+		require.EqualValues(t, 4, s.Ready, "group %s: the first groups have what came before them", s.ConsumerGroup)
+		require.Positive(t, s.OldestReadyAge)
+	}
+}
+
+// TestArrivalsOfAnUnboundGroupStayWithIt: Unbind of a group first gives
+// it its arrivals as rows of its own, which stay for it (unbound) or are
+// purged, as a group's rows are; the other group keeps its copies.
+func TestArrivalsOfAnUnboundGroupStayWithIt(t *testing.T) {
+	t.Parallel()
+	b := setupArrivals(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	for _, purge := range []bool{false, true} {
+		topic := fmt.Sprint("arrive-unbind-", purge, "-", watermill.NewShortUUID())
+		_, err := pgoutbox.BindGroups(ctx, exec, b.tables, topic, []string{"keep", "go"})
+		require.NoError(t, err)
+		require.NoError(t, b.poolPublisher(t).Publish(topic, newMsgs(3)...))
+		purged, err := pgoutbox.Unbind(ctx, exec, b.tables, topic, "go", purge)
+		require.NoError(t, err)
+		require.Zero(t, b.arrivals(t, topic), "fanned out to both groups")
+		require.Equal(t, 3, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1 AND consumer_group = 'keep'`, topic))
+		left := b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1 AND consumer_group = 'go'`, topic)
+		if purge {
+			require.EqualValues(t, 3, purged)
+			require.Zero(t, left)
+		} else {
+			require.Equal(t, 3, left)
+		}
+	}
+}
+
+// TestArrivalsSchema: Create adds the arrivals table to an outbox that
+// has rows; Validate reports it missing; Rotating and the versioned
+// migrations refuse Arrivals with an error that says what to do.
+func TestArrivalsSchema(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	require.NoError(t, b.poolPublisher(t).Publish("before", newMsg("kept")))
+
+	with := b.tables
+	with.Arrivals = true
+	var ve *schema.ValidationError
+	require.ErrorAs(t, schema.Validate(ctx, exec, with), &ve)
+	require.Contains(t, fmt.Sprint(ve.Problems), "outbox_arrivals is missing")
+
+	require.NoError(t, schema.Create(ctx, exec, with))
+	require.NoError(t, schema.Validate(ctx, exec, with))
+	require.NoError(t, schema.Create(ctx, exec, with), "idempotent")
+	require.Equal(t, 1, b.outboxRows(t, "before"))
+
+	rotating := with
+	rotating.Rotating = true
+	require.ErrorContains(t, rotating.Validate(), "leave Arrivals unset")
+	_, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: rotating}, nil)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	_, err = schema.MigrationList(with)
+	require.ErrorIs(t, err, schema.ErrArrivalsMigrations)
+}
+
+// TestArrivalsKeepPublishOrderAcrossASecondBinding: an ordered
+// subscription (MaxInFlight 1) of a group that took its arrivals where
+// they were keeps receiving them in publish order once a second group
+// binds and the arrivals are fanned out to both.
+func TestArrivalsKeepPublishOrderAcrossASecondBinding(t *testing.T) {
+	b := setupArrivals(t)
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		topic := "arrive-order-" + path + "-" + watermill.NewShortUUID()
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c); c.ConsumerGroup = "first" })
+		ch, err := sub.Subscribe(ctx, topic)
+		require.NoError(t, err)
+		pub := b.poolPublisher(t)
+		const n = 120
+		next := 0
+		publish := func(k int) {
+			for range k {
+				require.NoError(t, pub.Publish(topic, newMsg(fmt.Sprint(next))))
+				next++
+			}
+		}
+		expect := 0
+		take := func(k int) {
+			for range k {
+				m := receive(t, ch, 10*time.Second)
+				require.Equal(t, fmt.Sprint(expect), string(m.Payload), "publish order")
+				expect++
+				m.Ack()
+			}
+		}
+		publish(n / 2)
+		take(n / 4) // some taken where they arrived
+		require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, "second"))
+		publish(n / 2)
+		take(n - n/4)
+		requireNothing(t, ch, 100*time.Millisecond)
+		require.Zero(t, b.arrivals(t, topic), "fanned out")
+		require.Equal(t, n/2, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1 AND consumer_group = 'second'`, topic),
+			"the second group has what was published after it bound")
+	})
+}

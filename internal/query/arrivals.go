@@ -154,32 +154,36 @@ func arrivalsLeaseBranch(n Names, cursor, limit string) string {
 // arrivalsHeld is the held claim of an outbox with arrivals: the outbox's
 // held claim ($1 topic, $2 rows, $3 group, $4 and $5 its cursor), then the
 // arrivals of the group alone after $6, locked where they are, for the
-// rows left. Every row says whether it is an arrival; a last row of NULLs
-// says whether arrivals of other groups wait (ArrivalsTransfer).
+// rows left. An arrival's row ends with its ctid (NULL for an outbox row):
+// the lock keeps the tuple where it is until the transaction ends, so the
+// batch's end finds it there without an index (HeldAck: half the time of
+// a probe of the primary key). A last row of NULLs says whether arrivals
+// wait to be fanned out (Transfer).
 func arrivalsHeld(n Names, outboxHeld string) string {
 	return fmt.Sprintf(`
 WITH held AS (%[1]s
 ), %[2]s, %[3]s
-SELECT h.*, false, NULL::bool FROM held h
+SELECT h.*, NULL::tid, NULL::bool FROM held h
 UNION ALL
-SELECT a.*, true, NULL::bool FROM arrivals_pick a
+SELECT a.*, NULL::bool FROM arrivals_pick a
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, %[4]s`,
 		outboxHeld, arrivalsBounds(n, "$3"),
 		arrivalsPick(n, "$3", "$6", "$2::int - (SELECT count(*) FROM held)",
-			"a.id, a.uuid, a.payload, a.metadata, 1, a.created_at, NULL::text, a.created_at"),
+			"a.id, a.uuid, a.payload, a.metadata, 1, a.created_at, NULL::text, a.created_at, a.ctid"),
 		arrivalsShared(n))
 }
 
 // ArrivalsStatements are the statements of an outbox with arrivals beyond
 // the publish and claim statements (which Build adapts).
 type ArrivalsStatements struct {
-	// HeldAck deletes the acked arrivals ($2) of topic $1 in a held
-	// batch's transaction: the locks make a token unnecessary.
+	// HeldAck deletes the acked arrivals of a held batch in its
+	// transaction, by their ctids ($1, see arrivalsHeld): the locks make
+	// a token unnecessary and keep each where the claim found it.
 	HeldAck string
 	// HeldFinish is HeldAck plus the arrivals of the batch that leave it
-	// without an ack ($3): they move into the outbox as leases of group
-	// $4 under token $5 (see HeldFinish), keeping their ids.
+	// without an ack ($2): they move into the outbox as leases of topic $3
+	// and group $4 under token $5 (see HeldFinish), keeping their ids.
 	HeldFinish string
 	// Transfer fans out up to $3 arrivals of topic $1 while groups other
 	// than $2 are bound to it too: one outbox row per group each belongs
@@ -193,18 +197,18 @@ func buildArrivals(n Names) ArrivalsStatements {
 		return ArrivalsStatements{}
 	}
 	return ArrivalsStatements{
-		HeldAck: fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND id = ANY ($2::bigint[])`, n.QArrivals),
+		HeldAck: fmt.Sprintf(`DELETE FROM %s WHERE ctid = ANY ($1::tid[])`, n.QArrivals),
 		HeldFinish: fmt.Sprintf(`
 WITH acked AS (
-    DELETE FROM %[1]s WHERE topic = $1 AND id = ANY ($2::bigint[])
+    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[])
 ), moving AS (
-    DELETE FROM %[1]s WHERE topic = $1 AND id = ANY ($3::bigint[])
+    DELETE FROM %[1]s WHERE ctid = ANY ($2::tid[])
     RETURNING id, uuid, payload, metadata, created_at
 )
 INSERT INTO %[2]s (id, topic, consumer_group, uuid, payload, metadata, created_at, available_at,
                    deliveries, lease_token, leased_until, leased_by, lease_holder)
 OVERRIDING SYSTEM VALUE
-SELECT m.id, $1, $4, m.uuid, m.payload, m.metadata, m.created_at, m.created_at,
+SELECT m.id, $3, $4, m.uuid, m.payload, m.metadata, m.created_at, m.created_at,
        1, $5::uuid, statement_timestamp() + $6::bigint * interval '1 microsecond', $7, $8::bigint
   FROM moving m`, n.QArrivals, n.QTable),
 		Transfer: arrivalsTransfer(n, "(SELECT min(arrivals_from) FROM bound WHERE EXISTS (SELECT 1 FROM bound WHERE consumer_group <> $2))"),

@@ -61,10 +61,10 @@ func (e *batchEnder) end(job batchJob) batchResult {
 	// into the outbox (query.ArrivalsStatements.HeldFinish).
 	switch {
 	case len(arrivedLeases) > 0:
-		b.Queue(e.q.Arrivals.HeldFinish, e.topic, arrivedAcks, arrivedLeases, e.cfg.ConsumerGroup, job.b.token,
+		b.Queue(e.q.Arrivals.HeldFinish, arrivedAcks, arrivedLeases, e.topic, e.cfg.ConsumerGroup, job.b.token,
 			e.cfg.Lease.Microseconds(), e.cfg.WorkerID, job.holder)
 	case len(arrivedAcks) > 0:
-		b.Queue(e.q.Arrivals.HeldAck, e.topic, arrivedAcks)
+		b.Queue(e.q.Arrivals.HeldAck, arrivedAcks)
 	}
 	if len(job.released) > 0 {
 		// Rows given back are due again at commit: wake the idle
@@ -95,12 +95,12 @@ type rolledBackError struct{}
 
 func (rolledBackError) Error() string { return "pgoutbox: the held transaction rolled back" }
 
-// splitArrived returns the ids of the outbox rows and of the arrivals
-// among ds (Tables.Arrivals).
-func splitArrived(ds []*delivery) (outbox, arrived []int64) {
+// splitArrived returns the ids of the outbox rows among ds, and where the
+// arrivals among them are (Tables.Arrivals).
+func splitArrived(ds []*delivery) (outbox []int64, arrived []pgtype.TID) {
 	for _, d := range ds {
-		if d.arrived {
-			arrived = append(arrived, d.id)
+		if d.arrival.Valid {
+			arrived = append(arrived, d.arrival)
 		} else {
 			outbox = append(outbox, d.id)
 		}

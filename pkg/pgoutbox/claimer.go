@@ -270,12 +270,13 @@ func (c *claimer) held(req claimRequest) claimResult {
 		var payload, metaRaw []byte
 		var deliveries pgtype.Int4
 		var availableAt, createdAt pgtype.Timestamptz
-		var arrived, shared pgtype.Bool
+		var arrival pgtype.TID
+		var shared pgtype.Bool
 		dest := []any{&id, &uuid, &payload, &metaRaw, &deliveries, &availableAt, &key, &createdAt}
 		if c.q.Names.Arrivals {
 			// Whether each row is an arrival; a last row of NULLs says
 			// whether arrivals of other groups wait.
-			dest = append(dest, &arrived, &shared)
+			dest = append(dest, &arrival, &shared)
 		}
 		var slab deliverySlab
 		for rows.Next() {
@@ -290,8 +291,8 @@ func (c *claimer) held(req claimRequest) claimResult {
 			d := slab.next()
 			d.token, d.id, d.payload, d.metaRaw, d.availableAt = req.token, id.Int64, payload, metaRaw, availableAt.Time
 			d.uuid, d.deliveries, d.orderingKey, d.createdAt = uuid.String, int(deliveries.Int32), key.String, createdAt.Time.UnixMicro()
-			d.arrived = arrived.Bool
-			if d.arrived {
+			d.arrival = arrival
+			if d.arrival.Valid {
 				r.arrivals = max(r.arrivals, d.id)
 			}
 			r.rows = append(r.rows, d)
@@ -347,7 +348,7 @@ func (c *claimer) held(req claimRequest) claimResult {
 	sortQueueOrder(r.rows)
 	// The cursor is the last outbox row's: arrivals have their own (r.arrivals).
 	for i := len(r.rows) - 1; i >= 0; i-- {
-		if last := r.rows[i]; !last.arrived {
+		if last := r.rows[i]; !last.arrival.Valid {
 			r.cursorAt = pgtype.Timestamptz{Time: last.availableAt, Valid: true}
 			r.cursor = pgtype.Int8{Int64: last.id, Valid: true}
 			break
@@ -394,5 +395,8 @@ type claimedRow struct {
 	payload     []byte
 	metaRaw     []byte // metadata as stored, to detect a handler's changes
 	orderingKey string // "" for none; the end of a keyed row may unblock the next row of its key
-	arrived     bool   // held in the arrivals table (Tables.Arrivals), not the outbox
+	// arrival is where a held arrival is (Tables.Arrivals): Valid for a
+	// row of the arrivals table, not the outbox. The held transaction's
+	// lock keeps it there until the batch ends.
+	arrival pgtype.TID
 }

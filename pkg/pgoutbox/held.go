@@ -279,7 +279,7 @@ func (sub *subscription) finishedBatch(r batchResult) {
 		close(w)
 	}
 	for _, d := range r.job.leased {
-		d.batch, d.arrived = nil, false // a lease in the outbox now (or, if the commit failed, lost)
+		d.batch, d.arrival = nil, pgtype.TID{} // a lease in the outbox now (or, if the commit failed, lost)
 	}
 	// The writes that waited for the rows to become leases. After a failed
 	// commit they find no lease and say so.

@@ -35,7 +35,8 @@ const (
 // rotating makes "pgoutbox-ring": the library's rotating outbox
 // (schema.Config.Rotating), rotated by its subscriber. arrivals makes
 // "pgoutbox-arrivals": an outbox with arrivals (schema.Config.Arrivals),
-// where plain messages arrive in a table of their own.
+// where plain messages arrive in a table of their own; with lease,
+// "pgoutbox-arrivals-lease".
 type pgoutboxSystem struct{ notifyEach, lease, txHandler, rotating, arrivals bool }
 
 const (
@@ -44,10 +45,13 @@ const (
 	pgoutboxTxName         = "pgoutbox-tx"
 	pgoutboxRingName       = "pgoutbox-ring"
 	pgoutboxArrivalsName   = "pgoutbox-arrivals"
+	pgoutboxArrivalsLease  = "pgoutbox-arrivals-lease"
 )
 
 func (s pgoutboxSystem) name() string {
 	switch {
+	case s.arrivals && s.lease:
+		return pgoutboxArrivalsLease
 	case s.notifyEach:
 		return pgoutboxNotifyEachName
 	case s.lease:

@@ -56,6 +56,20 @@ func outboxSetup(drop ...string) func(ctx context.Context, b *bench, s string) e
 	}
 }
 
+// arrivalsSetup creates an outbox with arrivals (schema.Config.Arrivals).
+func arrivalsSetup(ctx context.Context, b *bench, s string) error {
+	return schema.Create(ctx, tx.FromPgxPool(b.pool), schema.Config{Schema: s, Table: "outbox", Arrivals: true})
+}
+
+// arrivalsPublisherCost is publisherCost(0) on an outbox with arrivals.
+func arrivalsPublisherCost(ctx context.Context, t pgx.Tx, s string, msgs []*message.Message) error {
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(t), pgoutbox.PublisherConfig{Tables: schema.Config{Schema: s, Table: "outbox", Arrivals: true}}, nil)
+	if err != nil {
+		return err
+	}
+	return pub.Publish(topic, msgs...)
+}
+
 // collateC makes the outbox's text keys compare as bytes.
 func collateC(setup func(ctx context.Context, b *bench, s string) error) func(ctx context.Context, b *bench, s string) error {
 	return func(ctx context.Context, b *bench, s string) error {
@@ -232,6 +246,7 @@ func costCases() []costCase {
 		}
 		cases = append(cases,
 			costCase{name: "Publisher (default cooldown)", perTx: perTx, setup: outboxSetup(), publish: publisherCost(0)},
+			costCase{name: "Publisher, Tables.Arrivals", perTx: perTx, setup: arrivalsSetup, publish: arrivalsPublisherCost},
 			costCase{name: "Publisher, NOTIFY in every tx", perTx: perTx, setup: outboxSetup(), publish: publisherCost(pgoutbox.NotifyEveryPublish)},
 			costCase{name: "its statement with NOTIFY", perTx: perTx, setup: outboxSetup(), publish: stmtCost(pickNotify, true)},
 			costCase{name: "its statement, quiet", perTx: perTx, setup: outboxSetup(), publish: stmtCost(pickQuiet, false)},
@@ -253,6 +268,7 @@ func costCases() []costCase {
 			cases = append(cases,
 				costCase{name: "Publisher, 1 group bound", perTx: perTx, setup: bound(outboxSetup(), 1), publish: publisherCost(0)},
 				costCase{name: "Publisher, 5 groups bound", perTx: perTx, setup: bound(outboxSetup(), 5), publish: publisherCost(0)},
+				costCase{name: "  with arrivals", perTx: perTx, setup: bound(arrivalsSetup, 5), publish: arrivalsPublisherCost},
 				costCase{name: "payload once + 5 narrow rows", perTx: perTx, setup: sqlSetup(splitTables), publish: splitCost(5)},
 			)
 		}

@@ -118,7 +118,7 @@ func (s *scenario) takes(sys string) bool {
 
 // drainSystems are the systems of drain-16: all but the publish floor, and
 // the held-transaction ceiling.
-var drainSystems = []string{"pgoutbox", pgoutboxLeaseName, pgoutboxTxName, pgoutboxArrivalsName, "raw", "raw-async", rawHeldName, rawHeldName + "-async", "watermill-sql"}
+var drainSystems = []string{"pgoutbox", pgoutboxLeaseName, pgoutboxTxName, pgoutboxArrivalsName, pgoutboxArrivalsLease, "raw", "raw-async", rawHeldName, rawHeldName + "-async", "watermill-sql"}
 
 // pathSystems are pgoutbox on its default path (ClaimAuto) and on leases
 // alone, with watermill-sql: the scenarios where the held path may differ.
@@ -180,7 +180,7 @@ func scenarioByName(name string) *scenario {
 
 var systems = []system{pgoutboxSystem{}, pgoutboxSystem{notifyEach: true}, pgoutboxSystem{lease: true}, pgoutboxSystem{txHandler: true}, rawSystem{}, rawSystem{async: true}, rawSystem{insertOnly: true},
 	rawSystem{held: true}, rawSystem{held: true, async: true}, watermillSQLSystem{}, rotatingSystem{}, generationsSystem{}, pgoutboxSystem{rotating: true},
-	pgoutboxSystem{arrivals: true}}
+	pgoutboxSystem{arrivals: true}, pgoutboxSystem{arrivals: true, lease: true}}
 
 func systemNames() []string {
 	var out []string

@@ -229,6 +229,15 @@ func TestArrivalsInStats(t *testing.T) {
 		require.EqualValues(t, 4, s.Ready, "group %s: the first groups have what came before them", s.ConsumerGroup)
 		require.Positive(t, s.OldestReadyAge)
 	}
+	without := b.tables
+	without.Arrivals = false
+	blind, err := pgoutbox.Stats(ctx, exec, without, pgoutbox.StatsForTopic(topic))
+	require.NoError(t, err)
+	require.Len(t, blind, len(stats))
+	for i := range stats {
+		stats[i].OldestReadyAge, blind[i].OldestReadyAge = 0, 0 // a later now()
+	}
+	require.Equal(t, stats, blind, "an operator's Stats counts the arrivals without being told of them")
 }
 
 // TestArrivalsOfAnUnboundGroupStayWithIt: Unbind of a group first gives
@@ -286,6 +295,8 @@ func TestArrivalsSchema(t *testing.T) {
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
 	_, err = schema.MigrationList(with)
 	require.ErrorIs(t, err, schema.ErrArrivalsMigrations)
+	require.ErrorContains(t, schema.ConvertToRotating(ctx, exec, b.tables), "arrivals table",
+		"its rotating subscribers would never take the arrivals")
 }
 
 // TestArrivalsKeepPublishOrderAcrossASecondBinding: an ordered

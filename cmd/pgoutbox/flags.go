@@ -28,6 +28,7 @@ type command struct {
 	dlqTable string
 	noDLQ    bool
 	rotating optBool // --rotating: given, or else read from the catalog
+	arrivals bool    // --arrivals: given, or found in the catalog
 	json     bool
 	help     func() // prints --help
 	envErr   error  // a variable the command reads is invalid: reported by parse
@@ -58,6 +59,15 @@ func (c *cli) newCommand(name, usage, examples string, readCmd bool) *command {
 		}
 		cmd.rotating = optBool{value: b, set: err == nil}
 	}
+	arrivals := false
+	if v := strings.TrimSpace(os.Getenv("PGOUTBOX_ARRIVALS")); v != "" {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			cmd.envErr = usagef(name, "PGOUTBOX_ARRIVALS=%q is not valid; use true or false (or 1, 0), or unset it", v)
+		}
+		arrivals = b
+	}
+	fs.BoolVar(&cmd.arrivals, "arrivals", arrivals, "the outbox has an arrivals table for plain messages ($PGOUTBOX_ARRIVALS); schema sql and apply make it; other commands find it in the database")
 	fs.Var(&cmd.rotating, "rotating", "the outbox is a rotating one ($PGOUTBOX_ROTATING); schema sql and apply make one so; other commands read it from the database when not given")
 	if readCmd {
 		fs.BoolVar(&cmd.json, "json", false, "write one JSON document to stdout")
@@ -112,7 +122,7 @@ func (cmd *command) noArgs(pos []string) error {
 
 // tables returns the table names from the flags and environment.
 func (cmd *command) tables() (schema.Config, error) {
-	t := schema.Config{Schema: cmd.schema, Table: cmd.table, DeadLetterTable: cmd.dlqTable, NoDeadLetterTable: cmd.noDLQ, Rotating: cmd.rotating.value}
+	t := schema.Config{Schema: cmd.schema, Table: cmd.table, DeadLetterTable: cmd.dlqTable, NoDeadLetterTable: cmd.noDLQ, Rotating: cmd.rotating.value, Arrivals: cmd.arrivals}
 	if t.NoDeadLetterTable && t.DeadLetterTable != "" {
 		return t, usagef(cmd.name, "--no-dlq and a dead-letter table (--dlq-table or $PGOUTBOX_DLQ_TABLE=%q) were both given; drop one", t.DeadLetterTable)
 	}

@@ -88,5 +88,28 @@ func (cmd *command) layout(ctx context.Context, exec tx.Executor, tables schema.
 		return tables, usagef(cmd.name, "%s.%s is a single table, not a rotating outbox; drop --rotating (or $PGOUTBOX_ROTATING), or convert it with pgoutbox schema convert-to-rotating", t.Schema, t.Table)
 	}
 	tables.Rotating = rotating
+	if !rotating && !tables.Arrivals {
+		// An outbox with arrivals (schema.Config.Arrivals) has its table.
+		n, err := query.NewNames(t.Schema, t.Table, "")
+		if err != nil {
+			return tables, err
+		}
+		rows, err := exec.Query(ctx, query.TableExists, n.WithArrivals().QArrivals)
+		if err != nil {
+			return tables, err
+		}
+		var exists bool
+		for rows.Next() {
+			err = rows.Scan(&exists)
+		}
+		rows.Close()
+		if err == nil {
+			err = rows.Err()
+		}
+		if err != nil {
+			return tables, err
+		}
+		tables.Arrivals = exists
+	}
 	return tables, nil
 }

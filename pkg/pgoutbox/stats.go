@@ -143,6 +143,18 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 	if err := rows.Err(); err != nil {
 		return nil, errorf("pgoutbox: stats: %w", err)
 	}
+	if !n.Arrivals && !n.Rotating {
+		// Arrivals are counted whether or not the caller's Tables say so:
+		// an operator's tool must see every message waiting.
+		withArrivals := n.WithArrivals()
+		exists, err := tableExists(ctx, exec, withArrivals.QArrivals)
+		if err != nil {
+			return nil, err
+		}
+		if exists {
+			n = withArrivals
+		}
+	}
 	if n.Arrivals {
 		if out, err = addArrivals(ctx, exec, n, o, out, index); err != nil {
 			return nil, err

@@ -137,7 +137,7 @@ var scenarios = []*scenario{
 	{name: "publish-tx-16", systems: publishSystems, run: concurrentPublishScenario(16)},
 	{name: "publish-100-g1", systems: []string{"pgoutbox", pgoutboxArrivalsName}, run: groupPublishScenario(1)},
 	{name: "publish-100-g5", systems: []string{"pgoutbox", pgoutboxArrivalsName}, run: groupPublishScenario(5)},
-	{name: "drain-3groups", systems: []string{"pgoutbox"}, run: groupDrainScenario(3)},
+	{name: "drain-3groups", systems: []string{"pgoutbox", pgoutboxArrivalsName}, run: groupDrainScenario(3)},
 	{name: "latency-busy", systems: []string{"pgoutbox", pgoutboxNotifyEachName, "watermill-sql"}, run: busyLatencyScenario},
 	{name: "drain-1", systems: pathSystems, run: drainScenario(false, 1)},
 	{name: "drain-16", systems: drainSystems, run: drainScenario(false, 16)},
@@ -789,15 +789,28 @@ func groupPublishScenario(groups int) func(context.Context, *bench, instance) (r
 // groupDrainScenario (pgoutbox only) drains a 20,000-message backlog that
 // groups consumer groups each have a copy of, with one subscriber per
 // group (MaxInFlight 16) running at once. It reports rows per second in
-// all.
+// all. With arrivals, the backlog is arrivals of the groups bound first,
+// which the subscribers fan out as they go.
 func groupDrainScenario(groups int) func(context.Context, *bench, instance) (result, error) {
 	return func(ctx context.Context, b *bench, inst instance) (result, error) {
 		n := b.count(20_000)
-		if _, err := b.pool.Exec(ctx, `
-			INSERT INTO `+inst.table()+` (topic, consumer_group, uuid, payload)
+		load := `
+			INSERT INTO ` + inst.table() + ` (topic, consumer_group, uuid, payload)
 			SELECT $1, 'g' || grp, gen_random_uuid()::text, $2::bytea
-			  FROM generate_series(1, $3), generate_series(0, $4 - 1) AS grp`,
-			topic, newPayload(), n, groups); err != nil {
+			  FROM generate_series(1, $3), generate_series(0, $4 - 1) AS grp`
+		if pi := inst.(*pgoutboxInstance); pi.tables.Arrivals {
+			var names []string
+			for g := range groups {
+				names = append(names, fmt.Sprintf("g%d", g))
+			}
+			if _, err := pgoutbox.BindGroups(ctx, tx.FromPgxPool(b.pool), pi.tables, topic, names); err != nil {
+				return result{}, err
+			}
+			load = `
+			INSERT INTO ` + pi.arrivalsTable() + ` (topic, uuid, payload)
+			SELECT $1, gen_random_uuid()::text, $2::bytea FROM generate_series(1, $3) WHERE $4::int > 0`
+		}
+		if _, err := b.pool.Exec(ctx, load, topic, newPayload(), n, groups); err != nil {
 			return result{}, fmt.Errorf("load backlog: %w", err)
 		}
 		if err := settle(ctx, b, inst); err != nil {

@@ -50,10 +50,19 @@ import (
 // TRUNCATE on the ring's partitions. Row security policies and publications of the single table
 // stay on it, the long partition: recreate them on the outbox.
 func ConvertToRotating(ctx context.Context, db tx.Executor, c Config) error {
-	c.Rotating = false
+	c.Rotating, c.Arrivals = false, false
 	single, err := c.names()
 	if err != nil {
 		return err
+	}
+	// A rotating outbox has no arrivals (Config.Arrivals): its
+	// subscribers would never take what the arrivals table holds.
+	arrivals := single.WithArrivals()
+	if cols, err := catalog(ctx, db, query.CatalogColumns, arrivals.Schema, arrivals.ArrivalsTable, 2); err != nil {
+		return err
+	} else if len(cols) > 0 {
+		return fmt.Errorf("pgoutbox: convert %s to a rotating outbox: it has an arrivals table (%s); a rotating outbox takes every message into its ring: "+
+			"unset Arrivals in every publisher, let the subscribers take what it holds, drop it, then convert", single.QTable, arrivals.QArrivals)
 	}
 	n := single.Rotated()
 	if err := convert(ctx, db, c, single, n); err != nil {

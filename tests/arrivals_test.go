@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -339,5 +340,64 @@ func TestArrivalsKeepPublishOrderAcrossASecondBinding(t *testing.T) {
 		require.Zero(t, b.arrivals(t, topic), "fanned out")
 		require.Equal(t, n/2, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1 AND consumer_group = 'second'`, topic),
 			"the second group has what was published after it bound")
+	})
+}
+
+// TestArrivalsLeastPrivilege: the grants docs/arrivals.md adds to the
+// least-privilege roles are enough: a publisher role publishes plain
+// messages into the arrivals table (it takes their ids from the outbox's
+// sequence); a subscriber role takes them on each claim path, binds a
+// second group (which reads that sequence) and fans arrivals out.
+func TestArrivalsLeastPrivilege(t *testing.T) {
+	b := setupArrivals(t)
+	arrivalsPublisherGrants := append(slices.Clip(publisherGrants),
+		`GRANT INSERT ON %s.outbox_arrivals TO %r`,
+		`GRANT USAGE ON SEQUENCE %s.outbox_id_seq TO %r`)
+	arrivalsSubscriberGrants := append(slices.Clip(subscriberGrants),
+		`GRANT SELECT, UPDATE, DELETE ON %s.outbox_arrivals TO %r`,
+		`GRANT INSERT ON %s.outbox TO %r`,
+		`GRANT USAGE ON SEQUENCE %s.outbox_id_seq TO %r`)
+	pubPool := b.loginRole(t, "apub", arrivalsPublisherGrants...)
+	subPool := b.loginRole(t, "asub", arrivalsSubscriberGrants...)
+	for pool, stmt := range map[*pgxpool.Pool]string{
+		pubPool: `SELECT payload FROM %s.outbox_arrivals`,
+		subPool: `TRUNCATE %s.outbox_arrivals`,
+	} {
+		_, err := pool.Exec(context.Background(), fmt.Sprintf(stmt, b.Schema))
+		require.ErrorContains(t, err, "permission denied", stmt)
+	}
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		topic := "arrive-priv-" + path + "-" + watermill.NewShortUUID()
+		pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pubPool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+		require.NoError(t, err)
+		subscribe := func(group string) <-chan *message.Message {
+			cfg := pgoutbox.SubscriberConfig{Tables: b.tables, ConsumerGroup: group, MinPollInterval: 20 * time.Millisecond,
+				MaxPollInterval: time.Second, DrainTimeout: time.Second, RetryPolicy: pgoutbox.NoRetry()}
+			onPath(t, path, &cfg)
+			sub, err := pgoutbox.NewSubscriber(subPool, cfg, nil)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = sub.Close() })
+			ch, err := sub.Subscribe(ctx, topic)
+			require.NoError(t, err)
+			return ch
+		}
+		first := subscribe("first")
+		require.NoError(t, pub.Publish(topic, newMsg("alone")))
+		m := receive(t, first, 10*time.Second)
+		require.Equal(t, "alone", string(m.Payload))
+		m.Nack() // NoRetry: dead-lettered, from the outbox (held: moved there first)
+		second := subscribe("second")
+		require.NoError(t, pub.Publish(topic, newMsg("both")))
+		for _, ch := range []<-chan *message.Message{first, second} {
+			m := receive(t, ch, 10*time.Second)
+			require.Equal(t, "both", string(m.Payload))
+			m.Ack()
+		}
+		require.Eventually(t, func() bool {
+			return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq WHERE topic = $1`, topic) == 1 &&
+				b.arrivals(t, topic)+b.outboxRows(t, topic) == 0
+		}, 10*time.Second, 20*time.Millisecond)
 	})
 }

@@ -91,6 +91,12 @@ func TestArrivalsTakePlainMessagesOnly(t *testing.T) {
 		}
 	}
 	require.Equal(t, 5, b.arrivals(t, topic), "the rolled-back publish left no arrival")
+
+	// pgoutboxtest's assertions read both tables, in publish order.
+	got := b.RequirePublished(t, tx.FromPgxPool(b.Pool), topic, pgoutboxtest.Count(9))
+	require.Equal(t, "one", string(got[0].Payload))
+	require.Equal(t, "tx true", string(got[8].Payload))
+	b.RequireNotPublished(t, tx.FromPgxPool(b.Pool), topic, pgoutboxtest.WithPayload([]byte("tx false")))
 }
 
 // TestArrivalsOnEachClaimPath: arrivals are delivered, acked, retried

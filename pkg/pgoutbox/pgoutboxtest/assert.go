@@ -124,12 +124,30 @@ type row struct {
 
 // published reads the messages of topic still in the outbox (not yet
 // acked), in publish order: one per published message, whatever the number
-// of groups it was copied to.
+// of groups it was copied to. An outbox with arrivals (schema.Config.
+// Arrivals) holds plain messages in its arrivals table until a subscriber
+// takes them: they are read too, whether or not c's tables say so.
 func published(exec tx.Executor, c *criteria, topic string) ([]row, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
-	rows, err := exec.Query(ctx, `SELECT id, consumer_group, uuid, payload, metadata::text, available_at, dedup_key
-		FROM `+quoteIdent(c.tables.Schema)+`.`+quoteIdent(c.tables.Table)+` WHERE topic = $1 ORDER BY id`, topic)
+	schemaName, table := c.tables.Schema, c.tables.Table
+	if schemaName == "" {
+		schemaName = schema.DefaultSchema
+	}
+	if table == "" {
+		table = schema.DefaultTable
+	}
+	q := `SELECT id, consumer_group, uuid, payload, metadata::text, available_at, dedup_key
+		FROM ` + quoteIdent(schemaName) + `.` + quoteIdent(table) + ` WHERE topic = $1`
+	arrivals := quoteIdent(schemaName) + `.` + quoteIdent(table+"_arrivals")
+	var exists bool
+	if err := queryOne(ctx, exec, `SELECT to_regclass($1) IS NOT NULL`, []any{arrivals}, &exists); err != nil {
+		return nil, err
+	}
+	if exists {
+		q += ` UNION ALL SELECT id, '', uuid, payload, metadata::text, created_at, NULL FROM ` + arrivals + ` WHERE topic = $1`
+	}
+	rows, err := exec.Query(ctx, q+` ORDER BY id`, topic)
 	if err != nil {
 		return nil, err
 	}
@@ -341,4 +359,20 @@ func (e *Env) RequireNotPublished(t testing.TB, exec tx.Executor, topic string, 
 func (e *Env) RequireScheduled(t testing.TB, exec tx.Executor, topic, key string, filters ...Filter) time.Time {
 	t.Helper()
 	return RequireScheduled(t, exec, topic, key, append([]Filter{InTables(e.Tables)}, filters...)...)
+}
+
+// queryOne scans the one row of q into dest.
+func queryOne(ctx context.Context, exec tx.Executor, q string, args []any, dest ...any) error {
+	rows, err := exec.Query(ctx, q, args...)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	if rows.Next() {
+		if err := rows.Scan(dest...); err != nil {
+			return err
+		}
+	}
+	rows.Close()
+	return rows.Err()
 }

@@ -179,16 +179,22 @@ SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, %[4]s`,
 type ArrivalsStatements struct {
 	// HeldAck deletes the acked arrivals of a held batch in its
 	// transaction, by their ctids ($1, see arrivalsHeld): the locks make
-	// a token unnecessary and keep each where the claim found it.
+	// a token unnecessary and keep each where the claim found it. An
+	// arrival that another group bound meanwhile with StartFromBacklog
+	// (topic $2; the batch's group is $3) was not the batch's alone any
+	// more: it gets its copy, and a wake-up ($4: the channel).
 	HeldAck string
 	// HeldFinish is HeldAck plus the arrivals of the batch that leave it
-	// without an ack ($2): they move into the outbox as leases of topic $3
-	// and group $4 under token $5 (see HeldFinish), keeping their ids.
+	// without an ack ($5): they move into the outbox as leases of group $3
+	// under token $6 (see HeldFinish), keeping their ids.
 	HeldFinish string
 	// Transfer fans out up to $3 arrivals of topic $1 while groups other
 	// than $2 are bound to it too: one outbox row per group each belongs
 	// to, due at its arrival, and a wake-up for each group ($4: the
-	// channel). It returns the arrivals moved.
+	// channel). It returns the arrivals moved. One runs at a time per
+	// topic, the others do nothing: fan-outs that ran side by side would
+	// commit their copies out of the arrivals' order, and an ordered
+	// subscription would take a later copy before an earlier one.
 	Transfer string
 }
 
@@ -197,37 +203,74 @@ func buildArrivals(n Names) ArrivalsStatements {
 		return ArrivalsStatements{}
 	}
 	return ArrivalsStatements{
-		HeldAck: fmt.Sprintf(`DELETE FROM %s WHERE ctid = ANY ($1::tid[])`, n.QArrivals),
-		HeldFinish: fmt.Sprintf(`
-WITH acked AS (
+		HeldAck: fmt.Sprintf(`
+WITH gone AS (
     DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[])
-), moving AS (
-    DELETE FROM %[1]s WHERE ctid = ANY ($2::tid[])
     RETURNING id, uuid, payload, metadata, created_at
-)
-INSERT INTO %[2]s (id, topic, consumer_group, uuid, payload, metadata, created_at, available_at,
-                   deliveries, lease_token, leased_until, leased_by, lease_holder)
-OVERRIDING SYSTEM VALUE
-SELECT m.id, $3, $4, m.uuid, m.payload, m.metadata, m.created_at, m.created_at,
-       1, $5::uuid, statement_timestamp() + $6::bigint * interval '1 microsecond', $7, $8::bigint
-  FROM moving m`, n.QArrivals, n.QTable),
-		Transfer: arrivalsTransfer(n, "(SELECT min(arrivals_from) FROM bound WHERE EXISTS (SELECT 1 FROM bound WHERE consumer_group <> $2))"),
+)%[2]s`, n.QArrivals, arrivalsLateCopies(n)),
+		HeldFinish: fmt.Sprintf(`
+WITH gone AS (
+    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[])
+    RETURNING id, uuid, payload, metadata, created_at
+), moving AS (
+    DELETE FROM %[1]s WHERE ctid = ANY ($5::tid[])
+    RETURNING id, uuid, payload, metadata, created_at
+), leases AS (
+    INSERT INTO %[2]s (id, topic, consumer_group, uuid, payload, metadata, created_at, available_at,
+                       deliveries, lease_token, leased_until, leased_by, lease_holder)
+    OVERRIDING SYSTEM VALUE
+    SELECT m.id, $2, $3, m.uuid, m.payload, m.metadata, m.created_at, m.created_at,
+           1, $6::uuid, statement_timestamp() + $7::bigint * interval '1 microsecond', $8, $9::bigint
+      FROM moving m
+    RETURNING 1
+)%[3]s`, n.QArrivals, n.QTable, arrivalsLateCopies(n, "moving")),
+		Transfer: arrivalsTransfer(n, "pg_try_advisory_xact_lock(%s)",
+			"(SELECT min(arrivals_from) FROM bound WHERE EXISTS (SELECT 1 FROM bound WHERE consumer_group <> $2))", "$3"),
 	}
 }
 
-// arrivalsTransfer fans out up to $3 arrivals of topic $1 from id from on
-// (an expression over bound, the topic's bindings; $2 is a group) to every
-// group they belong to, waking each group ($4: the channel). Each copy is
-// due at its arrival, so it keeps its place in its group's queue.
-func arrivalsTransfer(n Names, from string) string {
+// arrivalsLateCopies ends a held batch's statement over the arrivals it
+// took (gone, and the other CTEs named): each gets a copy for every group
+// other than the batch's ($3) that belongs to it, of topic $2, with a
+// wake-up ($4: the channel). Only a group bound with StartFromBacklog
+// while the batch held them has one: the batch's claim took them as its
+// group's alone, and the backlog copy reads the outbox.
+func arrivalsLateCopies(n Names, more ...string) string {
+	src := "SELECT * FROM gone"
+	for _, m := range more {
+		src += " UNION ALL SELECT * FROM " + m
+	}
+	return fmt.Sprintf(`, others AS MATERIALIZED (
+    SELECT consumer_group, arrivals_from FROM %[2]s WHERE topic = $2 AND consumer_group <> $3
+), copies AS (
+    INSERT INTO %[1]s (topic, consumer_group, uuid, payload, metadata, created_at, available_at)
+    SELECT $2, b.consumer_group, m.uuid, m.payload, m.metadata, m.created_at, m.created_at
+      FROM (%[3]s) m JOIN others b ON b.arrivals_from <= m.id
+     ORDER BY m.id, b.consumer_group
+    RETURNING consumer_group
+)
+SELECT pg_notify($4, chr(30) || $2 || chr(30) || g) FROM (SELECT DISTINCT consumer_group AS g FROM copies) c`, n.QTable, n.QBindings, src)
+}
+
+// arrivalsTransfer fans out up to limit arrivals of topic $1 from id from
+// on (an expression over bound, the topic's bindings; $2 is a group) to
+// every group they belong to, waking each group ($4: the channel). Each
+// copy is due at its arrival, so it keeps its place in its group's queue.
+// It holds the topic's fan-out lock (lock, a boolean expression over %s,
+// the lock's key, holds it to its transaction's end): fan-outs of a topic
+// commit one after the other, in the arrivals' order.
+func arrivalsTransfer(n Names, lock, from, limit string) string {
+	key := fmt.Sprintf(`hashtextextended('%s' || chr(30) || $1, 0)`, n.QArrivals)
 	return fmt.Sprintf(`
-WITH bound AS (
+WITH locked AS MATERIALIZED (
+    SELECT %[5]s AS ok
+), bound AS (
     SELECT consumer_group, arrivals_from FROM %[1]s WHERE topic = $1
 ), pick AS (
     SELECT id FROM %[2]s
-     WHERE topic = $1 AND id >= %[4]s
+     WHERE topic = $1 AND id >= %[4]s AND (SELECT ok FROM locked)
      ORDER BY id
-     LIMIT $3
+     LIMIT %[6]s
        FOR UPDATE SKIP LOCKED
 ), moved AS (
     DELETE FROM %[2]s a WHERE a.topic = $1 AND a.id = ANY (ARRAY(SELECT id FROM pick))
@@ -241,16 +284,48 @@ WITH bound AS (
 ), woken AS (
     SELECT pg_notify($4, chr(30) || $1 || chr(30) || g) FROM (SELECT DISTINCT consumer_group AS g FROM copies) c
 )
-SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM woken)`, n.QBindings, n.QArrivals, n.QTable, from)
+SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM woken)`, n.QBindings, n.QArrivals, n.QTable, from,
+		fmt.Sprintf(lock, key), limit)
 }
 
 // ArrivalsSettle fans out up to $3 arrivals of topic $1 that belong to
 // group $2 (with every other group they belong to; $4: the channel), so
 // that an Unbind or a MoveGroup of the group finds every message it has
 // where a group's rows are. Run under the topic's lock (TopicLock), until
-// it moves fewer than $3.
+// it moves fewer than $3; it waits for a fan-out under way.
 func ArrivalsSettle(n Names) string {
-	return arrivalsTransfer(n, "(SELECT arrivals_from FROM bound WHERE consumer_group = $2)")
+	return arrivalsTransfer(n, "(SELECT true FROM (SELECT pg_advisory_xact_lock(%s)) l)",
+		"(SELECT arrivals_from FROM bound WHERE consumer_group = $2)", "$3")
+}
+
+// ArrivalsAdopt hands up to $2 arrivals of topic $1 that belong to no
+// group (published while no binding covered their id: a publish in flight
+// across the Unbind of the group it was for) to every group bound now,
+// as the outbox's unbound rows are adopted by the next Bind ($3: the
+// channel).
+func ArrivalsAdopt(n Names) string {
+	return fmt.Sprintf(`
+WITH bound AS MATERIALIZED (
+    SELECT consumer_group FROM %[1]s WHERE topic = $1
+), pick AS (
+    SELECT id FROM %[2]s
+     WHERE topic = $1 AND id < (SELECT min(arrivals_from) FROM %[1]s WHERE topic = $1)
+     ORDER BY id
+     LIMIT $2
+       FOR UPDATE SKIP LOCKED
+), moved AS (
+    DELETE FROM %[2]s a WHERE a.topic = $1 AND a.id = ANY (ARRAY(SELECT id FROM pick))
+    RETURNING a.id, a.uuid, a.payload, a.metadata, a.created_at
+), copies AS (
+    INSERT INTO %[3]s (topic, consumer_group, uuid, payload, metadata, created_at, available_at)
+    SELECT $1, b.consumer_group, m.uuid, m.payload, m.metadata, m.created_at, m.created_at
+      FROM moved m CROSS JOIN bound b
+     ORDER BY m.id, b.consumer_group
+    RETURNING consumer_group
+), woken AS (
+    SELECT pg_notify($3, chr(30) || $1 || chr(30) || g) FROM (SELECT DISTINCT consumer_group AS g FROM copies) c
+)
+SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM woken)`, n.QBindings, n.QArrivals, n.QTable)
 }
 
 // ArrivalsFrom is the arrivals_from of the groups a BindGroups statement
@@ -261,6 +336,20 @@ func ArrivalsFrom(n Names) string {
 	return fmt.Sprintf(`(SELECT CASE WHEN $3::bool OR NOT EXISTS (SELECT 1 FROM %s WHERE topic = $1) THEN 0
              ELSE nextval(pg_get_serial_sequence('%s', 'id')) END)`, n.QBindings, n.QTable)
 }
+
+// ReadableTable tells whether table $1 (quoted, qualified) exists and the
+// current role may read it.
+const ReadableTable = `SELECT CASE WHEN to_regclass($1) IS NULL THEN false ELSE has_table_privilege($1, 'SELECT') END`
+
+// ArrivalsIDDefault tells whether the arrivals table $1 takes its ids
+// from the identity sequence of the outbox $2: a default drawn from
+// another sequence would give arrivals ids the outbox has.
+const ArrivalsIDDefault = `SELECT (EXISTS (
+    SELECT 1 FROM pg_attrdef d
+      JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum AND a.attname = 'id'
+      JOIN pg_depend dep ON dep.classid = 'pg_attrdef'::regclass AND dep.objid = d.oid
+                        AND dep.refclassid = 'pg_class'::regclass
+     WHERE d.adrelid = $1::regclass AND dep.refobjid = pg_get_serial_sequence($2, 'id')::regclass))::text`
 
 // ArrivalsStats counts the arrivals of every topic (or of topic $1) by the
 // bound group they belong to (NULL: none yet), with the oldest's age in

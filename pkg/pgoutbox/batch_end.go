@@ -61,10 +61,10 @@ func (e *batchEnder) end(job batchJob) batchResult {
 	// into the outbox (query.ArrivalsStatements.HeldFinish).
 	switch {
 	case len(arrivedLeases) > 0:
-		b.Queue(e.q.Arrivals.HeldFinish, arrivedAcks, arrivedLeases, e.topic, e.cfg.ConsumerGroup, job.b.token,
-			e.cfg.Lease.Microseconds(), e.cfg.WorkerID, job.holder)
+		b.Queue(e.q.Arrivals.HeldFinish, arrivedAcks, e.topic, e.cfg.ConsumerGroup, e.q.Names.Channel, arrivedLeases,
+			job.b.token, e.cfg.Lease.Microseconds(), e.cfg.WorkerID, job.holder)
 	case len(arrivedAcks) > 0:
-		b.Queue(e.q.Arrivals.HeldAck, arrivedAcks)
+		b.Queue(e.q.Arrivals.HeldAck, arrivedAcks, e.topic, e.cfg.ConsumerGroup, e.q.Names.Channel)
 	}
 	if len(job.released) > 0 {
 		// Rows given back are due again at commit: wake the idle

@@ -64,6 +64,7 @@ type claimResult struct {
 	arrivals    int64
 	shared      bool
 	transferred int64
+	transferErr error // the fan-out before the claim failed (the claim itself ran)
 	err         error
 }
 

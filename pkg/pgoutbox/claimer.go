@@ -28,11 +28,11 @@ type claimer struct {
 // run claims on the path the request names.
 func (c *claimer) run(req claimRequest) claimResult {
 	var transferred int64
+	var transferErr error
 	if req.transfer {
-		var err error
-		if transferred, err = c.transfer(req.n); err != nil {
-			return claimResult{req: req, err: err}
-		}
+		// A fan-out that fails changes nothing: the claim goes on, and the
+		// next claim fans out again.
+		transferred, transferErr = c.transfer(req.n)
 	}
 	var r claimResult
 	if req.held {
@@ -40,7 +40,7 @@ func (c *claimer) run(req claimRequest) claimResult {
 	} else {
 		r = c.lease(req)
 	}
-	r.transferred = transferred
+	r.transferred, r.transferErr = transferred, transferErr
 	return r
 }
 

@@ -178,7 +178,10 @@ func (c *claimSchedule) succeeded(r claimResult) (woke bool) {
 // next decides, after a claim whose rows were taken, when to claim again:
 // at once while claims find rows, else after an idle wait.
 func (c *claimSchedule) next(r claimResult, woke bool, now time.Time) {
-	if len(r.rows) > 0 || r.transferred > 0 {
+	// Arrivals found to fan out are fanned out by the next claim, at once;
+	// one that fanned out nothing (another subscriber's fan-out held the
+	// topic) waits to be woken by that one's copies.
+	if len(r.rows) > 0 || r.transferred > 0 || (r.shared && !r.req.transfer) {
 		c.want, c.idlePoll = true, c.cfg.MinPollInterval
 		if c.lookAgain > 0 {
 			// Still busy after a publisher's wake-up: quiet publishes may
@@ -329,6 +332,9 @@ func (sub *subscription) onClaimed(r claimResult) {
 		}
 		sub.logger.Error("Claim failed; retrying", r.err, fields)
 		return
+	}
+	if r.transferErr != nil {
+		sub.logger.Error("Fanning out arrivals failed; the next claim fans them out again", r.transferErr, nil)
 	}
 	woke := sub.claims.succeeded(r)
 	sub.held.busy = len(r.rows) > 0

@@ -241,3 +241,21 @@ func TestClaimScanArrivalsCursor(t *testing.T) {
 	c.restart(false)
 	require.Zero(t, c.arrivals, "a give-back reads from the start")
 }
+
+// A claim that found arrivals to fan out is followed at once by one that
+// fans them out; a claim that tried and fanned out nothing (another
+// subscriber's fan-out of the topic was under way) waits to be woken by
+// that fan-out's copies instead of trying again at claim speed.
+func TestClaimScheduleFansOutArrivalsAtOnce(t *testing.T) {
+	t.Parallel()
+	cfg := &SubscriberConfig{MinPollInterval: 10 * time.Millisecond, MaxPollInterval: time.Second}
+	now := time.Now()
+	c := newClaimSchedule(cfg, now)
+	c.next(claimResult{shared: true}, false, now)
+	require.True(t, c.want, "found arrivals to fan out: claim again at once")
+	c.next(claimResult{req: claimRequest{transfer: true}, shared: true}, false, now)
+	require.False(t, c.want, "the fan-out moved nothing: wait")
+	require.True(t, c.idleUntil.After(now))
+	c.next(claimResult{req: claimRequest{transfer: true}, transferred: 5}, false, now)
+	require.True(t, c.want, "the fan-out moved arrivals: claim again at once")
+}

@@ -194,6 +194,14 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 	if err == nil {
 		err = errors.Join(json.Unmarshal([]byte(newJSON), &res.New), json.Unmarshal([]byte(pendingJSON), &pending))
 	}
+	if err == nil && n.Arrivals {
+		// Arrivals no binding covers (a publish in flight across the
+		// Unbind of the group it was for) go to the groups bound now, as
+		// the outbox's unbound rows do below. Every Subscribe binds.
+		var adopted int64
+		adopted, err = adoptArrivals(ctx, exec, n, topic, lockKey, stmt)
+		res.Adopted += adopted
+	}
 	// A new binding may have publishes in flight that could not see it
 	// and store their messages as unbound: wait for them, then adopt.
 	if err != nil || (!unbound && len(pending) == 0 && len(res.New) == 0) {
@@ -395,13 +403,15 @@ func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topi
 	if from == to {
 		return 0, fmt.Errorf("%w: moving group %q into itself; name two different groups", ErrInvalidGroup, from)
 	}
-	if err := tx.RunInTx(ctx, exec, func(e tx.Executor) error {
-		if _, err := e.Exec(ctx, query.TopicLock, q.Names.QBindings+query.GroupMark+topic); err != nil {
-			return err
+	if q.Names.Arrivals {
+		if err := tx.RunInTx(ctx, exec, func(e tx.Executor) error {
+			if _, err := e.Exec(ctx, query.TopicLock, q.Names.QBindings+query.GroupMark+topic); err != nil {
+				return err
+			}
+			return settleArrivals(ctx, e, q.Names, topic, from)
+		}); err != nil {
+			return 0, errorf("pgoutbox: move group %q of topic %q into %q: %w", from, topic, to, err)
 		}
-		return settleArrivals(ctx, e, q.Names, topic, from)
-	}); err != nil {
-		return 0, errorf("pgoutbox: move group %q of topic %q into %q: %w", from, topic, to, err)
 	}
 	var total int64
 	for {
@@ -491,6 +501,31 @@ func settleArrivals(ctx context.Context, exec tx.Executor, n query.Names, topic,
 		}
 		if moved < groupBatch {
 			return nil
+		}
+	}
+}
+
+// adoptArrivals hands, with an outbox with arrivals, the arrivals of topic
+// that belong to no group to the groups bound now (query.ArrivalsAdopt),
+// in batches under the topic's lock, and returns how many it moved.
+func adoptArrivals(ctx context.Context, exec tx.Executor, n query.Names, topic, lockKey string, stmt func(func(context.Context) error) error) (int64, error) {
+	var total int64
+	for {
+		var moved, woken int64
+		err := stmt(func(ctx context.Context) error {
+			return tx.RunInTx(ctx, exec, func(e tx.Executor) error {
+				if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
+					return err
+				}
+				return queryRow(ctx, e, query.ArrivalsAdopt(n), []any{topic, groupBatch, n.Channel}, &moved, &woken)
+			})
+		})
+		if err != nil {
+			return total, fmt.Errorf("adopt the arrivals no group has: %w", err)
+		}
+		total += moved
+		if moved < groupBatch {
+			return total, nil
 		}
 	}
 }

@@ -144,14 +144,15 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 		return nil, errorf("pgoutbox: stats: %w", err)
 	}
 	if !n.Arrivals && !n.Rotating {
-		// Arrivals are counted whether or not the caller's Tables say so:
-		// an operator's tool must see every message waiting.
+		// Arrivals are counted whether or not the caller's Tables say so
+		// (an operator's tool must see every message waiting), by a role
+		// that may read them.
 		withArrivals := n.WithArrivals()
-		exists, err := tableExists(ctx, exec, withArrivals.QArrivals)
-		if err != nil {
-			return nil, err
+		var readable bool
+		if err := queryRow(ctx, exec, query.ReadableTable, []any{withArrivals.QArrivals}, &readable); err != nil {
+			return nil, errorf("pgoutbox: stats: %w", err)
 		}
-		if exists {
+		if readable {
 			n = withArrivals
 		}
 	}

@@ -309,6 +309,15 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 				return err
 			}
 		}
+		if !missing[n.ArrivalsTable] && !missing[n.Table] && !n.Rotating {
+			ok, err := catalog(ctx, db, query.ArrivalsIDDefault, n.QArrivals, n.QTable, 1)
+			if err != nil {
+				return err
+			}
+			if len(ok) != 1 || ok[0][0] != "true" {
+				problems = append(problems, fmt.Sprintf("column %s.id does not take its default from the identity sequence of %s (arrivals would get ids the outbox has); drop the table and run schema.Create", n.ArrivalsTable, n.Table))
+			}
+		}
 	}
 	idxByTable := map[string]map[string]bool{}
 	for _, idx := range n.Indexes() {

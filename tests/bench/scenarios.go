@@ -338,6 +338,11 @@ func settle(ctx context.Context, b *bench, inst instance) error {
 	if _, err := b.pool.Exec(ctx, `ANALYZE `+inst.table()); err != nil {
 		return fmt.Errorf("analyze: %w", err)
 	}
+	if pi, ok := inst.(*pgoutboxInstance); ok && pi.tables.Arrivals {
+		if _, err := b.pool.Exec(ctx, `ANALYZE `+pi.arrivalsTable()); err != nil {
+			return fmt.Errorf("analyze: %w", err)
+		}
+	}
 	// CHECKPOINT needs superuser (or pg_checkpoint on 15+); without it the
 	// numbers are noisier, not wrong.
 	if _, err := b.pool.Exec(ctx, `CHECKPOINT`); err != nil {

@@ -204,14 +204,18 @@ func buildArrivals(n Names) ArrivalsStatements {
 	}
 	return ArrivalsStatements{
 		HeldAck: fmt.Sprintf(`
-WITH gone AS (
-    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[])
+WITH %[3]s, gone AS (
+    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[]) AND (SELECT later FROM bound_since)
     RETURNING id, uuid, payload, metadata, created_at
-)%[2]s`, n.QArrivals, arrivalsLateCopies(n)),
+), deleted AS (
+    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[]) AND NOT (SELECT later FROM bound_since)
+)%[2]s`, n.QArrivals, arrivalsLateCopies(n), arrivalsBoundSince(n)),
 		HeldFinish: fmt.Sprintf(`
-WITH gone AS (
-    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[])
+WITH %[4]s, gone AS (
+    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[]) AND (SELECT later FROM bound_since)
     RETURNING id, uuid, payload, metadata, created_at
+), deleted AS (
+    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[]) AND NOT (SELECT later FROM bound_since)
 ), moving AS (
     DELETE FROM %[1]s WHERE ctid = ANY ($5::tid[])
     RETURNING id, uuid, payload, metadata, created_at
@@ -223,10 +227,20 @@ WITH gone AS (
            1, $6::uuid, statement_timestamp() + $7::bigint * interval '1 microsecond', $8, $9::bigint
       FROM moving m
     RETURNING 1
-)%[3]s`, n.QArrivals, n.QTable, arrivalsLateCopies(n, "moving")),
+)%[3]s`, n.QArrivals, n.QTable, arrivalsLateCopies(n, "moving"), arrivalsBoundSince(n)),
 		Transfer: arrivalsTransfer(n, "pg_try_advisory_xact_lock(%s)",
 			"(SELECT min(arrivals_from) FROM bound WHERE EXISTS (SELECT 1 FROM bound WHERE consumer_group <> $2))", "$3"),
 	}
+}
+
+// arrivalsBoundSince tells a held batch's end (topic $2, group $3) whether
+// another group is bound to the topic: only then may its arrivals need
+// copies (arrivalsLateCopies), and only then does it read them back as it
+// deletes them.
+func arrivalsBoundSince(n Names) string {
+	return fmt.Sprintf(`bound_since AS MATERIALIZED (
+    SELECT EXISTS (SELECT 1 FROM %s WHERE topic = $2 AND consumer_group <> $3) AS later
+)`, n.QBindings)
 }
 
 // arrivalsLateCopies ends a held batch's statement over the arrivals it

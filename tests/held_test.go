@@ -722,8 +722,18 @@ const idleInTxOf = `application_name = $1 AND state = 'idle in transaction' AND 
 // (duplicates allowed: at-least-once), the outbox ends empty, and Close
 // returns.
 func TestHeldBatchWhoseConnectionIsKilledIsDeliveredAgain(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
+	for _, layout := range []string{"outbox", "arrivals"} {
+		t.Run(layout, func(t *testing.T) {
+			t.Parallel()
+			heldBatchWhoseConnectionIsKilled(t, layoutBundle(t, layout))
+		})
+	}
+}
+
+// heldBatchWhoseConnectionIsKilled is TestHeldBatchWhoseConnectionIsKilledIsDeliveredAgain
+// on b's outbox: with arrivals (schema.Config.Arrivals), the held rows are
+// arrivals, locked where they arrived.
+func heldBatchWhoseConnectionIsKilled(t *testing.T, b *bundle) {
 	ctx := context.Background()
 	pool, app := heldPool(t, b, 10)
 	ev := newEvents()
@@ -802,7 +812,9 @@ func TestHeldBatchWhoseConnectionIsKilledIsDeliveredAgain(t *testing.T) {
 		open()
 	}
 
-	pollUntil(t, "outbox empty", 30*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+	pollUntil(t, "outbox empty", 30*time.Second, nil, func() bool {
+		return b.outboxRows(t, "t") == 0 && (!b.tables.Arrivals || b.arrivals(t, "t") == 0)
+	})
 	for _, u := range published {
 		require.GreaterOrEqual(t, handled.get(u), 1, "message %s never handled", u)
 	}
@@ -833,8 +845,17 @@ func TestHeldBatchWhoseConnectionIsKilledIsDeliveredAgain(t *testing.T) {
 // their delivery counted at most once; the late Acks of their handlers
 // change nothing, and a new subscriber gets exactly those seven.
 func TestHeldCloseWhileABatchIsOpenGivesItsRowsBack(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
+	for _, layout := range []string{"outbox", "arrivals"} {
+		t.Run(layout, func(t *testing.T) {
+			t.Parallel()
+			heldCloseWhileABatchIsOpen(t, layoutBundle(t, layout))
+		})
+	}
+}
+
+// heldCloseWhileABatchIsOpen is TestHeldCloseWhileABatchIsOpenGivesItsRowsBack
+// on b's outbox: with arrivals, the held rows given back are arrivals again.
+func heldCloseWhileABatchIsOpen(t *testing.T, b *bundle) {
 	ctx := context.Background()
 	pool, app := heldPool(t, b, 10)
 	for attempt := 1; attempt <= 5; attempt++ {
@@ -899,23 +920,27 @@ func TestHeldCloseWhileABatchIsOpenGivesItsRowsBack(t *testing.T) {
 			}
 		}
 
-		rows, err := b.Pool.Query(ctx, `SELECT uuid, deliveries, lease_token IS NULL AND leased_until IS NULL, available_at <= now()
-			FROM `+b.Schema+`.outbox WHERE topic = $1`, topic)
+		left := `SELECT uuid, deliveries, lease_token IS NULL AND leased_until IS NULL, available_at <= now()
+			FROM ` + b.Schema + `.outbox WHERE topic = $1`
+		if b.tables.Arrivals {
+			left += ` UNION ALL SELECT uuid, 0, true, created_at <= now() FROM ` + b.Schema + `.outbox_arrivals WHERE topic = $1`
+		}
+		rows, err := b.Pool.Query(ctx, left, topic)
 		require.NoError(t, err)
-		left := map[string]bool{}
+		back := map[string]bool{}
 		for rows.Next() {
 			var u string
 			var deliveries int
 			var unleased, due bool
 			require.NoError(t, rows.Scan(&u, &deliveries, &unleased, &due))
-			left[u] = true
+			back[u] = true
 			require.True(t, unleased, "row %s still leased after Close", u)
 			require.True(t, due, "row %s not due at once", u)
 			require.LessOrEqual(t, deliveries, 1, "row %s", u)
 		}
 		require.NoError(t, rows.Err())
-		require.Len(t, left, 7, "the acked rows are gone, the others back")
-		for u := range left {
+		require.Len(t, back, 7, "the acked rows are gone, the others back")
+		for u := range back {
 			require.Equal(t, 1, blocked.get(u), "row %s was not one of the blocked messages", u)
 		}
 
@@ -927,8 +952,10 @@ func TestHeldCloseWhileABatchIsOpenGivesItsRowsBack(t *testing.T) {
 			got[m.UUID] = true
 			m.Ack()
 		}
-		require.Equal(t, left, got)
-		pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, topic) == 0 })
+		require.Equal(t, back, got)
+		pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool {
+			return b.outboxRows(t, topic) == 0 && (!b.tables.Arrivals || b.arrivals(t, topic) == 0)
+		})
 		return
 	}
 	t.Fatal("no held batch was open when Close was due, in 5 attempts")

@@ -140,15 +140,28 @@ func arrivalsLeaseBranch(n Names, cursor, limit string) string {
 ), %[1]s, %[2]s, arrived AS (
     DELETE FROM %[3]s a WHERE a.topic = $1 AND a.id = ANY (ARRAY(SELECT id FROM arrivals_pick))
     RETURNING a.id, a.uuid, a.payload, a.metadata, a.created_at
-), moved AS (
-    INSERT INTO %[4]s (id, topic, consumer_group, uuid, payload, metadata, created_at, available_at,
+), moved AS (%[4]s
+    RETURNING id, uuid, payload, metadata, deliveries, available_at, ordering_key, created_at`,
+		arrivalsBounds(n, "$10"), arrivalsPick(n, "$10", cursor, limit, "a.id"), n.QArrivals,
+		arrivalsAsLeases(n, "arrived", leaseParams{"$1", "$10", "$3", "now() + $4", "$5", "$9"}))
+}
+
+// leaseParams are the expressions of a lease written by arrivalsAsLeases:
+// the topic, the group, the token, the end's start plus the lease in
+// microseconds, the worker and the liveness key.
+type leaseParams struct{ topic, group, token, ends, worker, holder string }
+
+// arrivalsAsLeases inserts the arrivals of src (id, uuid, payload,
+// metadata, created_at) into the outbox as leases (p), keeping their ids:
+// their first delivery, due at their arrival.
+func arrivalsAsLeases(n Names, src string, p leaseParams) string {
+	return fmt.Sprintf(`
+    INSERT INTO %[1]s (id, topic, consumer_group, uuid, payload, metadata, created_at, available_at,
                        deliveries, lease_token, leased_until, leased_by, lease_holder)
     OVERRIDING SYSTEM VALUE
-    SELECT a.id, $1, $10, a.uuid, a.payload, a.metadata, a.created_at, a.created_at,
-           1, $3::uuid, now() + $4::bigint * interval '1 microsecond', $5, $9::bigint
-      FROM arrived a
-    RETURNING id, uuid, payload, metadata, deliveries, available_at, ordering_key, created_at`,
-		arrivalsBounds(n, "$10"), arrivalsPick(n, "$10", cursor, limit, "a.id"), n.QArrivals, n.QTable)
+    SELECT m.id, %[3]s, %[4]s, m.uuid, m.payload, m.metadata, m.created_at, m.created_at,
+           1, %[5]s::uuid, %[6]s::bigint * interval '1 microsecond', %[7]s, %[8]s::bigint
+      FROM %[2]s m`, n.QTable, src, p.topic, p.group, p.token, p.ends, p.worker, p.holder)
 }
 
 // arrivalsHeld is the held claim of an outbox with arrivals: the outbox's
@@ -219,17 +232,13 @@ WITH %[4]s, gone AS (
 ), moving AS (
     DELETE FROM %[1]s WHERE ctid = ANY ($5::tid[])
     RETURNING id, uuid, payload, metadata, created_at
-), leases AS (
-    INSERT INTO %[2]s (id, topic, consumer_group, uuid, payload, metadata, created_at, available_at,
-                       deliveries, lease_token, leased_until, leased_by, lease_holder)
-    OVERRIDING SYSTEM VALUE
-    SELECT m.id, $2, $3, m.uuid, m.payload, m.metadata, m.created_at, m.created_at,
-           1, $6::uuid, statement_timestamp() + $7::bigint * interval '1 microsecond', $8, $9::bigint
-      FROM moving m
+), leases AS (%[2]s
     RETURNING 1
-)%[3]s`, n.QArrivals, n.QTable, arrivalsLateCopies(n, "moving"), arrivalsBoundSince(n)),
-		Transfer: arrivalsTransfer(n, "pg_try_advisory_xact_lock(%s)",
-			"(SELECT min(arrivals_from) FROM bound WHERE EXISTS (SELECT 1 FROM bound WHERE consumer_group <> $2))", "$3"),
+)%[3]s`, n.QArrivals, arrivalsAsLeases(n, "moving", leaseParams{"$2", "$3", "$6", "statement_timestamp() + $7", "$8", "$9"}),
+			arrivalsLateCopies(n, "moving"), arrivalsBoundSince(n)),
+		Transfer: arrivalsFanOut(n, "pg_try_advisory_xact_lock(%s)",
+			"id >= (SELECT min(arrivals_from) FROM bound WHERE EXISTS (SELECT 1 FROM bound WHERE consumer_group <> $2))",
+			"b.arrivals_from <= m.id", "$3", "$4"),
 	}
 }
 
@@ -266,25 +275,26 @@ func arrivalsLateCopies(n Names, more ...string) string {
 SELECT pg_notify($4, chr(30) || $2 || chr(30) || g) FROM (SELECT DISTINCT consumer_group AS g FROM copies) c`, n.QTable, n.QBindings, src)
 }
 
-// arrivalsTransfer fans out up to limit arrivals of topic $1 from id from
-// on (an expression over bound, the topic's bindings; $2 is a group) to
-// every group they belong to, waking each group ($4: the channel). Each
-// copy is due at its arrival, so it keeps its place in its group's queue.
-// It holds the topic's fan-out lock (lock, a boolean expression over %s,
-// the lock's key, holds it to its transaction's end): fan-outs of a topic
-// commit one after the other, in the arrivals' order.
-func arrivalsTransfer(n Names, lock, from, limit string) string {
+// arrivalsFanOut moves up to limit arrivals of topic $1 that pick selects
+// (a condition on id, over bound: the topic's bindings) into the outbox,
+// one row for each binding b that belongs (a condition on m.id and b),
+// waking each group (channel). Each copy is due at its arrival, so it
+// keeps its place in its group's queue. It holds the topic's fan-out lock
+// (lock, a boolean expression over %s, the lock's key, holds it to its
+// transaction's end): fan-outs of a topic commit one after the other, in
+// the arrivals' order.
+func arrivalsFanOut(n Names, lock, pick, belongs, limit, channel string) string {
 	key := fmt.Sprintf(`hashtextextended('%s' || chr(30) || $1, 0)`, n.QArrivals)
 	return fmt.Sprintf(`
 WITH locked AS MATERIALIZED (
-    SELECT %[5]s AS ok
-), bound AS (
+    SELECT %[4]s AS ok
+), bound AS MATERIALIZED (
     SELECT consumer_group, arrivals_from FROM %[1]s WHERE topic = $1
 ), pick AS (
     SELECT id FROM %[2]s
-     WHERE topic = $1 AND id >= %[4]s AND (SELECT ok FROM locked)
+     WHERE topic = $1 AND %[5]s AND (SELECT ok FROM locked)
      ORDER BY id
-     LIMIT %[6]s
+     LIMIT %[7]s
        FOR UPDATE SKIP LOCKED
 ), moved AS (
     DELETE FROM %[2]s a WHERE a.topic = $1 AND a.id = ANY (ARRAY(SELECT id FROM pick))
@@ -292,15 +302,22 @@ WITH locked AS MATERIALIZED (
 ), copies AS (
     INSERT INTO %[3]s (topic, consumer_group, uuid, payload, metadata, created_at, available_at)
     SELECT $1, b.consumer_group, m.uuid, m.payload, m.metadata, m.created_at, m.created_at
-      FROM moved m JOIN bound b ON b.arrivals_from <= m.id
+      FROM moved m JOIN bound b ON %[6]s
      ORDER BY m.id, b.consumer_group
     RETURNING consumer_group
 ), woken AS (
-    SELECT pg_notify($4, chr(30) || $1 || chr(30) || g) FROM (SELECT DISTINCT consumer_group AS g FROM copies) c
+    SELECT pg_notify(%[8]s, chr(30) || $1 || chr(30) || g) FROM (SELECT DISTINCT consumer_group AS g FROM copies) c
 )
-SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM woken)`, n.QBindings, n.QArrivals, n.QTable, from,
-		fmt.Sprintf(lock, key), limit)
+SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM woken)`, n.QBindings, n.QArrivals, n.QTable,
+		fmt.Sprintf(lock, key), pick, belongs, limit, channel)
 }
+
+// fanOutLock waits for the topic's fan-out lock (arrivalsFanOut);
+// noFanOutLock takes none (its key is formatted away).
+const (
+	fanOutLock   = "(SELECT true FROM (SELECT pg_advisory_xact_lock(%s)) l)"
+	noFanOutLock = "%.0strue"
+)
 
 // ArrivalsSettle fans out up to $3 arrivals of topic $1 that belong to
 // group $2 (with every other group they belong to; $4: the channel), so
@@ -308,38 +325,19 @@ SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM woken)`, n.QBindings,
 // where a group's rows are. Run under the topic's lock (TopicLock), until
 // it moves fewer than $3; it waits for a fan-out under way.
 func ArrivalsSettle(n Names) string {
-	return arrivalsTransfer(n, "(SELECT true FROM (SELECT pg_advisory_xact_lock(%s)) l)",
-		"(SELECT arrivals_from FROM bound WHERE consumer_group = $2)", "$3")
+	return arrivalsFanOut(n, fanOutLock, "id >= (SELECT arrivals_from FROM bound WHERE consumer_group = $2)",
+		"b.arrivals_from <= m.id", "$3", "$4")
 }
 
 // ArrivalsAdopt hands up to $2 arrivals of topic $1 that belong to no
 // group (published while no binding covered their id: a publish in flight
 // across the Unbind of the group it was for) to every group bound now,
 // as the outbox's unbound rows are adopted by the next Bind ($3: the
-// channel).
+// channel). It takes no fan-out lock (a Bind must not wait for a fan-out):
+// its arrivals are older than any a fan-out takes, and their copies, due
+// at their arrival, go before the fan-out's in every group's queue.
 func ArrivalsAdopt(n Names) string {
-	return fmt.Sprintf(`
-WITH bound AS MATERIALIZED (
-    SELECT consumer_group FROM %[1]s WHERE topic = $1
-), pick AS (
-    SELECT id FROM %[2]s
-     WHERE topic = $1 AND id < (SELECT min(arrivals_from) FROM %[1]s WHERE topic = $1)
-     ORDER BY id
-     LIMIT $2
-       FOR UPDATE SKIP LOCKED
-), moved AS (
-    DELETE FROM %[2]s a WHERE a.topic = $1 AND a.id = ANY (ARRAY(SELECT id FROM pick))
-    RETURNING a.id, a.uuid, a.payload, a.metadata, a.created_at
-), copies AS (
-    INSERT INTO %[3]s (topic, consumer_group, uuid, payload, metadata, created_at, available_at)
-    SELECT $1, b.consumer_group, m.uuid, m.payload, m.metadata, m.created_at, m.created_at
-      FROM moved m CROSS JOIN bound b
-     ORDER BY m.id, b.consumer_group
-    RETURNING consumer_group
-), woken AS (
-    SELECT pg_notify($3, chr(30) || $1 || chr(30) || g) FROM (SELECT DISTINCT consumer_group AS g FROM copies) c
-)
-SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM woken)`, n.QBindings, n.QArrivals, n.QTable)
+	return arrivalsFanOut(n, noFanOutLock, "id < (SELECT min(arrivals_from) FROM bound)", "true", "$2", "$3")
 }
 
 // ArrivalsFrom is the arrivals_from of the groups a BindGroups statement

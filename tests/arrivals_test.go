@@ -245,6 +245,20 @@ func TestArrivalsInStats(t *testing.T) {
 		stats[i].OldestReadyAge, blind[i].OldestReadyAge = 0, 0 // a later now()
 	}
 	require.Equal(t, stats, blind, "an operator's Stats counts the arrivals without being told of them")
+
+	// Peek shows them in delivery order, with the group's outbox rows.
+	later := newMsg("due later")
+	pgoutbox.DeliverAfter(later, time.Hour)
+	require.NoError(t, pub.Publish(topic, later))
+	for _, tables := range []schema.Config{b.tables, without} {
+		pending, err := pgoutbox.Peek(ctx, exec, tables, topic, "x", 10)
+		require.NoError(t, err)
+		var payloads []string
+		for _, p := range pending {
+			payloads = append(payloads, string(p.Payload))
+		}
+		require.Equal(t, []string{"0", "1", "2", "4", "due later"}, payloads)
+	}
 }
 
 // TestArrivalsOfAnUnboundGroupStayWithIt: Unbind of a group first gives

@@ -250,11 +250,26 @@ SELECT (SELECT count(*) FROM upd), (SELECT count(*) FROM woken)`, n.QTable)
 // Peek reads up to $3 unleased rows of topic $1 and group $2 in delivery
 // order (ready, then scheduled, then parked at 'infinity'), without
 // locking or leasing them: a range scan of the ready index.
+//
+// With arrivals, the group's arrivals too (those its binding covers, the
+// primary key's range from its start), each due at its arrival.
 func Peek(n Names) string {
-	return fmt.Sprintf(`SELECT id, uuid, payload, metadata::text, created_at, available_at, deliveries,
+	outbox := fmt.Sprintf(`SELECT id, uuid, payload, metadata::text, created_at, available_at, deliveries,
        dedup_key, last_error, failure_reason, ordering_key
   FROM %s
  WHERE topic = $1 AND consumer_group = $2 AND lease_token IS NULL
  ORDER BY available_at, id
  LIMIT $3`, n.QTable)
+	if !n.Arrivals {
+		return outbox
+	}
+	return fmt.Sprintf(`(%s)
+UNION ALL
+(SELECT a.id, a.uuid, a.payload, a.metadata::text, a.created_at, a.created_at, 0, NULL, NULL, NULL, NULL
+  FROM %s a
+ WHERE a.topic = $1 AND a.id >= (SELECT arrivals_from FROM %s WHERE topic = $1 AND consumer_group = $2)
+ ORDER BY a.id
+ LIMIT $3)
+ORDER BY 6, 1
+LIMIT $3`, outbox, n.QArrivals, n.QBindings)
 }

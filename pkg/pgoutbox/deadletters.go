@@ -484,7 +484,11 @@ func Peek(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 	case limit == 0:
 		limit = DefaultPeekLimit
 	}
-	rows, err := exec.Query(ctx, query.Peek(q.Names), topic, group, limit)
+	n, err := withReadableArrivals(ctx, exec, q.Names)
+	if err != nil {
+		return nil, errorf("pgoutbox: peek: %w", err)
+	}
+	rows, err := exec.Query(ctx, query.Peek(n), topic, group, limit)
 	if err != nil {
 		return nil, errorf("pgoutbox: peek: %w", err)
 	}

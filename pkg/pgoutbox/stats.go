@@ -143,18 +143,8 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 	if err := rows.Err(); err != nil {
 		return nil, errorf("pgoutbox: stats: %w", err)
 	}
-	if !n.Arrivals && !n.Rotating {
-		// Arrivals are counted whether or not the caller's Tables say so
-		// (an operator's tool must see every message waiting), by a role
-		// that may read them.
-		withArrivals := n.WithArrivals()
-		var readable bool
-		if err := queryRow(ctx, exec, query.ReadableTable, []any{withArrivals.QArrivals}, &readable); err != nil {
-			return nil, errorf("pgoutbox: stats: %w", err)
-		}
-		if readable {
-			n = withArrivals
-		}
+	if n, err = withReadableArrivals(ctx, exec, n); err != nil {
+		return nil, errorf("pgoutbox: stats: %w", err)
 	}
 	if n.Arrivals {
 		if out, err = addArrivals(ctx, exec, n, o, out, index); err != nil {
@@ -314,4 +304,22 @@ func addArrivals(ctx context.Context, exec tx.Executor, n query.Names, o statsOp
 		}
 	}
 	return out, nil
+}
+
+// withReadableArrivals returns n with its arrivals table when the outbox
+// has one the role may read, whether or not the caller's Tables say so:
+// an operator's tool (Stats, Peek) must see every message waiting.
+func withReadableArrivals(ctx context.Context, exec tx.Executor, n query.Names) (query.Names, error) {
+	if n.Arrivals || n.Rotating {
+		return n, nil
+	}
+	withArrivals := n.WithArrivals()
+	var readable bool
+	if err := queryRow(ctx, exec, query.ReadableTable, []any{withArrivals.QArrivals}, &readable); err != nil {
+		return n, err
+	}
+	if readable {
+		return withArrivals, nil
+	}
+	return n, nil
 }

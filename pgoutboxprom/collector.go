@@ -198,7 +198,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 // the oldest one's age (0 for a kind with none, so an alert resolves
 // rather than going stale).
 func (c *Collector) collectHealth(ch chan<- prometheus.Metric, h pgoutbox.HealthReport) {
-	for _, t := range []*pgoutbox.TableHealth{&h.Outbox, h.DeadLetters} {
+	for _, t := range []*pgoutbox.TableHealth{&h.Outbox, h.DeadLetters, h.Arrivals} {
 		if t == nil {
 			continue
 		}

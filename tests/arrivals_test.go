@@ -246,6 +246,13 @@ func TestArrivalsInStats(t *testing.T) {
 	}
 	require.Equal(t, stats, blind, "an operator's Stats counts the arrivals without being told of them")
 
+	// Health reports the arrivals table beside the outbox.
+	h, err := pgoutbox.Health(ctx, exec, without)
+	require.NoError(t, err)
+	require.NotNil(t, h.Arrivals)
+	require.Equal(t, b.Schema+".outbox_arrivals", h.Arrivals.Table)
+	require.Positive(t, h.Arrivals.TableBytes)
+
 	// Peek shows them in delivery order, with the group's outbox rows.
 	later := newMsg("due later")
 	pgoutbox.DeliverAfter(later, time.Hour)

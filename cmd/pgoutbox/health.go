@@ -63,6 +63,7 @@ type holderJSON struct {
 type healthJSON struct {
 	Outbox          tableHealthJSON  `json:"outbox"`
 	DeadLetters     *tableHealthJSON `json:"dead_letters"`
+	Arrivals        *tableHealthJSON `json:"arrivals,omitempty"`
 	Autovacuum      bool             `json:"autovacuum"`
 	TrackCounts     bool             `json:"track_counts"`
 	SnapshotHolders []holderJSON     `json:"snapshot_holders"`
@@ -91,6 +92,10 @@ func healthToJSON(h pgoutbox.HealthReport) healthJSON {
 	if h.DeadLetters != nil {
 		dl := tableToJSON(*h.DeadLetters)
 		out.DeadLetters = &dl
+	}
+	if h.Arrivals != nil {
+		a := tableToJSON(*h.Arrivals)
+		out.Arrivals = &a
 	}
 	for _, s := range h.SnapshotHolders {
 		j := holderJSON{Kind: string(s.Kind), XminAge: s.XminAge, PID: s.PID, User: s.User, ApplicationName: s.ApplicationName,
@@ -126,7 +131,7 @@ func printHealth(w io.Writer, h pgoutbox.HealthReport, all bool) {
 	tw := newTable(w)
 	fmt.Fprintln(tw, "TABLE\tLIVE\tDEAD\tSIZE\tINDEXES\tLAST AUTOVACUUM\tLAST VACUUM\tLAST ANALYZE")
 	now := time.Now()
-	for _, t := range []*pgoutbox.TableHealth{&h.Outbox, h.DeadLetters} {
+	for _, t := range []*pgoutbox.TableHealth{&h.Outbox, h.DeadLetters, h.Arrivals} {
 		if t == nil {
 			continue
 		}
@@ -168,7 +173,7 @@ func printHealthWarnings(w io.Writer, h pgoutbox.HealthReport) {
 	if !h.TrackCounts {
 		fmt.Fprintln(w, "warning: track_counts is off on this server: the tuple counts stay 0 and autovacuum cannot see which tables need it; turn it on")
 	}
-	for _, t := range []*pgoutbox.TableHealth{&h.Outbox, h.DeadLetters} {
+	for _, t := range []*pgoutbox.TableHealth{&h.Outbox, h.DeadLetters, h.Arrivals} {
 		if t != nil && h.Autovacuum && h.TrackCounts && !t.Autovacuum {
 			fmt.Fprintf(w, "warning: autovacuum is disabled for %s; ALTER TABLE %s RESET (autovacuum_enabled)\n", t.Table, quoteQualified(t.Table))
 		}

@@ -29,7 +29,7 @@ const TableHealth = `SELECT t.which,
        bool_and(coalesce((SELECT o.option_value::bool FROM pg_class c, pg_options_to_table(c.reloptions) o
                            WHERE c.oid = p.relid AND o.option_name = 'autovacuum_enabled'), true)),
        current_setting('track_counts')::bool
-  FROM (VALUES (1, to_regclass($1::text)), (2, to_regclass($2::text))) AS t(which, oid)
+  FROM (VALUES (1, to_regclass($1::text)), (2, to_regclass($2::text)), (3, to_regclass($3::text))) AS t(which, oid)
  CROSS JOIN LATERAL (SELECT relid FROM pg_partition_tree(t.oid) WHERE isleaf
                      UNION SELECT t.oid WHERE NOT EXISTS (SELECT FROM pg_partition_tree(t.oid))) AS p(relid)
   LEFT JOIN pg_stat_user_tables s ON s.relid = p.relid

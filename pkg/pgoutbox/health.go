@@ -25,6 +25,9 @@ type HealthReport struct {
 	// DeadLetters is the dead-letter table's; nil when tables names none
 	// or it does not exist.
 	DeadLetters *TableHealth
+	// Arrivals is the arrivals table's (schema.Config.Arrivals); nil when
+	// the outbox has none, whatever tables says.
+	Arrivals *TableHealth
 	// Autovacuum is the server's autovacuum setting. With it off nothing
 	// removes dead rows but a VACUUM someone runs.
 	Autovacuum bool
@@ -202,7 +205,8 @@ func Health(ctx context.Context, exec tx.Executor, tables schema.Config) (Health
 	}
 	var h HealthReport
 	found := false
-	rows, err := exec.Query(ctx, query.TableHealth, n.QTable, dlq)
+	arrivals := n.WithArrivals()
+	rows, err := exec.Query(ctx, query.TableHealth, n.QTable, dlq, arrivals.QArrivals)
 	if err != nil {
 		return HealthReport{}, healthError("table statistics", err)
 	}
@@ -217,12 +221,16 @@ func Health(ctx context.Context, exec tx.Executor, tables schema.Config) (Health
 		}
 		t.LastVacuum, t.LastAutovacuum, t.LastAnalyze, t.LastAutoanalyze = timeOrZero(vac), timeOrZero(autovac), timeOrZero(an), timeOrZero(autoan)
 		t.Autovacuum = t.Autovacuum && h.Autovacuum && h.TrackCounts
-		if which == 1 {
+		switch which {
+		case 1:
 			t.Table = n.Schema + "." + n.Table
 			h.Outbox, found = t, true
-		} else {
+		case 2:
 			t.Table = n.Schema + "." + n.DLQTable
 			h.DeadLetters = &t
+		default:
+			t.Table = n.Schema + "." + arrivals.ArrivalsTable
+			h.Arrivals = &t
 		}
 	}
 	rows.Close()

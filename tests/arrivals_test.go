@@ -428,3 +428,50 @@ func TestArrivalsLeastPrivilege(t *testing.T) {
 		}, 10*time.Second, 20*time.Millisecond)
 	})
 }
+
+// TestArrivalsBesideOrderingKeys: on an outbox with arrivals, keyed
+// messages (never arrivals) keep their per-key order on every claim path
+// while plain ones arrive beside them and run in parallel.
+func TestArrivalsBesideOrderingKeys(t *testing.T) {
+	b := setupArrivals(t)
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		topic := "arrive-keys-" + path + "-" + watermill.NewShortUUID()
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c); c.MaxInFlight = 8 })
+		ch, err := sub.Subscribe(ctx, topic)
+		require.NoError(t, err)
+		pub := b.poolPublisher(t)
+		const perKey = 20
+		// Held until every message is published: none is taken before.
+		require.NoError(t, pgoutbox.PauseGroup(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, ""))
+		for i := range perKey {
+			var keyed []*message.Message
+			for _, k := range []string{"a", "b"} {
+				m := newMsg(fmt.Sprint(k, i))
+				pgoutbox.WithOrderingKey(m, k)
+				keyed = append(keyed, m)
+			}
+			require.NoError(t, pub.Publish(topic, keyed...))                         // to the outbox
+			require.NoError(t, pub.Publish(topic, newMsg("plain"), newMsg("plain"))) // arrivals
+		}
+		require.Equal(t, 2*perKey, b.arrivals(t, topic))
+		_, err = pgoutbox.ResumeGroup(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, "")
+		require.NoError(t, err)
+		next := map[string]int{"a": 0, "b": 0}
+		plain := 0
+		for range 4 * perKey {
+			m := receive(t, ch, 10*time.Second)
+			if p := string(m.Payload); p == "plain" {
+				plain++
+			} else {
+				k := p[:1]
+				require.Equal(t, fmt.Sprint(k, next[k]), p, "key %s out of order", k)
+				next[k]++
+			}
+			m.Ack()
+		}
+		require.Equal(t, 2*perKey, plain)
+		require.Equal(t, map[string]int{"a": perKey, "b": perKey}, next)
+	})
+}

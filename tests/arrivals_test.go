@@ -295,36 +295,65 @@ func TestArrivalsOfAnUnboundGroupStayWithIt(t *testing.T) {
 	}
 }
 
-// TestArrivalsSchema: Create adds the arrivals table to an outbox that
-// has rows; Validate reports it missing; Rotating and the versioned
-// migrations refuse Arrivals with an error that says what to do.
+// TestArrivalsSchema: every single-table outbox has its arrivals table
+// from version 7, so turning Arrivals on is a setting; an outbox of
+// version 6 with rows gets it from Create or Migrate, and Validate with
+// Arrivals reports it missing until then; Rotating refuses Arrivals; a
+// conversion to a rotating outbox drops an empty arrivals table and
+// refuses one that holds messages.
 func TestArrivalsSchema(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
 	exec := tx.FromPgxPool(b.Pool)
-	require.NoError(t, b.poolPublisher(t).Publish("before", newMsg("kept")))
 
 	with := b.tables
 	with.Arrivals = true
-	var ve *schema.ValidationError
-	require.ErrorAs(t, schema.Validate(ctx, exec, with), &ve)
-	require.Contains(t, fmt.Sprint(ve.Problems), "outbox_arrivals is missing")
+	require.NoError(t, schema.Validate(ctx, exec, with), "Create made the arrivals table without Arrivals")
 
-	require.NoError(t, schema.Create(ctx, exec, with))
-	require.NoError(t, schema.Validate(ctx, exec, with))
-	require.NoError(t, schema.Create(ctx, exec, with), "idempotent")
-	require.Equal(t, 1, b.outboxRows(t, "before"))
+	old := schema.Config{Schema: b.Schema, Table: "old"}
+	_, err := schema.Migrate(ctx, exec, old, 6)
+	require.NoError(t, err)
+	oldPub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: old}, nil)
+	require.NoError(t, err)
+	require.NoError(t, oldPub.Publish("before", newMsg("kept")))
+	oldWith := old
+	oldWith.Arrivals = true
+	var ve *schema.ValidationError
+	require.ErrorAs(t, schema.Validate(ctx, exec, oldWith), &ve)
+	require.Contains(t, fmt.Sprint(ve.Problems), "old_arrivals is missing")
+	_, err = schema.Migrate(ctx, exec, oldWith, schema.Latest)
+	require.NoError(t, err, "an outbox with Arrivals migrates like any other")
+	require.NoError(t, schema.Validate(ctx, exec, oldWith))
+	require.NoError(t, schema.Create(ctx, exec, oldWith), "idempotent")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.old WHERE topic = $1`, "before"))
 
 	rotating := with
 	rotating.Rotating = true
 	require.ErrorContains(t, rotating.Validate(), "leave Arrivals unset")
-	_, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: rotating}, nil)
+	_, err = pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: rotating}, nil)
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
-	_, err = schema.MigrationList(with)
-	require.ErrorIs(t, err, schema.ErrArrivalsMigrations)
-	require.ErrorContains(t, schema.ConvertToRotating(ctx, exec, b.tables), "arrivals table",
+
+	arrivedPub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: oldWith}, nil)
+	require.NoError(t, err)
+	require.NoError(t, arrivedPub.Publish("later", newMsg("arrived")))
+	require.ErrorContains(t, schema.ConvertToRotating(ctx, exec, old), "holds messages",
 		"its rotating subscribers would never take the arrivals")
+	_, err = schema.Migrate(ctx, exec, old, 6)
+	require.ErrorContains(t, err, "holds messages that version 6 has no place for")
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.old_arrivals`), "nothing was lost")
+
+	conv := schema.Config{Schema: b.Schema, Table: "conv", NoDeadLetterTable: true}
+	require.NoError(t, schema.Create(ctx, exec, conv))
+	require.NoError(t, schema.ConvertToRotating(ctx, exec, conv), "its arrivals table is empty")
+	isRotating, err := schema.IsRotating(ctx, exec, conv)
+	require.NoError(t, err)
+	require.True(t, isRotating)
+	require.Zero(t, b.count(t, `SELECT count(*) FROM pg_catalog.pg_tables WHERE schemaname = $1 AND tablename = 'conv_arrivals'`, b.Schema),
+		"a rotating outbox has no arrivals table")
+	require.NoError(t, schema.ConvertToSingle(ctx, exec, conv))
+	conv.Arrivals = true
+	require.NoError(t, schema.Validate(ctx, exec, conv), "the single table made from it has one again")
 }
 
 // TestArrivalsKeepPublishOrderAcrossASecondBinding: an ordered

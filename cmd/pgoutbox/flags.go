@@ -67,7 +67,7 @@ func (c *cli) newCommand(name, usage, examples string, readCmd bool) *command {
 		}
 		arrivals = b
 	}
-	fs.BoolVar(&cmd.arrivals, "arrivals", arrivals, "the outbox has an arrivals table for plain messages ($PGOUTBOX_ARRIVALS); schema sql and apply make it; other commands find it in the database")
+	fs.BoolVar(&cmd.arrivals, "arrivals", arrivals, "the outbox has an arrivals table ($PGOUTBOX_ARRIVALS); every single-table outbox has one from schema version 7 and the commands find it themselves, so this is only needed for an outbox of an earlier version that is being given one")
 	fs.Var(&cmd.rotating, "rotating", "the outbox is a rotating one ($PGOUTBOX_ROTATING); schema sql and apply make one so; other commands read it from the database when not given")
 	if readCmd {
 		fs.BoolVar(&cmd.json, "json", false, "write one JSON document to stdout")

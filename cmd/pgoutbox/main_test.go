@@ -225,6 +225,25 @@ func TestPublishPeek(t *testing.T) {
 	require.Contains(t, out, "skipped")
 }
 
+// TestPublishGoesToTheOutbox: every outbox has an arrivals table, and
+// finding one says nothing of its subscribers: pgoutbox publish writes
+// into the outbox, which every subscriber reads.
+func TestPublishGoesToTheOutbox(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	count := func(table string) int {
+		var n int
+		require.NoError(t, env.Pool.QueryRow(context.Background(), `SELECT count(*) FROM "`+env.Schema+`".`+table+` WHERE topic = 'plain'`).Scan(&n))
+		return n
+	}
+	for _, args := range [][]string{{}, {"--arrivals"}} {
+		_, errOut, code := cliRun(t, env, append([]string{"publish", "--topic", "plain", "--payload", "x"}, args...)...)
+		require.Equal(t, 0, code, errOut)
+	}
+	require.Equal(t, 2, count("outbox"))
+	require.Zero(t, count("outbox_arrivals"))
+}
+
 func TestSchemaValidate(t *testing.T) {
 	t.Parallel()
 	env := pgoutboxtest.PubSub(t)

@@ -55,7 +55,7 @@ func TestSchemaMigrate(t *testing.T) {
 	require.Equal(t, 0, code, errOut)
 	out, _, code = run("schema", "migrate", "status")
 	require.Equal(t, 0, code)
-	require.Contains(t, out, "version 6 of 6")
+	require.Contains(t, out, "version 7 of 7")
 	out, _, _ = run("schema", "migrate", "up")
 	require.Contains(t, out, "nothing to do")
 
@@ -64,16 +64,16 @@ func TestSchemaMigrate(t *testing.T) {
 	require.Contains(t, errOut, "--yes")
 	out, errOut, code = run("schema", "migrate", "down", "--dry-run")
 	require.Equal(t, 0, code, errOut)
-	require.Contains(t, out, "-- undo version 6 (backlog_copies)\n")
+	require.Contains(t, out, "-- undo version 7 (arrivals)\n")
 	require.Contains(t, out, "\nALTER TABLE")
 	out, errOut, code = run("schema", "migrate", "down", "--yes")
 	require.Equal(t, 0, code, errOut)
-	require.Equal(t, "undid version 6 (backlog_copies)\n", out)
-	require.Equal(t, 5.0, status()["current"])
+	require.Equal(t, "undid version 7 (arrivals)\n", out)
+	require.Equal(t, 6.0, status()["current"])
 
-	_, errOut, code = run("schema", "migrate", "down", "--to", "6")
+	_, errOut, code = run("schema", "migrate", "down", "--to", "7")
 	require.Equal(t, exitUsage, code)
-	require.Contains(t, errOut, "above the current version 5")
+	require.Contains(t, errOut, "above the current version 6")
 	_, _, code = run("schema", "migrate", "up", "--to", "99")
 	require.Equal(t, exitUsage, code)
 
@@ -93,7 +93,7 @@ func TestSchemaMigrate(t *testing.T) {
 	require.Contains(t, errOut, "migrate baseline")
 	out, errOut, code = run("schema", "migrate", "baseline")
 	require.Equal(t, 0, code, errOut)
-	require.Contains(t, out, "recorded version 6")
+	require.Contains(t, out, "recorded version 7")
 	require.Equal(t, latest, status()["current"])
 }
 

@@ -26,7 +26,7 @@ func DumpSQL(skip ...string) string {
 SELECT line FROM (
   SELECT c.relname || '.' || a.attname || ' ' || format_type(a.atttypid, a.atttypmod)
          || CASE WHEN a.attnotnull THEN ' not null' ELSE '' END
-         || coalesce(' default ' || pg_get_expr(d.adbin, d.adrelid), '')
+         || coalesce(' default ' || replace(pg_get_expr(d.adbin, d.adrelid), quote_ident($1) || '.', 'S.'), '')
          || CASE WHEN a.attidentity <> '' THEN ' identity ' || a.attidentity::text ELSE '' END AS line
     FROM pg_attribute a
     JOIN pg_class c ON c.oid = a.attrelid

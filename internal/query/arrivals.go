@@ -79,6 +79,11 @@ END $pgoutbox$`, n.QArrivals, Quote(n.ArrivalsPkey()), queueStorage, n.QTable),
 	}
 }
 
+// ArrivalsDDL creates the arrivals table of n's single table (and the
+// bindings column) when missing: a single table made from a rotating one
+// gets it (ConvertToSingle).
+func ArrivalsDDL(n Names) []string { return arrivalsDDL(n.WithArrivals()) }
+
 // arrivalsPublish are the plain publish statements of an outbox with
 // arrivals: the Publisher's Plain and One statements, without the lookup.
 func arrivalsPublish(n Names, p PublishStatements) PublishStatements {
@@ -374,4 +379,27 @@ func ArrivalsStats(n Names, topic bool) string {
 	return fmt.Sprintf(`SELECT a.topic, b.consumer_group, count(*), (extract(epoch FROM now() - min(a.created_at)) * 1000000)::bigint
   FROM %s a LEFT JOIN %s b ON b.topic = a.topic AND b.arrivals_from <= a.id%s
  GROUP BY 1, 2`, n.QArrivals, n.QBindings, cond)
+}
+
+// DropEmptyArrivals drops the arrivals table of n's single table when it
+// holds nothing, under its lock (an arrival committed after the check
+// would be lost), and fails naming it otherwise: a rotating outbox has no
+// arrivals (ConvertToRotating).
+func DropEmptyArrivals(n Names) string {
+	a := n.WithArrivals()
+	return fmt.Sprintf(`DO $pgoutbox$ BEGIN
+    IF to_regclass('%[1]s') IS NOT NULL THEN
+        LOCK TABLE %[1]s IN ACCESS EXCLUSIVE MODE;
+        IF EXISTS (SELECT 1 FROM %[1]s) THEN
+            RAISE EXCEPTION '%% holds arrivals, which a rotating outbox has no place for; unset Arrivals in every publisher, let the subscribers take what it holds, then convert', '%[1]s';
+        END IF;
+        DROP TABLE %[1]s;
+    END IF;
+END $pgoutbox$`, a.QArrivals)
+}
+
+// ArrivalsHeld tells whether n's arrivals table, which must exist, holds
+// a row.
+func ArrivalsHeld(n Names) string {
+	return fmt.Sprintf(`SELECT EXISTS (SELECT 1 FROM %s)`, n.WithArrivals().QArrivals)
 }

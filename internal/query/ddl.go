@@ -174,8 +174,11 @@ func DDL(n Names) []string {
 END $pgoutbox$`, n.QBindings, n.QTable))
 	stmts = append(stmts, pausedDDL(n))
 	stmts = append(stmts, addColumns(n.QBindings, AddedBindingsColumns)...)
-	if n.Arrivals {
-		stmts = append(stmts, arrivalsDDL(n)...)
+	if !n.Rotating {
+		// Every single-table outbox has its arrivals table (version 7),
+		// empty while no publisher sets Arrivals: turning Arrivals on is
+		// then a setting, not a schema change.
+		stmts = append(stmts, arrivalsDDL(n.WithArrivals())...)
 	}
 	if n.DLQTable != "" {
 		stmts = append(stmts,

@@ -56,13 +56,20 @@ func ConvertToRotating(ctx context.Context, db tx.Executor, c Config) error {
 		return err
 	}
 	// A rotating outbox has no arrivals (Config.Arrivals): its
-	// subscribers would never take what the arrivals table holds.
+	// subscribers would never take what the arrivals table holds. An
+	// empty one (every single table has it) goes in the swap.
 	arrivals := single.WithArrivals()
 	if cols, err := catalog(ctx, db, query.CatalogColumns, arrivals.Schema, arrivals.ArrivalsTable, 2); err != nil {
 		return err
 	} else if len(cols) > 0 {
-		return fmt.Errorf("pgoutbox: convert %s to a rotating outbox: it has an arrivals table (%s); a rotating outbox takes every message into its ring: "+
-			"unset Arrivals in every publisher, let the subscribers take what it holds, drop it, then convert", single.QTable, arrivals.QArrivals)
+		var held bool
+		if err := scanOne(ctx, db, query.ArrivalsHeld(single), nil, &held); err != nil {
+			return err
+		}
+		if held {
+			return fmt.Errorf("pgoutbox: convert %s to a rotating outbox: its arrivals table (%s) holds messages; a rotating outbox takes every message into its ring: "+
+				"unset Arrivals in every publisher, let the subscribers take what it holds, then convert", single.QTable, arrivals.QArrivals)
+		}
 	}
 	n := single.Rotated()
 	if err := convert(ctx, db, c, single, n); err != nil {
@@ -137,7 +144,7 @@ func convert(ctx context.Context, db tx.Executor, c Config, single, n query.Name
 		if err := scanOne(ctx, e, q.NextID, nil, &next); err != nil {
 			return err
 		}
-		stmts := []string{q.Release}
+		stmts := []string{query.DropEmptyArrivals(single), q.Release}
 		stmts = append(stmts, query.DDL(n)...)
 		stmts = append(stmts, q.RestartID(next))
 		for _, stmt := range stmts {
@@ -359,7 +366,7 @@ func convertBack(ctx context.Context, db tx.Executor, c Config, single, n query.
 		if err := scanOne(ctx, e, q.NextID, nil, &next); err != nil {
 			return err
 		}
-		for _, stmt := range []string{q.MoveAll, q.Swap(next)} {
+		for _, stmt := range append([]string{q.MoveAll, q.Swap(next)}, query.ArrivalsDDL(single)...) {
 			if _, err := e.Exec(ctx, stmt); err != nil {
 				return ddlError(stmt, err)
 			}

@@ -51,6 +51,7 @@ func ExampleMigrations() {
 	// 0004_ordering_keys.sql
 	// 0005_paused_groups.sql
 	// 0006_backlog_copies.sql
+	// 0007_arrivals.sql
 }
 
 // ExampleMigrate creates an outbox by migration, reads its version, and
@@ -102,6 +103,7 @@ func ExampleMigrate() {
 	// applied 4 ordering_keys
 	// applied 5 paused_groups
 	// applied 6 backlog_copies
-	// version 6 of 6, 0 pending
-	// down would undo 6 backlog_copies in 3 statements
+	// applied 7 arrivals
+	// version 7 of 7, 0 pending
+	// down would undo 7 arrivals in 3 statements
 }

@@ -200,8 +200,9 @@ func step(ms []Migration, v, target int) (MigrationStep, int) {
 // (Migrate returns ErrNoVersion). Create records the latest version, so
 // an outbox made by Create is migrated from there. A rotating outbox has
 // nothing to migrate while it is at the latest version; a step it would
-// need returns ErrRotatingMigrations (Create brings it up to date), and
-// one with arrivals (Config.Arrivals) ErrArrivalsMigrations.
+// need returns ErrRotatingMigrations (Create brings it up to date). An
+// outbox with or without Arrivals migrates alike: from version 7 every
+// single-table outbox has the arrivals table.
 func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]MigrationStep, error) {
 	n, err := c.names()
 	if err != nil {
@@ -233,8 +234,6 @@ func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]Migra
 				return err
 			} else if n.Rotating || rotating {
 				return ErrRotatingMigrations
-			} else if n.Arrivals {
-				return ErrArrivalsMigrations
 			}
 			for _, stmt := range next.Statements {
 				if _, err := e.Exec(ctx, stmt); err != nil {
@@ -343,16 +342,16 @@ func recordUpTo(ctx context.Context, e tx.Executor, n query.Names, ms []Migratio
 	return nil
 }
 
-// detectLayout tells which of the layouts before versions were recorded
-// (1 to 4) an outbox has, from its catalog: the highest version whose
-// additions are all there (a missing dead-letter table counts as missing
-// its additions), and whether the configured dead-letter table is
-// missing. Layouts after version 4 are always recorded (Create and
-// Migrate record them), so this never needs a new case.
+// detectLayout tells which layout an outbox without a recorded version
+// has (one made before versions were recorded, or by the script of SQL),
+// from its catalog: the highest version whose additions are all there (a
+// missing dead-letter table counts as missing its additions), and whether
+// the configured dead-letter table is missing. Each new version adds its
+// case.
 func detectLayout(ctx context.Context, e tx.Executor, n query.Names) (version int, dlqMissing bool, err error) {
 	cols := map[string]map[string]bool{}
 	idx := map[string]bool{}
-	for _, table := range []string{n.Table, n.DLQTable, n.Bindings, n.PausedTable()} {
+	for _, table := range []string{n.Table, n.DLQTable, n.Bindings, n.PausedTable(), n.WithArrivals().ArrivalsTable} {
 		if table == "" {
 			continue
 		}
@@ -396,8 +395,10 @@ func detectLayout(ctx context.Context, e tx.Executor, n query.Names) (version in
 		return 4, dlqMissing, nil
 	case !has(n.Bindings, "backlog_next", "backlog_bound", "backlog_end"):
 		return 5, dlqMissing, nil
+	case cols[n.WithArrivals().ArrivalsTable] == nil || !has(n.Bindings, query.ArrivalsFromColumn.Name):
+		return 6, dlqMissing, nil
 	}
-	return 6, dlqMissing, nil
+	return 7, dlqMissing, nil
 }
 
 // inLockedTx runs fn in a transaction (or the caller's) holding Create's

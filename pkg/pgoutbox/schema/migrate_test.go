@@ -204,7 +204,7 @@ func TestMigrate(t *testing.T) {
 		b.exec1(t, `INSERT INTO "`+b.env.Name+`".outbox (topic, consumer_group, uuid, payload) VALUES ('orders', 'billing', 'u1', 'x')`)
 		steps, err := schema.Migrate(ctx, b.exec, cfg, 2)
 		require.ErrorContains(t, err, "holds messages of named consumer groups")
-		require.Equal(t, []int{-6, -5, -4}, versions(steps), "versions 6, 5 and 4 were undone before 3 refused")
+		require.Equal(t, []int{-7, -6, -5, -4}, versions(steps), "versions 7, 6, 5 and 4 were undone before 3 refused")
 		st, err := schema.MigrationStatus(ctx, b.exec, cfg)
 		require.NoError(t, err)
 		require.Equal(t, 3, st.Current, "the refused step rolled back")
@@ -259,17 +259,43 @@ func TestMigrate(t *testing.T) {
 		require.Equal(t, schema.LatestVersion(), st.Current)
 		steps, err := schema.Migrate(ctx, b.exec, cfg, 3)
 		require.NoError(t, err)
-		require.Equal(t, []int{-6, -5, -4}, versions(steps))
+		require.Equal(t, []int{-7, -6, -5, -4}, versions(steps))
 		require.NoError(t, schema.Create(ctx, b.exec, cfg), "Create upgrades a migrated outbox and records it")
 		st, err = schema.MigrationStatus(ctx, b.exec, cfg)
 		require.NoError(t, err)
 		require.Equal(t, schema.LatestVersion(), st.Current)
 	})
 
+	t.Run("ArrivalsUpAndDown", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		cfg := schema.Config{Schema: b.env.Name, Arrivals: true}
+		_, err := schema.Migrate(ctx, b.exec, cfg, 6)
+		require.NoError(t, err)
+		require.False(t, exists(t, b.env.Pool, b.env.Name, "outbox_arrivals"))
+		steps, err := schema.Migrate(ctx, b.exec, cfg, schema.Latest)
+		require.NoError(t, err)
+		require.Equal(t, []int{7}, versions(steps)[:1])
+		require.NoError(t, schema.Validate(ctx, b.exec, cfg), "version 7 is what an outbox with Arrivals needs")
+
+		b.exec1(t, `INSERT INTO "`+b.env.Name+`".outbox_arrivals (topic, uuid, payload) VALUES ('orders', 'u1', 'x')`)
+		_, err = schema.Migrate(ctx, b.exec, cfg, 6)
+		require.ErrorContains(t, err, "holds messages that version 6 has no place for")
+		st, err := schema.MigrationStatus(ctx, b.exec, cfg)
+		require.NoError(t, err)
+		require.Equal(t, schema.LatestVersion(), st.Current, "the refused step rolled back")
+
+		b.exec1(t, `DELETE FROM "`+b.env.Name+`".outbox_arrivals`)
+		steps, err = schema.Migrate(ctx, b.exec, cfg, 6)
+		require.NoError(t, err)
+		require.Equal(t, -7, versions(steps)[len(steps)-1])
+		require.False(t, exists(t, b.env.Pool, b.env.Name, "outbox_arrivals"))
+	})
+
 	t.Run("BaselineRecordsAnUnversionedLayout", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		for _, v := range []int{1, 2, 3, 4} {
+		for _, v := range []int{1, 2, 3, 4, 5, 6, 7} {
 			cfg := schema.Config{Schema: b.env.Name, Table: "t" + string(rune('0'+v))}
 			_, err := schema.Migrate(ctx, b.exec, cfg, v)
 			require.NoError(t, err)

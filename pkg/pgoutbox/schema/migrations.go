@@ -128,13 +128,15 @@ type migrationNames struct {
 //	{{qidx "_ready_idx"}}    "schema"."outbox_ready_idx", for DROP INDEX
 //	{{dlqidx "_x_idx"}}      an index named after the dead-letter table
 //	{{table "_bindings"}}    "schema"."outbox_bindings"
+//	{{arrivalsPkey}}         the arrivals table's primary key, for CONSTRAINT
 func templateFuncs(n query.Names) template.FuncMap {
 	q := query.Quote
 	return template.FuncMap{
-		"idx":    func(suffix string) string { return q(query.Derive(n.Table, suffix)) },
-		"qidx":   func(suffix string) string { return n.QSchema + "." + q(query.Derive(n.Table, suffix)) },
-		"dlqidx": func(suffix string) string { return q(query.Derive(n.DLQTable, suffix)) },
-		"table":  func(suffix string) string { return n.QSchema + "." + q(query.Derive(n.Table, suffix)) },
+		"arrivalsPkey": func() string { return q(n.WithArrivals().ArrivalsPkey()) },
+		"idx":          func(suffix string) string { return q(query.Derive(n.Table, suffix)) },
+		"qidx":         func(suffix string) string { return n.QSchema + "." + q(query.Derive(n.Table, suffix)) },
+		"dlqidx":       func(suffix string) string { return q(query.Derive(n.DLQTable, suffix)) },
+		"table":        func(suffix string) string { return n.QSchema + "." + q(query.Derive(n.Table, suffix)) },
 	}
 }
 
@@ -153,17 +155,16 @@ func MigrationList(c Config) ([]Migration, error) {
 	if n.Rotating {
 		return nil, ErrRotatingMigrations
 	}
-	if n.Arrivals {
-		return nil, ErrArrivalsMigrations
-	}
 	return migrationList(n)
 }
 
-// ErrArrivalsMigrations is returned by MigrationList, Migrations and
-// Migrate for an outbox with arrivals (Config.Arrivals): the versioned
-// migrations do not create the arrivals table yet.
-var ErrArrivalsMigrations = errors.New("pgoutbox: the versioned migrations do not create the arrivals table yet; " +
-	"migrate with Arrivals unset, then run schema.Create (or the script of schema.SQL) with Arrivals set: it adds the arrivals table to the migrated outbox")
+// ErrArrivalsMigrations is no longer returned: from version 7 the
+// versioned migrations create the arrivals table of every single-table
+// outbox, so an outbox with Arrivals set migrates like any other.
+//
+// Deprecated: nothing returns it; it is kept so code that checks for it
+// still compiles.
+var ErrArrivalsMigrations = errors.New("pgoutbox: the versioned migrations do not create the arrivals table")
 
 // ErrRotatingMigrations is returned by MigrationList, Migrations and
 // Migrate for a rotating outbox (Config.Rotating, or an outbox that is

@@ -94,13 +94,14 @@ type Config struct {
 	// INSERT with one index entry and no lookup of the topic's consumer
 	// groups, and so about as cheap as watermill-sql's (docs/performance.md).
 	// The subscribers give an arrival its consumer groups and delivery state
-	// when they take it; every guarantee stays as documented. Create adds
-	// the table (and a column of the bindings) to an outbox with or without
-	// rows. Publishers and subscribers of one outbox must all set it, or
-	// none: a subscriber without it does not see the arrivals. Publishers
-	// need USAGE on the outbox's id sequence, subscribers INSERT on the
-	// outbox (see docs/arrivals.md). Not with Rotating, nor with the
-	// versioned migrations yet. Default false.
+	// when they take it; every guarantee stays as documented. Every
+	// single-table outbox has the table from schema version 7 (Create and
+	// Migrate make it, whatever this says), so setting it is a change of
+	// configuration, not of schema. Publishers and subscribers of one
+	// outbox must all set it, or none: a subscriber without it does not
+	// see the arrivals (set it in the subscribers first). Publishers need
+	// USAGE on the outbox's id sequence, subscribers INSERT on the outbox
+	// (see docs/arrivals.md). Not with Rotating. Default false.
 	Arrivals bool
 }
 

@@ -132,7 +132,7 @@ func TestSQL(t *testing.T) {
 		without, err := schema.SQL(schema.Config{Table: "jobs", NoDeadLetterTable: true})
 		require.NoError(t, err)
 		require.NotContains(t, without, "jobs_dlq")
-		require.Equal(t, 3, strings.Count(without, "CREATE TABLE"), "the outbox, its bindings and its paused groups: %s", without)
+		require.Equal(t, 4, strings.Count(without, "CREATE TABLE"), "the outbox, its bindings, its paused groups and its arrivals: %s", without)
 
 		_, err = schema.SQL(schema.Config{Table: "jobs", DeadLetterTable: "d", NoDeadLetterTable: true})
 		require.ErrorIs(t, err, schema.ErrInvalidName)
@@ -140,7 +140,7 @@ func TestSQL(t *testing.T) {
 
 		with, err := schema.SQL(schema.Config{Table: "jobs", DeadLetterTable: "jobs_dead"})
 		require.NoError(t, err)
-		require.Equal(t, 4, strings.Count(with, "CREATE TABLE"), with)
+		require.Equal(t, 5, strings.Count(with, "CREATE TABLE"), with)
 		require.Contains(t, with, `CREATE TABLE IF NOT EXISTS "public"."jobs_dead" (`)
 		require.Contains(t, with, "failure_reason")
 		require.Contains(t, with, `CREATE INDEX IF NOT EXISTS "jobs_dead_topic_failed_at_idx" ON "public"."jobs_dead" (topic, failed_at)`)

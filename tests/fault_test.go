@@ -393,13 +393,15 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	const (
-		messages = 40000 // a drain of several seconds: the kill strikes mid-way
+		messages = 6000 // a drain of seconds: the kill strikes mid-way
 		topic    = "t"
 		lease    = 30 * time.Second
 	)
 	// Leases only: held rows come back without the liveness lock
 	// (TestFaultKilledHeldConsumersRowsAreDueAtOnce).
-	victim, survivor := startCompetingConsumers(t, b, topic, messages, lease, pgoutbox.ClaimLease)
+	// Handlings of 10ms: at full speed a batch's leases live a few
+	// milliseconds, and a kill could find them all acked.
+	victim, survivor := startCompetingConsumers(t, b, topic, messages, lease, pgoutbox.ClaimLease, "CONSUMER_HANDLE_TIME=10ms")
 	// The survivor must have seen the victim alive once. (A process that
 	// dies before any other saw its lock is recovered when its leases
 	// expire; see the README.)
@@ -467,13 +469,13 @@ SELECT count(*) FROM unnest($1::text[]) u(uuid)
 // consumer processes on it, "victim" and "survivor", with the given lease
 // and claim mode, recording what they handle in <schema>.handled; it
 // returns once both handled messages.
-func startCompetingConsumers(t *testing.T, b *bundle, topic string, messages int, lease time.Duration, mode pgoutbox.ClaimMode) (victim, survivor *consumerProc) {
+func startCompetingConsumers(t *testing.T, b *bundle, topic string, messages int, lease time.Duration, mode pgoutbox.ClaimMode, extraEnv ...string) (victim, survivor *consumerProc) {
 	t.Helper()
 	_, err := b.Pool.Exec(context.Background(), `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
 	require.NoError(t, err)
 	b.publishInTx(t, topic, true, newMsgs(messages)...)
 	bin := buildConsumer(t)
-	env := []string{"CONSUMER_LEASE=" + lease.String(), "CONSUMER_CLAIM_MODE=" + mode.String()}
+	env := append([]string{"CONSUMER_LEASE=" + lease.String(), "CONSUMER_CLAIM_MODE=" + mode.String()}, extraEnv...)
 	victim = startConsumer(t, bin, b, topic, "victim", env...)
 	survivor = startConsumer(t, bin, b, topic, "survivor", env...)
 	survivor.waitFor(t, "both are consuming", 30*time.Second, func() bool {

@@ -14,7 +14,8 @@
 //
 // Optional: CONSUMER_LEASE, SubscriberConfig.Lease as a Go duration
 // (default 2s); CONSUMER_CLAIM_MODE, SubscriberConfig.ClaimMode (auto,
-// lease or held; default auto).
+// lease or held; default auto); CONSUMER_HANDLE_TIME, how long each
+// handling takes after its row is recorded, as a Go duration (default 0).
 //
 // It prints "consumer running" on stdout once the router runs.
 package main
@@ -51,7 +52,7 @@ func main() {
 type settings struct {
 	dsn, schema, topic, worker string
 	maxInFlight                int
-	lease                      time.Duration
+	lease, handleTime          time.Duration
 	claimMode                  pgoutbox.ClaimMode
 }
 
@@ -82,6 +83,11 @@ func readSettings() (settings, error) {
 	if v := os.Getenv("CONSUMER_LEASE"); v != "" {
 		if s.lease, err = time.ParseDuration(v); err != nil {
 			return s, fmt.Errorf("CONSUMER_LEASE is %q; it must be a Go duration such as 30s", v)
+		}
+	}
+	if v := os.Getenv("CONSUMER_HANDLE_TIME"); v != "" {
+		if s.handleTime, err = time.ParseDuration(v); err != nil || s.handleTime < 0 {
+			return s, fmt.Errorf("CONSUMER_HANDLE_TIME is %q; it must be a Go duration such as 2ms", v)
 		}
 	}
 	if s.claimMode, err = pgoutbox.ParseClaimMode(os.Getenv("CONSUMER_CLAIM_MODE")); err != nil {
@@ -136,8 +142,13 @@ func run() error {
 	}
 	insert := `INSERT INTO ` + pgx.Identifier{s.schema, "handled"}.Sanitize() + ` (uuid, worker) VALUES ($1, $2)`
 	router.AddConsumerHandler("consumer", s.topic, sub, func(m *message.Message) error {
-		_, err := pool.Exec(m.Context(), insert, m.UUID, s.worker)
-		return err
+		if _, err := pool.Exec(m.Context(), insert, m.UUID, s.worker); err != nil {
+			return err
+		}
+		if s.handleTime > 0 {
+			time.Sleep(s.handleTime)
+		}
+		return nil
 	})
 	go func() {
 		select {

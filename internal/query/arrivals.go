@@ -61,7 +61,7 @@ var ArrivalsFromColumn = Column{"arrivals_from", "bigint", "bigint NOT NULL DEFA
 // identity sequence (looked up once, here), and its one index, the primary
 // key (topic, id), finds a topic's arrivals in the order they arrived.
 func arrivalsDDL(n Names) []string {
-	return []string{
+	stmts := []string{
 		fmt.Sprintf(`DO $pgoutbox$ BEGIN
     IF to_regclass('%[1]s') IS NULL THEN
         EXECUTE format('CREATE TABLE %[1]s (
@@ -75,8 +75,11 @@ func arrivalsDDL(n Names) []string {
 ) WITH (%[3]s)', pg_get_serial_sequence('%[4]s', 'id'));
     END IF;
 END $pgoutbox$`, n.QArrivals, Quote(n.ArrivalsPkey()), queueStorage, n.QTable),
-		fmt.Sprintf(`ALTER TABLE %s ADD COLUMN IF NOT EXISTS %s %s`, n.QBindings, ArrivalsFromColumn.Name, ArrivalsFromColumn.Decl),
 	}
+	// Through the catalog: ALTER TABLE ... ADD COLUMN IF NOT EXISTS takes
+	// the bindings' ACCESS EXCLUSIVE lock even when the column is there,
+	// and every Create runs this.
+	return append(stmts, addColumns(n.QBindings, []Column{ArrivalsFromColumn})...)
 }
 
 // ArrivalsDDL creates the arrivals table of n's single table (and the

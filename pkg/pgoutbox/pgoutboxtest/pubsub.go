@@ -38,8 +38,8 @@ type Options struct {
 	// Rotating makes the outbox a rotating one (see
 	// schema.Config.Rotating). Defaults to false.
 	Rotating bool
-	// Arrivals gives the outbox an arrivals table (see
-	// schema.Config.Arrivals). Defaults to false.
+	// Arrivals makes Env's publisher and subscriber use the outbox's
+	// arrivals table (see schema.Config.Arrivals). Defaults to false.
 	Arrivals bool
 
 	// ConsumerGroup is Env.Subscriber's consumer group. Defaults to "", the

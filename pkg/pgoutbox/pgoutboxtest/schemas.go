@@ -191,7 +191,9 @@ func (d *database) give(s *pooledSchema) bool {
 	if s.tables.DeadLetterTable != "" {
 		tables = append(tables, s.name+"."+s.tables.DeadLetterTable)
 	}
-	if s.tables.Arrivals {
+	if !s.tables.Rotating {
+		// Every single table has its arrivals table, written to by any
+		// publisher that sets Arrivals, whatever the schema was made with.
 		tables = append(tables, s.name+"."+s.tables.Table+"_arrivals")
 	}
 	// One statement (one round trip): check the shape, then empty the

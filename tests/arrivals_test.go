@@ -351,6 +351,22 @@ func TestArrivalsSchema(t *testing.T) {
 	require.True(t, isRotating)
 	require.Zero(t, b.count(t, `SELECT count(*) FROM pg_catalog.pg_tables WHERE schemaname = $1 AND tablename = 'conv_arrivals'`, b.Schema),
 		"a rotating outbox has no arrivals table")
+	staleConv := conv
+	staleConv.Arrivals = true
+	stale, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: staleConv}, nil)
+	require.NoError(t, err)
+	require.ErrorContains(t, stale.Publish("later", newMsg("lost?")), "unset Tables.Arrivals",
+		"a publisher left with Arrivals after the conversion is told what to do")
+	// Version 7 of the versioned migrations, run on the outbox converted
+	// from a migrated single table (a migration tool knows nothing of the
+	// conversion), gives it no arrivals table.
+	ms, err := schema.MigrationList(conv)
+	require.NoError(t, err)
+	for _, stmt := range ms[6].Up {
+		_, err := b.Pool.Exec(ctx, stmt)
+		require.NoError(t, err, stmt)
+	}
+	require.Zero(t, b.count(t, `SELECT count(*) FROM pg_catalog.pg_tables WHERE schemaname = $1 AND tablename = 'conv_arrivals'`, b.Schema))
 	require.NoError(t, schema.ConvertToSingle(ctx, exec, conv))
 	conv.Arrivals = true
 	require.NoError(t, schema.Validate(ctx, exec, conv), "the single table made from it has one again")

@@ -89,12 +89,17 @@ func (cmd *command) layout(ctx context.Context, exec tx.Executor, tables schema.
 	}
 	tables.Rotating = rotating
 	if !rotating && !tables.Arrivals {
-		// An outbox with arrivals (schema.Config.Arrivals) has its table.
+		// Every single table has an arrivals table (schema version 7): the
+		// commands take the arrivals' paths (a binding's start, the
+		// settling at an unbind or a move) where the role may, as the
+		// subscribers of an outbox with arrivals must; a role granted what
+		// an outbox without them needs goes on as before, and Stats and
+		// Peek read the arrivals wherever the role may read them.
 		n, err := query.NewNames(t.Schema, t.Table, "")
 		if err != nil {
 			return tables, err
 		}
-		rows, err := exec.Query(ctx, query.TableExists, n.WithArrivals().QArrivals)
+		rows, err := exec.Query(ctx, query.ArrivalsUsable, n.WithArrivals().QArrivals, n.QTable)
 		if err != nil {
 			return tables, err
 		}

@@ -387,14 +387,15 @@ func ArrivalsStats(n Names, topic bool) string {
 // DropEmptyArrivals drops the arrivals table of n's single table when it
 // holds nothing, under its lock (an arrival committed after the check
 // would be lost), and fails naming it otherwise: a rotating outbox has no
-// arrivals (ConvertToRotating).
+// arrivals (ConvertToRotating), and a conversion back starts without one
+// (ConvertToSingle: its id default would name the ring's sequence).
 func DropEmptyArrivals(n Names) string {
 	a := n.WithArrivals()
 	return fmt.Sprintf(`DO $pgoutbox$ BEGIN
     IF to_regclass('%[1]s') IS NOT NULL THEN
         LOCK TABLE %[1]s IN ACCESS EXCLUSIVE MODE;
         IF EXISTS (SELECT 1 FROM %[1]s) THEN
-            RAISE EXCEPTION '%% holds arrivals, which a rotating outbox has no place for; unset Arrivals in every publisher, let the subscribers take what it holds, then convert', '%[1]s';
+            RAISE EXCEPTION '%% holds arrivals, which a rotating outbox has no place for; unset Arrivals in every publisher, let the subscribers (with Arrivals set) take what it holds, then convert', '%[1]s';
         END IF;
         DROP TABLE %[1]s;
     END IF;
@@ -406,3 +407,13 @@ END $pgoutbox$`, a.QArrivals)
 func ArrivalsHeld(n Names) string {
 	return fmt.Sprintf(`SELECT EXISTS (SELECT 1 FROM %s)`, n.WithArrivals().QArrivals)
 }
+
+// ArrivalsUsable tells whether the arrivals table $1 exists and the role
+// may take arrivals (SELECT and DELETE on it, USAGE on the sequence of the
+// outbox $2's ids): every single-table outbox has the table, so its
+// existence alone says nothing of whether its publishers use it, and a
+// role granted only what an outbox without arrivals needs must not take
+// the arrivals' paths (the CLI's setting of Arrivals).
+const ArrivalsUsable = `SELECT CASE WHEN to_regclass($1) IS NULL THEN false
+            ELSE has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'DELETE')
+                 AND coalesce(has_sequence_privilege(pg_get_serial_sequence($2, 'id'), 'USAGE'), false) END`

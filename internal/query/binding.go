@@ -111,9 +111,18 @@ const WritersLeft = `SELECT count(*) FROM pg_catalog.pg_locks
 // With copies false, the statement has no INSERT (a subscriber role may
 // lack the privilege) and moves rows only while exactly one group is
 // bound; its third column is then the number of groups bound, so that the
-// caller switches to the statement with copies when there are more.
+// caller switches to the statement with copies when there are more, and
+// 1 when no unbound row waits: binding a second group needs no INSERT
+// unless there is something to copy.
 func AdoptUnbound(n Names, copies bool) string {
-	one, copiesCTE, third := " AND count(*) = 1", "", "(SELECT count(*) FROM bound)"
+	one, copiesCTE := " AND count(*) = 1", ""
+	// Each probe ordered by its index, as the branches below: a bare
+	// EXISTS may be planned as a sequential scan.
+	third := fmt.Sprintf(`CASE WHEN (SELECT 1 FROM %[1]s WHERE topic = $1 AND consumer_group = '' AND lease_token IS NULL
+                ORDER BY available_at, id LIMIT 1) IS NOT NULL
+              OR (SELECT 1 FROM %[1]s WHERE topic = $1 AND consumer_group = '' AND lease_token IS NOT NULL AND leased_until < now()
+                ORDER BY leased_until LIMIT 1) IS NOT NULL
+         THEN (SELECT count(*) FROM bound) ELSE least((SELECT count(*) FROM bound), 1) END`, n.QTable)
 	genCol, genVal := n.generationColumn("m.dedup_key")
 	if copies {
 		one, third = "", "(SELECT count(*) FROM copies)"

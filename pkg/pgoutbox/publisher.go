@@ -320,6 +320,10 @@ func (p *Publisher) wrapErr(topic string, err error) error {
 	if errors.As(err, &pgErr) {
 		switch pgErr.Code {
 		case "42P01": // undefined_table
+			if n := p.q.Names; n.Arrivals && strings.Contains(pgErr.Message, n.ArrivalsTable) {
+				return errorf("pgoutbox: publish to %q: the arrivals table %s does not exist (an outbox below schema version 7, or one converted to a rotating outbox): "+
+					"unset Tables.Arrivals (and set Tables.Rotating if the outbox was converted), or bring the outbox to version 7 with schema.Migrate or schema.Create: %w", topic, n.QArrivals, err)
+			}
 			return errorf("pgoutbox: publish to %q: table %s does not exist; run schema.Create or apply schema.SQL: %w", topic, p.q.Names.QTable, err)
 		case "25P02": // in_failed_sql_transaction
 			return errorf("pgoutbox: publish to %q: the transaction already failed; roll it back and retry the whole unit of work: %w", topic, err)

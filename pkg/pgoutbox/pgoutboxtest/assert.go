@@ -13,6 +13,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -139,9 +140,11 @@ func published(exec tx.Executor, c *criteria, topic string) ([]row, error) {
 	}
 	q := `SELECT id, consumer_group, uuid, payload, metadata::text, available_at, dedup_key
 		FROM ` + quoteIdent(schemaName) + `.` + quoteIdent(table) + ` WHERE topic = $1`
-	arrivals := quoteIdent(schemaName) + `.` + quoteIdent(table+"_arrivals")
+	// Named as the outbox names it (a long name is hashed); read where the
+	// role may: every single-table outbox has the table, used or not.
+	arrivals := quoteIdent(schemaName) + `.` + quoteIdent(query.Derive(table, "_arrivals"))
 	var exists bool
-	if err := queryOne(ctx, exec, `SELECT to_regclass($1) IS NOT NULL`, []any{arrivals}, &exists); err != nil {
+	if err := queryOne(ctx, exec, `SELECT CASE WHEN to_regclass($1) IS NULL THEN false ELSE has_table_privilege($1, 'SELECT') END`, []any{arrivals}, &exists); err != nil {
 		return nil, err
 	}
 	if exists {

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -194,7 +195,7 @@ func (d *database) give(s *pooledSchema) bool {
 	if !s.tables.Rotating {
 		// Every single table has its arrivals table, written to by any
 		// publisher that sets Arrivals, whatever the schema was made with.
-		tables = append(tables, s.name+"."+s.tables.Table+"_arrivals")
+		tables = append(tables, s.name+"."+query.Quote(query.Derive(s.tables.Table, "_arrivals")))
 	}
 	// One statement (one round trip): check the shape, then empty the
 	// tables. DELETE takes a tenth of TRUNCATE's time on the few rows a

@@ -31,6 +31,10 @@ import (
 // partition has its table's columns and no others); your own indexes stay
 // on the long partition.
 //
+// A rotating outbox has no arrivals table (Config.Arrivals): an empty one
+// is dropped in the swap, one that holds messages is refused. Unset
+// Arrivals in every publisher first.
+//
 // Afterwards, set Rotating in every publisher's and subscriber's Config
 // and restart them. Until then, processes that run with the single
 // table's setting go on consuming and publishing plain messages, but
@@ -366,7 +370,11 @@ func convertBack(ctx context.Context, db tx.Executor, c Config, single, n query.
 		if err := scanOne(ctx, e, q.NextID, nil, &next); err != nil {
 			return err
 		}
-		for _, stmt := range append([]string{q.MoveAll, q.Swap(next)}, query.ArrivalsDDL(single)...) {
+		// A stray arrivals table (the versioned migrations' version 7 run
+		// on the rotating outbox by an older build) would hold the ring's
+		// sequence in its id default: it goes first, and Create's comes
+		// after the swap.
+		for _, stmt := range append([]string{query.DropEmptyArrivals(single), q.MoveAll, q.Swap(next)}, query.ArrivalsDDL(single)...) {
 			if _, err := e.Exec(ctx, stmt); err != nil {
 				return ddlError(stmt, err)
 			}

@@ -3,9 +3,12 @@
 -- that set it give them their groups and delivery state. Every outbox
 -- has the table from this version on; it stays empty while no publisher
 -- sets Arrivals. Its ids come from the outbox's identity, so an arrival
--- keeps its id when it moves into the outbox.
+-- keeps its id when it moves into the outbox. A rotating outbox (made
+-- from this table by ConvertToRotating) has none: it takes every message
+-- into its ring.
 DO $pgoutbox$ BEGIN
-    IF to_regclass('{{table "_arrivals"}}') IS NULL THEN
+    IF to_regclass('{{table "_arrivals"}}') IS NULL
+       AND (SELECT relkind FROM pg_catalog.pg_class WHERE oid = '{{.Table}}'::regclass) <> 'p' THEN
         EXECUTE format('CREATE TABLE {{table "_arrivals"}} (
     id         bigint      NOT NULL DEFAULT nextval(%L::regclass),
     topic      text        NOT NULL,

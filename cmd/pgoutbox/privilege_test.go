@@ -1,0 +1,59 @@
+package main
+
+import (
+	"context"
+	"net/url"
+	"strings"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+)
+
+// TestOperatorRoleWithoutArrivalsGrants: every outbox has an arrivals
+// table, but a role granted what an outbox without arrivals needs (the
+// subscriber grants of docs/operations.md, and DELETE on the bindings for
+// unbind) binds, reads stats and peeks, and unbinds as before: the
+// commands take the arrivals' paths only where the role may.
+func TestOperatorRoleWithoutArrivalsGrants(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	ctx := context.Background()
+	role := "pgoxcli_" + strings.ToLower(watermill.NewShortUUID())[:10]
+	s := `"` + env.Schema + `"`
+	for _, stmt := range []string{
+		`CREATE ROLE ` + role + ` LOGIN`,
+		`GRANT USAGE ON SCHEMA ` + s + ` TO ` + role,
+		`GRANT SELECT, UPDATE, DELETE ON ` + s + `.outbox TO ` + role,
+		`GRANT SELECT, INSERT, DELETE ON ` + s + `.outbox_bindings TO ` + role,
+		`GRANT SELECT, INSERT ON ` + s + `.outbox_dlq TO ` + role,
+		`GRANT SELECT ON ` + s + `.outbox_paused TO ` + role,
+	} {
+		_, err := env.Pool.Exec(ctx, stmt)
+		require.NoError(t, err, stmt)
+	}
+	t.Cleanup(func() {
+		_, _ = env.Pool.Exec(context.Background(), `DROP OWNED BY `+role)
+		_, _ = env.Pool.Exec(context.Background(), `DROP ROLE `+role)
+	})
+	u, err := url.Parse(env.DSN)
+	require.NoError(t, err)
+	require.NotEmpty(t, u.Scheme, "the test's DSN is a URL: %s", env.DSN)
+	u.User = url.User(role)
+	asRole := *env
+	asRole.DSN = u.String()
+
+	publish(t, env, "orders", "a")
+	for _, args := range [][]string{
+		{"bind", "--topic", "orders", "--group", "billing"},
+		{"bind", "--topic", "orders", "--group", "invoicing"},
+		{"stats"},
+		{"peek", "--topic", "orders", "--group", "billing"},
+		{"unbind", "--topic", "orders", "--group", "invoicing"},
+	} {
+		out, errOut, code := cliRun(t, &asRole, args...)
+		require.Equal(t, 0, code, "pgoutbox %s as a role without arrivals grants:\n%s%s", strings.Join(args, " "), out, errOut)
+	}
+}

@@ -225,29 +225,32 @@ func buildArrivals(n Names) ArrivalsStatements {
 	}
 	return ArrivalsStatements{
 		HeldAck: fmt.Sprintf(`
-WITH %[3]s, gone AS (
-    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[]) AND (SELECT later FROM bound_since)
-    RETURNING id, uuid, payload, metadata, created_at
-), deleted AS (
-    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[]) AND NOT (SELECT later FROM bound_since)
-)%[2]s`, n.QArrivals, arrivalsLateCopies(n), arrivalsBoundSince(n)),
+WITH %[1]s)%[2]s`, arrivalsAcked(n), arrivalsLateCopies(n)),
 		HeldFinish: fmt.Sprintf(`
-WITH %[4]s, gone AS (
-    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[]) AND (SELECT later FROM bound_since)
-    RETURNING id, uuid, payload, metadata, created_at
-), deleted AS (
-    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[]) AND NOT (SELECT later FROM bound_since)
+WITH %[4]s
 ), moving AS (
     DELETE FROM %[1]s WHERE ctid = ANY ($5::tid[])
     RETURNING id, uuid, payload, metadata, created_at
 ), leases AS (%[2]s
     RETURNING 1
 )%[3]s`, n.QArrivals, arrivalsAsLeases(n, "moving", leaseParams{"$2", "$3", "$6", "statement_timestamp() + $7", "$8", "$9"}),
-			arrivalsLateCopies(n, "moving"), arrivalsBoundSince(n)),
+			arrivalsLateCopies(n, "moving"), arrivalsAcked(n)),
 		Transfer: arrivalsFanOut(n, "pg_try_advisory_xact_lock(%s)",
 			"id >= (SELECT min(arrivals_from) FROM bound WHERE EXISTS (SELECT 1 FROM bound WHERE consumer_group <> $2))",
 			"b.arrivals_from <= m.id", "$3", "$4"),
 	}
+}
+
+// arrivalsAcked are the CTEs (without the last parenthesis) that delete
+// the acked arrivals of a held batch by their ctids ($1): read back
+// (gone) only when another group is bound (bound_since), for their late
+// copies.
+func arrivalsAcked(n Names) string {
+	return fmt.Sprintf(`%[2]s, gone AS (
+    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[]) AND (SELECT later FROM bound_since)
+    RETURNING id, uuid, payload, metadata, created_at
+), deleted AS (
+    DELETE FROM %[1]s WHERE ctid = ANY ($1::tid[]) AND NOT (SELECT later FROM bound_since)`, n.QArrivals, arrivalsBoundSince(n))
 }
 
 // arrivalsBoundSince tells a held batch's end (topic $2, group $3) whether

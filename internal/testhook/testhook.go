@@ -37,6 +37,28 @@ func ClaimPath(workerID string) string {
 	return s
 }
 
+var heldBounds sync.Map // worker id -> time.Duration
+
+// SetHeldBound makes the held batches of the subscriber with workerID
+// wait up to d for their handlers before the rows still running become
+// leases, instead of the engine's bound (100ms): a test can then act
+// while a batch holds its rows, however slow the machine. 0 removes the
+// hook.
+func SetHeldBound(workerID string, d time.Duration) {
+	if d == 0 {
+		heldBounds.Delete(workerID)
+		return
+	}
+	heldBounds.Store(workerID, d)
+}
+
+// HeldBound returns the bound forced for workerID, or 0.
+func HeldBound(workerID string) time.Duration {
+	d, _ := heldBounds.Load(workerID)
+	v, _ := d.(time.Duration)
+	return v
+}
+
 // durations is a hook of a duration per outbox (its quoted name, as
 // query.Names.QTable).
 type durations struct{ m sync.Map }

@@ -363,7 +363,7 @@ func (c *claimer) held(req claimRequest) claimResult {
 // heldIdleTimeout is idle_in_transaction_session_timeout for held
 // transactions: the bound, plus time for the owner to end the batch.
 func heldIdleTimeout(cfg *SubscriberConfig) time.Duration {
-	return heldBound + cfg.StatementTimeout
+	return heldBoundOf(cfg) + cfg.StatementTimeout
 }
 
 // deliverySlab hands out a claim's deliveries from arrays of

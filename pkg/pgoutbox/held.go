@@ -63,6 +63,15 @@ const (
 // short enough that vacuum and the connection pool never notice.
 const heldBound = 100 * time.Millisecond
 
+// heldBoundOf is heldBound, or the bound a test forced for the
+// subscriber (internal/testhook).
+func heldBoundOf(cfg *SubscriberConfig) time.Duration {
+	if d := testhook.HeldBound(cfg.WorkerID); d > 0 {
+		return d
+	}
+	return heldBound
+}
+
 // maxHeldBatches bounds a subscription's open held transactions (each on
 // a pool connection). A claim that finds them all open waits a little for
 // one to end (batchesBusy), then leases.
@@ -73,7 +82,7 @@ const heldOffFor = 10 * time.Second
 
 // bound is when the batch claimed at now ends at the latest.
 func (h *heldPath) bound(now time.Time) time.Time {
-	d := heldBound
+	d := heldBoundOf(h.cfg)
 	if h.cfg.AckDeadline > 0 {
 		d = min(d, h.cfg.AckDeadline)
 	}
@@ -367,7 +376,7 @@ func (sub *subscription) unholder(d *delivery) func() {
 		sub.events.inbox.putUnhold(unholdRequest{d: d, done: done})
 		// The handler's DELETE must start after the commit that makes the
 		// row a lease: before it, it would not find the lease token.
-		t := time.NewTimer(heldBound + sub.cfg.StatementTimeout)
+		t := time.NewTimer(heldBoundOf(sub.cfg) + sub.cfg.StatementTimeout)
 		defer t.Stop()
 		select {
 		case <-done:

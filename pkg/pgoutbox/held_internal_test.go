@@ -7,6 +7,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 )
 
 // A job whose first statement fails transiently never runs ReleaseClaim:
@@ -134,4 +136,21 @@ func TestHeldPathChoosesPerClaim(t *testing.T) {
 	require.False(t, lease.wantHeld(claimRequest{}, now, time.Time{}, spare))
 	forced := heldPath{cfg: &SubscriberConfig{ClaimMode: ClaimLease}, forced: "held"}
 	require.True(t, forced.wantHeld(claimRequest{withExpired: true}, now, time.Time{}, spare), "a test hook forces the path")
+}
+
+// A batch ends by heldBound, or by the AckDeadline when shorter; a test's
+// bound (internal/testhook) replaces heldBound for its subscriber only.
+func TestHeldBatchBound(t *testing.T) {
+	now := time.Now()
+	h := heldPath{cfg: &SubscriberConfig{WorkerID: "bound-test"}}
+	require.Equal(t, now.Add(heldBound), h.bound(now))
+	h.cfg.AckDeadline = 30 * time.Millisecond
+	require.Equal(t, now.Add(30*time.Millisecond), h.bound(now))
+
+	testhook.SetHeldBound("bound-test", time.Minute)
+	defer testhook.SetHeldBound("bound-test", 0)
+	h.cfg.AckDeadline = 0
+	require.Equal(t, now.Add(time.Minute), h.bound(now))
+	require.Equal(t, time.Minute+time.Second, heldIdleTimeout(&SubscriberConfig{WorkerID: "bound-test", StatementTimeout: time.Second}))
+	require.Equal(t, heldBound, heldBoundOf(&SubscriberConfig{WorkerID: "other"}))
 }

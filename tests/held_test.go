@@ -963,71 +963,64 @@ func heldCloseWhileABatchIsOpen(t *testing.T, b *bundle) {
 	})
 }
 
-// ClaimAuto claims on the held path (after a claim that found rows: the
-// first claim after a wake-up leases) until a handler completes a held row
-// in its own transaction (tx.Middleware, whose DELETE would wait for the
-// held lock); from then on it leases, for good (see ClaimAuto). Of the
-// first 9 messages, published to an idle subscription, the first claim
-// leases 4 (MaxInFlight) and a later one holds some (if none did, for a
-// reason of its own, the test tries again on a new topic); once they are
-// done, the next messages are claimed as leases and no held row becomes a
-// lease any more. The one exception is the claim that was under way when
-// the switch happened (the first claim after the first messages' acks): it
-// may be a held one. Every message is processed once.
+// ClaimAuto claims on the held path (once busy) until a handler completes
+// a held row in its own transaction (tx.Middleware, whose DELETE would wait
+// for the held lock); from then on it leases, for good (see ClaimAuto). A
+// test hook makes the subscription count as busy from its first claim, so
+// the first messages are held whatever the machine's speed (a slow claim
+// alone would make ClaimAuto lease); every other rule is ClaimAuto's own.
+// Once they are done, the next messages are claimed as leases and no held
+// row becomes a lease any more. The one exception is the claim that was
+// under way when the switch happened (the first claim after the first
+// messages' acks): it may be a held one. Every message is processed once.
 func TestHeldAutoLeasesOnceAHandlerUsesItsOwnTransaction(t *testing.T) {
 	t.Parallel()
 	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
 	pool, _ := heldPool(t, b, 20)
 	h := newTxHandlerBed(t, pool, b)
-	for attempt := 1; attempt <= 5; attempt++ {
-		topic := fmt.Sprintf("in%d", attempt)
-		ev := newEvents()
-		sub := b.heldSubscriber(t, pool, func(c *pgoutbox.SubscriberConfig) {
-			c.ClaimMode = pgoutbox.ClaimAuto
-			c.MaxInFlight = 4
-			c.Observer = ev
-		})
-		runRouter(t, sub, topic, h.increment, h.mw)
-		awaitFirstClaim(t, ev)
-		base := h.counter(t)
+	const topic = "in"
+	ev := newEvents()
+	sub := b.heldSubscriber(t, pool, func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode = pgoutbox.ClaimAuto
+		c.MaxInFlight = 4
+		c.Observer = ev
+		onPath(t, testhook.PathAutoBusy, c)
+	})
+	runRouter(t, sub, topic, h.increment, h.mw)
+	awaitFirstClaim(t, ev)
+	base := h.counter(t)
 
-		const first = 9
-		b.publishInTx(t, topic, true, newMsgs(first)...)
-		pollUntil(t, "the first messages processed", 10*time.Second, nil, func() bool { return h.counter(t) == base+first })
-		pollUntil(t, "their acks observed", 10*time.Second, nil, func() bool { return ev.countKind(pgoutbox.EventAcked) >= first })
-		before := ev.snapshot()
-		if rowsClaimedOnPath(before, pgoutbox.PathHeld) == 0 {
-			t.Logf("attempt %d: the first messages were claimed as leases; again", attempt)
-			continue
-		}
-		require.Positive(t, ev.countKind(pgoutbox.EventHeldToLease), "the held rows became leases for their handlers' transactions")
+	const first = 9
+	b.publishInTx(t, topic, true, newMsgs(first)...)
+	pollUntil(t, "the first messages processed", 10*time.Second, nil, func() bool { return h.counter(t) == base+first })
+	pollUntil(t, "their acks observed", 10*time.Second, nil, func() bool { return ev.countKind(pgoutbox.EventAcked) >= first })
+	before := ev.snapshot()
+	require.Positive(t, rowsClaimedOnPath(before, pgoutbox.PathHeld), "the first messages were claimed on the held path")
+	require.Positive(t, ev.countKind(pgoutbox.EventHeldToLease), "the held rows became leases for their handlers' transactions")
 
-		const next = 20
-		b.publishInTx(t, topic, true, newMsgs(next)...)
-		pollUntil(t, "the next messages processed", 20*time.Second, nil, func() bool { return h.counter(t) == base+first+next })
-		pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, topic) == 0 })
-		pollUntil(t, "their acks observed", 10*time.Second, nil, func() bool { return ev.countKind(pgoutbox.EventAcked) >= first+next })
-		after := ev.snapshot()[len(before):]
-		claims := eventsOfKind(after, pgoutbox.EventClaimed)
-		require.NotEmpty(t, claims)
-		underWay := 0 // rows of a held claim under way at the switch
-		if claims[0].Path == pgoutbox.PathHeld {
-			underWay = claims[0].Count
-		}
-		for _, e := range claims[1:] {
-			require.Equal(t, pgoutbox.PathLease, e.Path, "a claim (count %d) after a handler's transaction completed a held row", e.Count)
-		}
-		require.Equal(t, next, rowsClaimedOnPath(after, pgoutbox.PathLease)+underWay, "the next messages were claimed as leases")
-		toLease := 0
-		for _, e := range eventsOfKind(after, pgoutbox.EventHeldToLease) {
-			toLease += e.Count
-		}
-		require.Equal(t, underWay, toLease, "only the rows of the claim under way were held")
-		require.Equal(t, base+first+next, h.counter(t), "each message processed once")
-		require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost))
-		return
+	const next = 20
+	b.publishInTx(t, topic, true, newMsgs(next)...)
+	pollUntil(t, "the next messages processed", 20*time.Second, nil, func() bool { return h.counter(t) == base+first+next })
+	pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, topic) == 0 })
+	pollUntil(t, "their acks observed", 10*time.Second, nil, func() bool { return ev.countKind(pgoutbox.EventAcked) >= first+next })
+	after := ev.snapshot()[len(before):]
+	claims := eventsOfKind(after, pgoutbox.EventClaimed)
+	require.NotEmpty(t, claims)
+	underWay := 0 // rows of a held claim under way at the switch
+	if claims[0].Path == pgoutbox.PathHeld {
+		underWay = claims[0].Count
 	}
-	t.Fatal("the first messages were never claimed on the held path, in 5 attempts")
+	for _, e := range claims[1:] {
+		require.Equal(t, pgoutbox.PathLease, e.Path, "a claim (count %d) after a handler's transaction completed a held row", e.Count)
+	}
+	require.Equal(t, next, rowsClaimedOnPath(after, pgoutbox.PathLease)+underWay, "the next messages were claimed as leases")
+	toLease := 0
+	for _, e := range eventsOfKind(after, pgoutbox.EventHeldToLease) {
+		toLease += e.Count
+	}
+	require.Equal(t, underWay, toLease, "only the rows of the claim under way were held")
+	require.Equal(t, base+first+next, h.counter(t), "each message processed once")
+	require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost))
 }
 
 // One nack on an ordered ClaimAuto subscription ends its batch at once (the

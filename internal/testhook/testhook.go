@@ -13,6 +13,13 @@ import (
 const (
 	PathHeld  = "held"
 	PathLease = "lease"
+	// PathAutoBusy leaves a ClaimAuto subscriber its own choice, as if
+	// it were busy from its first claim: it holds where ClaimAuto holds
+	// for a busy consumer (not after a slow short claim, which on a
+	// loaded machine is any claim), and still leases for good once a
+	// handler completed its row in its own transaction, after slow
+	// handlers or a failed batch end, and for ordering keys.
+	PathAutoBusy = "auto-busy"
 )
 
 var claimPaths sync.Map // worker id -> path

@@ -100,19 +100,20 @@ func (h *heldPath) wantHeld(req claimRequest, now, keyedUntil time.Time, spare f
 		return len(h.batches) < maxHeldBatches && spare()
 	}
 	mode := h.cfg.ClaimMode
+	busy := h.busy || h.forced == testhook.PathAutoBusy
 	switch {
 	case mode == ClaimLease:
 		return false
 	case req.withExpired, req.orphansOf != nil, len(req.endedKeys) > 0:
 		return false // reclaiming and ordering-key claims lease
-	case req.window > 0 && (now.Before(keyedUntil) || mode == ClaimAuto):
+	case req.window > 0 && (now.Before(keyedUntil) || mode == ClaimAuto && h.forced != testhook.PathAutoBusy):
 		// Keyed rows seen, or (ClaimAuto) a slow short claim, which may
 		// have walked rows held back by keys a competitor holds: the held
 		// claim has no window, and would walk them holding its locks.
 		return false
 	case now.Before(h.failedUntil):
 		return false // see heldFailed
-	case mode == ClaimAuto && (h.txSeen || now.Before(h.offUntil) || !h.busy):
+	case mode == ClaimAuto && (h.txSeen || now.Before(h.offUntil) || !busy):
 		// Idle claims (mostly empty) cost one statement as leases and two
 		// round trips held; the first claim after a wake-up leases too.
 		return false

@@ -136,6 +136,18 @@ func TestHeldPathChoosesPerClaim(t *testing.T) {
 	require.False(t, lease.wantHeld(claimRequest{}, now, time.Time{}, spare))
 	forced := heldPath{cfg: &SubscriberConfig{ClaimMode: ClaimLease}, forced: "held"}
 	require.True(t, forced.wantHeld(claimRequest{withExpired: true}, now, time.Time{}, spare), "a test hook forces the path")
+
+	// The busy hook makes ClaimAuto hold from its first claim and after a
+	// slow short claim; its other reasons to lease stay.
+	autoBusy := heldPath{cfg: &SubscriberConfig{ClaimMode: ClaimAuto}, forced: testhook.PathAutoBusy}
+	require.True(t, autoBusy.wantHeld(claimRequest{}, now, time.Time{}, spare), "the first claim holds")
+	require.True(t, autoBusy.wantHeld(claimRequest{window: 256}, now, time.Time{}, spare), "a slow short claim does not switch it")
+	require.False(t, autoBusy.wantHeld(claimRequest{window: 256}, now, now.Add(time.Second), spare), "keyed rows seen: lease")
+	require.False(t, autoBusy.wantHeld(claimRequest{withExpired: true}, now, time.Time{}, spare))
+	autoBusy.txSeen = true
+	require.False(t, autoBusy.wantHeld(claimRequest{}, now, time.Time{}, spare), "a handler's own transaction: lease for good")
+	autoBusy.txSeen, autoBusy.offUntil = false, now.Add(time.Second)
+	require.False(t, autoBusy.wantHeld(claimRequest{}, now, time.Time{}, spare), "slow handlers: lease for a while")
 }
 
 // A batch ends by heldBound, or by the AckDeadline when shorter; a test's

@@ -479,3 +479,53 @@ func TestLivenessBlipsDoNotOrphanALiveHolder(t *testing.T) {
 	// Still A's: its lease was never taken over.
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = $1 AND lease_token IS NOT NULL AND deliveries = 1`, held.UUID))
 }
+
+// A Router whose context is cancelled ends its subscriptions without
+// closing its subscriber (Watermill's Router does not): the subscriber's
+// LISTEN connection, opened outside the pool, goes with its last
+// subscription, so a pool closed after the channels closed leaves nothing
+// on the server. A later Subscribe listens again.
+func TestListenConnectionEndsWithTheLastSubscription(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	app := "listen-end-" + watermill.NewShortUUID()
+	pool := b.namedPool(t, app)
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	listening := func() int {
+		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND `+isListenConn, app)
+	}
+
+	ctxA, cancelA := context.WithCancel(context.Background())
+	ctxB, cancelB := context.WithCancel(context.Background())
+	chA, err := sub.Subscribe(ctxA, "a")
+	require.NoError(t, err)
+	chB, err := sub.Subscribe(ctxB, "b")
+	require.NoError(t, err)
+	pollUntil(t, "the LISTEN connection is up", 10*time.Second, nil, func() bool { return listening() == 1 })
+
+	cancelA()
+	for range chA {
+	}
+	b.publishInTx(t, "b", true, newMsg("still woken"))
+	receive(t, chB, 10*time.Second).Ack()
+	require.Equal(t, 1, listening(), "one subscription still runs: its connection stays")
+
+	cancelB()
+	for range chB {
+	}
+	// The connection is closed when the channel closes; its backend exits
+	// just after.
+	pollUntil(t, "the last subscription ended: no LISTEN connection is left", 5*time.Second, nil, func() bool { return listening() == 0 })
+
+	ch, err := sub.Subscribe(context.Background(), "c")
+	require.NoError(t, err)
+	pollUntil(t, "the LISTEN connection is up again", 10*time.Second, nil, func() bool { return listening() == 1 })
+	b.publishInTx(t, "c", true, newMsg("woken again"))
+	m := receive(t, ch, 10*time.Second)
+	require.Equal(t, "woken again", string(m.Payload))
+	m.Ack()
+	require.NoError(t, sub.Close())
+	pollUntil(t, "Close: no LISTEN connection is left", 5*time.Second, nil, func() bool { return listening() == 0 })
+}

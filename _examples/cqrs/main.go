@@ -112,9 +112,9 @@ func run() error {
 	}
 	// Each handler, command or event, gets a transaction of its own. The
 	// middleware outside it sees each transaction commit (a nil error):
-	// the example waits for those before closing the router, because
-	// closing cancels the transactions still open, which then roll back
-	// and leave their messages for the next run.
+	// the example waits for those before closing the router, so that it
+	// has something to print. (Closing would not cut a handler short: the
+	// subscriber lets in-flight handlers finish within DrainTimeout.)
 	committed := make(chan string, 64)
 	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {

@@ -203,12 +203,13 @@ type SubscriberConfig struct {
 	// context, waits for in-flight messages to be acked or nacked. The leases
 	// of messages still unacked after it are released, so another consumer
 	// gets them at once; they are never deleted. Defaults to 10s. The special
-	// value NoDrain (-1) releases them without waiting. Message contexts derive from
-	// the Subscribe context, as in every Watermill subscriber: when the
-	// Router closes, handlers see their context cancelled, and one that stops
-	// early and returns an error is nacked (redelivered). While the database
-	// is unreachable, Close may also wait for a claim and for the final
-	// write of acks, each bounded by StatementTimeout.
+	// value NoDrain (-1) releases them without waiting. Message contexts
+	// carry the Subscribe context's values but not its cancellation: when
+	// the Router closes (which cancels that context), handlers mid-work
+	// keep a live context and finish within DrainTimeout; a message's
+	// context is cancelled when its delivery ends, or when the drain does.
+	// While the database is unreachable, Close may also wait for a claim
+	// and for the final write of acks, each bounded by StatementTimeout.
 	DrainTimeout time.Duration
 
 	// AckDeadline is how long a handed-out message may stay without Ack or

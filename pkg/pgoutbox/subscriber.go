@@ -43,7 +43,8 @@ type Subscriber struct {
 	closed   bool
 	closing  chan struct{}
 	subs     sync.WaitGroup
-	notifier *notifier.Notifier
+	notifier *notifier.Notifier // while a subscription runs (see subscriptionEnded)
+	active   int                // subscriptions running
 
 	schemaMu    sync.Mutex
 	schemaReady bool
@@ -118,6 +119,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		s.notifier = notifier.AcquireListen(s.pool, s.listen, s.logger)
 	}
 	s.subs.Add(1)
+	s.active++
 	waiter := s.notifier.Listen(s.q.Names.Channel, topic, s.cfg.ConsumerGroup)
 	s.startRotator() // under mu: Close cannot be waiting for subs yet
 	s.mu.Unlock()
@@ -220,6 +222,24 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 	}
 	s.schemaReady = true
 	return nil
+}
+
+// subscriptionEnded lets go of the pool's notifier once the last
+// subscription ended, by Close or by its own context: its LISTEN
+// connection, opened outside the pool, must not outlive them (a Router
+// whose context was cancelled does not close its subscribers). The next
+// Subscribe acquires it again.
+func (s *Subscriber) subscriptionEnded() {
+	s.mu.Lock()
+	s.active--
+	var n *notifier.Notifier
+	if s.active == 0 {
+		n, s.notifier = s.notifier, nil
+	}
+	s.mu.Unlock()
+	if n != nil {
+		n.Release()
+	}
 }
 
 // Close ends every subscription: it stops claiming, waits up to

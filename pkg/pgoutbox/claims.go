@@ -2,6 +2,7 @@ package pgoutbox
 
 import (
 	"errors"
+	"math"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -297,10 +298,28 @@ func (sub *subscription) startClaim(now time.Time) {
 	}
 	req := sub.claims.start(n, now, sub.holder(), sub.events.signals.waiter.Spare)
 	req.held = sub.held.wantHeld(req, now, sub.claims.scan.keyedUntil, sub.poolHasSpare)
+	req.arrivals = arrivalsFrom(req, len(sub.held.batches))
 	go func() {
 		r := sub.runners.claimer.run(req)
 		sub.events.reports <- report{claim: &r}
 	}()
+}
+
+// noArrivals, as a claim's arrivals cursor, takes no arrivals.
+const noArrivals = math.MaxInt64
+
+// arrivalsFrom is the arrivals cursor of a claim. A lease claim moves the
+// arrivals it takes into the outbox, and a give-back leaves them there,
+// where claims take them before the arrivals published before them. While
+// held batches of ours are open, their arrivals are locked and a lease
+// claim skips them: if its rows were then given back (an ordered nack in
+// a batch), they would overtake those. So it leaves arrivals to the held
+// claims until the batches end.
+func arrivalsFrom(req claimRequest, openBatches int) int64 {
+	if !req.held && openBatches > 0 {
+		return noArrivals
+	}
+	return req.arrivals
 }
 
 // holder is what this process's rows are stamped with: its liveness key

@@ -259,3 +259,22 @@ func TestClaimScheduleFansOutArrivalsAtOnce(t *testing.T) {
 	c.next(claimResult{req: claimRequest{transfer: true}, transferred: 5}, false, now)
 	require.True(t, c.want, "the fan-out moved arrivals: claim again at once")
 }
+
+// A lease claim takes no arrivals while held batches of the subscription
+// are open (their arrivals are locked: it would take those after them); a
+// held claim, or a lease claim once the batches ended, reads from the
+// cursor.
+func TestLeaseClaimsLeaveArrivalsToOpenHeldBatches(t *testing.T) {
+	lease := claimRequest{arrivals: 42}
+	require.Equal(t, int64(noArrivals), arrivalsFrom(lease, 1))
+	require.Equal(t, int64(42), arrivalsFrom(lease, 0))
+	held := claimRequest{arrivals: 42, held: true}
+	require.Equal(t, int64(42), arrivalsFrom(held, 2))
+
+	// The cursor does not move for a claim that took none.
+	c := newClaimScan()
+	now := time.Now()
+	c.arrivals, c.arrivalsFromAt, c.fromStartAt = 42, now, now
+	c.claimed(claimResult{req: claimRequest{arrivals: noArrivals, sent: now}})
+	require.Equal(t, int64(42), c.arrivals)
+}

@@ -348,7 +348,7 @@ func TestArrivalsFanOutsOfATopicRunOneAtATime(t *testing.T) {
 // batch of the subscription keeps earlier arrivals locked; it used to take
 // the arrivals after them, and when an ordered nack in the batch gave its
 // rows back, those, moved into the outbox, overtook the locked ones (in
-// about one run in 175 of the held mode).
+// about one run in 200 of the held mode).
 func TestArrivalsOrderedNacksKeepPublishOrder(t *testing.T) {
 	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
 		for i := range 8 {

@@ -19,7 +19,7 @@ func topicGroupFlags(cmd *command) (topic, group *string) {
 }
 
 func (c *cli) bindCmd(args []string) error {
-	cmd := c.newCommand("bind", "bind --topic T --group G [--from new|backlog]",
+	cmd := c.newCommand("bind", "bind --topic T [--group G] [--from new|backlog]   (no --group: the default group)",
 		"  pgoutbox bind --topic orders.placed --group billing                  # before the first deploy of billing\n"+
 			"  pgoutbox bind --topic orders.placed --group projection --from backlog # also copy what waits now\n", false)
 	topic, group := topicGroupFlags(cmd)
@@ -112,7 +112,7 @@ func shellArg(s string) string {
 }
 
 func (c *cli) unbindCmd(args []string) error {
-	cmd := c.newCommand("unbind", "unbind --topic T --group G [--purge [--yes]]   (exits 1 when the group was not bound)",
+	cmd := c.newCommand("unbind", "unbind --topic T [--group G] [--purge [--yes]]   (no --group: the default group; exits 1 when the group was not bound)",
 		"  pgoutbox unbind --topic orders.placed --group old-service\n  pgoutbox unbind --topic orders.placed --group old-service --purge --yes\n", false)
 	topic, group := topicGroupFlags(cmd)
 	purge := cmd.fs.Bool("purge", false, "also delete the group's pending copies (asks for confirmation)")

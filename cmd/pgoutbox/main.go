@@ -99,7 +99,7 @@ Commands:
   ui                           a web page for operators (--listen 127.0.0.1:8080)
   version                      the version of this build
 
-Connection and tables (every command):
+Connection and tables (every command, before or after it):
   --dsn        PostgreSQL DSN (else $PGOUTBOX_DSN, else $POSTGRES_DSN)
   --schema     schema of the tables (else $PGOUTBOX_SCHEMA, default public)
   --table      outbox table (else $PGOUTBOX_TABLE, default outbox)
@@ -214,6 +214,7 @@ func hint(err error) string {
 var errHelp = errors.New("help shown")
 
 func (c *cli) dispatch(args []string) error {
+	args = connectionFlagsLast(args)
 	if len(args) == 0 {
 		fmt.Fprint(c.stderr, mainUsage)
 		return usagef("", "no command given")
@@ -255,3 +256,47 @@ func (c *cli) dispatch(args []string) error {
 
 // undefinedTable is PostgreSQL's SQLSTATE for a missing table.
 const undefinedTable = "42P01"
+
+// connectionFlags are the flags every command takes, and whether each
+// takes a value.
+var connectionFlags = map[string]bool{"dsn": true, "schema": true, "table": true, "dlq-table": true, "no-dlq": false}
+
+// connectionFlagsLast moves connection flags given before the command
+// ("pgoutbox --dsn X stats") behind it, where the command parses them
+// (before a "--" that ends its flags). Any other leading flag is left
+// where it is: dispatch reports it.
+func connectionFlagsLast(args []string) []string {
+	var lead []string
+	i := 0
+	for i < len(args) && len(args[i]) > 1 && args[i][0] == '-' && args[i] != "--" {
+		name, inline := strings.TrimLeft(args[i], "-"), false
+		if k := strings.IndexByte(name, '='); k >= 0 {
+			name, inline = name[:k], true
+		}
+		takesValue, ok := connectionFlags[name]
+		if !ok {
+			break
+		}
+		lead = append(lead, args[i])
+		i++
+		if takesValue && !inline && i < len(args) {
+			lead = append(lead, args[i])
+			i++
+		}
+	}
+	if len(lead) == 0 {
+		return args
+	}
+	rest := args[i:]
+	if len(rest) == 0 {
+		return nil // no command: dispatch says so
+	}
+	out := make([]string, 0, len(args))
+	for j, a := range rest {
+		if a == "--" {
+			out = append(append(append(out, rest[:j]...), lead...), rest[j:]...)
+			return out
+		}
+	}
+	return append(append(out, rest...), lead...)
+}

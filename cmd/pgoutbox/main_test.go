@@ -490,3 +490,34 @@ func TestSchemaConvertToSingle(t *testing.T) {
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, "kept")
 }
+
+// Connection flags work before the command as well as after it.
+func TestConnectionFlagsBeforeTheCommand(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env, "orders", "a", "b")
+	out, errOut, code := cliRun(t, nil, "--dsn", env.DSN, "--schema="+env.Schema, "stats", "--json")
+	require.Equal(t, 0, code, errOut)
+	var stats []statsJSON
+	require.NoError(t, json.Unmarshal([]byte(out), &stats), out)
+	require.Len(t, stats, 1)
+	require.Equal(t, int64(2), stats[0].Ready)
+
+	_, errOut, code = cliRun(t, nil, "--dsn", env.DSN)
+	require.Equal(t, exitUsage, code)
+	require.Contains(t, errOut, "no command given")
+}
+
+func TestConnectionFlagsLast(t *testing.T) {
+	for _, c := range []struct{ in, want []string }{
+		{[]string{"stats"}, []string{"stats"}},
+		{[]string{"--dsn", "D", "stats", "--json"}, []string{"stats", "--json", "--dsn", "D"}},
+		{[]string{"-dsn=D", "--no-dlq", "--table", "T", "dlq", "show", "--id", "1"}, []string{"dlq", "show", "--id", "1", "-dsn=D", "--no-dlq", "--table", "T"}},
+		{[]string{"--schema", "S", "publish", "--topic", "t", "--", "-x"}, []string{"publish", "--topic", "t", "--schema", "S", "--", "-x"}},
+		{[]string{"--help"}, []string{"--help"}},
+		{[]string{"--bogus", "stats"}, []string{"--bogus", "stats"}},
+		{[]string{"--dsn", "D"}, nil},
+	} {
+		require.Equal(t, c.want, connectionFlagsLast(c.in), "%v", c.in)
+	}
+}

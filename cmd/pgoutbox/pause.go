@@ -15,7 +15,7 @@ func (c *cli) pauseCmd(args []string, resume bool) error {
 	if resume {
 		name, examples = "resume", "  pgoutbox resume --topic orders.placed --group billing\n"
 	}
-	cmd := c.newCommand(name, name+" --topic T --group G", examples, false)
+	cmd := c.newCommand(name, name+" --topic T [--group G]   (no --group: the default group)", examples, false)
 	topic, group := topicGroupFlags(cmd)
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err

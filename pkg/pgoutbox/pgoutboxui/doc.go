@@ -5,7 +5,7 @@
 //
 // Mount it under your own router and authentication:
 //
-//	ui := pgoutboxui.Handler(pool, tables, pgoutboxui.Options{BasePath: "/outbox/"})
+//	ui := pgoutboxui.Handler(tx.FromPgxPool(pool), tables, pgoutboxui.Options{BasePath: "/outbox/"})
 //	defer ui.Close()
 //	mux.Handle("/outbox/", requireOperator(ui))
 //

@@ -27,6 +27,7 @@ type claimSchedule struct {
 	failures   int           // claims failed since the last that ran
 	gen        uint64        // bumped by every give-back; a claim started before it gives its rows back too
 	givingBack int           // give-backs not written yet: a claim now would overtake them
+	withheld   bool          // the last claim left arrivals to open held batches and found nothing else
 	endedKeys  map[string]struct{}
 	lost       []claimToken // claims whose reply was lost; their rows go back (ReleaseClaim)
 	pf         prefetch
@@ -356,7 +357,10 @@ func (sub *subscription) onClaimed(r claimResult) {
 		sub.logger.Error("Fanning out arrivals failed; the next claim fans them out again", r.transferErr, nil)
 	}
 	woke := sub.claims.succeeded(r)
-	sub.held.busy = len(r.rows) > 0
+	// A claim that left arrivals to open held batches (arrivalsFrom) says
+	// nothing of what waits: not idle.
+	withheld := r.req.arrivals == noArrivals && len(r.rows) == 0
+	sub.held.busy = len(r.rows) > 0 || withheld && sub.held.busy
 	sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, Count: len(r.rows), Path: r.req.path()})
 	for _, d := range r.rows {
 		d.claimedAt = at(r.req.sent)
@@ -376,6 +380,13 @@ func (sub *subscription) onClaimed(r claimResult) {
 	}
 	sub.hand.buffer = append(sub.hand.buffer, r.rows...)
 	sub.claims.next(r, woke, now)
+	if withheld && !sub.claims.withheld {
+		// Claim again, on the held path where it may, rather than sleep
+		// the idle poll away while arrivals wait. Once: a claim that must
+		// lease again would find the batches still open.
+		sub.claims.want, sub.claims.idleUntil = true, time.Time{}
+	}
+	sub.claims.withheld = withheld
 }
 
 // onReleasedClaims applies the release of the first n lost claims.

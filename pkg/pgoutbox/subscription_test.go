@@ -450,6 +450,29 @@ func TestOwnerWakeDuringAnEmptyClaimIsNotLost(t *testing.T) {
 	require.False(t, b.sub.claims.idleUntil.IsZero())
 }
 
+// A lease claim that left arrivals to open held batches and found nothing
+// else does not put the subscription to sleep, nor make it idle for
+// ClaimAuto: it claims again at once, once.
+func TestOwnerClaimThatLeftArrivalsToHeldBatchesClaimsAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.sub.held.busy = true
+	withheld := func() {
+		req := b.sub.claims.scan.request(1, b.sub.claims.gen, time.Now())
+		req.arrivals = noArrivals
+		b.sub.claims.claiming = true
+		b.sub.onClaimed(claimResult{req: req})
+	}
+	withheld()
+	require.True(t, b.sub.claims.want, "claim again")
+	require.True(t, b.sub.claims.idleUntil.IsZero(), "no sleep")
+	require.True(t, b.sub.held.busy, "still busy")
+
+	withheld() // the batches were still open: sleep as usual
+	require.False(t, b.sub.claims.want)
+	require.False(t, b.sub.claims.idleUntil.IsZero())
+}
+
 // Ordered: a handed-out row found lost (a renewal that did not match) has
 // its context cancelled, and nothing else is handed out until its handler
 // returns, so two messages never run at once.

@@ -183,14 +183,7 @@ func TestCloseReturnsWhileRenewalsGiveBacksAndClaimsRun(t *testing.T) {
 			}
 		}()
 		ev.wait(t, pgoutbox.EventLeaseRenewed, 10*time.Second)
-		closed := make(chan error, 1)
-		go func() { closed <- sub.Close() }()
-		select {
-		case err := <-closed:
-			require.NoError(t, err)
-		case <-time.After(15 * time.Second):
-			t.Fatalf("round %d: Close did not return", round)
-		}
+		requireClosed(t, fmt.Sprintf("round %d: Close", round), sub.Close)
 		require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost))
 	}
 }

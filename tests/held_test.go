@@ -824,14 +824,7 @@ func heldBatchWhoseConnectionIsKilled(t *testing.T, b *bundle) {
 		require.GreaterOrEqual(t, handled.get(u), 1, "message %s never handled", u)
 	}
 	require.Equal(t, len(published), handled.distinct(), "only published messages are handled")
-	closed := make(chan error, 1)
-	go func() { closed <- sub.Close() }()
-	select {
-	case err := <-closed:
-		require.NoError(t, err)
-	case <-time.After(15 * time.Second):
-		t.Fatal("Close did not return")
-	}
+	requireClosed(t, "Close", sub.Close)
 	select {
 	case <-consumed:
 	case <-time.After(10 * time.Second):
@@ -907,14 +900,7 @@ func heldCloseWhileABatchIsOpen(t *testing.T, b *bundle) {
 	pollUntil(t, "all handed out", 10*time.Second, nil, func() bool { return quick.Load() == 16+3 && blocked.distinct() == 7 })
 	require.Positive(t, b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE `+idleInTxOf, app), "a held batch is open when Close is due")
 
-	closed := make(chan error, 1)
-	go func() { closed <- sub.Close() }()
-	select {
-	case err := <-closed:
-		require.NoError(t, err)
-	case <-time.After(15 * time.Second):
-		t.Fatal("Close did not return")
-	}
+	requireClosed(t, "Close", sub.Close)
 	require.Positive(t, rowsClaimedOnPath(ev.snapshot(), pgoutbox.PathHeld), "no held claim took rows")
 	openGate()
 	for range 7 {

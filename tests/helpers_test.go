@@ -288,3 +288,18 @@ func column[T any](t *testing.T, b *bundle, q string, args ...any) []T {
 	require.NoError(t, err)
 	return out
 }
+
+// requireClosed runs closeFn (a Subscriber's Close, say) and fails the
+// test if it returns an error, or does not return within 15 s; what names
+// it in the failure.
+func requireClosed(t *testing.T, what string, closeFn func() error) {
+	t.Helper()
+	closed := make(chan error, 1)
+	go func() { closed <- closeFn() }()
+	select {
+	case err := <-closed:
+		require.NoError(t, err, what)
+	case <-time.After(15 * time.Second):
+		t.Fatalf("%s did not return", what)
+	}
+}

@@ -522,3 +522,55 @@ func TestListenConnectionEndsWithTheLastSubscription(t *testing.T) {
 	require.NoError(t, sub.Close())
 	pollUntil(t, "Close: no LISTEN connection is left", 5*time.Second, nil, func() bool { return listening() == 0 })
 }
+
+// An ordered subscription whose message in flight is nacked during a
+// graceful stop: nobody retries it in this process, and a retry delay
+// (here none: it would come due at the stop) used to put it behind every
+// later message. It keeps its place, as the rows the stop gives back do:
+// the next subscriber delivers it first, on every claim path and layout.
+func TestOrderedNackDuringTheDrainKeepsItsPlace(t *testing.T) {
+	for _, layout := range []string{"outbox", "arrivals"} {
+		t.Run(layout, func(t *testing.T) {
+			t.Parallel()
+			onEachClaimPath(t, func(t *testing.T, path string) {
+				b := layoutBundle(t, layout)
+				b.publishInTx(t, "t", true, newMsgs(5)...)
+				ordered := func() *pgoutbox.Subscriber {
+					return b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+						onPath(t, path, c)
+						c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: time.Millisecond, MaxAttempts: -1}
+					})
+				}
+				sub := ordered()
+				r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+				require.NoError(t, err)
+				started, closing := make(chan struct{}), make(chan struct{})
+				r.AddConsumerHandler("h", "t", sub, func(m *message.Message) error {
+					close(started) // the first message only: the router closes while it runs
+					<-closing
+					// Nothing tells a handler that its subscription began to
+					// stop: give the stop time to get there. (Had the nack
+					// come first, the row is an ordered retry that the stop
+					// gives back: its place holds too.)
+					time.Sleep(200 * time.Millisecond)
+					return errors.New("failed while the subscriber stops")
+				})
+				done := make(chan error, 1)
+				go func() { done <- r.Run(context.Background()) }()
+				<-started
+				close(closing)
+				require.NoError(t, r.Close())
+				require.NoError(t, <-done)
+				requireClosed(t, "Close", sub.Close)
+
+				seen := &list{}
+				runRouter(t, ordered(), "t", func(m *message.Message) error {
+					seen.add(string(m.Payload))
+					return nil
+				})
+				waitCount(t, "handled", 5, 30*time.Second, func() int { return len(seen.get()) })
+				require.Equal(t, []string{"0", "1", "2", "3", "4"}, seen.get(), "publish order after a nack during the drain")
+			})
+		})
+	}
+}

@@ -24,6 +24,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -1048,4 +1049,91 @@ func TestHeldOrderedNackDoesNotTurnTheHeldPathOff(t *testing.T) {
 	held, leased := rowsClaimedOnPath(after, pgoutbox.PathHeld), rowsClaimedOnPath(after, pgoutbox.PathLease)
 	t.Logf("after the nack: held %d, leased %d", held, leased)
 	require.Greater(t, held, 3*leased, "after the nack the rows were claimed held (held %d, leased %d)", held, leased)
+}
+
+// A held batch whose connection dies while its row's handler runs: the
+// server rolls the transaction back and the row is due at once, so the
+// subscription's next claim takes it again before the batch's end tells
+// it the row is lost. That claim must not hand the row out beside the
+// handler still running it: it waits until the handler answered. Once
+// with a bound longer than the handler (its ack ends the batch, which
+// fails), once with the handler outliving the bound and ignoring its
+// context, which the lost row's end cancels. Both are keyed: the key must
+// not run twice either.
+func TestHeldRowClaimedAgainAfterItsBatchWasKilledWaitsForItsHandler(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		bound   time.Duration
+		handler time.Duration
+	}{
+		{"handler-ends-the-batch", 10 * time.Second, 1500 * time.Millisecond},
+		{"handler-outlives-the-bound", 500 * time.Millisecond, 2 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			ctx := context.Background()
+			pool, app := heldPool(t, b, 10)
+			m := newMsg("only")
+			pgoutbox.WithOrderingKey(m, "k")
+			b.publishInTx(t, "t", true, m)
+			id := "killed-batch-" + watermill.NewShortUUID()
+			testhook.SetHeldBound(id, tc.bound)
+			t.Cleanup(func() { testhook.SetHeldBound(id, 0) })
+			sub := b.subscriberOn(t, pool, func(c *pgoutbox.SubscriberConfig) {
+				c.WorkerID = id
+				onPath(t, testhook.PathHeld, c)
+				c.MaxInFlight = 8
+			})
+
+			type call struct {
+				start, end time.Time
+				cancelled  bool
+			}
+			var mu sync.Mutex
+			var calls []call
+			running, peak := 0, 0
+			started := make(chan struct{}, 8)
+			runRouter(t, sub, "t", func(msg *message.Message) error {
+				mu.Lock()
+				running++
+				peak = max(peak, running)
+				calls = append(calls, call{start: time.Now()})
+				n := len(calls) - 1
+				mu.Unlock()
+				started <- struct{}{}
+				if n == 0 {
+					time.Sleep(tc.handler) // the work, deaf to its context as many handlers are
+				}
+				mu.Lock()
+				running--
+				calls[n].end, calls[n].cancelled = time.Now(), msg.Context().Err() != nil
+				mu.Unlock()
+				return nil
+			})
+			select {
+			case <-started:
+			case <-time.After(10 * time.Second):
+				t.Fatal("the message was not delivered")
+			}
+			var killed int
+			require.NoError(t, b.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 2000))
+				FROM pg_stat_activity WHERE `+idleInTxOf, app).Scan(&killed))
+			require.Equal(t, 1, killed, "the held batch's transaction")
+
+			pollUntil(t, "the row delivered again", 30*time.Second, nil, func() bool {
+				mu.Lock()
+				defer mu.Unlock()
+				return len(calls) == 2 && !calls[1].end.IsZero()
+			})
+			pollUntil(t, "outbox empty", 30*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+			mu.Lock()
+			defer mu.Unlock()
+			require.Equal(t, 1, peak, "the row ran in two handlers at once")
+			require.False(t, calls[1].start.Before(calls[0].end), "the second delivery started before the first handler returned")
+			if tc.bound < tc.handler {
+				require.True(t, calls[0].cancelled, "the lost row's handler context was not cancelled")
+			}
+		})
+	}
 }

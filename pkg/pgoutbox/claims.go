@@ -378,7 +378,11 @@ func (sub *subscription) onClaimed(r claimResult) {
 		sub.giveBack(r.rows)
 		return
 	}
-	sub.hand.buffer = append(sub.hand.buffer, r.rows...)
+	for _, d := range r.rows {
+		if sub.hand.guard.claimed(d) == nil { // else parked: an earlier delivery of it is ours
+			sub.hand.buffer = append(sub.hand.buffer, d)
+		}
+	}
 	sub.claims.next(r, woke, now)
 	if withheld && !sub.claims.withheld {
 		// Claim again, on the held path where it may, rather than sleep

@@ -72,6 +72,10 @@ type outcome struct {
 	mu           sync.Mutex
 	err          error
 	rejectReason string
+	// The context of a message a slot built: the owner ends it when the
+	// row is lost while the handler runs (cancelMessage).
+	cancelMsg context.CancelFunc
+	cancelled bool
 
 	// The row, for a deletion in the handler's transaction.
 	complete string // query.CompleteInTx
@@ -141,6 +145,30 @@ func (o *outcome) get() (rejectReason string, handlerErr error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	return o.rejectReason, o.err
+}
+
+// setCancel records the cancel of the message's context (a slot built
+// it), and calls it at once if the owner already asked.
+func (o *outcome) setCancel(cancel context.CancelFunc) {
+	o.mu.Lock()
+	o.cancelMsg = cancel
+	cancelled := o.cancelled
+	o.mu.Unlock()
+	if cancelled {
+		cancel()
+	}
+}
+
+// cancelMessage ends the context of the message a slot built, now or as
+// soon as the slot built it.
+func (o *outcome) cancelMessage() {
+	o.mu.Lock()
+	o.cancelled = true
+	cancel := o.cancelMsg
+	o.mu.Unlock()
+	if cancel != nil {
+		cancel()
+	}
 }
 
 func (o *outcome) setErr(err error) {

@@ -19,11 +19,12 @@ type handout struct {
 	single *delivery              // MaxInFlight 1: the message in flight, whose Ack the owner waits for itself
 	handed int                    // handed out, waiting for a verdict
 	retry  *delivery              // ordered mode: a nacked row delivered again at retryAt
+	guard  rowGuard               // rows claimed again while an earlier delivery of theirs is ours
 }
 
 // unjudged is the number of leased rows without a verdict: the lease window.
 func (h *handout) unjudged() int {
-	n := len(h.buffer) + h.handed
+	n := len(h.buffer) + h.handed + len(h.guard.parked)
 	if h.ready != nil {
 		n++
 	}
@@ -247,16 +248,26 @@ func (sub *subscription) endRow(d *delivery) {
 		sub.endMessage(d)
 		sub.hand.ready = nil
 	}
+	running := false // its handler may still run: let go of it when it answers
 	if d.state == handedOut {
-		if sub.hand.single == d && !sub.drain.over {
+		switch {
+		case sub.drain.over:
+			sub.stopWatching(d)
+			sub.endMessage(d)
+		case sub.hand.single == d:
 			// Ordered: its handler is told to stop (its context ends), and
 			// nothing is handed out until it returns: one message at a
 			// time, even one whose row is no longer ours. The owner still
 			// waits for its Ack or Nack, so the message stays.
 			d.cancel()
-		} else {
-			sub.stopWatching(d)
-			sub.endMessage(d)
+			running = true
+		default:
+			// Its handler is told to stop, and its slot waits for the
+			// answer (or the ack deadline): the row, claimed again, does
+			// not go out beside it (rowGuard), and MaxInFlight counts it.
+			d.outcome.cancelMessage()
+			sub.hand.guard.lost[d] = struct{}{}
+			running = true
 		}
 		sub.hand.handed--
 	}
@@ -269,6 +280,53 @@ func (sub *subscription) endRow(d *delivery) {
 	// not keep the message's bytes.
 	d.payload, d.metaRaw = nil, nil
 	sub.keyEnded(d)
+	if !running {
+		sub.letGo(d)
+	}
+}
+
+// letGo forgets d, which runs in no handler now, and hands out the rows
+// that were claimed again while it was ours (rowGuard), ahead of the
+// buffer: they are older than what it holds.
+func (sub *subscription) letGo(d *delivery) {
+	free := sub.hand.guard.letGo(d)
+	if len(free) == 0 {
+		return
+	}
+	if sub.drain.stopping {
+		sub.giveBack(free)
+		return
+	}
+	if r := sub.hand.ready; r != nil { // prepared already: goes out after them
+		sub.hand.ready = nil
+		free = append(free, r)
+	}
+	sub.hand.buffer = append(free, sub.hand.buffer...)
+}
+
+// answeredLate takes in the answer of a delivery that had ended while its
+// handler ran (endRow): the rows waiting for it may go out.
+func (sub *subscription) answeredLate(d *delivery) {
+	if sub.hand.single == d {
+		sub.hand.single = nil
+	} else if _, ok := sub.hand.guard.lost[d]; ok {
+		delete(sub.hand.guard.lost, d)
+	} else {
+		return
+	}
+	if d.state == finished {
+		sub.letGo(d)
+	}
+}
+
+// abandonLost stops waiting for the handlers of lost rows (the drain is
+// over, or the subscription ends).
+func (sub *subscription) abandonLost() {
+	for d := range sub.hand.guard.lost {
+		delete(sub.hand.guard.lost, d)
+		close(d.stopWatch)
+		sub.letGo(d)
+	}
 }
 
 // handing is a delivery's hand-out to the Router: the message, its

@@ -27,7 +27,7 @@ func (sub *subscription) beginStop() {
 	if sub.outlet.slots != nil {
 		sub.outlet.slots.stopOffering() // a slot holding a message reports it unsent
 	}
-	sub.giveBack(append(queued, sub.hand.takeBuffer()...))
+	sub.giveBack(append(append(queued, sub.hand.guard.takeParked()...), sub.hand.takeBuffer()...))
 	if d := sub.hand.retry; d != nil && d.holdDone {
 		// Not delivered again yet: the hold counted that delivery.
 		sub.hand.retry = nil
@@ -44,6 +44,7 @@ func (sub *subscription) beginStop() {
 // (under their tokens), never deleted; a late Ack is ignored.
 func (sub *subscription) endDrain() {
 	sub.drain.over = true
+	sub.abandonLost()
 	for d := range sub.hand.rows {
 		if d.state == handedOut {
 			sub.stopWatching(d)

@@ -115,17 +115,22 @@ func (s *slots) handle(it slotItem, deadline *time.Timer) (v verdict, ok bool) {
 		v.poison = err
 		return v, !closed(it.abandon)
 	}
-	defer cancel() // an answer, a deadline or an abandonment ends the message's context
+	// An answer, a deadline or an abandonment ends the message's context,
+	// and so does the owner, for a row lost while its handler runs.
+	defer cancel()
+	it.outcome.setCancel(cancel)
 	v.msg = msg
 	// Checked before the offer: a select whose send is ready too picks at
 	// random, and an abandoned or stopped message must not reach the
 	// Router. (Only a stop that comes while the offer waits can lose the
 	// race to a Router that takes the message at that very moment; then
 	// the message counts as handed out.)
+	// A message whose context the owner ended (its row was lost while the
+	// item waited) goes back unsent: the owner waits for that answer.
 	switch {
 	case closed(it.abandon):
 		return v, false
-	case closed(s.halt):
+	case closed(s.halt), msg.Context().Err() != nil:
 		v.unsent = true
 		return v, true
 	}
@@ -137,6 +142,9 @@ func (s *slots) handle(it slotItem, deadline *time.Timer) (v verdict, ok bool) {
 		return v, !closed(it.abandon)
 	case <-it.abandon:
 		return v, false
+	case <-msg.Context().Done():
+		v.unsent = true
+		return v, true
 	}
 	var expired <-chan time.Time
 	if deadline != nil {

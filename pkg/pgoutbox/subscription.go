@@ -119,7 +119,7 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 			origin: &origin{topic: topic, group: s.cfg.ConsumerGroup},
 		},
 		claims: newClaimSchedule(&s.cfg, now),
-		hand:   handout{rows: map[*delivery]struct{}{}},
+		hand:   handout{rows: map[*delivery]struct{}{}, guard: newRowGuard()},
 		writes: writeQueue{gate: newRetryGate()},
 		house:  housekeeping{nextRenew: now.Add(s.cfg.Lease / 2)},
 		held:   heldPath{forced: testhook.ClaimPath(s.cfg.WorkerID), cfg: &s.cfg},
@@ -246,6 +246,7 @@ func (sub *subscription) run() {
 			sub.events.timer.fired() // passedTimes acts on it
 		}
 	}
+	sub.abandonLost() // a slot waiting for a lost row's handler would hold up the stop
 	for i := len(loops) - 1; i >= 0; i-- {
 		loops[i].stop()
 	}

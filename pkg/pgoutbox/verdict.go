@@ -152,6 +152,8 @@ func (sub *subscription) takeVerdicts() {
 		if v.timedOut {
 			if v.d.state == handedOut && v.d.seq == v.seq {
 				sub.ackDeadlinePassed(v.d, v.msg)
+			} else {
+				sub.answeredLate(v.d) // a lost row's slot stops waiting
 			}
 			continue
 		}
@@ -174,10 +176,10 @@ func (sub *subscription) stopWatching(d *delivery) {
 func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 	d := v.d
 	if d.state != handedOut || d.seq != v.seq {
-		if sub.hand.single == d {
-			sub.hand.single = nil // a lost row's handler has returned (endRow)
-		}
-		return // a late answer: the deadline or the drain ended this delivery
+		// A late answer: the deadline, the drain or a lost row ended this
+		// delivery (endRow); a lost row's handler has returned.
+		sub.answeredLate(d)
+		return
 	}
 	if sub.hand.single == d {
 		sub.hand.single = nil
@@ -234,8 +236,16 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		}
 	default:
 		d.state = writing
+		delay := delayOf(n.delay)
+		if sub.ordered() {
+			// Stopping: nobody here delivers it again, and a delay would
+			// put it behind later messages. It keeps its place, as the
+			// rows given back at the stop do; the next subscriber delivers
+			// it first, without the delay.
+			delay = pgtype.Int8{}
+		}
 		job := sub.jobFor(d)
-		job.returns = append(job.returns, returnOp{d: d, delay: delayOf(n.delay),
+		job.returns = append(job.returns, returnOp{d: d, delay: delay,
 			err: textOrNull(n.errText), meta: metaOrNull(n.meta)})
 	}
 }

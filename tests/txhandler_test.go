@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"sync/atomic"
 	"testing"
@@ -524,4 +525,62 @@ func TestTxMiddlewareRetryAfterCommitDoesNotRedo(t *testing.T) {
 	require.EqualValues(t, 1, calls.Load(), "the committed handler ran again")
 	require.Equal(t, 2, int(failed.Load()), "Retry called twice")
 	require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost), "a processed message reported as a lost lease")
+}
+
+// Watermill's InstantAck acks a message before its handler runs. The
+// handler's context stays live after that Ack on every claim path and
+// MaxInFlight (its work runs, at most once); tx.Middleware behind it
+// refuses the message with an error that names the cause, rather than
+// racing the subscriber's delete of the row and reporting a lost lease.
+func TestInstantAckLeavesTheHandlerItsContext(t *testing.T) {
+	for _, inFlight := range []int{1, 4} {
+		t.Run(fmt.Sprintf("in-flight=%d", inFlight), func(t *testing.T) {
+			t.Parallel()
+			onEachClaimPath(t, func(t *testing.T, path string) {
+				base := setup(t)
+				b := newTxHandlerBed(t, base.Pool, base)
+				b.publishInTx(t, "plain", true, newMsgs(10)...)
+				b.publishInTx(t, "tx", true, newMsgs(3)...)
+				sub := b.newSubscriber(t, func(c *pgoutbox.SubscriberConfig) {
+					onPath(t, path, c)
+					c.MaxInFlight = inFlight
+				})
+				r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+				require.NoError(t, err)
+				r.AddConsumerHandler("plain", "plain", sub, func(m *message.Message) error {
+					_, err := b.Pool.Exec(m.Context(), `UPDATE `+b.Schema+`.counter SET n = n + 1 WHERE id = 1`)
+					return err
+				}).AddMiddleware(middleware.InstantAck)
+				refused := make(chan error, 16)
+				r.AddConsumerHandler("tx", "tx", sub, func(m *message.Message) error {
+					refused <- errors.New("the handler ran")
+					return nil
+				}).AddMiddleware(middleware.InstantAck, func(h message.HandlerFunc) message.HandlerFunc {
+					return func(m *message.Message) ([]*message.Message, error) {
+						out, err := b.mw(h)(m)
+						if err != nil {
+							refused <- err
+						}
+						return out, err
+					}
+				})
+				go func() { _ = r.Run(context.Background()) }()
+				<-r.Running()
+				t.Cleanup(func() { _ = r.Close() })
+
+				pollUntil(t, "every handler's work done", 20*time.Second, nil, func() bool { return b.counter(t) == 10 })
+				for range 3 {
+					select {
+					case err := <-refused:
+						require.ErrorContains(t, err, "already acked (middleware.InstantAck")
+					case <-time.After(20 * time.Second):
+						t.Fatal("tx.Middleware did not answer")
+					}
+				}
+				pollUntil(t, "outbox empty", 20*time.Second, nil, func() bool {
+					return b.outboxRows(t, "plain")+b.outboxRows(t, "tx") == 0
+				})
+			})
+		})
+	}
 }

@@ -115,9 +115,16 @@ func (s *slots) handle(it slotItem, deadline *time.Timer) (v verdict, ok bool) {
 		v.poison = err
 		return v, !closed(it.abandon)
 	}
-	// An answer, a deadline or an abandonment ends the message's context,
-	// and so does the owner, for a row lost while its handler runs.
-	defer cancel()
+	// A deadline or an abandonment ends the message's context, and so
+	// does the owner, for a row lost while its handler runs. An answer
+	// does not: an Ack may come before the handler ran (Watermill's
+	// InstantAck), whose work still needs it.
+	answered := false
+	defer func() {
+		if !answered {
+			cancel()
+		}
+	}()
 	it.outcome.setCancel(cancel)
 	v.msg = msg
 	// Checked before the offer: a select whose send is ready too picks at
@@ -155,8 +162,9 @@ func (s *slots) handle(it slotItem, deadline *time.Timer) (v verdict, ok bool) {
 	for {
 		select {
 		case <-msg.Acked():
-			v.ack = true
+			v.ack, answered = true, true
 		case <-msg.Nacked():
+			answered = true
 		case <-expired:
 			if it.outcome.completingInTx() {
 				// The handler's transaction is completing the row (bounded

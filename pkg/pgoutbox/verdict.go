@@ -191,7 +191,15 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		return
 	}
 	sub.claims.pf.verdicts(1)
-	sub.endMessage(d) // Ack and Nack end the message's context
+	if timedOut {
+		sub.endMessage(d) // the handler is told to give up
+	} else {
+		// An answer leaves the message's context live: an Ack may come
+		// before the handler ran (Watermill's InstantAck), whose work
+		// still needs it. (Its parent cannot be cancelled: nothing waits
+		// on it.)
+		d.msg, d.cancel = nil, nil
+	}
 	if v.poison != nil {
 		sub.poisoned(d, v.poison)
 		return

@@ -90,6 +90,14 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		// done, and running it again could only roll back.
 		return nil, nil
 	}
+	if row != nil && acked(msg) {
+		// Acked before the handler ran (middleware.InstantAck, or an Ack
+		// in a middleware outside this one): the subscriber deletes the
+		// row on its own, and the transaction's DELETE would race it and
+		// report a lost lease that is none.
+		return nil, errtext.Errorf("pgoutbox: tx.Middleware got message %s already acked (middleware.InstantAck, or a middleware outside it that acks): "+
+			"its row is deleted without the handler's work; remove that middleware, tx.Middleware completes the row in the handler's transaction", msg.UUID)
+	}
 	// Not orig itself: database/sql rolls a transaction back when the
 	// context of its BeginTx ends, and a finished handler's work must
 	// still commit (see CommitTimeout).
@@ -171,4 +179,14 @@ func publishInTx(fin context.Context, exec Executor, config MiddlewareConfig, ms
 		return errtext.Errorf("pgoutbox: publish the handler's messages in its transaction: %w", err)
 	}
 	return nil
+}
+
+// acked reports whether msg was acked already.
+func acked(msg *message.Message) bool {
+	select {
+	case <-msg.Acked():
+		return true
+	default:
+		return false
+	}
 }

@@ -300,3 +300,16 @@ func TestSubscribeBadInput(t *testing.T) {
 		require.ErrorIs(t, err, pgoutbox.ErrSubscriberClosed)
 	})
 }
+
+// Subscribe with a context that is already done says so, instead of
+// reporting the schema check it could not run.
+func TestSubscribeWithADoneContextSaysSo(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	sub := b.subscriber(t, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err := sub.Subscribe(ctx, "t")
+	require.ErrorIs(t, err, context.Canceled)
+	require.ErrorContains(t, err, "the context given is already done")
+}

@@ -350,6 +350,57 @@ func TestCQRSBindAheadOfTraffic(t *testing.T) {
 	require.ErrorContains(t, cqrsbind.Events(ctx, bad, handlers), "not a *pgoutbox.Subscriber")
 }
 
+// cqrsbind.EventGroups does the same for an EventGroupProcessor: two
+// handler groups on one topic, bound ahead of traffic, each get the events
+// published before and after the binding.
+func TestCQRSBindEventGroupsAheadOfTraffic(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
+	ctx := context.Background()
+	_, eventsCfg := b.cqrsConfigs()
+	bus, err := cqrs.NewEventBusWithConfig(b.poolPublisher(t), cqrs.EventBusConfig{
+		GeneratePublishTopic: func(p cqrs.GenerateEventPublishTopicParams) (string, error) { return "events", nil },
+		Marshaler:            eventsCfg.Marshaler,
+	})
+	require.NoError(t, err)
+	require.NoError(t, bus.Publish(ctx, &roomBooked{Room: "early"}))
+
+	groupsCfg := cqrs.EventGroupProcessorConfig{
+		GenerateSubscribeTopic: func(p cqrs.EventGroupProcessorGenerateSubscribeTopicParams) (string, error) { return "events", nil },
+		SubscriberConstructor: func(p cqrs.EventGroupProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+			return pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
+				Tables: b.tables, ConsumerGroup: p.EventGroupName, MinPollInterval: 20 * time.Millisecond, MaxPollInterval: time.Second,
+			}, nil)
+		},
+		Marshaler: eventsCfg.Marshaler,
+	}
+	counts := map[string]*handledSet{}
+	groups := map[string][]cqrs.GroupEventHandler{}
+	for _, name := range []string{"billing", "audit"} {
+		counts[name] = newHandledSet()
+		groups[name] = []cqrs.GroupEventHandler{cqrs.NewGroupEventHandler(func(ctx context.Context, e *roomBooked) error {
+			counts[name].add(e.Room)
+			return nil
+		})}
+	}
+	require.NoError(t, cqrsbind.EventGroups(ctx, groupsCfg, groups))
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings`), "one binding per handler group")
+	require.NoError(t, bus.Publish(ctx, &roomBooked{Room: "later"}))
+
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	processor, err := cqrs.NewEventGroupProcessorWithConfig(r, groupsCfg)
+	require.NoError(t, err)
+	for name, handlers := range groups {
+		require.NoError(t, processor.AddHandlersGroup(name, handlers...))
+	}
+	startRouter(t, r)
+	for name, seen := range counts {
+		pollUntil(t, name+" saw both events", 20*time.Second, nil, func() bool { return seen.distinct() == 2 })
+	}
+	require.ErrorContains(t, cqrsbind.EventGroups(ctx, cqrs.EventGroupProcessorConfig{}, groups), "needs GenerateSubscribeTopic and SubscriberConstructor")
+}
+
 // A group bound with StartFromBacklog gets a copy of every message the
 // topic holds, once, in batches: on a 200,000-row topic, cut short in the
 // middle and resumed by the next Bind, while messages keep being

@@ -14,7 +14,9 @@ var (
 	ErrPublisherClosed = errors.New("pgoutbox: publisher is closed")
 	// ErrSubscriberClosed is returned by Subscribe after Close.
 	ErrSubscriberClosed = errors.New("pgoutbox: subscriber is closed")
-	// ErrInvalidTopic is returned for an empty or malformed topic.
+	// ErrInvalidTopic is returned for a topic that is empty, longer than
+	// 1024 bytes (it travels in NOTIFY payloads), not valid UTF-8, or
+	// holds a control character.
 	ErrInvalidTopic = errors.New("pgoutbox: invalid topic")
 	// ErrInvalidMessage is returned for a message that cannot be stored as
 	// given; nothing of the Publish call is written.

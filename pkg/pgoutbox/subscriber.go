@@ -104,6 +104,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if s.isClosed() {
 		return nil, fmt.Errorf("%w; create a new subscriber", ErrSubscriberClosed)
 	}
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("pgoutbox: Subscribe to %q: the context given is already done: %w", topic, err)
+	}
 	if err := s.ensureSchema(ctx); err != nil {
 		return nil, err
 	}

@@ -4,7 +4,7 @@
 //
 // A CQRS processor learns a handler's topic from GenerateSubscribeTopic and
 // its subscriber (whose ConsumerGroup is, by convention, the handler name)
-// from SubscriberConstructor. Events and Commands call both, with the same
+// from SubscriberConstructor. Events, EventGroups and Commands call both, with the same
 // parameters the processor passes, for every handler, and bind each
 // subscriber's group to its topic. The groups of one topic are bound in one
 // call: if the topic had no binding, each of them gets the messages it
@@ -25,6 +25,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 
 	"github.com/ThreeDotsLabs/watermill/components/cqrs"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -51,6 +53,32 @@ func Events(ctx context.Context, config cqrs.EventProcessorConfig, handlers []cq
 		sub, err := config.SubscriberConstructor(cqrs.EventProcessorSubscriberConstructorParams{
 			EventName: eventName, HandlerName: h.HandlerName(), EventHandler: h})
 		if err := b.add(topic, h.HandlerName(), sub, err); err != nil {
+			return err
+		}
+	}
+	return b.bind(ctx)
+}
+
+// EventGroups binds the consumer group of every handler group of groups
+// (keyed by group name, as cqrs.EventGroupProcessor.AddHandlersGroup takes
+// them) to its topic, as config's processor would subscribe it. config
+// needs GenerateSubscribeTopic and SubscriberConstructor, as
+// cqrs.NewEventGroupProcessorWithConfig does.
+func EventGroups(ctx context.Context, config cqrs.EventGroupProcessorConfig, groups map[string][]cqrs.GroupEventHandler) error {
+	if config.GenerateSubscribeTopic == nil || config.SubscriberConstructor == nil {
+		return errors.New("pgoutbox/cqrsbind: EventGroupProcessorConfig needs GenerateSubscribeTopic and SubscriberConstructor; pass the config of the processor")
+	}
+	b := newBinder()
+	defer b.close()
+	for _, name := range slices.Sorted(maps.Keys(groups)) {
+		topic, err := config.GenerateSubscribeTopic(cqrs.EventGroupProcessorGenerateSubscribeTopicParams{
+			EventGroupName: name, EventGroupHandlers: groups[name]})
+		if err != nil {
+			return fmt.Errorf("pgoutbox/cqrsbind: topic of event handler group %q: %w", name, err)
+		}
+		sub, err := config.SubscriberConstructor(cqrs.EventGroupProcessorSubscriberConstructorParams{
+			EventGroupName: name, EventGroupHandlers: groups[name]})
+		if err := b.add(topic, name, sub, err); err != nil {
 			return err
 		}
 	}

@@ -203,3 +203,29 @@ func TestAckOfPairsInAnyOrder(t *testing.T) {
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+tbl+` WHERE id = $1 AND lease_token = $2`, kept, held),
 		"the row acked under another token stays")
 }
+
+// A hold (an ordered subscription's nack, retried by itself) counts the
+// next delivery once, also when the completer writes it again because the
+// reply of a write that committed was lost: the second write finds the
+// count there and leaves it.
+func TestHoldWrittenTwiceCountsOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	names := b.names(t)
+	token := uuid.New()
+	id := leasedRow(t, b, token)
+	_, err := b.Pool.Exec(context.Background(), `UPDATE `+b.Schema+`.outbox SET deliveries = 1 WHERE id = $1`, id)
+	require.NoError(t, err)
+	hold := query.CompleteArgs{
+		HoldIDs: []int64{id}, HoldTokens: query.Tokens{&pgtype.UUID{Bytes: token, Valid: true}},
+		HoldErrs: []pgtype.Text{{String: "failed", Valid: true}}, HoldMetas: []pgtype.Text{{}},
+		HoldCounts: []int32{2}, LeaseUS: time.Minute.Microseconds(), Channel: "pgoutbox_test", WakeKey: "t",
+	}
+	for range 2 {
+		stmt, args := query.Build(names, true).Write(hold)
+		var got int64
+		require.NoError(t, b.Pool.QueryRow(context.Background(), stmt, args...).Scan(&got, new(uuid.UUID)))
+		require.Equal(t, id, got, "the hold keeps the row under its token")
+		require.Equal(t, 2, b.count(t, `SELECT deliveries FROM `+b.Schema+`.outbox WHERE id = $1`, id))
+	}
+}

@@ -34,9 +34,11 @@ func buildComplete(n Names, ac string) CompleteStatements {
 		// the row is due again: delay_us NULL keeps available_at (a release
 		// keeps the row's place in line), otherwise now() + delay. undo = 1
 		// takes back the delivery count of a row claimed but never handed to
-		// a handler. err and meta NULL keep the stored values. Holds ($9..$12)
-		// keep the lease of a nacked row that an ordered subscription will
-		// deliver again itself, counting that delivery now.
+		// a handler. err and meta NULL keep the stored values. Holds ($9..$12,
+		// $16) keep the lease of a nacked row that an ordered subscription
+		// will deliver again itself, counting that delivery now: once, up to
+		// the count the subscription expects ($16), so a hold written again
+		// after its reply was lost (it committed) does not count twice.
 		//
 		// A return that makes a row due wakes the idle subscribers of the
 		// topic and group (NOTIFY $14 with the payload GroupMark || $15,
@@ -65,11 +67,11 @@ WITH acked AS (
     RETURNING o.id, c.token, o.available_at <= now() AS due
 ), held AS (
     UPDATE %[1]s o
-       SET deliveries   = o.deliveries + 1,
+       SET deliveries   = CASE WHEN o.deliveries >= c.counted THEN o.deliveries ELSE o.deliveries + 1 END,
            leased_until = now() + $13::bigint * interval '1 microsecond',
            last_error   = coalesce(c.err, o.last_error),
            metadata     = coalesce(c.meta::jsonb, o.metadata)
-      FROM unnest($9::bigint[], $10::uuid[], $11::text[], $12::text[]) AS c(id, token, err, meta)
+      FROM unnest($9::bigint[], $10::uuid[], $11::text[], $12::text[], $16::int[]) AS c(id, token, err, meta, counted)
      WHERE `+underToken+`%[2]s
     RETURNING o.id, c.token
 ), woken AS (
@@ -218,9 +220,10 @@ type CompleteArgs struct {
 	HoldTokens Tokens
 	HoldErrs   []pgtype.Text
 	HoldMetas  []pgtype.Text
-	LeaseUS    int64  // the lease a hold extends
-	Channel    string // the NOTIFY channel of returned rows
-	WakeKey    string // topic GroupMark group: who wakes
+	HoldCounts []int32 // the deliveries a row has once its hold counted: a hold written twice counts once
+	LeaseUS    int64   // the lease a hold extends
+	Channel    string  // the NOTIFY channel of returned rows
+	WakeKey    string  // topic GroupMark group: who wakes
 }
 
 // Write returns the statement for a (Ack when it holds acks alone) and
@@ -233,7 +236,7 @@ func (q *CompleteStatements) Write(a CompleteArgs) (string, []any) {
 	return q.Complete, []any{a.AckIDs, a.AckTokens,
 		a.RetIDs, a.RetTokens, a.DelayUS, a.Undo, a.Errs, a.Metas,
 		a.HoldIDs, a.HoldTokens, a.HoldErrs, a.HoldMetas, a.LeaseUS,
-		a.Channel, a.WakeKey}
+		a.Channel, a.WakeKey, a.HoldCounts}
 }
 
 // FinishArgs are the parameters of HeldFinish.

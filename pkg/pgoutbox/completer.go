@@ -309,8 +309,10 @@ func (c *completer) writeComplete(acks []*delivery, returns []returnOp, holds []
 	if h := len(holds); h > 0 {
 		a.HoldIDs, a.HoldTokens = make([]int64, h), make(query.Tokens, h)
 		a.HoldErrs, a.HoldMetas = make([]pgtype.Text, h), make([]pgtype.Text, h)
+		a.HoldCounts = make([]int32, h)
 		for i, op := range holds {
 			a.HoldIDs[i], a.HoldTokens[i], a.HoldErrs[i], a.HoldMetas[i] = op.d.id, &op.d.token, op.err, op.meta
+			a.HoldCounts[i] = int32(op.d.deliveries + 1) // the next delivery, which the hold counts
 		}
 	}
 	ctx, cancel := c.stmtCtx()

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
@@ -105,4 +106,42 @@ func orphansOfALateClaim(t *testing.T, mode pgoutbox.ClaimMode) {
 	}
 	t.Logf("the rows of the claim that committed after the death back after %s (lease %s)", time.Since(committed).Round(time.Millisecond), lease)
 	require.Less(t, time.Since(committed), lease/4, "back long before their leases end")
+}
+
+// Rows a subscription leases before its process holds its liveness lock
+// (the first claims after Subscribe, while the LISTEN connection is still
+// being set up) carry no holder: were the process to die, they would wait
+// for their lease to expire (30s here). They are stamped at the first
+// housekeeping after the lock is held, a second at most, not at the first
+// renewal half a lease later.
+func TestRowsLeasedBeforeTheLivenessLockAreStampedSoon(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.publishInTx(t, "t", true, newMsgs(20)...)
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode = pgoutbox.ClaimLease
+		c.MaxInFlight = 4
+		c.Lease = 30 * time.Second
+	})
+	release := make(chan struct{})
+	started := make(chan struct{}, 20)
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		started <- struct{}{}
+		<-release
+		return nil
+	})
+	t.Cleanup(func() { close(release) }) // before the router's Close, which waits for the handlers
+	for range 4 {
+		select {
+		case <-started:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the handlers did not start")
+		}
+	}
+	t.Logf("leased rows without a holder at first sight: %d",
+		b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_token IS NOT NULL AND lease_holder IS NULL`))
+	pollUntil(t, "every leased row stamped with the process's liveness key", 5*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_token IS NOT NULL AND lease_holder IS NULL`) == 0 &&
+			b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_token IS NOT NULL`) >= 4
+	})
 }

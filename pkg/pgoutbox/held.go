@@ -232,6 +232,7 @@ const heldPatience = 20 * time.Millisecond
 // (jobFor).
 func (sub *subscription) closeBatch(b *heldBatch, now time.Time, why string) {
 	job := sub.held.close(b, now, why, sub.holder())
+	sub.house.unstamped = sub.house.unstamped || !job.holder.Valid && len(job.leased) > 0
 	if job.slow {
 		sub.logger.Debug("Handlers slower than the held path's bound; leasing for a while", watermill.LogFields{
 			"rows": len(b.rows), "still_running": job.stragglers, "lease_for": heldOffFor.String()})

@@ -15,6 +15,11 @@ type housekeeping struct {
 	next         time.Time // the next check
 	nextRenew    time.Time
 	renewFailing bool // the last renewal failed: logged once per outage
+	// unstamped: rows were leased before this process held its liveness
+	// lock (the first claims after Subscribe), stamped with no holder, so
+	// a crash would leave them for their lease to expire: renewed (and
+	// stamped) as soon as the lock is held.
+	unstamped bool
 }
 
 // housekeepingEvery is the period of the owner's checks of renewals, ack
@@ -50,6 +55,10 @@ func (sub *subscription) housekeeping(now time.Time) {
 	if sub.outlet.slots != nil && sub.outlet.slots.queued() > 0 && sub.hand.oldestHandedOut(now) > sub.cfg.Lease/2 {
 		// The same for the slots' queue: what no slot took yet goes back.
 		sub.giveBack(sub.takeQueued())
+	}
+	if sub.house.unstamped && sub.holder().Valid {
+		sub.house.unstamped = false
+		sub.house.nextRenew = now
 	}
 	if !now.Before(sub.house.nextRenew) && sub.writes.pending.renew == nil {
 		var rows []*delivery

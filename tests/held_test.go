@@ -1137,3 +1137,48 @@ func TestHeldRowClaimedAgainAfterItsBatchWasKilledWaitsForItsHandler(t *testing.
 		})
 	}
 }
+
+// The same on an ordered subscription: the rows of the killed batch,
+// claimed again while the first handler ran, come back in publish order
+// once that handler answered (they were let go one by one, and each went
+// in front of the one before: 5 4 3 2 1).
+func TestHeldRowsClaimedAgainAfterAKilledBatchKeepPublishOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	pool, app := heldPool(t, b, 10)
+	msgs := newMsgs(6)
+	for i, m := range msgs {
+		pgoutbox.WithOrderingKey(m, fmt.Sprint("k", i)) // keys keep the claims going while "1" runs
+	}
+	b.publishInTx(t, "t", true, msgs...)
+	id := "killed-ordered-" + watermill.NewShortUUID()
+	testhook.SetHeldBound(id, 10*time.Second)
+	t.Cleanup(func() { testhook.SetHeldBound(id, 0) })
+	sub := b.subscriberOn(t, pool, func(c *pgoutbox.SubscriberConfig) {
+		c.WorkerID = id
+		onPath(t, testhook.PathHeld, c)
+	})
+	seen := &list{}
+	started, killed := make(chan struct{}), make(chan struct{})
+	runRouter(t, sub, "t", func(msg *message.Message) error {
+		seen.add(string(msg.Payload))
+		if string(msg.Payload) == "1" && len(seen.get()) == 2 {
+			close(started)
+			<-killed
+			time.Sleep(time.Second) // the work: the next claims take the batch's rows again meanwhile
+		}
+		return nil
+	})
+	<-started
+	pollUntil(t, "the held batch killed", 10*time.Second, nil, func() bool {
+		var n int
+		require.NoError(t, b.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 2000))
+			FROM pg_stat_activity WHERE `+idleInTxOf, app).Scan(&n))
+		return n > 0
+	})
+	close(killed)
+	waitCount(t, "handled", 11, 30*time.Second, func() int { return len(seen.get()) })
+	require.Equal(t, []string{"0", "1", "2", "3", "4", "5", "1", "2", "3", "4", "5"}, seen.get(),
+		"the batch's rows (from 1 on) delivered again, in publish order")
+}

@@ -580,6 +580,8 @@ func TestInstantAckLeavesTheHandlerItsContext(t *testing.T) {
 				pollUntil(t, "outbox empty", 20*time.Second, nil, func() bool {
 					return b.outboxRows(t, "plain")+b.outboxRows(t, "tx") == 0
 				})
+				require.NoError(t, r.Close()) // every handler has returned
+				require.Equal(t, 10, b.counter(t), "each acked message's work ran once")
 			})
 		})
 	}

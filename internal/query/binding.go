@@ -118,10 +118,13 @@ func AdoptUnbound(n Names, copies bool) string {
 	one, copiesCTE := " AND count(*) = 1", ""
 	// Each probe ordered by its index, as the branches below: a bare
 	// EXISTS may be planned as a sequential scan.
-	third := fmt.Sprintf(`CASE WHEN (SELECT 1 FROM %[1]s WHERE topic = $1 AND consumer_group = '' AND lease_token IS NULL
+	// Rows of "" are the default group's own while "" is bound, and
+	// nothing is adopted while a backlog copy runs: nothing to copy then.
+	third := fmt.Sprintf(`CASE WHEN (SELECT NOT bool_or(consumer_group = '') AND NOT bool_or(backlog_next IS NOT NULL) FROM bound)
+          AND ((SELECT 1 FROM %[1]s WHERE topic = $1 AND consumer_group = '' AND lease_token IS NULL
                 ORDER BY available_at, id LIMIT 1) IS NOT NULL
               OR (SELECT 1 FROM %[1]s WHERE topic = $1 AND consumer_group = '' AND lease_token IS NOT NULL AND leased_until < now()
-                ORDER BY leased_until LIMIT 1) IS NOT NULL
+                ORDER BY leased_until LIMIT 1) IS NOT NULL)
          THEN (SELECT count(*) FROM bound) ELSE least((SELECT count(*) FROM bound), 1) END`, n.QTable)
 	genCol, genVal := n.generationColumn("m.dedup_key")
 	if copies {

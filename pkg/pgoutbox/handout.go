@@ -3,6 +3,7 @@ package pgoutbox
 import (
 	"bytes"
 	"context"
+	"slices"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -182,6 +183,12 @@ func (sub *subscription) takeQueued() []*delivery {
 	}
 	var out []*delivery
 	for _, it := range sub.outlet.slots.takeQueued() {
+		if it.d.state != handedOut || it.d.seq != it.seq {
+			// Ended while queued (endRow counted it off): no slot will
+			// answer for it now.
+			sub.answeredLate(it.d)
+			continue
+		}
 		it.d.state = buffered
 		sub.hand.handed--
 		out = append(out, it.d)
@@ -285,9 +292,10 @@ func (sub *subscription) endRow(d *delivery) {
 	}
 }
 
-// letGo forgets d, which runs in no handler now, and hands out the rows
-// that were claimed again while it was ours (rowGuard), ahead of the
-// buffer: they are older than what it holds.
+// letGo forgets d, which runs in no handler now, and puts the rows that
+// were claimed again while it was ours (rowGuard) into the buffer at
+// their place in queue order: several may be let go in one turn (the rows
+// of a failed held batch), each in its own call.
 func (sub *subscription) letGo(d *delivery) {
 	free := sub.hand.guard.letGo(d)
 	if len(free) == 0 {
@@ -297,11 +305,25 @@ func (sub *subscription) letGo(d *delivery) {
 		sub.giveBack(free)
 		return
 	}
-	if r := sub.hand.ready; r != nil { // prepared already: goes out after them
+	if r := sub.hand.ready; r != nil { // prepared already: it may come after them
 		sub.hand.ready = nil
-		free = append(free, r)
+		sub.hand.buffer = append([]*delivery{r}, sub.hand.buffer...)
 	}
-	sub.hand.buffer = append(free, sub.hand.buffer...)
+	for _, w := range free {
+		i := slices.IndexFunc(sub.hand.buffer, func(b *delivery) bool { return queuedBefore(w, b) })
+		if i < 0 {
+			i = len(sub.hand.buffer)
+		}
+		sub.hand.buffer = slices.Insert(sub.hand.buffer, i, w)
+	}
+}
+
+// queuedBefore reports whether a comes before b in a claim's order.
+func queuedBefore(a, b *delivery) bool {
+	if !a.availableAt.Equal(b.availableAt) {
+		return a.availableAt.Before(b.availableAt)
+	}
+	return a.id < b.id
 }
 
 // answeredLate takes in the answer of a delivery that had ended while its

@@ -31,16 +31,23 @@ func TestRowGuardParksARowClaimedAgainUntilItsEarlierDeliveryIsLetGo(t *testing.
 	require.Empty(t, g.parked)
 	require.Equal(t, map[int64]*delivery{9: sameKey}, g.byID)
 
-	// A parked row that ended meanwhile (its own batch failed) is dropped,
-	// and at a stop every parked row goes back, oldest first.
-	ended, waiting1, waiting2 := row(9, "k"), row(21, ""), row(20, "")
+	// A parked row that ended meanwhile (its own batch failed) is dropped
+	// when its earlier delivery is let go.
+	ended, next := row(9, "k"), row(10, "")
 	require.Same(t, sameKey, g.claimed(ended))
 	ended.state = finished
+	require.Nil(t, g.claimed(next))
+	nextAgain := row(10, "")
+	require.Same(t, next, g.claimed(nextAgain))
+	require.Empty(t, g.letGo(sameKey), "the ended row is not handed out")
+	require.Equal(t, map[*delivery]*delivery{nextAgain: next}, g.parked)
+
+	// At a stop every parked row still ours goes back, oldest first.
+	waiting1, waiting2 := row(21, ""), row(20, "")
 	require.Nil(t, g.claimed(row(20, "")))
 	require.Nil(t, g.claimed(row(21, "")))
 	require.NotNil(t, g.claimed(waiting1))
 	require.NotNil(t, g.claimed(waiting2))
-	require.Equal(t, []*delivery{waiting2, waiting1}, g.takeParked())
+	require.Equal(t, []*delivery{nextAgain, waiting2, waiting1}, g.takeParked())
 	require.Empty(t, g.parked)
-	require.Empty(t, g.letGo(sameKey), "the ended row is not handed out")
 }

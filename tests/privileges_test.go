@@ -191,3 +191,41 @@ func TestInjectionLikeNames(t *testing.T) {
 		require.Equal(t, 1, b.count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = $2`, b.Schema, tbl), tbl)
 	}
 }
+
+// A subscriber role with the documented grants binds a second group to a
+// topic whose default group has messages waiting: those are the default
+// group's own, nothing is copied, so no INSERT is needed (it failed with
+// "permission denied for table outbox" while the default group had rows).
+// With the documented extras it requeues dead letters and purges them.
+func TestLeastPrivilegeSecondGroupAndDeadLetterTools(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	subPool := b.loginRole(t, "sub", append(subscriberGrants,
+		`GRANT UPDATE, DELETE ON %s.outbox_dlq TO %r`, `GRANT INSERT ON %s.outbox TO %r`)...)
+	narrow := b.loginRole(t, "sub", subscriberGrants...)
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(narrow), b.tables, "orders", ""))
+	b.publishInTx(t, "orders", true, newMsgs(3)...)
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(narrow), b.tables, "orders", "billing"),
+		"the default group's waiting messages need no copy")
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE consumer_group = ''`))
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE consumer_group = 'billing'`))
+
+	_, err := b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox_dlq (id, topic, consumer_group, uuid, payload, metadata, created_at, deliveries, failure_reason)
+		SELECT id, topic, consumer_group, uuid, payload, metadata, created_at, 1, 'rejected' FROM `+b.Schema+`.outbox;
+		DELETE FROM `+b.Schema+`.outbox`)
+	require.NoError(t, err)
+	var ids []int64
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT array_agg(id ORDER BY id) FROM `+b.Schema+`.outbox_dlq`).Scan(&ids))
+	require.Len(t, ids, 3)
+	n, err := pgoutbox.RequeueDeadLetters(ctx, tx.FromPgxPool(subPool), b.tables, ids[:1])
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	n, err = pgoutbox.RequeueDeadLettersMatching(ctx, tx.FromPgxPool(subPool), b.tables, pgoutbox.DeadLetterFilter{Topic: "orders", Limit: 1})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	n, err = pgoutbox.DeleteDeadLetters(ctx, tx.FromPgxPool(subPool), b.tables, ids[2:])
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	require.Equal(t, 2, b.outboxRows(t, "orders"))
+}

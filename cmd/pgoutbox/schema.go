@@ -116,7 +116,8 @@ func (c *cli) schemaValidate(args []string) error {
 		for _, p := range problems {
 			fmt.Fprintf(c.stdout, "problem: %s\n", p)
 		}
-		fmt.Fprintln(c.stderr, `pgoutbox: the schema does not match; run "pgoutbox schema migrate up" (or "pgoutbox schema apply"), or apply "pgoutbox schema migrate files" with your migration tool`)
+		fmt.Fprintln(c.stderr, `pgoutbox: the schema does not match; "pgoutbox schema apply" makes whatever is missing; `+
+			`"pgoutbox schema migrate up" (or "pgoutbox schema migrate files" with your migration tool) upgrades an outbox below the latest version`)
 	}
 	if len(problems) > 0 {
 		return &problemsError{n: len(problems)}

@@ -306,8 +306,12 @@ func Baseline(ctx context.Context, db tx.Executor, c Config) (int, error) {
 		if st.Current > 0 {
 			return fmt.Errorf("%s already records version %d; run \"pgoutbox schema migrate up\" to upgrade", n.QVersions, st.Current)
 		}
+		_, rotating, err := outboxLayout(ctx, e, n)
+		if err != nil {
+			return err
+		}
 		var dlqMissing bool
-		if version, dlqMissing, err = detectLayout(ctx, e, n); err != nil {
+		if version, dlqMissing, err = detectLayout(ctx, e, n, rotating); err != nil {
 			return err
 		}
 		switch {
@@ -348,7 +352,7 @@ func recordUpTo(ctx context.Context, e tx.Executor, n query.Names, ms []Migratio
 // missing dead-letter table counts as missing its additions), and whether
 // the configured dead-letter table is missing. Each new version adds its
 // case.
-func detectLayout(ctx context.Context, e tx.Executor, n query.Names) (version int, dlqMissing bool, err error) {
+func detectLayout(ctx context.Context, e tx.Executor, n query.Names, rotating bool) (version int, dlqMissing bool, err error) {
 	cols := map[string]map[string]bool{}
 	idx := map[string]bool{}
 	for _, table := range []string{n.Table, n.DLQTable, n.Bindings, n.PausedTable(), n.WithArrivals().ArrivalsTable} {
@@ -395,7 +399,9 @@ func detectLayout(ctx context.Context, e tx.Executor, n query.Names) (version in
 		return 4, dlqMissing, nil
 	case !has(n.Bindings, "backlog_next", "backlog_bound", "backlog_end"):
 		return 5, dlqMissing, nil
-	case cols[n.WithArrivals().ArrivalsTable] == nil || !has(n.Bindings, query.ArrivalsFromColumn.Name):
+	case !rotating && (cols[n.WithArrivals().ArrivalsTable] == nil || !has(n.Bindings, query.ArrivalsFromColumn.Name)):
+		// Version 7 makes nothing for a rotating outbox (it has no
+		// arrivals): at 6's layout it is at the latest version.
 		return 6, dlqMissing, nil
 	}
 	return 7, dlqMissing, nil

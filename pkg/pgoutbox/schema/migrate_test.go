@@ -336,5 +336,22 @@ func TestMigrate(t *testing.T) {
 		_, err = schema.Baseline(ctx, b.exec, schema.Config{Schema: later.Schema, Table: later.Table})
 		require.ErrorContains(t, err, "dead-letter table")
 		require.ErrorContains(t, err, "--no-dlq")
+
+		// A rotating outbox (the script of schema.SQL records no version)
+		// has no arrivals: its layout is the latest version's, and
+		// nothing stays pending (Baseline recorded 6, and Migrate then
+		// refused the rest as a step a rotating outbox cannot take).
+		ring := schema.Config{Schema: b.env.Name, Table: "ring", Rotating: true}
+		require.NoError(t, schema.Create(ctx, b.exec, ring))
+		b.exec1(t, `DROP TABLE "`+b.env.Name+`".ring_schema_version`)
+		got, err = schema.Baseline(ctx, b.exec, ring)
+		require.NoError(t, err)
+		require.Equal(t, schema.LatestVersion(), got)
+		steps, err := schema.Migrate(ctx, b.exec, ring, schema.Latest)
+		require.NoError(t, err)
+		require.Empty(t, steps)
+		st, err := schema.MigrationStatus(ctx, b.exec, ring)
+		require.NoError(t, err)
+		require.Equal(t, schema.LatestVersion(), st.Current)
 	})
 }

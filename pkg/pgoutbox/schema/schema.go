@@ -21,7 +21,8 @@
 //
 // Version 1 is the first released layout; 2 adds the lease holder and
 // parking columns, 3 consumer groups (the bindings table, group indexes), 4
-// ordering keys. Each version is two embedded template files,
+// ordering keys, 5 paused groups, 6 backlog copies of a new group, 7 the
+// arrivals table (none for a rotating outbox). Each version is two embedded template files,
 // migrations/NNNN_name.up.sql and NNNN_name.down.sql, over the outbox's
 // quoted names ({{.Schema}}, {{.Table}}, {{.DLQ}}) and on functions that
 // derive the other names from the table's as Create does ({{idx
@@ -245,7 +246,8 @@ type ValidationError struct {
 
 func (e *ValidationError) Error() string {
 	return "pgoutbox: schema does not match: " + strings.Join(e.Problems, "; ") +
-		"; run schema.Create or schema.Migrate (pgoutbox schema migrate up), or apply schema.Migrations with your migration tool"
+		"; run schema.Create (pgoutbox schema apply), which makes whatever is missing, or, for an outbox below the latest version, " +
+		"schema.Migrate (pgoutbox schema migrate up) or schema.Migrations with your migration tool"
 }
 
 // Validate reads the catalog and reports, in one *ValidationError, every
@@ -264,7 +266,11 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 			return err
 		}
 		if len(cols) == 0 {
-			problems = append(problems, fmt.Sprintf("table %s.%s is missing", n.Schema, table))
+			p := fmt.Sprintf("table %s.%s is missing", n.Schema, table)
+			if table == n.DLQTable {
+				p += " (the dead-letter table: set NoDeadLetterTable, --no-dlq, if this outbox has none)"
+			}
+			problems = append(problems, p)
 			missing[table] = true
 			return nil
 		}

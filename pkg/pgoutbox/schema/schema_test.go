@@ -385,6 +385,16 @@ func TestValidate(t *testing.T) {
 		}
 	})
 
+	t.Run("MissingDeadLetterTableSaysHowToDoWithout", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		require.NoError(t, schema.Create(ctx, b.exec, schema.Config{Schema: b.env.Name, Table: "outbox", NoDeadLetterTable: true}))
+		err := schema.Validate(ctx, b.exec, schema.Config{Schema: b.env.Name, Table: "outbox"})
+		verr := validationError(t, err)
+		requireProblem(t, verr.Problems, "outbox_dlq is missing", "NoDeadLetterTable", "--no-dlq")
+		require.ErrorContains(t, err, "pgoutbox schema apply", "the command that makes what is missing at the latest version")
+	})
+
 	t.Run("MissingTable", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)

@@ -240,7 +240,14 @@ type SubscriberConfig struct {
 	// message whose handler crashes the process, so no Nack is ever written.
 	// Every claim counts, including retries. A subscription with a limit does
 	// not prefetch (a crash would count the rows waiting in its buffer as
-	// delivered). Defaults to 0: no limit.
+	// delivered). The messages handed out beside the one that crashes are
+	// counted too, and they come back together to the consumer that takes
+	// the dead process's rows: with MaxInFlight above 1, up to
+	// MaxInFlight-1 of them may reach the limit with it. Give a topic whose
+	// handlers may crash the process MaxInFlight 1, or a limit above the
+	// crashes its neighbours can see. On the held path a delivery that
+	// ends in a crash before its row became a lease is not counted.
+	// Defaults to 0: no limit.
 	MaxDeliveries int
 
 	// SynchronousCommit makes the subscriber's own writes (claims, acks,

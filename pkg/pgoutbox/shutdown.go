@@ -1,6 +1,7 @@
 package pgoutbox
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -76,7 +77,11 @@ func (sub *subscription) finishedStopping(now time.Time) bool {
 		return true
 	}
 	if sub.writes.finalFailures >= 3 || now.After(sub.writes.finalDeadline) {
-		sub.logger.Error("Giving up writing acks and lease returns at close; those rows are redelivered when their leases expire", nil,
+		err := sub.writes.lastErr
+		if err == nil {
+			err = fmt.Errorf("no write completed within StatementTimeout (%s)", sub.cfg.StatementTimeout)
+		}
+		sub.logger.Error("Giving up writing acks and lease returns at close; those rows are redelivered when their leases expire", err,
 			watermill.LogFields{"pending": sub.writes.pending.ops()})
 		return true
 	}

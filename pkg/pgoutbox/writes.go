@@ -18,6 +18,7 @@ type writeQueue struct {
 	ackWait       time.Time // a paced write of acks is due then
 	finalDeadline time.Time // set when only the last writes remain
 	finalFailures int
+	lastErr       error // the last write's failure, for the log line that gives up at close
 }
 
 // backpressured reports whether verdicts wait to be written in such numbers
@@ -146,6 +147,7 @@ func (sub *subscription) onWritten(r writeResult) {
 	if r.err != nil {
 		// The unwritten rest goes first next time.
 		sub.writes.pending = r.left.merge(sub.writes.pending)
+		sub.writes.lastErr = r.err
 		if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() {
 			sub.writes.finalFailures++
 		}
@@ -156,6 +158,7 @@ func (sub *subscription) onWritten(r writeResult) {
 	if r.releaseErr != nil && len(sub.claims.lost) > 0 {
 		// Only the release failed: retry it after a backoff too, not at
 		// once in a loop.
+		sub.writes.lastErr = r.releaseErr
 		if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() {
 			sub.writes.finalFailures++
 		}

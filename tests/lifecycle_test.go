@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"fmt"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -167,4 +168,44 @@ func TestClosedPoolEndsTheSubscription(t *testing.T) {
 	m := receive(t, again, 15*time.Second)
 	require.Equal(t, held.UUID, m.UUID)
 	m.Ack()
+}
+
+// Close ends a Subscribe that waits for an unreachable database (a server
+// that accepts connections and never answers): a Router closing while it
+// starts must not wait out its CloseTimeout.
+func TestCloseEndsASubscribeWaitingForTheDatabase(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { _ = c.Close() }) // held open, never answered
+		}
+	}()
+	cfg, err := pgxpool.ParseConfig("postgres://postgres@" + l.Addr().String() + "/postgres?pool_max_conns=2")
+	require.NoError(t, err)
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, Lease: 5 * time.Minute, StatementTimeout: time.Minute}, nil)
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() {
+		_, err := sub.Subscribe(context.Background(), "t")
+		done <- err
+	}()
+	pollUntil(t, "Subscribe connecting", 10*time.Second, nil, func() bool { return pool.Stat().TotalConns() > 0 })
+	requireClosed(t, "Close", sub.Close)
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, pgoutbox.ErrSubscriberClosed)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Subscribe still waits after Close")
+	}
 }

@@ -107,10 +107,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("pgoutbox: Subscribe to %q: the context given is already done: %w", topic, err)
 	}
-	if err := s.ensureSchema(ctx); err != nil {
-		return nil, err
-	}
-	if err := s.bind(ctx, topic); err != nil {
+	if err := s.setUp(ctx, topic); err != nil {
 		return nil, err
 	}
 	s.mu.Lock()
@@ -154,6 +151,29 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 }
 
 // bind binds the subscriber's consumer group to topic, once per topic.
+// setUp checks the schema and binds the group before a subscription
+// starts. Close ends it: a Subscribe waiting on an unreachable database
+// must not hold up a Router's Close for its whole CloseTimeout.
+func (s *Subscriber) setUp(ctx context.Context, topic string) error {
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	go func() {
+		select {
+		case <-s.closing:
+			cancel(ErrSubscriberClosed)
+		case <-ctx.Done():
+		}
+	}()
+	err := s.ensureSchema(ctx)
+	if err == nil {
+		err = s.bind(ctx, topic)
+	}
+	if err != nil && errors.Is(context.Cause(ctx), ErrSubscriberClosed) {
+		return fmt.Errorf("%w while Subscribe to %q waited for the database: %w", ErrSubscriberClosed, topic, err)
+	}
+	return err
+}
+
 func (s *Subscriber) bind(ctx context.Context, topic string) error {
 	// Every Subscribe binds, without a cache: a binding removed meanwhile
 	// (Unbind in a deploy step, by an operator) comes back with the

@@ -3,8 +3,11 @@
 package errtext
 
 import (
+	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Prefix begins every pgoutbox error text.
@@ -15,7 +18,7 @@ const Prefix = "pgoutbox: "
 // "pgoutbox: invalid message: payload too large: …", not "pgoutbox: invalid
 // message: pgoutbox: payload too large: …".
 func Errorf(format string, args ...any) error {
-	err := fmt.Errorf(format, args...)
+	err := WithHint(fmt.Errorf(format, args...))
 	msg := err.Error()
 	start := strings.Index(msg, Prefix)
 	if start < 0 {
@@ -42,3 +45,21 @@ func (w *wrapped) Error() string { return w.msg }
 // Unwrap returns what fmt.Errorf built, whose own Unwrap gives the wrapped
 // errors.
 func (w *wrapped) Unwrap() error { return w.err }
+
+// pgbouncerHint is what a prepared statement the server does not know, or
+// knows already, means: a pooler in transaction mode handed the session's
+// statements to another client.
+const pgbouncerHint = " (behind PgBouncer in transaction pooling mode, set default_query_exec_mode=simple_protocol in the DSN: docs/operations.md#pgbouncer)"
+
+// WithHint returns err with the likely cause appended when it is a server
+// error whose message alone would not tell it: today, a prepared
+// statement that does not exist (26000) or exists already (42P05). Other
+// errors, and nil, come back as they are.
+func WithHint(err error) error {
+	var pgErr *pgconn.PgError
+	if err == nil || !errors.As(err, &pgErr) || (pgErr.Code != "26000" && pgErr.Code != "42P05") ||
+		strings.Contains(err.Error(), pgbouncerHint) {
+		return err
+	}
+	return &wrapped{msg: err.Error() + pgbouncerHint, err: err}
+}

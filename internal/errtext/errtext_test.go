@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 )
 
@@ -23,4 +24,16 @@ func TestErrorfNamesThePrefixOnce(t *testing.T) {
 	require.Equal(t, "pgoutbox: stats: connection refused", Errorf("pgoutbox: stats: %w", plain).Error())
 	require.Equal(t, "no prefix: pgoutbox: x", Errorf("no prefix: %w", errors.New("pgoutbox: x")).Error())
 	require.Equal(t, "stats: x", Trim(errors.New("pgoutbox: stats: x")))
+}
+
+func TestWithHintNamesPgBouncerForPreparedStatementErrors(t *testing.T) {
+	t.Parallel()
+	dup := &pgconn.PgError{Code: "42P05", Message: `prepared statement "stmtcache_1" already exists`}
+	err := Errorf("pgoutbox: claim: %w", dup)
+	require.ErrorIs(t, err, dup)
+	require.Contains(t, err.Error(), "simple_protocol")
+	require.Equal(t, err.Error(), WithHint(err).Error(), "named once")
+	other := &pgconn.PgError{Code: "23505", Message: "duplicate key"}
+	require.NotContains(t, Errorf("pgoutbox: publish: %w", other).Error(), "simple_protocol")
+	require.NoError(t, WithHint(nil))
 }

@@ -8,6 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/notifier"
 )
 
@@ -351,7 +352,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 			sub.logger.Debug("Claim met a row changed under it; claiming again", fields.Add(watermill.LogFields{"err": r.err.Error()}))
 			return
 		}
-		sub.logger.Error("Claim failed; retrying", r.err, fields)
+		sub.logger.Error("Claim failed; retrying", errtext.WithHint(r.err), fields)
 		return
 	}
 	if r.transferErr != nil {

@@ -4,6 +4,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 )
 
 // writeQueue is the part of a subscription that feeds the completer: the
@@ -152,7 +154,7 @@ func (sub *subscription) onWritten(r writeResult) {
 			sub.writes.finalFailures++
 		}
 		wait := sub.writes.gate.failed(time.Now())
-		sub.logger.Error("Writing acks and lease returns failed; retrying", r.err, watermill.LogFields{"retry_in": wait.String()})
+		sub.logger.Error("Writing acks and lease returns failed; retrying", errtext.WithHint(r.err), watermill.LogFields{"retry_in": wait.String()})
 		return
 	}
 	if r.releaseErr != nil && len(sub.claims.lost) > 0 {

@@ -527,19 +527,19 @@ func TestTxMiddlewareRetryAfterCommitDoesNotRedo(t *testing.T) {
 	require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost), "a processed message reported as a lost lease")
 }
 
-// Watermill's InstantAck acks a message before its handler runs. The
-// handler's context stays live after that Ack on every claim path and
-// MaxInFlight (its work runs, at most once); tx.Middleware behind it
-// refuses the message with an error that names the cause, rather than
-// racing the subscriber's delete of the row and reporting a lost lease.
-func TestInstantAckLeavesTheHandlerItsContext(t *testing.T) {
+// Watermill's InstantAck acks a message before its handler runs, which
+// ends the delivery: the row is deleted and the message's context ends
+// (Watermill's contract: a context is cancelled after Ack). tx.Middleware
+// behind it refuses the message with an error that names the cause, on
+// every claim path and MaxInFlight, rather than race the subscriber's
+// delete of the row and report a lost lease.
+func TestTxMiddlewareRefusesAMessageAckedBeforeIt(t *testing.T) {
 	for _, inFlight := range []int{1, 4} {
 		t.Run(fmt.Sprintf("in-flight=%d", inFlight), func(t *testing.T) {
 			t.Parallel()
 			onEachClaimPath(t, func(t *testing.T, path string) {
 				base := setup(t)
 				b := newTxHandlerBed(t, base.Pool, base)
-				b.publishInTx(t, "plain", true, newMsgs(10)...)
 				b.publishInTx(t, "tx", true, newMsgs(3)...)
 				sub := b.newSubscriber(t, func(c *pgoutbox.SubscriberConfig) {
 					onPath(t, path, c)
@@ -547,10 +547,6 @@ func TestInstantAckLeavesTheHandlerItsContext(t *testing.T) {
 				})
 				r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
 				require.NoError(t, err)
-				r.AddConsumerHandler("plain", "plain", sub, func(m *message.Message) error {
-					_, err := b.Pool.Exec(m.Context(), `UPDATE `+b.Schema+`.counter SET n = n + 1 WHERE id = 1`)
-					return err
-				}).AddMiddleware(middleware.InstantAck)
 				refused := make(chan error, 16)
 				r.AddConsumerHandler("tx", "tx", sub, func(m *message.Message) error {
 					refused <- errors.New("the handler ran")
@@ -568,7 +564,6 @@ func TestInstantAckLeavesTheHandlerItsContext(t *testing.T) {
 				<-r.Running()
 				t.Cleanup(func() { _ = r.Close() })
 
-				pollUntil(t, "every handler's work done", 20*time.Second, nil, func() bool { return b.counter(t) == 10 })
 				for range 3 {
 					select {
 					case err := <-refused:
@@ -577,11 +572,9 @@ func TestInstantAckLeavesTheHandlerItsContext(t *testing.T) {
 						t.Fatal("tx.Middleware did not answer")
 					}
 				}
-				pollUntil(t, "outbox empty", 20*time.Second, nil, func() bool {
-					return b.outboxRows(t, "plain")+b.outboxRows(t, "tx") == 0
-				})
+				pollUntil(t, "outbox empty", 20*time.Second, nil, func() bool { return b.outboxRows(t, "tx") == 0 })
 				require.NoError(t, r.Close()) // every handler has returned
-				require.Equal(t, 10, b.counter(t), "each acked message's work ran once")
+				require.Zero(t, b.counter(t), "no handler's work ran")
 			})
 		})
 	}

@@ -207,10 +207,9 @@ type SubscriberConfig struct {
 	// carry the Subscribe context's values but not its cancellation: when
 	// the Router closes (which cancels that context), handlers mid-work
 	// keep a live context and finish within DrainTimeout; a message's
-	// context is cancelled when its delivery ends without an answer (its
-	// AckDeadline passed, its row was lost, the drain ended before it),
-	// not by its Ack or Nack (middleware.InstantAck acks before the
-	// handler runs).
+	// context is cancelled when its delivery ends (its Ack or Nack, as
+	// Watermill's Pub/Subs do, its AckDeadline, its row lost) or when the
+	// drain does.
 	// While the database is unreachable, Close may also wait for a claim
 	// and for the final write of acks, each bounded by StatementTimeout.
 	DrainTimeout time.Duration

@@ -115,16 +115,9 @@ func (s *slots) handle(it slotItem, deadline *time.Timer) (v verdict, ok bool) {
 		v.poison = err
 		return v, !closed(it.abandon)
 	}
-	// A deadline or an abandonment ends the message's context, and so
-	// does the owner, for a row lost while its handler runs. An answer
-	// does not: an Ack may come before the handler ran (Watermill's
-	// InstantAck), whose work still needs it.
-	answered := false
-	defer func() {
-		if !answered {
-			cancel()
-		}
-	}()
+	// An answer, a deadline or an abandonment ends the message's context,
+	// and so does the owner, for a row lost while its handler runs.
+	defer cancel()
 	it.outcome.setCancel(cancel)
 	v.msg = msg
 	// Checked before the offer: a select whose send is ready too picks at
@@ -162,9 +155,8 @@ func (s *slots) handle(it slotItem, deadline *time.Timer) (v verdict, ok bool) {
 	for {
 		select {
 		case <-msg.Acked():
-			v.ack, answered = true, true
+			v.ack = true
 		case <-msg.Nacked():
-			answered = true
 		case <-expired:
 			if it.outcome.completingInTx() {
 				// The handler's transaction is completing the row (bounded

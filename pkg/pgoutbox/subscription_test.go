@@ -162,7 +162,7 @@ func TestOwnerAckIsWrittenThenFinished(t *testing.T) {
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: msg, ack: true}, false)
 	require.Equal(t, writing, d.state)
 	require.Equal(t, []*delivery{d}, b.sub.writes.pending.acks)
-	require.NoError(t, msg.Context().Err(), "an Ack leaves the message's context live (InstantAck acks before the handler runs)")
+	require.ErrorIs(t, msg.Context().Err(), context.Canceled, "Ack ends the message's context")
 	b.written()
 	require.Equal(t, finished, d.state)
 	require.Empty(t, b.sub.hand.rows)

@@ -191,15 +191,7 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		return
 	}
 	sub.claims.pf.verdicts(1)
-	if timedOut {
-		sub.endMessage(d) // the handler is told to give up
-	} else {
-		// An answer leaves the message's context live: an Ack may come
-		// before the handler ran (Watermill's InstantAck), whose work
-		// still needs it. (Its parent cannot be cancelled: nothing waits
-		// on it.)
-		d.msg, d.cancel = nil, nil
-	}
+	sub.endMessage(d) // Ack and Nack end the message's context (Watermill's contract)
 	if v.poison != nil {
 		sub.poisoned(d, v.poison)
 		return

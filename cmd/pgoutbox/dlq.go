@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -52,22 +54,32 @@ func (c *cli) dlqCmd(args []string) error {
 		fmt.Fprint(c.stderr, dlqUsage)
 		return usagef("dlq", "missing subcommand: list, show, requeue, delete or purge")
 	}
+	var err error
 	switch args[0] {
 	case "-h", "-help", "--help", "help":
 		fmt.Fprint(c.stdout, dlqUsage+"\n"+exitCodesHelp)
 		return errHelp
 	case "list":
-		return c.dlqList(args[1:])
+		err = c.dlqList(args[1:])
 	case "show":
-		return c.dlqShow(args[1:])
+		err = c.dlqShow(args[1:])
 	case "requeue":
-		return c.dlqRequeue(args[1:])
+		err = c.dlqRequeue(args[1:])
 	case "delete":
-		return c.dlqDelete(args[1:])
+		err = c.dlqDelete(args[1:])
 	case "purge":
-		return c.dlqPurge(args[1:])
+		err = c.dlqPurge(args[1:])
+	default:
+		return usagef("dlq", "unknown subcommand %q; use list, show, requeue, delete or purge", args[0])
 	}
-	return usagef("dlq", "unknown subcommand %q; use list, show, requeue, delete or purge", args[0])
+	if errors.Is(err, pgoutbox.ErrNoDeadLetterTable) {
+		// The library's text names its functions (Peek, RequeueParked):
+		// say which commands do that.
+		return &contextError{err: err, msg: "the outbox has no dead-letter table (--no-dlq): failed messages stay in the outbox, parked; " +
+			"\"pgoutbox stats\" counts them (PARKED), \"pgoutbox peek --topic T [--group G]\" shows them after the pending ones (raise --limit to reach them), " +
+			"and \"pgoutbox dlq requeue --no-dlq (--id N | --topic T [--group G] [--reason R] | --all)\" makes them due again"}
+	}
+	return err
 }
 
 // filterFlags adds --topic, --group and --reason to cmd.
@@ -191,7 +203,7 @@ func (c *cli) dlqShow(args []string) error {
 }
 
 func (c *cli) dlqRequeue(args []string) error {
-	cmd := c.newCommand("dlq requeue", "dlq requeue (--id N [--id N ...] | [--topic T] [--group G] [--reason R] [--limit N] | --all) [--yes]",
+	cmd := c.newCommand("dlq requeue", "dlq requeue (--id N [--id N ...] | [--topic T] [--group G] [--reason R] [--limit N] | --all) [--yes]   (exits 1 when an --id was not requeued)",
 		"  pgoutbox dlq requeue --id 42 --id 43 --yes\n  pgoutbox dlq requeue --topic orders.placed --reason retry_exhausted\n  pgoutbox dlq requeue --all --yes\n  pgoutbox dlq requeue --no-dlq --topic orders.placed --yes   # parked rows, without a dead-letter table\n", false)
 	var ids idList
 	cmd.fs.Var(&ids, "id", "a dead-letter id to requeue (repeat, or separate with commas)")
@@ -240,12 +252,45 @@ func (c *cli) dlqRequeue(args []string) error {
 		if err != nil {
 			return err
 		}
-		fmt.Fprintf(c.stdout, "requeued %d dead letter(s)\n", n)
-		if len(ids) > 0 && n < int64(len(ids)) {
-			fmt.Fprintf(c.stderr, "pgoutbox: %d of the ids were not dead letters (already requeued, purged, or mistyped; see \"pgoutbox dlq list\")\n", int64(len(ids))-n)
+		if tables.NoDeadLetterTable {
+			fmt.Fprintf(c.stdout, "requeued %d parked message(s)\n", n)
+		} else {
+			fmt.Fprintf(c.stdout, "requeued %d dead letter(s)\n", n)
 		}
-		return nil
+		if len(ids) == 0 || n >= int64(len(ids)) {
+			return nil
+		}
+		// Nothing to act on for some ids: exit 1, as dlq delete does.
+		missed := int64(len(ids)) - n
+		if tables.NoDeadLetterTable {
+			return fmt.Errorf("%d of the ids were not parked messages (requeued already, deleted, or mistyped; \"pgoutbox peek --topic T\" shows the parked ones)", missed)
+		}
+		// A dead letter whose dedup key a message in the outbox holds
+		// stays a dead letter: tell those from ids that are gone.
+		var held []int64
+		for _, id := range ids {
+			if _, ok, err := pgoutbox.DeadLetterByID(ctx, exec, tables, id); err == nil && ok {
+				held = append(held, id)
+			}
+		}
+		if len(held) == 0 {
+			return fmt.Errorf("%d of the ids were not dead letters (already requeued, purged, or mistyped; see \"pgoutbox dlq list\")", missed)
+		}
+		msg := fmt.Sprintf("%d of the ids were not requeued: %s still dead letter(s), as a message in the outbox holds each one's dedup key (requeue it once that message is gone)", missed, joinIDs(held))
+		if gone := missed - int64(len(held)); gone > 0 {
+			msg += fmt.Sprintf("; %d were not dead letters (already requeued, purged, or mistyped; see \"pgoutbox dlq list\")", gone)
+		}
+		return errors.New(msg)
 	})
+}
+
+// joinIDs lists ids as "42, 43".
+func joinIDs(ids []int64) string {
+	s := make([]string, len(ids))
+	for i, id := range ids {
+		s[i] = strconv.FormatInt(id, 10)
+	}
+	return strings.Join(s, ", ")
 }
 
 func describeFilter(f pgoutbox.DeadLetterFilter) string {
@@ -269,7 +314,7 @@ func describeFilter(f pgoutbox.DeadLetterFilter) string {
 }
 
 func (c *cli) dlqDelete(args []string) error {
-	cmd := c.newCommand("dlq delete", "dlq delete --id N [--id N ...] [--yes]",
+	cmd := c.newCommand("dlq delete", "dlq delete --id N [--id N ...] [--yes]   (exits 1 when an --id is not a dead letter)",
 		"  pgoutbox dlq delete --id 42 --yes\n  pgoutbox dlq delete --id 42,43 --yes\n", false)
 	var ids idList
 	cmd.fs.Var(&ids, "id", "a dead-letter id to delete (repeat, or separate with commas)")

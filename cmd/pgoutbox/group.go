@@ -34,16 +34,18 @@ func (c *cli) bindCmd(args []string) error {
 	if start != pgoutbox.StartFromNew && start != pgoutbox.StartFromBacklog {
 		return usagef(cmd.name, "--from %q: use new or backlog", *from)
 	}
+	g := groupName(*group)
 	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		// Stats reads the topic's groups, dead letters and pauses: its
+		// "stats:" would not say that bind failed, nor that nothing was bound.
 		before, err := pgoutbox.Stats(ctx, exec, tables, pgoutbox.StatsForTopic(*topic))
 		if err != nil {
-			return err
+			return doing(fmt.Sprintf("bind group %s to topic %q: read the topic's queues first (nothing was bound)", g, *topic), err, "stats: ")
 		}
 		res, err := pgoutbox.BindGroups(ctx, exec, tables, *topic, []string{*group}, pgoutbox.BindStartFrom(start))
 		if err != nil {
 			return err
 		}
-		g := groupName(*group)
 		if len(res.New) == 0 {
 			fmt.Fprintf(c.stdout, "group %s was bound to topic %q already: it gets every message published to it\n", g, *topic)
 		} else {
@@ -62,7 +64,7 @@ func (c *cli) bindCmd(args []string) error {
 		}
 		after, err := pgoutbox.Stats(ctx, exec, tables, pgoutbox.StatsForTopic(*topic))
 		if err != nil {
-			return err
+			return doing(fmt.Sprintf("group %s is bound to topic %q, but reading the topic's queues for messages left in unbound groups failed", g, *topic), err, "stats: ")
 		}
 		printUnboundWarnings(c.stdout, after)
 		return nil
@@ -96,10 +98,15 @@ func (c *cli) moveCmd(args []string) error {
 		}
 		fmt.Fprintf(c.stdout, "moved %d message(s) of topic %q from group %s to group %s\n", n, *topic, groupName(*from), groupName(*to))
 		st, err := pgoutbox.Stats(ctx, exec, tables, pgoutbox.StatsForGroup(*topic, *to))
-		if err == nil && len(st) == 1 && !st[0].Bound {
-			fmt.Fprintf(c.stdout, "warning: group %s is not bound to %q: bind it (pgoutbox bind) or its subscribers' Subscribe will\n", groupName(*to), *topic)
+		if err != nil {
+			return doing(fmt.Sprintf("the messages moved, but checking that group %s is bound to topic %q failed", groupName(*to), *topic), err, "stats: ")
 		}
-		return err
+		if len(st) == 1 && !st[0].Bound {
+			fmt.Fprintf(c.stdout, "warning: group %s is not bound to %q: the moved messages wait for it, but it gets no copy of what is published until it is bound; "+
+				"bind it (pgoutbox bind --topic %s --group %s), or start its subscribers, whose Subscribe binds it\n",
+				groupName(*to), *topic, shellArg(*topic), shellArg(*to))
+		}
+		return nil
 	})
 }
 

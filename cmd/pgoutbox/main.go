@@ -27,8 +27,9 @@
 //
 // Every command takes the connection and table flags: --dsn (else
 // PGOUTBOX_DSN, else POSTGRES_DSN), --schema (PGOUTBOX_SCHEMA), --table
-// (PGOUTBOX_TABLE), --dlq-table (PGOUTBOX_DLQ_TABLE) and --no-dlq. Every
-// read command takes --json and then writes one JSON document to stdout.
+// (PGOUTBOX_TABLE), --dlq-table (PGOUTBOX_DLQ_TABLE), --no-dlq, --rotating
+// and --arrivals, before or after the command. Every read command takes
+// --json and then writes one JSON document to stdout.
 // "pgoutbox <command> --help" shows a command's flags and examples.
 //
 // Commands that delete or move messages (dlq requeue, dlq purge, unbind
@@ -39,7 +40,8 @@
 //
 //	0  success
 //	1  runtime or database error, or nothing to act on (unbind of a group
-//	   that is not bound, cancel of a message that is not scheduled)
+//	   that is not bound, cancel of a message that is not scheduled, dlq
+//	   requeue or delete --id of an id that is not a dead letter)
 //	2  usage error (unknown command or flag, missing argument, a value the
 //	   outbox refuses such as a topic with a control character)
 //	3  confirmation refused (answered no, or no terminal and no --yes)
@@ -72,7 +74,8 @@ const (
 const exitCodesHelp = `Exit codes:
   0  success
   1  runtime or database error, or nothing to act on (unbind of a group
-     that is not bound, cancel of a message that is not scheduled)
+     that is not bound, cancel of a message that is not scheduled, dlq
+     requeue or delete --id of an id that is not a dead letter)
   2  usage error (unknown command or flag, missing argument, a value the
      outbox refuses such as a topic with a control character)
   3  confirmation refused (answered no, or no terminal and no --yes)
@@ -105,8 +108,10 @@ Connection and tables (every command, before or after it):
   --table      outbox table (else $PGOUTBOX_TABLE, default outbox)
   --dlq-table  dead-letter table (else $PGOUTBOX_DLQ_TABLE, default <table>_dlq)
   --no-dlq     the outbox has no dead-letter table
+  --rotating   the outbox is rotating (else $PGOUTBOX_ROTATING; read from the database when not given)
+  --arrivals   the outbox has an arrivals table (else $PGOUTBOX_ARRIVALS; found in the database)
 
-Read commands take --json and write one JSON document to stdout.
+Read commands take --json (before or after the command) and write one JSON document to stdout.
 Run "pgoutbox <command> --help" for a command's flags and examples.
 
 Examples:
@@ -169,7 +174,7 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	case errors.Is(err, errHelp):
 		return exitOK
 	case errors.As(err, &ue):
-		fmt.Fprintf(stderr, "pgoutbox: %s\n", ue.msg)
+		fmt.Fprintf(stderr, "pgoutbox: %s\n", once(ue.msg))
 		if ue.cmd != "" {
 			fmt.Fprintf(stderr, "Run \"pgoutbox %s --help\" for usage.\n", ue.cmd)
 		} else {
@@ -177,18 +182,58 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 		}
 		return exitUsage
 	case errors.As(err, &re):
-		fmt.Fprintf(stderr, "pgoutbox: %s\n", re.msg)
+		fmt.Fprintf(stderr, "pgoutbox: %s\n", once(re.msg))
 		return exitRefused
 	case errors.As(err, &pe):
 		return exitValidation
 	case badInput(err):
-		fmt.Fprintf(stderr, "pgoutbox: %s\n", errtext.Trim(err))
+		fmt.Fprintf(stderr, "pgoutbox: %s\n", errorText(err))
 		return exitUsage
 	default:
-		fmt.Fprintf(stderr, "pgoutbox: %s%s\n", errtext.Trim(err), hint(err))
+		fmt.Fprintf(stderr, "pgoutbox: %s%s\n", errorText(err), hint(err))
 		return exitError
 	}
 }
+
+// errorText is err's text for "pgoutbox: " to begin: without the prefix,
+// and without the prefix of every error it wraps, so that it reads once.
+func errorText(err error) string { return once(errtext.Trim(err)) }
+
+// once drops the "pgoutbox: " a wrapped error repeats after a context
+// ("migrate: pgoutbox: …" reads "migrate: …").
+func once(msg string) string {
+	return strings.ReplaceAll(strings.TrimPrefix(msg, errtext.Prefix), ": "+errtext.Prefix, ": ")
+}
+
+// contextError puts what the command was doing in front of an error
+// whose own context would mislead (the "stats:" of a Stats call that
+// bind makes): msg replaces err's text; errors.Is and As see err.
+type contextError struct {
+	msg string
+	err error
+}
+
+func (e *contextError) Error() string { return e.msg }
+func (e *contextError) Unwrap() error { return e.err }
+
+// doing returns err with the context what in front, and without the
+// leading context drop ("stats: ") of the library's text.
+func doing(what string, err error, drop string) error {
+	if err == nil {
+		return nil
+	}
+	return &contextError{msg: what + ": " + strings.TrimPrefix(errorText(err), drop), err: err}
+}
+
+// hintedError carries the hint for an error whose cause the command found
+// out (a missing dead-letter table): run prints it instead of hint's.
+type hintedError struct {
+	err  error
+	hint string
+}
+
+func (e *hintedError) Error() string { return e.err.Error() }
+func (e *hintedError) Unwrap() error { return e.err }
 
 // badInput reports whether err is the library refusing a value given on
 // the command line (a topic, a group, a table name): a usage error.
@@ -203,6 +248,10 @@ func badInput(err error) bool {
 
 // hint adds what to do to a database error whose cause the CLI knows.
 func hint(err error) string {
+	var he *hintedError
+	if errors.As(err, &he) {
+		return he.hint
+	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == undefinedTable && !strings.Contains(err.Error(), "schema.Create") {
 		return "; run \"pgoutbox schema apply\" to create the tables, or check --schema and --table (or PGOUTBOX_SCHEMA, PGOUTBOX_TABLE)"
@@ -257,14 +306,17 @@ func (c *cli) dispatch(args []string) error {
 // undefinedTable is PostgreSQL's SQLSTATE for a missing table.
 const undefinedTable = "42P01"
 
-// connectionFlags are the flags every command takes, and whether each
-// takes a value.
-var connectionFlags = map[string]bool{"dsn": true, "schema": true, "table": true, "dlq-table": true, "no-dlq": false}
+// connectionFlags are the flags every command takes (newCommand), and
+// whether each takes a value: the connection and table flags, and what
+// the outbox is (--rotating, --arrivals). --json, which every read command
+// takes, may come first too: a command without it says so.
+var connectionFlags = map[string]bool{"dsn": true, "schema": true, "table": true, "dlq-table": true, "no-dlq": false,
+	"rotating": false, "arrivals": false, "json": false}
 
 // connectionFlagsLast moves connection flags given before the command
-// ("pgoutbox --dsn X stats") behind it, where the command parses them
-// (before a "--" that ends its flags). Any other leading flag is left
-// where it is: dispatch reports it.
+// ("pgoutbox --dsn X stats", "pgoutbox --rotating stats") behind it, where
+// the command parses them (before a "--" that ends its flags). Any other
+// leading flag is left where it is: dispatch reports it.
 func connectionFlagsLast(args []string) []string {
 	var lead []string
 	i := 0

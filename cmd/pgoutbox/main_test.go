@@ -517,6 +517,9 @@ func TestConnectionFlagsLast(t *testing.T) {
 		{[]string{"--help"}, []string{"--help"}},
 		{[]string{"--bogus", "stats"}, []string{"--bogus", "stats"}},
 		{[]string{"--dsn", "D"}, nil},
+		{[]string{"--rotating", "stats"}, []string{"stats", "--rotating"}},
+		{[]string{"--rotating=false", "--arrivals", "--json", "--dsn", "D", "dlq", "list"}, []string{"dlq", "list", "--rotating=false", "--arrivals", "--json", "--dsn", "D"}},
+		{[]string{"--rotating", "schema", "sql", "--", "x"}, []string{"schema", "sql", "--rotating", "--", "x"}},
 	} {
 		require.Equal(t, c.want, connectionFlagsLast(c.in), "%v", c.in)
 	}

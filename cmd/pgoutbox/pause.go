@@ -15,7 +15,7 @@ func (c *cli) pauseCmd(args []string, resume bool) error {
 	if resume {
 		name, examples = "resume", "  pgoutbox resume --topic orders.placed --group billing\n"
 	}
-	cmd := c.newCommand(name, name+" --topic T [--group G]   (no --group: the default group)", examples, false)
+	cmd := c.newCommand(name, name+" --topic T [--group G]   (no --group: the default group; a group not bound to the topic is noted on stderr)", examples, false)
 	topic, group := topicGroupFlags(cmd)
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
@@ -29,6 +29,7 @@ func (c *cli) pauseCmd(args []string, resume bool) error {
 				return err
 			}
 			fmt.Fprintf(c.stdout, "paused group %s of topic %q: its subscribers claim nothing new (messages in flight finish); publishing goes on\n", groupName(*group), *topic)
+			c.noteUnbound(ctx, exec, tables, *topic, *group, "the pause holds for when it is bound")
 			return nil
 		}
 		was, err := pgoutbox.ResumeGroup(ctx, exec, tables, *topic, *group)
@@ -37,9 +38,26 @@ func (c *cli) pauseCmd(args []string, resume bool) error {
 		}
 		if !was {
 			fmt.Fprintf(c.stdout, "group %s of topic %q was not paused\n", groupName(*group), *topic)
-			return nil
+		} else {
+			fmt.Fprintf(c.stdout, "resumed group %s of topic %q: its subscribers were woken\n", groupName(*group), *topic)
 		}
-		fmt.Fprintf(c.stdout, "resumed group %s of topic %q: its subscribers were woken\n", groupName(*group), *topic)
+		c.noteUnbound(ctx, exec, tables, *topic, *group, "")
 		return nil
 	})
+}
+
+// noteUnbound writes a note to stderr when group is not bound to topic:
+// pausing ahead of a deploy is allowed, but a mistyped group or topic
+// should show. The check is a courtesy: when the role may not read the
+// queues (Stats), nothing is said.
+func (c *cli) noteUnbound(ctx context.Context, exec tx.Executor, tables schema.Config, topic, group, more string) {
+	st, err := pgoutbox.Stats(ctx, exec, tables, pgoutbox.StatsForGroup(topic, group))
+	if err != nil || len(st) != 1 || st[0].Bound {
+		return
+	}
+	if more != "" {
+		more = "; " + more
+	}
+	fmt.Fprintf(c.stderr, "pgoutbox: note: group %s is not bound to topic %q (mistyped?)%s; \"pgoutbox stats --topic %s\" lists the topic's groups\n",
+		groupName(group), topic, more, shellArg(topic))
 }

@@ -57,3 +57,49 @@ func TestOperatorRoleWithoutArrivalsGrants(t *testing.T) {
 		require.Equal(t, 0, code, "pgoutbox %s as a role without arrivals grants:\n%s%s", strings.Join(args, " "), out, errOut)
 	}
 }
+
+// roleEnv returns env as seen by a new login role given grants (each a
+// privilege list and a table of env's schema: "SELECT, INSERT", "outbox").
+func roleEnv(t *testing.T, env *pgoutboxtest.Env, grants ...[2]string) *pgoutboxtest.Env {
+	t.Helper()
+	ctx := context.Background()
+	role := "pgoxcli_" + strings.ToLower(watermill.NewShortUUID())[:10]
+	s := `"` + env.Schema + `"`
+	stmts := []string{`CREATE ROLE ` + role + ` LOGIN`, `GRANT USAGE ON SCHEMA ` + s + ` TO ` + role}
+	for _, g := range grants {
+		stmts = append(stmts, `GRANT `+g[0]+` ON `+s+`.`+g[1]+` TO `+role)
+	}
+	for _, stmt := range stmts {
+		_, err := env.Pool.Exec(ctx, stmt)
+		require.NoError(t, err, stmt)
+	}
+	t.Cleanup(func() {
+		_, _ = env.Pool.Exec(context.Background(), `DROP OWNED BY `+role)
+		_, _ = env.Pool.Exec(context.Background(), `DROP ROLE `+role)
+	})
+	u, err := url.Parse(env.DSN)
+	require.NoError(t, err)
+	u.User = url.User(role)
+	asRole := *env
+	asRole.DSN = u.String()
+	return &asRole
+}
+
+// TestBindWithoutAPrivilegeSaysBind: bind reads the topic's queues
+// (Stats) before binding; a role that may not read the dead letters fails
+// there, and the error says that bind failed, and that nothing was bound,
+// not "stats:".
+func TestBindWithoutAPrivilegeSaysBind(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	asRole := roleEnv(t, env,
+		[2]string{"SELECT, UPDATE, DELETE", "outbox"},
+		[2]string{"SELECT, INSERT", "outbox_bindings"},
+		[2]string{"SELECT", "outbox_paused"}) // and nothing on outbox_dlq
+	_, errOut, code := cliRun(t, asRole, "bind", "--topic", "orders", "--group", "billing")
+	require.Equal(t, exitError, code, errOut)
+	require.True(t, strings.HasPrefix(errOut, `pgoutbox: bind group billing to topic "orders": read the topic's queues first (nothing was bound): `), errOut)
+	require.Contains(t, errOut, "permission denied for table outbox_dlq")
+	require.NotContains(t, errOut, "stats:")
+	require.Equal(t, 1, strings.Count(errOut, "pgoutbox:"), errOut)
+}

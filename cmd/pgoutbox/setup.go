@@ -2,6 +2,10 @@ package main
 
 import (
 	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
@@ -56,7 +60,46 @@ func (cmd *command) withOutbox(ctx context.Context, before func() error,
 	if tables, err = cmd.layout(ctx, exec, tables); err != nil {
 		return err
 	}
-	return fn(ctx, exec, tables)
+	if err := fn(ctx, exec, tables); err != nil {
+		return missingDLQ(ctx, exec, tables, err)
+	}
+	return nil
+}
+
+// missingDLQ explains an error of a missing table when the table missing
+// is the dead-letter table of an outbox that exists: such an outbox was
+// likely made without one (--no-dlq), which "schema apply" would change.
+// Any other error is returned as it is.
+func missingDLQ(ctx context.Context, exec tx.Executor, tables schema.Config, err error) error {
+	var pgErr *pgconn.PgError
+	if tables.NoDeadLetterTable || !errors.As(err, &pgErr) || pgErr.Code != undefinedTable {
+		return err
+	}
+	t := tables.WithDefaults()
+	n, nerr := query.NewNames(t.Schema, t.Table, t.DeadLetterTable)
+	if nerr != nil {
+		return err
+	}
+	exists := func(qname string) (bool, bool) {
+		rows, err := exec.Query(ctx, query.TableExists, qname)
+		if err != nil {
+			return false, false
+		}
+		var ok bool
+		for rows.Next() {
+			err = rows.Scan(&ok)
+		}
+		rows.Close()
+		return ok, err == nil && rows.Err() == nil
+	}
+	outbox, ok1 := exists(n.QTable)
+	dlq, ok2 := exists(n.QDLQ)
+	if !ok1 || !ok2 || !outbox || dlq {
+		return err
+	}
+	return &hintedError{err: err, hint: fmt.Sprintf("; the outbox %s.%s has no dead-letter table %s.%s: if it was made without one, pass --no-dlq "+
+		"(or set PGOUTBOX_NO_DLQ=true); to give it one, run \"pgoutbox schema apply\" (or name the table it has with --dlq-table)",
+		t.Schema, t.Table, t.Schema, t.DeadLetterTable)}
 }
 
 // layout sets tables.Rotating from the database when the outbox exists

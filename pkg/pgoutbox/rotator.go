@@ -6,6 +6,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -66,8 +67,12 @@ func (r *rotator) step(parent context.Context) {
 	}
 	if err != nil {
 		if !r.failing {
-			r.s.logger.Error("Rotating the outbox failed; rows go on into the current partition, retrying every step", err,
-				watermill.LogFields{"every": r.every.String()})
+			msg := "Rotating the outbox failed; rows go on into the current partition, retrying every step"
+			if r.singleTable(parent) {
+				msg = "Rotating the outbox failed: it is a single table now (schema.ConvertToSingle, pgoutbox schema convert-to-single), " +
+					"so rows go into that table and nothing rotates; unset Rotating in the Config and restart, retrying every step meanwhile"
+			}
+			r.s.logger.Error(msg, err, watermill.LogFields{"every": r.every.String()})
 		}
 		r.failing = true
 		return
@@ -80,4 +85,16 @@ func (r *rotator) step(parent context.Context) {
 		r.s.logger.Debug("Rotated the outbox", watermill.LogFields{
 			"current": res.Current, "advanced": res.Advanced, "truncated": res.Truncated, "moved": res.Moved, "lock_timeouts": res.LockTimeouts})
 	}
+}
+
+// singleTable reports whether the catalog shows the outbox as a single
+// table: converted back (schema.ConvertToSingle) while this Subscriber,
+// still set to Rotating, runs.
+func (r *rotator) singleTable(parent context.Context) bool {
+	ctx, cancel := context.WithTimeout(parent, r.s.cfg.StatementTimeout)
+	defer cancel()
+	t := r.s.cfg.Tables.WithDefaults()
+	var kind string
+	err := r.s.pool.QueryRow(ctx, query.CatalogRotating, t.Schema, t.Table).Scan(&kind)
+	return err == nil && kind == "table"
 }

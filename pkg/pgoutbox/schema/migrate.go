@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -259,7 +260,7 @@ func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]Migra
 			if errors.Is(err, ErrNoVersion) {
 				return done, err
 			}
-			return done, fmt.Errorf("pgoutbox: migrate: %w", err)
+			return done, errtext.Errorf("pgoutbox: migrate: %w", err)
 		}
 		if s == nil {
 			return done, nil
@@ -332,7 +333,7 @@ func Baseline(ctx context.Context, db tx.Executor, c Config) (int, error) {
 		return recordUpTo(ctx, e, n, ms, version)
 	})
 	if err != nil {
-		return 0, fmt.Errorf("pgoutbox: migrate baseline: %w", err)
+		return 0, errtext.Errorf("pgoutbox: migrate baseline: %w", err)
 	}
 	return version, nil
 }

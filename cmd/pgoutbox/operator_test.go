@@ -1,0 +1,221 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+)
+
+// move into a group that is not bound warns in a whole sentence, with the
+// command that binds it.
+func TestMoveIntoAnUnboundGroupWarns(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	_, errOut, code := cliRun(t, env, "bind", "--topic", "orders", "--group", "old")
+	require.Equal(t, 0, code, errOut)
+	publish(t, env, "orders", "a")
+	out, errOut, code := cliRun(t, env, "move", "--topic", "orders", "--from", "old", "--to", "new", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "moved 1 message(s)")
+	require.Contains(t, out, `warning: group new is not bound to "orders": the moved messages wait for it, but it gets no copy of what is published until it is bound; `+
+		`bind it (pgoutbox bind --topic orders --group new), or start its subscribers, whose Subscribe binds it`+"\n")
+
+	_, errOut, code = cliRun(t, env, "bind", "--topic", "orders", "--group", "new")
+	require.Equal(t, 0, code, errOut)
+	out, errOut, code = cliRun(t, env, "move", "--topic", "orders", "--from", "old", "--to", "new", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.NotContains(t, out, "warning")
+}
+
+// An error that wraps another names pgoutbox once: schema migrate on a
+// rotating outbox.
+func TestMigrateErrorNamesPgoutboxOnce(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{Rotating: true})
+	_, errOut, code := cliRun(t, env, "schema", "migrate", "down", "--yes")
+	require.Equal(t, exitError, code, errOut)
+	require.True(t, strings.HasPrefix(errOut, "pgoutbox: migrate: the versioned migrations describe a single-table outbox"), errOut)
+	require.Equal(t, 1, strings.Count(errOut, "pgoutbox:"), errOut)
+
+	require.Equal(t, "migrate: the outbox: x", once("pgoutbox: migrate: pgoutbox: the outbox: x"))
+	require.Equal(t, "a: b: c", once("a: pgoutbox: b: pgoutbox: c"))
+}
+
+// An outbox made without a dead-letter table: dlq list without --no-dlq
+// says to pass it (schema apply would give the outbox one); with --no-dlq
+// it names the commands that show and requeue parked rows.
+func TestDLQWithoutADeadLetterTable(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{NoDeadLetterTable: true})
+	_, errOut, code := cliRun(t, env, "dlq", "list")
+	require.Equal(t, exitError, code, errOut)
+	require.Contains(t, errOut, "has no dead-letter table")
+	require.Contains(t, errOut, "pass --no-dlq")
+	require.Contains(t, errOut, `to give it one, run "pgoutbox schema apply"`)
+	require.NotContains(t, errOut, "to create the tables")
+	require.Equal(t, 1, strings.Count(errOut, "pgoutbox:"), errOut)
+
+	for _, sub := range [][]string{{"list"}, {"show", "1"}, {"delete", "--id", "1", "--yes"}, {"purge", "--older-than", "0", "--yes"}} {
+		_, errOut, code = cliRun(t, env, append([]string{"--no-dlq", "dlq"}, sub...)...)
+		require.Equal(t, exitError, code, "%v: %s", sub, errOut)
+		require.Contains(t, errOut, `"pgoutbox peek --topic T [--group G]"`, "%v", sub)
+		require.Contains(t, errOut, `"pgoutbox dlq requeue --no-dlq`, "%v", sub)
+		require.NotContains(t, errOut, "RequeueParked", "%v", sub)
+		require.NotContains(t, errOut, "Peek", "%v", sub)
+	}
+
+	// A dead-letter table that is missing with the outbox: the usual hint.
+	_, errOut, code = cliRun(t, env, "dlq", "list", "--table", "missing_outbox")
+	require.Equal(t, exitError, code, errOut)
+	require.Contains(t, errOut, `run "pgoutbox schema apply" to create the tables`)
+	require.NotContains(t, errOut, "--no-dlq")
+}
+
+// A subscriber still set to Rotating after schema convert-to-single logs
+// what is true of a single table, not of partitions.
+func TestRotationErrorAfterConvertToSingle(t *testing.T) {
+	t.Parallel()
+	logger := watermill.NewCaptureLogger()
+	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{Rotating: true, Logger: logger,
+		Subscriber: func(c *pgoutbox.SubscriberConfig) { c.RotationWindow = 100 * time.Millisecond }})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	_, err := env.Subscriber.Subscribe(ctx, "rot") // starts the rotator
+	require.NoError(t, err)
+
+	out, errOut, code := cliRun(t, env, "schema", "convert-to-single", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "Unset Rotating")
+	rotationErrors := func() []string {
+		var msgs []string
+		for _, m := range logger.Captured()[watermill.ErrorLogLevel] {
+			if strings.HasPrefix(m.Msg, "Rotating the outbox failed") {
+				msgs = append(msgs, m.Msg)
+			}
+		}
+		return msgs
+	}
+	require.Eventually(t, func() bool { return len(rotationErrors()) > 0 }, 10*time.Second, 20*time.Millisecond)
+	msgs := rotationErrors()
+	require.Contains(t, msgs[0], "it is a single table now")
+	require.Contains(t, msgs[0], "unset Rotating")
+	require.NotContains(t, msgs[0], "partition")
+}
+
+// dlq requeue --id and dlq delete --id of an id that is not a dead letter
+// both exit 1 (nothing to act on), as documented.
+func TestDLQUnknownIDExitsOne(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	ids := deadLetters(t, env, "orders", 1)
+	unknown := fmt.Sprint(ids[0] + 1000)
+	for _, sub := range []string{"requeue", "delete"} {
+		out, errOut, code := cliRun(t, env, "dlq", sub, "--id", unknown, "--yes")
+		require.Equal(t, exitError, code, "%s: %s%s", sub, out, errOut)
+		require.Contains(t, errOut, "1 of the ids were not dead letters", sub)
+	}
+	// One requeued, one not: the requeue happens, and the exit is 1.
+	out, errOut, code := cliRun(t, env, "dlq", "requeue", "--id", fmt.Sprint(ids[0]), "--id", unknown, "--yes")
+	require.Equal(t, exitError, code, errOut)
+	require.Contains(t, out, "requeued 1 dead letter(s)")
+	require.Contains(t, errOut, "1 of the ids were not dead letters")
+
+	// Without a dead-letter table the ids are parked rows.
+	parked := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{NoDeadLetterTable: true})
+	out, errOut, code = cliRun(t, parked, "dlq", "requeue", "--no-dlq", "--id", "4242", "--yes")
+	require.Equal(t, exitError, code, errOut)
+	require.Contains(t, out, "requeued 0 parked message(s)")
+	require.Contains(t, errOut, "1 of the ids were not parked messages")
+}
+
+// A dead letter whose dedup key a message in the outbox holds stays: the
+// requeue says so, and exits 1.
+func TestDLQRequeueHeldDedupKey(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	msgs, err := env.Subscriber.Subscribe(ctx, "keyed")
+	require.NoError(t, err)
+	_, errOut, code := cliRun(t, env, "publish", "--topic", "keyed", "--payload", "first", "--dedup-key", "k1")
+	require.Equal(t, 0, code, errOut)
+	select {
+	case m := <-msgs:
+		_ = pgoutbox.Reject(m, "test rejection")
+		m.Nack()
+	case <-time.After(10 * time.Second):
+		t.Fatal("no message to reject")
+	}
+	var id int64
+	require.Eventually(t, func() bool {
+		page, err := pgoutbox.DeadLetters(context.Background(), env.Exec(), env.Tables, pgoutbox.DeadLetterFilter{Topic: "keyed"})
+		if err != nil || len(page.Letters) != 1 {
+			return false
+		}
+		id = page.Letters[0].ID
+		return true
+	}, 10*time.Second, 20*time.Millisecond)
+	cancel()
+	out, errOut, code := cliRun(t, env, "publish", "--topic", "keyed", "--payload", "second", "--dedup-key", "k1", "--json")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `"skipped": false`)
+
+	out, errOut, code = cliRun(t, env, "dlq", "requeue", "--id", fmt.Sprint(id), "--yes")
+	require.Equal(t, exitError, code, out+errOut)
+	require.Contains(t, out, "requeued 0 dead letter(s)")
+	require.Contains(t, errOut, fmt.Sprintf("1 of the ids were not requeued: %d still dead letter(s), as a message in the outbox holds each one's dedup key", id))
+}
+
+// --rotating, --arrivals and --json, like the connection flags, work
+// before the command.
+func TestGlobalFlagsBeforeTheCommand(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env, "orders", "a")
+	// The command parses --rotating: on a single table it contradicts the database.
+	_, errOut, code := cliRun(t, nil, "--rotating", "--dsn", env.DSN, "--schema", env.Schema, "stats")
+	require.Equal(t, exitUsage, code, errOut)
+	require.Contains(t, errOut, "is a single table, not a rotating outbox")
+	require.NotContains(t, errOut, "unknown command")
+
+	out, errOut, code := cliRun(t, nil, "--rotating=false", "--arrivals", "--json", "--dsn", env.DSN, "--schema", env.Schema, "stats")
+	require.Equal(t, 0, code, errOut)
+	var stats []statsJSON
+	require.NoError(t, json.Unmarshal([]byte(out), &stats), out)
+	require.Len(t, stats, 1)
+
+	// A command without --json says so.
+	_, errOut, code = cliRun(t, nil, "--json", "bind", "--topic", "orders")
+	require.Equal(t, exitUsage, code, errOut)
+	require.Contains(t, errOut, "-json")
+}
+
+// pause and resume of a group not bound to the topic do it, and note on
+// stderr that the group is not bound; a bound group gets no note.
+func TestPauseResumeUnboundGroupNotes(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	for _, cmd := range []string{"pause", "resume"} {
+		out, errOut, code := cliRun(t, env, cmd, "--topic", "orders", "--group", "bilING")
+		require.Equal(t, 0, code, errOut)
+		require.NotEmpty(t, out)
+		require.Contains(t, errOut, `pgoutbox: note: group bilING is not bound to topic "orders" (mistyped?)`, cmd)
+		require.Contains(t, errOut, `"pgoutbox stats --topic orders" lists the topic's groups`, cmd)
+	}
+	_, errOut, code := cliRun(t, env, "bind", "--topic", "orders", "--group", "billing")
+	require.Equal(t, 0, code, errOut)
+	for _, cmd := range []string{"pause", "resume"} {
+		out, errOut, code := cliRun(t, env, cmd, "--topic", "orders", "--group", "billing")
+		require.Equal(t, 0, code, errOut)
+		require.Contains(t, out, "group billing of topic")
+		require.Empty(t, errOut, cmd)
+	}
+}

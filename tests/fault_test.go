@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -759,4 +760,63 @@ func TestFaultKilledHeldConsumersRowsAreDueAtOnce(t *testing.T) {
 		len(unacked), leased, back.Round(time.Millisecond), lease, total, distinct, total-distinct)
 	require.Equal(t, messages, distinct)
 	require.LessOrEqual(t, total-distinct, maxKillDuplicates)
+}
+
+// TestFaultPoisonThatCrashesItsProcessIsDeadLetteredAlone publishes a
+// message whose handler exits the process among 40 healthy ones, to a
+// consumer with MaxInFlight 8 and MaxDeliveries 2, restarted after each
+// crash. The messages in flight beside the poison at a crash are counted
+// with it and come back with it; were they handed out beside it again,
+// they would reach the limit with it. A redelivered row runs alone, so the
+// poison alone is dead-lettered (max_deliveries), on every claim mode, and
+// every healthy message is handled.
+func TestFaultPoisonThatCrashesItsProcessIsDeadLetteredAlone(t *testing.T) {
+	t.Parallel()
+	bin := buildConsumer(t)
+	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimAuto, pgoutbox.ClaimLease, pgoutbox.ClaimHeld} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			const topic = "t"
+			_, err := b.Pool.Exec(context.Background(), `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
+			require.NoError(t, err)
+			healthy := newMsgs(40)
+			poison := newMsg("poison")
+			b.publishInTx(t, topic, true, append(append(slices.Clone(healthy[:10]), poison), healthy[10:]...)...)
+			crashes := 0
+			for i := 0; ; i++ {
+				require.Less(t, i, 12, "the poison was not dead-lettered within 12 processes")
+				p := startConsumer(t, bin, b, topic, fmt.Sprint("w", i), "CONSUMER_CLAIM_MODE="+mode.String(),
+					"CONSUMER_MAX_DELIVERIES=2", "CONSUMER_POISON=poison", "CONSUMER_HANDLE_TIME=100ms", "CONSUMER_LEASE=2s")
+				exited := false
+				pollUntil(t, "a crash, or every message done", time.Minute, nil, func() bool {
+					select {
+					case <-p.done:
+						exited = true
+						return true
+					default:
+						return b.outboxRows(t, topic) == 0
+					}
+				})
+				if !exited {
+					break
+				}
+				crashes++
+			}
+			var dead []string
+			rows, err := b.Pool.Query(context.Background(), `SELECT uuid || ' ' || failure_reason FROM `+b.Schema+`.outbox_dlq ORDER BY id`)
+			require.NoError(t, err)
+			for rows.Next() {
+				var s string
+				require.NoError(t, rows.Scan(&s))
+				dead = append(dead, s)
+			}
+			require.NoError(t, rows.Err())
+			t.Logf("crashes: %d, dead letters: %v", crashes, dead)
+			require.Equal(t, []string{poison.UUID + " max_deliveries"}, dead, "the poison alone is dead-lettered")
+			for _, m := range healthy {
+				require.Positive(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.handled WHERE uuid = $1`, m.UUID), "message %s never handled", m.Payload)
+			}
+		})
+	}
 }

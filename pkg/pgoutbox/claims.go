@@ -3,6 +3,7 @@ package pgoutbox
 import (
 	"errors"
 	"math"
+	"slices"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -284,7 +285,7 @@ func (c *claimSchedule) keyEnded(key string) {
 // startClaim starts a claim when one is wanted and there is room.
 func (sub *subscription) startClaim(now time.Time) {
 	switch {
-	case sub.claims.waiting(), sub.drain.stopping, sub.hand.retry != nil, sub.backpressured():
+	case sub.claims.waiting(), sub.drain.stopping, sub.hand.retry != nil, sub.backpressured(), sub.isolating():
 		return
 	}
 	if sub.held.batchesBusy(now) {
@@ -380,10 +381,23 @@ func (sub *subscription) onClaimed(r claimResult) {
 		sub.giveBack(r.rows)
 		return
 	}
+	// Of the rows that run alone (runsAlone), one is kept at a time: the
+	// others would count a delivery each while they wait for it. They go
+	// back, their delivery taken back, and come again with a later claim.
+	alone := sub.isolating() || slices.ContainsFunc(sub.hand.buffer, sub.runsAlone)
+	var later []*delivery
 	for _, d := range r.rows {
-		if sub.hand.guard.claimed(d) == nil { // else parked: an earlier delivery of it is ours
+		switch {
+		case sub.hand.guard.claimed(d) != nil: // parked: an earlier delivery of it is ours
+		case sub.runsAlone(d) && alone:
+			later = append(later, d)
+		default:
+			alone = alone || sub.runsAlone(d)
 			sub.hand.buffer = append(sub.hand.buffer, d)
 		}
+	}
+	if len(later) > 0 {
+		sub.giveBack(later)
 	}
 	sub.claims.next(r, woke, now)
 	if withheld && !sub.claims.withheld {

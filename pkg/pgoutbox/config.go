@@ -239,13 +239,13 @@ type SubscriberConfig struct {
 	// message whose handler crashes the process, so no Nack is ever written.
 	// Every claim counts, including retries. A subscription with a limit does
 	// not prefetch (a crash would count the rows waiting in its buffer as
-	// delivered). The messages handed out beside the one that crashes are
-	// counted too, and they come back together to the consumer that takes
-	// the dead process's rows: with MaxInFlight above 1, up to
-	// MaxInFlight-1 of them may reach the limit with it. Give a topic whose
-	// handlers may crash the process MaxInFlight 1, or a limit above the
-	// crashes its neighbours can see. On the held path a delivery that
-	// ends in a crash before its row became a lease is not counted.
+	// delivered). With a limit, a row delivered before runs alone: it goes
+	// out once nothing else is out and every write is done, and nothing is
+	// handed out or claimed until it is answered. The messages that were
+	// in flight beside one that crashed the process are counted once with
+	// it; after that each runs alone, so only the crashing one reaches the
+	// limit (a limit of at least 2 keeps them). On the held path a delivery
+	// that ends in a crash before its row became a lease is not counted.
 	// Defaults to 0: no limit.
 	MaxDeliveries int
 

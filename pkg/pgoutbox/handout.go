@@ -21,6 +21,7 @@ type handout struct {
 	handed int                    // handed out, waiting for a verdict
 	retry  *delivery              // ordered mode: a nacked row delivered again at retryAt
 	guard  rowGuard               // rows claimed again while an earlier delivery of theirs is ours
+	alone  *delivery              // MaxDeliveries: the redelivered row last handed out with nothing beside it (runsAlone)
 }
 
 // unjudged is the number of leased rows without a verdict: the lease window.
@@ -228,12 +229,44 @@ func (sub *subscription) dispatch(now time.Time) {
 	}
 	for sub.hand.handed < sub.outlet.slots.capacity() && !sub.drain.stopping && !sub.backpressured() && len(sub.hand.buffer) > 0 {
 		d := sub.hand.buffer[0]
+		if sub.isolating() || sub.runsAlone(d) && d.state != finished && !sub.settledForAlone() {
+			return // a redelivered row runs alone: after the others answered, and nothing beside it
+		}
 		sub.hand.buffer[0] = nil
 		sub.hand.buffer = sub.hand.buffer[1:]
 		if d.state != finished && sub.admit(d, now) {
 			sub.handedOut(d) // the slot builds the message
+			if sub.runsAlone(d) {
+				sub.hand.alone = d
+			}
 		}
 	}
+}
+
+// runsAlone reports whether d goes out with nothing beside it. With
+// MaxDeliveries set, a row delivered before may be one whose handler
+// crashes its process; every row handed out beside it would be counted
+// with it at each crash and come back with it, and reach the limit with
+// it. Alone, only the row that crashes counts its crashes; a row that ran
+// beside a crash once runs alone the next time.
+func (sub *subscription) runsAlone(d *delivery) bool {
+	return sub.cfg.MaxDeliveries > 0 && sub.outlet.slots != nil && d.deliveries > 1
+}
+
+// settledForAlone reports whether a row that runs alone may go out: no
+// other is handed out, and every verdict and give-back is written. A
+// crash before a give-back is written would leave those rows leased and
+// counted, as if they had run beside it.
+func (sub *subscription) settledForAlone() bool {
+	return sub.hand.handed == 0 && sub.claims.givingBack == 0 && !sub.writes.inWrite && sub.writes.pending.empty()
+}
+
+// isolating reports whether a row that runs alone is out: nothing else is
+// handed out or claimed (a claimed row counts a delivery) until it is
+// answered or ends.
+func (sub *subscription) isolating() bool {
+	d := sub.hand.alone
+	return d != nil && d.state == handedOut
 }
 
 // endMessage cancels the context of d's message where the owner built it

@@ -492,3 +492,43 @@ func TestOwnerOrderedLostRowHoldsTheNextUntilItsHandlerReturns(t *testing.T) {
 	require.NotNil(t, ch)
 	require.Equal(t, int64(2), next.id)
 }
+
+// With MaxDeliveries, a redelivered row runs alone: of a claim's
+// redelivered rows one is kept (the others go back, their delivery taken
+// back), it goes out once nothing else is out and every write is done,
+// and nothing is handed out or claimed beside it.
+func TestRedeliveredRowRunsAloneWithMaxDeliveries(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4; c.MaxDeliveries = 3 })
+	req := b.sub.claims.scan.request(4, b.sub.claims.gen, time.Now())
+	b.sub.claims.claiming = true
+	row := func(id int64, deliveries int) *delivery {
+		return &delivery{claimedRow: claimedRow{id: id, token: req.token, deliveries: deliveries, uuid: "u", payload: []byte("p"),
+			metaRaw: []byte(`{}`), availableAt: time.Unix(id, 0)}}
+	}
+	fresh, suspect, other, fresh2 := row(1, 1), row(2, 2), row(3, 2), row(4, 1)
+	b.sub.onClaimed(claimResult{req: req, rows: []*delivery{fresh, suspect, other, fresh2}, cursor: pgtype.Int8{Int64: 4, Valid: true}})
+	require.Equal(t, []*delivery{fresh, suspect, fresh2}, b.sub.hand.buffer, "one redelivered row is kept")
+	require.Len(t, b.sub.writes.pending.returns, 1)
+	require.Equal(t, returnOp{d: other, undo: 1, giveBack: true}, b.sub.writes.pending.returns[0], "the other goes back, uncounted")
+
+	b.sub.dispatch(time.Now())
+	require.Equal(t, 1, b.sub.hand.handed, "the fresh row goes out; the redelivered one waits")
+	require.Equal(t, []*delivery{suspect, fresh2}, b.sub.hand.buffer)
+	b.sub.onVerdict(verdict{d: fresh, seq: fresh.seq, ack: true}, false)
+	b.sub.dispatch(time.Now())
+	require.Equal(t, 0, b.sub.hand.handed, "not before the writes are done: a crash would count the give-back's rows")
+	b.written()
+	b.sub.dispatch(time.Now())
+	require.Equal(t, 1, b.sub.hand.handed)
+	require.Same(t, suspect, b.sub.hand.alone)
+	require.Equal(t, []*delivery{fresh2}, b.sub.hand.buffer, "nothing beside it")
+	b.sub.claims.want = true
+	b.sub.startClaim(time.Now())
+	require.False(t, b.sub.claims.claiming, "no claim while it runs: a claimed row counts a delivery")
+
+	b.sub.onVerdict(verdict{d: suspect, seq: suspect.seq, ack: true}, false)
+	b.sub.dispatch(time.Now())
+	require.Equal(t, 1, b.sub.hand.handed, "the rest goes out once it is answered")
+	require.Empty(t, b.sub.hand.buffer)
+}

@@ -15,7 +15,10 @@
 // Optional: CONSUMER_LEASE, SubscriberConfig.Lease as a Go duration
 // (default 2s); CONSUMER_CLAIM_MODE, SubscriberConfig.ClaimMode (auto,
 // lease or held; default auto); CONSUMER_HANDLE_TIME, how long each
-// handling takes after its row is recorded, as a Go duration (default 0).
+// handling takes after its row is recorded, as a Go duration (default 0);
+// CONSUMER_MAX_DELIVERIES, SubscriberConfig.MaxDeliveries (default 0);
+// CONSUMER_POISON, a payload whose handling exits the process (status 3)
+// before anything is recorded, as a handler that crashes it would.
 //
 // It prints "consumer running" on stdout once the router runs.
 package main
@@ -51,7 +54,8 @@ func main() {
 
 type settings struct {
 	dsn, schema, topic, worker string
-	maxInFlight                int
+	maxInFlight, maxDeliveries int
+	poison                     string
 	lease, handleTime          time.Duration
 	claimMode                  pgoutbox.ClaimMode
 }
@@ -90,6 +94,12 @@ func readSettings() (settings, error) {
 			return s, fmt.Errorf("CONSUMER_HANDLE_TIME is %q; it must be a Go duration such as 2ms", v)
 		}
 	}
+	if v := os.Getenv("CONSUMER_MAX_DELIVERIES"); v != "" {
+		if s.maxDeliveries, err = strconv.Atoi(v); err != nil || s.maxDeliveries < 0 {
+			return s, fmt.Errorf("CONSUMER_MAX_DELIVERIES is %q; it must be a count", v)
+		}
+	}
+	s.poison = os.Getenv("CONSUMER_POISON")
 	if s.claimMode, err = pgoutbox.ParseClaimMode(os.Getenv("CONSUMER_CLAIM_MODE")); err != nil {
 		return s, fmt.Errorf("CONSUMER_CLAIM_MODE: %w", err)
 	}
@@ -130,6 +140,7 @@ func run() error {
 		MaxPollInterval: time.Second,
 		WorkerID:        s.worker,
 		ClaimMode:       s.claimMode,
+		MaxDeliveries:   s.maxDeliveries,
 	}, logger)
 	if err != nil {
 		return err
@@ -142,6 +153,9 @@ func run() error {
 	}
 	insert := `INSERT INTO ` + pgx.Identifier{s.schema, "handled"}.Sanitize() + ` (uuid, worker) VALUES ($1, $2)`
 	router.AddConsumerHandler("consumer", s.topic, sub, func(m *message.Message) error {
+		if s.poison != "" && string(m.Payload) == s.poison {
+			os.Exit(3)
+		}
 		if _, err := pool.Exec(m.Context(), insert, m.UUID, s.worker); err != nil {
 			return err
 		}

@@ -20,30 +20,11 @@ import (
 func TestOperatorRoleWithoutArrivalsGrants(t *testing.T) {
 	t.Parallel()
 	env := pgoutboxtest.PubSub(t)
-	ctx := context.Background()
-	role := "pgoxcli_" + strings.ToLower(watermill.NewShortUUID())[:10]
-	s := `"` + env.Schema + `"`
-	for _, stmt := range []string{
-		`CREATE ROLE ` + role + ` LOGIN`,
-		`GRANT USAGE ON SCHEMA ` + s + ` TO ` + role,
-		`GRANT SELECT, UPDATE, DELETE ON ` + s + `.outbox TO ` + role,
-		`GRANT SELECT, INSERT, DELETE ON ` + s + `.outbox_bindings TO ` + role,
-		`GRANT SELECT, INSERT ON ` + s + `.outbox_dlq TO ` + role,
-		`GRANT SELECT ON ` + s + `.outbox_paused TO ` + role,
-	} {
-		_, err := env.Pool.Exec(ctx, stmt)
-		require.NoError(t, err, stmt)
-	}
-	t.Cleanup(func() {
-		_, _ = env.Pool.Exec(context.Background(), `DROP OWNED BY `+role)
-		_, _ = env.Pool.Exec(context.Background(), `DROP ROLE `+role)
-	})
-	u, err := url.Parse(env.DSN)
-	require.NoError(t, err)
-	require.NotEmpty(t, u.Scheme, "the test's DSN is a URL: %s", env.DSN)
-	u.User = url.User(role)
-	asRole := *env
-	asRole.DSN = u.String()
+	asRole := roleEnv(t, env,
+		[2]string{"SELECT, UPDATE, DELETE", "outbox"},
+		[2]string{"SELECT, INSERT, DELETE", "outbox_bindings"},
+		[2]string{"SELECT, INSERT", "outbox_dlq"},
+		[2]string{"SELECT", "outbox_paused"})
 
 	publish(t, env, "orders", "a")
 	for _, args := range [][]string{
@@ -53,7 +34,7 @@ func TestOperatorRoleWithoutArrivalsGrants(t *testing.T) {
 		{"peek", "--topic", "orders", "--group", "billing"},
 		{"unbind", "--topic", "orders", "--group", "invoicing"},
 	} {
-		out, errOut, code := cliRun(t, &asRole, args...)
+		out, errOut, code := cliRun(t, asRole, args...)
 		require.Equal(t, 0, code, "pgoutbox %s as a role without arrivals grants:\n%s%s", strings.Join(args, " "), out, errOut)
 	}
 }

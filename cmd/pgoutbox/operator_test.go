@@ -147,13 +147,7 @@ func TestDLQRequeueHeldDedupKey(t *testing.T) {
 	require.NoError(t, err)
 	_, errOut, code := cliRun(t, env, "publish", "--topic", "keyed", "--payload", "first", "--dedup-key", "k1")
 	require.Equal(t, 0, code, errOut)
-	select {
-	case m := <-msgs:
-		_ = pgoutbox.Reject(m, "test rejection")
-		m.Nack()
-	case <-time.After(10 * time.Second):
-		t.Fatal("no message to reject")
-	}
+	rejectNext(t, msgs)
 	var id int64
 	require.Eventually(t, func() bool {
 		page, err := pgoutbox.DeadLetters(context.Background(), env.Exec(), env.Tables, pgoutbox.DeadLetterFilter{Topic: "keyed"})

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -36,6 +37,18 @@ func cliRunEnv(t *testing.T, vars []string, args ...string) (string, string, int
 	return stdout.String(), stderr.String(), 0
 }
 
+// rejectNext rejects the next message of msgs: a dead letter.
+func rejectNext(t *testing.T, msgs <-chan *message.Message) {
+	t.Helper()
+	select {
+	case m := <-msgs:
+		_ = pgoutbox.Reject(m, "test rejection")
+		m.Nack()
+	case <-time.After(10 * time.Second):
+		t.Fatal("no message to reject")
+	}
+}
+
 // deadLetters rejects n messages published to topic, so that they land in
 // the dead-letter table, and returns their ids in listing order.
 func deadLetters(t *testing.T, env *pgoutboxtest.Env, topic string, n int) []int64 {
@@ -48,13 +61,7 @@ func deadLetters(t *testing.T, env *pgoutboxtest.Env, topic string, n int) []int
 		publish(t, env, topic, fmt.Sprint(i))
 	}
 	for range n {
-		select {
-		case m := <-msgs:
-			_ = pgoutbox.Reject(m, "test rejection")
-			m.Nack()
-		case <-time.After(10 * time.Second):
-			t.Fatal("no message to reject")
-		}
+		rejectNext(t, msgs)
 	}
 	var ids []int64
 	require.Eventually(t, func() bool {

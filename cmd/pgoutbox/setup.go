@@ -80,21 +80,9 @@ func missingDLQ(ctx context.Context, exec tx.Executor, tables schema.Config, err
 	if nerr != nil {
 		return err
 	}
-	exists := func(qname string) (bool, bool) {
-		rows, err := exec.Query(ctx, query.TableExists, qname)
-		if err != nil {
-			return false, false
-		}
-		var ok bool
-		for rows.Next() {
-			err = rows.Scan(&ok)
-		}
-		rows.Close()
-		return ok, err == nil && rows.Err() == nil
-	}
-	outbox, ok1 := exists(n.QTable)
-	dlq, ok2 := exists(n.QDLQ)
-	if !ok1 || !ok2 || !outbox || dlq {
+	var outbox, dlq bool
+	if queryValue(ctx, exec, &outbox, query.TableExists, n.QTable) != nil ||
+		queryValue(ctx, exec, &dlq, query.TableExists, n.QDLQ) != nil || !outbox || dlq {
 		return err
 	}
 	return &hintedError{err: err, hint: fmt.Sprintf("; the outbox %s.%s has no dead-letter table %s.%s: if it was made without one, pass --no-dlq "+
@@ -108,19 +96,8 @@ func missingDLQ(ctx context.Context, exec tx.Executor, tables schema.Config, err
 // usage error.
 func (cmd *command) layout(ctx context.Context, exec tx.Executor, tables schema.Config) (schema.Config, error) {
 	t := tables.WithDefaults()
-	rows, err := exec.Query(ctx, query.CatalogRotating, t.Schema, t.Table)
-	if err != nil {
-		return tables, err
-	}
 	var kind string
-	for rows.Next() {
-		err = rows.Scan(&kind)
-	}
-	rows.Close()
-	if err == nil {
-		err = rows.Err()
-	}
-	if err != nil || kind == "" {
+	if err := queryValue(ctx, exec, &kind, query.CatalogRotating, t.Schema, t.Table); err != nil || kind == "" {
 		return tables, err // no outbox yet: the flag says what to make
 	}
 	rotating := kind == "rotating"
@@ -142,22 +119,25 @@ func (cmd *command) layout(ctx context.Context, exec tx.Executor, tables schema.
 		if err != nil {
 			return tables, err
 		}
-		rows, err := exec.Query(ctx, query.ArrivalsUsable, n.WithArrivals().QArrivals, n.QTable)
-		if err != nil {
+		if err := queryValue(ctx, exec, &tables.Arrivals, query.ArrivalsUsable, n.WithArrivals().QArrivals, n.QTable); err != nil {
 			return tables, err
 		}
-		var exists bool
-		for rows.Next() {
-			err = rows.Scan(&exists)
-		}
-		rows.Close()
-		if err == nil {
-			err = rows.Err()
-		}
-		if err != nil {
-			return tables, err
-		}
-		tables.Arrivals = exists
 	}
 	return tables, nil
+}
+
+// queryValue scans the one column of q's last row into dest, which stays
+// as it was when q returns no row.
+func queryValue(ctx context.Context, exec tx.Executor, dest any, q string, args ...any) error {
+	rows, err := exec.Query(ctx, q, args...)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		if err := rows.Scan(dest); err != nil {
+			return err
+		}
+	}
+	return rows.Err()
 }

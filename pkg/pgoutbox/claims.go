@@ -384,7 +384,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 	// Of the rows that run alone (runsAlone), one is kept at a time: the
 	// others would count a delivery each while they wait for it. They go
 	// back, their delivery taken back, and come again with a later claim.
-	alone := sub.isolating() || slices.ContainsFunc(sub.hand.buffer, sub.runsAlone)
+	alone := sub.cfg.MaxDeliveries > 0 && (sub.isolating() || slices.ContainsFunc(sub.hand.buffer, sub.runsAlone))
 	var later []*delivery
 	for _, d := range r.rows {
 		switch {

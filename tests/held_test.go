@@ -1182,3 +1182,51 @@ func TestHeldRowsClaimedAgainAfterAKilledBatchKeepPublishOrder(t *testing.T) {
 	require.Equal(t, []string{"0", "1", "2", "3", "4", "5", "1", "2", "3", "4", "5"}, seen.get(),
 		"the batch's rows (from 1 on) delivered again, in publish order")
 }
+
+// With MaxDeliveries, every delivery is written before its handler runs,
+// on every claim mode: a handler that crashes its process must be counted,
+// and a held row's delivery is written only when its batch ends. Each
+// handler reads its own row's count from another connection; on the held
+// path it would read 0. No claim takes the held path.
+func TestMaxDeliveriesCountsEachDeliveryBeforeItsHandlerRuns(t *testing.T) {
+	t.Parallel()
+	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
+		b := setup(t)
+		pool, _ := heldPool(t, b, 10)
+		ev := newEvents()
+		sub := b.heldSubscriber(t, pool, func(c *pgoutbox.SubscriberConfig) {
+			c.ClaimMode = mode
+			c.MaxInFlight = 4
+			c.MaxDeliveries = 3
+			c.Observer = ev
+		})
+		const n = 60
+		b.publishInTx(t, "t", true, newMsgs(n)...)
+		var mu sync.Mutex
+		uncounted := map[string]int{}
+		handled := map[string]bool{}
+		runRouter(t, sub, "t", func(m *message.Message) error {
+			var written int
+			err := b.Pool.QueryRow(context.Background(), `SELECT deliveries FROM `+b.Schema+`.outbox WHERE uuid = $1`, m.UUID).Scan(&written)
+			if err != nil {
+				return err
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if written < 1 {
+				uncounted[m.UUID] = written
+			}
+			handled[m.UUID] = true
+			return nil
+		})
+		pollUntil(t, "every message handled", 20*time.Second, nil, func() bool {
+			mu.Lock()
+			defer mu.Unlock()
+			return len(handled) == n
+		})
+		mu.Lock()
+		defer mu.Unlock()
+		require.Empty(t, uncounted, "deliveries not written while their handler ran")
+		require.Zero(t, rowsClaimedOnPath(ev.snapshot(), pgoutbox.PathHeld), "a claim took the held path")
+	})
+}

@@ -27,8 +27,9 @@ import (
 // rolls the transaction back when the connection drops), where leased rows
 // wait for their holder to be found dead or their lease to expire; the
 // acks of its open batches are lost with it, so those messages are
-// delivered again. A delivery that crashes the process before its row
-// became a lease is not counted against MaxDeliveries. And Stats counts
+// delivered again. A held delivery is counted only when its row becomes a
+// lease or its batch ends, so a crash before that would escape
+// MaxDeliveries: a subscription with a limit leases every claim. And Stats counts
 // held rows as ready (they are locked, not leased), and an operator's
 // CancelScheduled or Unbind purge of a held row waits for the batch to end.
 //
@@ -51,8 +52,8 @@ const (
 	// ClaimLease always leases: no transaction stays open while handlers
 	// run.
 	ClaimLease
-	// ClaimHeld holds every claim that may: not those that reclaim leases
-	// or follow ordering keys, nor without a spare pool connection, nor a
+	// ClaimHeld holds every claim that may: not with MaxDeliveries set,
+	// not those that reclaim leases or follow ordering keys, nor without a spare pool connection, nor a
 	// while after a batch's end failed (so rows whose end fails again and
 	// again are written, and counted, as leases). With tx.Middleware each
 	// message ends its batch early: correct, but slower than ClaimAuto.

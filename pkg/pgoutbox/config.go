@@ -244,9 +244,10 @@ type SubscriberConfig struct {
 	// handed out or claimed until it is answered. The messages that were
 	// in flight beside one that crashed the process are counted once with
 	// it; after that each runs alone, so only the crashing one reaches the
-	// limit (a limit of at least 2 keeps them). On the held path a delivery
-	// that ends in a crash before its row became a lease is not counted.
-	// Defaults to 0: no limit.
+	// limit (a limit of at least 2 keeps them). A subscription with a limit
+	// leases every claim, whatever its ClaimMode: a held row's delivery is
+	// written only when its batch ends, and a crash before that would not
+	// count it. Defaults to 0: no limit.
 	MaxDeliveries int
 
 	// SynchronousCommit makes the subscriber's own writes (claims, acks,

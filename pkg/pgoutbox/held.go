@@ -105,6 +105,10 @@ func (h *heldPath) wantHeld(req claimRequest, now, keyedUntil time.Time, spare f
 	switch {
 	case mode == ClaimLease:
 		return false
+	case h.cfg.MaxDeliveries > 0:
+		// A held row's delivery is written only when its batch ends, so
+		// a handler that crashes the process would never be counted.
+		return false
 	case req.withExpired, req.orphansOf != nil, len(req.endedKeys) > 0:
 		return false // reclaiming and ordering-key claims lease
 	case req.window > 0 && (now.Before(keyedUntil) || mode == ClaimAuto && h.forced != testhook.PathAutoBusy):

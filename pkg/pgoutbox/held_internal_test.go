@@ -113,7 +113,8 @@ func TestHeldBatchEndDecidesEachRow(t *testing.T) {
 }
 
 // Which claims hold: none that reclaim leases, follow ordering keys or
-// find the pool without a spare connection; ClaimAuto only while busy.
+// find the pool without a spare connection, none with MaxDeliveries;
+// ClaimAuto only while busy.
 func TestHeldPathChoosesPerClaim(t *testing.T) {
 	t.Parallel()
 	now := time.Now()
@@ -132,6 +133,8 @@ func TestHeldPathChoosesPerClaim(t *testing.T) {
 	require.False(t, held.wantHeld(claimRequest{window: 256}, now, now.Add(time.Second), spare), "keyed rows seen: lease")
 	held.failedUntil = now.Add(time.Second)
 	require.False(t, held.wantHeld(claimRequest{}, now, time.Time{}, spare), "after a failed batch end: lease")
+	counted := heldPath{cfg: &SubscriberConfig{ClaimMode: ClaimHeld, MaxDeliveries: 3}}
+	require.False(t, counted.wantHeld(claimRequest{}, now, time.Time{}, spare), "MaxDeliveries: a crash must be counted, so lease")
 	lease := heldPath{cfg: &SubscriberConfig{ClaimMode: ClaimLease}, busy: true}
 	require.False(t, lease.wantHeld(claimRequest{}, now, time.Time{}, spare))
 	forced := heldPath{cfg: &SubscriberConfig{ClaimMode: ClaimLease}, forced: "held"}

@@ -14,12 +14,13 @@ BROKER_MODULES := $(patsubst %/go.mod,%,$(wildcard _examples/*/go.mod))
 # Modules of the library's own that depend on what the library must not
 # (pgoutboxprom: client_golang; pgoutboxotel: the OpenTelemetry SDK;
 # tests/migrations: goose and golang-migrate, which apply the rendered
-# migrations; pgoutboxtest/dockerpg: the Docker client; tests/browser:
+# migrations; tests/drivers: lib/pq before v1.11, a database/sql driver
+# without arrays; pgoutboxtest/dockerpg: the Docker client; tests/browser:
 # chromedp, driving chromium), tested like the
 # library, under -race. To add a module: create its go.mod requiring the
 # main module at RELEASE_VERSION (no replace), `go work use ./dir`, and add
 # it here (docs/versioning.md).
-LIB_MODULES := pgoutboxprom pgoutboxotel tests/migrations pkg/pgoutbox/pgoutboxtest/dockerpg tests/browser
+LIB_MODULES := pgoutboxprom pgoutboxotel tests/migrations tests/drivers pkg/pgoutbox/pgoutboxtest/dockerpg tests/browser
 # Every module but the root, each listed in go.work, so builds in the
 # repository use the working tree; `make modules` builds each without the
 # workspace against the tree served as RELEASE_VERSION, the version its

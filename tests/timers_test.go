@@ -37,6 +37,20 @@ func TestDeliverAfterIsInvisibleUntilDue(t *testing.T) {
 	got.Ack()
 }
 
+// A time whose zone's offset has seconds (a historical zone's local mean
+// time) is stored at its instant: RFC 3339 cannot write such an offset.
+func TestDeliverAtAnOffsetWithSeconds(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	at := time.Date(2030, 1, 2, 3, 4, 5, 123456000, time.FixedZone("LMT", 5*3600+30*60+17))
+	m := newMsg("x")
+	pgoutbox.DeliverAt(m, at)
+	b.publishInTx(t, "t", true, m)
+	var stored time.Time
+	require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT available_at FROM `+b.Schema+`.outbox WHERE uuid = $1`, m.UUID).Scan(&stored))
+	require.True(t, at.Equal(stored), "stored %s for %s", stored, at)
+}
+
 func TestDeliverAt(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

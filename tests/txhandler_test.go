@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -285,6 +286,55 @@ func TestTxMiddlewareConfigErrors(t *testing.T) {
 	require.ErrorContains(t, err, "MiddlewareConfig.Publisher")
 	_, ok := tx.ExecutorFromContext(m.Context())
 	require.False(t, ok, "the message gets its own context back")
+
+	_, err = tx.Middleware(tx.FromPgxPool(nil), tx.MiddlewareConfig{})
+	require.ErrorContains(t, err, "nil pool")
+	_, err = tx.Middleware(tx.FromSQLDB(nil), tx.MiddlewareConfig{})
+	require.ErrorContains(t, err, "nil pool")
+	pub, err := pgoutbox.NewPublisher(tx.FromSQLTx(nil), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	require.ErrorContains(t, pub.Publish("t", newMsg("x")), "tx.FromSQLTx was given a nil *sql.Tx", "an error, not a panic")
+}
+
+// A handler that commits (or rolls back) tx.Middleware's transaction
+// itself is told so, whichever pool the middleware runs on, and whether
+// the message is the subscriber's (its completion fails) or not (the
+// commit does): not that it should publish before Commit.
+func TestTxMiddlewareSaysWhenTheHandlerEndedItsTransaction(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	end := func(ctx context.Context) error {
+		if st, ok := tx.SQLTxFromContext(ctx); ok {
+			return st.Commit()
+		}
+		pt, ok := tx.PgxTxFromContext(ctx)
+		require.True(t, ok)
+		return pt.Rollback(ctx)
+	}
+	for name, db := range map[string]tx.Executor{"pgxpool": tx.FromPgxPool(b.Pool), "database/sql": tx.FromSQLDB(b.sqlDB(t))} {
+		t.Run(name+"/not the subscriber's", func(t *testing.T) {
+			mw, err := tx.Middleware(db, tx.MiddlewareConfig{})
+			require.NoError(t, err)
+			_, err = mw(func(m *message.Message) ([]*message.Message, error) { return nil, end(m.Context()) })(newMsg("x"))
+			require.ErrorIs(t, err, tx.ErrTxDone)
+			require.ErrorContains(t, err, "the handler (or code it called) ended it")
+			require.NotContains(t, err.Error(), "before Commit")
+		})
+		t.Run(name+"/the subscriber's", func(t *testing.T) {
+			mw, err := tx.Middleware(db, tx.MiddlewareConfig{})
+			require.NoError(t, err)
+			topic := "ended-" + strings.ReplaceAll(name, "/", "-")
+			b.publishInTx(t, topic, true, newMsg("x"))
+			msgs, err := b.subscriber(t, nil).Subscribe(context.Background(), topic)
+			require.NoError(t, err)
+			m := <-msgs
+			_, err = mw(func(m *message.Message) ([]*message.Message, error) { return nil, end(m.Context()) })(m)
+			require.ErrorIs(t, err, tx.ErrTxDone)
+			require.ErrorContains(t, err, "the handler (or code it called) ended it")
+			require.NotContains(t, err.Error(), "before Commit")
+			m.Nack()
+		})
+	}
 }
 
 // CQRS inside the handler's transaction: the buses are built once with a

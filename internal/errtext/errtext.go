@@ -6,8 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Prefix begins every pgoutbox error text.
@@ -56,10 +54,19 @@ const pgbouncerHint = " (behind PgBouncer in transaction pooling mode, set defau
 // statement that does not exist (26000) or exists already (42P05). Other
 // errors, and nil, come back as they are.
 func WithHint(err error) error {
-	var pgErr *pgconn.PgError
-	if err == nil || !errors.As(err, &pgErr) || (pgErr.Code != "26000" && pgErr.Code != "42P05") ||
-		strings.Contains(err.Error(), pgbouncerHint) {
+	if code := SQLState(err); (code != "26000" && code != "42P05") || strings.Contains(err.Error(), pgbouncerHint) {
 		return err
 	}
 	return &wrapped{msg: err.Error() + pgbouncerHint, err: err}
+}
+
+// SQLState returns the SQLSTATE of the server error err wraps, from any
+// driver whose errors report it (pgx's *pgconn.PgError, lib/pq's
+// *pq.Error), or "" for any other error and nil.
+func SQLState(err error) string {
+	var withState interface{ SQLState() string }
+	if err == nil || !errors.As(err, &withState) {
+		return ""
+	}
+	return withState.SQLState()
 }

@@ -254,7 +254,10 @@ SELECT (SELECT count(*) FROM upd), (SELECT count(*) FROM woken)`, n.QTable)
 // With arrivals, the group's arrivals too (those its binding covers, the
 // primary key's range from its start), each due at its arrival.
 func Peek(n Names) string {
-	outbox := fmt.Sprintf(`SELECT id, uuid, payload, metadata::text, created_at, available_at, deliveries,
+	// A parked row's 'infinity' comes back as NULL: database/sql drivers
+	// read it as text, or fail on it (bun's pgdriver).
+	outbox := fmt.Sprintf(`SELECT id, uuid, payload, metadata::text, created_at,
+       CASE WHEN available_at < 'infinity' THEN available_at END AS due, deliveries,
        dedup_key, last_error, failure_reason, ordering_key
   FROM %s
  WHERE topic = $1 AND consumer_group = $2 AND lease_token IS NULL

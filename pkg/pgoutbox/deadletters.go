@@ -497,14 +497,14 @@ func Peek(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 	for rows.Next() {
 		var m PendingMessage
 		var md string
-		var avail pgtype.Timestamptz
+		var avail pgtype.Timestamptz // NULL for a parked row
 		var dedup, lastErr, reason, okey *string
 		if err := rows.Scan(&m.ID, &m.UUID, &m.Payload, &md, &m.CreatedAt, &avail, &m.Deliveries, &dedup, &lastErr, &reason, &okey); err != nil {
 			return nil, errorf("pgoutbox: peek: %w", err)
 		}
 		m.DedupKey, m.LastError, m.FailureReason, m.OrderingKey = deref(dedup), deref(lastErr), deref(reason), deref(okey)
 		m.AvailableAt = avail.Time
-		if avail.InfinityModifier == pgtype.Infinity {
+		if !avail.Valid {
 			m.Parked = true
 			m.AvailableAt = time.Date(294276, 1, 1, 0, 0, 0, 0, time.UTC)
 		}

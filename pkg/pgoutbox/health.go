@@ -2,11 +2,9 @@ package pgoutbox
 
 import (
 	"context"
-	"errors"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
-
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -270,8 +268,7 @@ func Health(ctx context.Context, exec tx.Executor, tables schema.Config) (Health
 // healthError wraps a failed Health statement, with what to do when the
 // cause is a missing privilege.
 func healthError(what string, err error) error {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+	if errtext.SQLState(err) == "42501" {
 		return errorf("pgoutbox: health: %s: %w; the role needs USAGE on the outbox's schema (docs/operations.md, Least privilege)", what, err)
 	}
 	return errorf("pgoutbox: health: %s: %w", what, err)

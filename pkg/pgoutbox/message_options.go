@@ -32,10 +32,14 @@ func DeliverAfter(msg *message.Message, d time.Duration) {
 }
 
 // DeliverAt makes msg invisible to subscribers until t. The time is stored
-// as given; a time in the past means now. It replaces an earlier
+// as given (in UTC when its zone's offset has seconds, which RFC 3339
+// cannot write); a time in the past means now. It replaces an earlier
 // DeliverAfter.
 func DeliverAt(msg *message.Message, t time.Time) {
 	delete(msg.Metadata, deliverAfterKey)
+	if _, offset := t.Zone(); offset%60 != 0 {
+		t = t.UTC() // RFC 3339 has no seconds in an offset (a historical zone's LMT)
+	}
 	msg.Metadata.Set(deliverAtKey, t.Format(time.RFC3339Nano))
 }
 

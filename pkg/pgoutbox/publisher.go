@@ -16,9 +16,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -120,7 +120,8 @@ func NewContextPublisher(db tx.Executor, config PublisherConfig, logger watermil
 }
 
 // NewTxPublisher returns a Publisher bound to a database/sql transaction
-// (opened with the pgx stdlib driver). It never commits or rolls back tx.
+// (any PostgreSQL driver: see tx.FromSQLTx). It never commits or rolls
+// back tx.
 func NewTxPublisher(t *sql.Tx, config PublisherConfig, logger watermill.LoggerAdapter) (*Publisher, error) {
 	if t == nil {
 		return nil, fmt.Errorf("%w: transaction is nil", ErrInvalidConfig)
@@ -316,18 +317,18 @@ func (p *Publisher) Close() error {
 }
 
 func (p *Publisher) wrapErr(topic string, err error) error {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		switch pgErr.Code {
-		case "42P01": // undefined_table
-			if n := p.q.Names; n.Arrivals && strings.Contains(pgErr.Message, n.ArrivalsTable) {
-				return errorf("pgoutbox: publish to %q: the arrivals table %s does not exist (an outbox below schema version 7, or one converted to a rotating outbox): "+
-					"unset Tables.Arrivals (and set Tables.Rotating if the outbox was converted), or bring the outbox to version 7 with schema.Migrate or schema.Create: %w", topic, n.QArrivals, err)
-			}
-			return errorf("pgoutbox: publish to %q: table %s does not exist; run schema.Create or apply schema.SQL: %w", topic, p.q.Names.QTable, err)
-		case "25P02": // in_failed_sql_transaction
-			return errorf("pgoutbox: publish to %q: the transaction already failed; roll it back and retry the whole unit of work: %w", topic, err)
+	if errors.Is(err, tx.ErrTxDone) {
+		return errorf("pgoutbox: publish to %q: %w; publish inside an open transaction, before Commit", topic, err)
+	}
+	switch errtext.SQLState(err) {
+	case "42P01": // undefined_table
+		if n := p.q.Names; n.Arrivals && strings.Contains(err.Error(), n.ArrivalsTable) {
+			return errorf("pgoutbox: publish to %q: the arrivals table %s does not exist (an outbox below schema version 7, or one converted to a rotating outbox): "+
+				"unset Tables.Arrivals (and set Tables.Rotating if the outbox was converted), or bring the outbox to version 7 with schema.Migrate or schema.Create: %w", topic, n.QArrivals, err)
 		}
+		return errorf("pgoutbox: publish to %q: table %s does not exist; run schema.Create or apply schema.SQL: %w", topic, p.q.Names.QTable, err)
+	case "25P02": // in_failed_sql_transaction
+		return errorf("pgoutbox: publish to %q: the transaction already failed; roll it back and retry the whole unit of work: %w", topic, err)
 	}
 	return errorf("pgoutbox: publish to %q: %w", topic, err)
 }

@@ -44,7 +44,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -182,15 +182,13 @@ func currentSetting(ctx context.Context, e tx.Executor, name string) (string, er
 }
 
 func isLockTimeout(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "55P03" // lock_not_available
+	return errtext.SQLState(err) == "55P03" // lock_not_available
 }
 
 // isSerializationFailure: a row the statement meant to lock was updated
 // or moved to another partition since its snapshot; run it again.
 func isSerializationFailure(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "40001" // serialization_failure
+	return errtext.SQLState(err) == "40001" // serialization_failure
 }
 
 // Create creates whatever of the schema is missing. It is idempotent and

@@ -1,5 +1,5 @@
 // Package tx lets pgoutbox run its statements on whatever handle the caller
-// has: a database/sql transaction or pool (with the pgx stdlib driver), a pgx
+// has: a database/sql transaction or pool, a pgx
 // transaction, or a pgxpool. A transaction-bound Executor never begins,
 // commits or rolls back the caller's transaction.
 package tx
@@ -17,7 +17,7 @@ import (
 
 // ErrTxDone is returned when a statement runs on a transaction that was
 // already committed or rolled back.
-var ErrTxDone = errors.New("pgoutbox: the transaction is already committed or rolled back; publish inside an open transaction, before Commit")
+var ErrTxDone = errors.New("pgoutbox: the transaction is already committed or rolled back")
 
 // Executor runs statements on a database handle or on an open transaction.
 // Build one with FromSQLTx, FromSQLDB, FromPgxTx or FromPgxPool.
@@ -45,13 +45,17 @@ type beginner interface {
 	begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error)
 }
 
-// FromSQLTx binds an Executor to a database/sql transaction. The connection
-// must use the pgx stdlib driver (github.com/jackc/pgx/v5/stdlib), which
-// passes arrays and bytea through to pgx.
+// FromSQLTx binds an Executor to a database/sql transaction. Any
+// PostgreSQL driver serves: the pgx stdlib driver
+// (github.com/jackc/pgx/v5/stdlib) and lib/pq from v1.11 take pgoutbox's
+// array parameters as they are; with a driver that refuses Go slices
+// (lib/pq before v1.11, bun's pgdriver) a statement that has some runs
+// again with them written as array literals.
 func FromSQLTx(tx *sql.Tx) Executor { return sqlTx{tx} }
 
 // FromSQLDB runs each statement on its own connection from a database/sql
-// pool using the pgx stdlib driver; each statement commits on its own.
+// pool (any PostgreSQL driver, as for FromSQLTx); each statement commits
+// on its own.
 func FromSQLDB(db *sql.DB) Executor { return sqlDB{db} }
 
 // FromPgxTx binds an Executor to a pgx transaction.
@@ -68,6 +72,11 @@ type sqlQueryer interface {
 
 func sqlExec(ctx context.Context, q sqlQueryer, query string, args []any) (int64, error) {
 	res, err := q.ExecContext(ctx, query, args...)
+	if refusedArgument(err) {
+		if lit, ok := withArrayLiterals(args); ok {
+			res, err = q.ExecContext(ctx, query, lit...)
+		}
+	}
 	if err != nil {
 		return 0, mapErr(err)
 	}
@@ -76,6 +85,11 @@ func sqlExec(ctx context.Context, q sqlQueryer, query string, args []any) (int64
 
 func sqlQuery(ctx context.Context, q sqlQueryer, query string, args []any) (Rows, error) {
 	rows, err := q.QueryContext(ctx, query, args...)
+	if refusedArgument(err) {
+		if lit, ok := withArrayLiterals(args); ok {
+			rows, err = q.QueryContext(ctx, query, lit...)
+		}
+	}
 	if err != nil {
 		return nil, mapErr(err)
 	}
@@ -85,9 +99,15 @@ func sqlQuery(ctx context.Context, q sqlQueryer, query string, args []any) (Rows
 type sqlTx struct{ tx *sql.Tx }
 
 func (e sqlTx) Exec(ctx context.Context, q string, args ...any) (int64, error) {
+	if e.tx == nil {
+		return 0, nilHandle("FromSQLTx", "*sql.Tx")
+	}
 	return sqlExec(ctx, e.tx, q, args)
 }
 func (e sqlTx) Query(ctx context.Context, q string, args ...any) (Rows, error) {
+	if e.tx == nil {
+		return nil, nilHandle("FromSQLTx", "*sql.Tx")
+	}
 	return sqlQuery(ctx, e.tx, q, args)
 }
 func (sqlTx) InTx() bool { return true }
@@ -95,13 +115,22 @@ func (sqlTx) InTx() bool { return true }
 type sqlDB struct{ db *sql.DB }
 
 func (e sqlDB) Exec(ctx context.Context, q string, args ...any) (int64, error) {
+	if e.db == nil {
+		return 0, nilHandle("FromSQLDB", "*sql.DB")
+	}
 	return sqlExec(ctx, e.db, q, args)
 }
 func (e sqlDB) Query(ctx context.Context, q string, args ...any) (Rows, error) {
+	if e.db == nil {
+		return nil, nilHandle("FromSQLDB", "*sql.DB")
+	}
 	return sqlQuery(ctx, e.db, q, args)
 }
 func (sqlDB) InTx() bool { return false }
 func (e sqlDB) begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error) {
+	if e.db == nil {
+		return nil, nil, nil, nilHandle("FromSQLDB", "*sql.DB")
+	}
 	t, err := e.db.BeginTx(ctx, nil)
 	if err != nil {
 		return nil, nil, nil, err
@@ -137,9 +166,15 @@ func pgxQuery(ctx context.Context, q pgxQueryer, query string, args []any) (Rows
 type pgxTx struct{ tx pgx.Tx }
 
 func (e pgxTx) Exec(ctx context.Context, q string, args ...any) (int64, error) {
+	if e.tx == nil {
+		return 0, nilHandle("FromPgxTx", "pgx.Tx")
+	}
 	return pgxExec(ctx, e.tx, q, args)
 }
 func (e pgxTx) Query(ctx context.Context, q string, args ...any) (Rows, error) {
+	if e.tx == nil {
+		return nil, nilHandle("FromPgxTx", "pgx.Tx")
+	}
 	return pgxQuery(ctx, e.tx, q, args)
 }
 func (pgxTx) InTx() bool { return true }
@@ -147,18 +182,49 @@ func (pgxTx) InTx() bool { return true }
 type pgxPool struct{ pool *pgxpool.Pool }
 
 func (e pgxPool) Exec(ctx context.Context, q string, args ...any) (int64, error) {
+	if e.pool == nil {
+		return 0, nilHandle("FromPgxPool", "*pgxpool.Pool")
+	}
 	return pgxExec(ctx, e.pool, q, args)
 }
 func (e pgxPool) Query(ctx context.Context, q string, args ...any) (Rows, error) {
+	if e.pool == nil {
+		return nil, nilHandle("FromPgxPool", "*pgxpool.Pool")
+	}
 	return pgxQuery(ctx, e.pool, q, args)
 }
 func (pgxPool) InTx() bool { return false }
 func (e pgxPool) begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error) {
+	if e.pool == nil {
+		return nil, nil, nil, nilHandle("FromPgxPool", "*pgxpool.Pool")
+	}
 	t, err := e.pool.Begin(ctx)
 	if err != nil {
 		return nil, nil, nil, err
 	}
 	return pgxTx{t}, t.Commit, t.Rollback, nil
+}
+
+// nilHandle is the error of an Executor built from a nil handle.
+func nilHandle(from, handle string) error {
+	return fmt.Errorf("pgoutbox: tx.%s was given a nil %s; pass an open one", from, handle)
+}
+
+// isNil reports whether e was built from a nil handle (or is nil).
+func isNil(e Executor) bool {
+	switch x := e.(type) {
+	case nil:
+		return true
+	case sqlTx:
+		return x.tx == nil
+	case sqlDB:
+		return x.db == nil
+	case pgxTx:
+		return x.tx == nil
+	case pgxPool:
+		return x.pool == nil
+	}
+	return false
 }
 
 // mapErr turns "this transaction is finished" from either driver into

@@ -65,8 +65,15 @@ const DefaultCommitTimeout = 10 * time.Second
 // later run inside it, and it publishes what they return.
 func Middleware(db Executor, config MiddlewareConfig) (message.HandlerMiddleware, error) {
 	b, ok := db.(beginner)
-	if db == nil || !ok || db.InTx() {
-		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not %T", db)
+	switch {
+	case db == nil:
+		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not nil")
+	case db.InTx():
+		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not a transaction")
+	case !ok:
+		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not an Executor of your own (%T)", db)
+	case isNil(db):
+		return nil, errtext.Errorf("pgoutbox: tx.Middleware was given an Executor built from a nil pool; pass FromSQLDB or FromPgxPool an open one")
 	}
 	if config.CommitTimeout < 0 {
 		return nil, errtext.Errorf("pgoutbox: tx.MiddlewareConfig.CommitTimeout is negative (%v); leave it 0 for the default (%v)", config.CommitTimeout, DefaultCommitTimeout)
@@ -129,7 +136,9 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 	fin, cancel := context.WithTimeout(context.WithoutCancel(orig), config.CommitTimeout)
 	defer cancel()
 	if len(produced) > 0 {
-		if err := publishInTx(fin, exec, config, msg, produced); err != nil {
+		if err := publishInTx(fin, exec, config, msg, produced); errors.Is(err, ErrTxDone) {
+			return nil, endedByHandler(msg, ErrTxDone) // not err: its advice is for code that publishes
+		} else if err != nil {
 			return nil, err
 		}
 	}
@@ -137,6 +146,9 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		stmt, args := row.Completion()
 		row.Begin()
 		n, err := exec.Exec(fin, stmt, args...)
+		if errors.Is(err, ErrTxDone) {
+			return nil, endedByHandler(msg, err)
+		}
 		if err != nil {
 			return nil, errtext.Errorf("pgoutbox: complete the message in the handler's transaction: %w", err)
 		}
@@ -147,6 +159,9 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		}
 	}
 	if err := commit(fin); err != nil {
+		if err = mapErr(err); errors.Is(err, ErrTxDone) {
+			return nil, endedByHandler(msg, err)
+		}
 		return nil, errtext.Errorf("pgoutbox: commit the handler's transaction: %w", err)
 	}
 	committed = true
@@ -179,6 +194,14 @@ func publishInTx(fin context.Context, exec Executor, config MiddlewareConfig, ms
 		return errtext.Errorf("pgoutbox: publish the handler's messages in its transaction: %w", err)
 	}
 	return nil
+}
+
+// endedByHandler is the error for a handler's transaction that was over
+// before tx.Middleware could finish it.
+func endedByHandler(msg *message.Message, err error) error {
+	return errtext.Errorf("pgoutbox: finish message %s in the handler's transaction: %w: the handler (or code it called) ended it; "+
+		"tx.Middleware commits it when the handler returns nil and rolls it back when it returns an error, so leave both to it "+
+		"(what the handler committed stays, and the message is delivered again)", msg.UUID, err)
 }
 
 // acked reports whether msg was acked already.

@@ -629,3 +629,51 @@ func TestTxMiddlewareRefusesAMessageAckedBeforeIt(t *testing.T) {
 		})
 	}
 }
+
+// A CQRS command handler has the message's context, not the message:
+// RejectContext dead-letters its command at once (reason "rejected", one
+// delivery), with tx.Middleware around it or not, and rolls its write back.
+func TestCQRSCommandHandlerRejectsWithItsContext(t *testing.T) {
+	t.Parallel()
+	for _, inTx := range []bool{false, true} {
+		t.Run(map[bool]string{false: "plain", true: "tx.Middleware"}[inTx], func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			h := newTxHandlerBed(t, b.Pool, b)
+			type BookRoom struct{ Room string }
+			marshaler := cqrs.JSONMarshaler{}
+			r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+			require.NoError(t, err)
+			r.AddMiddleware(pgoutbox.ErrorRecorder)
+			if inTx {
+				r.AddMiddleware(h.mw)
+			}
+			commandBus, err := cqrs.NewCommandBusWithConfig(h.pub, cqrs.CommandBusConfig{
+				GeneratePublishTopic: func(p cqrs.CommandBusGeneratePublishTopicParams) (string, error) { return p.CommandName, nil },
+				Marshaler:            marshaler,
+			})
+			require.NoError(t, err)
+			processor, err := cqrs.NewCommandProcessorWithConfig(r, cqrs.CommandProcessorConfig{
+				GenerateSubscribeTopic: func(p cqrs.CommandProcessorGenerateSubscribeTopicParams) (string, error) { return p.CommandName, nil },
+				SubscriberConstructor: func(cqrs.CommandProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+					return h.newSubscriber(t, nil), nil
+				},
+				Marshaler: marshaler,
+			})
+			require.NoError(t, err)
+			var calls atomic.Int32
+			require.NoError(t, processor.AddHandlers(cqrs.NewCommandHandler("book", func(ctx context.Context, c *BookRoom) error {
+				calls.Add(1)
+				return pgoutbox.RejectContext(ctx, "room "+c.Room+" does not exist")
+			})))
+			startRouter(t, r)
+			require.NoError(t, commandBus.Send(context.Background(), &BookRoom{Room: "13"}))
+			pollUntil(t, "the command dead-lettered", 10*time.Second, nil, func() bool {
+				return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`) == 1
+			})
+			require.Equal(t, []string{"rejected 1"}, b.strings(t, `SELECT failure_reason || ' ' || deliveries FROM `+b.Schema+`.outbox_dlq`))
+			require.Contains(t, b.strings(t, `SELECT last_error FROM `+b.Schema+`.outbox_dlq`)[0], "room 13 does not exist")
+			require.EqualValues(t, 1, calls.Load())
+		})
+	}
+}

@@ -219,7 +219,19 @@ var ErrRejected = errors.New("pgoutbox: message rejected")
 // Watermill's middleware.Retry, which returns it at once instead of
 // retrying in memory.
 func Reject(msg *message.Message, reason string) error {
-	if o := outcomeFrom(msg.Context()); o != nil {
+	return RejectContext(msg.Context(), reason)
+}
+
+// RejectContext is Reject for code that has the message's context but not
+// the message: a Watermill CQRS command or event handler, which gets the
+// message's context (tx.Middleware's too):
+//
+//	return pgoutbox.RejectContext(ctx, "room does not exist")
+//
+// Given a context that no subscriber's message carries, it only returns
+// the error, which the Router then handles as any other.
+func RejectContext(ctx context.Context, reason string) error {
+	if o := outcomeFrom(ctx); o != nil {
 		o.mu.Lock()
 		o.rejectReason = reason
 		o.mu.Unlock()

@@ -288,9 +288,9 @@ func TestTxMiddlewareConfigErrors(t *testing.T) {
 	require.False(t, ok, "the message gets its own context back")
 
 	_, err = tx.Middleware(tx.FromPgxPool(nil), tx.MiddlewareConfig{})
-	require.ErrorContains(t, err, "nil pool")
+	require.ErrorContains(t, err, "tx.FromPgxPool was given a nil *pgxpool.Pool")
 	_, err = tx.Middleware(tx.FromSQLDB(nil), tx.MiddlewareConfig{})
-	require.ErrorContains(t, err, "nil pool")
+	require.ErrorContains(t, err, "tx.FromSQLDB was given a nil *sql.DB")
 	pub, err := pgoutbox.NewPublisher(tx.FromSQLTx(nil), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
 	require.NoError(t, err)
 	require.ErrorContains(t, pub.Publish("t", newMsg("x")), "tx.FromSQLTx was given a nil *sql.Tx", "an error, not a panic")

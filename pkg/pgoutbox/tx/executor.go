@@ -51,19 +51,39 @@ type beginner interface {
 // array parameters as they are; with a driver that refuses Go slices
 // (lib/pq before v1.11, bun's pgdriver) a statement that has some runs
 // again with them written as array literals.
-func FromSQLTx(tx *sql.Tx) Executor { return sqlTx{tx} }
+func FromSQLTx(tx *sql.Tx) Executor {
+	if tx == nil {
+		return nilHandle{"FromSQLTx", "*sql.Tx", true}
+	}
+	return sqlTx{tx}
+}
 
 // FromSQLDB runs each statement on its own connection from a database/sql
 // pool (any PostgreSQL driver, as for FromSQLTx); each statement commits
 // on its own.
-func FromSQLDB(db *sql.DB) Executor { return sqlDB{db} }
+func FromSQLDB(db *sql.DB) Executor {
+	if db == nil {
+		return nilHandle{"FromSQLDB", "*sql.DB", false}
+	}
+	return sqlDB{db}
+}
 
 // FromPgxTx binds an Executor to a pgx transaction.
-func FromPgxTx(tx pgx.Tx) Executor { return pgxTx{tx} }
+func FromPgxTx(tx pgx.Tx) Executor {
+	if tx == nil {
+		return nilHandle{"FromPgxTx", "pgx.Tx", true}
+	}
+	return pgxTx{tx}
+}
 
 // FromPgxPool runs each statement on its own connection from a pgxpool; each
 // statement commits on its own.
-func FromPgxPool(pool *pgxpool.Pool) Executor { return pgxPool{pool} }
+func FromPgxPool(pool *pgxpool.Pool) Executor {
+	if pool == nil {
+		return nilHandle{"FromPgxPool", "*pgxpool.Pool", false}
+	}
+	return pgxPool{pool}
+}
 
 type sqlQueryer interface {
 	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
@@ -99,15 +119,9 @@ func sqlQuery(ctx context.Context, q sqlQueryer, query string, args []any) (Rows
 type sqlTx struct{ tx *sql.Tx }
 
 func (e sqlTx) Exec(ctx context.Context, q string, args ...any) (int64, error) {
-	if e.tx == nil {
-		return 0, nilHandle("FromSQLTx", "*sql.Tx")
-	}
 	return sqlExec(ctx, e.tx, q, args)
 }
 func (e sqlTx) Query(ctx context.Context, q string, args ...any) (Rows, error) {
-	if e.tx == nil {
-		return nil, nilHandle("FromSQLTx", "*sql.Tx")
-	}
 	return sqlQuery(ctx, e.tx, q, args)
 }
 func (sqlTx) InTx() bool { return true }
@@ -115,22 +129,13 @@ func (sqlTx) InTx() bool { return true }
 type sqlDB struct{ db *sql.DB }
 
 func (e sqlDB) Exec(ctx context.Context, q string, args ...any) (int64, error) {
-	if e.db == nil {
-		return 0, nilHandle("FromSQLDB", "*sql.DB")
-	}
 	return sqlExec(ctx, e.db, q, args)
 }
 func (e sqlDB) Query(ctx context.Context, q string, args ...any) (Rows, error) {
-	if e.db == nil {
-		return nil, nilHandle("FromSQLDB", "*sql.DB")
-	}
 	return sqlQuery(ctx, e.db, q, args)
 }
 func (sqlDB) InTx() bool { return false }
 func (e sqlDB) begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error) {
-	if e.db == nil {
-		return nil, nil, nil, nilHandle("FromSQLDB", "*sql.DB")
-	}
 	t, err := e.db.BeginTx(ctx, nil)
 	if err != nil {
 		return nil, nil, nil, err
@@ -166,15 +171,9 @@ func pgxQuery(ctx context.Context, q pgxQueryer, query string, args []any) (Rows
 type pgxTx struct{ tx pgx.Tx }
 
 func (e pgxTx) Exec(ctx context.Context, q string, args ...any) (int64, error) {
-	if e.tx == nil {
-		return 0, nilHandle("FromPgxTx", "pgx.Tx")
-	}
 	return pgxExec(ctx, e.tx, q, args)
 }
 func (e pgxTx) Query(ctx context.Context, q string, args ...any) (Rows, error) {
-	if e.tx == nil {
-		return nil, nilHandle("FromPgxTx", "pgx.Tx")
-	}
 	return pgxQuery(ctx, e.tx, q, args)
 }
 func (pgxTx) InTx() bool { return true }
@@ -182,22 +181,13 @@ func (pgxTx) InTx() bool { return true }
 type pgxPool struct{ pool *pgxpool.Pool }
 
 func (e pgxPool) Exec(ctx context.Context, q string, args ...any) (int64, error) {
-	if e.pool == nil {
-		return 0, nilHandle("FromPgxPool", "*pgxpool.Pool")
-	}
 	return pgxExec(ctx, e.pool, q, args)
 }
 func (e pgxPool) Query(ctx context.Context, q string, args ...any) (Rows, error) {
-	if e.pool == nil {
-		return nil, nilHandle("FromPgxPool", "*pgxpool.Pool")
-	}
 	return pgxQuery(ctx, e.pool, q, args)
 }
 func (pgxPool) InTx() bool { return false }
 func (e pgxPool) begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error) {
-	if e.pool == nil {
-		return nil, nil, nil, nilHandle("FromPgxPool", "*pgxpool.Pool")
-	}
 	t, err := e.pool.Begin(ctx)
 	if err != nil {
 		return nil, nil, nil, err
@@ -205,27 +195,19 @@ func (e pgxPool) begin(ctx context.Context) (Executor, func(context.Context) err
 	return pgxTx{t}, t.Commit, t.Rollback, nil
 }
 
-// nilHandle is the error of an Executor built from a nil handle.
-func nilHandle(from, handle string) error {
-	return fmt.Errorf("pgoutbox: tx.%s was given a nil %s; pass an open one", from, handle)
+// nilHandle is the Executor of a nil handle: every statement returns an
+// error that names it, where the handle would panic.
+type nilHandle struct {
+	from, handle string
+	inTx         bool
 }
 
-// isNil reports whether e was built from a nil handle (or is nil).
-func isNil(e Executor) bool {
-	switch x := e.(type) {
-	case nil:
-		return true
-	case sqlTx:
-		return x.tx == nil
-	case sqlDB:
-		return x.db == nil
-	case pgxTx:
-		return x.tx == nil
-	case pgxPool:
-		return x.pool == nil
-	}
-	return false
+func (n nilHandle) err() error {
+	return fmt.Errorf("pgoutbox: tx.%s was given a nil %s; pass an open one", n.from, n.handle)
 }
+func (n nilHandle) Exec(context.Context, string, ...any) (int64, error) { return 0, n.err() }
+func (n nilHandle) Query(context.Context, string, ...any) (Rows, error) { return nil, n.err() }
+func (n nilHandle) InTx() bool                                          { return n.inTx }
 
 // mapErr turns "this transaction is finished" from either driver into
 // ErrTxDone, so callers get one error to branch on and a hint at the fix.

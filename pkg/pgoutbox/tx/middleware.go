@@ -65,15 +65,16 @@ const DefaultCommitTimeout = 10 * time.Second
 // later run inside it, and it publishes what they return.
 func Middleware(db Executor, config MiddlewareConfig) (message.HandlerMiddleware, error) {
 	b, ok := db.(beginner)
+	nilPool, isNil := db.(nilHandle)
 	switch {
 	case db == nil:
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not nil")
 	case db.InTx():
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not a transaction")
+	case isNil:
+		return nil, errtext.Errorf("pgoutbox: tx.Middleware: %w", nilPool.err())
 	case !ok:
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not an Executor of your own (%T)", db)
-	case isNil(db):
-		return nil, errtext.Errorf("pgoutbox: tx.Middleware was given an Executor built from a nil pool; pass FromSQLDB or FromPgxPool an open one")
 	}
 	if config.CommitTimeout < 0 {
 		return nil, errtext.Errorf("pgoutbox: tx.MiddlewareConfig.CommitTimeout is negative (%v); leave it 0 for the default (%v)", config.CommitTimeout, DefaultCommitTimeout)

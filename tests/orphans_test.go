@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"math/rand/v2"
+	"net/url"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -144,4 +145,75 @@ func TestRowsLeasedBeforeTheLivenessLockAreStampedSoon(t *testing.T) {
 		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_token IS NOT NULL AND lease_holder IS NULL`) == 0 &&
 			b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_token IS NOT NULL`) >= 4
 	})
+}
+
+// A live process whose LISTEN connection drops, and cannot come back for
+// seconds, loses its liveness lock while its handlers run: other
+// processes would take its leased rows for orphans from their second
+// check on, and run them beside its handlers. It renews them without a
+// holder as soon as its connection fails, so they wait for their leases:
+// consumer A's LISTEN connection goes through a proxy that is cut for 3 s
+// while A's four handlers run; consumer B, a process of its own, gets none
+// of A's rows, and A's acks are written. On every claim mode: a held row
+// whose handler outlives the bound is a lease too.
+func TestRowsOfAProcessWhoseListenConnectionDropsStayItsOwn(t *testing.T) {
+	t.Parallel()
+	onEachClaimMode(t, listenConnectionDrops)
+}
+
+func listenConnectionDrops(t *testing.T, mode pgoutbox.ClaimMode) {
+	b := setup(t)
+	px := startTCPProxy(t, b.DSN)
+	listen, err := url.Parse(b.DSN)
+	require.NoError(t, err)
+	listen.Host = px.addr
+	evA := newEvents()
+	subA := b.subscriberOn(t, b.namedPool(t, "lockloss-a"), func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode, c.MaxInFlight, c.Lease = mode, 4, 30*time.Second
+		c.ListenDSN = listen.String()
+		c.Observer = evA
+	})
+	b.publishInTx(t, "t", true, newMsgs(4)...)
+	release := make(chan struct{})
+	started := make(chan string, 4)
+	runRouter(t, subA, "t", func(m *message.Message) error {
+		started <- m.UUID
+		<-release
+		return nil
+	})
+	t.Cleanup(func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	})
+	for range 4 {
+		select {
+		case <-started:
+		case <-time.After(10 * time.Second):
+			t.Fatal("A's handlers did not start")
+		}
+	}
+	pollUntil(t, "A's rows stamped with its liveness key", 10*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_holder IS NOT NULL`) == 4
+	})
+
+	// B, another process (its own pool and LISTEN connection), sees A's
+	// lock in two checks (500 ms apart) before the cut.
+	subB := b.subscriberOn(t, b.namedPool(t, "lockloss-b"), func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
+	tookByB := make(chan string, 4)
+	runRouter(t, subB, "t", func(m *message.Message) error {
+		tookByB <- m.UUID
+		return nil
+	})
+	time.Sleep(1500 * time.Millisecond) // B's notifier has checked the locks held (no event to await)
+
+	px.cut()
+	requireNoString(t, tookByB, 3*time.Second)
+	px.restore()
+	close(release)
+	pollUntil(t, "A's acks written", 20*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+	require.Zero(t, evA.countKind(pgoutbox.EventLeaseLost), "A kept its rows")
+	requireNoString(t, tookByB, 0)
 }

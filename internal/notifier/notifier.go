@@ -98,9 +98,12 @@ type Waiter struct {
 // by a subscriber with a delay), rows a subscriber returned due now, a
 // liveness lock that stayed gone for two checks (its holder's leased rows
 // are orphans), and one missing at the last check (Vanished: its holder may
-// have died, and the rows of its held transactions are due again).
+// have died, and the rows of its held transactions are due again); and
+// LockLost: this process's own liveness lock is gone (its LISTEN
+// connection dropped), so the rows stamped with it look orphaned to other
+// processes from their second check on.
 type Kinds struct {
-	Due, Scheduled, Released, Orphans, Vanished bool
+	Due, Scheduled, Released, Orphans, Vanished, LockLost bool
 }
 
 // Take returns the reasons of the wake-ups received since the last Take,
@@ -108,7 +111,8 @@ type Kinds struct {
 func (w *Waiter) Take() Kinds {
 	k := w.kinds.Swap(0)
 	return Kinds{Due: k&(1<<wakeDue) != 0, Scheduled: k&(1<<wakeScheduled) != 0,
-		Released: k&(1<<wakeReleased) != 0, Orphans: k&(1<<wakeOrphans) != 0, Vanished: k&(1<<wakeVanished) != 0}
+		Released: k&(1<<wakeReleased) != 0, Orphans: k&(1<<wakeOrphans) != 0, Vanished: k&(1<<wakeVanished) != 0,
+		LockLost: k&(1<<wakeLockLost) != 0}
 }
 
 // Acquire returns the pool's notifier, starting it on first use. Every
@@ -248,6 +252,7 @@ const (
 	wakeReleased
 	wakeOrphans
 	wakeVanished
+	wakeLockLost
 )
 
 // wake wakes the waiters ws; with onlyGroup, only those of group.
@@ -373,6 +378,7 @@ func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn) error {
 	switch {
 	case key != 0 && !held[key]:
 		n.setLiveness(key, false)
+		n.wakeAll(wakeLockLost)
 		if err := n.lockLiveness(ctx, conn); err != nil {
 			return err
 		}
@@ -455,6 +461,7 @@ func (n *Notifier) session(ctx context.Context, connected func()) error {
 	defer func() {
 		key, _ := n.Liveness()
 		n.setLiveness(key, false)
+		n.wakeAll(wakeLockLost)
 	}()
 	connected()
 	// Anything notified while we were not listening is lost: have every

@@ -300,7 +300,7 @@ func (sub *subscription) startClaim(now time.Time) {
 		return
 	}
 	req := sub.claims.start(n, now, sub.holder(), sub.events.signals.waiter.Spare)
-	sub.house.unstamped = sub.house.unstamped || !req.holder.Valid
+	sub.house.unstamped, sub.house.stamped = sub.house.unstamped || !req.holder.Valid, sub.house.stamped || req.holder.Valid
 	req.held = sub.held.wantHeld(req, now, sub.claims.scan.keyedUntil, sub.poolHasSpare)
 	req.arrivals = arrivalsFrom(req, len(sub.held.batches))
 	go func() {

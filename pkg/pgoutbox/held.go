@@ -237,7 +237,9 @@ const heldPatience = 20 * time.Millisecond
 // (jobFor).
 func (sub *subscription) closeBatch(b *heldBatch, now time.Time, why string) {
 	job := sub.held.close(b, now, why, sub.holder())
-	sub.house.unstamped = sub.house.unstamped || !job.holder.Valid && len(job.leased) > 0
+	if len(job.leased) > 0 {
+		sub.house.unstamped, sub.house.stamped = sub.house.unstamped || !job.holder.Valid, sub.house.stamped || job.holder.Valid
+	}
 	if job.slow {
 		sub.logger.Debug("Handlers slower than the held path's bound; leasing for a while", watermill.LogFields{
 			"rows": len(b.rows), "still_running": job.stragglers, "lease_for": heldOffFor.String()})

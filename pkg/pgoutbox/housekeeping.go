@@ -20,6 +20,12 @@ type housekeeping struct {
 	// a crash would leave them for their lease to expire: renewed (and
 	// stamped) as soon as the lock is held.
 	unstamped bool
+	// stamped: rows may carry this process's liveness key. When the lock
+	// is lost (its LISTEN connection dropped) while the process lives,
+	// other processes take such rows for orphans from their second check
+	// on (within a second) and claim them while their handlers run here:
+	// they are renewed at once without a holder, back to lease expiry.
+	stamped bool
 }
 
 // housekeepingEvery is the period of the owner's checks of renewals, ack
@@ -56,9 +62,12 @@ func (sub *subscription) housekeeping(now time.Time) {
 		// The same for the slots' queue: what no slot took yet goes back.
 		sub.giveBack(sub.takeQueued())
 	}
-	if sub.house.unstamped && sub.holder().Valid {
+	switch holder := sub.holder(); {
+	case sub.house.unstamped && holder.Valid:
 		sub.house.unstamped = false
 		sub.house.nextRenew = now
+	case sub.house.stamped && !holder.Valid:
+		sub.house.nextRenew = now // see stamped
 	}
 	if !now.Before(sub.house.nextRenew) && sub.writes.pending.renew == nil {
 		var rows []*delivery
@@ -72,7 +81,9 @@ func (sub *subscription) housekeeping(now time.Time) {
 			}
 		}
 		if len(rows) > 0 {
-			sub.writes.pending.renew, sub.writes.pending.renewHolder = rows, sub.holder()
+			holder := sub.holder()
+			sub.writes.pending.renew, sub.writes.pending.renewHolder = rows, holder
+			sub.house.stamped, sub.house.unstamped = holder.Valid, sub.house.unstamped || !holder.Valid
 		}
 		sub.house.nextRenew = now.Add(sub.cfg.Lease / 2)
 	}
@@ -125,4 +136,13 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 		sub.dropLost(d, "renew")
 	}
 	sub.s.obs.observe(Event{Kind: EventLeaseRenewed, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, Count: renewed})
+}
+
+// lockLost runs the housekeeping now when this process's liveness lock
+// is lost, so that rows stamped with it are renewed without a holder
+// before other processes find the key missing twice (see stamped).
+func (sub *subscription) lockLost(now time.Time) {
+	if sub.house.stamped {
+		sub.house.next = now
+	}
 }

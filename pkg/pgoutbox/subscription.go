@@ -237,7 +237,11 @@ func (sub *subscription) run() {
 					sub.beginStop()
 				}
 			default:
-				sub.claims.notified(sub.events.signals.waiter.Take())
+				k := sub.events.signals.waiter.Take()
+				sub.claims.notified(k)
+				if k.LockLost {
+					sub.lockLost(time.Now())
+				}
 			}
 			if poolClosed && !sub.drain.stopping {
 				sub.beginStop()

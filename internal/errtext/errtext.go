@@ -62,11 +62,16 @@ func WithHint(err error) error {
 
 // SQLState returns the SQLSTATE of the server error err wraps, from any
 // driver whose errors report it (pgx's *pgconn.PgError, lib/pq's
-// *pq.Error), or "" for any other error and nil.
+// *pq.Error, or by the protocol's field code 'C' as bun's pgdriver.Error),
+// or "" for any other error and nil.
 func SQLState(err error) string {
 	var withState interface{ SQLState() string }
-	if err == nil || !errors.As(err, &withState) {
-		return ""
+	if err != nil && errors.As(err, &withState) {
+		return withState.SQLState()
 	}
-	return withState.SQLState()
+	var withFields interface{ Field(byte) string }
+	if err != nil && errors.As(err, &withFields) {
+		return withFields.Field('C')
+	}
+	return ""
 }

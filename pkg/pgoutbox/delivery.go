@@ -231,6 +231,9 @@ func Reject(msg *message.Message, reason string) error {
 // Given a context that no subscriber's message carries, it only returns
 // the error, which the Router then handles as any other.
 func RejectContext(ctx context.Context, reason string) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
 	if o := outcomeFrom(ctx); o != nil {
 		o.mu.Lock()
 		o.rejectReason = reason

@@ -153,6 +153,13 @@ func TestLibPQOperatorCalls(t *testing.T) {
 		n, err := pgoutbox.RequeueParked(ctx, exec, env.Tables, pgoutbox.ParkedFilter{IDs: []int64{parked}})
 		require.NoError(t, err)
 		require.EqualValues(t, 1, n)
+		// Without IDs (nil: any row): NULL, not an empty array that
+		// matches nothing.
+		_, err = env.Pool.Exec(ctx, `UPDATE `+env.Schema+`.outbox SET available_at = 'infinity', failure_reason = 'rejected'`)
+		require.NoError(t, err)
+		n, err = pgoutbox.RequeueParked(ctx, exec, env.Tables, pgoutbox.ParkedFilter{})
+		require.NoError(t, err)
+		require.EqualValues(t, 2, n, "every parked row")
 	})
 }
 

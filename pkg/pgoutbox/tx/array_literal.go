@@ -19,13 +19,14 @@ import (
 // server parses the text as it would the driver's encoding.
 
 // refusedArgument reports whether err is database/sql's refusal of an
-// argument its driver cannot take (nothing was sent).
+// argument its driver cannot take (the statement was not executed).
 func refusedArgument(err error) bool {
 	return err != nil && strings.HasPrefix(err.Error(), "sql: converting argument")
 }
 
 // withArrayLiterals returns args with each slice (but []byte) replaced by
-// its array literal, and whether any was replaced and every one could be.
+// its array literal (a nil slice by NULL), and whether any was replaced
+// and every one could be.
 func withArrayLiterals(args []any) ([]any, bool) {
 	out := make([]any, len(args))
 	replaced := false
@@ -33,6 +34,12 @@ func withArrayLiterals(args []any) ([]any, bool) {
 		out[i] = a
 		v := reflect.ValueOf(a)
 		if !v.IsValid() || v.Kind() != reflect.Slice || v.Type().Elem().Kind() == reflect.Uint8 {
+			continue
+		}
+		if v.IsNil() {
+			// NULL, as pgx and lib/pq from v1.11 send a nil slice, not
+			// '{}': RequeueParked's "any id" is a NULL bigint[].
+			out[i], replaced = nil, true
 			continue
 		}
 		lit, ok := arrayLiteral(v)
@@ -100,7 +107,8 @@ func elementText(e any) (text string, null, ok bool) {
 	case bool:
 		return strconv.FormatBool(x), false, true
 	case time.Time:
-		return x.Format(time.RFC3339Nano), false, true
+		// UTC: RFC 3339 drops the seconds of an offset (see DeliverAt).
+		return x.UTC().Format(time.RFC3339Nano), false, true
 	}
 	v := reflect.ValueOf(e)
 	switch v.Kind() {
@@ -114,7 +122,7 @@ func elementText(e any) (text string, null, ok bool) {
 	case reflect.Uint, reflect.Uint16, reflect.Uint32, reflect.Uint64:
 		return strconv.FormatUint(v.Uint(), 10), false, true
 	case reflect.Float32, reflect.Float64:
-		return strconv.FormatFloat(v.Float(), 'g', -1, 64), false, true
+		return strconv.FormatFloat(v.Float(), 'g', -1, v.Type().Bits()), false, true
 	case reflect.String:
 		return v.String(), false, true
 	}

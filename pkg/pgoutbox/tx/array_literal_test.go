@@ -25,6 +25,8 @@ func TestWithArrayLiterals(t *testing.T) {
 		[]time.Time{at},
 		[]uuid.UUID{id},
 		[]bool{true},
+		[]int64(nil),
+		[]time.Time{at.In(time.FixedZone("LMT", 5*3600+30*60+17))},
 	}
 	got, ok := withArrayLiterals(args)
 	require.True(t, ok)
@@ -39,6 +41,8 @@ func TestWithArrayLiterals(t *testing.T) {
 		`{"2026-12-04T17:00:00.000005Z"}`,
 		`{"0b4c4d5e-0000-4000-8000-000000000001"}`,
 		`{"true"}`,
+		nil, // a nil slice is NULL, not '{}'
+		`{"2026-12-04T17:00:00.000005Z"}`,
 	}, got)
 
 	_, ok = withArrayLiterals([]any{"no slices", 1})

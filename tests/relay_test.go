@@ -298,3 +298,51 @@ func TestRelayClosedWhileStartingStops(t *testing.T) {
 		require.NoError(t, <-done)
 	}
 }
+
+// Run returns the error of a topic it cannot subscribe (here: an outbox
+// that does not exist), not nil as for a stop.
+func TestRelayRunReturnsASubscribeError(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, target := b.relayTarget(t)
+	missing := b.tables
+	missing.Schema = b.Schema + "_missing"
+	r, err := relay.New(b.Pool, target, relay.Config{Topics: []string{"orders"}, Subscriber: pgoutbox.SubscriberConfig{Tables: missing}})
+	require.NoError(t, err)
+	err = r.Run(context.Background())
+	require.ErrorContains(t, err, `subscribe to "orders"`)
+	require.ErrorContains(t, err, "schema.Create", "the subscriber's advice comes through")
+}
+
+// failingPublisher fails every Publish, counting them.
+type failingPublisher struct{ calls atomic.Int32 }
+
+func (p *failingPublisher) Publish(string, ...*message.Message) error {
+	p.calls.Add(1)
+	return errors.New("broker unavailable")
+}
+func (p *failingPublisher) Close() error { return nil }
+
+// While the target keeps failing, the relay slows down (a pause between
+// batches that doubles up to 10 s) instead of trying the whole backlog
+// again as fast as each row's retry delay lets it: 4 workers and 500
+// rows whose own retry delay is 10 ms make about 8 Publish calls in 2 s
+// (pauses of 0.1, 0.2, 0.4, 0.8 s, shared by the workers), where they made
+// hundreds.
+func TestRelaySlowsDownWhileTheTargetFails(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	require.NoError(t, b.poolPublisher(t).Publish("orders", newMsgs(500)...))
+	failing := &failingPublisher{}
+	r := b.startRelay(t, failing, func(c *relay.Config) {
+		c.BatchSize, c.Workers = 10, 4
+		c.Subscriber.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 10 * time.Millisecond, MaxAttempts: -1}
+	})
+	pollUntil(t, "a publish tried", 10*time.Second, nil, func() bool { return failing.calls.Load() > 0 })
+	time.Sleep(2 * time.Second) // the window the calls are counted in
+	calls := failing.calls.Load()
+	t.Logf("Publish calls in about 2 s of failures: %d", calls)
+	require.LessOrEqual(t, calls, int32(24), "each worker waits out the outage's pause before its next batch")
+	require.Zero(t, r.Stats().Relayed)
+	require.Equal(t, 500, b.outboxRows(t, "orders"), "nothing is lost while the target fails")
+}

@@ -66,7 +66,9 @@ func run() error {
 	// dots), created on first use.
 	url := env("NATS_URL", nats.DefaultURL)
 	stream := "pgoutbox-example-orders-" + watermill.NewShortUUID()
-	conn, err := nats.Connect(url)
+	// Reconnect for ever: by default nats.go gives up after 60 attempts,
+	// and every publish of the relay would fail from then on.
+	conn, err := nats.Connect(url, nats.MaxReconnects(-1))
 	if err != nil {
 		return fmt.Errorf("connect to NATS: %w", err)
 	}

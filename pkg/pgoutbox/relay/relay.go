@@ -58,9 +58,11 @@ type Config struct {
 	Workers int
 
 	// PublishTimeout bounds one Publish call, through the context of the
-	// messages it publishes (publishers that honour it: watermill-amqp,
-	// watermill-kafka). A Publish that fails or times out is retried, so
-	// the broker may receive the batch twice. Defaults to 30s.
+	// messages it publishes, for publishers that honour it (watermill-kafka;
+	// watermill-amqp until the message is sent: its wait for a publisher
+	// confirm ends only when the connection fails, at its heartbeat). A
+	// Publish that fails or times out is retried, so the broker may
+	// receive the batch twice. Defaults to 30s.
 	PublishTimeout time.Duration
 
 	// Subscriber configures how the outbox is read (Tables, ConsumerGroup,
@@ -102,6 +104,9 @@ type Relay struct {
 
 	running atomic.Bool
 	closing atomic.Bool // Close was called
+	closed  chan struct{}
+	close   sync.Once
+	outage  outage
 	stats   struct {
 		relayed, batches, failed atomic.Int64
 		lastErr                  atomic.Pointer[string]
@@ -124,7 +129,7 @@ func New(pool *pgxpool.Pool, target message.Publisher, config Config) (*Relay, e
 	if err != nil {
 		return nil, fmt.Errorf("%w: Subscriber: %w", ErrInvalidConfig, err)
 	}
-	return &Relay{cfg: config, pool: pool, target: target, sub: sub, logger: config.Logger}, nil
+	return &Relay{cfg: config, pool: pool, target: target, sub: sub, logger: config.Logger, closed: make(chan struct{})}, nil
 }
 
 func (c *Config) setDefaults() error {
@@ -191,6 +196,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	// Closing releases the subscriber's LISTEN connection and goroutines,
 	// whether Run ends by ctx or by Close (Close is idempotent).
 	defer func() { _ = r.sub.Close() }()
+	stopped := ctx
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup
@@ -200,7 +206,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		if err != nil {
 			cancel()
 			wg.Wait()
-			if r.closing.Load() || errors.Is(err, pgoutbox.ErrSubscriberClosed) || ctx.Err() != nil {
+			if r.closing.Load() || errors.Is(err, pgoutbox.ErrSubscriberClosed) || stopped.Err() != nil {
 				return nil // stopped while starting: a stop, not a failure
 			}
 			return fmt.Errorf("pgoutbox/relay: subscribe to %q: %w", topic, err)
@@ -223,6 +229,7 @@ func (r *Relay) Run(ctx context.Context) error {
 // target.
 func (r *Relay) Close() error {
 	r.closing.Store(true)
+	r.close.Do(func() { close(r.closed) }) // workers pausing for an outage stop waiting
 	return r.sub.Close()
 }
 
@@ -231,6 +238,7 @@ func (r *Relay) Close() error {
 func (r *Relay) work(ctx context.Context, topic, target string, msgs <-chan *message.Message) {
 	batch := make([]*message.Message, 0, r.cfg.BatchSize)
 	for {
+		r.outage.wait(ctx, r.closed)
 		m, ok := <-msgs
 		if !ok {
 			return
@@ -275,12 +283,18 @@ func (r *Relay) relay(ctx context.Context, topic, target string, batch []*messag
 		r.stats.failed.Add(int64(len(batch)))
 		s := err.Error()
 		r.stats.lastErr.Store(&s)
-		r.logger.Error("Relay publish failed; the messages are retried", err, watermill.LogFields{
-			"topic": topic, "target_topic": target, "messages": len(batch)})
+		fields := watermill.LogFields{"topic": topic, "target_topic": target, "messages": len(batch)}
+		if failures, logIt := r.outage.failed(time.Now()); logIt {
+			fields["failed_batches"] = failures
+			r.logger.Error("Relay publish failed; the messages are retried, and publishing slows down while the target keeps failing", err, fields)
+		}
 		for _, m := range batch {
 			m.Nack()
 		}
 		return
+	}
+	if failures := r.outage.succeeded(); failures > 0 {
+		r.logger.Info("Relay publishing again", watermill.LogFields{"topic": topic, "target_topic": target, "failed_batches": failures})
 	}
 	r.stats.relayed.Add(int64(len(batch)))
 	for _, m := range batch {

@@ -41,7 +41,11 @@ type PublisherConfig struct {
 	// transaction serializes concurrent publishers' commits. Subscribers
 	// look again shortly after each wake-up (4ms, then at doubling
 	// intervals), which picks up the rows of the quiet publishes that
-	// followed it. A Publish with a scheduled message (DeliverAfter,
+	// followed it. A quiet Publish in the cooldown of one whose transaction
+	// commits seconds after it (a transaction that publishes early) waits
+	// for that commit, or the subscribers' next poll (MaxPollInterval):
+	// publish at the end of a transaction, or use NotifyEveryPublish for
+	// such transactions. A Publish with a scheduled message (DeliverAfter,
 	// DeliverAt) always notifies. The record is per channel and topic in
 	// the process, not per database. Defaults to 2ms. The special value
 	// NotifyEveryPublish (-1) notifies in every Publish.

@@ -4,7 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -84,7 +86,7 @@ func TestDLQWithoutADeadLetterTable(t *testing.T) {
 // what is true of a single table, not of partitions.
 func TestRotationErrorAfterConvertToSingle(t *testing.T) {
 	t.Parallel()
-	logger := watermill.NewCaptureLogger()
+	logger := &errorLog{}
 	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{Rotating: true, Logger: logger,
 		Subscriber: func(c *pgoutbox.SubscriberConfig) { c.RotationWindow = 100 * time.Millisecond }})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -97,9 +99,9 @@ func TestRotationErrorAfterConvertToSingle(t *testing.T) {
 	require.Contains(t, out, "Unset Rotating")
 	rotationErrors := func() []string {
 		var msgs []string
-		for _, m := range logger.Captured()[watermill.ErrorLogLevel] {
-			if strings.HasPrefix(m.Msg, "Rotating the outbox failed") {
-				msgs = append(msgs, m.Msg)
+		for _, m := range logger.errors() {
+			if strings.HasPrefix(m, "Rotating the outbox failed") {
+				msgs = append(msgs, m)
 			}
 		}
 		return msgs
@@ -212,4 +214,28 @@ func TestPauseResumeUnboundGroupNotes(t *testing.T) {
 		require.Contains(t, out, "group billing of topic")
 		require.Empty(t, errOut, cmd)
 	}
+}
+
+// errorLog keeps the messages of the errors logged to it; unlike
+// Watermill's CaptureLoggerAdapter (whose Captured returns the map it
+// goes on writing), it may be read while the code under test logs.
+type errorLog struct {
+	mu   sync.Mutex
+	msgs []string
+}
+
+func (l *errorLog) Error(msg string, _ error, _ watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.msgs = append(l.msgs, msg)
+}
+func (l *errorLog) Info(string, watermill.LogFields)                 {}
+func (l *errorLog) Debug(string, watermill.LogFields)                {}
+func (l *errorLog) Trace(string, watermill.LogFields)                {}
+func (l *errorLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+func (l *errorLog) errors() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.msgs)
 }

@@ -346,3 +346,52 @@ func TestRelaySlowsDownWhileTheTargetFails(t *testing.T) {
 	require.Zero(t, r.Stats().Relayed)
 	require.Equal(t, 500, b.outboxRows(t, "orders"), "nothing is lost while the target fails")
 }
+
+// halfFailingPublisher refuses topic "bad" and takes every other.
+type halfFailingPublisher struct{ bad, good atomic.Int32 }
+
+func (p *halfFailingPublisher) Publish(topic string, _ ...*message.Message) error {
+	if topic == "bad" {
+		p.bad.Add(1)
+		return errors.New("no stream for subject")
+	}
+	p.good.Add(1)
+	return nil
+}
+func (p *halfFailingPublisher) Close() error { return nil }
+
+// A target that refuses one topic (a subject no stream captures) and
+// takes another: each topic has its own outage, so the other's successes
+// neither end the failing topic's pauses nor are paused by them.
+func TestRelayOneFailingTopicPacesItselfAlone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pub := b.poolPublisher(t)
+	require.NoError(t, pub.Publish("bad", newMsgs(500)...))
+	p := &halfFailingPublisher{}
+	stop := make(chan struct{})
+	trickled := make(chan struct{})
+	go func() { // a steady trickle on "good"
+		defer close(trickled)
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(50 * time.Millisecond):
+				_ = pub.Publish("good", newMsgs(1)...)
+			}
+		}
+	}()
+	b.startRelay(t, p, func(c *relay.Config) {
+		c.Topics = []string{"bad", "good"}
+		c.BatchSize, c.Workers = 10, 4
+		c.Subscriber.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 10 * time.Millisecond, MaxAttempts: -1}
+	})
+	pollUntil(t, "a publish tried", 10*time.Second, nil, func() bool { return p.bad.Load() > 0 })
+	time.Sleep(3 * time.Second) // the window the calls are counted in
+	close(stop)
+	<-trickled
+	t.Logf("bad: %d Publish calls, good: %d", p.bad.Load(), p.good.Load())
+	require.LessOrEqual(t, p.bad.Load(), int32(24), "the failing topic's pauses grow despite the other's successes")
+	pollUntil(t, "the good topic relayed", 10*time.Second, nil, func() bool { return b.outboxRows(t, "good") == 0 })
+}

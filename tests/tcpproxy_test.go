@@ -14,12 +14,11 @@ import (
 // all (and refuse new ones) until restored: a network path that fails
 // while the server and every other connection stay up.
 type tcpProxy struct {
-	t      *testing.T
-	addr   string // where clients connect
-	target string
-	mu     sync.Mutex
-	ln     net.Listener
-	conns  []net.Conn
+	addr     string // where clients connect
+	target   string
+	mu       sync.Mutex
+	refusing bool
+	conns    []net.Conn
 }
 
 // startTCPProxy starts a proxy to dsn's server, closed when the test ends.
@@ -28,57 +27,55 @@ func startTCPProxy(t *testing.T, dsn string) *tcpProxy {
 	u, err := url.Parse(dsn)
 	require.NoError(t, err)
 	require.NotEmpty(t, u.Host, "the test database's DSN must be a URL with a host: %s", dsn)
-	p := &tcpProxy{t: t, target: u.Host}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	p.addr = ln.Addr().String()
-	p.serve(ln)
-	t.Cleanup(p.cut)
-	return p
-}
-
-func (p *tcpProxy) serve(ln net.Listener) {
-	p.mu.Lock()
-	p.ln = ln
-	p.mu.Unlock()
+	p := &tcpProxy{addr: ln.Addr().String(), target: u.Host}
+	t.Cleanup(func() { _ = ln.Close(); p.cut() })
 	go func() {
 		for {
 			c, err := ln.Accept()
 			if err != nil {
-				return // cut
+				return // the test ended
 			}
-			up, err := net.Dial("tcp", p.target)
-			if err != nil {
-				_ = c.Close()
-				continue
-			}
-			p.mu.Lock()
-			p.conns = append(p.conns, c, up)
-			p.mu.Unlock()
-			go func() { _, _ = io.Copy(up, c); _ = up.Close() }()
-			go func() { _, _ = io.Copy(c, up); _ = c.Close() }()
+			p.forward(c)
 		}
 	}()
+	return p
 }
 
-// cut closes every proxied connection and refuses new ones.
+// forward connects c to the target, or closes it while the path is cut.
+func (p *tcpProxy) forward(c net.Conn) {
+	p.mu.Lock()
+	defer p.mu.Unlock() // a cut waits for a connection being made, and closes it
+	if p.refusing {
+		_ = c.Close()
+		return
+	}
+	up, err := net.Dial("tcp", p.target)
+	if err != nil {
+		_ = c.Close()
+		return
+	}
+	p.conns = append(p.conns, c, up)
+	go func() { _, _ = io.Copy(up, c); _ = up.Close() }()
+	go func() { _, _ = io.Copy(c, up); _ = c.Close() }()
+}
+
+// cut closes every proxied connection and refuses new ones (the listener
+// stays, so that no other process takes its port meanwhile).
 func (p *tcpProxy) cut() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.ln != nil {
-		_ = p.ln.Close()
-		p.ln = nil
-	}
+	p.refusing = true
 	for _, c := range p.conns {
 		_ = c.Close()
 	}
 	p.conns = nil
 }
 
-// restore accepts connections again, on the same address.
+// restore forwards new connections again.
 func (p *tcpProxy) restore() {
-	p.t.Helper()
-	ln, err := net.Listen("tcp", p.addr)
-	require.NoError(p.t, err)
-	p.serve(ln)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.refusing = false
 }

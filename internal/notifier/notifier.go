@@ -358,12 +358,21 @@ func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn) error {
 	return nil
 }
 
+// livenessCheckTimeout bounds one check of the liveness locks: far above
+// what the query takes on a loaded server, far below how long a silent
+// connection's server side takes to die (its TCP keepalive).
+const livenessCheckTimeout = 5 * time.Second
+
 // checkLiveness reads the held liveness locks. It confirms this process
 // still holds its own on this very server connection (behind a pooler it
 // may not: then it takes it again, and claims stamp nothing meanwhile), and
 // wakes the subscriptions to reclaim orphaned rows when a key held two
 // checks ago is gone since (see Spare).
 func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn) error {
+	// Bounded: on a path gone silent the check would wait for ever, and
+	// the session would never end to say that the lock may be lost.
+	ctx, cancel := context.WithTimeout(ctx, livenessCheckTimeout)
+	defer cancel()
 	rows, err := conn.Query(ctx, query.LiveHoldersMine)
 	if err != nil {
 		return err

@@ -300,7 +300,6 @@ func (sub *subscription) startClaim(now time.Time) {
 		return
 	}
 	req := sub.claims.start(n, now, sub.holder(), sub.events.signals.waiter.Spare)
-	sub.house.unstamped, sub.house.stamped = sub.house.unstamped || !req.holder.Valid, sub.house.stamped || req.holder.Valid
 	req.held = sub.held.wantHeld(req, now, sub.claims.scan.keyedUntil, sub.poolHasSpare)
 	req.arrivals = arrivalsFrom(req, len(sub.held.batches))
 	go func() {
@@ -369,7 +368,11 @@ func (sub *subscription) onClaimed(r claimResult) {
 		d.claimedAt = at(r.req.sent)
 		d.expiresAt = d.claimedAt.add(sub.cfg.Lease)
 		d.batch = r.batch
+		d.stamp = r.req.holder // held rows: set when their batch ends
 		sub.hand.rows[d] = struct{}{}
+	}
+	if r.batch == nil && len(r.rows) > 0 {
+		sub.stampsWritten(r.req.holder) // the lock may have been lost while the claim ran
 	}
 	if b := r.batch; b != nil {
 		sub.held.opened(b, r.req.sent)

@@ -27,6 +27,12 @@ type delivery struct {
 	seq       uint32  // counts hand-outs: a verdict names the one it answers
 	claimedAt instant // when the claim that took it was sent
 	expiresAt instant // our lease ends by then at the latest (sent time + Lease of the last write that set it)
+	// stamp is the liveness key its row carries (lease_holder), as the
+	// last write that set it committed; invalid: none. A row whose stamp
+	// is not the process's current holder is renewed at once (see
+	// housekeeping): a key that is no longer held makes it an orphan to
+	// other processes, and no key leaves it to its lease after a crash.
+	stamp pgtype.Int8
 	handing
 	orderedRetry
 	heldMark

@@ -237,9 +237,6 @@ const heldPatience = 20 * time.Millisecond
 // (jobFor).
 func (sub *subscription) closeBatch(b *heldBatch, now time.Time, why string) {
 	job := sub.held.close(b, now, why, sub.holder())
-	if len(job.leased) > 0 {
-		sub.house.unstamped, sub.house.stamped = sub.house.unstamped || !job.holder.Valid, sub.house.stamped || job.holder.Valid
-	}
 	if job.slow {
 		sub.logger.Debug("Handlers slower than the held path's bound; leasing for a while", watermill.LogFields{
 			"rows": len(b.rows), "still_running": job.stragglers, "lease_for": heldOffFor.String()})
@@ -298,6 +295,10 @@ func (sub *subscription) finishedBatch(r batchResult) {
 	}
 	for _, d := range r.job.leased {
 		d.batch, d.arrival = nil, pgtype.TID{} // a lease in the outbox now (or, if the commit failed, lost)
+		d.stamp = r.job.holder
+	}
+	if r.err == nil && len(r.job.leased) > 0 {
+		sub.stampsWritten(r.job.holder)
 	}
 	// The writes that waited for the rows to become leases. After a failed
 	// commit they find no lease and say so.

@@ -6,6 +6,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // housekeeping is the part of a subscription that runs periodic checks:
@@ -15,17 +16,6 @@ type housekeeping struct {
 	next         time.Time // the next check
 	nextRenew    time.Time
 	renewFailing bool // the last renewal failed: logged once per outage
-	// unstamped: rows were leased before this process held its liveness
-	// lock (the first claims after Subscribe), stamped with no holder, so
-	// a crash would leave them for their lease to expire: renewed (and
-	// stamped) as soon as the lock is held.
-	unstamped bool
-	// stamped: rows may carry this process's liveness key. When the lock
-	// is lost (its LISTEN connection dropped) while the process lives,
-	// other processes take such rows for orphans from their second check
-	// on (within a second) and claim them while their handlers run here:
-	// they are renewed at once without a holder, back to lease expiry.
-	stamped bool
 }
 
 // housekeepingEvery is the period of the owner's checks of renewals, ack
@@ -62,30 +52,47 @@ func (sub *subscription) housekeeping(now time.Time) {
 		// The same for the slots' queue: what no slot took yet goes back.
 		sub.giveBack(sub.takeQueued())
 	}
-	switch holder := sub.holder(); {
-	case sub.house.unstamped && holder.Valid:
-		sub.house.unstamped = false
-		sub.house.nextRenew = now
-	case sub.house.stamped && !holder.Valid:
-		sub.house.nextRenew = now // see stamped
+	// A row stamped with another key than the one held now is renewed at
+	// once: rows leased before the lock was held (the first claims after
+	// Subscribe) carry none, so a crash would leave them to their lease;
+	// rows stamped with a key this process no longer holds (its LISTEN
+	// connection dropped) look orphaned to other processes from their
+	// second check on (within a second), and would be claimed while their
+	// handlers run here: renewed without a key, they wait for their lease.
+	holder := sub.holder()
+	for d := range sub.hand.rows {
+		if renewable(d) && d.stamp != holder {
+			sub.house.nextRenew = now
+			break
+		}
 	}
 	if !now.Before(sub.house.nextRenew) && sub.writes.pending.renew == nil {
 		var rows []*delivery
 		for d := range sub.hand.rows {
-			// Rows with a write pending are left out: the write ends the
-			// lease (or keeps it, a hold), and a renewal after it in the
-			// same batch would find the row gone and call it lost.
-			// Held rows have no lease to renew.
-			if d.state != writing && !(d.state == retrying && !d.holdDone) && d.batch == nil {
+			if renewable(d) {
 				rows = append(rows, d)
 			}
 		}
 		if len(rows) > 0 {
-			holder := sub.holder()
 			sub.writes.pending.renew, sub.writes.pending.renewHolder = rows, holder
-			sub.house.stamped, sub.house.unstamped = holder.Valid, sub.house.unstamped || !holder.Valid
 		}
 		sub.house.nextRenew = now.Add(sub.cfg.Lease / 2)
+	}
+}
+
+// renewable reports whether d's lease is renewed. Rows with a write
+// pending are left out: the write ends the lease (or keeps it, a hold),
+// and a renewal after it in the same batch would find the row gone and
+// call it lost. Held rows have no lease to renew.
+func renewable(d *delivery) bool {
+	return d.state != writing && !(d.state == retrying && !d.holdDone) && d.batch == nil
+}
+
+// stampsWritten runs the housekeeping at once when rows were just
+// written with key h while the process holds another key, or none.
+func (sub *subscription) stampsWritten(h pgtype.Int8) {
+	if h != sub.holder() {
+		sub.house.next = time.Now()
 	}
 }
 
@@ -125,6 +132,7 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 		if r.renewDone.has(d) {
 			renewed++
 			d.expiresAt = at(r.renewSent).add(sub.cfg.Lease)
+			d.stamp = r.job.renewHolder
 			continue
 		}
 		if d.state == writing || (d.state == retrying && !d.holdDone) {
@@ -136,13 +144,12 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 		sub.dropLost(d, "renew")
 	}
 	sub.s.obs.observe(Event{Kind: EventLeaseRenewed, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, Count: renewed})
+	sub.stampsWritten(r.job.renewHolder)
 }
 
 // lockLost runs the housekeeping now when this process's liveness lock
 // is lost, so that rows stamped with it are renewed without a holder
-// before other processes find the key missing twice (see stamped).
+// before other processes find the key missing twice.
 func (sub *subscription) lockLost(now time.Time) {
-	if sub.house.stamped {
-		sub.house.next = now
-	}
+	sub.house.next = now
 }

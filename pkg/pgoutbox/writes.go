@@ -47,6 +47,11 @@ func (sub *subscription) startWrite(now time.Time) {
 	}
 	sub.writes.ackWait, sub.writes.last = time.Time{}, now
 	job := sub.writes.pending
+	if job.renew != nil {
+		// The key of now, not of when the renewal was queued: the lock
+		// may have been lost, or taken again, since.
+		job.renewHolder = sub.holder()
+	}
 	for _, c := range sub.claims.lost {
 		job.releaseTokens = append(job.releaseTokens, c.token)
 	}
@@ -112,6 +117,7 @@ func (sub *subscription) onWritten(r writeResult) {
 		switch {
 		case r.done.has(d):
 			d.holdDone = true
+			sub.stampsWritten(d.stamp) // a hold keeps the row's key, which may be gone by now
 			d.expiresAt = at(r.sent).add(sub.cfg.Lease)
 			sub.s.obs.observe(Event{Kind: EventRetried, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries})
 			if sub.drain.stopping {

@@ -13,14 +13,19 @@ import (
 // lines, and load on the database that grows with the backlog. After a
 // failed batch each worker waits before taking the next, twice as long
 // after each further failure, up to outageMaxPause; the first success ends
-// the outage. Shared by the workers of every topic: one broker, one
-// outage.
+// the outage and wakes the workers that wait. One per topic, shared by
+// its workers: a target may refuse one topic (a subject no stream
+// captures, a missing exchange, a denied grant) and take the others, whose
+// successes must neither end that topic's outage nor be paused by it.
 type outage struct {
-	mu       sync.Mutex
-	failures int       // failed batches since the last success
-	until    time.Time // workers take no batch before then
-	logged   time.Time // the last failure logged
+	mu        sync.Mutex
+	failures  int           // failed batches since the last success
+	until     time.Time     // workers take no batch before then
+	logged    time.Time     // the last failure logged
+	recovered chan struct{} // closed by the success that ends the outage
 }
+
+func newOutage() *outage { return &outage{recovered: make(chan struct{})} }
 
 // Bounds of the pause between batches while the target fails.
 const (
@@ -52,14 +57,18 @@ func (o *outage) succeeded() int {
 	defer o.mu.Unlock()
 	n := o.failures
 	o.failures, o.until = 0, time.Time{}
+	if n > 0 {
+		close(o.recovered)
+		o.recovered = make(chan struct{})
+	}
 	return n
 }
 
-// wait returns once the pause of the outage has passed, ctx ended or
-// closed is closed.
+// wait returns once the pause of the outage has passed, a publish
+// succeeded, ctx ended or closed is closed.
 func (o *outage) wait(ctx context.Context, closed <-chan struct{}) {
 	o.mu.Lock()
-	d := time.Until(o.until)
+	d, recovered := time.Until(o.until), o.recovered
 	o.mu.Unlock()
 	if d <= 0 {
 		return
@@ -68,6 +77,7 @@ func (o *outage) wait(ctx context.Context, closed <-chan struct{}) {
 	defer t.Stop()
 	select {
 	case <-t.C:
+	case <-recovered:
 	case <-ctx.Done():
 	case <-closed:
 	}

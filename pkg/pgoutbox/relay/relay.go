@@ -106,7 +106,6 @@ type Relay struct {
 	closing atomic.Bool // Close was called
 	closed  chan struct{}
 	close   sync.Once
-	outage  outage
 	stats   struct {
 		relayed, batches, failed atomic.Int64
 		lastErr                  atomic.Pointer[string]
@@ -212,11 +211,12 @@ func (r *Relay) Run(ctx context.Context) error {
 			return fmt.Errorf("pgoutbox/relay: subscribe to %q: %w", topic, err)
 		}
 		target := r.cfg.TargetTopic(topic)
+		o := newOutage()
 		for range r.cfg.Workers {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				r.work(ctx, topic, target, msgs)
+				r.work(ctx, topic, target, msgs, o)
 			}()
 		}
 	}
@@ -235,10 +235,10 @@ func (r *Relay) Close() error {
 
 // work publishes batches from msgs until the channel closes (the
 // subscription ended).
-func (r *Relay) work(ctx context.Context, topic, target string, msgs <-chan *message.Message) {
+func (r *Relay) work(ctx context.Context, topic, target string, msgs <-chan *message.Message, o *outage) {
 	batch := make([]*message.Message, 0, r.cfg.BatchSize)
 	for {
-		r.outage.wait(ctx, r.closed)
+		o.wait(ctx, r.closed)
 		m, ok := <-msgs
 		if !ok {
 			return
@@ -256,13 +256,13 @@ func (r *Relay) work(ctx context.Context, topic, target string, msgs <-chan *mes
 				break fill
 			}
 		}
-		r.relay(ctx, topic, target, batch)
+		r.relay(ctx, topic, target, batch, o)
 	}
 }
 
 // relay publishes one batch and acks its rows only if the target took all
 // of it; otherwise every row is nacked and comes back after its delay.
-func (r *Relay) relay(ctx context.Context, topic, target string, batch []*message.Message) {
+func (r *Relay) relay(ctx context.Context, topic, target string, batch []*message.Message, o *outage) {
 	// The publish outlives a stop signal: a batch half-sent when ctx ends
 	// would be sent again anyway, so let it finish within its timeout.
 	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
@@ -284,7 +284,7 @@ func (r *Relay) relay(ctx context.Context, topic, target string, batch []*messag
 		s := err.Error()
 		r.stats.lastErr.Store(&s)
 		fields := watermill.LogFields{"topic": topic, "target_topic": target, "messages": len(batch)}
-		if failures, logIt := r.outage.failed(time.Now()); logIt {
+		if failures, logIt := o.failed(time.Now()); logIt {
 			fields["failed_batches"] = failures
 			r.logger.Error("Relay publish failed; the messages are retried, and publishing slows down while the target keeps failing", err, fields)
 		}
@@ -293,7 +293,7 @@ func (r *Relay) relay(ctx context.Context, topic, target string, batch []*messag
 		}
 		return
 	}
-	if failures := r.outage.succeeded(); failures > 0 {
+	if failures := o.succeeded(); failures > 0 {
 		r.logger.Info("Relay publishing again", watermill.LogFields{"topic": topic, "target_topic": target, "failed_batches": failures})
 	}
 	r.stats.relayed.Add(int64(len(batch)))

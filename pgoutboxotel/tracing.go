@@ -94,6 +94,9 @@ func (t *Tracing) inject(ctx context.Context, msg *message.Message) {
 	if own := msg.Context(); trace.SpanContextFromContext(own).IsValid() {
 		ctx = own
 	}
+	if msg.Metadata == nil {
+		msg.Metadata = message.Metadata{} // a message built as a struct literal publishes without it
+	}
 	t.prop.Inject(ctx, propagation.MapCarrier(msg.Metadata))
 }
 

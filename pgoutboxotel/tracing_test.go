@@ -308,6 +308,19 @@ func TestPublishHookPrefersTheMessagesOwnSpan(t *testing.T) {
 	require.Equal(t, call.SpanContext().SpanID(), read(without).SpanID())
 }
 
+// A message built as a struct literal has no metadata map: the hook makes
+// one rather than panic in the publisher's goroutine.
+func TestPublishHookGivesAMessageWithoutMetadataItsTraceContext(t *testing.T) {
+	t.Parallel()
+	tp := sdktrace.NewTracerProvider()
+	tracing := pgoutboxotel.NewTracing(pgoutboxotel.TracingOptions{TracerProvider: tp, Propagator: propagation.TraceContext{}})
+	callCtx, call := tp.Tracer("t").Start(context.Background(), "call")
+	bare := &message.Message{UUID: "1"}
+	require.NotPanics(t, func() { tracing.BeforePublish(callCtx, "t", bare) })
+	got := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(), propagation.MapCarrier(bare.Metadata)))
+	require.Equal(t, call.SpanContext().SpanID(), got.SpanID())
+}
+
 // The trace context stays in the row through a dead letter and a requeue:
 // the rejected delivery and the one after the requeue are both children
 // of the publishing span.

@@ -60,7 +60,7 @@
 //
 // From the Observer (events of publishers and subscribers):
 //
-//	pgoutbox_publisher_messages_published_total{topic}                     messages written by Publish calls
+//	pgoutbox_publisher_messages_published_total{topic}                     messages written by Publish calls (rolled back ones too)
 //	pgoutbox_subscriber_claims_total{topic,consumer_group}                 claim statements, empty ones included
 //	                                                                       (its rate with few claimed rows: an idle poll)
 //	pgoutbox_subscriber_messages_claimed_total{topic,consumer_group}       rows claimed, on either path
@@ -78,7 +78,7 @@
 //	pgoutbox_subscriber_messages_dead_lettered_total{topic,consumer_group,reason} rows moved to the dead-letter
 //	                                                                       table, or parked
 //	pgoutbox_subscriber_messages_poisoned_total{topic,consumer_group}      rows that did not decode into a message
-//	pgoutbox_subscriber_leases_renewed_total{topic,consumer_group}         in-flight leases extended (long handlers)
+//	pgoutbox_subscriber_leases_renewed_total{topic,consumer_group}         in-flight leases extended (long handlers; a few at every start)
 //	pgoutbox_subscriber_leases_lost_total{topic,consumer_group,phase}      writes that found their lease taken by another
 //	                                                                       consumer, per write (ack, nack, release, renew,
 //	                                                                       dead_letter): handlers outliving the Lease, or

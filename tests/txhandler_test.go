@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -681,4 +682,55 @@ func TestCQRSCommandHandlerRejectsWithItsContext(t *testing.T) {
 			require.EqualValues(t, 1, calls.Load())
 		})
 	}
+}
+
+// recordingPublisher records the value of ctxKey in each published
+// message's context, then publishes through next.
+type recordingPublisher struct {
+	next message.Publisher
+	mu   sync.Mutex
+	seen []any
+}
+
+type ctxKey struct{}
+
+func (p *recordingPublisher) Publish(topic string, msgs ...*message.Message) error {
+	p.mu.Lock()
+	for _, m := range msgs {
+		p.seen = append(p.seen, m.Context().Value(ctxKey{}))
+	}
+	p.mu.Unlock()
+	return p.next.Publish(topic, msgs...)
+}
+func (p *recordingPublisher) Close() error { return nil }
+
+// The messages a handler returns are published in its transaction with
+// their own contexts' values (a span, say), the first one's too, and
+// commit with it.
+func TestTxMiddlewarePublishesOutputsWithTheirOwnContextValues(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pub, err := pgoutbox.NewContextPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	rec := &recordingPublisher{next: pub}
+	mw, err := tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{Publisher: rec})
+	require.NoError(t, err)
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	r.AddMiddleware(mw)
+	r.AddHandler("outputs", "in", b.subscriber(t, nil), "out", rec, func(m *message.Message) ([]*message.Message, error) {
+		var out []*message.Message
+		for _, v := range []string{"first", "second"} {
+			o := newMsg(v)
+			o.SetContext(context.WithValue(m.Context(), ctxKey{}, v))
+			out = append(out, o)
+		}
+		return out, nil
+	})
+	startRouter(t, r)
+	b.publishInTx(t, "in", true, newMsg("in"))
+	pollUntil(t, "the outputs committed", 10*time.Second, nil, func() bool { return b.outboxRows(t, "out") == 2 })
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	require.Equal(t, []any{"first", "second"}, rec.seen)
 }

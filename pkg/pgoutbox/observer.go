@@ -21,7 +21,7 @@ const (
 	EventLeaseLost    EventKind = "lease_lost"    // a write found its lease taken by someone else; see Phase
 	EventLeaseRenewed EventKind = "lease_renewed" // Count in-flight leases were extended
 	EventPoisoned     EventKind = "poisoned"      // a row could not be decoded into a message
-	EventPublished    EventKind = "published"     // a Publish call inserted Count rows
+	EventPublished    EventKind = "published"     // a Publish call inserted Count rows (in a transaction that may still roll back)
 	EventHeldToLease  EventKind = "held_to_lease" // Count rows of a held claim became ordinary leases (see ClaimMode)
 	EventHandedOut    EventKind = "handed_out"    // the Router took a message; see CreatedAt, DueAt, Lateness
 )

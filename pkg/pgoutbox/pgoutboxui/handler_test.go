@@ -278,6 +278,21 @@ func TestRequeue(t *testing.T) {
 	require.EqualValues(t, 7, s[0].Ready)
 }
 
+// A topic may begin or end with a space: "requeue all matching" acts on
+// that topic, not on the one without the spaces.
+func TestRequeueMatchingKeepsTheTopicAsGiven(t *testing.T) {
+	t.Parallel()
+	b := setup(t, true)
+	b.deadLetters(t, "sp", "", "rejected", 2, "x")   // 1000..1001
+	b.deadLetters(t, " sp ", "", "rejected", 3, "y") // 1002..1004
+	done := b.act(t, url.Values{"action": {"requeue-matching"}, "topic": {" sp "}, "reason": {"rejected"},
+		"return": {"/ops/outbox/dead-letters"}}, 3)
+	require.Contains(t, done, "Requeued 3 dead letters.")
+	require.Equal(t, 2, b.dlqCount(t), `the dead letters of "sp" stay`)
+	code, _ := b.get(t, "dead-letters?reason=%00")
+	require.Equal(t, http.StatusBadRequest, code, "a reason that cannot be one is refused, not a server error")
+}
+
 // Delete one dead letter, then purge those older than an age.
 func TestDeleteAndPurge(t *testing.T) {
 	t.Parallel()

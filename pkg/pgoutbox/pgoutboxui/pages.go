@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 )
@@ -246,8 +247,13 @@ type dlFilter struct {
 const timeForm = "2006-01-02T15:04"
 
 func parseFilter(v url.Values) (dlFilter, error) {
-	d := dlFilter{Topic: strings.TrimSpace(v.Get("topic")), GroupMode: v.Get("gmode"), Group: v.Get("group"),
+	// The topic as given: a topic may begin or end with a space, and a
+	// trimmed one would name another topic.
+	d := dlFilter{Topic: v.Get("topic"), GroupMode: v.Get("gmode"), Group: v.Get("group"),
 		Reason: strings.TrimSpace(v.Get("reason")), After: v.Get("after"), Before: v.Get("before")}
+	if !utf8.ValidString(d.Reason) || strings.ContainsRune(d.Reason, 0) {
+		return d, badRequest("reason %q is not a failure reason such as rejected or max_deliveries", d.Reason)
+	}
 	d.f.Topic, d.f.Reason = d.Topic, d.Reason
 	if d.GroupMode == "is" {
 		g := d.Group

@@ -183,11 +183,14 @@ func publishInTx(fin context.Context, exec Executor, config MiddlewareConfig, ms
 	for i, m := range produced {
 		// Every message carries the transaction (a publisher that splits
 		// the call still finds it); the first one's context is the one the
-		// statement runs with: the finishing context, which the end of the
-		// message's own cannot cancel.
+		// statement runs with: it keeps the message's values (its span, say)
+		// but not its cancellation, and ends with the finishing context.
 		ctx := m.Context()
 		if i == 0 {
-			ctx = fin
+			deadline, _ := fin.Deadline()
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithDeadline(context.WithoutCancel(ctx), deadline)
+			defer cancel()
 		}
 		m.SetContext(WithExecutor(ctx, exec))
 	}

@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
@@ -285,6 +286,9 @@ func (ui *UI) fail(w http.ResponseWriter, r *http.Request, err error) {
 	}
 	if errors.Is(err, pgoutbox.ErrInvalidConfig) || errors.Is(err, pgoutbox.ErrInvalidGroup) || errors.Is(err, pgoutbox.ErrInvalidTopic) {
 		code = http.StatusBadRequest
+	}
+	if n := ui.names; n.QDLQ != "" && errtext.SQLState(err) == "42P01" && strings.Contains(msg, n.DLQTable) {
+		msg += fmt.Sprintf("; the outbox has no dead-letter table %s: if it was made without one, set NoDeadLetterTable in the UI's tables (pgoutbox ui --no-dlq)", n.QDLQ)
 	}
 	b := ui.page(w, r, "Error", errorData{Code: code, Message: msg})
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")

@@ -278,6 +278,21 @@ func TestRequeue(t *testing.T) {
 	require.EqualValues(t, 7, s[0].Ready)
 }
 
+// A UI whose tables name a dead-letter table the outbox was made without
+// says how to open it (the page failed with the server's error alone).
+func TestDeadLettersOfAnOutboxWithoutThemSayWhatToDo(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{NoDeadLetterTable: true})
+	tables := env.Tables
+	tables.NoDeadLetterTable, tables.DeadLetterTable = false, ""
+	ui, err := pgoutboxui.New(env.Exec(), tables, pgoutboxui.Options{BasePath: "/ops/outbox/"})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ui.Close() })
+	rec := httptest.NewRecorder()
+	ui.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/ops/outbox/dead-letters", nil))
+	require.Contains(t, rec.Body.String(), "--no-dlq", "status %d", rec.Code)
+}
+
 // A topic may begin or end with a space: "requeue all matching" acts on
 // that topic, not on the one without the spaces.
 func TestRequeueMatchingKeepsTheTopicAsGiven(t *testing.T) {

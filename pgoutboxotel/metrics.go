@@ -253,6 +253,11 @@ func RegisterStats(exec tx.Executor, tables schema.Config, opts MetricsOptions) 
 	if err != nil {
 		return nil, fmt.Errorf("pgoutboxotel: create pgoutbox.dead_letters: %w", err)
 	}
+	paused, err := m.Int64ObservableGauge("pgoutbox.consumer_group.paused", metric.WithUnit("1"),
+		metric.WithDescription("1 while the consumer group is paused on the topic (its lag grows by design), else 0."))
+	if err != nil {
+		return nil, fmt.Errorf("pgoutboxotel: create pgoutbox.consumer_group.paused: %w", err)
+	}
 	statsErrors, err := m.Int64ObservableCounter("pgoutbox.stats.errors", metric.WithUnit("{call}"),
 		metric.WithDescription("Collections whose pgoutbox.Stats call failed or timed out (they report no outbox gauges)."))
 	if err != nil {
@@ -301,10 +306,15 @@ func RegisterStats(exec tx.Executor, tables schema.Config, opts MetricsOptions) 
 				obs.ObserveInt64(messages, v.n, metric.WithAttributes(append(pair, StateKey.String(v.state))...))
 			}
 			obs.ObserveFloat64(oldest, s.OldestReadyAge.Seconds(), metric.WithAttributes(pair...))
+			var isPaused int64
+			if s.Paused {
+				isPaused = 1
+			}
+			obs.ObserveInt64(paused, isPaused, metric.WithAttributes(pair...))
 			for reason, n := range s.DeadLetters {
 				obs.ObserveInt64(dead, n, metric.WithAttributes(append(pair, ReasonKey.String(reason))...))
 			}
 		}
 		return nil
-	}, messages, oldest, dead, statsErrors, duration)
+	}, messages, oldest, dead, paused, statsErrors, duration)
 }

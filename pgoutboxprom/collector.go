@@ -46,6 +46,7 @@ type Collector struct {
 	oldestAge   *prometheus.Desc
 	deadLetters *prometheus.Desc
 	unbound     *prometheus.Desc
+	paused      *prometheus.Desc
 	liveTuples  *prometheus.Desc
 	deadTuples  *prometheus.Desc
 	tableBytes  *prometheus.Desc
@@ -91,6 +92,10 @@ func NewCollector(exec tx.Executor, tables schema.Config, opts Options) *Collect
 		unbound: prometheus.NewDesc(opts.name("unbound_messages"),
 			"Rows of a consumer group that is not bound to the topic: messages no bound group will consume (alert on > 0; "+
 				"for the default group, messages published while nothing was bound, which the next group to bind gets).",
+			pair, opts.ConstLabels),
+		paused: prometheus.NewDesc(opts.name("consumer_group_paused"),
+			"1 while the consumer group is paused on the topic (PauseGroup, pgoutbox pause), else 0: its lag grows by design, "+
+				"so an alert on oldest_ready_age_seconds can leave it out.",
 			pair, opts.ConstLabels),
 		liveTuples: prometheus.NewDesc(opts.name("table_live_tuples"),
 			"Estimated live rows of the outbox table and of its dead-letter table (pg_stat_user_tables.n_live_tup).",
@@ -138,6 +143,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.oldestAge
 	ch <- c.deadLetters
 	ch <- c.unbound
+	ch <- c.paused
 	ch <- c.liveTuples
 	ch <- c.deadTuples
 	ch <- c.tableBytes
@@ -185,6 +191,11 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			}
 			ch <- prometheus.MustNewConstMetric(c.oldestAge, prometheus.GaugeValue, s.OldestReadyAge.Seconds(), s.Topic, s.ConsumerGroup)
 			ch <- prometheus.MustNewConstMetric(c.unbound, prometheus.GaugeValue, float64(s.Unbound()), s.Topic, s.ConsumerGroup)
+			paused := 0.0
+			if s.Paused {
+				paused = 1
+			}
+			ch <- prometheus.MustNewConstMetric(c.paused, prometheus.GaugeValue, paused, s.Topic, s.ConsumerGroup)
 			for reason, n := range s.DeadLetters {
 				ch <- prometheus.MustNewConstMetric(c.deadLetters, prometheus.GaugeValue, float64(n), s.Topic, s.ConsumerGroup, reason)
 			}

@@ -38,6 +38,8 @@
 //	pgoutbox_unbound_messages{topic,consumer_group}        gauge: rows of a group that is not bound to the topic:
 //	                                                        nobody consumes them until a group binds (see
 //	                                                        pgoutbox.BindGroups; pgoutbox stats warns of them)
+//	pgoutbox_consumer_group_paused{topic,consumer_group}   gauge: 1 while the group is paused (its lag grows by
+//	                                                        design), else 0
 //	pgoutbox_table_live_tuples{table}                      gauge: estimated live rows of the outbox and of its
 //	                                                        dead-letter table (n_live_tup)
 //	pgoutbox_table_dead_tuples{table}                      gauge: estimated dead rows vacuum has not removed yet

@@ -96,6 +96,11 @@ func TestCollectorAndObserverOverHTTP(t *testing.T) {
 	// Nothing is bound yet: the messages are unbound, waiting for the
 	// first group to bind.
 	requireLine(t, body, `pgoutbox_unbound_messages{consumer_group="",topic="orders"} 3`)
+	requireLine(t, body, `pgoutbox_consumer_group_paused{consumer_group="",topic="orders"} 0`)
+	require.NoError(t, pgoutbox.PauseGroup(context.Background(), tx.FromPgxPool(env.Pool), env.Tables, "payments", ""))
+	requireLine(t, scrape(t, srv), `pgoutbox_consumer_group_paused{consumer_group="",topic="payments"} 1`)
+	_, err = pgoutbox.ResumeGroup(context.Background(), tx.FromPgxPool(env.Pool), env.Tables, "payments", "")
+	require.NoError(t, err)
 
 	// Consume and ack the orders.
 	env.Drain(t, "orders", 3, 10*time.Second) // acks each message

@@ -183,14 +183,12 @@ func publishInTx(fin context.Context, exec Executor, config MiddlewareConfig, ms
 	for i, m := range produced {
 		// Every message carries the transaction (a publisher that splits
 		// the call still finds it); the first one's context is the one the
-		// statement runs with: it keeps the message's values (its span, say)
-		// but not its cancellation, and ends with the finishing context.
+		// statement runs with: the finishing context, which the end of the
+		// message's own cannot cancel, with the message's own values in
+		// front of the handler's (a span the handler gave it, say).
 		ctx := m.Context()
 		if i == 0 {
-			deadline, _ := fin.Deadline()
-			var cancel context.CancelFunc
-			ctx, cancel = context.WithDeadline(context.WithoutCancel(ctx), deadline)
-			defer cancel()
+			ctx = valuesOver{Context: fin, own: ctx}
 		}
 		m.SetContext(WithExecutor(ctx, exec))
 	}
@@ -198,6 +196,20 @@ func publishInTx(fin context.Context, exec Executor, config MiddlewareConfig, ms
 		return errtext.Errorf("pgoutbox: publish the handler's messages in its transaction: %w", err)
 	}
 	return nil
+}
+
+// valuesOver is Context (its deadline and cancellation, and its values)
+// with the values of own in front.
+type valuesOver struct {
+	context.Context
+	own context.Context
+}
+
+func (v valuesOver) Value(key any) any {
+	if x := v.own.Value(key); x != nil {
+		return x
+	}
+	return v.Context.Value(key)
 }
 
 // endedByHandler is the error for a handler's transaction that was over

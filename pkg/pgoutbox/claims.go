@@ -285,7 +285,7 @@ func (c *claimSchedule) keyEnded(key string) {
 // startClaim starts a claim when one is wanted and there is room.
 func (sub *subscription) startClaim(now time.Time) {
 	switch {
-	case sub.claims.waiting(), sub.drain.stopping, sub.hand.retry != nil, sub.backpressured(), sub.isolating():
+	case sub.claims.waiting(), sub.drain.stopping, sub.hand.retry != nil, sub.backpressured(), sub.isolating(), sub.awaitingAlone():
 		return
 	}
 	if sub.held.batchesBusy(now) {
@@ -384,18 +384,21 @@ func (sub *subscription) onClaimed(r claimResult) {
 		sub.giveBack(r.rows)
 		return
 	}
-	// Of the rows that run alone (runsAlone), one is kept at a time: the
-	// others would count a delivery each while they wait for it. They go
+	// Of the rows that run alone (runsAlone), one is kept at a time, and
+	// nothing of the claim behind it: they would count a delivery each
+	// while they wait for it, and a crash of it would count them. They go
 	// back, their delivery taken back, and come again with a later claim.
 	alone := sub.cfg.MaxDeliveries > 0 && (sub.isolating() || slices.ContainsFunc(sub.hand.buffer, sub.runsAlone))
+	behindAlone := false
 	var later []*delivery
 	for _, d := range r.rows {
 		switch {
 		case sub.hand.guard.claimed(d) != nil: // parked: an earlier delivery of it is ours
-		case sub.runsAlone(d) && alone:
+		case behindAlone || sub.runsAlone(d) && alone:
 			later = append(later, d)
 		default:
-			alone = alone || sub.runsAlone(d)
+			behindAlone = sub.runsAlone(d)
+			alone = alone || behindAlone
 			sub.hand.buffer = append(sub.hand.buffer, d)
 		}
 	}

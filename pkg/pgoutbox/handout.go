@@ -254,11 +254,20 @@ func (sub *subscription) runsAlone(d *delivery) bool {
 }
 
 // settledForAlone reports whether a row that runs alone may go out: no
-// other is handed out, and every verdict and give-back is written. A
-// crash before a give-back is written would leave those rows leased and
-// counted, as if they had run beside it.
+// other is handed out, no claim is running or waiting to be released,
+// and every verdict and give-back is written. A crash before then would
+// leave those rows leased and counted (a claim counts its rows), as if
+// they had run beside it.
 func (sub *subscription) settledForAlone() bool {
-	return sub.hand.handed == 0 && sub.claims.givingBack == 0 && !sub.writes.inWrite && sub.writes.pending.empty()
+	return sub.hand.handed == 0 && !sub.claims.claiming && len(sub.claims.lost) == 0 &&
+		sub.claims.givingBack == 0 && !sub.writes.inWrite && sub.writes.pending.empty()
+}
+
+// awaitingAlone reports whether a row that runs alone waits in the
+// buffer: no claim starts meanwhile, or claims could keep it from ever
+// settling (settledForAlone).
+func (sub *subscription) awaitingAlone() bool {
+	return sub.cfg.MaxDeliveries > 0 && slices.ContainsFunc(sub.hand.buffer, sub.runsAlone)
 }
 
 // isolating reports whether a row that runs alone is out: nothing else is

@@ -494,9 +494,10 @@ func TestOwnerOrderedLostRowHoldsTheNextUntilItsHandlerReturns(t *testing.T) {
 }
 
 // With MaxDeliveries, a redelivered row runs alone: of a claim's
-// redelivered rows one is kept (the others go back, their delivery taken
-// back), it goes out once nothing else is out and every write is done,
-// and nothing is handed out or claimed beside it.
+// redelivered rows one is kept, and nothing of the claim behind it (the
+// others go back, their delivery taken back); it goes out once nothing
+// else is out, no claim runs and every write is done, and nothing is
+// handed out or claimed beside it, or while it waits.
 func TestRedeliveredRowRunsAloneWithMaxDeliveries(t *testing.T) {
 	t.Parallel()
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4; c.MaxDeliveries = 3 })
@@ -508,27 +509,35 @@ func TestRedeliveredRowRunsAloneWithMaxDeliveries(t *testing.T) {
 	}
 	fresh, suspect, other, fresh2 := row(1, 1), row(2, 2), row(3, 2), row(4, 1)
 	b.sub.onClaimed(claimResult{req: req, rows: []*delivery{fresh, suspect, other, fresh2}, cursor: pgtype.Int8{Int64: 4, Valid: true}})
-	require.Equal(t, []*delivery{fresh, suspect, fresh2}, b.sub.hand.buffer, "one redelivered row is kept")
-	require.Len(t, b.sub.writes.pending.returns, 1)
-	require.Equal(t, returnOp{d: other, undo: 1, giveBack: true}, b.sub.writes.pending.returns[0], "the other goes back, uncounted")
+	require.Equal(t, []*delivery{fresh, suspect}, b.sub.hand.buffer, "one redelivered row is kept, and what is ahead of it")
+	require.Equal(t, []returnOp{{d: other, undo: 1, giveBack: true}, {d: fresh2, undo: 1, giveBack: true}}, b.sub.writes.pending.returns,
+		"the rest of the claim goes back, uncounted")
+	b.sub.claims.want = true
+	b.sub.startClaim(time.Now())
+	require.False(t, b.sub.claims.claiming, "no claim while it waits: the claim's rows would be counted beside it")
 
 	b.sub.dispatch(time.Now())
 	require.Equal(t, 1, b.sub.hand.handed, "the fresh row goes out; the redelivered one waits")
-	require.Equal(t, []*delivery{suspect, fresh2}, b.sub.hand.buffer)
+	require.Equal(t, []*delivery{suspect}, b.sub.hand.buffer)
 	b.sub.onVerdict(verdict{d: fresh, seq: fresh.seq, ack: true}, false)
 	b.sub.dispatch(time.Now())
 	require.Equal(t, 0, b.sub.hand.handed, "not before the writes are done: a crash would count the give-back's rows")
 	b.written()
+	b.sub.claims.claiming = true // a claim started before it was kept
+	b.sub.dispatch(time.Now())
+	require.Equal(t, 0, b.sub.hand.handed, "not while a claim runs: it counts its rows")
+	b.sub.claims.claiming = false
 	b.sub.dispatch(time.Now())
 	require.Equal(t, 1, b.sub.hand.handed)
 	require.Same(t, suspect, b.sub.hand.alone)
-	require.Equal(t, []*delivery{fresh2}, b.sub.hand.buffer, "nothing beside it")
 	b.sub.claims.want = true
 	b.sub.startClaim(time.Now())
 	require.False(t, b.sub.claims.claiming, "no claim while it runs: a claimed row counts a delivery")
 
 	b.sub.onVerdict(verdict{d: suspect, seq: suspect.seq, ack: true}, false)
 	b.sub.dispatch(time.Now())
-	require.Equal(t, 1, b.sub.hand.handed, "the rest goes out once it is answered")
-	require.Empty(t, b.sub.hand.buffer)
+	require.Equal(t, 0, b.sub.hand.handed)
+	b.written()
+	b.sub.startClaim(time.Now())
+	require.True(t, b.sub.claims.claiming, "claims start again once it is answered")
 }

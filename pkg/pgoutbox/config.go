@@ -244,8 +244,9 @@ type SubscriberConfig struct {
 	// Every claim counts, including retries. A subscription with a limit does
 	// not prefetch (a crash would count the rows waiting in its buffer as
 	// delivered). With a limit, a row delivered before runs alone: it goes
-	// out once nothing else is out and every write is done, and nothing is
-	// handed out or claimed until it is answered. The messages that were
+	// out once nothing else is out, no claim runs and every write is done
+	// (the rest of its claim goes back uncounted), and nothing is handed
+	// out or claimed until it is answered. The messages that were
 	// in flight beside one that crashed the process are counted once with
 	// it; after that each runs alone, so only the crashing one reaches the
 	// limit (a limit of at least 2 keeps them). A subscription with a limit

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -58,8 +59,9 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 			return err
 		}
 		c.Rows = int64(len(ls))
+		which, gone := selection(ids, ls)
 		if act == "requeue" {
-			c.What = fmt.Sprintf("Requeue %s: each goes back into the outbox, due at once, with its delivery count and error cleared.", plural(len(ids), "selected dead letter"))
+			c.What = fmt.Sprintf("Requeue %s: each goes back into the outbox, due at once, with its delivery count and error cleared.%s", which, gone)
 			result = func() (string, error) {
 				n, err := pgoutbox.RequeueDeadLetters(ctx, ui.exec, ui.tables, ids)
 				if err == nil && strings.Contains(ret, "dead-letter?") {
@@ -69,7 +71,7 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 			}
 		} else {
 			c.Danger = true
-			c.What = fmt.Sprintf("Delete %s for good: nobody will ever process them.", plural(len(ids), "selected dead letter"))
+			c.What = fmt.Sprintf("Delete %s for good: nobody will ever process them.%s", which, gone)
 			result = func() (string, error) {
 				n, err := pgoutbox.DeleteDeadLetters(ctx, ui.exec, ui.tables, ids)
 				if err == nil && strings.Contains(ret, "dead-letter?") {
@@ -188,8 +190,31 @@ func (ui *UI) safeReturn(s string) string {
 	return ui.opts.BasePath
 }
 
+// selection says which dead letters of the ids given are acted on (those
+// found, ls, with their topics), and how many of the ids are none.
+func selection(ids []int64, ls []pgoutbox.DeadLetter) (which, gone string) {
+	var topics []string
+	for _, l := range ls {
+		if !slices.Contains(topics, l.Topic) {
+			topics = append(topics, l.Topic)
+		}
+	}
+	for i, t := range topics {
+		topics[i] = strconv.Quote(t)
+	}
+	s := plural(len(ls), "selected dead letter")
+	if len(topics) > 0 {
+		s += " of " + plural(len(topics), "topic") + " (" + strings.Join(topics, ", ") + ")"
+	}
+	if n := len(ids) - len(ls); n > 0 {
+		gone = fmt.Sprintf(" %s of the selection %s no dead letter now.", plural(n, "id"), map[bool]string{true: "is", false: "are"}[n == 1])
+	}
+	return s, gone
+}
+
 func parseIDs(vs []string) ([]int64, error) {
 	var ids []int64
+	seen := map[int64]bool{}
 	for _, v := range vs {
 		for _, part := range strings.Split(v, ",") {
 			part = strings.TrimSpace(part)
@@ -200,7 +225,10 @@ func parseIDs(vs []string) ([]int64, error) {
 			if err != nil || id <= 0 {
 				return nil, badRequest("%q is not a dead-letter id", part)
 			}
-			ids = append(ids, id)
+			if !seen[id] { // an id given twice is one dead letter
+				seen[id] = true
+				ids = append(ids, id)
+			}
 		}
 	}
 	if len(ids) == 0 {

@@ -293,6 +293,19 @@ func TestDeadLettersOfAnOutboxWithoutThemSayWhatToDo(t *testing.T) {
 	require.Contains(t, rec.Body.String(), "--no-dlq", "status %d", rec.Code)
 }
 
+// The confirmation of a delete by id says what will be deleted: an id
+// given twice is one dead letter, an id that is none is said to be none,
+// and the topics are named.
+func TestConfirmationOfSelectedDeadLettersSaysWhich(t *testing.T) {
+	t.Parallel()
+	b := setup(t, true)
+	b.deadLetters(t, "orders", "", "rejected", 2, "x") // 1000..1001
+	form := url.Values{"action": {"delete"}, "id": {"1000", "1000", "999999", "1001"}, "return": {"/ops/outbox/dead-letters"}, "csrf": {b.csrf(t)}}
+	resp, body := b.post(t, "confirm", form)
+	require.Equal(t, http.StatusOK, resp.StatusCode, body)
+	require.Contains(t, html.UnescapeString(body), `Delete 2 selected dead letters of 1 topic ("orders") for good: nobody will ever process them. 1 id of the selection is no dead letter now.`)
+}
+
 // A topic may begin or end with a space: "requeue all matching" acts on
 // that topic, not on the one without the spaces.
 func TestRequeueMatchingKeepsTheTopicAsGiven(t *testing.T) {

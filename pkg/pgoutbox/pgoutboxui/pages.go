@@ -48,7 +48,7 @@ func (ui *UI) groupURL(topic, group string) string {
 func (ui *UI) overview(w http.ResponseWriter, r *http.Request) error {
 	ui.waitFirstSample(r.Context())
 	snap := ui.samp.snapshot(true)
-	d := overviewData{Observer: snap.wired, DeadLetters: ui.names.QDLQ != "", Interval: ui.opts.SampleInterval.String()}
+	d := overviewData{Observer: snap.wiredAcks, DeadLetters: ui.names.QDLQ != "", Interval: ui.opts.SampleInterval.String()}
 	if snap.err != nil {
 		d.Err = snap.err.Error()
 	}
@@ -79,13 +79,11 @@ func (ui *UI) overview(w http.ResponseWriter, r *http.Request) error {
 		if v, ok := rate(ss, sample.depth); ok {
 			row.Net = signedRate(v)
 		}
-		if snap.wired {
-			if v, ok := rate(ss, func(s sample) int64 { return s.acked }); ok {
-				row.Out = perSec(max(v, 0))
-			}
-			if v, ok := rate(ss, func(s sample) int64 { return s.published }); ok && snap.bound[p] {
-				row.In = perSec(max(v, 0))
-			}
+		if v, ok := rate(ss, func(s sample) int64 { return s.acked }); ok && snap.wiredAcks {
+			row.Out = perSec(max(v, 0))
+		}
+		if v, ok := rate(ss, func(s sample) int64 { return s.published }); ok && snap.wiredPublishes && snap.bound[p] {
+			row.In = perSec(max(v, 0))
 		}
 		row.Spark = newSpark(gauge(ss, func(s sample) float64 { return float64(s.depth()) }))
 		if row.Stranded {
@@ -213,10 +211,10 @@ func (ui *UI) groupPage(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	snap := ui.samp.snapshot(false, pair{topic, group})
-	d.Observer = snap.wired
+	d.Observer = snap.wiredAcks
 	ss := snap.series[pair{topic, group}]
 	out := newChart("Acked/s", "per second", perSecond(ss, func(s sample) int64 { return s.acked }), perSec)
-	if !snap.wired {
+	if !snap.wiredAcks {
 		// Without an Observer: the backlog's fall, a lower bound of the acks.
 		out = newChart("Drained/s (depth fall)", "per second", perSecond(ss, func(s sample) int64 { return -s.depth() }), perSec)
 	}

@@ -92,7 +92,9 @@ type sampler struct {
 
 	obsMu sync.Mutex
 	obs   map[pair]*counts
-	wired atomic.Bool // an Observer reported at least one event
+	// An Observer reported at least one ack or dead letter (a consumer's),
+	// or one publish (a publisher's): each rate needs its own side wired.
+	wiredAcks, wiredPublishes atomic.Bool
 }
 
 func newSampler(ui *UI, interval time.Duration, size, maxPairs int) *sampler {
@@ -206,7 +208,7 @@ func (s *sampler) observe(e pgoutbox.Event) {
 		if c == nil {
 			return
 		}
-		s.wired.Store(true)
+		s.wiredAcks.Store(true)
 		if e.Kind == pgoutbox.EventAcked {
 			c.acked.Add(1)
 		} else {
@@ -214,7 +216,7 @@ func (s *sampler) observe(e pgoutbox.Event) {
 		}
 	case pgoutbox.EventPublished:
 		if c := s.counts(pair{e.Topic, publishedGroup}, true); c != nil {
-			s.wired.Store(true)
+			s.wiredPublishes.Store(true)
 			c.published.Add(int64(e.Count))
 		}
 	}
@@ -229,7 +231,8 @@ type snapshot struct {
 	cost   time.Duration
 	series map[pair][]sample
 	totals []sample
-	wired  bool
+	// wiredAcks, wiredPublishes: see sampler.
+	wiredAcks, wiredPublishes bool
 }
 
 // snapshot returns the latest sample; with all, every pair's series too,
@@ -238,7 +241,8 @@ func (s *sampler) snapshot(all bool, want ...pair) snapshot {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	snap := snapshot{stats: s.latest, bound: s.bound, at: s.latestAt, err: s.err, cost: s.cost,
-		series: map[pair][]sample{}, totals: s.totals.all(), wired: s.wired.Load()}
+		series: map[pair][]sample{}, totals: s.totals.all(),
+		wiredAcks: s.wiredAcks.Load(), wiredPublishes: s.wiredPublishes.Load()}
 	if all {
 		for p, r := range s.series {
 			snap.series[p] = r.all()

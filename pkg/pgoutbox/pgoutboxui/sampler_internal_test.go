@@ -76,10 +76,15 @@ func TestChart(t *testing.T) {
 	require.True(t, newChart("Depth", "", pts[:1], count).Empty)
 }
 
-// Observer events count per topic and group; published per topic.
+// Observer events count per topic and group; published per topic. Each
+// side counts as wired on its own events: a publisher's Observer alone
+// does not make the acks' rate a 0.
 func TestObserverCounts(t *testing.T) {
 	t.Parallel()
 	s := newSampler(nil, 0, 2, 10)
+	s.observe(pgoutbox.Event{Kind: pgoutbox.EventPublished, Topic: "t", Count: 1})
+	require.True(t, s.wiredPublishes.Load())
+	require.False(t, s.wiredAcks.Load(), "no consumer's Observer yet")
 	s.observe(pgoutbox.Event{Kind: pgoutbox.EventAcked, Topic: "t", Group: "g"})
 	s.observe(pgoutbox.Event{Kind: pgoutbox.EventAcked, Topic: "t", Group: "g"})
 	s.observe(pgoutbox.Event{Kind: pgoutbox.EventDeadLettered, Topic: "t", Group: "g"})
@@ -88,6 +93,6 @@ func TestObserverCounts(t *testing.T) {
 	c := s.counts(pair{"t", "g"}, false)
 	require.EqualValues(t, 2, c.acked.Load())
 	require.EqualValues(t, 1, c.deadLettered.Load())
-	require.EqualValues(t, 7, s.counts(pair{"t", publishedGroup}, false).published.Load())
-	require.True(t, s.wired.Load())
+	require.EqualValues(t, 8, s.counts(pair{"t", publishedGroup}, false).published.Load())
+	require.True(t, s.wiredAcks.Load())
 }

@@ -198,16 +198,21 @@ func listenConnectionDrops(t *testing.T, mode pgoutbox.ClaimMode) {
 	pollUntil(t, "A's rows stamped with its liveness key", 10*time.Second, nil, func() bool {
 		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_holder IS NOT NULL`) == 4
 	})
+	var stamped time.Time // A holds its lock from before then
+	require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT now()`).Scan(&stamped))
 
-	// B, another process (its own pool and LISTEN connection), sees A's
-	// lock in two checks (500 ms apart) before the cut.
+	// B, another process (its own pool and LISTEN connection).
 	subB := b.subscriberOn(t, b.namedPool(t, "lockloss-b"), func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
 	tookByB := make(chan string, 4)
 	runRouter(t, subB, "t", func(m *message.Message) error {
 		tookByB <- m.UUID
 		return nil
 	})
-	time.Sleep(1500 * time.Millisecond) // B's notifier has checked the locks held (no event to await)
+	// B takes A's rows for orphans only if its notifier saw A's lock held.
+	pollUntil(t, "B's notifier checked the liveness locks since A held its own", 10*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = 'lockloss-b' AND query = $1 AND query_start > $2 AND state = 'idle'`,
+			query.LiveHoldersMine, stamped) > 0
+	})
 
 	px.cut()
 	requireNoString(t, tookByB, 3*time.Second)

@@ -122,13 +122,7 @@ func deadLetter(t *testing.T, env *pgoutboxtest.Env, topic, payload string) {
 	msgs, err := env.Subscriber.Subscribe(ctx, topic)
 	require.NoError(t, err)
 	publish(t, env, topic, payload)
-	select {
-	case m := <-msgs:
-		_ = pgoutbox.Reject(m, "test rejection")
-		m.Nack()
-	case <-time.After(10 * time.Second):
-		t.Fatal("no message to reject")
-	}
+	rejectNext(t, msgs)
 	require.Eventually(t, func() bool {
 		page, err := pgoutbox.DeadLetters(context.Background(), env.Exec(), env.Tables, pgoutbox.DeadLetterFilter{Topic: topic})
 		return err == nil && len(page.Letters) == 1

@@ -158,10 +158,21 @@ func TestRowsLeasedBeforeTheLivenessLockAreStampedSoon(t *testing.T) {
 // whose handler outlives the bound is a lease too.
 func TestRowsOfAProcessWhoseListenConnectionDropsStayItsOwn(t *testing.T) {
 	t.Parallel()
-	onEachClaimMode(t, listenConnectionDrops)
+	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) { listenConnectionDrops(t, mode, (*tcpProxy).cut) })
 }
 
-func listenConnectionDrops(t *testing.T, mode pgoutbox.ClaimMode) {
+// The same when A's LISTEN path goes silent instead: the server ends that
+// session (and drops A's lock) while A hears nothing, neither an answer to
+// its liveness check nor a reset. A stops counting on its lock when no
+// check confirmed it for notifier.OwnLockValidFor, before B's checks would
+// find the key gone long enough; until then A could only have learnt it
+// when its check gave up, seconds after B took A's rows.
+func TestRowsOfAProcessWhoseListenPathGoesSilentStayItsOwn(t *testing.T) {
+	t.Parallel()
+	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) { listenConnectionDrops(t, mode, (*tcpProxy).silence) })
+}
+
+func listenConnectionDrops(t *testing.T, mode pgoutbox.ClaimMode, fail func(*tcpProxy)) {
 	b := setup(t)
 	px := startTCPProxy(t, b.DSN)
 	listen, err := url.Parse(b.DSN)
@@ -214,7 +225,7 @@ func listenConnectionDrops(t *testing.T, mode pgoutbox.ClaimMode) {
 			query.LiveHoldersMine, stamped) > 0
 	})
 
-	px.cut()
+	fail(px)
 	requireNoString(t, tookByB, 3*time.Second)
 	px.restore()
 	close(release)

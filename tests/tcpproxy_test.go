@@ -4,6 +4,7 @@ import (
 	"io"
 	"net"
 	"net/url"
+	"slices"
 	"sync"
 	"testing"
 
@@ -12,14 +13,20 @@ import (
 
 // tcpProxy forwards connections to the server of a DSN, and can cut them
 // all (and refuse new ones) until restored: a network path that fails
-// while the server and every other connection stay up.
+// while the server and every other connection stay up. It can also fall
+// silent: a half-open path, where the server's side is closed and the
+// client's stays open and hears nothing.
 type tcpProxy struct {
 	addr     string // where clients connect
 	target   string
 	mu       sync.Mutex
 	refusing bool
-	conns    []net.Conn
+	silent   bool
+	pairs    []proxied
+	held     []net.Conn // clients kept open and silent
 }
+
+type proxied struct{ client, server net.Conn }
 
 // startTCPProxy starts a proxy to dsn's server, closed when the test ends.
 func startTCPProxy(t *testing.T, dsn string) *tcpProxy {
@@ -43,12 +50,17 @@ func startTCPProxy(t *testing.T, dsn string) *tcpProxy {
 	return p
 }
 
-// forward connects c to the target, or closes it while the path is cut.
+// forward connects c to the target, closes it while the path is cut, or
+// keeps it open and silent while the path is silent.
 func (p *tcpProxy) forward(c net.Conn) {
 	p.mu.Lock()
 	defer p.mu.Unlock() // a cut waits for a connection being made, and closes it
-	if p.refusing {
+	switch {
+	case p.refusing:
 		_ = c.Close()
+		return
+	case p.silent:
+		p.held = append(p.held, c)
 		return
 	}
 	up, err := net.Dial("tcp", p.target)
@@ -56,9 +68,19 @@ func (p *tcpProxy) forward(c net.Conn) {
 		_ = c.Close()
 		return
 	}
-	p.conns = append(p.conns, c, up)
-	go func() { _, _ = io.Copy(up, c); _ = up.Close() }()
-	go func() { _, _ = io.Copy(c, up); _ = c.Close() }()
+	p.pairs = append(p.pairs, proxied{c, up})
+	go func() { _, _ = io.Copy(up, c); _ = up.Close(); p.serverEnded(c) }()
+	go func() { _, _ = io.Copy(c, up); p.serverEnded(c) }()
+}
+
+// serverEnded closes the client's side of a connection whose server side
+// ended, unless the path is silent: then the client hears nothing.
+func (p *tcpProxy) serverEnded(c net.Conn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !slices.Contains(p.held, c) {
+		_ = c.Close()
+	}
 }
 
 // cut closes every proxied connection and refuses new ones (the listener
@@ -67,15 +89,44 @@ func (p *tcpProxy) cut() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.refusing = true
-	for _, c := range p.conns {
-		_ = c.Close()
-	}
-	p.conns = nil
+	p.closeAll()
 }
 
-// restore forwards new connections again.
+// silence closes the server's side of every proxied connection (the server
+// ends those sessions, and drops their locks) and keeps the clients' sides
+// open, hearing nothing, as it keeps new connections: a half-open path.
+func (p *tcpProxy) silence() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.silent = true
+	for _, pr := range p.pairs {
+		p.held = append(p.held, pr.client)
+	}
+	for _, pr := range p.pairs {
+		_ = pr.server.Close()
+	}
+	p.pairs = nil
+}
+
+// restore forwards new connections again; the connections kept silent are
+// reset, as a path that comes back answers a dead connection's next packet.
 func (p *tcpProxy) restore() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.refusing = false
+	p.refusing, p.silent = false, false
+	for _, c := range p.held {
+		_ = c.Close()
+	}
+	p.held = nil
+}
+
+func (p *tcpProxy) closeAll() {
+	for _, pr := range p.pairs {
+		_ = pr.client.Close()
+		_ = pr.server.Close()
+	}
+	for _, c := range p.held {
+		_ = c.Close()
+	}
+	p.pairs, p.held = nil, nil
 }

@@ -16,9 +16,7 @@ package notifier
 import (
 	"context"
 	"errors"
-	"maps"
 	"math/rand/v2"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -63,20 +61,42 @@ type Notifier struct {
 	// liveness is key<<1 | held, in one word so a reader never pairs a key
 	// with another key's state. The key is 0 until a session took a lock.
 	liveness atomic.Int64
+	// confirmedUntil (unix nanoseconds) is when this process stops counting
+	// its lock as held unless a check confirms it again: OwnLockValidFor
+	// after the last confirming check was sent. Only the session goroutine
+	// writes it.
+	confirmedUntil atomic.Int64
 
 	// Only the session goroutine writes these (under mu: Spare reads).
-	ownKeys  map[int64]bool // every key this notifier held: never orphans
-	lastHeld map[int64]bool // keys held at the last check
-	prevHeld map[int64]bool // keys held at the check before (nil: none yet)
+	ownKeys map[int64]bool // every key this notifier held: never orphans
+	checks  lockChecks     // the keys held at the last checks
 }
 
 // LivenessEvery is the period of the liveness checks. A key must be
-// missing from two consecutive checks (and at the claim) before its rows
-// count as orphaned: a live process whose LISTEN connection blipped takes
-// its lock again within one backoff (100ms), and its rows must not be taken
-// meanwhile. A dead process's rows are reclaimed about two periods after
-// its death.
+// missing from OrphanChecks consecutive checks (and at the claim) before
+// its rows count as orphaned: a live process whose LISTEN connection
+// blipped takes its lock again within one backoff (100ms), and one whose
+// path went silent stops counting on its lock (OwnLockValidFor) before the
+// others' last check. A dead process's rows are reclaimed between
+// OrphanChecks-1 and OrphanChecks periods after its death.
 const LivenessEvery = 500 * time.Millisecond
+
+// OrphanChecks is how many consecutive liveness checks must miss a key
+// before its rows count as orphaned: the first of them runs after the lock
+// went, so the rows are taken at least (OrphanChecks-1) * LivenessEvery
+// after it (1 s).
+const OrphanChecks = 3
+
+// OwnLockValidFor is how long after a check confirmed this process's own
+// lock the process counts it as held without another confirmation: above
+// LivenessEvery, so that checks answered within OwnLockValidFor -
+// LivenessEvery (250 ms, both together) keep it held, and below the
+// others' grace ((OrphanChecks-1) * LivenessEvery after the lock went, so
+// after the last confirmation), so that a process whose path went silent
+// renews its rows without its key before the others take them, with 250 ms
+// for that write. The case: a half-open connection, where the server
+// closed its end (and dropped the lock) while the process hears nothing.
+const OwnLockValidFor = 750 * time.Millisecond
 
 // Waiter receives a wake-up (a value on C, never blocking the notifier)
 // when rows of its topic became due, and after every (re)connect, since
@@ -96,12 +116,12 @@ type Waiter struct {
 // Kinds are the reasons of the wake-ups since the last Take: rows
 // published due now, rows scheduled for later (by a publisher, or returned
 // by a subscriber with a delay), rows a subscriber returned due now, a
-// liveness lock that stayed gone for two checks (its holder's leased rows
-// are orphans), and one missing at the last check (Vanished: its holder may
-// have died, and the rows of its held transactions are due again); and
-// LockLost: this process's own liveness lock is gone (its LISTEN
-// connection dropped), so the rows stamped with it look orphaned to other
-// processes from their second check on.
+// liveness lock that stayed gone for OrphanChecks checks (its holder's
+// leased rows are orphans), and one missing at the last check (Vanished:
+// its holder may have died, and the rows of its held transactions are due
+// again); and LockLost: this process's own liveness lock is gone (its
+// LISTEN connection dropped) or was not confirmed within OwnLockValidFor,
+// so the rows stamped with it may look orphaned to other processes soon.
 type Kinds struct {
 	Due, Scheduled, Released, Orphans, Vanished, LockLost bool
 }
@@ -207,10 +227,33 @@ func (w *Waiter) Stop() {
 }
 
 // Liveness returns this process's liveness key, and whether its lock is
-// held right now. The key is 0 before the first session took a lock.
+// held right now: held at the last check, and that check confirmed it less
+// than OwnLockValidFor ago. The key is 0 before the first session took a
+// lock.
 func (n *Notifier) Liveness() (key int64, live bool) {
 	v := n.liveness.Load()
-	return v >> 1, v&1 == 1
+	return v >> 1, v&1 == 1 && time.Now().UnixNano() < n.confirmedUntil.Load()
+}
+
+// confirmed records that a check sent at sent found this process's lock
+// held, and schedules the wake-up that tells the subscriptions when that
+// confirmation runs out without another.
+func (n *Notifier) confirmed(sent time.Time, lapse *time.Timer) {
+	n.confirmedUntil.Store(sent.Add(OwnLockValidFor).UnixNano())
+	lapse.Reset(time.Until(sent.Add(OwnLockValidFor)))
+}
+
+// lapsed wakes the subscriptions with LockLost when the lock's last
+// confirmation ran out: they renew their rows without the key, before the
+// other processes' checks could count it gone.
+func (n *Notifier) lapsed() {
+	if time.Now().UnixNano() < n.confirmedUntil.Load() {
+		return // confirmed again meanwhile
+	}
+	if key, _ := n.Liveness(); key != 0 {
+		n.logger.Debug("The liveness lock was not confirmed in time; rows are renewed without its key until it is", watermill.LogFields{"key": key})
+		n.wakeAll(wakeLockLost)
+	}
 }
 
 func (n *Notifier) setLiveness(key int64, live bool) {
@@ -223,19 +266,13 @@ func (n *Notifier) setLiveness(key int64, live bool) {
 
 // Spare returns the liveness keys whose rows must not count as orphaned
 // although their lock may not be held at this instant: this process's own
-// keys and the keys held at either of the last two checks. A row stamped
-// with any other key whose lock is not held is orphaned (query.Claim). ok
-// is false until two checks were made.
+// keys and the keys held at any of the last OrphanChecks checks. A row
+// stamped with any other key whose lock is not held is orphaned
+// (query.Claim). ok is false until OrphanChecks checks were made.
 func (n *Notifier) Spare() (keys []int64, ok bool) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if n.prevHeld == nil {
-		return nil, false
-	}
-	set := maps.Clone(n.ownKeys)
-	maps.Copy(set, n.lastHeld)
-	maps.Copy(set, n.prevHeld)
-	return slices.Collect(maps.Keys(set)), true
+	return n.checks.spare(n.ownKeys)
 }
 
 // Liveness is the Liveness of the waiter's notifier.
@@ -335,13 +372,14 @@ func (n *Notifier) run(ctx context.Context) {
 // lockLiveness takes this process's liveness lock on conn, with the key of
 // earlier sessions if it is free (rows stamped with it stay ours), else a
 // new random one.
-func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn) error {
+func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn, lapse *time.Timer) error {
 	key, _ := n.Liveness()
 	for range 10 {
 		if key == 0 {
 			key = 1 + rand.Int64N(1<<31-2)
 		}
 		var ok bool
+		sent := time.Now()
 		if err := conn.QueryRow(ctx, query.TryLiveness, key).Scan(&ok); err != nil {
 			return err
 		}
@@ -350,6 +388,7 @@ func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn) error {
 			n.ownKeys[key] = true
 			n.mu.Unlock()
 			n.setLiveness(key, true)
+			n.confirmed(sent, lapse)
 			return nil
 		}
 		key = 0 // another process holds it
@@ -366,13 +405,14 @@ const livenessCheckTimeout = 5 * time.Second
 // checkLiveness reads the held liveness locks. It confirms this process
 // still holds its own on this very server connection (behind a pooler it
 // may not: then it takes it again, and claims stamp nothing meanwhile), and
-// wakes the subscriptions to reclaim orphaned rows when a key held two
-// checks ago is gone since (see Spare).
-func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn) error {
+// wakes the subscriptions to reclaim orphaned rows when a key held before
+// the last OrphanChecks checks is gone since (see Spare).
+func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn, lapse *time.Timer) error {
 	// Bounded: on a path gone silent the check would wait for ever, and
 	// the session would never end to say that the lock may be lost.
 	ctx, cancel := context.WithTimeout(ctx, livenessCheckTimeout)
 	defer cancel()
+	sent := time.Now()
 	rows, err := conn.Query(ctx, query.LiveHoldersMine)
 	if err != nil {
 		return err
@@ -383,37 +423,21 @@ func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn) error {
 	if _, err := pgx.ForEachRow(rows, []any{&k, &mine}, func() error { held[k] = held[k] || mine; return nil }); err != nil {
 		return err
 	}
-	key, live := n.Liveness()
+	key, _ := n.Liveness()
 	switch {
 	case key != 0 && !held[key]:
 		n.setLiveness(key, false)
 		n.wakeAll(wakeLockLost)
-		if err := n.lockLiveness(ctx, conn); err != nil {
+		if err := n.lockLiveness(ctx, conn, lapse); err != nil {
 			return err
 		}
-	case key != 0 && !live:
+	case key != 0:
 		n.setLiveness(key, true)
+		n.confirmed(sent, lapse)
 	}
 
-	gone, vanished := false, false
 	n.mu.Lock()
-	for k := range n.prevHeld {
-		if _, now := held[k]; !now && !n.lastHeld[k] && !n.ownKeys[k] {
-			gone = true // missing from two checks in a row
-		}
-	}
-	for k := range n.lastHeld {
-		if _, now := held[k]; !now && !n.ownKeys[k] {
-			vanished = true // missing from this check only, so far
-		}
-	}
-	if n.lastHeld != nil {
-		n.prevHeld = n.lastHeld
-	}
-	n.lastHeld = map[int64]bool{}
-	for k := range held {
-		n.lastHeld[k] = true
-	}
+	gone, vanished := n.checks.add(held, n.ownKeys)
 	n.mu.Unlock()
 	if gone {
 		n.wakeAll(wakeOrphans)
@@ -464,10 +488,14 @@ func (n *Notifier) session(ctx context.Context, connected func()) error {
 	if err := listenAll(); err != nil {
 		return err
 	}
-	if err := n.lockLiveness(ctx, conn); err != nil {
+	lapse := time.AfterFunc(time.Hour, n.lapsed)
+	lapse.Stop()
+	if err := n.lockLiveness(ctx, conn, lapse); err != nil {
+		lapse.Stop()
 		return err
 	}
 	defer func() {
+		lapse.Stop()
 		key, _ := n.Liveness()
 		n.setLiveness(key, false)
 		n.wakeAll(wakeLockLost)
@@ -480,7 +508,7 @@ func (n *Notifier) session(ctx context.Context, connected func()) error {
 	checked := time.Time{}
 	for {
 		if time.Since(checked) >= LivenessEvery {
-			if err := n.checkLiveness(ctx, conn); err != nil {
+			if err := n.checkLiveness(ctx, conn, lapse); err != nil {
 				return err
 			}
 			checked = time.Now()

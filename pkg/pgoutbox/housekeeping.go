@@ -55,10 +55,11 @@ func (sub *subscription) housekeeping(now time.Time) {
 	// A row stamped with another key than the one held now is renewed at
 	// once: rows leased before the lock was held (the first claims after
 	// Subscribe) carry none, so a crash would leave them to their lease;
-	// rows stamped with a key this process no longer holds (its LISTEN
-	// connection dropped) look orphaned to other processes from their
-	// second check on (within a second), and would be claimed while their
-	// handlers run here: renewed without a key, they wait for their lease.
+	// rows stamped with a key this process no longer holds, or can no
+	// longer confirm (its LISTEN connection dropped or went silent), look
+	// orphaned to other processes from their third check on (a second
+	// after the lock went), and would be claimed while their handlers run
+	// here: renewed without a key, they wait for their lease.
 	holder := sub.holder()
 	for d := range sub.hand.rows {
 		if renewable(d) && d.stamp != holder {
@@ -148,8 +149,9 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 }
 
 // lockLost runs the housekeeping now when this process's liveness lock
-// is lost, so that rows stamped with it are renewed without a holder
-// before other processes find the key missing twice.
+// is lost or its confirmation ran out (notifier.OwnLockValidFor), so that
+// rows stamped with it are renewed without a holder before other processes
+// find the key missing from their last notifier.OrphanChecks checks.
 func (sub *subscription) lockLost(now time.Time) {
 	sub.house.next = now
 }

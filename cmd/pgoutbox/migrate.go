@@ -86,7 +86,11 @@ func (c *cli) migrateUpDown(args []string, down bool) error {
 		case !down && target < st.Current:
 			return usagef(name, "--to %d is below the current version %d; use \"schema migrate down\"", target, st.Current)
 		}
-		plan, err := schema.MigrationPlan(ctx, exec, t, target)
+		libTarget := target // the library refuses 0, so that a zero value never drops an outbox
+		if target == 0 {
+			libTarget = schema.NoTables
+		}
+		plan, err := schema.MigrationPlan(ctx, exec, t, libTarget)
 		if err != nil {
 			return err
 		}
@@ -112,7 +116,7 @@ func (c *cli) migrateUpDown(args []string, down bool) error {
 				return err
 			}
 		}
-		steps, err := schema.Migrate(ctx, exec, t, target)
+		steps, err := schema.Migrate(ctx, exec, t, libTarget)
 		for _, s := range steps {
 			fmt.Fprintf(c.stdout, "%s version %d (%s)\n", stepPast(s), s.Version, s.Name)
 		}

@@ -14,6 +14,11 @@ import (
 // Latest, as Migrate's target, is the latest version.
 const Latest = -1
 
+// NoTables, as Migrate's target, undoes every migration: it drops the
+// outbox's tables and every message in them (version 0). A target of 0 is
+// refused, so that a zero value never drops an outbox.
+const NoTables = -2
+
 // ErrNoVersion is returned by Migrate and MigrationPlan for an outbox
 // whose tables exist but whose version was never recorded (created by the
 // SQL script, or by a Create of a release before migrations). Baseline
@@ -118,8 +123,8 @@ func exists(ctx context.Context, db tx.Executor, qname string) (bool, error) {
 }
 
 // MigrationPlan returns the steps Migrate(ctx, db, c, target) would run
-// now, without running them (a dry run). target is a version from 0 (no
-// tables) to LatestVersion, or Latest.
+// now, without running them (a dry run). target is as Migrate's: a
+// version from 1 to LatestVersion, Latest, or NoTables.
 func MigrationPlan(ctx context.Context, db tx.Executor, c Config, target int) ([]MigrationStep, error) {
 	n, err := c.names()
 	if err != nil {
@@ -149,11 +154,15 @@ func MigrationPlan(ctx context.Context, db tx.Executor, c Config, target int) ([
 }
 
 func checkTarget(target, latest int) (int, error) {
-	if target == Latest {
+	switch {
+	case target == Latest:
 		return latest, nil
-	}
-	if target < 0 || target > latest {
-		return 0, fmt.Errorf("pgoutbox: migrate: target version %d is out of range; use 0 (no tables) to %d (latest), or Latest", target, latest)
+	case target == NoTables:
+		return 0, nil
+	case target == 0:
+		return 0, fmt.Errorf("pgoutbox: migrate: target version 0 would drop the outbox's tables and every message in them; pass schema.NoTables to do that, or schema.Latest to bring the outbox up to date")
+	case target < 0 || target > latest:
+		return 0, fmt.Errorf("pgoutbox: migrate: target version %d is out of range; use 1 to %d (latest), Latest, or NoTables to drop the tables", target, latest)
 	}
 	return target, nil
 }
@@ -188,8 +197,9 @@ func step(ms []Migration, v, target int) (MigrationStep, int) {
 	return MigrationStep{Version: m.Version, Name: m.Name, Down: true, Statements: m.Down}, v - 1
 }
 
-// Migrate brings the outbox in c to the target version (Latest, or 0 to
-// LatestVersion; 0 drops the tables and every message in them) and
+// Migrate brings the outbox in c to the target version (Latest, 1 to
+// LatestVersion, or NoTables, which drops the tables and every message in
+// them; 0 is refused) and
 // returns the steps it ran. Each step runs in a transaction of its own
 // that takes the same advisory lock as Create, so concurrent Migrate and
 // Create calls (two deploys) run one after the other: the second finds

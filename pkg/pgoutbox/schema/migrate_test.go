@@ -137,7 +137,13 @@ func TestMigrate(t *testing.T) {
 		require.Greater(t, len(want), 40, "columns, relations, indexes and constraints of three tables")
 		require.Equal(t, want, b.catalog(t, b.env.Name))
 
-		steps, err = schema.Migrate(ctx, b.exec, cfg, 0)
+		_, err = schema.Migrate(ctx, b.exec, cfg, 0)
+		require.ErrorContains(t, err, "schema.NoTables", "a zero target drops nothing and says how to")
+		require.Equal(t, want, b.catalog(t, b.env.Name))
+		_, err = schema.MigrationPlan(ctx, b.exec, cfg, 0)
+		require.ErrorContains(t, err, "schema.NoTables")
+
+		steps, err = schema.Migrate(ctx, b.exec, cfg, schema.NoTables)
 		require.NoError(t, err)
 		require.Equal(t, -1, versions(steps)[len(steps)-1])
 		require.Empty(t, b.catalog(t, b.env.Name), "down to 0 leaves nothing but the version table")
@@ -171,7 +177,7 @@ func TestMigrate(t *testing.T) {
 		before := b.catalog(t, cfg.Schema)
 		require.NoError(t, schema.Create(ctx, b.exec, long))
 		require.Equal(t, before, b.catalog(t, cfg.Schema), "Create finds every object by the same names and adds none")
-		_, err = schema.Migrate(ctx, b.exec, long, 0)
+		_, err = schema.Migrate(ctx, b.exec, long, schema.NoTables)
 		require.NoError(t, err, "and down finds them too")
 		st, err := schema.MigrationStatus(ctx, b.exec, cfg)
 		require.NoError(t, err)

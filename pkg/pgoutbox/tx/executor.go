@@ -9,6 +9,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"reflect"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -20,7 +21,8 @@ import (
 var ErrTxDone = errors.New("pgoutbox: the transaction is already committed or rolled back")
 
 // Executor runs statements on a database handle or on an open transaction.
-// Build one with FromSQLTx, FromSQLDB, FromPgxTx or FromPgxPool.
+// Build one with FromSQLTx, FromSQLDB, FromSQLQueryer, FromPgxTx or
+// FromPgxPool.
 type Executor interface {
 	// Exec runs a statement and returns the number of rows it affected.
 	Exec(ctx context.Context, sql string, args ...any) (int64, error)
@@ -85,10 +87,44 @@ func FromPgxPool(pool *pgxpool.Pool) Executor {
 	return pgxPool{pool}
 }
 
-type sqlQueryer interface {
+// SQLQueryer is the part of a database/sql handle pgoutbox uses. *sql.Tx,
+// *sql.DB and *sql.Conn have it, and so do the handles of libraries built
+// on database/sql: *sqlx.Tx, GORM's Statement.ConnPool (a *sql.Tx, or with
+// PrepareStmt a wrapper that prepares each statement), bun.Tx.
+type SQLQueryer interface {
 	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
 	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
 }
+
+type sqlQueryer = SQLQueryer
+
+// FromSQLQueryer binds an Executor to a database/sql-like handle that runs
+// its statements in a transaction the caller owns, for handles that are
+// not an *sql.Tx (FromSQLTx): inside GORM's db.Transaction,
+// tx.FromSQLQueryer(gormTx.Statement.ConnPool), which is not an *sql.Tx
+// with PrepareStmt; an *sqlx.Tx, a bun.Tx, or an *sql.Conn on which the
+// caller ran BEGIN. Any PostgreSQL driver serves, as for FromSQLTx. q must
+// be bound to a transaction: pgoutbox takes it for one (InTx is true), and
+// never begins, commits or rolls back; for a pool, use FromSQLDB.
+func FromSQLQueryer(q SQLQueryer) Executor {
+	if q == nil {
+		return nilHandle{"FromSQLQueryer", "SQLQueryer", true}
+	}
+	if v := reflect.ValueOf(q); v.Kind() == reflect.Pointer && v.IsNil() {
+		return nilHandle{"FromSQLQueryer", fmt.Sprintf("%T", q), true}
+	}
+	return sqlTxLike{q}
+}
+
+type sqlTxLike struct{ q SQLQueryer }
+
+func (e sqlTxLike) Exec(ctx context.Context, q string, args ...any) (int64, error) {
+	return sqlExec(ctx, e.q, q, args)
+}
+func (e sqlTxLike) Query(ctx context.Context, q string, args ...any) (Rows, error) {
+	return sqlQuery(ctx, e.q, q, args)
+}
+func (sqlTxLike) InTx() bool { return true }
 
 func sqlExec(ctx context.Context, q sqlQueryer, query string, args []any) (int64, error) {
 	res, err := q.ExecContext(ctx, query, args...)

@@ -25,7 +25,8 @@
 //     message was handed to the Router (pgoutbox.subscriber.lateness, a
 //     histogram per topic and consumer group, from the row's due time: no
 //     extra query);
-//   - RegisterStats reports pgoutbox.Stats as observable gauges.
+//   - RegisterStats reports pgoutbox.Stats and pgoutbox.Health as
+//     observable gauges.
 //
 // Names and attributes (topic is messaging.destination.name, group
 // messaging.consumer.group.name, "" for the default group; every
@@ -34,8 +35,14 @@
 //	pgoutbox.messages{pgoutbox.state}               gauge, rows per state (ready, scheduled, leased, expired_lease, parked)
 //	pgoutbox.oldest_ready_age                       gauge, s: the oldest ready row's age, the group's lag
 //	pgoutbox.dead_letters{pgoutbox.failure_reason}  gauge, dead letters per reason
-//	pgoutbox.stats.errors                           counter: collections whose Stats call failed
-//	pgoutbox.stats.duration                         gauge, s: the last Stats call
+//	pgoutbox.table.live_tuples{pgoutbox.table}      gauge, estimated live rows of the outbox, its dead-letter and arrivals tables
+//	pgoutbox.table.dead_tuples{pgoutbox.table}      gauge, estimated dead rows vacuum has not removed yet
+//	pgoutbox.table.size{pgoutbox.table}             gauge, By: the table with TOAST; a queue's should stay flat
+//	pgoutbox.table.index_size{pgoutbox.table}       gauge, By: its indexes
+//	pgoutbox.oldest_snapshot.age{pgoutbox.snapshot_kind}       gauge, s: the oldest transaction of each kind holding vacuum back
+//	pgoutbox.oldest_snapshot.xmin_age{pgoutbox.snapshot_kind}  gauge: transactions begun since the oldest snapshot of each kind
+//	pgoutbox.stats.errors                           counter: collections whose Stats or Health call failed
+//	pgoutbox.stats.duration                         gauge, s: the last Stats and Health calls
 //	pgoutbox.publisher.published                    counter (topic only)
 //	pgoutbox.subscriber.claims                      counter: claim statements, empty ones included
 //	pgoutbox.subscriber.claimed                     counter: rows claimed (both paths)

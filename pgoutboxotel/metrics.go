@@ -29,6 +29,13 @@ const (
 	// PhaseKey is the write that found its lease lost: "ack", "nack",
 	// "release", "renew" or "dead_letter".
 	PhaseKey = attribute.Key("pgoutbox.phase")
+	// TableKey is the schema-qualified table of the table gauges
+	// ("public.outbox", its dead-letter and arrivals tables).
+	TableKey = attribute.Key("pgoutbox.table")
+	// SnapshotKindKey is the kind of snapshot holder of the oldest-snapshot
+	// gauges: "backend", "replication_slot" or "prepared_xact"
+	// (pgoutbox.SnapshotKind).
+	SnapshotKindKey = attribute.Key("pgoutbox.snapshot_kind")
 )
 
 // DefaultStatsTimeout bounds the Stats call of a collection when
@@ -215,15 +222,26 @@ func rows(e pgoutbox.Event) int64 {
 	return 1
 }
 
-// RegisterStats creates observable gauges over pgoutbox.Stats of the outbox
-// named by tables, read through exec (a pool: tx.FromPgxPool or
-// tx.FromSQLDB), once per collection of the meter's readers:
+// RegisterStats creates observable gauges over pgoutbox.Stats and
+// pgoutbox.Health of the outbox named by tables, read through exec (a
+// pool: tx.FromPgxPool or tx.FromSQLDB), once per collection of the
+// meter's readers:
 //
 //	pgoutbox.messages{state}            rows per topic, group and state
 //	pgoutbox.oldest_ready_age           the oldest ready row's age: the group's lag, the one to alert on
 //	pgoutbox.dead_letters{reason}       dead letters per topic, group and reason
-//	pgoutbox.stats.errors               collections whose Stats call failed or timed out
-//	pgoutbox.stats.duration             how long the last Stats call took
+//	pgoutbox.consumer_group.paused      1 while the group is paused, else 0
+//	pgoutbox.table.live_tuples{table}   estimated live rows of the outbox, its dead-letter and arrivals tables
+//	pgoutbox.table.dead_tuples{table}   estimated dead rows vacuum has not removed yet
+//	pgoutbox.table.size{table}          the table's bytes with TOAST; a queue's should stay flat
+//	pgoutbox.table.index_size{table}    its indexes' bytes
+//	pgoutbox.oldest_snapshot.age{kind}  how long the oldest transaction of each kind (backend, prepared_xact)
+//	                                    has held back vacuum of the outbox: alert above 10 minutes
+//	pgoutbox.oldest_snapshot.xmin_age{kind}  transactions begun since the oldest snapshot of each kind
+//	                                    (backend, replication_slot, prepared_xact)
+//	pgoutbox.stats.errors               collections whose Stats or Health call failed or timed out
+//	                                    (they report none of the failed call's gauges)
+//	pgoutbox.stats.duration             how long the last Stats and Health calls took
 //
 // Stats costs about 300 ms on an outbox of 1,000,000 rows: collect every
 // 15 to 60 seconds (the periodic reader's interval). Unregister the
@@ -259,14 +277,18 @@ func RegisterStats(exec tx.Executor, tables schema.Config, opts MetricsOptions) 
 		return nil, fmt.Errorf("pgoutboxotel: create pgoutbox.consumer_group.paused: %w", err)
 	}
 	statsErrors, err := m.Int64ObservableCounter("pgoutbox.stats.errors", metric.WithUnit("{call}"),
-		metric.WithDescription("Collections whose pgoutbox.Stats call failed or timed out (they report no outbox gauges)."))
+		metric.WithDescription("Collections whose pgoutbox.Stats or pgoutbox.Health call failed or timed out (they report none of the failed call's gauges)."))
 	if err != nil {
 		return nil, fmt.Errorf("pgoutboxotel: create pgoutbox.stats.errors: %w", err)
 	}
 	duration, err := m.Float64ObservableGauge("pgoutbox.stats.duration", metric.WithUnit("s"),
-		metric.WithDescription("How long the last pgoutbox.Stats call took."))
+		metric.WithDescription("How long the last pgoutbox.Stats and pgoutbox.Health calls took."))
 	if err != nil {
 		return nil, fmt.Errorf("pgoutboxotel: create pgoutbox.stats.duration: %w", err)
+	}
+	h, err := newHealthGauges(m)
+	if err != nil {
+		return nil, err
 	}
 	base := metric.WithAttributes(opts.Attributes...)
 	var failed atomic.Int64
@@ -278,12 +300,18 @@ func RegisterStats(exec tx.Executor, tables schema.Config, opts MetricsOptions) 
 		defer cancel()
 		start := time.Now()
 		stats, err := pgoutbox.Stats(ctx, exec, tables, opts.StatsOptions...)
+		health, healthErr := pgoutbox.Health(ctx, exec, tables)
 		obs.ObserveFloat64(duration, time.Since(start).Seconds(), base)
-		if err != nil {
-			failed.Add(1)
-			logger.Error("pgoutbox stats for OpenTelemetry failed", err, nil)
+		for _, e := range []error{err, healthErr} {
+			if e != nil {
+				failed.Add(1)
+				logger.Error("pgoutbox stats for OpenTelemetry failed", e, nil)
+			}
 		}
 		obs.ObserveInt64(statsErrors, failed.Load(), base)
+		if healthErr == nil {
+			h.observe(obs, health, opts.Attributes)
+		}
 		if err != nil {
 			return nil // counted; no stale gauges
 		}
@@ -316,5 +344,82 @@ func RegisterStats(exec tx.Executor, tables schema.Config, opts MetricsOptions) 
 			}
 		}
 		return nil
-	}, messages, oldest, dead, paused, statsErrors, duration)
+	}, append([]metric.Observable{messages, oldest, dead, paused, statsErrors, duration}, h.instruments()...)...)
+}
+
+// healthGauges are the gauges of pgoutbox.Health: the tables' sizes and
+// the oldest snapshot holders, as pgoutboxprom's Collector has them.
+type healthGauges struct {
+	live, dead, size, indexSize metric.Int64ObservableGauge
+	snapshotAge                 metric.Float64ObservableGauge
+	snapshotXmin                metric.Int64ObservableGauge
+}
+
+func newHealthGauges(m metric.Meter) (healthGauges, error) {
+	var h healthGauges
+	var err error
+	ints := []struct {
+		to         *metric.Int64ObservableGauge
+		name, unit string
+		desc       string
+	}{
+		{&h.live, "pgoutbox.table.live_tuples", "{row}", "Estimated live rows of the table (n_live_tup)."},
+		{&h.dead, "pgoutbox.table.dead_tuples", "{row}", "Estimated dead rows vacuum has not removed yet (n_dead_tup): alert when they keep growing across autovacuum runs."},
+		{&h.size, "pgoutbox.table.size", "By", "The table's size with TOAST (pg_table_size): a queue's should stay flat."},
+		{&h.indexSize, "pgoutbox.table.index_size", "By", "The size of the table's indexes (pg_indexes_size)."},
+		{&h.snapshotXmin, "pgoutbox.oldest_snapshot.xmin_age", "{transaction}", "Transactions begun since the oldest snapshot of each kind (backend, replication_slot, prepared_xact); 0 for a kind with none."},
+	}
+	for _, g := range ints {
+		if *g.to, err = m.Int64ObservableGauge(g.name, metric.WithUnit(g.unit), metric.WithDescription(g.desc)); err != nil {
+			return h, fmt.Errorf("pgoutboxotel: create %s: %w", g.name, err)
+		}
+	}
+	h.snapshotAge, err = m.Float64ObservableGauge("pgoutbox.oldest_snapshot.age", metric.WithUnit("s"),
+		metric.WithDescription("How long the oldest transaction of each kind (backend, prepared_xact) has held back vacuum of the outbox; 0 for a kind with none. Alert above 10 minutes: pgoutbox health names it."))
+	if err != nil {
+		return h, fmt.Errorf("pgoutboxotel: create pgoutbox.oldest_snapshot.age: %w", err)
+	}
+	return h, nil
+}
+
+func (h healthGauges) instruments() []metric.Observable {
+	return []metric.Observable{h.live, h.dead, h.size, h.indexSize, h.snapshotAge, h.snapshotXmin}
+}
+
+// observe reports r. A kind of holder with none reports 0, so that an
+// alert resolves rather than going stale; holders of catalog rows only do
+// not hold the outbox back.
+func (h healthGauges) observe(obs metric.Observer, r pgoutbox.HealthReport, extra []attribute.KeyValue) {
+	with := func(kv attribute.KeyValue) metric.ObserveOption {
+		return metric.WithAttributes(append([]attribute.KeyValue{semconv.MessagingSystemKey.String(System), kv}, extra...)...)
+	}
+	for _, t := range []*pgoutbox.TableHealth{&r.Outbox, r.DeadLetters, r.Arrivals} {
+		if t == nil {
+			continue
+		}
+		table := with(TableKey.String(t.Table))
+		obs.ObserveInt64(h.live, t.LiveTuples, table)
+		obs.ObserveInt64(h.dead, t.DeadTuples, table)
+		obs.ObserveInt64(h.size, t.TableBytes, table)
+		obs.ObserveInt64(h.indexSize, t.IndexBytes, table)
+	}
+	age := map[pgoutbox.SnapshotKind]time.Duration{pgoutbox.SnapshotBackend: 0, pgoutbox.SnapshotPreparedXact: 0}
+	xmin := map[pgoutbox.SnapshotKind]int64{pgoutbox.SnapshotBackend: 0, pgoutbox.SnapshotReplicationSlot: 0, pgoutbox.SnapshotPreparedXact: 0}
+	for _, s := range r.SnapshotHolders {
+		if s.CatalogOnly {
+			continue
+		}
+		if _, ok := age[s.Kind]; ok {
+			age[s.Kind] = max(age[s.Kind], s.Age)
+		}
+		if _, ok := xmin[s.Kind]; ok {
+			xmin[s.Kind] = max(xmin[s.Kind], s.XminAge)
+		}
+	}
+	for k, d := range age {
+		obs.ObserveFloat64(h.snapshotAge, d.Seconds(), with(SnapshotKindKey.String(string(k))))
+	}
+	for k, n := range xmin {
+		obs.ObserveInt64(h.snapshotXmin, n, with(SnapshotKindKey.String(string(k))))
+	}
 }

@@ -183,6 +183,31 @@ func TestStatsGauges(t *testing.T) {
 	require.Len(t, age.DataPoints, 1)
 	require.GreaterOrEqual(t, age.DataPoints[0].Value, 0.0)
 	require.EqualValues(t, 0, sum(t, got["pgoutbox.stats.errors"]))
+
+	// Health's gauges: the tables, and a transaction that holds a snapshot
+	// back by the transactions begun after it.
+	outbox := attribute.String("pgoutbox.table", env.Schema+".outbox")
+	require.Positive(t, gauge(t, got["pgoutbox.table.size"], outbox), "the outbox holds rows")
+	require.Positive(t, gauge(t, got["pgoutbox.table.index_size"], outbox))
+	gauge(t, got["pgoutbox.table.live_tuples"], attribute.String("pgoutbox.table", env.Schema+".outbox_dlq"))
+	holder, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	_, err = holder.Exec(ctx, `SELECT txid_current()`)
+	require.NoError(t, err)
+	for range 3 {
+		_, err = env.Pool.Exec(ctx, `SELECT txid_current()`)
+		require.NoError(t, err)
+	}
+	got = collect(t, reader)
+	backend := attribute.String("pgoutbox.snapshot_kind", "backend")
+	require.GreaterOrEqual(t, gauge(t, got["pgoutbox.oldest_snapshot.xmin_age"], backend), int64(3))
+	require.Zero(t, gauge(t, got["pgoutbox.oldest_snapshot.xmin_age"], attribute.String("pgoutbox.snapshot_kind", "prepared_xact")))
+	snap, ok := got["pgoutbox.oldest_snapshot.age"].Data.(metricdata.Gauge[float64])
+	require.True(t, ok)
+	require.Len(t, snap.DataPoints, 2, "backend and prepared_xact, 0 when none")
+	require.NoError(t, holder.Rollback(ctx))
+
 	dur, ok := got["pgoutbox.stats.duration"].Data.(metricdata.Gauge[float64])
 	require.True(t, ok)
 	require.Positive(t, dur.DataPoints[0].Value)
@@ -197,7 +222,9 @@ func TestStatsGauges(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = failing.Unregister() })
 	got = collect(t, failReader)
-	require.EqualValues(t, 1, sum(t, got["pgoutbox.stats.errors"]))
-	_, reported := got["pgoutbox.messages"]
-	require.False(t, reported, "no stale gauges after a failed Stats")
+	require.EqualValues(t, 2, sum(t, got["pgoutbox.stats.errors"]), "Stats and Health")
+	for _, name := range []string{"pgoutbox.messages", "pgoutbox.table.size", "pgoutbox.oldest_snapshot.age"} {
+		_, reported := got[name]
+		require.False(t, reported, "no stale %s after a failed call", name)
+	}
 }

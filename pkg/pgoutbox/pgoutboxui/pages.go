@@ -96,7 +96,7 @@ func (ui *UI) overview(w http.ResponseWriter, r *http.Request) error {
 		d.TotalDead += row.Dead
 		d.Rows = append(d.Rows, row)
 	}
-	total := sumSeries(snap.series)
+	total := snap.whole
 	d.Charts = []chart{
 		newChart("Depth (ready + scheduled + leased)", "messages", gauge(total, func(s sample) float64 { return float64(s.depth()) }), count),
 		newChart("Oldest ready message", "age", gauge(total, func(s sample) float64 { return float64(s.oldestMS) / 1000 }), seconds),

@@ -2,7 +2,6 @@ package pgoutboxui
 
 import (
 	"context"
-	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -82,7 +81,10 @@ type sampler struct {
 	lastSeen map[pair]int64
 	// totals are the table counters, in sample's fields: ready = outbox
 	// rows inserted, scheduled = deleted, dead = dead letters inserted.
-	totals   *ring
+	totals *ring
+	// whole sums every pair's sample, charted or not (MaxPairs bounds
+	// only the pairs' own charts).
+	whole    *ring
 	latest   []pgoutbox.QueueStats
 	bound    map[pair]bool
 	latestAt time.Time
@@ -100,7 +102,7 @@ type sampler struct {
 func newSampler(ui *UI, interval time.Duration, size, maxPairs int) *sampler {
 	return &sampler{
 		ui: ui, interval: interval, size: size, maxPairs: maxPairs,
-		series: map[pair]*ring{}, lastSeen: map[pair]int64{}, totals: newRing(size),
+		series: map[pair]*ring{}, lastSeen: map[pair]int64{}, totals: newRing(size), whole: newRing(size),
 		taken: make(chan struct{}), obs: map[pair]*counts{},
 	}
 }
@@ -150,12 +152,25 @@ func (s *sampler) take(ctx context.Context) {
 		return
 	}
 	s.err = nil
+	s.record(now, stats, bound, tot)
+}
+
+// record adds one sample of stats, bound and the table counters tot
+// taken at now.
+func (s *sampler) record(now time.Time, stats []pgoutbox.QueueStats, bound map[pair]bool, tot sample) {
 	s.latest, s.bound, s.latestAt = stats, bound, now
 	ms := now.UnixMilli()
 	tot.at = ms
 	s.totals.add(tot)
+	whole := sample{at: ms}
 	for _, st := range stats {
 		p := pair{st.Topic, st.ConsumerGroup}
+		smp := sample{at: ms, ready: st.Ready, scheduled: st.Scheduled, leased: st.Leased, expired: st.ExpiredLeases,
+			parked: st.Parked, oldestMS: st.OldestReadyAge.Milliseconds()}
+		for _, n := range st.DeadLetters {
+			smp.dead += n
+		}
+		whole.add(smp)
 		r := s.series[p]
 		if r == nil {
 			if len(s.series) >= s.maxPairs {
@@ -163,11 +178,6 @@ func (s *sampler) take(ctx context.Context) {
 			}
 			r = newRing(s.size)
 			s.series[p] = r
-		}
-		smp := sample{at: ms, ready: st.Ready, scheduled: st.Scheduled, leased: st.Leased, expired: st.ExpiredLeases,
-			parked: st.Parked, oldestMS: st.OldestReadyAge.Milliseconds()}
-		for _, n := range st.DeadLetters {
-			smp.dead += n
 		}
 		if c := s.counts(p, false); c != nil {
 			smp.acked, smp.deadLettered = c.acked.Load(), c.deadLettered.Load()
@@ -178,6 +188,7 @@ func (s *sampler) take(ctx context.Context) {
 		r.add(smp)
 		s.lastSeen[p] = ms
 	}
+	s.whole.add(whole)
 	// A pair gone for a whole ring's span has nothing left to chart.
 	span := int64(s.size) * s.interval.Milliseconds()
 	for p, seen := range s.lastSeen {
@@ -231,6 +242,7 @@ type snapshot struct {
 	cost   time.Duration
 	series map[pair][]sample
 	totals []sample
+	whole  []sample // every pair's samples summed
 	// wiredAcks, wiredPublishes: see sampler.
 	wiredAcks, wiredPublishes bool
 }
@@ -241,7 +253,7 @@ func (s *sampler) snapshot(all bool, want ...pair) snapshot {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	snap := snapshot{stats: s.latest, bound: s.bound, at: s.latestAt, err: s.err, cost: s.cost,
-		series: map[pair][]sample{}, totals: s.totals.all(),
+		series: map[pair][]sample{}, totals: s.totals.all(), whole: s.whole.all(),
 		wiredAcks: s.wiredAcks.Load(), wiredPublishes: s.wiredPublishes.Load()}
 	if all {
 		for p, r := range s.series {
@@ -306,35 +318,18 @@ func gauge(ss []sample, f func(sample) float64) []point {
 	return out
 }
 
-// sumSeries adds the pairs' series sample by sample (samples of one tick
-// share their time).
-func sumSeries(series map[pair][]sample) []sample {
-	byAt := map[int64]*sample{}
-	for _, ss := range series {
-		for _, s := range ss {
-			t := byAt[s.at]
-			if t == nil {
-				t = &sample{at: s.at}
-				byAt[s.at] = t
-			}
-			t.ready += s.ready
-			t.scheduled += s.scheduled
-			t.leased += s.leased
-			t.expired += s.expired
-			t.parked += s.parked
-			t.dead += s.dead
-			t.oldestMS = max(t.oldestMS, s.oldestMS)
-			t.acked += s.acked
-			t.deadLettered += s.deadLettered
-			t.published += s.published
-		}
-	}
-	out := make([]sample, 0, len(byAt))
-	for _, s := range byAt {
-		out = append(out, *s)
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].at < out[j].at })
-	return out
+// add sums o into s (the oldest ready age: the larger).
+func (s *sample) add(o sample) {
+	s.ready += o.ready
+	s.scheduled += o.scheduled
+	s.leased += o.leased
+	s.expired += o.expired
+	s.parked += o.parked
+	s.dead += o.dead
+	s.oldestMS = max(s.oldestMS, o.oldestMS)
+	s.acked += o.acked
+	s.deadLettered += o.deadLettered
+	s.published += o.published
 }
 
 // tableTotals reads the outbox's and the dead-letter table's counters.

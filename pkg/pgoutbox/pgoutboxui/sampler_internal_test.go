@@ -3,6 +3,7 @@ package pgoutboxui
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -95,4 +96,26 @@ func TestObserverCounts(t *testing.T) {
 	require.EqualValues(t, 1, c.deadLettered.Load())
 	require.EqualValues(t, 8, s.counts(pair{"t", publishedGroup}, false).published.Load())
 	require.True(t, s.wiredAcks.Load())
+}
+
+// The whole outbox's sample sums every pair, also those beyond MaxPairs
+// that get no chart of their own.
+func TestWholeOutboxCountsPairsBeyondMaxPairs(t *testing.T) {
+	t.Parallel()
+	s := newSampler(nil, time.Second, 4, 1)
+	stats := []pgoutbox.QueueStats{
+		{Topic: "a", Ready: 3, Leased: 1, OldestReadyAge: 2 * time.Second},
+		{Topic: "b", ConsumerGroup: "g", Ready: 5, Parked: 2, OldestReadyAge: 9 * time.Second, DeadLetters: map[string]int64{"rejected": 4}},
+	}
+	s.record(time.UnixMilli(1000), stats, nil, sample{})
+	snap := s.snapshot(true)
+	require.Len(t, snap.series, 1, "MaxPairs bounds the charted pairs")
+	require.Len(t, snap.whole, 1)
+	w := snap.whole[0]
+	require.EqualValues(t, 8, w.ready)
+	require.EqualValues(t, 1, w.leased)
+	require.EqualValues(t, 2, w.parked)
+	require.EqualValues(t, 4, w.dead)
+	require.EqualValues(t, 9000, w.oldestMS)
+	require.EqualValues(t, 1000, w.at)
 }

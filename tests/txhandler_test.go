@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/cqrs"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -733,4 +734,42 @@ func TestTxMiddlewarePublishesOutputsWithTheirOwnContextValues(t *testing.T) {
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
 	require.Equal(t, []any{"first", "second"}, rec.seen)
+}
+
+// A context publisher publishes one call in one transaction: messages
+// whose contexts carry different ones (or one and none) are refused, and
+// nothing is published, where the statement would have committed them all
+// with the first message's transaction.
+func TestContextPublisherRefusesMessagesOfDifferentTransactions(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	pub, err := pgoutbox.NewContextPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	begin := func() pgx.Tx {
+		t.Helper()
+		x, err := b.Pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = x.Rollback(ctx) })
+		return x
+	}
+	in := func(x pgx.Tx, payload string) *message.Message {
+		m := newMsg(payload)
+		if x != nil {
+			m.SetContext(tx.WithExecutor(ctx, tx.FromPgxTx(x)))
+		}
+		return m
+	}
+	a, c := begin(), begin()
+	err = pub.Publish("mixed", in(a, "a"), in(c, "c"))
+	require.ErrorContains(t, err, "messages 0 and 1 of one Publish carry different transactions")
+	err = pub.Publish("mixed", in(a, "a"), in(nil, "none"))
+	require.ErrorContains(t, err, "different transactions")
+	_, err = pub.PublishWithResult("mixed", in(nil, "none"), in(c, "c"))
+	require.ErrorContains(t, err, "different transactions")
+
+	require.NoError(t, pub.Publish("mixed", in(a, "a1"), in(a, "a2")), "one transaction")
+	require.NoError(t, a.Commit(ctx))
+	require.NoError(t, c.Commit(ctx))
+	require.Equal(t, 2, b.outboxRows(t, "mixed"), "only the call of one transaction published")
 }

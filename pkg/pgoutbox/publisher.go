@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -130,7 +131,9 @@ func NewTxPublisher(t *sql.Tx, config PublisherConfig, logger watermill.LoggerAd
 }
 
 // Publish writes msgs to topic in one statement, in order. The context of
-// msgs[0] bounds the statement. With no messages it does nothing.
+// msgs[0] bounds the statement (for a context publisher, every message's
+// context must carry the same transaction, or none). With no messages it
+// does nothing.
 func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	args, err := p.prepare(topic, msgs)
 	if err != nil || len(msgs) == 0 {
@@ -173,6 +176,9 @@ func (p *Publisher) prepare(topic string, msgs []*message.Message) (publishBatch
 	}
 	if len(msgs) == 0 {
 		return publishBatch{}, nil
+	}
+	if err := p.oneTransaction(msgs); err != nil {
+		return publishBatch{}, err
 	}
 	if p.hook != nil && msgs[0] != nil {
 		ctx := msgs[0].Context()
@@ -289,6 +295,37 @@ func (p *Publisher) executor(ctx context.Context) tx.Executor {
 		}
 	}
 	return p.exec
+}
+
+// oneTransaction refuses, for a context publisher, messages whose
+// contexts carry different transactions (or some one and some none): one
+// statement runs in one of them, and would commit the others' messages
+// with it.
+func (p *Publisher) oneTransaction(msgs []*message.Message) error {
+	if !p.follow || len(msgs) < 2 || msgs[0] == nil {
+		return nil
+	}
+	first, _ := tx.ExecutorFromContext(msgs[0].Context())
+	for i, m := range msgs[1:] {
+		if m == nil {
+			continue // publishArgs reports it
+		}
+		if e, _ := tx.ExecutorFromContext(m.Context()); !sameExecutor(first, e) {
+			return fmt.Errorf("pgoutbox: messages 0 and %d of one Publish carry different transactions in their contexts; publish each transaction's messages in a call of their own", i+1)
+		}
+	}
+	return nil
+}
+
+// sameExecutor reports whether a and b are the same handle (both nil:
+// none). Executors of a type that cannot be compared count as different
+// unless they are both nil.
+func sameExecutor(a, b tx.Executor) bool {
+	if a == nil || b == nil {
+		return a == nil && b == nil
+	}
+	va, vb := reflect.ValueOf(a), reflect.ValueOf(b)
+	return va.Type() == vb.Type() && va.Comparable() && vb.Comparable() && a == b
 }
 
 // stmtCtx is the context of a Publish statement. In the caller's

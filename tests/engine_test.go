@@ -430,7 +430,7 @@ func TestConfigErrorsNameOnlySetValues(t *testing.T) {
 
 // A live process whose LISTEN connection (and so its liveness lock) drops
 // and comes back must not lose its rows to a competitor: a key counts as
-// dead only once it stayed gone for three checks. A holds a message with a
+// dead only once it stayed gone for a second (notifier.OrphanGrace). A holds a message with a
 // long lease while its LISTEN backend is terminated over and over; B, on
 // another pool (another notifier), is woken each time its notifier sees the
 // lock missing, and must never receive the message.

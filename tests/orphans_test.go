@@ -2,12 +2,14 @@ package tests
 
 import (
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"net/url"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
@@ -232,4 +234,127 @@ func listenConnectionDrops(t *testing.T, mode pgoutbox.ClaimMode, fail func(*tcp
 	pollUntil(t, "A's acks written", 20*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
 	require.Zero(t, evA.countKind(pgoutbox.EventLeaseLost), "A kept its rows")
 	requireNoString(t, tookByB, 0)
+}
+
+// viaProxy is the test database's DSN through the proxy at addr, with the
+// application name app.
+func viaProxy(t *testing.T, dsn, addr, app string) string {
+	t.Helper()
+	u, err := url.Parse(dsn)
+	require.NoError(t, err)
+	u.Host = addr
+	q := u.Query()
+	q.Set("application_name", app)
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
+// checkedSince reports whether the LISTEN connection of app ran a liveness
+// check that started after since.
+func checkedSince(t *testing.T, b *bundle, app string, since time.Time) bool {
+	return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query = $2 AND query_start > $3 AND state = 'idle'`,
+		app, query.LiveHoldersMine, since) > 0
+}
+
+// A's LISTEN path goes silent, as above, while B's own LISTEN connection
+// drops and comes back right after B's checks: a new session checks at
+// once, so B's checks that miss A's key come closer together than
+// notifier.LivenessEvery. B must still count A's key gone only a second
+// after it went, by then A has renewed its rows without it.
+func TestRowsOfASilentProcessStayItsOwnWhileAnotherReconnects(t *testing.T) {
+	t.Parallel()
+	for _, drops := range []int{1, 3} {
+		t.Run(fmt.Sprintf("drops=%d", drops), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			pxA, pxB := startTCPProxy(t, b.DSN), startTCPProxy(t, b.DSN)
+			appA, appB := "rc-a-"+watermill.NewShortUUID(), "rc-b-"+watermill.NewShortUUID()
+			subA := b.subscriberOn(t, b.namedPool(t, appA+"-pool"), func(c *pgoutbox.SubscriberConfig) {
+				c.ClaimMode, c.MaxInFlight, c.Lease = pgoutbox.ClaimLease, 4, 30*time.Second
+				c.ListenDSN = viaProxy(t, b.DSN, pxA.addr, appA)
+			})
+			b.publishInTx(t, "t", true, newMsgs(4)...)
+			release := make(chan struct{})
+			started := make(chan string, 4)
+			runRouter(t, subA, "t", func(m *message.Message) error { started <- m.UUID; <-release; return nil })
+			t.Cleanup(func() {
+				select {
+				case <-release:
+				default:
+					close(release)
+				}
+			})
+			for range 4 {
+				select {
+				case <-started:
+				case <-time.After(10 * time.Second):
+					t.Fatal("A's handlers did not start")
+				}
+			}
+			pollUntil(t, "A's rows stamped", 10*time.Second, nil, func() bool {
+				return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_holder IS NOT NULL`) == 4
+			})
+			var stamped time.Time
+			require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT now()`).Scan(&stamped))
+			subB := b.subscriberOn(t, b.namedPool(t, appB+"-pool"), func(c *pgoutbox.SubscriberConfig) {
+				c.MaxInFlight = 4
+				c.ListenDSN = viaProxy(t, b.DSN, pxB.addr, appB)
+			})
+			tookByB := make(chan string, 4)
+			runRouter(t, subB, "t", func(m *message.Message) error { tookByB <- m.UUID; return nil })
+			pollUntil(t, "B checked while A held its lock", 10*time.Second, nil, func() bool { return checkedSince(t, b, appB, stamped) })
+
+			// Silence A's path right after a check confirmed A's lock: A
+			// lapses the latest then.
+			since := time.Now()
+			pollUntil(t, "A checked its lock", 10*time.Second, nil, func() bool { return checkedSince(t, b, appA, since) })
+			pxA.silence()
+			last := time.Now()
+			for range drops {
+				pollUntil(t, "B checked since", 10*time.Second, nil, func() bool { return checkedSince(t, b, appB, last) })
+				last = time.Now()
+				pxB.cut()
+				pxB.restore()
+			}
+			requireNoString(t, tookByB, 3*time.Second)
+			pxA.restore()
+			close(release)
+			pollUntil(t, "A's acks written", 20*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+			requireNoString(t, tookByB, 0)
+		})
+	}
+}
+
+// A LISTEN path with a round trip of 140 ms (a server in another region)
+// keeps a process's lock confirmed: its rows carry its key, so a crash
+// brings them back in a second, not at their lease's end.
+func TestRowsKeepTheirKeyOverASlowListenPath(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	sub := b.subscriberOn(t, b.namedPool(t, "slow-listen"), func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode, c.MaxInFlight, c.Lease = pgoutbox.ClaimLease, 4, 30*time.Second
+		c.ListenDSN = viaProxy(t, b.DSN, startDelayProxy(t, b.DSN, 70*time.Millisecond), "slow-listen-conn")
+	})
+	b.publishInTx(t, "t", true, newMsgs(4)...)
+	release := make(chan struct{})
+	started := make(chan string, 4)
+	runRouter(t, sub, "t", func(m *message.Message) error { started <- m.UUID; <-release; return nil })
+	defer close(release)
+	for range 4 {
+		select {
+		case <-started:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the handlers did not start")
+		}
+	}
+	pollUntil(t, "the rows stamped", 10*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_holder IS NOT NULL`) == 4
+	})
+	// Sample for 4 s (eight checks): the key must stay on the rows.
+	keyed, samples := 0, 0
+	for end := time.Now().Add(4 * time.Second); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+		keyed += b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_holder IS NOT NULL`)
+		samples += 4
+	}
+	require.GreaterOrEqual(t, float64(keyed)/float64(samples), 0.9, "the rows carried the key %d of %d times", keyed, samples)
 }

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -129,4 +130,73 @@ func (p *tcpProxy) closeAll() {
 		_ = c.Close()
 	}
 	p.pairs, p.held = nil, nil
+}
+
+// startDelayProxy forwards connections to dsn's server, each chunk of
+// bytes d later than it came, in both directions (a round trip of 2d, as to
+// a server in another region), closed when the test ends. It returns its
+// address.
+func startDelayProxy(t *testing.T, dsn string, d time.Duration) string {
+	t.Helper()
+	u, err := url.Parse(dsn)
+	require.NoError(t, err)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var mu sync.Mutex
+	var conns []net.Conn
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	})
+	pipe := func(dst, src net.Conn) {
+		type chunk struct {
+			b  []byte
+			at time.Time
+		}
+		ch := make(chan chunk, 1024)
+		go func() {
+			for c := range ch {
+				time.Sleep(time.Until(c.at))
+				if _, err := dst.Write(c.b); err != nil {
+					break
+				}
+			}
+			_ = dst.Close()
+		}()
+		buf := make([]byte, 64<<10)
+		for {
+			n, err := src.Read(buf)
+			if n > 0 {
+				ch <- chunk{append([]byte(nil), buf[:n]...), time.Now().Add(d)}
+			}
+			if err != nil {
+				_ = src.Close()
+				close(ch)
+				return
+			}
+		}
+	}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			up, err := net.Dial("tcp", u.Host)
+			if err != nil {
+				_ = c.Close()
+				continue
+			}
+			mu.Lock()
+			conns = append(conns, c, up)
+			mu.Unlock()
+			go pipe(up, c)
+			go pipe(c, up)
+		}
+	}()
+	return ln.Addr().String()
 }

@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -213,4 +214,50 @@ func (e *events) snapshot() []pgoutbox.Event {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return append([]pgoutbox.Event(nil), e.list...)
+}
+
+// claimTimes records when a subscriber's claims took rows or found none.
+type claimTimes struct {
+	mu sync.Mutex
+	at []time.Time
+}
+
+func (c *claimTimes) Observe(e pgoutbox.Event) {
+	if e.Kind == pgoutbox.EventClaimed {
+		c.mu.Lock()
+		c.at = append(c.at, time.Now())
+		c.mu.Unlock()
+	}
+}
+
+func (c *claimTimes) count() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.at)
+}
+
+// An idle subscription sleeps its idle polls out while another process
+// holds its liveness lock: a live holder's key is no vanished one. (The
+// checks once took every key another session held for a missing one, and
+// woke every subscription to look for orphans at every check.)
+func TestIdleSubscriptionIsNotWokenByAnotherProcessesLiveLock(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	claims := &claimTimes{}
+	cfg := func(obs pgoutbox.Observer) func(*pgoutbox.SubscriberConfig) {
+		return func(c *pgoutbox.SubscriberConfig) {
+			c.MinPollInterval, c.MaxPollInterval, c.Lease = 20*time.Millisecond, 5*time.Second, 30*time.Second
+			c.Observer = obs
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	_, err := b.subscriberOn(t, b.namedPool(t, "idle-other"), cfg(nil)).Subscribe(ctx, "idle") // another process
+	require.NoError(t, err)
+	_, err = b.subscriberOn(t, b.namedPool(t, "idle-sub"), cfg(claims)).Subscribe(ctx, "idle")
+	require.NoError(t, err)
+	time.Sleep(3 * time.Second) // the idle polls grow past a second
+	before := claims.count()
+	time.Sleep(3 * time.Second) // six liveness checks
+	require.LessOrEqual(t, claims.count()-before, 3, "an idle subscription was woken again and again")
 }

@@ -3,49 +3,65 @@ package notifier
 import (
 	"maps"
 	"slices"
+	"time"
 )
 
-// lockChecks keeps the liveness keys held at the last OrphanChecks checks,
-// newest first: a key missing from all of them (and not this process's own)
-// belongs to a process that is gone.
+// lockChecks follows the liveness keys the checks find held: a key that
+// was held and then stayed missing from every check for OrphanGrace
+// (counted from the check that first missed it, which ended after the lock
+// went) belongs to a process that is gone. Counting time rather than
+// checks keeps the grace whatever the checks' spacing (a session that
+// reconnects checks at once).
 type lockChecks struct {
-	held []map[int64]bool
+	first   time.Time           // when the first check ended (zero: none yet)
+	held    map[int64]bool      // keys held at the last check
+	missing map[int64]time.Time // held before, missing since the check that ended then
 }
 
-// add records one check's held keys. gone: a key held before the last
-// OrphanChecks checks is missing from all of them (its rows became
-// orphans); vanished: a key held at the check before is missing from this
-// one (its holder may have died).
-func (c *lockChecks) add(now map[int64]bool, own map[int64]bool) (gone, vanished bool) {
-	if len(c.held) > 0 {
-		for k := range c.held[0] {
-			if !now[k] && !own[k] {
-				vanished = true
-			}
+// add records a check that ended at at and found the keys of now held.
+// gone: a key stayed missing for OrphanGrace (its rows became orphans; it
+// is reported once); vanished: a key held at the check before is missing
+// from this one (its holder may have died).
+func (c *lockChecks) add(at time.Time, now, own map[int64]bool) (gone, vanished bool) {
+	if c.first.IsZero() {
+		c.first = at
+	}
+	if c.missing == nil {
+		c.missing = map[int64]time.Time{}
+	}
+	for k := range c.held {
+		if !now[k] && !own[k] {
+			vanished = true
+			c.missing[k] = at
 		}
 	}
-	if len(c.held) == OrphanChecks {
-		oldest := c.held[OrphanChecks-1]
-		for k := range oldest {
-			if !own[k] && !now[k] && !slices.ContainsFunc(c.held[:OrphanChecks-1], func(h map[int64]bool) bool { return h[k] }) {
-				gone = true
-			}
+	for k, since := range c.missing {
+		switch {
+		case now[k]:
+			delete(c.missing, k) // back: a blip
+		case at.Sub(since) >= OrphanGrace:
+			gone = true
+			delete(c.missing, k) // no longer spared
 		}
-		c.held = c.held[:OrphanChecks-1]
 	}
-	c.held = slices.Insert(c.held, 0, maps.Clone(now))
+	c.held = maps.Clone(now)
 	return gone, vanished
 }
 
-// spare returns own and every key held at the last OrphanChecks checks; ok
-// is false until that many checks were made.
-func (c *lockChecks) spare(own map[int64]bool) (keys []int64, ok bool) {
-	if len(c.held) < OrphanChecks {
+// spare returns, as of at, own, the keys held at the last check, and those
+// missing for less than OrphanGrace; ok is false until the checks have
+// watched the locks for OrphanGrace (before, a key missing now may belong
+// to a process that is reconnecting).
+func (c *lockChecks) spare(at time.Time, own map[int64]bool) (keys []int64, ok bool) {
+	if c.first.IsZero() || at.Sub(c.first) < OrphanGrace {
 		return nil, false
 	}
 	set := maps.Clone(own)
-	for _, h := range c.held {
-		maps.Copy(set, h)
+	maps.Copy(set, c.held)
+	for k, since := range c.missing {
+		if at.Sub(since) < OrphanGrace {
+			set[k] = true
+		}
 	}
 	return slices.Collect(maps.Keys(set)), true
 }

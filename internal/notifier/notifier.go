@@ -69,33 +69,31 @@ type Notifier struct {
 
 	// Only the session goroutine writes these (under mu: Spare reads).
 	ownKeys map[int64]bool // every key this notifier held: never orphans
-	checks  lockChecks     // the keys held at the last checks
+	checks  lockChecks     // the other processes' keys, held and missing
 }
 
-// LivenessEvery is the period of the liveness checks. A key must be
-// missing from OrphanChecks consecutive checks (and at the claim) before
-// its rows count as orphaned: a live process whose LISTEN connection
-// blipped takes its lock again within one backoff (100ms), and one whose
-// path went silent stops counting on its lock (OwnLockValidFor) before the
-// others' last check. A dead process's rows are reclaimed between
-// OrphanChecks-1 and OrphanChecks periods after its death.
+// LivenessEvery is the period of the liveness checks, from the sending of
+// one to the sending of the next.
 const LivenessEvery = 500 * time.Millisecond
 
-// OrphanChecks is how many consecutive liveness checks must miss a key
-// before its rows count as orphaned: the first of them runs after the lock
-// went, so the rows are taken at least (OrphanChecks-1) * LivenessEvery
-// after it (1 s).
-const OrphanChecks = 3
+// OrphanGrace is how long a key must stay missing from the checks
+// (counted from the end of the first check that missed it, which is after
+// the lock went), and be missing at the claim, before its rows count as
+// orphaned: a live process whose LISTEN connection blipped takes its lock
+// again within one backoff (100ms), and one whose path went silent stops
+// counting on its lock (OwnLockValidFor) before then. A dead process's
+// rows are reclaimed between OrphanGrace and OrphanGrace + LivenessEvery
+// after its death.
+const OrphanGrace = 2 * LivenessEvery
 
-// OwnLockValidFor is how long after a check confirmed this process's own
-// lock the process counts it as held without another confirmation: above
-// LivenessEvery, so that checks answered within OwnLockValidFor -
-// LivenessEvery (250 ms, both together) keep it held, and below the
-// others' grace ((OrphanChecks-1) * LivenessEvery after the lock went, so
-// after the last confirmation), so that a process whose path went silent
-// renews its rows without its key before the others take them, with 250 ms
-// for that write. The case: a half-open connection, where the server
-// closed its end (and dropped the lock) while the process hears nothing.
+// OwnLockValidFor is how long after a check that confirmed this process's
+// own lock was sent the process counts it as held without another
+// confirmation: above LivenessEvery, so that a check answered within
+// OwnLockValidFor - LivenessEvery (250 ms) keeps it held, and below
+// OrphanGrace, so that a process whose path went silent renews its rows
+// without its key before the others take them, with 250 ms for that
+// write. The case: a half-open connection, where the server closed its end
+// (and dropped the lock) while the process hears nothing.
 const OwnLockValidFor = 750 * time.Millisecond
 
 // Waiter receives a wake-up (a value on C, never blocking the notifier)
@@ -116,14 +114,15 @@ type Waiter struct {
 // Kinds are the reasons of the wake-ups since the last Take: rows
 // published due now, rows scheduled for later (by a publisher, or returned
 // by a subscriber with a delay), rows a subscriber returned due now, a
-// liveness lock that stayed gone for OrphanChecks checks (its holder's
-// leased rows are orphans), and one missing at the last check (Vanished:
-// its holder may have died, and the rows of its held transactions are due
-// again); and LockLost: this process's own liveness lock is gone (its
-// LISTEN connection dropped) or was not confirmed within OwnLockValidFor,
-// so the rows stamped with it may look orphaned to other processes soon.
+// liveness lock that stayed gone for OrphanGrace (its holder's leased rows
+// are orphans), and one missing at the last check (Vanished: its holder
+// may have died, and the rows of its held transactions are due again); and
+// LockChanged: this process's own liveness lock is gone (its LISTEN
+// connection dropped), was not confirmed within OwnLockValidFor (the rows
+// stamped with it may soon look orphaned to other processes), or is held
+// again after either (the rows can carry it again).
 type Kinds struct {
-	Due, Scheduled, Released, Orphans, Vanished, LockLost bool
+	Due, Scheduled, Released, Orphans, Vanished, LockChanged bool
 }
 
 // Take returns the reasons of the wake-ups received since the last Take,
@@ -132,7 +131,7 @@ func (w *Waiter) Take() Kinds {
 	k := w.kinds.Swap(0)
 	return Kinds{Due: k&(1<<wakeDue) != 0, Scheduled: k&(1<<wakeScheduled) != 0,
 		Released: k&(1<<wakeReleased) != 0, Orphans: k&(1<<wakeOrphans) != 0, Vanished: k&(1<<wakeVanished) != 0,
-		LockLost: k&(1<<wakeLockLost) != 0}
+		LockChanged: k&(1<<wakeLockChanged) != 0}
 }
 
 // Acquire returns the pool's notifier, starting it on first use. Every
@@ -235,24 +234,31 @@ func (n *Notifier) Liveness() (key int64, live bool) {
 	return v >> 1, v&1 == 1 && time.Now().UnixNano() < n.confirmedUntil.Load()
 }
 
-// confirmed records that a check sent at sent found this process's lock
-// held, and schedules the wake-up that tells the subscriptions when that
-// confirmation runs out without another.
-func (n *Notifier) confirmed(sent time.Time, lapse *time.Timer) {
+// confirmed records that a statement sent at sent found this process's
+// lock, key, held, and schedules the wake-up that tells the subscriptions
+// when that confirmation runs out without another. When the lock was not
+// live before (just taken, or confirmed again after a lapse), it wakes
+// them too: their rows get the key back now, not at their next look.
+func (n *Notifier) confirmed(key int64, sent time.Time, lapse *time.Timer) {
+	_, was := n.Liveness()
+	n.setLiveness(key, true)
 	n.confirmedUntil.Store(sent.Add(OwnLockValidFor).UnixNano())
 	lapse.Reset(time.Until(sent.Add(OwnLockValidFor)))
+	if !was {
+		n.wakeAll(wakeLockChanged)
+	}
 }
 
-// lapsed wakes the subscriptions with LockLost when the lock's last
-// confirmation ran out: they renew their rows without the key, before the
-// other processes' checks could count it gone.
+// lapsed wakes the subscriptions when the lock's last confirmation ran
+// out: they renew their rows without the key, before the other processes'
+// checks could count it gone.
 func (n *Notifier) lapsed() {
 	if time.Now().UnixNano() < n.confirmedUntil.Load() {
 		return // confirmed again meanwhile
 	}
 	if key, _ := n.Liveness(); key != 0 {
 		n.logger.Debug("The liveness lock was not confirmed in time; rows are renewed without its key until it is", watermill.LogFields{"key": key})
-		n.wakeAll(wakeLockLost)
+		n.wakeAll(wakeLockChanged)
 	}
 }
 
@@ -266,13 +272,14 @@ func (n *Notifier) setLiveness(key int64, live bool) {
 
 // Spare returns the liveness keys whose rows must not count as orphaned
 // although their lock may not be held at this instant: this process's own
-// keys and the keys held at any of the last OrphanChecks checks. A row
-// stamped with any other key whose lock is not held is orphaned
-// (query.Claim). ok is false until OrphanChecks checks were made.
+// keys, the keys held at the last check, and those missing for less than
+// OrphanGrace. A row stamped with any other key whose lock is not held is
+// orphaned (query.Claim). ok is false until the checks have watched the
+// locks for OrphanGrace.
 func (n *Notifier) Spare() (keys []int64, ok bool) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	return n.checks.spare(n.ownKeys)
+	return n.checks.spare(time.Now(), n.ownKeys)
 }
 
 // Liveness is the Liveness of the waiter's notifier.
@@ -289,7 +296,7 @@ const (
 	wakeReleased
 	wakeOrphans
 	wakeVanished
-	wakeLockLost
+	wakeLockChanged
 )
 
 // wake wakes the waiters ws; with onlyGroup, only those of group.
@@ -387,8 +394,7 @@ func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn, lapse *time
 			n.mu.Lock()
 			n.ownKeys[key] = true
 			n.mu.Unlock()
-			n.setLiveness(key, true)
-			n.confirmed(sent, lapse)
+			n.confirmed(key, sent, lapse)
 			return nil
 		}
 		key = 0 // another process holds it
@@ -405,8 +411,8 @@ const livenessCheckTimeout = 5 * time.Second
 // checkLiveness reads the held liveness locks. It confirms this process
 // still holds its own on this very server connection (behind a pooler it
 // may not: then it takes it again, and claims stamp nothing meanwhile), and
-// wakes the subscriptions to reclaim orphaned rows when a key held before
-// the last OrphanChecks checks is gone since (see Spare).
+// wakes the subscriptions to reclaim orphaned rows when a key stayed
+// missing for OrphanGrace (see Spare).
 func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn, lapse *time.Timer) error {
 	// Bounded: on a path gone silent the check would wait for ever, and
 	// the session would never end to say that the lock may be lost.
@@ -417,27 +423,32 @@ func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn, lapse *tim
 	if err != nil {
 		return err
 	}
-	held := map[int64]bool{} // key -> held by this session
+	held := map[int64]bool{} // every key held, by any session
+	mine := map[int64]bool{} // held by this session
 	var k int64
-	var mine bool
-	if _, err := pgx.ForEachRow(rows, []any{&k, &mine}, func() error { held[k] = held[k] || mine; return nil }); err != nil {
+	var byUs bool
+	if _, err := pgx.ForEachRow(rows, []any{&k, &byUs}, func() error {
+		held[k] = true
+		mine[k] = mine[k] || byUs
+		return nil
+	}); err != nil {
 		return err
 	}
+	ended := time.Now()
 	key, _ := n.Liveness()
 	switch {
-	case key != 0 && !held[key]:
+	case key != 0 && !mine[key]:
 		n.setLiveness(key, false)
-		n.wakeAll(wakeLockLost)
+		n.wakeAll(wakeLockChanged)
 		if err := n.lockLiveness(ctx, conn, lapse); err != nil {
 			return err
 		}
 	case key != 0:
-		n.setLiveness(key, true)
-		n.confirmed(sent, lapse)
+		n.confirmed(key, sent, lapse)
 	}
 
 	n.mu.Lock()
-	gone, vanished := n.checks.add(held, n.ownKeys)
+	gone, vanished := n.checks.add(ended, held, n.ownKeys)
 	n.mu.Unlock()
 	if gone {
 		n.wakeAll(wakeOrphans)
@@ -498,20 +509,23 @@ func (n *Notifier) session(ctx context.Context, connected func()) error {
 		lapse.Stop()
 		key, _ := n.Liveness()
 		n.setLiveness(key, false)
-		n.wakeAll(wakeLockLost)
+		n.wakeAll(wakeLockChanged)
 	}()
 	connected()
 	// Anything notified while we were not listening is lost: have every
 	// loop poll once now instead of waiting out its idle interval.
 	n.wakeAll(wakeDue)
 
+	// Checks are sent LivenessEvery apart, however long each takes: a
+	// confirmation of this process's lock then lapses only when one round
+	// trip takes over OwnLockValidFor - LivenessEvery.
 	checked := time.Time{}
 	for {
 		if time.Since(checked) >= LivenessEvery {
+			checked = time.Now()
 			if err := n.checkLiveness(ctx, conn, lapse); err != nil {
 				return err
 			}
-			checked = time.Now()
 		}
 		waitCtx, stopWait := context.WithTimeout(ctx, LivenessEvery-time.Since(checked))
 		watcherDone := make(chan struct{})

@@ -54,12 +54,16 @@ func TestDispatchRoutesByTopicAndGroup(t *testing.T) {
 	require.Equal(t, Kinds{}, took(a), "another outbox's channel")
 }
 
-// A key counts as gone once OrphanChecks checks in a row missed it, and
-// not before; this process's own keys never do. Until OrphanChecks checks
-// were made, no key is known gone.
-func TestLockChecksNeedEveryLastCheckToMissAKey(t *testing.T) {
+// A key counts as gone once it stayed missing for OrphanGrace from the
+// end of the check that first missed it, however close together the
+// checks ran (a reconnecting session checks at once), and not before;
+// this process's own keys never do. Until the checks have watched the
+// locks for OrphanGrace, no key is known gone.
+func TestLockChecksCountAKeyGoneAfterTheGrace(t *testing.T) {
 	own := map[int64]bool{9: true}
 	var c lockChecks
+	t0 := time.Unix(1000, 0)
+	at := func(d time.Duration) time.Time { return t0.Add(d) }
 	held := func(keys ...int64) map[int64]bool {
 		m := map[int64]bool{}
 		for _, k := range keys {
@@ -67,68 +71,83 @@ func TestLockChecksNeedEveryLastCheckToMissAKey(t *testing.T) {
 		}
 		return m
 	}
-	gone, vanished := c.add(held(1, 2, 9), own)
+	gone, vanished := c.add(at(0), held(1, 2, 9), own)
 	require.False(t, gone || vanished)
-	_, ok := c.spare(own)
-	require.False(t, ok, "one check cannot tell a dead holder from a reconnecting one")
+	_, ok := c.spare(at(OrphanGrace/2), own)
+	require.False(t, ok, "too soon to tell a dead holder from a reconnecting one")
 
-	gone, vanished = c.add(held(1, 9), own) // 2 missing once
+	gone, vanished = c.add(at(500*time.Millisecond), held(1, 9), own) // 2 missing
 	require.False(t, gone)
 	require.True(t, vanished)
-	gone, _ = c.add(held(1, 2), own) // 2 back (a blip); 9 missing, but it is ours
+	gone, _ = c.add(at(time.Second), held(1, 2), own) // 2 back (a blip); 9 missing, but it is ours
 	require.False(t, gone)
-	keys, ok := c.spare(own)
+	keys, ok := c.spare(at(time.Second), own)
 	require.True(t, ok)
 	require.ElementsMatch(t, []int64{1, 2, 9}, keys)
 
-	gone, vanished = c.add(held(2), own) // 1 missing: once
+	// 1 goes missing; checks then come close together (a reconnect).
+	gone, vanished = c.add(at(1500*time.Millisecond), held(2), own)
 	require.False(t, gone)
 	require.True(t, vanished)
-	gone, vanished = c.add(held(2), own) // twice
-	require.False(t, gone)
-	require.False(t, vanished)
-	keys, _ = c.spare(own)
-	require.Contains(t, keys, int64(1), "missing from two checks only: spared")
-	gone, _ = c.add(held(2), own) // three times
+	for _, d := range []time.Duration{1650, 1800, 1950, 2400} {
+		gone, vanished = c.add(at(d*time.Millisecond), held(2), own)
+		require.False(t, gone, "at %v: missing for less than the grace", d)
+		require.False(t, vanished)
+	}
+	keys, _ = c.spare(at(2400*time.Millisecond), own)
+	require.Contains(t, keys, int64(1), "missing for 900 ms: spared")
+	keys, _ = c.spare(at(2500*time.Millisecond), own)
+	require.NotContains(t, keys, int64(1), "missing for the grace: a claim takes its rows")
+	gone, _ = c.add(at(2600*time.Millisecond), held(2), own)
 	require.True(t, gone)
-	keys, _ = c.spare(own)
-	require.ElementsMatch(t, []int64{2, 9}, keys)
-	gone, _ = c.add(held(2), own) // still missing: gone was said once
+	gone, _ = c.add(at(3100*time.Millisecond), held(2), own) // still missing: gone was said once
 	require.False(t, gone)
+	keys, _ = c.spare(at(3100*time.Millisecond), own)
+	require.ElementsMatch(t, []int64{2, 9}, keys)
 }
 
 // The process counts its own lock as held only for OwnLockValidFor after
-// the check that confirmed it, and wakes its subscriptions with LockLost
-// when that runs out, before the other processes' checks could take its
-// rows.
+// the check that confirmed it was sent, and wakes its subscriptions when
+// that runs out, before the other processes could take its rows, and
+// again when a check confirms it after that.
 func TestOwnLockCountsAsHeldOnlyWhileConfirmed(t *testing.T) {
-	require.Less(t, LivenessEvery, OwnLockValidFor, "a check a period later must confirm it in time")
-	require.Less(t, OwnLockValidFor, time.Duration(OrphanChecks-1)*LivenessEvery, "the others take the rows no sooner than this after the last confirmation")
+	require.Less(t, LivenessEvery, OwnLockValidFor, "the next check must confirm it in time")
+	require.Less(t, OwnLockValidFor, OrphanGrace, "the others take the rows no sooner than OrphanGrace after the lock went, so after the last confirmation")
 
 	n := &Notifier{waiters: map[string]map[string]map[*Waiter]struct{}{}, logger: watermill.NopLogger{}}
 	w := n.Listen("ch", "orders", "")
+	took := func() Kinds {
+		select {
+		case <-w.C:
+		default:
+		}
+		return w.Take()
+	}
 	lapse := time.AfterFunc(time.Hour, n.lapsed)
 	defer lapse.Stop()
-	n.setLiveness(7, true)
-	n.confirmed(time.Now(), lapse)
+	n.confirmed(7, time.Now(), lapse)
+	require.True(t, took().LockChanged, "the lock is taken: rows can carry it")
 	key, live := n.Liveness()
 	require.Equal(t, int64(7), key)
 	require.True(t, live)
+	n.confirmed(7, time.Now(), lapse)
+	require.False(t, took().LockChanged, "confirmed while live: nothing changed")
 
 	select {
 	case <-w.C:
 	case <-time.After(10 * OwnLockValidFor):
 		t.Fatal("no wake-up when the confirmation ran out")
 	}
-	require.True(t, w.Take().LockLost)
+	require.True(t, w.Take().LockChanged)
 	key, live = n.Liveness()
 	require.Equal(t, int64(7), key, "the key stays: rows are stamped with it again once a check confirms it")
 	require.False(t, live)
 
-	n.confirmed(time.Now(), lapse)
+	n.confirmed(7, time.Now(), lapse)
+	require.True(t, took().LockChanged, "confirmed again after the lapse: rows get the key back")
 	_, live = n.Liveness()
 	require.True(t, live)
-	n.confirmed(time.Now().Add(-OwnLockValidFor), lapse) // a check sent that long ago
+	n.confirmed(7, time.Now().Add(-OwnLockValidFor), lapse) // a check sent that long ago
 	_, live = n.Liveness()
 	require.False(t, live)
 }

@@ -65,9 +65,9 @@ func buildClaim(n Names, ac string) ClaimStatements {
 		// with the lock's key ($9, NULL when it holds none). Claim (not
 		// ClaimNoOrphans) also takes the rows stamped with a key whose lock
 		// is not held now, unless the key is one of $11: this process's own
-		// and those held at its notifier's last three checks, so a holder
-		// counts as dead only once its lock stayed gone for three checks (a
-		// LISTEN connection that blips is back within one). The branch reads
+		// and those its notifier saw held within the last second, so a
+		// holder counts as dead only once its lock stayed gone for a second
+		// (a LISTEN connection that blips is back sooner). The branch reads
 		// pg_locks and scans the topic's live leases, so it runs only when
 		// the notifier saw a lock vanish, and once at start.
 		//

@@ -121,8 +121,9 @@ func (c *claimSchedule) start(n int, now time.Time, holder pgtype.Int8, spare fu
 		clear(c.endedKeys)
 	}
 	if c.scan.findOrphans {
-		// Not before the notifier made notifier.OrphanChecks checks:
-		// until then it cannot tell a dead holder from a reconnecting one.
+		// Not before the notifier watched the locks for
+		// notifier.OrphanGrace: until then it cannot tell a dead holder
+		// from a reconnecting one.
 		if ids, ok := spare(); ok {
 			req.orphansOf = ids
 		}

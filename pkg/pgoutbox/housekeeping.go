@@ -57,9 +57,9 @@ func (sub *subscription) housekeeping(now time.Time) {
 	// Subscribe) carry none, so a crash would leave them to their lease;
 	// rows stamped with a key this process no longer holds, or can no
 	// longer confirm (its LISTEN connection dropped or went silent), look
-	// orphaned to other processes from their third check on (a second
-	// after the lock went), and would be claimed while their handlers run
-	// here: renewed without a key, they wait for their lease.
+	// orphaned to other processes a second after the lock went
+	// (notifier.OrphanGrace), and would be claimed while their handlers
+	// run here: renewed without a key, they wait for their lease.
 	holder := sub.holder()
 	for d := range sub.hand.rows {
 		if renewable(d) && d.stamp != holder {
@@ -148,10 +148,11 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 	sub.stampsWritten(r.job.renewHolder)
 }
 
-// lockLost runs the housekeeping now when this process's liveness lock
+// lockChanged runs the housekeeping now when this process's liveness lock
 // is lost or its confirmation ran out (notifier.OwnLockValidFor), so that
 // rows stamped with it are renewed without a holder before other processes
-// find the key missing from their last notifier.OrphanChecks checks.
-func (sub *subscription) lockLost(now time.Time) {
+// find the key missing for notifier.OrphanGrace; and when it is held again,
+// so that they carry it again.
+func (sub *subscription) lockChanged(now time.Time) {
 	sub.house.next = now
 }

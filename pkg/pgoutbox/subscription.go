@@ -239,8 +239,8 @@ func (sub *subscription) run() {
 			default:
 				k := sub.events.signals.waiter.Take()
 				sub.claims.notified(k)
-				if k.LockLost {
-					sub.lockLost(time.Now())
+				if k.LockChanged {
+					sub.lockChanged(time.Now())
 				}
 			}
 			if poolClosed && !sub.drain.stopping {

@@ -387,8 +387,9 @@ func TestFaultKilledConsumerProcess(t *testing.T) {
 // competing consumers mid-drain, both with a 30s lease. The rows the killed
 // process held leased (in its handlers and its prefetch buffer) must reach
 // the survivor long before their leases expire: its liveness lock vanished
-// with its connection, the survivor's notifier saw it stay gone for two
-// checks (a second), and the survivor's claim took the orphaned rows.
+// with its connection, the survivor's notifier saw it stay gone for a
+// second (notifier.OrphanGrace), and the survivor's claim took the
+// orphaned rows.
 // Duplicates stay within what the killed process held unacked.
 func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	t.Parallel()
@@ -421,7 +422,7 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	require.Positive(t, b.outboxRows(t, topic), "the drain is over before the kill; the test proves nothing")
 	// Read just before the kill: read after it, on a loaded machine, the
 	// survivor may have taken them over already (its notifier needs only
-	// a second). What the victim acked in between is left out below.
+	// a second or so). What the victim acked in between is left out below.
 	leasedByVictim := b.strings(t, `SELECT uuid FROM `+b.Schema+`.outbox WHERE leased_by = 'victim'`)
 	require.NoError(t, victim.cmd.Process.Kill())
 	killed := time.Now()

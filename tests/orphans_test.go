@@ -151,8 +151,8 @@ func TestRowsLeasedBeforeTheLivenessLockAreStampedSoon(t *testing.T) {
 
 // A live process whose LISTEN connection drops, and cannot come back for
 // seconds, loses its liveness lock while its handlers run: other
-// processes would take its leased rows for orphans from their second
-// check on, and run them beside its handlers. It renews them without a
+// processes would take its leased rows for orphans a second after the
+// lock went, and run them beside its handlers. It renews them without a
 // holder as soon as its connection fails, so they wait for their leases:
 // consumer A's LISTEN connection goes through a proxy that is cut for 3 s
 // while A's four handlers run; consumer B, a process of its own, gets none

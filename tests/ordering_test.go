@@ -427,3 +427,48 @@ func TestOrderingKeyDelayedRetryBehindABacklogIsReached(t *testing.T) {
 		}
 	})
 }
+
+// A subscriber that waits for a key another subscriber holds goes on with
+// it as soon as that one lets go of it, also when it lets go by stopping:
+// the stopping subscriber acks the key's row during its drain and claims
+// nothing after it, and an ack wakes nobody, so the waiting one (whose
+// idle polls have grown, every row it saw waiting for the key) would find
+// the key free only at its next poll. A's process goes on (another
+// subscription on its pool keeps its liveness lock), so no vanished lock
+// wakes B either.
+func TestOrderingKeyHandedOverWhenItsHolderStops(t *testing.T) {
+	t.Parallel()
+	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
+		b := setup(t)
+		require.NoError(t, b.poolPublisher(t).Publish("hot", keyedMsg("k", "1"), keyedMsg("k", "2"), keyedMsg("k", "3")))
+		cfg := func(c *pgoutbox.SubscriberConfig) {
+			c.ClaimMode, c.MaxInFlight = mode, 1
+			c.MinPollInterval, c.MaxPollInterval, c.Lease = 20*time.Millisecond, 30*time.Second, time.Minute
+		}
+		poolA := b.namedPool(t, "handover-a")
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		_, err := b.subscriberOn(t, poolA, cfg).Subscribe(ctx, "other")
+		require.NoError(t, err)
+		a := b.subscriberOn(t, poolA, cfg)
+		outA, err := a.Subscribe(ctx, "hot")
+		require.NoError(t, err)
+		first := receive(t, outA, 10*time.Second)
+		require.Equal(t, "1", string(first.Payload))
+
+		outB, err := b.subscriberOn(t, b.namedPool(t, "handover-b"), cfg).Subscribe(ctx, "hot")
+		require.NoError(t, err)
+		// B's idle polls grow to seconds: every row it sees waits for k.
+		requireNothing(t, outB, 6*time.Second)
+
+		closed := make(chan error, 1)
+		go func() { closed <- a.Close() }()
+		first.Ack() // during A's drain
+		require.NoError(t, <-closed)
+		acked := time.Now()
+		next := receive(t, outB, 30*time.Second)
+		require.Equal(t, "2", string(next.Payload))
+		require.Less(t, time.Since(acked), 2*time.Second, "B found the key free only at its next idle poll")
+		next.Ack()
+	})
+}

@@ -424,10 +424,15 @@ func (sub *subscription) onReleasedClaims(n int, err error) {
 	sub.claims.releasedClaims(n, err, time.Now())
 }
 
-// keyEnded lets the next row of d's key be asked for (claimSchedule.keyEnded).
+// keyEnded lets the next row of d's key be asked for (claimSchedule.keyEnded);
+// while stopping, by the group's other subscribers (writeJob.wakeGroup).
 func (sub *subscription) keyEnded(d *delivery) {
-	if d.orderingKey != "" && !sub.drain.stopping {
+	switch {
+	case d.orderingKey == "":
+	case !sub.drain.stopping:
 		sub.claims.keyEnded(d.orderingKey)
+	case !sub.drain.poolClosed:
+		sub.writes.pending.wakeGroup = true
 	}
 }
 

@@ -44,6 +44,11 @@ type writeJob struct {
 	renew         []*delivery
 	renewHolder   pgtype.Int8 // the liveness key the renewed rows are stamped with
 	releaseTokens []pgtype.UUID
+	// wakeGroup: a keyed row ended while the subscription stops, so it
+	// will not claim the key's next row; the group's other subscribers
+	// are woken after the job's writes (the NOTIFY a release sends), or
+	// they would find the key free only at their next idle poll.
+	wakeGroup bool
 }
 
 // returnOp gives a row back: a nack (due again after delay) or a release
@@ -79,7 +84,7 @@ type claimToken struct {
 
 func (j *writeJob) ops() int { return len(j.acks) + len(j.returns) + len(j.holds) + len(j.dead) }
 
-func (j *writeJob) empty() bool { return j.ops() == 0 && j.renew == nil }
+func (j *writeJob) empty() bool { return j.ops() == 0 && j.renew == nil && !j.wakeGroup }
 
 // merge returns j followed by later's operations.
 func (j writeJob) merge(later writeJob) writeJob {
@@ -90,6 +95,7 @@ func (j writeJob) merge(later writeJob) writeJob {
 	if j.renew == nil {
 		j.renew, j.renewHolder = later.renew, later.renewHolder
 	}
+	j.wakeGroup = j.wakeGroup || later.wakeGroup
 	return j
 }
 
@@ -192,6 +198,7 @@ func (c *completer) stmtCtx() (context.Context, context.CancelFunc) {
 func (c *completer) write(j writeJob) writeResult {
 	r := writeResult{job: j, sent: time.Now(), done: make(written, j.ops())}
 	fail := func(err error, left writeJob) writeResult {
+		left.wakeGroup = j.wakeGroup // after the rows it follows
 		r.err, r.left = err, left
 		if len(j.releaseTokens) > 0 {
 			r.releaseErr = err // not run: the claims stay to release
@@ -234,6 +241,12 @@ func (c *completer) write(j writeJob) writeResult {
 			return fail(err, writeJob{})
 		}
 		r.renewed = true
+	}
+	if j.wakeGroup {
+		// Its failure fails nothing: the others find the key at their poll.
+		ctx, cancel := c.stmtCtx()
+		_, _ = c.pool.Exec(ctx, "SELECT pg_notify($1, $2)", c.q.Names.Channel, query.GroupMark+c.topic+query.GroupMark+c.cfg.ConsumerGroup)
+		cancel()
 	}
 	// Last, and its failure fails nothing else: the owner tries again with
 	// its next job, and gives up once the rows' leases have expired anyway.

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/url"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -174,6 +175,37 @@ func TestRowsOfAProcessWhoseListenPathGoesSilentStayItsOwn(t *testing.T) {
 	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) { listenConnectionDrops(t, mode, (*tcpProxy).silence) })
 }
 
+// holdFourStampedRows publishes four messages on topic "t" and runs sub's
+// handlers on them until release is called (also at the test's end); it
+// returns once the four rows carry sub's liveness key, with a time at
+// which it held its lock.
+func holdFourStampedRows(t *testing.T, b *bundle, sub *pgoutbox.Subscriber) (release func(), stamped time.Time) {
+	t.Helper()
+	b.publishInTx(t, "t", true, newMsgs(4)...)
+	done := make(chan struct{})
+	var once sync.Once
+	release = func() { once.Do(func() { close(done) }) }
+	started := make(chan string, 4)
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		started <- m.UUID
+		<-done
+		return nil
+	})
+	t.Cleanup(release) // before the router's Close, which waits for the handlers
+	for range 4 {
+		select {
+		case <-started:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the handlers did not start")
+		}
+	}
+	pollUntil(t, "the rows stamped with the liveness key", 10*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_holder IS NOT NULL`) == 4
+	})
+	require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT now()`).Scan(&stamped))
+	return release, stamped
+}
+
 func listenConnectionDrops(t *testing.T, mode pgoutbox.ClaimMode, fail func(*tcpProxy)) {
 	b := setup(t)
 	px := startTCPProxy(t, b.DSN)
@@ -186,33 +218,7 @@ func listenConnectionDrops(t *testing.T, mode pgoutbox.ClaimMode, fail func(*tcp
 		c.ListenDSN = listen.String()
 		c.Observer = evA
 	})
-	b.publishInTx(t, "t", true, newMsgs(4)...)
-	release := make(chan struct{})
-	started := make(chan string, 4)
-	runRouter(t, subA, "t", func(m *message.Message) error {
-		started <- m.UUID
-		<-release
-		return nil
-	})
-	t.Cleanup(func() {
-		select {
-		case <-release:
-		default:
-			close(release)
-		}
-	})
-	for range 4 {
-		select {
-		case <-started:
-		case <-time.After(10 * time.Second):
-			t.Fatal("A's handlers did not start")
-		}
-	}
-	pollUntil(t, "A's rows stamped with its liveness key", 10*time.Second, nil, func() bool {
-		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_holder IS NOT NULL`) == 4
-	})
-	var stamped time.Time // A holds its lock from before then
-	require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT now()`).Scan(&stamped))
+	release, stamped := holdFourStampedRows(t, b, subA) // A holds its lock from before stamped
 
 	// B, another process (its own pool and LISTEN connection).
 	subB := b.subscriberOn(t, b.namedPool(t, "lockloss-b"), func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
@@ -230,7 +236,7 @@ func listenConnectionDrops(t *testing.T, mode pgoutbox.ClaimMode, fail func(*tcp
 	fail(px)
 	requireNoString(t, tookByB, 3*time.Second)
 	px.restore()
-	close(release)
+	release()
 	pollUntil(t, "A's acks written", 20*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
 	require.Zero(t, evA.countKind(pgoutbox.EventLeaseLost), "A kept its rows")
 	requireNoString(t, tookByB, 0)
@@ -273,29 +279,7 @@ func TestRowsOfASilentProcessStayItsOwnWhileAnotherReconnects(t *testing.T) {
 				c.ClaimMode, c.MaxInFlight, c.Lease = pgoutbox.ClaimLease, 4, 30*time.Second
 				c.ListenDSN = viaProxy(t, b.DSN, pxA.addr, appA)
 			})
-			b.publishInTx(t, "t", true, newMsgs(4)...)
-			release := make(chan struct{})
-			started := make(chan string, 4)
-			runRouter(t, subA, "t", func(m *message.Message) error { started <- m.UUID; <-release; return nil })
-			t.Cleanup(func() {
-				select {
-				case <-release:
-				default:
-					close(release)
-				}
-			})
-			for range 4 {
-				select {
-				case <-started:
-				case <-time.After(10 * time.Second):
-					t.Fatal("A's handlers did not start")
-				}
-			}
-			pollUntil(t, "A's rows stamped", 10*time.Second, nil, func() bool {
-				return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_holder IS NOT NULL`) == 4
-			})
-			var stamped time.Time
-			require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT now()`).Scan(&stamped))
+			release, stamped := holdFourStampedRows(t, b, subA)
 			subB := b.subscriberOn(t, b.namedPool(t, appB+"-pool"), func(c *pgoutbox.SubscriberConfig) {
 				c.MaxInFlight = 4
 				c.ListenDSN = viaProxy(t, b.DSN, pxB.addr, appB)
@@ -318,7 +302,7 @@ func TestRowsOfASilentProcessStayItsOwnWhileAnotherReconnects(t *testing.T) {
 			}
 			requireNoString(t, tookByB, 3*time.Second)
 			pxA.restore()
-			close(release)
+			release()
 			pollUntil(t, "A's acks written", 20*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
 			requireNoString(t, tookByB, 0)
 		})
@@ -335,21 +319,7 @@ func TestRowsKeepTheirKeyOverASlowListenPath(t *testing.T) {
 		c.ClaimMode, c.MaxInFlight, c.Lease = pgoutbox.ClaimLease, 4, 30*time.Second
 		c.ListenDSN = viaProxy(t, b.DSN, startDelayProxy(t, b.DSN, 70*time.Millisecond), "slow-listen-conn")
 	})
-	b.publishInTx(t, "t", true, newMsgs(4)...)
-	release := make(chan struct{})
-	started := make(chan string, 4)
-	runRouter(t, sub, "t", func(m *message.Message) error { started <- m.UUID; <-release; return nil })
-	defer close(release)
-	for range 4 {
-		select {
-		case <-started:
-		case <-time.After(10 * time.Second):
-			t.Fatal("the handlers did not start")
-		}
-	}
-	pollUntil(t, "the rows stamped", 10*time.Second, nil, func() bool {
-		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_holder IS NOT NULL`) == 4
-	})
+	holdFourStampedRows(t, b, sub)
 	// Sample for 4 s (eight checks): the key must stay on the rows.
 	keyed, samples := 0, 0
 	for end := time.Now().Add(4 * time.Second); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {

@@ -239,9 +239,11 @@ func (c *claimTimes) count() int {
 // An idle subscription sleeps its idle polls out while another process
 // holds its liveness lock: a live holder's key is no vanished one. (The
 // checks once took every key another session held for a missing one, and
-// woke every subscription to look for orphans at every check.)
+// woke every subscription to look for orphans at every check: 12 claims
+// in 3 s.) Not parallel: the checks see the locks of the whole database,
+// and tests that stop subscribers beside it make their keys vanish, which
+// wakes it rightly.
 func TestIdleSubscriptionIsNotWokenByAnotherProcessesLiveLock(t *testing.T) {
-	t.Parallel()
 	b := setup(t)
 	claims := &claimTimes{}
 	cfg := func(obs pgoutbox.Observer) func(*pgoutbox.SubscriberConfig) {
@@ -259,5 +261,5 @@ func TestIdleSubscriptionIsNotWokenByAnotherProcessesLiveLock(t *testing.T) {
 	time.Sleep(3 * time.Second) // the idle polls grow past a second
 	before := claims.count()
 	time.Sleep(3 * time.Second) // six liveness checks
-	require.LessOrEqual(t, claims.count()-before, 3, "an idle subscription was woken again and again")
+	require.LessOrEqual(t, claims.count()-before, 6, "an idle subscription was woken again and again")
 }

@@ -272,41 +272,45 @@ func TestRowsOfASilentProcessStayItsOwnWhileAnotherReconnects(t *testing.T) {
 	for _, drops := range []int{1, 3} {
 		t.Run(fmt.Sprintf("drops=%d", drops), func(t *testing.T) {
 			t.Parallel()
-			b := setup(t)
-			pxA, pxB := startTCPProxy(t, b.DSN), startTCPProxy(t, b.DSN)
-			appA, appB := "rc-a-"+watermill.NewShortUUID(), "rc-b-"+watermill.NewShortUUID()
-			subA := b.subscriberOn(t, b.namedPool(t, appA+"-pool"), func(c *pgoutbox.SubscriberConfig) {
-				c.ClaimMode, c.MaxInFlight, c.Lease = pgoutbox.ClaimLease, 4, 30*time.Second
-				c.ListenDSN = viaProxy(t, b.DSN, pxA.addr, appA)
-			})
-			release, stamped := holdFourStampedRows(t, b, subA)
-			subB := b.subscriberOn(t, b.namedPool(t, appB+"-pool"), func(c *pgoutbox.SubscriberConfig) {
-				c.MaxInFlight = 4
-				c.ListenDSN = viaProxy(t, b.DSN, pxB.addr, appB)
-			})
-			tookByB := make(chan string, 4)
-			runRouter(t, subB, "t", func(m *message.Message) error { tookByB <- m.UUID; return nil })
-			pollUntil(t, "B checked while A held its lock", 10*time.Second, nil, func() bool { return checkedSince(t, b, appB, stamped) })
-
-			// Silence A's path right after a check confirmed A's lock: A
-			// lapses the latest then.
-			since := time.Now()
-			pollUntil(t, "A checked its lock", 10*time.Second, nil, func() bool { return checkedSince(t, b, appA, since) })
-			pxA.silence()
-			last := time.Now()
-			for range drops {
-				pollUntil(t, "B checked since", 10*time.Second, nil, func() bool { return checkedSince(t, b, appB, last) })
-				last = time.Now()
-				pxB.cut()
-				pxB.restore()
-			}
-			requireNoString(t, tookByB, 3*time.Second)
-			pxA.restore()
-			release()
-			pollUntil(t, "A's acks written", 20*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
-			requireNoString(t, tookByB, 0)
+			onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) { silentWhileAnotherReconnects(t, mode, drops) })
 		})
 	}
+}
+
+func silentWhileAnotherReconnects(t *testing.T, mode pgoutbox.ClaimMode, drops int) {
+	b := setup(t)
+	pxA, pxB := startTCPProxy(t, b.DSN), startTCPProxy(t, b.DSN)
+	appA, appB := "rc-a-"+watermill.NewShortUUID(), "rc-b-"+watermill.NewShortUUID()
+	subA := b.subscriberOn(t, b.namedPool(t, appA+"-pool"), func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode, c.MaxInFlight, c.Lease = mode, 4, 30*time.Second
+		c.ListenDSN = viaProxy(t, b.DSN, pxA.addr, appA)
+	})
+	release, stamped := holdFourStampedRows(t, b, subA)
+	subB := b.subscriberOn(t, b.namedPool(t, appB+"-pool"), func(c *pgoutbox.SubscriberConfig) {
+		c.MaxInFlight = 4
+		c.ListenDSN = viaProxy(t, b.DSN, pxB.addr, appB)
+	})
+	tookByB := make(chan string, 4)
+	runRouter(t, subB, "t", func(m *message.Message) error { tookByB <- m.UUID; return nil })
+	pollUntil(t, "B checked while A held its lock", 10*time.Second, nil, func() bool { return checkedSince(t, b, appB, stamped) })
+
+	// Silence A's path right after a check confirmed A's lock: A
+	// lapses the latest then.
+	since := time.Now()
+	pollUntil(t, "A checked its lock", 10*time.Second, nil, func() bool { return checkedSince(t, b, appA, since) })
+	pxA.silence()
+	last := time.Now()
+	for range drops {
+		pollUntil(t, "B checked since", 10*time.Second, nil, func() bool { return checkedSince(t, b, appB, last) })
+		last = time.Now()
+		pxB.cut()
+		pxB.restore()
+	}
+	requireNoString(t, tookByB, 3*time.Second)
+	pxA.restore()
+	release()
+	pollUntil(t, "A's acks written", 20*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+	requireNoString(t, tookByB, 0)
 }
 
 // A LISTEN path with a round trip of 140 ms (a server in another region)
@@ -314,9 +318,13 @@ func TestRowsOfASilentProcessStayItsOwnWhileAnotherReconnects(t *testing.T) {
 // brings them back in a second, not at their lease's end.
 func TestRowsKeepTheirKeyOverASlowListenPath(t *testing.T) {
 	t.Parallel()
+	onEachClaimMode(t, rowsKeepTheirKeyOverASlowListenPath)
+}
+
+func rowsKeepTheirKeyOverASlowListenPath(t *testing.T, mode pgoutbox.ClaimMode) {
 	b := setup(t)
-	sub := b.subscriberOn(t, b.namedPool(t, "slow-listen"), func(c *pgoutbox.SubscriberConfig) {
-		c.ClaimMode, c.MaxInFlight, c.Lease = pgoutbox.ClaimLease, 4, 30*time.Second
+	sub := b.subscriberOn(t, b.namedPool(t, fmt.Sprintf("slow-listen-%v", mode)), func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode, c.MaxInFlight, c.Lease = mode, 4, 30*time.Second
 		c.ListenDSN = viaProxy(t, b.DSN, startDelayProxy(t, b.DSN, 70*time.Millisecond), "slow-listen-conn")
 	})
 	holdFourStampedRows(t, b, sub)

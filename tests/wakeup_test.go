@@ -230,6 +230,16 @@ func (c *claimTimes) Observe(e pgoutbox.Event) {
 	}
 }
 
+// lastGap is the time between the last two claims (0 before two).
+func (c *claimTimes) lastGap() time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if n := len(c.at); n >= 2 {
+		return c.at[n-1].Sub(c.at[n-2])
+	}
+	return 0
+}
+
 func (c *claimTimes) count() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -258,7 +268,7 @@ func TestIdleSubscriptionIsNotWokenByAnotherProcessesLiveLock(t *testing.T) {
 	require.NoError(t, err)
 	_, err = b.subscriberOn(t, b.namedPool(t, "idle-sub"), cfg(claims)).Subscribe(ctx, "idle")
 	require.NoError(t, err)
-	time.Sleep(3 * time.Second) // the idle polls grow past a second
+	pollUntil(t, "the idle polls grew past a second", 20*time.Second, nil, func() bool { return claims.lastGap() >= time.Second })
 	before := claims.count()
 	time.Sleep(3 * time.Second) // six liveness checks
 	require.LessOrEqual(t, claims.count()-before, 6, "an idle subscription was woken again and again")

@@ -31,8 +31,9 @@ func ExecutorFromContext(ctx context.Context) (Executor, bool) {
 // message's completion.
 func SQLTxFromContext(ctx context.Context) (*sql.Tx, bool) {
 	e, _ := ExecutorFromContext(ctx)
-	t, ok := e.(sqlTx)
-	return t.tx, ok
+	t, _ := e.(sqlTx)
+	tx, ok := t.q.(*sql.Tx)
+	return tx, ok
 }
 
 // PgxTxFromContext returns the pgx transaction ctx carries: in a handler

@@ -96,8 +96,6 @@ type SQLQueryer interface {
 	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
 }
 
-type sqlQueryer = SQLQueryer
-
 // FromSQLQueryer binds an Executor to a database/sql-like handle that runs
 // its statements in a transaction the caller owns, for handles that are
 // not an *sql.Tx (FromSQLTx): inside GORM's db.Transaction,
@@ -113,20 +111,10 @@ func FromSQLQueryer(q SQLQueryer) Executor {
 	if v := reflect.ValueOf(q); v.Kind() == reflect.Pointer && v.IsNil() {
 		return nilHandle{"FromSQLQueryer", fmt.Sprintf("%T", q), true}
 	}
-	return sqlTxLike{q}
+	return sqlTx{q}
 }
 
-type sqlTxLike struct{ q SQLQueryer }
-
-func (e sqlTxLike) Exec(ctx context.Context, q string, args ...any) (int64, error) {
-	return sqlExec(ctx, e.q, q, args)
-}
-func (e sqlTxLike) Query(ctx context.Context, q string, args ...any) (Rows, error) {
-	return sqlQuery(ctx, e.q, q, args)
-}
-func (sqlTxLike) InTx() bool { return true }
-
-func sqlExec(ctx context.Context, q sqlQueryer, query string, args []any) (int64, error) {
+func sqlExec(ctx context.Context, q SQLQueryer, query string, args []any) (int64, error) {
 	res, err := q.ExecContext(ctx, query, args...)
 	if refusedArgument(err) {
 		if lit, ok := withArrayLiterals(args); ok {
@@ -139,7 +127,7 @@ func sqlExec(ctx context.Context, q sqlQueryer, query string, args []any) (int64
 	return res.RowsAffected()
 }
 
-func sqlQuery(ctx context.Context, q sqlQueryer, query string, args []any) (Rows, error) {
+func sqlQuery(ctx context.Context, q SQLQueryer, query string, args []any) (Rows, error) {
 	rows, err := q.QueryContext(ctx, query, args...)
 	if refusedArgument(err) {
 		if lit, ok := withArrayLiterals(args); ok {
@@ -152,13 +140,15 @@ func sqlQuery(ctx context.Context, q sqlQueryer, query string, args []any) (Rows
 	return sqlRows{rows}, nil
 }
 
-type sqlTx struct{ tx *sql.Tx }
+// sqlTx runs statements in the caller's database/sql transaction: an
+// *sql.Tx (FromSQLTx), or a handle bound to one (FromSQLQueryer).
+type sqlTx struct{ q SQLQueryer }
 
 func (e sqlTx) Exec(ctx context.Context, q string, args ...any) (int64, error) {
-	return sqlExec(ctx, e.tx, q, args)
+	return sqlExec(ctx, e.q, q, args)
 }
 func (e sqlTx) Query(ctx context.Context, q string, args ...any) (Rows, error) {
-	return sqlQuery(ctx, e.tx, q, args)
+	return sqlQuery(ctx, e.q, q, args)
 }
 func (sqlTx) InTx() bool { return true }
 

@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
@@ -173,6 +174,78 @@ func TestRowsOfAProcessWhoseListenConnectionDropsStayItsOwn(t *testing.T) {
 func TestRowsOfAProcessWhoseListenPathGoesSilentStayItsOwn(t *testing.T) {
 	t.Parallel()
 	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) { listenConnectionDrops(t, mode, (*tcpProxy).silence) })
+}
+
+// A process whose handlers keep every connection of its pool busy cannot
+// renew its rows without its key when its LISTEN path goes half-open; it
+// takes its lock again on a new LISTEN connection before the others count
+// the key gone, so its rows stay its own.
+func TestRowsOfAProcessWithABusyPoolStayItsOwnWhenItsListenPathIsStranded(t *testing.T) {
+	t.Parallel()
+	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
+		b := setup(t)
+		px := startTCPProxy(t, b.DSN)
+		poolA := b.namedPool(t, "stranded-a")
+		evA := newEvents()
+		subA := b.subscriberOn(t, poolA, func(c *pgoutbox.SubscriberConfig) {
+			c.ClaimMode, c.MaxInFlight, c.Lease = mode, 4, 30*time.Second
+			c.ListenDSN = viaProxy(t, b.DSN, px.addr, "stranded-a-listen")
+			c.Observer = evA
+		})
+		release, stamped := holdFourStampedRows(t, b, subA)
+		busy := occupyPool(t, poolA)
+
+		subB := b.subscriberOn(t, b.namedPool(t, "stranded-b"), func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
+		tookByB := make(chan string, 4)
+		runRouter(t, subB, "t", func(m *message.Message) error {
+			tookByB <- m.UUID
+			return nil
+		})
+		pollUntil(t, "B's notifier checked the liveness locks since A held its own", 10*time.Second, nil, func() bool {
+			return checkedSince(t, b, "stranded-b", stamped)
+		})
+
+		stranded := time.Now()
+		px.strand()
+		pollUntil(t, "A's LISTEN connection back", 10*time.Second, nil, func() bool {
+			return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = 'stranded-a-listen' AND backend_start > $1`, stranded) > 0
+		})
+		requireNoString(t, tookByB, 3*time.Second)
+		busy()
+		px.restore()
+		release()
+		pollUntil(t, "A's acks written", 20*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+		require.Zero(t, evA.countKind(pgoutbox.EventLeaseLost), "A kept its rows")
+		requireNoString(t, tookByB, 0)
+	})
+}
+
+// occupyPool acquires every connection of pool, as handlers in long
+// statements hold them, until the returned function (also run at the
+// test's end) releases them.
+func occupyPool(t *testing.T, pool *pgxpool.Pool) (free func()) {
+	t.Helper()
+	var conns []*pgxpool.Conn
+	deadline := time.Now().Add(10 * time.Second)
+	for pool.Stat().AcquiredConns() < pool.Config().MaxConns {
+		require.True(t, time.Now().Before(deadline), "the pool's connections could not all be taken")
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		c, err := pool.Acquire(ctx)
+		cancel()
+		if err == nil {
+			conns = append(conns, c)
+		}
+	}
+	var once sync.Once
+	free = func() {
+		once.Do(func() {
+			for _, c := range conns {
+				c.Release()
+			}
+		})
+	}
+	t.Cleanup(free)
+	return free
 }
 
 // holdFourStampedRows publishes four messages on topic "t" and runs sub's

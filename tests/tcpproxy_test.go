@@ -109,6 +109,16 @@ func (p *tcpProxy) silence() {
 	p.pairs = nil
 }
 
+// strand makes every proxied connection half-open, as silence does, while
+// new connections are forwarded: a path whose state a middlebox lost (a NAT
+// or firewall restart), where a new connection works at once.
+func (p *tcpProxy) strand() {
+	p.silence()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.silent = false
+}
+
 // restore forwards new connections again; the connections kept silent are
 // reset, as a path that comes back answers a dead connection's next packet.
 func (p *tcpProxy) restore() {

@@ -251,16 +251,22 @@ func (n *Notifier) confirmed(key int64, sent time.Time, lapse *time.Timer) {
 
 // lapsed wakes the subscriptions when the lock's last confirmation ran
 // out: they renew their rows without the key, before the other processes'
-// checks could count it gone.
-func (n *Notifier) lapsed() {
+// checks could count it gone. It reports whether the lock lapsed (false:
+// it was confirmed again meanwhile).
+func (n *Notifier) lapsed() bool {
 	if time.Now().UnixNano() < n.confirmedUntil.Load() {
-		return // confirmed again meanwhile
+		return false
 	}
 	if key, _ := n.Liveness(); key != 0 {
 		n.logger.Debug("The liveness lock was not confirmed in time; rows are renewed without its key until it is", watermill.LogFields{"key": key})
 		n.wakeAll(wakeLockChanged)
 	}
+	return true
 }
+
+// errLapsed ends a session whose lock was not confirmed within
+// OwnLockValidFor.
+var errLapsed = errors.New("the liveness lock was not confirmed in time on the LISTEN connection")
 
 func (n *Notifier) setLiveness(key int64, live bool) {
 	v := key << 1
@@ -362,6 +368,16 @@ func (n *Notifier) run(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
+		if errors.Is(err, errLapsed) {
+			// At once: the server may have dropped the lock while this
+			// process heard nothing (a half-open path), and the rows
+			// stamped with its key stay this process's only if it takes
+			// the key again before the others count it gone. The renewal
+			// without the key that the lapse started needs a connection of
+			// the pool, which the handlers may all hold.
+			n.logger.Info("Liveness lock not confirmed in time; reconnecting the LISTEN connection", watermill.LogFields{"after": OwnLockValidFor.String()})
+			continue // a session lasts OwnLockValidFor before it lapses: no busy loop
+		}
 		failures++
 		if failures == 1 {
 			n.logger.Error("LISTEN connection failed; fetch loops fall back to polling until it is back", err, nil)
@@ -378,12 +394,21 @@ func (n *Notifier) run(ctx context.Context) {
 
 // lockLiveness takes this process's liveness lock on conn, with the key of
 // earlier sessions if it is free (rows stamped with it stay ours), else a
-// new random one.
+// new random one. The earlier key is tried a few times, sameKeyTries
+// apart: the session that held it may be ending on the server still.
 func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn, lapse *time.Timer) error {
 	key, _ := n.Liveness()
-	for range 10 {
-		if key == 0 {
+	earlier := key
+	for i := range 10 {
+		switch {
+		case key == 0:
 			key = 1 + rand.Int64N(1<<31-2)
+		case i > 0:
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(sameKeyTries):
+			}
 		}
 		var ok bool
 		sent := time.Now()
@@ -397,11 +422,17 @@ func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn, lapse *time
 			n.confirmed(key, sent, lapse)
 			return nil
 		}
-		key = 0 // another process holds it
+		if key != earlier || i >= 3 {
+			key = 0 // another session holds it
+		}
 	}
 	n.logger.Info("No liveness key could be locked; rows of this process are reclaimed only when their leases expire", nil)
 	return nil
 }
+
+// sameKeyTries is the pause between tries of the key an earlier session
+// held.
+const sameKeyTries = 50 * time.Millisecond
 
 // livenessCheckTimeout bounds one check of the liveness locks: far above
 // what the query takes on a loaded server, far below how long a silent
@@ -460,7 +491,17 @@ func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn, lapse *tim
 }
 
 // session runs one LISTEN connection until it fails or ctx ends.
-func (n *Notifier) session(ctx context.Context, connected func()) error {
+func (n *Notifier) session(parent context.Context, connected func()) (err error) {
+	// A lapse of the lock's confirmation ends the session, whatever wait or
+	// check it is in: a confirmation that does not come in time is a path
+	// that may be half-open.
+	ctx, endSession := context.WithCancelCause(parent)
+	defer func() {
+		if parent.Err() == nil && errors.Is(context.Cause(ctx), errLapsed) {
+			err = errLapsed
+		}
+		endSession(nil)
+	}()
 	cfg := n.pool.Config().ConnConfig.Copy()
 	if n.listen != nil {
 		cfg = n.listen.Copy()
@@ -499,7 +540,11 @@ func (n *Notifier) session(ctx context.Context, connected func()) error {
 	if err := listenAll(); err != nil {
 		return err
 	}
-	lapse := time.AfterFunc(time.Hour, n.lapsed)
+	lapse := time.AfterFunc(time.Hour, func() {
+		if n.lapsed() {
+			endSession(errLapsed)
+		}
+	})
 	lapse.Stop()
 	if err := n.lockLiveness(ctx, conn, lapse); err != nil {
 		lapse.Stop()

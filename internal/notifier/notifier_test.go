@@ -123,7 +123,7 @@ func TestOwnLockCountsAsHeldOnlyWhileConfirmed(t *testing.T) {
 		}
 		return w.Take()
 	}
-	lapse := time.AfterFunc(time.Hour, n.lapsed)
+	lapse := time.AfterFunc(time.Hour, func() { n.lapsed() })
 	defer lapse.Stop()
 	n.confirmed(7, time.Now(), lapse)
 	require.True(t, took().LockChanged, "the lock is taken: rows can carry it")

@@ -195,12 +195,16 @@ func (c *claimSchedule) next(r claimResult, woke bool, now time.Time) {
 		}
 		return
 	}
+	// Keys ended while this claim ran (keyEnded): it could not ask for
+	// their next rows, the next claim does, at once. An idle wait here
+	// would hold each of those keys for it (MinPollInterval at least),
+	// every key of a subscription that holds them all, at every turn.
+	ended := len(c.endedKeys) > 0
 	if r.keyBusy > 0 {
 		// Keyed rows whose key another claim took meanwhile: look again
 		// after the shortest idle wait, from the start, not at claim speed.
 		c.scan.restart(false)
-		c.want = false
-		c.idleUntil = now.Add(c.cfg.MinPollInterval)
+		c.idleWait(ended, now)
 		return
 	}
 	if woke {
@@ -222,8 +226,11 @@ func (c *claimSchedule) next(r claimResult, woke bool, now time.Time) {
 		// so a backlog of held keys is read one window per wait, not at
 		// claim speed. An ended key's next row is asked for directly.
 		c.scan.resume = true
-		c.want = false
-		c.idleUntil = now.Add(c.cfg.MinPollInterval)
+		c.idleWait(ended, now)
+		return
+	}
+	if ended {
+		c.want = true
 		return
 	}
 	c.want = false
@@ -240,6 +247,15 @@ func (c *claimSchedule) next(r claimResult, woke bool, now time.Time) {
 		wait = r.dueIn
 	}
 	c.idleUntil = now.Add(wait)
+}
+
+// idleWait waits the shortest idle wait before the next claim, unless
+// keys ended meanwhile (next).
+func (c *claimSchedule) idleWait(ended bool, now time.Time) {
+	c.want = ended
+	if !ended {
+		c.idleUntil = now.Add(c.cfg.MinPollInterval)
+	}
 }
 
 // gaveBack records rows given back: a claim under way gives its rows back

@@ -72,6 +72,36 @@ func TestClaimScheduleAsksForEndedKeys(t *testing.T) {
 	require.Contains(t, c.endedKeys, "k")
 }
 
+// A key that ends while a claim runs is asked for by the next claim at
+// once, whatever that claim found: an empty claim's idle wait would hold
+// the key (every key of a subscription that holds them all) for it.
+func TestClaimScheduleClaimsAtOnceForKeysEndedDuringAClaim(t *testing.T) {
+	t.Parallel()
+	none := func() ([]int64, bool) { return nil, false }
+	busyWindow := func(r claimResult) claimResult { // every row of the window waits for its key
+		r.cursor, r.cursorAt = pgtype.Int8{Int64: 9, Valid: true}, pgtype.Timestamptz{Time: time.Now(), Valid: true}
+		return r
+	}
+	keyBusy := func(r claimResult) claimResult { r.keyBusy = 1; return r }
+	empty := func(r claimResult) claimResult { return r }
+	for name, result := range map[string]func(claimResult) claimResult{"busy window": busyWindow, "key busy": keyBusy, "empty": empty} {
+		c := newTestSchedule()
+		now := time.Now()
+		req := c.start(4, now, pgtype.Int8{}, none)
+		c.keyEnded("k") // its ack was written while the claim ran
+		r := result(claimResult{req: req})
+		c.next(r, c.succeeded(r), now)
+		require.False(t, c.waiting(), "%s: claim again at once", name)
+		require.Equal(t, []string{"k"}, c.start(4, now, pgtype.Int8{}, none).endedKeys, name)
+
+		c = newTestSchedule()
+		req = c.start(4, now, pgtype.Int8{}, none)
+		r = result(claimResult{req: req})
+		c.next(r, c.succeeded(r), now)
+		require.True(t, c.waiting(), "%s: no key ended: wait", name)
+	}
+}
+
 // The retry gate shuts for a growing backoff after each failure and opens
 // at once after a success.
 func TestRetryGateBacksOff(t *testing.T) {

@@ -472,3 +472,30 @@ func TestOrderingKeyHandedOverWhenItsHolderStops(t *testing.T) {
 		next.Ack()
 	})
 }
+
+// A subscription that holds every key of a backlog asks for each key's
+// next message as soon as the one before it is acked, not after an idle
+// wait: acks that land while a claim runs (a claim over a backlog reads a
+// window of rows, all of them behind busy keys) must not leave their keys
+// to the poll that claim's empty result schedules. With poll intervals of
+// 3 s, 200 messages a key take far less than 4 polls.
+func TestOrderingKeysOfABacklogFollowOneAnotherWithoutWaitingForAPoll(t *testing.T) {
+	t.Parallel()
+	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
+		b := setup(t)
+		const n, keys, poll = 1600, 8, 3 * time.Second
+		require.NoError(t, b.poolPublisher(t).Publish("orders", keyedMsgs(n, keys)...))
+		log := newKeyLog()
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			c.ClaimMode, c.MaxInFlight = mode, 16
+			c.MinPollInterval, c.MaxPollInterval = poll, poll
+		})
+		started := time.Now()
+		runRouter(t, sub, "orders", log.handler(time.Millisecond, 0))
+		pollUntil(t, "every message handled", 2*time.Minute, nil, func() bool { return log.successes.Load() == n })
+		log.requireOrder(t, keys, n/keys)
+		took := time.Since(started)
+		t.Logf("%d messages over %d keys in %s", n, keys, took.Round(time.Millisecond))
+		require.Less(t, took, 4*poll, "the keys waited for polls")
+	})
+}

@@ -181,28 +181,29 @@ func TestRowsOfAProcessWithABusyPoolStayItsOwnWhenItsListenPathIsStranded(t *tes
 	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
 		b := setup(t)
 		px := startTCPProxy(t, b.DSN)
-		poolA := b.namedPool(t, "stranded-a")
+		appA, appB := "stranded-a-"+watermill.NewShortUUID(), "stranded-b-"+watermill.NewShortUUID()
+		poolA := b.namedPool(t, appA)
 		evA := newEvents()
 		subA := b.subscriberOn(t, poolA, func(c *pgoutbox.SubscriberConfig) {
 			c.ClaimMode, c.MaxInFlight, c.Lease = mode, 4, 30*time.Second
-			c.ListenDSN = viaProxy(t, b.DSN, px.addr, "stranded-a-listen")
+			c.ListenDSN = viaProxy(t, b.DSN, px.addr, appA+"-listen")
 			c.Observer = evA
 		})
 		release, stamped := holdFourStampedRows(t, b, subA)
 		busy := occupyPool(t, poolA)
 
-		subB := b.subscriberOn(t, b.namedPool(t, "stranded-b"), func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
+		subB := b.subscriberOn(t, b.namedPool(t, appB), func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
 		tookByB := make(chan string, 4)
 		runRouter(t, subB, "t", func(m *message.Message) error {
 			tookByB <- m.UUID
 			return nil
 		})
-		checkRanSince(t, b, "stranded-b", stamped, "B's notifier checked the liveness locks since A held its own")
+		checkRanSince(t, b, appB, stamped, "B's notifier checked the liveness locks since A held its own")
 
 		stranded := time.Now()
 		px.strand()
 		pollUntil(t, "A's LISTEN connection back", 10*time.Second, nil, func() bool {
-			return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = 'stranded-a-listen' AND backend_start > $1`, stranded) > 0
+			return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND backend_start > $2`, appA+"-listen", stranded) > 0
 		})
 		requireNoString(t, tookByB, 3*time.Second)
 		busy()
@@ -402,6 +403,35 @@ func silentWhileAnotherReconnects(t *testing.T, mode pgoutbox.ClaimMode, drops i
 func TestRowsKeepTheirKeyOverASlowListenPath(t *testing.T) {
 	t.Parallel()
 	onEachClaimMode(t, rowsKeepTheirKeyOverASlowListenPath)
+}
+
+// A LISTEN path whose round trips all take longer than a confirmation
+// lasts (300 ms) is slow, not broken: the process keeps its session and its
+// lock (the probe a lapse starts finds it held) instead of reconnecting,
+// so its key never goes missing to the other processes.
+func TestSlowListenPathKeepsItsSessionAndLock(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	app := "slower-listen-" + watermill.NewShortUUID()
+	sub := b.subscriberOn(t, b.namedPool(t, app+"-pool"), func(c *pgoutbox.SubscriberConfig) {
+		c.ListenDSN = viaProxy(t, b.DSN, startDelayProxy(t, b.DSN, 150*time.Millisecond), app)
+	})
+	_, err := sub.Subscribe(t.Context(), "t")
+	require.NoError(t, err)
+	type holder struct{ pid, key int64 }
+	lockHolders := func() []holder {
+		rows, err := b.Pool.Query(context.Background(), `SELECT l.pid, l.objid::bigint FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+ WHERE l.locktype = 'advisory' AND l.classid = $1 AND l.objsubid = 2 AND l.granted AND a.application_name = $2`, query.LivenessClass, app)
+		require.NoError(t, err)
+		hs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (h holder, err error) { return h, r.Scan(&h.pid, &h.key) })
+		require.NoError(t, err)
+		return hs
+	}
+	var first []holder
+	pollUntil(t, "the lock taken", 20*time.Second, nil, func() bool { first = lockHolders(); return len(first) == 1 })
+	for end := time.Now().Add(4 * time.Second); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+		require.Equal(t, first, lockHolders(), "the lock stays with the first session")
+	}
 }
 
 func rowsKeepTheirKeyOverASlowListenPath(t *testing.T, mode pgoutbox.ClaimMode) {

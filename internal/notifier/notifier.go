@@ -264,9 +264,9 @@ func (n *Notifier) lapsed() bool {
 	return true
 }
 
-// errLapsed ends a session whose lock was not confirmed within
-// OwnLockValidFor.
-var errLapsed = errors.New("the liveness lock was not confirmed in time on the LISTEN connection")
+// errLockMoved ends a session whose lock a probe found free and took on a
+// connection of its own (lockProbe): the next session runs on that one.
+var errLockMoved = errors.New("the LISTEN connection's server session was gone: its liveness lock was free")
 
 func (n *Notifier) setLiveness(key int64, live bool) {
 	v := key << 1
@@ -363,20 +363,21 @@ func (n *Notifier) run(ctx context.Context) {
 	bo := backoff.NewExponentialBackOff(backoff.WithInitialInterval(100*time.Millisecond),
 		backoff.WithMaxInterval(5*time.Second), backoff.WithMaxElapsedTime(0))
 	failures := 0
+	var adopt *lockedConn
 	for ctx.Err() == nil {
-		err := n.session(ctx, func() { bo.Reset(); failures = 0 })
+		var err error
+		adopt, err = n.session(ctx, func() { bo.Reset(); failures = 0 }, adopt)
 		if ctx.Err() != nil {
+			if adopt != nil {
+				adopt.close()
+			}
 			return
 		}
-		if errors.Is(err, errLapsed) {
-			// At once: the server may have dropped the lock while this
-			// process heard nothing (a half-open path), and the rows
-			// stamped with its key stay this process's only if it takes
-			// the key again before the others count it gone. The renewal
-			// without the key that the lapse started needs a connection of
-			// the pool, which the handlers may all hold.
-			n.logger.Info("Liveness lock not confirmed in time; reconnecting the LISTEN connection", watermill.LogFields{"after": OwnLockValidFor.String()})
-			continue // a session lasts OwnLockValidFor before it lapses: no busy loop
+		if adopt != nil {
+			// At once: the probe's connection holds the lock already, and
+			// the sooner it listens the fewer notifications are lost.
+			n.logger.Info("The LISTEN connection went silent and its server session was gone; a new connection holds the liveness lock", nil)
+			continue
 		}
 		failures++
 		if failures == 1 {
@@ -394,9 +395,10 @@ func (n *Notifier) run(ctx context.Context) {
 
 // lockLiveness takes this process's liveness lock on conn, with the key of
 // earlier sessions if it is free (rows stamped with it stay ours), else a
-// new random one. The earlier key is tried a few times, sameKeyTries
-// apart: the session that held it may be ending on the server still.
-func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn, lapse *time.Timer) error {
+// new random one. At a session's start (waitForEarlier) the earlier key is
+// tried a few times, sameKeyTries apart: the session that held it may be
+// ending on the server still.
+func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn, lapse *time.Timer, waitForEarlier bool) error {
 	key, _ := n.Liveness()
 	earlier := key
 	for i := range 10 {
@@ -422,7 +424,7 @@ func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn, lapse *time
 			n.confirmed(key, sent, lapse)
 			return nil
 		}
-		if key != earlier || i >= 3 {
+		if key != earlier || i >= 3 || !waitForEarlier {
 			key = 0 // another session holds it
 		}
 	}
@@ -471,7 +473,7 @@ func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn, lapse *tim
 	case key != 0 && !mine[key]:
 		n.setLiveness(key, false)
 		n.wakeAll(wakeLockChanged)
-		if err := n.lockLiveness(ctx, conn, lapse); err != nil {
+		if err := n.lockLiveness(ctx, conn, lapse, false); err != nil {
 			return err
 		}
 	case key != 0:
@@ -490,18 +492,11 @@ func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn, lapse *tim
 	return nil
 }
 
-// session runs one LISTEN connection until it fails or ctx ends.
-func (n *Notifier) session(parent context.Context, connected func()) (err error) {
-	// A lapse of the lock's confirmation ends the session, whatever wait or
-	// check it is in: a confirmation that does not come in time is a path
-	// that may be half-open.
-	ctx, endSession := context.WithCancelCause(parent)
-	defer func() {
-		if parent.Err() == nil && errors.Is(context.Cause(ctx), errLapsed) {
-			err = errLapsed
-		}
-		endSession(nil)
-	}()
+// session runs one LISTEN connection until it fails or ctx ends: adopt's
+// when given (a probe's, which holds the lock already), else a new one. It
+// returns the connection of a probe that found the lock free, for the
+// next session.
+func (n *Notifier) session(parent context.Context, connected func(), adopt *lockedConn) (next *lockedConn, err error) {
 	cfg := n.pool.Config().ConnConfig.Copy()
 	if n.listen != nil {
 		cfg = n.listen.Copy()
@@ -512,16 +507,27 @@ func (n *Notifier) session(parent context.Context, connected func()) (err error)
 	cfg.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
 		return &pgconn.DeadlineContextWatcherHandler{Conn: c.Conn()}
 	}
-	connectCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	conn, err := pgx.ConnectConfig(connectCtx, cfg)
-	cancel()
-	if err != nil {
-		return err
+	var conn *pgx.Conn
+	if adopt != nil {
+		conn = adopt.conn
+	} else {
+		connectCtx, cancel := context.WithTimeout(parent, 10*time.Second)
+		conn, err = pgx.ConnectConfig(connectCtx, cfg)
+		cancel()
+		if err != nil {
+			return nil, err
+		}
 	}
 	defer func() {
 		closeCtx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
 		_ = conn.Close(closeCtx)
+	}()
+	ctx, endSession := context.WithCancelCause(parent)
+	probe := &lockProbe{cfg: cfg, ctx: ctx, end: endSession}
+	defer func() {
+		endSession(nil)
+		next = probe.result()
 	}()
 
 	listening := map[string]bool{}
@@ -530,7 +536,10 @@ func (n *Notifier) session(parent context.Context, connected func()) (err error)
 			if listening[ch] {
 				continue
 			}
-			if _, err := conn.Exec(ctx, "LISTEN "+query.Quote(ch)); err != nil {
+			if err := bounded(ctx, func(ctx context.Context) error {
+				_, err := conn.Exec(ctx, "LISTEN "+query.Quote(ch))
+				return err
+			}); err != nil {
 				return err
 			}
 			listening[ch] = true
@@ -538,17 +547,26 @@ func (n *Notifier) session(parent context.Context, connected func()) (err error)
 		return nil
 	}
 	if err := listenAll(); err != nil {
-		return err
+		return nil, err
 	}
+	// A confirmation that does not come in time may be a half-open path:
+	// the probe finds out, and moves the session to its connection if the
+	// server dropped the lock.
 	lapse := time.AfterFunc(time.Hour, func() {
 		if n.lapsed() {
-			endSession(errLapsed)
+			key, _ := n.Liveness()
+			probe.start(key)
 		}
 	})
 	lapse.Stop()
-	if err := n.lockLiveness(ctx, conn, lapse); err != nil {
+	if adopt != nil {
+		n.mu.Lock()
+		n.ownKeys[adopt.key] = true
+		n.mu.Unlock()
+		n.confirmed(adopt.key, adopt.sent, lapse)
+	} else if err := bounded(ctx, func(ctx context.Context) error { return n.lockLiveness(ctx, conn, lapse, true) }); err != nil {
 		lapse.Stop()
-		return err
+		return nil, err
 	}
 	defer func() {
 		lapse.Stop()
@@ -569,7 +587,7 @@ func (n *Notifier) session(parent context.Context, connected func()) (err error)
 		if time.Since(checked) >= LivenessEvery {
 			checked = time.Now()
 			if err := n.checkLiveness(ctx, conn, lapse); err != nil {
-				return err
+				return nil, err
 			}
 		}
 		waitCtx, stopWait := context.WithTimeout(ctx, LivenessEvery-time.Since(checked))
@@ -590,23 +608,31 @@ func (n *Notifier) session(parent context.Context, connected func()) (err error)
 		// that signal announced (it is registered before it is signalled).
 		<-watcherDone
 		if ctx.Err() != nil {
-			return ctx.Err()
+			return nil, context.Cause(ctx)
 		}
 		if note != nil {
 			n.dispatch(note.Channel, note.Payload)
 		}
 		if err != nil && !interrupted {
-			return err
+			return nil, err
 		}
 		if conn.IsClosed() {
-			return errors.New("LISTEN connection closed")
+			return nil, errors.New("LISTEN connection closed")
 		}
 		// Every turn, not only after an interruption: the signal that a
 		// channel was added may have been consumed by a wait that a
 		// notification ended first. Without a new channel this costs
 		// nothing.
 		if err := listenAll(); err != nil {
-			return err
+			return nil, err
 		}
 	}
+}
+
+// bounded runs f with ctx bounded by livenessCheckTimeout: a statement of
+// the LISTEN connection on a path gone silent would wait for ever.
+func bounded(ctx context.Context, f func(context.Context) error) error {
+	ctx, cancel := context.WithTimeout(ctx, livenessCheckTimeout)
+	defer cancel()
+	return f(ctx)
 }

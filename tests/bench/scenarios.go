@@ -147,6 +147,9 @@ var scenarios = []*scenario{
 	{name: "slow-1-in-1000", systems: []string{"pgoutbox", pgoutboxLeaseName}, run: slowOneInThousandScenario},
 	{name: "drain-1m", systems: []string{"pgoutbox", "raw", "raw-async"}, run: drainScenario(true, 16)},
 	{name: "keyed-100-16", systems: []string{"pgoutbox"}, run: keyedDrainScenario(100, 16)},
+	// Fewer keys than handlers: every key is in flight most of the time,
+	// so each key's next message waits for its ack and the next claim.
+	{name: "keyed-8-16", systems: []string{"pgoutbox"}, run: keyedDrainScenario(8, 16)},
 	{name: "unkeyed-work-16", systems: []string{"pgoutbox"}, run: keyedDrainScenario(0, 16)},
 	{name: "unkeyed-work-1", systems: []string{"pgoutbox"}, run: keyedDrainScenario(0, 1)},
 }

@@ -40,9 +40,9 @@ func (c *lockedConn) close() {
 // the path is only slow: the probe closes. One per session at a time; the
 // lapse timer starts it, the session takes its result when it ends.
 type lockProbe struct {
-	cfg *pgx.ConnConfig
-	ctx context.Context         // the session's
-	end context.CancelCauseFunc // ends the session
+	try func(ctx context.Context, key int64) *lockedConn // tryLock with the session's settings
+	ctx context.Context                                  // the session's
+	end context.CancelCauseFunc                          // ends the session
 
 	mu         sync.Mutex
 	running    bool
@@ -64,7 +64,7 @@ func (p *lockProbe) start(key int64) {
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
-		won := tryLock(p.ctx, p.cfg, key)
+		won := p.try(p.ctx, key)
 		p.mu.Lock()
 		p.running = false
 		if won == nil {

@@ -524,7 +524,7 @@ func (n *Notifier) session(parent context.Context, connected func(), adopt *lock
 		_ = conn.Close(closeCtx)
 	}()
 	ctx, endSession := context.WithCancelCause(parent)
-	probe := &lockProbe{cfg: cfg, ctx: ctx, end: endSession}
+	probe := &lockProbe{ctx: ctx, end: endSession, try: func(ctx context.Context, key int64) *lockedConn { return tryLock(ctx, cfg, key) }}
 	defer func() {
 		endSession(nil)
 		next = probe.result()

@@ -1,6 +1,7 @@
 package notifier
 
 import (
+	"context"
 	"testing"
 	"time"
 
@@ -150,4 +151,40 @@ func TestOwnLockCountsAsHeldOnlyWhileConfirmed(t *testing.T) {
 	n.confirmed(7, time.Now().Add(-OwnLockValidFor), lapse) // a check sent that long ago
 	_, live = n.Liveness()
 	require.False(t, live)
+}
+
+// A lapse probes the lock once at a time; a probe that found it held (a
+// slow path) keeps the session's probes quiet for probeQuiet; one that took
+// it ends the session and hands its connection over; none starts once the
+// session took the result.
+func TestLockProbeRunsOnceAtATimeAndHandsItsConnectionOver(t *testing.T) {
+	tries := make(chan int64, 10)
+	answer := make(chan *lockedConn)
+	ctx, end := context.WithCancelCause(context.Background())
+	p := &lockProbe{ctx: ctx, end: end, try: func(_ context.Context, key int64) *lockedConn {
+		tries <- key
+		return <-answer
+	}}
+	p.start(7)
+	require.Equal(t, int64(7), <-tries)
+	p.start(7)
+	answer <- nil // held: a slow path
+	require.Eventually(t, func() bool { p.mu.Lock(); defer p.mu.Unlock(); return !p.running }, time.Second, time.Millisecond)
+	require.Empty(t, tries, "one probe at a time")
+	p.start(7)
+	require.Empty(t, tries, "quiet after a probe that found the lock held")
+	require.NoError(t, ctx.Err(), "the session goes on")
+
+	p.mu.Lock()
+	p.quietUntil = time.Time{}
+	p.mu.Unlock()
+	p.start(7)
+	<-tries
+	won := &lockedConn{key: 7}
+	answer <- won
+	<-ctx.Done()
+	require.ErrorIs(t, context.Cause(ctx), errLockMoved, "a probe that took the lock ends the session")
+	require.Same(t, won, p.result())
+	p.start(7)
+	require.Empty(t, tries, "no probe after the session ended")
 }

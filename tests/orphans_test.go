@@ -202,8 +202,8 @@ func TestRowsOfAProcessWithABusyPoolStayItsOwnWhenItsListenPathIsStranded(t *tes
 
 		stranded := time.Now()
 		px.strand()
-		pollUntil(t, "A's LISTEN connection back", 10*time.Second, nil, func() bool {
-			return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND backend_start > $2`, appA+"-listen", stranded) > 0
+		pollUntil(t, "A's lock on a new LISTEN connection", 10*time.Second, nil, func() bool {
+			return lockedSince(t, b, appA+"-listen", stranded)
 		})
 		requireNoString(t, tookByB, 3*time.Second)
 		busy()
@@ -213,6 +213,64 @@ func TestRowsOfAProcessWithABusyPoolStayItsOwnWhenItsListenPathIsStranded(t *tes
 		require.Zero(t, evA.countKind(pgoutbox.EventLeaseLost), "A kept its rows")
 		requireNoString(t, tookByB, 0)
 	})
+}
+
+// A path that stalls for a moment (a check answered late: the lock
+// lapses, and a probe finds it held) and goes silent soon after is probed
+// again: the rows of a process whose handlers hold every connection of its
+// pool stay its own.
+func TestRowsOfAProcessWithABusyPoolStayItsOwnWhenItsPathStallsThenGoesSilent(t *testing.T) {
+	t.Parallel()
+	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
+		b := setup(t)
+		px := startTCPProxy(t, b.DSN)
+		appA, appB := "stall-a-"+watermill.NewShortUUID(), "stall-b-"+watermill.NewShortUUID()
+		poolA := b.namedPool(t, appA)
+		evA := newEvents()
+		subA := b.subscriberOn(t, poolA, func(c *pgoutbox.SubscriberConfig) {
+			c.ClaimMode, c.MaxInFlight, c.Lease = mode, 4, 30*time.Second
+			c.ListenDSN = viaProxy(t, b.DSN, px.addr, appA+"-listen")
+			c.Observer = evA
+		})
+		release, stamped := holdFourStampedRows(t, b, subA)
+		busy := occupyPool(t, poolA)
+		subB := b.subscriberOn(t, b.namedPool(t, appB), func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
+		tookByB := make(chan string, 4)
+		runRouter(t, subB, "t", func(m *message.Message) error {
+			tookByB <- m.UUID
+			return nil
+		})
+		checkRanSince(t, b, appB, stamped, "B's notifier checked the liveness locks since A held its own")
+
+		// A stall longer than a confirmation lasts: the probe it starts
+		// finds the lock held (a connection of its own, gone at once).
+		stalled := time.Now()
+		px.stall(time.Second)
+		pollUntil(t, "A's probe connected", 10*time.Second, nil, func() bool {
+			return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND backend_start > $2`, appA+"-listen", stalled) > 0
+		})
+		checkRanSince(t, b, appA+"-listen", time.Now(), "A's checks answered again")
+		stranded := time.Now()
+		px.strand()
+		pollUntil(t, "A's lock on a new LISTEN connection", 10*time.Second, nil, func() bool {
+			return lockedSince(t, b, appA+"-listen", stranded)
+		})
+		requireNoString(t, tookByB, 3*time.Second)
+		busy()
+		px.restore()
+		release()
+		pollUntil(t, "A's acks written", 20*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+		require.Zero(t, evA.countKind(pgoutbox.EventLeaseLost), "A kept its rows")
+		requireNoString(t, tookByB, 0)
+	})
+}
+
+// lockedSince reports whether a connection of app that started after
+// since holds a liveness lock.
+func lockedSince(t *testing.T, b *bundle, app string, since time.Time) bool {
+	return b.count(t, `SELECT count(*) FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+ WHERE l.locktype = 'advisory' AND l.classid = $1 AND l.objsubid = 2 AND l.granted AND a.application_name = $2 AND a.backend_start > $3`,
+		query.LivenessClass, app, since) > 0
 }
 
 // occupyPool acquires every connection of pool, as handlers in long
@@ -407,7 +465,7 @@ func TestRowsKeepTheirKeyOverASlowListenPath(t *testing.T) {
 
 // A LISTEN path whose round trips all take longer than a confirmation
 // lasts (300 ms) is slow, not broken: the process keeps its session and its
-// lock (the probe a lapse starts finds it held) instead of reconnecting,
+// lock (the probes its lapses start find it held) instead of reconnecting,
 // so its key never goes missing to the other processes.
 func TestSlowListenPathKeepsItsSessionAndLock(t *testing.T) {
 	t.Parallel()
@@ -429,9 +487,12 @@ func TestSlowListenPathKeepsItsSessionAndLock(t *testing.T) {
 	}
 	var first []holder
 	pollUntil(t, "the lock taken", 20*time.Second, nil, func() bool { first = lockHolders(); return len(first) == 1 })
-	for end := time.Now().Add(4 * time.Second); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+	probes := 0
+	for end := time.Now().Add(6 * time.Second); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
 		require.Equal(t, first, lockHolders(), "the lock stays with the first session")
+		probes = max(probes, b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND pid <> $2`, app, first[0].pid))
 	}
+	require.Positive(t, probes, "the lapses were probed (connections of their own)")
 }
 
 func rowsKeepTheirKeyOverASlowListenPath(t *testing.T, mode pgoutbox.ClaimMode) {

@@ -25,6 +25,7 @@ type tcpProxy struct {
 	silent   bool
 	pairs    []proxied
 	held     []net.Conn // clients kept open and silent
+	stallEnd time.Time  // the server's bytes reach the clients from then on
 }
 
 type proxied struct{ client, server net.Conn }
@@ -71,7 +72,33 @@ func (p *tcpProxy) forward(c net.Conn) {
 	}
 	p.pairs = append(p.pairs, proxied{c, up})
 	go func() { _, _ = io.Copy(up, c); _ = up.Close(); p.serverEnded(c) }()
-	go func() { _, _ = io.Copy(c, up); p.serverEnded(c) }()
+	go func() {
+		buf := make([]byte, 32<<10)
+		for {
+			n, err := up.Read(buf)
+			if n > 0 {
+				p.mu.Lock()
+				end := p.stallEnd
+				p.mu.Unlock()
+				time.Sleep(time.Until(end))
+				if _, err := c.Write(buf[:n]); err != nil {
+					break
+				}
+			}
+			if err != nil {
+				break
+			}
+		}
+		p.serverEnded(c)
+	}()
+}
+
+// stall holds back what the server sends for d (new connections' too),
+// then delivers it: a path that stops for a moment and goes on.
+func (p *tcpProxy) stall(d time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.stallEnd = time.Now().Add(d)
 }
 
 // serverEnded closes the client's side of a connection whose server side

@@ -10,10 +10,15 @@ import (
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 )
 
-// probeQuiet is how long a session makes no new probe after one found its
-// lock still held (a slow path, not a half-open one) or could not connect:
-// a path that slow stays slow, and each probe is a new server session.
-const probeQuiet = 10 * LivenessEvery
+// A lapse is probed every time, unless probes found the lock held
+// slowStreak times in a row with checks answered between them: a path that
+// slow stays slow, and each probe is a new server session; probes then
+// pause for probeQuiet. A silent path is never taken for a slow one: its
+// checks are not answered.
+const (
+	slowStreak = 3
+	probeQuiet = 10 * LivenessEvery
+)
 
 // lockedConn is a connection that holds the liveness lock key, taken by a
 // statement sent at sent.
@@ -37,27 +42,38 @@ func (c *lockedConn) close() {
 // its connection carries the next one, before the other processes count
 // the key gone. The rows stamped with the key then stay this process's
 // without a statement on the pool, which the handlers may all hold. Held,
-// the path is only slow: the probe closes. One per session at a time; the
-// lapse timer starts it, the session takes its result when it ends.
+// the path is slow, or the session's server side lives on while its path
+// is broken: the probe closes, and probes again OwnLockValidFor later
+// unless a check was answered meanwhile (the lapse timer, which only a
+// confirmation arms again, would not). One probe runs at a time; the lapse
+// timer starts it, the session takes its result when it ends.
 type lockProbe struct {
-	try func(ctx context.Context, key int64) *lockedConn // tryLock with the session's settings
-	ctx context.Context                                  // the session's
-	end context.CancelCauseFunc                          // ends the session
+	try      func(ctx context.Context, key int64) *lockedConn // tryLock with the session's settings
+	answered func() time.Time                                 // when a check last confirmed the lock
+	ctx      context.Context                                  // the session's
+	end      context.CancelCauseFunc                          // ends the session
 
 	mu         sync.Mutex
 	running    bool
-	done       bool // the session ended: no new probe
+	done       bool      // the session ended: no new probe
+	lastEnd    time.Time // when the last probe found the lock held (or failed)
+	streak     int       // probes in a row that found it held, checks answered between them
 	quietUntil time.Time
+	retry      *time.Timer
 	won        *lockedConn
 	wg         sync.WaitGroup
 }
 
-// start probes key unless a probe runs, one found the lock held or failed
-// less than probeQuiet ago, or the session ended.
-func (p *lockProbe) start(key int64) {
+// start probes key after a lapse, unless a probe runs, probes pause (see
+// slowStreak), the session ended or a probe took the lock.
+func (p *lockProbe) start(key int64) { p.launch(key, false) }
+
+// launch probes key; again (a probe's own retry) ignores the pause: no
+// check was answered since that probe.
+func (p *lockProbe) launch(key int64, again bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if key == 0 || p.running || p.done || p.won != nil || time.Now().Before(p.quietUntil) {
+	if key == 0 || p.running || p.done || p.won != nil || (!again && time.Now().Before(p.quietUntil)) {
 		return
 	}
 	p.running = true
@@ -67,10 +83,10 @@ func (p *lockProbe) start(key int64) {
 		won := p.try(p.ctx, key)
 		p.mu.Lock()
 		p.running = false
-		if won == nil {
-			p.quietUntil = time.Now().Add(probeQuiet)
-		}
 		p.won = won
+		if won == nil {
+			p.held(key)
+		}
 		p.mu.Unlock()
 		if won != nil {
 			p.end(errLockMoved)
@@ -78,11 +94,37 @@ func (p *lockProbe) start(key int64) {
 	}()
 }
 
+// held takes in a probe that did not take the lock (p.mu held).
+func (p *lockProbe) held(key int64) {
+	now := time.Now()
+	if !p.lastEnd.IsZero() && p.answered().After(p.lastEnd) {
+		p.streak++
+	} else {
+		p.streak = 1
+	}
+	if p.streak >= slowStreak {
+		p.streak = 0
+		p.quietUntil = now.Add(probeQuiet)
+	}
+	p.lastEnd = now
+	if p.retry != nil {
+		p.retry.Stop()
+	}
+	p.retry = time.AfterFunc(OwnLockValidFor, func() {
+		if !p.answered().After(now) {
+			p.launch(key, true)
+		}
+	})
+}
+
 // result waits for a running probe and returns its connection if it took
 // the lock; no probe starts after it.
 func (p *lockProbe) result() *lockedConn {
 	p.mu.Lock()
 	p.done = true
+	if p.retry != nil {
+		p.retry.Stop()
+	}
 	p.mu.Unlock()
 	p.wg.Wait()
 	return p.won

@@ -66,6 +66,10 @@ type Notifier struct {
 	// after the last confirming check was sent. Only the session goroutine
 	// writes it.
 	confirmedUntil atomic.Int64
+	// answeredAt (unix nanoseconds) is when the last confirming check
+	// answered: a lock probe tells a slow path (late answers) from a
+	// silent one by it. Only the session goroutine writes it.
+	answeredAt atomic.Int64
 
 	// Only the session goroutine writes these (under mu: Spare reads).
 	ownKeys map[int64]bool // every key this notifier held: never orphans
@@ -243,6 +247,7 @@ func (n *Notifier) confirmed(key int64, sent time.Time, lapse *time.Timer) {
 	_, was := n.Liveness()
 	n.setLiveness(key, true)
 	n.confirmedUntil.Store(sent.Add(OwnLockValidFor).UnixNano())
+	n.answeredAt.Store(time.Now().UnixNano())
 	lapse.Reset(time.Until(sent.Add(OwnLockValidFor)))
 	if !was {
 		n.wakeAll(wakeLockChanged)
@@ -524,7 +529,10 @@ func (n *Notifier) session(parent context.Context, connected func(), adopt *lock
 		_ = conn.Close(closeCtx)
 	}()
 	ctx, endSession := context.WithCancelCause(parent)
-	probe := &lockProbe{ctx: ctx, end: endSession, try: func(ctx context.Context, key int64) *lockedConn { return tryLock(ctx, cfg, key) }}
+	probe := &lockProbe{ctx: ctx, end: endSession,
+		try:      func(ctx context.Context, key int64) *lockedConn { return tryLock(ctx, cfg, key) },
+		answered: func() time.Time { return time.Unix(0, n.answeredAt.Load()) },
+	}
 	defer func() {
 		endSession(nil)
 		next = probe.result()

@@ -2,6 +2,7 @@ package notifier
 
 import (
 	"context"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -153,26 +154,48 @@ func TestOwnLockCountsAsHeldOnlyWhileConfirmed(t *testing.T) {
 	require.False(t, live)
 }
 
-// A lapse probes the lock once at a time; a probe that found it held (a
-// slow path) keeps the session's probes quiet for probeQuiet; one that took
-// it ends the session and hands its connection over; none starts once the
-// session took the result.
-func TestLockProbeRunsOnceAtATimeAndHandsItsConnectionOver(t *testing.T) {
+// A lapse probes the lock, one probe at a time. A probe that found it
+// held probes again OwnLockValidFor later unless a check answered
+// meanwhile (the path may be silent, and only a confirmation arms the lapse
+// timer again); probes pause after slowStreak in a row with checks
+// answered between them (a slow path). A probe that took the lock ends the
+// session and hands its connection over; none starts once the session took
+// the result.
+func TestLockProbeRetriesASilentPathPausesASlowOneAndHandsItsConnectionOver(t *testing.T) {
 	tries := make(chan int64, 10)
 	answer := make(chan *lockedConn)
+	var answeredAt atomic.Int64
 	ctx, end := context.WithCancelCause(context.Background())
-	p := &lockProbe{ctx: ctx, end: end, try: func(_ context.Context, key int64) *lockedConn {
-		tries <- key
-		return <-answer
-	}}
+	p := &lockProbe{ctx: ctx, end: end,
+		try:      func(_ context.Context, key int64) *lockedConn { tries <- key; return <-answer },
+		answered: func() time.Time { return time.Unix(0, answeredAt.Load()) },
+	}
+	idle := func() bool { p.mu.Lock(); defer p.mu.Unlock(); return !p.running }
 	p.start(7)
 	require.Equal(t, int64(7), <-tries)
 	p.start(7)
-	answer <- nil // held: a slow path
-	require.Eventually(t, func() bool { p.mu.Lock(); defer p.mu.Unlock(); return !p.running }, time.Second, time.Millisecond)
+	answer <- nil // held
+	require.Eventually(t, idle, time.Second, time.Millisecond)
 	require.Empty(t, tries, "one probe at a time")
+
+	// No check answers (a silent path): the probe goes again by itself.
+	select {
+	case <-tries:
+	case <-time.After(5 * OwnLockValidFor):
+		t.Fatal("no probe again on a silent path")
+	}
+	answer <- nil
+	require.Eventually(t, idle, time.Second, time.Millisecond)
+	for range slowStreak - 1 { // a slow path: each lapse probes, checks answer between
+		answeredAt.Store(time.Now().Add(time.Hour).UnixNano())
+		p.start(7)
+		<-tries
+		answer <- nil
+		require.Eventually(t, idle, time.Second, time.Millisecond)
+	}
 	p.start(7)
-	require.Empty(t, tries, "quiet after a probe that found the lock held")
+	time.Sleep(2 * OwnLockValidFor)
+	require.Empty(t, tries, "probes pause on a slow path")
 	require.NoError(t, ctx.Err(), "the session goes on")
 
 	p.mu.Lock()

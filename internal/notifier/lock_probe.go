@@ -13,8 +13,8 @@ import (
 // A lapse is probed every time, unless probes found the lock held
 // slowStreak times in a row with checks answered between them: a path that
 // slow stays slow, and each probe is a new server session; probes then
-// pause for probeQuiet. A silent path is never taken for a slow one: its
-// checks are not answered.
+// pause for probeQuiet. (A slow path that goes silent within that pause is
+// found out by the session's check timing out, livenessCheckTimeout.)
 const (
 	slowStreak = 3
 	probeQuiet = 10 * LivenessEvery

@@ -1,11 +1,6 @@
 package tests
 
 import (
-	"bytes"
-	"net"
-	"net/url"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -15,77 +10,6 @@ import (
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 )
-
-// trapProxy forwards connections to a DSN's server; once armed, the first
-// connection whose client sends the text trigger goes silent in both
-// directions from then on, nothing closed: a path that breaks in the
-// middle of a session's set-up.
-type trapProxy struct {
-	addr    string
-	trigger []byte
-	armed   atomic.Bool
-	trapped atomic.Int32
-	mu      sync.Mutex
-	conns   []net.Conn
-}
-
-func startTrapProxy(t *testing.T, dsn, trigger string) *trapProxy {
-	t.Helper()
-	u, err := url.Parse(dsn)
-	require.NoError(t, err)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	p := &trapProxy{addr: ln.Addr().String(), trigger: []byte(trigger)}
-	t.Cleanup(func() {
-		_ = ln.Close()
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		for _, c := range p.conns {
-			_ = c.Close()
-		}
-	})
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			up, err := net.Dial("tcp", u.Host)
-			if err != nil {
-				_ = c.Close()
-				continue
-			}
-			p.mu.Lock()
-			p.conns = append(p.conns, c, up)
-			p.mu.Unlock()
-			var stuck atomic.Bool
-			pipe := func(dst, src net.Conn, watch bool) {
-				buf := make([]byte, 64<<10)
-				for {
-					n, err := src.Read(buf)
-					if n > 0 && watch && bytes.Contains(buf[:n], p.trigger) && p.armed.CompareAndSwap(true, false) {
-						stuck.Store(true)
-						p.trapped.Add(1)
-					}
-					if n > 0 && !stuck.Load() {
-						if _, err := dst.Write(buf[:n]); err != nil {
-							return
-						}
-					}
-					if err != nil {
-						if !stuck.Load() {
-							_ = dst.Close()
-						}
-						return
-					}
-				}
-			}
-			go pipe(up, c, true)
-			go pipe(c, up, false)
-		}
-	}()
-	return p
-}
 
 // A LISTEN connection whose path breaks while its session takes the
 // liveness lock (a statement that never answers) is given up within

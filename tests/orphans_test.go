@@ -179,39 +179,13 @@ func TestRowsOfAProcessWhoseListenPathGoesSilentStayItsOwn(t *testing.T) {
 func TestRowsOfAProcessWithABusyPoolStayItsOwnWhenItsListenPathIsStranded(t *testing.T) {
 	t.Parallel()
 	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
-		b := setup(t)
-		px := startTCPProxy(t, b.DSN)
-		appA, appB := "stranded-a-"+watermill.NewShortUUID(), "stranded-b-"+watermill.NewShortUUID()
-		poolA := b.namedPool(t, appA)
-		evA := newEvents()
-		subA := b.subscriberOn(t, poolA, func(c *pgoutbox.SubscriberConfig) {
-			c.ClaimMode, c.MaxInFlight, c.Lease = mode, 4, 30*time.Second
-			c.ListenDSN = viaProxy(t, b.DSN, px.addr, appA+"-listen")
-			c.Observer = evA
-		})
-		release, stamped := holdFourStampedRows(t, b, subA)
-		busy := occupyPool(t, poolA)
-
-		subB := b.subscriberOn(t, b.namedPool(t, appB), func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
-		tookByB := make(chan string, 4)
-		runRouter(t, subB, "t", func(m *message.Message) error {
-			tookByB <- m.UUID
-			return nil
-		})
-		checkRanSince(t, b, appB, stamped, "B's notifier checked the liveness locks since A held its own")
-
+		p := startBusyPair(t, mode, "stranded")
 		stranded := time.Now()
-		px.strand()
+		p.px.strand()
 		pollUntil(t, "A's lock on a new LISTEN connection", 10*time.Second, nil, func() bool {
-			return lockedSince(t, b, appA+"-listen", stranded)
+			return lockedSince(t, p.b, p.listenA, stranded)
 		})
-		requireNoString(t, tookByB, 3*time.Second)
-		busy()
-		px.restore()
-		release()
-		pollUntil(t, "A's acks written", 20*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
-		require.Zero(t, evA.countKind(pgoutbox.EventLeaseLost), "A kept its rows")
-		requireNoString(t, tookByB, 0)
+		p.end(t)
 	})
 }
 
@@ -222,47 +196,73 @@ func TestRowsOfAProcessWithABusyPoolStayItsOwnWhenItsListenPathIsStranded(t *tes
 func TestRowsOfAProcessWithABusyPoolStayItsOwnWhenItsPathStallsThenGoesSilent(t *testing.T) {
 	t.Parallel()
 	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
-		b := setup(t)
-		px := startTCPProxy(t, b.DSN)
-		appA, appB := "stall-a-"+watermill.NewShortUUID(), "stall-b-"+watermill.NewShortUUID()
-		poolA := b.namedPool(t, appA)
-		evA := newEvents()
-		subA := b.subscriberOn(t, poolA, func(c *pgoutbox.SubscriberConfig) {
-			c.ClaimMode, c.MaxInFlight, c.Lease = mode, 4, 30*time.Second
-			c.ListenDSN = viaProxy(t, b.DSN, px.addr, appA+"-listen")
-			c.Observer = evA
-		})
-		release, stamped := holdFourStampedRows(t, b, subA)
-		busy := occupyPool(t, poolA)
-		subB := b.subscriberOn(t, b.namedPool(t, appB), func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
-		tookByB := make(chan string, 4)
-		runRouter(t, subB, "t", func(m *message.Message) error {
-			tookByB <- m.UUID
-			return nil
-		})
-		checkRanSince(t, b, appB, stamped, "B's notifier checked the liveness locks since A held its own")
-
+		p := startBusyPair(t, mode, "stall")
 		// A stall longer than a confirmation lasts: the probe it starts
 		// finds the lock held (a connection of its own, gone at once).
 		stalled := time.Now()
-		px.stall(time.Second)
+		p.px.stall(time.Second)
 		pollUntil(t, "A's probe connected", 10*time.Second, nil, func() bool {
-			return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND backend_start > $2`, appA+"-listen", stalled) > 0
+			return p.b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND backend_start > $2`, p.listenA, stalled) > 0
 		})
-		checkRanSince(t, b, appA+"-listen", time.Now(), "A's checks answered again")
+		checkRanSince(t, p.b, p.listenA, time.Now(), "A's checks answered again")
 		stranded := time.Now()
-		px.strand()
+		p.px.strand()
 		pollUntil(t, "A's lock on a new LISTEN connection", 10*time.Second, nil, func() bool {
-			return lockedSince(t, b, appA+"-listen", stranded)
+			return lockedSince(t, p.b, p.listenA, stranded)
 		})
-		requireNoString(t, tookByB, 3*time.Second)
-		busy()
-		px.restore()
-		release()
-		pollUntil(t, "A's acks written", 20*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
-		require.Zero(t, evA.countKind(pgoutbox.EventLeaseLost), "A kept its rows")
-		requireNoString(t, tookByB, 0)
+		p.end(t)
 	})
+}
+
+// busyPair is two processes: A, whose LISTEN connection runs through px
+// and whose handlers hold four rows stamped with its key and every
+// connection of its pool, and B, which saw A's lock held and reports the
+// rows it takes.
+type busyPair struct {
+	b       *bundle
+	px      *tcpProxy
+	listenA string // application_name of A's LISTEN connection
+	evA     *events
+	tookByB chan string
+	release func() // A's handlers return
+	free    func() // A's pool connections are released
+}
+
+func startBusyPair(t *testing.T, mode pgoutbox.ClaimMode, name string) *busyPair {
+	t.Helper()
+	p := &busyPair{b: setup(t), evA: newEvents(), tookByB: make(chan string, 4)}
+	p.px = startTCPProxy(t, p.b.DSN)
+	appA, appB := name+"-a-"+watermill.NewShortUUID(), name+"-b-"+watermill.NewShortUUID()
+	p.listenA = appA + "-listen"
+	poolA := p.b.namedPool(t, appA)
+	subA := p.b.subscriberOn(t, poolA, func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode, c.MaxInFlight, c.Lease = mode, 4, 30*time.Second
+		c.ListenDSN = viaProxy(t, p.b.DSN, p.px.addr, p.listenA)
+		c.Observer = p.evA
+	})
+	var stamped time.Time
+	p.release, stamped = holdFourStampedRows(t, p.b, subA)
+	p.free = occupyPool(t, poolA)
+	subB := p.b.subscriberOn(t, p.b.namedPool(t, appB), func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
+	runRouter(t, subB, "t", func(m *message.Message) error {
+		p.tookByB <- m.UUID
+		return nil
+	})
+	checkRanSince(t, p.b, appB, stamped, "B's notifier checked the liveness locks since A held its own")
+	return p
+}
+
+// end requires that B takes none of A's rows for 3 s, then lets A's
+// handlers finish and requires that A's acks are written.
+func (p *busyPair) end(t *testing.T) {
+	t.Helper()
+	requireNoString(t, p.tookByB, 3*time.Second)
+	p.free()
+	p.px.restore()
+	p.release()
+	pollUntil(t, "A's acks written", 20*time.Second, nil, func() bool { return p.b.outboxRows(t, "t") == 0 })
+	require.Zero(t, p.evA.countKind(pgoutbox.EventLeaseLost), "A kept its rows")
+	requireNoString(t, p.tookByB, 0)
 }
 
 // lockedSince reports whether a connection of app that started after

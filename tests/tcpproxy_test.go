@@ -1,11 +1,13 @@
 package tests
 
 import (
+	"bytes"
 	"io"
 	"net"
 	"net/url"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -169,11 +171,10 @@ func (p *tcpProxy) closeAll() {
 	p.pairs, p.held = nil, nil
 }
 
-// startDelayProxy forwards connections to dsn's server, each chunk of
-// bytes d later than it came, in both directions (a round trip of 2d, as to
-// a server in another region), closed when the test ends. It returns its
-// address.
-func startDelayProxy(t *testing.T, dsn string, d time.Duration) string {
+// serveProxy listens on a port of its own and hands every connection
+// made to it, with a new connection to dsn's server, to serve; all of them
+// are closed when the test ends. It returns its address.
+func serveProxy(t *testing.T, dsn string, serve func(client, server net.Conn)) string {
 	t.Helper()
 	u, err := url.Parse(dsn)
 	require.NoError(t, err)
@@ -189,6 +190,32 @@ func startDelayProxy(t *testing.T, dsn string, d time.Duration) string {
 			_ = c.Close()
 		}
 	})
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			up, err := net.Dial("tcp", u.Host)
+			if err != nil {
+				_ = c.Close()
+				continue
+			}
+			mu.Lock()
+			conns = append(conns, c, up)
+			mu.Unlock()
+			serve(c, up)
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// startDelayProxy forwards connections to dsn's server, each chunk of
+// bytes d later than it came, in both directions (a round trip of 2d, as to
+// a server in another region), closed when the test ends. It returns its
+// address.
+func startDelayProxy(t *testing.T, dsn string, d time.Duration) string {
+	t.Helper()
 	pipe := func(dst, src net.Conn) {
 		type chunk struct {
 			b  []byte
@@ -217,23 +244,51 @@ func startDelayProxy(t *testing.T, dsn string, d time.Duration) string {
 			}
 		}
 	}
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
+	return serveProxy(t, dsn, func(c, up net.Conn) {
+		go pipe(up, c)
+		go pipe(c, up)
+	})
+}
+
+// trapProxy forwards connections to a DSN's server; once armed, the first
+// connection whose client sends the text trigger goes silent in both
+// directions from then on, nothing closed: a path that breaks in the
+// middle of a session's set-up.
+type trapProxy struct {
+	addr    string
+	trigger []byte
+	armed   atomic.Bool
+	trapped atomic.Int32
+}
+
+func startTrapProxy(t *testing.T, dsn, trigger string) *trapProxy {
+	t.Helper()
+	p := &trapProxy{trigger: []byte(trigger)}
+	p.addr = serveProxy(t, dsn, func(c, up net.Conn) {
+		var stuck atomic.Bool
+		pipe := func(dst, src net.Conn, watch bool) {
+			buf := make([]byte, 64<<10)
+			for {
+				n, err := src.Read(buf)
+				if n > 0 && watch && bytes.Contains(buf[:n], p.trigger) && p.armed.CompareAndSwap(true, false) {
+					stuck.Store(true)
+					p.trapped.Add(1)
+				}
+				if n > 0 && !stuck.Load() {
+					if _, err := dst.Write(buf[:n]); err != nil {
+						return
+					}
+				}
+				if err != nil {
+					if !stuck.Load() {
+						_ = dst.Close()
+					}
+					return
+				}
 			}
-			up, err := net.Dial("tcp", u.Host)
-			if err != nil {
-				_ = c.Close()
-				continue
-			}
-			mu.Lock()
-			conns = append(conns, c, up)
-			mu.Unlock()
-			go pipe(up, c)
-			go pipe(c, up)
 		}
-	}()
-	return ln.Addr().String()
+		go pipe(up, c, true)
+		go pipe(c, up, false)
+	})
+	return p
 }

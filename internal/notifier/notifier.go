@@ -401,8 +401,8 @@ func (n *Notifier) run(ctx context.Context) {
 // lockLiveness takes this process's liveness lock on conn, with the key of
 // earlier sessions if it is free (rows stamped with it stay ours), else a
 // new random one. At a session's start (waitForEarlier) the earlier key is
-// tried a few times, sameKeyTries apart: the session that held it may be
-// ending on the server still.
+// tried earlierKeyTries times, earlierKeyPause apart: the session that
+// held it may be ending on the server still.
 func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn, lapse *time.Timer, waitForEarlier bool) error {
 	key, _ := n.Liveness()
 	earlier := key
@@ -414,7 +414,7 @@ func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn, lapse *time
 			select {
 			case <-ctx.Done():
 				return ctx.Err()
-			case <-time.After(sameKeyTries):
+			case <-time.After(earlierKeyPause):
 			}
 		}
 		var ok bool
@@ -429,7 +429,7 @@ func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn, lapse *time
 			n.confirmed(key, sent, lapse)
 			return nil
 		}
-		if key != earlier || i >= 3 || !waitForEarlier {
+		if key != earlier || i+1 >= earlierKeyTries || !waitForEarlier {
 			key = 0 // another session holds it
 		}
 	}
@@ -437,9 +437,13 @@ func (n *Notifier) lockLiveness(ctx context.Context, conn *pgx.Conn, lapse *time
 	return nil
 }
 
-// sameKeyTries is the pause between tries of the key an earlier session
-// held.
-const sameKeyTries = 50 * time.Millisecond
+// How often, and how far apart, a new session tries the key an earlier
+// session held before it takes a new one: about 150 ms for the old
+// session's end to reach the server.
+const (
+	earlierKeyTries = 4
+	earlierKeyPause = 50 * time.Millisecond
+)
 
 // livenessCheckTimeout bounds one check of the liveness locks: far above
 // what the query takes on a loaded server, far below how long a silent

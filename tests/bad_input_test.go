@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -106,7 +107,11 @@ func TestPublishBadInput(t *testing.T) {
 			want: []string{"message 2", "contains a NUL byte"},
 		},
 		"UnparsableDelayedFor": {
-			bad:  func() []*message.Message { return []*message.Message{withMeta(delay.DelayedForKey, "soon")} },
+			bad: func() []*message.Message {
+				m := withMeta(delay.DelayedForKey, "soon") // "delayed for" counts with "delayed until" only
+				m.Metadata.Set(delay.DelayedUntilKey, time.Now().UTC().Format(time.RFC3339))
+				return []*message.Message{m}
+			},
 			is:   pgoutbox.ErrInvalidMessage,
 			want: []string{"message 2", `_watermill_delayed_for="soon" is not a duration`},
 		},
@@ -169,6 +174,7 @@ func TestPublishBadInputSaysWhatToDo(t *testing.T) {
 	require.Regexp(t, `(?i)remove|non-nil|pass`, err.Error())
 
 	m := newMsg("a")
+	delay.Message(m, delay.For(time.Second))
 	m.Metadata.Set(delay.DelayedForKey, "soon")
 	err = pub.Publish("hint", m)
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidMessage)

@@ -361,6 +361,52 @@ func TestDelayMetadataIsNotHandedOn(t *testing.T) {
 	require.True(t, notDelayed, "the output must not be delayed again")
 }
 
+// A redelivery that DelayOnError delayed carries "delayed for" alone (its
+// multiplier grows the next delay from it). A handler or relay that copies
+// that metadata into its output must not delay the output: the publisher
+// delays a message only when "delayed until" is set too, as Watermill's
+// delay.Message, delay.NewPublisher and DelayOnError always do.
+func TestACopyOfARedeliveryThatDelayOnErrorDelayedIsNotDelayed(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	pub := b.poolPublisher(t)
+	b.publishInTx(t, "in", true, newMsg("in"))
+
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	var tries atomic.Int32
+	forwarded := make(chan message.Metadata, 1)
+	r.AddHandler("forward", "in", b.subscriber(t, nil), "out", pub, func(m *message.Message) ([]*message.Message, error) {
+		if tries.Add(1) == 1 {
+			return nil, errors.New("not yet")
+		}
+		forwarded <- maps.Clone(m.Metadata)
+		return []*message.Message{m.Copy()}, nil
+	})
+	r.AddMiddleware((&middleware.DelayOnError{InitialInterval: 100 * time.Millisecond, MaxInterval: time.Second, Multiplier: 2}).Middleware)
+	startRouter(t, r)
+	select {
+	case md := <-forwarded:
+		require.Equal(t, "100ms", md.Get(delay.DelayedForKey), "the redelivery carries its delay for DelayOnError's multiplier")
+		require.NotContains(t, md, delay.DelayedUntilKey)
+	case <-time.After(20 * time.Second):
+		t.Fatal("not redelivered")
+	}
+	pollUntil(t, "output written", 10*time.Second, nil, func() bool { return b.outboxRows(t, "out") == 1 })
+	var notDelayed bool
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT available_at = created_at FROM `+b.Schema+`.outbox WHERE topic = 'out'`).Scan(&notDelayed))
+	require.True(t, notDelayed, "the copy must not be delayed by the retry's delay")
+
+	// Watermill's own ways to delay set both keys, and still delay.
+	both := newMsg("both")
+	delay.Message(both, delay.For(time.Hour))
+	require.NoError(t, pub.Publish("both", both))
+	var delayed bool
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT available_at > created_at + interval '59 minutes' FROM `+b.Schema+`.outbox WHERE topic = 'both'`).Scan(&delayed))
+	require.True(t, delayed)
+}
+
 // Defect 7: JSON null metadata decoded as empty metadata; it is not an
 // object, so the row is poisoned (dead-lettered), and the topic goes on.
 func TestNullMetadataIsPoisoned(t *testing.T) {

@@ -128,19 +128,22 @@ func TestPublishArgsSlicesEachMessagesMetadata(t *testing.T) {
 		msg(nil),
 		msg(message.Metadata{dedupKeyKey: "k"}), // only an instruction: stored as {}
 		msg(message.Metadata{"b": "2", deliverAfterKey: "1m"}),
-		msg(message.Metadata{delay.DelayedForKey: "2s"}), // Watermill's: kept, and read
+		msg(message.Metadata{delay.DelayedForKey: "2s", delay.DelayedUntilKey: "2030-01-01T00:00:00Z"}), // Watermill's: kept, and read
 		msg(message.Metadata{OrderingKeyMetadataKey: "o", "c": "3"}),
+		msg(message.Metadata{delay.DelayedForKey: "3s"}), // a copy of a redelivery's: kept, not an instruction
 	}
 	b, err := publishArgs("t", msgs, nil, NoPayloadLimit)
 	require.NoError(t, err)
-	require.Equal(t, []string{`{"a":"1"}`, `{}`, `{}`, `{"b":"2"}`, `{"_watermill_delayed_for":"2s"}`, `{"c":"3"}`}, b.metadata)
+	require.Equal(t, []string{`{"a":"1"}`, `{}`, `{}`, `{"b":"2"}`}, b.metadata[:4])
+	require.JSONEq(t, `{"_watermill_delayed_for":"2s","_watermill_delayed_until":"2030-01-01T00:00:00Z"}`, b.metadata[4])
+	require.Equal(t, []string{`{"c":"3"}`, `{"_watermill_delayed_for":"3s"}`}, b.metadata[5:])
 	require.NotNil(t, b.delays, "scheduled and keyed messages take the full statement")
 	require.Equal(t, pgtype.Text{String: "k", Valid: true}, b.dedup[2])
 	require.Equal(t, pgtype.Int8{Int64: time.Minute.Microseconds(), Valid: true}, b.delays[3])
 	require.Equal(t, pgtype.Int8{Int64: (2 * time.Second).Microseconds(), Valid: true}, b.delays[4])
 	require.Equal(t, pgtype.Text{String: "o", Valid: true}, b.ordering[5])
 	require.True(t, b.scheduled)
-	for _, i := range []int{0, 1} {
+	for _, i := range []int{0, 1, 6} {
 		require.False(t, b.delays[i].Valid || b.dedup[i].Valid || b.ordering[i].Valid, "message %d has no instruction", i)
 	}
 

@@ -527,7 +527,12 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 
 // schedule reads the delivery time from metadata. Precedence: pgoutbox's own
 // DeliverAfter / DeliverAt, then Watermill's delayed_for (a duration, applied
-// with the database clock, immune to skew), then delayed_until.
+// with the database clock, immune to skew), then delayed_until. Watermill's
+// keys count only while delayed_until is set: delay.Message (and so
+// delay.NewPublisher and DelayOnError) always sets both, while delayed_for
+// alone is what a redelivery that DelayOnError delayed carries
+// (decodeMessage), copied into a handler's outputs with the rest of the
+// metadata.
 func schedule(md message.Metadata) (pgtype.Int8, pgtype.Timestamptz, error) {
 	dur := func(key, v string) (pgtype.Int8, pgtype.Timestamptz, error) {
 		d, err := time.ParseDuration(v)
@@ -549,11 +554,11 @@ func schedule(md message.Metadata) (pgtype.Int8, pgtype.Timestamptz, error) {
 	if v, ok := md[deliverAtKey]; ok {
 		return at(deliverAtKey, v, time.RFC3339Nano)
 	}
-	if v := md[delay.DelayedForKey]; v != "" {
-		return dur(delay.DelayedForKey, v)
-	}
-	if v := md[delay.DelayedUntilKey]; v != "" {
-		return at(delay.DelayedUntilKey, v, time.RFC3339)
+	if until := md[delay.DelayedUntilKey]; until != "" {
+		if v := md[delay.DelayedForKey]; v != "" {
+			return dur(delay.DelayedForKey, v)
+		}
+		return at(delay.DelayedUntilKey, until, time.RFC3339)
 	}
 	return pgtype.Int8{}, pgtype.Timestamptz{}, nil
 }

@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -242,19 +243,83 @@ func TestPublishBatch(t *testing.T) {
 	require.Equal(t, 2, statements)
 }
 
+// A publisher bound to a transaction refuses to publish after Close; one
+// through a pool ignores Close (see the test below).
 func TestPublisherClose(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	pub := b.poolPublisher(t)
+	ctx := context.Background()
+	pgTx, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer pgTx.Rollback(ctx) //nolint:errcheck // committed below
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(pgTx), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
 	require.NoError(t, pub.Publish("close", newMsg("open")))
 	require.NoError(t, pub.Close())
 	require.NoError(t, pub.Close(), "Close is idempotent")
-	err := pub.Publish("close", newMsg("closed"))
+	err = pub.Publish("close", newMsg("closed"))
 	require.ErrorIs(t, err, pgoutbox.ErrPublisherClosed)
 	require.Contains(t, err.Error(), "create a new publisher")
 	_, err = pub.PublishWithResult("close", newMsg("closed"))
 	require.ErrorIs(t, err, pgoutbox.ErrPublisherClosed)
+	require.NoError(t, pgTx.Commit(ctx))
 	require.Equal(t, 1, b.outboxRows(t, "close"))
+
+	pooled := b.poolPublisher(t)
+	require.NoError(t, pooled.Close())
+	require.NoError(t, pooled.Publish("close", newMsg("after close")), "a publisher through a pool ignores Close")
+	require.Equal(t, 2, b.outboxRows(t, "close"))
+}
+
+// closeSignal is a publisher that reports the Router's Close of it.
+type closeSignal struct {
+	message.Publisher
+	closed chan struct{}
+}
+
+func (p *closeSignal) Close() error {
+	select {
+	case <-p.closed:
+	default:
+		close(p.closed)
+	}
+	return p.Publisher.Close()
+}
+
+// One publisher through a pool given to two handlers, as Watermill users
+// share one: the Router closes it when the first handler stops, while
+// the other still drains its message. That message's output is published
+// and its row acked, not nacked for a redelivery.
+func TestPublisherSharedByHandlersOutlivesTheFirstHandlersStop(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	shared := &closeSignal{Publisher: b.poolPublisher(t), closed: make(chan struct{})}
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 20 * time.Second}, nil)
+	require.NoError(t, err)
+	r.AddHandler("idle", "idle.in", b.subscriber(t, nil), "idle.out", shared, func(m *message.Message) ([]*message.Message, error) {
+		return nil, nil
+	})
+	working := make(chan struct{})
+	r.AddHandler("draining", "work.in", b.subscriber(t, nil), "work.out", shared, func(m *message.Message) ([]*message.Message, error) {
+		close(working)
+		select {
+		case <-shared.closed: // the idle handler stopped, and its publisher with it
+		case <-time.After(15 * time.Second):
+			return nil, errors.New("the Router never closed the idle handler's publisher")
+		}
+		return []*message.Message{newMsg("output")}, nil
+	})
+	r.AddMiddleware(pgoutbox.ErrorRecorder)
+	running := make(chan error, 1)
+	go func() { running <- r.Run(context.Background()) }()
+	<-r.Running()
+	b.publishInTx(t, "work.in", true, newMsg("work"))
+	<-working
+	require.NoError(t, r.Close())
+	require.NoError(t, <-running)
+	require.Equal(t, 1, b.outboxRows(t, "work.out"), "the draining handler's output is published")
+	require.Equal(t, 0, b.outboxRows(t, "work.in"), "and its message acked")
+	require.NoError(t, shared.Publish("idle.in", newMsg("later")), "the service goes on publishing with it")
 }
 
 func TestPublishNoMessages(t *testing.T) {

@@ -10,7 +10,8 @@ import (
 // Errors callers can branch on with errors.Is. The errors pgoutbox returns
 // wrap them with what failed and what to do about it.
 var (
-	// ErrPublisherClosed is returned by Publish after Close.
+	// ErrPublisherClosed is returned by Publish of a publisher bound to a
+	// transaction after Close (a publisher through a pool ignores Close).
 	ErrPublisherClosed = errors.New("pgoutbox: publisher is closed")
 	// ErrSubscriberClosed is returned by Subscribe after Close.
 	ErrSubscriberClosed = errors.New("pgoutbox: subscriber is closed")

@@ -340,14 +340,16 @@ func (p *Publisher) stmtCtx(exec tx.Executor, msgCtx context.Context) (context.C
 	return context.WithTimeout(context.WithoutCancel(msgCtx), p.timeout)
 }
 
-// Close makes later Publish calls fail with ErrPublisherClosed. It does not
-// touch the Executor: the caller owns the transaction or pool. Close is
-// idempotent. A context publisher (NewContextPublisher) ignores Close: it
-// holds nothing of its own and is shared by what was built once (buses,
-// middlewares, several Routers), while a Router closes every publisher it
-// was given when it stops.
+// Close makes later Publish calls of a publisher bound to a transaction
+// fail with ErrPublisherClosed. A publisher through a pool (tx.FromPgxPool,
+// tx.FromSQLDB), a context publisher (NewContextPublisher) among them,
+// ignores Close: it holds nothing of its own, and a Router closes each
+// handler's publisher as that handler stops, while other handlers sharing
+// it may still be draining and the service may still publish with it.
+// Close never touches the Executor (the caller owns the transaction or
+// pool), and is idempotent.
 func (p *Publisher) Close() error {
-	if !p.follow {
+	if p.exec.InTx() {
 		p.closed.Store(true)
 	}
 	return nil

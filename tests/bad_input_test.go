@@ -81,6 +81,11 @@ func TestPublishBadInput(t *testing.T) {
 			is:   pgoutbox.ErrInvalidMessage,
 			want: []string{"messages 2 and 3 have the same UUID", "watermill.NewUUID()"},
 		},
+		"NoUUID": {
+			bad:  func() []*message.Message { return []*message.Message{message.NewMessage("", []byte("anonymous"))} },
+			is:   pgoutbox.ErrInvalidMessage,
+			want: []string{"message 2 has no UUID", "watermill.NewUUID()"},
+		},
 		"UUIDInvalidUTF8": {
 			bad:  func() []*message.Message { return []*message.Message{message.NewMessage("id\xff", nil)} },
 			is:   pgoutbox.ErrInvalidMessage,

@@ -289,6 +289,19 @@ func TestTxMiddlewareConfigErrors(t *testing.T) {
 	_, ok := tx.ExecutorFromContext(m.Context())
 	require.False(t, ok, "the message gets its own context back")
 
+	// The transaction at hand, passed by mistake, is named as such.
+	ctx := context.Background()
+	pgTx, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer pgTx.Rollback(ctx) //nolint:errcheck // only begun to be refused
+	sqlTx, err := b.sqlDB(t).BeginTx(ctx, nil)
+	require.NoError(t, err)
+	defer sqlTx.Rollback() //nolint:errcheck // only begun to be refused
+	for name, e := range map[string]tx.Executor{"FromPgxTx": tx.FromPgxTx(pgTx), "FromSQLTx": tx.FromSQLTx(sqlTx)} {
+		_, err = tx.Middleware(e, tx.MiddlewareConfig{})
+		require.ErrorContains(t, err, "pass FromSQLDB or FromPgxPool, not a transaction", name)
+	}
+
 	_, err = tx.Middleware(tx.FromPgxPool(nil), tx.MiddlewareConfig{})
 	require.ErrorContains(t, err, "tx.FromPgxPool was given a nil *pgxpool.Pool")
 	_, err = tx.Middleware(tx.FromSQLDB(nil), tx.MiddlewareConfig{})

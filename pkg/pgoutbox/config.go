@@ -416,8 +416,8 @@ func (c SubscriberConfig) Validate() error {
 	if err := checkGroup(c.ConsumerGroup); err != nil {
 		add("%s", errtext.Trim(err))
 	}
-	if err := c.StartFrom.check(); err != nil {
-		add("%v", err)
+	if p := c.StartFrom.problem(); p != "" {
+		add("%s", p)
 	}
 	if len(e.problems) > 0 {
 		return e

@@ -266,8 +266,39 @@ type EnvConfig struct {
 func ConfigFromEnv(prefix string) (EnvConfig, error) {
 	sub, subErr := SubscriberConfigFromEnv(prefix)
 	pub, pubErr := PublisherConfigFromEnv(prefix)
-	if err := errors.Join(subErr, pubErr); err != nil {
+	if err := joinDistinct(subErr, pubErr); err != nil {
 		return EnvConfig{}, err
 	}
 	return EnvConfig{Publisher: pub, Subscriber: sub}, nil
 }
+
+// joinDistinct joins a and b, leaving out the lines of b that a says
+// already: the variables both configurations read (the tables,
+// STATEMENT_TIMEOUT) are reported once. errors.Is and errors.As still
+// see both.
+func joinDistinct(a, b error) error {
+	if a == nil || b == nil {
+		return errors.Join(a, b)
+	}
+	lines := strings.Split(a.Error(), "\n")
+	said := map[string]bool{}
+	for _, l := range lines {
+		said[l] = true
+	}
+	for _, l := range strings.Split(b.Error(), "\n") {
+		if !said[l] {
+			said[l] = true
+			lines = append(lines, l)
+		}
+	}
+	return joined{text: strings.Join(lines, "\n"), errs: []error{a, b}}
+}
+
+// joined is errors shown as the text given.
+type joined struct {
+	text string
+	errs []error
+}
+
+func (j joined) Error() string   { return j.text }
+func (j joined) Unwrap() []error { return j.errs }

@@ -157,3 +157,22 @@ func FuzzSubscriberConfigFromEnv(f *testing.F) {
 		}
 	})
 }
+
+// A variable both configurations read is reported once; the problems of
+// each are all there.
+func TestConfigFromEnvReportsASharedVariableOnce(t *testing.T) {
+	t.Setenv("PGOUTBOX_ENVDUP_SCHEMA", "bad-name")
+	_, err := ConfigFromEnv("PGOUTBOX_ENVDUP")
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	require.Equal(t, 1, strings.Count(err.Error(), `"bad-name"`), err.Error())
+	t.Setenv("PGOUTBOX_ENVDUP_NO_DLQ", "yes")
+	_, err = ConfigFromEnv("PGOUTBOX_ENVDUP")
+	require.Equal(t, 1, strings.Count(err.Error(), `NO_DLQ="yes"`), err.Error())
+
+	t.Setenv("PGOUTBOX_ENVDUP_LEASE", "ten")
+	t.Setenv("PGOUTBOX_ENVDUP_NOTIFY_COOLDOWN", "soon")
+	_, err = ConfigFromEnv("PGOUTBOX_ENVDUP")
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	require.Contains(t, err.Error(), `PGOUTBOX_ENVDUP_LEASE="ten"`)
+	require.Contains(t, err.Error(), `PGOUTBOX_ENVDUP_NOTIFY_COOLDOWN="soon"`)
+}

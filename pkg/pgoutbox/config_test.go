@@ -224,6 +224,7 @@ func TestErrorsNamePgoutboxOnce(t *testing.T) {
 	for _, err := range []error{
 		PublisherConfig{Tables: schema.Config{Table: "bad name"}}.Validate(),
 		SubscriberConfig{Tables: schema.Config{Table: "bad name"}, ConsumerGroup: "a\x01"}.Validate(),
+		SubscriberConfig{ConsumerGroup: "g", StartFrom: "oldest"}.Validate(),
 		payloadTooLarge(0, 2<<20, 1<<20),
 		envErr,
 	} {

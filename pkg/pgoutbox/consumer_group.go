@@ -54,11 +54,19 @@ const (
 )
 
 func (s StartFrom) check() error {
+	if p := s.problem(); p != "" {
+		return fmt.Errorf("%w: %s", ErrInvalidConfig, p)
+	}
+	return nil
+}
+
+// problem says what is wrong with s, or nothing.
+func (s StartFrom) problem() string {
 	switch s {
 	case "", StartFromNew, StartFromBacklog:
-		return nil
+		return ""
 	}
-	return fmt.Errorf("%w: StartFrom is %q; use %q or %q", ErrInvalidConfig, string(s), StartFromNew, StartFromBacklog)
+	return fmt.Sprintf("StartFrom is %q; use %q or %q", string(s), StartFromNew, StartFromBacklog)
 }
 
 // BindOption adjusts Bind and BindGroups.

@@ -433,6 +433,12 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 		if m == nil {
 			return b, fmt.Errorf("%w: message %d is nil; build every message with message.NewMessage and remove the nil entries", ErrInvalidMessage, i)
 		}
+		if m.UUID == "" {
+			// Watermill names a message by its UUID: deduplicating
+			// middlewares, the backlog copy of a group that starts from
+			// the backlog, the operator's tools.
+			return b, fmt.Errorf("%w: message %d has no UUID; build it with message.NewMessage(watermill.NewUUID(), payload)", ErrInvalidMessage, i)
+		}
 		if seen != nil {
 			if j, dup := seen[m.UUID]; dup {
 				return b, fmt.Errorf("%w: messages %d and %d have the same UUID %q; give each message of one Publish call its own UUID (watermill.NewUUID())", ErrInvalidMessage, j, i, m.UUID)

@@ -71,7 +71,7 @@ func Middleware(db Executor, config MiddlewareConfig) (message.HandlerMiddleware
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not nil")
 	case isNil && !nilPool.inTx:
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware: %w", nilPool.err())
-	case isNil || ok && db.InTx():
+	case isNil || db.InTx():
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not a transaction")
 	case !ok:
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not an Executor of your own (%T)", db)

@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -48,5 +49,70 @@ VALUES (9001, 'orders', 'billing', 'u', 'p', '{}', now(), 3, 'rejected')`)
 		require.Equal(t, http.StatusOK, resp.StatusCode, "%s: %s", p, body)
 		require.NotContains(t, string(body), "Last sample failed", p)
 		require.NotContains(t, string(body), "permission denied", p)
+	}
+}
+
+// Each write action of the operator page, run by what it calls, with the
+// subscriber role and exactly the grants docs/ui.md adds for it.
+func TestUIWriteActionsWithTheDocumentedGrants(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	subscriber := []string{
+		`GRANT USAGE ON SCHEMA %s TO %r`,
+		`GRANT SELECT, UPDATE, DELETE ON %s.outbox TO %r`,
+		`GRANT SELECT, INSERT ON %s.outbox_bindings TO %r`,
+		`GRANT SELECT, INSERT ON %s.outbox_dlq TO %r`,
+		`GRANT SELECT ON %s.outbox_paused TO %r`,
+	}
+	letter := func(id int64) {
+		_, err := b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox_dlq (id, topic, consumer_group, uuid, payload, metadata, created_at, failed_at, deliveries, failure_reason)
+VALUES ($1, 'orders', '', gen_random_uuid()::text, 'p', '{}', now(), now() - interval '2 days', 3, 'rejected')`, id)
+		require.NoError(t, err)
+	}
+	for name, tc := range map[string]struct {
+		grants []string
+		act    func(tx.Executor) error
+	}{
+		"requeue": {
+			grants: []string{`GRANT INSERT ON %s.outbox TO %r`, `GRANT UPDATE, DELETE ON %s.outbox_dlq TO %r`},
+			act: func(e tx.Executor) error {
+				letter(9101)
+				n, err := pgoutbox.RequeueDeadLetters(ctx, e, b.tables, []int64{9101})
+				if err == nil && n != 1 {
+					err = fmt.Errorf("requeued %d letters, want 1", n)
+				}
+				return err
+			},
+		},
+		"delete": {
+			grants: []string{`GRANT DELETE ON %s.outbox_dlq TO %r`},
+			act: func(e tx.Executor) error {
+				letter(9102)
+				_, err := pgoutbox.DeleteDeadLetters(ctx, e, b.tables, []int64{9102})
+				return err
+			},
+		},
+		"purge": {
+			grants: []string{`GRANT DELETE ON %s.outbox_dlq TO %r`},
+			act: func(e tx.Executor) error {
+				letter(9103)
+				_, err := pgoutbox.PurgeDeadLetters(ctx, e, b.tables, 24*time.Hour, 0)
+				return err
+			},
+		},
+		"pause and resume": {
+			grants: []string{`GRANT INSERT, DELETE ON %s.outbox_paused TO %r`},
+			act: func(e tx.Executor) error {
+				if err := pgoutbox.PauseGroup(ctx, e, b.tables, "orders", ""); err != nil {
+					return err
+				}
+				_, err := pgoutbox.ResumeGroup(ctx, e, b.tables, "orders", "")
+				return err
+			},
+		},
+	} {
+		pool := b.loginRole(t, "uiop", append(append([]string{}, subscriber...), tc.grants...)...)
+		require.NoError(t, tc.act(tx.FromPgxPool(pool)), name)
 	}
 }

@@ -229,6 +229,7 @@ func rows(e pgoutbox.Event) int64 {
 //
 //	pgoutbox.messages{state}            rows per topic, group and state
 //	pgoutbox.oldest_ready_age           the oldest ready row's age: the group's lag, the one to alert on
+//	pgoutbox.unbound_messages           rows of a group not bound to the topic: alert on > 0
 //	pgoutbox.dead_letters{reason}       dead letters per topic, group and reason
 //	pgoutbox.consumer_group.paused      1 while the group is paused, else 0
 //	pgoutbox.table.live_tuples{table}   estimated live rows of the outbox, its dead-letter and arrivals tables
@@ -270,6 +271,11 @@ func RegisterStats(exec tx.Executor, tables schema.Config, opts MetricsOptions) 
 		metric.WithDescription("Rows of the dead-letter table per topic, consumer group and failure reason."))
 	if err != nil {
 		return nil, fmt.Errorf("pgoutboxotel: create pgoutbox.dead_letters: %w", err)
+	}
+	unbound, err := m.Int64ObservableGauge("pgoutbox.unbound_messages", metric.WithUnit("{message}"),
+		metric.WithDescription("Rows of a consumer group that is not bound to the topic: messages no bound group will consume (alert on > 0; for the default group, messages published while nothing was bound, which the next group to bind gets)."))
+	if err != nil {
+		return nil, fmt.Errorf("pgoutboxotel: create pgoutbox.unbound_messages: %w", err)
 	}
 	paused, err := m.Int64ObservableGauge("pgoutbox.consumer_group.paused", metric.WithUnit("1"),
 		metric.WithDescription("1 while the consumer group is paused on the topic (its lag grows by design), else 0."))
@@ -334,6 +340,7 @@ func RegisterStats(exec tx.Executor, tables schema.Config, opts MetricsOptions) 
 				obs.ObserveInt64(messages, v.n, metric.WithAttributes(append(pair, StateKey.String(v.state))...))
 			}
 			obs.ObserveFloat64(oldest, s.OldestReadyAge.Seconds(), metric.WithAttributes(pair...))
+			obs.ObserveInt64(unbound, s.Unbound(), metric.WithAttributes(pair...))
 			var isPaused int64
 			if s.Paused {
 				isPaused = 1
@@ -344,7 +351,7 @@ func RegisterStats(exec tx.Executor, tables schema.Config, opts MetricsOptions) 
 			}
 		}
 		return nil
-	}, append([]metric.Observable{messages, oldest, dead, paused, statsErrors, duration}, h.instruments()...)...)
+	}, append([]metric.Observable{messages, oldest, unbound, dead, paused, statsErrors, duration}, h.instruments()...)...)
 }
 
 // healthGauges are the gauges of pgoutbox.Health: the tables' sizes and

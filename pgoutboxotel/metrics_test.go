@@ -176,6 +176,10 @@ func TestStatsGauges(t *testing.T) {
 	require.EqualValues(t, 0, gauge(t, got["pgoutbox.messages"], topic, attribute.String("pgoutbox.state", "leased")))
 	require.EqualValues(t, 1, gauge(t, got["pgoutbox.dead_letters"], topic, attribute.String("pgoutbox.failure_reason", "rejected")))
 	require.EqualValues(t, 0, gauge(t, got["pgoutbox.consumer_group.paused"], topic))
+	// Nothing is bound: the four wait for the first group to bind.
+	require.EqualValues(t, 4, gauge(t, got["pgoutbox.unbound_messages"], topic))
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(env.Pool), env.Tables, "gauged", ""))
+	require.EqualValues(t, 0, gauge(t, collect(t, reader)["pgoutbox.unbound_messages"], topic))
 	require.NoError(t, pgoutbox.PauseGroup(ctx, tx.FromPgxPool(env.Pool), env.Tables, "gauged", ""))
 	require.EqualValues(t, 1, gauge(t, collect(t, reader)["pgoutbox.consumer_group.paused"], topic))
 	age, ok := got["pgoutbox.oldest_ready_age"].Data.(metricdata.Gauge[float64])

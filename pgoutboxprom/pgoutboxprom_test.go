@@ -178,6 +178,21 @@ func TestCollectorStatsError(t *testing.T) {
 	})), "a third scrape, by Collect directly, counted")
 }
 
+// A dead-letter table named but missing (a typo in DeadLetterTable) is a
+// failed scrape, not a count of no dead letters: the alerts on dead
+// letters would stay silent.
+func TestCollectorCountsAMissingDeadLetterTableAsAnError(t *testing.T) {
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env.Publisher, "orders", 1)
+	typo := env.Tables
+	typo.DeadLetterTable = "outbox_dlqq"
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(pgoutboxprom.NewCollector(tx.FromPgxPool(env.Pool), typo, pgoutboxprom.Options{}))
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	t.Cleanup(srv.Close)
+	requireLine(t, scrape(t, srv), `pgoutbox_stats_errors_total 1`)
+}
+
 // Every event kind lands in a counter; Namespace, Subsystem and ConstLabels
 // shape the names.
 func TestObserverEveryKind(t *testing.T) {

@@ -100,14 +100,17 @@ INSERT INTO %s.outbox (topic, consumer_group, uuid, payload, lease_token, leased
 	require.NoError(t, err)
 	require.Equal(t, []pgoutbox.QueueStats{{Topic: "nobody", ConsumerGroup: "x"}}, none)
 
-	// Without a dead-letter table (configured, or configured and missing).
+	// Without a dead-letter table. One named but missing is a
+	// configuration that does not match the outbox: counting no dead
+	// letters would silence the alerts on them.
 	noDLQ := schema.Config{Schema: b.Schema, Table: "outbox", NoDeadLetterTable: true}
 	s, err := pgoutbox.Stats(ctx, exec, noDLQ, pgoutbox.StatsForGroup("a", ""))
 	require.NoError(t, err)
 	require.Nil(t, s[0].DeadLetters)
 	missing := schema.Config{Schema: b.Schema, Table: "outbox", DeadLetterTable: "not_there"}
 	_, err = pgoutbox.Stats(ctx, exec, missing)
-	require.NoError(t, err)
+	require.ErrorContains(t, err, `"not_there" does not exist`)
+	require.ErrorContains(t, err, "NoDeadLetterTable")
 
 	// Through database/sql, in a transaction.
 	sqlTx, err := b.sqlDB(t).BeginTx(ctx, nil)

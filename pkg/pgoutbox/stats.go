@@ -92,9 +92,9 @@ func StatsForGroup(topic, group string) StatsOption {
 // loose index scan, and each pair's counts are two range scans of the
 // outbox's partial indexes, so the cost follows the number of rows counted,
 // never the table's dead tuples or payloads. Measured on 1,000,000 rows: see
-// the README (Operations). Dead-letter counts read the dead-letter table if
-// tables names one and it exists; with a topic, through its (topic,
-// failed_at) index.
+// the README (Operations). Dead-letter counts read the dead-letter table
+// unless tables sets NoDeadLetterTable (with a topic, through its (topic,
+// failed_at) index); a dead-letter table named but missing is an error.
 func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...StatsOption) ([]QueueStats, error) {
 	var o statsOptions
 	for _, opt := range opts {
@@ -180,9 +180,15 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 	if n.QDLQ == "" {
 		return out, nil
 	}
+	// A dead-letter table named but missing is a configuration that
+	// does not match the outbox: counting no dead letters would silence
+	// the alerts that watch them.
 	exists, err := tableExists(ctx, exec, n.QDLQ)
-	if err != nil || !exists {
-		return out, err
+	if err != nil {
+		return nil, err
+	}
+	if !exists {
+		return nil, errorf("pgoutbox: stats: the dead-letter table %s does not exist; name the one the outbox has (schema.Config.DeadLetterTable, --dlq-table), or set NoDeadLetterTable (--no-dlq) for an outbox without one", n.QDLQ)
 	}
 	rows, err = exec.Query(ctx, query.DLQStats(n, o.hasTopic, o.hasGroup), args...)
 	if err != nil {

@@ -288,6 +288,11 @@ func TestVersionedMigrationsRefuseARotatingOutbox(t *testing.T) {
 	single.Rotating = false
 	_, err = schema.Migrate(ctx, tx.FromPgxPool(b.Pool), single, 3)
 	require.ErrorIs(t, err, schema.ErrRotatingMigrations, "no single-table step on the partitioned table")
+	_, err = schema.MigrationPlan(ctx, tx.FromPgxPool(b.Pool), single, 3)
+	require.ErrorIs(t, err, schema.ErrRotatingMigrations, "a dry run refuses what the run would")
+	plan, err := schema.MigrationPlan(ctx, tx.FromPgxPool(b.Pool), b.tables, schema.Latest)
+	require.NoError(t, err)
+	require.Empty(t, plan)
 	require.NoError(t, schema.Validate(ctx, tx.FromPgxPool(b.Pool), b.tables), "nothing changed")
 }
 

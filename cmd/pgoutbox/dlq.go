@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/olderthan"
 	"strconv"
 	"strings"
 	"time"
@@ -359,7 +360,7 @@ func (cmd *command) timeFlag(name, v string) (time.Time, error) {
 func (c *cli) dlqPurge(args []string) error {
 	cmd := c.newCommand("dlq purge", "dlq purge --older-than DUR [--topic T] [--group G] [--reason R] [--yes]",
 		"  pgoutbox dlq purge --older-than 720h --yes   # failed more than 30 days ago\n  pgoutbox dlq purge --older-than 0 --yes      # every dead letter\n  pgoutbox dlq purge --older-than 720h --topic orders.placed --group billing --yes\n", false)
-	olderThan := cmd.fs.String("older-than", "", "delete dead letters that failed longer ago than this Go duration (720h, 90m; 0 for all)")
+	olderThan := cmd.fs.String("older-than", "", "delete dead letters that failed longer ago than this age (30d, 720h, 90m; 0 for all)")
 	var f pgoutbox.DeadLetterFilter
 	var group optString
 	filterFlags(cmd, &f, &group)
@@ -370,9 +371,9 @@ func (c *cli) dlqPurge(args []string) error {
 	if *olderThan == "" {
 		return usagef(cmd.name, "--older-than is required (e.g. --older-than 720h; 0 deletes every dead letter)")
 	}
-	d, err := time.ParseDuration(*olderThan)
-	if err != nil || d < 0 {
-		return usagef(cmd.name, "--older-than %q is not a duration; use a Go duration such as 720h or 90m (0 for all)", *olderThan)
+	d, ok := olderthan.Parse(*olderThan)
+	if !ok {
+		return usagef(cmd.name, "--older-than %q is not an age; use days or a Go duration such as 30d, 720h or 90m (0 for all)", *olderThan)
 	}
 	f.ConsumerGroup = group.ptr()
 	q := fmt.Sprintf("Delete dead letters that failed more than %s ago", d)

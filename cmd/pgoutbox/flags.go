@@ -112,6 +112,13 @@ func (cmd *command) parse(args []string) ([]string, error) {
 	}
 }
 
+// given reports whether the flag name was on the command line.
+func (cmd *command) given(name string) bool {
+	found := false
+	cmd.fs.Visit(func(f *flag.Flag) { found = found || f.Name == name })
+	return found
+}
+
 // noArgs fails on positional arguments a command does not take.
 func (cmd *command) noArgs(pos []string) error {
 	if len(pos) > 0 {

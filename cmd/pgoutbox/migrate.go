@@ -67,7 +67,7 @@ func (c *cli) migrateUpDown(args []string, down bool) error {
 		return err
 	}
 	latest := schema.LatestVersion()
-	if *to != -1 && (*to < 0 || *to > latest) {
+	if cmd.given("to") && (*to < 0 || *to > latest) {
 		return usagef(name, "--to %d is out of range; use 0 to %d", *to, latest)
 	}
 	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, t schema.Config) error {

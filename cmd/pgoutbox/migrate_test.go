@@ -125,6 +125,8 @@ func TestSchemaMigrateFiles(t *testing.T) {
 		{"schema", "migrate", "sideways"},
 		{"schema", "migrate", "files", "--out", gm},
 		{"schema", "migrate", "files", "--format", "flyway", "--out", gm},
+		{"schema", "migrate", "down", "--to", "-1"}, // -1 is no version
+		{"stats", "--interval", "5s"},               // without --watch
 	} {
 		_, errOut, code := cliRun(t, nil, args...)
 		require.Equal(t, exitUsage, code, "%v: %s", args, errOut)

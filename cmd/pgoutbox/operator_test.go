@@ -47,6 +47,9 @@ func TestMigrateErrorNamesPgoutboxOnce(t *testing.T) {
 	require.Equal(t, exitError, code, errOut)
 	require.True(t, strings.HasPrefix(errOut, "pgoutbox: migrate: the versioned migrations describe a single-table outbox"), errOut)
 	require.Equal(t, 1, strings.Count(errOut, "pgoutbox:"), errOut)
+	_, dryErr, code := cliRun(t, env, "schema", "migrate", "down", "--dry-run")
+	require.Equal(t, exitError, code, "a dry run refuses what the run would")
+	require.Equal(t, errOut, dryErr)
 
 	require.Equal(t, "migrate: the outbox: x", once("pgoutbox: migrate: pgoutbox: the outbox: x"))
 	require.Equal(t, "a: b: c", once("a: pgoutbox: b: pgoutbox: c"))

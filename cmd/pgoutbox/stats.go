@@ -62,6 +62,9 @@ func (c *cli) statsCmd(args []string) error {
 	if *watch && cmd.json {
 		return usagef(cmd.name, "--watch and --json do not go together; poll \"stats --json\" from your script instead")
 	}
+	if cmd.given("interval") && !*watch {
+		return usagef(cmd.name, "--interval sets how often --watch redraws; add --watch, or leave --interval out")
+	}
 	if *interval < 100*time.Millisecond {
 		return usagef(cmd.name, "--interval %s is too short; use 100ms or more", *interval)
 	}

@@ -225,7 +225,7 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 			_, err := exec.Exec(ctx, query.SetBacklogEnd(n), topic, pending)
 			return err
 		}); err != nil {
-			return res, err
+			return res, fmt.Errorf("groups %q are bound and get new messages; fixing where their backlog copy ends failed (resumes at the next Bind): %w", pending, err)
 		}
 	}
 	// The backlog first: adoption waits for every copy of the topic to end.

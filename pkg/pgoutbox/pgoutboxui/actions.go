@@ -2,6 +2,7 @@ package pgoutboxui
 
 import (
 	"fmt"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/olderthan"
 	"net/http"
 	"net/url"
 	"slices"
@@ -242,15 +243,9 @@ func parseIDs(vs []string) ([]int64, error) {
 
 // parseAge parses "30d", "12h", "90m" or any Go duration.
 func parseAge(s string) (time.Duration, error) {
-	s = strings.TrimSpace(s)
-	if n, ok := strings.CutSuffix(s, "d"); ok {
-		if days, err := strconv.Atoi(n); err == nil && days >= 0 {
-			return time.Duration(days) * 24 * time.Hour, nil
-		}
-	}
-	d, err := time.ParseDuration(s)
-	if err != nil || d < 0 {
-		return 0, badRequest("older than %q is not an age like 30d, 12h or 90m", s)
+	d, ok := olderthan.Parse(s)
+	if !ok {
+		return 0, badRequest("older than %q is not an age like 30d, 12h or 90m", strings.TrimSpace(s))
 	}
 	return d, nil
 }

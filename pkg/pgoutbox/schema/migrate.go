@@ -124,7 +124,9 @@ func exists(ctx context.Context, db tx.Executor, qname string) (bool, error) {
 
 // MigrationPlan returns the steps Migrate(ctx, db, c, target) would run
 // now, without running them (a dry run). target is as Migrate's: a
-// version from 1 to LatestVersion, Latest, or NoTables.
+// version from 1 to LatestVersion, Latest, or NoTables. Where Migrate
+// would refuse, so does the plan: a rotating outbox with a step to take
+// returns ErrRotatingMigrations.
 func MigrationPlan(ctx context.Context, db tx.Executor, c Config, target int) ([]MigrationStep, error) {
 	n, err := c.names()
 	if err != nil {
@@ -143,6 +145,13 @@ func MigrationPlan(ctx context.Context, db tx.Executor, c Config, target int) ([
 	}
 	if err := checkRecorded(n, st); err != nil {
 		return nil, err
+	}
+	if st.Current != target {
+		if _, rotating, err := outboxLayout(ctx, db, n); err != nil {
+			return nil, err
+		} else if n.Rotating || rotating {
+			return nil, errtext.Errorf("pgoutbox: migrate: %w", ErrRotatingMigrations)
+		}
 	}
 	var steps []MigrationStep
 	for v := st.Current; v != target; {

@@ -1,0 +1,20 @@
+package olderthan
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestParse(t *testing.T) {
+	for in, want := range map[string]time.Duration{"30d": 30 * 24 * time.Hour, " 12h ": 12 * time.Hour, "90m": 90 * time.Minute, "0": 0, "0d": 0} {
+		d, ok := Parse(in)
+		require.True(t, ok, in)
+		require.Equal(t, want, d, in)
+	}
+	for _, in := range []string{"", "-1h", "-2d", "soon", "1.5d", "d"} {
+		_, ok := Parse(in)
+		require.False(t, ok, in)
+	}
+}

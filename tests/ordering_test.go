@@ -499,3 +499,42 @@ func TestOrderingKeysOfABacklogFollowOneAnotherWithoutWaitingForAPoll(t *testing
 		require.Less(t, took, 4*poll, "the keys waited for polls")
 	})
 }
+
+// A keyed subscription holds rows of only as many keys as its handlers
+// get through, so another process finds the other keys to run. Here one
+// subscriber's only handler is stuck on its first message; before, it had
+// leased a row of every key (up to 256) and its competitor ran nothing
+// until those leases ended.
+func TestAKeyedSubscriptionLeavesTheKeysItCannotRunToItsCompetitors(t *testing.T) {
+	t.Parallel()
+	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
+		b := setup(t)
+		const n, keys = 60, 20
+		require.NoError(t, b.poolPublisher(t).Publish("orders", keyedMsgs(n, keys)...))
+		stuck := make(chan struct{})
+		defer close(stuck)
+		first := make(chan struct{}, 1)
+		slow := b.subscriberOn(t, b.namedPool(t, "slow"), func(c *pgoutbox.SubscriberConfig) { c.ClaimMode, c.MaxInFlight = mode, 1 })
+		runRouter(t, slow, "orders", func(m *message.Message) error {
+			select {
+			case first <- struct{}{}:
+			default:
+			}
+			select {
+			case <-stuck:
+			case <-m.Context().Done():
+			}
+			return errors.New("released at the end of the test")
+		})
+		<-first
+
+		log := newKeyLog()
+		other := b.subscriberOn(t, b.namedPool(t, "other"), func(c *pgoutbox.SubscriberConfig) { c.ClaimMode, c.MaxInFlight = mode, 4 })
+		runRouter(t, other, "orders", log.handler(time.Millisecond, 0))
+		// The stuck key's messages wait; so may those of the one key the
+		// slow subscriber holds ready behind it. Every other key runs.
+		want := n - 2*n/keys
+		pollUntil(t, fmt.Sprintf("the competitor ran the %d messages of the keys the stuck subscriber cannot", want), 20*time.Second, nil,
+			func() bool { return int(log.successes.Load()) >= want })
+	})
+}

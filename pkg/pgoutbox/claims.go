@@ -322,11 +322,8 @@ func (sub *subscription) startClaim(now time.Time) {
 	if sub.held.batchesBusy(now) {
 		return // a batch ends soon: claim on the held path then
 	}
-	floor := 0
-	if now.Before(sub.claims.scan.keyedUntil) { // keyed rows seen, not just a slow claim
-		floor = maxClaim // hold many keys: see claimSizeAtLeast
-	}
-	n := sub.claims.pf.claimSizeAtLeast(sub.hand.unjudged(), now, floor)
+	keyed := now.Before(sub.claims.scan.keyedUntil) // keyed rows seen, not just a slow claim
+	n := sub.claims.pf.claimSize(sub.hand.unjudged(), now, keyed)
 	if n == 0 {
 		return
 	}

@@ -45,26 +45,35 @@ func (p *prefetch) verdicts(n int) { p.completed += n }
 // not yet judged, or 0 when a claim is not worth making yet: any free slot
 // while nothing is prefetched (a slow subscription claims as soon as a
 // handler is free), half the allowance otherwise (a busy one claims in
-// batches).
-func (p *prefetch) claimSize(held int, now time.Time) int {
-	return p.claimSizeAtLeast(held, now, 0)
-}
-
-// claimSizeAtLeast is claimSize with an allowance of at least floor. A
-// subscription whose rows have ordering keys holds one row per key, and a
-// key's next row comes only after its previous one was acked and the next
-// claim ran: the more keys it holds at once, the more run in parallel.
-func (p *prefetch) claimSizeAtLeast(held int, now time.Time, floor int) int {
+// batches). keyed: the rows have ordering keys (see keyedAllowance).
+func (p *prefetch) claimSize(held int, now time.Time, keyed bool) int {
 	p.sample(now)
 	allowance := p.allowance
-	if !p.disabled {
-		allowance = max(allowance, floor)
+	if keyed && !p.disabled {
+		allowance = max(allowance, p.keyedAllowance())
 	}
 	free := p.inFlight + allowance - held
 	if free < max(1, min(allowance/2, maxClaim/2)) {
 		return 0
 	}
 	return min(free, max(maxClaim, p.inFlight))
+}
+
+// keyedTurnaround is how long a key's next row takes to reach the buffer
+// after its previous one was answered: the ack's write, then the claim
+// that asks for the key (a few milliseconds; more under load).
+const keyedTurnaround = 25 * time.Millisecond
+
+// keyedAllowance is the buffer of a subscription whose rows have ordering
+// keys. It holds one row per key, and a key's next row comes only after
+// the previous one was written and a claim asked for it: over that
+// turnaround the handlers, at the measured rate, need rows of other keys
+// in hand. No more: a row held here is a key no other subscriber can run,
+// though it may have handlers free (a slow subscription that held a row
+// of every key starved its competitors). At least MaxInFlight, so that
+// the rate can grow to what the handlers do; at most maxClaim.
+func (p *prefetch) keyedAllowance() int {
+	return min(maxClaim, max(p.inFlight, int(p.rate*keyedTurnaround.Seconds())))
 }
 
 // sample updates the consumption rate and the allowance.

@@ -369,12 +369,12 @@ func TestPrefetchFollowsTheConsumptionRate(t *testing.T) {
 	t.Parallel()
 	now := time.Now()
 	p := newPrefetch(4, true, now)
-	require.Equal(t, 4, p.claimSize(0, now), "idle: free slots only")
-	require.Zero(t, p.claimSize(4, now), "no free slot: no claim")
+	require.Equal(t, 4, p.claimSize(0, now, false), "idle: free slots only")
+	require.Zero(t, p.claimSize(4, now, false), "no free slot: no claim")
 
 	p.verdicts(1000) // 1000 verdicts in 10ms: 100k/s
 	now = now.Add(10 * time.Millisecond)
-	require.Equal(t, maxClaim, p.claimSize(0, now), "a claim is capped")
+	require.Equal(t, maxClaim, p.claimSize(0, now, false), "a claim is capped")
 	require.Equal(t, 1000, p.allowance, "10ms worth of consumption")
 
 	p.verdicts(1e6)
@@ -388,7 +388,41 @@ func TestPrefetchFollowsTheConsumptionRate(t *testing.T) {
 
 	off := newPrefetch(4, false, now)
 	off.verdicts(1000)
-	require.Equal(t, 4, off.claimSize(0, now.Add(10*time.Millisecond)), "MaxDeliveries set: no prefetch")
+	require.Equal(t, 4, off.claimSize(0, now.Add(10*time.Millisecond), false), "MaxDeliveries set: no prefetch")
+}
+
+// A keyed subscription holds rows of more keys than its handlers run, as
+// many as they get through while a key's next row comes (its ack, the
+// claim that asks for it): a slow one holds about its MaxInFlight, so
+// competing subscribers find keys to run; a fast one holds many.
+func TestKeyedPrefetchFollowsTheConsumptionRate(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	slow := newPrefetch(1, true, now)
+	require.Equal(t, 2, slow.claimSize(0, now, true), "idle: a row per handler, and one ready behind it")
+	slow.verdicts(1) // 200ms handlers: 5/s
+	now = now.Add(200 * time.Millisecond)
+	require.Zero(t, slow.claimSize(2, now, true), "no more than that while slow")
+
+	fast := newPrefetch(16, true, now)
+	require.Equal(t, 32, fast.claimSize(0, now, true))
+	for range 10 { // 1ms handlers: 16,000/s
+		fast.verdicts(16 * 5)
+		now = now.Add(5 * time.Millisecond)
+		fast.sample(now)
+	}
+	require.Equal(t, maxClaim, fast.keyedAllowance(), "16,000/s over 25ms is 400: capped")
+	require.Equal(t, maxClaim, fast.claimSize(0, now, true), "a claim is capped")
+	require.Zero(t, fast.claimSize(16+maxClaim, now, true), "in flight and the allowance held: no claim")
+
+	half := newPrefetch(4, true, now)
+	half.verdicts(20) // 2,000/s
+	now = now.Add(10 * time.Millisecond)
+	half.sample(now)
+	require.Equal(t, 50, half.keyedAllowance(), "2,000/s over 25ms")
+
+	off := newPrefetch(1, false, now)
+	require.Equal(t, 1, off.claimSize(0, now, true), "MaxDeliveries set: no prefetch, keyed or not")
 }
 
 func TestClaimScanCursor(t *testing.T) {

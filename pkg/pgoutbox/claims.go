@@ -193,13 +193,7 @@ func (c *claimSchedule) next(r claimResult, woke bool, now time.Time) {
 			// keep coming, keep looking again after the claims run dry.
 			c.lookAgain = lookAgainFirst
 		}
-		if !r.headsOnly() {
-			return
-		}
-		// The rows are the next rows of keys that ended, and the window
-		// had none to take: what follows is decided as after an empty
-		// claim, without running that empty claim first (every other
-		// claim of a keyed drain over few keys).
+		return
 	}
 	// Keys ended while this claim ran (keyEnded): it could not ask for
 	// their next rows, the next claim does, at once. An idle wait here
@@ -253,14 +247,6 @@ func (c *claimSchedule) next(r claimResult, woke bool, now time.Time) {
 		wait = r.dueIn
 	}
 	c.idleUntil = now.Add(wait)
-}
-
-// headsOnly reports whether a claim's rows all came from the keys that
-// ended ("heads") while its window offered nothing: not full, nothing
-// reclaimed or fanned out, no row of the window free of its key.
-func (r claimResult) headsOnly() bool {
-	return len(r.req.endedKeys) > 0 && r.req.window > 0 && !r.req.held && r.free == 0 &&
-		len(r.rows) < r.req.n && r.reclaimed == 0 && r.transferred == 0 && !r.shared
 }
 
 // idleWait waits the shortest idle wait before the next claim, unless

@@ -102,44 +102,6 @@ func TestClaimScheduleClaimsAtOnceForKeysEndedDuringAClaim(t *testing.T) {
 	}
 }
 
-// A claim whose rows all came from the keys that ended, its window
-// offering none, is followed as an empty claim would be: no claim at once
-// that would only find the window empty again. Any other claim that found
-// rows is followed by a claim at once.
-func TestClaimScheduleWaitsAfterAClaimThatFoundOnlyTheEndedKeysRows(t *testing.T) {
-	t.Parallel()
-	none := func() ([]int64, bool) { return nil, false }
-	head := []*delivery{{claimedRow: claimedRow{id: 7, orderingKey: "k"}}}
-	now := time.Now()
-	for name, tc := range map[string]struct {
-		ended   bool
-		result  func(claimResult) claimResult
-		waiting bool
-	}{
-		"heads, window empty":             {true, func(r claimResult) claimResult { return r }, true},
-		"heads, window busy":              {true, func(r claimResult) claimResult { r.cursor = pgtype.Int8{Int64: 9, Valid: true}; return r }, true},
-		"heads, a free row in the window": {true, func(r claimResult) claimResult { r.free = 1; return r }, false},
-		"heads, leases reclaimed":         {true, func(r claimResult) claimResult { r.reclaimed = 1; return r }, false},
-		"heads, full":                     {true, func(r claimResult) claimResult { r.req.n = 1; return r }, false},
-		"no key asked for":                {false, func(r claimResult) claimResult { return r }, false},
-	} {
-		c := newTestSchedule()
-		c.scan.windowUntil = now.Add(time.Minute) // keyed: every claim reads a window
-		if tc.ended {
-			c.keyEnded("k")
-		}
-		req := c.start(4, now, pgtype.Int8{}, none)
-		require.Positive(t, req.window, name)
-		r := tc.result(claimResult{req: req, rows: head})
-		c.next(r, c.succeeded(r), now)
-		require.Equal(t, tc.waiting, c.waiting(), name)
-		if tc.waiting {
-			c.keyEnded("k") // the head's ack is written
-			require.False(t, c.waiting(), "%s: an ended key is asked for at once", name)
-		}
-	}
-}
-
 // The retry gate shuts for a growing backoff after each failure and opens
 // at once after a success.
 func TestRetryGateBacksOff(t *testing.T) {

@@ -272,27 +272,32 @@ func ConfigFromEnv(prefix string) (EnvConfig, error) {
 	return EnvConfig{Publisher: pub, Subscriber: sub}, nil
 }
 
-// joinDistinct joins a and b, leaving out the lines of b that a says
-// already: the variables both configurations read (the tables,
+// joinDistinct joins a and b, leaving out the lines of b whose problem a
+// states already: the variables both configurations read (the tables,
 // STATEMENT_TIMEOUT) are reported once. errors.Is and errors.As still
 // see both.
 func joinDistinct(a, b error) error {
 	if a == nil || b == nil {
 		return errors.Join(a, b)
 	}
-	lines := strings.Split(a.Error(), "\n")
-	said := map[string]bool{}
-	for _, l := range lines {
-		said[l] = true
-	}
+	said := a.Error()
+	lines := strings.Split(said, "\n")
 	for _, l := range strings.Split(b.Error(), "\n") {
-		if !said[l] {
-			said[l] = true
+		// Validate's problems follow "invalid configuration: ", several
+		// on one line in a's case.
+		problem := l
+		if i := strings.LastIndex(l, invalidConfiguration); i >= 0 {
+			problem = l[i+len(invalidConfiguration):]
+		}
+		if !strings.Contains(said, problem) {
 			lines = append(lines, l)
 		}
 	}
 	return joined{text: strings.Join(lines, "\n"), errs: []error{a, b}}
 }
+
+// invalidConfiguration is what ErrInvalidConfig says, before the problems.
+var invalidConfiguration = strings.TrimPrefix(ErrInvalidConfig.Error(), "pgoutbox: ") + ": "
 
 // joined is errors shown as the text given.
 type joined struct {

@@ -165,6 +165,11 @@ func TestConfigFromEnvReportsASharedVariableOnce(t *testing.T) {
 	_, err := ConfigFromEnv("PGOUTBOX_ENVDUP")
 	require.ErrorIs(t, err, ErrInvalidConfig)
 	require.Equal(t, 1, strings.Count(err.Error(), `"bad-name"`), err.Error())
+	// With a problem of the subscriber's own beside it, on the same line.
+	t.Setenv("PGOUTBOX_ENVDUP_START_FROM", "oldest")
+	_, err = ConfigFromEnv("PGOUTBOX_ENVDUP")
+	require.Equal(t, 1, strings.Count(err.Error(), `"bad-name"`), err.Error())
+	require.Contains(t, err.Error(), `StartFrom is "oldest"`)
 	t.Setenv("PGOUTBOX_ENVDUP_NO_DLQ", "yes")
 	_, err = ConfigFromEnv("PGOUTBOX_ENVDUP")
 	require.Equal(t, 1, strings.Count(err.Error(), `NO_DLQ="yes"`), err.Error())

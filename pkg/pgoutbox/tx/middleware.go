@@ -71,7 +71,7 @@ func Middleware(db Executor, config MiddlewareConfig) (message.HandlerMiddleware
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not nil")
 	case isNil && !nilPool.inTx:
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware: %w", nilPool.err())
-	case isNil || db.InTx():
+	case isNil || ok && db.InTx() || isOwnTx(db):
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not a transaction")
 	case !ok:
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not an Executor of your own (%T)", db)
@@ -87,6 +87,18 @@ func Middleware(db Executor, config MiddlewareConfig) (message.HandlerMiddleware
 			return runInHandlerTx(b, config, h, msg)
 		}
 	}, nil
+}
+
+// isOwnTx reports whether db is a transaction of this package's making
+// (FromPgxTx, FromSQLTx, FromSQLQueryer): passed where a pool belongs, it
+// is named as such. (Another Executor's InTx is not called: it may not
+// expect a nil receiver.)
+func isOwnTx(db Executor) bool {
+	switch db.(type) {
+	case pgxTx, sqlTx:
+		return true
+	}
+	return false
 }
 
 func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, msg *message.Message) (_ []*message.Message, err error) {

@@ -211,8 +211,8 @@ func step(ms []Migration, v, target int) (MigrationStep, int) {
 // them; 0 is refused) and
 // returns the steps it ran. Each step runs in a transaction of its own
 // that takes the same advisory lock as Create, so concurrent Migrate and
-// Create calls (two deploys) run one after the other: the second finds
-// the work done. When db is bound to the caller's transaction, every step
+// Create calls (two deploys) take turns step by step, and each step runs
+// once: a step another call ran is found done. When db is bound to the caller's transaction, every step
 // runs in it. Table changes wait at most DDLLockTimeout for their locks,
 // unless the transaction set its own lock_timeout.
 //

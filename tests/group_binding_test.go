@@ -155,6 +155,42 @@ func TestBindAdoptsWhatAConcurrentPublishStoredForNobody(t *testing.T) {
 	require.Zero(t, b.groupRows(t, "t", ""))
 }
 
+// A publish whose transaction saw a group's binding and commits after
+// Unbind(purge) stores a copy for the group: Unbind waits for it and purges
+// that copy too, so nothing is left that no bound group will consume.
+func TestUnbindWithPurgeWaitsForAConcurrentPublishAndPurgesItsCopy(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	_, err := pgoutbox.BindGroups(ctx, exec, b.tables, "t", []string{"stays", "goes"})
+	require.NoError(t, err)
+	pgTx, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pgTx.Rollback(ctx) })
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(pgTx), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish("t", newMsg("in flight")))
+	type result struct {
+		purged int64
+		err    error
+	}
+	unbound := make(chan result, 1)
+	go func() {
+		n, err := pgoutbox.Unbind(ctx, exec, b.tables, "t", "goes", true)
+		unbound <- result{n, err}
+	}()
+	pollUntil(t, "the binding removed", 10*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE topic = 't' AND consumer_group = 'goes'`) == 0
+	})
+	require.NoError(t, pgTx.Commit(ctx))
+	r := <-unbound
+	require.NoError(t, r.err)
+	require.EqualValues(t, 1, r.purged, "the copy the open publish stored")
+	require.Zero(t, b.groupRows(t, "t", "goes"))
+	require.Equal(t, 1, b.groupRows(t, "t", "stays"))
+}
+
 // Story 1: a relay added to an outbox in use relays what its topics held
 // before its first start, whatever its group: unbound messages (nothing
 // consumed the topic), and the backlog of a group already bound. Lag

@@ -369,16 +369,17 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 	if err == nil && unbound == 0 {
 		return purged, errorf("%w: group %q, topic %q; nothing was unbound (Stats lists the groups of a topic)", ErrNotBound, group, topic)
 	}
-	if err == nil && group == "" && !exec.InTx() {
+	if err == nil && (group == "" || purge) && !exec.InTx() {
 		// Publishes that still saw the binding store copies after the
-		// commit: purge those too, or bind again rather than let them pass
-		// for unbound messages (the other groups have their copies).
+		// commit: purge those too, or (the default group) bind again
+		// rather than let them pass for unbound messages (the other groups
+		// have their copies).
 		err = waitWriters(ctx, exec, n.QTable)
 		var late int64
 		if err == nil && purge {
 			late, err = exec.Exec(ctx, q.Purge, topic, group)
 			purged += late
-		} else if err == nil {
+		} else if err == nil && group == "" {
 			if err = queryRow(ctx, exec, query.GroupRows(n), []any{topic, group}, &late); err == nil && late > 0 {
 				if _, err = exec.Exec(ctx, q.Bind, topic, group); err == nil {
 					err = fmt.Errorf("%w: %d message(s) reached the default group of topic %q while it was being unbound; it is bound again: retry once its publishers see the change", ErrGroupNotEmpty, late, topic)

@@ -19,6 +19,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/require"
 
@@ -325,11 +326,19 @@ func TestArrivalsFanOutsOfATopicRunOneAtATime(t *testing.T) {
 	tx1, err := b.Pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx1.Rollback(ctx) }()
-	var moved, woken int64
-	require.NoError(t, tx1.QueryRow(ctx, q.Arrivals.Transfer, topic, "g0", 256, q.Names.Channel).Scan(&moved, &woken))
-	require.EqualValues(t, 256, moved)
-	require.NoError(t, b.Pool.QueryRow(ctx, q.Arrivals.Transfer, topic, "g1", 256, q.Names.Channel).Scan(&moved, &woken))
-	require.Zero(t, moved, "a second fan-out of the topic waits for its turn")
+	// A Transfer runs after its TransferLock, in the same transaction.
+	transfer := func(t2 pgx.Tx, group string) int64 {
+		_, err := t2.Exec(ctx, q.Arrivals.TransferLock, topic)
+		require.NoError(t, err)
+		var moved, woken int64
+		require.NoError(t, t2.QueryRow(ctx, q.Arrivals.Transfer, topic, group, 256, q.Names.Channel).Scan(&moved, &woken))
+		return moved
+	}
+	require.EqualValues(t, 256, transfer(tx1, "g0"))
+	tx2, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	require.Zero(t, transfer(tx2, "g1"), "a second fan-out of the topic waits for its turn")
+	require.NoError(t, tx2.Rollback(ctx))
 
 	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ConsumerGroup = "g1" })
 	ch, err := sub.Subscribe(ctx, topic)

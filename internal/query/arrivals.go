@@ -217,6 +217,13 @@ type ArrivalsStatements struct {
 	// commit their copies out of the arrivals' order, and an ordered
 	// subscription would take a later copy before an earlier one.
 	Transfer string
+	// TransferLock tries the topic's fan-out lock (topic $1) for the
+	// Transfer that follows it in the same transaction, and records
+	// whether it got it. The lock comes in a statement of its own: a
+	// statement reads the bindings as of its start, and one that waited
+	// for the lock, or found it free just after an Unbind released it,
+	// would fan out to the binding that Unbind removed.
+	TransferLock string
 }
 
 func buildArrivals(n Names) ArrivalsStatements {
@@ -235,7 +242,8 @@ WITH %[4]s
     RETURNING 1
 )%[3]s`, n.QArrivals, arrivalsAsLeases(n, "moving", leaseParams{"$2", "$3", "$6", "statement_timestamp() + $7", "$8", "$9"}),
 			arrivalsLateCopies(n, "moving"), arrivalsAcked(n)),
-		Transfer: arrivalsFanOut(n, "pg_try_advisory_xact_lock(%s)",
+		TransferLock: fmt.Sprintf(`SELECT set_config('%s', pg_try_advisory_xact_lock(%s)::text, true)`, transferLocked, fanOutKey(n)),
+		Transfer: arrivalsFanOut(n, "%.0scurrent_setting('"+transferLocked+"', true) = 'true'",
 			"id >= (SELECT min(arrivals_from) FROM bound WHERE EXISTS (SELECT 1 FROM bound WHERE consumer_group <> $2))",
 			"b.arrivals_from <= m.id", "$3", "$4"),
 	}
@@ -295,7 +303,7 @@ SELECT pg_notify($4, chr(30) || $2 || chr(30) || g) FROM (SELECT DISTINCT consum
 // transaction's end): fan-outs of a topic commit one after the other, in
 // the arrivals' order.
 func arrivalsFanOut(n Names, lock, pick, belongs, limit, channel string) string {
-	key := fmt.Sprintf(`hashtextextended('%s' || chr(30) || $1, 0)`, n.QArrivals)
+	key := fanOutKey(n)
 	return fmt.Sprintf(`
 WITH locked AS MATERIALIZED (
     SELECT %[4]s AS ok
@@ -322,6 +330,15 @@ WITH locked AS MATERIALIZED (
 SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM woken)`, n.QBindings, n.QArrivals, n.QTable,
 		fmt.Sprintf(lock, key), pick, belongs, limit, channel)
 }
+
+// fanOutKey is the key of the fan-out lock of topic $1.
+func fanOutKey(n Names) string {
+	return fmt.Sprintf(`hashtextextended('%s' || chr(30) || $1, 0)`, n.QArrivals)
+}
+
+// transferLocked is the setting in which TransferLock leaves, for the
+// Transfer after it, whether it got the fan-out lock.
+const transferLocked = "pgoutbox.transfer_locked"
 
 // fanOutLock waits for the topic's fan-out lock (arrivalsFanOut);
 // noFanOutLock takes none (its key is formatted away).

@@ -51,8 +51,21 @@ func (c *claimer) run(req claimRequest) claimResult {
 func (c *claimer) transfer(n int) (int64, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.StatementTimeout)
 	defer cancel()
+	// The lock, then the fan-out: one round trip, one implicit
+	// transaction (see query.ArrivalsStatements.TransferLock).
+	b := &pgx.Batch{}
+	b.Queue(c.q.Arrivals.TransferLock, c.topic)
+	b.Queue(c.q.Arrivals.Transfer, c.topic, c.cfg.ConsumerGroup, max(n, maxClaim), c.q.Names.Channel)
+	res := c.pool.SendBatch(ctx, b)
+	defer res.Close()
+	if _, err := res.Exec(); err != nil {
+		return 0, err
+	}
 	var moved, woken int64
-	err := c.pool.QueryRow(ctx, c.q.Arrivals.Transfer, c.topic, c.cfg.ConsumerGroup, max(n, maxClaim), c.q.Names.Channel).Scan(&moved, &woken)
+	err := res.QueryRow().Scan(&moved, &woken)
+	if err == nil {
+		err = res.Close()
+	}
 	return moved, err
 }
 

@@ -2,7 +2,6 @@ package notifier
 
 import (
 	"context"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -45,89 +44,130 @@ func (c *lockedConn) close() {
 // the path is slow, or the session's server side lives on while its path
 // is broken: the probe closes, and probes again OwnLockValidFor later
 // unless a check was answered meanwhile (the lapse timer, which only a
-// confirmation arms again, would not). One probe runs at a time; the lapse
-// timer starts it, the session takes its result when it ends.
+// confirmation arms again, would not). One probe runs at a time.
+//
+// Its state belongs to run, one goroutine per session: the lapse timer
+// asks it for a probe (start), the attempt reports back on a channel, and
+// the session takes the outcome when it ends (result).
 type lockProbe struct {
 	try      func(ctx context.Context, key int64) *lockedConn // tryLock with the session's settings
 	answered func() time.Time                                 // when a check last confirmed the lock
 	ctx      context.Context                                  // the session's
 	end      context.CancelCauseFunc                          // ends the session
+	now      func() time.Time                                 // time.Now; tests move it
+	settled  func()                                           // tests: run saw an attempt's outcome
 
-	mu         sync.Mutex
-	running    bool
-	done       bool      // the session ended: no new probe
-	lastEnd    time.Time // when the last probe found the lock held (or failed)
-	streak     int       // probes in a row that found it held, checks answered between them
-	quietUntil time.Time
-	retry      *time.Timer
-	won        *lockedConn
-	wg         sync.WaitGroup
+	lapses  chan int64       // start's requests
+	stop    chan struct{}    // closed by result
+	outcome chan *lockedConn // run's last word: the connection that took the lock, or nil
 }
 
-// start probes key after a lapse, unless a probe runs, probes pause (see
-// slowStreak), the session ended or a probe took the lock.
-func (p *lockProbe) start(key int64) { p.launch(key, false) }
+// newLockProbe starts the probe of a session; result must be called when
+// the session ends. now and settled may be nil.
+func newLockProbe(ctx context.Context, end context.CancelCauseFunc,
+	try func(context.Context, int64) *lockedConn, answered func() time.Time,
+	now func() time.Time, settled func()) *lockProbe {
+	if now == nil {
+		now = time.Now
+	}
+	if settled == nil {
+		settled = func() {}
+	}
+	p := &lockProbe{try: try, answered: answered, ctx: ctx, end: end, now: now, settled: settled,
+		lapses: make(chan int64, 1), stop: make(chan struct{}), outcome: make(chan *lockedConn, 1)}
+	go p.run()
+	return p
+}
 
-// launch probes key; again (a probe's own retry) ignores the pause: no
-// check was answered since that probe.
-func (p *lockProbe) launch(key int64, again bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if key == 0 || p.running || p.done || p.won != nil || (!again && time.Now().Before(p.quietUntil)) {
+// start asks for a probe of key after a lapse. It never blocks: a request
+// while one waits, a probe runs, probes pause (see slowStreak), the session
+// ended or a probe took the lock comes to nothing.
+func (p *lockProbe) start(key int64) {
+	if key == 0 {
 		return
 	}
-	p.running = true
-	p.wg.Add(1)
-	go func() {
-		defer p.wg.Done()
-		won := p.try(p.ctx, key)
-		p.mu.Lock()
-		p.running = false
-		p.won = won
-		if won == nil {
-			p.held(key)
-		}
-		p.mu.Unlock()
-		if won != nil {
-			p.end(errLockMoved)
-		}
-	}()
+	select {
+	case p.lapses <- key:
+	default:
+	}
 }
 
-// held takes in a probe that did not take the lock (p.mu held).
-func (p *lockProbe) held(key int64) {
-	now := time.Now()
-	if !p.lastEnd.IsZero() && p.answered().After(p.lastEnd) {
-		p.streak++
-	} else {
-		p.streak = 1
-	}
-	if p.streak >= slowStreak {
-		p.streak = 0
-		p.quietUntil = now.Add(probeQuiet)
-	}
-	p.lastEnd = now
-	if p.retry != nil {
-		p.retry.Stop()
-	}
-	p.retry = time.AfterFunc(OwnLockValidFor, func() {
-		if !p.answered().After(now) {
-			p.launch(key, true)
-		}
-	})
-}
-
-// result waits for a running probe and returns its connection if it took
-// the lock; no probe starts after it.
+// result stops the probe, waits for a running attempt and returns its
+// connection if an attempt took the lock.
 func (p *lockProbe) result() *lockedConn {
-	p.mu.Lock()
-	p.done = true
-	if p.retry != nil {
-		p.retry.Stop()
+	close(p.stop)
+	return <-p.outcome
+}
+
+// run owns the probe's state until result.
+func (p *lockProbe) run() {
+	var (
+		attempts   = make(chan *lockedConn, 1) // the running attempt's outcome
+		running    bool
+		lastEnd    time.Time // when the last attempt found the lock held
+		streak     int       // attempts in a row that found it held, checks answered between them
+		quietUntil time.Time
+		retry      *time.Timer // again OwnLockValidFor after an attempt found the lock held
+		retries    <-chan time.Time
+		probing    int64 // the key of the running or last attempt
+	)
+	launch := func(key int64) {
+		running, probing = true, key
+		go func() { attempts <- p.try(p.ctx, key) }()
 	}
-	p.mu.Unlock()
-	p.wg.Wait()
-	return p.won
+	stopRetry := func() {
+		if retry != nil {
+			retry.Stop()
+			retry, retries = nil, nil
+		}
+	}
+	for {
+		select {
+		case key := <-p.lapses:
+			if !running && !p.now().Before(quietUntil) {
+				launch(key)
+			}
+		case <-retries:
+			retry, retries = nil, nil
+			// No pause here: no check was answered since that attempt.
+			if !running && !p.answered().After(lastEnd) {
+				launch(probing)
+			}
+		case won := <-attempts:
+			running = false
+			if won != nil {
+				stopRetry()
+				p.settled()
+				p.end(errLockMoved)
+				<-p.stop
+				p.outcome <- won
+				return
+			}
+			now := p.now()
+			if !lastEnd.IsZero() && p.answered().After(lastEnd) {
+				streak++
+			} else {
+				streak = 1
+			}
+			if streak >= slowStreak {
+				streak = 0
+				quietUntil = now.Add(probeQuiet)
+			}
+			lastEnd = now
+			stopRetry()
+			retry = time.NewTimer(OwnLockValidFor)
+			retries = retry.C
+			p.settled()
+		case <-p.stop:
+			stopRetry()
+			var won *lockedConn
+			if running {
+				won = <-attempts
+			}
+			p.outcome <- won
+			return
+		}
+	}
 }
 
 // tryLock connects with cfg and takes the liveness lock key there, or

@@ -533,10 +533,9 @@ func (n *Notifier) session(parent context.Context, connected func(), adopt *lock
 		_ = conn.Close(closeCtx)
 	}()
 	ctx, endSession := context.WithCancelCause(parent)
-	probe := &lockProbe{ctx: ctx, end: endSession,
-		try:      func(ctx context.Context, key int64) *lockedConn { return tryLock(ctx, cfg, key) },
-		answered: func() time.Time { return time.Unix(0, n.answeredAt.Load()) },
-	}
+	probe := newLockProbe(ctx, endSession,
+		func(ctx context.Context, key int64) *lockedConn { return tryLock(ctx, cfg, key) },
+		func() time.Time { return time.Unix(0, n.answeredAt.Load()) }, nil, nil)
 	defer func() {
 		endSession(nil)
 		next = probe.result()

@@ -164,18 +164,19 @@ func TestOwnLockCountsAsHeldOnlyWhileConfirmed(t *testing.T) {
 func TestLockProbeRetriesASilentPathPausesASlowOneAndHandsItsConnectionOver(t *testing.T) {
 	tries := make(chan int64, 10)
 	answer := make(chan *lockedConn)
-	var answeredAt atomic.Int64
+	settled := make(chan struct{}, 10)
+	var answeredAt, later atomic.Int64
 	ctx, end := context.WithCancelCause(context.Background())
-	p := &lockProbe{ctx: ctx, end: end,
-		try:      func(_ context.Context, key int64) *lockedConn { tries <- key; return <-answer },
-		answered: func() time.Time { return time.Unix(0, answeredAt.Load()) },
-	}
-	idle := func() bool { p.mu.Lock(); defer p.mu.Unlock(); return !p.running }
+	p := newLockProbe(ctx, end,
+		func(_ context.Context, key int64) *lockedConn { tries <- key; return <-answer },
+		func() time.Time { return time.Unix(0, answeredAt.Load()) },
+		func() time.Time { return time.Now().Add(time.Duration(later.Load())) },
+		func() { settled <- struct{}{} })
+	held := func() { answer <- nil; <-settled }
 	p.start(7)
 	require.Equal(t, int64(7), <-tries)
 	p.start(7)
-	answer <- nil // held
-	require.Eventually(t, idle, time.Second, time.Millisecond)
+	held()
 	require.Empty(t, tries, "one probe at a time")
 
 	// No check answers (a silent path): the probe goes again by itself.
@@ -184,30 +185,45 @@ func TestLockProbeRetriesASilentPathPausesASlowOneAndHandsItsConnectionOver(t *t
 	case <-time.After(5 * OwnLockValidFor):
 		t.Fatal("no probe again on a silent path")
 	}
-	answer <- nil
-	require.Eventually(t, idle, time.Second, time.Millisecond)
+	held()
 	for range slowStreak - 1 { // a slow path: each lapse probes, checks answer between
 		answeredAt.Store(time.Now().Add(time.Hour).UnixNano())
 		p.start(7)
 		<-tries
-		answer <- nil
-		require.Eventually(t, idle, time.Second, time.Millisecond)
+		held()
 	}
 	p.start(7)
 	time.Sleep(2 * OwnLockValidFor)
 	require.Empty(t, tries, "probes pause on a slow path")
 	require.NoError(t, ctx.Err(), "the session goes on")
 
-	p.mu.Lock()
-	p.quietUntil = time.Time{}
-	p.mu.Unlock()
+	later.Store(int64(probeQuiet)) // the pause is over
 	p.start(7)
 	<-tries
 	won := &lockedConn{key: 7}
 	answer <- won
 	<-ctx.Done()
 	require.ErrorIs(t, context.Cause(ctx), errLockMoved, "a probe that took the lock ends the session")
-	require.Same(t, won, p.result())
 	p.start(7)
+	require.Same(t, won, p.result())
 	require.Empty(t, tries, "no probe after the session ended")
+}
+
+// The session's end waits for a running probe and takes its connection.
+func TestLockProbeResultWaitsForTheRunningProbe(t *testing.T) {
+	answer := make(chan *lockedConn)
+	tried := make(chan struct{})
+	ctx, end := context.WithCancelCause(context.Background())
+	p := newLockProbe(ctx, end,
+		func(context.Context, int64) *lockedConn { close(tried); return <-answer },
+		func() time.Time { return time.Time{} }, nil, nil)
+	p.start(7)
+	<-tried
+	won := &lockedConn{key: 7}
+	go func() { answer <- won }()
+	require.Same(t, won, p.result())
+
+	idle := newLockProbe(ctx, end, func(context.Context, int64) *lockedConn { panic("no probe") },
+		func() time.Time { return time.Time{} }, nil, nil)
+	require.Nil(t, idle.result(), "no probe ran")
 }

@@ -871,6 +871,13 @@ func groupDrainScenario(groups int) func(context.Context, *bench, instance) (res
 // flight, against the same work unkeyed, and against MaxInFlight 1, the
 // way to keep order without keys.
 func keyedDrainScenario(keys, maxInFlight int) func(context.Context, *bench, instance) (result, error) {
+	return keyedDrain(keys, maxInFlight, false)
+}
+
+// keyedDrain is keyedDrainScenario; blocked holds a snapshot on another
+// connection from the load to the drain's end (as soak-blocked does), so
+// nothing the drain deletes can be removed, nor its index entries skipped.
+func keyedDrain(keys, maxInFlight int, blocked bool) func(context.Context, *bench, instance) (result, error) {
 	return func(ctx context.Context, b *bench, inst instance) (result, error) {
 		n := b.count(4_000)
 		key := "NULL"
@@ -883,6 +890,19 @@ func keyedDrainScenario(keys, maxInFlight int) func(context.Context, *bench, ins
 			topic, newPayload(), n); err != nil {
 			return result{}, fmt.Errorf("load backlog: %w", err)
 		}
+		if blocked {
+			holder, err := b.conn(ctx)
+			if err != nil {
+				return result{}, err
+			}
+			defer holder.Close(context.Background())
+			if _, err := holder.Exec(ctx, `BEGIN ISOLATION LEVEL REPEATABLE READ`); err != nil {
+				return result{}, err
+			}
+			if _, err := holder.Exec(ctx, `SELECT 1`); err != nil { // takes the snapshot
+				return result{}, err
+			}
+		}
 		elapsed, _, err := drainLoaded(ctx, b, inst, n, maxInFlight, func() { time.Sleep(time.Millisecond) }, nil)
 		if err != nil {
 			return result{}, err
@@ -890,6 +910,9 @@ func keyedDrainScenario(keys, maxInFlight int) func(context.Context, *bench, ins
 		note := fmt.Sprintf("1 ms handlers, %d in flight", maxInFlight)
 		if keys > 0 {
 			note += fmt.Sprintf(", %d keys", keys)
+		}
+		if blocked {
+			note += ", a snapshot held"
 		}
 		return result{msgsPerS: float64(n) / elapsed.Seconds(), note: note}, nil
 	}

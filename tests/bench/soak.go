@@ -45,6 +45,10 @@ var explicitScenarios = []*scenario{
 	// ON CONFLICT, which their partitioned index cannot match.
 	{name: "soak-timer", systems: soakSystems[:3], explicit: true, run: soakScenario(false, true)},
 	{name: "soak-blocked-timer", systems: soakSystems[:3], explicit: true, run: soakScenario(true, true)},
+	// A keyed backlog drained while a snapshot is held elsewhere: each
+	// key's check for an older row passes the key's rows consumed since.
+	{name: "keyed-100-16-blocked", systems: []string{"pgoutbox", pgoutboxLeaseName, pgoutboxRingName}, explicit: true, run: keyedDrain(100, 16, true)},
+	{name: "unkeyed-work-16-blocked", systems: []string{"pgoutbox", pgoutboxLeaseName, pgoutboxRingName}, explicit: true, run: keyedDrain(0, 16, true)},
 }
 
 // soakOptions are the soak scenarios' flags.

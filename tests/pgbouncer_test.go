@@ -11,6 +11,7 @@ import (
 	"os/user"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -252,4 +253,71 @@ func TestPgBouncerListenDSNBringsWakeUpsBack(t *testing.T) {
 	_, err = pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: env.Tables, ListenDSN: "postgres://%%bad"}, nil)
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
 	require.Contains(t, err.Error(), "ListenDSN")
+}
+
+// TestPgBouncerLeavesNoLivenessLockBehind: a subscriber whose LISTEN
+// connection goes through PgBouncer (no ListenDSN) takes no liveness lock.
+// In transaction mode the lock would sit on whichever server connection
+// took it, stay there after the process exits (PgBouncer keeps the
+// connection), and be taken again, on another one, each time the
+// statements moved. It says so once, and its leases carry no key.
+func TestPgBouncerLeavesNoLivenessLockBehind(t *testing.T) {
+	env := pgoutboxtest.PubSub(t)
+	bouncerDSN := startPgBouncer(t, env.DSN)
+	name := "pgoutbox-pooled-" + env.Schema // PgBouncer sets it on the server connections it lends
+	u, err := url.Parse(bouncerDSN)
+	require.NoError(t, err)
+	q := u.Query()
+	q.Set("application_name", name)
+	u.RawQuery = q.Encode()
+	cfg, err := pgxpool.ParseConfig(u.String())
+	require.NoError(t, err)
+	cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+	ctx := context.Background()
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+
+	locks := func() int {
+		var n int
+		require.NoError(t, env.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE a.application_name = $1 AND l.locktype = 'advisory' AND l.classid = $2`, name, query.LivenessClass).Scan(&n))
+		return n
+	}
+	logs := &logCapture{}
+	ev := newEvents()
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{
+		Tables:          env.Tables,
+		ClaimMode:       pgoutbox.ClaimLease,
+		MaxInFlight:     20,
+		Observer:        ev,
+		Lease:           time.Minute,
+		MinPollInterval: 20 * time.Millisecond,
+		MaxPollInterval: 200 * time.Millisecond,
+	}, logs)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	msgs, err := sub.Subscribe(ctx, "orders")
+	require.NoError(t, err)
+	pollUntil(t, "the pooler is noticed", 10*time.Second, nil, func() bool {
+		return len(logs.find("info", func(e logEntry) bool { return strings.Contains(e.msg, "connection pooler") })) > 0
+	})
+
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(env.Pool), pgoutbox.PublisherConfig{Tables: env.Tables}, nil)
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish("orders", newMsgs(20)...))
+	var got []*message.Message
+	for range 20 {
+		got = append(got, receive(t, msgs, 15*time.Second))
+	}
+	// Leased, not acked yet: stamped with no key.
+	b := &bundle{Env: env, tables: env.Tables}
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+env.Schema+`.outbox WHERE lease_holder IS NOT NULL`), "a lease carries a liveness key")
+	require.Equal(t, 20, b.count(t, `SELECT count(*) FROM `+env.Schema+`.outbox WHERE lease_token IS NOT NULL`))
+	require.Zero(t, locks(), "a liveness lock on a server connection PgBouncer lends")
+	for _, m := range got {
+		m.Ack()
+	}
+	require.NoError(t, sub.Close())
+	require.Zero(t, locks(), "a liveness lock left behind")
 }

@@ -74,6 +74,8 @@ type Notifier struct {
 	// Only the session goroutine writes these (under mu: Spare reads).
 	ownKeys map[int64]bool // every key this notifier held: never orphans
 	checks  lockChecks     // the other processes' keys, held and missing
+
+	proxyLogged bool // said once that the LISTEN connection is pooled; the session goroutine's
 }
 
 // LivenessEvery is the period of the liveness checks, from the sending of
@@ -560,6 +562,16 @@ func (n *Notifier) session(parent context.Context, connected func(), adopt *lock
 	if err := listenAll(); err != nil {
 		return nil, err
 	}
+	proxied, err := behindProxy(ctx, conn)
+	if err != nil {
+		return nil, err
+	}
+	if proxied && !n.proxyLogged {
+		n.proxyLogged = true
+		n.logger.Info("The LISTEN connection goes through a connection pooler (PgBouncer): this process takes no liveness lock, "+
+			"so the rows of a crashed process come back when their leases expire, and wake-ups may not arrive; "+
+			"set SubscriberConfig.ListenDSN to a direct connection for both", nil)
+	}
 	// A confirmation that does not come in time may be a half-open path:
 	// the probe finds out, and moves the session to its connection if the
 	// server dropped the lock.
@@ -570,14 +582,18 @@ func (n *Notifier) session(parent context.Context, connected func(), adopt *lock
 		}
 	})
 	lapse.Stop()
-	if adopt != nil {
+	switch {
+	case proxied: // no lock: see behindProxy
+	case adopt != nil:
 		n.mu.Lock()
 		n.ownKeys[adopt.key] = true
 		n.mu.Unlock()
 		n.confirmed(adopt.key, adopt.sent, lapse)
-	} else if err := bounded(ctx, func(ctx context.Context) error { return n.lockLiveness(ctx, conn, lapse, true) }); err != nil {
-		lapse.Stop()
-		return nil, err
+	default:
+		if err := bounded(ctx, func(ctx context.Context) error { return n.lockLiveness(ctx, conn, lapse, true) }); err != nil {
+			lapse.Stop()
+			return nil, err
+		}
 	}
 	defer func() {
 		lapse.Stop()
@@ -638,6 +654,23 @@ func (n *Notifier) session(parent context.Context, connected func(), adopt *lock
 			return nil, err
 		}
 	}
+}
+
+// behindProxy reports whether conn reaches the server through a
+// connection pooler (PgBouncer, in any pool mode): the backend process id
+// the server reports differs from the one conn was given at connect, which
+// the pooler makes up (a plain TCP proxy passes the server's on). Such a
+// connection takes no liveness lock: in transaction mode its statements
+// run on whichever server connection is free, so the lock would stay on
+// the one that took it, held after this process dies (the pooler keeps
+// that connection) and taken again, and left behind, each time the
+// statements moved. Its rows then carry no key.
+func behindProxy(ctx context.Context, conn *pgx.Conn) (bool, error) {
+	var pid int64
+	err := bounded(ctx, func(ctx context.Context) error {
+		return conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid)
+	})
+	return pid != int64(conn.PgConn().PID()), err
 }
 
 // bounded runs f with ctx bounded by livenessCheckTimeout: a statement of

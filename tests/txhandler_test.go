@@ -786,3 +786,58 @@ func TestContextPublisherRefusesMessagesOfDifferentTransactions(t *testing.T) {
 	require.NoError(t, c.Commit(ctx))
 	require.Equal(t, 2, b.outboxRows(t, "mixed"), "only the call of one transaction published")
 }
+
+// On a database whose transactions default to REPEATABLE READ
+// (default_transaction_isolation, here set on the consumer's connections),
+// every message is handled once, without error, on every claim path: the
+// handler's transaction takes its snapshot after a held row became a
+// lease (before, its DELETE could not see the lease and reported it lost),
+// and the held transactions run READ COMMITTED as the claims need.
+func TestTxMiddlewareOnARepeatableReadDatabase(t *testing.T) {
+	t.Parallel()
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		ctx := context.Background()
+		cfg, err := pgxpool.ParseConfig(b.DSN)
+		require.NoError(t, err)
+		cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = "repeatable read"
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		_, err = b.Pool.Exec(ctx, `CREATE TABLE `+b.Schema+`.seen (uuid text PRIMARY KEY)`)
+		require.NoError(t, err)
+		h := newTxHandlerBed(t, pool, b)
+		sub := h.newSubscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			c.MaxInFlight = 4
+			onPath(t, path, c)
+		})
+		var mu sync.Mutex
+		var failures []error
+		r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+		require.NoError(t, err)
+		r.AddConsumerHandler("seen", "in", sub, func(m *message.Message) error {
+			pgTx, _ := tx.PgxTxFromContext(m.Context())
+			_, err := pgTx.Exec(m.Context(), `INSERT INTO `+b.Schema+`.seen VALUES ($1)`, m.UUID)
+			return err
+		}).AddMiddleware(func(next message.HandlerFunc) message.HandlerFunc {
+			return func(m *message.Message) ([]*message.Message, error) {
+				out, err := next(m)
+				if err != nil {
+					mu.Lock()
+					failures = append(failures, err)
+					mu.Unlock()
+				}
+				return out, err
+			}
+		}, h.mw)
+		startRouter(t, r)
+		const n = 100
+		require.NoError(t, b.poolPublisher(t).Publish("in", newMsgs(n)...))
+		pollUntil(t, "all handled", 30*time.Second, nil, func() bool {
+			return b.count(t, `SELECT count(*) FROM `+b.Schema+`.seen`) == n && b.outboxRows(t, "in") == 0
+		})
+		mu.Lock()
+		defer mu.Unlock()
+		require.Empty(t, failures)
+	})
+}

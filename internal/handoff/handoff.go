@@ -8,6 +8,11 @@ import "context"
 
 // Row is the claimed row behind a delivered message.
 type Row interface {
+	// Prepare makes the row ready for a transaction to delete it, and
+	// returns once it is: a held row becomes a lease, committed. Call it
+	// before the transaction's first statement: one whose snapshot is
+	// older (REPEATABLE READ, SERIALIZABLE) would not see the lease.
+	Prepare()
 	// Completion returns the statement, and its arguments, that delete the
 	// row under the lease it was delivered with: one row affected, or none
 	// when the lease was lost.

@@ -254,7 +254,11 @@ func (c *claimer) held(req claimRequest) claimResult {
 		return r
 	}
 	b := &pgx.Batch{}
-	b.Queue("BEGIN")
+	// READ COMMITTED whatever the database's default: each statement of
+	// the batch must see what committed before it (the key checks look
+	// again with a newer snapshot), and one row a competitor changed must
+	// be skipped or read anew, not fail the batch (REPEATABLE READ).
+	b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
 	if !c.cfg.SynchronousCommit {
 		b.Queue("SET LOCAL synchronous_commit = off") // see SubscriberConfig.SynchronousCommit
 	}

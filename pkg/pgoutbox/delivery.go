@@ -88,10 +88,12 @@ type outcome struct {
 	id       int64
 	token    pgtype.UUID
 	inTx     atomic.Int32 // txNone, txCompleting, txCommitted
-	// unhold asks the owner to make a held row a lease at once: the
-	// handler's transaction is about to delete it, and its DELETE waits
-	// for the held transaction's lock until then. nil for a leased row.
-	unhold func()
+	// unhold asks the owner to make a held row a lease at once and waits
+	// for it: the handler's transaction is about to start and to delete
+	// the row, and its DELETE would wait for the held transaction's lock
+	// until then. nil for a leased row. Once: unholding.
+	unhold    func()
+	unholding sync.Once
 
 	facts facts // what DeliveryOf returns; set when created, never changed
 }
@@ -110,11 +112,16 @@ func (sub *subscription) newOutcome(d *delivery) *outcome {
 
 var _ handoff.Row = (*outcome)(nil)
 
+// Prepare implements handoff.Row.
+func (o *outcome) Prepare() {
+	if o.unhold != nil {
+		o.unholding.Do(o.unhold)
+	}
+}
+
 // Completion implements handoff.Row.
 func (o *outcome) Completion() (string, []any) {
-	if o.unhold != nil {
-		o.unhold()
-	}
+	o.Prepare()
 	return o.complete, []any{o.id, o.token}
 }
 

@@ -118,6 +118,11 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware got message %s already acked (middleware.InstantAck, or a middleware outside it that acks): "+
 			"its row is deleted without the handler's work; remove that middleware, tx.Middleware completes the row in the handler's transaction", msg.UUID)
 	}
+	if row != nil {
+		// Before the transaction begins: a snapshot older than the lease
+		// (REPEATABLE READ or SERIALIZABLE by default) would not find it.
+		row.Prepare()
+	}
 	// Not orig itself: database/sql rolls a transaction back when the
 	// context of its BeginTx ends, and a finished handler's work must
 	// still commit (see CommitTimeout).

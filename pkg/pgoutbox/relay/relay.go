@@ -54,7 +54,9 @@ type Config struct {
 	// parallel, so the broker receives them in about, not exactly, outbox
 	// order. For exact order set Subscriber.MaxInFlight to 1: one message
 	// per Publish, in outbox order, a failed one retried before any later
-	// one (at the speed of one broker round trip per message).
+	// one (at the speed of one broker round trip per message), while the
+	// relay runs: what a crashed relay had claimed comes back after later
+	// messages. Ordering keys keep each key's order across crashes too.
 	Workers int
 
 	// PublishTimeout bounds one Publish call, through the context of the

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
@@ -328,4 +329,32 @@ func (b *bundle) singleConversion(t *testing.T) (query.Names, query.SingleConver
 	single, err := query.NewNames(b.Schema, "outbox", "outbox_dlq")
 	require.NoError(t, err)
 	return single.Rotated(), query.SingleConversion(single.Rotated(), single)
+}
+
+// A publisher left with the other layout's setting after a conversion
+// (scheduled, keyed and deduplicated publishes write what the layout's
+// indexes must match) fails saying which setting to change, both ways.
+func TestAPublisherOfTheOtherLayoutSaysToChangeRotating(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	exec := tx.FromPgxPool(b.Pool)
+	scheduled := func() *message.Message {
+		m := newMsg("later")
+		pgoutbox.DeliverAfter(m, time.Hour)
+		return m
+	}
+	require.NoError(t, schema.ConvertToRotating(ctx, exec, b.tables))
+	single, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	err = single.Publish("t", scheduled())
+	require.ErrorContains(t, err, "set Tables.Rotating")
+
+	rotating := b.tables
+	rotating.Rotating = true
+	require.NoError(t, schema.ConvertToSingle(ctx, exec, rotating))
+	stale, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: rotating}, nil)
+	require.NoError(t, err)
+	err = stale.Publish("t", scheduled())
+	require.ErrorContains(t, err, "unset Tables.Rotating")
 }

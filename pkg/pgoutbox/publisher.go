@@ -366,6 +366,18 @@ func (p *Publisher) wrapErr(topic string, err error) error {
 				"unset Tables.Arrivals (and set Tables.Rotating if the outbox was converted), or bring the outbox to version 7 with schema.Migrate or schema.Create: %w", topic, n.QArrivals, err)
 		}
 		return errorf("pgoutbox: publish to %q: table %s does not exist; run schema.Create or apply schema.SQL: %w", topic, p.q.Names.QTable, err)
+	case "42P10": // invalid_column_reference: no unique index for ON CONFLICT
+		if !p.q.Names.Rotating {
+			return errorf("pgoutbox: publish to %q: the outbox %s has no dedup index of a single table: it is a rotating outbox "+
+				"(converted by schema.ConvertToRotating or `pgoutbox schema convert-to-rotating`?); set Tables.Rotating in the PublisherConfig to match "+
+				"(`pgoutbox schema validate` tells which the outbox is): %w", topic, p.q.Names.QTable, err)
+		}
+	case "42703": // undefined_column
+		if p.q.Names.Rotating && strings.Contains(err.Error(), "generation") {
+			return errorf("pgoutbox: publish to %q: the outbox %s has no generation column: it is a single table, not a rotating outbox "+
+				"(converted back by schema.ConvertToSingle or `pgoutbox schema convert-to-single`?); unset Tables.Rotating in the PublisherConfig "+
+				"(`pgoutbox schema validate` tells which the outbox is): %w", topic, p.q.Names.QTable, err)
+		}
 	case "25P02": // in_failed_sql_transaction
 		return errorf("pgoutbox: publish to %q: the transaction already failed; roll it back and retry the whole unit of work: %w", topic, err)
 	}

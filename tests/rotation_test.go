@@ -530,3 +530,38 @@ func TestGroupsAdoptTheBacklogOfARotatingOutbox(t *testing.T) {
 	require.True(t, ok)
 	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE dedup_key = 'remind-7'`))
 }
+
+// A Subscriber rotates while it has a subscription: when the last one
+// ends by its context (as a Router's cancelled Run ends them, without
+// closing the subscriber, and the pool may be closed next) the rotator
+// stops, and the next Subscribe starts it again.
+func TestSubscriberRotatesOnlyWhileItHasASubscription(t *testing.T) {
+	t.Parallel()
+	b := rotatingSetup(t)
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.RotationWindow = 50 * time.Millisecond })
+	generation := func() int {
+		return b.count(t, `SELECT pg_sequence_last_value('`+b.Schema+`.outbox_generation')`)
+	}
+	turns := func() {
+		t.Helper()
+		start := generation()
+		pollUntil(t, "the ring turns", 10*time.Second, nil, func() bool { return generation() > start+1 })
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ch, err := sub.Subscribe(ctx, "rot.life")
+	require.NoError(t, err)
+	turns()
+	cancel()
+	for range ch { // closed once the subscription ended
+	}
+	stopped := generation()
+	time.Sleep(20 * 50 * time.Millisecond) // twenty windows: a running rotator advances the ring in each
+	require.LessOrEqual(t, generation(), stopped+1, "the ring turned without a subscription (a step under way may finish)")
+
+	ch, err = sub.Subscribe(context.Background(), "rot.life")
+	require.NoError(t, err)
+	turns()
+	require.NoError(t, sub.Close())
+	for range ch {
+	}
+}

@@ -12,45 +12,49 @@ import (
 )
 
 // rotator runs the rotation steps of a rotating outbox (schema.Rotate)
-// beside a Subscriber's subscriptions, from the first Subscribe until
-// Close. Every Subscriber of the outbox runs one; a step that finds another
-// session rotating does nothing. Only its goroutine touches it.
+// beside a Subscriber's subscriptions, while it has one. Every Subscriber
+// of the outbox runs one; a step that finds another session rotating does
+// nothing. Only its goroutine touches it.
 type rotator struct {
 	s       *Subscriber
+	stop    chan struct{} // closed when the last subscription ended
 	every   time.Duration // between steps: a fifth of the window
 	failing bool          // the last step failed: logged once per outage
 }
 
-// startRotator starts the Subscriber's rotator once, for a rotating outbox.
+// startRotator starts a rotator for a rotating outbox unless one runs. The
+// caller holds s.mu: the subscription it starts for counts as running.
 func (s *Subscriber) startRotator() {
-	if !s.cfg.Tables.Rotating {
+	if !s.cfg.Tables.Rotating || s.stopRotator != nil {
 		return
 	}
-	s.rotatorOnce.Do(func() {
-		s.subs.Add(1)
-		go func() {
-			defer s.subs.Done()
-			(&rotator{s: s, every: max(s.cfg.RotationWindow/5, 10*time.Millisecond)}).run()
-		}()
-	})
+	r := &rotator{s: s, stop: make(chan struct{}), every: max(s.cfg.RotationWindow/5, 10*time.Millisecond)}
+	s.stopRotator = func() { close(r.stop) }
+	s.subs.Add(1)
+	go func() {
+		defer s.subs.Done()
+		r.run()
+	}()
 }
 
 func (r *rotator) run() {
-	// Close does not wait for a step to end: it cancels it.
+	// Neither Close nor the last subscription's end waits for a step to
+	// end: they cancel it (a closed pool would fail it anyway).
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() {
 		select {
 		case <-r.s.closing:
-			cancel()
+		case <-r.stop:
 		case <-ctx.Done():
 		}
+		cancel()
 	}()
 	t := time.NewTicker(r.every)
 	defer t.Stop()
 	for {
 		select {
-		case <-r.s.closing:
+		case <-ctx.Done():
 			return
 		case <-t.C:
 		}

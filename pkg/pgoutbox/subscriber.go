@@ -49,7 +49,7 @@ type Subscriber struct {
 	schemaMu    sync.Mutex
 	schemaReady bool
 
-	rotatorOnce sync.Once // see startRotator
+	stopRotator func() // while a subscription runs on a rotating outbox (see startRotator)
 }
 
 var (
@@ -247,19 +247,25 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 	return nil
 }
 
-// subscriptionEnded lets go of the pool's notifier once the last
-// subscription ended, by Close or by its own context: its LISTEN
-// connection, opened outside the pool, must not outlive them (a Router
-// whose context was cancelled does not close its subscribers). The next
-// Subscribe acquires it again.
+// subscriptionEnded lets go of the pool's notifier, and stops the
+// rotator, once the last subscription ended, by Close or by its own
+// context: its LISTEN connection, opened outside the pool, and the
+// rotator's statements must not outlive them (a Router whose context was
+// cancelled does not close its subscribers, and the pool may be closed
+// next). The next Subscribe starts both again.
 func (s *Subscriber) subscriptionEnded() {
 	s.mu.Lock()
 	s.active--
 	var n *notifier.Notifier
+	stopRotator := func() {}
 	if s.active == 0 {
 		n, s.notifier = s.notifier, nil
+		if s.stopRotator != nil {
+			stopRotator, s.stopRotator = s.stopRotator, nil
+		}
 	}
 	s.mu.Unlock()
+	stopRotator()
 	if n != nil {
 		n.Release()
 	}

@@ -12,8 +12,9 @@ import (
 // doubling to 5s, with jitter, forever); a success opens it and resets the
 // backoff.
 type retryGate struct {
-	bo    *backoff.ExponentialBackOff
-	until time.Time // shut until then; zero: open
+	bo       *backoff.ExponentialBackOff
+	until    time.Time // shut until then; zero: open
+	failures int       // in a row, since the last success
 }
 
 func newRetryGate() retryGate {
@@ -27,6 +28,7 @@ func newRetryGate() retryGate {
 func (g *retryGate) failed(now time.Time) time.Duration {
 	wait := g.bo.NextBackOff()
 	g.until = now.Add(wait)
+	g.failures++
 	return wait
 }
 
@@ -34,6 +36,7 @@ func (g *retryGate) failed(now time.Time) time.Duration {
 func (g *retryGate) succeeded() {
 	g.bo.Reset()
 	g.until = time.Time{}
+	g.failures = 0
 }
 
 // shut reports whether the gate is shut; passedTimes opens it once its

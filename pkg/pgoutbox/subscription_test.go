@@ -7,7 +7,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -574,4 +576,42 @@ func TestRedeliveredRowRunsAloneWithMaxDeliveries(t *testing.T) {
 	b.written()
 	b.sub.startClaim(time.Now())
 	require.True(t, b.sub.claims.claiming, "claims start again once it is answered")
+}
+
+// A write that meets a row changed under it (a serialization failure: a
+// rotation or a conversion moved the row) is retried quietly, at debug
+// level, the first quietConflicts times in a row, as a claim is; other
+// failures, and conflicts past that, are errors.
+func TestOwnerWriteConflictsAreQuietAtFirst(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4 })
+	logs := watermill.NewCaptureLogger()
+	b.sub.logger = logs
+	b.claimed(t, 1)
+	d := b.handOut(t)
+	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg, ack: true}, false)
+	fail := func(err error) {
+		job := b.sub.writes.pending
+		b.sub.writes.pending = writeJob{}
+		b.sub.writes.inWrite = true
+		b.sub.onWritten(writeResult{job: job, left: job, err: err, done: written{}, abandoned: map[*delivery]error{}})
+		b.sub.writes.gate.pass(time.Now().Add(time.Hour))
+	}
+	errorsLogged := func() int { return len(logs.Captured()[watermill.ErrorLogLevel]) }
+	conflict := &pgconn.PgError{Code: "40001", Message: "tuple to be locked was already moved to another partition due to concurrent update"}
+	for range quietConflicts {
+		fail(conflict)
+	}
+	require.Zero(t, errorsLogged(), "a conflict is retried quietly at first")
+	require.Equal(t, []*delivery{d}, b.sub.writes.pending.acks, "the ack stays pending")
+	fail(conflict)
+	require.Equal(t, 1, errorsLogged(), "conflicts in a row past quietConflicts are errors")
+	b.written()
+	require.Equal(t, finished, d.state)
+
+	b.claimed(t, 2)
+	d = b.handOut(t)
+	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg, ack: true}, false)
+	fail(errors.New("connection reset"))
+	require.Equal(t, 2, errorsLogged(), "any other failure is an error at once")
 }

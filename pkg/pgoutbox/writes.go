@@ -160,6 +160,13 @@ func (sub *subscription) onWritten(r writeResult) {
 			sub.writes.finalFailures++
 		}
 		wait := sub.writes.gate.failed(time.Now())
+		if conflict(r.err) && sub.writes.gate.failures <= quietConflicts {
+			// As a claim's (see onClaimed): a row changed under the write,
+			// moved by a rotation or a conversion; the retry sees it anew.
+			sub.logger.Debug("Writing acks and lease returns met a row changed under it; retrying",
+				watermill.LogFields{"retry_in": wait.String(), "err": r.err.Error()})
+			return
+		}
 		sub.logger.Error("Writing acks and lease returns failed; retrying", errtext.WithHint(r.err), watermill.LogFields{"retry_in": wait.String()})
 		return
 	}

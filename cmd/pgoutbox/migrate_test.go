@@ -132,3 +132,33 @@ func TestSchemaMigrateFiles(t *testing.T) {
 		require.Equal(t, exitUsage, code, "%v: %s", args, errOut)
 	}
 }
+
+// TestSchemaMigrateDownRefusesUpFront: a down migration past a step that
+// refuses undoes nothing, and its dry run says so.
+func TestSchemaMigrateDownRefusesUpFront(t *testing.T) {
+	t.Parallel()
+	s := pgoutboxtest.NewSchema(t, pgoutboxtest.Options{})
+	conn := []string{"--dsn", s.DSN, "--schema", s.Name}
+	run := func(args ...string) (string, string, int) {
+		t.Helper()
+		return cliRun(t, nil, append(args, conn...)...)
+	}
+	_, errOut, code := run("schema", "migrate", "up")
+	require.Equal(t, 0, code, errOut)
+	_, err := s.Pool.Exec(context.Background(), `INSERT INTO "`+s.Name+`".outbox (topic, consumer_group, uuid, payload, ordering_key) VALUES ('orders', 'billing', 'u1', 'x', 'k1')`)
+	require.NoError(t, err)
+
+	out, errOut, code := run("schema", "migrate", "down", "--to", "2", "--dry-run")
+	require.Equal(t, exitError, code, out)
+	require.Contains(t, errOut, "version 3 (consumer_groups) cannot be undone")
+	require.Contains(t, errOut, "unbind those groups with --purge")
+	require.Contains(t, errOut, "nothing is undone")
+
+	out, errOut, code = run("schema", "migrate", "down", "--to", "2", "--yes")
+	require.Equal(t, exitError, code)
+	require.Empty(t, out, "no step undone")
+	require.Contains(t, errOut, "refused before the first step: nothing is undone")
+	out, _, code = run("schema", "migrate", "status")
+	require.Equal(t, 0, code)
+	require.Contains(t, out, "version 7 of 7")
+}

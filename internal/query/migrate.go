@@ -31,3 +31,15 @@ func ForgetVersion(n Names) string {
 // TableExists tells whether a table (or any relation) exists: $1 is its
 // quoted, schema-qualified name.
 const TableExists = `SELECT to_regclass($1) IS NOT NULL`
+
+// NamedGroupRows tells whether the outbox holds rows of a named consumer
+// group: version 3's down migration refuses then.
+func NamedGroupRows(n Names) string {
+	return fmt.Sprintf(`SELECT EXISTS (SELECT 1 FROM %s WHERE consumer_group <> '')`, n.QTable)
+}
+
+// AnyRow tells whether a table holds a row: qtable is its quoted,
+// schema-qualified name, and the table must exist.
+func AnyRow(qtable string) string {
+	return fmt.Sprintf(`SELECT EXISTS (SELECT 1 FROM %s)`, qtable)
+}

@@ -126,7 +126,8 @@ func exists(ctx context.Context, db tx.Executor, qname string) (bool, error) {
 // now, without running them (a dry run). target is as Migrate's: a
 // version from 1 to LatestVersion, Latest, or NoTables. Where Migrate
 // would refuse, so does the plan: a rotating outbox with a step to take
-// returns ErrRotatingMigrations.
+// returns ErrRotatingMigrations, and a down step that would refuse (see
+// Migrate) returns its refusal.
 func MigrationPlan(ctx context.Context, db tx.Executor, c Config, target int) ([]MigrationStep, error) {
 	n, err := c.names()
 	if err != nil {
@@ -153,6 +154,9 @@ func MigrationPlan(ctx context.Context, db tx.Executor, c Config, target int) ([
 			return nil, errtext.Errorf("pgoutbox: migrate: %w", ErrRotatingMigrations)
 		}
 	}
+	if err := checkDownRefusals(ctx, db, n, ms, st.Current, target); err != nil {
+		return nil, errtext.Errorf("pgoutbox: migrate: %w; refused before the first step: nothing is undone", err)
+	}
 	var steps []MigrationStep
 	for v := st.Current; v != target; {
 		s, next := step(ms, v, target)
@@ -160,6 +164,56 @@ func MigrationPlan(ctx context.Context, db tx.Executor, c Config, target int) ([
 		v = next
 	}
 	return steps, nil
+}
+
+// downRefusal is the condition under which a down migration refuses (its
+// file raises an exception on it, for goose and golang-migrate too).
+// Migrate and MigrationPlan check the condition of every step down to the
+// target before the first step runs: each step commits on its own, so a
+// refusal found at the step would leave the steps above it undone and the
+// target not reached. The steps above never change what a lower step's
+// condition reads, so checking it early is the same check.
+type downRefusal struct {
+	table  string // quoted; the check runs only when it exists
+	query  string // returns true when the step refuses
+	reason string
+}
+
+func downRefusals(n query.Names) map[int]downRefusal {
+	arrivals := n.WithArrivals().QArrivals
+	return map[int]downRefusal{
+		3: {table: n.QTable, query: query.NamedGroupRows(n),
+			reason: n.QTable + " holds messages of named consumer groups, which version 2 cannot tell apart; unbind those groups with --purge (pgoutbox unbind) first"},
+		7: {table: arrivals, query: query.AnyRow(arrivals),
+			reason: arrivals + " holds messages that version 6 has no place for; unset Arrivals in every publisher, let the subscribers (with Arrivals set) take them, then migrate down"},
+	}
+}
+
+// checkDownRefusals returns the refusal of the first step from version
+// current down to target that would refuse now, or nil (also when target
+// is above current).
+func checkDownRefusals(ctx context.Context, e tx.Executor, n query.Names, ms []Migration, current, target int) error {
+	refusals := downRefusals(n)
+	for v := current; v > target; v-- {
+		r, ok := refusals[v]
+		if !ok {
+			continue
+		}
+		if there, err := exists(ctx, e, r.table); err != nil || !there {
+			if err != nil {
+				return err
+			}
+			continue
+		}
+		var refuses bool
+		if err := scanOne(ctx, e, r.query, nil, &refuses); err != nil {
+			return err
+		}
+		if refuses {
+			return fmt.Errorf("version %d (%s) cannot be undone: %s", v, ms[v-1].Name, r.reason)
+		}
+	}
+	return nil
 }
 
 func checkTarget(target, latest int) (int, error) {
@@ -216,6 +270,11 @@ func step(ms []Migration, v, target int) (MigrationStep, int) {
 // runs in it. Table changes wait at most DDLLockTimeout for their locks,
 // unless the transaction set its own lock_timeout.
 //
+// Going down, Migrate checks whether any step down to the target would
+// refuse (version 3 while the outbox holds messages of named consumer
+// groups, version 7 while arrivals wait) before it runs the first, and
+// then returns the refusal having undone nothing.
+//
 // An outbox created before versions were recorded needs Baseline first
 // (Migrate returns ErrNoVersion). Create records the latest version, so
 // an outbox made by Create is migrated from there. A rotating outbox has
@@ -254,6 +313,12 @@ func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]Migra
 				return err
 			} else if n.Rotating || rotating {
 				return ErrRotatingMigrations
+			}
+			if err := checkDownRefusals(ctx, e, n, ms, st.Current, target); err != nil {
+				if len(done) == 0 {
+					return fmt.Errorf("%w; refused before the first step: nothing was undone, the outbox stays at version %d", err, st.Current)
+				}
+				return err
 			}
 			for _, stmt := range next.Statements {
 				if _, err := e.Exec(ctx, stmt); err != nil {

@@ -207,13 +207,32 @@ func TestMigrate(t *testing.T) {
 		cfg := schema.Config{Schema: b.env.Name}
 		_, err := schema.Migrate(ctx, b.exec, cfg, schema.Latest)
 		require.NoError(t, err)
-		b.exec1(t, `INSERT INTO "`+b.env.Name+`".outbox (topic, consumer_group, uuid, payload) VALUES ('orders', 'billing', 'u1', 'x')`)
-		steps, err := schema.Migrate(ctx, b.exec, cfg, 2)
+		b.exec1(t, `INSERT INTO "`+b.env.Name+`".outbox (topic, consumer_group, uuid, payload, ordering_key) VALUES ('orders', 'billing', 'u1', 'x', 'k1')`)
+
+		// Each step commits on its own: version 3's refusal is checked
+		// before version 7 is undone, or 7 to 4 would be undone (and the
+		// ordering keys dropped) for a target never reached.
+		plan, err := schema.MigrationPlan(ctx, b.exec, cfg, 2)
+		require.ErrorContains(t, err, "version 3 (consumer_groups) cannot be undone")
 		require.ErrorContains(t, err, "holds messages of named consumer groups")
-		require.Equal(t, []int{-7, -6, -5, -4}, versions(steps), "versions 7, 6, 5 and 4 were undone before 3 refused")
+		require.Empty(t, plan, "the dry run reports the refusal")
+		for _, target := range []int{2, schema.NoTables} {
+			steps, err := schema.Migrate(ctx, b.exec, cfg, target)
+			require.ErrorContains(t, err, "holds messages of named consumer groups")
+			require.ErrorContains(t, err, "refused before the first step: nothing was undone, the outbox stays at version 7")
+			require.Empty(t, steps, "target %d: nothing undone", target)
+		}
 		st, err := schema.MigrationStatus(ctx, b.exec, cfg)
 		require.NoError(t, err)
-		require.Equal(t, 3, st.Current, "the refused step rolled back")
+		require.Equal(t, schema.LatestVersion(), st.Current)
+		var key string
+		require.NoError(t, b.env.Pool.QueryRow(ctx, `SELECT ordering_key FROM "`+b.env.Name+`".outbox`).Scan(&key))
+		require.Equal(t, "k1", key, "version 4 was not undone")
+
+		// Down to 3 does not undo version 3: no refusal.
+		steps, err := schema.Migrate(ctx, b.exec, cfg, 3)
+		require.NoError(t, err)
+		require.Equal(t, []int{-7, -6, -5, -4}, versions(steps))
 	})
 
 	t.Run("ConcurrentMigrationsApplyEachVersionOnce", func(t *testing.T) {
@@ -287,6 +306,8 @@ func TestMigrate(t *testing.T) {
 		b.exec1(t, `INSERT INTO "`+b.env.Name+`".outbox_arrivals (topic, uuid, payload) VALUES ('orders', 'u1', 'x')`)
 		_, err = schema.Migrate(ctx, b.exec, cfg, 6)
 		require.ErrorContains(t, err, "holds messages that version 6 has no place for")
+		_, err = schema.MigrationPlan(ctx, b.exec, cfg, schema.NoTables)
+		require.ErrorContains(t, err, "version 7 (arrivals) cannot be undone", "the dry run reports the refusal")
 		st, err := schema.MigrationStatus(ctx, b.exec, cfg)
 		require.NoError(t, err)
 		require.Equal(t, schema.LatestVersion(), st.Current, "the refused step rolled back")

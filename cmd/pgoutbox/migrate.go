@@ -18,7 +18,8 @@ const migrateUsage = `Usage:
   pgoutbox schema migrate up [--to N] [--dry-run]     apply the pending migrations (to the latest, or N)
   pgoutbox schema migrate down [--to N] [--dry-run]   undo the last migration (or down to N; 0 drops the tables)
   pgoutbox schema migrate status [--json]             the recorded version and what is pending
-  pgoutbox schema migrate baseline                    record the version of an outbox made before versions were recorded
+  pgoutbox schema migrate baseline [--dry-run]        record the version of an outbox made before versions were recorded
+                                                      (--dry-run: print it, record nothing; for goose and golang-migrate)
   pgoutbox schema migrate files --format F --out DIR  write the migrations for goose or golang-migrate (and atlas)
 
 Run "pgoutbox schema migrate <command> --help" for flags.
@@ -194,26 +195,72 @@ func (c *cli) migrateStatus(args []string) error {
 			fmt.Fprintf(c.stdout, "  pending  %4d %s\n", p.Version, p.Name)
 		}
 		if needsBaseline {
-			fmt.Fprintln(c.stdout, `the tables exist but no version is recorded: run "pgoutbox schema migrate baseline" first`)
+			fmt.Fprintln(c.stdout, `the tables exist but no version is recorded: run "pgoutbox schema migrate baseline" first`+
+				` (with goose or golang-migrate, "pgoutbox schema migrate baseline --dry-run" prints the version to mark applied in their table, recording nothing)`)
 		}
 		return nil
 	})
 }
 
 func (c *cli) migrateBaseline(args []string) error {
-	cmd := c.newCommand("schema migrate baseline", "schema migrate baseline [connection flags]",
-		"  pgoutbox schema migrate baseline && pgoutbox schema migrate up\n", false)
+	cmd := c.newCommand("schema migrate baseline", "schema migrate baseline [--dry-run] [--json] [connection flags]",
+		"  pgoutbox schema migrate baseline && pgoutbox schema migrate up\n"+
+			"  pgoutbox schema migrate baseline --dry-run   (goose, golang-migrate: the version to mark applied)\n", true)
+	dryRun := cmd.fs.Bool("dry-run", false, "print the version it would record, and what goose or golang-migrate should mark applied; record and create nothing")
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
 	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, t schema.Config) error {
+		if *dryRun {
+			return c.baselineDryRun(ctx, exec, t, cmd.json)
+		}
 		v, err := schema.Baseline(ctx, exec, t)
 		if err != nil {
 			return err
 		}
+		if cmd.json {
+			return writeJSON(c.stdout, struct {
+				Version  int  `json:"version"`
+				Latest   int  `json:"latest"`
+				Recorded bool `json:"recorded"`
+			}{v, schema.LatestVersion(), true})
+		}
 		fmt.Fprintf(c.stdout, "recorded version %d for %s (of %d); \"pgoutbox schema migrate up\" applies the rest\n", v, tablesName(t), schema.LatestVersion())
 		return nil
 	})
+}
+
+// baselineDryRun prints what baseline would record, and the version a
+// migration tool with its own version table marks applied instead:
+// recording it in pgoutbox's table would leave that table behind the
+// tool's, and Create would not take over from it.
+func (c *cli) baselineDryRun(ctx context.Context, exec tx.Executor, t schema.Config, asJSON bool) error {
+	l, err := schema.BaselinePlan(ctx, exec, t)
+	if err != nil {
+		return err
+	}
+	latest := schema.LatestVersion()
+	if asJSON {
+		return writeJSON(c.stdout, struct {
+			Version                int  `json:"version"`
+			Latest                 int  `json:"latest"`
+			Recorded               bool `json:"recorded"`
+			DeadLetterTableMissing bool `json:"dead_letter_table_missing"`
+			ToolVersion            int  `json:"tool_version"`
+		}{l.Version, latest, false, l.DeadLetterTableMissing, l.ToolVersion()})
+	}
+	t = t.WithDefaults()
+	if l.DeadLetterTableMissing {
+		fmt.Fprintf(c.stdout, "%s has the layout of version %d (of %d), without its dead-letter table %s.%s; recorded nothing\n", tablesName(t), l.Version, latest, t.Schema, t.DeadLetterTable)
+		fmt.Fprintf(c.stdout, "  pgoutbox's migrator: \"pgoutbox schema migrate baseline\" records version %d and creates the dead-letter table; then \"pgoutbox schema migrate up\"\n", l.Version)
+		fmt.Fprintf(c.stdout, "  goose or golang-migrate: mark no version applied (N = 0), then up: version 1 runs again and creates the dead-letter table, which version 3 alters\n")
+		fmt.Fprintf(c.stdout, "  (to keep running without one, render the files with --no-dlq, set NoDeadLetterTable, and mark version 1)\n")
+		return nil
+	}
+	fmt.Fprintf(c.stdout, "%s has the layout of version %d (of %d); recorded nothing\n", tablesName(t), l.Version, latest)
+	fmt.Fprintf(c.stdout, "  pgoutbox's migrator: \"pgoutbox schema migrate baseline\" records it; then \"pgoutbox schema migrate up\"\n")
+	fmt.Fprintf(c.stdout, "  goose or golang-migrate: mark versions 1 to %d applied (N = %d), then up\n", l.ToolVersion(), l.ToolVersion())
+	return nil
 }
 
 func (c *cli) migrateFiles(args []string) error {

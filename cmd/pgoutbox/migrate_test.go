@@ -162,3 +162,69 @@ func TestSchemaMigrateDownRefusesUpFront(t *testing.T) {
 	require.Equal(t, 0, code)
 	require.Contains(t, out, "version 7 of 7")
 }
+
+// TestSchemaMigrateBaselineDryRun: goose and golang-migrate users learn
+// the version to mark applied without a version recorded in pgoutbox's
+// table.
+func TestSchemaMigrateBaselineDryRun(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s := pgoutboxtest.NewSchema(t, pgoutboxtest.Options{})
+	exec := tx.FromPgxPool(s.Pool)
+	unversioned := func(cfg schema.Config, v int) {
+		t.Helper()
+		_, err := schema.Migrate(ctx, exec, cfg, v)
+		require.NoError(t, err)
+		_, err = s.Pool.Exec(ctx, `DROP TABLE "`+s.Name+`"."`+cfg.Table+`_schema_version"`)
+		require.NoError(t, err)
+	}
+	baseline := func(table string, json bool) (string, string, int) {
+		t.Helper()
+		args := []string{"schema", "migrate", "baseline", "--dry-run", "--dsn", s.DSN, "--schema", s.Name, "--table", table}
+		if json {
+			args = append(args, "--json")
+		}
+		return cliRun(t, nil, args...)
+	}
+
+	unversioned(schema.Config{Schema: s.Name, Table: "four"}, 4)
+	out, errOut, code := baseline("four", false)
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "has the layout of version 4 (of 7); recorded nothing")
+	require.Contains(t, out, "goose or golang-migrate: mark versions 1 to 4 applied (N = 4)")
+	out, errOut, code = baseline("four", true)
+	require.Equal(t, 0, code, errOut)
+	var doc map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &doc), out)
+	require.Equal(t, map[string]any{"version": 4.0, "latest": 7.0, "recorded": false, "dead_letter_table_missing": false, "tool_version": 4.0}, doc)
+	st, err := schema.MigrationStatus(ctx, exec, schema.Config{Schema: s.Name, Table: "four"})
+	require.NoError(t, err)
+	require.Equal(t, 0, st.Current, "nothing recorded")
+	require.False(t, tableExists(t, s, "four_schema_version"))
+
+	// The first release's layout without its dead-letter table: a tool
+	// marks nothing, so that its version 1 makes the table.
+	unversioned(schema.Config{Schema: s.Name, Table: "first", NoDeadLetterTable: true}, 1)
+	out, errOut, code = baseline("first", false)
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "without its dead-letter table "+s.Name+".first_dlq; recorded nothing")
+	require.Contains(t, out, "mark no version applied (N = 0)")
+	out, errOut, code = baseline("first", true)
+	require.Equal(t, 0, code, errOut)
+	require.NoError(t, json.Unmarshal([]byte(out), &doc), out)
+	require.Equal(t, true, doc["dead_letter_table_missing"])
+	require.Equal(t, 0.0, doc["tool_version"])
+	require.False(t, tableExists(t, s, "first_dlq"), "a dry run creates nothing")
+
+	// status points tool users to it.
+	out, _, code = cliRun(t, nil, "schema", "migrate", "status", "--dsn", s.DSN, "--schema", s.Name, "--table", "first")
+	require.Equal(t, 0, code)
+	require.Contains(t, out, "baseline --dry-run")
+}
+
+func tableExists(t *testing.T, s *pgoutboxtest.Schema, table string) bool {
+	t.Helper()
+	var ok bool
+	require.NoError(t, s.Pool.QueryRow(context.Background(), `SELECT to_regclass(format('%I.%I', $1::text, $2::text)) IS NOT NULL`, s.Name, table).Scan(&ok))
+	return ok
+}

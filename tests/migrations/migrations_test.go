@@ -224,3 +224,132 @@ func TestBaselineACreatedOutbox(t *testing.T) {
 		b.requireHead(t)
 	})
 }
+
+// firstReleaseOutbox makes an outbox as the first release left it: version
+// 1's layout without the dead-letter table (it made none by default), no
+// version recorded, and a message.
+func firstReleaseOutbox(t *testing.T) *testBundle {
+	t.Helper()
+	b := setup(t, schema.Config{})
+	noDLQ := b.cfg
+	noDLQ.NoDeadLetterTable = true
+	_, err := schema.Migrate(b.ctx, tx.FromPgxPool(b.target.Pool), noDLQ, 1)
+	require.NoError(t, err)
+	_, err = b.target.Pool.Exec(b.ctx, `DROP TABLE "`+b.target.Name+`".outbox_schema_version`)
+	require.NoError(t, err)
+	_, err = b.target.Pool.Exec(b.ctx, `INSERT INTO "`+b.target.Name+`".outbox (topic, uuid, payload) VALUES ('orders', 'u1', 'x')`)
+	require.NoError(t, err)
+	return b
+}
+
+// toolVersion is what docs/upgrading.md has goose and golang-migrate users
+// learn first ("pgoutbox schema migrate baseline --dry-run"): the version
+// to mark applied in the tool's table. It records nothing in pgoutbox's.
+func (b *testBundle) toolVersion(t *testing.T) int {
+	t.Helper()
+	l, err := schema.BaselinePlan(b.ctx, tx.FromPgxPool(b.target.Pool), b.cfg)
+	require.NoError(t, err)
+	return l.ToolVersion()
+}
+
+// requireUpgraded checks the end of an upgrade from the first release:
+// Create's layout, the message kept for the default group, and no version
+// recorded in pgoutbox's own table (the tool keeps the version).
+func (b *testBundle) requireUpgraded(t *testing.T) {
+	t.Helper()
+	b.requireHead(t)
+	var n int
+	require.NoError(t, b.target.Pool.QueryRow(b.ctx, `SELECT count(*) FROM "`+b.target.Name+`".outbox WHERE consumer_group = ''`).Scan(&n))
+	require.Equal(t, 1, n)
+	st, err := schema.MigrationStatus(b.ctx, tx.FromPgxPool(b.target.Pool), b.cfg)
+	require.NoError(t, err)
+	require.Zero(t, st.Current, "pgoutbox's version table is not written")
+}
+
+// TestFirstReleaseWithoutDeadLetterTable follows docs/upgrading.md ("An
+// outbox made before versions were recorded") with goose and
+// golang-migrate on an outbox of the first release, which has no
+// dead-letter table: marking version 1 applied would make version 3 alter
+// a table that does not exist; the documented N runs version 1 again,
+// which creates it. It also follows the docs' way back from that failure.
+func TestFirstReleaseWithoutDeadLetterTable(t *testing.T) {
+	t.Parallel()
+
+	gooseProvider := func(t *testing.T, b *testBundle) *goose.Provider {
+		t.Helper()
+		fsys, err := schema.Migrations(b.cfg, schema.FormatGoose)
+		require.NoError(t, err)
+		p, err := goose.NewProvider(goose.DialectPostgres, b.db, fsys)
+		require.NoError(t, err)
+		_, err = p.GetDBVersion(b.ctx) // creates goose's table
+		require.NoError(t, err)
+		return p
+	}
+	golangMigrate := func(t *testing.T, b *testBundle) *migrate.Migrate {
+		t.Helper()
+		fsys, err := schema.Migrations(b.cfg, schema.FormatGolangMigrate)
+		require.NoError(t, err)
+		src, err := iofs.New(fsys, ".")
+		require.NoError(t, err)
+		driver, err := migratepgx.WithInstance(b.db, &migratepgx.Config{})
+		require.NoError(t, err)
+		m, err := migrate.NewWithInstance("iofs", src, "pgx5", driver)
+		require.NoError(t, err)
+		t.Cleanup(func() { _, _ = m.Close() })
+		return m
+	}
+
+	t.Run("Goose", func(t *testing.T) {
+		t.Parallel()
+		b := firstReleaseOutbox(t)
+		p := gooseProvider(t, b)
+		_, err := b.db.ExecContext(b.ctx, `INSERT INTO goose_db_version (version_id, is_applied) SELECT v, true FROM generate_series(1, $1) v`, b.toolVersion(t))
+		require.NoError(t, err)
+		_, err = p.Up(b.ctx)
+		require.NoError(t, err)
+		b.requireUpgraded(t)
+	})
+
+	t.Run("GolangMigrate", func(t *testing.T) {
+		t.Parallel()
+		b := firstReleaseOutbox(t)
+		m := golangMigrate(t, b)
+		if n := b.toolVersion(t); n > 0 {
+			require.NoError(t, m.Force(n))
+		}
+		require.NoError(t, m.Up())
+		b.requireUpgraded(t)
+	})
+
+	// Version 1 marked applied, as the docs said before: up stops at
+	// version 3 (goose at 2; golang-migrate dirty at 3), having rolled it
+	// back. The docs' way on: forget the versions, and up again.
+	t.Run("GooseAfterVersion3Failed", func(t *testing.T) {
+		t.Parallel()
+		b := firstReleaseOutbox(t)
+		p := gooseProvider(t, b)
+		_, err := b.db.ExecContext(b.ctx, `INSERT INTO goose_db_version (version_id, is_applied) VALUES (1, true)`)
+		require.NoError(t, err)
+		_, err = p.Up(b.ctx)
+		require.ErrorContains(t, err, "does not exist")
+		_, err = b.db.ExecContext(b.ctx, `DELETE FROM goose_db_version WHERE version_id > 0`)
+		require.NoError(t, err)
+		_, err = p.Up(b.ctx)
+		require.NoError(t, err)
+		b.requireUpgraded(t)
+	})
+
+	t.Run("GolangMigrateAfterVersion3Failed", func(t *testing.T) {
+		t.Parallel()
+		b := firstReleaseOutbox(t)
+		m := golangMigrate(t, b)
+		require.NoError(t, m.Force(1))
+		require.ErrorContains(t, m.Up(), "does not exist")
+		_, dirty, err := m.Version()
+		require.NoError(t, err)
+		require.True(t, dirty)
+		require.NoError(t, m.Force(-1)) // migrate force -1: no version applied
+		require.NoError(t, m.Up())
+		b.requireUpgraded(t)
+	})
+}

@@ -369,7 +369,8 @@ func direction(s MigrationStep) string {
 // dead-letter table (the first release made none by default) gets it.
 // It returns the version recorded, and an error when the
 // outbox table is missing (nothing to baseline: run Migrate) or a version
-// is already recorded.
+// is already recorded. BaselinePlan tells the same without recording or
+// creating anything.
 func Baseline(ctx context.Context, db tx.Executor, c Config) (int, error) {
 	n, err := c.names()
 	if err != nil {
@@ -381,35 +382,18 @@ func Baseline(ctx context.Context, db tx.Executor, c Config) (int, error) {
 	}
 	var version int
 	err = inLockedTx(ctx, db, n, func(e tx.Executor) error {
-		st, err := readState(ctx, e, n)
+		l, err := baselineLayout(ctx, e, n)
 		if err != nil {
 			return err
 		}
-		if !st.OutboxExists {
-			return fmt.Errorf("%s does not exist, so there is no layout to record; run \"pgoutbox schema migrate up\" to create it", n.QTable)
-		}
-		if st.Current > 0 {
-			return fmt.Errorf("%s already records version %d; run \"pgoutbox schema migrate up\" to upgrade", n.QVersions, st.Current)
-		}
-		_, rotating, err := outboxLayout(ctx, e, n)
-		if err != nil {
-			return err
-		}
-		var dlqMissing bool
-		if version, dlqMissing, err = detectLayout(ctx, e, n, rotating); err != nil {
-			return err
-		}
-		switch {
-		case dlqMissing && version == 1:
-			// The first release made no dead-letter table by default.
+		version = l.Version
+		if l.DeadLetterTableMissing {
 			// Version 1 makes it, and runs again safely on its layout.
 			for _, stmt := range ms[0].Up {
 				if _, err := e.Exec(ctx, stmt); err != nil {
 					return fmt.Errorf("create the dead-letter table: %w", ddlError(stmt, err))
 				}
 			}
-		case dlqMissing:
-			return fmt.Errorf("the dead-letter table %s.%s is missing; create it (\"pgoutbox schema apply\") or pass --no-dlq (NoDeadLetterTable) if this outbox has none", n.Schema, n.DLQTable)
 		}
 		if _, err := e.Exec(ctx, query.VersionTable(n)); err != nil {
 			return err
@@ -420,6 +404,75 @@ func Baseline(ctx context.Context, db tx.Executor, c Config) (int, error) {
 		return 0, errtext.Errorf("pgoutbox: migrate baseline: %w", err)
 	}
 	return version, nil
+}
+
+// BaselineLayout is what BaselinePlan reads from the catalog of an outbox
+// without a recorded version.
+type BaselineLayout struct {
+	// Version is the version Baseline would record: the highest whose
+	// every column, table and index is there.
+	Version int
+	// DeadLetterTableMissing is set when the outbox has version 1's
+	// layout without the configured dead-letter table (the first release
+	// made none by default). Baseline creates it; the later versions
+	// alter it.
+	DeadLetterTableMissing bool
+}
+
+// ToolVersion is the version to mark applied in goose's or
+// golang-migrate's own version table: Version, or 0 when the dead-letter
+// table is missing, so that the tool runs version 1 again (it is
+// idempotent) and version 1 creates the table before version 3 alters it.
+func (l BaselineLayout) ToolVersion() int {
+	if l.DeadLetterTableMissing {
+		return 0
+	}
+	return l.Version
+}
+
+// BaselinePlan reads what Baseline would record for the outbox in c, and
+// records and creates nothing (a dry run): for goose and golang-migrate,
+// which keep their own version table and must not find pgoutbox's
+// recording a version they do not apply. It returns Baseline's errors:
+// the outbox table is missing, a version is already recorded (then
+// MigrationStatus reads it), or a dead-letter table is missing from a
+// layout later than version 1's.
+func BaselinePlan(ctx context.Context, db tx.Executor, c Config) (BaselineLayout, error) {
+	n, err := c.names()
+	if err != nil {
+		return BaselineLayout{}, err
+	}
+	l, err := baselineLayout(ctx, db, n)
+	if err != nil {
+		return BaselineLayout{}, errtext.Errorf("pgoutbox: migrate baseline: %w", err)
+	}
+	return l, nil
+}
+
+// baselineLayout is Baseline's reading of the catalog, with its refusals.
+func baselineLayout(ctx context.Context, e tx.Executor, n query.Names) (BaselineLayout, error) {
+	st, err := readState(ctx, e, n)
+	if err != nil {
+		return BaselineLayout{}, err
+	}
+	if !st.OutboxExists {
+		return BaselineLayout{}, fmt.Errorf("%s does not exist, so there is no layout to record; run \"pgoutbox schema migrate up\" to create it", n.QTable)
+	}
+	if st.Current > 0 {
+		return BaselineLayout{}, fmt.Errorf("%s already records version %d; run \"pgoutbox schema migrate up\" to upgrade", n.QVersions, st.Current)
+	}
+	_, rotating, err := outboxLayout(ctx, e, n)
+	if err != nil {
+		return BaselineLayout{}, err
+	}
+	version, dlqMissing, err := detectLayout(ctx, e, n, rotating)
+	if err != nil {
+		return BaselineLayout{}, err
+	}
+	if dlqMissing && version > 1 {
+		return BaselineLayout{}, fmt.Errorf("the dead-letter table %s.%s is missing; create it (\"pgoutbox schema apply\") or pass --no-dlq (NoDeadLetterTable) if this outbox has none", n.Schema, n.DLQTable)
+	}
+	return BaselineLayout{Version: version, DeadLetterTableMissing: dlqMissing}, nil
 }
 
 func recordUpTo(ctx context.Context, e tx.Executor, n query.Names, ms []Migration, version int) error {

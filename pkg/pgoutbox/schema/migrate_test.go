@@ -331,10 +331,19 @@ func TestMigrate(t *testing.T) {
 			require.ErrorIs(t, err, schema.ErrNoVersion)
 			require.ErrorContains(t, err, "migrate baseline")
 
+			// The dry run, for goose and golang-migrate: it records nothing.
+			l, err := schema.BaselinePlan(ctx, b.exec, cfg)
+			require.NoError(t, err)
+			require.Equal(t, schema.BaselineLayout{Version: v}, l)
+			require.Equal(t, v, l.ToolVersion())
+			require.False(t, exists(t, b.env.Pool, b.env.Name, cfg.Table+"_schema_version"), "BaselinePlan records nothing")
+
 			got, err := schema.Baseline(ctx, b.exec, cfg)
 			require.NoError(t, err)
 			require.Equal(t, v, got)
 			_, err = schema.Baseline(ctx, b.exec, cfg)
+			require.ErrorContains(t, err, "already records version")
+			_, err = schema.BaselinePlan(ctx, b.exec, cfg)
 			require.ErrorContains(t, err, "already records version")
 			_, err = schema.Migrate(ctx, b.exec, cfg, schema.Latest)
 			require.NoError(t, err)
@@ -349,6 +358,11 @@ func TestMigrate(t *testing.T) {
 		_, err = schema.Migrate(ctx, b.exec, schema.Config{Schema: first.Schema, Table: first.Table, NoDeadLetterTable: true}, 1)
 		require.NoError(t, err)
 		b.exec1(t, `DROP TABLE "`+b.env.Name+`".first_schema_version`)
+		l, err := schema.BaselinePlan(ctx, b.exec, first)
+		require.NoError(t, err)
+		require.Equal(t, schema.BaselineLayout{Version: 1, DeadLetterTableMissing: true}, l)
+		require.Equal(t, 0, l.ToolVersion(), "a migration tool runs version 1 again, which makes the dead-letter table")
+		require.False(t, exists(t, b.env.Pool, b.env.Name, "first_dlq"), "BaselinePlan creates nothing")
 		got, err := schema.Baseline(ctx, b.exec, first)
 		require.NoError(t, err)
 		require.Equal(t, 1, got)
@@ -363,6 +377,11 @@ func TestMigrate(t *testing.T) {
 		_, err = schema.Baseline(ctx, b.exec, schema.Config{Schema: later.Schema, Table: later.Table})
 		require.ErrorContains(t, err, "dead-letter table")
 		require.ErrorContains(t, err, "--no-dlq")
+		_, err = schema.BaselinePlan(ctx, b.exec, schema.Config{Schema: later.Schema, Table: later.Table})
+		require.ErrorContains(t, err, "--no-dlq")
+		l, err = schema.BaselinePlan(ctx, b.exec, later)
+		require.NoError(t, err)
+		require.Equal(t, schema.BaselineLayout{Version: 2}, l)
 
 		// A rotating outbox (the script of schema.SQL records no version)
 		// has no arrivals: its layout is the latest version's, and

@@ -7,6 +7,8 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
 	"time"
 
@@ -296,20 +298,34 @@ func (c *cli) migrateFiles(args []string) error {
 	if err != nil {
 		return err
 	}
+	// Every file is checked before any is written, so a refusal leaves
+	// the directory as it was.
+	var write []fs.DirEntry
 	for _, e := range entries {
 		data, err := fs.ReadFile(fsys, e.Name())
 		if err != nil {
 			return err
 		}
 		path := filepath.Join(*out, e.Name())
-		file, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
-		if errors.Is(err, fs.ErrExist) {
-			existing, rerr := os.ReadFile(path)
-			if rerr == nil && string(existing) == string(data) {
-				continue // the same file, from an earlier run
-			}
-			return fmt.Errorf("write migrations: %s exists with other content; a migration already applied must not change: write the new versions to an empty directory and copy them over", path)
+		existing, err := os.ReadFile(path)
+		switch {
+		case errors.Is(err, fs.ErrNotExist):
+			write = append(write, e)
+		case err != nil:
+			return fmt.Errorf("write migrations: %w", err)
+		case string(existing) == string(data):
+			// The same file, from an earlier run.
+		default:
+			return filesConflict(path, string(existing), string(data))
 		}
+	}
+	for _, e := range write {
+		data, err := fs.ReadFile(fsys, e.Name())
+		if err != nil {
+			return err
+		}
+		path := filepath.Join(*out, e.Name())
+		file, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 		if err != nil {
 			return fmt.Errorf("write migrations: %w", err)
 		}
@@ -323,4 +339,48 @@ func (c *cli) migrateFiles(args []string) error {
 		fmt.Fprintln(c.stdout, path)
 	}
 	return nil
+}
+
+// qualifiedNameRE matches a quoted, schema-qualified name, as the files
+// write the outbox's tables: "schema"."table".
+var qualifiedNameRE = regexp.MustCompile(`"(?:[^"]|"")+"\."(?:[^"]|"")+"`)
+
+// filesConflict explains an existing file that differs from the one
+// rendered: a file of another outbox (its tables have other names, or
+// another dead-letter setting), or a file changed since it was written.
+func filesConflict(path, existing, rendered string) error {
+	have, want := qualifiedNames(existing), qualifiedNames(rendered)
+	var other, ours []string
+	for name := range have {
+		if !want[name] {
+			other = append(other, name)
+		}
+	}
+	for name := range want {
+		if !have[name] {
+			ours = append(ours, name)
+		}
+	}
+	if len(other)+len(ours) == 0 {
+		return fmt.Errorf("write migrations: %s exists with other content; a migration already applied must not change: write the new versions to an empty directory and copy them over", path)
+	}
+	slices.Sort(other)
+	slices.Sort(ours)
+	var diff []string
+	if len(other) > 0 {
+		diff = append(diff, "it names "+strings.Join(other, ", "))
+	}
+	if len(ours) > 0 {
+		diff = append(diff, "these files name "+strings.Join(ours, ", "))
+	}
+	return fmt.Errorf("write migrations: %s was rendered for another outbox (%s): give each outbox's files a directory of their own (and the tool a version table of its own, docs/upgrading.md), or, if it is this outbox's, pass the names it was rendered for (--schema, --table, --dlq-table or --no-dlq)",
+		path, strings.Join(diff, "; "))
+}
+
+func qualifiedNames(text string) map[string]bool {
+	names := map[string]bool{}
+	for _, m := range qualifiedNameRE.FindAllString(text, -1) {
+		names[m] = true
+	}
+	return names
 }

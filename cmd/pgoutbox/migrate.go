@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -124,7 +125,7 @@ func (c *cli) migrateUpDown(args []string, down bool) error {
 			fmt.Fprintf(c.stdout, "%s version %d (%s)\n", stepPast(s), s.Version, s.Name)
 		}
 		if err != nil {
-			return err
+			return lockWaitHint(err)
 		}
 		if len(steps) == 0 {
 			fmt.Fprintf(c.stdout, "nothing to do: another migration got there first\n")
@@ -218,7 +219,7 @@ func (c *cli) migrateBaseline(args []string) error {
 		}
 		v, err := schema.Baseline(ctx, exec, t)
 		if err != nil {
-			return err
+			return lockWaitHint(err)
 		}
 		if cmd.json {
 			return writeJSON(c.stdout, struct {
@@ -263,6 +264,17 @@ func (c *cli) baselineDryRun(ctx context.Context, exec tx.Executor, t schema.Con
 	fmt.Fprintf(c.stdout, "  pgoutbox's migrator: \"pgoutbox schema migrate baseline\" records it; then \"pgoutbox schema migrate up\"\n")
 	fmt.Fprintf(c.stdout, "  goose or golang-migrate: mark versions 1 to %d applied (N = %d), then up\n", l.ToolVersion(), l.ToolVersion())
 	return nil
+}
+
+// lockWaitHint adds to a schema change that gave up waiting for a table
+// lock how to allow a longer wait from the command line: the library's
+// advice names the session's lock_timeout, which pgoutbox takes from the
+// connection's options (inLockedTx keeps a lock_timeout the session set).
+func lockWaitHint(err error) error {
+	if errtext.SQLState(err) != "55P03" { // lock_not_available
+		return err
+	}
+	return &hintedError{err: err, hint: "\nto allow a longer wait from the command line, run it with PGOPTIONS='-c lock_timeout=30s' in the environment, or add options=-c%20lock_timeout%3D30s to the --dsn URL (options='-c lock_timeout=30s' in a key=value DSN)"}
 }
 
 func (c *cli) migrateFiles(args []string) error {

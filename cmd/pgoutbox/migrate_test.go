@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -250,4 +252,41 @@ func tableExists(t *testing.T, s *pgoutboxtest.Schema, table string) bool {
 	var ok bool
 	require.NoError(t, s.Pool.QueryRow(context.Background(), `SELECT to_regclass(format('%I.%I', $1::text, $2::text)) IS NOT NULL`, s.Name, table).Scan(&ok))
 	return ok
+}
+
+// TestSchemaMigrateLockTimeout: a migration that gives up waiting for a
+// table lock says how to allow a longer wait from the command line, and
+// that way works: the lock_timeout of PGOPTIONS, or of the DSN's options,
+// is the one waited (shorter than the default here, to be quick).
+func TestSchemaMigrateLockTimeout(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s := pgoutboxtest.NewSchema(t, pgoutboxtest.Options{})
+	_, err := schema.Migrate(ctx, tx.FromPgxPool(s.Pool), schema.Config{Schema: s.Name}, 1)
+	require.NoError(t, err)
+	holder, err := s.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	_, err = holder.Exec(ctx, `SELECT count(*) FROM "`+s.Name+`".outbox`) // ACCESS SHARE until it ends
+	require.NoError(t, err)
+
+	sep := "?"
+	if strings.Contains(s.DSN, "?") {
+		sep = "&"
+	}
+	for _, c := range []struct {
+		name, dsn, want string
+		env             []string
+	}{
+		{"PGOPTIONS", s.DSN, "lock_timeout (300ms)", []string{"PGOPTIONS=-c lock_timeout=300ms"}},
+		{"DSNOptions", s.DSN + sep + "options=-c%20lock_timeout%3D400ms", "lock_timeout (400ms)", nil},
+	} {
+		start := time.Now()
+		_, errOut, code := cliRunEnv(t, c.env, "schema", "migrate", "up", "--dsn", c.dsn, "--schema", s.Name)
+		require.Equal(t, exitError, code, c.name)
+		require.Less(t, time.Since(start), schema.DDLLockTimeout, "%s: the shorter lock_timeout was the one waited", c.name)
+		require.Contains(t, errOut, c.want, c.name)
+		require.Contains(t, errOut, "from the command line, run it with PGOPTIONS='-c lock_timeout=30s'", c.name)
+		require.Contains(t, errOut, "options=-c%20lock_timeout%3D30s to the --dsn URL", c.name)
+	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -75,6 +76,9 @@ func (c *cli) schemaApply(args []string) error {
 	}
 	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, t schema.Config) error {
 		if err := schema.Create(ctx, exec, t); err != nil {
+			if errtext.SQLState(err) == "55P03" { // a lock wait, not a privilege
+				return lockWaitHint(err)
+			}
 			return fmt.Errorf("%w (the role needs CREATE on the schema; or apply \"pgoutbox schema sql\" with your migration tool)", err)
 		}
 		t = t.WithDefaults()

@@ -207,7 +207,7 @@ func queryStrings(ctx context.Context, e tx.Executor, sql string, args ...any) (
 // the session's: every publisher and consumer queues behind a waiting
 // ACCESS EXCLUSIVE request.
 func convertTx(ctx context.Context, db tx.Executor, n query.Names, fn func(e tx.Executor) error) error {
-	return inLockedTx(ctx, db, n, func(e tx.Executor) error {
+	return inLockedTx(ctx, db, n, func(e tx.Executor, _ lockWait) error {
 		if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", DDLLockTimeout.Milliseconds())); err != nil {
 			return err
 		}

@@ -297,7 +297,7 @@ func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]Migra
 	var done []MigrationStep
 	for {
 		var s *MigrationStep
-		err := inLockedTx(ctx, db, n, func(e tx.Executor) error {
+		err := inLockedTx(ctx, db, n, func(e tx.Executor, w lockWait) error {
 			st, err := readState(ctx, e, n)
 			if err != nil {
 				return err
@@ -322,7 +322,7 @@ func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]Migra
 			}
 			for _, stmt := range next.Statements {
 				if _, err := e.Exec(ctx, stmt); err != nil {
-					return fmt.Errorf("%s version %d (%s): %w", direction(next), next.Version, next.Name, ddlError(stmt, err))
+					return fmt.Errorf("%s version %d (%s): %w", direction(next), next.Version, next.Name, w.ddlError(stmt, err))
 				}
 			}
 			// After the step: version 1 may have created the schema.
@@ -381,7 +381,7 @@ func Baseline(ctx context.Context, db tx.Executor, c Config) (int, error) {
 		return 0, err
 	}
 	var version int
-	err = inLockedTx(ctx, db, n, func(e tx.Executor) error {
+	err = inLockedTx(ctx, db, n, func(e tx.Executor, w lockWait) error {
 		l, err := baselineLayout(ctx, e, n)
 		if err != nil {
 			return err
@@ -391,7 +391,7 @@ func Baseline(ctx context.Context, db tx.Executor, c Config) (int, error) {
 			// Version 1 makes it, and runs again safely on its layout.
 			for _, stmt := range ms[0].Up {
 				if _, err := e.Exec(ctx, stmt); err != nil {
-					return fmt.Errorf("create the dead-letter table: %w", ddlError(stmt, err))
+					return fmt.Errorf("create the dead-letter table: %w", w.ddlError(stmt, err))
 				}
 			}
 		}
@@ -547,8 +547,8 @@ func detectLayout(ctx context.Context, e tx.Executor, n query.Names, rotating bo
 
 // inLockedTx runs fn in a transaction (or the caller's) holding Create's
 // advisory lock, with lock_timeout bounded by DDLLockTimeout unless the
-// transaction set its own.
-func inLockedTx(ctx context.Context, db tx.Executor, n query.Names, fn func(e tx.Executor) error) error {
+// transaction or session set its own; fn gets the wait, for its errors.
+func inLockedTx(ctx context.Context, db tx.Executor, n query.Names, fn func(e tx.Executor, w lockWait) error) error {
 	return tx.RunInTx(ctx, db, func(e tx.Executor) error {
 		if _, err := e.Exec(ctx, query.CreateLock, "pgoutbox:"+n.QSchema); err != nil {
 			return fmt.Errorf("lock: %w", err)
@@ -557,12 +557,14 @@ func inLockedTx(ctx context.Context, db tx.Executor, n query.Names, fn func(e tx
 		if err != nil {
 			return err
 		}
+		w := lockWait{timeout: prev}
 		if prev == "0" {
+			w.timeout = DDLLockTimeout.String()
 			if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", DDLLockTimeout.Milliseconds())); err != nil {
 				return err
 			}
 		}
-		if err := fn(e); err != nil {
+		if err := fn(e, w); err != nil {
 			return err
 		}
 		if prev == "0" {
@@ -575,12 +577,32 @@ func inLockedTx(ctx context.Context, db tx.Executor, n query.Names, fn func(e tx
 	})
 }
 
+// lockWait is how long a schema change waits for a table lock: the
+// lock_timeout it runs with, and whether a longer one the session or
+// transaction sets would be kept (inLockedTx keeps it; a conversion
+// does not).
+type lockWait struct {
+	timeout string // as lock_timeout shows it: "5s", "300ms"
+	fixed   bool
+}
+
 // ddlError explains a failed schema statement, with the hint for a lock
 // wait.
-func ddlError(stmt string, err error) error {
-	if isLockTimeout(err) {
-		return fmt.Errorf("a table change waited longer than lock_timeout (%s) for a lock another transaction holds; run it again when no long transaction uses the outbox (see pg_stat_activity), or set a longer lock_timeout in your transaction: %w\nstatement: %s",
-			DDLLockTimeout, err, stmt)
+func (w lockWait) ddlError(stmt string, err error) error {
+	if !isLockTimeout(err) {
+		return fmt.Errorf("%w\nstatement: %s", err, stmt)
 	}
-	return fmt.Errorf("%w\nstatement: %s", err, stmt)
+	longer := ", or allow a longer wait: a longer lock_timeout for the session (options=-c lock_timeout=30s in the connection string) or in the transaction the change runs in"
+	if w.fixed {
+		longer = ""
+	}
+	return fmt.Errorf("a table change waited longer than lock_timeout (%s) for a lock another transaction holds; run it again when no long transaction uses the outbox (see pg_stat_activity)%s: %w\nstatement: %s",
+		w.timeout, longer, err, stmt)
+}
+
+// ddlError is lockWait.ddlError for a conversion, which waits
+// DDLLockTimeout whatever the session sets: every publisher and consumer
+// queues behind its ACCESS EXCLUSIVE request.
+func ddlError(stmt string, err error) error {
+	return lockWait{timeout: DDLLockTimeout.String(), fixed: true}.ddlError(stmt, err)
 }

@@ -211,7 +211,7 @@ func Create(ctx context.Context, db tx.Executor, c Config) error {
 	// alters the table: ACCESS EXCLUSIVE, which waits for every open
 	// transaction that touched the table while every later reader and
 	// writer waits behind it; inLockedTx bounds the wait.
-	err = inLockedTx(ctx, db, n, func(e tx.Executor) error {
+	err = inLockedTx(ctx, db, n, func(e tx.Executor, w lockWait) error {
 		if p, err := layoutProblem(ctx, e, n); err != nil || p != "" {
 			if err == nil {
 				err = errors.New(p)
@@ -220,7 +220,7 @@ func Create(ctx context.Context, db tx.Executor, c Config) error {
 		}
 		for _, stmt := range query.DDL(n) {
 			if _, err := e.Exec(ctx, stmt); err != nil {
-				return ddlError(stmt, err)
+				return w.ddlError(stmt, err)
 			}
 		}
 		if _, err := e.Exec(ctx, query.VersionTable(n)); err != nil {

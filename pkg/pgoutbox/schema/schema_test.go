@@ -553,8 +553,20 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 		_, err = holder.Exec(ctx, `SELECT count(*) FROM `+q2+`."outbox"`) // ACCESS SHARE until it ends
 		require.NoError(t, err)
 		err = schema.Create(ctx, b2.exec, schema.Config{Schema: b2.env.Name, Table: "outbox"})
-		require.ErrorContains(t, err, "lock_timeout")
+		require.ErrorContains(t, err, "lock_timeout (5s)")
 		require.ErrorContains(t, err, "run it again when")
+		require.ErrorContains(t, err, "options=-c lock_timeout=30s in the connection string", "says how to allow a longer wait")
+
+		// A lock_timeout of the caller's is the one kept, and named.
+		caller, err := b2.env.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = caller.Rollback(ctx) }()
+		_, err = caller.Exec(ctx, `SET LOCAL lock_timeout = '200ms'`)
+		require.NoError(t, err)
+		start := time.Now()
+		err = schema.Create(ctx, tx.FromPgxTx(caller), schema.Config{Schema: b2.env.Name, Table: "outbox"})
+		require.ErrorContains(t, err, "lock_timeout (200ms)")
+		require.Less(t, time.Since(start), 3*time.Second)
 	})
 
 	// Once up to date, Create (at every start of every instance) must not

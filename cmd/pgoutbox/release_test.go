@@ -274,3 +274,48 @@ func debugVersion() string {
 	}
 	return "(devel)"
 }
+
+// Ctrl-C cancels the statement under way on the server, not only the
+// process: a conversion whose index build waits for a transaction left
+// open elsewhere stops building when interrupted (killing the process
+// would leave the build running, waiting), says so, and runs again to the
+// end afterwards.
+func TestInterruptCancelsTheStatementOnTheServer(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env, "conv", "kept")
+	ctx := context.Background()
+	holder, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer holder.Rollback(ctx) //nolint:errcheck // ends the snapshot
+	_, err = holder.Exec(ctx, `SET TRANSACTION ISOLATION LEVEL REPEATABLE READ`)
+	require.NoError(t, err)
+	var n int
+	// A snapshot, no lock on the outbox: the table change goes on, the
+	// index build waits for it.
+	require.NoError(t, holder.QueryRow(ctx, `SELECT count(*) FROM pg_catalog.pg_class`).Scan(&n))
+
+	building := func() int {
+		var b int
+		require.NoError(t, env.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE query LIKE 'CREATE %INDEX CONCURRENTLY%' AND query LIKE '%' || $1 || '%' AND pid <> pg_backend_pid()`, env.Schema).Scan(&b))
+		return b
+	}
+	cmd := exec.Command(binary, "schema", "convert-to-rotating", "--yes", "--dsn", env.DSN, "--schema", env.Schema)
+	cmd.Env = cliEnv()
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	require.NoError(t, cmd.Start())
+	require.Eventually(t, func() bool { return building() == 1 }, 20*time.Second, 20*time.Millisecond, "the build waits for the open transaction")
+	require.NoError(t, cmd.Process.Signal(os.Interrupt))
+	err = cmd.Wait()
+	var ee *exec.ExitError
+	require.ErrorAs(t, err, &ee, "an interrupted conversion fails")
+	require.Contains(t, stderr.String(), "interrupted")
+	require.Eventually(t, func() bool { return building() == 0 }, 10*time.Second, 20*time.Millisecond, "the build was cancelled on the server")
+
+	require.NoError(t, holder.Rollback(ctx))
+	out, errOut, code := cliRun(t, env, "schema", "convert-to-rotating", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "is a rotating outbox")
+}

@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -41,7 +44,10 @@ func (cmd *command) limitInRange(limit, max int) error {
 // withOutbox resolves the tables from the flags, runs before (when not
 // nil: a confirmation, say) ahead of connecting, connects and calls fn
 // with the connection and the tables. The pool is closed when fn returns.
-func (cmd *command) withOutbox(ctx context.Context, before func() error,
+// Ctrl-C (or SIGTERM) cancels fn's context: the statement under way is
+// cancelled on the server too, where killing the process would leave it
+// running (an index build of a conversion, a migration waiting for a lock).
+func (cmd *command) withOutbox(parent context.Context, before func() error,
 	fn func(ctx context.Context, exec tx.Executor, tables schema.Config) error) error {
 	tables, err := cmd.tables()
 	if err != nil {
@@ -52,6 +58,9 @@ func (cmd *command) withOutbox(ctx context.Context, before func() error,
 			return err
 		}
 	}
+	// After before: Ctrl-C at a confirmation's prompt ends the process.
+	ctx, stop := signal.NotifyContext(parent, os.Interrupt, syscall.SIGTERM)
+	defer stop()
 	pool, exec, err := cmd.connect(ctx)
 	if err != nil {
 		return err
@@ -61,6 +70,9 @@ func (cmd *command) withOutbox(ctx context.Context, before func() error,
 		return err
 	}
 	if err := fn(ctx, exec, tables); err != nil {
+		if ctx.Err() != nil && parent.Err() == nil {
+			return fmt.Errorf("interrupted: the statement under way was cancelled on the server too; what committed before it stays, and the command can be run again: %w", err)
+		}
 		return missingDLQ(ctx, exec, tables, err)
 	}
 	return nil

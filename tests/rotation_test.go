@@ -565,3 +565,14 @@ func TestSubscriberRotatesOnlyWhileItHasASubscription(t *testing.T) {
 	for range ch {
 	}
 }
+
+// Rotate told that a single table rotates says so, and what to do.
+func TestRotateOnASingleTableSaysWhatToDo(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	c := b.tables
+	c.Rotating = true
+	_, err := schema.Rotate(context.Background(), tx.FromPgxPool(b.Pool), c, 0)
+	require.ErrorIs(t, err, schema.ErrNotRotating)
+	require.ErrorContains(t, err, "unset Config.Rotating")
+}

@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -110,6 +112,10 @@ func Rotate(ctx context.Context, db tx.Executor, c Config, window time.Duration)
 		return rotateStep(ctx, e, q, n, window, &res)
 	})
 	if err != nil {
+		if errtext.SQLState(err) == "42P01" && strings.Contains(err.Error(), n.Table+"_generation") {
+			return RotateResult{}, fmt.Errorf("pgoutbox: rotate %s: it is a single table, not a rotating outbox (no sequence %s_generation); "+
+				"unset Config.Rotating, or convert it first (schema.ConvertToRotating, pgoutbox schema convert-to-rotating): %w: %w", n.QTable, n.Table, ErrNotRotating, err)
+		}
 		return RotateResult{}, fmt.Errorf("pgoutbox: rotate %s: %w", n.QTable, err)
 	}
 	return res, nil

@@ -576,3 +576,31 @@ func TestRotateOnASingleTableSaysWhatToDo(t *testing.T) {
 	require.ErrorIs(t, err, schema.ErrNotRotating)
 	require.ErrorContains(t, err, "unset Config.Rotating")
 }
+
+// Health shows a rotating outbox's ring: the partition new rows go to, for
+// how long, and each partition's rows (estimates, as the backends report
+// them); a single table has none.
+func TestHealthShowsTheRing(t *testing.T) {
+	t.Parallel()
+	b := rotatingSetup(t)
+	ctx := context.Background()
+	h, err := pgoutbox.Health(ctx, tx.FromPgxPool(b.Pool), b.tables)
+	require.NoError(t, err)
+	require.NotNil(t, h.Ring)
+	require.Contains(t, []int{0, 1, 2}, h.Ring.Current)
+	require.GreaterOrEqual(t, h.Ring.CurrentFor, time.Duration(0))
+	require.Less(t, h.Ring.CurrentFor, 24*time.Hour)
+
+	// Nobody rotates here: the rows stay in the current partition.
+	require.NoError(t, b.poolPublisher(t).Publish("rot.health", newMsgs(20)...))
+	pollUntil(t, "the current partition's rows are counted", 30*time.Second, nil, func() bool {
+		h, err = pgoutbox.Health(ctx, tx.FromPgxPool(b.Pool), b.tables)
+		require.NoError(t, err)
+		return h.Ring.Rows[h.Ring.Current] >= 20
+	})
+
+	single := setup(t)
+	h, err = pgoutbox.Health(ctx, tx.FromPgxPool(single.Pool), single.tables)
+	require.NoError(t, err)
+	require.Nil(t, h.Ring)
+}

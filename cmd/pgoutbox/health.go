@@ -59,11 +59,20 @@ type holderJSON struct {
 	Database        string     `json:"database,omitempty"`
 }
 
+// ringJSON is a rotating outbox's ring in health --json: current is -1
+// and current_for_seconds null when the role may not read the sequence.
+type ringJSON struct {
+	Current           int      `json:"current"`
+	CurrentForSeconds *float64 `json:"current_for_seconds"`
+	Rows              [3]int64 `json:"rows"`
+}
+
 // healthJSON is health --json.
 type healthJSON struct {
 	Outbox          tableHealthJSON  `json:"outbox"`
 	DeadLetters     *tableHealthJSON `json:"dead_letters"`
 	Arrivals        *tableHealthJSON `json:"arrivals,omitempty"`
+	Ring            *ringJSON        `json:"ring,omitempty"`
 	Autovacuum      bool             `json:"autovacuum"`
 	TrackCounts     bool             `json:"track_counts"`
 	SnapshotHolders []holderJSON     `json:"snapshot_holders"`
@@ -96,6 +105,13 @@ func healthToJSON(h pgoutbox.HealthReport) healthJSON {
 	if h.Arrivals != nil {
 		a := tableToJSON(*h.Arrivals)
 		out.Arrivals = &a
+	}
+	if r := h.Ring; r != nil {
+		out.Ring = &ringJSON{Current: r.Current, Rows: r.Rows}
+		if r.Current >= 0 {
+			secs := r.CurrentFor.Seconds()
+			out.Ring.CurrentForSeconds = &secs
+		}
 	}
 	for _, s := range h.SnapshotHolders {
 		j := holderJSON{Kind: string(s.Kind), XminAge: s.XminAge, PID: s.PID, User: s.User, ApplicationName: s.ApplicationName,
@@ -139,6 +155,13 @@ func printHealth(w io.Writer, h pgoutbox.HealthReport, all bool) {
 			bytesHuman(t.IndexBytes), ago(now, t.LastAutovacuum), ago(now, t.LastVacuum), ago(now, t.LastAnalyzed()))
 	}
 	tw.Flush()
+	if r := h.Ring; r != nil {
+		current := "unknown (no SELECT on the generation sequence)"
+		if r.Current >= 0 {
+			current = fmt.Sprintf("partition %d, for %s", r.Current, age(r.CurrentFor))
+		}
+		fmt.Fprintf(w, "ring: current %s; rows by partition: %d, %d, %d\n", current, r.Rows[0], r.Rows[1], r.Rows[2])
+	}
 	if s, ok := h.OldestSnapshot(); ok {
 		fmt.Fprintf(w, "oldest snapshot: %s\n", describeHolder(s))
 	} else {
@@ -164,6 +187,11 @@ func printHealth(w io.Writer, h pgoutbox.HealthReport, all bool) {
 	printHealthWarnings(w, h)
 }
 
+// ringWarnAge is how long a ring may keep its current partition before
+// health warns: its rows leave a partition nobody empties after three
+// windows and at least 30 s, so a minute is past any healthy ring.
+const ringWarnAge = time.Minute
+
 // printHealthWarnings says what needs a person, and what to do.
 func printHealthWarnings(w io.Writer, h pgoutbox.HealthReport) {
 	if !h.Autovacuum {
@@ -177,6 +205,12 @@ func printHealthWarnings(w io.Writer, h pgoutbox.HealthReport) {
 		if t != nil && h.Autovacuum && h.TrackCounts && !t.Autovacuum {
 			fmt.Fprintf(w, "warning: autovacuum is disabled for %s; ALTER TABLE %s RESET (autovacuum_enabled)\n", t.Table, quoteQualified(t.Table))
 		}
+	}
+	if r := h.Ring; r != nil && r.Current >= 0 && r.CurrentFor > ringWarnAge {
+		next := (r.Current + 1) % len(r.Rows)
+		fmt.Fprintf(w, "warning: the ring has not advanced for %s: partition %d (about %d rows) is not emptied; "+
+			"a transaction that read the outbox may hold it (see the snapshot holders), or no subscriber runs (the subscribers rotate)\n",
+			age(r.CurrentFor), next, r.Rows[next])
 	}
 	for _, s := range h.SnapshotHolders {
 		inactiveSlot := s.Kind == pgoutbox.SnapshotReplicationSlot && !s.Active

@@ -61,3 +61,25 @@ func TestHealthCommand(t *testing.T) {
 	_, errOut, code = cliRun(t, env, "health", "extra")
 	require.Equal(t, exitUsage, code, errOut)
 }
+
+// health shows a rotating outbox's ring (read from the database, without
+// --rotating), and nothing of the kind for a single table.
+func TestHealthShowsTheRing(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{Rotating: true})
+	out, errOut, code := cliRun(t, env, "health", "--json")
+	require.Equal(t, 0, code, errOut)
+	var h healthJSON
+	require.NoError(t, json.Unmarshal([]byte(out), &h), out)
+	require.NotNil(t, h.Ring, out)
+	require.Contains(t, []int{0, 1, 2}, h.Ring.Current)
+	require.NotNil(t, h.Ring.CurrentForSeconds)
+	out, errOut, code = cliRun(t, env, "health")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "ring: current partition ")
+
+	single := pgoutboxtest.PubSub(t)
+	out, errOut, code = cliRun(t, single, "health")
+	require.Equal(t, 0, code, errOut)
+	require.NotContains(t, out, "ring:")
+}

@@ -1,5 +1,10 @@
 package query
 
+import (
+	"fmt"
+	"strings"
+)
+
 // Health statements: the outbox's storage and what holds its vacuum back.
 // They read catalogs and statistics views only, which every role may
 // read, so they need no grant beyond USAGE on the outbox's schema. The
@@ -86,3 +91,21 @@ UNION ALL
   LIMIT $1)
 ) h
  ORDER BY xid_age DESC, since`
+
+// RingHealth reads the ring of the rotating outbox n: per ring partition,
+// its generation and estimated live rows, with the current generation and
+// the milliseconds since it became current (NULLs when the role may not
+// read the generation sequence: pg_sequences hides its value). Catalogs
+// and statistics only, like TableHealth; no arrays, for every driver.
+func RingHealth(n Names) string {
+	var parts []string
+	for g, name := range n.Generations[:RingSize] {
+		parts = append(parts, fmt.Sprintf("(%d, %s)", g, literal(name)))
+	}
+	return fmt.Sprintf(`SELECT p.g, coalesce(st.n_live_tup, 0), (s.last_value %% %[1]d)::int,
+       floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint - s.last_value / %[1]d
+  FROM (VALUES %[2]s) AS p(g, name)
+  LEFT JOIN pg_catalog.pg_stat_user_tables st ON st.schemaname = %[3]s AND st.relname = p.name
+  LEFT JOIN pg_catalog.pg_sequences s ON s.schemaname = %[3]s AND s.sequencename = %[4]s
+ ORDER BY p.g`, RingSize, strings.Join(parts, ", "), literal(n.Schema), literal(n.GenSeq))
+}

@@ -38,6 +38,12 @@ func Quote(ident string) string {
 	return `"` + strings.ReplaceAll(ident, `"`, `""`) + `"`
 }
 
+// literal quotes s as a string literal (names are checked identifiers,
+// but quoting costs nothing).
+func literal(s string) string {
+	return `'` + strings.ReplaceAll(s, `'`, `''`) + `'`
+}
+
 // Names are the resolved, quoted names of one outbox's tables, indexes and
 // notification channel.
 type Names struct {

@@ -33,12 +33,36 @@ type HealthReport struct {
 	// tuple counts and vacuum times stay zero, and autovacuum cannot tell
 	// when a table needs it.
 	TrackCounts bool
+	// Ring is a rotating outbox's ring (schema.Config.Rotating); nil for a
+	// single table.
+	Ring *RingHealth
 	// SnapshotHolders are the oldest transactions, replication slots and
 	// prepared transactions that keep vacuum from removing rows (see
 	// SnapshotHolder), oldest first by XminAge, at most five of each kind.
 	// Every running statement holds a snapshot for its duration, so a busy
 	// database always has some: what matters is how old the oldest is.
 	SnapshotHolders []SnapshotHolder
+}
+
+// RingHealth is the state of a rotating outbox's ring of partitions: which
+// one takes new rows, for how long, and what each still holds. The ring
+// advances every RotationWindow (3s by default) once the partition after
+// the current one is empty; a partition's rows that nobody consumes leave
+// the ring after three windows, and at least 30 s. So a current partition
+// much older than that says the ring is stuck: a partition cannot be
+// truncated, most often because a long transaction that read the outbox
+// holds a lock on it (see SnapshotHolders).
+type RingHealth struct {
+	// Current is the generation of the partition new rows go to (0, 1 or
+	// 2), and CurrentFor how long it has been, by the database's clock.
+	// Current is -1 and CurrentFor 0 when the role may not read the ring's
+	// sequence (SELECT on <table>_generation, which publishers and
+	// subscribers have).
+	Current    int
+	CurrentFor time.Duration
+	// Rows estimates each ring partition's live rows, by generation
+	// (n_live_tup; a TRUNCATE sets it to 0).
+	Rows [3]int64
 }
 
 // TableHealth is one table's size and vacuum state. The tuple counts are
@@ -239,6 +263,12 @@ func Health(ctx context.Context, exec tx.Executor, tables schema.Config) (Health
 		return HealthReport{}, errorf("pgoutbox: health: table %s does not exist; create it (pgoutbox schema apply, schema.Create) or check tables.Schema and tables.Table", n.QTable)
 	}
 
+	if n.Rotating {
+		if h.Ring, err = ringHealth(ctx, exec, n); err != nil {
+			return HealthReport{}, healthError("ring", err)
+		}
+	}
+
 	rows, err = exec.Query(ctx, query.SnapshotHolders, healthHoldersPerKind)
 	if err != nil {
 		return HealthReport{}, healthError("snapshot holders", err)
@@ -279,4 +309,29 @@ func timeOrZero(t *time.Time) time.Time {
 		return time.Time{}
 	}
 	return *t
+}
+
+func ringHealth(ctx context.Context, exec tx.Executor, n query.Names) (*RingHealth, error) {
+	rows, err := exec.Query(ctx, query.RingHealth(n))
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	r := &RingHealth{Current: -1}
+	for rows.Next() {
+		var g int
+		var live int64
+		var current *int
+		var ms *int64
+		if err := rows.Scan(&g, &live, &current, &ms); err != nil {
+			return nil, err
+		}
+		if g >= 0 && g < len(r.Rows) {
+			r.Rows[g] = live
+		}
+		if current != nil && ms != nil {
+			r.Current, r.CurrentFor = *current, time.Duration(*ms)*time.Millisecond
+		}
+	}
+	return r, rows.Err()
 }

@@ -36,6 +36,9 @@ const (
 	// gauges: "backend", "replication_slot" or "prepared_xact"
 	// (pgoutbox.SnapshotKind).
 	SnapshotKindKey = attribute.Key("pgoutbox.snapshot_kind")
+	// GenerationKey is a rotating outbox's ring partition (0, 1 or 2) of
+	// the pgoutbox.ring.partition.rows gauge.
+	GenerationKey = attribute.Key("pgoutbox.generation")
 )
 
 // DefaultStatsTimeout bounds the Stats call of a collection when
@@ -240,6 +243,8 @@ func rows(e pgoutbox.Event) int64 {
 //	                                    has held back vacuum of the outbox: alert above 10 minutes
 //	pgoutbox.oldest_snapshot.xmin_age{kind}  transactions begun since the oldest snapshot of each kind
 //	                                    (backend, replication_slot, prepared_xact)
+//	pgoutbox.ring.current.age{table}    a rotating outbox's current partition's age: alert above a minute
+//	pgoutbox.ring.partition.rows{table, generation}  each ring partition's estimated live rows
 //	pgoutbox.stats.errors               collections whose Stats or Health call failed or timed out
 //	                                    (they report none of the failed call's gauges)
 //	pgoutbox.stats.duration             how long the last Stats and Health calls took
@@ -360,6 +365,8 @@ type healthGauges struct {
 	live, dead, size, indexSize metric.Int64ObservableGauge
 	snapshotAge                 metric.Float64ObservableGauge
 	snapshotXmin                metric.Int64ObservableGauge
+	ringAge                     metric.Float64ObservableGauge
+	ringRows                    metric.Int64ObservableGauge
 }
 
 func newHealthGauges(m metric.Meter) (healthGauges, error) {
@@ -375,6 +382,7 @@ func newHealthGauges(m metric.Meter) (healthGauges, error) {
 		{&h.size, "pgoutbox.table.size", "By", "The table's size with TOAST (pg_table_size): a queue's should stay flat."},
 		{&h.indexSize, "pgoutbox.table.index_size", "By", "The size of the table's indexes (pg_indexes_size)."},
 		{&h.snapshotXmin, "pgoutbox.oldest_snapshot.xmin_age", "{transaction}", "Transactions begun since the oldest snapshot of each kind (backend, replication_slot, prepared_xact); 0 for a kind with none."},
+		{&h.ringRows, "pgoutbox.ring.partition.rows", "{row}", "A rotating outbox only: each ring partition's estimated live rows, by generation."},
 	}
 	for _, g := range ints {
 		if *g.to, err = m.Int64ObservableGauge(g.name, metric.WithUnit(g.unit), metric.WithDescription(g.desc)); err != nil {
@@ -386,11 +394,16 @@ func newHealthGauges(m metric.Meter) (healthGauges, error) {
 	if err != nil {
 		return h, fmt.Errorf("pgoutboxotel: create pgoutbox.oldest_snapshot.age: %w", err)
 	}
+	h.ringAge, err = m.Float64ObservableGauge("pgoutbox.ring.current.age", metric.WithUnit("s"),
+		metric.WithDescription("A rotating outbox only: how long the ring's current partition has taken the new rows. Alert above a minute: the next partition cannot be emptied (pgoutbox health says what holds it), or no subscriber runs."))
+	if err != nil {
+		return h, fmt.Errorf("pgoutboxotel: create pgoutbox.ring.current.age: %w", err)
+	}
 	return h, nil
 }
 
 func (h healthGauges) instruments() []metric.Observable {
-	return []metric.Observable{h.live, h.dead, h.size, h.indexSize, h.snapshotAge, h.snapshotXmin}
+	return []metric.Observable{h.live, h.dead, h.size, h.indexSize, h.snapshotAge, h.snapshotXmin, h.ringAge, h.ringRows}
 }
 
 // observe reports r. A kind of holder with none reports 0, so that an
@@ -409,6 +422,16 @@ func (h healthGauges) observe(obs metric.Observer, r pgoutbox.HealthReport, extr
 		obs.ObserveInt64(h.dead, t.DeadTuples, table)
 		obs.ObserveInt64(h.size, t.TableBytes, table)
 		obs.ObserveInt64(h.indexSize, t.IndexBytes, table)
+	}
+	if ring := r.Ring; ring != nil {
+		table := TableKey.String(r.Outbox.Table)
+		if ring.Current >= 0 {
+			obs.ObserveFloat64(h.ringAge, ring.CurrentFor.Seconds(), with(table))
+		}
+		for g, n := range ring.Rows {
+			obs.ObserveInt64(h.ringRows, n, metric.WithAttributes(append([]attribute.KeyValue{
+				semconv.MessagingSystemKey.String(System), table, GenerationKey.Int(g)}, extra...)...))
+		}
 	}
 	age := map[pgoutbox.SnapshotKind]time.Duration{pgoutbox.SnapshotBackend: 0, pgoutbox.SnapshotPreparedXact: 0}
 	xmin := map[pgoutbox.SnapshotKind]int64{pgoutbox.SnapshotBackend: 0, pgoutbox.SnapshotReplicationSlot: 0, pgoutbox.SnapshotPreparedXact: 0}

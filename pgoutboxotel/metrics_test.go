@@ -215,6 +215,8 @@ func TestStatsGauges(t *testing.T) {
 	dur, ok := got["pgoutbox.stats.duration"].Data.(metricdata.Gauge[float64])
 	require.True(t, ok)
 	require.Positive(t, dur.DataPoints[0].Value)
+	_, ring := got["pgoutbox.ring.current.age"]
+	require.False(t, ring, "a single table has no ring")
 
 	// A pool that is closed: Stats fails.
 	closed, err := pgxpool.New(ctx, env.DSN)
@@ -230,5 +232,26 @@ func TestStatsGauges(t *testing.T) {
 	for _, name := range []string{"pgoutbox.messages", "pgoutbox.table.size", "pgoutbox.oldest_snapshot.age"} {
 		_, reported := got[name]
 		require.False(t, reported, "no stale %s after a failed call", name)
+	}
+}
+
+// A rotating outbox's ring: its current partition's age and each
+// partition's rows.
+func TestRegisterStatsReportsTheRing(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{Rotating: true})
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	reg, err := pgoutboxotel.RegisterStats(tx.FromPgxPool(env.Pool), env.Tables, pgoutboxotel.MetricsOptions{MeterProvider: mp})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = reg.Unregister() })
+	got := collect(t, reader)
+	outbox := attribute.String("pgoutbox.table", env.Schema+".outbox")
+	age, ok := got["pgoutbox.ring.current.age"].Data.(metricdata.Gauge[float64])
+	require.True(t, ok)
+	require.Len(t, age.DataPoints, 1)
+	require.GreaterOrEqual(t, age.DataPoints[0].Value, 0.0)
+	for g := range 3 {
+		require.GreaterOrEqual(t, gauge(t, got["pgoutbox.ring.partition.rows"], outbox, attribute.Int("pgoutbox.generation", g)), int64(0))
 	}
 }

@@ -2,6 +2,7 @@ package pgoutboxprom
 
 import (
 	"context"
+	"strconv"
 	"sync"
 	"time"
 
@@ -53,6 +54,8 @@ type Collector struct {
 	indexBytes  *prometheus.Desc
 	snapshotAge *prometheus.Desc
 	snapshotXid *prometheus.Desc
+	ringAge     *prometheus.Desc
+	ringRows    *prometheus.Desc
 	errors      prometheus.Counter
 	duration    prometheus.Gauge
 
@@ -124,6 +127,14 @@ func NewCollector(exec tx.Executor, tables schema.Config, opts Options) *Collect
 				"without falling back, and long before autovacuum_freeze_max_age (200 million by default). Logical slots' "+
 				"catalog_xmin is left out: it holds the catalogs, not the outbox.",
 			[]string{"kind"}, opts.ConstLabels),
+		ringAge: prometheus.NewDesc(opts.name("ring_current_age_seconds"),
+			"A rotating outbox only: how long the ring's current partition has taken the new rows. The ring advances every "+
+				"RotationWindow (3s by default) once the next partition is empty; alert above a minute: the next partition "+
+				"cannot be emptied (pgoutbox health says what holds it), or no subscriber runs.",
+			[]string{"table"}, opts.ConstLabels),
+		ringRows: prometheus.NewDesc(opts.name("ring_partition_rows"),
+			"A rotating outbox only: each ring partition's estimated live rows (n_live_tup), by generation.",
+			[]string{"table", "generation"}, opts.ConstLabels),
 		errors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name:        opts.name("stats_errors_total"),
 			Help:        "Scrapes whose pgoutbox.Stats or pgoutbox.Health call failed or timed out (they expose none of the failed call's gauges).",
@@ -150,6 +161,8 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.indexBytes
 	ch <- c.snapshotAge
 	ch <- c.snapshotXid
+	ch <- c.ringAge
+	ch <- c.ringRows
 	c.errors.Describe(ch)
 	c.duration.Describe(ch)
 }
@@ -217,6 +230,14 @@ func (c *Collector) collectHealth(ch chan<- prometheus.Metric, h pgoutbox.Health
 		ch <- prometheus.MustNewConstMetric(c.deadTuples, prometheus.GaugeValue, float64(t.DeadTuples), t.Table)
 		ch <- prometheus.MustNewConstMetric(c.tableBytes, prometheus.GaugeValue, float64(t.TableBytes), t.Table)
 		ch <- prometheus.MustNewConstMetric(c.indexBytes, prometheus.GaugeValue, float64(t.IndexBytes), t.Table)
+	}
+	if r := h.Ring; r != nil {
+		if r.Current >= 0 {
+			ch <- prometheus.MustNewConstMetric(c.ringAge, prometheus.GaugeValue, r.CurrentFor.Seconds(), h.Outbox.Table)
+		}
+		for g, n := range r.Rows {
+			ch <- prometheus.MustNewConstMetric(c.ringRows, prometheus.GaugeValue, float64(n), h.Outbox.Table, strconv.Itoa(g))
+		}
 	}
 	age := map[string]time.Duration{KindBackend: 0, KindPreparedXact: 0}
 	xmin := map[string]int64{KindBackend: 0, KindReplicationSlot: 0, KindPreparedXact: 0}

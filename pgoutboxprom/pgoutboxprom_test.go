@@ -344,4 +344,22 @@ func TestCollectorHealth(t *testing.T) {
 	require.NotContains(t, body, `pgoutbox_oldest_snapshot_age_seconds{kind="replication_slot"}`, "slots record no time")
 	requireLine(t, body, `pgoutbox_stats_errors_total 0`)
 	requireLine(t, body, `pgoutbox_messages{consumer_group="",state="ready",topic="orders"} 2`)
+	require.NotContains(t, body, "pgoutbox_ring_", "a single table has no ring")
+}
+
+// A rotating outbox's ring: how long its current partition has been, and
+// each partition's rows.
+func TestCollectorRing(t *testing.T) {
+	env := pgoutboxtest.PubSubWithOptions(t, pgoutboxtest.Options{Rotating: true})
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(pgoutboxprom.NewCollector(tx.FromPgxPool(env.Pool), env.Tables, pgoutboxprom.Options{}))
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	t.Cleanup(srv.Close)
+	body := scrape(t, srv)
+	outbox := env.Schema + ".outbox"
+	require.GreaterOrEqual(t, sample(t, body, `pgoutbox_ring_current_age_seconds{table="`+outbox+`"}`), 0.0)
+	for _, g := range []string{"0", "1", "2"} {
+		require.GreaterOrEqual(t, sample(t, body, `pgoutbox_ring_partition_rows{generation="`+g+`",table="`+outbox+`"}`), 0.0)
+	}
+	requireLine(t, body, `pgoutbox_stats_errors_total 0`)
 }

@@ -229,3 +229,32 @@ func TestLeastPrivilegeSecondGroupAndDeadLetterTools(t *testing.T) {
 	require.EqualValues(t, 1, n)
 	require.Equal(t, 2, b.outboxRows(t, "orders"))
 }
+
+// CancelScheduled deletes rows: a publisher role cancels with the grant
+// docs/timers.md names, and without it gets an error that names the
+// grant, not a publish error.
+func TestCancelScheduledWithTheDocumentedGrant(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	pubPool := b.loginRole(t, "pub", publisherGrants...)
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pubPool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	later := newMsg("later")
+	pgoutbox.DeliverAfter(later, time.Hour)
+	pgoutbox.WithDedupKey(later, "remind-1")
+	require.NoError(t, pub.Publish("orders", later))
+
+	_, err = pub.CancelScheduled(ctx, "orders", "remind-1")
+	require.ErrorContains(t, err, `pgoutbox: cancel scheduled messages of "orders": the role may not delete`)
+	require.ErrorContains(t, err, "grant it DELETE")
+
+	canceller := b.loginRole(t, "canceller", append(publisherGrants,
+		`GRANT DELETE, SELECT (lease_token) ON %s.outbox TO %r`)...)
+	pub, err = pgoutbox.NewPublisher(tx.FromPgxPool(canceller), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	ok, err := pub.CancelScheduled(ctx, "orders", "remind-1")
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.Zero(t, b.outboxRows(t, "orders"))
+}

@@ -355,33 +355,46 @@ func (p *Publisher) Close() error {
 	return nil
 }
 
+const cancelOp = "cancel scheduled messages of"
+
 func (p *Publisher) wrapErr(topic string, err error) error {
+	return p.wrapOpErr("publish to", topic, err)
+}
+
+// wrapOpErr is wrapErr for the operation op on topic: "publish to", or
+// cancelOp.
+func (p *Publisher) wrapOpErr(op, topic string, err error) error {
 	if errors.Is(err, tx.ErrTxDone) {
-		return errorf("pgoutbox: publish to %q: %w; publish inside an open transaction, before Commit", topic, err)
+		return errorf("pgoutbox: %s %q: %w; publish inside an open transaction, before Commit", op, topic, err)
 	}
 	switch errtext.SQLState(err) {
 	case "42P01": // undefined_table
 		if n := p.q.Names; n.Arrivals && strings.Contains(err.Error(), n.ArrivalsTable) {
-			return errorf("pgoutbox: publish to %q: the arrivals table %s does not exist (an outbox below schema version 7, or one converted to a rotating outbox): "+
-				"unset Tables.Arrivals (and set Tables.Rotating if the outbox was converted), or bring the outbox to version 7 with schema.Migrate or schema.Create: %w", topic, n.QArrivals, err)
+			return errorf("pgoutbox: %s %q: the arrivals table %s does not exist (an outbox below schema version 7, or one converted to a rotating outbox): "+
+				"unset Tables.Arrivals (and set Tables.Rotating if the outbox was converted), or bring the outbox to version 7 with schema.Migrate or schema.Create: %w", op, topic, n.QArrivals, err)
 		}
-		return errorf("pgoutbox: publish to %q: table %s does not exist; run schema.Create or apply schema.SQL: %w", topic, p.q.Names.QTable, err)
+		return errorf("pgoutbox: %s %q: table %s does not exist; run schema.Create or apply schema.SQL: %w", op, topic, p.q.Names.QTable, err)
 	case "42P10": // invalid_column_reference: no unique index for ON CONFLICT
 		if !p.q.Names.Rotating {
-			return errorf("pgoutbox: publish to %q: the outbox %s has no dedup index of a single table: it is a rotating outbox "+
+			return errorf("pgoutbox: %s %q: the outbox %s has no dedup index of a single table: it is a rotating outbox "+
 				"(converted by schema.ConvertToRotating or `pgoutbox schema convert-to-rotating`?); set Tables.Rotating in the PublisherConfig to match "+
-				"(`pgoutbox schema validate` tells which the outbox is): %w", topic, p.q.Names.QTable, err)
+				"(`pgoutbox schema validate` tells which the outbox is): %w", op, topic, p.q.Names.QTable, err)
 		}
 	case "42703": // undefined_column
 		if p.q.Names.Rotating && strings.Contains(err.Error(), "generation") {
-			return errorf("pgoutbox: publish to %q: the outbox %s has no generation column: it is a single table, not a rotating outbox "+
+			return errorf("pgoutbox: %s %q: the outbox %s has no generation column: it is a single table, not a rotating outbox "+
 				"(converted back by schema.ConvertToSingle or `pgoutbox schema convert-to-single`?); unset Tables.Rotating in the PublisherConfig "+
-				"(`pgoutbox schema validate` tells which the outbox is): %w", topic, p.q.Names.QTable, err)
+				"(`pgoutbox schema validate` tells which the outbox is): %w", op, topic, p.q.Names.QTable, err)
+		}
+	case "42501": // insufficient_privilege
+		if op == cancelOp {
+			return errorf("pgoutbox: %s %q: the role may not delete from %s, which a cancel does; grant it DELETE and SELECT (lease_token) there, "+
+				"or cancel with a role that has them (docs/timers.md): %w", op, topic, p.q.Names.QTable, err)
 		}
 	case "25P02": // in_failed_sql_transaction
-		return errorf("pgoutbox: publish to %q: the transaction already failed; roll it back and retry the whole unit of work: %w", topic, err)
+		return errorf("pgoutbox: %s %q: the transaction already failed; roll it back and retry the whole unit of work: %w", op, topic, err)
 	}
-	return errorf("pgoutbox: publish to %q: %w", topic, err)
+	return errorf("pgoutbox: %s %q: %w", op, topic, err)
 }
 
 // publishBatch holds one Publish call as parallel arrays (see query.Publish
@@ -626,7 +639,7 @@ func (p *Publisher) CancelScheduled(ctx context.Context, topic, key string) (boo
 	}
 	n, err := p.executor(ctx).Exec(ctx, p.q.Cancel, topic, key)
 	if err != nil {
-		return false, p.wrapErr(topic, err)
+		return false, p.wrapOpErr(cancelOp, topic, err)
 	}
 	return n > 0, nil
 }

@@ -191,7 +191,12 @@ func subscriberConfigFromLookup(prefix string, lookup func(string) (string, bool
 	if r.str("START_FROM", &from) {
 		c.StartFrom = StartFrom(from)
 	}
-	r.integer("MAX_IN_FLIGHT", &c.MaxInFlight, "a whole number, at least 1")
+	// 0 would be the field's "unset" (1): present in the environment it
+	// is a mistake (meant as "no limit"?), not a default.
+	if r.integer("MAX_IN_FLIGHT", &c.MaxInFlight, "a whole number, at least 1") && c.MaxInFlight < 1 {
+		key, v, _ := r.get("MAX_IN_FLIGHT")
+		r.fail(key, v, "a whole number, at least 1 (there is no unlimited: it bounds the messages in flight)")
+	}
 	r.duration("LEASE", &c.Lease, "")
 	r.duration("MIN_POLL_INTERVAL", &c.MinPollInterval, "")
 	r.duration("MAX_POLL_INTERVAL", &c.MaxPollInterval, "")

@@ -105,6 +105,12 @@ func TestConfigFromEnvReportsEveryInvalidValue(t *testing.T) {
 
 func TestConfigFromEnvValidates(t *testing.T) {
 	t.Parallel()
+	// 0 is the field's default (1), but in the environment it is a mistake.
+	for _, v := range []string{"0", "-1"} {
+		_, err := subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_MAX_IN_FLIGHT": v}))
+		require.ErrorIs(t, err, ErrInvalidConfig)
+		require.Contains(t, err.Error(), `APP_MAX_IN_FLIGHT="`+v+`" is not valid; use a whole number, at least 1`)
+	}
 	_, err := subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_LEASE": "2s", "APP_MAX_POLL_INTERVAL": "5s"}))
 	require.ErrorIs(t, err, ErrInvalidConfig)
 	require.Contains(t, err.Error(), "the APP_* variables")

@@ -184,7 +184,8 @@ type SubscriberConfig struct {
 	MaxInFlight int
 
 	// Lease is how long a claimed row stays reserved for this subscriber.
-	// While a message is in flight its lease is renewed every Lease/2, so
+	// While a message is in flight its lease is renewed (checked every
+	// Lease/2, renewed once older than a quarter of it), so
 	// Lease bounds how long a crashed process keeps its rows, not how long a
 	// handler may run. Defaults to 30s. Must be longer than MaxPollInterval.
 	Lease time.Duration

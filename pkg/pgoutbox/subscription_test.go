@@ -615,3 +615,34 @@ func TestOwnerWriteConflictsAreQuietAtFirst(t *testing.T) {
 	fail(errors.New("connection reset"))
 	require.Equal(t, 2, errorsLogged(), "any other failure is an error at once")
 }
+
+// A renewal round renews only the leases that would end before the round
+// after next, with a quarter lease to spare: a young lease is left alone,
+// so a short handler never finds its row changed under it (which a
+// transactional handler under REPEATABLE READ fails on). A row to stamp
+// anew is renewed whatever its age.
+func TestOwnerRenewalLeavesYoungLeasesAlone(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
+	b.claimed(t, 1, 2)
+	d := b.handOut(t)
+	now := time.Now()
+	d.stamp = b.sub.holder() // stamped as the process is now
+	for other := range b.sub.hand.rows {
+		other.stamp = d.stamp
+	}
+	b.sub.house.nextRenew = now
+	b.sub.housekeeping(now)
+	require.Empty(t, b.sub.writes.pending.renew, "leases just taken run for a whole lease")
+
+	later := now.Add(b.sub.cfg.Lease/4 + time.Second)
+	b.sub.house.nextRenew = later
+	b.sub.housekeeping(later)
+	require.Len(t, b.sub.writes.pending.renew, 2, "a lease older than a quarter would end before the round after next")
+
+	b.sub.writes.pending.renew = nil
+	b.sub.house.nextRenew = now.Add(time.Hour)
+	d.stamp = pgtype.Int8{Int64: 42, Valid: true} // a key the process no longer holds
+	b.sub.housekeeping(now)
+	require.Equal(t, []*delivery{d}, b.sub.writes.pending.renew, "a row to stamp anew is renewed at once")
+}

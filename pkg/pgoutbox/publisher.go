@@ -376,9 +376,10 @@ func (p *Publisher) wrapOpErr(op, topic string, err error) error {
 		return errorf("pgoutbox: %s %q: table %s does not exist; run schema.Create or apply schema.SQL: %w", op, topic, p.q.Names.QTable, err)
 	case "42P10": // invalid_column_reference: no unique index for ON CONFLICT
 		if !p.q.Names.Rotating {
-			return errorf("pgoutbox: %s %q: the outbox %s has no dedup index of a single table: it is a rotating outbox "+
-				"(converted by schema.ConvertToRotating or `pgoutbox schema convert-to-rotating`?); set Tables.Rotating in the PublisherConfig to match "+
-				"(`pgoutbox schema validate` tells which the outbox is): %w", op, topic, p.q.Names.QTable, err)
+			return errorf("pgoutbox: %s %q: the outbox %s has no valid dedup index of a single table: either it is a rotating outbox "+
+				"(converted by schema.ConvertToRotating or `pgoutbox schema convert-to-rotating`?), then set Tables.Rotating in the PublisherConfig to match, "+
+				"or the index is missing or invalid (an interrupted build), then run schema.Create or `pgoutbox schema apply`; "+
+				"`pgoutbox schema validate` tells which: %w", op, topic, p.q.Names.QTable, err)
 		}
 	case "42703": // undefined_column
 		if p.q.Names.Rotating && strings.Contains(err.Error(), "generation") {

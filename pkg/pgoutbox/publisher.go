@@ -379,7 +379,7 @@ func (p *Publisher) wrapOpErr(op, topic string, err error) error {
 			return errorf("pgoutbox: %s %q: the outbox %s has no valid dedup index of a single table: either it is a rotating outbox "+
 				"(converted by schema.ConvertToRotating or `pgoutbox schema convert-to-rotating`?), then set Tables.Rotating in the PublisherConfig to match, "+
 				"or the index is missing or invalid (an interrupted build), then run schema.Create or `pgoutbox schema apply`; "+
-				"`pgoutbox schema validate` tells which: %w", op, topic, p.q.Names.QTable, err)
+				"`pgoutbox schema validate` says whether it rotates and names a missing index: %w", op, topic, p.q.Names.QTable, err)
 		}
 	case "42703": // undefined_column
 		if p.q.Names.Rotating && strings.Contains(err.Error(), "generation") {

@@ -457,7 +457,7 @@ const livenessCheckTimeout = 5 * time.Second
 // may not: then it takes it again, and claims stamp nothing meanwhile), and
 // wakes the subscriptions to reclaim orphaned rows when a key stayed
 // missing for OrphanGrace (see Spare).
-func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn, lapse *time.Timer) error {
+func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn, lapse *time.Timer, proxied bool) error {
 	// Bounded: on a path gone silent the check would wait for ever, and
 	// the session would never end to say that the lock may be lost.
 	ctx, cancel := context.WithTimeout(ctx, livenessCheckTimeout)
@@ -481,6 +481,11 @@ func (n *Notifier) checkLiveness(ctx context.Context, conn *pgx.Conn, lapse *tim
 	ended := time.Now()
 	key, _ := n.Liveness()
 	switch {
+	case key != 0 && proxied:
+		// A key of an earlier, direct session (a DSN of several hosts, one
+		// of them a pooler): not taken again here, see behindProxy.
+		n.setLiveness(0, false)
+		n.wakeAll(wakeLockChanged)
 	case key != 0 && !mine[key]:
 		n.setLiveness(key, false)
 		n.wakeAll(wakeLockChanged)
@@ -569,8 +574,8 @@ func (n *Notifier) session(parent context.Context, connected func(), adopt *lock
 	if proxied && !n.proxyLogged {
 		n.proxyLogged = true
 		n.logger.Info("The LISTEN connection goes through a connection pooler (PgBouncer): this process takes no liveness lock, "+
-			"so the rows of a crashed process come back when their leases expire, and wake-ups may not arrive; "+
-			"set SubscriberConfig.ListenDSN to a direct connection for both", nil)
+			"so the rows of a crashed process come back when their leases expire (and in transaction pooling no wake-up arrives: polling delivers); "+
+			"set SubscriberConfig.ListenDSN to a direct connection for crash detection and wake-ups", nil)
 	}
 	// A confirmation that does not come in time may be a half-open path:
 	// the probe finds out, and moves the session to its connection if the
@@ -613,7 +618,7 @@ func (n *Notifier) session(parent context.Context, connected func(), adopt *lock
 	for {
 		if time.Since(checked) >= LivenessEvery {
 			checked = time.Now()
-			if err := n.checkLiveness(ctx, conn, lapse); err != nil {
+			if err := n.checkLiveness(ctx, conn, lapse, proxied); err != nil {
 				return nil, err
 			}
 		}

@@ -510,3 +510,53 @@ func rowsKeepTheirKeyOverASlowListenPath(t *testing.T, mode pgoutbox.ClaimMode) 
 	}
 	require.GreaterOrEqual(t, float64(keyed)/float64(samples), 0.5, "the rows carried the key %d of %d times (a lapse on a loaded machine takes it off them until the next check)", keyed, samples)
 }
+
+// Every backend of a process terminated at once (its pool's 24, all open,
+// and its LISTEN connection's, as an operator's pg_terminate_backend of an
+// application does): its lock goes with them, and it renews its rows
+// without its key on fresh connections before the other processes count
+// the key gone for long enough, so its rows stay its own while its
+// handlers run.
+func TestRowsOfAProcessWhoseBackendsAreAllTerminatedStayItsOwn(t *testing.T) {
+	t.Parallel()
+	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
+		b := setup(t)
+		app := "terminated-a-" + mode.String()
+		evA := newEvents()
+		cfg, err := pgxpool.ParseConfig(b.DSN)
+		require.NoError(t, err)
+		cfg.ConnConfig.RuntimeParams["application_name"] = app
+		cfg.MaxConns = 24 // every one of them open, and then dead
+		poolA, err := pgxpool.NewWithConfig(context.Background(), cfg)
+		require.NoError(t, err)
+		t.Cleanup(poolA.Close)
+		var conns []*pgxpool.Conn
+		for range 24 {
+			c, err := poolA.Acquire(context.Background())
+			require.NoError(t, err)
+			conns = append(conns, c)
+		}
+		for _, c := range conns {
+			c.Release()
+		}
+		subA := b.subscriberOn(t, poolA, func(c *pgoutbox.SubscriberConfig) {
+			c.ClaimMode, c.MaxInFlight, c.Lease = mode, 4, 30*time.Second
+			c.Observer = evA
+		})
+		release, stamped := holdFourStampedRows(t, b, subA)
+		subB := b.subscriberOn(t, b.namedPool(t, "terminated-b-"+mode.String()), func(c *pgoutbox.SubscriberConfig) { c.MaxInFlight = 4 })
+		tookByB := make(chan string, 4)
+		runRouter(t, subB, "t", func(m *message.Message) error {
+			tookByB <- m.UUID
+			return nil
+		})
+		checkRanSince(t, b, "terminated-b-"+mode.String(), stamped, "B's notifier checked the liveness locks since A held its own")
+
+		require.Positive(t, b.count(t, `SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1) x`, app))
+		requireNoString(t, tookByB, 3*time.Second)
+		release()
+		pollUntil(t, "A's acks written", 20*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+		require.Zero(t, evA.countKind(pgoutbox.EventLeaseLost), "A kept its rows")
+		requireNoString(t, tookByB, 0)
+	})
+}

@@ -229,11 +229,8 @@ func claimStatement(n Names, ac string, orphans bool) string {
      ORDER BY available_at, id
      LIMIT $11::int
 ), candidates AS (
-    -- Of the window's rows of one key only the oldest can be free (the
-    -- others have it, present, before them): the key checks, which walk
-    -- the key's range of the ordering-key index, run once per key.
-    SELECT c.id FROM (SELECT id, ordering_key, row_number() OVER (PARTITION BY ordering_key ORDER BY id) AS nth FROM scan) c
-     WHERE (c.ordering_key IS NULL OR c.nth = 1) AND %[7]s
+    SELECT c.id FROM scan c
+     WHERE %[7]s
 ), ready AS (
     -- The rows chosen are probed by id. "num_nulls(lease_token) = 1" is
     -- "not leased" in a form that does not match the ready index's

@@ -163,3 +163,21 @@ func loadavg() string {
 	}
 	return strings.Join(f[:3], " ")
 }
+
+// holdSnapshot opens a REPEATABLE READ transaction on a connection of its
+// own and takes its snapshot, as a transaction left open elsewhere does:
+// nothing deleted after it can be removed until release.
+func (b *bench) holdSnapshot(ctx context.Context) (release func(), err error) {
+	holder, err := b.conn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := holder.Exec(ctx, `BEGIN ISOLATION LEVEL REPEATABLE READ`); err == nil {
+		_, err = holder.Exec(ctx, `SELECT 1`) // takes the snapshot
+	}
+	if err != nil {
+		_ = holder.Close(context.Background())
+		return nil, err
+	}
+	return func() { _ = holder.Close(context.Background()) }, nil
+}

@@ -891,17 +891,11 @@ func keyedDrain(keys, maxInFlight int, blocked bool) func(context.Context, *benc
 			return result{}, fmt.Errorf("load backlog: %w", err)
 		}
 		if blocked {
-			holder, err := b.conn(ctx)
+			release, err := b.holdSnapshot(ctx)
 			if err != nil {
 				return result{}, err
 			}
-			defer holder.Close(context.Background())
-			if _, err := holder.Exec(ctx, `BEGIN ISOLATION LEVEL REPEATABLE READ`); err != nil {
-				return result{}, err
-			}
-			if _, err := holder.Exec(ctx, `SELECT 1`); err != nil { // takes the snapshot
-				return result{}, err
-			}
+			defer release()
 		}
 		elapsed, _, err := drainLoaded(ctx, b, inst, n, maxInFlight, func() { time.Sleep(time.Millisecond) }, nil)
 		if err != nil {

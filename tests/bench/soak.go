@@ -176,17 +176,11 @@ func soakScenario(blocked, timer bool) func(context.Context, *bench, instance) (
 		}
 
 		if blocked {
-			holder, err := b.conn(ctx)
+			release, err := b.holdSnapshot(ctx)
 			if err != nil {
 				return result{}, err
 			}
-			defer holder.Close(context.Background())
-			if _, err := holder.Exec(ctx, `BEGIN ISOLATION LEVEL REPEATABLE READ`); err != nil {
-				return result{}, err
-			}
-			if _, err := holder.Exec(ctx, `SELECT 1`); err != nil { // takes the snapshot
-				return result{}, err
-			}
+			defer release()
 		}
 
 		conns := make([]*pgx.Conn, o.publishers)

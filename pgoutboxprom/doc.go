@@ -54,6 +54,9 @@
 //	pgoutbox_oldest_snapshot_xmin_age{kind}                gauge: transactions begun since the oldest snapshot of
 //	                                                        each kind (backend, replication_slot, prepared_xact):
 //	                                                        the one that covers slots, which record no time
+//	pgoutbox_ring_current_age_seconds{table}               gauge: a rotating outbox's current partition's age;
+//	                                                        alert above a minute: the ring stopped advancing
+//	pgoutbox_ring_partition_rows{table,generation}         gauge: each ring partition's estimated live rows
 //	pgoutbox_stats_errors_total                            counter: scrapes whose Stats or Health failed or timed
 //	                                                        out (that scrape has none of the failed call's gauges,
 //	                                                        rather than stale ones)

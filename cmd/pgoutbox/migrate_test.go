@@ -16,14 +16,21 @@ import (
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
-func TestSchemaMigrate(t *testing.T) {
-	t.Parallel()
+// cliOnNewSchema is an empty schema of the test's own, and a runner of the
+// CLI with its connection flags.
+func cliOnNewSchema(t *testing.T) (*pgoutboxtest.Schema, func(args ...string) (string, string, int)) {
+	t.Helper()
 	s := pgoutboxtest.NewSchema(t, pgoutboxtest.Options{})
 	conn := []string{"--dsn", s.DSN, "--schema", s.Name}
-	run := func(args ...string) (string, string, int) {
+	return s, func(args ...string) (string, string, int) {
 		t.Helper()
 		return cliRun(t, nil, append(args, conn...)...)
 	}
+}
+
+func TestSchemaMigrate(t *testing.T) {
+	t.Parallel()
+	s, run := cliOnNewSchema(t)
 	status := func() map[string]any {
 		t.Helper()
 		out, errOut, code := run("schema", "migrate", "status", "--json")
@@ -162,12 +169,7 @@ func TestSchemaMigrateFiles(t *testing.T) {
 // refuses undoes nothing, and its dry run says so.
 func TestSchemaMigrateDownRefusesUpFront(t *testing.T) {
 	t.Parallel()
-	s := pgoutboxtest.NewSchema(t, pgoutboxtest.Options{})
-	conn := []string{"--dsn", s.DSN, "--schema", s.Name}
-	run := func(args ...string) (string, string, int) {
-		t.Helper()
-		return cliRun(t, nil, append(args, conn...)...)
-	}
+	s, run := cliOnNewSchema(t)
 	_, errOut, code := run("schema", "migrate", "up")
 	require.Equal(t, 0, code, errOut)
 	_, err := s.Pool.Exec(context.Background(), `INSERT INTO "`+s.Name+`".outbox (topic, consumer_group, uuid, payload, ordering_key) VALUES ('orders', 'billing', 'u1', 'x', 'k1')`)

@@ -26,7 +26,6 @@ type claimSchedule struct {
 	idleUntil  time.Time     // an idle sleep ends then
 	idlePoll   time.Duration // the next idle sleep
 	gate       retryGate     // after a failed claim
-	failures   int           // claims failed since the last that ran
 	gen        uint64        // bumped by every give-back; a claim started before it gives its rows back too
 	givingBack int           // give-backs not written yet: a claim now would overtake them
 	withheld   bool          // the last claim left arrivals to open held batches and found nothing else
@@ -134,7 +133,6 @@ func (c *claimSchedule) start(n int, now time.Time, holder pgtype.Int8, spare fu
 // failed takes in a failed claim and returns the backoff before the next.
 func (c *claimSchedule) failed(r claimResult, now time.Time) time.Duration {
 	c.claiming, c.wokeDuring = false, false
-	c.failures++
 	for _, k := range r.req.endedKeys { // that claim did not happen
 		c.endedKeys[k] = struct{}{}
 	}
@@ -161,7 +159,6 @@ func (c *claimSchedule) failed(r claimResult, now time.Time) time.Duration {
 func (c *claimSchedule) succeeded(r claimResult) (woke bool) {
 	woke = c.wokeDuring
 	c.claiming, c.wokeDuring = false, false
-	c.failures = 0
 	c.gate.succeeded()
 	c.scan.claimed(r)
 	if len(r.req.endedKeys) > 0 && (len(r.rows) >= r.req.n || r.reclaimed > 0) {
@@ -359,7 +356,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 	if r.err != nil {
 		wait := sub.claims.failed(r, now)
 		fields := watermill.LogFields{"retry_in": wait.String(), "path": r.req.path()}
-		if conflict(r.err) && sub.claims.failures <= quietConflicts {
+		if conflict(r.err) && sub.claims.gate.failures <= quietConflicts {
 			// A row the claim was about to take changed under it: the
 			// rotation of a rotating outbox moved it, or a deadlock with an
 			// operator's statement. The next claim sees the row as it is.

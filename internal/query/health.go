@@ -92,12 +92,12 @@ UNION ALL
 ) h
  ORDER BY xid_age DESC, since`
 
-// RingHealth reads the ring of the rotating outbox n: per ring partition,
+// ringHealth reads the ring of the rotating outbox n: per ring partition,
 // its generation and estimated live rows, with the current generation and
 // the milliseconds since it became current (NULLs when the role may not
 // read the generation sequence: pg_sequences hides its value). Catalogs
 // and statistics only, like TableHealth; no arrays, for every driver.
-func RingHealth(n Names) string {
+func ringHealth(n Names) string {
 	var parts []string
 	for g, name := range n.Generations[:RingSize] {
 		parts = append(parts, fmt.Sprintf("(%d, %s)", g, literal(name)))

@@ -102,6 +102,8 @@ type RotationStatements struct {
 	// LockGeneration takes partition g's ACCESS EXCLUSIVE lock (under the
 	// step's lock_timeout), Truncate empties it.
 	LockGeneration, Truncate []string
+	// RingHealth: the ring's state for Health (see ringHealth).
+	RingHealth string
 }
 
 // rotationLockKey is the advisory lock that makes one rotation step at a
@@ -117,7 +119,8 @@ func buildRotation(n Names) RotationStatements {
 		RotationLock: `SELECT pg_try_advisory_xact_lock(` + rotationLockKey + `)`,
 		Current: fmt.Sprintf(`SELECT (v %% %[2]d)::int, floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint - v / %[2]d
   FROM pg_sequence_last_value('%[1]s'::regclass) AS v`, n.QGenSeq, RingSize),
-		Advance: fmt.Sprintf(`SELECT setval('%s'::regclass, %s, true)`, n.QGenSeq, n.seqAt("clock_timestamp()", fmt.Sprintf("($1::int + 1) %% %d", RingSize))),
+		Advance:    fmt.Sprintf(`SELECT setval('%s'::regclass, %s, true)`, n.QGenSeq, n.seqAt("clock_timestamp()", fmt.Sprintf("($1::int + 1) %% %d", RingSize))),
+		RingHealth: ringHealth(n),
 	}
 	for g := range LongGeneration + 1 {
 		part := n.QGeneration(g)

@@ -264,7 +264,7 @@ func Health(ctx context.Context, exec tx.Executor, tables schema.Config) (Health
 	}
 
 	if n.Rotating {
-		if h.Ring, err = ringHealth(ctx, exec, n); err != nil {
+		if h.Ring, err = ringHealth(ctx, exec, q.RingHealth); err != nil {
 			return HealthReport{}, healthError("ring", err)
 		}
 	}
@@ -311,8 +311,8 @@ func timeOrZero(t *time.Time) time.Time {
 	return *t
 }
 
-func ringHealth(ctx context.Context, exec tx.Executor, n query.Names) (*RingHealth, error) {
-	rows, err := exec.Query(ctx, query.RingHealth(n))
+func ringHealth(ctx context.Context, exec tx.Executor, stmt string) (*RingHealth, error) {
+	rows, err := exec.Query(ctx, stmt)
 	if err != nil {
 		return nil, err
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -72,6 +73,16 @@ func WithMetadata(key, value string) Filter {
 	return Where(fmt.Sprintf("metadata %s=%q", key, value), func(m *message.Message) bool {
 		v, ok := m.Metadata[key]
 		return ok && v == value
+	})
+}
+
+// WithOrderingKey keeps the messages published with ordering key key
+// (pgoutbox.WithOrderingKey). The messages RequirePublished returns carry
+// their key in pgoutbox.OrderingKeyMetadataKey, as delivered ones do.
+func WithOrderingKey(key string) Filter {
+	return Where(fmt.Sprintf("ordering key %q", key), func(m *message.Message) bool {
+		v, ok := m.Metadata[pgoutbox.OrderingKeyMetadataKey]
+		return ok && v == key
 	})
 }
 
@@ -138,7 +149,7 @@ func published(exec tx.Executor, c *criteria, topic string) ([]row, error) {
 	if table == "" {
 		table = schema.DefaultTable
 	}
-	q := `SELECT id, consumer_group, uuid, payload, metadata::text, available_at, dedup_key
+	q := `SELECT id, consumer_group, uuid, payload, metadata::text, available_at, dedup_key, ordering_key
 		FROM ` + quoteIdent(schemaName) + `.` + quoteIdent(table) + ` WHERE topic = $1`
 	// Named as the outbox names it (a long name is hashed); read where the
 	// role may: every single-table outbox has the table, used or not.
@@ -148,7 +159,7 @@ func published(exec tx.Executor, c *criteria, topic string) ([]row, error) {
 		return nil, err
 	}
 	if exists {
-		q += ` UNION ALL SELECT id, '', uuid, payload, metadata::text, created_at, NULL FROM ` + arrivals + ` WHERE topic = $1`
+		q += ` UNION ALL SELECT id, '', uuid, payload, metadata::text, created_at, NULL, NULL FROM ` + arrivals + ` WHERE topic = $1`
 	}
 	rows, err := exec.Query(ctx, q+` ORDER BY id`, topic)
 	if err != nil {
@@ -160,12 +171,16 @@ func published(exec tx.Executor, c *criteria, topic string) ([]row, error) {
 		var r row
 		var uuid, md string
 		var payload []byte
-		if err := rows.Scan(&r.id, &r.group, &uuid, &payload, &md, &r.availableAt, &r.dedupKey); err != nil {
+		var orderingKey *string
+		if err := rows.Scan(&r.id, &r.group, &uuid, &payload, &md, &r.availableAt, &r.dedupKey, &orderingKey); err != nil {
 			return nil, err
 		}
 		r.msg = message.NewMessage(uuid, payload)
 		if err := json.Unmarshal([]byte(md), &r.msg.Metadata); err != nil || r.msg.Metadata == nil {
 			r.msg.Metadata = message.Metadata{}
+		}
+		if orderingKey != nil { // stored in its column; a delivered message carries it so
+			r.msg.Metadata[pgoutbox.OrderingKeyMetadataKey] = *orderingKey
 		}
 		all = append(all, r)
 	}
@@ -191,7 +206,8 @@ func published(exec tx.Executor, c *criteria, topic string) ([]row, error) {
 
 // RequirePublished fails the test unless the outbox holds a message on
 // topic that every filter accepts (exactly n with Count(n)), and returns
-// the matching messages in publish order. It reads through exec, so inside
+// the matching messages in publish order, each with its ordering key (if
+// any) in pgoutbox.OrderingKeyMetadataKey, as delivered. It reads through exec, so inside
 // your transaction (tx.FromPgxTx, tx.FromSQLTx) it sees what the
 // transaction published before it commits; on a pool
 // (tx.FromPgxPool(env.Pool)) it sees what was committed. A message that

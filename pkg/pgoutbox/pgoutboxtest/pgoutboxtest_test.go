@@ -130,6 +130,33 @@ func TestRequirePublishedCountsMessagesNotGroupCopies(t *testing.T) {
 	env.RequirePublished(t, env.Exec(), "orders", pgoutboxtest.Count(2), pgoutboxtest.WithUUID(m.UUID))
 }
 
+// The ordering key is stored in a column, not in the metadata; the
+// messages RequirePublished returns carry it as a delivered message does.
+func TestRequirePublishedSeesOrderingKeys(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	a1, a2, b1, plain := msg("a1"), msg("a2"), msg("b1"), msg("plain")
+	pgoutbox.WithOrderingKey(a1, "account-a")
+	pgoutbox.WithOrderingKey(a2, "account-a")
+	pgoutbox.WithOrderingKey(b1, "account-b")
+	require.NoError(t, env.Publisher.Publish("payments", a1, plain, b1, a2))
+
+	got := env.RequirePublished(t, env.Exec(), "payments", pgoutboxtest.WithOrderingKey("account-a"), pgoutboxtest.Count(2))
+	require.Equal(t, []string{"a1", "a2"}, []string{string(got[0].Payload), string(got[1].Payload)})
+	require.Equal(t, "account-a", got[0].Metadata.Get(pgoutbox.OrderingKeyMetadataKey))
+	env.RequireNotPublished(t, env.Exec(), "payments", pgoutboxtest.WithOrderingKey("account-c"))
+	all := env.RequirePublished(t, env.Exec(), "payments", pgoutboxtest.Count(4))
+	require.Empty(t, all[1].Metadata.Get(pgoutbox.OrderingKeyMetadataKey), "an unkeyed message has no key")
+
+	keys := map[string]string{}
+	for _, m := range all {
+		keys[m.UUID] = m.Metadata.Get(pgoutbox.OrderingKeyMetadataKey)
+	}
+	for _, m := range env.Drain(t, "payments", 4, 30*time.Second) {
+		require.Equal(t, keys[m.UUID], m.Metadata.Get(pgoutbox.OrderingKeyMetadataKey), "RequirePublished shows the key a delivery carries")
+	}
+}
+
 func TestRequirePublishedFailureShowsWhatWasThere(t *testing.T) {
 	t.Parallel()
 	env := pgoutboxtest.PubSub(t)

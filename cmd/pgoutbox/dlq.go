@@ -258,6 +258,18 @@ func (c *cli) dlqRequeue(args []string) error {
 		} else {
 			fmt.Fprintf(c.stdout, "requeued %d dead letter(s)\n", n)
 		}
+		if n > 0 && !tables.NoDeadLetterTable {
+			// A dead letter goes back to the group that failed it: say so
+			// if that group is no longer bound (renamed, unbound), as
+			// stats does. A courtesy: nothing is said if Stats fails.
+			var opts []pgoutbox.StatsOption
+			if f.Topic != "" {
+				opts = append(opts, pgoutbox.StatsForTopic(f.Topic))
+			}
+			if st, err := pgoutbox.Stats(ctx, exec, tables, opts...); err == nil {
+				printUnboundWarnings(c.stdout, st)
+			}
+		}
 		if len(ids) == 0 || n >= int64(len(ids)) {
 			return nil
 		}

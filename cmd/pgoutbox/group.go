@@ -139,6 +139,12 @@ func (c *cli) unbindCmd(args []string) error {
 	return cmd.withOutbox(context.Background(), confirm, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
 		n, err := pgoutbox.Unbind(ctx, exec, tables, *topic, *group, *purge)
 		if errors.Is(err, pgoutbox.ErrNotBound) {
+			if *purge && n > 0 {
+				// The group was unbound already (stranded rows, which stats
+				// says to purge this way): the purge is what was asked.
+				fmt.Fprintf(c.stdout, "group %s was not bound to topic %q; deleted %d pending message(s)\n", groupName(*group), *topic, n)
+				return nil
+			}
 			if *purge {
 				fmt.Fprintf(c.stdout, "deleted %d pending message(s)\n", n)
 			}

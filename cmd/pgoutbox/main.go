@@ -256,6 +256,9 @@ func hint(err error) string {
 	if errors.As(err, &pgErr) && pgErr.Code == undefinedTable && !strings.Contains(err.Error(), "schema.Create") {
 		return "; run \"pgoutbox schema apply\" to create the tables, or check --schema and --table (or PGOUTBOX_SCHEMA, PGOUTBOX_TABLE)"
 	}
+	if errors.As(err, &pgErr) && pgErr.Code == insufficientPrivilege {
+		return "; the role lacks a privilege this command needs: grant it as docs/operations.md (Least privilege) and docs/ui.md list per action, or run the command as a role that has it"
+	}
 	return ""
 }
 
@@ -305,6 +308,7 @@ func (c *cli) dispatch(args []string) error {
 
 // undefinedTable is PostgreSQL's SQLSTATE for a missing table.
 const undefinedTable = "42P01"
+const insufficientPrivilege = "42501"
 
 // connectionFlags are the flags every command takes (newCommand), and
 // whether each takes a value: the connection and table flags, and what

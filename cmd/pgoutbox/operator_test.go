@@ -242,3 +242,53 @@ func (l *errorLog) errors() []string {
 	defer l.mu.Unlock()
 	return slices.Clone(l.msgs)
 }
+
+// --older-than with a day count past time.Duration's range wrapped around:
+// 213504d became 25m26s and purged a dead letter that failed an hour ago.
+func TestPurgeOlderThanPastADurationIsRefused(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	deadLetter(t, env, "orders", "x")
+	_, err := env.Pool.Exec(context.Background(), `UPDATE "`+env.Schema+`"."`+env.Tables.DeadLetterTable+`" SET failed_at = now() - interval '1 hour'`)
+	require.NoError(t, err)
+	out, errOut, code := cliRun(t, env, "dlq", "purge", "--older-than", "213504d", "--yes")
+	require.NotContains(t, out, "purged 1", "a dead letter an hour old was purged by --older-than 213504d (%s)", errOut)
+	require.Equal(t, exitUsage, code, "an age past what a duration holds is a usage error: %s%s", out, errOut)
+}
+
+// Dead letters requeued into a group no longer bound to their topic
+// (renamed, unbound) wait where no subscriber claims them: requeue says
+// so, as move and pause do.
+func TestRequeueIntoAnUnboundGroupWarns(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	deadLetter(t, env, "orders", "x") // the default group's
+	_, err := pgoutbox.Unbind(context.Background(), env.Exec(), env.Tables, "orders", "", false)
+	require.NoError(t, err)
+	_, errOut, code := cliRun(t, env, "bind", "--topic", "orders", "--group", "billing")
+	require.Equal(t, 0, code, errOut)
+
+	out, errOut, code := cliRun(t, env, "dlq", "requeue", "--all", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "requeued 1")
+	require.Contains(t, out+errOut, "not bound", "the requeued letter waits in a group nobody consumes; say so")
+}
+
+// stats ends its warning about a stranded group with "or unbind --purge";
+// that command deleted the rows and then exited 1 ("nothing to act on"),
+// so a script took the purge for a failure.
+func TestUnbindPurgeOfAStrandedGroupSucceeds(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	_, errOut, code := cliRun(t, env, "bind", "--topic", "orders", "--group", "old")
+	require.Equal(t, 0, code, errOut)
+	publish(t, env, "orders", "a")
+	_, errOut, code = cliRun(t, env, "unbind", "--topic", "orders", "--group", "old")
+	require.Equal(t, 0, code, errOut)
+	out, _, _ := cliRun(t, env, "stats")
+	require.Contains(t, out, "or unbind --purge", "the remedy stats gives")
+
+	out, errOut, code = cliRun(t, env, "unbind", "--topic", "orders", "--group", "old", "--purge", "--yes")
+	require.Contains(t, out, "deleted 1 pending message(s)")
+	require.Equal(t, 0, code, "the stranded message was deleted, as asked: %s%s", out, errOut)
+}

@@ -84,3 +84,27 @@ func TestBindWithoutAPrivilegeSaysBind(t *testing.T) {
 	require.NotContains(t, errOut, "stats:")
 	require.Equal(t, 1, strings.Count(errOut, "pgoutbox:"), errOut)
 }
+
+// A role lacking a grant got PostgreSQL's bare "permission denied for
+// table outbox_dlq"; the error now says where the grants are listed.
+func TestPermissionDeniedSaysWhereTheGrantsAre(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	deadLetter(t, env, "orders", "x")
+	// The subscriber role of docs/operations.md: no UPDATE/DELETE on the dead letters.
+	asRole := roleEnv(t, env,
+		[2]string{"SELECT, UPDATE, DELETE", "outbox"},
+		[2]string{"SELECT, INSERT", "outbox_bindings"},
+		[2]string{"SELECT, INSERT", "outbox_dlq"},
+		[2]string{"SELECT", "outbox_paused"})
+	for _, args := range [][]string{
+		{"dlq", "requeue", "--all", "--yes"},
+		{"dlq", "purge", "--older-than", "0", "--yes"},
+		{"pause", "--topic", "orders", "--group", "billing"},
+	} {
+		_, errOut, code := cliRun(t, asRole, args...)
+		require.Equal(t, exitError, code, errOut)
+		require.Contains(t, errOut, "permission denied")
+		require.Regexp(t, `(?i)grant|privilege`, errOut, "%v: the error should say which grant is missing or where the grants are documented", args)
+	}
+}

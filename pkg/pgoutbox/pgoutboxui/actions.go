@@ -105,6 +105,9 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 		c.Danger = true
 		c.RowsNote = "counted now; the purge counts by the database clock"
 		c.What = fmt.Sprintf("Delete every dead letter, of every topic, that failed more than %s ago, for good.", ageString(d))
+		if d == 0 {
+			c.What = "Delete every dead letter, of every topic, whenever it failed, for good."
+		}
 		result = func() (string, error) {
 			n, err := pgoutbox.PurgeDeadLetters(ctx, ui.exec, ui.tables, d, 0)
 			return fmt.Sprintf("Purged %s.", plural(int(n), "dead letter")), err

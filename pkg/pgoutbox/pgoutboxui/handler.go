@@ -287,7 +287,11 @@ func (ui *UI) fail(w http.ResponseWriter, r *http.Request, err error) {
 	if errors.Is(err, pgoutbox.ErrInvalidConfig) || errors.Is(err, pgoutbox.ErrInvalidGroup) || errors.Is(err, pgoutbox.ErrInvalidTopic) {
 		code = http.StatusBadRequest
 	}
-	if n := ui.names; n.QDLQ != "" && errtext.SQLState(err) == "42P01" && strings.Contains(msg, n.DLQTable) {
+	if errtext.SQLState(err) == "42P01" && !ui.outboxExists(r.Context()) {
+		// A mistyped schema or table: no advice about one table of it.
+		msg += fmt.Sprintf("; the outbox %s does not exist: check the schema and table the page was given (pgoutbox ui --schema, --table), "+
+			"or create the tables (pgoutbox schema apply)", ui.names.QTable)
+	} else if n := ui.names; n.QDLQ != "" && errtext.SQLState(err) == "42P01" && strings.Contains(msg, n.DLQTable) {
 		msg += fmt.Sprintf("; the outbox has no dead-letter table %s: if it was made without one, set NoDeadLetterTable in the UI's tables (pgoutbox ui --no-dlq)", n.QDLQ)
 	}
 	b := ui.page(w, r, "Error", errorData{Code: code, Message: msg})
@@ -328,4 +332,19 @@ func (ui *UI) render(w http.ResponseWriter, r *http.Request, name, title string,
 type errorData struct {
 	Code    int
 	Message string
+}
+
+// outboxExists reports whether the outbox table exists (true when that
+// cannot be read: the advice then stays as it was).
+func (ui *UI) outboxExists(ctx context.Context) bool {
+	rows, err := ui.exec.Query(ctx, "SELECT to_regclass($1) IS NOT NULL", ui.names.QTable)
+	if err != nil {
+		return true
+	}
+	defer rows.Close()
+	exists := true
+	if rows.Next() && rows.Scan(&exists) != nil {
+		return true
+	}
+	return exists
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxui"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -457,4 +458,48 @@ func TestDeadLetterPages(t *testing.T) {
 	require.Equal(t, 3, strings.Count(poisoned, `class="dl-link"`))
 	code, _ := b.get(t, "dead-letters?after=yesterday")
 	require.Equal(t, http.StatusBadRequest, code)
+}
+
+// A group filter with a mode other than "any" or "is" (a crafted or stale
+// form, a hand-written URL) was dropped silently, and "requeue all
+// matching" offered every dead letter; it is refused, as a bad reason is.
+func TestUnknownGroupModeIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t, true)
+	b.deadLetters(t, "t", "billing", "rejected", 2, "x")
+	b.deadLetters(t, "t", "shipping", "rejected", 3, "y")
+	resp, body := b.post(t, "confirm", url.Values{"csrf": {b.csrf(t)}, "action": {"requeue-matching"},
+		"gmode": {"iss"}, "group": {"billing"}, "return": {"/ops/outbox/dead-letters"}})
+	require.Equal(t, http.StatusBadRequest, resp.StatusCode, "the confirmation offers: %s", body)
+}
+
+// The purge confirmation for an age of 0 (every dead letter) read "failed
+// more than - ago".
+func TestPurgeOfEveryDeadLetterSaysSo(t *testing.T) {
+	t.Parallel()
+	b := setup(t, true)
+	b.deadLetters(t, "t", "", "rejected", 2, "x")
+	resp, body := b.post(t, "confirm", url.Values{"csrf": {b.csrf(t)}, "action": {"purge"}, "older_than": {"0"},
+		"return": {"/ops/outbox/dead-letters"}})
+	require.Equal(t, http.StatusOK, resp.StatusCode, body)
+	require.NotContains(t, body, "more than - ago")
+}
+
+// The page of an outbox that does not exist (a mistyped --schema or
+// --table) told the operator to set NoDeadLetterTable on the dead-letter
+// page and gave the bare SQL error on the group page; both say to check
+// the names or create the tables.
+func TestMissingOutboxSaysCheckTheNames(t *testing.T) {
+	t.Parallel()
+	b := setup(t, false)
+	ui, err := pgoutboxui.New(b.env.Exec(), schema.Config{Schema: "no_such_schema"}, pgoutboxui.Options{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ui.Close() })
+	for _, path := range []string{"/dead-letters", "/group?topic=orders&group=billing"} {
+		rec := httptest.NewRecorder()
+		ui.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, path, nil))
+		body := rec.Body.String()
+		require.NotContains(t, body, "NoDeadLetterTable", path)
+		require.Regexp(t, `schema apply|check the schema|--schema`, body, path)
+	}
 }

@@ -253,11 +253,14 @@ func parseFilter(v url.Values) (dlFilter, error) {
 		return d, badRequest("reason %q is not a failure reason such as rejected or max_deliveries", d.Reason)
 	}
 	d.f.Topic, d.f.Reason = d.Topic, d.Reason
-	if d.GroupMode == "is" {
+	switch d.GroupMode {
+	case "is":
 		g := d.Group
 		d.f.ConsumerGroup = &g
-	} else {
+	case "", "any":
 		d.GroupMode, d.Group = "any", ""
+	default:
+		return d, badRequest("group mode %q is neither any nor is; choose one (is, with the group's name, empty for the default group)", d.GroupMode)
 	}
 	for _, t := range []struct {
 		s   string

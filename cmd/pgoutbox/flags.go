@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -189,6 +191,56 @@ func (o *optString) ptr() *string {
 	}
 	v := o.value
 	return &v
+}
+
+// reasonFlag is --reason: one of the failure reasons pgoutbox writes. A
+// misspelt one would match nothing, and a requeue or purge would report 0
+// as if there were nothing to do.
+type reasonFlag struct{ dst *string }
+
+// failureReasons are the reasons a dead letter can have.
+var failureReasons = []string{pgoutbox.ReasonMaxDeliveries, pgoutbox.ReasonRetryExhausted, pgoutbox.ReasonRejected, pgoutbox.ReasonPoisoned}
+
+func (r reasonFlag) String() string {
+	if r.dst == nil {
+		return ""
+	}
+	return *r.dst
+}
+
+func (r reasonFlag) Set(s string) error {
+	if s != "" && !slices.Contains(failureReasons, s) {
+		return fmt.Errorf("%q is not a failure reason; use one of %s", s, strings.Join(failureReasons, ", "))
+	}
+	*r.dst = s
+	return nil
+}
+
+// durationFlag is a Go duration whose parse error says how to write one
+// (flag's own says only "parse error": a bare "5" is the usual mistake).
+type durationFlag struct{ dst *time.Duration }
+
+// durationVar defines a duration flag with default value on cmd.
+func (cmd *command) durationVar(name string, value time.Duration, usage string) *time.Duration {
+	d := value
+	cmd.fs.Var(durationFlag{&d}, name, usage)
+	return &d
+}
+
+func (f durationFlag) String() string {
+	if f.dst == nil {
+		return "0s" // the zero value, which flag's help leaves out
+	}
+	return f.dst.String()
+}
+
+func (f durationFlag) Set(s string) error {
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		return fmt.Errorf("%q is not a duration; give it with its unit, as 30s, 5m or 1h30m", s)
+	}
+	*f.dst = d
+	return nil
 }
 
 // idList collects --id flags, repeated or comma-separated.

@@ -187,7 +187,7 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	case errors.As(err, &pe):
 		return exitValidation
 	case badInput(err):
-		fmt.Fprintf(stderr, "pgoutbox: %s\n", errorText(err))
+		fmt.Fprintf(stderr, "pgoutbox: %s%s\n", errorText(err), hint(err))
 		return exitUsage
 	default:
 		fmt.Fprintf(stderr, "pgoutbox: %s%s\n", errorText(err), hint(err))
@@ -255,6 +255,9 @@ func hint(err error) string {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == undefinedTable && !strings.Contains(err.Error(), "schema.Create") {
 		return "; run \"pgoutbox schema apply\" to create the tables, or check --schema and --table (or PGOUTBOX_SCHEMA, PGOUTBOX_TABLE)"
+	}
+	if errors.Is(err, pgoutbox.ErrPayloadTooLarge) {
+		return "; here: pgoutbox publish --max-payload-bytes N"
 	}
 	if errors.As(err, &pgErr) && pgErr.Code == insufficientPrivilege {
 		return "; the role lacks a privilege this command needs: grant it as docs/operations.md (Least privilege) and docs/ui.md list per action, or run the command as a role that has it"

@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -291,4 +293,44 @@ func TestUnbindPurgeOfAStrandedGroupSucceeds(t *testing.T) {
 	out, errOut, code = cliRun(t, env, "unbind", "--topic", "orders", "--group", "old", "--purge", "--yes")
 	require.Contains(t, out, "deleted 1 pending message(s)")
 	require.Equal(t, 0, code, "the stranded message was deleted, as asked: %s%s", out, errOut)
+}
+
+// A misspelt --reason matched nothing, and a requeue or purge reported 0
+// with exit 0; a bare number for a duration said only "parse error".
+func TestMistypedReasonAndDurationSayWhatToWrite(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	deadLetter(t, env, "orders", "x")
+	for _, args := range [][]string{
+		{"dlq", "requeue", "--reason", "rejcted", "--yes"},
+		{"dlq", "purge", "--older-than", "0", "--reason", "rejcted", "--yes"},
+		{"dlq", "list", "--reason", "rejcted"},
+	} {
+		_, errOut, code := cliRun(t, env, args...)
+		require.Equal(t, exitUsage, code, "%v: %s", args, errOut)
+		require.Contains(t, errOut, "use one of max_deliveries, retry_exhausted, rejected, poisoned", args)
+	}
+	out, errOut, code := cliRun(t, env, "dlq", "list", "--reason", "rejected", "--json")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `"failure_reason": "rejected"`)
+
+	_, errOut, code = cliRun(t, env, "publish", "--topic", "orders", "--payload", "x", "--delay", "5")
+	require.Equal(t, exitUsage, code, errOut)
+	require.Contains(t, errOut, "give it with its unit, as 30s")
+}
+
+// A payload over the limit told CLI users to raise MaxPayloadBytes, which
+// the CLI had no way to; --max-payload-bytes is that way.
+func TestPublishOverThePayloadLimitSaysTheFlag(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	big := filepath.Join(t.TempDir(), "big")
+	require.NoError(t, os.WriteFile(big, []byte(strings.Repeat("a", pgoutbox.DefaultMaxPayloadBytes+1)), 0o600))
+	_, errOut, code := cliRun(t, env, "publish", "--topic", "big", "--payload-file", big)
+	require.Equal(t, exitUsage, code, errOut)
+	require.Contains(t, errOut, "--max-payload-bytes")
+	env.RequireNotPublished(t, env.Exec(), "big")
+	_, errOut, code = cliRun(t, env, "publish", "--topic", "big", "--payload-file", big, "--max-payload-bytes", "-1")
+	require.Equal(t, 0, code, errOut)
+	env.RequirePublished(t, env.Exec(), "big", pgoutboxtest.Count(1))
 }

@@ -15,7 +15,7 @@ import (
 )
 
 func (c *cli) publishCmd(args []string) error {
-	cmd := c.newCommand("publish", "publish --topic T [--payload S | --payload-file F] [--metadata k=v ...] [--delay DUR] [--dedup-key K] [--ordering-key K] [--json]",
+	cmd := c.newCommand("publish", "publish --topic T [--payload S | --payload-file F] [--metadata k=v ...] [--delay DUR] [--dedup-key K] [--ordering-key K] [--max-payload-bytes N] [--json]",
 		`  pgoutbox publish --topic orders.placed --payload '{"id":42}'
   pgoutbox publish --topic orders.placed --payload-file order.json --metadata source=cli --delay 30s
   echo '{"id":7}' | pgoutbox publish --topic orders.placed --payload-file -
@@ -23,9 +23,10 @@ func (c *cli) publishCmd(args []string) error {
 	topic := cmd.fs.String("topic", "", "the topic (required)")
 	payload := cmd.fs.String("payload", "", "the payload")
 	payloadFile := cmd.fs.String("payload-file", "", "read the payload from this file (- for stdin)")
+	maxPayload := cmd.fs.Int("max-payload-bytes", 0, "the largest payload to publish, as PublisherConfig.MaxPayloadBytes: 0 for its default (1 MiB), -1 for no limit")
 	var md pairList
 	cmd.fs.Var(&md, "metadata", "a metadata entry key=value (repeat for more)")
-	delay := cmd.fs.Duration("delay", 0, "deliver after this Go duration (30s, 5m)")
+	delay := cmd.durationVar("delay", 0, "deliver after this `duration` (30s, 5m)")
 	dedup := cmd.fs.String("dedup-key", "", "dedup key: skipped if a pending message of the topic has it")
 	ordering := cmd.fs.String("ordering-key", "", "ordering key: delivered in order with the other messages of the key")
 	uuid := cmd.fs.String("uuid", "", "message UUID (default: a new one)")
@@ -72,7 +73,7 @@ func (c *cli) publishCmd(args []string) error {
 		pgoutbox.WithOrderingKey(msg, *ordering)
 	}
 	return cmd.withOutbox(msg.Context(), nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
-		pub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: tables, StatementTimeout: 10 * time.Second}, nil)
+		pub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: tables, StatementTimeout: 10 * time.Second, MaxPayloadBytes: *maxPayload}, nil)
 		if err != nil {
 			return err
 		}

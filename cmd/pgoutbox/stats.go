@@ -46,7 +46,7 @@ func (c *cli) statsCmd(args []string) error {
 	var group optString
 	cmd.fs.Var(&group, "group", "only this consumer group (\"\" is the default group); needs --topic")
 	watch := cmd.fs.Bool("watch", false, "redraw a live table until Ctrl-C")
-	interval := cmd.fs.Duration("interval", 2*time.Second, "refresh interval of --watch")
+	interval := cmd.durationVar("interval", 2*time.Second, "refresh `interval` of --watch")
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}

@@ -32,7 +32,7 @@ func (c *cli) uiCmd(args []string) error {
 	listen := cmd.fs.String("listen", "127.0.0.1:8080", "address to serve on; localhost unless you give another")
 	write := cmd.fs.Bool("write", false, "enable write actions (requeue, delete, purge, pause, resume); read-only without it")
 	user := cmd.fs.String("basic-auth-user", "", "require HTTP basic auth as this user, with the password from $"+uiPasswordEnv)
-	interval := cmd.fs.Duration("sample-interval", pgoutboxui.DefaultSampleInterval, "how often to take a Stats sample for the charts")
+	interval := cmd.durationVar("sample-interval", pgoutboxui.DefaultSampleInterval, "how often to take a Stats sample for the charts (a `duration`)")
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}

@@ -390,7 +390,7 @@ func newHealthGauges(m metric.Meter) (healthGauges, error) {
 		}
 	}
 	h.snapshotAge, err = m.Float64ObservableGauge("pgoutbox.oldest_snapshot.age", metric.WithUnit("s"),
-		metric.WithDescription("How long the oldest transaction of each kind (backend, prepared_xact) has held back vacuum of the outbox; 0 for a kind with none. Alert above 10 minutes: pgoutbox health names it."))
+		metric.WithDescription("How long the oldest transaction of each kind (backend, prepared_xact) has held back vacuum of the outbox; 0 for a kind with none, nothing when the oldest holder's time is unknown: another role's session, seen without pg_read_all_stats or pg_monitor, or a replica's feedback (pgoutbox.oldest_snapshot.xmin_age still shows it). Alert above 10 minutes: pgoutbox health names it."))
 	if err != nil {
 		return h, fmt.Errorf("pgoutboxotel: create pgoutbox.oldest_snapshot.age: %w", err)
 	}
@@ -435,18 +435,32 @@ func (h healthGauges) observe(obs metric.Observer, r pgoutbox.HealthReport, extr
 	}
 	age := map[pgoutbox.SnapshotKind]time.Duration{pgoutbox.SnapshotBackend: 0, pgoutbox.SnapshotPreparedXact: 0}
 	xmin := map[pgoutbox.SnapshotKind]int64{pgoutbox.SnapshotBackend: 0, pgoutbox.SnapshotReplicationSlot: 0, pgoutbox.SnapshotPreparedXact: 0}
+	// The xmin ages of the holders with a time and of those whose time
+	// pg_stat_activity hides (another role's session, without
+	// pg_read_all_stats).
+	timed, hidden := map[pgoutbox.SnapshotKind]int64{}, map[pgoutbox.SnapshotKind]int64{}
 	for _, s := range r.SnapshotHolders {
 		if s.CatalogOnly {
 			continue
 		}
 		if _, ok := age[s.Kind]; ok {
-			age[s.Kind] = max(age[s.Kind], s.Age)
+			if s.Since.IsZero() {
+				hidden[s.Kind] = max(hidden[s.Kind], s.XminAge)
+			} else {
+				age[s.Kind] = max(age[s.Kind], s.Age)
+				timed[s.Kind] = max(timed[s.Kind], s.XminAge)
+			}
 		}
 		if _, ok := xmin[s.Kind]; ok {
 			xmin[s.Kind] = max(xmin[s.Kind], s.XminAge)
 		}
 	}
 	for k, d := range age {
+		if hidden[k] > timed[k] {
+			// The oldest holder's time is hidden from this role: no
+			// figure rather than 0, which reads as "none".
+			continue
+		}
 		obs.ObserveFloat64(h.snapshotAge, d.Seconds(), with(SnapshotKindKey.String(string(k))))
 	}
 	for k, n := range xmin {

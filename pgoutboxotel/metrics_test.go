@@ -2,6 +2,7 @@ package pgoutboxotel_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -233,6 +234,55 @@ func TestStatsGauges(t *testing.T) {
 		_, reported := got[name]
 		require.False(t, reported, "no stale %s after a failed call", name)
 	}
+}
+
+// A role without pg_read_all_stats sees other roles' sessions without
+// their transaction's start: the oldest snapshot's age is unknown, and the
+// gauge reports no backend point rather than a 0 that reads as none.
+func TestRegisterStatsHasNoSnapshotAgeItCannotSee(t *testing.T) {
+	ctx := context.Background()
+	env := pgoutboxtest.PubSub(t)
+	role := "pgoxt_nomonitor_" + strings.ToLower(watermill.NewShortUUID())
+	for _, q := range []string{
+		`CREATE ROLE ` + role + ` LOGIN`,
+		`GRANT USAGE ON SCHEMA "` + env.Schema + `" TO ` + role,
+		`GRANT SELECT ON ALL TABLES IN SCHEMA "` + env.Schema + `" TO ` + role,
+	} {
+		_, err := env.Pool.Exec(ctx, q)
+		require.NoError(t, err, q)
+	}
+	t.Cleanup(func() {
+		_, _ = env.Pool.Exec(context.Background(), `DROP OWNED BY `+role)
+		_, _ = env.Pool.Exec(context.Background(), `DROP ROLE `+role)
+	})
+	cfg, err := pgxpool.ParseConfig(env.DSN)
+	require.NoError(t, err)
+	cfg.ConnConfig.User = role
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	reader := sdkmetric.NewManualReader()
+	reg, err := pgoutboxotel.RegisterStats(tx.FromPgxPool(pool), env.Tables,
+		pgoutboxotel.MetricsOptions{MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = reg.Unregister() })
+
+	holder, err := env.Pool.Begin(ctx) // another role's session
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	_, err = holder.Exec(ctx, `SELECT txid_current()`)
+	require.NoError(t, err)
+	_, err = env.Pool.Exec(ctx, `SELECT txid_current()`)
+	require.NoError(t, err)
+
+	got := collect(t, reader)
+	require.GreaterOrEqual(t, gauge(t, got["pgoutbox.oldest_snapshot.xmin_age"], attribute.String("pgoutbox.snapshot_kind", "backend")), int64(1))
+	snap, ok := got["pgoutbox.oldest_snapshot.age"].Data.(metricdata.Gauge[float64])
+	require.True(t, ok)
+	for _, dp := range snap.DataPoints {
+		require.False(t, has(dp.Attributes, attribute.String("pgoutbox.snapshot_kind", "backend")), "a backend age this role cannot know: %v", dp.Value)
+	}
+	require.Len(t, snap.DataPoints, 1, "prepared_xact's 0")
 }
 
 // A rotating outbox's ring: its current partition's age and each

@@ -119,7 +119,9 @@ func NewCollector(exec tx.Executor, tables schema.Config, opts Options) *Collect
 			"How long the oldest transaction of each kind (backend: a session of the outbox's database or a replica's "+
 				"feedback; prepared_xact) has held the snapshot that keeps vacuum from removing the outbox's dead rows; "+
 				"0 when none. Alert above 10 minutes (pgoutbox health names the holder). Replication slots record no time: "+
-				"see oldest_snapshot_xmin_age. Without pg_read_all_stats (pg_monitor) other roles' sessions show no time.",
+				"see oldest_snapshot_xmin_age. Without pg_read_all_stats (pg_monitor) other roles' sessions show no time: "+
+				"when the oldest holder's time is unknown (such a session, a replica's feedback), the kind has no sample "+
+				"rather than a wrong one (oldest_snapshot_xmin_age still shows it).",
 			[]string{"kind"}, opts.ConstLabels),
 		snapshotXid: prometheus.NewDesc(opts.name("oldest_snapshot_xmin_age"),
 			"Transactions begun since the oldest snapshot of each kind (backend, replication_slot, prepared_xact) that keeps "+
@@ -241,19 +243,33 @@ func (c *Collector) collectHealth(ch chan<- prometheus.Metric, h pgoutbox.Health
 	}
 	age := map[string]time.Duration{KindBackend: 0, KindPreparedXact: 0}
 	xmin := map[string]int64{KindBackend: 0, KindReplicationSlot: 0, KindPreparedXact: 0}
+	// The xmin ages of the holders with a time and of those whose time
+	// pg_stat_activity hides (another role's session, without
+	// pg_read_all_stats).
+	timed, hidden := map[string]int64{}, map[string]int64{}
 	for _, s := range h.SnapshotHolders {
 		if s.CatalogOnly {
 			continue
 		}
 		k := string(s.Kind)
 		if _, ok := age[k]; ok {
-			age[k] = max(age[k], s.Age)
+			if s.Since.IsZero() {
+				hidden[k] = max(hidden[k], s.XminAge)
+			} else {
+				age[k] = max(age[k], s.Age)
+				timed[k] = max(timed[k], s.XminAge)
+			}
 		}
 		if _, ok := xmin[k]; ok {
 			xmin[k] = max(xmin[k], s.XminAge)
 		}
 	}
 	for k, d := range age {
+		if hidden[k] > timed[k] {
+			// The oldest holder's time is hidden from this role: no
+			// sample rather than 0, which reads as "none".
+			continue
+		}
 		ch <- prometheus.MustNewConstMetric(c.snapshotAge, prometheus.GaugeValue, d.Seconds(), k)
 	}
 	for k, n := range xmin {

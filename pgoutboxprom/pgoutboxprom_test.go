@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -345,6 +346,54 @@ func TestCollectorHealth(t *testing.T) {
 	requireLine(t, body, `pgoutbox_stats_errors_total 0`)
 	requireLine(t, body, `pgoutbox_messages{consumer_group="",state="ready",topic="orders"} 2`)
 	require.NotContains(t, body, "pgoutbox_ring_", "a single table has no ring")
+}
+
+// A role without pg_read_all_stats sees other roles' sessions without
+// their transaction's start: the oldest snapshot's age is then unknown,
+// and the gauge has no backend sample instead of a 0 that reads as none
+// (an operator's alert on it would never fire); the xmin age still shows
+// the holder.
+func TestCollectorHasNoSnapshotAgeItCannotSee(t *testing.T) {
+	env := pgoutboxtest.PubSub(t)
+	ctx := context.Background()
+	role := "pgoxt_nomonitor_" + strings.ToLower(watermill.NewShortUUID())
+	for _, q := range []string{
+		`CREATE ROLE ` + role + ` LOGIN`,
+		`GRANT USAGE ON SCHEMA "` + env.Schema + `" TO ` + role,
+		`GRANT SELECT ON ALL TABLES IN SCHEMA "` + env.Schema + `" TO ` + role,
+	} {
+		_, err := env.Pool.Exec(ctx, q)
+		require.NoError(t, err, q)
+	}
+	t.Cleanup(func() {
+		_, _ = env.Pool.Exec(context.Background(), `DROP OWNED BY `+role)
+		_, _ = env.Pool.Exec(context.Background(), `DROP ROLE `+role)
+	})
+	cfg, err := pgxpool.ParseConfig(env.DSN)
+	require.NoError(t, err)
+	cfg.ConnConfig.User = role
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(pgoutboxprom.NewCollector(tx.FromPgxPool(pool), env.Tables, pgoutboxprom.Options{}))
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	t.Cleanup(srv.Close)
+
+	holder, err := pgx.Connect(ctx, env.DSN) // another role's session
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Close(context.Background()) })
+	_, err = holder.Exec(ctx, `BEGIN ISOLATION LEVEL REPEATABLE READ`)
+	require.NoError(t, err)
+	_, err = holder.Exec(ctx, `SELECT 1`)
+	require.NoError(t, err)
+	_, err = env.Pool.Exec(ctx, `SELECT txid_current()`)
+	require.NoError(t, err)
+
+	body := scrape(t, srv)
+	require.GreaterOrEqual(t, sample(t, body, `pgoutbox_oldest_snapshot_xmin_age{kind="backend"}`), 1.0, "the holder is seen")
+	require.NotContains(t, body, `pgoutbox_oldest_snapshot_age_seconds{kind="backend"}`, "its age is unknown to this role")
+	sample(t, body, `pgoutbox_oldest_snapshot_age_seconds{kind="prepared_xact"}`)
 }
 
 // A rotating outbox's ring: how long its current partition has been, and

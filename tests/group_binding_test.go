@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/cqrs"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -616,4 +617,99 @@ func TestBindInsideATransaction(t *testing.T) {
 	}
 	require.Equal(t, 2, b.groupRows(t, "t", "g"))
 	require.True(t, b.statsOf(t, "t", "g").Bound)
+}
+
+// A group renamed while its topic has traffic and another group gets
+// every message exactly once under one name or the other, on both
+// layouts: the binding is renamed in place (binding the new name and
+// unbinding the old doubled the messages published between the two, or
+// lost them in the other order).
+func TestRenamingAGroupUnderTrafficLosesAndDoublesNothing(t *testing.T) {
+	t.Parallel()
+	for _, arrivals := range []bool{false, true} {
+		t.Run(fmt.Sprintf("arrivals=%v", arrivals), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			b.tables.Arrivals = arrivals
+			ctx := context.Background()
+			exec := tx.FromPgxPool(b.Pool)
+			_, err := pgoutbox.BindGroups(ctx, exec, b.tables, "t", []string{"other", "old"})
+			require.NoError(t, err)
+
+			var published sync.Map // uuid -> struct{}
+			stop := make(chan struct{})
+			var wg sync.WaitGroup
+			for range 4 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					pub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+					if !assert.NoError(t, err) {
+						return
+					}
+					for {
+						select {
+						case <-stop:
+							return
+						default:
+						}
+						m := newMsg("x")
+						if assert.NoError(t, pub.Publish("t", m)) {
+							published.Store(m.UUID, struct{}{})
+						}
+					}
+				}()
+			}
+			count := func() int {
+				n := 0
+				published.Range(func(any, any) bool { n++; return true })
+				return n
+			}
+			pollUntil(t, "traffic before the rename", 10*time.Second, nil, func() bool { return count() >= 200 })
+
+			require.NoError(t, pgoutbox.PauseGroup(ctx, exec, b.tables, "t", "old"))
+			_, err = pgoutbox.RenameGroup(ctx, exec, b.tables, "t", "old", "new")
+			require.NoError(t, err)
+			require.True(t, b.statsOf(t, "t", "new").Paused, "the pause goes with the binding")
+			resumed, err := pgoutbox.ResumeGroup(ctx, exec, b.tables, "t", "new")
+			require.NoError(t, err)
+			require.True(t, resumed)
+
+			before := count()
+			pollUntil(t, "traffic after the rename", 10*time.Second, nil, func() bool { return count() >= before+200 })
+			close(stop)
+			wg.Wait()
+
+			// A subscriber of each group settles the arrivals (fans them out).
+			for _, g := range []string{"other", "new"} {
+				_, err := pgoutbox.BindGroups(ctx, exec, b.tables, "t", []string{g})
+				require.NoError(t, err)
+			}
+			total := count()
+			perGroup := func(group string) (rows, distinct int) {
+				require.NoError(t, b.Pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT uuid) FROM `+b.Schema+`.outbox WHERE topic = 't' AND consumer_group = $1`, group).Scan(&rows, &distinct))
+				return rows, distinct
+			}
+			arrived := 0
+			if arrivals {
+				require.NoError(t, b.Pool.QueryRow(ctx, `SELECT count(*) FROM `+b.Schema+`.outbox_arrivals`).Scan(&arrived))
+			}
+			rows, distinct := perGroup("new")
+			require.Equal(t, distinct, rows, "no message twice in the renamed group")
+			require.Equal(t, total, rows+arrived, "every message reached the renamed group")
+			rows, _ = perGroup("other")
+			require.Equal(t, total, rows+arrived, "and the other group")
+			rows, _ = perGroup("old")
+			require.Zero(t, rows, "nothing left in the old name")
+
+			_, err = pgoutbox.RenameGroup(ctx, exec, b.tables, "t", "old", "newer")
+			require.ErrorIs(t, err, pgoutbox.ErrNotBound)
+			_, err = pgoutbox.RenameGroup(ctx, exec, b.tables, "t", "new", "other")
+			require.ErrorIs(t, err, pgoutbox.ErrGroupBound)
+			require.ErrorContains(t, err, "MoveGroup")
+			_, err = pgoutbox.RenameGroup(ctx, exec, b.tables, "t", "", "x")
+			require.ErrorIs(t, err, pgoutbox.ErrInvalidGroup)
+			require.True(t, b.statsOf(t, "t", "new").Bound, "a refused rename changes nothing")
+		})
+	}
 }

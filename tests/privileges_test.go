@@ -258,3 +258,23 @@ func TestCancelScheduledWithTheDocumentedGrant(t *testing.T) {
 	require.True(t, ok)
 	require.Zero(t, b.outboxRows(t, "orders"))
 }
+
+// RenameGroup with the grants docs/consumer-groups.md names on top of a
+// subscriber's, and without them an error that says which table.
+func TestRenameGroupWithTheDocumentedGrants(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "orders", "billing"))
+	require.NoError(t, pgoutbox.PauseGroup(ctx, tx.FromPgxPool(b.Pool), b.tables, "orders", "billing"))
+	b.publishInTx(t, "orders", true, newMsgs(2)...)
+	narrow := b.loginRole(t, "sub", subscriberGrants...)
+	_, err := pgoutbox.RenameGroup(ctx, tx.FromPgxPool(narrow), b.tables, "orders", "billing", "invoicing")
+	require.ErrorContains(t, err, "permission denied")
+	renamer := b.loginRole(t, "renamer", append(subscriberGrants,
+		`GRANT UPDATE ON %s.outbox_bindings TO %r`, `GRANT UPDATE, DELETE ON %s.outbox_paused TO %r`)...)
+	moved, err := pgoutbox.RenameGroup(ctx, tx.FromPgxPool(renamer), b.tables, "orders", "billing", "invoicing")
+	require.NoError(t, err)
+	require.EqualValues(t, 2, moved)
+	require.True(t, b.statsOf(t, "orders", "invoicing").Paused)
+}

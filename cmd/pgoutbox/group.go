@@ -110,6 +110,35 @@ func (c *cli) moveCmd(args []string) error {
 	})
 }
 
+func (c *cli) renameCmd(args []string) error {
+	cmd := c.newCommand("rename", "rename --topic T --from G1 --to G2 [--yes]",
+		"  pgoutbox rename --topic orders.placed --from billing --to invoicing --yes\n", false)
+	topic := cmd.fs.String("topic", "", "the topic (required)")
+	from := cmd.fs.String("from", "", "the group's name now (required)")
+	to := cmd.fs.String("to", "", "its new name (required)")
+	yes := cmd.fs.Bool("yes", false, "do not ask for confirmation")
+	if err := cmd.parseNoArgs(args); err != nil {
+		return err
+	}
+	for _, f := range []struct{ name, value string }{{"topic", *topic}, {"from", *from}, {"to", *to}} {
+		if err := cmd.required(f.name, f.value); err != nil {
+			return err
+		}
+	}
+	confirm := func() error {
+		return c.confirm(cmd.name, fmt.Sprintf("Rename group %s of %q to %s, and move its waiting messages?", groupName(*from), *topic, groupName(*to)), *yes)
+	}
+	return cmd.withOutbox(context.Background(), confirm, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		n, err := pgoutbox.RenameGroup(ctx, exec, tables, *topic, *from, *to)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(c.stdout, "renamed group %s of topic %q to %s; moved %d waiting message(s); start the subscribers of %s now\n",
+			groupName(*from), *topic, groupName(*to), n, groupName(*to))
+		return nil
+	})
+}
+
 // shellArg quotes a group for a command line to copy.
 func shellArg(s string) string {
 	if s == "" || strings.ContainsAny(s, " \t'\"$`\\!*?[]{}()<>|&;#~") {

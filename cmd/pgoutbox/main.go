@@ -21,6 +21,7 @@
 //	cancel                      cancel a scheduled message by its dedup key
 //	bind|unbind                 bind a consumer group to a topic, or unbind it
 //	move                        move a group's waiting messages into another group
+//	rename                      rename a consumer group of a topic, under traffic
 //	pause|resume                stop a consumer group's claims of a topic, or restart them
 //	ui                          a web page for operators
 //	version                     the version of this build
@@ -33,7 +34,7 @@
 // "pgoutbox <command> --help" shows a command's flags and examples.
 //
 // Commands that delete or move messages (dlq requeue, dlq purge, unbind
-// --purge, move) ask for confirmation when stdin is a terminal; --yes skips the
+// --purge, move, rename) ask for confirmation when stdin is a terminal; --yes skips the
 // question. Without a terminal they refuse to run unless --yes is given.
 //
 // Exit codes:
@@ -98,6 +99,7 @@ Commands:
   cancel                       cancel a scheduled message by its dedup key
   bind | unbind                bind a consumer group to a topic, or unbind it
   move                         move a group's waiting messages into another group
+  rename                       rename a consumer group of a topic, under traffic
   pause | resume               stop a consumer group's claims of a topic, or restart them
   ui                           a web page for operators (--listen 127.0.0.1:8080)
   version                      the version of this build
@@ -303,10 +305,12 @@ func (c *cli) dispatch(args []string) error {
 		return c.uiCmd(rest)
 	case "move":
 		return c.moveCmd(rest)
+	case "rename":
+		return c.renameCmd(rest)
 	case "version", "--version", "-version":
 		return c.versionCmd(rest)
 	}
-	return usagef("", "unknown command %q; the commands are schema, stats, health, dlq, peek, publish, cancel, bind, unbind, move, pause, resume, ui, version", cmd)
+	return usagef("", "unknown command %q; the commands are schema, stats, health, dlq, peek, publish, cancel, bind, unbind, move, rename, pause, resume, ui, version", cmd)
 }
 
 // undefinedTable is PostgreSQL's SQLSTATE for a missing table.

@@ -334,3 +334,31 @@ func TestPublishOverThePayloadLimitSaysTheFlag(t *testing.T) {
 	require.Equal(t, 0, code, errOut)
 	env.RequirePublished(t, env.Exec(), "big", pgoutboxtest.Count(1))
 }
+
+// rename renames a group's binding and moves its waiting rows; renaming a
+// group that is not bound is "nothing to act on" (exit 1), onto a bound
+// one says what to do instead.
+func TestRenameAGroup(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	for _, g := range []string{"billing", "shipping"} {
+		_, errOut, code := cliRun(t, env, "bind", "--topic", "orders", "--group", g)
+		require.Equal(t, 0, code, errOut)
+	}
+	publish(t, env, "orders", "a", "b")
+	out, errOut, code := cliRun(t, env, "rename", "--topic", "orders", "--from", "billing", "--to", "invoicing", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "moved 2 waiting message(s)")
+	out, _, _ = cliRun(t, env, "stats", "--topic", "orders", "--json")
+	require.Contains(t, out, `"consumer_group": "invoicing"`)
+	require.NotContains(t, out, `"consumer_group": "billing"`)
+
+	_, errOut, code = cliRun(t, env, "rename", "--topic", "orders", "--from", "billing", "--to", "x", "--yes")
+	require.Equal(t, exitError, code, errOut)
+	require.Contains(t, errOut, "not bound")
+	_, errOut, code = cliRun(t, env, "rename", "--topic", "orders", "--from", "invoicing", "--to", "shipping", "--yes")
+	require.Equal(t, exitError, code, errOut)
+	require.Contains(t, errOut, "bound to it already")
+	_, errOut, code = cliRun(t, env, "rename", "--topic", "orders", "--from", "invoicing", "--to", "x")
+	require.Equal(t, exitRefused, code, "asks, and refuses without a terminal: %s", errOut)
+}

@@ -7,6 +7,7 @@ import "fmt"
 type GroupStatements struct {
 	Bind   string
 	Unbind string
+	Rename [3]string
 	Purge  string
 	Cancel string
 }
@@ -22,6 +23,16 @@ func buildGroups(n Names) GroupStatements {
 		// past (their holder is gone, and with the group unbound nobody may
 		// come to claim them). A delivery under way completes.
 		Unbind: fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2`, n.QBindings),
+		// Rename gives group $2's binding of topic $1 the name $3, with
+		// what it holds (where its arrivals start, its backlog copy's
+		// cursor), and then its pause, if any, in place of one the new
+		// name had. Each statement of the array runs in order in one
+		// transaction; the first returns whether a binding was renamed.
+		Rename: [3]string{
+			fmt.Sprintf(`UPDATE %s SET consumer_group = $3 WHERE topic = $1 AND consumer_group = $2`, n.QBindings),
+			fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $3 AND EXISTS (SELECT 1 FROM %s WHERE topic = $1 AND consumer_group = $2)`, n.QPaused(), n.QPaused()),
+			fmt.Sprintf(`UPDATE %s SET consumer_group = $3 WHERE topic = $1 AND consumer_group = $2`, n.QPaused()),
+		},
 		Purge: fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2
    AND (lease_token IS NULL OR leased_until < now())`, t),
 

@@ -11,6 +11,7 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -433,6 +434,78 @@ func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topi
 			return total, nil
 		}
 	}
+}
+
+// RenameGroup renames consumer group from of topic to to, while the topic
+// has traffic: the binding takes the new name in one statement, with what
+// it holds (where the group's arrivals start, its pause), so each publish
+// stores its message once, under one name or the other. RenameGroup then
+// waits (up to 10 s, or ctx) for the publishes that were in flight, which
+// may still store copies under the old name, and moves the old name's
+// waiting rows to the new one (MoveGroup). It returns how many rows moved.
+//
+// Start the new name's subscribers once it returns; stop the old name's
+// before (their rows leased now stay with their delivery, and one they
+// give back stays under the old name: run MoveGroup again once they have
+// stopped; Stats shows such rows as unbound). With ordering keys, the
+// new subscribers must not start before the move, as with MoveGroup.
+//
+// The default group cannot be renamed (ErrInvalidGroup): publishes in
+// flight store rows for it that would pass for unbound messages; bind the
+// new group, drain or move the default group's rows, then Unbind it. The
+// error wraps ErrNotBound when from is not bound to topic, and
+// ErrGroupBound when to already is. Inside your transaction (exec is one)
+// nothing is waited for: rows stored under the old name after your commit
+// need MoveGroup.
+func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topic, from, to string) (int64, error) {
+	q, err := groupQueries(exec, tables, topic, from)
+	if err != nil {
+		return 0, err
+	}
+	if err := checkGroup(to); err != nil {
+		return 0, err
+	}
+	switch {
+	case from == "":
+		return 0, fmt.Errorf("%w: the default group cannot be renamed: publishes in flight store rows for it that would pass for unbound messages; bind %q, drain or move the default group's rows (MoveGroup), then unbind it", ErrInvalidGroup, to)
+	case from == to:
+		return 0, fmt.Errorf("%w: renaming group %q to itself; name two different groups", ErrInvalidGroup, from)
+	}
+	n := q.Names
+	var renamed bool
+	err = tx.RunInTx(ctx, exec, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, query.TopicLock, n.QBindings+query.GroupMark+topic); err != nil {
+			return err
+		}
+		n, err := e.Exec(ctx, q.Rename[0], topic, from, to)
+		if renamed = n == 1; err != nil || !renamed {
+			return err
+		}
+		for _, stmt := range q.Rename[1:] {
+			if _, err := e.Exec(ctx, stmt, topic, from, to); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	switch {
+	case errtext.SQLState(err) == "23505": // the new name's binding exists
+		return 0, errorf("pgoutbox: rename group %q of topic %q: %w: %q is bound to it already; move the rows (MoveGroup) and unbind %q instead", from, topic, ErrGroupBound, to, from)
+	case err != nil:
+		return 0, errorf("pgoutbox: rename group %q of topic %q: %w", from, topic, err)
+	case !renamed:
+		return 0, errorf("pgoutbox: rename group %q of topic %q: %w; nothing was renamed (Stats lists the groups of a topic)", from, topic, ErrNotBound)
+	}
+	if !exec.InTx() {
+		if err := waitWriters(ctx, exec, n.QTable); err != nil {
+			return 0, errorf("pgoutbox: group %q of topic %q is renamed %q; moving its rows waits for the publishes in flight, which failed (run MoveGroup): %w", from, topic, to, err)
+		}
+	}
+	moved, err := MoveGroup(ctx, exec, tables, topic, from, to)
+	if err != nil {
+		return moved, fmt.Errorf("group %q of topic %q is renamed %q; moving its rows failed (run MoveGroup again): %w", from, topic, to, err)
+	}
+	return moved, nil
 }
 
 // ConsumerGroup returns the consumer group the Subscriber consumes for ("" is

@@ -31,6 +31,9 @@ var (
 	// ErrNotBound is returned by Unbind for a consumer group that was not
 	// bound to the topic.
 	ErrNotBound = errors.New("pgoutbox: the consumer group is not bound to the topic")
+	// ErrGroupBound is returned by RenameGroup when the new name is
+	// bound to the topic already.
+	ErrGroupBound = errors.New("pgoutbox: the consumer group is bound to the topic already")
 	// ErrTxDone is returned when the publisher's transaction was already
 	// committed or rolled back.
 	ErrTxDone = tx.ErrTxDone

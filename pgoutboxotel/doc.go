@@ -40,8 +40,8 @@
 //	pgoutbox.table.size{pgoutbox.table}             gauge, By: the table with TOAST; a queue's should stay flat
 //	pgoutbox.table.index_size{pgoutbox.table}       gauge, By: its indexes
 //	pgoutbox.oldest_snapshot.age{pgoutbox.snapshot_kind}       gauge, s: the oldest transaction of each kind holding vacuum back
-//	                                                           (no point while its time is unknown: another role's session
-//	                                                           without pg_monitor, a replica's feedback)
+//	                                                           (no point while no holder's time is known: other roles'
+//	                                                           sessions without pg_monitor, a replica's feedback)
 //	pgoutbox.oldest_snapshot.xmin_age{pgoutbox.snapshot_kind}  gauge: transactions begun since the oldest snapshot of each kind
 //	pgoutbox.stats.errors                           counter: collections whose Stats or Health call failed
 //	pgoutbox.stats.duration                         gauge, s: the last Stats and Health calls

@@ -390,7 +390,7 @@ func newHealthGauges(m metric.Meter) (healthGauges, error) {
 		}
 	}
 	h.snapshotAge, err = m.Float64ObservableGauge("pgoutbox.oldest_snapshot.age", metric.WithUnit("s"),
-		metric.WithDescription("How long the oldest transaction of each kind (backend, prepared_xact) has held back vacuum of the outbox; 0 for a kind with none, nothing when the oldest holder's time is unknown: another role's session, seen without pg_read_all_stats or pg_monitor, or a replica's feedback (pgoutbox.oldest_snapshot.xmin_age still shows it). Alert above 10 minutes: pgoutbox health names it."))
+		metric.WithDescription("How long the oldest transaction of each kind (backend, prepared_xact) has held back vacuum of the outbox; 0 for a kind with none, nothing when no holder's time is known (another role's sessions, seen without pg_read_all_stats or pg_monitor; a replica's feedback), the oldest known one otherwise (pgoutbox.oldest_snapshot.xmin_age shows them all). Alert above 10 minutes: pgoutbox health names it."))
 	if err != nil {
 		return h, fmt.Errorf("pgoutboxotel: create pgoutbox.oldest_snapshot.age: %w", err)
 	}
@@ -435,20 +435,20 @@ func (h healthGauges) observe(obs metric.Observer, r pgoutbox.HealthReport, extr
 	}
 	age := map[pgoutbox.SnapshotKind]time.Duration{pgoutbox.SnapshotBackend: 0, pgoutbox.SnapshotPreparedXact: 0}
 	xmin := map[pgoutbox.SnapshotKind]int64{pgoutbox.SnapshotBackend: 0, pgoutbox.SnapshotReplicationSlot: 0, pgoutbox.SnapshotPreparedXact: 0}
-	// The xmin ages of the holders with a time and of those whose time
-	// pg_stat_activity hides (another role's session, without
-	// pg_read_all_stats).
-	timed, hidden := map[pgoutbox.SnapshotKind]int64{}, map[pgoutbox.SnapshotKind]int64{}
+	// Whether a kind has holders with a time, and holders whose time is
+	// unknown (another role's session seen without pg_read_all_stats; a
+	// replica's feedback).
+	timed, untimed := map[pgoutbox.SnapshotKind]bool{}, map[pgoutbox.SnapshotKind]bool{}
 	for _, s := range r.SnapshotHolders {
 		if s.CatalogOnly {
 			continue
 		}
 		if _, ok := age[s.Kind]; ok {
 			if s.Since.IsZero() {
-				hidden[s.Kind] = max(hidden[s.Kind], s.XminAge)
+				untimed[s.Kind] = true
 			} else {
 				age[s.Kind] = max(age[s.Kind], s.Age)
-				timed[s.Kind] = max(timed[s.Kind], s.XminAge)
+				timed[s.Kind] = true
 			}
 		}
 		if _, ok := xmin[s.Kind]; ok {
@@ -456,9 +456,10 @@ func (h healthGauges) observe(obs metric.Observer, r pgoutbox.HealthReport, extr
 		}
 	}
 	for k, d := range age {
-		if hidden[k] > timed[k] {
-			// The oldest holder's time is hidden from this role: no
-			// figure rather than 0, which reads as "none".
+		if untimed[k] && !timed[k] {
+			// Held back, for a time nobody here can know: no point
+			// rather than 0, which reads as "none". With a timed holder
+			// too, its age is a lower bound, and still trips an alert.
 			continue
 		}
 		obs.ObserveFloat64(h.snapshotAge, d.Seconds(), with(SnapshotKindKey.String(string(k))))

@@ -120,8 +120,8 @@ func NewCollector(exec tx.Executor, tables schema.Config, opts Options) *Collect
 				"feedback; prepared_xact) has held the snapshot that keeps vacuum from removing the outbox's dead rows; "+
 				"0 when none. Alert above 10 minutes (pgoutbox health names the holder). Replication slots record no time: "+
 				"see oldest_snapshot_xmin_age. Without pg_read_all_stats (pg_monitor) other roles' sessions show no time: "+
-				"when the oldest holder's time is unknown (such a session, a replica's feedback), the kind has no sample "+
-				"rather than a wrong one (oldest_snapshot_xmin_age still shows it).",
+				"when no holder's time is known (such sessions, a replica's feedback), the kind has no sample rather than "+
+				"a 0; with some known, the oldest known (a lower bound). oldest_snapshot_xmin_age shows them all.",
 			[]string{"kind"}, opts.ConstLabels),
 		snapshotXid: prometheus.NewDesc(opts.name("oldest_snapshot_xmin_age"),
 			"Transactions begun since the oldest snapshot of each kind (backend, replication_slot, prepared_xact) that keeps "+
@@ -243,10 +243,10 @@ func (c *Collector) collectHealth(ch chan<- prometheus.Metric, h pgoutbox.Health
 	}
 	age := map[string]time.Duration{KindBackend: 0, KindPreparedXact: 0}
 	xmin := map[string]int64{KindBackend: 0, KindReplicationSlot: 0, KindPreparedXact: 0}
-	// The xmin ages of the holders with a time and of those whose time
-	// pg_stat_activity hides (another role's session, without
-	// pg_read_all_stats).
-	timed, hidden := map[string]int64{}, map[string]int64{}
+	// Whether a kind has holders with a time, and holders whose time is
+	// unknown (another role's session seen without pg_read_all_stats; a
+	// replica's feedback).
+	timed, untimed := map[string]bool{}, map[string]bool{}
 	for _, s := range h.SnapshotHolders {
 		if s.CatalogOnly {
 			continue
@@ -254,10 +254,10 @@ func (c *Collector) collectHealth(ch chan<- prometheus.Metric, h pgoutbox.Health
 		k := string(s.Kind)
 		if _, ok := age[k]; ok {
 			if s.Since.IsZero() {
-				hidden[k] = max(hidden[k], s.XminAge)
+				untimed[k] = true
 			} else {
 				age[k] = max(age[k], s.Age)
-				timed[k] = max(timed[k], s.XminAge)
+				timed[k] = true
 			}
 		}
 		if _, ok := xmin[k]; ok {
@@ -265,9 +265,10 @@ func (c *Collector) collectHealth(ch chan<- prometheus.Metric, h pgoutbox.Health
 		}
 	}
 	for k, d := range age {
-		if hidden[k] > timed[k] {
-			// The oldest holder's time is hidden from this role: no
-			// sample rather than 0, which reads as "none".
+		if untimed[k] && !timed[k] {
+			// Held back, for a time nobody here can know: no sample
+			// rather than 0, which reads as "none". With a timed holder
+			// too, its age is a lower bound, and still trips an alert.
 			continue
 		}
 		ch <- prometheus.MustNewConstMetric(c.snapshotAge, prometheus.GaugeValue, d.Seconds(), k)

@@ -51,8 +51,8 @@
 //	pgoutbox_oldest_snapshot_age_seconds{kind}             gauge: how long the oldest transaction of each kind
 //	                                                        (backend, prepared_xact) has held back vacuum of the
 //	                                                        outbox; alert above 10 minutes, pgoutbox health names it;
-//	                                                        no sample while the oldest's time is unknown (another
-//	                                                        role's session without pg_monitor; a replica's feedback)
+//	                                                        no sample while no holder's time is known (other roles'
+//	                                                        sessions without pg_monitor; a replica's feedback)
 //	pgoutbox_oldest_snapshot_xmin_age{kind}                gauge: transactions begun since the oldest snapshot of
 //	                                                        each kind (backend, replication_slot, prepared_xact):
 //	                                                        the one that covers slots, which record no time

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/cqrsbind"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
@@ -711,5 +712,68 @@ func TestRenamingAGroupUnderTrafficLosesAndDoublesNothing(t *testing.T) {
 			require.ErrorIs(t, err, pgoutbox.ErrInvalidGroup)
 			require.True(t, b.statsOf(t, "t", "new").Bound, "a refused rename changes nothing")
 		})
+	}
+}
+
+// A subscriber of the old name still running keeps what it holds, and
+// each message reaches the group once, under one name or the other. On the
+// held path with arrivals, the batch's end took the renamed binding for a
+// group bound since (StartFromBacklog's late copies) and gave the new name
+// a copy of every arrival the old subscriber acked: handled twice.
+func TestRenamingAGroupWhoseSubscriberHoldsAMessage(t *testing.T) {
+	for _, layout := range []string{"outbox", "arrivals"} {
+		for _, ack := range []bool{true, false} {
+			name := layout + "/ack"
+			if !ack {
+				name = layout + "/nack"
+			}
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				b := layoutBundle(t, layout)
+				ctx, cancel := context.WithCancel(context.Background())
+				defer cancel()
+				exec := tx.FromPgxPool(b.Pool)
+				topic := "rename-" + watermill.NewShortUUID()
+				subOld := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+					onPath(t, testhook.PathHeld, c)
+					c.ConsumerGroup = "old"
+					id := c.WorkerID
+					testhook.SetHeldBound(id, time.Minute)
+					t.Cleanup(func() { testhook.SetHeldBound(id, 0) })
+				})
+				chOld, err := subOld.Subscribe(ctx, topic)
+				require.NoError(t, err)
+				require.NoError(t, b.poolPublisher(t).Publish(topic, newMsg("x")))
+				m := receive(t, chOld, 10*time.Second)
+
+				// While the old name's held batch holds x: an outbox row
+				// stays locked, and the rename says so; an arrival is
+				// held where it arrived, not in the old name's rows.
+				_, err = pgoutbox.RenameGroup(ctx, exec, b.tables, topic, "old", "new")
+				if layout == "outbox" {
+					require.ErrorIs(t, err, pgoutbox.ErrGroupNotEmpty)
+					require.ErrorContains(t, err, "1 waiting row(s) of the old name are locked")
+				} else {
+					require.NoError(t, err)
+				}
+				if ack {
+					m.Ack()
+				} else {
+					m.Nack()
+				}
+				require.NoError(t, subOld.Close()) // ends the held batch
+				// What the docs say to do once the old name's subscribers
+				// have stopped.
+				_, err = pgoutbox.MoveGroup(ctx, exec, b.tables, topic, "old", "new")
+				require.NoError(t, err)
+				want := 0
+				if !ack {
+					want = 1
+				}
+				got := b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1 AND consumer_group = 'new'`, topic)
+				require.Equal(t, want, got, "%s: rows of x under the new name after the old name's subscriber %s it",
+					layout, map[bool]string{true: "acked", false: "nacked"}[ack])
+			})
+		}
 	}
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"strings"
 
@@ -119,6 +120,11 @@ func (c *cli) renameCmd(args []string) error {
 	yes := cmd.fs.Bool("yes", false, "do not ask for confirmation")
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
+	}
+	given := false
+	cmd.fs.Visit(func(f *flag.Flag) { given = given || f.Name == "from" })
+	if given && *from == "" {
+		return usagef(cmd.name, "the default group cannot be renamed: bind the new group, move the default group's messages (pgoutbox move --from '' --to G), then unbind it")
 	}
 	for _, f := range []struct{ name, value string }{{"topic", *topic}, {"from", *from}, {"to", *to}} {
 		if err := cmd.required(f.name, f.value); err != nil {

@@ -262,12 +262,15 @@ func arrivalsAcked(n Names) string {
 }
 
 // arrivalsBoundSince tells a held batch's end (topic $2, group $3) whether
-// another group is bound to the topic: only then may its arrivals need
-// copies (arrivalsLateCopies), and only then does it read them back as it
-// deletes them.
+// another group is bound to the topic while the batch's own still is:
+// only then may its arrivals need copies (arrivalsLateCopies), and only
+// then does it read them back as it deletes them. A group renamed while
+// the batch held them (RenameGroup) shows as another group, and is the
+// same one: what it must get moves under its new name instead.
 func arrivalsBoundSince(n Names) string {
 	return fmt.Sprintf(`bound_since AS MATERIALIZED (
-    SELECT EXISTS (SELECT 1 FROM %s WHERE topic = $2 AND consumer_group <> $3) AS later
+    SELECT EXISTS (SELECT 1 FROM %[1]s WHERE topic = $2 AND consumer_group <> $3)
+       AND EXISTS (SELECT 1 FROM %[1]s WHERE topic = $2 AND consumer_group = $3) AS later
 )`, n.QBindings)
 }
 
@@ -284,6 +287,7 @@ func arrivalsLateCopies(n Names, more ...string) string {
 	}
 	return fmt.Sprintf(`, others AS MATERIALIZED (
     SELECT consumer_group, arrivals_from FROM %[2]s WHERE topic = $2 AND consumer_group <> $3
+       AND EXISTS (SELECT 1 FROM %[2]s WHERE topic = $2 AND consumer_group = $3)
 ), copies AS (
     INSERT INTO %[1]s (topic, consumer_group, uuid, payload, metadata, created_at, available_at)
     SELECT $2, b.consumer_group, m.uuid, m.payload, m.metadata, m.created_at, m.created_at

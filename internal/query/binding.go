@@ -282,6 +282,15 @@ func MoveGroup(n Names) string {
 SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM woken)`, n.QTable)
 }
 
+// GroupWaitingRows counts the rows of group $2 of topic $1 that nobody
+// holds under a lease (unleased, or leased until a time past), the rows
+// MoveGroup moves, whether or not a transaction has them locked (a held
+// batch, a rotation step): what a RenameGroup's move may have left.
+func GroupWaitingRows(n Names) string {
+	return fmt.Sprintf(`SELECT (SELECT count(*) FROM %[1]s WHERE topic = $1 AND consumer_group = $2 AND lease_token IS NULL)
+     + (SELECT count(*) FROM %[1]s WHERE topic = $1 AND consumer_group = $2 AND lease_token IS NOT NULL AND leased_until < now())`, n.QTable)
+}
+
 // GroupRows counts the rows of group $2 of topic $1 (two index range
 // scans): Unbind of the default group refuses to turn waiting rows into
 // unbound ones.

@@ -5,11 +5,13 @@ import "fmt"
 // GroupStatements bind and unbind consumer groups, purge an unbound
 // group's rows, and cancel scheduled rows by key.
 type GroupStatements struct {
-	Bind   string
-	Unbind string
-	Rename [3]string
-	Purge  string
-	Cancel string
+	Bind          string
+	Unbind        string
+	Rename        string
+	RenameUnpause string
+	RenamePause   string
+	Purge         string
+	Cancel        string
 }
 
 func buildGroups(n Names) GroupStatements {
@@ -25,14 +27,12 @@ func buildGroups(n Names) GroupStatements {
 		Unbind: fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2`, n.QBindings),
 		// Rename gives group $2's binding of topic $1 the name $3, with
 		// what it holds (where its arrivals start, its backlog copy's
-		// cursor), and then its pause, if any, in place of one the new
-		// name had. Each statement of the array runs in order in one
-		// transaction; the first returns whether a binding was renamed.
-		Rename: [3]string{
-			fmt.Sprintf(`UPDATE %s SET consumer_group = $3 WHERE topic = $1 AND consumer_group = $2`, n.QBindings),
-			fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $3 AND EXISTS (SELECT 1 FROM %s WHERE topic = $1 AND consumer_group = $2)`, n.QPaused(), n.QPaused()),
-			fmt.Sprintf(`UPDATE %s SET consumer_group = $3 WHERE topic = $1 AND consumer_group = $2`, n.QPaused()),
-		},
+		// cursor); then, in the same transaction, the new name's pause
+		// state becomes the old one's: RenameUnpause (topic $1, new name
+		// $2) and RenamePause (as Rename).
+		Rename:        fmt.Sprintf(`UPDATE %s SET consumer_group = $3 WHERE topic = $1 AND consumer_group = $2`, n.QBindings),
+		RenameUnpause: fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2`, n.QPaused()),
+		RenamePause:   fmt.Sprintf(`UPDATE %s SET consumer_group = $3 WHERE topic = $1 AND consumer_group = $2`, n.QPaused()),
 		Purge: fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2
    AND (lease_token IS NULL OR leased_until < now())`, t),
 

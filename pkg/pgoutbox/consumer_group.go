@@ -317,7 +317,8 @@ func queryRow(ctx context.Context, exec tx.Executor, q string, args []any, dest 
 }
 
 // ErrGroupNotEmpty is returned by Unbind of the default group while it
-// still holds messages and purge is not set.
+// still holds messages and purge is not set, and by RenameGroup when rows
+// of the old name stayed locked and did not move.
 var ErrGroupNotEmpty = errors.New("pgoutbox: consumer group not empty")
 
 // Unbind removes the binding of group to topic: messages published from
@@ -453,8 +454,10 @@ func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topi
 // The default group cannot be renamed (ErrInvalidGroup): publishes in
 // flight store rows for it that would pass for unbound messages; bind the
 // new group, drain or move the default group's rows, then Unbind it. The
-// error wraps ErrNotBound when from is not bound to topic, and
-// ErrGroupBound when to already is. Inside your transaction (exec is one)
+// error wraps ErrNotBound when from is not bound to topic, ErrGroupBound
+// when to already is, and ErrGroupNotEmpty when the rename is done but
+// rows of the old name stayed locked through a few moves over 1.5 s (its
+// subscribers still running): move them once they have stopped. Inside your transaction (exec is one)
 // nothing is waited for: rows stored under the old name after your commit
 // need MoveGroup.
 func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topic, from, to string) (int64, error) {
@@ -477,16 +480,15 @@ func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, to
 		if _, err := e.Exec(ctx, query.TopicLock, n.QBindings+query.GroupMark+topic); err != nil {
 			return err
 		}
-		n, err := e.Exec(ctx, q.Rename[0], topic, from, to)
+		n, err := e.Exec(ctx, q.Rename, topic, from, to)
 		if renamed = n == 1; err != nil || !renamed {
 			return err
 		}
-		for _, stmt := range q.Rename[1:] {
-			if _, err := e.Exec(ctx, stmt, topic, from, to); err != nil {
-				return err
-			}
+		if _, err := e.Exec(ctx, q.RenameUnpause, topic, to); err != nil {
+			return err
 		}
-		return nil
+		_, err = e.Exec(ctx, q.RenamePause, topic, from, to)
+		return err
 	})
 	switch {
 	case errtext.SQLState(err) == "23505": // the new name's binding exists
@@ -501,12 +503,39 @@ func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, to
 			return 0, errorf("pgoutbox: group %q of topic %q is renamed %q; moving its rows waits for the publishes in flight, which failed (run MoveGroup): %w", from, topic, to, err)
 		}
 	}
-	moved, err := MoveGroup(ctx, exec, tables, topic, from, to)
-	if err != nil {
-		return moved, fmt.Errorf("group %q of topic %q is renamed %q; moving its rows failed (run MoveGroup again): %w", from, topic, to, err)
+	// A row another transaction has locked (a held batch of a subscriber
+	// of the old name, a rotation step moving it) is skipped by the move:
+	// look again a few times, then say what is left.
+	var moved, left int64
+	for attempt := 1; ; attempt++ {
+		m, err := MoveGroup(ctx, exec, tables, topic, from, to)
+		moved += m
+		if err == nil {
+			err = queryRow(ctx, exec, query.GroupWaitingRows(n), []any{topic, from}, &left)
+		}
+		if err != nil {
+			return moved, fmt.Errorf("group %q of topic %q is renamed %q; moving its rows failed (run MoveGroup again): %w", from, topic, to, err)
+		}
+		if left == 0 {
+			return moved, nil
+		}
+		if attempt == renameMoveAttempts {
+			return moved, errorf("pgoutbox: group %q of topic %q is renamed %q, but %d waiting row(s) of the old name are locked and did not move "+
+				"(a subscriber of the old name still running, or a rotation step): move them (MoveGroup, pgoutbox move) once its subscribers have stopped; "+
+				"Stats shows them as unbound: %w", from, topic, to, left, ErrGroupNotEmpty)
+		}
+		select {
+		case <-ctx.Done():
+			return moved, ctx.Err()
+		case <-time.After(time.Duration(attempt) * 100 * time.Millisecond):
+		}
 	}
-	return moved, nil
 }
+
+// renameMoveAttempts bounds RenameGroup's moves of rows found locked: a
+// rotation step holds its rows for milliseconds, a held batch for up to
+// its bound (a second by default).
+const renameMoveAttempts = 5
 
 // ConsumerGroup returns the consumer group the Subscriber consumes for ("" is
 // the default group).

@@ -390,7 +390,10 @@ func TestEscaping(t *testing.T) {
 	}, 10*time.Second, 50*time.Millisecond)
 	pages := map[string]string{"overview": overview, "group": b.page(t, groupPath),
 		"dead letters": b.page(t, "dead-letters"), "dead letter": b.page(t, "dead-letter?id=1000"),
-		"dead letters filtered": b.page(t, "dead-letters?"+url.Values{"topic": {topic}, "reason": {evil}}.Encode())}
+		"dead letters filtered": b.page(t, "dead-letters?"+url.Values{"topic": {topic}, "reason": {"rejected"}}.Encode())}
+	code, badReason := b.get(t, "dead-letters?"+url.Values{"topic": {topic}, "reason": {evil}}.Encode())
+	require.Equal(t, http.StatusBadRequest, code, "not a failure reason")
+	pages["bad reason"] = badReason
 	form := url.Values{"action": {"pause"}, "topic": {topic}, "group": {group}, "csrf": {b.csrf(t)}}
 	resp, confirm := b.post(t, "confirm", form)
 	require.Equal(t, http.StatusOK, resp.StatusCode)

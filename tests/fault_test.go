@@ -821,3 +821,48 @@ func TestFaultPoisonThatCrashesItsProcessIsDeadLetteredAlone(t *testing.T) {
 		})
 	}
 }
+
+// Handlers that hold every connection of the subscriber's pool starve its
+// claims: the error said only "context deadline exceeded", which sent
+// operators to the database. It says the pool made it wait, and what to
+// size.
+func TestClaimsStarvedOfPoolConnectionsSaySo(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg, err := pgxpool.ParseConfig(b.DSN)
+	require.NoError(t, err)
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	logs := &logCapture{}
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{
+		Tables: b.tables, MaxInFlight: 4, StatementTimeout: 200 * time.Millisecond,
+		MinPollInterval: 20 * time.Millisecond, MaxPollInterval: 100 * time.Millisecond, ClaimMode: pgoutbox.ClaimLease,
+	}, logs)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	require.NoError(t, b.poolPublisher(t).Publish("t", newMsgs(2)...))
+	release := make(chan struct{})
+	defer close(release) // before the Router's Close, which waits for the handlers
+	holding := make(chan struct{}, 3)
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		conn, err := pool.Acquire(m.Context()) // a handler's own query, as tx.Middleware's
+		if err != nil {
+			return err
+		}
+		defer conn.Release()
+		holding <- struct{}{}
+		<-release
+		return nil
+	})
+	<-holding
+	<-holding
+	require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("more")))
+	pollUntil(t, "a claim failing for want of a connection", 10*time.Second, nil, func() bool {
+		return len(logs.find("error", func(e logEntry) bool {
+			return e.msg == "Claim failed; retrying" && e.err != nil &&
+				strings.Contains(e.err.Error(), "no connection of the subscriber's pool came free in time (2 of 2 in use)")
+		})) > 0
+	})
+}

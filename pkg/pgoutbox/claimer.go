@@ -90,10 +90,16 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	// with the results: after a client-side error (a row that does not
 	// scan) the rows are leased under the token, and the owner releases
 	// them like a lost claim's.
+	conn, err := acquire(ctx, c.pool)
+	if err != nil {
+		r.err = err
+		return r
+	}
+	defer conn.Release()
 	b := &pgx.Batch{}
 	b.Queue(query.ClaimSettings)
 	b.Queue(stmt, args...)
-	res := c.pool.SendBatch(ctx, b)
+	res := conn.SendBatch(ctx, b)
 	defer res.Close()
 	if _, err := res.Exec(); err != nil {
 		r.err = err
@@ -248,7 +254,7 @@ func (c *claimer) held(req claimRequest) claimResult {
 	r := claimResult{req: req}
 	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.StatementTimeout)
 	defer cancel()
-	conn, err := c.pool.Acquire(ctx)
+	conn, err := acquire(ctx, c.pool)
 	if err != nil {
 		r.err = err
 		return r

@@ -374,10 +374,15 @@ func (w written) has(d *delivery) bool { return w[writtenKey{d.id, d.token.Bytes
 // w the (row, lease) pairs it applied to, once it committed: a statement
 // that failed, or whose transaction did not commit, wrote nothing.
 func (c *completer) writeStmt(ctx context.Context, w written, stmt string, args ...any) error {
+	conn, err := acquire(ctx, c.pool)
+	if err != nil {
+		return err
+	}
+	defer conn.Release()
 	b := &pgx.Batch{}
 	b.Queue(query.WriteSettings)
 	b.Queue(stmt, args...)
-	res := c.pool.SendBatch(ctx, b)
+	res := conn.SendBatch(ctx, b)
 	if _, err := res.Exec(); err != nil {
 		_ = res.Close()
 		return err

@@ -1,0 +1,26 @@
+package pgoutbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// acquire takes a connection of pool for a statement of the subscriber's
+// own. When none comes free before ctx ends, the error says that it was
+// the pool, not the database, that made it wait: "context deadline
+// exceeded" alone sent operators to look at the server while handlers
+// held every connection.
+func acquire(ctx context.Context, pool *pgxpool.Pool) (*pgxpool.Conn, error) {
+	conn, err := pool.Acquire(ctx)
+	if err != nil && errors.Is(err, context.DeadlineExceeded) {
+		st := pool.Stat()
+		return nil, fmt.Errorf("no connection of the subscriber's pool came free in time (%d of %d in use): "+
+			"handlers holding connections (tx.Middleware, queries of your own) can take them all; "+
+			"give the pool MaxInFlight plus two connections, or the subscriber a pool of its own (docs/operations.md, Pool sizing): %w",
+			st.AcquiredConns(), st.MaxConns(), err)
+	}
+	return conn, err
+}

@@ -11,7 +11,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/cqrs"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
@@ -637,35 +636,8 @@ func TestRenamingAGroupUnderTrafficLosesAndDoublesNothing(t *testing.T) {
 			_, err := pgoutbox.BindGroups(ctx, exec, b.tables, "t", []string{"other", "old"})
 			require.NoError(t, err)
 
-			var published sync.Map // uuid -> struct{}
-			stop := make(chan struct{})
-			var wg sync.WaitGroup
-			for range 4 {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					pub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: b.tables}, nil)
-					if !assert.NoError(t, err) {
-						return
-					}
-					for {
-						select {
-						case <-stop:
-							return
-						default:
-						}
-						m := newMsg("x")
-						if assert.NoError(t, pub.Publish("t", m)) {
-							published.Store(m.UUID, struct{}{})
-						}
-					}
-				}()
-			}
-			count := func() int {
-				n := 0
-				published.Range(func(any, any) bool { n++; return true })
-				return n
-			}
+			published, stopTraffic := b.traffic(t, "t", 4)
+			count := func() int { return int(published.Load()) }
 			pollUntil(t, "traffic before the rename", 10*time.Second, nil, func() bool { return count() >= 200 })
 
 			require.NoError(t, pgoutbox.PauseGroup(ctx, exec, b.tables, "t", "old"))
@@ -678,8 +650,7 @@ func TestRenamingAGroupUnderTrafficLosesAndDoublesNothing(t *testing.T) {
 
 			before := count()
 			pollUntil(t, "traffic after the rename", 10*time.Second, nil, func() bool { return count() >= before+200 })
-			close(stop)
-			wg.Wait()
+			stopTraffic()
 
 			// A subscriber of each group settles the arrivals (fans them out).
 			for _, g := range []string{"other", "new"} {

@@ -1170,6 +1170,11 @@ func TestHeldRowsClaimedAgainAfterAKilledBatchKeepPublishOrder(t *testing.T) {
 		onPath(t, testhook.PathHeld, c)
 	})
 	seen := &list{}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("deliveries in order: %v", seen.get())
+		}
+	})
 	started, killed := make(chan struct{}), make(chan struct{})
 	runRouter(t, sub, "t", func(msg *message.Message) error {
 		seen.add(string(msg.Payload))

@@ -39,29 +39,9 @@ func renameUnderRotation(t *testing.T, rotating bool) {
 	exec := tx.FromPgxPool(b.Pool)
 	_, err := pgoutbox.BindGroups(ctx, exec, b.tables, "t", []string{"other", "g0"})
 	require.NoError(t, err)
-	var published atomic.Int64
+	published, stopTraffic := b.traffic(t, "t", 3)
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
-	for range 3 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			pub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: b.tables}, nil)
-			if !assert.NoError(t, err) {
-				return
-			}
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				if assert.NoError(t, pub.Publish("t", newMsg("x"))) {
-					published.Add(1)
-				}
-			}
-		}()
-	}
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -94,6 +74,7 @@ func renameUnderRotation(t *testing.T, rotating bool) {
 	}
 	close(stop)
 	wg.Wait()
+	stopTraffic()
 	total := int(published.Load())
 	perGroup := func(group string) (rows, distinct int) {
 		require.NoError(t, b.Pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT uuid) FROM `+b.Schema+`.outbox WHERE topic = 't' AND consumer_group = $1`, group).Scan(&rows, &distinct))
@@ -107,4 +88,34 @@ func renameUnderRotation(t *testing.T, rotating bool) {
 	require.Equal(t, total, rows)
 	rows, _ = perGroup("other")
 	require.Equal(t, total, rows)
+}
+
+// traffic publishes to topic from n goroutines, a message a call, until
+// stop is called (it waits for them), and counts the publishes that
+// committed.
+func (b *bundle) traffic(t *testing.T, topic string, n int) (published *atomic.Int64, stop func()) {
+	published = new(atomic.Int64)
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+			if !assert.NoError(t, err) {
+				return
+			}
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				if assert.NoError(t, pub.Publish(topic, newMsg("x"))) {
+					published.Add(1)
+				}
+			}
+		}()
+	}
+	return published, func() { close(done); wg.Wait() }
 }

@@ -692,59 +692,59 @@ func TestRenamingAGroupUnderTrafficLosesAndDoublesNothing(t *testing.T) {
 // group bound since (StartFromBacklog's late copies) and gave the new name
 // a copy of every arrival the old subscriber acked: handled twice.
 func TestRenamingAGroupWhoseSubscriberHoldsAMessage(t *testing.T) {
-	for _, layout := range []string{"outbox", "arrivals"} {
-		for _, ack := range []bool{true, false} {
-			name := layout + "/ack"
-			if !ack {
-				name = layout + "/nack"
-			}
-			t.Run(name, func(t *testing.T) {
-				t.Parallel()
-				b := layoutBundle(t, layout)
-				ctx, cancel := context.WithCancel(context.Background())
-				defer cancel()
-				exec := tx.FromPgxPool(b.Pool)
-				topic := "rename-" + watermill.NewShortUUID()
-				subOld := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
-					onPath(t, testhook.PathHeld, c)
-					c.ConsumerGroup = "old"
-					id := c.WorkerID
-					testhook.SetHeldBound(id, time.Minute)
-					t.Cleanup(func() { testhook.SetHeldBound(id, 0) })
-				})
-				chOld, err := subOld.Subscribe(ctx, topic)
-				require.NoError(t, err)
-				require.NoError(t, b.poolPublisher(t).Publish(topic, newMsg("x")))
-				m := receive(t, chOld, 10*time.Second)
-
-				// While the old name's held batch holds x: an outbox row
-				// stays locked, and the rename says so; an arrival is
-				// held where it arrived, not in the old name's rows.
-				_, err = pgoutbox.RenameGroup(ctx, exec, b.tables, topic, "old", "new")
-				if layout == "outbox" {
-					require.ErrorIs(t, err, pgoutbox.ErrGroupNotEmpty)
-					require.ErrorContains(t, err, "1 waiting row(s) of the old name are locked")
-				} else {
+	t.Parallel()
+	for _, path := range []string{testhook.PathHeld, testhook.PathLease} {
+		for _, layout := range []string{"outbox", "arrivals"} {
+			for _, ack := range []bool{true, false} {
+				t.Run(path+"/"+layout+map[bool]string{true: "/ack", false: "/nack"}[ack], func(t *testing.T) {
+					t.Parallel()
+					b := layoutBundle(t, layout)
+					ctx, cancel := context.WithCancel(context.Background())
+					defer cancel()
+					exec := tx.FromPgxPool(b.Pool)
+					topic := "rename-" + watermill.NewShortUUID()
+					subOld := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+						onPath(t, path, c)
+						c.ConsumerGroup = "old"
+						id := c.WorkerID
+						testhook.SetHeldBound(id, time.Minute)
+						t.Cleanup(func() { testhook.SetHeldBound(id, 0) })
+					})
+					chOld, err := subOld.Subscribe(ctx, topic)
 					require.NoError(t, err)
-				}
-				if ack {
-					m.Ack()
-				} else {
-					m.Nack()
-				}
-				require.NoError(t, subOld.Close()) // ends the held batch
-				// What the docs say to do once the old name's subscribers
-				// have stopped.
-				_, err = pgoutbox.MoveGroup(ctx, exec, b.tables, topic, "old", "new")
-				require.NoError(t, err)
-				want := 0
-				if !ack {
-					want = 1
-				}
-				got := b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1 AND consumer_group = 'new'`, topic)
-				require.Equal(t, want, got, "%s: rows of x under the new name after the old name's subscriber %s it",
-					layout, map[bool]string{true: "acked", false: "nacked"}[ack])
-			})
+					require.NoError(t, b.poolPublisher(t).Publish(topic, newMsg("x")))
+					m := receive(t, chOld, 10*time.Second)
+
+					// While the old name's subscriber holds x: a held batch
+					// keeps an outbox row locked, and the rename says so;
+					// a held arrival stays where it arrived, and a lease is
+					// the delivery's, not a waiting row.
+					_, err = pgoutbox.RenameGroup(ctx, exec, b.tables, topic, "old", "new")
+					if path == testhook.PathHeld && layout == "outbox" {
+						require.ErrorIs(t, err, pgoutbox.ErrGroupNotEmpty)
+						require.ErrorContains(t, err, "1 waiting row(s) of the old name are locked")
+					} else {
+						require.NoError(t, err)
+					}
+					if ack {
+						m.Ack()
+					} else {
+						m.Nack()
+					}
+					require.NoError(t, subOld.Close()) // ends a held batch, writes the ack or nack
+					// What the docs say to do once the old name's
+					// subscribers have stopped.
+					_, err = pgoutbox.MoveGroup(ctx, exec, b.tables, topic, "old", "new")
+					require.NoError(t, err)
+					want := 0
+					if !ack {
+						want = 1
+					}
+					got := b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1 AND consumer_group = 'new'`, topic)
+					require.Equal(t, want, got, "rows of x under the new name after the old name's subscriber %s it",
+						map[bool]string{true: "acked", false: "nacked"}[ack])
+				})
+			}
 		}
 	}
 }

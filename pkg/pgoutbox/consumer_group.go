@@ -456,8 +456,9 @@ func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topi
 // new group, drain or move the default group's rows, then Unbind it. The
 // error wraps ErrNotBound when from is not bound to topic, ErrGroupBound
 // when to already is, and ErrGroupNotEmpty when the rename is done but
-// rows of the old name stayed locked through a few moves over 1.5 s (its
-// subscribers still running): move them once they have stopped. Inside your transaction (exec is one)
+// rows of the old name stayed locked through five moves over about a
+// second (its subscribers still running): move them once they have
+// stopped. Inside your transaction (exec is one)
 // nothing is waited for: rows stored under the old name after your commit
 // need MoveGroup.
 func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topic, from, to string) (int64, error) {
@@ -480,8 +481,8 @@ func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, to
 		if _, err := e.Exec(ctx, query.TopicLock, n.QBindings+query.GroupMark+topic); err != nil {
 			return err
 		}
-		n, err := e.Exec(ctx, q.Rename, topic, from, to)
-		if renamed = n == 1; err != nil || !renamed {
+		rows, err := e.Exec(ctx, q.Rename, topic, from, to)
+		if renamed = rows == 1; err != nil || !renamed {
 			return err
 		}
 		if _, err := e.Exec(ctx, q.RenameUnpause, topic, to); err != nil {

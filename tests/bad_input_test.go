@@ -324,3 +324,25 @@ func TestSubscribeWithADoneContextSaysSo(t *testing.T) {
 	require.ErrorIs(t, err, context.Canceled)
 	require.ErrorContains(t, err, "the context given is already done")
 }
+
+// A dead-letter filter's reason must be one pgoutbox writes: a misspelt one
+// matched nothing, and a requeue or purge reported 0 as if there were
+// nothing to do. The CLI and the operator page refuse it through this.
+func TestDeadLetterFiltersRefuseAReasonThatIsNoFailureReason(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	_, err := pgoutbox.DeadLetters(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Reason: "rejcted"})
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.ErrorContains(t, err, "use one of max_deliveries, retry_exhausted, rejected, poisoned")
+	_, err = pgoutbox.RequeueDeadLettersMatching(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Reason: "rejcted"})
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	_, err = pgoutbox.PurgeDeadLettersMatching(ctx, exec, b.tables, 0, pgoutbox.DeadLetterFilter{Reason: "rejcted"}, 0)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	_, err = pgoutbox.RequeueParked(ctx, exec, b.tables, pgoutbox.ParkedFilter{Reason: "rejcted"})
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	page, err := pgoutbox.DeadLetters(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Reason: pgoutbox.ReasonRejected})
+	require.NoError(t, err)
+	require.Empty(t, page.Letters)
+}

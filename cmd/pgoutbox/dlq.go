@@ -87,7 +87,7 @@ func (c *cli) dlqCmd(args []string) error {
 func filterFlags(cmd *command, f *pgoutbox.DeadLetterFilter, group *optString) {
 	cmd.fs.StringVar(&f.Topic, "topic", "", "only this topic")
 	cmd.fs.Var(group, "group", "only this consumer group (--group '' is the default group)")
-	cmd.fs.Var(reasonFlag{&f.Reason}, "reason", "only this failure reason: "+strings.Join(failureReasons, ", "))
+	cmd.fs.StringVar(&f.Reason, "reason", "", "only this failure reason: max_deliveries, retry_exhausted, rejected or poisoned (any other is refused)")
 }
 
 func (c *cli) dlqList(args []string) error {

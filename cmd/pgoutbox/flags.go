@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -14,7 +13,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
-	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -191,29 +189,6 @@ func (o *optString) ptr() *string {
 	}
 	v := o.value
 	return &v
-}
-
-// reasonFlag is --reason: one of the failure reasons pgoutbox writes. A
-// misspelt one would match nothing, and a requeue or purge would report 0
-// as if there were nothing to do.
-type reasonFlag struct{ dst *string }
-
-// failureReasons are the reasons a dead letter can have.
-var failureReasons = []string{pgoutbox.ReasonMaxDeliveries, pgoutbox.ReasonRetryExhausted, pgoutbox.ReasonRejected, pgoutbox.ReasonPoisoned}
-
-func (r reasonFlag) String() string {
-	if r.dst == nil {
-		return ""
-	}
-	return *r.dst
-}
-
-func (r reasonFlag) Set(s string) error {
-	if s != "" && !slices.Contains(failureReasons, s) {
-		return fmt.Errorf("%q is not a failure reason; use one of %s", s, strings.Join(failureReasons, ", "))
-	}
-	*r.dst = s
-	return nil
 }
 
 // durationFlag is a Go duration whose parse error says how to write one

@@ -3,6 +3,8 @@ package pgoutbox
 import (
 	"context"
 	"errors"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -73,7 +75,8 @@ type DeadLetterFilter struct {
 	// ConsumerGroup selects one consumer group: nil matches every group,
 	// new("") the default group, new("billing") the group "billing".
 	ConsumerGroup *string
-	// Reason selects one failure reason ("" matches every reason).
+	// Reason selects one failure reason ("" matches every reason): one of
+	// the Reason constants; any other is an ErrInvalidConfig.
 	Reason string
 	// FailedAfter keeps rows that failed at or after it (zero: no bound).
 	FailedAfter time.Time
@@ -99,6 +102,19 @@ type DeadLetterPage struct {
 	Next DeadLetterCursor
 }
 
+// failureReasons are the reasons pgoutbox writes into failure_reason.
+var failureReasons = []string{ReasonMaxDeliveries, ReasonRetryExhausted, ReasonRejected, ReasonPoisoned}
+
+// checkReason refuses a filter's reason that no dead letter can have: a
+// misspelt one matched nothing, and a requeue or purge reported 0 as if
+// there were nothing to do.
+func checkReason(r string) error {
+	if slices.Contains(failureReasons, r) {
+		return nil
+	}
+	return errorf("%w: %q is not a failure reason; use one of %s", ErrInvalidConfig, r, strings.Join(failureReasons, ", "))
+}
+
 // args returns the parameters $1..$8 of query.DeadLetterWhere and LIMIT.
 func (f DeadLetterFilter) args(limit pgtype.Int8) ([]any, error) {
 	var topic, group, reason pgtype.Text
@@ -115,6 +131,9 @@ func (f DeadLetterFilter) args(limit pgtype.Int8) ([]any, error) {
 		group = pgtype.Text{String: *f.ConsumerGroup, Valid: true}
 	}
 	if f.Reason != "" {
+		if err := checkReason(f.Reason); err != nil {
+			return nil, err
+		}
 		reason = pgtype.Text{String: f.Reason, Valid: true}
 	}
 	ts := func(t time.Time) pgtype.Timestamptz {
@@ -401,7 +420,8 @@ type ParkedFilter struct {
 	// ConsumerGroup selects one group: nil matches every group, new("")
 	// the default group.
 	ConsumerGroup *string
-	// Reason selects one failure reason ("" matches every reason).
+	// Reason selects one failure reason ("" matches every reason): one of
+	// the Reason constants; any other is an ErrInvalidConfig.
 	Reason string
 	// IDs selects these rows only (nil: any row).
 	IDs []int64
@@ -436,6 +456,9 @@ func RequeueParked(ctx context.Context, exec tx.Executor, tables schema.Config, 
 		group = pgtype.Text{String: *f.ConsumerGroup, Valid: true}
 	}
 	if f.Reason != "" {
+		if err := checkReason(f.Reason); err != nil {
+			return 0, err
+		}
 		reason = pgtype.Text{String: f.Reason, Valid: true}
 	}
 	if f.IDs != nil && len(f.IDs) == 0 {

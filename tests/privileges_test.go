@@ -183,8 +183,10 @@ func TestInjectionLikeNames(t *testing.T) {
 	require.Len(t, s, 1)
 	_, err = pgoutbox.Peek(ctx, exec, b.tables, topic, group, 1)
 	require.NoError(t, err)
-	_, err = pgoutbox.DeadLetters(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Topic: topic, ConsumerGroup: new(group), Reason: `'; --`})
+	_, err = pgoutbox.DeadLetters(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Topic: topic, ConsumerGroup: new(group), Reason: pgoutbox.ReasonRejected})
 	require.NoError(t, err)
+	_, err = pgoutbox.DeadLetters(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Topic: topic, ConsumerGroup: new(group), Reason: `'; --`})
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig, "a reason that is no failure reason is refused before any SQL")
 	_, err = pgoutbox.Unbind(ctx, exec, b.tables, topic, group, true)
 	require.NoError(t, err)
 	for _, tbl := range []string{"outbox", "outbox_dlq", "outbox_bindings"} {

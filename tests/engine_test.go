@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 )
 
@@ -268,6 +269,79 @@ func TestAckDeadlineWithManyInFlight(t *testing.T) {
 	again.Ack()
 	ev.wait(t, pgoutbox.EventRetried, 10*time.Second)
 	pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+}
+
+// A row lost while its handler runs (an operator deleted it, or the held
+// batch it came in rolled back) is no longer the subscription's, but what
+// comes after it still waits for that handler: the next message of an
+// ordered subscription, the row claimed again. AckDeadline bounds that wait
+// as it bounds a row still ours; with MaxInFlight 1 a handler that never
+// returned held the subscription for good.
+func TestAckDeadlineBoundsTheWaitForALostRowsHandler(t *testing.T) {
+	t.Parallel()
+	for _, inFlight := range []int{1, 2} {
+		for _, loss := range []string{"deleted", "held batch killed"} {
+			t.Run(fmt.Sprintf("MaxInFlight %d, %s", inFlight, loss), func(t *testing.T) {
+				t.Parallel()
+				b := setup(t)
+				ctx := context.Background()
+				pool, app := heldPool(t, b, 10)
+				ev := newEvents()
+				id := "lost-hung-" + watermill.NewShortUUID()
+				path := testhook.PathLease
+				if loss == "held batch killed" {
+					path = testhook.PathHeld
+					testhook.SetHeldBound(id, time.Minute)
+					t.Cleanup(func() { testhook.SetHeldBound(id, 0) })
+				}
+				sub := b.subscriberOn(t, pool, func(c *pgoutbox.SubscriberConfig) {
+					c.WorkerID = id
+					onPath(t, path, c)
+					c.MaxInFlight = inFlight
+					c.Lease = 2 * time.Second
+					c.MaxPollInterval = 500 * time.Millisecond
+					c.AckDeadline = 4 * time.Second
+					c.DrainTimeout = -1
+					c.Observer = ev
+				})
+				hung, next := newMsg("hung"), newMsg("next")
+				pgoutbox.WithOrderingKey(hung, "k")
+				pgoutbox.WithOrderingKey(next, "k")
+				b.publishInTx(t, "t", true, hung)
+				msgs, err := sub.Subscribe(ctx, "t")
+				require.NoError(t, err)
+				first := receive(t, msgs, 10*time.Second)
+				require.Equal(t, hung.UUID, first.UUID)
+				if loss == "deleted" {
+					_, err = b.Pool.Exec(ctx, `DELETE FROM `+b.Schema+`.outbox WHERE uuid = $1`, hung.UUID)
+					require.NoError(t, err)
+					ev.wait(t, pgoutbox.EventLeaseLost, 10*time.Second)
+				} else {
+					var killed int
+					require.NoError(t, b.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 2000))
+						FROM pg_stat_activity WHERE `+idleInTxOf, app).Scan(&killed))
+					require.Equal(t, 1, killed, "the held batch's transaction")
+				}
+				select {
+				case <-first.Context().Done(): // the handler is told to stop, and does not
+				case <-time.After(10 * time.Second):
+					t.Fatal("the lost row's message context was not cancelled")
+				}
+				b.publishInTx(t, "t", true, next)
+				want := []string{next.UUID}
+				if loss == "held batch killed" {
+					want = []string{hung.UUID, next.UUID} // rolled back: due again, first
+				}
+				for _, uuid := range want {
+					m := receive(t, msgs, 20*time.Second)
+					require.Equal(t, uuid, m.UUID)
+					m.Ack()
+				}
+				first.Ack() // the hung handler returns at last
+				pollUntil(t, "the outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+			})
+		}
+	}
 }
 
 // AckDeadline -1 turns the deadline off: a handler may run past the

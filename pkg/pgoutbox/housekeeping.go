@@ -37,6 +37,11 @@ func (sub *subscription) housekeeping(now time.Time) {
 				sub.ackDeadlinePassed(d, d.msg)
 			}
 		}
+		// A row lost while its handler runs left the rows, but the owner
+		// still waits for that handler: the deadline bounds that wait too.
+		if d := sub.hand.single; d != nil && d.state == finished && at(now).since(d.handedAt) >= sub.cfg.AckDeadline && !d.outcome.completingInTx() {
+			sub.lostHandlerTimedOut(d)
+		}
 	}
 	// A prefetched row still waiting half a lease after its claim means the
 	// handlers are stuck or slow: give the whole buffer back (all of it, so
@@ -114,6 +119,18 @@ func (sub *subscription) ackDeadlinePassed(d *delivery, msg *message.Message) {
 		watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "deliveries": d.deliveries, "ack_deadline": sub.cfg.AckDeadline.String()})
 	d.outcome.setErr(err)
 	sub.onVerdict(verdict{d: d, seq: d.seq, msg: msg}, true)
+}
+
+// lostHandlerTimedOut stops waiting for the handler of a row lost while
+// it ran (endRow), once AckDeadline has passed since its hand-out, as for
+// a row still ours: what waited for it (the next message, ordered; the
+// row claimed again) goes out beside it.
+func (sub *subscription) lostHandlerTimedOut(d *delivery) {
+	if _, lost := sub.hand.guard.lost[d]; lost || sub.hand.single == d {
+		sub.logger.Error("Handler of a lost row did not return within AckDeadline; no longer waiting for it", ErrAckDeadline,
+			watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "ack_deadline": sub.cfg.AckDeadline.String()})
+	}
+	sub.answeredLate(d)
 }
 
 // onRenewed applies a renewal's result: extended leases, lost ones.

@@ -153,7 +153,7 @@ func (sub *subscription) takeVerdicts() {
 			if v.d.state == handedOut && v.d.seq == v.seq {
 				sub.ackDeadlinePassed(v.d, v.msg)
 			} else {
-				sub.answeredLate(v.d) // a lost row's slot stops waiting
+				sub.lostHandlerTimedOut(v.d) // a lost row's slot stops waiting
 			}
 			continue
 		}

@@ -26,6 +26,7 @@ import (
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // TestFaultTerminatedConnections terminates every server connection of a
@@ -865,4 +866,77 @@ func TestClaimsStarvedOfPoolConnectionsSaySo(t *testing.T) {
 				strings.Contains(e.err.Error(), "no connection of the subscriber's pool came free in time (2 of 2 in use)")
 		})) > 0
 	})
+}
+
+// Subscriptions that share a pool of as many connections as they are, all
+// idle (a CQRS service's event handlers on pgxpool's default of four): a
+// publish wakes every group of its topic at once, and each empty lease
+// claim held its connection while it took a second one to ask when the
+// next row is due (a keyed one, to check its keys). They waited for each
+// other until StatementTimeout (10 s by default), and so did everything
+// else on the pool: publishes, Subscribe. One subscription on a pool of one
+// waited at every empty claim. A claim now asks on its own connection.
+// StatementTimeout is long here, so that a wait for a second connection
+// cannot end in time.
+func TestIdleSubscriptionsAsManyAsThePoolsConnectionsDoNotWaitForEachOther(t *testing.T) {
+	t.Parallel()
+	for _, groups := range []int{1, 4} {
+		t.Run(fmt.Sprint(groups, " on ", groups), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			ctx := context.Background()
+			cfg, err := pgxpool.ParseConfig(b.DSN)
+			require.NoError(t, err)
+			cfg.MaxConns = int32(groups)
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			names := make([]string, groups)
+			for i := range names {
+				names[i] = fmt.Sprint("g", i)
+			}
+			_, err = pgoutbox.BindGroups(ctx, tx.FromPgxPool(pool), b.tables, "t", names)
+			require.NoError(t, err)
+			got := make(chan string, 4*groups)
+			for _, g := range names {
+				sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{
+					Tables: b.tables, ConsumerGroup: g, ClaimMode: pgoutbox.ClaimLease,
+					StatementTimeout: 2 * time.Minute, Lease: 5 * time.Minute,
+				}, b.logger)
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = sub.Close() })
+				msgs, err := sub.Subscribe(ctx, "t")
+				require.NoError(t, err)
+				go func() {
+					for m := range msgs {
+						got <- g + "/" + string(m.Payload)
+						m.Ack()
+					}
+				}()
+			}
+			pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+			require.NoError(t, err)
+			for i := range 6 {
+				m := newMsg(fmt.Sprint(i))
+				if i%2 == 1 {
+					pgoutbox.WithOrderingKey(m, "k")
+				}
+				require.NoError(t, pub.Publish("t", m))
+				want, seen := map[string]bool{}, map[string]bool{}
+				for _, g := range names {
+					want[fmt.Sprint(g, "/", i)] = true
+				}
+				for len(seen) < groups {
+					select {
+					case s := <-got:
+						seen[s] = true
+					case <-time.After(30 * time.Second):
+						t.Fatalf("message %d: delivered to %v of %d groups in 30 s; the pool: %d of %d connections acquired",
+							i, seen, groups, pool.Stat().AcquiredConns(), pool.Stat().MaxConns())
+					}
+				}
+				require.Equal(t, want, seen)
+			}
+		})
+	}
 }

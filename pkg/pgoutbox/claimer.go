@@ -160,7 +160,11 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	}
 	r.reclaimed, r.free = int(reclaimed), int(free)
 	r.arrivals, r.shared = arrivals.Int64, shared.Bool
-	if err := c.verifyLeasedKeys(ctx, &r); err != nil {
+	// The checks below run on the claim's connection: taking a second one
+	// while holding this one would deadlock subscriptions that share a
+	// pool of as many connections as they are, all claiming at once (a
+	// publish wakes every group of its topic).
+	if err := c.verifyLeasedKeys(ctx, conn, &r); err != nil {
 		// The rows stay leased under the claim's token: the owner releases
 		// them like a lost claim's.
 		r.rows, r.err = nil, err
@@ -170,7 +174,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	sortQueueOrder(r.rows)        // RETURNING order is unspecified
 	r.took = time.Since(req.sent) // the claim's own time (see claimScan.claimed)
 	if len(r.rows) == 0 {
-		r.dueIn = c.nextDue()
+		r.dueIn = c.nextDue(conn)
 	}
 	return r
 }
@@ -178,12 +182,12 @@ func (c *claimer) lease(req claimRequest) claimResult {
 // verifyLeasedKeys gives back the keyed rows of a committed lease claim
 // whose key turned out busy (query.KeyVerifyLease): of two claims of one
 // key, the one that looks last sees the other's lease or key lock.
-func (c *claimer) verifyLeasedKeys(ctx context.Context, r *claimResult) error {
+func (c *claimer) verifyLeasedKeys(ctx context.Context, conn *pgxpool.Conn, r *claimResult) error {
 	ids := keyedIDs(r.rows)
 	if ids == nil {
 		return nil
 	}
-	busy, err := collectIDs(c.pool.Query(ctx, c.q.KeyVerifyLease, c.topic, ids, r.req.token, c.cfg.ConsumerGroup))
+	busy, err := collectIDs(conn.Query(ctx, c.q.KeyVerifyLease, c.topic, ids, r.req.token, c.cfg.ConsumerGroup))
 	if err != nil {
 		return err
 	}
@@ -234,13 +238,14 @@ func dropIDs(rows []*delivery, drop map[int64]bool) []*delivery {
 }
 
 // nextDue asks when the next row of the topic becomes claimable (a
-// scheduled row or an expiring lease); 0 when none is, or on error.
-func (c *claimer) nextDue() time.Duration {
+// scheduled row or an expiring lease); 0 when none is, or on error. It
+// runs on the claim's connection (see lease).
+func (c *claimer) nextDue(conn *pgxpool.Conn) time.Duration {
 	// It only plans: a stopping subscription does not wait for it.
 	ctx, cancel := context.WithTimeout(c.stop, c.cfg.StatementTimeout)
 	defer cancel()
 	var us *int64
-	if err := c.pool.QueryRow(ctx, c.q.NextDue, c.topic, c.cfg.ConsumerGroup).Scan(&us); err != nil || us == nil {
+	if err := conn.QueryRow(ctx, c.q.NextDue, c.topic, c.cfg.ConsumerGroup).Scan(&us); err != nil || us == nil {
 		return 0
 	}
 	// At least a millisecond: rounding must not make the loop spin on a
@@ -358,12 +363,12 @@ func (c *claimer) held(req claimRequest) claimResult {
 	}
 	if len(r.rows) == 0 {
 		r.took = time.Since(req.sent)
-		_, err := conn.Exec(ctx, "ROLLBACK")
-		if err != nil {
+		if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
 			conn.Conn().Close(ctx) //nolint:errcheck // closing is the way out
+		} else {
+			r.dueIn = c.nextDue(conn)
 		}
 		conn.Release()
-		r.dueIn = c.nextDue()
 		return r
 	}
 	// ORDER BY with FOR UPDATE may return a row out of order when it was

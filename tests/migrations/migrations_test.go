@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
+	"github.com/pressly/goose/v3/lock"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/catalogtest"
@@ -49,12 +50,19 @@ func setup(t *testing.T, cfg schema.Config) *testBundle {
 	b.want = b.catalog(t, created.Name)
 	require.Greater(t, len(b.want), 20)
 
+	b.db = stdlib.OpenDB(*b.connConfig(t))
+	t.Cleanup(func() { _ = b.db.Close() })
+	return b
+}
+
+// connConfig connects to the target with its schema first on the
+// search_path (the tool's table lands there).
+func (b *testBundle) connConfig(t *testing.T) *pgx.ConnConfig {
+	t.Helper()
 	conf, err := pgx.ParseConfig(b.target.DSN)
 	require.NoError(t, err)
 	conf.RuntimeParams["search_path"] = b.target.Name
-	b.db = stdlib.OpenDB(*conf)
-	t.Cleanup(func() { _ = b.db.Close() })
-	return b
+	return conf
 }
 
 func (b *testBundle) catalog(t *testing.T, schemaName string) []string {
@@ -151,6 +159,49 @@ func TestGolangMigrate(t *testing.T) {
 			require.True(t, errors.Is(m.Up(), migrate.ErrNoChange))
 		})
 	}
+}
+
+// Deploys that start several processes at once each run the migrations:
+// without a locker goose lets two of them apply one version together (a
+// duplicate type or schema, or the version recorded twice). With goose's
+// session locker they take turns, and the later ones find nothing to do.
+func TestGooseFromSeveralProcessesAtOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t, schema.Config{})
+	const processes = 3
+	errs := make(chan error, processes)
+	for range processes {
+		db := stdlib.OpenDB(*b.connConfig(t)) // a process of its own: its own connections
+		t.Cleanup(func() { _ = db.Close() })
+		go func() { errs <- gooseUp(b.ctx, db, b.cfg) }()
+	}
+	for range processes {
+		require.NoError(t, <-errs)
+	}
+	b.requireHead(t)
+	var rows, versions int
+	require.NoError(t, b.db.QueryRowContext(b.ctx, `SELECT count(*), count(DISTINCT version_id) FROM goose_db_version WHERE version_id > 0`).Scan(&rows, &versions))
+	require.Equal(t, schema.LatestVersion(), versions)
+	require.Equal(t, schema.LatestVersion(), rows, "each version recorded once")
+}
+
+// gooseUp migrates the outbox as each process of a deploy does, with
+// goose's session locker: one at a time.
+func gooseUp(ctx context.Context, db *sql.DB, cfg schema.Config) error {
+	fsys, err := schema.Migrations(cfg, schema.FormatGoose)
+	if err != nil {
+		return err
+	}
+	locker, err := lock.NewPostgresSessionLocker()
+	if err != nil {
+		return err
+	}
+	p, err := goose.NewProvider(goose.DialectPostgres, db, fsys, goose.WithSessionLocker(locker))
+	if err != nil {
+		return err
+	}
+	_, err = p.Up(ctx)
+	return err
 }
 
 // TestUpgradeFromFirstRelease migrates an outbox at version 1 that holds

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -88,6 +89,11 @@ type outcome struct {
 	id       int64
 	token    pgtype.UUID
 	inTx     atomic.Int32 // txNone, txCompleting, txCommitted
+	// offerBy is the instant (see instant) after which a slot no longer
+	// offers the message to the Router: the row's lease may be another
+	// consumer's by then (the process was frozen while the message waited
+	// for a slot). The owner moves it on at each renewal. 0: no limit.
+	offerBy atomic.Int64
 	// unhold asks the owner to make a held row a lease at once and waits
 	// for it: the handler's transaction is about to start and to delete
 	// the row, and its DELETE would wait for the held transaction's lock
@@ -103,6 +109,18 @@ const (
 	txCompleting // a handler's transaction deleted the row and has not ended
 	txCommitted  // ... and committed: the row is gone, nothing more to write
 )
+
+// offerLeft is how long the message may still be offered to the Router.
+func (o *outcome) offerLeft(now time.Time) time.Duration {
+	by := o.offerBy.Load()
+	if by == 0 {
+		return math.MaxInt64
+	}
+	return instant(by).since(at(now))
+}
+
+// offerEnded reports whether the message may no longer be offered.
+func (o *outcome) offerEnded(now time.Time) bool { return o.offerLeft(now) <= 0 }
 
 func (sub *subscription) newOutcome(d *delivery) *outcome {
 	o := &outcome{complete: sub.s.q.CompleteInTx, id: d.id, token: d.token, unhold: sub.unholder(d)}

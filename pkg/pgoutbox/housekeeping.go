@@ -158,6 +158,9 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 			renewed++
 			d.expiresAt = at(r.renewSent).add(sub.cfg.Lease)
 			d.stamp = r.job.renewHolder
+			if d.state == handedOut && d.outcome != nil {
+				d.outcome.offerBy.Store(int64(sub.offerBy(d)))
+			}
 			continue
 		}
 		if d.state == writing || (d.state == retrying && !d.holdDone) {

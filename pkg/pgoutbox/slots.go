@@ -92,15 +92,19 @@ func (s *slots) stop() {
 
 func (s *slots) run() {
 	defer s.wg.Done()
-	// One timer per slot, armed for each message in turn.
+	// Timers of their own per slot, armed for each message in turn: the
+	// ack deadline, and the end of the offer (outcome.offerBy).
 	var deadline *time.Timer
 	if s.env.ackDeadline > 0 {
 		deadline = time.NewTimer(time.Hour)
 		deadline.Stop()
 		defer deadline.Stop()
 	}
+	late := time.NewTimer(time.Hour)
+	late.Stop()
+	defer late.Stop()
 	for it := range s.queue {
-		if v, ok := s.handle(it, deadline); ok {
+		if v, ok := s.handle(it, deadline, late); ok {
 			s.inbox.put(v)
 		}
 	}
@@ -108,7 +112,7 @@ func (s *slots) run() {
 
 // handle offers one item and waits for its verdict; ok is false when the
 // owner abandoned it and wants no verdict.
-func (s *slots) handle(it slotItem, deadline *time.Timer) (v verdict, ok bool) {
+func (s *slots) handle(it slotItem, deadline, late *time.Timer) (v verdict, ok bool) {
 	v = verdict{d: it.d, seq: it.seq}
 	msg, cancel, err := buildMessage(s.env.parent, it.uuid, it.payload, it.metaRaw, it.orderingKey, it.outcome)
 	if err != nil {
@@ -127,24 +131,38 @@ func (s *slots) handle(it slotItem, deadline *time.Timer) (v verdict, ok bool) {
 	// the message counts as handed out.)
 	// A message whose context the owner ended (its row was lost while the
 	// item waited) goes back unsent: the owner waits for that answer.
+	// So does one whose lease may have passed while it waited (the process
+	// was frozen longer than the Lease): another consumer may have taken
+	// the row, and even handled the key's next messages.
 	switch {
 	case closed(it.abandon):
 		return v, false
-	case closed(s.halt), msg.Context().Err() != nil:
+	case closed(s.halt), msg.Context().Err() != nil, it.outcome.offerEnded(time.Now()):
 		v.unsent = true
 		return v, true
 	}
-	select {
-	case s.env.out <- msg:
-		s.env.handedOut(it.outcome)
-	case <-s.halt:
-		v.unsent = true
-		return v, !closed(it.abandon)
-	case <-it.abandon:
-		return v, false
-	case <-msg.Context().Done():
-		v.unsent = true
-		return v, true
+	late.Reset(it.outcome.offerLeft(time.Now()))
+	defer late.Stop()
+	for offered := false; !offered; {
+		select {
+		case s.env.out <- msg:
+			s.env.handedOut(it.outcome)
+			offered = true
+		case <-s.halt:
+			v.unsent = true
+			return v, !closed(it.abandon)
+		case <-it.abandon:
+			return v, false
+		case <-msg.Context().Done():
+			v.unsent = true
+			return v, true
+		case <-late.C:
+			if it.outcome.offerEnded(time.Now()) {
+				v.unsent = true
+				return v, true
+			}
+			late.Reset(it.outcome.offerLeft(time.Now())) // renewed meanwhile
+		}
 	}
 	var expired <-chan time.Time
 	if deadline != nil {

@@ -137,3 +137,62 @@ func TestSlotAckDeadlineSurvivesACompletingTransaction(t *testing.T) {
 	v = b.waitVerdicts(t, 1)
 	require.True(t, v[0].timedOut)
 }
+
+// A message whose offer ended while it waited for a slot (the process was
+// frozen past the row's lease) goes back unsent, though the Router is ready
+// to take it: another consumer may have the row, and its key's next ones.
+func TestSlotDoesNotOfferAMessageWhoseLeaseMayHavePassed(t *testing.T) {
+	t.Parallel()
+	b := newSlotBundle(t, 1, 0)
+	stale := item(1, make(chan struct{}))
+	stale.outcome.offerBy.Store(int64(at(time.Now()).add(-time.Millisecond)))
+	b.slots.hand(stale)
+	fresh := item(2, make(chan struct{}))
+	fresh.outcome.offerBy.Store(int64(at(time.Now()).add(time.Hour)))
+	b.slots.hand(fresh)
+	m := <-b.taken
+	m.Ack()
+	v := b.waitVerdicts(t, 2)
+	require.Equal(t, int64(1), v[0].d.id)
+	require.True(t, v[0].unsent, "the stale one comes back unsent")
+	require.Equal(t, int64(2), v[1].d.id)
+	require.True(t, v[1].ack)
+	require.Equal(t, int32(1), b.received.Load(), "only the fresh one reached the Router")
+}
+
+// An offer the Router does not take ends when the offer does, unless a
+// renewal moved it on meanwhile.
+func TestSlotOfferEndsWithItsLeaseUnlessRenewed(t *testing.T) {
+	t.Parallel()
+	inbox := newVerdictInbox()
+	out := make(chan *message.Message) // a Router busy with other messages
+	s := newSlots(2, 10, inbox, slotEnv{out: out, parent: context.Background(), handedOut: func(*outcome) {}})
+	s.start()
+	t.Cleanup(s.stop)
+	ending, renewed := item(1, make(chan struct{})), item(2, make(chan struct{}))
+	ending.outcome.offerBy.Store(int64(at(time.Now()).add(50 * time.Millisecond)))
+	renewed.outcome.offerBy.Store(int64(at(time.Now()).add(50 * time.Millisecond)))
+	s.hand(ending)
+	s.hand(renewed)
+	renewed.outcome.offerBy.Store(int64(at(time.Now()).add(time.Hour))) // the owner renewed its lease
+	var v []verdict
+	select {
+	case <-inbox.wake:
+		v, _ = inbox.take(nil)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the offer did not end")
+	}
+	require.Len(t, v, 1)
+	require.Equal(t, int64(1), v[0].d.id)
+	require.True(t, v[0].unsent)
+	m := <-out // the Router takes the renewed one at last
+	m.Ack()
+	select {
+	case <-inbox.wake:
+		v, _ = inbox.take(nil)
+	case <-time.After(10 * time.Second):
+		t.Fatal("no verdict for the renewed one")
+	}
+	require.Equal(t, int64(2), v[0].d.id)
+	require.True(t, v[0].ack)
+}

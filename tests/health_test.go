@@ -587,3 +587,46 @@ SELECT 't', g::text, '\x00', CASE WHEN g % 2 = 0 THEN timestamptz '1999-01-01' E
 	require.True(t, h.Outbox.LastVacuum.IsZero(), "a partition never vacuumed: the outbox's last vacuum is none, got %s", h.Outbox.LastVacuum)
 	require.False(t, h.Outbox.Autovacuum, "autovacuum skips one partition")
 }
+
+// A parallel query's workers hold the leader's snapshot: Health names the
+// leader, the session to end, and not its workers (which took the list's
+// places and whose pids would be the wrong ones to terminate).
+func TestHealthNamesTheLeaderOfAParallelQueryNotItsWorkers(t *testing.T) {
+	t.Parallel()
+	b := setupHealth(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.pool)
+	pub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish("orders", newMsgs(10)...))
+	leader := b.conn(t)
+	var version int
+	require.NoError(t, leader.QueryRow(ctx, `SELECT current_setting('server_version_num')::int`).Scan(&version))
+	force := "force_parallel_mode"
+	if version >= 160000 {
+		force = "debug_parallel_query"
+	}
+	for _, set := range []string{"SET " + force + " = on", "SET parallel_setup_cost = 0", "SET parallel_tuple_cost = 0", "SET max_parallel_workers_per_gather = 2"} {
+		_, err := leader.Exec(ctx, set)
+		require.NoError(t, err)
+	}
+	leaderPID := int(leader.PgConn().PID())
+	done := make(chan error, 1)
+	go func() {
+		_, err := leader.Exec(ctx, `SELECT count(*) FROM app.outbox WHERE pg_sleep(0.5) IS NOT NULL`)
+		done <- err
+	}()
+	pollUntil(t, "the query's parallel worker holding a snapshot", 10*time.Second, nil, func() bool {
+		var n int
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE leader_pid = $1 AND pid <> $1 AND backend_xmin IS NOT NULL`, leaderPID).Scan(&n))
+		return n > 0
+	})
+	h := b.health(t, exec)
+	var sawLeader bool
+	for _, s := range h.SnapshotHolders {
+		require.NotEqual(t, "parallel worker", s.BackendType, "a worker is listed: %+v", h.SnapshotHolders)
+		sawLeader = sawLeader || s.PID == leaderPID
+	}
+	require.True(t, sawLeader, "the leader is listed: %+v", h.SnapshotHolders)
+	require.NoError(t, <-done)
+}

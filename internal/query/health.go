@@ -50,7 +50,9 @@ const TableHealth = `SELECT t.which,
 // pg_stat_activity hides backend_type from a role without
 // pg_read_all_stats; replication slots with an
 // xmin or a catalog_xmin (the latter only holds the catalogs: catalog_only);
-// prepared transactions of this database. Sessions of other databases are
+// prepared transactions of this database. A parallel query's workers
+// hold their leader's snapshot: the leader stands for them. Sessions of
+// other databases are
 // left out: they do not hold back this database's tables. xid_age is
 // age() of the oldest of the holder's xids; age_us how long since its
 // transaction began or was prepared (NULL when unknown: slots record no
@@ -68,6 +70,7 @@ const SnapshotHolders = `SELECT kind, pid, usr, app, btype, state, name, slot_ty
    FROM pg_stat_activity a
    LEFT JOIN pg_stat_replication w ON w.pid = a.pid
   WHERE a.pid <> pg_backend_pid()
+    AND (a.leader_pid IS NULL OR a.leader_pid = a.pid)
     AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
     AND (a.datname = current_database() OR w.pid IS NOT NULL)
     AND NOT EXISTS (SELECT 1 FROM pg_stat_progress_vacuum v WHERE v.pid = a.pid)

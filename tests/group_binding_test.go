@@ -748,3 +748,61 @@ func TestRenamingAGroupWhoseSubscriberHoldsAMessage(t *testing.T) {
 		}
 	}
 }
+
+// A topic's first binding of several groups hands every group what was
+// published before it, each in its key's order. The groups after the first
+// by name get copies, made before the binding is visible: made after it,
+// they came after a newer message of their key that a publish seeing the
+// binding stored meanwhile ([3 0 1 2] in the second group). Only a publish
+// in flight across the binding ("2") comes after it, as a late commit does.
+func TestFirstBindingOfSeveralGroupsKeepsEachKeysOrderInEveryGroup(t *testing.T) {
+	t.Parallel()
+	for _, arrivals := range []bool{false, true} {
+		t.Run(fmt.Sprintf("arrivals=%v", arrivals), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			b.tables.Arrivals = arrivals
+			ctx := context.Background()
+			keyed := func(p string) *message.Message {
+				m := newMsg(p)
+				pgoutbox.WithOrderingKey(m, "k")
+				return m
+			}
+			require.NoError(t, b.poolPublisher(t).Publish("t", keyed("0"), keyed("1")))
+			pgTx, err := b.Pool.Begin(ctx)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = pgTx.Rollback(ctx) })
+			inTx, err := pgoutbox.NewPublisher(tx.FromPgxTx(pgTx), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+			require.NoError(t, err)
+			require.NoError(t, inTx.Publish("t", keyed("2")))
+			bound := make(chan error, 1)
+			go func() {
+				_, err := pgoutbox.BindGroups(ctx, tx.FromPgxPool(b.Pool), b.tables, "t", []string{"ga", "gb"})
+				bound <- err
+			}()
+			pollUntil(t, "the bindings committed", 10*time.Second, nil, func() bool {
+				return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE topic = 't'`) == 2
+			})
+			require.NoError(t, b.poolPublisher(t).Publish("t", keyed("3")))
+			require.NoError(t, pgTx.Commit(ctx))
+			require.NoError(t, <-bound)
+			order := func(group string) []string {
+				sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+					c.ConsumerGroup = group
+					c.MaxInFlight = 1
+				})
+				msgs, err := sub.Subscribe(ctx, "t")
+				require.NoError(t, err)
+				var got []string
+				for range 4 {
+					m := receive(t, msgs, 10*time.Second)
+					got = append(got, string(m.Payload))
+					m.Ack()
+				}
+				return got
+			}
+			require.Equal(t, []string{"0", "1", "2", "3"}, order("ga"), "the first group keeps the rows' ids")
+			require.Equal(t, []string{"0", "1", "3", "2"}, order("gb"), "the copies of what committed before the binding come first")
+		})
+	}
+}

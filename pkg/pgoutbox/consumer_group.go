@@ -118,7 +118,11 @@ func Bind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 // a fresh topic (a relay, a command handler) gets what was published
 // before it; if that group is "", they simply stay where they are. Groups
 // binding concurrently bind one after the other; whoever adopts first
-// gives every group bound at that moment its copy.
+// gives every group bound at that moment its copy. The copies are made in
+// the binding's own transaction, before publishes can see it, so each
+// key's order holds in every group; a large unbound backlog makes that
+// transaction last as long as its copy (Subscribe, whose statements are
+// bounded, copies after the binding instead).
 //
 // Before adopting or copying, Bind waits (up to 10 s, or ctx) for the
 // transactions writing to the outbox when the binding was made to end: a
@@ -197,7 +201,18 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 				return err
 			}
 			unbound = unbound && !defaultBound
-			return nil
+			if !unbound || timeout > 0 || pendingJSON != "[]" {
+				return nil
+			}
+			// Groups that get copies get them here, before the binding is
+			// visible: a copy made after it would come after the newer
+			// messages of its key that publishes seeing the binding store
+			// for the group meanwhile. The first group's rows keep their
+			// ids, so its adoption can wait for the batches below; so does
+			// Subscribe's (timeout), whose statements are bounded.
+			adopted, err := adoptCopies(ctx, e, n, topic)
+			res.Adopted += adopted
+			return err
 		})
 	})
 	if err == nil {
@@ -266,6 +281,27 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 		}
 		if moved < groupBatch {
 			return res, nil
+		}
+	}
+}
+
+// adoptCopies adopts the topic's unbound rows in exec's transaction when
+// several groups are bound (each gets its copy), in batches until none is
+// left; with one group bound it adopts nothing. The caller holds the
+// topic's lock.
+func adoptCopies(ctx context.Context, exec tx.Executor, n query.Names, topic string) (int64, error) {
+	var adopted int64
+	for copies := false; ; {
+		var moved, third, woken int64
+		if err := queryRow(ctx, exec, query.AdoptUnbound(n, copies), []any{topic, groupBatch, n.Channel}, &moved, &third, &woken); err != nil {
+			return adopted, fmt.Errorf("adopt the unbound messages: %w", err)
+		}
+		adopted += moved
+		switch {
+		case !copies && third > 1:
+			copies = true
+		case !copies, moved < groupBatch:
+			return adopted, nil
 		}
 	}
 }

@@ -694,3 +694,33 @@ func TestOrderedNackDuringTheDrainKeepsItsPlace(t *testing.T) {
 		})
 	}
 }
+
+// A slot stops offering a message once its row's lease may have passed (a
+// process frozen past it), but a message a slow consumer takes late on a
+// healthy process keeps its lease, renewed all along, and is not given
+// back: its offer ran to a statement's time before its lease's end, which
+// renewals (every Lease/2) did not always move on in time, and the row went
+// back and forth between release and claim.
+func TestAMessageASlowConsumerTakesLateIsNotGivenBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	ev := newEvents()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode = pgoutbox.ClaimLease
+		c.MaxInFlight = 2
+		c.Lease = 2 * time.Second // StatementTimeout: Lease/2 less a millisecond
+		c.AckDeadline = pgoutbox.NoAckDeadline
+		c.Observer = ev
+	})
+	b.publishInTx(t, "t", true, newMsg("a"), newMsg("b"))
+	msgs, err := sub.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	first := receive(t, msgs, 10*time.Second)
+	time.Sleep(3 * time.Second) // the consumer works on the first: the second waits in its slot, past the first lease
+	second := receive(t, msgs, 10*time.Second)
+	first.Ack()
+	second.Ack()
+	pollUntil(t, "the outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+	require.Zero(t, ev.countKind(pgoutbox.EventReleased), "a message waiting for a healthy consumer was given back")
+}

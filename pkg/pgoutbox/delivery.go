@@ -90,9 +90,13 @@ type outcome struct {
 	token    pgtype.UUID
 	inTx     atomic.Int32 // txNone, txCompleting, txCommitted
 	// offerBy is the instant (see instant) after which a slot no longer
-	// offers the message to the Router: the row's lease may be another
-	// consumer's by then (the process was frozen while the message waited
-	// for a slot). The owner moves it on at each renewal. 0: no limit.
+	// offers the message to the Router: the row's lease ends then, and the
+	// row may be another consumer's (the process was frozen while the
+	// message waited for a slot). Its lease's end, not a statement's time
+	// before it as for the owner's own hand-out (admit): renewals run
+	// about Lease/2 ahead of it, not StatementTimeout, and a message a
+	// busy Router takes late must not be given back while its lease
+	// holds. The owner moves it on at each renewal. 0: no limit.
 	offerBy atomic.Int64
 	// unhold asks the owner to make a held row a lease at once and waits
 	// for it: the handler's transaction is about to start and to delete

@@ -141,7 +141,7 @@ func (sub *subscription) admit(d *delivery, now time.Time) bool {
 	// A row that waited while renewals could not reach the database may be
 	// someone else's by now: give it back (under its token) rather than
 	// risk two holders.
-	if at(now) >= sub.offerBy(d) {
+	if at(now).add(sub.cfg.StatementTimeout) >= d.expiresAt {
 		back := []*delivery{d}
 		if sub.ordered() {
 			// Nothing may overtake it: everything behind goes back too.
@@ -155,12 +155,6 @@ func (sub *subscription) admit(d *delivery, now time.Time) bool {
 		return false
 	}
 	return true
-}
-
-// offerBy is when d stops being offered to the Router: a statement's time
-// before its lease ends (the give-back must reach the database in time).
-func (sub *subscription) offerBy(d *delivery) instant {
-	return d.expiresAt.add(-sub.cfg.StatementTimeout)
 }
 
 // handedOut records that the Router took d (MaxInFlight 1), or that a slot
@@ -177,7 +171,7 @@ func (sub *subscription) handedOut(d *delivery) {
 		return
 	}
 	d.outcome, d.stopWatch = sub.newOutcome(d), make(chan struct{})
-	d.outcome.offerBy.Store(int64(sub.offerBy(d)))
+	d.outcome.offerBy.Store(int64(d.expiresAt))
 	// Never blocks: see maxHandedOut.
 	sub.outlet.slots.hand(slotItem{d: d, seq: d.seq, uuid: d.uuid, payload: d.payload, metaRaw: d.metaRaw, orderingKey: d.orderingKey,
 		outcome: d.outcome, abandon: d.stopWatch})

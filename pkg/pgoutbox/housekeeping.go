@@ -159,7 +159,7 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 			d.expiresAt = at(r.renewSent).add(sub.cfg.Lease)
 			d.stamp = r.job.renewHolder
 			if d.state == handedOut && d.outcome != nil {
-				d.outcome.offerBy.Store(int64(sub.offerBy(d)))
+				d.outcome.offerBy.Store(int64(d.expiresAt))
 			}
 			continue
 		}

@@ -30,6 +30,9 @@ type slotEnv struct {
 	// (see messageParent).
 	parent      context.Context
 	ackDeadline time.Duration // 0: none
+	// offerCheck is how often a slot whose offer waits looks whether the
+	// offer ended (outcome.offerBy); 0: every 100 ms.
+	offerCheck time.Duration
 	// handedOut reports that the Router took a message (EventHandedOut);
 	// it must not block.
 	handedOut func(*outcome)
@@ -92,19 +95,23 @@ func (s *slots) stop() {
 
 func (s *slots) run() {
 	defer s.wg.Done()
-	// Timers of their own per slot, armed for each message in turn: the
-	// ack deadline, and the end of the offer (outcome.offerBy).
+	// One timer per slot, armed for each message in turn (the ack
+	// deadline), and a ticker for offers that wait: a timer armed for each
+	// offer would cost every message a timer's reset.
 	var deadline *time.Timer
 	if s.env.ackDeadline > 0 {
 		deadline = time.NewTimer(time.Hour)
 		deadline.Stop()
 		defer deadline.Stop()
 	}
-	late := time.NewTimer(time.Hour)
-	late.Stop()
-	defer late.Stop()
+	every := s.env.offerCheck
+	if every <= 0 {
+		every = 100 * time.Millisecond
+	}
+	offerCheck := time.NewTicker(every)
+	defer offerCheck.Stop()
 	for it := range s.queue {
-		if v, ok := s.handle(it, deadline, late); ok {
+		if v, ok := s.handle(it, deadline, offerCheck.C); ok {
 			s.inbox.put(v)
 		}
 	}
@@ -112,7 +119,7 @@ func (s *slots) run() {
 
 // handle offers one item and waits for its verdict; ok is false when the
 // owner abandoned it and wants no verdict.
-func (s *slots) handle(it slotItem, deadline, late *time.Timer) (v verdict, ok bool) {
+func (s *slots) handle(it slotItem, deadline *time.Timer, offerCheck <-chan time.Time) (v verdict, ok bool) {
 	v = verdict{d: it.d, seq: it.seq}
 	msg, cancel, err := buildMessage(s.env.parent, it.uuid, it.payload, it.metaRaw, it.orderingKey, it.outcome)
 	if err != nil {
@@ -141,27 +148,12 @@ func (s *slots) handle(it slotItem, deadline, late *time.Timer) (v verdict, ok b
 		v.unsent = true
 		return v, true
 	}
-	late.Reset(it.outcome.offerLeft(time.Now()))
-	defer late.Stop()
-	for offered := false; !offered; {
-		select {
-		case s.env.out <- msg:
-			s.env.handedOut(it.outcome)
-			offered = true
-		case <-s.halt:
-			v.unsent = true
-			return v, !closed(it.abandon)
-		case <-it.abandon:
-			return v, false
-		case <-msg.Context().Done():
-			v.unsent = true
-			return v, true
-		case <-late.C:
-			if it.outcome.offerEnded(time.Now()) {
-				v.unsent = true
-				return v, true
-			}
-			late.Reset(it.outcome.offerLeft(time.Now())) // renewed meanwhile
+	select {
+	case s.env.out <- msg: // the Router was waiting: no select of every case
+		s.env.handedOut(it.outcome)
+	default:
+		if v, ok, sent := s.offer(it, msg, v, offerCheck); !sent {
+			return v, ok
 		}
 	}
 	var expired <-chan time.Time
@@ -189,6 +181,34 @@ func (s *slots) handle(it slotItem, deadline, late *time.Timer) (v verdict, ok b
 			return v, false
 		}
 		return v, !closed(it.abandon)
+	}
+}
+
+// offer waits until the Router takes msg (sent), or until the offer ends
+// without it: the subscription stops, the owner abandons the item, the
+// message's context ends, or its lease may have passed (checked at each
+// tick of offerCheck: a frozen process finds it passed when it resumes).
+// v and ok are then the item's verdict.
+func (s *slots) offer(it slotItem, msg *message.Message, v verdict, offerCheck <-chan time.Time) (_ verdict, ok, sent bool) {
+	for {
+		select {
+		case s.env.out <- msg:
+			s.env.handedOut(it.outcome)
+			return v, true, true
+		case <-s.halt:
+			v.unsent = true
+			return v, !closed(it.abandon), false
+		case <-it.abandon:
+			return v, false, false
+		case <-msg.Context().Done():
+			v.unsent = true
+			return v, true, false
+		case now := <-offerCheck:
+			if it.outcome.offerEnded(now) {
+				v.unsent = true
+				return v, true, false
+			}
+		}
 	}
 }
 

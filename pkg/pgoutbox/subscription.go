@@ -128,7 +128,8 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 		// The whole lease window fits: slots take the next message
 		// without waiting for the owner, as the claim fills the queue.
 		sub.outlet.slots = newSlots(s.cfg.MaxInFlight, s.cfg.MaxInFlight+maxPrefetch, sub.events.inbox,
-			slotEnv{out: sub.outlet.out, parent: sub.outlet.parent, ackDeadline: s.cfg.AckDeadline, handedOut: s.obs.handedOut})
+			slotEnv{out: sub.outlet.out, parent: sub.outlet.parent, ackDeadline: s.cfg.AckDeadline,
+				offerCheck: max(min(s.cfg.Lease/8, time.Second), 10*time.Millisecond), handedOut: s.obs.handedOut})
 	}
 	completer := newCompleter(s.pool, s.q, &s.cfg, topic, reports)
 	sub.runners = runners{

@@ -703,24 +703,26 @@ func TestOrderedNackDuringTheDrainKeepsItsPlace(t *testing.T) {
 // back and forth between release and claim.
 func TestAMessageASlowConsumerTakesLateIsNotGivenBack(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	ctx := context.Background()
-	ev := newEvents()
-	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
-		c.ClaimMode = pgoutbox.ClaimLease
-		c.MaxInFlight = 2
-		c.Lease = 2 * time.Second // StatementTimeout: Lease/2 less a millisecond
-		c.AckDeadline = pgoutbox.NoAckDeadline
-		c.Observer = ev
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		ctx := context.Background()
+		ev := newEvents()
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.MaxInFlight = 2
+			c.Lease = 2 * time.Second // StatementTimeout: Lease/2 less a millisecond
+			c.AckDeadline = pgoutbox.NoAckDeadline
+			c.Observer = ev
+		})
+		b.publishInTx(t, "t", true, newMsg("a"), newMsg("b"))
+		msgs, err := sub.Subscribe(ctx, "t")
+		require.NoError(t, err)
+		first := receive(t, msgs, 10*time.Second)
+		time.Sleep(3 * time.Second) // the consumer works on the first: the second waits in its slot, past the first lease
+		second := receive(t, msgs, 10*time.Second)
+		first.Ack()
+		second.Ack()
+		pollUntil(t, "the outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+		require.Zero(t, ev.countKind(pgoutbox.EventReleased), "a message waiting for a healthy consumer was given back")
 	})
-	b.publishInTx(t, "t", true, newMsg("a"), newMsg("b"))
-	msgs, err := sub.Subscribe(ctx, "t")
-	require.NoError(t, err)
-	first := receive(t, msgs, 10*time.Second)
-	time.Sleep(3 * time.Second) // the consumer works on the first: the second waits in its slot, past the first lease
-	second := receive(t, msgs, 10*time.Second)
-	first.Ack()
-	second.Ack()
-	pollUntil(t, "the outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
-	require.Zero(t, ev.countKind(pgoutbox.EventReleased), "a message waiting for a healthy consumer was given back")
 }

@@ -757,17 +757,12 @@ func TestRenamingAGroupWhoseSubscriberHoldsAMessage(t *testing.T) {
 // in flight across the binding ("2") comes after it, as a late commit does.
 func TestFirstBindingOfSeveralGroupsKeepsEachKeysOrderInEveryGroup(t *testing.T) {
 	t.Parallel()
-	for _, arrivals := range []bool{false, true} {
-		t.Run(fmt.Sprintf("arrivals=%v", arrivals), func(t *testing.T) {
+	for _, layout := range []string{"outbox", "arrivals"} {
+		t.Run(layout, func(t *testing.T) {
 			t.Parallel()
-			b := setup(t)
-			b.tables.Arrivals = arrivals
+			b := layoutBundle(t, layout)
 			ctx := context.Background()
-			keyed := func(p string) *message.Message {
-				m := newMsg(p)
-				pgoutbox.WithOrderingKey(m, "k")
-				return m
-			}
+			keyed := func(p string) *message.Message { return keyedMsg("k", p) }
 			require.NoError(t, b.poolPublisher(t).Publish("t", keyed("0"), keyed("1")))
 			pgTx, err := b.Pool.Begin(ctx)
 			require.NoError(t, err)

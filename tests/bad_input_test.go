@@ -346,3 +346,30 @@ func TestDeadLetterFiltersRefuseAReasonThatIsNoFailureReason(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, page.Letters)
 }
+
+// A publisher on an outbox of an earlier schema version (the service's
+// code upgraded before its migration ran) says what to run, whatever the
+// column the statement missed.
+func TestPublishToAnOutboxOfAnEarlierVersionSaysToMigrate(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	old := schema.Config{Schema: b.Schema, Table: "outbox_v3", DeadLetterTable: "outbox_v3_dlq"}
+	_, err := schema.Migrate(ctx, tx.FromPgxPool(b.Pool), old, 3)
+	require.NoError(t, err)
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: old}, b.logger)
+	require.NoError(t, err)
+
+	keyed := newMsg("keyed")
+	pgoutbox.WithOrderingKey(keyed, "k1")
+	for name, msg := range map[string]*message.Message{"plain": newMsg("plain"), "keyed": keyed} {
+		err := pub.Publish("orders", msg)
+		if name == "plain" && err == nil {
+			continue // nothing of the plain statement is newer than version 3
+		}
+		require.Error(t, err, name)
+		require.Contains(t, err.Error(), "schema version", name)
+		require.Contains(t, err.Error(), "pgoutbox schema migrate up", name)
+		require.Contains(t, err.Error(), "docs/upgrading.md", name)
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -165,6 +166,15 @@ func (c *cli) migrateStatus(args []string) error {
 			return err
 		}
 		needsBaseline := st.Current == 0 && st.OutboxExists
+		// Without a recorded version (an outbox made by Create, an earlier
+		// release, or goose or golang-migrate, which record versions in
+		// their own tables), the catalog tells which version's layout it has.
+		var layout *schema.BaselineLayout
+		if needsBaseline {
+			if l, err := schema.BaselinePlan(ctx, exec, t); err == nil {
+				layout = &l
+			}
+		}
 		if cmd.json {
 			type applied struct {
 				Version   int       `json:"version"`
@@ -179,9 +189,13 @@ func (c *cli) migrateStatus(args []string) error {
 				Current       int       `json:"current"`
 				Latest        int       `json:"latest"`
 				NeedsBaseline bool      `json:"needs_baseline"`
+				LayoutVersion *int      `json:"layout_version,omitempty"`
 				Applied       []applied `json:"applied"`
 				Pending       []pending `json:"pending"`
 			}{Current: st.Current, Latest: st.Latest, NeedsBaseline: needsBaseline, Applied: []applied{}, Pending: []pending{}}
+			if layout != nil {
+				doc.LayoutVersion = &layout.Version
+			}
 			for _, a := range st.Applied {
 				doc.Applied = append(doc.Applied, applied{a.Version, a.Name, a.AppliedAt})
 			}
@@ -189,6 +203,10 @@ func (c *cli) migrateStatus(args []string) error {
 				doc.Pending = append(doc.Pending, pending{p.Version, p.Name})
 			}
 			return writeJSON(c.stdout, doc)
+		}
+		if layout != nil {
+			printUnrecordedLayout(c.stdout, tablesName(t), *layout, st)
+			return nil
 		}
 		fmt.Fprintf(c.stdout, "%s: version %d of %d\n", tablesName(t), st.Current, st.Latest)
 		for _, a := range st.Applied {
@@ -203,6 +221,26 @@ func (c *cli) migrateStatus(args []string) error {
 		}
 		return nil
 	})
+}
+
+// printUnrecordedLayout is the status of an outbox whose version pgoutbox's
+// table does not record: made by Create or an earlier release, or managed
+// by goose or golang-migrate, which record versions in their own tables.
+// Its catalog tells which version's layout it has.
+func printUnrecordedLayout(w io.Writer, name string, l schema.BaselineLayout, st schema.MigrationState) {
+	if l.Version == st.Latest && !l.DeadLetterTableMissing {
+		fmt.Fprintf(w, "%s: no version recorded by pgoutbox; the tables have the layout of version %d: up to date\n", name, l.Version)
+	} else {
+		fmt.Fprintf(w, "%s: no version recorded by pgoutbox; the tables have the layout of version %d of %d\n", name, l.Version, st.Latest)
+		for _, p := range st.Pending {
+			if p.Version > l.Version || l.DeadLetterTableMissing {
+				fmt.Fprintf(w, "  pending  %4d %s\n", p.Version, p.Name)
+			}
+		}
+	}
+	fmt.Fprintln(w, `  goose or golang-migrate keep versions in their own table: if one manages this outbox, its status is the one to read ("goose status", "migrate version") and its "up" upgrades;`+
+		` "pgoutbox schema migrate baseline --dry-run" prints the version to mark applied there if it has none`)
+	fmt.Fprintln(w, `  otherwise "pgoutbox schema migrate baseline" records the layout's version here, then "pgoutbox schema migrate up" upgrades`)
 }
 
 func (c *cli) migrateBaseline(args []string) error {

@@ -387,6 +387,11 @@ func (p *Publisher) wrapOpErr(op, topic string, err error) error {
 				"(converted back by schema.ConvertToSingle or `pgoutbox schema convert-to-single`?); unset Tables.Rotating in the PublisherConfig "+
 				"(`pgoutbox schema validate` tells which the outbox is): %w", op, topic, p.q.Names.QTable, err)
 		}
+		// The service's code was upgraded before its migration ran: the
+		// statement names a column a later schema version added.
+		return errorf("pgoutbox: %s %q: the outbox %s lacks a column this library writes, so it is of an earlier schema version than %d: "+
+			"bring it up with `pgoutbox schema migrate up`, schema.Migrate, or the goose or golang-migrate files (docs/upgrading.md); "+
+			"`pgoutbox schema migrate status` tells its version: %w", op, topic, p.q.Names.QTable, schema.LatestVersion(), err)
 	case "42501": // insufficient_privilege
 		if op == cancelOp {
 			return errorf("pgoutbox: %s %q: the role may not delete from %s, which a cancel does; grant it DELETE and SELECT (lease_token) there, "+

@@ -249,6 +249,34 @@ func TestCollectFailsWithMissingCount(t *testing.T) {
 	require.Contains(t, out, "the channel closed after 0 of 1 message(s); 1 missing.")
 }
 
+// A test that binds a named group (CQRS handlers, BindSubscribers) and
+// then drains with Env.Subscriber, of another group, waits for messages
+// that went to the named group only: the failure says so.
+func TestDrainSaysWhenOtherGroupsWereBoundFirst(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	require.NoError(t, pgoutbox.Bind(context.Background(), env.Exec(), env.Tables, "invoices", "billing"))
+	require.NoError(t, env.Publisher.Publish("invoices", msg("for billing")))
+	failed, out := capture(func(tb testing.TB) {
+		env.Drain(tb, "invoices", 1, time.Second)
+	})
+	require.True(t, failed)
+	require.Contains(t, out, "received 0 of 1 message(s)")
+	require.Contains(t, out, `bound to the consumer group(s) "billing" before this subscriber's group ""`)
+	require.Contains(t, out, "pgoutbox.StartFromBacklog")
+	require.Contains(t, out, `the group(s) "billing": 1.`)
+
+	// Drained by its own group, the same message arrives; and a drain that
+	// only misses messages says nothing of groups.
+	billing := env.NewSubscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ConsumerGroup = "billing" })
+	require.Len(t, pgoutboxtest.Drain(t, billing, "invoices", 1, 30*time.Second), 1)
+	failed, out = capture(func(tb testing.TB) {
+		env.Drain(tb, "receipts", 1, time.Second)
+	})
+	require.True(t, failed)
+	require.NotContains(t, out, "consumer group")
+}
+
 // Parallel tests each get a schema of their own: none sees another's rows.
 func TestParallelTestsAreIsolated(t *testing.T) {
 	t.Parallel()

@@ -1,7 +1,8 @@
 // Package migrations_test applies pgoutbox's rendered migrations with goose
 // and golang-migrate, as libraries, and checks that each tool reaches the
-// layout schema.Create builds, goes down to nothing and up again. It is a
-// module of its own so the library does not depend on either tool.
+// layout schema.Create builds, goes down to nothing and up again; and it
+// runs docs/from-watermill-sql.md's moves on tables watermill-sql filled.
+// It is a module of its own so the library depends on none of these.
 package migrations_test
 
 import (

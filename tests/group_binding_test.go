@@ -506,6 +506,33 @@ func TestBindFromBacklogOnALargeTopic(t *testing.T) {
 	require.Zero(t, b.groupRows(t, "big", "c"), "StartFromNew")
 }
 
+// Subscribe bounds each statement of its binding by StatementTimeout: a
+// subscriber with a short one joining a topic with a large backlog
+// (StartFromBacklog) copies it in smaller batches rather than failing
+// Subscribe with a copy batch that outran the timeout.
+func TestSubscribeWithAShortStatementTimeoutCopiesALargeBacklog(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	const n = 50000
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "backlog", "a"))
+	b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload, available_at)
+		SELECT 'backlog', 'a', 'u' || g, convert_to(repeat('x', 200), 'UTF8'), now() - interval '1 minute' FROM generate_series(1, 50000) g`)
+	b.exec(t, `ANALYZE %s.outbox`)
+
+	// 30 ms: the binding's own statements take a few milliseconds, a copy
+	// of 5,000 rows of 200 bytes 60-70 (EXPLAIN ANALYZE of query.CopyBacklog).
+	sub := b.groupSubscriber(t, "late", func(c *pgoutbox.SubscriberConfig) {
+		c.StartFrom = pgoutbox.StartFromBacklog
+		c.StatementTimeout = 30 * time.Millisecond
+	})
+	subCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	_, err := sub.Subscribe(subCtx, "backlog")
+	require.NoError(t, err)
+	require.Equal(t, n, b.groupRows(t, "backlog", "late"), "the whole backlog copied by the time Subscribe returns")
+}
+
 // An outbox of the previous release: topic "orders" has the default group
 // bound (the upgrade from the first release bound it) and "billing", each
 // with its copies; "commands" got two messages before its worker bound,

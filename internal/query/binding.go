@@ -24,6 +24,12 @@ import "fmt"
 // from the liveness locks (objsubid 2).
 const TopicLock = `SELECT pg_advisory_xact_lock(hashtextextended($1, 0))`
 
+// SetLocalStatementTimeout bounds the statements of the rest of the
+// transaction on the server ($1, e.g. '250ms'), which ends a statement and
+// releases its locks at once, where a client that gives up only closes
+// its connection and the statement runs on.
+const SetLocalStatementTimeout = `SELECT set_config('statement_timeout', $1, true)`
+
 // BindGroups binds the groups $2 to topic $1 and returns the groups whose
 // binding is new. With $3 set, a new binding records the start of its
 // backlog copy: backlog_next 0 (the copy's cursor) and backlog_bound, the

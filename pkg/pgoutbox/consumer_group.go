@@ -165,11 +165,72 @@ func BindGroups(ctx context.Context, exec tx.Executor, tables schema.Config, top
 }
 
 // Sizes of the batches of adoption, backlog copy and move: each batch is
-// one statement of its own, a few tens of milliseconds.
+// one statement of its own, a few tens of milliseconds. Subscribe's
+// batches, bounded by StatementTimeout, shrink to minGroupBatch when they
+// run out of it (bindStatements).
 const (
 	groupBatch     = 5000
+	minGroupBatch  = 50
 	bindWriterWait = 10 * time.Second
 )
+
+// bindStatements runs a binding's statements, each bounded by timeout
+// when it is positive (Subscribe's StatementTimeout). A batch that runs
+// out of its time is tried again with a quarter of the rows, down to
+// minGroupBatch: a short StatementTimeout makes a large backlog copy take
+// more statements instead of failing Subscribe. A statement that fails
+// rolls back, so a batch tried again repeats nothing.
+type bindStatements struct {
+	ctx     context.Context
+	timeout time.Duration
+	size    int // rows a batch takes now
+}
+
+// stmt runs f once, bounded by the timeout.
+func (b *bindStatements) stmt(f func(context.Context) error) error {
+	return b.bounded(b.timeout, f)
+}
+
+func (b *bindStatements) bounded(d time.Duration, f func(context.Context) error) error {
+	if b.timeout <= 0 {
+		return f(b.ctx)
+	}
+	sctx, cancel := context.WithTimeout(b.ctx, d)
+	defer cancel()
+	err := f(sctx)
+	if err != nil && b.ctx.Err() == nil && (errors.Is(sctx.Err(), context.DeadlineExceeded) || errtext.SQLState(err) == "57014") {
+		return fmt.Errorf("%w (StatementTimeout %s)", err, b.timeout)
+	}
+	return err
+}
+
+// batch runs f with the current batch size in a transaction on exec, and
+// again with fewer rows while it runs out of its time. The server bounds
+// the batch's statements (statement_timeout, local to the transaction):
+// a statement the client gave up on would run on and keep the binding's
+// row locked, and the smaller batch after it would wait for that lock.
+// The client's bound is twice as long, for the round trips around it.
+func (b *bindStatements) batch(exec tx.Executor, f func(ctx context.Context, e tx.Executor, size int) error) error {
+	for {
+		timedOut := false
+		err := b.bounded(2*b.timeout, func(ctx context.Context) error {
+			err := tx.RunInTx(ctx, exec, func(e tx.Executor) error {
+				if b.timeout > 0 {
+					if _, err := e.Exec(ctx, query.SetLocalStatementTimeout, fmt.Sprintf("%dms", max(1, b.timeout.Milliseconds()))); err != nil {
+						return err
+					}
+				}
+				return f(ctx, e, b.size)
+			})
+			timedOut = err != nil && (errors.Is(ctx.Err(), context.DeadlineExceeded) || errtext.SQLState(err) == "57014")
+			return err
+		})
+		if err == nil || !timedOut || b.timeout <= 0 || b.ctx.Err() != nil || b.size <= minGroupBatch {
+			return err
+		}
+		b.size = max(minGroupBatch, b.size/4)
+	}
+}
 
 // bindGroups is BindGroups without the argument checks, for Subscribe too.
 // timeout, when positive, bounds each statement.
@@ -177,18 +238,11 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 	var res BindResult
 	n := q.Names
 	lockKey := n.QBindings + query.GroupMark + topic
-	stmt := func(f func(context.Context) error) error {
-		if timeout <= 0 {
-			return f(ctx)
-		}
-		sctx, cancel := context.WithTimeout(ctx, timeout)
-		defer cancel()
-		return f(sctx)
-	}
+	b := &bindStatements{ctx: ctx, timeout: timeout, size: groupBatch}
 	var unbound bool
 	var newJSON, pendingJSON string
 	var pending []string
-	err := stmt(func(ctx context.Context) error {
+	err := b.stmt(func(ctx context.Context) error {
 		return tx.RunInTx(ctx, exec, func(e tx.Executor) error {
 			if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
 				return err
@@ -223,7 +277,7 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 		// Unbind of the group it was for) go to the groups bound now, as
 		// the outbox's unbound rows do below. Every Subscribe binds.
 		var adopted int64
-		adopted, err = adoptArrivals(ctx, exec, n, topic, lockKey, stmt)
+		adopted, err = adoptArrivals(exec, n, topic, lockKey, b)
 		res.Adopted += adopted
 	}
 	// A new binding may have publishes in flight that could not see it
@@ -237,7 +291,7 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 		}
 	}
 	if len(pending) > 0 {
-		if err := stmt(func(ctx context.Context) error {
+		if err := b.stmt(func(ctx context.Context) error {
 			_, err := exec.Exec(ctx, query.SetBacklogEnd(n), topic, pending)
 			return err
 		}); err != nil {
@@ -249,8 +303,8 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 		prev := "[]"
 		for more := true; more; {
 			var copied, woken int64
-			err := stmt(func(ctx context.Context) error {
-				return queryRow(ctx, exec, query.CopyBacklog(n), []any{topic, g, groupBatch, prev, n.Channel}, &copied, &more, &prev, &woken)
+			err := b.batch(exec, func(ctx context.Context, e tx.Executor, size int) error {
+				return queryRow(ctx, e, query.CopyBacklog(n), []any{topic, g, size, prev, n.Channel}, &copied, &more, &prev, &woken)
 			})
 			if err != nil {
 				return res, fmt.Errorf("copy the backlog for group %q (resumes at the next Bind): %w", g, err)
@@ -263,13 +317,11 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 	copies := false
 	for {
 		var moved, third, woken int64
-		err := stmt(func(ctx context.Context) error {
-			return tx.RunInTx(ctx, exec, func(e tx.Executor) error {
-				if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
-					return err
-				}
-				return queryRow(ctx, e, query.AdoptUnbound(n, copies), []any{topic, groupBatch, n.Channel}, &moved, &third, &woken)
-			})
+		err := b.batch(exec, func(ctx context.Context, e tx.Executor, size int) error {
+			if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
+				return err
+			}
+			return queryRow(ctx, e, query.AdoptUnbound(n, copies), []any{topic, size, n.Channel}, &moved, &third, &woken)
 		})
 		if err != nil {
 			return res, fmt.Errorf("adopt the unbound messages: %w", err)
@@ -279,7 +331,7 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 			copies = true // several groups bound: each its copy
 			continue
 		}
-		if moved < groupBatch {
+		if moved < int64(b.size) {
 			return res, nil
 		}
 	}
@@ -656,23 +708,21 @@ func settleArrivals(ctx context.Context, exec tx.Executor, n query.Names, topic,
 // adoptArrivals hands, with an outbox with arrivals, the arrivals of topic
 // that belong to no group to the groups bound now (query.ArrivalsAdopt),
 // in batches under the topic's lock, and returns how many it moved.
-func adoptArrivals(ctx context.Context, exec tx.Executor, n query.Names, topic, lockKey string, stmt func(func(context.Context) error) error) (int64, error) {
+func adoptArrivals(exec tx.Executor, n query.Names, topic, lockKey string, b *bindStatements) (int64, error) {
 	var total int64
 	for {
 		var moved, woken int64
-		err := stmt(func(ctx context.Context) error {
-			return tx.RunInTx(ctx, exec, func(e tx.Executor) error {
-				if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
-					return err
-				}
-				return queryRow(ctx, e, query.ArrivalsAdopt(n), []any{topic, groupBatch, n.Channel}, &moved, &woken)
-			})
+		err := b.batch(exec, func(ctx context.Context, e tx.Executor, size int) error {
+			if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
+				return err
+			}
+			return queryRow(ctx, e, query.ArrivalsAdopt(n), []any{topic, size, n.Channel}, &moved, &woken)
 		})
 		if err != nil {
 			return total, fmt.Errorf("adopt the arrivals no group has: %w", err)
 		}
 		total += moved
-		if moved < groupBatch {
+		if moved < int64(b.size) {
 			return total, nil
 		}
 	}

@@ -293,6 +293,58 @@ func TestBindAheadAndUnbind(t *testing.T) {
 	require.ErrorIs(t, pgoutbox.Bind(ctx, exec, b.tables, "t", "bad\x00group"), pgoutbox.ErrInvalidGroup)
 }
 
+// A cancel while one group's copy is being delivered deletes the other
+// groups' waiting copies and says that not every copy was cancelled: it
+// returns false (CancelScheduled), with one copy cancelled and one
+// delivering (CancelScheduledCopies), on every claim path.
+func TestCancelWhileOneGroupDeliversItsCopySaysSo(t *testing.T) {
+	t.Parallel()
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		ctx := context.Background()
+		exec := tx.FromPgxPool(b.Pool)
+		for _, g := range []string{"mail", "sms"} {
+			require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "reminders", g))
+		}
+		mail := b.groupSubscriber(t, "mail", func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c) })
+		subCtx, cancelSub := context.WithCancel(ctx)
+		defer cancelSub()
+		msgs, err := mail.Subscribe(subCtx, "reminders")
+		require.NoError(t, err)
+
+		pub := b.poolPublisher(t)
+		for _, key := range []string{"remind-1", "remind-2"} {
+			m := newMsg(key)
+			pgoutbox.WithDedupKey(m, key)
+			require.NoError(t, pub.Publish("reminders", m))
+			got := receive(t, msgs, 10*time.Second) // mail's handler runs
+			require.Equal(t, m.UUID, got.UUID)
+
+			if key == "remind-1" {
+				ok, err := pub.CancelScheduled(ctx, "reminders", key)
+				require.NoError(t, err)
+				require.False(t, ok, "mail's copy is being delivered")
+			} else {
+				r, err := pub.CancelScheduledCopies(ctx, "reminders", key)
+				require.NoError(t, err)
+				require.Equal(t, pgoutbox.CancelResult{Cancelled: 1, Delivering: 1}, r)
+			}
+			require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE consumer_group = 'sms' AND dedup_key = $1`, key), "sms's waiting copy cancelled")
+			got.Ack()
+		}
+		pollUntil(t, "mail's copies acked", 10*time.Second, nil, func() bool { return b.outboxRows(t, "reminders") == 0 })
+
+		// Every copy waiting: all cancelled, true.
+		m := newMsg("remind-3")
+		pgoutbox.WithDedupKey(m, "remind-3")
+		pgoutbox.DeliverAfter(m, time.Hour)
+		require.NoError(t, pub.Publish("reminders", m))
+		r, err := pub.CancelScheduledCopies(ctx, "reminders", "remind-3")
+		require.NoError(t, err)
+		require.Equal(t, pgoutbox.CancelResult{Cancelled: 2}, r)
+	})
+}
+
 // Dedup keys are unique per topic and group: every group gets its copy of
 // a keyed message, a second publish with the key is skipped for all, and
 // CancelScheduled cancels every group's copy. A dead letter says which

@@ -35,18 +35,24 @@ func (c *cli) cancelCmd(args []string) error {
 			return err
 		}
 		defer pub.Close()
-		ok, err := pub.CancelScheduled(ctx, *topic, *key)
+		r, err := pub.CancelScheduledCopies(ctx, *topic, *key)
 		if err != nil {
 			return err
 		}
+		ok := r.Cancelled > 0 && r.Delivering == 0
 		if cmd.json {
-			if err := writeJSON(c.stdout, map[string]any{"topic": *topic, "dedup_key": *key, "cancelled": ok}); err != nil {
+			if err := writeJSON(c.stdout, map[string]any{"topic": *topic, "dedup_key": *key, "cancelled": ok,
+				"copies_cancelled": r.Cancelled, "copies_delivering": r.Delivering}); err != nil {
 				return err
 			}
 		} else if ok {
 			fmt.Fprintf(c.stdout, "cancelled the message of %q with dedup key %q\n", *topic, *key)
 		}
-		if !ok {
+		switch {
+		case r.Delivering > 0:
+			return fmt.Errorf("%w: the message of %q with dedup key %q is being delivered in %d consumer group(s), where it completes; %d waiting copies of other groups were cancelled",
+				errNothingCancelled, *topic, *key, r.Delivering, r.Cancelled)
+		case !ok:
 			return fmt.Errorf("%w: no message of %q with dedup key %q is waiting (never published, already delivered, or being delivered now: see \"pgoutbox peek --topic %s\")",
 				errNothingCancelled, *topic, *key, *topic)
 		}

@@ -254,8 +254,22 @@ func TestCancelByDedupKey(t *testing.T) {
 
 	out, errOut, code = cliRun(t, env, "cancel", "--topic", "reminders", "--dedup-key", "order-42", "--json")
 	require.Equal(t, exitError, code, errOut)
-	require.JSONEq(t, `{"topic":"reminders","dedup_key":"order-42","cancelled":false}`, out)
+	require.JSONEq(t, `{"topic":"reminders","dedup_key":"order-42","cancelled":false,"copies_cancelled":0,"copies_delivering":0}`, out)
 	require.Contains(t, errOut, "nothing cancelled")
+
+	// Two groups, one delivering its copy: the other's is cancelled, and
+	// the command says the message is still delivered.
+	for _, g := range []string{"mail", "sms"} {
+		require.NoError(t, pgoutbox.Bind(context.Background(), env.Exec(), env.Tables, "two", g))
+	}
+	_, errOut, code = cliRun(t, env, "publish", "--topic", "two", "--payload", "x", "--delay", "1h", "--dedup-key", "order-43")
+	require.Equal(t, 0, code, errOut)
+	_, err := env.Pool.Exec(context.Background(), `UPDATE outbox SET lease_token = gen_random_uuid(), leased_until = now() + interval '1 minute' WHERE consumer_group = 'mail'`)
+	require.NoError(t, err)
+	out, errOut, code = cliRun(t, env, "cancel", "--topic", "two", "--dedup-key", "order-43", "--json")
+	require.Equal(t, exitError, code, errOut)
+	require.JSONEq(t, `{"topic":"two","dedup_key":"order-43","cancelled":false,"copies_cancelled":1,"copies_delivering":1}`, out)
+	require.Contains(t, errOut, "is being delivered in 1 consumer group(s)")
 	_, _, code = cliRun(t, env, "cancel", "--topic", "reminders")
 	require.Equal(t, exitUsage, code)
 }

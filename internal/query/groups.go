@@ -38,11 +38,14 @@ func buildGroups(n Names) GroupStatements {
 
 		// Cancel deletes a scheduled row by key, in every consumer group,
 		// but only while nobody holds it: a delivery already running
-		// completes normally. The dedup index is led by (topic,
-		// consumer_group), so the groups holding keyed rows of the topic
-		// are found first, one index probe each (a loose index scan), and
-		// each group's row is then looked up by its full key: filtering the
-		// key over the topic's whole range would read every keyed row.
+		// completes normally. It returns how many copies it deleted and how
+		// many the statement's snapshot saw: fewer deleted means some
+		// group's delivery had begun (a lease, or a held claim the delete
+		// waited for and that acked the row). The dedup index is led by
+		// (topic, consumer_group), so the groups holding keyed rows of the
+		// topic are found first, one index probe each (a loose index scan),
+		// and each group's row is then looked up by its full key: filtering
+		// the key over the topic's whole range would read every keyed row.
 		Cancel: fmt.Sprintf(`
 WITH RECURSIVE grp(g) AS (
     (SELECT consumer_group FROM %[1]s WHERE topic = $1 AND dedup_key IS NOT NULL
@@ -51,9 +54,15 @@ WITH RECURSIVE grp(g) AS (
     SELECT (SELECT consumer_group FROM %[1]s WHERE topic = $1 AND dedup_key IS NOT NULL AND consumer_group > grp.g
              ORDER BY consumer_group LIMIT 1)
       FROM grp WHERE grp.g IS NOT NULL
+), copies AS (
+    SELECT id FROM %[1]s
+     WHERE topic = $1 AND consumer_group IN (SELECT g FROM grp WHERE g IS NOT NULL) AND dedup_key = $2
+), deleted AS (
+    DELETE FROM %[1]s
+     WHERE topic = $1 AND consumer_group IN (SELECT g FROM grp WHERE g IS NOT NULL)
+       AND dedup_key = $2 AND lease_token IS NULL
+    RETURNING 1
 )
-DELETE FROM %[1]s
- WHERE topic = $1 AND consumer_group IN (SELECT g FROM grp WHERE g IS NOT NULL)
-   AND dedup_key = $2 AND lease_token IS NULL`, t),
+SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM copies)`, t),
 	}
 }

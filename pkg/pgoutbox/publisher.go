@@ -632,20 +632,44 @@ type queryKey struct {
 // (see WithDedupKey), in the Publisher's transaction, and reports whether it
 // did. It refuses a row that is leased: its delivery is already running and
 // completes normally; CancelScheduled then returns false. A message already
-// delivered and acked is gone, and also gives false.
+// delivered and acked is gone, and also gives false. With several consumer
+// groups bound, it deletes every group's copy still waiting and returns
+// true only when no copy's delivery had begun (CancelScheduledCopies tells
+// how many of each).
 func (p *Publisher) CancelScheduled(ctx context.Context, topic, key string) (bool, error) {
+	r, err := p.CancelScheduledCopies(ctx, topic, key)
+	return r.Cancelled > 0 && r.Delivering == 0, err
+}
+
+// CancelResult is what a cancel did to the copies of one keyed message:
+// one per consumer group that has it.
+type CancelResult struct {
+	// Cancelled counts the copies deleted before their delivery began.
+	Cancelled int
+	// Delivering counts the copies whose delivery had begun when the
+	// cancel ran (leased, or held by a claim the cancel waited for and
+	// that then acked it); each completes normally in its group. A copy
+	// a group had already handled and acked is gone and counts nowhere.
+	Delivering int
+}
+
+// CancelScheduledCopies is CancelScheduled, reporting per copy: every
+// group's copy of the message of topic with dedup key key that still
+// waits is deleted, in the Publisher's transaction; copies being delivered
+// are left to complete.
+func (p *Publisher) CancelScheduledCopies(ctx context.Context, topic, key string) (CancelResult, error) {
 	if p.closed.Load() {
-		return false, fmt.Errorf("%w; create a new publisher", ErrPublisherClosed)
+		return CancelResult{}, fmt.Errorf("%w; create a new publisher", ErrPublisherClosed)
 	}
 	if err := checkTopic(topic); err != nil {
-		return false, err
+		return CancelResult{}, err
 	}
 	if key == "" {
-		return false, fmt.Errorf("%w: dedup key is empty; pass the key given to WithDedupKey", ErrInvalidMessage)
+		return CancelResult{}, fmt.Errorf("%w: dedup key is empty; pass the key given to WithDedupKey", ErrInvalidMessage)
 	}
-	n, err := p.executor(ctx).Exec(ctx, p.q.Cancel, topic, key)
-	if err != nil {
-		return false, p.wrapOpErr(cancelOp, topic, err)
+	var deleted, seen int64
+	if err := queryRow(ctx, p.executor(ctx), p.q.Cancel, []any{topic, key}, &deleted, &seen); err != nil {
+		return CancelResult{}, p.wrapOpErr(cancelOp, topic, err)
 	}
-	return n > 0, nil
+	return CancelResult{Cancelled: int(deleted), Delivering: int(max(0, seen-deleted))}, nil
 }

@@ -90,9 +90,11 @@ func run() error {
 		return err
 	}
 	// Rejected messages go to the dead-letter table, everything else
-	// that fails every attempt to the poison topic.
+	// that fails every attempt to the poison topic; but not a message whose
+	// context the subscriber ended (a drain past DrainTimeout, AckDeadline,
+	// a lost lease): it is delivered again, so it is no poison.
 	poisonQueue, err := middleware.PoisonQueueWithFilter(pub, poisonTopic, func(err error) bool {
-		return !errors.Is(err, pgoutbox.ErrRejected)
+		return !errors.Is(err, pgoutbox.ErrRejected) && !errors.Is(err, context.Canceled)
 	})
 	if err != nil {
 		return err

@@ -634,8 +634,9 @@ type queryKey struct {
 // completes normally; CancelScheduled then returns false. A message already
 // delivered and acked is gone, and also gives false. With several consumer
 // groups bound, it deletes every group's copy still waiting and returns
-// true only when no copy's delivery had begun (CancelScheduledCopies tells
-// how many of each).
+// true only when no copy it found was being delivered (CancelScheduledCopies
+// tells how many of each); a group that already handled and acked its copy
+// has none left to find.
 func (p *Publisher) CancelScheduled(ctx context.Context, topic, key string) (bool, error) {
 	r, err := p.CancelScheduledCopies(ctx, topic, key)
 	return r.Cancelled > 0 && r.Delivering == 0, err

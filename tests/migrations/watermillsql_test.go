@@ -127,6 +127,9 @@ func TestMoveFromWatermillSQL(t *testing.T) {
 	t.Run("QueueSchema", func(t *testing.T) {
 		t.Parallel()
 		b := newMoveBundle(t)
+		// Step 1: the default group is bound before the move, so a
+		// running subscriber claims the moved rows.
+		require.NoError(t, pgoutbox.Bind(b.ctx, tx.FromPgxPool(b.pool), b.tables, "orders", ""))
 		queue := wsql.PostgreSQLQueueSchema{}
 		uuids := b.publishOld(t, queue, "orders", 10)
 		// One message a transaction, so that what it acks is what was

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/cqrs"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
@@ -495,6 +496,10 @@ func TestBindFromBacklogOnALargeTopic(t *testing.T) {
 	total := <-published
 	t.Logf("backlog copy of %d rows: %s (cut short after %d rows, resumed), %d messages published meanwhile", n, took.Round(time.Millisecond), copiedBefore, total)
 
+	// Statistics for the checks below: a reused test schema may carry
+	// some from another test's rows, and an anti-join planned on them as a
+	// nested loop over 400,000 rows runs for minutes.
+	b.exec(t, `ANALYZE %s.outbox`)
 	require.Equal(t, n+total, b.groupRows(t, "big", "a"))
 	require.Equal(t, n+total, b.groupRows(t, "big", "b"), "every message once")
 	require.Equal(t, n+total, b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.outbox WHERE consumer_group = 'b'`))
@@ -517,20 +522,54 @@ func TestSubscribeWithAShortStatementTimeoutCopiesALargeBacklog(t *testing.T) {
 	const n = 50000
 	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "backlog", "a"))
 	b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload, available_at)
-		SELECT 'backlog', 'a', 'u' || g, convert_to(repeat('x', 200), 'UTF8'), now() - interval '1 minute' FROM generate_series(1, 50000) g`)
-	b.exec(t, `ANALYZE %s.outbox`)
+		SELECT 'backlog', 'a', 'u' || g, convert_to(repeat('x', 1000), 'UTF8'), now() - interval '1 minute' FROM generate_series(1, 50000) g`)
 
-	// 30 ms: the binding's own statements take a few milliseconds, a copy
-	// of 5,000 rows of 200 bytes 60-70 (EXPLAIN ANALYZE of query.CopyBacklog).
+	// 50 ms: the binding's own statements take a few milliseconds, a copy
+	// of 5,000 rows of 200 bytes 60-70 (EXPLAIN ANALYZE of query.CopyBacklog),
+	// of 1,000 bytes more.
 	sub := b.groupSubscriber(t, "late", func(c *pgoutbox.SubscriberConfig) {
 		c.StartFrom = pgoutbox.StartFromBacklog
-		c.StatementTimeout = 30 * time.Millisecond
+		c.StatementTimeout = 50 * time.Millisecond
 	})
 	subCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	_, err := sub.Subscribe(subCtx, "backlog")
 	require.NoError(t, err)
 	require.Equal(t, n, b.groupRows(t, "backlog", "late"), "the whole backlog copied by the time Subscribe returns")
+}
+
+// A publish whose transaction stays open across a topic's first binding,
+// longer than the binding waits for it (a long import during a new
+// service's deploy), stores its message for no group. The running
+// subscription adopts it once that transaction commits, on every claim
+// path, instead of leaving it to the next Subscribe or Bind.
+func TestAPublishOpenLongerThanTheFirstBindingWaitsReachesTheGroup(t *testing.T) {
+	t.Parallel()
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		ctx := context.Background()
+		qtable := pgx.Identifier{b.Schema, "outbox"}.Sanitize()
+		testhook.SetBindWriterWait(qtable, 200*time.Millisecond)
+		t.Cleanup(func() { testhook.SetBindWriterWait(qtable, 0) })
+
+		importTx, err := b.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer importTx.Rollback(ctx)
+		pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(importTx), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+		require.NoError(t, err)
+		imported := newMsg("imported")
+		require.NoError(t, pub.Publish("imports", imported))
+
+		audit := b.groupSubscriber(t, "audit", func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c) })
+		subCtx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		msgs, err := audit.Subscribe(subCtx, "imports") // the first binding; its wait for the import ends
+		require.NoError(t, err)
+		require.NoError(t, importTx.Commit(ctx))
+		got := receive(t, msgs, 15*time.Second)
+		require.Equal(t, imported.UUID, got.UUID)
+		got.Ack()
+	})
 }
 
 // An outbox of the previous release: topic "orders" has the default group

@@ -90,7 +90,14 @@ func TestInvariant2_WritesAreGuardedByLeaseToken(t *testing.T) {
 			ev := newEvents()
 			sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
 				c.Observer = ev
-				c.Lease = 2 * time.Second // renewal every second
+				// "renew": renewal every second. The other phases: a lease
+				// long enough that no renewal comes between the takeover
+				// and the write under test on a slow machine (one did, and
+				// found the token changed first).
+				c.Lease = 2 * time.Second
+				if phase != "renew" {
+					c.Lease = 20 * time.Second
+				}
 				c.MaxPollInterval = 500 * time.Millisecond
 				c.StatementTimeout = 500 * time.Millisecond
 			})

@@ -200,6 +200,9 @@ func (c *cli) migrateStatus(args []string) error {
 				doc.Applied = append(doc.Applied, applied{a.Version, a.Name, a.AppliedAt})
 			}
 			for _, p := range st.Pending {
+				if layout != nil && p.Version <= layout.Version && !layout.DeadLetterTableMissing {
+					continue // the catalog has it, though no version is recorded
+				}
 				doc.Pending = append(doc.Pending, pending{p.Version, p.Name})
 			}
 			return writeJSON(c.stdout, doc)

@@ -98,6 +98,7 @@ func TestSchemaMigrate(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, true, status()["needs_baseline"])
 	require.Equal(t, latest, status()["layout_version"], "the catalog tells the layout's version")
+	require.Empty(t, status()["pending"], "and that nothing is pending")
 	out, errOut, code = run("schema", "migrate", "status")
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, "the layout of version 7: up to date")

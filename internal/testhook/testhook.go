@@ -104,3 +104,24 @@ func SetRotateStuckAfter(table string, d time.Duration) { rotateStuckAfter.set(t
 
 // RotateStuckAfter returns the floor forced for table, or 0.
 func RotateStuckAfter(table string) time.Duration { return rotateStuckAfter.get(table) }
+
+var writerWaits sync.Map // quoted outbox table -> time.Duration
+
+// SetBindWriterWait makes a binding of a topic of the outbox qtable
+// ("schema"."table") wait up to d for the transactions writing to the
+// outbox, instead of the engine's 10 s: a test of what happens past that
+// wait need not sit through it. 0 removes the hook.
+func SetBindWriterWait(qtable string, d time.Duration) {
+	if d == 0 {
+		writerWaits.Delete(qtable)
+		return
+	}
+	writerWaits.Store(qtable, d)
+}
+
+// BindWriterWait returns the wait set for qtable, or 0.
+func BindWriterWait(qtable string) time.Duration {
+	d, _ := writerWaits.Load(qtable)
+	w, _ := d.(time.Duration)
+	return w
+}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -94,6 +95,12 @@ type BindResult struct {
 	Adopted int64
 	// Copied counts the backlog copies written (StartFromBacklog).
 	Copied int64
+
+	// lateWriters lists (query.Writers) the transactions that were
+	// writing to the outbox across the binding and were still open when
+	// the wait for them ended: what they publish for nobody is adopted
+	// only by a later binding (Subscribe does one when they end).
+	lateWriters string
 }
 
 // Bind binds consumer group group ("" is the default group) to topic, so
@@ -175,15 +182,18 @@ const (
 )
 
 // bindStatements runs a binding's statements, each bounded by timeout
-// when it is positive (Subscribe's StatementTimeout). A batch that runs
-// out of its time is tried again with a quarter of the rows, down to
-// minGroupBatch: a short StatementTimeout makes a large backlog copy take
-// more statements instead of failing Subscribe. A statement that fails
-// rolls back, so a batch tried again repeats nothing.
+// when it is positive (Subscribe's StatementTimeout, through a pool). A
+// batch that runs out of its time is tried again with a quarter of the
+// rows, down to minGroupBatch, and grows back while batches take a small
+// part of it: a short StatementTimeout makes a large backlog copy take
+// more statements instead of failing Subscribe. A batch that fails rolls
+// back, so one tried again repeats nothing.
 type bindStatements struct {
 	ctx     context.Context
 	timeout time.Duration
-	size    int // rows a batch takes now
+	size    int  // rows the next batch takes
+	used    int  // rows the last batch was given: fewer taken, it was the last
+	fast    bool // the last batch took under a quarter of the timeout
 }
 
 // stmt runs f once, bounded by the timeout.
@@ -204,18 +214,32 @@ func (b *bindStatements) bounded(d time.Duration, f func(context.Context) error)
 	return err
 }
 
-// batch runs f with the current batch size in a transaction on exec, and
-// again with fewer rows while it runs out of its time. The server bounds
-// the batch's statements (statement_timeout, local to the transaction):
-// a statement the client gave up on would run on and keep the binding's
-// row locked, and the smaller batch after it would wait for that lock.
-// The client's bound is twice as long, for the round trips around it.
-func (b *bindStatements) batch(exec tx.Executor, f func(ctx context.Context, e tx.Executor, size int) error) error {
+// batch runs f with the batch size in a transaction on exec, after taking
+// the topic's lock lockKey when it is not empty, and again with fewer rows
+// while it runs out of its time. The server bounds the batch's statements
+// after the lock (statement_timeout, local to the transaction): a
+// statement the client gave up on would run on and keep the binding's row
+// locked, and the smaller batch after it would wait for that lock. The
+// client's bound is twice as long, for the lock and the round trips. In a
+// caller's transaction (BindGroups inside one; no timeout is given there
+// today) nothing is bounded or tried again: a failed statement has
+// aborted that transaction.
+func (b *bindStatements) batch(exec tx.Executor, lockKey string, f func(ctx context.Context, e tx.Executor, size int) error) error {
+	bounded := b.timeout > 0 && !exec.InTx()
+	if b.fast {
+		b.size = min(groupBatch, 2*b.size)
+	}
 	for {
 		timedOut := false
-		err := b.bounded(2*b.timeout, func(ctx context.Context) error {
+		start := time.Now()
+		run := func(ctx context.Context) error {
 			err := tx.RunInTx(ctx, exec, func(e tx.Executor) error {
-				if b.timeout > 0 {
+				if lockKey != "" {
+					if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
+						return err
+					}
+				}
+				if bounded {
 					if _, err := e.Exec(ctx, query.SetLocalStatementTimeout, fmt.Sprintf("%dms", max(1, b.timeout.Milliseconds()))); err != nil {
 						return err
 					}
@@ -224,8 +248,18 @@ func (b *bindStatements) batch(exec tx.Executor, f func(ctx context.Context, e t
 			})
 			timedOut = err != nil && (errors.Is(ctx.Err(), context.DeadlineExceeded) || errtext.SQLState(err) == "57014")
 			return err
-		})
-		if err == nil || !timedOut || b.timeout <= 0 || b.ctx.Err() != nil || b.size <= minGroupBatch {
+		}
+		var err error
+		if bounded {
+			err = b.bounded(2*b.timeout, run)
+		} else {
+			err = run(b.ctx)
+		}
+		if err == nil {
+			b.used, b.fast = b.size, bounded && time.Since(start) < b.timeout/4
+			return nil
+		}
+		if !timedOut || !bounded || b.ctx.Err() != nil || b.size <= minGroupBatch {
 			return err
 		}
 		b.size = max(minGroupBatch, b.size/4)
@@ -286,9 +320,11 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 		return res, err
 	}
 	if !exec.InTx() {
-		if err := waitWriters(ctx, exec, n.QTable); err != nil {
+		late, err := waitWriters(ctx, exec, n.QTable)
+		if err != nil {
 			return res, err
 		}
+		res.lateWriters = late
 	}
 	if len(pending) > 0 {
 		if err := b.stmt(func(ctx context.Context) error {
@@ -303,7 +339,7 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 		prev := "[]"
 		for more := true; more; {
 			var copied, woken int64
-			err := b.batch(exec, func(ctx context.Context, e tx.Executor, size int) error {
+			err := b.batch(exec, "", func(ctx context.Context, e tx.Executor, size int) error {
 				return queryRow(ctx, e, query.CopyBacklog(n), []any{topic, g, size, prev, n.Channel}, &copied, &more, &prev, &woken)
 			})
 			if err != nil {
@@ -317,10 +353,7 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 	copies := false
 	for {
 		var moved, third, woken int64
-		err := b.batch(exec, func(ctx context.Context, e tx.Executor, size int) error {
-			if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
-				return err
-			}
+		err := b.batch(exec, lockKey, func(ctx context.Context, e tx.Executor, size int) error {
 			return queryRow(ctx, e, query.AdoptUnbound(n, copies), []any{topic, size, n.Channel}, &moved, &third, &woken)
 		})
 		if err != nil {
@@ -331,7 +364,7 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 			copies = true // several groups bound: each its copy
 			continue
 		}
-		if moved < int64(b.size) {
+		if moved < int64(b.used) {
 			return res, nil
 		}
 	}
@@ -360,28 +393,44 @@ func adoptCopies(ctx context.Context, exec tx.Executor, n query.Names, topic str
 
 // waitWriters waits until the transactions writing to the outbox now have
 // ended, at most bindWriterWait: then every publish that started before a
-// binding just committed has committed or rolled back.
-func waitWriters(ctx context.Context, exec tx.Executor, qtable string) error {
+// binding just committed has committed or rolled back. It returns the
+// writers (query.Writers) when some were still open at the end of the
+// wait, "" otherwise.
+func waitWriters(ctx context.Context, exec tx.Executor, qtable string) (string, error) {
 	var writers string
 	if err := queryRow(ctx, exec, query.Writers, []any{qtable}, &writers); err != nil {
-		return fmt.Errorf("list the outbox's writers: %w", err)
+		return "", fmt.Errorf("list the outbox's writers: %w", err)
 	}
-	deadline := time.Now().Add(bindWriterWait)
-	for writers != "[]" && time.Now().Before(deadline) {
-		var left int64
-		if err := queryRow(ctx, exec, query.WritersLeft, []any{writers}, &left); err != nil {
-			return fmt.Errorf("wait for the outbox's writers: %w", err)
+	wait := bindWriterWait
+	if d := testhook.BindWriterWait(qtable); d > 0 {
+		wait = d
+	}
+	deadline := time.Now().Add(wait)
+	for writers != "[]" {
+		left, err := writersLeft(ctx, exec, writers)
+		if err != nil || left == 0 {
+			return "", err
 		}
-		if left == 0 {
-			return nil
+		if !time.Now().Before(deadline) {
+			return writers, nil
 		}
 		select {
 		case <-ctx.Done():
-			return ctx.Err()
+			return "", ctx.Err()
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
-	return nil
+	return "", nil
+}
+
+// writersLeft counts the transactions of writers (query.Writers) still
+// open.
+func writersLeft(ctx context.Context, exec tx.Executor, writers string) (int64, error) {
+	var left int64
+	if err := queryRow(ctx, exec, query.WritersLeft, []any{writers}, &left); err != nil {
+		return 0, fmt.Errorf("wait for the outbox's writers: %w", err)
+	}
+	return left, nil
 }
 
 // queryRow scans the single row of a statement into dest.
@@ -464,7 +513,7 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 		// commit: purge those too, or (the default group) bind again
 		// rather than let them pass for unbound messages (the other groups
 		// have their copies).
-		err = waitWriters(ctx, exec, n.QTable)
+		_, err = waitWriters(ctx, exec, n.QTable)
 		var late int64
 		if err == nil && purge {
 			late, err = exec.Exec(ctx, q.Purge, topic, group)
@@ -588,7 +637,7 @@ func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, to
 		return 0, errorf("pgoutbox: rename group %q of topic %q: %w; nothing was renamed (Stats lists the groups of a topic)", from, topic, ErrNotBound)
 	}
 	if !exec.InTx() {
-		if err := waitWriters(ctx, exec, n.QTable); err != nil {
+		if _, err := waitWriters(ctx, exec, n.QTable); err != nil {
 			return 0, errorf("pgoutbox: group %q of topic %q is renamed %q; moving its rows waits for the publishes in flight, which failed (run MoveGroup): %w", from, topic, to, err)
 		}
 	}
@@ -712,17 +761,14 @@ func adoptArrivals(exec tx.Executor, n query.Names, topic, lockKey string, b *bi
 	var total int64
 	for {
 		var moved, woken int64
-		err := b.batch(exec, func(ctx context.Context, e tx.Executor, size int) error {
-			if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
-				return err
-			}
+		err := b.batch(exec, lockKey, func(ctx context.Context, e tx.Executor, size int) error {
 			return queryRow(ctx, e, query.ArrivalsAdopt(n), []any{topic, size, n.Channel}, &moved, &woken)
 		})
 		if err != nil {
 			return total, fmt.Errorf("adopt the arrivals no group has: %w", err)
 		}
 		total += moved
-		if moved < int64(b.size) {
+		if moved < int64(b.used) {
 			return total, nil
 		}
 	}

@@ -107,7 +107,8 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("pgoutbox: Subscribe to %q: the context given is already done: %w", topic, err)
 	}
-	if err := s.setUp(ctx, topic); err != nil {
+	lateWriters, err := s.setUp(ctx, topic)
+	if err != nil {
 		return nil, err
 	}
 	s.mu.Lock()
@@ -122,6 +123,10 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	s.active++
 	waiter := s.notifier.Listen(s.q.Names.Channel, topic, s.cfg.ConsumerGroup)
 	s.startRotator() // under mu: Close cannot be waiting for subs yet
+	if lateWriters != "" {
+		s.subs.Add(1)
+		go s.adoptAfterWriters(ctx, topic, lateWriters)
+	}
 	s.mu.Unlock()
 
 	sub := newSubscription(s, ctx, topic, waiter)
@@ -147,14 +152,15 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 	if err := s.ensureSchema(context.Background()); err != nil {
 		return err
 	}
-	return s.bind(context.Background(), topic)
+	_, err := s.bind(context.Background(), topic)
+	return err
 }
 
 // bind binds the subscriber's consumer group to topic, once per topic.
 // setUp checks the schema and binds the group before a subscription
 // starts. Close ends it: a Subscribe waiting on an unreachable database
 // must not hold up a Router's Close for its whole CloseTimeout.
-func (s *Subscriber) setUp(ctx context.Context, topic string) error {
+func (s *Subscriber) setUp(ctx context.Context, topic string) (lateWriters string, err error) {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	go func() {
@@ -164,31 +170,83 @@ func (s *Subscriber) setUp(ctx context.Context, topic string) error {
 		case <-ctx.Done():
 		}
 	}()
-	err := s.ensureSchema(ctx)
+	err = s.ensureSchema(ctx)
 	if err == nil {
-		err = s.bind(ctx, topic)
+		lateWriters, err = s.bind(ctx, topic)
 	}
 	if err != nil && errors.Is(context.Cause(ctx), ErrSubscriberClosed) {
-		return fmt.Errorf("%w while Subscribe to %q waited for the database: %w", ErrSubscriberClosed, topic, err)
+		return "", fmt.Errorf("%w while Subscribe to %q waited for the database: %w", ErrSubscriberClosed, topic, err)
 	}
-	return err
+	return lateWriters, err
 }
 
-func (s *Subscriber) bind(ctx context.Context, topic string) error {
+// bind returns the transactions (query.Writers) that were writing to the
+// outbox across the binding and outlasted the wait for them.
+func (s *Subscriber) bind(ctx context.Context, topic string) (lateWriters string, err error) {
 	// Every Subscribe binds, without a cache: a binding removed meanwhile
 	// (Unbind in a deploy step, by an operator) comes back with the
 	// subscription that needs it. The statement is an insert that usually
 	// conflicts and does nothing.
 	// Binding also adopts the topic's unbound messages and, for a new
 	// binding with StartFromBacklog, copies the backlog (consumer_group.go).
-	err := s.retryConnectionLost(ctx, func() error {
-		_, err := bindGroups(ctx, tx.FromPgxPool(s.pool), s.q, topic, []string{s.cfg.ConsumerGroup}, s.cfg.StartFrom, s.cfg.StatementTimeout)
+	err = s.retryConnectionLost(ctx, func() error {
+		res, err := bindGroups(ctx, tx.FromPgxPool(s.pool), s.q, topic, []string{s.cfg.ConsumerGroup}, s.cfg.StartFrom, s.cfg.StatementTimeout)
+		lateWriters = res.lateWriters
 		return err
 	})
 	if err != nil {
-		return errorf("pgoutbox: bind consumer group %q to topic %q: %w", s.cfg.ConsumerGroup, topic, err)
+		return "", errorf("pgoutbox: bind consumer group %q to topic %q: %w", s.cfg.ConsumerGroup, topic, err)
 	}
-	return nil
+	return lateWriters, nil
+}
+
+// adoptAfterWriters runs beside a subscription whose binding outlasted
+// its wait for the transactions writing to the outbox (a long import, a
+// request that hangs): a message such a transaction stores before it
+// sees the binding belongs to no group, and only a binding adopts it. It
+// waits for those transactions to end, for as long as the subscription
+// runs, then binds again, which adopts what they stored.
+func (s *Subscriber) adoptAfterWriters(ctx context.Context, topic, writers string) {
+	defer s.subs.Done()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-s.closing:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	fields := watermill.LogFields{"topic": topic, "consumer_group": s.cfg.ConsumerGroup}
+	logWarn(s.logger, "Transactions writing to the outbox stayed open across the consumer group's binding; what they publish for no group is adopted when they end", fields)
+	exec := tx.FromPgxPool(s.pool)
+	poll := time.NewTicker(100 * time.Millisecond)
+	defer poll.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-poll.C:
+		}
+		if left, err := writersLeft(ctx, exec, writers); err != nil || left > 0 {
+			continue // a lost connection is retried at the next tick
+		}
+		res, err := bindGroups(ctx, exec, s.q, topic, []string{s.cfg.ConsumerGroup}, s.cfg.StartFrom, s.cfg.StatementTimeout)
+		if err != nil {
+			if ctx.Err() == nil {
+				s.logger.Error("Adopting the messages of transactions open across the consumer group's binding failed; retrying", err, fields)
+				poll.Reset(5 * time.Second)
+			}
+			continue
+		}
+		if res.Adopted > 0 {
+			s.logger.Info("Adopted the messages of transactions that were open across the consumer group's binding", fields.Add(watermill.LogFields{"adopted": res.Adopted}))
+		}
+		if res.lateWriters == "" {
+			return
+		}
+		writers = res.lateWriters
+	}
 }
 
 // retryConnectionLost runs f again while it fails because its pooled

@@ -11,6 +11,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -57,7 +58,9 @@ func newMoveBundle(t *testing.T) *moveBundle {
 }
 
 // publishOld publishes n messages to topic with watermill-sql, each with
-// a metadata key, and returns their UUIDs in publish order.
+// a metadata key, and returns their UUIDs in publish order. The last also
+// carries Watermill's delay metadata, an hour ahead, as delay.NewPublisher
+// writes it.
 func (b *moveBundle) publishOld(t *testing.T, schemaAdapter wsql.SchemaAdapter, topic string, n int) []string {
 	t.Helper()
 	pub, err := wsql.NewPublisher(wsql.BeginnerFromPgx(b.pool), wsql.PublisherConfig{SchemaAdapter: schemaAdapter, AutoInitializeSchema: true}, b.logger)
@@ -66,10 +69,22 @@ func (b *moveBundle) publishOld(t *testing.T, schemaAdapter wsql.SchemaAdapter, 
 	for i := range n {
 		m := message.NewMessage(watermill.NewUUID(), fmt.Appendf(nil, `{"n":%d}`, i))
 		m.Metadata.Set("seq", fmt.Sprint(i))
+		if i == n-1 {
+			delay.Message(m, delay.For(time.Hour))
+		}
 		require.NoError(t, pub.Publish(topic, m))
 		uuids = append(uuids, m.UUID)
 	}
 	return uuids
+}
+
+// requireDelayKept checks that the delayed message (publishOld's last)
+// moved with its time, about an hour ahead, in every group.
+func (b *moveBundle) requireDelayKept(t *testing.T, uuid string, copies int) {
+	t.Helper()
+	var later int
+	require.NoError(t, b.pool.QueryRow(b.ctx, `SELECT count(*) FROM outbox WHERE uuid = $1 AND available_at > now() + interval '50 minutes'`, uuid).Scan(&later))
+	require.Equal(t, copies, later, "the delayed message keeps its delivery time")
 }
 
 // consumeOld handles and acks the first n messages of topic with a
@@ -144,7 +159,8 @@ func TestMoveFromWatermillSQL(t *testing.T) {
 		move := docSQL(t, "queue")
 		require.Equal(t, int64(7), b.exec(t, move))
 		require.Equal(t, int64(0), b.exec(t, move), "run again, it moves nothing")
-		b.drainNew(t, "orders", "", uuids[3:])
+		b.requireDelayKept(t, uuids[9], 1)
+		b.drainNew(t, "orders", "", uuids[3:9])
 	})
 
 	t.Run("LogSchemaWithGroups", func(t *testing.T) {
@@ -176,7 +192,8 @@ func TestMoveFromWatermillSQL(t *testing.T) {
 		require.NoError(t, b.pool.QueryRow(b.ctx, `SELECT string_agg(g || '=' || n, ',' ORDER BY g)
   FROM (SELECT consumer_group AS g, count(*) AS n FROM outbox GROUP BY 1) c`).Scan(&perGroup))
 		require.Equal(t, "=10,billing=6", perGroup)
-		b.drainNew(t, "orders", "billing", uuids[4:])
-		b.drainNew(t, "orders", "", uuids)
+		b.requireDelayKept(t, uuids[9], 2)
+		b.drainNew(t, "orders", "billing", uuids[4:9])
+		b.drainNew(t, "orders", "", uuids[:9])
 	})
 }

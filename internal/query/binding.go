@@ -59,8 +59,8 @@ SELECT coalesce(json_agg(consumer_group), '[]')::text FROM new`, n.QBindings, n.
 
 // BindState tells, for topic $1: whether the default group is bound,
 // whether unbound rows wait (rows of "" while "" is not bound: one probe of
-// the ready index and one of the lease index), and the groups of $2 whose
-// backlog copy is unfinished.
+// the ready index and one of the lease index), the groups of $2 whose
+// backlog copy is unfinished, and how many groups are bound.
 //
 // Each probe is a scalar subquery ordered by its index: topic and group
 // are correlated, and the planner, expecting many matches, planned EXISTS
@@ -73,7 +73,8 @@ func BindState(n Names) string {
         OR (SELECT 1 FROM %[2]s WHERE topic = $1 AND consumer_group = '' AND lease_token IS NOT NULL
           ORDER BY leased_until LIMIT 1) IS NOT NULL),
        coalesce((SELECT json_agg(consumer_group) FROM %[1]s
-                  WHERE topic = $1 AND consumer_group = ANY ($2::text[]) AND backlog_next IS NOT NULL), '[]')::text`,
+                  WHERE topic = $1 AND consumer_group = ANY ($2::text[]) AND backlog_next IS NOT NULL), '[]')::text,
+       (SELECT count(*) FROM %[1]s WHERE topic = $1)`,
 		n.QBindings, n.QTable)
 }
 

@@ -273,7 +273,7 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 	n := q.Names
 	lockKey := n.QBindings + query.GroupMark + topic
 	b := &bindStatements{ctx: ctx, timeout: timeout, size: groupBatch}
-	var unbound bool
+	var unbound, firstBinding bool
 	var newJSON, pendingJSON string
 	var pending []string
 	err := b.stmt(func(ctx context.Context) error {
@@ -285,10 +285,16 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 				return err
 			}
 			var defaultBound bool
-			if err := queryRow(ctx, e, query.BindState(n), []any{topic, groups}, &defaultBound, &unbound, &pendingJSON); err != nil {
+			var bindings int
+			if err := queryRow(ctx, e, query.BindState(n), []any{topic, groups}, &defaultBound, &unbound, &pendingJSON, &bindings); err != nil {
 				return err
 			}
 			unbound = unbound && !defaultBound
+			var created []string
+			if err := json.Unmarshal([]byte(newJSON), &created); err != nil {
+				return err
+			}
+			firstBinding = !defaultBound && len(created) > 0 && bindings == len(created)
 			if !unbound || timeout > 0 || pendingJSON != "[]" {
 				return nil
 			}
@@ -324,7 +330,12 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 		if err != nil {
 			return res, err
 		}
-		res.lateWriters = late
+		// A publish that saw no binding of the topic stored its message for
+		// no group; one that saw other groups stored it for them, and one
+		// for the default group stored it where "" takes it.
+		if firstBinding {
+			res.lateWriters = late
+		}
 	}
 	if len(pending) > 0 {
 		if err := b.stmt(func(ctx context.Context) error {
@@ -348,8 +359,17 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 			res.Copied += copied
 		}
 	}
-	// One group bound (the common case: a relay, a command handler) takes
-	// the rows without an INSERT, which a subscriber's role may not hold.
+	adopted, err := adoptUnbound(exec, n, topic, lockKey, b)
+	res.Adopted += adopted
+	return res, err
+}
+
+// adoptUnbound gives the topic's unbound rows to the groups bound now, in
+// batches under the topic's lock (query.AdoptUnbound). One group bound
+// (the common case: a relay, a command handler) takes the rows without an
+// INSERT, which a subscriber's role may not hold; several get a copy each.
+func adoptUnbound(exec tx.Executor, n query.Names, topic, lockKey string, b *bindStatements) (int64, error) {
+	var adopted int64
 	copies := false
 	for {
 		var moved, third, woken int64
@@ -357,17 +377,37 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 			return queryRow(ctx, e, query.AdoptUnbound(n, copies), []any{topic, size, n.Channel}, &moved, &third, &woken)
 		})
 		if err != nil {
-			return res, fmt.Errorf("adopt the unbound messages: %w", err)
+			return adopted, fmt.Errorf("adopt the unbound messages: %w", err)
 		}
-		res.Adopted += moved
+		adopted += moved
 		if !copies && third > 1 {
 			copies = true // several groups bound: each its copy
 			continue
 		}
 		if moved < int64(b.used) {
-			return res, nil
+			return adopted, nil
 		}
 	}
+}
+
+// adoptLate adopts, after a binding of topic, what publishes that outlasted
+// its wait for them stored for no group: unbound outbox rows and, with
+// arrivals, arrivals no binding covers. It binds nothing and copies no
+// backlog, so a group unbound or renamed since stays so.
+func adoptLate(ctx context.Context, exec tx.Executor, q *query.Queries, topic string, timeout time.Duration) (int64, error) {
+	n := q.Names
+	lockKey := n.QBindings + query.GroupMark + topic
+	b := &bindStatements{ctx: ctx, timeout: timeout, size: groupBatch}
+	var total int64
+	if n.Arrivals {
+		adopted, err := adoptArrivals(exec, n, topic, lockKey, b)
+		total += adopted
+		if err != nil {
+			return total, err
+		}
+	}
+	adopted, err := adoptUnbound(exec, n, topic, lockKey, b)
+	return total + adopted, err
 }
 
 // adoptCopies adopts the topic's unbound rows in exec's transaction when

@@ -200,12 +200,13 @@ func (s *Subscriber) bind(ctx context.Context, topic string) (lateWriters string
 	return lateWriters, nil
 }
 
-// adoptAfterWriters runs beside a subscription whose binding outlasted
-// its wait for the transactions writing to the outbox (a long import, a
-// request that hangs): a message such a transaction stores before it
-// sees the binding belongs to no group, and only a binding adopts it. It
-// waits for those transactions to end, for as long as the subscription
-// runs, then binds again, which adopts what they stored.
+// adoptAfterWriters runs beside a subscription whose topic's first
+// binding outlasted its wait for the transactions writing to the outbox (a
+// long import, a request that hangs): a message such a transaction stores
+// before it sees the binding belongs to no group, and only an adoption
+// gives it one. It waits for those transactions to end, for as long as the
+// subscription runs, then adopts what they stored (adoptLate: it binds
+// nothing, so an Unbind or a rename meanwhile stands).
 func (s *Subscriber) adoptAfterWriters(ctx context.Context, topic, writers string) {
 	defer s.subs.Done()
 	ctx, cancel := context.WithCancel(ctx)
@@ -218,34 +219,42 @@ func (s *Subscriber) adoptAfterWriters(ctx context.Context, topic, writers strin
 		}
 	}()
 	fields := watermill.LogFields{"topic": topic, "consumer_group": s.cfg.ConsumerGroup}
-	logWarn(s.logger, "Transactions writing to the outbox stayed open across the consumer group's binding; what they publish for no group is adopted when they end", fields)
+	logWarn(s.logger, "Transactions writing to the outbox stayed open across the topic's first binding; "+
+		"a message they publish before seeing it belongs to no group, and is adopted when they end", fields)
 	exec := tx.FromPgxPool(s.pool)
-	poll := time.NewTicker(100 * time.Millisecond)
-	defer poll.Stop()
+	const every, longest = 500 * time.Millisecond, 30 * time.Second
+	wait, failures := every, 0
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-poll.C:
+		case <-time.After(wait):
 		}
-		if left, err := writersLeft(ctx, exec, writers); err != nil || left > 0 {
-			continue // a lost connection is retried at the next tick
-		}
-		res, err := bindGroups(ctx, exec, s.q, topic, []string{s.cfg.ConsumerGroup}, s.cfg.StartFrom, s.cfg.StatementTimeout)
-		if err != nil {
-			if ctx.Err() == nil {
-				s.logger.Error("Adopting the messages of transactions open across the consumer group's binding failed; retrying", err, fields)
-				poll.Reset(5 * time.Second)
-			}
+		left, err := writersLeft(ctx, exec, writers)
+		if err == nil && left > 0 {
 			continue
 		}
-		if res.Adopted > 0 {
-			s.logger.Info("Adopted the messages of transactions that were open across the consumer group's binding", fields.Add(watermill.LogFields{"adopted": res.Adopted}))
+		var adopted int64
+		if err == nil {
+			adopted, err = adoptLate(ctx, exec, s.q, topic, s.cfg.StatementTimeout)
 		}
-		if res.lateWriters == "" {
-			return
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			// The first failure and every tenth are logged; the wait grows
+			// to longest, so a failure that lasts costs little.
+			if failures%10 == 0 {
+				s.logger.Error("Adopting the messages of transactions open across the topic's first binding failed; retrying", err, fields)
+			}
+			failures++
+			wait = min(2*wait, longest)
+			continue
 		}
-		writers = res.lateWriters
+		if adopted > 0 {
+			s.logger.Info("Adopted the messages of transactions that were open across the topic's first binding", fields.Add(watermill.LogFields{"adopted": adopted}))
+		}
+		return
 	}
 }
 

@@ -173,7 +173,11 @@ func TestMoveFromWatermillSQL(t *testing.T) {
 		log := wsql.DefaultPostgreSQLSchema{}
 		offsets := wsql.DefaultPostgreSQLOffsetsAdapter{}
 		uuids := b.publishOld(t, log, "orders", 10)
-		b.consumeOld(t, wsql.SubscriberConfig{SchemaAdapter: log, OffsetsAdapter: offsets, ConsumerGroup: "billing"}, "orders", 4)
+		// One message a transaction, so that the offset committed when it
+		// closes is that of the last message handled (with batches of 100
+		// it was not always, on a loaded machine).
+		oneByOne := wsql.DefaultPostgreSQLSchema{SubscribeBatchSize: 1}
+		b.consumeOld(t, wsql.SubscriberConfig{SchemaAdapter: oneByOne, OffsetsAdapter: offsets, ConsumerGroup: "billing"}, "orders", 4)
 		var acked int
 		require.Eventually(t, func() bool {
 			return b.pool.QueryRow(b.ctx, `SELECT count(*) FROM watermill_orders m JOIN watermill_offsets_orders o

@@ -271,6 +271,33 @@ func TestTxMiddlewareCommitsWriteOutputAndCompletion(t *testing.T) {
 	require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost))
 }
 
+// A handler that goes on in a transaction an earlier statement aborted
+// (Retry inside tx.Middleware runs every attempt in it) fails with a hint
+// at the middleware order, not only PostgreSQL's "current transaction is
+// aborted".
+func TestTxMiddlewareNamesTheOrderWhenItsTransactionIsAborted(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, err := tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{})
+	require.NoError(t, err)
+	attempts := 0
+	handler := func(m *message.Message) ([]*message.Message, error) {
+		e, _ := tx.ExecutorFromContext(m.Context())
+		attempts++
+		if attempts == 1 {
+			_, err := e.Exec(m.Context(), `SELECT 1/0`)
+			return nil, err
+		}
+		_, err := e.Exec(m.Context(), `SELECT 1`)
+		return nil, err
+	}
+	retried := middleware.Retry{MaxRetries: 1}.Middleware(handler)
+	_, err = mw(retried)(newMsg("x"))
+	require.Equal(t, 2, attempts)
+	require.ErrorContains(t, err, "current transaction is aborted")
+	require.ErrorContains(t, err, "put it outside")
+}
+
 // Without a Publisher, a handler that returns messages fails clearly (and
 // rolls back) rather than lose them or publish them outside its
 // transaction; a transaction-bound executor is refused at construction.
@@ -304,6 +331,19 @@ func TestTxMiddlewareConfigErrors(t *testing.T) {
 
 	_, err = tx.Middleware(tx.FromPgxPool(nil), tx.MiddlewareConfig{})
 	require.ErrorContains(t, err, "tx.FromPgxPool was given a nil *pgxpool.Pool")
+
+	// A pgoutbox Publisher bound to the pool (or a transaction) would
+	// store a handler's messages even when its transaction rolls back.
+	poolPub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	require.False(t, poolPub.FollowsContext())
+	_, err = tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{Publisher: poolPub})
+	require.ErrorContains(t, err, "build it with pgoutbox.NewContextPublisher")
+	ctxPub, err := pgoutbox.NewContextPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	require.True(t, ctxPub.FollowsContext())
+	_, err = tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{Publisher: ctxPub})
+	require.NoError(t, err)
 	_, err = tx.Middleware(tx.FromSQLDB(nil), tx.MiddlewareConfig{})
 	require.ErrorContains(t, err, "tx.FromSQLDB was given a nil *sql.DB")
 	pub, err := pgoutbox.NewPublisher(tx.FromSQLTx(nil), pgoutbox.PublisherConfig{Tables: b.tables}, nil)

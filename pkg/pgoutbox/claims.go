@@ -267,8 +267,9 @@ func (c *claimSchedule) gaveBack() {
 // releasedClaims takes in the release of the first n lost claims. Once it
 // is written, claims go on, from the start. While it fails, a lost claim
 // whose rows' leases have expired anyway is given up on: the expired
-// branch of any claim takes those rows.
-func (c *claimSchedule) releasedClaims(n int, err error, now time.Time) {
+// branch of any claim takes those rows. It returns how many releases of
+// the oldest lost claim left have failed.
+func (c *claimSchedule) releasedClaims(n int, err error, now time.Time) (tries int) {
 	done := n
 	if err != nil {
 		done = 0
@@ -276,6 +277,12 @@ func (c *claimSchedule) releasedClaims(n int, err error, now time.Time) {
 			done++
 		}
 	}
+	defer func() {
+		if err != nil && len(c.lost) > 0 {
+			c.lost[0].tries++
+			tries = c.lost[0].tries
+		}
+	}()
 	if done == 0 {
 		return
 	}
@@ -283,6 +290,7 @@ func (c *claimSchedule) releasedClaims(n int, err error, now time.Time) {
 	c.givingBack -= done
 	c.scan.restart(true)
 	c.want = true
+	return
 }
 
 // keyEnded: a row with an ordering key was written (acked, nacked,
@@ -428,10 +436,12 @@ func (sub *subscription) onClaimed(r claimResult) {
 
 // onReleasedClaims applies the release of the first n lost claims.
 func (sub *subscription) onReleasedClaims(n int, err error) {
-	if err != nil {
-		sub.logger.Error("Releasing the rows of a failed claim failed; retrying", err, watermill.LogFields{"claims": n})
+	tries := sub.claims.releasedClaims(n, err, time.Now())
+	// While the server restarts every try fails: the 1st, 2nd, 4th, 8th...
+	// failure is logged, not each.
+	if err != nil && tries&(tries-1) == 0 {
+		sub.logger.Error("Releasing the rows of a failed claim failed; retrying", err, watermill.LogFields{"claims": n, "tries": tries})
 	}
-	sub.claims.releasedClaims(n, err, time.Now())
 }
 
 // keyEnded lets the next row of d's key be asked for (claimSchedule.keyEnded);

@@ -55,6 +55,25 @@ func TestClaimScheduleDecidesWhenToClaim(t *testing.T) {
 	require.True(t, c.scan.forceExpired, "and the next claim looks for expired leases")
 }
 
+// A release that keeps failing (a server restarting) counts its tries, so
+// that only some of them are logged; a lost claim whose leases expired is
+// given up on.
+func TestClaimScheduleCountsFailedReleases(t *testing.T) {
+	t.Parallel()
+	c := newTestSchedule()
+	now := time.Now()
+	req := c.start(10, now, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
+	c.failed(claimResult{req: req, err: errors.New("connection reset")}, now)
+	require.Len(t, c.lost, 1)
+	down := errors.New("the database system is starting up")
+	for want := 1; want <= 3; want++ {
+		require.Equal(t, want, c.releasedClaims(1, down, now))
+	}
+	require.Len(t, c.lost, 1, "still to release")
+	require.Zero(t, c.releasedClaims(1, down, now.Add(c.cfg.Lease+time.Second)), "its leases expired: given up")
+	require.Empty(t, c.lost)
+}
+
 // An ended key is asked for by the next claim, which then reads a window.
 func TestClaimScheduleAsksForEndedKeys(t *testing.T) {
 	t.Parallel()

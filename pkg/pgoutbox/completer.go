@@ -80,6 +80,7 @@ type deadOp struct {
 type claimToken struct {
 	token pgtype.UUID
 	at    time.Time
+	tries int // releases of it that failed
 }
 
 func (j *writeJob) ops() int { return len(j.acks) + len(j.returns) + len(j.holds) + len(j.dead) }

@@ -120,6 +120,12 @@ func NewContextPublisher(db tx.Executor, config PublisherConfig, logger watermil
 	return p, nil
 }
 
+// FollowsContext reports whether p publishes in the transaction a
+// message's context carries (NewContextPublisher); tx.Middleware refuses a
+// Publisher that does not, whose messages would outlive a rolled-back
+// handler.
+func (p *Publisher) FollowsContext() bool { return p.follow }
+
 // NewTxPublisher returns a Publisher bound to a database/sql transaction
 // (any PostgreSQL driver: see tx.FromSQLTx). It never commits or rolls
 // back tx.

@@ -24,7 +24,7 @@ type MiddlewareConfig struct {
 	// handler's transaction, to the handler's publish topic. Give it a
 	// publisher that follows the context (pgoutbox.NewContextPublisher):
 	// the messages then exist if and only if the transaction commits.
-	// Optional for handlers that return no messages; a handler that
+	// Middleware refuses a pgoutbox Publisher that does not. Optional for handlers that return no messages; a handler that
 	// returns messages without it fails (and its transaction rolls back).
 	Publisher message.Publisher
 
@@ -35,6 +35,11 @@ type MiddlewareConfig struct {
 	// and redone. Defaults to 10s.
 	CommitTimeout time.Duration
 }
+
+// contextFollower is a publisher that can tell whether it publishes in
+// the transaction a message's context carries: pgoutbox's Publisher. One
+// that does not is refused (a publisher of another kind is taken as it is).
+type contextFollower interface{ FollowsContext() bool }
 
 // DefaultCommitTimeout is MiddlewareConfig.CommitTimeout's default.
 const DefaultCommitTimeout = 10 * time.Second
@@ -75,6 +80,10 @@ func Middleware(db Executor, config MiddlewareConfig) (message.HandlerMiddleware
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not a transaction")
 	case !ok:
 		return nil, errtext.Errorf("pgoutbox: tx.Middleware begins a transaction per message, so it needs a pool: pass FromSQLDB or FromPgxPool, not an Executor of your own (%T)", db)
+	}
+	if f, ok := config.Publisher.(contextFollower); ok && !f.FollowsContext() {
+		return nil, errtext.Errorf("pgoutbox: tx.MiddlewareConfig.Publisher publishes through a pool or transaction of its own, not the handler's: " +
+			"the messages a handler returns would be stored even when its transaction rolls back; build it with pgoutbox.NewContextPublisher")
 	}
 	if config.CommitTimeout < 0 {
 		return nil, errtext.Errorf("pgoutbox: tx.MiddlewareConfig.CommitTimeout is negative (%v); leave it 0 for the default (%v)", config.CommitTimeout, DefaultCommitTimeout)
@@ -147,6 +156,12 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 
 	produced, err := h(msg)
 	if err != nil {
+		if errtext.SQLState(err) == "25P02" { // in_failed_sql_transaction
+			// Retry inside tx.Middleware runs every attempt in the one
+			// transaction the first attempt's failed statement aborted.
+			return nil, errtext.Errorf("%w (a statement earlier in the handler's transaction failed and aborted it; if Retry runs "+
+				"inside tx.Middleware, put it outside, so that each attempt gets a transaction of its own: see the README's middleware order)", err)
+		}
 		return nil, err
 	}
 	// The handler is done: finish its work even if the message's context

@@ -189,13 +189,22 @@ func (s *Subscriber) bind(ctx context.Context, topic string) (lateWriters string
 	// conflicts and does nothing.
 	// Binding also adopts the topic's unbound messages and, for a new
 	// binding with StartFromBacklog, copies the backlog (consumer_group.go).
+	var adopted int64
 	err = s.retryConnectionLost(ctx, func() error {
 		res, err := bindGroups(ctx, tx.FromPgxPool(s.pool), s.q, topic, []string{s.cfg.ConsumerGroup}, s.cfg.StartFrom, s.cfg.StatementTimeout)
-		lateWriters = res.lateWriters
+		lateWriters, adopted = res.lateWriters, adopted+res.Adopted
 		return err
 	})
 	if err != nil {
 		return "", errorf("pgoutbox: bind consumer group %q to topic %q: %w", s.cfg.ConsumerGroup, topic, err)
+	}
+	if adopted > 0 && s.cfg.ConsumerGroup != "" {
+		// Normal for a topic with one group (a relay, a command handler);
+		// a surprise where several groups were meant to get them (CQRS
+		// event handlers deployed without cqrsbind): say so where it shows.
+		s.logger.Info("The consumer group took the messages published to the topic before any group was bound; "+
+			"a group that binds later gets none of them: bind a topic's groups together before traffic (cqrsbind, BindGroups, pgoutbox bind)",
+			watermill.LogFields{"topic": topic, "consumer_group": s.cfg.ConsumerGroup, "adopted": adopted})
 	}
 	return lateWriters, nil
 }

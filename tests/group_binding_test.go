@@ -523,11 +523,16 @@ func TestSubscribeWithAShortStatementTimeoutCopiesALargeBacklog(t *testing.T) {
 	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "backlog", "a"))
 	b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload, available_at)
 		SELECT 'backlog', 'a', 'u' || g, convert_to(repeat('x', 1000), 'UTF8'), now() - interval '1 minute' FROM generate_series(1, 50000) g`)
+	// Statistics, so that a small batch is planned as one (without them a
+	// copy of 50 rows took over 50 ms in a CI run); and a table of the
+	// test's own, so that the schema is dropped rather than reused with
+	// statistics that would mislead a later test's plans.
+	b.exec(t, `CREATE TABLE %s.analyzed_here ()`)
+	b.exec(t, `ANALYZE %s.outbox`)
 
 	// 50 ms: the binding's own statements take a few milliseconds, a copy
 	// of 5,000 rows of 200 bytes 60-70 (EXPLAIN ANALYZE of query.CopyBacklog),
-	// of these 1,000-byte rows more. (No ANALYZE: the test schema is reused,
-	// and statistics of these rows mislead a later test's plans.)
+	// of these 1,000-byte rows more, of 50 a few.
 	sub := b.groupSubscriber(t, "late", func(c *pgoutbox.SubscriberConfig) {
 		c.StartFrom = pgoutbox.StartFromBacklog
 		c.StatementTimeout = 50 * time.Millisecond

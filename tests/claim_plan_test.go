@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"fmt"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -514,4 +515,39 @@ func partitionedOutbox(t *testing.T, b *bundle, suffix string) string {
 	})
 	require.NoError(t, schema.Create(ctx, tx.FromPgxPool(b.Pool), schema.Config{Schema: parted}))
 	return parted
+}
+
+// TestKeyProbesUseTheOrderingKeyIndex: a statement that looks for a key's
+// older or first row finds it through the ordering-key index, also when
+// the statistics say a key is half the table (autovacuum analyzed a
+// keyed backlog of a few keys). With "k.id < r.id" the generic plan walked
+// the primary key from its start, filtering for the key: every probe read
+// the rows before the key's first one (9 s a claim here).
+func TestKeyProbesUseTheOrderingKeyIndex(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.exec(t, `INSERT INTO %s.outbox (topic, uuid, payload, ordering_key)
+		SELECT 't', gen_random_uuid()::text, '\x00', 'k' FROM generate_series(0, 20000)`)
+	b.exec(t, `INSERT INTO %s.outbox (topic, uuid, payload, ordering_key)
+		SELECT 't', gen_random_uuid()::text, '\x00', 'hot' FROM generate_series(1, 3000)`)
+	b.exec(t, `ANALYZE %s.outbox`)
+
+	names, err := query.NewNames(b.Schema, "outbox", "")
+	require.NoError(t, err)
+	q := query.Build(names, true)
+	conn, err := b.Pool.Acquire(context.Background())
+	require.NoError(t, err)
+	defer conn.Release()
+	statements := append(claimStatements(q, "t"),
+		claimStatement{"verify lease", q.KeyVerifyLease, []any{"t", []int64{1}, uuid.NewString(), ""}},
+		claimStatement{"verify held", q.KeyVerifyHeld, []any{"t", []int64{1}, ""}})
+	probe := regexp.MustCompile(`Scan using (\S+) on outbox (k|f) `)
+	for _, st := range statements {
+		text := explainIn(t, conn, st, query.ClaimSettings)
+		probes := probe.FindAllStringSubmatch(text, -1)
+		require.NotEmpty(t, probes, "%s: no probe of a key's rows in\n%s", st.name, text)
+		for _, p := range probes {
+			require.Equal(t, names.OrderIdx, p[1], "%s: a key's rows must be found by the ordering-key index:\n%s", st.name, text)
+		}
+	}
 }

@@ -214,9 +214,18 @@ func claimStatement(n Names, ac string, orphans bool) string {
 ), heads AS (
     SELECT h.id FROM unnest($12::text[]) AS e(k)
      CROSS JOIN LATERAL (
-        SELECT id, available_at, lease_token FROM %[1]s
-         WHERE topic = $1 AND consumer_group = $10 AND ordering_key = e.k AND available_at < 'infinity'
-         ORDER BY id LIMIT 1) h
+        -- The key's first row: the one without an older row (parked rows
+        -- aside). Not "ORDER BY id LIMIT 1": the planner may take that
+        -- order from the primary key and filter for the key from its start
+        -- (see olderOfKey); without an order only the ordering-key index
+        -- finds the key's rows, in id order, the first row first.
+        SELECT f.id, f.available_at, f.lease_token FROM %[1]s f
+         WHERE f.topic = $1 AND f.consumer_group = $10 AND f.ordering_key = e.k AND f.available_at < 'infinity'
+           AND NOT EXISTS (
+               SELECT 1 FROM %[1]s k
+                WHERE k.topic = $1 AND k.consumer_group = $10 AND k.ordering_key = e.k
+                  AND `+olderOfKey("k", "e.k", "f.id")+` AND k.available_at < 'infinity')
+         LIMIT 1) h
      WHERE h.lease_token IS NULL AND h.available_at <= now()`+NotPaused(t, "$10")+`
                AND NOT EXISTS (
                    SELECT 1 FROM %[1]s l

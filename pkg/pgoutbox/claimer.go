@@ -187,12 +187,22 @@ func (c *claimer) verifyLeasedKeys(ctx context.Context, conn *pgxpool.Conn, r *c
 	if ids == nil {
 		return nil
 	}
-	busy, err := collectIDs(conn.Query(ctx, c.q.KeyVerifyLease, c.topic, ids, r.req.token, c.cfg.ConsumerGroup))
+	// With the claim's settings, in one implicit transaction: its probes of
+	// the keys must use the ordering-key index whatever the statistics say.
+	b := &pgx.Batch{}
+	b.Queue(query.ClaimSettings)
+	b.Queue(c.q.KeyVerifyLease, c.topic, ids, r.req.token, c.cfg.ConsumerGroup)
+	res := conn.SendBatch(ctx, b)
+	defer res.Close()
+	if _, err := res.Exec(); err != nil {
+		return err
+	}
+	busy, err := collectIDs(res.Query())
 	if err != nil {
 		return err
 	}
 	r.rows, r.keyBusy = dropIDs(r.rows, busy), len(busy)
-	return nil
+	return res.Close()
 }
 
 // keyedIDs returns the ids of the keyed rows, nil when there are none.

@@ -191,8 +191,7 @@ const (
 type bindStatements struct {
 	ctx     context.Context
 	timeout time.Duration
-	size    int  // rows the next batch takes
-	used    int  // rows the last batch was given: fewer taken, it was the last
+	size    int  // rows a batch takes; after a batch, the rows it was given (fewer taken: it was the last)
 	fast    bool // the last batch took under a quarter of the timeout
 }
 
@@ -256,7 +255,7 @@ func (b *bindStatements) batch(exec tx.Executor, lockKey string, f func(ctx cont
 			err = run(b.ctx)
 		}
 		if err == nil {
-			b.used, b.fast = b.size, bounded && time.Since(start) < b.timeout/4
+			b.fast = bounded && time.Since(start) < b.timeout/4
 			return nil
 		}
 		if !timedOut || !bounded || b.ctx.Err() != nil || b.size <= minGroupBatch {
@@ -384,7 +383,7 @@ func adoptUnbound(exec tx.Executor, n query.Names, topic, lockKey string, b *bin
 			copies = true // several groups bound: each its copy
 			continue
 		}
-		if moved < int64(b.used) {
+		if moved < int64(b.size) {
 			return adopted, nil
 		}
 	}
@@ -808,7 +807,7 @@ func adoptArrivals(exec tx.Executor, n query.Names, topic, lockKey string, b *bi
 			return total, fmt.Errorf("adopt the arrivals no group has: %w", err)
 		}
 		total += moved
-		if moved < int64(b.used) {
+		if moved < int64(b.size) {
 			return total, nil
 		}
 	}

@@ -161,15 +161,8 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 // starts. Close ends it: a Subscribe waiting on an unreachable database
 // must not hold up a Router's Close for its whole CloseTimeout.
 func (s *Subscriber) setUp(ctx context.Context, topic string) (lateWriters string, err error) {
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	go func() {
-		select {
-		case <-s.closing:
-			cancel(ErrSubscriberClosed)
-		case <-ctx.Done():
-		}
-	}()
+	ctx, cancel := s.untilClosed(ctx)
+	defer cancel()
 	err = s.ensureSchema(ctx)
 	if err == nil {
 		lateWriters, err = s.bind(ctx, topic)
@@ -218,15 +211,8 @@ func (s *Subscriber) bind(ctx context.Context, topic string) (lateWriters string
 // nothing, so an Unbind or a rename meanwhile stands).
 func (s *Subscriber) adoptAfterWriters(ctx context.Context, topic, writers string) {
 	defer s.subs.Done()
-	ctx, cancel := context.WithCancel(ctx)
+	ctx, cancel := s.untilClosed(ctx)
 	defer cancel()
-	go func() {
-		select {
-		case <-s.closing:
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
 	fields := watermill.LogFields{"topic": topic, "consumer_group": s.cfg.ConsumerGroup}
 	logWarn(s.logger, "Transactions writing to the outbox stayed open across the topic's first binding; "+
 		"a message they publish before seeing it belongs to no group, and is adopted when they end", fields)
@@ -265,6 +251,20 @@ func (s *Subscriber) adoptAfterWriters(ctx context.Context, topic, writers strin
 		}
 		return
 	}
+}
+
+// untilClosed is ctx ended by Close too, with ErrSubscriberClosed as its
+// cause: work of Subscribe that would outlast Close must not.
+func (s *Subscriber) untilClosed(ctx context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancelCause(ctx)
+	go func() {
+		select {
+		case <-s.closing:
+			cancel(ErrSubscriberClosed)
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, func() { cancel(nil) }
 }
 
 // retryConnectionLost runs f again while it fails because its pooled

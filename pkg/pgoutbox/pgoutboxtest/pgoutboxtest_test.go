@@ -340,6 +340,27 @@ func TestSchemaReuseAndCleanup(t *testing.T) {
 	require.False(t, exists, "a schema the test changed is dropped, not reused")
 }
 
+// A schema whose tables were analyzed is dropped, not reused: emptying
+// keeps the statistics, and the next test's plans would be made for this
+// test's rows.
+func TestAnalyzedSchemaIsNotReused(t *testing.T) {
+	var oid uint32
+	t.Run("analyze", func(t *testing.T) {
+		env := pgoutboxtest.PubSub(t)
+		ctx := context.Background()
+		require.NoError(t, env.Pool.QueryRow(ctx, `SELECT $1::regnamespace::oid`, env.Schema).Scan(&oid))
+		_, err := env.Pool.Exec(ctx, `INSERT INTO outbox (topic, uuid, payload, ordering_key)
+			SELECT 't', gen_random_uuid()::text, '\x00', 'k' FROM generate_series(1, 100)`)
+		require.NoError(t, err)
+		_, err = env.Pool.Exec(ctx, `ANALYZE outbox`)
+		require.NoError(t, err)
+	})
+	var exists bool
+	require.NoError(t, pgoutboxtest.NewSchema(t, pgoutboxtest.Options{}).Pool.QueryRow(context.Background(),
+		`SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE oid = $1)`, oid).Scan(&exists))
+	require.False(t, exists, "an analyzed schema is dropped, not reused")
+}
+
 func TestNewSchemaIsDropped(t *testing.T) {
 	t.Parallel()
 	var name string

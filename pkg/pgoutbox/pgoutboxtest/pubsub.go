@@ -118,7 +118,8 @@ func PubSub(t testing.TB) *Env {
 // and reused: when the test ends, its subscribers and pool are closed, the
 // tables emptied and the schema renamed, and the next test takes it. A schema whose
 // shape the test changed (a table, column, index, constraint, function or
-// type added or dropped) is dropped instead. Safe with t.Parallel: each
+// type added or dropped), or whose tables were analyzed (by the test or by
+// autovacuum: emptying keeps planner statistics), is dropped instead. Safe with t.Parallel: each
 // parallel test gets a schema of its own.
 //
 // Close every subscriber you build on Env.Tables yourself before the test

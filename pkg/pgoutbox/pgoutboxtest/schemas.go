@@ -179,8 +179,11 @@ func (d *database) take(ctx context.Context, c schema.Config) (*pooledSchema, er
 }
 
 // give empties s, renames it and returns it to the free list, or drops it
-// when that fails or a test changed its shape. It reports whether s was
-// reused. The new name gives the next test a NOTIFY channel of its own
+// when that fails, a test changed its shape or its tables have planner
+// statistics (an ANALYZE, by the test or by autovacuum): emptying keeps
+// them, and the next test's claims would be planned for this test's rows
+// (a keyed backlog's statistics made a later test's claims walk the
+// primary key). It reports whether s was reused. The new name gives the next test a NOTIFY channel of its own
 // (the channel derives from the schema; pgoutbox spaces NOTIFYs per
 // channel and topic, process-wide), and leaves anything still holding the
 // old name (a subscriber the test did not close) pointing at nothing
@@ -224,6 +227,9 @@ func (d *database) give(s *pooledSchema) bool {
     PERFORM set_config('lock_timeout', '5s', true);
     IF (%[1]s'%[2]s') IS DISTINCT FROM '%[3]s' THEN
         RAISE EXCEPTION 'pgoutboxtest: the test changed the schema';
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_stats WHERE schemaname = '%[2]s') THEN
+        RAISE EXCEPTION 'pgoutboxtest: the tables have statistics';
     END IF;
     %[4]s
     ALTER SCHEMA %[2]s RENAME TO %[5]s;

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // A Watermill middleware stack over pgoutbox: Retry gives up, DelayOnError
@@ -169,4 +170,76 @@ func TestWatermillDelayPublisher(t *testing.T) {
 	require.NoError(t, rows.Err())
 	require.InDelta(t, 3600, got["later"], 0.01)
 	require.InDelta(t, 2, got["soon"], 0.01)
+}
+
+// The README's stack, with a transactional handler that outlives its
+// message's AckDeadline without watching its context (a client call
+// without one): the message is delivered again, and its first attempt's
+// commit finds the lease gone (tx.ErrLeaseLost). The PoisonQueue filter
+// must leave that error alone: a poison copy of a message that was also
+// handled by its redelivery would be handled twice when sent back.
+func TestReadmeStackDoesNotPoisonAMessageWhoseLeaseWasLost(t *testing.T) {
+	t.Parallel()
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		ctx := context.Background()
+		const topic, poisonTopic = "orders.placed", "orders.poison"
+		require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, poisonTopic, ""))
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.AckDeadline = 300 * time.Millisecond
+		})
+		pub, err := pgoutbox.NewContextPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+		require.NoError(t, err)
+		txMiddleware, err := tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{Publisher: pub})
+		require.NoError(t, err)
+		poisonQueue, err := middleware.PoisonQueueWithFilter(pub, poisonTopic, func(err error) bool {
+			return !errors.Is(err, pgoutbox.ErrRejected) && !pgoutbox.Redelivered(err)
+		})
+		require.NoError(t, err)
+		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, b.logger)
+		require.NoError(t, err)
+		// Outermost: what came out of the whole stack, per attempt.
+		results := make(chan error, 4)
+		router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+			return func(msg *message.Message) ([]*message.Message, error) {
+				msgs, err := h(msg)
+				results <- err
+				return msgs, err
+			}
+		},
+			pgoutbox.ErrorRecorder,
+			poisonQueue,
+			middleware.Retry{MaxRetries: 2, InitialInterval: 10 * time.Millisecond}.Middleware,
+			middleware.Recoverer,
+			txMiddleware,
+			middleware.CorrelationID,
+		)
+		var runs atomic.Int32
+		router.AddConsumerHandler("confirm", topic, sub, func(msg *message.Message) error {
+			if runs.Add(1) == 1 {
+				time.Sleep(time.Second) // past AckDeadline, not watching the context
+			}
+			return nil
+		})
+		rctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		routerErr := make(chan error, 1)
+		go func() { routerErr <- router.Run(rctx) }()
+		<-router.Running()
+		require.NoError(t, b.poolPublisher(t).Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("order-1"))))
+
+		// The redelivery's attempt and the first one's, in either order.
+		for range 2 {
+			select {
+			case <-results:
+			case <-time.After(20 * time.Second):
+				t.Fatalf("the handler's attempts did not both end (runs: %d)", runs.Load())
+			}
+		}
+		require.EqualValues(t, 2, runs.Load(), "delivered again after its AckDeadline")
+		b.RequireNotPublished(t, b.Exec(), poisonTopic)
+		require.NoError(t, router.Close())
+		require.NoError(t, <-routerErr)
+	})
 }

@@ -90,11 +90,11 @@ func run() error {
 		return err
 	}
 	// Rejected messages go to the dead-letter table, everything else
-	// that fails every attempt to the poison topic; but not a message whose
-	// context the subscriber ended (a drain past DrainTimeout, AckDeadline,
-	// a lost lease): it is delivered again, so it is no poison.
+	// that fails every attempt to the poison topic; but not a message the
+	// subscriber delivers again anyway (its context ended by a drain past
+	// DrainTimeout or by AckDeadline, its lease lost): it is no poison.
 	poisonQueue, err := middleware.PoisonQueueWithFilter(pub, poisonTopic, func(err error) bool {
-		return !errors.Is(err, pgoutbox.ErrRejected) && !errors.Is(err, context.Canceled)
+		return !errors.Is(err, pgoutbox.ErrRejected) && !pgoutbox.Redelivered(err)
 	})
 	if err != nil {
 		return err

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/handoff"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // delivery is one claimed row, from its claim to its completion write. Only
@@ -275,6 +276,22 @@ func RejectContext(ctx context.Context, reason string) error {
 		o.mu.Unlock()
 	}
 	return backoff5.Permanent(fmt.Errorf("%w: %s", ErrRejected, reason))
+}
+
+// Redelivered reports whether err, returned by a handler of a subscriber's
+// message, means that the message is delivered again whatever the
+// middlewares do with the error: the subscriber ended the message's context
+// (context.Canceled: its AckDeadline passed, or a drain went past
+// DrainTimeout), or tx.Middleware found the message's lease lost
+// (tx.ErrLeaseLost) and rolled the handler's transaction back. A
+// PoisonQueue filter leaves such an error alone; a poison copy of the
+// message would be handled again beside its redelivery:
+//
+//	middleware.PoisonQueueWithFilter(pub, "poison", func(err error) bool {
+//		return !errors.Is(err, pgoutbox.ErrRejected) && !pgoutbox.Redelivered(err)
+//	})
+func Redelivered(err error) bool {
+	return errors.Is(err, context.Canceled) || errors.Is(err, tx.ErrLeaseLost)
 }
 
 // ErrorRecorder is a Router middleware that hands the handler's error to the

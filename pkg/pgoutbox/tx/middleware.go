@@ -13,10 +13,12 @@ import (
 )
 
 // ErrLeaseLost is returned by a handler behind Middleware when the
-// message's lease was lost before its transaction could complete it:
-// another consumer holds the message now and processes it, so this
-// transaction was rolled back, the handler's writes with it.
-var ErrLeaseLost = errors.New("pgoutbox: the message's lease was lost (another consumer holds it now); the handler's transaction was rolled back")
+// message's lease was lost before its transaction could complete it (the
+// message's AckDeadline or the subscriber's drain ended it first, or its
+// lease expired and another consumer took it): the transaction was rolled
+// back, the handler's writes with it, and the message is delivered again.
+// Keep it out of a PoisonQueue (pgoutbox.Redelivered).
+var ErrLeaseLost = errors.New("pgoutbox: the message's lease was lost before its transaction could complete it (AckDeadline, the subscriber's drain, or an expired lease); the handler's transaction was rolled back and the message is delivered again")
 
 // MiddlewareConfig configures Middleware.
 type MiddlewareConfig struct {

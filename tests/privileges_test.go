@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -279,4 +280,33 @@ func TestRenameGroupWithTheDocumentedGrants(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 2, moved)
 	require.True(t, b.statsOf(t, "orders", "invoicing").Paused)
+}
+
+// A migration role that owns the schema a DBA made for it, and may not
+// create schemas in the database, creates and migrates the outbox there:
+// PostgreSQL checks the right to create schemas before it looks whether
+// the schema exists, so a bare CREATE SCHEMA IF NOT EXISTS failed on the
+// first statement of every path (Create, Migrate, the migration files).
+func TestAMigrationRoleThatOwnsItsSchemaCreatesTheOutbox(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	created, migrated := "made_"+b.Schema, "migrated_"+b.Schema
+	pool := b.loginRole(t, "migrator",
+		`CREATE SCHEMA `+created+` AUTHORIZATION %r`,
+		`CREATE SCHEMA `+migrated+` AUTHORIZATION %r`)
+	var mayCreate bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT has_database_privilege(current_database(), 'CREATE')`).Scan(&mayCreate))
+	require.False(t, mayCreate, "the role may not create schemas")
+
+	exec := tx.FromPgxPool(pool)
+	c := schema.Config{Schema: created, Table: "outbox", DeadLetterTable: "outbox_dlq"}
+	require.NoError(t, schema.Create(ctx, exec, c))
+	require.NoError(t, schema.Create(ctx, exec, c), "again: it is idempotent")
+	require.NoError(t, schema.Validate(ctx, exec, c))
+
+	c.Schema = migrated
+	_, err := schema.Migrate(ctx, exec, c, schema.Latest)
+	require.NoError(t, err)
+	require.NoError(t, schema.Validate(ctx, exec, c))
 }

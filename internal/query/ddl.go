@@ -110,6 +110,19 @@ func (n Names) Indexes() []Index {
 	return idx
 }
 
+// CreateSchema creates the outbox's schema when it is missing. Not a bare
+// CREATE SCHEMA IF NOT EXISTS: PostgreSQL checks the right to create
+// schemas in the database before it looks whether the schema exists, so a
+// migration role that owns the schema a DBA made for it, and may not
+// create others, failed on its first statement.
+func CreateSchema(n Names) string {
+	return fmt.Sprintf(`DO $pgoutbox$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = %s) THEN
+        CREATE SCHEMA IF NOT EXISTS %s;
+    END IF;
+END $pgoutbox$`, literal(n.Schema), n.QSchema)
+}
+
 // DDL returns the statements that create the outbox (and the dead-letter
 // table when configured). Every statement is idempotent.
 //
@@ -119,7 +132,7 @@ func (n Names) Indexes() []Index {
 func DDL(n Names) []string {
 	stmts := []string{}
 	if n.Schema != "public" {
-		stmts = append(stmts, fmt.Sprintf(`CREATE SCHEMA IF NOT EXISTS %s`, n.QSchema))
+		stmts = append(stmts, CreateSchema(n))
 	}
 	if n.Rotating {
 		stmts = append(stmts, rotatingTable(n))

@@ -129,10 +129,12 @@ type migrationNames struct {
 //	{{dlqidx "_x_idx"}}      an index named after the dead-letter table
 //	{{table "_bindings"}}    "schema"."outbox_bindings"
 //	{{arrivalsPkey}}         the arrivals table's primary key, for CONSTRAINT
+//	{{createSchema}}         the schema, unless it exists (query.CreateSchema)
 func templateFuncs(n query.Names) template.FuncMap {
 	q := query.Quote
 	return template.FuncMap{
 		"arrivalsPkey": func() string { return q(n.WithArrivals().ArrivalsPkey()) },
+		"createSchema": func() string { return query.CreateSchema(n) },
 		"idx":          func(suffix string) string { return q(query.Derive(n.Table, suffix)) },
 		"qidx":         func(suffix string) string { return n.QSchema + "." + q(query.Derive(n.Table, suffix)) },
 		"dlqidx":       func(suffix string) string { return q(query.Derive(n.DLQTable, suffix)) },

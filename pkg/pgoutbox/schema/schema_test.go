@@ -94,12 +94,16 @@ func TestSQL(t *testing.T) {
 		// even parse unquoted.
 		script, err := schema.SQL(schema.Config{Schema: "Sales", Table: "Order", DeadLetterTable: "Order_dlq"})
 		require.NoError(t, err)
-		require.Contains(t, script, `CREATE SCHEMA IF NOT EXISTS "Sales"`)
+		require.Contains(t, script, `WHERE nspname = 'Sales') THEN
+        CREATE SCHEMA IF NOT EXISTS "Sales"`)
 		require.Contains(t, script, `CREATE TABLE IF NOT EXISTS "Sales"."Order" (`)
 		require.Contains(t, script, `CREATE TABLE IF NOT EXISTS "Sales"."Order_dlq" (`)
 		for _, name := range []string{"Sales", "Order"} {
 			for _, loc := range regexp.MustCompile(name).FindAllStringIndex(script, -1) {
 				require.Greater(t, loc[0], 0)
+				if script[loc[0]-1] == '\'' {
+					continue // the literal the schema's existence check compares with
+				}
 				require.Equal(t, byte('"'), script[loc[0]-1],
 					"%s is not quoted at offset %d: %q", name, loc[0], script[max(0, loc[0]-20):loc[1]])
 			}

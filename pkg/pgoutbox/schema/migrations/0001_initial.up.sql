@@ -1,7 +1,7 @@
 -- The first released layout: the outbox, its ready, lease and dedup
 -- indexes, and the dead-letter table.
 {{- if .CreateSchema}}
-CREATE SCHEMA IF NOT EXISTS {{.Schema}};
+{{createSchema}};
 {{- end}}
 
 -- A queue table is mostly dead tuples (every claim and every ack leaves

@@ -321,3 +321,36 @@ func TestPgBouncerLeavesNoLivenessLockBehind(t *testing.T) {
 	require.NoError(t, sub.Close())
 	require.Zero(t, locks(), "a liveness lock left behind")
 }
+
+// Through PgBouncer in transaction pooling mode without pgx's simple
+// protocol, statements one client prepared stay on the server connection
+// the next client gets: the first run works, the next fails with the
+// server's bare "prepared statement ... already exists". Subscribe's error
+// names the cause and the setting, as the CLI's does (TestHintNamesPgBouncer
+// in cmd/pgoutbox).
+func TestPgBouncerWithoutTheSimpleProtocolSaysSo(t *testing.T) {
+	env := pgoutboxtest.PubSub(t)
+	bouncerDSN := startPgBouncer(t, env.DSN)
+	ctx := context.Background()
+	subscribe := func() error {
+		cfg, err := pgxpool.ParseConfig(bouncerDSN)
+		require.NoError(t, err)
+		cfg.MaxConns = 1 // one server connection, handed from client to client
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		defer pool.Close()
+		sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: env.Tables}, nil)
+		require.NoError(t, err)
+		defer sub.Close()
+		_, err = sub.Subscribe(ctx, "t")
+		return err
+	}
+	var err error
+	for range 5 {
+		if err = subscribe(); err != nil {
+			break
+		}
+	}
+	require.Error(t, err, "a second client on the first one's server connection meets its prepared statements")
+	require.Contains(t, err.Error(), "default_query_exec_mode=simple_protocol")
+}

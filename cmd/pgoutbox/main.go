@@ -261,6 +261,9 @@ func hint(err error) string {
 	if errors.Is(err, pgoutbox.ErrPayloadTooLarge) {
 		return "; here: pgoutbox publish --max-payload-bytes N"
 	}
+	if h := errtext.Hint(err); h != "" && !strings.Contains(err.Error(), h) {
+		return h
+	}
 	if errors.As(err, &pgErr) && pgErr.Code == insufficientPrivilege {
 		return "; the role lacks a privilege this command needs: grant it as docs/operations.md (Least privilege) and docs/ui.md list per action, or run the command as a role that has it"
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -523,4 +524,19 @@ func TestConnectionFlagsLast(t *testing.T) {
 	} {
 		require.Equal(t, c.want, connectionFlagsLast(c.in), "%v", c.in)
 	}
+}
+
+// Behind PgBouncer in transaction pooling mode without the simple protocol
+// the CLI's second run meets the first one's prepared statements; its
+// error names the setting (TestPgBouncerWithoutTheSimpleProtocolSaysSo
+// runs it through a real PgBouncer for Subscribe).
+func TestHintNamesPgBouncer(t *testing.T) {
+	for _, code := range []string{"42P05", "26000"} {
+		err := fmt.Errorf("stats: %w", &pgconn.PgError{Code: code, Message: `prepared statement "stmtcache_1"`})
+		var stderr bytes.Buffer
+		fmt.Fprintf(&stderr, "pgoutbox: %s%s\n", errorText(err), hint(err))
+		require.Contains(t, stderr.String(), "default_query_exec_mode=simple_protocol", code)
+		require.Equal(t, 1, strings.Count(stderr.String(), "simple_protocol"), "named once")
+	}
+	require.Empty(t, hint(errors.New("no server error")))
 }

@@ -54,10 +54,19 @@ const pgbouncerHint = " (behind PgBouncer in transaction pooling mode, set defau
 // statement that does not exist (26000) or exists already (42P05). Other
 // errors, and nil, come back as they are.
 func WithHint(err error) error {
-	if code := SQLState(err); (code != "26000" && code != "42P05") || strings.Contains(err.Error(), pgbouncerHint) {
+	h := Hint(err)
+	if h == "" || strings.Contains(err.Error(), h) {
 		return err
 	}
-	return &wrapped{msg: err.Error() + pgbouncerHint, err: err}
+	return &wrapped{msg: err.Error() + h, err: err}
+}
+
+// Hint is what WithHint appends to err, or "".
+func Hint(err error) string {
+	if code := SQLState(err); code == "26000" || code == "42P05" {
+		return pgbouncerHint
+	}
+	return ""
 }
 
 // SQLState returns the SQLSTATE of the server error err wraps, from any

@@ -35,6 +35,7 @@ type deadLetterJSON struct {
 	CreatedAt     time.Time `json:"created_at"`
 	Deliveries    int       `json:"deliveries"`
 	DedupKey      string    `json:"dedup_key,omitempty"`
+	OrderingKey   string    `json:"ordering_key,omitempty"`
 	LastError     string    `json:"last_error,omitempty"`
 	FailureReason string    `json:"failure_reason"`
 	FailedBy      string    `json:"failed_by,omitempty"`
@@ -45,7 +46,7 @@ func deadLetterToJSON(d pgoutbox.DeadLetter) deadLetterJSON {
 	return deadLetterJSON{
 		ID: d.ID, Topic: d.Topic, ConsumerGroup: d.ConsumerGroup, UUID: d.UUID,
 		Metadata: metadataMap(d.Metadata), jsonPayload: payloadJSON(d.Payload),
-		CreatedAt: d.CreatedAt, Deliveries: d.Deliveries, DedupKey: d.DedupKey, LastError: d.LastError,
+		CreatedAt: d.CreatedAt, Deliveries: d.Deliveries, DedupKey: d.DedupKey, OrderingKey: d.OrderingKey, LastError: d.LastError,
 		FailureReason: d.FailureReason, FailedBy: d.FailedBy, FailedAt: d.FailedAt,
 	}
 }
@@ -192,7 +193,7 @@ func (c *cli) dlqShow(args []string) error {
 		w := c.stdout
 		fmt.Fprintf(w, "ID:           %d\nTopic:        %s\nGroup:        %s\nUUID:         %s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.UUID)
 		fmt.Fprintf(w, "Created at:   %s\nFailed at:    %s\nFailed by:    %s\n", d.CreatedAt.Local().Format(time.RFC3339), d.FailedAt.Local().Format(time.RFC3339), d.FailedBy)
-		fmt.Fprintf(w, "Reason:       %s\nDeliveries:   %d\nDedup key:    %s\nLast error:   %s\n", d.FailureReason, d.Deliveries, d.DedupKey, d.LastError)
+		fmt.Fprintf(w, "Reason:       %s\nDeliveries:   %d\nDedup key:    %s\nOrdering key: %s\nLast error:   %s\n", d.FailureReason, d.Deliveries, d.DedupKey, d.OrderingKey, d.LastError)
 		fmt.Fprintln(w, "Metadata:")
 		for k, v := range d.Metadata {
 			fmt.Fprintf(w, "  %s=%s\n", k, v)

@@ -540,3 +540,46 @@ func TestHintNamesPgBouncer(t *testing.T) {
 	}
 	require.Empty(t, hint(errors.New("no server error")))
 }
+
+// A keyed message's ordering key shows in peek (a KEY column, and in
+// --json) and in a dead letter's list and show: what an operator looks
+// for when a key is blocked.
+func TestPeekAndDLQShowTheOrderingKey(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	_, errOut, code := cliRun(t, env, "publish", "--topic", "orders", "--payload", "a", "--ordering-key", "customer-7")
+	require.Equal(t, 0, code, errOut)
+	out, errOut, code := cliRun(t, env, "peek", "--topic", "orders")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "KEY")
+	require.Contains(t, out, "customer-7")
+	out, errOut, code = cliRun(t, env, "peek", "--topic", "orders", "--json")
+	require.Equal(t, 0, code, errOut)
+	var peek struct {
+		Messages []pendingJSON `json:"messages"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &peek), out)
+	require.Len(t, peek.Messages, 1)
+	require.Equal(t, "customer-7", peek.Messages[0].OrderingKey)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	msgs, err := env.Subscriber.Subscribe(ctx, "orders")
+	require.NoError(t, err)
+	rejectNext(t, msgs)
+	require.Eventually(t, func() bool {
+		page, err := pgoutbox.DeadLetters(context.Background(), env.Exec(), env.Tables, pgoutbox.DeadLetterFilter{Topic: "orders"})
+		return err == nil && len(page.Letters) == 1
+	}, 10*time.Second, 20*time.Millisecond)
+	out, errOut, code = cliRun(t, env, "dlq", "list", "--json")
+	require.Equal(t, 0, code, errOut)
+	var list struct {
+		DeadLetters []deadLetterJSON `json:"dead_letters"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &list), out)
+	require.Len(t, list.DeadLetters, 1)
+	require.Equal(t, "customer-7", list.DeadLetters[0].OrderingKey)
+	out, errOut, code = cliRun(t, env, "dlq", "show", fmt.Sprint(list.DeadLetters[0].ID))
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "Ordering key: customer-7")
+}

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -21,6 +22,7 @@ type pendingJSON struct {
 	Parked        bool       `json:"parked"`
 	Deliveries    int        `json:"deliveries"`
 	DedupKey      string     `json:"dedup_key,omitempty"`
+	OrderingKey   string     `json:"ordering_key,omitempty"`
 	LastError     string     `json:"last_error,omitempty"`
 	FailureReason string     `json:"failure_reason,omitempty"`
 }
@@ -54,7 +56,7 @@ func (c *cli) peekCmd(args []string) error {
 			for _, m := range msgs {
 				j := pendingJSON{ID: m.ID, UUID: m.UUID, Metadata: metadataMap(m.Metadata), jsonPayload: payloadJSON(m.Payload),
 					CreatedAt: m.CreatedAt, Parked: m.Parked, Deliveries: m.Deliveries, DedupKey: m.DedupKey,
-					LastError: m.LastError, FailureReason: m.FailureReason}
+					OrderingKey: m.OrderingKey, LastError: m.LastError, FailureReason: m.FailureReason}
 				if !m.Parked {
 					at := m.AvailableAt
 					j.AvailableAt = &at
@@ -67,8 +69,15 @@ func (c *cli) peekCmd(args []string) error {
 			fmt.Fprintf(c.stdout, "no pending messages on %q for group %s\n", *topic, groupName(*group))
 			return nil
 		}
+		// A KEY column when any message has an ordering key: what a
+		// blocked key's messages wait behind.
+		keyed := slices.ContainsFunc(msgs, func(m pgoutbox.PendingMessage) bool { return m.OrderingKey != "" })
 		tw := newTable(c.stdout)
-		fmt.Fprintln(tw, "ID\tUUID\tDUE\tDELIVERIES\tPAYLOAD")
+		if keyed {
+			fmt.Fprintln(tw, "ID\tUUID\tKEY\tDUE\tDELIVERIES\tPAYLOAD")
+		} else {
+			fmt.Fprintln(tw, "ID\tUUID\tDUE\tDELIVERIES\tPAYLOAD")
+		}
 		for _, m := range msgs {
 			due := m.AvailableAt.Local().Format(time.DateTime)
 			if m.Parked {
@@ -78,7 +87,11 @@ func (c *cli) peekCmd(args []string) error {
 			if s := payloadJSON(m.Payload); s.Payload != nil {
 				p = short(*s.Payload, 60)
 			}
-			fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\n", m.ID, m.UUID, due, m.Deliveries, p)
+			if keyed {
+				fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\n", m.ID, m.UUID, m.OrderingKey, due, m.Deliveries, p)
+			} else {
+				fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\n", m.ID, m.UUID, due, m.Deliveries, p)
+			}
 		}
 		return tw.Flush()
 	})

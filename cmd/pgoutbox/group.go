@@ -78,7 +78,7 @@ func (c *cli) moveCmd(args []string) error {
 			"  pgoutbox move --topic orders.placed --from \"\" --to billing   # messages published before billing's binding\n", false)
 	topic := cmd.fs.String("topic", "", "the topic (required)")
 	from := cmd.fs.String("from", "", "the group whose waiting messages move (\"\" is the default group)")
-	to := cmd.fs.String("to", "", "the group they move to (\"\" is the default group)")
+	to := cmd.fs.String("to", "", "the group they move to (\"\" is the default group); not one that has its own copies of them (a group bound beside G1): it would get them twice")
 	yes := cmd.fs.Bool("yes", false, "do not ask for confirmation")
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err

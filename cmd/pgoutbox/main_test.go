@@ -321,6 +321,8 @@ func TestBindStrandedAndMove(t *testing.T) {
 	require.Contains(t, out, "pgoutbox move --topic orders --from billing --to G")
 	out, _, _ = cliRun(t, env, "stats")
 	require.Contains(t, out, `warning: group billing is not bound to topic "orders" and holds 1 message(s)`)
+	require.Regexp(t, `(?m)^orders +billing .* not bound *$`, out, "its STATE says nobody consumes it")
+	require.Contains(t, out, "a group that does not have them yet")
 
 	publish(t, env, "audit", "a")
 	out, errOut, code = cliRun(t, env, "bind", "--topic", "audit", "--group", "")

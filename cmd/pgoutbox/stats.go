@@ -162,9 +162,14 @@ func printStats(w io.Writer, stats []pgoutbox.QueueStats) {
 			}
 			dl = strings.Join(parts, " ")
 		}
+		// As the operator page says it: a group that is not bound is
+		// consumed by nobody, whatever its rows.
 		state := "running"
-		if s.Paused {
+		switch {
+		case s.Paused:
 			state = "PAUSED"
+		case !s.Bound:
+			state = "not bound"
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", s.Topic, groupName(s.ConsumerGroup),
 			s.Ready, s.Scheduled, s.Leased, s.ExpiredLeases, s.Parked, age(s.OldestReadyAge), dl, state)
@@ -194,7 +199,8 @@ func printUnboundWarnings(w io.Writer, stats []pgoutbox.QueueStats) {
 				"the next bind of the topic hands them to its groups, or pgoutbox move --topic %s --from '' --to G\n", n, s.Topic, shellArg(s.Topic))
 		default:
 			fmt.Fprintf(w, "warning: group %s is not bound to topic %q and holds %d message(s) nobody will consume; "+
-				"pgoutbox move --topic %s --from %s --to G, or unbind --purge\n", s.ConsumerGroup, s.Topic, n, shellArg(s.Topic), shellArg(s.ConsumerGroup))
+				"pgoutbox move --topic %s --from %s --to G (a group that does not have them yet: one that had its own copies would get them twice), "+
+				"or unbind --purge\n", s.ConsumerGroup, s.Topic, n, shellArg(s.Topic), shellArg(s.ConsumerGroup))
 		}
 	}
 }

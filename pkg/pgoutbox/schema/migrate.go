@@ -232,7 +232,7 @@ func checkTarget(target, latest int) (int, error) {
 
 func checkRecorded(n query.Names, st MigrationState) error {
 	if st.Current == 0 && st.OutboxExists {
-		return fmt.Errorf("%w: %s exists but %s records no version (it was created by the SQL script or an older schema.Create); run \"pgoutbox schema migrate baseline\" (schema.Baseline) once to record it", ErrNoVersion, n.QTable, n.QVersions)
+		return fmt.Errorf("%w: %s exists but %s records no version: if goose or golang-migrate manage it, migrate it with them (they keep versions in their own table; one migrator per outbox, docs/upgrading.md); if the SQL script or an older schema.Create made it, run \"pgoutbox schema migrate baseline\" (schema.Baseline) once to record it", ErrNoVersion, n.QTable, n.QVersions)
 	}
 	if st.Current > len(st.Applied) && len(st.Applied) > 0 {
 		// Versions are recorded one by one; a gap means a hand edit.

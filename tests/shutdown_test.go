@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // Router.Close cancels the context it gave Subscribe. Handlers in flight
@@ -81,4 +82,71 @@ type subscribeSpy struct {
 func (s *subscribeSpy) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	s.ctx <- ctx
 	return s.Subscriber.Subscribe(ctx, topic)
+}
+
+// A tx.Middleware handler that returned before the drain's end, and whose
+// transaction is still finishing when it ends (here: its output waits for
+// a dedup key another transaction holds), commits: the drain leaves its
+// row to that transaction instead of giving it back under it, which made
+// the completion find no lease and roll the finished work back.
+func TestDrainLetsAFinishingTransactionCommit(t *testing.T) {
+	t.Parallel()
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		ctx := context.Background()
+		b.exec(t, `CREATE TABLE %s.done (id text PRIMARY KEY)`)
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.DrainTimeout = 200 * time.Millisecond
+		})
+		pub, err := pgoutbox.NewContextPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+		require.NoError(t, err)
+		txMiddleware, err := tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{Publisher: pub})
+		require.NoError(t, err)
+		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 20 * time.Second}, b.logger)
+		require.NoError(t, err)
+		router.AddMiddleware(txMiddleware)
+		router.AddHandler("confirm", "orders", sub, "confirmed", pub, func(msg *message.Message) ([]*message.Message, error) {
+			pgTx, _ := tx.PgxTxFromContext(msg.Context())
+			if _, err := pgTx.Exec(msg.Context(), `INSERT INTO `+b.Schema+`.done VALUES ($1)`, string(msg.Payload)); err != nil {
+				return nil, err
+			}
+			out := message.NewMessage(watermill.NewUUID(), msg.Payload)
+			pgoutbox.WithDedupKey(out, "confirm-"+string(msg.Payload))
+			return []*message.Message{out}, nil
+		})
+		routerErr := make(chan error, 1)
+		go func() { routerErr <- router.Run(ctx) }()
+		<-router.Running()
+		// Another transaction holds the dedup key the output needs: the
+		// output's insert waits for it. (Begun after Subscribe: a first
+		// binding waits for the transactions writing to the outbox.)
+		holder, err := b.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer holder.Rollback(ctx) //nolint:errcheck
+		_, err = holder.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, dedup_key) VALUES ('confirmed', 'x', '\x00', 'confirm-order-1')`)
+		require.NoError(t, err)
+		require.NoError(t, b.poolPublisher(t).Publish("orders", message.NewMessage(watermill.NewUUID(), []byte("order-1"))))
+		require.Eventually(t, func() bool {
+			var waiting bool
+			require.NoError(t, b.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+				WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%outbox%' AND pid <> pg_backend_pid())`).Scan(&waiting))
+			return waiting
+		}, 10*time.Second, 10*time.Millisecond, "the handler returned and its output waits for the dedup key")
+
+		closed := make(chan error, 1)
+		go func() { closed <- router.Close() }()
+		// The drain ends (200 ms) while the transaction still waits; no
+		// event of the subscription says so to a test.
+		time.Sleep(time.Second)
+		require.NoError(t, holder.Rollback(ctx))
+		require.NoError(t, <-closed)
+		require.NoError(t, <-routerErr)
+
+		var done int
+		require.NoError(t, b.Pool.QueryRow(ctx, `SELECT count(*) FROM `+b.Schema+`.done`).Scan(&done))
+		require.Equal(t, 1, done, "the handler's write committed")
+		b.RequireNotPublished(t, b.Exec(), "orders")
+		b.RequirePublished(t, b.Exec(), "confirmed")
+	})
 }

@@ -17,10 +17,12 @@ type Row interface {
 	// row under the lease it was delivered with: one row affected, or none
 	// when the lease was lost.
 	Completion() (sql string, args []any)
-	// Begin announces that a transaction is about to delete the row, so
+	// Begin announces that the handler returned and its transaction is
+	// finishing (publishing the handler's output, deleting the row), so
 	// the subscriber does not take the row's disappearance for a lost
-	// lease. End reports whether that transaction committed: then the
-	// subscriber writes nothing more for the row.
+	// lease, nor give the row back under it at a drain's end. End reports
+	// whether that transaction committed: then the subscriber writes
+	// nothing more for the row.
 	Begin()
 	End(committed bool)
 	// Completed reports whether a transaction deleted the row and

@@ -111,7 +111,7 @@ type outcome struct {
 
 const (
 	txNone       = iota
-	txCompleting // a handler's transaction deleted the row and has not ended
+	txCompleting // the handler returned; its transaction is finishing with the row
 	txCommitted  // ... and committed: the row is gone, nothing more to write
 )
 
@@ -168,8 +168,10 @@ func (o *outcome) Completed() bool { return o.completedInTx() }
 // and committed.
 func (o *outcome) completedInTx() bool { return o != nil && o.inTx.Load() == txCommitted }
 
-// completingInTx reports whether a handler's transaction deleted the row,
-// committed or not yet: the row's absence is no lost lease.
+// completingInTx reports whether a handler returned and its transaction
+// is finishing with the row (publishing, deleting it, committing) or has
+// committed: the row's absence is no lost lease, and the row is left to
+// that transaction.
 func (o *outcome) completingInTx() bool { return o != nil && o.inTx.Load() != txNone }
 
 func outcomeFrom(ctx context.Context) *outcome {

@@ -42,12 +42,17 @@ func (sub *subscription) beginStop() {
 }
 
 // endDrain stops waiting for handlers: the rows still handed out go back
-// (under their tokens), never deleted; a late Ack is ignored.
+// (under their tokens), never deleted; a late Ack is ignored. Not a row
+// whose handler returned and whose transaction is completing it
+// (tx.Middleware, bounded by its CommitTimeout): given back now, the
+// transaction's delete would find no lease and roll the finished work
+// back, or the return would find the row gone. Its verdict comes when the
+// transaction ends, and the subscription waits for it.
 func (sub *subscription) endDrain() {
 	sub.drain.over = true
 	sub.abandonLost()
 	for d := range sub.hand.rows {
-		if d.state == handedOut {
+		if d.state == handedOut && !d.outcome.completingInTx() {
 			sub.stopWatching(d)
 			sub.endMessage(d)
 			sub.hand.handed--

@@ -167,9 +167,14 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		return nil, err
 	}
 	// The handler is done: finish its work even if the message's context
-	// ends now (a closing Router), within CommitTimeout.
+	// ends now (a closing Router), within CommitTimeout. From here the
+	// subscriber leaves the row to this transaction: a drain that ends now
+	// waits for it instead of giving the row back under it.
 	fin, cancel := context.WithTimeout(context.WithoutCancel(orig), config.CommitTimeout)
 	defer cancel()
+	if row != nil {
+		row.Begin()
+	}
 	if len(produced) > 0 {
 		if err := publishInTx(fin, exec, config, msg, produced); errors.Is(err, ErrTxDone) {
 			return nil, endedByHandler(msg, ErrTxDone) // not err: its advice is for code that publishes
@@ -179,7 +184,6 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 	}
 	if row != nil {
 		stmt, args := row.Completion()
-		row.Begin()
 		n, err := exec.Exec(fin, stmt, args...)
 		if errors.Is(err, ErrTxDone) {
 			return nil, endedByHandler(msg, err)

@@ -115,7 +115,7 @@ func (sub *subscription) stampsWritten(h pgtype.Int8) {
 func (sub *subscription) ackDeadlinePassed(d *delivery, msg *message.Message) {
 	sub.stopWatching(d)
 	err := fmt.Errorf("%w: no ack or nack within %s", ErrAckDeadline, sub.cfg.AckDeadline)
-	sub.logger.Error("Handler did not ack or nack within AckDeadline; the message is nacked and its context cancelled", err,
+	sub.logger.Error("Handler did not ack or nack within AckDeadline; the message is nacked and its context cancelled, and the next messages of its key (or of an ordered subscription) may run beside the handler if it does not return", err,
 		watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "deliveries": d.deliveries, "ack_deadline": sub.cfg.AckDeadline.String()})
 	d.outcome.setErr(err)
 	sub.onVerdict(verdict{d: d, seq: d.seq, msg: msg}, true)

@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -130,7 +131,8 @@ func TestDrainLetsAFinishingTransactionCommit(t *testing.T) {
 		require.Eventually(t, func() bool {
 			var waiting bool
 			require.NoError(t, b.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-				WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%outbox%' AND pid <> pg_backend_pid())`).Scan(&waiting))
+				WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%' AND position($1 in query) > 0 AND pid <> pg_backend_pid())`,
+				`"`+b.Schema+`"."outbox"`).Scan(&waiting))
 			return waiting
 		}, 10*time.Second, 10*time.Millisecond, "the handler returned and its output waits for the dedup key")
 
@@ -148,5 +150,70 @@ func TestDrainLetsAFinishingTransactionCommit(t *testing.T) {
 		require.Equal(t, 1, done, "the handler's write committed")
 		b.RequireNotPublished(t, b.Exec(), "orders")
 		b.RequirePublished(t, b.Exec(), "confirmed")
+	})
+}
+
+// The same with the README's Retry outside tx.Middleware, and a transaction
+// that rolls back after the drain's end (its output's insert runs out of
+// CommitTimeout): the drain ends the message's context, so Retry runs no
+// further attempt, and once the transaction ended the row goes back. Close
+// returns; the message waits for the next consumer.
+func TestDrainEndsAFinishingTransactionsRetries(t *testing.T) {
+	t.Parallel()
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		ctx := context.Background()
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.DrainTimeout = 200 * time.Millisecond
+			c.AckDeadline = pgoutbox.NoAckDeadline
+			c.MaxInFlight = 4 // the slots' messages; the test above has the owner's (MaxInFlight 1)
+		})
+		pub, err := pgoutbox.NewContextPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
+		require.NoError(t, err)
+		txMiddleware, err := tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{Publisher: pub, CommitTimeout: 500 * time.Millisecond})
+		require.NoError(t, err)
+		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, b.logger)
+		require.NoError(t, err)
+		router.AddMiddleware(middleware.Retry{MaxRetries: 3, InitialInterval: 10 * time.Millisecond}.Middleware, txMiddleware)
+		var runs atomic.Int32
+		router.AddHandler("confirm", "orders", sub, "confirmed", pub, func(msg *message.Message) ([]*message.Message, error) {
+			if runs.Add(1) > 1 {
+				<-msg.Context().Done() // a later attempt waits for its message's end
+				return nil, msg.Context().Err()
+			}
+			out := message.NewMessage(watermill.NewUUID(), msg.Payload)
+			pgoutbox.WithDedupKey(out, "confirm-"+string(msg.Payload))
+			return []*message.Message{out}, nil
+		})
+		routerErr := make(chan error, 1)
+		go func() { routerErr <- router.Run(ctx) }()
+		<-router.Running()
+		holder, err := b.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer holder.Rollback(ctx) //nolint:errcheck
+		_, err = holder.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, dedup_key) VALUES ('confirmed', 'x', '\x00', 'confirm-order-1')`)
+		require.NoError(t, err)
+		require.NoError(t, b.poolPublisher(t).Publish("orders", message.NewMessage(watermill.NewUUID(), []byte("order-1"))))
+		require.Eventually(t, func() bool {
+			var waiting bool
+			require.NoError(t, b.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+				WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%' AND position($1 in query) > 0 AND pid <> pg_backend_pid())`,
+				`"`+b.Schema+`"."outbox"`).Scan(&waiting))
+			return waiting
+		}, 10*time.Second, 10*time.Millisecond, "the handler returned and its output waits for the dedup key")
+
+		closed := make(chan error, 1)
+		go func() { closed <- router.Close() }()
+		select {
+		case err := <-closed:
+			require.NoError(t, err)
+		case <-time.After(20 * time.Second):
+			t.Fatalf("Close did not return: the drain waits for attempts that never end (runs: %d)", runs.Load())
+		}
+		require.NoError(t, <-routerErr)
+		require.EqualValues(t, 1, runs.Load(), "no attempt after the drain ended the message")
+		b.RequirePublished(t, b.Exec(), "orders") // given back, for the next consumer
+		require.NoError(t, holder.Rollback(ctx))
 	})
 }

@@ -93,7 +93,9 @@ const (
 	// payload check.
 	NoPayloadLimit = -1
 	// NoDrain, as SubscriberConfig.DrainTimeout, releases the rows of
-	// in-flight messages at Close without waiting for their handlers.
+	// in-flight messages at Close without waiting for their handlers
+	// (but for a tx.Middleware transaction finishing a returned handler's
+	// work: see DrainTimeout).
 	NoDrain time.Duration = -1
 	// NoAckDeadline, as SubscriberConfig.AckDeadline, lets a handler run
 	// for as long as it takes (its lease is renewed meanwhile).
@@ -214,7 +216,9 @@ type SubscriberConfig struct {
 	// keep a live context and finish within DrainTimeout; a message's
 	// context is cancelled when its delivery ends (its Ack or Nack, as
 	// Watermill's Pub/Subs do, its AckDeadline, its row lost) or when the
-	// drain does.
+	// drain does. A message whose handler returned and whose tx.Middleware
+	// transaction is still finishing when the drain ends is left to that
+	// transaction (bounded by its CommitTimeout), and Close waits for it.
 	// While the database is unreachable, Close may also wait for a claim
 	// and for the final write of acks, each bounded by StatementTimeout.
 	DrainTimeout time.Duration

@@ -281,10 +281,12 @@ func RejectContext(ctx context.Context, reason string) error {
 }
 
 // Redelivered reports whether err, returned by a handler of a subscriber's
-// message, means that the message is delivered again whatever the
-// middlewares do with the error: the subscriber ended the message's context
-// (context.Canceled: its AckDeadline passed, or a drain went past
-// DrainTimeout), or tx.Middleware found the message's lease lost
+// message, means that the subscriber took the message out of the
+// handler's hands, and so delivers it again (or it was deleted meanwhile,
+// by CancelScheduled or an Unbind with purge) whatever the middlewares do
+// with the error: the message's context ended (context.Canceled: its
+// AckDeadline passed, or a drain went past DrainTimeout; also a handler's
+// own cancelled context), or tx.Middleware found the message's lease lost
 // (tx.ErrLeaseLost) and rolled the handler's transaction back. A
 // PoisonQueue filter leaves such an error alone; a poison copy of the
 // message would be handled again beside its redelivery:

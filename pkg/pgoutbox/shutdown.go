@@ -46,13 +46,23 @@ func (sub *subscription) beginStop() {
 // whose handler returned and whose transaction is completing it
 // (tx.Middleware, bounded by its CommitTimeout): given back now, the
 // transaction's delete would find no lease and roll the finished work
-// back, or the return would find the row gone. Its verdict comes when the
-// transaction ends, and the subscription waits for it.
+// back, or the return would find the row gone. Its message's context
+// ends (the transaction does not follow it; a Retry outside stops), and
+// its verdict comes when the transaction ends: the subscription waits for
+// it, and gives the row back then if the transaction rolled back.
 func (sub *subscription) endDrain() {
 	sub.drain.over = true
 	sub.abandonLost()
 	for d := range sub.hand.rows {
-		if d.state == handedOut && !d.outcome.completingInTx() {
+		if d.state == handedOut && d.outcome.completingInTx() {
+			// A slot's message, or the owner's own (MaxInFlight 1).
+			d.outcome.cancelMessage()
+			if d.cancel != nil {
+				d.cancel()
+			}
+			continue
+		}
+		if d.state == handedOut {
 			sub.stopWatching(d)
 			sub.endMessage(d)
 			sub.hand.handed--

@@ -149,7 +149,10 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		if committed {
 			return
 		}
-		_ = rollback(context.WithoutCancel(orig))
+		// Bounded: a drain waits for this transaction to end.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(orig), config.CommitTimeout)
+		defer cancel()
+		_ = rollback(rctx)
 		if row != nil {
 			row.End(false)
 		}

@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -176,7 +177,8 @@ func TestMessageIsClaimedAfterTheListenConnectionCameBack(t *testing.T) {
 	ev := newEvents()
 	c := pgoutbox.SubscriberConfig{Tables: b.tables, DrainTimeout: -1}
 	idleSubscriber(ev)(&c) // 30s poll
-	sub, err := pgoutbox.NewSubscriber(pool, c, nil)
+	logs := &lockedBuffer{}
+	sub, err := pgoutbox.NewSubscriber(pool, c, watermill.NewStdLoggerWithOut(logs, false, false))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = sub.Close() })
 	msgs, err := sub.Subscribe(ctx, "t")
@@ -196,6 +198,11 @@ func TestMessageIsClaimedAfterTheListenConnectionCameBack(t *testing.T) {
 	got := receive(t, msgs, wakeBound)
 	require.Equal(t, msg.UUID, got.UUID)
 	got.Ack()
+	// The failure was logged as an ERROR; its end is said too.
+	require.Contains(t, logs.String(), "LISTEN connection failed")
+	pollUntil(t, "the LISTEN connection's return logged", wakeBound, nil, func() bool {
+		return strings.Contains(logs.String(), "LISTEN connection is back")
+	})
 }
 
 // countNotifications drains what the LISTEN connection got so far; a last

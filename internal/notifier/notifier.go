@@ -373,7 +373,15 @@ func (n *Notifier) run(ctx context.Context) {
 	var adopt *lockedConn
 	for ctx.Err() == nil {
 		var err error
-		adopt, err = n.session(ctx, func() { bo.Reset(); failures = 0 }, adopt)
+		adopt, err = n.session(ctx, func() {
+			if failures > 0 {
+				// Its failure was an ERROR: say at the same level of
+				// attention that it is over.
+				n.logger.Info("LISTEN connection is back; wake-ups resume", watermill.LogFields{"failed_attempts": failures})
+			}
+			bo.Reset()
+			failures = 0
+		}, adopt)
 		if ctx.Err() != nil {
 			if adopt != nil {
 				adopt.close()

@@ -50,9 +50,10 @@ func (w *wrapped) Unwrap() error { return w.err }
 const pgbouncerHint = " (behind PgBouncer in transaction pooling mode, set default_query_exec_mode=simple_protocol in the DSN: docs/operations.md#pgbouncer)"
 
 // WithHint returns err with the likely cause appended when it is a server
-// error whose message alone would not tell it: today, a prepared
-// statement that does not exist (26000) or exists already (42P05). Other
-// errors, and nil, come back as they are.
+// error whose message alone would not tell it: a prepared statement that
+// does not exist (26000) or exists already (42P05), a statement the
+// server's statement_timeout cancelled (57014). Other errors, and nil,
+// come back as they are.
 func WithHint(err error) error {
 	h := Hint(err)
 	if h == "" || strings.Contains(err.Error(), h) {
@@ -61,10 +62,21 @@ func WithHint(err error) error {
 	return &wrapped{msg: err.Error() + h, err: err}
 }
 
+// statementTimeoutHint is what a statement the server cancelled for its
+// statement_timeout means for pgoutbox, whose own bounds are client-side
+// (StatementTimeout): a setting of the role or database below them won.
+const statementTimeoutHint = " (the server's statement_timeout ended it: a role or database setting below the subscriber's StatementTimeout wins; raise it for this role, e.g. ALTER ROLE ... SET statement_timeout, and reconnect)"
+
 // Hint is what WithHint appends to err, or "".
 func Hint(err error) string {
-	if code := SQLState(err); code == "26000" || code == "42P05" {
+	switch code := SQLState(err); {
+	case code == "26000" || code == "42P05":
 		return pgbouncerHint
+	case code == "57014" && strings.Contains(err.Error(), "statement timeout") && !strings.Contains(err.Error(), "StatementTimeout"):
+		// Not "canceling statement due to user request": the client's own
+		// bound (a context) cancels with that. Nor a statement pgoutbox
+		// bounded on the server itself: its error names StatementTimeout.
+		return statementTimeoutHint
 	}
 	return ""
 }

@@ -37,3 +37,15 @@ func TestWithHintNamesPgBouncerForPreparedStatementErrors(t *testing.T) {
 	require.NotContains(t, Errorf("pgoutbox: publish: %w", other).Error(), "simple_protocol")
 	require.NoError(t, WithHint(nil))
 }
+
+func TestWithHintNamesTheServersStatementTimeout(t *testing.T) {
+	t.Parallel()
+	server := &pgconn.PgError{Code: "57014", Message: "canceling statement due to statement timeout"}
+	err := Errorf("pgoutbox: claim: %w", server)
+	require.ErrorIs(t, err, server)
+	require.Contains(t, err.Error(), "ALTER ROLE")
+	client := &pgconn.PgError{Code: "57014", Message: "canceling statement due to user request"}
+	require.NotContains(t, Errorf("pgoutbox: claim: %w", client).Error(), "ALTER ROLE", "the client's own bound")
+	own := fmt.Errorf("%w (StatementTimeout 30ms)", server)
+	require.NotContains(t, Errorf("pgoutbox: bind: %w", own).Error(), "ALTER ROLE", "a bound pgoutbox set on the server")
+}

@@ -4,11 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/pgoutbox/watermill-pgoutbox/internal/olderthan"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/olderthan"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -98,8 +98,8 @@ func (c *cli) dlqList(args []string) error {
 	var group optString
 	filterFlags(cmd, &f, &group)
 	cmd.fs.IntVar(&f.Limit, "limit", pgoutbox.DefaultDeadLetterLimit, fmt.Sprintf("at most this many, oldest failure first (up to %d)", pgoutbox.MaxDeadLetterLimit))
-	since := cmd.fs.String("since", "", "only those that failed at or after this time (RFC 3339, or a Go duration before now: 24h)")
-	until := cmd.fs.String("until", "", "only those that failed before this time (RFC 3339, or a Go duration before now)")
+	since := cmd.fs.String("since", "", "only those that failed at or after this time (RFC 3339, a date, or an age before now: 30d, 24h)")
+	until := cmd.fs.String("until", "", "only those that failed before this time (RFC 3339, a date, or an age before now)")
 	after := cmd.fs.Int64("after", 0, "start after this dead letter's id (the last one of the previous page)")
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
@@ -355,8 +355,9 @@ func (c *cli) dlqDelete(args []string) error {
 	})
 }
 
-// timeFlag reads a --since/--until value: an RFC 3339 time, or a Go
-// duration before now. "" is no bound.
+// timeFlag reads a --since/--until value: an RFC 3339 time, a date (its
+// midnight, local time), or an age before now as --older-than takes it
+// (30d, 24h, 90m). "" is no bound.
 func (cmd *command) timeFlag(name, v string) (time.Time, error) {
 	if v == "" {
 		return time.Time{}, nil
@@ -364,10 +365,13 @@ func (cmd *command) timeFlag(name, v string) (time.Time, error) {
 	if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
 		return t, nil
 	}
-	if d, err := time.ParseDuration(v); err == nil && d >= 0 {
+	if t, err := time.ParseInLocation(time.DateOnly, v, time.Local); err == nil {
+		return t, nil
+	}
+	if d, ok := olderthan.Parse(v); ok {
 		return time.Now().Add(-d), nil
 	}
-	return time.Time{}, usagef(cmd.name, "--%s %q is neither an RFC 3339 time (2026-01-02T15:04:05Z) nor a duration before now (24h, 90m)", name, v)
+	return time.Time{}, usagef(cmd.name, "--%s %q is neither an RFC 3339 time (2026-01-02T15:04:05Z), a date (2026-01-02) nor an age before now (30d, 24h, 90m)", name, v)
 }
 
 func (c *cli) dlqPurge(args []string) error {

@@ -209,8 +209,13 @@ func TestDLQPagingDeleteAndPurgeByTopic(t *testing.T) {
 	require.Len(t, list("--since", "1h").DeadLetters, 4)
 	require.Len(t, list("--until", "1h").DeadLetters, 0)
 	require.Len(t, list("--since", time.Now().Add(time.Hour).UTC().Format(time.RFC3339)).DeadLetters, 0)
+	// Ages and dates as --older-than and an operator type them.
+	require.Len(t, list("--since", "1d").DeadLetters, 4)
+	require.Len(t, list("--since", time.Now().Add(48*time.Hour).Format(time.DateOnly)).DeadLetters, 0)
+	require.Len(t, list("--until", time.Now().Add(48*time.Hour).Format(time.DateOnly)).DeadLetters, 4)
 	_, errOut, code = cliRun(t, env, "dlq", "list", "--since", "yesterday")
 	require.Equal(t, exitUsage, code, errOut)
+	require.Contains(t, errOut, "30d")
 
 	// Delete one dead letter; deleting it again says it is gone.
 	_, _, code = cliRun(t, env, "dlq", "delete", "--id", fmt.Sprint(ids[0]))

@@ -237,6 +237,19 @@ type hintedError struct {
 func (e *hintedError) Error() string { return e.err.Error() }
 func (e *hintedError) Unwrap() error { return e.err }
 
+// schemaPrivilegeHint gives a schema command's missing privilege its own
+// advice: the application roles' grants (docs/operations.md) are not what
+// schema commands need; the role that owns the outbox is.
+func schemaPrivilegeHint(err error) error {
+	var pgErr *pgconn.PgError
+	var he *hintedError
+	if errors.As(err, &pgErr) && pgErr.Code == insufficientPrivilege && !errors.As(err, &he) {
+		return &hintedError{err: err, hint: "; schema commands create, change and read the outbox's tables and their version: run them as the " +
+			"migration role that owns the outbox (or its schema), not as a publisher or subscriber role (docs/operations.md, Least privilege)"}
+	}
+	return err
+}
+
 // badInput reports whether err is the library refusing a value given on
 // the command line (a topic, a group, a table name): a usage error.
 func badInput(err error) bool {
@@ -285,7 +298,7 @@ func (c *cli) dispatch(args []string) error {
 		fmt.Fprint(c.stdout, mainUsage)
 		return errHelp
 	case "schema":
-		return c.schemaCmd(rest)
+		return schemaPrivilegeHint(c.schemaCmd(rest))
 	case "stats":
 		return c.statsCmd(rest)
 	case "health":

@@ -108,3 +108,20 @@ func TestPermissionDeniedSaysWhereTheGrantsAre(t *testing.T) {
 		require.Regexp(t, `(?i)grant|privilege`, errOut, "%v: the error should say which grant is missing or where the grants are documented", args)
 	}
 }
+
+// A schema command run as an application role says to run it as the role
+// that owns the outbox, not where the application roles' grants are.
+func TestSchemaCommandWithoutAPrivilegeNamesTheMigrationRole(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	asRole := roleEnv(t, env,
+		[2]string{"SELECT, UPDATE, DELETE", "outbox"},
+		[2]string{"SELECT, INSERT", "outbox_bindings"},
+		[2]string{"SELECT, INSERT", "outbox_dlq"},
+		[2]string{"SELECT", "outbox_paused"})
+	_, errOut, code := cliRun(t, asRole, "schema", "migrate", "status")
+	require.Equal(t, exitError, code, errOut)
+	require.Contains(t, errOut, "permission denied")
+	require.Contains(t, errOut, "migration role that owns the outbox")
+	require.NotContains(t, errOut, "docs/ui.md")
+}

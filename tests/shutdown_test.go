@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -107,7 +108,12 @@ func TestDrainLetsAFinishingTransactionCommit(t *testing.T) {
 		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 20 * time.Second}, b.logger)
 		require.NoError(t, err)
 		router.AddMiddleware(txMiddleware)
+		msgCtx := make(chan context.Context, 1)
 		router.AddHandler("confirm", "orders", sub, "confirmed", pub, func(msg *message.Message) ([]*message.Message, error) {
+			select {
+			case msgCtx <- msg.Context():
+			default:
+			}
 			pgTx, _ := tx.PgxTxFromContext(msg.Context())
 			if _, err := pgTx.Exec(msg.Context(), `INSERT INTO `+b.Schema+`.done VALUES ($1)`, string(msg.Payload)); err != nil {
 				return nil, err
@@ -116,31 +122,22 @@ func TestDrainLetsAFinishingTransactionCommit(t *testing.T) {
 			pgoutbox.WithDedupKey(out, "confirm-"+string(msg.Payload))
 			return []*message.Message{out}, nil
 		})
-		routerErr := make(chan error, 1)
-		go func() { routerErr <- router.Run(ctx) }()
-		<-router.Running()
-		// Another transaction holds the dedup key the output needs: the
-		// output's insert waits for it. (Begun after Subscribe: a first
-		// binding waits for the transactions writing to the outbox.)
-		holder, err := b.Pool.Begin(ctx)
-		require.NoError(t, err)
-		defer holder.Rollback(ctx) //nolint:errcheck
-		_, err = holder.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, dedup_key) VALUES ('confirmed', 'x', '\x00', 'confirm-order-1')`)
-		require.NoError(t, err)
-		require.NoError(t, b.poolPublisher(t).Publish("orders", message.NewMessage(watermill.NewUUID(), []byte("order-1"))))
-		require.Eventually(t, func() bool {
-			var waiting bool
-			require.NoError(t, b.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-				WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%' AND position($1 in query) > 0 AND pid <> pg_backend_pid())`,
-				`"`+b.Schema+`"."outbox"`).Scan(&waiting))
-			return waiting
-		}, 10*time.Second, 10*time.Millisecond, "the handler returned and its output waits for the dedup key")
+		holder, routerErr := runWithOutputHeld(t, b, router)
 
 		closed := make(chan error, 1)
 		go func() { closed <- router.Close() }()
-		// The drain ends (200 ms) while the transaction still waits; no
-		// event of the subscription says so to a test.
-		time.Sleep(time.Second)
+		// The drain ends (200 ms) while the transaction still waits: it
+		// ends the message's context.
+		select {
+		case <-(<-msgCtx).Done():
+		case <-time.After(10 * time.Second):
+			t.Fatal("the drain did not end the message's context")
+		}
+		require.Never(t, func() bool {
+			var released bool
+			require.NoError(t, b.Pool.QueryRow(ctx, `SELECT lease_token IS NULL FROM `+b.Schema+`.outbox WHERE topic = 'orders'`).Scan(&released))
+			return released
+		}, time.Second, 20*time.Millisecond, "the drain gave the row back under the transaction finishing it")
 		require.NoError(t, holder.Rollback(ctx))
 		require.NoError(t, <-closed)
 		require.NoError(t, <-routerErr)
@@ -186,22 +183,7 @@ func TestDrainEndsAFinishingTransactionsRetries(t *testing.T) {
 			pgoutbox.WithDedupKey(out, "confirm-"+string(msg.Payload))
 			return []*message.Message{out}, nil
 		})
-		routerErr := make(chan error, 1)
-		go func() { routerErr <- router.Run(ctx) }()
-		<-router.Running()
-		holder, err := b.Pool.Begin(ctx)
-		require.NoError(t, err)
-		defer holder.Rollback(ctx) //nolint:errcheck
-		_, err = holder.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, dedup_key) VALUES ('confirmed', 'x', '\x00', 'confirm-order-1')`)
-		require.NoError(t, err)
-		require.NoError(t, b.poolPublisher(t).Publish("orders", message.NewMessage(watermill.NewUUID(), []byte("order-1"))))
-		require.Eventually(t, func() bool {
-			var waiting bool
-			require.NoError(t, b.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-				WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%' AND position($1 in query) > 0 AND pid <> pg_backend_pid())`,
-				`"`+b.Schema+`"."outbox"`).Scan(&waiting))
-			return waiting
-		}, 10*time.Second, 10*time.Millisecond, "the handler returned and its output waits for the dedup key")
+		holder, routerErr := runWithOutputHeld(t, b, router)
 
 		closed := make(chan error, 1)
 		go func() { closed <- router.Close() }()
@@ -216,4 +198,32 @@ func TestDrainEndsAFinishingTransactionsRetries(t *testing.T) {
 		b.RequirePublished(t, b.Exec(), "orders") // given back, for the next consumer
 		require.NoError(t, holder.Rollback(ctx))
 	})
+}
+
+// runWithOutputHeld runs router, whose "confirm" handler publishes its
+// output with the dedup key "confirm-" + the payload, publishes "order-1"
+// to "orders", and returns once the handler returned and its output's
+// insert waits for holder, a transaction that holds that dedup key
+// (begun after Subscribe: a first binding waits for the transactions
+// writing to the outbox). The caller ends holder.
+func runWithOutputHeld(t *testing.T, b *bundle, router *message.Router) (holder pgx.Tx, routerErr <-chan error) {
+	t.Helper()
+	ctx := context.Background()
+	errs := make(chan error, 1)
+	go func() { errs <- router.Run(ctx) }()
+	<-router.Running()
+	holder, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Rollback(context.Background()) })
+	_, err = holder.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, dedup_key) VALUES ('confirmed', 'x', '\x00', 'confirm-order-1')`)
+	require.NoError(t, err)
+	require.NoError(t, b.poolPublisher(t).Publish("orders", message.NewMessage(watermill.NewUUID(), []byte("order-1"))))
+	require.Eventually(t, func() bool {
+		var waiting bool
+		require.NoError(t, b.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%' AND position($1 in query) > 0 AND pid <> pg_backend_pid())`,
+			`"`+b.Schema+`"."outbox"`).Scan(&waiting))
+		return waiting
+	}, 10*time.Second, 10*time.Millisecond, "the handler returned and its output waits for the dedup key")
+	return holder, errs
 }

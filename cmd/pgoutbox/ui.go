@@ -73,7 +73,7 @@ func (c *cli) uiCmd(args []string) error {
 		if *write {
 			mode = "writes enabled"
 		}
-		fmt.Fprintf(c.stdout, "pgoutbox ui on http://%s/ (%s); Ctrl-C to stop\n", ln.Addr(), mode)
+		fmt.Fprintf(c.stdout, "pgoutbox ui on %s (%s); Ctrl-C to stop\n", browsable(ln.Addr()), mode)
 		errc := make(chan error, 1)
 		go func() { errc <- srv.Serve(ln) }()
 		select {
@@ -103,4 +103,16 @@ func basicAuth(user, password string, next http.Handler) http.Handler {
 		}
 		next.ServeHTTP(w, r)
 	})
+}
+
+// browsable is the page's address as a browser reaches it: a listener on
+// every interface (0.0.0.0, ::, an empty host) would print as
+// [::]:port, which no browser opens; it says localhost, and that every
+// interface listens.
+func browsable(addr net.Addr) string {
+	tcp, ok := addr.(*net.TCPAddr)
+	if !ok || !tcp.IP.IsUnspecified() {
+		return "http://" + addr.String() + "/"
+	}
+	return fmt.Sprintf("http://localhost:%d/ (every interface)", tcp.Port)
 }

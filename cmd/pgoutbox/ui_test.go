@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"io"
+	"net"
 	"net/http"
 	"os/exec"
 	"strings"
@@ -62,4 +63,18 @@ func TestUIServes(t *testing.T) {
 
 	require.NoError(t, cmd.Process.Signal(syscall.SIGINT))
 	require.NoError(t, cmd.Wait(), "exits 0 on Ctrl-C")
+}
+
+// A listener on every interface prints an address a browser opens.
+func TestBrowsableAddress(t *testing.T) {
+	for _, c := range []struct {
+		addr net.Addr
+		want string
+	}{
+		{&net.TCPAddr{IP: net.IPv6unspecified, Port: 8080}, "http://localhost:8080/ (every interface)"},
+		{&net.TCPAddr{IP: net.IPv4zero, Port: 8080}, "http://localhost:8080/ (every interface)"},
+		{&net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 8080}, "http://127.0.0.1:8080/"},
+	} {
+		require.Equal(t, c.want, browsable(c.addr))
+	}
 }

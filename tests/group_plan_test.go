@@ -5,7 +5,6 @@ import (
 	"os"
 	"regexp"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -89,16 +88,7 @@ func TestBacklogCopyWithTheStatisticsOfAnEmptyQueue(t *testing.T) {
 	_, err = conn.Exec(ctx, "BEGIN")
 	require.NoError(t, err)
 	defer conn.Exec(ctx, "ROLLBACK") //nolint:errcheck
-	rows, err := conn.Query(ctx, "EXPLAIN (ANALYZE) "+query.CopyBacklog(names), "big", "c", 5000, "[]", "ch")
-	require.NoError(t, err)
-	var plan []string
-	for rows.Next() {
-		var l string
-		require.NoError(t, rows.Scan(&l))
-		plan = append(plan, l)
-	}
-	require.NoError(t, rows.Err())
-	text := strings.Join(plan, "\n")
+	text := explainAnalyze(t, conn, "ANALYZE", query.CopyBacklog(names), "big", "c", 5000, "[]", "ch")
 	require.Contains(t, text, "rows=5000", "the batch copied the 5,000 rows:\n%s", text)
 	for _, m := range regexp.MustCompile(`Rows Removed by Join Filter: (\d+)`).FindAllStringSubmatch(text, -1) {
 		n, err := strconv.Atoi(m[1])

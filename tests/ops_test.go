@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"fmt"
+	"github.com/jackc/pgx/v5"
 	"strings"
 	"testing"
 	"time"
@@ -184,6 +185,25 @@ SELECT 'topic-' || (g % 20), 'g' || (g % 3), g::text, '\x00', '{}',
 	}
 	_, err = conn.Exec(ctx, "RESET plan_cache_mode")
 	require.NoError(t, err)
+}
+
+// explainAnalyze runs EXPLAIN (options) of stmt on q (a pool, connection
+// or transaction: the statement runs) and returns the plan's text.
+func explainAnalyze(t *testing.T, q interface {
+	Query(context.Context, string, ...any) (pgx.Rows, error)
+}, options, stmt string, args ...any) string {
+	t.Helper()
+	rows, err := q.Query(context.Background(), "EXPLAIN ("+options+") "+stmt, args...)
+	require.NoError(t, err)
+	defer rows.Close()
+	var plan []string
+	for rows.Next() {
+		var line string
+		require.NoError(t, rows.Scan(&line))
+		plan = append(plan, line)
+	}
+	require.NoError(t, rows.Err())
+	return strings.Join(plan, "\n")
 }
 
 // Under plan_cache_mode = force_generic_plan it explains the generic plan,

@@ -173,18 +173,9 @@ SELECT 'topic-' || (g %% 20), CASE WHEN g %% 2 = 0 THEN 'paused' ELSE 'running' 
 		for _, group := range []string{"paused", "running"} {
 			pgTx, err := b.Pool.Begin(ctx)
 			require.NoError(t, err)
-			var plan []string
-			rows, err := pgTx.Query(ctx, "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) "+st.sql, st.args(group)...)
-			require.NoError(t, err)
-			for rows.Next() {
-				var line string
-				require.NoError(t, rows.Scan(&line))
-				plan = append(plan, line)
-			}
-			require.NoError(t, rows.Err())
-			text := strings.Join(plan, "\n")
+			text := explainAnalyze(t, pgTx, "ANALYZE, COSTS OFF, TIMING OFF", st.sql, st.args(group)...)
 			// The claim's own result: claimed rows, cursor, free.
-			rows, err = pgTx.Query(ctx, st.sql, st.args(group)...)
+			rows, err := pgTx.Query(ctx, st.sql, st.args(group)...)
 			require.NoError(t, err)
 			claimed, cursors, free := 0, 0, int64(0)
 			for rows.Next() {
@@ -216,7 +207,7 @@ SELECT 'topic-' || (g %% 20), CASE WHEN g %% 2 = 0 THEN 'paused' ELSE 'running' 
 			require.Contains(t, text, names.PausedTable(), st.name)
 			require.Contains(t, text, names.ReadyIdx, "%s: the plan keeps its ready branch, gated", st.name)
 			// (The primary-key lookups of the empty id arrays read nothing.)
-			for _, line := range plan {
+			for _, line := range strings.Split(text, "\n") {
 				for _, idx := range []string{names.ReadyIdx, names.LeaseIdx, names.OrderIdx, names.OrderLeaseIdx} {
 					if strings.Contains(line, " "+idx+" ") {
 						require.Contains(t, line, "never executed", "%s: a paused group's claim reads no outbox row:\n%s", st.name, text)

@@ -118,9 +118,7 @@ func TestDrainLetsAFinishingTransactionCommit(t *testing.T) {
 			if _, err := pgTx.Exec(msg.Context(), `INSERT INTO `+b.Schema+`.done VALUES ($1)`, string(msg.Payload)); err != nil {
 				return nil, err
 			}
-			out := message.NewMessage(watermill.NewUUID(), msg.Payload)
-			pgoutbox.WithDedupKey(out, "confirm-"+string(msg.Payload))
-			return []*message.Message{out}, nil
+			return confirmation(msg), nil
 		})
 		holder, routerErr := runWithOutputHeld(t, b, router)
 
@@ -179,9 +177,7 @@ func TestDrainEndsAFinishingTransactionsRetries(t *testing.T) {
 				<-msg.Context().Done() // a later attempt waits for its message's end
 				return nil, msg.Context().Err()
 			}
-			out := message.NewMessage(watermill.NewUUID(), msg.Payload)
-			pgoutbox.WithDedupKey(out, "confirm-"+string(msg.Payload))
-			return []*message.Message{out}, nil
+			return confirmation(msg), nil
 		})
 		holder, routerErr := runWithOutputHeld(t, b, router)
 
@@ -200,12 +196,20 @@ func TestDrainEndsAFinishingTransactionsRetries(t *testing.T) {
 	})
 }
 
-// runWithOutputHeld runs router, whose "confirm" handler publishes its
-// output with the dedup key "confirm-" + the payload, publishes "order-1"
-// to "orders", and returns once the handler returned and its output's
-// insert waits for holder, a transaction that holds that dedup key
-// (begun after Subscribe: a first binding waits for the transactions
-// writing to the outbox). The caller ends holder.
+// confirmation is the "confirm" handler's output for msg, with the dedup
+// key runWithOutputHeld holds for "order-1".
+func confirmation(msg *message.Message) []*message.Message {
+	out := message.NewMessage(watermill.NewUUID(), msg.Payload)
+	pgoutbox.WithDedupKey(out, "confirm-"+string(msg.Payload))
+	return []*message.Message{out}
+}
+
+// runWithOutputHeld runs router, whose "confirm" handler returns
+// confirmation(msg), publishes "order-1" to "orders", and returns once
+// the handler returned and its output's insert waits for holder, a
+// transaction that holds that dedup key (begun after Subscribe: a first
+// binding waits for the transactions writing to the outbox). The caller
+// ends holder.
 func runWithOutputHeld(t *testing.T, b *bundle, router *message.Router) (holder pgx.Tx, routerErr <-chan error) {
 	t.Helper()
 	ctx := context.Background()

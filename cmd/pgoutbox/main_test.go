@@ -118,16 +118,35 @@ func TestStatsJSON(t *testing.T) {
 // it, so it lands in the dead-letter table.
 func deadLetter(t *testing.T, env *pgoutboxtest.Env, topic, payload string) {
 	t.Helper()
+	rejectInto(t, env, topic, func() { publish(t, env, topic, payload) })
+}
+
+// rejectInto subscribes to topic, runs publish, rejects the next message
+// and waits for its dead letter, the topic's only one.
+func rejectInto(t *testing.T, env *pgoutboxtest.Env, topic string, publish func()) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	msgs, err := env.Subscriber.Subscribe(ctx, topic)
 	require.NoError(t, err)
-	publish(t, env, topic, payload)
+	publish()
 	rejectNext(t, msgs)
 	require.Eventually(t, func() bool {
 		page, err := pgoutbox.DeadLetters(context.Background(), env.Exec(), env.Tables, pgoutbox.DeadLetterFilter{Topic: topic})
 		return err == nil && len(page.Letters) == 1
 	}, 10*time.Second, 20*time.Millisecond)
+}
+
+// peekJSON runs pgoutbox peek --json with args and returns its messages.
+func peekJSON(t *testing.T, env *pgoutboxtest.Env, args ...string) []pendingJSON {
+	t.Helper()
+	out, errOut, code := cliRun(t, env, append([]string{"peek", "--json"}, args...)...)
+	require.Equal(t, 0, code, errOut)
+	var peek struct {
+		Messages []pendingJSON `json:"messages"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &peek), out)
+	return peek.Messages
 }
 
 func TestDLQListShowRequeue(t *testing.T) {
@@ -206,14 +225,9 @@ func TestPublishPeek(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(out), &pub), out)
 	require.False(t, pub.Skipped)
 
-	out, errOut, code = cliRun(t, env, "peek", "--topic", "orders", "--json")
-	require.Equal(t, 0, code, errOut)
-	var peek struct {
-		Messages []pendingJSON `json:"messages"`
-	}
-	require.NoError(t, json.Unmarshal([]byte(out), &peek), out)
-	require.Len(t, peek.Messages, 1)
-	m := peek.Messages[0]
+	peeked := peekJSON(t, env, "--topic", "orders")
+	require.Len(t, peeked, 1)
+	m := peeked[0]
 	require.Equal(t, pub.UUID, m.UUID)
 	require.Equal(t, `{"id":7}`, *m.Payload)
 	require.Equal(t, "cli", m.Metadata["source"])
@@ -555,24 +569,11 @@ func TestPeekAndDLQShowTheOrderingKey(t *testing.T) {
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, "KEY")
 	require.Contains(t, out, "customer-7")
-	out, errOut, code = cliRun(t, env, "peek", "--topic", "orders", "--json")
-	require.Equal(t, 0, code, errOut)
-	var peek struct {
-		Messages []pendingJSON `json:"messages"`
-	}
-	require.NoError(t, json.Unmarshal([]byte(out), &peek), out)
-	require.Len(t, peek.Messages, 1)
-	require.Equal(t, "customer-7", peek.Messages[0].OrderingKey)
+	peeked := peekJSON(t, env, "--topic", "orders")
+	require.Len(t, peeked, 1)
+	require.Equal(t, "customer-7", peeked[0].OrderingKey)
 
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	msgs, err := env.Subscriber.Subscribe(ctx, "orders")
-	require.NoError(t, err)
-	rejectNext(t, msgs)
-	require.Eventually(t, func() bool {
-		page, err := pgoutbox.DeadLetters(context.Background(), env.Exec(), env.Tables, pgoutbox.DeadLetterFilter{Topic: "orders"})
-		return err == nil && len(page.Letters) == 1
-	}, 10*time.Second, 20*time.Millisecond)
+	rejectInto(t, env, "orders", func() {})
 	out, errOut, code = cliRun(t, env, "dlq", "list", "--json")
 	require.Equal(t, 0, code, errOut)
 	var list struct {

@@ -218,13 +218,16 @@ func claimStatement(n Names, ac string, orphans bool) string {
         -- aside). Not "ORDER BY id LIMIT 1": the planner may take that
         -- order from the primary key and filter for the key from its start
         -- (see olderOfKey); without an order only the ordering-key index
-        -- finds the key's rows, in id order, the first row first.
+        -- finds the key's rows, in id order, the first row first. The
+        -- look for an older row is a subplan per row (OFFSET 0, see
+        -- olderOfKey).
         SELECT f.id, f.available_at, f.lease_token FROM %[1]s f
          WHERE f.topic = $1 AND f.consumer_group = $10 AND f.ordering_key = e.k AND f.available_at < 'infinity'
            AND NOT EXISTS (
                SELECT 1 FROM %[1]s k
                 WHERE k.topic = $1 AND k.consumer_group = $10 AND k.ordering_key = e.k
-                  AND `+olderOfKey("k", "e.k", "f.id")+` AND k.available_at < 'infinity')
+                  AND `+olderOfKey("k", "e.k", "f.id")+` AND k.available_at < 'infinity'
+               OFFSET 0)
          LIMIT 1) h
      WHERE h.lease_token IS NULL AND h.available_at <= now()`+NotPaused(t, "$10")+`
                AND NOT EXISTS (
@@ -238,8 +241,12 @@ func claimStatement(n Names, ac string, orphans bool) string {
      ORDER BY available_at, id
      LIMIT $11::int
 ), candidates AS (
-    SELECT c.id FROM scan c
-     WHERE %[7]s
+    -- Of a key's rows in the window only the oldest can be free: the
+    -- others have it, present, as an older row. So only it is probed;
+    -- a window of a few keys' backlog costs a probe a key, not a row.
+    SELECT c.id FROM (SELECT s.id, s.ordering_key, min(s.id) OVER (PARTITION BY s.ordering_key) AS oldest
+                        FROM scan s) c
+     WHERE c.ordering_key IS NULL OR (c.id = c.oldest AND %[7]s)
 ), ready AS (
     -- The rows chosen are probed by id. "num_nulls(lease_token) = 1" is
     -- "not leased" in a form that does not match the ready index's

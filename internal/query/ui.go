@@ -62,7 +62,8 @@ SELECT h.ordering_key, h.id, h.deliveries, h.available_at, h.leased, coalesce(h.
  WHERE h.ordering_key IS NOT NULL AND h.deliveries >= $3
    AND NOT EXISTS (SELECT 1 FROM %[1]s k
         WHERE k.topic = $1 AND k.consumer_group = $2 AND k.ordering_key = h.ordering_key
-          AND `+olderOfKey("k", "h.ordering_key", "h.id")+` AND k.available_at < 'infinity')
+          AND `+olderOfKey("k", "h.ordering_key", "h.id")+` AND k.available_at < 'infinity'
+        OFFSET 0)
  ORDER BY h.deliveries DESC, h.id
  LIMIT $4`, n.QTable, BlockedScan, BlockedBehindCap)
 }

@@ -243,7 +243,12 @@ func decodeMessage(uuid string, payload, metaRaw []byte) (*message.Message, erro
 	return msg, nil
 }
 
-// ErrRejected marks a failure as terminal; see Reject.
+// ErrRejected marks a failure as terminal: a handler error that wraps it
+// (Reject's does) sends the message to the dead-letter table with reason
+// "rejected", whatever the retry policy says, when the subscriber sees the
+// handler's error (ErrorRecorder in the Router's middlewares). Without
+// ErrorRecorder only a message marked by Reject or RejectContext is
+// rejected. See Reject.
 var ErrRejected = errors.New("pgoutbox: message rejected")
 
 // Reject marks msg as never to be retried and returns an error (wrapping
@@ -256,6 +261,11 @@ var ErrRejected = errors.New("pgoutbox: message rejected")
 // whatever the retry policy says. The error is also permanent for
 // Watermill's middleware.Retry, which returns it at once instead of
 // retrying in memory.
+//
+// With ErrorRecorder in the middlewares, the error the handler returns
+// decides: a handler that called Reject, handled its error and then failed
+// with another is retried as that error says. Without ErrorRecorder the
+// subscriber sees no error, and Reject's mark on the message decides.
 func Reject(msg *message.Message, reason string) error {
 	return RejectContext(msg.Context(), reason)
 }

@@ -1,6 +1,7 @@
 package pgoutbox
 
 import (
+	"errors"
 	"maps"
 	"strings"
 	"time"
@@ -40,7 +41,16 @@ func (sub *subscription) decideNack(d *delivery, msg *message.Message, timedOut 
 	if handlerErr != nil {
 		n.errText = boundError(handlerErr.Error())
 	}
-	if rejectReason != "" && !timedOut {
+	// The error the handler returned decides, when ErrorRecorder handed it
+	// over: a Reject whose error the handler did not return (it handled
+	// it and failed otherwise) is not one, and an error wrapping
+	// ErrRejected is one. Without it, only Reject's mark on the message
+	// tells.
+	rejected := rejectReason != ""
+	if handlerErr != nil {
+		rejected = errors.Is(handlerErr, ErrRejected)
+	}
+	if rejected && !timedOut {
 		n.deadReason = ReasonRejected
 		if n.errText == "" {
 			n.errText = boundError("rejected: " + rejectReason)

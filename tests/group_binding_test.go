@@ -336,6 +336,47 @@ func TestCQRSCommandsSentBeforeTheWorkersFirstDeployAreHandled(t *testing.T) {
 	pollUntil(t, "nothing left", 10*time.Second, nil, func() bool { return b.outboxRows(t, "commands.tests.bookRoom") == 0 })
 }
 
+// Watermill's CQRS examples share one subscriber between command
+// handlers (each has its own topic). cqrsbind leaves it usable: it closed
+// every subscriber SubscriberConstructor returned, and the Router then
+// failed to start ("subscriber is closed").
+func TestCQRSBindWithASharedCommandSubscriber(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
+	ctx := context.Background()
+	commandsCfg, _ := b.cqrsConfigs()
+	shared, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
+		Tables: b.tables, ConsumerGroup: "commands", MinPollInterval: 20 * time.Millisecond, MaxPollInterval: time.Second,
+	}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = shared.Close() })
+	commandsCfg.SubscriberConstructor = func(cqrs.CommandProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+		return shared, nil
+	}
+	handled := newHandledSet()
+	handlers := []cqrs.CommandHandler{cqrs.NewCommandHandler("book_room", func(ctx context.Context, c *bookRoom) error {
+		handled.add(c.Room)
+		return nil
+	})}
+	require.NoError(t, cqrsbind.Commands(ctx, commandsCfg, handlers))
+	bus, err := cqrs.NewCommandBusWithConfig(b.poolPublisher(t), cqrs.CommandBusConfig{
+		GeneratePublishTopic: func(p cqrs.CommandBusGeneratePublishTopicParams) (string, error) {
+			return "commands." + p.CommandName, nil
+		},
+		Marshaler: commandsCfg.Marshaler,
+	})
+	require.NoError(t, err)
+	require.NoError(t, bus.Send(ctx, &bookRoom{Room: "1"}))
+
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	commands, err := cqrs.NewCommandProcessorWithConfig(r, commandsCfg)
+	require.NoError(t, err)
+	require.NoError(t, commands.AddHandlers(handlers...))
+	startRouter(t, r)
+	pollUntil(t, "the command handled", 20*time.Second, nil, func() bool { return handled.distinct() == 1 })
+}
+
 // cqrsbind binds every handler group of a processor ahead of traffic
 // (a deploy step): events published before (unbound) and after it reach
 // every handler, although no router ran yet.

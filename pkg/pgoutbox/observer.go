@@ -115,19 +115,14 @@ type eventQueue struct {
 	q       []Event
 	spare   []Event // the other buffer: the queue and the batch being observed swap
 	dropped int
+	started bool // the goroutine runs from the first event: a subscriber that never subscribed holds none
 	closed  bool
 	wake    chan struct{}
 	done    chan struct{}
 }
 
 func newEventQueue(obs safeObserver) *eventQueue {
-	e := &eventQueue{obs: obs, wake: make(chan struct{}, 1), done: make(chan struct{})}
-	if obs.o == nil {
-		close(e.done)
-		return e
-	}
-	go e.run()
-	return e
+	return &eventQueue{obs: obs, wake: make(chan struct{}, 1), done: make(chan struct{})}
 }
 
 func (e *eventQueue) observe(ev Event) {
@@ -135,6 +130,14 @@ func (e *eventQueue) observe(ev Event) {
 		return
 	}
 	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return
+	}
+	if !e.started {
+		e.started = true
+		go e.run()
+	}
 	if len(e.q) >= maxQueuedEvents {
 		e.dropped++
 		e.mu.Unlock()
@@ -153,12 +156,13 @@ func (e *eventQueue) observe(ev Event) {
 
 // close delivers what is queued and stops the goroutine.
 func (e *eventQueue) close() {
-	if e.obs.o == nil {
-		return
-	}
 	e.mu.Lock()
 	e.closed = true
+	started := e.started
 	e.mu.Unlock()
+	if !started {
+		return
+	}
 	select {
 	case e.wake <- struct{}{}:
 	default:

@@ -62,7 +62,8 @@ var (
 // the caller's: Close does not close it. Size it for one connection per
 // subscription that is claiming or completing at a time, plus your own use;
 // the LISTEN connection is opened outside the pool. A nil logger is
-// replaced by a no-op one.
+// replaced by a no-op one. A Subscriber holds nothing (no goroutine, no
+// connection) until its first Subscribe.
 func NewSubscriber(pool *pgxpool.Pool, config SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("%w: pool is nil; pass a *pgxpool.Pool", ErrInvalidConfig)

@@ -8,8 +8,10 @@
 // parameters the processor passes, for every handler, and bind each
 // subscriber's group to its topic. The groups of one topic are bound in one
 // call: if the topic had no binding, each of them gets the messages it
-// received so far (see pgoutbox.BindGroups). The subscribers built for
-// this are closed again; they never subscribe.
+// received so far (see pgoutbox.BindGroups). The subscribers are not
+// closed: one that never subscribed holds nothing (no goroutine, no
+// connection), and SubscriberConstructor may return a subscriber the
+// application shares between handlers, as Watermill's CQRS examples do.
 //
 //	eventsConfig := cqrs.EventProcessorConfig{GenerateSubscribeTopic: ..., SubscriberConstructor: ..., Marshaler: ...}
 //	handlers := []cqrs.EventHandler{invoice, notification, statistics}
@@ -43,7 +45,6 @@ func Events(ctx context.Context, config cqrs.EventProcessorConfig, handlers []cq
 		return errors.New("pgoutbox/cqrsbind: EventProcessorConfig needs GenerateSubscribeTopic, SubscriberConstructor and Marshaler; pass the config of the processor")
 	}
 	b := newBinder()
-	defer b.close()
 	for _, h := range handlers {
 		eventName := config.Marshaler.Name(h.NewEvent())
 		topic, err := config.GenerateSubscribeTopic(cqrs.EventProcessorGenerateSubscribeTopicParams{EventName: eventName, EventHandler: h})
@@ -69,7 +70,6 @@ func EventGroups(ctx context.Context, config cqrs.EventGroupProcessorConfig, gro
 		return errors.New("pgoutbox/cqrsbind: EventGroupProcessorConfig needs GenerateSubscribeTopic and SubscriberConstructor; pass the config of the processor")
 	}
 	b := newBinder()
-	defer b.close()
 	for _, name := range slices.Sorted(maps.Keys(groups)) {
 		topic, err := config.GenerateSubscribeTopic(cqrs.EventGroupProcessorGenerateSubscribeTopicParams{
 			EventGroupName: name, EventGroupHandlers: groups[name]})
@@ -94,7 +94,6 @@ func Commands(ctx context.Context, config cqrs.CommandProcessorConfig, handlers 
 		return errors.New("pgoutbox/cqrsbind: CommandProcessorConfig needs GenerateSubscribeTopic, SubscriberConstructor and Marshaler; pass the config of the processor")
 	}
 	b := newBinder()
-	defer b.close()
 	for _, h := range handlers {
 		commandName := config.Marshaler.Name(h.NewCommand())
 		topic, err := config.GenerateSubscribeTopic(cqrs.CommandProcessorGenerateSubscribeTopicParams{CommandName: commandName, CommandHandler: h})
@@ -114,7 +113,6 @@ func Commands(ctx context.Context, config cqrs.CommandProcessorConfig, handlers 
 type binder struct {
 	topics []string
 	subs   map[string][]*pgoutbox.Subscriber
-	built  []message.Subscriber
 }
 
 func newBinder() *binder { return &binder{subs: map[string][]*pgoutbox.Subscriber{}} }
@@ -123,7 +121,6 @@ func (b *binder) add(topic, handler string, sub message.Subscriber, err error) e
 	if err != nil {
 		return fmt.Errorf("pgoutbox/cqrsbind: subscriber of handler %q: %w", handler, err)
 	}
-	b.built = append(b.built, sub)
 	ps, ok := sub.(*pgoutbox.Subscriber)
 	if !ok {
 		return fmt.Errorf("pgoutbox/cqrsbind: the subscriber of handler %q is a %T, not a *pgoutbox.Subscriber; return the pgoutbox subscriber itself from SubscriberConstructor", handler, sub)
@@ -142,12 +139,4 @@ func (b *binder) bind(ctx context.Context) error {
 		}
 	}
 	return nil
-}
-
-func (b *binder) close() {
-	for _, s := range b.built {
-		if s != nil {
-			_ = s.Close()
-		}
-	}
 }

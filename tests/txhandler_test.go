@@ -890,3 +890,41 @@ func TestTxMiddlewareOnARepeatableReadDatabase(t *testing.T) {
 		}
 	})
 }
+
+// tx.Middleware given a pool of another database that has the outbox's
+// tables too (the application's other database) said only that every
+// message's lease was lost; it names both databases.
+func TestTxMiddlewareOnAnotherDatabaseSaysSo(t *testing.T) {
+	t.Parallel()
+	ours, other := setupHealth(t), setupHealth(t)
+	sub, err := pgoutbox.NewSubscriber(ours.pool, pgoutbox.SubscriberConfig{Tables: ours.tables, RetryPolicy: pgoutbox.ConstantBackoff{MaxAttempts: 1}}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(ours.pool), pgoutbox.PublisherConfig{Tables: ours.tables}, nil)
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish("in", newMsg("x")))
+
+	mw, err := tx.Middleware(tx.FromPgxPool(other.pool), tx.MiddlewareConfig{})
+	require.NoError(t, err)
+	got := make(chan error, 1)
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	r.AddMiddleware(func(next message.HandlerFunc) message.HandlerFunc {
+		return func(m *message.Message) ([]*message.Message, error) {
+			produced, err := next(m)
+			select {
+			case got <- err:
+			default:
+			}
+			return produced, err
+		}
+	}, mw)
+	r.AddConsumerHandler("h", "in", sub, func(*message.Message) error { return nil })
+	startRouter(t, r)
+	select {
+	case err := <-got:
+		require.ErrorContains(t, err, `runs in database "`+other.db+`", but the subscriber's messages are in database "`+ours.db+`"`)
+	case <-time.After(15 * time.Second):
+		t.Fatal("the handler did not run")
+	}
+}

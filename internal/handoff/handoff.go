@@ -17,6 +17,9 @@ type Row interface {
 	// row under the lease it was delivered with: one row affected, or none
 	// when the lease was lost.
 	Completion() (sql string, args []any)
+	// Database is the name of the database the row is in, for an error
+	// that says so when the transaction's connection is elsewhere.
+	Database() string
 	// Begin announces that the handler returned and its transaction is
 	// finishing (publishing the handler's output, deleting the row), so
 	// the subscriber does not take the row's disappearance for a lost

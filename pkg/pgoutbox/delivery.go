@@ -87,6 +87,7 @@ type outcome struct {
 
 	// The row, for a deletion in the handler's transaction.
 	complete string // query.CompleteInTx
+	database string // the subscriber's current_database()
 	id       int64
 	token    pgtype.UUID
 	inTx     atomic.Int32 // txNone, txCompleting, txCommitted
@@ -128,7 +129,7 @@ func (o *outcome) offerLeft(now time.Time) time.Duration {
 func (o *outcome) offerEnded(now time.Time) bool { return o.offerLeft(now) <= 0 }
 
 func (sub *subscription) newOutcome(d *delivery) *outcome {
-	o := &outcome{complete: sub.s.q.CompleteInTx, id: d.id, token: d.token, unhold: sub.unholder(d)}
+	o := &outcome{complete: sub.s.q.CompleteInTx, database: sub.s.database, id: d.id, token: d.token, unhold: sub.unholder(d)}
 	o.facts = newFacts(sub.outlet.origin, d)
 	return o
 }
@@ -147,6 +148,9 @@ func (o *outcome) Completion() (string, []any) {
 	o.Prepare()
 	return o.complete, []any{o.id, o.token}
 }
+
+// Database implements handoff.Row.
+func (o *outcome) Database() string { return o.database }
 
 // Begin implements handoff.Row. A committed completion stays committed:
 // a middleware that retries the handler after the commit must not undo it.

@@ -49,6 +49,7 @@ type Subscriber struct {
 
 	schemaMu    sync.Mutex
 	schemaReady bool
+	database    string // current_database(), read with the schema: tx.Middleware's check on a lost lease
 
 	stopRotator func() // while a subscription runs on a rotating outbox (see startRotator)
 }
@@ -313,10 +314,16 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 	err := s.retryConnectionLost(ctx, func() error {
 		ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
 		defer cancel()
+		var err error
 		if s.cfg.AutoInitializeSchema {
-			return schema.Create(ctx, exec, s.cfg.Tables)
+			err = schema.Create(ctx, exec, s.cfg.Tables)
+		} else {
+			err = schema.Validate(ctx, exec, s.cfg.Tables)
 		}
-		return schema.Validate(ctx, exec, s.cfg.Tables)
+		if err == nil {
+			err = s.pool.QueryRow(ctx, "SELECT current_database()").Scan(&s.database)
+		}
+		return err
 	})
 	if err != nil {
 		return err

@@ -3,6 +3,7 @@ package tx
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -197,6 +198,9 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		if n == 0 {
 			// Permanent: Watermill's Retry must not run the handler again,
 			// each run could only roll back.
+			if err := elsewhere(fin, exec, row.Database()); err != nil {
+				return nil, backoff.Permanent(err)
+			}
 			return nil, backoff.Permanent(ErrLeaseLost)
 		}
 	}
@@ -269,4 +273,26 @@ func acked(msg *message.Message) bool {
 	default:
 		return false
 	}
+}
+
+// elsewhere returns an error when exec is connected to another database
+// than the subscriber's (a pool of the application's other database
+// given to Middleware, with the outbox tables there too): every message
+// would look like a lost lease.
+func elsewhere(ctx context.Context, exec Executor, database string) error {
+	if database == "" {
+		return nil
+	}
+	rows, err := exec.Query(ctx, "SELECT current_database()")
+	if err != nil {
+		return nil
+	}
+	defer rows.Close()
+	var here string
+	if !rows.Next() || rows.Scan(&here) != nil || here == database {
+		return nil
+	}
+	return fmt.Errorf("pgoutbox: the handler's transaction runs in database %q, but the subscriber's messages are in database %q, "+
+		"so it could not complete the message; give tx.Middleware an executor on the subscriber's database "+
+		"(the transaction was rolled back and the message is delivered again)", here, database)
 }

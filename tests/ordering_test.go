@@ -543,3 +543,38 @@ func TestAKeyedSubscriptionLeavesTheKeysItCannotRunToItsCompetitors(t *testing.T
 			func() bool { return int(log.successes.Load()) >= want })
 	})
 }
+
+// A subscription's first claims read no window (no keyed row seen yet),
+// and on a backlog of a few keys such a claim walks every row of it,
+// each held back by its key, looking for rows to fill its limit. Deep
+// enough, it runs out of StatementTimeout, and the same claim failed
+// again, for good: the subscription took nothing. A claim that failed
+// slowly now makes the next ones read windows, on every claim mode.
+func TestAKeyedBacklogDeeperThanAClaimCanWalkIsTaken(t *testing.T) {
+	t.Parallel()
+	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
+		b := setup(t)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		_, err := b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, ordering_key)
+			SELECT 't', gen_random_uuid()::text, '\x00', 'k' || (g % 3) FROM generate_series(1, 60000) g`)
+		require.NoError(t, err)
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			c.ClaimMode = mode
+			c.MaxInFlight = 16
+			// The claim through 60,000 rows takes about a second here;
+			// a window of them a few milliseconds.
+			c.StatementTimeout = 150 * time.Millisecond
+		})
+		ch, err := sub.Subscribe(ctx, "t")
+		require.NoError(t, err)
+		for i := range 30 {
+			select {
+			case m := <-ch:
+				m.Ack()
+			case <-time.After(30 * time.Second):
+				t.Fatalf("%d messages of the keyed backlog taken in 30 s, 30 expected", i)
+			}
+		}
+	})
+}

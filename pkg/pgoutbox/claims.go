@@ -136,6 +136,13 @@ func (c *claimSchedule) failed(r claimResult, now time.Time) time.Duration {
 	for _, k := range r.req.endedKeys { // that claim did not happen
 		c.endedKeys[k] = struct{}{}
 	}
+	if (r.req.window == 0 || r.req.held) && now.Sub(r.req.sent) >= slowClaim {
+		// A claim without a window that failed slowly (its StatementTimeout,
+		// mostly) may have walked a backlog of rows held back by their keys,
+		// as a slow short one does (claimScan.claimed): the same claim would
+		// fail again, for as long as the backlog stays. Windows bound it.
+		c.scan.windowUntil = now.Add(keyedFor)
+	}
 	if !r.req.held {
 		// The statement may have committed: its rows would stay leased
 		// under a token nobody holds. Give them back (ReleaseClaim) instead
@@ -363,6 +370,9 @@ func (sub *subscription) onClaimed(r claimResult) {
 	now := time.Now()
 	if r.err != nil {
 		wait := sub.claims.failed(r, now)
+		if r.req.held && now.Sub(r.req.sent) >= slowClaim {
+			sub.held.failedUntil = now.Add(heldOffFor) // held claims read no window (see claimSchedule.failed)
+		}
 		fields := watermill.LogFields{"retry_in": wait.String(), "path": r.req.path()}
 		if conflict(r.err) && sub.claims.gate.failures <= quietConflicts {
 			// A row the claim was about to take changed under it: the

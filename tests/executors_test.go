@@ -339,3 +339,43 @@ func TestPublishNoMessages(t *testing.T) {
 	}
 	require.Equal(t, 0, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox`))
 }
+
+// A pool Publish that returns its StatementTimeout wrote nothing. The
+// bound was the client's alone: the server went on with the statement
+// (here waiting for a dedup key another transaction holds) until the
+// cancel request reached it, and committed it when that transaction
+// rolled back first (10 of 10 times with the rollback right after the
+// error). The server now bounds it, and the error says so.
+func TestAPoolPublishThatTimedOutWroteNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	for i := range 5 {
+		holder, err := b.Pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = holder.Rollback(context.Background()) }) // a failed check must not leave it holding the key
+		held, err := pgoutbox.NewPublisher(tx.FromPgxTx(holder), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+		require.NoError(t, err)
+		first := newMsg("held")
+		pgoutbox.WithDedupKey(first, "x")
+		require.NoError(t, held.Publish("t", first))
+
+		pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables, StatementTimeout: 200 * time.Millisecond}, nil)
+		require.NoError(t, err)
+		late := newMsg("timed out")
+		pgoutbox.WithDedupKey(late, "x")
+		err = pub.Publish("t", late)
+		require.ErrorContains(t, err, "StatementTimeout (200ms)", "iteration %d", i)
+		require.ErrorContains(t, err, "nothing was written")
+		require.NoError(t, holder.Rollback(ctx))
+
+		// Whatever the server still runs of that Publish ends now that the
+		// key is free: wait for it, then look.
+		pollUntil(t, "no other statement running in the database", 5*time.Second, nil, func() bool {
+			return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+				AND state = 'active' AND pid <> pg_backend_pid() AND query LIKE '%`+b.Schema+`%'`) == 0
+		})
+		require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = '`+late.UUID+`'`),
+			"iteration %d: the Publish returned %q, and its message was written", i, err)
+	}
+}

@@ -150,8 +150,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		_, err := p.publishFull(topic, msgs, args)
 		return err
 	}
-	exec := p.executor(msgs[0].Context())
-	ctx, cancel := p.stmtCtx(exec, msgs[0].Context())
+	exec, ctx, cancel, bounded := p.stmtCtx(p.executor(msgs[0].Context()), msgs[0].Context())
 	defer cancel()
 	ticket, notify := p.limiter.allow(p.q.Names.Channel, topic)
 	var err2 error
@@ -167,7 +166,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	}
 	if err2 != nil {
 		ticket.cancel()
-		return p.wrapErr(topic, err2)
+		return p.publishErr(topic, err2, bounded)
 	}
 	p.obs.observe(Event{Kind: EventPublished, Topic: topic, Count: len(msgs)})
 	return nil
@@ -232,8 +231,7 @@ func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publ
 		n := len(msgs)
 		args.delays, args.ats, args.dedup, args.ordering = make([]pgtype.Int8, n), make([]pgtype.Timestamptz, n), make([]pgtype.Text, n), make([]pgtype.Text, n)
 	}
-	exec := p.executor(msgs[0].Context())
-	ctx, cancel := p.stmtCtx(exec, msgs[0].Context())
+	exec, ctx, cancel, bounded := p.stmtCtx(p.executor(msgs[0].Context()), msgs[0].Context())
 	defer cancel()
 	// A scheduled message always notifies, outside the cooldown: the
 	// subscribers may be asleep until a later time they planned, and a
@@ -248,7 +246,7 @@ func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publ
 		ticket.cancel() // no row, no NOTIFY
 	}
 	if err != nil {
-		return PublishResult{}, p.wrapErr(topic, err)
+		return PublishResult{}, p.publishErr(topic, err, bounded)
 	}
 	res := PublishResult{IDs: make([]int64, len(msgs))}
 	for i, m := range msgs {
@@ -334,16 +332,42 @@ func sameExecutor(a, b tx.Executor) bool {
 	return va.Type() == vb.Type() && va.Comparable() && vb.Comparable() && a == b
 }
 
-// stmtCtx is the context of a Publish statement. In the caller's
-// transaction it is the message's; through a pool it keeps the message's
-// values but not its cancellation (a handler's context may already be done
-// when its outputs or a poison message are published), bounded by the
-// statement timeout instead.
-func (p *Publisher) stmtCtx(exec tx.Executor, msgCtx context.Context) (context.Context, context.CancelFunc) {
+// stmtCtx is the executor and context of a Publish statement. In the
+// caller's transaction they are the caller's and the message's; through a
+// pool the context keeps the message's values but not its cancellation (a
+// handler's context may already be done when its outputs or a poison
+// message are published), bounded by the statement timeout instead. A
+// pgx pool's statement is bounded by the server (tx's BoundedByServer),
+// the context a moment later: a bound the client alone keeps let the
+// server commit a Publish that had returned its timeout, once what held
+// it up (another transaction's dedup key) went away. bounded reports it.
+func (p *Publisher) stmtCtx(exec tx.Executor, msgCtx context.Context) (_ tx.Executor, _ context.Context, _ context.CancelFunc, bounded bool) {
 	if exec.InTx() {
-		return msgCtx, func() {}
+		return exec, msgCtx, func() {}, false
 	}
-	return context.WithTimeout(context.WithoutCancel(msgCtx), p.timeout)
+	wait := p.timeout
+	if b, ok := exec.(interface {
+		BoundedByServer(time.Duration) tx.Executor
+	}); ok {
+		exec, wait, bounded = b.BoundedByServer(p.timeout), p.timeout+serverBoundMargin, true
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(msgCtx), wait)
+	return exec, ctx, cancel, bounded
+}
+
+// serverBoundMargin is how much longer than the server's statement_timeout
+// a pool Publish waits for its reply: a client bound that fires first
+// leaves the outcome unknown.
+const serverBoundMargin = time.Second
+
+// publishErr is wrapErr for a Publish through stmtCtx's executor: a
+// statement the server cancelled at its bound wrote nothing.
+func (p *Publisher) publishErr(topic string, err error, bounded bool) error {
+	if bounded && errtext.SQLState(err) == "57014" {
+		return errorf("pgoutbox: publish to %q: the statement ran past PublisherConfig.StatementTimeout (%s), and the server cancelled it: "+
+			"nothing was written (a dedup key that another open transaction publishes waits for it to end): %w", topic, p.timeout, err)
+	}
+	return p.wrapErr(topic, err)
 }
 
 // Close makes later Publish calls of a publisher bound to a transaction

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -213,6 +214,106 @@ func (e pgxPool) Query(ctx context.Context, q string, args ...any) (Rows, error)
 	return pgxQuery(ctx, e.pool, q, args)
 }
 func (pgxPool) InTx() bool { return false }
+
+// BoundedByServer returns an Executor on the same pool whose statements
+// run with statement_timeout d, set in their own transaction in the same
+// round trip. A bound the client alone keeps (a context deadline) is
+// ambiguous: the server goes on with the statement until the cancel
+// request reaches it, and may commit it after the caller was told it
+// failed. The server's own timeout ends it first, and an error means
+// nothing was written. Not part of Executor: the Publisher looks for it.
+func (e pgxPool) BoundedByServer(d time.Duration) Executor {
+	return serverBounded{pool: e.pool, timeout: fmt.Sprintf("%dms", max(d.Milliseconds(), 1))}
+}
+
+// serverBounded runs each statement after a set_config of its
+// statement_timeout, both in one batch: one implicit transaction, which
+// commits at the batch's end.
+type serverBounded struct {
+	pool    *pgxpool.Pool
+	timeout string
+}
+
+func (e serverBounded) send(ctx context.Context, q string, args []any) (pgx.BatchResults, error) {
+	b := &pgx.Batch{}
+	b.Queue("SELECT set_config('statement_timeout', $1, true)", e.timeout)
+	b.Queue(q, args...)
+	br := e.pool.SendBatch(ctx, b)
+	if _, err := br.Exec(); err != nil {
+		_ = br.Close()
+		return nil, mapErr(err)
+	}
+	return br, nil
+}
+
+func (e serverBounded) Exec(ctx context.Context, q string, args ...any) (int64, error) {
+	br, err := e.send(ctx, q, args)
+	if err != nil {
+		return 0, err
+	}
+	tag, err := br.Exec()
+	if cerr := br.Close(); err == nil {
+		err = cerr // the commit's outcome
+	}
+	if err != nil {
+		return 0, mapErr(err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+func (e serverBounded) Query(ctx context.Context, q string, args ...any) (Rows, error) {
+	br, err := e.send(ctx, q, args)
+	if err != nil {
+		return nil, err
+	}
+	rows, err := br.Query()
+	if err != nil {
+		_ = br.Close()
+		return nil, mapErr(err)
+	}
+	return &batchRows{Rows: rows, br: br}, nil
+}
+
+func (serverBounded) InTx() bool { return false }
+
+// batchRows are a batch's last result: Err, after the rows, reports the
+// batch's commit too, and Close ends the batch.
+type batchRows struct {
+	pgx.Rows
+	br     pgx.BatchResults
+	done   bool // Next returned false
+	closed bool
+	err    error
+}
+
+func (r *batchRows) Next() bool {
+	if r.Rows.Next() {
+		return true
+	}
+	r.done = true
+	return false
+}
+
+func (r *batchRows) end() error {
+	if !r.closed {
+		r.closed = true
+		r.Rows.Close()
+		r.err = r.br.Close()
+	}
+	return r.err
+}
+
+func (r *batchRows) Err() error {
+	if err := r.Rows.Err(); err != nil {
+		return mapErr(err)
+	}
+	if !r.done {
+		return nil // not read to its end: the commit is yet to come
+	}
+	return mapErr(r.end())
+}
+
+func (r *batchRows) Close() { _ = r.end() }
 func (e pgxPool) begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error) {
 	t, err := e.pool.Begin(ctx)
 	if err != nil {

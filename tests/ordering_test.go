@@ -578,3 +578,54 @@ func TestAKeyedBacklogDeeperThanAClaimCanWalkIsTaken(t *testing.T) {
 		}
 	})
 }
+
+// A keyed message nacked with a short delay, in a backlog of its key,
+// comes back after about its delay. The claim after its nack asked for the
+// key's next row, found the retry not yet due, and nothing asked again:
+// its new due time put it behind the backlog, reached only at the end of a
+// pass through it, its key waiting all along (6,000 rows of 3 keys, every
+// 20th of a key failing once with a 100 ms delay: retries back after up to
+// 2.5 s, the backlog not drained in 90 s).
+func TestAKeyedRetryInABacklogComesBackAfterItsDelay(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const keys, perKey = 3, 1500
+	_, err := b.Pool.Exec(context.Background(), `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, ordering_key)
+		SELECT 't', gen_random_uuid()::text, convert_to(g::text, 'UTF8'), 'k' || (g % 3) FROM generate_series(0, 4499) g`)
+	require.NoError(t, err)
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.MaxInFlight = 8
+		c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 100 * time.Millisecond, MaxAttempts: -1}
+		c.MinPollInterval, c.MaxPollInterval = 0, 0 // the defaults: the tests' shorter polls hid it
+	})
+	var mu sync.Mutex
+	failedAt := map[string]time.Time{}
+	back := make(chan time.Duration, keys*perKey/20)
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		i, err := strconv.Atoi(string(m.Payload))
+		if err != nil || (i/keys)%20 != 10 { // every 20th message of each key fails once
+			return err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if at, ok := failedAt[m.UUID]; ok {
+			back <- time.Since(at)
+			return nil
+		}
+		failedAt[m.UUID] = time.Now()
+		return errors.New("transient")
+	})
+	var worst time.Duration
+	for n := range cap(back) {
+		select {
+		case d := <-back:
+			worst = max(worst, d)
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%d of %d retries came back, then none for 30 s (the slowest so far after %s)", n, cap(back), worst)
+		}
+	}
+	t.Logf("slowest retry: %s", worst)
+	// The delay is 100 ms; a second or more meant the retry waited for a
+	// pass through the backlog.
+	require.Less(t, worst, time.Second, "the slowest retry came back %s after its nack", worst)
+}

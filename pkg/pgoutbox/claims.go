@@ -30,7 +30,8 @@ type claimSchedule struct {
 	givingBack int           // give-backs not written yet: a claim now would overtake them
 	withheld   bool          // the last claim left arrivals to open held batches and found nothing else
 	endedKeys  map[string]struct{}
-	lost       []claimToken // claims whose reply was lost; their rows go back (ReleaseClaim)
+	keysDue    map[string]time.Time // keys whose next row is a retry due then: asked for from then on (see keyDue)
+	lost       []claimToken         // claims whose reply was lost; their rows go back (ReleaseClaim)
 	pf         prefetch
 	scan       claimScan
 	cfg        *SubscriberConfig
@@ -43,6 +44,7 @@ func newClaimSchedule(cfg *SubscriberConfig, now time.Time) claimSchedule {
 		idlePoll:  cfg.MinPollInterval,
 		gate:      newRetryGate(),
 		endedKeys: map[string]struct{}{},
+		keysDue:   map[string]time.Time{},
 		pf:        newPrefetch(cfg.MaxInFlight, cfg.MaxDeliveries == 0, now),
 		scan:      newClaimScan(),
 	}
@@ -112,6 +114,14 @@ func (c *claimSchedule) start(n int, now time.Time, holder pgtype.Int8, spare fu
 	c.claiming = true
 	req := c.scan.request(n, c.gen, now)
 	req.holder = holder
+	for k, at := range c.keysDue {
+		if !now.Before(at) {
+			c.endedKeys[k] = struct{}{}
+			if now.Sub(at) > keyDueGrace {
+				delete(c.keysDue, k)
+			}
+		}
+	}
 	if len(c.endedKeys) > 0 {
 		req.window = max(2*n, minScanWindow) // "heads" is in the windowed claim only
 		for k := range c.endedKeys {
@@ -168,6 +178,11 @@ func (c *claimSchedule) succeeded(r claimResult) (woke bool) {
 	c.claiming, c.wokeDuring = false, false
 	c.gate.succeeded()
 	c.scan.claimed(r)
+	if len(c.keysDue) > 0 {
+		for _, d := range r.rows {
+			delete(c.keysDue, d.orderingKey)
+		}
+	}
 	if len(r.req.endedKeys) > 0 && (len(r.rows) >= r.req.n || r.reclaimed > 0) {
 		// The claim was full: the next rows of some ended keys may not have
 		// fit. Ask again for the keys that got none.
@@ -310,6 +325,21 @@ func (c *claimSchedule) keyEnded(key string) {
 	c.want = true
 	c.idleUntil = time.Time{}
 }
+
+// keyDue: a row of key was returned to be retried at about at (this
+// process's clock). Asking for the key when the row ended found it not yet
+// due, and its new due time put it behind the rest of a backlog: the
+// claims' scan would reach it only at its pass's end, seconds later, its
+// key waiting all along. So claims ask for the key again from at on, until
+// one returns a row of it or keyDueGrace passed (the server's clock, which
+// set the row's due time, may run behind ours).
+func (c *claimSchedule) keyDue(key string, at time.Time) {
+	c.keysDue[key] = at
+}
+
+// keyDueGrace is how long after its due time a retried row's key is asked
+// for (see keyDue).
+const keyDueGrace = time.Second
 
 // startClaim starts a claim when one is wanted and there is room.
 func (sub *subscription) startClaim(now time.Time) {

@@ -91,6 +91,34 @@ func TestClaimScheduleAsksForEndedKeys(t *testing.T) {
 	require.Contains(t, c.endedKeys, "k")
 }
 
+// A key whose next row is a retry due later is asked for from its due
+// time on, by every claim, until one returns a row of it or a grace
+// passed: asking when the row ended found it not yet due.
+func TestClaimScheduleAsksForARetriedKeyWhenItIsDue(t *testing.T) {
+	t.Parallel()
+	none := func() ([]int64, bool) { return nil, false }
+	c := newTestSchedule()
+	now := time.Now()
+	c.keyDue("k", now.Add(100*time.Millisecond))
+	c.keyDue("gone", now.Add(100*time.Millisecond))
+	early := c.start(4, now, pgtype.Int8{}, none)
+	require.Empty(t, early.endedKeys, "not due yet")
+	c.succeeded(claimResult{req: early})
+
+	due := c.start(4, now.Add(150*time.Millisecond), pgtype.Int8{}, none)
+	require.ElementsMatch(t, []string{"k", "gone"}, due.endedKeys)
+	c.succeeded(claimResult{req: due}) // found neither (the server's clock is behind)
+	again := c.start(4, now.Add(200*time.Millisecond), pgtype.Int8{}, none)
+	require.ElementsMatch(t, []string{"k", "gone"}, again.endedKeys, "asked again")
+	c.succeeded(claimResult{req: again, rows: []*delivery{{claimedRow: claimedRow{id: 1, orderingKey: "k"}}}})
+
+	late := c.start(4, now.Add(100*time.Millisecond+keyDueGrace+time.Millisecond), pgtype.Int8{}, none)
+	require.Equal(t, []string{"gone"}, late.endedKeys, "k was taken; gone is asked a last time")
+	c.succeeded(claimResult{req: late})
+	last := c.start(4, now.Add(2*keyDueGrace), pgtype.Int8{}, none)
+	require.Empty(t, last.endedKeys)
+}
+
 // A key that ends while a claim runs is asked for by the next claim at
 // once, whatever that claim found: an empty claim's idle wait would hold
 // the key (every key of a subscription that holds them all) for it.

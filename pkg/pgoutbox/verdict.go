@@ -257,6 +257,9 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		job := sub.jobFor(d)
 		job.returns = append(job.returns, returnOp{d: d, delay: delay,
 			err: textOrNull(n.errText), meta: metaOrNull(n.meta)})
+		if d.orderingKey != "" && delay.Valid {
+			sub.claims.keyDue(d.orderingKey, time.Now().Add(n.delay))
+		}
 	}
 }
 

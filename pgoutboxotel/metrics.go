@@ -27,7 +27,8 @@ const (
 	// ReasonKey is a dead letter's failure reason (pgoutbox.Reason...).
 	ReasonKey = attribute.Key("pgoutbox.failure_reason")
 	// PhaseKey is the write that found its lease lost: "ack", "nack",
-	// "release", "renew" or "dead_letter".
+	// "release", "renew" or "dead_letter"; "commit" for a held batch
+	// whose transaction did not commit (a lost connection).
 	PhaseKey = attribute.Key("pgoutbox.phase")
 	// TableKey is the schema-qualified table of the table gauges
 	// ("public.outbox", its dead-letter and arrivals tables).
@@ -132,7 +133,7 @@ func NewObserver(opts MetricsOptions) (*Observer, error) {
 		{&o.deadLettered, "pgoutbox.subscriber.dead_lettered", "{message}", "Rows moved to the dead-letter table (or parked), per failure reason."},
 		{&o.poisoned, "pgoutbox.subscriber.poisoned", "{message}", "Rows that could not be decoded into a message."},
 		{&o.renewed, "pgoutbox.subscriber.leases_renewed", "{lease}", "In-flight leases extended."},
-		{&o.leaseLost, "pgoutbox.subscriber.leases_lost", "{lease}", "Writes that found their lease taken by another consumer, per write (ack, nack, release, renew, dead_letter)."},
+		{&o.leaseLost, "pgoutbox.subscriber.leases_lost", "{lease}", "Writes that found their lease taken by another consumer, per write (ack, nack, release, renew, dead_letter), and held batches that did not commit (commit)."},
 	} {
 		ctr, err := m.Int64Counter(c.name, metric.WithUnit(c.unit), metric.WithDescription(c.desc))
 		if err != nil {

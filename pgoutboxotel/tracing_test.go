@@ -241,7 +241,10 @@ func TestOneTraceFromTheRequestThroughRetryTxMiddlewareAndRelay(t *testing.T) {
 }
 
 // A message published without a span, and one whose trace metadata does
-// not parse, are handled in spans of new traces (no parent), and acked.
+// not parse, are handled in spans of new traces (no parent), and acked,
+// also under a Router run with a span in its context (started inside a
+// traced init): the message's context carries it, and every such message
+// became its child.
 func TestMessagesWithoutOrWithBadTraceContextStartNewTraces(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -260,7 +263,9 @@ func TestMessagesWithoutOrWithBadTraceContextStartNewTraces(t *testing.T) {
 		handled.Add(1)
 		return nil
 	})
-	runCtx, stop := context.WithCancel(ctx)
+	startCtx, startup := tp.Tracer("app").Start(ctx, "startup")
+	defer startup.End()
+	runCtx, stop := context.WithCancel(startCtx)
 	t.Cleanup(stop)
 	go func() { _ = router.Run(runCtx) }()
 	<-router.Running()

@@ -89,7 +89,8 @@
 //	pgoutbox_subscriber_leases_lost_total{topic,consumer_group,phase}      writes that found their lease taken by another
 //	                                                                       consumer, per write (ack, nack, release, renew,
 //	                                                                       dead_letter): handlers outliving the Lease, or
-//	                                                                       a stalled process; the message runs twice
+//	                                                                       a stalled process; the message runs twice;
+//	                                                                       commit: a held batch whose connection was lost
 //	pgoutbox_subscriber_lateness_seconds{topic,consumer_group}             histogram: how long after it became due each
 //	                                                                       message was handed to the Router; for a message
 //	                                                                       neither delayed nor retried, publish to hand-out

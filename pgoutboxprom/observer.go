@@ -58,7 +58,7 @@ func NewObserver(reg prometheus.Registerer, opts Options) (*Observer, error) {
 		{&o.deadLettered, "subscriber_messages_dead_lettered_total", "Rows moved to the dead-letter table (or parked), per failure reason.", append(pair, "reason")},
 		{&o.poisoned, "subscriber_messages_poisoned_total", "Rows that could not be decoded into a message.", pair},
 		{&o.renewed, "subscriber_leases_renewed_total", "In-flight leases extended.", pair},
-		{&o.leaseLost, "subscriber_leases_lost_total", "Writes that found their lease taken by another consumer, per write (ack, nack, release, renew, dead_letter).", append(pair, "phase")},
+		{&o.leaseLost, "subscriber_leases_lost_total", "Writes that found their lease taken by another consumer, per write (ack, nack, release, renew, dead_letter), and held batches that did not commit (commit).", append(pair, "phase")},
 	} {
 		vec := prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name:        opts.name(c.name),

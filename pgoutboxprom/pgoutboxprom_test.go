@@ -224,7 +224,7 @@ app_outbox_publisher_messages_published_total{db="main",topic="t"} 4
 # HELP app_outbox_subscriber_claims_total Claim statements run by subscribers, empty ones included.
 # TYPE app_outbox_subscriber_claims_total counter
 app_outbox_subscriber_claims_total{consumer_group="g",db="main",topic="t"} 3
-# HELP app_outbox_subscriber_leases_lost_total Writes that found their lease taken by another consumer, per write (ack, nack, release, renew, dead_letter).
+# HELP app_outbox_subscriber_leases_lost_total Writes that found their lease taken by another consumer, per write (ack, nack, release, renew, dead_letter), and held batches that did not commit (commit).
 # TYPE app_outbox_subscriber_leases_lost_total counter
 app_outbox_subscriber_leases_lost_total{consumer_group="g",db="main",phase="ack",topic="t"} 1
 # HELP app_outbox_subscriber_leases_renewed_total In-flight leases extended.

@@ -51,7 +51,9 @@ type Event struct {
 	Deliveries int
 	Count      int
 	// Phase is the write that found the lease lost: "ack", "nack",
-	// "release", "renew" or "dead_letter".
+	// "release", "renew" or "dead_letter"; "commit" for a held batch
+	// whose transaction did not commit (its connection was lost: nobody
+	// took the rows, they are due again, and acked ones run again).
 	Phase string
 	// Reason is the failure reason of a dead-lettered row.
 	Reason string

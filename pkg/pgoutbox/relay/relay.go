@@ -57,6 +57,10 @@ type Config struct {
 	// one (at the speed of one broker round trip per message), while the
 	// relay runs: what a crashed relay had claimed comes back after later
 	// messages. Ordering keys keep each key's order across crashes too.
+	// With MaxInFlight 1 the relay leases (Subscriber.ClaimMode ClaimAuto,
+	// the zero value, becomes ClaimLease): on the held path a lost
+	// database connection gives a batch's acked rows back, and they would
+	// reach the broker again after later messages.
 	Workers int
 
 	// PublishTimeout bounds one Publish call, through the context of the
@@ -164,6 +168,11 @@ func (c *Config) setDefaults() error {
 	}
 	if c.Subscriber.MaxInFlight == 0 {
 		c.Subscriber.MaxInFlight = c.BatchSize * c.Workers
+	}
+	if c.Subscriber.MaxInFlight == 1 && c.Subscriber.ClaimMode == pgoutbox.ClaimAuto {
+		// Exact order: a held batch whose connection is lost gives its
+		// acked rows back, and they would go out again after later ones.
+		c.Subscriber.ClaimMode = pgoutbox.ClaimLease
 	}
 	if c.Subscriber.DrainTimeout == 0 {
 		c.Subscriber.DrainTimeout = c.PublishTimeout + 5*time.Second

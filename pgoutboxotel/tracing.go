@@ -122,12 +122,17 @@ func (t *Tracing) inject(ctx context.Context, msg *message.Message) {
 func (t *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		orig := msg.Context()
-		// The message's context carries the values of the context Subscribe
-		// was given, a span among them when the Router was started under
-		// one: a message without its own trace context must not join it.
-		parent := t.prop.Extract(trace.ContextWithSpanContext(orig, trace.SpanContext{}), propagation.MapCarrier(msg.Metadata))
-		topic := message.SubscribeTopicFromCtx(orig)
 		d, delivered := pgoutbox.DeliveryOf(msg)
+		base := orig
+		if delivered {
+			// A subscriber's message context carries the values of the
+			// context Subscribe was given, a span among them when the
+			// Router was started under one: a message without its own
+			// trace context must not join it.
+			base = trace.ContextWithSpanContext(orig, trace.SpanContext{})
+		}
+		parent := t.prop.Extract(base, propagation.MapCarrier(msg.Metadata))
+		topic := message.SubscribeTopicFromCtx(orig)
 		if topic == "" {
 			topic = d.Topic
 		}

@@ -365,7 +365,7 @@ func TestAPoolPublishThatTimedOutWroteNothing(t *testing.T) {
 		late := newMsg("timed out")
 		pgoutbox.WithDedupKey(late, "x")
 		err = pub.Publish("t", late)
-		require.ErrorContains(t, err, "StatementTimeout (200ms)", "iteration %d", i)
+		require.ErrorContains(t, err, "PublisherConfig.StatementTimeout, 200ms", "iteration %d", i)
 		require.ErrorContains(t, err, "nothing was written")
 		require.NoError(t, holder.Rollback(ctx))
 

@@ -31,6 +31,7 @@ type claimSchedule struct {
 	withheld   bool          // the last claim left arrivals to open held batches and found nothing else
 	endedKeys  map[string]struct{}
 	keysDue    map[string]time.Time // keys whose next row is a retry due then: asked for from then on (see keyDue)
+	keyDueNext time.Time            // the earliest of keysDue: claims before it skip the map
 	lost       []claimToken         // claims whose reply was lost; their rows go back (ReleaseClaim)
 	pf         prefetch
 	scan       claimScan
@@ -114,12 +115,21 @@ func (c *claimSchedule) start(n int, now time.Time, holder pgtype.Int8, spare fu
 	c.claiming = true
 	req := c.scan.request(n, c.gen, now)
 	req.holder = holder
-	for k, at := range c.keysDue {
-		if !now.Before(at) {
-			c.endedKeys[k] = struct{}{}
-			if now.Sub(at) > keyDueGrace {
+	if len(c.keysDue) > 0 && !now.Before(c.keyDueNext) {
+		c.keyDueNext = time.Time{}
+		for k, at := range c.keysDue {
+			switch {
+			case now.Before(at):
+				if c.keyDueNext.IsZero() || at.Before(c.keyDueNext) {
+					c.keyDueNext = at
+				}
+				continue
+			case now.Sub(at) > keyDueGrace:
 				delete(c.keysDue, k)
+			default:
+				c.keyDueNext = now // due: asked again by the next claim too
 			}
+			c.endedKeys[k] = struct{}{}
 		}
 	}
 	if len(c.endedKeys) > 0 {
@@ -334,12 +344,23 @@ func (c *claimSchedule) keyEnded(key string) {
 // one returns a row of it or keyDueGrace passed (the server's clock, which
 // set the row's due time, may run behind ours).
 func (c *claimSchedule) keyDue(key string, at time.Time) {
+	if _, ok := c.keysDue[key]; !ok && len(c.keysDue) >= maxKeysDue {
+		return // the scan's pass reaches it, later
+	}
 	c.keysDue[key] = at
+	if len(c.keysDue) == 1 || at.Before(c.keyDueNext) {
+		c.keyDueNext = at
+	}
 }
 
 // keyDueGrace is how long after its due time a retried row's key is asked
-// for (see keyDue).
-const keyDueGrace = time.Second
+// for (see keyDue); maxKeysDue bounds the keys remembered so (an outage
+// that fails every key's message, with long retry delays: each claim
+// looks through them while one is due).
+const (
+	keyDueGrace = time.Second
+	maxKeysDue  = 1024
+)
 
 // startClaim starts a claim when one is wanted and there is room.
 func (sub *subscription) startClaim(now time.Time) {

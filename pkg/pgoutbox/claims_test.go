@@ -2,6 +2,7 @@ package pgoutbox
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -117,6 +118,13 @@ func TestClaimScheduleAsksForARetriedKeyWhenItIsDue(t *testing.T) {
 	c.succeeded(claimResult{req: late})
 	last := c.start(4, now.Add(2*keyDueGrace), pgtype.Int8{}, none)
 	require.Empty(t, last.endedKeys)
+	c.succeeded(claimResult{req: last})
+
+	// Bounded: past maxKeysDue keys, the scan's pass finds the rest.
+	for i := range maxKeysDue + 10 {
+		c.keyDue(fmt.Sprint("k", i), now.Add(time.Hour))
+	}
+	require.Len(t, c.keysDue, maxKeysDue)
 }
 
 // A key that ends while a claim runs is asked for by the next claim at

@@ -281,7 +281,8 @@ func Reject(msg *message.Message, reason string) error {
 //	return pgoutbox.RejectContext(ctx, "room does not exist")
 //
 // Given a context that no subscriber's message carries, it only returns
-// the error, which the Router then handles as any other.
+// the error: with ErrorRecorder the subscriber sees it wraps ErrRejected
+// and rejects the message all the same (see Reject).
 func RejectContext(ctx context.Context, reason string) error {
 	if ctx == nil {
 		ctx = context.Background()

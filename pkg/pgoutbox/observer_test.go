@@ -24,6 +24,7 @@ func (r *recordingObserver) Observe(e Event) {
 // need not be closed. Events queued before close are delivered; later
 // ones are not.
 func TestEventQueueStartsWithItsFirstEvent(t *testing.T) {
+	t.Parallel()
 	idle := newEventQueue(safeObserver{o: &recordingObserver{}, logger: watermill.NopLogger{}})
 	require.False(t, idle.started)
 	idle.close() // returns without a goroutine to wait for

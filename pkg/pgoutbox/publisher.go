@@ -364,8 +364,8 @@ const serverBoundMargin = time.Second
 // statement the server cancelled at its bound wrote nothing.
 func (p *Publisher) publishErr(topic string, err error, bounded bool) error {
 	if bounded && errtext.SQLState(err) == "57014" {
-		return errorf("pgoutbox: publish to %q: the statement ran past PublisherConfig.StatementTimeout (%s), and the server cancelled it: "+
-			"nothing was written (a dedup key that another open transaction publishes waits for it to end): %w", topic, p.timeout, err)
+		return errorf("pgoutbox: publish to %q: the server cancelled the statement (it ran past PublisherConfig.StatementTimeout, %s, or a cancel request came): "+
+			"nothing was written (a dedup key that another open transaction publishes waits for it to end; publish again with the same dedup key to be safe): %w", topic, p.timeout, err)
 	}
 	return p.wrapErr(topic, err)
 }

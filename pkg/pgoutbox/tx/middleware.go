@@ -294,5 +294,5 @@ func elsewhere(ctx context.Context, exec Executor, database string) error {
 	}
 	return fmt.Errorf("pgoutbox: the handler's transaction runs in database %q, but the subscriber's messages are in database %q, "+
 		"so it could not complete the message; give tx.Middleware an executor on the subscriber's database "+
-		"(the transaction was rolled back and the message is delivered again)", here, database)
+		"(the transaction was rolled back; the message fails as with any handler error)", here, database)
 }

@@ -47,9 +47,7 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 	_, err = b.Pool.Exec(ctx, "ANALYZE "+tbl)
 	require.NoError(t, err)
 
-	names, err := query.NewNames(b.Schema, "outbox", "")
-	require.NoError(t, err)
-	q := query.Build(names, true) // the default: with the async-commit condition
+	q := outboxQueries(t, b)
 
 	// The claimer runs every claim with its generic plan (planning each
 	// claim anew cost more than running it); a custom plan must keep the
@@ -69,14 +67,14 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 
 			// (pg_database, a catalog of a few rows, may be scanned.)
 			require.NotRegexp(t, `Seq Scan on outbox`, text, "the claim must not scan the table sequentially (%s, %s)", st.name, mode)
-			require.Contains(t, text, names.ReadyIdx, "the ready branch must use the ready-rows index (%s, %s)", st.name, mode)
+			require.Contains(t, text, q.Names.ReadyIdx, "the ready branch must use the ready-rows index (%s, %s)", st.name, mode)
 			// (The check for a key's leased row may read it too, hashed.)
-			require.GreaterOrEqual(t, strings.Count(text, names.LeaseIdx), 2, "the expired and orphaned branches must use the leased-rows index (%s, %s)", st.name, mode)
+			require.GreaterOrEqual(t, strings.Count(text, q.Names.LeaseIdx), 2, "the expired and orphaned branches must use the leased-rows index (%s, %s)", st.name, mode)
 			require.Contains(t, text, "hashed SubPlan", "the orphaned branch must read the live holders once (%s, %s)", st.name, mode)
 			require.Regexp(t, `Index Cond: .*\(leased_until < now\(\)\) AND \(leased_until >= `, text,
 				"the expired branch reads the lease index from its bound, not from the start (%s, %s)", st.name, mode)
 			require.Contains(t, text, "outbox_pkey", "the update must find rows by primary key (%s, %s)", st.name, mode)
-			require.Contains(t, text, names.OrderIdx, "a keyed row's predecessor is found by the ordering-key index (%s, %s)", st.name, mode)
+			require.Contains(t, text, q.Names.OrderIdx, "a keyed row's predecessor is found by the ordering-key index (%s, %s)", st.name, mode)
 		}
 	}
 	// The held claim locks ready rows from the cursor: the ready index,
@@ -88,8 +86,8 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 		text := explain(t, conn, held.sql, held.args...)
 		t.Logf("held, %s:\n%s", mode, text)
 		require.NotRegexp(t, `Seq Scan on outbox`, text, "the held claim must not scan the table sequentially (%s)", mode)
-		require.Contains(t, text, names.ReadyIdx, "the held claim must use the ready-rows index (%s)", mode)
-		require.Contains(t, text, names.OrderIdx, "a keyed row's predecessor is found by the ordering-key index (%s)", mode)
+		require.Contains(t, text, q.Names.ReadyIdx, "the held claim must use the ready-rows index (%s)", mode)
+		require.Contains(t, text, q.Names.OrderIdx, "a keyed row's predecessor is found by the ordering-key index (%s)", mode)
 	}
 	_, err = conn.Exec(ctx, "RESET plan_cache_mode")
 	require.NoError(t, err)
@@ -113,9 +111,23 @@ func claimStatements(q *query.Queries, topic string) []claimStatement {
 	}
 }
 
+// outboxQueries are the statements of the test's outbox, as a subscriber
+// builds them by default (with the async-commit condition).
+func outboxQueries(t *testing.T, b *bundle) *query.Queries {
+	t.Helper()
+	return query.Build(b.names(t), true)
+}
+
 // explainIn explains st on conn in a transaction that first runs each of
 // settings, and rolls it back.
 func explainIn(t *testing.T, conn *pgxpool.Conn, st claimStatement, settings ...string) string {
+	t.Helper()
+	return rolledBackIn(t, conn, settings, func() string { return explain(t, conn, st.sql, st.args...) })
+}
+
+// rolledBackIn returns what f returns, run on conn in a transaction that
+// first runs each of settings, and rolls it back.
+func rolledBackIn(t *testing.T, conn *pgxpool.Conn, settings []string, f func() string) string {
 	t.Helper()
 	ctx := context.Background()
 	_, err := conn.Exec(ctx, "BEGIN")
@@ -128,7 +140,7 @@ func explainIn(t *testing.T, conn *pgxpool.Conn, st claimStatement, settings ...
 		_, err := conn.Exec(ctx, s)
 		require.NoError(t, err)
 	}
-	return explain(t, conn, st.sql, st.args...)
+	return f()
 }
 
 // TestClaimSettingsPlanGenericallyWithoutJIT runs the claims' EXPLAIN in a
@@ -141,9 +153,7 @@ func TestClaimSettingsPlanGenericallyWithoutJIT(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	names, err := query.NewNames(b.Schema, "outbox", "")
-	require.NoError(t, err)
-	q := query.Build(names, true)
+	q := outboxQueries(t, b)
 	conn, err := b.Pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer conn.Release()
@@ -182,9 +192,7 @@ func TestClaimPlansHoldOnStaleStatistics(t *testing.T) {
 	require.NoError(t, err)
 	insert(50000)
 
-	names, err := query.NewNames(b.Schema, "outbox", "")
-	require.NoError(t, err)
-	q := query.Build(names, true)
+	q := outboxQueries(t, b)
 	conn, err := b.Pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer conn.Release()
@@ -192,7 +200,7 @@ func TestClaimPlansHoldOnStaleStatistics(t *testing.T) {
 	for _, st := range statements {
 		text := explainIn(t, conn, st, query.ClaimSettings)
 		t.Logf("%s, claim settings:\n%s", st.name, text)
-		require.Contains(t, text, "Index Scan using "+names.ReadyIdx, "%s: the ready index, walked in order", st.name)
+		require.Contains(t, text, "Index Scan using "+q.Names.ReadyIdx, "%s: the ready index, walked in order", st.name)
 		require.NotContains(t, text, "Bitmap", "%s: no bitmap over the ready range", st.name)
 		require.NotRegexp(t, `Seq Scan on outbox( |$)`, text, "%s: no sequential scan of the outbox", st.name)
 		require.NotRegexp(t, `Sort Key: r\.available_at, r\.id`, text, "%s: the ready rows are not sorted", st.name)
@@ -274,9 +282,7 @@ SELECT 'timers', 'g' || (g %% 3), g::text, '\x00', '{}', now() + interval '1 hou
 	require.NoError(t, err)
 	_, err = b.Pool.Exec(ctx, "ANALYZE "+tbl)
 	require.NoError(t, err)
-	names, err := query.NewNames(b.Schema, "outbox", "")
-	require.NoError(t, err)
-	q := query.Build(names, true)
+	q := outboxQueries(t, b)
 
 	pgTx, err := b.Pool.Begin(ctx)
 	require.NoError(t, err)
@@ -309,7 +315,7 @@ func TestReleaseClaimGivesBackALostClaim(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	q := query.Build(b.names(t), true)
+	q := outboxQueries(t, b)
 	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "t", "a"))
 	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "t", "b"))
 	b.publishInTx(t, "t", true, newMsg("x"))
@@ -446,7 +452,7 @@ func TestWritePlansProbeByPrimaryKey(t *testing.T) {
 			require.NotRegexp(t, `Seq Scan on outbox( |$)`, text, "%s, %s: no sequential scan of the outbox", st.name, when)
 			require.NotContains(t, text, "Hash Join", "%s, %s: one probe per row", st.name, when)
 			require.NotContains(t, text, "Bitmap", "%s, %s: one probe per row", st.name, when)
-			require.NotContains(t, text, names.LeaseIdx, "%s, %s: the rows are not looked for along the lease index", st.name, when)
+			require.NotContains(t, text, q.Names.LeaseIdx, "%s, %s: the rows are not looked for along the lease index", st.name, when)
 			require.Contains(t, text, "using outbox_pkey on outbox", "%s, %s: rows found by primary key", st.name, when)
 		}
 	}
@@ -471,7 +477,7 @@ func TestWritePlansProbeByPrimaryKey(t *testing.T) {
 		t.Logf("%s, few leases, the session's settings:\n%s", st.name, text)
 		require.Regexp(t, `Index Scan using outbox_pkey on outbox o?\s*\(cost[^\n]*\n\s+Index Cond: \(id = `, text, "%s: the row found by its id", st.name)
 		if st.name == "a handler's own completion" { // the key check's subplans may read the lease index for the key
-			require.NotContains(t, text, names.LeaseIdx, "%s: not along the lease index", st.name)
+			require.NotContains(t, text, q.Names.LeaseIdx, "%s: not along the lease index", st.name)
 		}
 	}
 	// The ack is one probe of the primary key per id, with no join: no
@@ -484,7 +490,7 @@ func TestWritePlansProbeByPrimaryKey(t *testing.T) {
 	// does not walk it. With "lease_token = c.token" it did.
 	for _, st := range writes {
 		text := explainIn(t, conn, st, generic, query.WriteSettings, `ALTER TABLE `+fresh+`.outbox DROP CONSTRAINT outbox_pkey`)
-		require.NotContains(t, text, names.LeaseIdx, "%s: the lease index is not a way to the rows", st.name)
+		require.NotContains(t, text, q.Names.LeaseIdx, "%s: the lease index is not a way to the rows", st.name)
 	}
 }
 
@@ -532,9 +538,7 @@ func TestKeyProbesUseTheOrderingKeyIndex(t *testing.T) {
 		SELECT 't', gen_random_uuid()::text, '\x00', 'hot' FROM generate_series(1, 3000)`)
 	b.exec(t, `ANALYZE %s.outbox`)
 
-	names, err := query.NewNames(b.Schema, "outbox", "")
-	require.NoError(t, err)
-	q := query.Build(names, true)
+	q := outboxQueries(t, b)
 	conn, err := b.Pool.Acquire(context.Background())
 	require.NoError(t, err)
 	defer conn.Release()
@@ -547,7 +551,7 @@ func TestKeyProbesUseTheOrderingKeyIndex(t *testing.T) {
 		probes := probe.FindAllStringSubmatch(text, -1)
 		require.NotEmpty(t, probes, "%s: no probe of a key's rows in\n%s", st.name, text)
 		for _, p := range probes {
-			require.Equal(t, names.OrderIdx, p[1], "%s: a key's rows must be found by the ordering-key index:\n%s", st.name, text)
+			require.Equal(t, q.Names.OrderIdx, p[1], "%s: a key's rows must be found by the ordering-key index:\n%s", st.name, text)
 		}
 	}
 }
@@ -565,9 +569,7 @@ func TestKeyedClaimProbesEachKeyOnce(t *testing.T) {
 	b := setup(t)
 	b.exec(t, `INSERT INTO %s.outbox (topic, uuid, payload, ordering_key)
 		SELECT 't', gen_random_uuid()::text, '\x00', CASE WHEN g % 2 = 0 THEN 'a' ELSE 'b' END FROM generate_series(1, 4000) g`)
-	names, err := query.NewNames(b.Schema, "outbox", "")
-	require.NoError(t, err)
-	q := query.Build(names, true)
+	q := outboxQueries(t, b)
 	conn, err := b.Pool.Acquire(context.Background())
 	require.NoError(t, err)
 	defer conn.Release()
@@ -577,15 +579,9 @@ func TestKeyedClaimProbesEachKeyOnce(t *testing.T) {
 		if analyzed {
 			b.exec(t, `ANALYZE %s.outbox`)
 		}
-		plan := func() string {
-			ctx := context.Background()
-			_, err := conn.Exec(ctx, "BEGIN")
-			require.NoError(t, err)
-			defer func() { _, err := conn.Exec(ctx, "ROLLBACK"); require.NoError(t, err) }()
-			_, err = conn.Exec(ctx, query.ClaimSettings)
-			require.NoError(t, err)
+		plan := rolledBackIn(t, conn, []string{query.ClaimSettings}, func() string {
 			return explainAnalyze(t, conn, "ANALYZE, BUFFERS", q.Claim, args...)
-		}()
+		})
 		probes := probe.FindAllStringSubmatch(plan, -1)
 		require.Len(t, probes, 2, "analyzed %v: the window's and the ended keys' looks for an older row in\n%s", analyzed, plan)
 		for _, p := range probes {

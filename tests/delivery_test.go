@@ -173,61 +173,64 @@ func TestRejectDeadLettersAtOnce(t *testing.T) {
 // (it was dead-lettered as rejected on its first failure), and an error
 // the handler wrapped around ErrRejected itself is a rejection (it went
 // through the whole retry policy). Without ErrorRecorder the subscriber
-// sees no error, and Reject's mark decides.
+// sees no error, and Reject's mark decides. On every claim path.
 func TestTheReturnedErrorDecidesARejection(t *testing.T) {
 	t.Parallel()
 	for _, recorded := range []bool{true, false} {
 		t.Run(fmt.Sprintf("ErrorRecorder=%v", recorded), func(t *testing.T) {
 			t.Parallel()
-			b := setup(t)
-			ev := newEvents()
-			sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
-				c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: 3}
-				c.Observer = ev
-			})
-			recovered, wrapped, marked := newMsg("recovered"), newMsg("wrapped"), newMsg("marked")
-			b.publishInTx(t, "t", true, recovered, wrapped, marked)
-			var recoveredCalls atomic.Int32
-			var mw []message.HandlerMiddleware
-			if recorded {
-				mw = append(mw, pgoutbox.ErrorRecorder)
-			}
-			runRouter(t, sub, "t", func(m *message.Message) error {
-				switch string(m.Payload) {
-				case "recovered":
-					if recoveredCalls.Add(1) == 1 {
-						_ = pgoutbox.Reject(m, "legacy payload") // handled: converted instead
-						return errors.New("converter unavailable")
-					}
-					return nil
-				case "wrapped":
-					return fmt.Errorf("order id missing: %w", pgoutbox.ErrRejected)
-				default:
-					return pgoutbox.Reject(m, "marked")
+			onEachClaimPath(t, func(t *testing.T, path string) {
+				b := setup(t)
+				ev := newEvents()
+				sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+					onPath(t, path, c)
+					c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 0, MaxAttempts: 3}
+					c.Observer = ev
+				})
+				recovered, wrapped, marked := newMsg("recovered"), newMsg("wrapped"), newMsg("marked")
+				b.publishInTx(t, "t", true, recovered, wrapped, marked)
+				var recoveredCalls atomic.Int32
+				var mw []message.HandlerMiddleware
+				if recorded {
+					mw = append(mw, pgoutbox.ErrorRecorder)
 				}
-			}, mw...)
+				runRouter(t, sub, "t", func(m *message.Message) error {
+					switch string(m.Payload) {
+					case "recovered":
+						if recoveredCalls.Add(1) == 1 {
+							_ = pgoutbox.Reject(m, "legacy payload") // handled: converted instead
+							return errors.New("converter unavailable")
+						}
+						return nil
+					case "wrapped":
+						return fmt.Errorf("order id missing: %w", pgoutbox.ErrRejected)
+					default:
+						return pgoutbox.Reject(m, "marked")
+					}
+				}, mw...)
 
-			want := map[string]string{marked.UUID: pgoutbox.ReasonRejected}
-			if recorded {
-				want[wrapped.UUID] = pgoutbox.ReasonRejected
-			} else {
-				want[wrapped.UUID] = pgoutbox.ReasonRetryExhausted // no error seen: an ordinary failure
-				want[recovered.UUID] = pgoutbox.ReasonRejected     // only the mark tells
-			}
-			for range want {
-				ev.wait(t, pgoutbox.EventDeadLettered, 15*time.Second)
-			}
-			got := map[string]string{}
-			for id := range want {
-				got[id] = b.dlq(t, id).reason
-			}
-			require.Equal(t, want, got)
-			if recorded {
-				require.Equal(t, 1, b.dlq(t, wrapped.UUID).deliveries)
-				require.Contains(t, b.dlq(t, wrapped.UUID).lastError, "order id missing")
-				require.Eventually(t, func() bool { return b.outboxRows(t, "t") == 0 }, 10*time.Second, 10*time.Millisecond)
-				require.Equal(t, int32(2), recoveredCalls.Load(), "retried after the error it returned, then acked")
-			}
+				want := map[string]string{marked.UUID: pgoutbox.ReasonRejected}
+				if recorded {
+					want[wrapped.UUID] = pgoutbox.ReasonRejected
+				} else {
+					want[wrapped.UUID] = pgoutbox.ReasonRetryExhausted // no error seen: an ordinary failure
+					want[recovered.UUID] = pgoutbox.ReasonRejected     // only the mark tells
+				}
+				for range want {
+					ev.wait(t, pgoutbox.EventDeadLettered, 15*time.Second)
+				}
+				got := map[string]string{}
+				for id := range want {
+					got[id] = b.dlq(t, id).reason
+				}
+				require.Equal(t, want, got)
+				if recorded {
+					require.Equal(t, 1, b.dlq(t, wrapped.UUID).deliveries)
+					require.Contains(t, b.dlq(t, wrapped.UUID).lastError, "order id missing")
+					require.Eventually(t, func() bool { return b.outboxRows(t, "t") == 0 }, 10*time.Second, 10*time.Millisecond)
+					require.Equal(t, int32(2), recoveredCalls.Load(), "retried after the error it returned, then acked")
+				}
+			})
 		})
 	}
 }

@@ -17,6 +17,8 @@ import (
 //
 //	SCHEMA, TABLE, DLQ_TABLE      Tables.Schema, Table, DeadLetterTable (identifiers)
 //	NO_DLQ                        Tables.NoDeadLetterTable (bool: true, false, 1, 0)
+//	ARRIVALS, ROTATING            Tables.Arrivals, Tables.Rotating (bool)
+//	ROTATION_WINDOW               RotationWindow (Go duration)
 //	CONSUMER_GROUP                ConsumerGroup
 //	START_FROM                    StartFrom (new or backlog)
 //	MAX_IN_FLIGHT                 MaxInFlight (integer)
@@ -54,6 +56,7 @@ func SubscriberConfigFromEnv(prefix string) (SubscriberConfig, error) {
 //
 //	SCHEMA, TABLE, DLQ_TABLE      Tables.Schema, Table, DeadLetterTable (identifiers)
 //	NO_DLQ                        Tables.NoDeadLetterTable (bool)
+//	ARRIVALS, ROTATING            Tables.Arrivals, Tables.Rotating (bool)
 //	STATEMENT_TIMEOUT             StatementTimeout (Go duration: 10s)
 //	NOTIFY_COOLDOWN               NotifyCooldown (Go duration, or -1)
 //	MAX_PAYLOAD_BYTES             MaxPayloadBytes (integer, or -1 for no limit)
@@ -171,6 +174,11 @@ func (r *envReader) tables(c *SubscriberConfig) {
 	r.str("TABLE", &c.Tables.Table)
 	r.str("DLQ_TABLE", &c.Tables.DeadLetterTable)
 	r.boolean("NO_DLQ", &c.Tables.NoDeadLetterTable)
+	// The layout must be told as in code: a subscriber without Arrivals
+	// never looks at the arrivals table, so a service configured only
+	// from the environment would leave its messages there.
+	r.boolean("ARRIVALS", &c.Tables.Arrivals)
+	r.boolean("ROTATING", &c.Tables.Rotating)
 }
 
 // retryVariables names the variable of each ExponentialBackoff field.
@@ -198,6 +206,7 @@ func subscriberConfigFromLookup(prefix string, lookup func(string) (string, bool
 		r.fail(key, v, "a whole number, at least 1 (there is no unlimited: it bounds the messages in flight)")
 	}
 	r.duration("LEASE", &c.Lease, "")
+	r.duration("ROTATION_WINDOW", &c.RotationWindow, "")
 	r.duration("MIN_POLL_INTERVAL", &c.MinPollInterval, "")
 	r.duration("MAX_POLL_INTERVAL", &c.MaxPollInterval, "")
 	r.duration("STATEMENT_TIMEOUT", &c.StatementTimeout, "")

@@ -187,3 +187,29 @@ func TestConfigFromEnvReportsASharedVariableOnce(t *testing.T) {
 	require.Contains(t, err.Error(), `PGOUTBOX_ENVDUP_LEASE="ten"`)
 	require.Contains(t, err.Error(), `PGOUTBOX_ENVDUP_NOTIFY_COOLDOWN="soon"`)
 }
+
+// The layout of the outbox is read too: a subscriber without Arrivals
+// would never take what arrives, one without Rotating refuses a rotating
+// outbox.
+func TestConfigFromEnvReadsTheLayout(t *testing.T) {
+	t.Parallel()
+	sub, err := subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_ARRIVALS": "true"}))
+	require.NoError(t, err)
+	require.True(t, sub.Tables.Arrivals)
+	pub, err := publisherConfigFromLookup("APP", lookupIn(map[string]string{"APP_ARRIVALS": "1"}))
+	require.NoError(t, err)
+	require.True(t, pub.Tables.Arrivals)
+
+	sub, err = subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_ROTATING": "true", "APP_ROTATION_WINDOW": "10s"}))
+	require.NoError(t, err)
+	require.True(t, sub.Tables.Rotating)
+	require.Equal(t, 10*time.Second, sub.RotationWindow)
+	pub, err = publisherConfigFromLookup("APP", lookupIn(map[string]string{"APP_ROTATING": "true"}))
+	require.NoError(t, err)
+	require.True(t, pub.Tables.Rotating)
+
+	_, err = subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_ARRIVALS": "yes please", "APP_ROTATION_WINDOW": "3"}))
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	require.Contains(t, err.Error(), `APP_ARRIVALS="yes please"`)
+	require.Contains(t, err.Error(), `APP_ROTATION_WINDOW="3"`)
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"testing"
 	"time"
@@ -134,6 +135,26 @@ func TestPublishBadInput(t *testing.T) {
 			is:   pgoutbox.ErrInvalidMessage,
 			want: []string{"message 2", "dedup key is empty", "non-empty key to WithDedupKey"},
 		},
+		// A key is an index entry: the server refuses one over 2,704 bytes
+		// (incompressible), aborting the transaction.
+		"LongDedupKey": {
+			bad: func() []*message.Message {
+				m := newMsg("bad")
+				pgoutbox.WithDedupKey(m, randomKey(3000))
+				return []*message.Message{m}
+			},
+			is:   pgoutbox.ErrInvalidMessage,
+			want: []string{"message 2", "dedup key is 3000 bytes long", "at most 1024", "hash"},
+		},
+		"LongOrderingKey": {
+			bad: func() []*message.Message {
+				m := newMsg("bad")
+				pgoutbox.WithOrderingKey(m, randomKey(1025))
+				return []*message.Message{m}
+			},
+			is:   pgoutbox.ErrInvalidMessage,
+			want: []string{"message 2", "ordering key is 1025 bytes long", "at most 1024"},
+		},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -165,6 +186,16 @@ func TestPublishBadInput(t *testing.T) {
 			require.Equal(t, 1, b.outboxRows(t, "after_"+name))
 		})
 	}
+}
+
+// randomKey returns n random letters: a key PostgreSQL cannot compress.
+func randomKey(n int) string {
+	const letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+	k := make([]byte, n)
+	for i := range k {
+		k[i] = letters[rand.IntN(len(letters))]
+	}
+	return string(k)
 }
 
 // Each bad input's error should say what to do, so a caller can fix the

@@ -28,6 +28,12 @@ import (
 // maxTopicLen keeps a topic well inside NOTIFY's 8000-byte payload limit.
 const maxTopicLen = 1024
 
+// maxKeyLen bounds dedup and ordering keys. Each is an index entry with
+// its topic and group, and a btree entry may not exceed 2,704 bytes: a
+// longer key failed in the server and aborted the caller's transaction.
+// 1024 leaves room for long topic and group names.
+const maxKeyLen = 1024
+
 // Publisher writes messages into the outbox table through an Executor. Bound
 // to a transaction (tx.FromSQLTx, tx.FromPgxTx, NewTxPublisher), the messages
 // exist if and only if that transaction commits. Bound to a pool
@@ -462,6 +468,14 @@ func checkTopic(topic string) error {
 	return nil
 }
 
+// checkKeyLen refuses a dedup or ordering key over maxKeyLen bytes.
+func checkKeyLen(i int, what, key string) error {
+	if len(key) > maxKeyLen {
+		return fmt.Errorf("%w: message %d: %s is %d bytes long; use at most %d (a hash of a longer key, such as its SHA-256 in hex, keeps it unique)", ErrInvalidMessage, i, what, len(key), maxKeyLen)
+	}
+	return nil
+}
+
 // checkText checks that s can be stored as PostgreSQL text; what names the
 // value in the error and is only called on failure.
 func checkText(i int, s string, what func() string) error {
@@ -551,6 +565,9 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 			if key = m.Metadata[dedupKeyKey]; key == "" {
 				return b, fmt.Errorf("%w: message %d: dedup key is empty; pass a non-empty key to WithDedupKey", ErrInvalidMessage, i)
 			}
+			if err := checkKeyLen(i, "dedup key", key); err != nil {
+				return b, err
+			}
 		}
 		var order string
 		if told&hasOrderingKey != 0 {
@@ -566,6 +583,9 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 					return b, err
 				}
 			}
+		}
+		if err := checkKeyLen(i, "ordering key", order); err != nil {
+			return b, err
 		}
 		if (delay.Valid || at.Valid || keyed || order != "") && b.delays == nil {
 			// Only calls that schedule, deduplicate or order pay for the

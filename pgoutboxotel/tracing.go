@@ -2,6 +2,7 @@ package pgoutboxotel
 
 import (
 	"context"
+	"errors"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel"
@@ -168,7 +169,7 @@ func (t *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if err != nil {
 			span.RecordError(err)
 			span.SetStatus(codes.Error, err.Error())
-			span.SetAttributes(semconv.ErrorType(err))
+			span.SetAttributes(errorType(err))
 		}
 		for _, o := range out {
 			if o == nil {
@@ -181,4 +182,14 @@ func (t *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		return out, err
 	}
+}
+
+// errorType is a handler error's error.type: "rejected" for a rejection
+// (Reject wraps ErrRejected in a type of the retry library it uses, which
+// would be the name otherwise), the error's Go type for the others.
+func errorType(err error) attribute.KeyValue {
+	if errors.Is(err, pgoutbox.ErrRejected) {
+		return semconv.ErrorTypeKey.String("rejected")
+	}
+	return semconv.ErrorType(err)
 }

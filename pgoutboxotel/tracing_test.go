@@ -20,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pgoutboxotel"
@@ -369,6 +370,7 @@ func TestTraceSurvivesADeadLetterAndARequeue(t *testing.T) {
 	}, 10*time.Second, 5*time.Millisecond, "the rejected message is dead-lettered")
 	got := spans(t, exp, "process dlq", 2)
 	require.Equal(t, codes.Error, got[0].Status.Code)
+	require.Equal(t, "rejected", attrsOf(got[0])[semconv.ErrorTypeKey].AsString(), "not the type Reject wraps the error in")
 	for _, s := range got {
 		requireChildOf(t, s, span.SpanContext())
 		require.EqualValues(t, 1, attrsOf(s)[pgoutboxotel.DeliveryAttemptKey].AsInt64(), "a requeue starts the count again")

@@ -183,7 +183,10 @@ type SubscriberConfig struct {
 	// subscription waits for it, like a Kafka partition consumer. The order
 	// ends where the message does (dead-lettered, or rejected), and holds
 	// per subscription: competing subscriptions of one topic share its
-	// messages between them.
+	// messages between them. Messages with an ordering key (WithOrderingKey)
+	// keep their key's order instead: a keyed message is claimed once the
+	// previous one of its key ended, and later messages, unkeyed or of other
+	// keys, do not wait for it.
 	//
 	// With more, the Router runs up to MaxInFlight handlers at once, and a
 	// nacked message is due again after its delay, behind messages that are

@@ -20,6 +20,9 @@ type claimer struct {
 	q     *query.Queries
 	cfg   *SubscriberConfig
 	topic string
+	// isolate: the database's default isolation is not READ COMMITTED
+	// (see readCommitted).
+	isolate bool
 	// stop ends when the subscription stops: reads that only plan
 	// (nextDue) stop waiting for the database then.
 	stop context.Context
@@ -53,12 +56,12 @@ func (c *claimer) transfer(n int) (int64, error) {
 	defer cancel()
 	// The lock, then the fan-out: one round trip, one implicit
 	// transaction (see query.ArrivalsStatements.TransferLock).
-	b := &pgx.Batch{}
+	b, lead := ownBatch(c.isolate)
 	b.Queue(c.q.Arrivals.TransferLock, c.topic)
 	b.Queue(c.q.Arrivals.Transfer, c.topic, c.cfg.ConsumerGroup, max(n, maxClaim), c.q.Names.Channel)
 	res := c.pool.SendBatch(ctx, b)
 	defer res.Close()
-	if _, err := res.Exec(); err != nil {
+	if err := skipResults(res, lead+1); err != nil {
 		return 0, err
 	}
 	var moved, woken int64
@@ -96,12 +99,11 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		return r
 	}
 	defer conn.Release()
-	b := &pgx.Batch{}
-	b.Queue(query.ClaimSettings)
+	b, lead := ownBatch(c.isolate, query.ClaimSettings)
 	b.Queue(stmt, args...)
 	res := conn.SendBatch(ctx, b)
 	defer res.Close()
-	if _, err := res.Exec(); err != nil {
+	if err := skipResults(res, lead); err != nil {
 		r.err = err
 		return r
 	}
@@ -189,12 +191,11 @@ func (c *claimer) verifyLeasedKeys(ctx context.Context, conn *pgxpool.Conn, r *c
 	}
 	// With the claim's settings, in one implicit transaction: its probes of
 	// the keys must use the ordering-key index whatever the statistics say.
-	b := &pgx.Batch{}
-	b.Queue(query.ClaimSettings)
+	b, lead := ownBatch(c.isolate, query.ClaimSettings)
 	b.Queue(c.q.KeyVerifyLease, c.topic, ids, r.req.token, c.cfg.ConsumerGroup)
 	res := conn.SendBatch(ctx, b)
 	defer res.Close()
-	if _, err := res.Exec(); err != nil {
+	if err := skipResults(res, lead); err != nil {
 		return err
 	}
 	busy, err := collectIDs(res.Query())

@@ -26,6 +26,9 @@ type completer struct {
 	q     *query.Queries
 	cfg   *SubscriberConfig
 	topic string
+	// isolate: the database's default isolation is not READ COMMITTED
+	// (see readCommitted).
+	isolate bool
 
 	jobs     chan writeJob
 	results  chan<- report
@@ -142,8 +145,9 @@ type writeResult struct {
 	err        error
 }
 
-func newCompleter(pool *pgxpool.Pool, q *query.Queries, cfg *SubscriberConfig, topic string, results chan<- report) *completer {
+func newCompleter(pool *pgxpool.Pool, q *query.Queries, cfg *SubscriberConfig, topic string, isolate bool, results chan<- report) *completer {
 	return &completer{
+		isolate: isolate,
 		pool:    pool,
 		q:       q,
 		cfg:     cfg,
@@ -253,7 +257,7 @@ func (c *completer) write(j writeJob) writeResult {
 	// its next job, and gives up once the rows' leases have expired anyway.
 	if len(j.releaseTokens) > 0 {
 		ctx, cancel := c.stmtCtx()
-		_, r.releaseErr = c.pool.Exec(ctx, c.q.ReleaseClaim, c.topic, j.releaseTokens, c.cfg.ConsumerGroup)
+		r.releaseErr = execOwn(ctx, c.pool, c.isolate, c.q.ReleaseClaim, c.topic, j.releaseTokens, c.cfg.ConsumerGroup)
 		cancel()
 	}
 	return r
@@ -380,11 +384,10 @@ func (c *completer) writeStmt(ctx context.Context, w written, stmt string, args 
 		return err
 	}
 	defer conn.Release()
-	b := &pgx.Batch{}
-	b.Queue(query.WriteSettings)
+	b, lead := ownBatch(c.isolate, query.WriteSettings)
 	b.Queue(stmt, args...)
 	res := conn.SendBatch(ctx, b)
-	if _, err := res.Exec(); err != nil {
+	if err := skipResults(res, lead); err != nil {
 		_ = res.Close()
 		return err
 	}

@@ -50,6 +50,7 @@ type Subscriber struct {
 	schemaMu    sync.Mutex
 	schemaReady bool
 	database    string // current_database(), read with the schema: tx.Middleware's check on a lost lease
+	isolate     bool   // the default isolation is not READ COMMITTED, read with the schema (see readCommitted)
 
 	stopRotator func() // while a subscription runs on a rotating outbox (see startRotator)
 }
@@ -321,7 +322,9 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 			err = schema.Validate(ctx, exec, s.cfg.Tables)
 		}
 		if err == nil {
-			err = s.pool.QueryRow(ctx, "SELECT current_database()").Scan(&s.database)
+			var isolation string
+			err = s.pool.QueryRow(ctx, "SELECT current_database(), current_setting('default_transaction_isolation')").Scan(&s.database, &isolation)
+			s.isolate = isolation != "read committed"
 		}
 		return err
 	})

@@ -131,11 +131,11 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 			slotEnv{out: sub.outlet.out, parent: sub.outlet.parent, ackDeadline: s.cfg.AckDeadline,
 				offerCheck: max(min(s.cfg.Lease/8, time.Second), 10*time.Millisecond), handedOut: s.obs.handedOut})
 	}
-	completer := newCompleter(s.pool, s.q, &s.cfg, topic, reports)
+	completer := newCompleter(s.pool, s.q, &s.cfg, topic, s.isolate, reports)
 	sub.runners = runners{
 		completer: completer,
 		ender:     &batchEnder{q: s.q, cfg: &s.cfg, topic: topic, stmtCtx: completer.stmtCtx},
-		claimer:   &claimer{pool: s.pool, q: s.q, cfg: &s.cfg, topic: topic, stop: sub.events.signals.stopCtx},
+		claimer:   &claimer{pool: s.pool, q: s.q, cfg: &s.cfg, topic: topic, isolate: s.isolate, stop: sub.events.signals.stopCtx},
 	}
 	return sub
 }

@@ -163,7 +163,7 @@ func (e sqlDB) Query(ctx context.Context, q string, args ...any) (Rows, error) {
 }
 func (sqlDB) InTx() bool { return false }
 func (e sqlDB) begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error) {
-	t, err := e.db.BeginTx(ctx, nil)
+	t, err := e.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -315,7 +315,7 @@ func (r *batchRows) Err() error {
 
 func (r *batchRows) Close() { _ = r.end() }
 func (e pgxPool) begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error) {
-	t, err := e.pool.Begin(ctx)
+	t, err := e.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -349,6 +349,12 @@ func mapErr(err error) error {
 // caller's transaction, fn runs in it and nothing is committed here. When
 // exec owns a pool, a transaction is begun, committed if fn returns nil and
 // rolled back otherwise. An Executor of another kind runs fn directly.
+//
+// The transaction it begins is READ COMMITTED whatever the database's or
+// role's default_transaction_isolation: pgoutbox's statements are written
+// for it (a row another transaction changed meanwhile is read anew, where
+// REPEATABLE READ fails with a serialization error, as concurrent
+// Subscribes binding one topic did).
 func RunInTx(ctx context.Context, exec Executor, fn func(Executor) error) (err error) {
 	b, ok := exec.(beginner)
 	if exec.InTx() || !ok {

@@ -914,3 +914,36 @@ func TestFirstBindingOfSeveralGroupsKeepsEachKeysOrderInEveryGroup(t *testing.T)
 		})
 	}
 }
+
+// A renamed group's dead letters take its new name: the runbook's requeue
+// gives them back to the renamed group, not to the old, unbound name.
+func TestARenamedGroupsDeadLettersGoBackToIt(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	topic := "rename-dlq-" + watermill.NewShortUUID()
+	subOld := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ConsumerGroup = "old" })
+	chOld, err := subOld.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	require.NoError(t, b.poolPublisher(t).Publish(topic, newMsg("x")))
+	m := receive(t, chOld, 10*time.Second)
+	require.Error(t, pgoutbox.Reject(m, "bad"))
+	m.Nack()
+	pollUntil(t, "the message dead-lettered", 10*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq WHERE topic = $1`, topic) == 1
+	})
+	require.NoError(t, subOld.Close())
+
+	_, err = pgoutbox.RenameGroup(ctx, exec, b.tables, topic, "old", "new")
+	require.NoError(t, err)
+	n, err := pgoutbox.RequeueDeadLettersMatching(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Topic: topic})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	subNew := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ConsumerGroup = "new" })
+	chNew, err := subNew.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	got := receive(t, chNew, 10*time.Second)
+	require.Equal(t, "x", string(got.Payload))
+	got.Ack()
+}

@@ -275,7 +275,7 @@ func TestRenameGroupWithTheDocumentedGrants(t *testing.T) {
 	_, err := pgoutbox.RenameGroup(ctx, tx.FromPgxPool(narrow), b.tables, "orders", "billing", "invoicing")
 	require.ErrorContains(t, err, "permission denied")
 	renamer := b.loginRole(t, "renamer", append(subscriberGrants,
-		`GRANT UPDATE ON %s.outbox_bindings TO %r`, `GRANT UPDATE, DELETE ON %s.outbox_paused TO %r`)...)
+		`GRANT UPDATE ON %s.outbox_bindings, %s.outbox_dlq TO %r`, `GRANT UPDATE, DELETE ON %s.outbox_paused TO %r`)...)
 	moved, err := pgoutbox.RenameGroup(ctx, tx.FromPgxPool(renamer), b.tables, "orders", "billing", "invoicing")
 	require.NoError(t, err)
 	require.EqualValues(t, 2, moved)

@@ -10,6 +10,7 @@ type GroupStatements struct {
 	Rename        string
 	RenameUnpause string
 	RenamePause   string
+	RenameDLQ     string // "" without a dead-letter table
 	Purge         string
 	Cancel        string
 }
@@ -33,6 +34,9 @@ func buildGroups(n Names) GroupStatements {
 		Rename:        fmt.Sprintf(`UPDATE %s SET consumer_group = $3 WHERE topic = $1 AND consumer_group = $2`, n.QBindings),
 		RenameUnpause: fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2`, n.QPaused()),
 		RenamePause:   fmt.Sprintf(`UPDATE %s SET consumer_group = $3 WHERE topic = $1 AND consumer_group = $2`, n.QPaused()),
+		// RenameDLQ (as Rename): the group's dead letters are the new
+		// name's, so a requeue gives them back to a bound group.
+		RenameDLQ: renameDLQ(n),
 		Purge: fmt.Sprintf(`DELETE FROM %s WHERE topic = $1 AND consumer_group = $2
    AND (lease_token IS NULL OR leased_until < now())`, t),
 
@@ -65,4 +69,11 @@ WITH RECURSIVE grp(g) AS (
 )
 SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM copies)`, t),
 	}
+}
+
+func renameDLQ(n Names) string {
+	if n.QDLQ == "" {
+		return ""
+	}
+	return fmt.Sprintf(`UPDATE %s SET consumer_group = $3 WHERE topic = $1 AND consumer_group = $2`, n.QDLQ)
 }

@@ -626,6 +626,8 @@ func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topi
 // waits (up to 10 s, or ctx) for the publishes that were in flight, which
 // may still store copies under the old name, and moves the old name's
 // waiting rows to the new one (MoveGroup). It returns how many rows moved.
+// The group's dead letters take the new name with the binding, so a
+// requeue gives them back to the renamed group.
 //
 // Start the new name's subscribers once it returns; stop the old name's
 // before (their rows leased now stay with their delivery, and one they
@@ -670,7 +672,12 @@ func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, to
 		if _, err := e.Exec(ctx, q.RenameUnpause, topic, to); err != nil {
 			return err
 		}
-		_, err = e.Exec(ctx, q.RenamePause, topic, from, to)
+		if _, err := e.Exec(ctx, q.RenamePause, topic, from, to); err != nil {
+			return err
+		}
+		if q.RenameDLQ != "" {
+			_, err = e.Exec(ctx, q.RenameDLQ, topic, from, to)
+		}
 		return err
 	})
 	switch {

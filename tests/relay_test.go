@@ -395,3 +395,43 @@ func TestRelayOneFailingTopicPacesItselfAlone(t *testing.T) {
 	require.LessOrEqual(t, p.bad.Load(), int32(24), "the failing topic's pauses grow despite the other's successes")
 	pollUntil(t, "the good topic relayed", 10*time.Second, nil, func() bool { return b.outboxRows(t, "good") == 0 })
 }
+
+// refusingPublisher refuses every batch that holds the message it refuses
+// (as a broker refuses a message over its size limit) and passes the
+// others to target.
+type refusingPublisher struct {
+	target  message.Publisher
+	refused string
+	tries   atomic.Int32
+}
+
+func (p *refusingPublisher) Publish(topic string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		if m.UUID == p.refused {
+			p.tries.Add(1)
+			return errors.New("nats: maximum payload exceeded")
+		}
+	}
+	return p.target.Publish(topic, msgs...)
+}
+
+func (p *refusingPublisher) Close() error { return nil }
+
+// A message the target refuses for good holds back no other message: the
+// ones published beside it, in its batch or not, reach the target.
+func TestRelayARefusedMessageHoldsBackNoOther(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	targetTables, target := b.relayTarget(t)
+	const n = 300
+	msgs := newMsgs(n)
+	refusing := &refusingPublisher{target: target, refused: msgs[50].UUID}
+	require.NoError(t, b.poolPublisher(t).Publish("orders", msgs...))
+	b.startRelay(t, refusing, nil)
+	qt := pgx.Identifier{targetTables.Schema, targetTables.Table}.Sanitize()
+	pollUntil(t, "every other message relayed", 30*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(DISTINCT uuid) FROM `+qt) == n-1
+	})
+	require.Equal(t, 1, b.outboxRows(t, "orders"), "the refused message stays in the outbox")
+	require.Positive(t, refusing.tries.Load())
+}

@@ -115,3 +115,20 @@ func TestSQLQueryerNil(t *testing.T) {
 	err = publishIn(t, env, nil, "nil", newMessages("n")...)
 	require.ErrorContains(t, err, "FromSQLQueryer was given a nil")
 }
+
+// An *sql.DB given as a SQLQueryer (a sqlc DBTX before WithTx) is a pool,
+// as FromSQLDB's: NewContextPublisher takes it (it refused it as "not a
+// transaction"), and Publishers bound their statements with it.
+func TestSQLQueryerGivenAPool(t *testing.T) {
+	env := pgoutboxtest.PubSub(t)
+	var q tx.SQLQueryer = libpq(t, env)
+	exec := tx.FromSQLQueryer(q)
+	require.False(t, exec.InTx(), "a pool, not a transaction")
+	pub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: env.Tables}, nil)
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish("pooled", newMessages("a")...))
+	require.NoError(t, pub.Close())
+	_, err = pgoutbox.NewContextPublisher(exec, pgoutbox.PublisherConfig{Tables: env.Tables}, nil)
+	require.NoError(t, err, "the pool NewContextPublisher publishes through without a transaction")
+	require.Len(t, env.Drain(t, "pooled", 1, 20*time.Second), 1)
+}

@@ -104,13 +104,19 @@ type SQLQueryer interface {
 // with PrepareStmt; an *sqlx.Tx, a bun.Tx, or an *sql.Conn on which the
 // caller ran BEGIN. Any PostgreSQL driver serves, as for FromSQLTx. q must
 // be bound to a transaction: pgoutbox takes it for one (InTx is true), and
-// never begins, commits or rolls back; for a pool, use FromSQLDB.
+// never begins, commits or rolls back; for a pool, use FromSQLDB. Given an
+// *sql.DB (a sqlc DBTX before WithTx holds one), it returns FromSQLDB's
+// Executor: a pool taken for a transaction would have a Publisher
+// ignore its StatementTimeout and refuse every Publish once closed.
 func FromSQLQueryer(q SQLQueryer) Executor {
 	if q == nil {
 		return nilHandle{"FromSQLQueryer", "SQLQueryer", true}
 	}
 	if v := reflect.ValueOf(q); v.Kind() == reflect.Pointer && v.IsNil() {
 		return nilHandle{"FromSQLQueryer", fmt.Sprintf("%T", q), true}
+	}
+	if db, ok := q.(*sql.DB); ok {
+		return FromSQLDB(db)
 	}
 	return sqlTx{q}
 }

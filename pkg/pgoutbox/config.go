@@ -312,7 +312,9 @@ type SubscriberConfig struct {
 	AutoInitializeSchema bool
 
 	// Observer receives events the Router cannot see (claims, lease losses,
-	// ...). It must not block. Defaults to none.
+	// ...), on a goroutine of the Subscriber's, in order. It must not block:
+	// Close waits for its queue at most DrainTimeout (at least a second)
+	// after the drain, and drops what is left. Defaults to none.
 	Observer Observer
 }
 

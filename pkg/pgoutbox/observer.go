@@ -2,6 +2,7 @@ package pgoutbox
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -121,6 +122,9 @@ type eventQueue struct {
 	closed  bool
 	wake    chan struct{}
 	done    chan struct{}
+	// abandon is set when close stopped waiting: the goroutine drops
+	// what is left instead of observing it.
+	abandon atomic.Bool
 }
 
 func newEventQueue(obs safeObserver) *eventQueue {
@@ -156,8 +160,12 @@ func (e *eventQueue) observe(ev Event) {
 	}
 }
 
-// close delivers what is queued and stops the goroutine.
-func (e *eventQueue) close() {
+// close delivers what is queued, waiting at most within, and stops the
+// goroutine. What a slow Observer has not taken by then is dropped (and
+// counted in a log line): Close must not wait for a queue of up to
+// maxQueuedEvents at the Observer's pace (20 ms an event is 22 minutes).
+// An Observe call under way may still return after close.
+func (e *eventQueue) close(within time.Duration) {
 	e.mu.Lock()
 	e.closed = true
 	started := e.started
@@ -169,7 +177,13 @@ func (e *eventQueue) close() {
 	case e.wake <- struct{}{}:
 	default:
 	}
-	<-e.done
+	t := time.NewTimer(within)
+	defer t.Stop()
+	select {
+	case <-e.done:
+	case <-t.C:
+		e.abandon.Store(true)
+	}
 }
 
 func (e *eventQueue) run() {
@@ -184,7 +198,14 @@ func (e *eventQueue) run() {
 			if dropped > 0 {
 				e.obs.logger.Error("Observer too slow; events dropped", nil, watermill.LogFields{"dropped": dropped})
 			}
-			for _, ev := range batch {
+			for i, ev := range batch {
+				if e.abandon.Load() {
+					e.mu.Lock()
+					left := len(batch) - i + len(e.q)
+					e.mu.Unlock()
+					e.obs.logger.Error("Observer too slow at Close; the events it had not taken are dropped", nil, watermill.LogFields{"dropped": left})
+					return
+				}
 				e.obs.observe(ev)
 			}
 			clear(batch) // let go of the events' errors

@@ -3,6 +3,7 @@ package pgoutbox
 import (
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/stretchr/testify/require"
@@ -27,14 +28,47 @@ func TestEventQueueStartsWithItsFirstEvent(t *testing.T) {
 	t.Parallel()
 	idle := newEventQueue(safeObserver{o: &recordingObserver{}, logger: watermill.NopLogger{}})
 	require.False(t, idle.started)
-	idle.close() // returns without a goroutine to wait for
+	idle.close(time.Minute) // returns without a goroutine to wait for
 
 	rec := &recordingObserver{}
 	q := newEventQueue(safeObserver{o: rec, logger: watermill.NopLogger{}})
 	q.observe(Event{Kind: EventClaimed})
 	q.observe(Event{Kind: EventAcked})
 	require.True(t, q.started)
-	q.close()
+	q.close(time.Minute)
 	q.observe(Event{Kind: EventReleased})
 	require.Equal(t, []EventKind{EventClaimed, EventAcked}, rec.events)
+}
+
+// blockingObserver blocks in its first Observe until release is closed.
+type blockingObserver struct {
+	recordingObserver
+	release chan struct{}
+	once    sync.Once
+}
+
+func (b *blockingObserver) Observe(e Event) {
+	b.once.Do(func() { <-b.release })
+	b.recordingObserver.Observe(e)
+}
+
+// Close does not wait for a slow Observer to work through its queue: close
+// returns once its bound has passed, and the events not observed by then
+// are dropped, with a log line that counts them.
+func TestEventQueueCloseIsBounded(t *testing.T) {
+	t.Parallel()
+	obs := &blockingObserver{release: make(chan struct{})}
+	logs := watermill.NewCaptureLogger()
+	q := newEventQueue(safeObserver{o: obs, logger: logs})
+	for range 10 {
+		q.observe(Event{Kind: EventAcked})
+	}
+	q.close(10 * time.Millisecond) // the Observer is stuck in its first event: returns all the same
+	close(obs.release)
+	<-q.done
+	obs.mu.Lock()
+	defer obs.mu.Unlock()
+	require.Less(t, len(obs.events), 10, "the queue was not worked through after close gave up")
+	require.True(t, logs.Has(watermill.CapturedMessage{Level: watermill.ErrorLogLevel,
+		Msg: "Observer too slow at Close; the events it had not taken are dropped", Fields: watermill.LogFields{"dropped": 9}}))
 }

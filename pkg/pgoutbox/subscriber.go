@@ -374,7 +374,9 @@ func (s *Subscriber) Close() error {
 	s.mu.Unlock()
 	s.subs.Wait()
 	if first {
-		s.obs.close()
+		// The Observer's queue gets, after the drain, as long as the drain
+		// may take, at least a second.
+		s.obs.close(max(s.cfg.DrainTimeout, time.Second))
 		s.mu.Lock()
 		n := s.notifier
 		s.notifier = nil

@@ -64,7 +64,7 @@ func setup(t *testing.T, mod func(*SubscriberConfig)) *testBundle {
 	}
 	s, err := NewSubscriber(pool, cfg, nil)
 	require.NoError(t, err)
-	t.Cleanup(s.obs.close)
+	t.Cleanup(func() { s.obs.close(time.Minute) })
 	// A notifier that never connects: liveness unknown, no wake-ups.
 	n := notifier.Acquire(pool, s.logger)
 	t.Cleanup(n.Release)
@@ -74,7 +74,7 @@ func setup(t *testing.T, mod func(*SubscriberConfig)) *testBundle {
 // eventCount counts the events of a kind reported so far: it lets the
 // Subscriber's event goroutine deliver everything first (closing it).
 func (b *testBundle) eventCount(k EventKind) int {
-	b.sub.s.obs.close()
+	b.sub.s.obs.close(time.Minute)
 	return b.events.count(k)
 }
 

@@ -375,6 +375,20 @@ func TestCQRSBindWithASharedCommandSubscriber(t *testing.T) {
 	require.NoError(t, commands.AddHandlers(handlers...))
 	startRouter(t, r)
 	pollUntil(t, "the command handled", 20*time.Second, nil, func() bool { return handled.distinct() == 1 })
+
+	// Two event handlers of one event sharing that subscriber would
+	// compete for its events, each getting some: refused, saying why.
+	_, eventsCfg := b.cqrsConfigs()
+	eventsCfg.SubscriberConstructor = func(cqrs.EventProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+		return shared, nil
+	}
+	twice := []cqrs.EventHandler{
+		cqrs.NewEventHandler("invoice", func(context.Context, *roomBooked) error { return nil }),
+		cqrs.NewEventHandler("mail", func(context.Context, *roomBooked) error { return nil }),
+	}
+	err = cqrsbind.Events(ctx, eventsCfg, twice)
+	require.ErrorContains(t, err, `handlers "invoice" and "mail" subscribe topic`)
+	require.ErrorContains(t, err, "its own group")
 }
 
 // cqrsbind binds every handler group of a processor ahead of traffic

@@ -11,7 +11,9 @@
 // received so far (see pgoutbox.BindGroups). The subscribers are not
 // closed: one that never subscribed holds nothing (no goroutine, no
 // connection), and SubscriberConstructor may return a subscriber the
-// application shares between handlers, as Watermill's CQRS examples do.
+// application shares between handlers of different topics, as Watermill's
+// CQRS examples do. Two handlers of one topic with one consumer group are
+// refused: they would compete for its messages, each getting some.
 //
 //	eventsConfig := cqrs.EventProcessorConfig{GenerateSubscribeTopic: ..., SubscriberConstructor: ..., Marshaler: ...}
 //	handlers := []cqrs.EventHandler{invoice, notification, statistics}
@@ -113,9 +115,12 @@ func Commands(ctx context.Context, config cqrs.CommandProcessorConfig, handlers 
 type binder struct {
 	topics []string
 	subs   map[string][]*pgoutbox.Subscriber
+	owner  map[[2]string]string // (topic, group) -> the handler that subscribes it
 }
 
-func newBinder() *binder { return &binder{subs: map[string][]*pgoutbox.Subscriber{}} }
+func newBinder() *binder {
+	return &binder{subs: map[string][]*pgoutbox.Subscriber{}, owner: map[[2]string]string{}}
+}
 
 func (b *binder) add(topic, handler string, sub message.Subscriber, err error) error {
 	if err != nil {
@@ -125,6 +130,16 @@ func (b *binder) add(topic, handler string, sub message.Subscriber, err error) e
 	if !ok {
 		return fmt.Errorf("pgoutbox/cqrsbind: the subscriber of handler %q is a %T, not a *pgoutbox.Subscriber; return the pgoutbox subscriber itself from SubscriberConstructor", handler, sub)
 	}
+	// Two handlers of one topic in one group compete for its messages:
+	// each gets some, and a processor acks and drops one meant for
+	// another handler. A shared subscriber serves handlers of different
+	// topics only.
+	key := [2]string{topic, ps.ConsumerGroup()}
+	if other, ok := b.owner[key]; ok && other != handler {
+		return fmt.Errorf("pgoutbox/cqrsbind: handlers %q and %q subscribe topic %q in one consumer group %q, so each message would reach one of them only; "+
+			"give each handler a subscriber of its own group (SubscriberConfig.ConsumerGroup: the handler name)", other, handler, topic, ps.ConsumerGroup())
+	}
+	b.owner[key] = handler
 	if _, seen := b.subs[topic]; !seen {
 		b.topics = append(b.topics, topic)
 	}

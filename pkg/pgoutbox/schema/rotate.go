@@ -180,6 +180,23 @@ func rotateStep(ctx context.Context, e tx.Executor, q query.RotationStatements, 
 			return err
 		}
 	}
+	// Before its window is over, the ring advances only from a partition
+	// that took rows and holds none: its space can be freed at once.
+	// Decided before the TRUNCATE, whose lock is held until the commit.
+	mayAdvance := true
+	if !nextBusy && age < window {
+		busy, err := occupied(cur)
+		if err != nil {
+			return err
+		}
+		var size int64
+		if !busy {
+			if err := scanOne(ctx, e, q.Size[cur], nil, &size); err != nil {
+				return err
+			}
+		}
+		mayAdvance = !busy && size > 0
+	}
 	// At most one TRUNCATE a step: the next partition's, else the
 	// previous one's (which is the next one after the advance).
 	nextEmpty, tried := false, false
@@ -199,20 +216,8 @@ func rotateStep(ctx context.Context, e tx.Executor, q query.RotationStatements, 
 			}
 		}
 	}
-	if !nextEmpty {
-		return nil // the next partition still holds rows, or kept its lock
-	}
-	if age < window {
-		// Before its window is over, the ring advances only from a
-		// partition that took rows and holds none: its space can be freed
-		// at once.
-		if busy, err := occupied(cur); err != nil || busy {
-			return err
-		}
-		var size int64
-		if err := scanOne(ctx, e, q.Size[cur], nil, &size); err != nil || size == 0 {
-			return err
-		}
+	if !nextEmpty || !mayAdvance {
+		return nil // the next partition still holds rows or kept its lock, or the current one's window goes on
 	}
 	if err := scanOne(ctx, e, q.Advance, []any{cur}, new(int64)); err != nil {
 		return err
@@ -252,28 +257,19 @@ func truncateNow(ctx context.Context, e tx.Executor, q query.RotationStatements,
 	if _, err := e.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", timeout.Milliseconds())); err != nil {
 		return false, err
 	}
-	if _, err := e.Exec(ctx, q.LockGeneration[g]); err != nil {
-		if isLockTimeout(err) {
+	// The lock, the look again under it (a publisher that read the
+	// generation just before an advance may have committed into g since)
+	// and the TRUNCATE, in one statement. The savepoint stays: the commit
+	// that follows commits it, one round trip less under the lock.
+	if _, err := e.Exec(ctx, q.TruncateIfEmpty[g]); err != nil {
+		switch {
+		case isLockTimeout(err):
 			res.LockTimeouts++
 			return false, undo()
+		case errtext.SQLState(err) == "P0001" && strings.Contains(err.Error(), query.RotateOccupied):
+			return false, undo()
 		}
-		return false, fmt.Errorf("lock %s: %w", n.Generations[g], err)
-	}
-	// Again under the lock, with a fresh snapshot (READ COMMITTED): a
-	// publisher that read the generation just before an advance may have
-	// committed into g since.
-	var again bool
-	if err := scanOne(ctx, e, q.Occupied[g], nil, &again); err != nil {
-		return false, err
-	}
-	if again {
-		return false, undo()
-	}
-	if _, err := e.Exec(ctx, q.Truncate[g]); err != nil {
 		return false, fmt.Errorf("truncate %s: %w", n.Generations[g], err)
-	}
-	if _, err := e.Exec(ctx, `RELEASE SAVEPOINT pgoutbox_truncate`); err != nil {
-		return false, err
 	}
 	res.Truncated = append(res.Truncated, n.Generations[g])
 	return true, nil

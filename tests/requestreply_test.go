@@ -1,0 +1,96 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/components/cqrs"
+	"github.com/ThreeDotsLabs/watermill/components/requestreply"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// Watermill's request/reply (components/requestreply) as docs/consumer-
+// groups.md sets it up: a reply topic per operation, read by one shared
+// subscriber, unbound (with what is left in it) once the operation has
+// its reply. Concurrent requests each get their own reply, and nothing of
+// them stays behind: no binding, no row.
+func TestRequestReplyWithATopicPerOperation(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	pub, err := pgoutbox.NewContextPublisher(exec, pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	replies := b.subscriber(t, nil) // shared by every waiting request
+	commands := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ConsumerGroup = "book_room"; c.MaxInFlight = 8 })
+
+	replyTopic := func(op requestreply.OperationID) string { return "reply." + string(op) }
+	timeout := 20 * time.Second
+	backend, err := requestreply.NewPubSubBackend[string](requestreply.PubSubBackendConfig{
+		Publisher: pub,
+		SubscriberConstructor: func(requestreply.PubSubBackendSubscribeParams) (message.Subscriber, error) {
+			return replies, nil
+		},
+		GenerateSubscribeTopic: func(p requestreply.PubSubBackendSubscribeParams) (string, error) { return replyTopic(p.OperationID), nil },
+		GeneratePublishTopic:   func(p requestreply.PubSubBackendPublishParams) (string, error) { return replyTopic(p.OperationID), nil },
+		OnListenForReplyFinished: func(ctx context.Context, p requestreply.PubSubBackendSubscribeParams) {
+			_, err := pgoutbox.Unbind(context.WithoutCancel(ctx), exec, b.tables, replyTopic(p.OperationID), "", true)
+			if err != nil {
+				t.Errorf("unbind the reply topic: %v", err)
+			}
+		},
+		ListenForReplyTimeout: &timeout,
+	}, requestreply.BackendPubsubJSONMarshaler[string]{})
+	require.NoError(t, err)
+
+	marshaler := cqrs.JSONMarshaler{}
+	bus, err := cqrs.NewCommandBusWithConfig(pub, cqrs.CommandBusConfig{
+		GeneratePublishTopic: func(cqrs.CommandBusGeneratePublishTopicParams) (string, error) { return "commands.book_room", nil },
+		Marshaler:            marshaler,
+	})
+	require.NoError(t, err)
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	processor, err := cqrs.NewCommandProcessorWithConfig(r, cqrs.CommandProcessorConfig{
+		GenerateSubscribeTopic: func(cqrs.CommandProcessorGenerateSubscribeTopicParams) (string, error) { return "commands.book_room", nil },
+		SubscriberConstructor:  func(cqrs.CommandProcessorSubscriberConstructorParams) (message.Subscriber, error) { return commands, nil },
+		Marshaler:              marshaler,
+	})
+	require.NoError(t, err)
+	require.NoError(t, processor.AddHandlers(requestreply.NewCommandHandlerWithResult[bookRoom, string]("book_room", backend,
+		func(_ context.Context, c *bookRoom) (string, error) { return "booked " + c.Room, nil })))
+	startRouter(t, r)
+
+	const requests = 10
+	var wg sync.WaitGroup
+	got := make([]string, requests)
+	for i := range requests {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			reply, err := requestreply.SendWithReply[string](ctx, bus, backend, &bookRoom{Room: fmt.Sprint(i)})
+			if err != nil {
+				t.Errorf("request %d: %v", i, err)
+				return
+			}
+			got[i] = reply.HandlerResult
+		}()
+	}
+	wg.Wait()
+	for i, g := range got {
+		require.Equal(t, fmt.Sprint("booked ", i), g, "request %d has its own reply", i)
+	}
+	pollUntil(t, "the reply topics unbound and empty", 10*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE topic LIKE 'reply.%'`) == 0 &&
+			b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic LIKE 'reply.%'`) == 0
+	})
+}

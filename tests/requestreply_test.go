@@ -40,8 +40,10 @@ func TestRequestReplyWithATopicPerOperation(t *testing.T) {
 		SubscriberConstructor: func(requestreply.PubSubBackendSubscribeParams) (message.Subscriber, error) {
 			return replies, nil
 		},
-		GenerateSubscribeTopic: func(p requestreply.PubSubBackendSubscribeParams) (string, error) { return replyTopic(p.OperationID), nil },
-		GeneratePublishTopic:   func(p requestreply.PubSubBackendPublishParams) (string, error) { return replyTopic(p.OperationID), nil },
+		GenerateSubscribeTopic: func(p requestreply.PubSubBackendSubscribeParams) (string, error) {
+			return replyTopic(p.OperationID), nil
+		},
+		GeneratePublishTopic: func(p requestreply.PubSubBackendPublishParams) (string, error) { return replyTopic(p.OperationID), nil },
 		OnListenForReplyFinished: func(ctx context.Context, p requestreply.PubSubBackendSubscribeParams) {
 			_, err := pgoutbox.Unbind(context.WithoutCancel(ctx), exec, b.tables, replyTopic(p.OperationID), "", true)
 			if err != nil {
@@ -61,9 +63,13 @@ func TestRequestReplyWithATopicPerOperation(t *testing.T) {
 	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	require.NoError(t, err)
 	processor, err := cqrs.NewCommandProcessorWithConfig(r, cqrs.CommandProcessorConfig{
-		GenerateSubscribeTopic: func(cqrs.CommandProcessorGenerateSubscribeTopicParams) (string, error) { return "commands.book_room", nil },
-		SubscriberConstructor:  func(cqrs.CommandProcessorSubscriberConstructorParams) (message.Subscriber, error) { return commands, nil },
-		Marshaler:              marshaler,
+		GenerateSubscribeTopic: func(cqrs.CommandProcessorGenerateSubscribeTopicParams) (string, error) {
+			return "commands.book_room", nil
+		},
+		SubscriberConstructor: func(cqrs.CommandProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+			return commands, nil
+		},
+		Marshaler: marshaler,
 	})
 	require.NoError(t, err)
 	require.NoError(t, processor.AddHandlers(requestreply.NewCommandHandlerWithResult[bookRoom, string]("book_room", backend,

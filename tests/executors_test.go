@@ -345,10 +345,18 @@ func TestPublishNoMessages(t *testing.T) {
 // (here waiting for a dedup key another transaction holds) until the
 // cancel request reached it, and committed it when that transaction
 // rolled back first (10 of 10 times with the rollback right after the
-// error). The server now bounds it, and the error says so.
+// error; through database/sql 8 of 9). The server now bounds it, through
+// either kind of pool, and the error says so.
 func TestAPoolPublishThatTimedOutWroteNothing(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
+	pools := map[string]tx.Executor{"pgx": tx.FromPgxPool(b.Pool), "database/sql": tx.FromSQLDB(b.sqlDB(t))}
+	for name, pool := range pools {
+		t.Run(name, func(t *testing.T) { publishTimedOutWroteNothing(t, b, pool) })
+	}
+}
+
+func publishTimedOutWroteNothing(t *testing.T, b *bundle, pool tx.Executor) {
 	ctx := context.Background()
 	for i := range 5 {
 		holder, err := b.Pool.Begin(ctx)
@@ -360,7 +368,7 @@ func TestAPoolPublishThatTimedOutWroteNothing(t *testing.T) {
 		pgoutbox.WithDedupKey(first, "x")
 		require.NoError(t, held.Publish("t", first))
 
-		pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables, StatementTimeout: 200 * time.Millisecond}, nil)
+		pub, err := pgoutbox.NewPublisher(pool, pgoutbox.PublisherConfig{Tables: b.tables, StatementTimeout: 200 * time.Millisecond}, nil)
 		require.NoError(t, err)
 		late := newMsg("timed out")
 		pgoutbox.WithDedupKey(late, "x")

@@ -31,12 +31,10 @@ type PublisherConfig struct {
 	// published after the handler's context timed out (Watermill's
 	// middleware.Timeout), must still be written. A Publish in your
 	// transaction follows the message's context, like your other
-	// statements. Through a pgx pool the server enforces it (the
-	// statement's transaction sets statement_timeout), so a Publish that
-	// returns its timeout wrote nothing; through database/sql only the
-	// client's deadline does, and after one the server may still commit
-	// the Publish: give messages you publish again a dedup key. Defaults
-	// to 10s.
+	// statements. The server enforces it (the statement's transaction
+	// sets statement_timeout: in the statement's round trip through a pgx
+	// pool, in three more through database/sql), so a Publish that
+	// returns its timeout wrote nothing. Defaults to 10s.
 	StatementTimeout time.Duration
 	// NotifyCooldown spaces the wake-ups a process sends for one topic:
 	// a Publish sends a NOTIFY (which wakes idle subscribers at once) only

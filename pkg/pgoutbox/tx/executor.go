@@ -176,6 +176,110 @@ func (e sqlDB) begin(ctx context.Context) (Executor, func(context.Context) error
 	return sqlTx{t}, func(context.Context) error { return t.Commit() }, func(context.Context) error { return t.Rollback() }, nil
 }
 
+// BoundedByServer is pgxPool's for a database/sql pool: each statement runs
+// in a transaction of its own after a set_config of its statement_timeout.
+// database/sql sends no batch, so that is four round trips (BEGIN, the
+// setting, the statement, COMMIT) where a pgx pool takes one: the price of
+// an error that means nothing was written.
+func (e sqlDB) BoundedByServer(d time.Duration) Executor {
+	return sqlServerBounded{db: e.db, timeout: fmt.Sprintf("%dms", max(d.Milliseconds(), 1))}
+}
+
+// sqlServerBounded runs each statement as serverBounded does, in a
+// database/sql transaction.
+type sqlServerBounded struct {
+	db      *sql.DB
+	timeout string
+}
+
+func (e sqlServerBounded) begin(ctx context.Context) (*sql.Tx, error) {
+	t, err := e.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return nil, mapErr(err)
+	}
+	if _, err := t.ExecContext(ctx, "SELECT set_config('statement_timeout', $1, true)", e.timeout); err != nil {
+		_ = t.Rollback()
+		return nil, mapErr(err)
+	}
+	return t, nil
+}
+
+func (e sqlServerBounded) Exec(ctx context.Context, q string, args ...any) (int64, error) {
+	t, err := e.begin(ctx)
+	if err != nil {
+		return 0, err
+	}
+	n, err := sqlExec(ctx, t, q, args)
+	if err != nil {
+		_ = t.Rollback()
+		return 0, err
+	}
+	if err := t.Commit(); err != nil {
+		return 0, mapErr(err)
+	}
+	return n, nil
+}
+
+func (e sqlServerBounded) Query(ctx context.Context, q string, args ...any) (Rows, error) {
+	t, err := e.begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	rows, err := sqlQuery(ctx, t, q, args)
+	if err != nil {
+		_ = t.Rollback()
+		return nil, err
+	}
+	return &sqlTxRows{Rows: rows, tx: t}, nil
+}
+
+func (sqlServerBounded) InTx() bool { return false }
+
+// sqlTxRows are the rows of sqlServerBounded's statement: Err, after the
+// rows, reports the transaction's commit too, and Close ends it.
+type sqlTxRows struct {
+	Rows
+	tx     *sql.Tx
+	done   bool // Next returned false
+	closed bool
+	err    error
+}
+
+func (r *sqlTxRows) Next() bool {
+	if r.Rows.Next() {
+		return true
+	}
+	r.done = true
+	return false
+}
+
+func (r *sqlTxRows) end() error {
+	if r.closed {
+		return r.err
+	}
+	r.closed = true
+	r.Rows.Close()
+	if err := r.Rows.Err(); err != nil {
+		_ = r.tx.Rollback()
+		r.err = err
+		return err
+	}
+	r.err = mapErr(r.tx.Commit())
+	return r.err
+}
+
+func (r *sqlTxRows) Err() error {
+	if err := r.Rows.Err(); err != nil {
+		return err
+	}
+	if !r.done {
+		return nil // not read to its end: the commit is yet to come
+	}
+	return r.end()
+}
+
+func (r *sqlTxRows) Close() { _ = r.end() }
+
 type sqlRows struct{ *sql.Rows }
 
 func (r sqlRows) Close() { _ = r.Rows.Close() }

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // A database or role whose default_transaction_isolation is REPEATABLE
@@ -77,4 +78,32 @@ func TestCompetingSubscribersUnderARepeatableReadDefault(t *testing.T) {
 		})
 		require.Empty(t, failed, "the subscribers' statements ran READ COMMITTED")
 	})
+}
+
+// A read-only server or role (default_transaction_read_only, a standby
+// reached after a failover) fails Publish and Subscribe with "cannot
+// execute SELECT in a read-only transaction", which sent people looking at
+// the query: the errors say what it means and what to do.
+func TestAReadOnlyServerIsNamedAsSuch(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(b.DSN)
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	err = pub.Publish("ro", newMsg("x"))
+	require.ErrorContains(t, err, "25006")
+	require.ErrorContains(t, err, "default_transaction_read_only is on for this role or database, or the connection reached a standby")
+
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	_, err = sub.Subscribe(ctx, "ro")
+	require.ErrorContains(t, err, "connect to the primary")
 }

@@ -52,8 +52,9 @@ const pgbouncerHint = " (behind PgBouncer in transaction pooling mode, set defau
 // WithHint returns err with the likely cause appended when it is a server
 // error whose message alone would not tell it: a prepared statement that
 // does not exist (26000) or exists already (42P05), a statement the
-// server's statement_timeout cancelled (57014). Other errors, and nil,
-// come back as they are.
+// server's statement_timeout cancelled (57014), a read-only server or role
+// (25006), an index entry too long (54000). Other errors, and nil, come
+// back as they are.
 func WithHint(err error) error {
 	h := Hint(err)
 	if h == "" || strings.Contains(err.Error(), h) {
@@ -77,9 +78,22 @@ func Hint(err error) string {
 		// bound (a context) cancels with that. Nor a statement pgoutbox
 		// bounded on the server itself: its error names StatementTimeout.
 		return statementTimeoutHint
+	case code == "25006":
+		return readOnlyHint
+	case code == "54000" && strings.Contains(err.Error(), "index row size"):
+		return indexRowHint
 	}
 	return ""
 }
+
+// readOnlyHint is what "cannot execute ... in a read-only transaction"
+// means where pgoutbox writes: "SELECT" in it (a statement that writes
+// through a CTE) sent people looking at the query.
+const readOnlyHint = " (the server ran the statement read-only: default_transaction_read_only is on for this role or database, or the connection reached a standby; connect to the primary, or ALTER ROLE ... SET default_transaction_read_only = off, and reconnect)"
+
+// indexRowHint is what an index entry over PostgreSQL's limit means for
+// the outbox: a topic, consumer group and dedup or ordering key share one.
+const indexRowHint = " (a topic, consumer group and dedup or ordering key are stored in one index entry, which PostgreSQL limits to 2,704 bytes: shorten them, or hash the key)"
 
 // SQLState returns the SQLSTATE of the server error err wraps, from any
 // driver whose errors report it (pgx's *pgconn.PgError, lib/pq's

@@ -49,3 +49,13 @@ func TestWithHintNamesTheServersStatementTimeout(t *testing.T) {
 	own := fmt.Errorf("%w (StatementTimeout 30ms)", server)
 	require.NotContains(t, Errorf("pgoutbox: bind: %w", own).Error(), "ALTER ROLE", "a bound pgoutbox set on the server")
 }
+
+func TestWithHintNamesAReadOnlyServerAndALongIndexEntry(t *testing.T) {
+	t.Parallel()
+	ro := &pgconn.PgError{Code: "25006", Message: "cannot execute SELECT in a read-only transaction"}
+	require.Contains(t, Errorf("pgoutbox: publish: %w", ro).Error(), "default_transaction_read_only")
+	long := &pgconn.PgError{Code: "54000", Message: `index row size 3024 exceeds btree version 4 maximum 2704 for index "outbox_group_dedup_idx"`}
+	require.Contains(t, Errorf("pgoutbox: bind: %w", long).Error(), "shorten them, or hash the key")
+	other := &pgconn.PgError{Code: "54000", Message: "out of memory"}
+	require.NotContains(t, Errorf("pgoutbox: bind: %w", other).Error(), "hash the key")
+}

@@ -140,7 +140,7 @@ func (f DeadLetterFilter) args(limit pgtype.Int8) ([]any, error) {
 		return pgtype.Timestamptz{Time: t, Valid: !t.IsZero()}
 	}
 	if !f.FailedAfter.IsZero() && !f.FailedBefore.IsZero() && !f.FailedAfter.Before(f.FailedBefore) {
-		return nil, errorf("%w: DeadLetterFilter.FailedAfter (%s) is not before FailedBefore (%s); swap them or leave one zero", ErrInvalidConfig, f.FailedAfter, f.FailedBefore)
+		return nil, errorf("%w: DeadLetterFilter.FailedAfter (%s) is not before FailedBefore (%s); swap them or leave one zero", ErrInvalidConfig, f.FailedAfter.Round(0), f.FailedBefore.Round(0))
 	}
 	if f.After.ID < 0 || (f.After.ID != 0 && f.After.FailedAt.IsZero()) {
 		return nil, errorf("%w: DeadLetterFilter.After is not a cursor DeadLetters returned; pass DeadLetterPage.Next or the zero value", ErrInvalidConfig)

@@ -320,6 +320,9 @@ func TestRequeueMatchingKeepsTheTopicAsGiven(t *testing.T) {
 	require.Equal(t, 2, b.dlqCount(t), `the dead letters of "sp" stay`)
 	code, _ := b.get(t, "dead-letters?reason=%00")
 	require.Equal(t, http.StatusBadRequest, code, "a reason that cannot be one is refused, not a server error")
+	code, body := b.get(t, "dead-letter?id=abc")
+	require.Equal(t, http.StatusBadRequest, code)
+	require.Contains(t, body, "dead-letter id &#34;abc&#34; is not one", "an id given that is not one is not \"no id given\"")
 }
 
 // Delete one dead letter, then purge those older than an age.

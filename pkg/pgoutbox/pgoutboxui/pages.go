@@ -383,9 +383,13 @@ type deadLetterData struct {
 }
 
 func (ui *UI) deadLetterPage(w http.ResponseWriter, r *http.Request) error {
-	id, err := strconv.ParseInt(r.URL.Query().Get("id"), 10, 64)
-	if err != nil || id <= 0 {
+	given := r.URL.Query().Get("id")
+	id, err := strconv.ParseInt(given, 10, 64)
+	switch {
+	case given == "":
 		return badRequest("no dead-letter id given; open one from the dead letters")
+	case err != nil || id <= 0:
+		return badRequest("dead-letter id %q is not one: ids are whole numbers above 0; open one from the dead letters", given)
 	}
 	ls, err := ui.deadLettersByID(r.Context(), []int64{id})
 	if err != nil {

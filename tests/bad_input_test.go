@@ -144,16 +144,16 @@ func TestPublishBadInput(t *testing.T) {
 				return []*message.Message{m}
 			},
 			is:   pgoutbox.ErrInvalidMessage,
-			want: []string{"message 2", "dedup key is 3000 bytes long", "at most 1024", "hash"},
+			want: []string{"message 2", "dedup key is 3000 bytes long", "at most 512", "hash"},
 		},
 		"LongOrderingKey": {
 			bad: func() []*message.Message {
 				m := newMsg("bad")
-				pgoutbox.WithOrderingKey(m, randomKey(1025))
+				pgoutbox.WithOrderingKey(m, randomKey(513))
 				return []*message.Message{m}
 			},
 			is:   pgoutbox.ErrInvalidMessage,
-			want: []string{"message 2", "ordering key is 1025 bytes long", "at most 1024"},
+			want: []string{"message 2", "ordering key is 513 bytes long", "at most 512"},
 		},
 	} {
 		t.Run(name, func(t *testing.T) {
@@ -403,4 +403,32 @@ func TestPublishToAnOutboxOfAnEarlierVersionSaysToMigrate(t *testing.T) {
 		require.Contains(t, err.Error(), "pgoutbox schema migrate up", name)
 		require.Contains(t, err.Error(), "docs/upgrading.md", name)
 	}
+}
+
+// Keys, topics and groups at their limits fit the outbox's indexes
+// together, however little they compress: a message with both keys on a
+// topic of 1024 bytes, stored while nothing was bound, is adopted by a
+// group of 1024 bytes and delivered (a longer key made every Subscribe of
+// that group fail, and a Publish beside a bound group abort its
+// transaction).
+func TestKeysTopicsAndGroupsAtTheirLimitsFitTogether(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	topic, group := randomKey(1024), randomKey(1024)
+	m := newMsg("at the limits")
+	pgoutbox.WithDedupKey(m, randomKey(512))
+	pgoutbox.WithOrderingKey(m, randomKey(512))
+	require.NoError(t, b.poolPublisher(t).Publish(topic, m))
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ConsumerGroup = group })
+	ch, err := sub.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	got := receive(t, ch, 10*time.Second)
+	require.Equal(t, m.UUID, got.UUID)
+	got.Ack()
+
+	bound := newMsg("beside the bound group")
+	pgoutbox.WithDedupKey(bound, randomKey(512))
+	pgoutbox.WithOrderingKey(bound, randomKey(512))
+	require.NoError(t, b.poolPublisher(t).Publish(topic, bound))
+	require.Equal(t, bound.UUID, receive(t, ch, 10*time.Second).UUID)
 }

@@ -48,7 +48,7 @@ func DeliverAt(msg *message.Message, t time.Time) {
 // without error (PublishWithResult reports it). Once the message is
 // delivered and acked, or cancelled with CancelScheduled, the key is free
 // again. Use it for timers ("remind order 42") and idempotent publishing.
-// A key is at most 1024 bytes; Publish refuses a longer one.
+// A key is at most 512 bytes; Publish refuses a longer one.
 func WithDedupKey(msg *message.Message, key string) {
 	msg.Metadata.Set(dedupKeyKey, key)
 }
@@ -62,7 +62,7 @@ func WithDedupKey(msg *message.Message, key string) {
 // (and only its key) through its retries. A delayed message holds back the
 // later messages of its key until it is delivered. An empty key means no
 // key. PublisherConfig.GenerateOrderingKey sets keys for every message. A
-// key is at most 1024 bytes; Publish refuses a longer one.
+// key is at most 512 bytes; Publish refuses a longer one.
 func WithOrderingKey(msg *message.Message, key string) {
 	if key == "" {
 		delete(msg.Metadata, OrderingKeyMetadataKey)

@@ -30,9 +30,11 @@ const maxTopicLen = 1024
 
 // maxKeyLen bounds dedup and ordering keys. Each is an index entry with
 // its topic and group, and a btree entry may not exceed 2,704 bytes: a
-// longer key failed in the server and aborted the caller's transaction.
-// 1024 leaves room for long topic and group names.
-const maxKeyLen = 1024
+// longer one failed in the server and aborted the caller's transaction,
+// or, stored unbound, every Subscribe of a group that adopts it. With a
+// topic and a group at their limits (1024 bytes each) a 512-byte key
+// makes an entry of about 2,590 bytes, however little it compresses.
+const maxKeyLen = 512
 
 // Publisher writes messages into the outbox table through an Executor. Bound
 // to a transaction (tx.FromSQLTx, tx.FromPgxTx, NewTxPublisher), the messages

@@ -468,7 +468,8 @@ func TestDeadLetterPages(t *testing.T) {
 
 // A group filter with a mode other than "any" or "is" (a crafted or stale
 // form, a hand-written URL) was dropped silently, and "requeue all
-// matching" offered every dead letter; it is refused, as a bad reason is.
+// matching" offered every dead letter; it is refused, as a bad reason is
+// (which the confirmation offered to requeue too, as "0 rows").
 func TestUnknownGroupModeIsRefused(t *testing.T) {
 	t.Parallel()
 	b := setup(t, true)
@@ -477,6 +478,10 @@ func TestUnknownGroupModeIsRefused(t *testing.T) {
 	resp, body := b.post(t, "confirm", url.Values{"csrf": {b.csrf(t)}, "action": {"requeue-matching"},
 		"gmode": {"iss"}, "group": {"billing"}, "return": {"/ops/outbox/dead-letters"}})
 	require.Equal(t, http.StatusBadRequest, resp.StatusCode, "the confirmation offers: %s", body)
+	resp, body = b.post(t, "confirm", url.Values{"csrf": {b.csrf(t)}, "action": {"requeue-matching"},
+		"reason": {"bogus"}, "return": {"/ops/outbox/dead-letters"}})
+	require.Equal(t, http.StatusBadRequest, resp.StatusCode, "a reason no dead letter can have: the confirmation offers: %s", body)
+	require.Contains(t, body, "is not a failure reason")
 }
 
 // The purge confirmation for an age of 0 (every dead letter) read "failed

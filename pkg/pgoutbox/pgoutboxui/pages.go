@@ -3,6 +3,7 @@ package pgoutboxui
 import (
 	"net/http"
 	"net/url"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -249,6 +250,12 @@ func parseFilter(v url.Values) (dlFilter, error) {
 	d := dlFilter{Topic: v.Get("topic"), GroupMode: v.Get("gmode"), Group: v.Get("group"),
 		Reason: strings.TrimSpace(v.Get("reason")), After: v.Get("after"), Before: v.Get("before")}
 	d.f.Topic, d.f.Reason = d.Topic, d.Reason
+	// Checked here, not only where the rows are read: a confirmation of
+	// a requeue by a reason no dead letter can have offered to requeue
+	// "0 rows", which its Confirm then refused.
+	if reasons := []string{pgoutbox.ReasonMaxDeliveries, pgoutbox.ReasonRetryExhausted, pgoutbox.ReasonRejected, pgoutbox.ReasonPoisoned}; d.Reason != "" && !slices.Contains(reasons, d.Reason) {
+		return d, badRequest("%q is not a failure reason; use one of %s", d.Reason, strings.Join(reasons, ", "))
+	}
 	switch d.GroupMode {
 	case "is":
 		g := d.Group

@@ -961,3 +961,57 @@ func TestARenamedGroupsDeadLettersGoBackToIt(t *testing.T) {
 	require.Equal(t, "x", string(got.Payload))
 	got.Ack()
 }
+
+// Unbind and RenameGroup wait for the publishes that saw the binding; one
+// still open after the wait may store a copy under the group's old name
+// later. They say so instead of reporting success: the default group is
+// bound again (its late copy would pass for an unbound message, and the
+// next group to bind would get that message twice), a purge is to be run
+// again, a renamed group's late rows to be moved.
+func TestUnbindAndRenameSayWhenAPublishOutlastsTheirWait(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	qtable := pgx.Identifier{b.Schema, "outbox"}.Sanitize()
+	testhook.SetBindWriterWait(qtable, 200*time.Millisecond)
+	t.Cleanup(func() { testhook.SetBindWriterWait(qtable, 0) })
+	openPublish := func(topic string) pgx.Tx {
+		t.Helper()
+		long, err := b.Pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = long.Rollback(context.Background()) })
+		pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(long), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+		require.NoError(t, err)
+		require.NoError(t, pub.Publish(topic, newMsg("late")))
+		return long
+	}
+
+	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "defaults", ""))
+	long := openPublish("defaults")
+	_, err := pgoutbox.Unbind(ctx, exec, b.tables, "defaults", "", true)
+	require.ErrorIs(t, err, pgoutbox.ErrGroupNotEmpty)
+	require.ErrorContains(t, err, "still open")
+	require.True(t, b.statsOf(t, "defaults", "").Bound, "the default group is bound again")
+	require.NoError(t, long.Rollback(ctx))
+
+	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "purged", "billing"))
+	long = openPublish("purged")
+	_, err = pgoutbox.Unbind(ctx, exec, b.tables, "purged", "billing", true)
+	require.ErrorIs(t, err, pgoutbox.ErrGroupNotEmpty)
+	require.ErrorContains(t, err, "purge again once they have ended")
+	require.False(t, b.statsOf(t, "purged", "billing").Bound, "unbound all the same")
+	require.NoError(t, long.Commit(ctx))
+	require.EqualValues(t, 1, b.statsOf(t, "purged", "billing").Unbound(), "the late copy the error warned of")
+
+	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "renamed", "old"))
+	long = openPublish("renamed")
+	_, err = pgoutbox.RenameGroup(ctx, exec, b.tables, "renamed", "old", "new")
+	require.ErrorIs(t, err, pgoutbox.ErrGroupNotEmpty)
+	require.ErrorContains(t, err, "arrive under the old name")
+	require.True(t, b.statsOf(t, "renamed", "new").Bound, "renamed all the same")
+	require.NoError(t, long.Commit(ctx))
+	moved, err := pgoutbox.MoveGroup(ctx, exec, b.tables, "renamed", "old", "new")
+	require.NoError(t, err)
+	require.EqualValues(t, 1, moved, "what the error said to move")
+}

@@ -517,7 +517,12 @@ var ErrGroupNotEmpty = errors.New("pgoutbox: consumer group not empty")
 // unbound ones, so Unbind of "" refuses (ErrGroupNotEmpty) while it holds
 // messages, unless purge is set: drain them first, or MoveGroup them.
 // When group was not bound to topic the error wraps ErrNotBound (the
-// purge, if asked, still ran and purged counts its rows).
+// purge, if asked, still ran and purged counts its rows). Publishes that
+// saw the binding may commit copies after it is gone: Unbind (with purge,
+// or of the default group) waits up to 10 s for the transactions writing
+// to the outbox, and when some are still open it says so
+// (ErrGroupNotEmpty): a purge to run again once they ended, the default
+// group bound again.
 func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, group string, purge bool) (purged int64, err error) {
 	q, err := groupQueries(exec, tables, topic, group)
 	if err != nil {
@@ -558,17 +563,27 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 		// commit: purge those too, or (the default group) bind again
 		// rather than let them pass for unbound messages (the other groups
 		// have their copies).
-		_, err = waitWriters(ctx, exec, n.QTable)
+		var open string
+		open, err = waitWriters(ctx, exec, n.QTable)
 		var late int64
 		if err == nil && purge {
 			late, err = exec.Exec(ctx, q.Purge, topic, group)
 			purged += late
-		} else if err == nil && group == "" {
-			if err = queryRow(ctx, exec, query.GroupRows(n), []any{topic, group}, &late); err == nil && late > 0 {
+		}
+		if err == nil && group == "" {
+			if err = queryRow(ctx, exec, query.GroupRows(n), []any{topic, group}, &late); err == nil && (late > 0 && !purge || open != "") {
+				// A publish still open may yet commit a copy for the
+				// default group, which would pass for an unbound message
+				// and reach the next group to bind a second time.
 				if _, err = exec.Exec(ctx, q.Bind, topic, group); err == nil {
-					err = fmt.Errorf("%w: %d message(s) reached the default group of topic %q while it was being unbound; it is bound again: retry once its publishers see the change", ErrGroupNotEmpty, late, topic)
+					err = fmt.Errorf("%w: %d message(s) reached the default group of topic %q while it was being unbound, and transactions that publish to the outbox were still open after %s (they may store more); it is bound again: retry once its publishers see the change",
+						ErrGroupNotEmpty, late, topic, bindWriterWait)
 				}
 			}
+		}
+		if err == nil && purge && open != "" && group != "" {
+			err = fmt.Errorf("%w: group %q is unbound from topic %q and its rows purged, but transactions that publish to the outbox were still open after %s: copies of the group they commit arrive after the purge; purge again once they have ended (Unbind with purge, pgoutbox unbind --purge)",
+				ErrGroupNotEmpty, group, topic, bindWriterWait)
 		}
 	}
 	if err != nil {
@@ -642,10 +657,12 @@ func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topi
 // when to already is, and ErrGroupNotEmpty when the rename is done but
 // rows of the old name stayed locked through five moves over about a
 // second (its subscribers still running): move them once they have
-// stopped. Inside your transaction (exec is one)
-// nothing is waited for: rows stored under the old name after your commit
-// need MoveGroup.
-func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topic, from, to string) (int64, error) {
+// stopped. Publishes still open after the 10 s wait may store copies under
+// the old name later: the rename is done and says so (ErrGroupNotEmpty);
+// move them once those transactions ended. Inside your transaction (exec
+// is one) nothing is waited for: rows stored under the old name after your
+// commit need MoveGroup.
+func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topic, from, to string) (moved int64, err error) {
 	q, err := groupQueries(exec, tables, topic, from)
 	if err != nil {
 		return 0, err
@@ -688,15 +705,25 @@ func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, to
 	case !renamed:
 		return 0, errorf("pgoutbox: rename group %q of topic %q: %w; nothing was renamed (Stats lists the groups of a topic)", from, topic, ErrNotBound)
 	}
+	var open string
 	if !exec.InTx() {
-		if _, err := waitWriters(ctx, exec, n.QTable); err != nil {
+		if open, err = waitWriters(ctx, exec, n.QTable); err != nil {
 			return 0, errorf("pgoutbox: group %q of topic %q is renamed %q; moving its rows waits for the publishes in flight, which failed (run MoveGroup): %w", from, topic, to, err)
 		}
+	}
+	if open != "" {
+		// Moved below all the same; what they commit later is not.
+		defer func() {
+			if err == nil {
+				err = errorf("pgoutbox: group %q of topic %q is renamed %q and its rows moved, but transactions that publish to the outbox were still open after %s: "+
+					"messages they commit arrive under the old name; move them (MoveGroup, pgoutbox move) once those have ended (Stats shows them as unbound): %w", from, topic, to, bindWriterWait, ErrGroupNotEmpty)
+			}
+		}()
 	}
 	// A row another transaction has locked (a held batch of a subscriber
 	// of the old name, a rotation step moving it) is skipped by the move:
 	// look again a few times, then say what is left.
-	var moved, left int64
+	var left int64
 	for attempt := 1; ; attempt++ {
 		m, err := MoveGroup(ctx, exec, tables, topic, from, to)
 		moved += m

@@ -80,6 +80,8 @@ func Hint(err error) string {
 		return statementTimeoutHint
 	case code == "25006":
 		return readOnlyHint
+	case code == "" && err != nil && strings.Contains(err.Error(), "invalid PostgreSQL date/time value"):
+		return dateStyleHint
 	case code == "54000" && strings.Contains(err.Error(), "index row size"):
 		return indexRowHint
 	}
@@ -90,6 +92,11 @@ func Hint(err error) string {
 // means where pgoutbox writes: "SELECT" in it (a statement that writes
 // through a CTE) sent people looking at the query.
 const readOnlyHint = " (the server ran the statement read-only: default_transaction_read_only is on for this role or database, or the connection reached a standby; connect to the primary, or ALTER ROLE ... SET default_transaction_read_only = off, and reconnect)"
+
+// dateStyleHint is what a timestamp pgx cannot read means: through the
+// simple protocol (behind PgBouncer) it comes as text in the session's
+// DateStyle, and pgx reads ISO only.
+const dateStyleHint = " (through the simple protocol timestamps come as text in the session's DateStyle, which must be ISO: set DateStyle=ISO in the DSN, or ALTER ROLE ... SET DateStyle = 'ISO', and reconnect)"
 
 // indexRowHint is what an index entry over PostgreSQL's limit means for
 // the outbox: a topic, consumer group and dedup or ordering key share one.

@@ -344,9 +344,12 @@ const leaseTaken = `
 const ClaimSettings = `SELECT set_config('plan_cache_mode', 'force_generic_plan', true), ` + indexScansOnly
 
 // indexScansOnly is what claims and writes share: no JIT, no bitmap, no
-// sequential scan (see ClaimSettings and WriteSettings for why).
+// sequential scan (see ClaimSettings and WriteSettings for why), and ISO
+// dates: through the simple protocol (behind PgBouncer) timestamps travel
+// as text in the session's DateStyle, and pgx reads ISO only; a role's
+// 'SQL, DMY' failed every claim, for good.
 const indexScansOnly = `set_config('jit', 'off', true), set_config('enable_bitmapscan', 'off', true),
-       set_config('enable_seqscan', 'off', true)`
+       set_config('enable_seqscan', 'off', true), set_config('DateStyle', 'ISO', true)`
 
 // WriteSettings sets what the subscriber's writes (acks, returns, dead
 // letters, renewals) run with, local to their transaction: each finds its

@@ -1,0 +1,54 @@
+package tests
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
+)
+
+// Through the simple protocol (what docs/operations.md sets behind
+// PgBouncer) timestamps travel as text in the session's DateStyle, and
+// pgx reads only ISO: with a role's or database's DateStyle of 'SQL, DMY'
+// every claim failed to scan its rows, for good, and nothing was
+// delivered. The subscriber's statements set ISO for themselves, on every
+// claim mode; an operator call (Peek) says what to set.
+func TestAGermanDateStyleThroughTheSimpleProtocol(t *testing.T) {
+	t.Parallel()
+	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
+		b := setup(t)
+		ctx := context.Background()
+		cfg, err := pgxpool.ParseConfig(b.DSN)
+		require.NoError(t, err)
+		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+		cfg.ConnConfig.RuntimeParams["DateStyle"] = "SQL, DMY"
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		var style string
+		require.NoError(t, pool.QueryRow(ctx, "SHOW DateStyle").Scan(&style))
+		require.Equal(t, "SQL, DMY", style)
+
+		pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+		require.NoError(t, err)
+		require.NoError(t, pub.Publish("dates", newMsgs(3)...))
+		_, err = pgoutbox.Peek(ctx, tx.FromPgxPool(pool), b.tables, "dates", "", 10)
+		require.ErrorContains(t, err, "set DateStyle=ISO in the DSN", "an operator call on such a pool says what to do")
+
+		sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, ClaimMode: mode,
+			MinPollInterval: 20 * time.Millisecond, MaxPollInterval: 200 * time.Millisecond}, nil)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = sub.Close() })
+		ch, err := sub.Subscribe(ctx, "dates")
+		require.NoError(t, err)
+		for range 3 {
+			receive(t, ch, 10*time.Second).Ack()
+		}
+	})
+}

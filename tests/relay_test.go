@@ -418,7 +418,10 @@ func (p *refusingPublisher) Publish(topic string, msgs ...*message.Message) erro
 func (p *refusingPublisher) Close() error { return nil }
 
 // A message the target refuses for good holds back no other message: the
-// ones published beside it, in its batch or not, reach the target.
+// ones published beside it, in its batch or not, reach the target. (The
+// retry policy's jitter spreads the rows of a failed batch when they come
+// back, and batches take what is ready at once: the refused message ends
+// up alone.)
 func TestRelayARefusedMessageHoldsBackNoOther(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

@@ -91,7 +91,7 @@ func Hint(err error) string {
 // readOnlyHint is what "cannot execute ... in a read-only transaction"
 // means where pgoutbox writes: "SELECT" in it (a statement that writes
 // through a CTE) sent people looking at the query.
-const readOnlyHint = " (the server ran the statement read-only: default_transaction_read_only is on for this role or database, or the connection reached a standby; connect to the primary, or ALTER ROLE ... SET default_transaction_read_only = off, and reconnect)"
+const readOnlyHint = " (the statement ran read-only: in a READ ONLY transaction of yours, or default_transaction_read_only is on for this role or database, or the connection reached a standby; connect to the primary, or ALTER ROLE ... SET default_transaction_read_only = off, and reconnect)"
 
 // dateStyleHint is what a timestamp pgx cannot read means: through the
 // simple protocol (behind PgBouncer) it comes as text in the session's

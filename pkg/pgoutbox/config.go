@@ -34,7 +34,10 @@ type PublisherConfig struct {
 	// statements. The server enforces it (the statement's transaction
 	// sets statement_timeout: in the statement's round trip through a pgx
 	// pool, in three more through database/sql), so a Publish that
-	// returns its timeout wrote nothing. Defaults to 10s.
+	// returns the server's cancellation ("the server cancelled the
+	// statement") wrote nothing; the client gives up a second later, and
+	// only an error of its own then leaves the outcome unknown. Defaults
+	// to 10s.
 	StatementTimeout time.Duration
 	// NotifyCooldown spaces the wake-ups a process sends for one topic:
 	// a Publish sends a NOTIFY (which wakes idle subscribers at once) only

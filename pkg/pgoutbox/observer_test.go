@@ -40,15 +40,19 @@ func TestEventQueueStartsWithItsFirstEvent(t *testing.T) {
 	require.Equal(t, []EventKind{EventClaimed, EventAcked}, rec.events)
 }
 
-// blockingObserver blocks in its first Observe until release is closed.
+// blockingObserver blocks in its first Observe, after closing entered,
+// until release is closed.
 type blockingObserver struct {
 	recordingObserver
-	release chan struct{}
-	once    sync.Once
+	entered, release chan struct{}
+	once             sync.Once
 }
 
 func (b *blockingObserver) Observe(e Event) {
-	b.once.Do(func() { <-b.release })
+	b.once.Do(func() {
+		close(b.entered)
+		<-b.release
+	})
 	b.recordingObserver.Observe(e)
 }
 
@@ -57,12 +61,13 @@ func (b *blockingObserver) Observe(e Event) {
 // are dropped, with a log line that counts them.
 func TestEventQueueCloseIsBounded(t *testing.T) {
 	t.Parallel()
-	obs := &blockingObserver{release: make(chan struct{})}
+	obs := &blockingObserver{entered: make(chan struct{}), release: make(chan struct{})}
 	logs := watermill.NewCaptureLogger()
 	q := newEventQueue(safeObserver{o: obs, logger: logs})
 	for range 10 {
 		q.observe(Event{Kind: EventAcked})
 	}
+	<-obs.entered                  // the first event is being observed; nine wait
 	q.close(10 * time.Millisecond) // the Observer is stuck in its first event: returns all the same
 	close(obs.release)
 	<-q.done

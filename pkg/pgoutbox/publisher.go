@@ -345,8 +345,8 @@ func sameExecutor(a, b tx.Executor) bool {
 // pool the context keeps the message's values but not its cancellation (a
 // handler's context may already be done when its outputs or a poison
 // message are published), bounded by the statement timeout instead. A
-// pgx pool's statement is bounded by the server (tx's BoundedByServer),
-// the context a moment later: a bound the client alone keeps let the
+// pool's statement is bounded by the server (tx's BoundedByServer, pgx's
+// and database/sql's), the context a moment later: a bound the client alone keeps let the
 // server commit a Publish that had returned its timeout, once what held
 // it up (another transaction's dedup key) went away. bounded reports it.
 func (p *Publisher) stmtCtx(exec tx.Executor, msgCtx context.Context) (_ tx.Executor, _ context.Context, _ context.CancelFunc, bounded bool) {

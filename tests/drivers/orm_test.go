@@ -117,8 +117,8 @@ func TestSQLQueryerNil(t *testing.T) {
 }
 
 // An *sql.DB given as a SQLQueryer (a sqlc DBTX before WithTx) is a pool,
-// as FromSQLDB's: NewContextPublisher takes it (it refused it as "not a
-// transaction"), and Publishers bound their statements with it.
+// as FromSQLDB's: not taken for a transaction (InTx), and
+// NewContextPublisher takes it (it refused it as "not a transaction").
 func TestSQLQueryerGivenAPool(t *testing.T) {
 	env := pgoutboxtest.PubSub(t)
 	var q tx.SQLQueryer = libpq(t, env)

@@ -215,7 +215,7 @@ func (e sqlServerBounded) Exec(ctx context.Context, q string, args ...any) (int6
 		return 0, err
 	}
 	if err := t.Commit(); err != nil {
-		return 0, mapErr(err)
+		return 0, err // see sqlTxRows.end
 	}
 	return n, nil
 }
@@ -253,19 +253,30 @@ func (r *sqlTxRows) Next() bool {
 	return false
 }
 
+// end commits the statement's transaction once its rows were read to
+// their end, and rolls it back otherwise: a caller that stopped early (a
+// row that did not scan) reports an error, and must not have written.
+// A failed commit's error stays as it is: mapErr would call a commit that
+// lost a race with its context "a finished transaction" (ErrTxDone), and
+// send a pool's user looking for a transaction of theirs.
 func (r *sqlTxRows) end() error {
 	if r.closed {
 		return r.err
 	}
 	r.closed = true
 	r.Rows.Close()
-	if err := r.Rows.Err(); err != nil {
+	err := r.Rows.Err()
+	switch {
+	case err == nil && r.done:
+		err = r.tx.Commit()
+	case err == nil:
 		_ = r.tx.Rollback()
-		r.err = err
-		return err
+		err = errors.New("pgoutbox: the rows of a statement were not read to their end; it was rolled back")
+	default:
+		_ = r.tx.Rollback()
 	}
-	r.err = mapErr(r.tx.Commit())
-	return r.err
+	r.err = err
+	return err
 }
 
 func (r *sqlTxRows) Err() error {

@@ -24,13 +24,9 @@ func TestAGermanDateStyleThroughTheSimpleProtocol(t *testing.T) {
 	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
 		b := setup(t)
 		ctx := context.Background()
-		cfg, err := pgxpool.ParseConfig(b.DSN)
-		require.NoError(t, err)
-		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
-		cfg.ConnConfig.RuntimeParams["DateStyle"] = "SQL, DMY"
-		pool, err := pgxpool.NewWithConfig(ctx, cfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
+		pool := b.poolWith(t, map[string]string{"DateStyle": "SQL, DMY"}, func(c *pgxpool.Config) {
+			c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+		})
 		var style string
 		require.NoError(t, pool.QueryRow(ctx, "SHOW DateStyle").Scan(&style))
 		require.Equal(t, "SQL, DMY", style)

@@ -15,6 +15,25 @@ import (
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
+// poolWith opens a pool of the test's database whose sessions have the
+// settings given (as a role's or database's settings would), closed when
+// the test ends; mod may change the rest of its config.
+func (b *bundle) poolWith(t *testing.T, settings map[string]string, mod func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(b.DSN)
+	require.NoError(t, err)
+	for k, v := range settings {
+		cfg.ConnConfig.RuntimeParams[k] = v
+	}
+	if mod != nil {
+		mod(cfg)
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
 // A database or role whose default_transaction_isolation is REPEATABLE
 // READ (or SERIALIZABLE) must not make the subscriber's own claims and
 // writes fail: competing lease claims met rows a competitor changed after
@@ -39,13 +58,8 @@ func TestCompetingSubscribersUnderARepeatableReadDefault(t *testing.T) {
 		logs := &logCapture{}
 		seen := &list{}
 		for range subscribers {
-			cfg, err := pgxpool.ParseConfig(b.DSN)
-			require.NoError(t, err)
-			cfg.MaxConns = 8
-			cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = "repeatable read"
-			pool, err := pgxpool.NewWithConfig(ctx, cfg)
-			require.NoError(t, err)
-			t.Cleanup(pool.Close)
+			pool := b.poolWith(t, map[string]string{"default_transaction_isolation": "repeatable read"},
+				func(c *pgxpool.Config) { c.MaxConns = 8 })
 			var iso string
 			require.NoError(t, pool.QueryRow(ctx, "SELECT current_setting('transaction_isolation')").Scan(&iso))
 			require.Equal(t, "repeatable read", iso, "the pool's transactions default to REPEATABLE READ")
@@ -81,12 +95,7 @@ func TestAReadOnlyServerIsNamedAsSuch(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(b.DSN)
-	require.NoError(t, err)
-	cfg.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.poolWith(t, map[string]string{"default_transaction_read_only": "on"}, nil)
 
 	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
 	require.NoError(t, err)

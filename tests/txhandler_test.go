@@ -839,13 +839,8 @@ func TestTxMiddlewareOnARepeatableReadDatabase(t *testing.T) {
 	onEachClaimPath(t, func(t *testing.T, path string) {
 		b := setup(t)
 		ctx := context.Background()
-		cfg, err := pgxpool.ParseConfig(b.DSN)
-		require.NoError(t, err)
-		cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = "repeatable read"
-		pool, err := pgxpool.NewWithConfig(ctx, cfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
-		_, err = b.Pool.Exec(ctx, `CREATE TABLE `+b.Schema+`.seen (uuid text PRIMARY KEY)`)
+		pool := b.poolWith(t, map[string]string{"default_transaction_isolation": "repeatable read"}, nil)
+		_, err := b.Pool.Exec(ctx, `CREATE TABLE `+b.Schema+`.seen (uuid text PRIMARY KEY)`)
 		require.NoError(t, err)
 		h := newTxHandlerBed(t, pool, b)
 		sub := h.newSubscriber(t, func(c *pgoutbox.SubscriberConfig) {

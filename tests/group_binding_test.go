@@ -996,9 +996,11 @@ func TestUnbindAndRenameSayWhenAPublishOutlastsTheirWait(t *testing.T) {
 	require.NoError(t, long.Rollback(ctx))
 
 	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "purged", "billing"))
+	require.NoError(t, b.poolPublisher(t).Publish("purged", newMsg("waiting")))
 	long = openPublish("purged")
-	_, err = pgoutbox.Unbind(ctx, exec, b.tables, "purged", "billing", true)
+	purged, err := pgoutbox.Unbind(ctx, exec, b.tables, "purged", "billing", true)
 	require.ErrorIs(t, err, pgoutbox.ErrGroupNotEmpty)
+	require.EqualValues(t, 1, purged, "what was purged, with the error")
 	require.ErrorContains(t, err, "purge again once they have ended")
 	require.False(t, b.statsOf(t, "purged", "billing").Bound, "unbound all the same")
 	require.NoError(t, long.Commit(ctx))

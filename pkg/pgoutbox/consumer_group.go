@@ -521,8 +521,8 @@ var ErrGroupNotEmpty = errors.New("pgoutbox: consumer group not empty")
 // saw the binding may commit copies after it is gone: Unbind (with purge,
 // or of the default group) waits up to 10 s for the transactions writing
 // to the outbox, and when some are still open it says so
-// (ErrGroupNotEmpty): a purge to run again once they ended, the default
-// group bound again.
+// (ErrGroupNotEmpty, with purged counting what the purge deleted): a
+// purge to run again once they ended, the default group bound again.
 func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, group string, purge bool) (purged int64, err error) {
 	q, err := groupQueries(exec, tables, topic, group)
 	if err != nil {
@@ -575,9 +575,12 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 				// A publish still open may yet commit a copy for the
 				// default group, which would pass for an unbound message
 				// and reach the next group to bind a second time.
-				if _, err = exec.Exec(ctx, q.Bind, topic, group); err == nil {
-					err = fmt.Errorf("%w: %d message(s) reached the default group of topic %q while it was being unbound, and transactions that publish to the outbox were still open after %s (they may store more); it is bound again: retry once its publishers see the change",
-						ErrGroupNotEmpty, late, topic, bindWriterWait)
+				if _, err = exec.Exec(ctx, q.Bind, topic, group); err == nil && open == "" {
+					err = fmt.Errorf("%w: %d message(s) reached the default group of topic %q while it was being unbound; it is bound again: retry once its publishers see the change",
+						ErrGroupNotEmpty, late, topic)
+				} else if err == nil {
+					err = fmt.Errorf("%w: transactions that publish to the outbox were still open after %s, and may store messages for the default group of topic %q, which would pass for unbound ones; it is bound again: retry once they have ended",
+						ErrGroupNotEmpty, bindWriterWait, topic)
 				}
 			}
 		}
@@ -587,7 +590,10 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 		}
 	}
 	if err != nil {
-		return 0, errorf("pgoutbox: unbind group %q from topic %q: %w", group, topic, err)
+		if !errors.Is(err, ErrGroupNotEmpty) {
+			purged = 0
+		}
+		return purged, errorf("pgoutbox: unbind group %q from topic %q: %w", group, topic, err) // what was purged, with what is left to do
 	}
 	return purged, nil
 }

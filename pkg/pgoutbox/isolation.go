@@ -17,7 +17,9 @@ import (
 // set_config, whose SELECT takes the snapshot first) applies to the
 // transaction it runs in only: the next starts from the default again.
 // It is queued only where the default is another (Subscriber.isolate),
-// so the common case pays no statement for it.
+// so the common case pays no statement for it. The held claim opens its
+// transaction with BEGIN ISOLATION LEVEL READ COMMITTED instead
+// (claimer.held): keep the two in step.
 const readCommitted = "SET transaction_isolation = 'read committed'"
 
 // ownBatch starts a batch of the subscriber's own statements, which run in

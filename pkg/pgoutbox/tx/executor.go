@@ -215,7 +215,7 @@ func (e sqlServerBounded) Exec(ctx context.Context, q string, args ...any) (int6
 		return 0, err
 	}
 	if err := t.Commit(); err != nil {
-		return 0, err // see sqlTxRows.end
+		return 0, err // not mapErr: see Query
 	}
 	return n, nil
 }
@@ -230,66 +230,25 @@ func (e sqlServerBounded) Query(ctx context.Context, q string, args ...any) (Row
 		_ = t.Rollback()
 		return nil, err
 	}
-	return &sqlTxRows{Rows: rows, tx: t}, nil
+	// Committed once the rows were read to their end, rolled back
+	// otherwise: a caller that stopped early (a row that did not scan)
+	// reports an error, and must not have written. A failed commit's error
+	// stays as it is: mapErr would call a commit that lost a race with its
+	// context "a finished transaction" (ErrTxDone), and send a pool's user
+	// looking for a transaction of theirs.
+	return &txRows{Rows: rows, finish: func(readAll bool, rowsErr error) error {
+		if readAll && rowsErr == nil {
+			return t.Commit()
+		}
+		_ = t.Rollback()
+		if rowsErr != nil {
+			return rowsErr
+		}
+		return errors.New("pgoutbox: the rows of a statement were not read to their end; it was rolled back")
+	}}, nil
 }
 
 func (sqlServerBounded) InTx() bool { return false }
-
-// sqlTxRows are the rows of sqlServerBounded's statement: Err, after the
-// rows, reports the transaction's commit too, and Close ends it.
-type sqlTxRows struct {
-	Rows
-	tx     *sql.Tx
-	done   bool // Next returned false
-	closed bool
-	err    error
-}
-
-func (r *sqlTxRows) Next() bool {
-	if r.Rows.Next() {
-		return true
-	}
-	r.done = true
-	return false
-}
-
-// end commits the statement's transaction once its rows were read to
-// their end, and rolls it back otherwise: a caller that stopped early (a
-// row that did not scan) reports an error, and must not have written.
-// A failed commit's error stays as it is: mapErr would call a commit that
-// lost a race with its context "a finished transaction" (ErrTxDone), and
-// send a pool's user looking for a transaction of theirs.
-func (r *sqlTxRows) end() error {
-	if r.closed {
-		return r.err
-	}
-	r.closed = true
-	r.Rows.Close()
-	err := r.Rows.Err()
-	switch {
-	case err == nil && r.done:
-		err = r.tx.Commit()
-	case err == nil:
-		_ = r.tx.Rollback()
-		err = errors.New("pgoutbox: the rows of a statement were not read to their end; it was rolled back")
-	default:
-		_ = r.tx.Rollback()
-	}
-	r.err = err
-	return err
-}
-
-func (r *sqlTxRows) Err() error {
-	if err := r.Rows.Err(); err != nil {
-		return err
-	}
-	if !r.done {
-		return nil // not read to its end: the commit is yet to come
-	}
-	return r.end()
-}
-
-func (r *sqlTxRows) Close() { _ = r.end() }
 
 type sqlRows struct{ *sql.Rows }
 
@@ -392,22 +351,24 @@ func (e serverBounded) Query(ctx context.Context, q string, args ...any) (Rows, 
 		_ = br.Close()
 		return nil, mapErr(err)
 	}
-	return &batchRows{Rows: rows, br: br}, nil
+	// The batch's implicit transaction ends with it, whatever was read.
+	return &txRows{Rows: rows, finish: func(bool, error) error { return mapErr(br.Close()) }}, nil
 }
 
 func (serverBounded) InTx() bool { return false }
 
-// batchRows are a batch's last result: Err, after the rows, reports the
-// batch's commit too, and Close ends the batch.
-type batchRows struct {
-	pgx.Rows
-	br     pgx.BatchResults
-	done   bool // Next returned false
+// txRows are the rows of a statement that runs in a transaction of its
+// own (serverBounded's batch, sqlServerBounded's transaction): Err, after
+// the rows, reports the transaction's end too, and Close ends it.
+type txRows struct {
+	Rows
+	finish func(readAll bool, rowsErr error) error // ends the transaction
+	done   bool                                    // Next returned false
 	closed bool
 	err    error
 }
 
-func (r *batchRows) Next() bool {
+func (r *txRows) Next() bool {
 	if r.Rows.Next() {
 		return true
 	}
@@ -415,26 +376,26 @@ func (r *batchRows) Next() bool {
 	return false
 }
 
-func (r *batchRows) end() error {
+func (r *txRows) end() error {
 	if !r.closed {
 		r.closed = true
 		r.Rows.Close()
-		r.err = r.br.Close()
+		r.err = r.finish(r.done, mapErr(r.Rows.Err()))
 	}
 	return r.err
 }
 
-func (r *batchRows) Err() error {
+func (r *txRows) Err() error {
 	if err := r.Rows.Err(); err != nil {
 		return mapErr(err)
 	}
 	if !r.done {
-		return nil // not read to its end: the commit is yet to come
+		return nil // not read to its end: the transaction's end is yet to come
 	}
-	return mapErr(r.end())
+	return r.end()
 }
 
-func (r *batchRows) Close() { _ = r.end() }
+func (r *txRows) Close() { _ = r.end() }
 func (e pgxPool) begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error) {
 	t, err := e.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if err != nil {

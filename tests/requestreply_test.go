@@ -34,6 +34,9 @@ func TestRequestReplyWithATopicPerOperation(t *testing.T) {
 	commands := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ConsumerGroup = "book_room"; c.MaxInFlight = 8 })
 
 	replyTopic := func(op requestreply.OperationID) string { return "reply." + string(op) }
+	// The unbinds run after each reply reached its request: the test
+	// waits for them all to return (the pool closes when it ends).
+	var unbinds sync.WaitGroup
 	timeout := 20 * time.Second
 	backend, err := requestreply.NewPubSubBackend[string](requestreply.PubSubBackendConfig{
 		Publisher: pub,
@@ -45,6 +48,7 @@ func TestRequestReplyWithATopicPerOperation(t *testing.T) {
 		},
 		GeneratePublishTopic: func(p requestreply.PubSubBackendPublishParams) (string, error) { return replyTopic(p.OperationID), nil },
 		OnListenForReplyFinished: func(ctx context.Context, p requestreply.PubSubBackendSubscribeParams) {
+			defer unbinds.Done()
 			_, err := pgoutbox.Unbind(context.WithoutCancel(ctx), exec, b.tables, replyTopic(p.OperationID), "", true)
 			if err != nil {
 				t.Errorf("unbind the reply topic: %v", err)
@@ -79,6 +83,7 @@ func TestRequestReplyWithATopicPerOperation(t *testing.T) {
 	const requests = 10
 	var wg sync.WaitGroup
 	got := make([]string, requests)
+	unbinds.Add(requests)
 	for i := range requests {
 		wg.Add(1)
 		go func() {
@@ -92,11 +97,10 @@ func TestRequestReplyWithATopicPerOperation(t *testing.T) {
 		}()
 	}
 	wg.Wait()
+	unbinds.Wait()
 	for i, g := range got {
 		require.Equal(t, fmt.Sprint("booked ", i), g, "request %d has its own reply", i)
 	}
-	pollUntil(t, "the reply topics unbound and empty", 10*time.Second, nil, func() bool {
-		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE topic LIKE 'reply.%'`) == 0 &&
-			b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic LIKE 'reply.%'`) == 0
-	})
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE topic LIKE 'reply.%'`), "no reply topic stays bound")
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic LIKE 'reply.%'`), "no reply stays behind")
 }

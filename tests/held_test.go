@@ -18,6 +18,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -1193,29 +1194,22 @@ func TestHeldRowsClaimedAgainAfterAKilledBatchKeepPublishOrder(t *testing.T) {
 		return n > 0
 	})
 	close(killed)
-	// The batch's rows, from 1 on, are delivered again in publish order,
-	// after what was already in hand of it (1 to k, k depending on how
-	// many keys the subscription held), then the rest.
-	again := func() int { // where the second delivery of "1" is, or -1
+	// Each message has a key of its own, so the ordered subscription keeps
+	// each key's order, not the topic's (MaxInFlight's doc): "1", whose
+	// batch was lost under its handler, is due again once the handler
+	// answered, and may come back behind "2" when a claim took "2" first.
+	// The others come in publish order (a row delivered from the lost batch
+	// comes once more, at once): never 5 4 3 2.
+	pollUntil(t, "every message handled, 1 twice", 30*time.Second, nil, func() bool {
 		got := seen.get()
-		for i := 2; i < len(got); i++ {
-			if got[i] == "1" {
-				return i
-			}
-		}
-		return -1
-	}
-	pollUntil(t, "the batch's rows delivered again, up to the last message", 30*time.Second, nil, func() bool {
-		got := seen.get()
-		return again() > 0 && got[len(got)-1] == "5" && len(got)-again() == 5
+		return len(got) > 2 && slices.Contains(got[2:], "1") && got[len(got)-1] == "5" && b.outboxRows(t, "t") == 0
 	})
-	got, j := seen.get(), again()
-	first := []string{"0"}
-	for k := 1; k < j; k++ {
-		first = append(first, fmt.Sprint(k))
-	}
-	require.Equal(t, first, got[:j], "the first deliveries, in publish order")
-	require.Equal(t, []string{"1", "2", "3", "4", "5"}, got[j:], "the batch's rows (from 1 on) delivered again, in publish order, then the rest")
+	got := seen.get()
+	require.Equal(t, []string{"0", "1"}, got[:2], "the deliveries up to the handler that outlived its batch")
+	rest := slices.Clone(got[2:])
+	rest = slices.Delete(rest, slices.Index(rest, "1"), slices.Index(rest, "1")+1)
+	require.True(t, slices.IsSorted(rest), "the batch's other rows delivered in publish order: %v", got)
+	require.Equal(t, []string{"2", "3", "4", "5"}, slices.Compact(rest), "every other row delivered")
 }
 
 // With MaxDeliveries, every delivery is written before its handler runs,

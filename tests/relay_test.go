@@ -221,6 +221,24 @@ func TestRelayConfigErrors(t *testing.T) {
 	require.ErrorIs(t, err, relay.ErrInvalidConfig)
 }
 
+// A TargetTopic that maps a topic to "" (a map lookup that missed) stops
+// Run before it relays anything: a target that takes "" would have its
+// rows deleted with no consumer to see them.
+func TestRelayRefusesAnEmptyTargetTopic(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, target := b.relayTarget(t)
+	require.NoError(t, b.poolPublisher(t).Publish("payments", newMsgs(1)...))
+	routes := map[string]string{"orders": "broker.orders"}
+	r, err := relay.New(b.Pool, target, relay.Config{Topics: []string{"orders", "payments"},
+		TargetTopic: func(t string) string { return routes[t] }, Subscriber: pgoutbox.SubscriberConfig{Tables: b.tables}})
+	require.NoError(t, err)
+	err = r.Run(context.Background())
+	require.ErrorIs(t, err, relay.ErrInvalidConfig)
+	require.ErrorContains(t, err, `TargetTopic("payments")`)
+	require.Equal(t, 1, b.outboxRows(t, "payments"), "the message stays in the outbox")
+}
+
 // relaytest.Run, the broker conformance run of the relay examples, with a
 // second outbox as the broker and the relay replaced twice mid-run (under
 // -race here; the broker modules run it against RabbitMQ and NATS).

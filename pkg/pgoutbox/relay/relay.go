@@ -36,7 +36,8 @@ type Config struct {
 
 	// TargetTopic maps an outbox topic to the topic (exchange, subject,
 	// ...) it is published to. Defaults to the same name. Called once per
-	// topic, when Run starts.
+	// topic, when Run starts and before it subscribes to any: a topic it
+	// maps to "" makes Run return ErrInvalidConfig, nothing relayed.
 	TargetTopic func(outboxTopic string) string
 
 	// BatchSize is the most messages given to one Publish call. A batch is
@@ -198,7 +199,8 @@ func (c *Config) setDefaults() error {
 // published finish within Subscriber.DrainTimeout (their rows are acked
 // or nacked), the leases of the rest are released, the Relay is closed and
 // Run returns nil. It returns an error at once if a topic cannot be
-// subscribed. Run may be called once.
+// subscribed or TargetTopic maps one to "" (ErrInvalidConfig). Run may be
+// called once.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return errors.New("pgoutbox/relay: Run was called already; a Relay runs once, build a new one")
@@ -206,12 +208,22 @@ func (r *Relay) Run(ctx context.Context) error {
 	// Closing releases the subscriber's LISTEN connection and goroutines,
 	// whether Run ends by ctx or by Close (Close is idempotent).
 	defer func() { _ = r.sub.Close() }()
+	// Every topic's target first: an empty one (a map lookup that missed)
+	// would be acked by a target that accepts it, and its rows deleted
+	// with no consumer to see them.
+	targets := make([]string, len(r.cfg.Topics))
+	for i, topic := range r.cfg.Topics {
+		targets[i] = r.cfg.TargetTopic(topic)
+		if targets[i] == "" {
+			return fmt.Errorf("%w: TargetTopic(%q) returned an empty topic; return the target's topic (exchange, subject) for every topic of Topics", ErrInvalidConfig, topic)
+		}
+	}
 	stopped := ctx
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	for _, topic := range r.cfg.Topics {
+	for i, topic := range r.cfg.Topics {
 		msgs, err := r.sub.Subscribe(ctx, topic)
 		if err != nil {
 			cancel()
@@ -221,7 +233,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			}
 			return fmt.Errorf("pgoutbox/relay: subscribe to %q: %w", topic, err)
 		}
-		target := r.cfg.TargetTopic(topic)
+		target := targets[i]
 		o := newOutage()
 		for range r.cfg.Workers {
 			wg.Add(1)

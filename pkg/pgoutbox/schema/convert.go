@@ -54,6 +54,9 @@ import (
 // TRUNCATE on the ring's partitions. Row security policies and publications of the single table
 // stay on it, the long partition: recreate them on the outbox.
 func ConvertToRotating(ctx context.Context, db tx.Executor, c Config) error {
+	if err := checkExecutor(db); err != nil {
+		return err
+	}
 	c.Rotating, c.Arrivals = false, false
 	single, err := c.names()
 	if err != nil {
@@ -185,6 +188,9 @@ func convert(ctx context.Context, db tx.Executor, c Config, single, n query.Name
 // c.Rotating says: tools that act on an outbox someone else made use it
 // to pick the setting.
 func IsRotating(ctx context.Context, db tx.Executor, c Config) (bool, error) {
+	if err := checkExecutor(db); err != nil {
+		return false, err
+	}
 	n, err := c.names()
 	if err != nil {
 		return false, err
@@ -284,6 +290,9 @@ func buildConcurrently(ctx context.Context, db tx.Executor, table, building, sta
 // new consumer groups fail (their statements name the generation column),
 // and so does their rotation step, logged at every step.
 func ConvertToSingle(ctx context.Context, db tx.Executor, c Config) error {
+	if err := checkExecutor(db); err != nil {
+		return err
+	}
 	c.Rotating = false
 	single, err := c.names()
 	if err != nil {

@@ -61,6 +61,9 @@ type MigrationState struct {
 // MigrationStatus reads the recorded version of the outbox in c. It
 // creates nothing.
 func MigrationStatus(ctx context.Context, db tx.Executor, c Config) (MigrationState, error) {
+	if err := checkExecutor(db); err != nil {
+		return MigrationState{}, err
+	}
 	n, err := c.names()
 	if err != nil {
 		return MigrationState{}, err
@@ -129,6 +132,9 @@ func exists(ctx context.Context, db tx.Executor, qname string) (bool, error) {
 // returns ErrRotatingMigrations, and a down step that would refuse (see
 // Migrate) returns its refusal.
 func MigrationPlan(ctx context.Context, db tx.Executor, c Config, target int) ([]MigrationStep, error) {
+	if err := checkExecutor(db); err != nil {
+		return nil, err
+	}
 	n, err := c.names()
 	if err != nil {
 		return nil, err
@@ -283,6 +289,9 @@ func step(ms []Migration, v, target int) (MigrationStep, int) {
 // outbox with or without Arrivals migrates alike: from version 7 every
 // single-table outbox has the arrivals table.
 func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]MigrationStep, error) {
+	if err := checkExecutor(db); err != nil {
+		return nil, err
+	}
 	n, err := c.names()
 	if err != nil {
 		return nil, err
@@ -372,6 +381,9 @@ func direction(s MigrationStep) string {
 // is already recorded. BaselinePlan tells the same without recording or
 // creating anything.
 func Baseline(ctx context.Context, db tx.Executor, c Config) (int, error) {
+	if err := checkExecutor(db); err != nil {
+		return 0, err
+	}
 	n, err := c.names()
 	if err != nil {
 		return 0, err
@@ -438,6 +450,9 @@ func (l BaselineLayout) ToolVersion() int {
 // MigrationStatus reads it), or a dead-letter table is missing from a
 // layout later than version 1's.
 func BaselinePlan(ctx context.Context, db tx.Executor, c Config) (BaselineLayout, error) {
+	if err := checkExecutor(db); err != nil {
+		return BaselineLayout{}, err
+	}
 	n, err := c.names()
 	if err != nil {
 		return BaselineLayout{}, err

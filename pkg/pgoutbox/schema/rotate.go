@@ -76,6 +76,9 @@ type RotateResult struct {
 // TRUNCATE is not MVCC-safe: a transaction whose snapshot predates it sees
 // the truncated partition empty. Only consumed rows are truncated.
 func Rotate(ctx context.Context, db tx.Executor, c Config, window time.Duration) (RotateResult, error) {
+	if err := checkExecutor(db); err != nil {
+		return RotateResult{}, err
+	}
 	n, err := c.names()
 	if err != nil {
 		return RotateResult{}, err

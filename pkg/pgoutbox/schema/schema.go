@@ -148,6 +148,15 @@ func (c Config) names() (query.Names, error) {
 	return n, nil
 }
 
+// checkExecutor refuses a nil executor with the advice every pgoutbox
+// function gives, where the first statement would panic.
+func checkExecutor(db tx.Executor) error {
+	if db == nil {
+		return errors.New("pgoutbox: executor is nil; pass tx.FromPgxPool(pool) or another tx executor")
+	}
+	return nil
+}
+
 // SQL returns the DDL that creates the outbox table, its indexes and, when
 // configured, the dead-letter table, as one script for a migration tool.
 // Every statement is idempotent (IF NOT EXISTS). For versioned up and down
@@ -198,6 +207,9 @@ func isSerializationFailure(err error) bool {
 // version table (<table>_schema_version), so Migrate can upgrade the
 // outbox from there later.
 func Create(ctx context.Context, db tx.Executor, c Config) error {
+	if err := checkExecutor(db); err != nil {
+		return err
+	}
 	n, err := c.names()
 	if err != nil {
 		return err
@@ -252,6 +264,9 @@ func (e *ValidationError) Error() string {
 // missing table, missing column, column of the wrong type and missing index,
 // each by name. Extra columns and indexes are allowed.
 func Validate(ctx context.Context, db tx.Executor, c Config) error {
+	if err := checkExecutor(db); err != nil {
+		return err
+	}
 	n, err := c.names()
 	if err != nil {
 		return err

@@ -606,3 +606,28 @@ func TestCreateUpgradesPreviousRelease(t *testing.T) {
 		require.NoError(t, schema.Create(createCtx, b.exec, cfg), "Create waited for the open writer")
 	})
 }
+
+// A nil executor is an error that says what to pass, from every function
+// of the package that runs statements and from tx.RunInTx; none panics.
+func TestANilExecutorIsAnError(t *testing.T) {
+	ctx, c := context.Background(), schema.Config{}
+	calls := map[string]func() error{
+		"Create":            func() error { return schema.Create(ctx, nil, c) },
+		"Validate":          func() error { return schema.Validate(ctx, nil, c) },
+		"Migrate":           func() error { _, err := schema.Migrate(ctx, nil, c, schema.LatestVersion()); return err },
+		"MigrationStatus":   func() error { _, err := schema.MigrationStatus(ctx, nil, c); return err },
+		"MigrationPlan":     func() error { _, err := schema.MigrationPlan(ctx, nil, c, schema.LatestVersion()); return err },
+		"Baseline":          func() error { _, err := schema.Baseline(ctx, nil, c); return err },
+		"BaselinePlan":      func() error { _, err := schema.BaselinePlan(ctx, nil, c); return err },
+		"Rotate":            func() error { _, err := schema.Rotate(ctx, nil, c, time.Hour); return err },
+		"IsRotating":        func() error { _, err := schema.IsRotating(ctx, nil, c); return err },
+		"ConvertToRotating": func() error { return schema.ConvertToRotating(ctx, nil, c) },
+		"ConvertToSingle":   func() error { return schema.ConvertToSingle(ctx, nil, c) },
+		"tx.RunInTx": func() error {
+			return tx.RunInTx(ctx, nil, func(tx.Executor) error { t.Fatal("fn ran"); return nil })
+		},
+	}
+	for name, call := range calls {
+		require.ErrorContains(t, call(), "executor is nil; pass tx.FromPgxPool(pool)", name)
+	}
+}

@@ -436,8 +436,12 @@ func mapErr(err error) error {
 // role's default_transaction_isolation: pgoutbox's statements are written
 // for it (a row another transaction changed meanwhile is read anew, where
 // REPEATABLE READ fails with a serialization error, as concurrent
-// Subscribes binding one topic did).
+// Subscribes binding one topic did). A nil exec is an error; fn does not
+// run.
 func RunInTx(ctx context.Context, exec Executor, fn func(Executor) error) (err error) {
+	if exec == nil {
+		return errors.New("pgoutbox: executor is nil; pass tx.FromPgxPool(pool) or another tx executor")
+	}
 	b, ok := exec.(beginner)
 	if exec.InTx() || !ok {
 		return fn(exec)

@@ -130,19 +130,27 @@ func (c *PublisherConfig) setDefaults() {
 // Validate reports every problem with the configuration at once.
 func (c PublisherConfig) Validate() error {
 	c.setDefaults()
+	e := &configError{}
 	if err := c.Tables.Validate(); err != nil {
-		return errorf("%w: %w", ErrInvalidConfig, err)
+		e.problems = append(e.problems, errtext.Trim(err))
+		e.causes = append(e.causes, err)
 	}
+	c.valueProblems(e)
+	return e.orNil()
+}
+
+// valueProblems adds what is wrong with the numbers of c to e (the checks
+// NewPublisher makes on every call, without the table names').
+func (c PublisherConfig) valueProblems(e *configError) {
 	if c.StatementTimeout < 0 {
-		return errorf("%w: StatementTimeout is %s; use a positive duration", ErrInvalidConfig, c.StatementTimeout)
+		e.problems = append(e.problems, fmt.Sprintf("StatementTimeout is %s; use a positive duration", c.StatementTimeout))
 	}
 	if c.NotifyCooldown < 0 && c.NotifyCooldown != NotifyEveryPublish {
-		return errorf("%w: NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", ErrInvalidConfig, c.NotifyCooldown)
+		e.problems = append(e.problems, fmt.Sprintf("NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", c.NotifyCooldown))
 	}
 	if c.MaxPayloadBytes < NoPayloadLimit {
-		return maxPayloadInvalid(c.MaxPayloadBytes)
+		e.problems = append(e.problems, maxPayloadProblem(c.MaxPayloadBytes))
 	}
-	return nil
 }
 
 // SubscriberConfig configures a Subscriber. The zero value is usable: every
@@ -435,10 +443,7 @@ func (c SubscriberConfig) Validate() error {
 	if p := c.StartFrom.problem(); p != "" {
 		add("%s", p)
 	}
-	if len(e.problems) > 0 {
-		return e
-	}
-	return nil
+	return e.orNil()
 }
 
 // checkWorkerID explains what is wrong with id, or returns "". The id is
@@ -465,6 +470,14 @@ type configError struct {
 
 func (e *configError) Error() string {
 	return ErrInvalidConfig.Error() + ": " + strings.Join(e.problems, "; ")
+}
+
+// orNil is e, or nil when it holds no problem.
+func (e *configError) orNil() error {
+	if len(e.problems) == 0 {
+		return nil
+	}
+	return e
 }
 
 func (e *configError) Unwrap() []error { return append([]error{ErrInvalidConfig}, e.causes...) }

@@ -37,7 +37,7 @@ import (
 //	RETRY_MAX_ATTEMPTS            } any of these sets RetryPolicy to an
 //	RETRY_INITIAL_INTERVAL        } ExponentialBackoff with these fields
 //	RETRY_MAX_INTERVAL            } (integer, -1 for forever; durations;
-//	RETRY_MULTIPLIER              } a number above 0; a number from 0 to 1,
+//	RETRY_MULTIPLIER              } a number of 1 or more; from 0 to 1,
 //	RETRY_JITTER                  } or -1 for none); unset ones default
 //
 // RetryPolicy (beyond the above), Observer and other func or interface
@@ -169,6 +169,32 @@ func (r *envReader) duration(name string, dst *time.Duration, minusOne string) b
 
 func (r *envReader) err() error { return errors.Join(r.errs...) }
 
+// invalid is Validate's error for a configuration read from the
+// variables: its problems name the fields, so it ends by naming the
+// variable of each field it mentions.
+func (r *envReader) invalid(err error) error {
+	text := err.Error()
+	var set []string
+	for _, fv := range fieldVariables {
+		if _, ok := r.lookup(r.prefix + fv[1]); ok && strings.Contains(text, fv[0]) {
+			set = append(set, fv[0]+" is "+r.prefix+fv[1])
+		}
+	}
+	if len(set) == 0 {
+		return errorf("pgoutbox: the %s* variables: %w", r.prefix, err)
+	}
+	return errorf("pgoutbox: the %s* variables: %w (%s)", r.prefix, err, strings.Join(set, ", "))
+}
+
+// fieldVariables pairs the fields Validate names with their variables.
+var fieldVariables = [][2]string{
+	{"StatementTimeout", "STATEMENT_TIMEOUT"}, {"Lease", "LEASE"}, {"MinPollInterval", "MIN_POLL_INTERVAL"},
+	{"MaxPollInterval", "MAX_POLL_INTERVAL"}, {"DrainTimeout", "DRAIN_TIMEOUT"}, {"AckDeadline", "ACK_DEADLINE"},
+	{"MaxDeliveries", "MAX_DELIVERIES"}, {"RotationWindow", "ROTATION_WINDOW"}, {"WorkerID", "WORKER_ID"},
+	{"ConsumerGroup", "CONSUMER_GROUP"}, {"StartFrom", "START_FROM"}, {"ListenDSN", "LISTEN_DSN"},
+	{"ClaimMode", "CLAIM_MODE"}, {"NotifyCooldown", "NOTIFY_COOLDOWN"}, {"MaxPayloadBytes", "MAX_PAYLOAD_BYTES"},
+}
+
 func (r *envReader) tables(c *SubscriberConfig) {
 	r.str("SCHEMA", &c.Tables.Schema)
 	r.str("TABLE", &c.Tables.Table)
@@ -212,7 +238,10 @@ func subscriberConfigFromLookup(prefix string, lookup func(string) (string, bool
 	r.duration("STATEMENT_TIMEOUT", &c.StatementTimeout, "")
 	r.duration("DRAIN_TIMEOUT", &c.DrainTimeout, "to release in-flight rows without waiting")
 	r.duration("ACK_DEADLINE", &c.AckDeadline, "for no deadline")
-	r.integer("MAX_DELIVERIES", &c.MaxDeliveries, "a whole number, 0 for no limit")
+	if r.integer("MAX_DELIVERIES", &c.MaxDeliveries, "a whole number, 0 for no limit") && c.MaxDeliveries < 0 {
+		key, v, _ := r.get("MAX_DELIVERIES")
+		r.fail(key, v, "a whole number, 0 for no limit")
+	}
 	r.boolean("SYNCHRONOUS_COMMIT", &c.SynchronousCommit)
 	var mode string
 	if r.str("CLAIM_MODE", &mode) {
@@ -236,7 +265,7 @@ func subscriberConfigFromLookup(prefix string, lookup func(string) (string, bool
 		// The checks of SubscriberConfig.Validate, reported per variable.
 		for _, p := range b.problems() {
 			key, v, _ := r.get(retryVariables[p.field])
-			r.fail(key, v, p.want)
+			r.fail(key, v, strings.ReplaceAll(p.want, "NoJitter (-1)", "-1 for none"))
 		}
 		c.RetryPolicy = b
 	}
@@ -244,7 +273,7 @@ func subscriberConfigFromLookup(prefix string, lookup func(string) (string, bool
 		return SubscriberConfig{}, err
 	}
 	if err := c.Validate(); err != nil {
-		return SubscriberConfig{}, errorf("pgoutbox: the %s* variables: %w", r.prefix, err)
+		return SubscriberConfig{}, r.invalid(err)
 	}
 	return c, nil
 }
@@ -256,12 +285,15 @@ func publisherConfigFromLookup(prefix string, lookup func(string) (string, bool)
 	c := PublisherConfig{Tables: sc.Tables}
 	r.duration("STATEMENT_TIMEOUT", &c.StatementTimeout, "")
 	r.duration("NOTIFY_COOLDOWN", &c.NotifyCooldown, "to notify in every Publish")
-	r.integer("MAX_PAYLOAD_BYTES", &c.MaxPayloadBytes, "a whole number of bytes, or -1 for no limit")
+	if r.integer("MAX_PAYLOAD_BYTES", &c.MaxPayloadBytes, "a whole number of bytes, or -1 for no limit") && c.MaxPayloadBytes < NoPayloadLimit {
+		key, v, _ := r.get("MAX_PAYLOAD_BYTES")
+		r.fail(key, v, "a whole number of bytes, or -1 for no limit")
+	}
 	if err := r.err(); err != nil {
 		return PublisherConfig{}, err
 	}
 	if err := c.Validate(); err != nil {
-		return PublisherConfig{}, errorf("pgoutbox: the %s* variables: %w", r.prefix, err)
+		return PublisherConfig{}, r.invalid(err)
 	}
 	return c, nil
 }

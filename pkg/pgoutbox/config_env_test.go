@@ -101,6 +101,18 @@ func TestConfigFromEnvReportsEveryInvalidValue(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidConfig)
 	require.Contains(t, err.Error(), `APP_NOTIFY_COOLDOWN="soon"`)
 	require.Contains(t, err.Error(), `APP_MAX_PAYLOAD_BYTES="1MB" is not valid; use a whole number of bytes, or -1 for no limit`)
+
+	// A value that parses but is out of range is reported beside one that
+	// does not parse, and a jitter's special value as the variable takes it.
+	_, err = publisherConfigFromLookup("APP", lookupIn(map[string]string{
+		"APP_NOTIFY_COOLDOWN":   "-3ms",
+		"APP_MAX_PAYLOAD_BYTES": "-5",
+	}))
+	require.Contains(t, err.Error(), `APP_NOTIFY_COOLDOWN="-3ms"`)
+	require.Contains(t, err.Error(), `APP_MAX_PAYLOAD_BYTES="-5" is not valid`)
+	_, err = subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_RETRY_JITTER": "1.5", "APP_MAX_DELIVERIES": "-2", "APP_LEASE": "soon"}))
+	require.Contains(t, err.Error(), `APP_RETRY_JITTER="1.5" is not valid; use a number from 0 to 1 (0.2 spreads delays by ±20%), or -1 for none`)
+	require.Contains(t, err.Error(), `APP_MAX_DELIVERIES="-2" is not valid`)
 }
 
 func TestConfigFromEnvValidates(t *testing.T) {
@@ -115,6 +127,7 @@ func TestConfigFromEnvValidates(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidConfig)
 	require.Contains(t, err.Error(), "the APP_* variables")
 	require.Contains(t, err.Error(), "Lease (2s) must be longer than MaxPollInterval (5s)")
+	require.Contains(t, err.Error(), "(Lease is APP_LEASE, MaxPollInterval is APP_MAX_POLL_INTERVAL)", "the fields' variables named")
 
 	_, err = publisherConfigFromLookup("APP", lookupIn(map[string]string{"APP_TABLE": "bad name"}))
 	require.ErrorIs(t, err, ErrInvalidConfig)

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 func TestSubscriberConfigDefaults(t *testing.T) {
@@ -250,6 +251,17 @@ func TestPublisherConfigValidate(t *testing.T) {
 	err := PublisherConfig{Tables: schema.Config{Schema: "1abc"}}.Validate()
 	require.ErrorIs(t, err, ErrInvalidConfig)
 	require.Contains(t, err.Error(), `schema name "1abc"`)
+
+	// Every problem at once, as SubscriberConfig's.
+	err = PublisherConfig{Tables: schema.Config{Schema: "1abc"}, StatementTimeout: -time.Second, NotifyCooldown: -5 * time.Millisecond, MaxPayloadBytes: -2}.Validate()
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	require.ErrorIs(t, err, schema.ErrInvalidName)
+	for _, want := range []string{`schema name "1abc"`, "StatementTimeout is -1s", "NotifyCooldown is -5ms", "MaxPayloadBytes is -2"} {
+		require.Contains(t, err.Error(), want)
+	}
+	_, err = NewPublisher(tx.FromPgxPool(nil), PublisherConfig{StatementTimeout: -time.Second, MaxPayloadBytes: -2}, nil)
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	require.Contains(t, err.Error(), "StatementTimeout is -1s; use a positive duration; MaxPayloadBytes is -2")
 }
 
 func TestClaimModeParsesItsNamesAndRejectsOthers(t *testing.T) {

@@ -2,6 +2,7 @@ package pgoutbox
 
 import (
 	"errors"
+	"fmt"
 )
 
 // ErrPayloadTooLarge is returned by Publish for a message whose payload
@@ -14,6 +15,6 @@ func payloadTooLarge(i, size, limit int) error {
 		ErrInvalidMessage, ErrPayloadTooLarge, i, size, limit)
 }
 
-func maxPayloadInvalid(v int) error {
-	return errorf("%w: MaxPayloadBytes is %d; use a positive number of bytes, 0 for the default (%d), or NoPayloadLimit (-1) to disable the check", ErrInvalidConfig, v, DefaultMaxPayloadBytes)
+func maxPayloadProblem(v int) string {
+	return fmt.Sprintf("MaxPayloadBytes is %d; use a positive number of bytes, 0 for the default (%d), or NoPayloadLimit (-1) to disable the check", v, DefaultMaxPayloadBytes)
 }

@@ -70,14 +70,9 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	if config.StatementTimeout < 0 {
-		return nil, fmt.Errorf("%w: StatementTimeout is %s; use a positive duration", ErrInvalidConfig, config.StatementTimeout)
-	}
-	if config.NotifyCooldown < 0 && config.NotifyCooldown != NotifyEveryPublish {
-		return nil, fmt.Errorf("%w: NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", ErrInvalidConfig, config.NotifyCooldown)
-	}
-	if config.MaxPayloadBytes < NoPayloadLimit {
-		return nil, maxPayloadInvalid(config.MaxPayloadBytes)
+	problems := &configError{}
+	if config.valueProblems(problems); len(problems.problems) > 0 {
+		return nil, problems
 	}
 	if config.StatementTimeout == 0 {
 		config.StatementTimeout = DefaultStatementTimeout

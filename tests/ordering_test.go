@@ -274,6 +274,8 @@ func TestOrderingKeyDelayedHeadKeepsOrder(t *testing.T) {
 	})
 }
 
+var errNoAggregateID = errors.New("no aggregate id")
+
 // GenerateOrderingKey keys every message, like Kafka's partition key
 // generator; WithOrderingKey wins over it, the key reaches the handler in
 // the metadata, and a generator error fails the Publish without writing.
@@ -284,7 +286,7 @@ func TestGenerateOrderingKey(t *testing.T) {
 		Tables: b.tables,
 		GenerateOrderingKey: func(topic string, m *message.Message) (string, error) {
 			if m.Metadata.Get("bad") != "" {
-				return "", errors.New("no aggregate id")
+				return "", errNoAggregateID
 			}
 			return topic + "/" + m.Metadata.Get("aggregate_id"), nil
 		},
@@ -302,6 +304,7 @@ func TestGenerateOrderingKey(t *testing.T) {
 	bad.Metadata.Set("bad", "yes")
 	err = pub.Publish("t", newMsg("fine"), bad)
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidMessage)
+	require.ErrorIs(t, err, errNoAggregateID, "the generator's own error, for the caller to branch on")
 	require.Contains(t, err.Error(), "no aggregate id")
 	require.Equal(t, 2, b.outboxRows(t, "t"), "nothing of the failed call was written")
 

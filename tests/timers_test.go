@@ -51,6 +51,25 @@ func TestDeliverAtAnOffsetWithSeconds(t *testing.T) {
 	require.True(t, at.Equal(stored), "stored %s for %s", stored, at)
 }
 
+// Times RFC 3339 cannot write: one before year 1 is in the past, so now;
+// one after 9999 is refused, saying which years DeliverAt takes.
+func TestDeliverAtBeyondRFC3339sYears(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	early, late := newMsg("early"), newMsg("late")
+	pgoutbox.DeliverAt(early, time.Date(-5, 1, 1, 0, 0, 0, 0, time.UTC))
+	pgoutbox.DeliverAt(late, time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC))
+	pub := b.poolPublisher(t)
+	err := pub.Publish("t", late)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidMessage)
+	require.ErrorContains(t, err, "from year 1 to 9999")
+	require.Zero(t, b.outboxRows(t, "t"))
+	require.NoError(t, pub.Publish("t", early))
+	var pastIsNow bool
+	require.NoError(t, b.Pool.QueryRow(context.Background(), `SELECT available_at = created_at FROM `+b.Schema+`.outbox WHERE uuid = $1`, early.UUID).Scan(&pastIsNow))
+	require.True(t, pastIsNow, "a time before year 1 is in the past: now")
+}
+
 func TestDeliverAt(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

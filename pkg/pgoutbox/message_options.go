@@ -34,11 +34,15 @@ func DeliverAfter(msg *message.Message, d time.Duration) {
 // DeliverAt makes msg invisible to subscribers until t. The time is stored
 // as given (in UTC when its zone's offset has seconds, which RFC 3339
 // cannot write); a time in the past means now. It replaces an earlier
-// DeliverAfter.
+// DeliverAfter. RFC 3339 writes years 1 to 9999: a time after 9999 makes
+// Publish return ErrInvalidMessage.
 func DeliverAt(msg *message.Message, t time.Time) {
 	delete(msg.Metadata, deliverAfterKey)
 	if _, offset := t.Zone(); offset%60 != 0 {
 		t = t.UTC() // RFC 3339 has no seconds in an offset (a historical zone's LMT)
+	}
+	if t.Year() < 1 {
+		t = time.Unix(0, 0).UTC() // in the past, as the time given: now
 	}
 	msg.Metadata.Set(deliverAtKey, t.Format(time.RFC3339Nano))
 }

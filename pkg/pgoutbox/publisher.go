@@ -573,7 +573,7 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 		if order == "" && orderingKey != nil {
 			var err error
 			if order, err = orderingKey(topic, m); err != nil {
-				return b, fmt.Errorf("%w: message %d: GenerateOrderingKey: %v", ErrInvalidMessage, i, err)
+				return b, fmt.Errorf("%w: message %d: GenerateOrderingKey: %w", ErrInvalidMessage, i, err)
 			}
 			if order != "" {
 				if err := checkText(i, order, func() string { return "ordering key" }); err != nil {
@@ -630,7 +630,7 @@ func schedule(md message.Metadata) (pgtype.Int8, pgtype.Timestamptz, error) {
 	at := func(key, v, layout string) (pgtype.Int8, pgtype.Timestamptz, error) {
 		t, err := time.Parse(layout, v)
 		if err != nil {
-			return pgtype.Int8{}, pgtype.Timestamptz{}, fmt.Errorf("metadata %s=%q is not an %s time (%v); set it with delay.Until or pgoutbox.DeliverAt", key, v, layout, err)
+			return pgtype.Int8{}, pgtype.Timestamptz{}, fmt.Errorf("metadata %s=%q is not an RFC 3339 time (%v); set it with pgoutbox.DeliverAt or delay.Until, with a time from year 1 to 9999", key, v, err)
 		}
 		return pgtype.Int8{}, pgtype.Timestamptz{Time: t, Valid: true}, nil
 	}

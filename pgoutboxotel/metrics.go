@@ -252,8 +252,15 @@ func rows(e pgoutbox.Event) int64 {
 //
 // Stats costs about 300 ms on an outbox of 1,000,000 rows: collect every
 // 15 to 60 seconds (the periodic reader's interval). Unregister the
-// returned registration to stop.
+// returned registration to stop. A nil exec or invalid table names are an
+// error (ErrInvalidConfig), nothing registered.
 func RegisterStats(exec tx.Executor, tables schema.Config, opts MetricsOptions) (metric.Registration, error) {
+	if exec == nil {
+		return nil, fmt.Errorf("%w: pgoutboxotel: executor is nil; pass tx.FromPgxPool(pool) or another tx executor", pgoutbox.ErrInvalidConfig)
+	}
+	if err := tables.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: pgoutboxotel: %w", pgoutbox.ErrInvalidConfig, err)
+	}
 	m := opts.meter()
 	timeout := opts.StatsTimeout
 	if timeout <= 0 {

@@ -17,6 +17,7 @@ import (
 	"github.com/pgoutbox/watermill-pgoutbox/pgoutboxotel"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -304,4 +305,16 @@ func TestRegisterStatsReportsTheRing(t *testing.T) {
 	for g := range 3 {
 		require.GreaterOrEqual(t, gauge(t, got["pgoutbox.ring.partition.rows"], outbox, attribute.Int("pgoutbox.generation", g)), int64(0))
 	}
+}
+
+// A nil executor or table names that cannot be an outbox's are refused,
+// nothing registered (they registered gauges that never reported).
+func TestRegisterStatsRefusesABadConfiguration(t *testing.T) {
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
+	_, err := pgoutboxotel.RegisterStats(nil, schema.Config{}, pgoutboxotel.MetricsOptions{MeterProvider: mp})
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.ErrorContains(t, err, "executor is nil")
+	_, err = pgoutboxotel.RegisterStats(tx.FromPgxPool(nil), schema.Config{Table: "bad-name"}, pgoutboxotel.MetricsOptions{MeterProvider: mp})
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.ErrorContains(t, err, "bad-name")
 }

@@ -2,6 +2,7 @@ package pgoutboxprom
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 	"sync"
 	"time"
@@ -60,14 +61,26 @@ type Collector struct {
 	duration    prometheus.Gauge
 
 	mu sync.Mutex // one Stats call at a time
+
+	// invalid is what is wrong with NewCollector's arguments: every
+	// scrape fails with it, where it would otherwise export no series.
+	invalid error
 }
 
 var _ prometheus.Collector = (*Collector)(nil)
 
 // NewCollector returns a Collector of the outbox named by tables, read
 // through exec (a pool: tx.FromPgxPool or tx.FromSQLDB). Register it with
-// prometheus.Registerer.Register or MustRegister.
+// prometheus.Registerer.Register or MustRegister. A nil exec or invalid
+// table names make every scrape fail with an error that says so
+// (prometheus.NewInvalidMetric: promhttp answers 500 with its text).
 func NewCollector(exec tx.Executor, tables schema.Config, opts Options) *Collector {
+	var invalid error
+	if exec == nil {
+		invalid = fmt.Errorf("%w: pgoutboxprom: executor is nil; pass tx.FromPgxPool(pool) or another tx executor", pgoutbox.ErrInvalidConfig)
+	} else if err := tables.Validate(); err != nil {
+		invalid = fmt.Errorf("%w: pgoutboxprom: %w", pgoutbox.ErrInvalidConfig, err)
+	}
 	timeout := opts.ScrapeTimeout
 	if timeout <= 0 {
 		timeout = DefaultScrapeTimeout
@@ -78,6 +91,7 @@ func NewCollector(exec tx.Executor, tables schema.Config, opts Options) *Collect
 	}
 	pair := []string{"topic", "consumer_group"}
 	return &Collector{
+		invalid: invalid,
 		exec:    exec,
 		tables:  tables,
 		timeout: timeout,
@@ -172,6 +186,10 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 // Collect implements prometheus.Collector: one pgoutbox.Stats and one
 // pgoutbox.Health call, bounded together by Options.ScrapeTimeout.
 func (c *Collector) Collect(ch chan<- prometheus.Metric) {
+	if c.invalid != nil {
+		ch <- prometheus.NewInvalidMetric(c.messages, c.invalid)
+		return
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)

@@ -40,8 +40,8 @@
 //	                                                        pgoutbox.BindGroups; pgoutbox stats warns of them)
 //	pgoutbox_consumer_group_paused{topic,consumer_group}   gauge: 1 while the group is paused (its lag grows by
 //	                                                        design), else 0
-//	pgoutbox_table_live_tuples{table}                      gauge: estimated live rows of the outbox and of its
-//	                                                        dead-letter table (n_live_tup)
+//	pgoutbox_table_live_tuples{table}                      gauge: estimated live rows of the outbox, its
+//	                                                        dead-letter and arrivals tables (n_live_tup)
 //	pgoutbox_table_dead_tuples{table}                      gauge: estimated dead rows vacuum has not removed yet
 //	                                                        (n_dead_tup): alert when they keep growing across
 //	                                                        autovacuum runs

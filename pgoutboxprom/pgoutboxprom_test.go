@@ -23,6 +23,7 @@ import (
 	"github.com/pgoutbox/watermill-pgoutbox/pgoutboxprom"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -411,4 +412,27 @@ func TestCollectorRing(t *testing.T) {
 		require.GreaterOrEqual(t, sample(t, body, `pgoutbox_ring_partition_rows{generation="`+g+`",table="`+outbox+`"}`), 0.0)
 	}
 	requireLine(t, body, `pgoutbox_stats_errors_total 0`)
+}
+
+// A nil executor or table names that cannot be an outbox's make every
+// scrape fail with the error (promhttp answers 500 with its text), where
+// they exported no series and said nothing.
+func TestCollectorOfABadConfigurationFailsItsScrapes(t *testing.T) {
+	for name, c := range map[string]*pgoutboxprom.Collector{
+		"nil executor":   pgoutboxprom.NewCollector(nil, schema.Config{}, pgoutboxprom.Options{}),
+		"bad table name": pgoutboxprom.NewCollector(tx.FromPgxPool(nil), schema.Config{Table: "bad-name"}, pgoutboxprom.Options{}),
+	} {
+		reg := prometheus.NewRegistry()
+		reg.MustRegister(c)
+		_, err := reg.Gather()
+		require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig, name)
+		srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		resp, err := http.Get(srv.URL)
+		require.NoError(t, err)
+		body, _ := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		srv.Close()
+		require.Equal(t, http.StatusInternalServerError, resp.StatusCode, name)
+		require.Contains(t, string(body), "pgoutboxprom:", name)
+	}
 }

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unsafe"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
@@ -50,12 +51,13 @@ type Options struct {
 	// MinSampleInterval.
 	SampleInterval time.Duration
 	// Samples is how many samples the charts keep per topic and group
-	// (72 bytes each): the charts span Samples × SampleInterval. Defaults
-	// to DefaultSamples (360: an hour at 10 s).
+	// (88 bytes each): the charts span Samples × SampleInterval. Defaults
+	// to DefaultSamples (360: an hour at 10 s). Samples × (MaxPairs + 2)
+	// samples must fit in 1 GiB.
 	Samples int
 	// MaxPairs bounds the topic/group pairs that get a chart; the
 	// overview lists every pair. Defaults to DefaultMaxPairs (500: at
-	// most about 13 MiB of samples with the default Samples).
+	// most about 15 MiB of samples with the default Samples).
 	MaxPairs int
 	// BlockedDeliveries is the delivery count from which the head of an
 	// ordering key is shown as blocking its key. Defaults to
@@ -87,6 +89,9 @@ func (o *Options) setDefaults() {
 	}
 }
 
+// maxSampleBytes bounds the memory the charts' samples may take.
+const maxSampleBytes = 1 << 30
+
 func (o Options) validate() error {
 	var problems []string
 	if !strings.HasPrefix(o.BasePath, "/") || !strings.HasSuffix(o.BasePath, "/") || strings.Contains(o.BasePath, "//") {
@@ -100,6 +105,14 @@ func (o Options) validate() error {
 	}
 	if o.MaxPairs < 1 {
 		problems = append(problems, fmt.Sprintf("MaxPairs is %d; use 0 for the default (%d) or a positive number", o.MaxPairs, DefaultMaxPairs))
+	}
+	if o.Samples >= 2 && o.MaxPairs >= 1 {
+		// The rings are allocated whole (the page's own two at once): a
+		// mistyped Samples must be an error, not an out-of-memory crash.
+		if bytes := float64(o.Samples) * float64(o.MaxPairs+2) * float64(unsafe.Sizeof(sample{})); bytes > maxSampleBytes {
+			problems = append(problems, fmt.Sprintf("Samples (%d) for up to MaxPairs (%d) pairs would keep up to %.1f GiB of samples (%d bytes each); keep it under 1 GiB with fewer Samples (and a longer SampleInterval) or fewer MaxPairs",
+				o.Samples, o.MaxPairs, bytes/(1<<30), unsafe.Sizeof(sample{})))
+		}
 	}
 	if o.BlockedDeliveries < 1 {
 		problems = append(problems, fmt.Sprintf("BlockedDeliveries is %d; use 0 for the default (%d) or a positive number", o.BlockedDeliveries, DefaultBlockedDeliveries))

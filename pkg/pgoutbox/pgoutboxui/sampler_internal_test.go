@@ -4,6 +4,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/require"
 
@@ -118,4 +119,18 @@ func TestWholeOutboxCountsPairsBeyondMaxPairs(t *testing.T) {
 	require.EqualValues(t, 4, w.dead)
 	require.EqualValues(t, 9000, w.oldestMS)
 	require.EqualValues(t, 1000, w.at)
+}
+
+// Options that would keep more than a GiB of samples are refused (New
+// allocates its rings whole: a mistyped Samples crashed the process out of
+// memory); the defaults keep about 15 MiB.
+func TestSamplesAreBoundedByTheirMemory(t *testing.T) {
+	o, def := Options{Samples: 1_000_000_000}, Options{}
+	o.setDefaults()
+	def.setDefaults()
+	err := o.validate()
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.ErrorContains(t, err, "keep it under 1 GiB")
+	require.NoError(t, def.validate())
+	require.EqualValues(t, 88, unsafe.Sizeof(sample{}), "the size the docs give")
 }

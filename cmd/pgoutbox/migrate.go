@@ -10,10 +10,12 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -62,26 +64,38 @@ func (c *cli) migrateUpDown(args []string, down bool) error {
 		examples = "  pgoutbox schema migrate down --dry-run\n  pgoutbox schema migrate down --to 3 --yes\n"
 	}
 	cmd := c.newCommand(name, usage, examples, false)
-	to := cmd.fs.Int("to", -1, "the version to reach (default: the latest for up, one below the current for down)")
+	toHelp := "the version to reach (when not given: the latest)"
+	if down {
+		toHelp = "the version to reach (when not given: one below the current); 0 drops the outbox's tables"
+	}
+	toFlag := cmd.fs.String("to", "", toHelp)
 	dryRun := cmd.fs.Bool("dry-run", false, "print the SQL it would run, and run nothing")
-	var yes *bool
+	var yes, dropMessages *bool
 	if down {
 		yes = cmd.fs.Bool("yes", false, "do not ask for confirmation")
+		dropMessages = cmd.fs.Bool("drop-messages", false, "with --to 0: drop the tables even though they hold messages or dead letters")
 	}
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
 	latest := schema.LatestVersion()
-	if cmd.given("to") && (*to < 0 || *to > latest) {
-		return usagef(name, "--to %d is out of range; use 0 to %d", *to, latest)
+	to := -1
+	if cmd.given("to") {
+		n, err := strconv.Atoi(*toFlag)
+		if err != nil || n < 0 || n > latest {
+			return usagef(name, "--to %s is out of range; use 0 to %d", *toFlag, latest)
+		}
+		to = n
 	}
 	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, t schema.Config) error {
 		st, err := schema.MigrationStatus(ctx, exec, t)
 		if err != nil {
 			return err
 		}
-		target := *to
+		target := to
 		switch {
+		case target == -1 && down && st.Current == 1:
+			return usagef(name, "version 1 is the first; undoing it drops the outbox's tables and every message in them: give --to 0 for that")
 		case target == -1 && down:
 			target = max(st.Current-1, 0)
 		case target == -1:
@@ -111,6 +125,17 @@ func (c *cli) migrateUpDown(args []string, down bool) error {
 				}
 			}
 			return nil
+		}
+		if down && target == 0 && !*dropMessages {
+			// --yes answers the question, not this: a script's `down
+			// --to 0 --yes` must not delete what the tables still hold.
+			held, err := tableHoldingRows(ctx, exec, t)
+			if err != nil {
+				return err
+			}
+			if held != "" {
+				return &refusedError{msg: fmt.Sprintf("%s holds rows; dropping it would delete them: move or drain them first, or add --drop-messages to drop them with the tables", held)}
+			}
 		}
 		if down {
 			q := fmt.Sprintf("Migrate %s down from version %d to %d?", tablesName(t), st.Current, target)
@@ -436,4 +461,35 @@ func qualifiedNames(text string) map[string]bool {
 		names[m] = true
 	}
 	return names
+}
+
+// tableHoldingRows names the first of the outbox's message tables (the
+// outbox, its dead letters, its arrivals) that exists and holds a row, or
+// returns "".
+func tableHoldingRows(ctx context.Context, exec tx.Executor, t schema.Config) (string, error) {
+	t = t.WithDefaults()
+	n, err := query.NewNames(t.Schema, t.Table, t.DeadLetterTable)
+	if err != nil {
+		return "", err
+	}
+	for _, table := range []string{n.QTable, n.QDLQ, n.WithArrivals().QArrivals} {
+		if table == "" {
+			continue
+		}
+		var exists bool
+		if err := queryValue(ctx, exec, &exists, `SELECT to_regclass($1) IS NOT NULL`, table); err != nil {
+			return "", err
+		}
+		if !exists {
+			continue
+		}
+		var rows bool
+		if err := queryValue(ctx, exec, &rows, `SELECT EXISTS (SELECT 1 FROM `+table+`)`); err != nil {
+			return "", err
+		}
+		if rows {
+			return table, nil
+		}
+	}
+	return "", nil
 }

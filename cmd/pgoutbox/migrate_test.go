@@ -86,7 +86,22 @@ func TestSchemaMigrate(t *testing.T) {
 	_, _, code = run("schema", "migrate", "up", "--to", "99")
 	require.Equal(t, exitUsage, code)
 
-	out, errOut, code = run("schema", "migrate", "down", "--to", "0", "--yes")
+	// Version 0 drops the tables: only when asked for by name, and not
+	// over messages unless --drop-messages says so (--yes answers the
+	// question, a script's usual flag).
+	out, errOut, code = run("schema", "migrate", "down", "--to", "1", "--yes")
+	require.Equal(t, 0, code, errOut)
+	_, errOut, code = run("schema", "migrate", "down", "--yes")
+	require.Equal(t, exitUsage, code, "down alone from version 1")
+	require.Contains(t, errOut, "give --to 0")
+	_, err := s.Pool.Exec(context.Background(), `INSERT INTO "`+s.Name+`".outbox (topic, uuid, payload) VALUES ('kept', 'u1', 'x')`)
+	require.NoError(t, err)
+	_, errOut, code = run("schema", "migrate", "down", "--to", "0", "--yes")
+	require.Equal(t, exitRefused, code)
+	require.Contains(t, errOut, "holds rows")
+	require.Contains(t, errOut, "--drop-messages")
+	require.Equal(t, 1.0, status()["current"], "nothing undone")
+	out, errOut, code = run("schema", "migrate", "down", "--to", "0", "--yes", "--drop-messages")
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, "undid version 1 (initial)")
 	_, _, code = run("schema", "validate")
@@ -94,7 +109,7 @@ func TestSchemaMigrate(t *testing.T) {
 
 	// An outbox made by an older Create: tables without a version.
 	require.NoError(t, schema.Create(context.Background(), tx.FromPgxPool(s.Pool), schema.Config{Schema: s.Name}))
-	_, err := s.Pool.Exec(context.Background(), `DROP TABLE "`+s.Name+`".outbox_schema_version`)
+	_, err = s.Pool.Exec(context.Background(), `DROP TABLE "`+s.Name+`".outbox_schema_version`)
 	require.NoError(t, err)
 	require.Equal(t, true, status()["needs_baseline"])
 	require.Equal(t, latest, status()["layout_version"], "the catalog tells the layout's version")

@@ -206,7 +206,8 @@ type SubscriberConfig struct {
 	// While a message is in flight its lease is renewed (checked every
 	// Lease/2, renewed once older than a quarter of it), so
 	// Lease bounds how long a crashed process keeps its rows, not how long a
-	// handler may run. Defaults to 30s. Must be longer than MaxPollInterval.
+	// handler may run. Defaults to 30s. Must be at least 1s and longer than
+	// MaxPollInterval.
 	Lease time.Duration
 
 	// MinPollInterval is the first idle poll interval after a claim comes
@@ -215,12 +216,14 @@ type SubscriberConfig struct {
 	// Defaults to 100ms.
 	MinPollInterval time.Duration
 	// MaxPollInterval caps the idle poll interval. Defaults to 5s, or Lease/2
-	// when that is shorter. Must be at least MinPollInterval.
+	// when that is shorter, but never below MinPollInterval. Must be at
+	// least MinPollInterval.
 	MaxPollInterval time.Duration
 
 	// StatementTimeout bounds every statement the subscriber runs. Defaults
-	// to 10s. Must be shorter than Lease/2, so a hung statement cannot
-	// outlive a lease renewal period.
+	// to 10s, or just under Lease/2 when that is shorter (4.999s for a
+	// Lease of 10s). Must be shorter than Lease/2, so a hung statement
+	// cannot outlive a lease renewal period.
 	StatementTimeout time.Duration
 
 	// DrainTimeout is how long Close, or the end of a subscription's
@@ -404,7 +407,14 @@ func (c SubscriberConfig) Validate() error {
 	// is valid or the value was set.
 	derivedOK := func(field time.Duration) bool { return leaseOK || field != 0 }
 	if set.MinPollInterval < 0 || set.MaxPollInterval < 0 {
-		add("poll intervals must not be negative")
+		for _, p := range []struct {
+			name string
+			d    time.Duration
+		}{{"MinPollInterval", set.MinPollInterval}, {"MaxPollInterval", set.MaxPollInterval}} {
+			if p.d < 0 {
+				add("%s is %s; use a positive duration, or 0 for the default", p.name, p.d)
+			}
+		}
 	} else {
 		if c.MinPollInterval > c.MaxPollInterval && derivedOK(set.MaxPollInterval) {
 			add("MinPollInterval (%s) is greater than MaxPollInterval (%s); raise MaxPollInterval or lower MinPollInterval", c.MinPollInterval, c.MaxPollInterval)

@@ -154,7 +154,7 @@ var constraints = []string{
 	"invalid table or schema name",
 	"MaxInFlight is",
 	"Lease is",
-	"poll intervals must not be negative",
+	"PollInterval is -",
 	"is greater than MaxPollInterval",
 	"must be longer than MaxPollInterval",
 	"StatementTimeout is",

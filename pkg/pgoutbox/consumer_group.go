@@ -606,6 +606,9 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 // too (the key is unique per group). It returns how many rows moved.
 // Use it for a group that was unbound, renamed, or stranded messages in
 // "" before its first binding. The binding of either group is not changed.
+// Moving from a group that was bound beside to (both got a copy of each
+// message) gives to those messages twice: move from a group whose copies
+// to does not have.
 func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topic, from, to string) (int64, error) {
 	q, err := groupQueries(exec, tables, topic, from)
 	if err != nil {

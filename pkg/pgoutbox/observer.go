@@ -43,14 +43,24 @@ const (
 
 // Event is one observation. Fields that do not apply to a kind are zero.
 type Event struct {
-	Kind  EventKind
+	// Kind is what happened.
+	Kind EventKind
+	// Topic is the topic of the subscription or Publish call.
 	Topic string
 	// Group is the subscriber's consumer group ("" for the default group);
 	// empty for publisher events.
-	Group      string
-	RowID      int64
+	Group string
+	// RowID is the outbox row's id, for the events of one row (acked,
+	// retried, released, dead_lettered, lease_lost, poisoned, handed_out);
+	// 0 for the events of a claim or call (claimed, lease_renewed,
+	// held_to_lease, published).
+	RowID int64
+	// Deliveries is how many times the row was delivered, counting this
+	// delivery, for the events of one row.
 	Deliveries int
-	Count      int
+	// Count is how many rows a claimed, lease_renewed, held_to_lease or
+	// published event concerns.
+	Count int
 	// Phase is the write that found the lease lost: "ack", "nack",
 	// "release", "renew" or "dead_letter"; "commit" for a held batch
 	// whose transaction did not commit (its connection was lost: nobody
@@ -61,7 +71,9 @@ type Event struct {
 	// Path is the path of the claim (claimed), or of the row (acked,
 	// released, handed_out): PathLease or PathHeld.
 	Path string
-	Err  error
+	// Err is why a poisoned row could not be decoded; nil for the other
+	// kinds.
+	Err error
 	// CreatedAt and DueAt are the row's publish time and the time it
 	// became due (handed_out; see Delivery.PublishedAt and DueAt).
 	CreatedAt, DueAt time.Time
@@ -75,9 +87,8 @@ type Event struct {
 // Observer receives events. Implementations must be safe for concurrent use
 // and should not block. A Subscriber calls its Observer from a goroutine of
 // its own, in the order the events happened, so a slow Observer delays the
-// events, never the deliveries or the lease renewals; past
-// maxQueuedEvents waiting events, new ones are dropped (and the drop
-// logged). A Publisher calls it in Publish. A panicking Observer is
+// events, never the deliveries or the lease renewals; past 65,536
+// waiting events, new ones are dropped (and the drop logged). A Publisher calls it in Publish. A panicking Observer is
 // recovered and logged; delivery goes on.
 type Observer interface {
 	Observe(Event)

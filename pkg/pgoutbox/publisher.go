@@ -134,7 +134,7 @@ func (p *Publisher) FollowsContext() bool { return p.follow }
 // back tx.
 func NewTxPublisher(t *sql.Tx, config PublisherConfig, logger watermill.LoggerAdapter) (*Publisher, error) {
 	if t == nil {
-		return nil, fmt.Errorf("%w: transaction is nil", ErrInvalidConfig)
+		return nil, fmt.Errorf("%w: transaction is nil; pass the *sql.Tx that db.BeginTx returned", ErrInvalidConfig)
 	}
 	return NewPublisher(tx.FromSQLTx(t), config, logger)
 }
@@ -398,7 +398,11 @@ func (p *Publisher) wrapErr(topic string, err error) error {
 // cancelOp.
 func (p *Publisher) wrapOpErr(op, topic string, err error) error {
 	if errors.Is(err, tx.ErrTxDone) {
-		return errorf("pgoutbox: %s %q: %w; publish inside an open transaction, before Commit", op, topic, err)
+		verb := "publish"
+		if op == cancelOp {
+			verb = "cancel"
+		}
+		return errorf("pgoutbox: %s %q: %w; %s inside an open transaction, before Commit", op, topic, err, verb)
 	}
 	switch errtext.SQLState(err) {
 	case "42P01": // undefined_table

@@ -20,7 +20,13 @@ import (
 )
 
 // The migration files are templates over the names of one outbox
-// (migrationNames). Conventions, checked by the package's tests:
+// (migrationNames): {{.Schema}}, {{.Table}}, {{.DLQ}}, and the functions of
+// templateFuncs that derive the other names as Create does ({{idx
+// "_suffix"}}, {{qidx "_suffix"}}, {{table "_suffix"}}); {{if .DLQ}} guards
+// what concerns the dead-letter table. Adding a version means adding its
+// two files and changing Create's DDL (internal/query/ddl.go) to the same
+// layout: the tests fail until the migrations, applied from nothing, build
+// the catalog Create builds. Conventions, checked by the package's tests:
 //   - NNNN_name.up.sql and NNNN_name.down.sql for every version from 1 on,
 //     without gaps;
 //   - a statement ends with a line that ends with ";", outside a

@@ -22,18 +22,7 @@
 // Version 1 is the first released layout; 2 adds the lease holder and
 // parking columns, 3 consumer groups (the bindings table, group indexes), 4
 // ordering keys, 5 paused groups, 6 backlog copies of a new group, 7 the
-// arrivals table (none for a rotating outbox). Each version is two embedded template files,
-// migrations/NNNN_name.up.sql and NNNN_name.down.sql, over the outbox's
-// quoted names ({{.Schema}}, {{.Table}}, {{.DLQ}}) and on functions that
-// derive the other names from the table's as Create does ({{idx
-// "_suffix"}}, {{qidx "_suffix"}}, {{table "_suffix"}}; see
-// templateFuncs); {{if .DLQ}} guards what concerns the dead-letter table.
-// Adding a version means adding those two files and changing Create's DDL
-// (internal/query/ddl.go) to the same layout: the package's tests fail
-// until the migrations, applied from nothing, build the catalog Create
-// builds. Up migrations must be idempotent (IF NOT EXISTS), since Baseline
-// may record an older version than an outbox partly has. A statement ends
-// with a line ending in ";" outside a dollar-quoted body.
+// arrivals table (none for a rotating outbox).
 package schema
 
 import (
@@ -251,9 +240,12 @@ func Create(ctx context.Context, db tx.Executor, c Config) error {
 
 // ValidationError lists everything Validate found missing or wrong.
 type ValidationError struct {
+	// Problems are the findings, one sentence each, naming the table,
+	// column or index.
 	Problems []string
 }
 
+// Error lists the problems and says how to make what is missing.
 func (e *ValidationError) Error() string {
 	return "pgoutbox: schema does not match: " + strings.Join(e.Problems, "; ") +
 		"; run schema.Create (pgoutbox schema apply), which makes whatever is missing, or, for an outbox below the latest version, " +

@@ -690,6 +690,60 @@ func TestTxMiddlewareRefusesAMessageAckedBeforeIt(t *testing.T) {
 	}
 }
 
+// An Ack inside the handler's transaction (the handler's own, or
+// middleware.InstantAck inside tx.Middleware) waits for that transaction:
+// the write, the output and the completion commit together. The
+// subscriber deleted the row at the Ack, the completion found none and
+// rolled the work back, and the message was gone. A Nack with no error
+// rolls back and the message comes again.
+func TestTxMiddlewareAnAckInsideTheHandlerCommitsWithIt(t *testing.T) {
+	t.Parallel()
+	for _, instantAck := range []bool{false, true} {
+		t.Run(fmt.Sprintf("InstantAck=%v", instantAck), func(t *testing.T) {
+			t.Parallel()
+			onEachClaimPath(t, func(t *testing.T, path string) {
+				base := setup(t)
+				b := newTxHandlerBed(t, base.Pool, base)
+				const n = 10
+				msgs := newMsgs(n)
+				if !instantAck {
+					msgs[0].Metadata.Set("nack", "once")
+				}
+				b.publishInTx(t, "tx", true, msgs...)
+				sub := b.newSubscriber(t, func(c *pgoutbox.SubscriberConfig) {
+					onPath(t, path, c)
+					c.MaxInFlight = 4
+				})
+				r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+				require.NoError(t, err)
+				r.AddMiddleware(b.mw)
+				if instantAck {
+					r.AddMiddleware(middleware.InstantAck) // inside tx.Middleware
+				}
+				var nacked atomic.Bool
+				r.AddHandler("tx", "tx", sub, "out", b.pub, func(m *message.Message) ([]*message.Message, error) {
+					if err := b.increment(m); err != nil {
+						return nil, err
+					}
+					if m.Metadata.Get("nack") != "" && nacked.CompareAndSwap(false, true) {
+						m.Nack()
+						return nil, nil
+					}
+					m.Ack()
+					time.Sleep(20 * time.Millisecond) // the subscriber would take the Ack meanwhile
+					return []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("out"))}, nil
+				})
+				startRouter(t, r)
+				pollUntil(t, "every message handled", 20*time.Second, nil, func() bool { return base.outboxRows(t, "tx") == 0 })
+				require.NoError(t, r.Close())
+				require.Equal(t, n, b.counter(t), "every handler's write committed once (a nacked one's rolled back)")
+				require.Equal(t, n, base.outboxRows(t, "out"), "every output committed once")
+				require.Equal(t, !instantAck, nacked.Load())
+			})
+		})
+	}
+}
+
 // A CQRS command handler has the message's context, not the message:
 // RejectContext dead-letters its command at once (reason "rejected", one
 // delivery), with tx.Middleware around it or not.

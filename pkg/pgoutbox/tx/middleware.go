@@ -160,7 +160,19 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 	}()
 	msg.SetContext(WithExecutor(orig, exec))
 
-	produced, err := h(msg)
+	// The handler gets a copy whose Ack and Nack are its own: the row is
+	// completed by this transaction, so an Ack inside it (the handler's
+	// own, or middleware.InstantAck inside tx.Middleware) must not let the
+	// subscriber delete the row while the transaction is open (the
+	// completion would then find no row and roll the handler's work
+	// back). The transaction decides; a Nack with no error is a Nack.
+	inner := msg.CopyWithContext()
+	produced, err := h(inner)
+	msg.Metadata, msg.Payload = inner.Metadata, inner.Payload // edits are seen outside, as without the copy
+	if err == nil && nacked(inner) {
+		msg.Nack()
+		return nil, nil // the rollback above; the Router's Ack finds the message nacked
+	}
 	if err != nil {
 		if errtext.SQLState(err) == "25P02" { // in_failed_sql_transaction
 			// Retry inside tx.Middleware runs every attempt in the one
@@ -266,6 +278,15 @@ func endedByHandler(msg *message.Message, err error) error {
 }
 
 // acked reports whether msg was acked already.
+func nacked(msg *message.Message) bool {
+	select {
+	case <-msg.Nacked():
+		return true
+	default:
+		return false
+	}
+}
+
 func acked(msg *message.Message) bool {
 	select {
 	case <-msg.Acked():

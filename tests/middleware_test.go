@@ -172,6 +172,36 @@ func TestWatermillDelayPublisher(t *testing.T) {
 	require.InDelta(t, 2, got["soon"], 0.01)
 }
 
+// Watermill's delay keeps the time it was asked for: "delayed until" to
+// its second, "delayed for" (finer) only where the two agree. delay.Until
+// in a transaction begun an hour before (its "for" an hour short of the
+// transaction's now()), and delay.For on a message built an hour before its
+// publish (an hour long), were counted from the transaction's start: the
+// one delivered an hour early, the other an hour late.
+func TestWatermillDelayKeepsTheTimeAskedFor(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	until := time.Now().Add(2 * time.Hour)
+	early, late, fine := newMsg("early"), newMsg("late"), newMsg("fine")
+	for m, forKey := range map[*message.Message]string{early: "1h0m0s", late: "3h0m0s"} {
+		delay.Message(m, delay.Until(until))
+		m.Metadata.Set(delay.DelayedForKey, forKey)
+	}
+	delay.Message(fine, delay.For(1500*time.Millisecond))
+	require.NoError(t, b.poolPublisher(t).Publish("t", early, late, fine))
+	due := func(m *message.Message) (at time.Time, after time.Duration) {
+		require.NoError(t, b.Pool.QueryRow(ctx, `SELECT available_at, available_at - created_at FROM `+b.Schema+`.outbox WHERE uuid = $1`, m.UUID).Scan(&at, &after))
+		return at, after
+	}
+	for _, m := range []*message.Message{early, late} {
+		at, _ := due(m)
+		require.True(t, at.Equal(until.Truncate(time.Second)), "%s: due at the time asked for (%s), not %s", m.Payload, until.Truncate(time.Second), at)
+	}
+	_, after := due(fine)
+	require.Equal(t, 1500*time.Millisecond, after, "where they agree, the finer duration")
+}
+
 // The README's stack, with a transactional handler that outlives its
 // message's AckDeadline without watching its context (a client call
 // without one): the message is delivered again, and its first attempt's

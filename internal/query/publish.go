@@ -35,7 +35,9 @@ func publishStatements(n Names) PublishStatements {
 		//
 		// A duration delay ($5, microseconds) is applied with the database
 		// clock; an absolute time ($6) is stored as given, and one in the past
-		// means "now" so it does not jump the queue. ON CONFLICT skips a message
+		// means "now" so it does not jump the queue. Both (Watermill's delay
+		// keys): the duration while it lands within a second of the time,
+		// else the time. ON CONFLICT skips a message
 		// whose (topic, group, dedup_key) is already present.
 		//
 		// NOTIFY rides on the same statement, once per call, and only if a
@@ -103,7 +105,11 @@ func fullInsert(n Names) string {
 	return fmt.Sprintf(`
     INSERT INTO %[1]s (topic, consumer_group, uuid, payload, metadata, available_at, dedup_key, ordering_key%[3]s)
     SELECT $1, g.consumer_group, m.uuid, m.payload, m.metadata::jsonb,
-           CASE WHEN m.delay_us IS NOT NULL THEN now() + m.delay_us * interval '1 microsecond'
+           CASE WHEN m.delay_us IS NOT NULL AND m.at IS NOT NULL
+                THEN CASE WHEN now() + m.delay_us * interval '1 microsecond' BETWEEN m.at - interval '1 second' AND m.at + interval '1 second'
+                          THEN now() + m.delay_us * interval '1 microsecond'
+                          ELSE greatest(m.at, now()) END
+                WHEN m.delay_us IS NOT NULL THEN now() + m.delay_us * interval '1 microsecond'
                 WHEN m.at IS NOT NULL THEN greatest(m.at, now())
                 ELSE now() END,
            m.dedup_key, m.ordering_key%[4]s

@@ -616,8 +616,9 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 }
 
 // schedule reads the delivery time from metadata. Precedence: pgoutbox's own
-// DeliverAfter / DeliverAt, then Watermill's delayed_for (a duration, applied
-// with the database clock, immune to skew), then delayed_until. Watermill's
+// DeliverAfter / DeliverAt, then Watermill's delay: delayed_until (the time
+// asked for, in whole seconds) with delayed_for (a duration, applied with
+// the database clock) where the two agree within a second. Watermill's
 // keys count only while delayed_until is set: delay.Message (and so
 // delay.NewPublisher and DelayOnError) always sets both, while delayed_for
 // alone is what a redelivery that DelayOnError delayed carries
@@ -645,10 +646,20 @@ func schedule(md message.Metadata) (pgtype.Int8, pgtype.Timestamptz, error) {
 		return at(deliverAtKey, v, time.RFC3339Nano)
 	}
 	if until := md[delay.DelayedUntilKey]; until != "" {
-		if v := md[delay.DelayedForKey]; v != "" {
-			return dur(delay.DelayedForKey, v)
+		_, u, err := at(delay.DelayedUntilKey, until, time.RFC3339)
+		if err != nil {
+			return pgtype.Int8{}, pgtype.Timestamptz{}, err
 		}
-		return at(delay.DelayedUntilKey, until, time.RFC3339)
+		if v := md[delay.DelayedForKey]; v != "" {
+			// Both: "until" is the time asked for, to its second; "for",
+			// finer, counts from when the message was built, and applies
+			// only while it agrees with "until" (the statement's rule),
+			// not in a transaction begun long before, nor for a message
+			// built long before its publish.
+			d, _, err := dur(delay.DelayedForKey, v)
+			return d, u, err
+		}
+		return pgtype.Int8{}, u, nil
 	}
 	return pgtype.Int8{}, pgtype.Timestamptz{}, nil
 }

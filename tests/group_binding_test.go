@@ -499,6 +499,30 @@ func TestCQRSBindEventGroupsAheadOfTraffic(t *testing.T) {
 // middle and resumed by the next Bind, while messages keep being
 // published; afterwards it holds exactly the messages of the group that
 // was there before. A group bound later without the option gets none.
+// A message whose rows in the other groups lie far apart (one group's
+// rows written long after the message: a copy of an earlier backlog
+// binding, an adoption's copies) is copied once. The copy's batches see
+// their own ids and the batch before: such a message was copied once per
+// far row, every message twice.
+func TestBindFromBacklogCopiesAMessageOnceWhateverItsRowsIds(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	const n = 12000 // over two batches
+	require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, "far", "a"))
+	b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload) SELECT 'far', 'a', 'u' || g, '\x00' FROM generate_series(1, 12000) g`)
+	res, err := pgoutbox.BindGroups(ctx, exec, b.tables, "far", []string{"b"}, pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+	require.NoError(t, err)
+	require.EqualValues(t, n, res.Copied)
+	res, err = pgoutbox.BindGroups(ctx, exec, b.tables, "far", []string{"c"}, pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+	require.NoError(t, err)
+	require.EqualValues(t, n, res.Copied, "each message once")
+	require.Equal(t, n, b.groupRows(t, "far", "c"))
+	require.Equal(t, n, b.count(t, `SELECT count(DISTINCT uuid) FROM `+b.Schema+`.outbox WHERE topic = 'far' AND consumer_group = 'c'`))
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE backlog_next IS NOT NULL OR backlog_end IS NOT NULL OR backlog_bound IS NOT NULL`), "the copies ended")
+}
+
 func TestBindFromBacklogOnALargeTopic(t *testing.T) {
 	t.Parallel()
 	b := setup(t, pgoutboxtest.Options{MaxConns: 10})

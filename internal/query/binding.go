@@ -218,7 +218,8 @@ func SetBacklogEnd(n Names) string {
 //
 // A copy is a fresh row for the group: delivery count 0, no error, due
 // when its source was first due (a source already delivered or retried is
-// due now).
+// due now). The last batch moves the cursor to backlog_end and leaves the
+// binding's copy open: FinishBacklog ends it.
 func CopyBacklog(n Names) string {
 	genCol, genVal := n.generationColumn("o.dedup_key")
 	return fmt.Sprintf(`WITH b AS (
@@ -250,16 +251,42 @@ func CopyBacklog(n Names) string {
         ON CONFLICT %[5]s DO NOTHING
     RETURNING uuid
 ), adv AS (
-    UPDATE %[1]s SET backlog_next = CASE WHEN (SELECT count(*) FROM win) < $3 THEN NULL ELSE (SELECT max(id) FROM win) END,
-                     backlog_end = CASE WHEN (SELECT count(*) FROM win) < $3 THEN NULL ELSE backlog_end END,
-                     backlog_bound = CASE WHEN (SELECT count(*) FROM win) < $3 THEN NULL ELSE backlog_bound END
+    UPDATE %[1]s SET backlog_next = CASE WHEN (SELECT count(*) FROM win) < $3 THEN backlog_end ELSE (SELECT max(id) FROM win) END
      WHERE topic = $1 AND consumer_group = $2 AND EXISTS (SELECT 1 FROM b)
     RETURNING backlog_next
 ), woken AS (
     SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)
 )
-SELECT (SELECT count(*) FROM ins), EXISTS (SELECT 1 FROM adv WHERE backlog_next IS NOT NULL),
+SELECT (SELECT count(*) FROM ins), EXISTS (SELECT 1 FROM adv) AND (SELECT count(*) FROM win) >= $3,
        coalesce((SELECT json_agg(uuid) FROM src), '[]')::text, (SELECT count(*) FROM woken)`, n.QBindings, n.QTable, genCol, genVal, n.dedupConflict())
+}
+
+// FinishBacklog ends the backlog copy of group $2 of topic $1 once its
+// cursor reached its end: it deletes the group's rows above backlog_bound
+// whose UUID an older one of them has, unleased (a message whose rows in
+// the other groups lie far apart, copied by earlier copies or adoptions,
+// was copied once per such row: the batches see only their own ids and
+// the batch before), then clears the copy's columns. It returns how many
+// rows it deleted. No subscriber of the group has claimed them: each
+// Subscribe joins an unfinished copy before it claims.
+func FinishBacklog(n Names) string {
+	return fmt.Sprintf(`WITH b AS (
+    SELECT backlog_bound AS bound FROM %[1]s
+     WHERE topic = $1 AND consumer_group = $2 AND backlog_next IS NOT NULL AND backlog_next >= backlog_end
+       FOR UPDATE
+), dup AS (
+    SELECT id FROM (SELECT o.id, row_number() OVER (PARTITION BY o.uuid ORDER BY o.id) AS n
+                      FROM %[2]s o WHERE o.id > (SELECT bound FROM b) AND o.topic = $1 AND o.consumer_group = $2) x
+     WHERE n > 1
+), del AS (
+    DELETE FROM %[2]s o WHERE o.id = ANY (ARRAY(SELECT id FROM dup)) AND o.lease_token IS NULL
+    RETURNING 1
+), fin AS (
+    UPDATE %[1]s SET backlog_next = NULL, backlog_end = NULL, backlog_bound = NULL
+     WHERE topic = $1 AND consumer_group = $2 AND EXISTS (SELECT 1 FROM b)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM del), (SELECT count(*) FROM fin)`, n.QBindings, n.QTable)
 }
 
 // MoveGroup moves up to $4 waiting rows of group $2 of topic $1 into group

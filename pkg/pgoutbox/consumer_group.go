@@ -363,6 +363,14 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 			prev = next
 			res.Copied += copied
 		}
+		// Bounded more loosely than a batch: one pass over the copies.
+		var removed, finished int64
+		if err := b.bounded(6*b.timeout, func(ctx context.Context) error {
+			return queryRow(ctx, exec, query.FinishBacklog(n), []any{topic, g}, &removed, &finished)
+		}); err != nil {
+			return res, fmt.Errorf("finish the backlog copy for group %q (resumes at the next Bind): %w", g, err)
+		}
+		res.Copied -= removed
 	}
 	adopted, err := adoptUnbound(exec, n, topic, lockKey, b)
 	res.Adopted += adopted

@@ -84,9 +84,16 @@ func Hint(err error) string {
 		return dateStyleHint
 	case code == "54000" && strings.Contains(err.Error(), "index row size"):
 		return indexRowHint
+	case code == "42501" && strings.Contains(err.Error(), "permission denied"):
+		return privilegeHint
 	}
 	return ""
 }
+
+// privilegeHint is what a missing grant means: most often a table a schema
+// upgrade added (the paused groups of version 5, read by every claim) that
+// the application's roles were never granted.
+const privilegeHint = " (the role lacks a privilege on it: grant what docs/operations.md (Least privilege) lists for this role; after a schema upgrade, the grants its version needs, docs/upgrading.md)"
 
 // readOnlyHint is what "cannot execute ... in a read-only transaction"
 // means where pgoutbox writes: "SELECT" in it (a statement that writes

@@ -58,4 +58,6 @@ func TestWithHintNamesAReadOnlyServerAndALongIndexEntry(t *testing.T) {
 	require.Contains(t, Errorf("pgoutbox: bind: %w", long).Error(), "shorten them, or hash the key")
 	other := &pgconn.PgError{Code: "54000", Message: "out of memory"}
 	require.NotContains(t, Errorf("pgoutbox: bind: %w", other).Error(), "hash the key")
+	denied := &pgconn.PgError{Code: "42501", Message: "permission denied for table outbox_paused"}
+	require.Contains(t, WithHint(denied).Error(), "docs/upgrading.md", "a claim's log line says where the grants are")
 }

@@ -316,6 +316,13 @@ func TestBindStrandedAndMove(t *testing.T) {
 	out, errOut, code = cliRun(t, env, "stats", "--json")
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, `"unbound": 1`)
+	// An unbind --purge that forgot --group finds the default group
+	// unbound: its rows are the unbound message, which stays.
+	_, errOut, code = cliRun(t, env, "unbind", "--topic", "orders", "--purge", "--yes")
+	require.Equal(t, exitError, code)
+	require.Contains(t, errOut, "nothing was unbound or deleted")
+	out, _, _ = cliRun(t, env, "stats", "--json")
+	require.Contains(t, out, `"unbound": 1`, "the message waits for the first group still")
 
 	out, errOut, code = cliRun(t, env, "bind", "--topic", "orders", "--group", "billing")
 	require.Equal(t, 0, code, errOut)

@@ -525,7 +525,8 @@ var ErrGroupNotEmpty = errors.New("pgoutbox: consumer group not empty")
 // unbound ones, so Unbind of "" refuses (ErrGroupNotEmpty) while it holds
 // messages, unless purge is set: drain them first, or MoveGroup them.
 // When group was not bound to topic the error wraps ErrNotBound (the
-// purge, if asked, still ran and purged counts its rows). Publishes that
+// purge, if asked, still ran and purged counts its rows; not for the
+// default group, whose rows are then the topic's unbound messages). Publishes that
 // saw the binding may commit copies after it is gone: Unbind (with purge,
 // or of the default group) waits up to 10 s for the transactions writing
 // to the outbox, and when some are still open it says so
@@ -558,11 +559,16 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 		if unbound, err = e.Exec(ctx, q.Unbind, topic, group); err != nil {
 			return err
 		}
-		if purge {
+		if purge && (group != "" || unbound > 0) {
+			// Not the rows of an unbound default group: they are the
+			// topic's unbound messages, waiting for its next group.
 			purged, err = e.Exec(ctx, q.Purge, topic, group)
 		}
 		return err
 	})
+	if err == nil && unbound == 0 && group == "" && purge {
+		return 0, errorf("%w: the default group, topic %q; nothing was unbound or deleted: the messages of no group are the topic's unbound ones, waiting for its next group to bind (name the group to purge with its name; Stats lists the groups of a topic)", ErrNotBound, topic)
+	}
 	if err == nil && unbound == 0 {
 		return purged, errorf("%w: group %q, topic %q; nothing was unbound (Stats lists the groups of a topic)", ErrNotBound, group, topic)
 	}

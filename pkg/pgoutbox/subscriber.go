@@ -200,7 +200,7 @@ func (s *Subscriber) bind(ctx context.Context, topic string) (lateWriters string
 		// a surprise where several groups were meant to get them (CQRS
 		// event handlers deployed without cqrsbind): say so where it shows.
 		s.logger.Info("The consumer group took the messages published to the topic before any group was bound; "+
-			"a group that binds later gets none of them: bind a topic's groups together before traffic (cqrsbind, BindGroups, pgoutbox bind)",
+			"a group that binds later gets none of them (one binding while this runs, the later ones only): bind a topic's groups together before traffic (cqrsbind, BindGroups, pgoutbox bind)",
 			watermill.LogFields{"topic": topic, "consumer_group": s.cfg.ConsumerGroup, "adopted": adopted})
 	}
 	return lateWriters, nil

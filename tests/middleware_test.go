@@ -172,6 +172,30 @@ func TestWatermillDelayPublisher(t *testing.T) {
 	require.InDelta(t, 2, got["soon"], 0.01)
 }
 
+// A nacked message comes again with the metadata it was published with,
+// as from a broker: what a handler or middleware wrote into it (a scratch
+// key, PoisonQueue's reason keys on a failed poison publish, a deleted
+// key) is not stored with the nack. Every claim path.
+func TestARedeliveryCarriesThePublishedMetadata(t *testing.T) {
+	t.Parallel()
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		m := newMsg("x")
+		m.Metadata.Set("customer_id", "c-7")
+		b.publishInTx(t, "t", true, m)
+		ch, err := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c) }).Subscribe(context.Background(), "t")
+		require.NoError(t, err)
+		got := receive(t, ch, 10*time.Second)
+		delete(got.Metadata, "customer_id")
+		got.Metadata.Set("reason_poisoned", "fail once")
+		got.Nack()
+		again := receive(t, ch, 10*time.Second)
+		require.Equal(t, "c-7", again.Metadata.Get("customer_id"))
+		require.NotContains(t, again.Metadata, "reason_poisoned")
+		again.Ack()
+	})
+}
+
 // Watermill's delay keeps the time it was asked for: "delayed until" to
 // its second, "delayed for" (finer) only where the two agree. delay.Until
 // in a transaction begun an hour before (its "for" an hour short of the

@@ -70,11 +70,15 @@ func (sub *subscription) decideNack(d *delivery, msg *message.Message, timedOut 
 	if decodeMetadata(d.metaRaw, stored) != nil {
 		return n
 	}
-	next := maps.Clone(msg.Metadata)
+	// The row keeps the metadata it was published with, as a broker
+	// redelivers what was published: what a handler or middleware wrote
+	// into the message (PoisonQueue's reason keys on a failed publish,
+	// scratch keys) is not stored. Only the delay the handler's side chose
+	// is (DelayOnError's, under retryDelayKey).
+	delete(stored, delay.DelayedForKey)
+	delete(stored, delay.DelayedUntilKey)
+	next := maps.Clone(stored)
 	delete(next, retryDelayKey)
-	delete(next, OrderingKeyMetadataKey) // from the row's column, not its metadata
-	delete(next, delay.DelayedForKey)
-	delete(next, delay.DelayedUntilKey)
 	// The message was handed out without a "delayed until" key, so one now
 	// means the handler's side chose when to retry: its duration wins.
 	if _, ok := msg.Metadata[delay.DelayedUntilKey]; ok {
@@ -85,8 +89,6 @@ func (sub *subscription) decideNack(d *delivery, msg *message.Message, timedOut 
 			}
 		}
 	}
-	delete(stored, delay.DelayedForKey)
-	delete(stored, delay.DelayedUntilKey)
 	if !maps.Equal(stored, next) {
 		n.meta, _, _ = appendMetadataJSON(nil, 0, sanitizeMetadata(next))
 	}

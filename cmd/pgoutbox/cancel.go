@@ -15,6 +15,10 @@ import (
 // code 1, as for any command with nothing to act on.
 var errNothingCancelled = errors.New("nothing cancelled")
 
+// errPartlyCancelled is a cancel that found a copy being delivered and
+// cancelled the others.
+var errPartlyCancelled = errors.New("not all cancelled")
+
 func (c *cli) cancelCmd(args []string) error {
 	cmd := c.newCommand("cancel", "cancel --topic T --dedup-key K [--json]",
 		"  pgoutbox cancel --topic reminders --dedup-key order-42-reminder\n", true)
@@ -49,9 +53,12 @@ func (c *cli) cancelCmd(args []string) error {
 			fmt.Fprintf(c.stdout, "cancelled the message of %q with dedup key %q\n", *topic, *key)
 		}
 		switch {
+		case r.Delivering > 0 && r.Cancelled > 0:
+			return fmt.Errorf("%w: the message of %q with dedup key %q is being delivered in %d consumer group(s), where it completes; its %d waiting copies in other groups were cancelled",
+				errPartlyCancelled, *topic, *key, r.Delivering, r.Cancelled)
 		case r.Delivering > 0:
-			return fmt.Errorf("%w: the message of %q with dedup key %q is being delivered in %d consumer group(s), where it completes; %d waiting copies of other groups were cancelled",
-				errNothingCancelled, *topic, *key, r.Delivering, r.Cancelled)
+			return fmt.Errorf("%w: the message of %q with dedup key %q is being delivered in %d consumer group(s), where it completes",
+				errNothingCancelled, *topic, *key, r.Delivering)
 		case !ok:
 			return fmt.Errorf("%w: no message of %q with dedup key %q is waiting (never published, already delivered, or being delivered now: see \"pgoutbox peek --topic %s\")",
 				errNothingCancelled, *topic, *key, *topic)

@@ -86,9 +86,15 @@ func Hint(err error) string {
 		return indexRowHint
 	case code == "42501" && strings.Contains(err.Error(), "permission denied"):
 		return privilegeHint
+	case code == "42703" && !strings.Contains(err.Error(), "migrate up"):
+		return olderSchemaHint
 	}
 	return ""
 }
+
+// olderSchemaHint is what a column pgoutbox names but the outbox lacks
+// means: the library was upgraded before the outbox's migration ran.
+const olderSchemaHint = " (the outbox lacks a column of this library's schema: it is of an earlier version; run `pgoutbox schema migrate up` or schema.Migrate (docs/upgrading.md), `pgoutbox schema migrate status` tells its version)"
 
 // privilegeHint is what a missing grant means: most often a table a schema
 // upgrade added (the paused groups of version 5, read by every claim) that

@@ -60,4 +60,6 @@ func TestWithHintNamesAReadOnlyServerAndALongIndexEntry(t *testing.T) {
 	require.NotContains(t, Errorf("pgoutbox: bind: %w", other).Error(), "hash the key")
 	denied := &pgconn.PgError{Code: "42501", Message: "permission denied for table outbox_paused"}
 	require.Contains(t, WithHint(denied).Error(), "docs/upgrading.md", "a claim's log line says where the grants are")
+	older := &pgconn.PgError{Code: "42703", Message: `column "backlog_next" of relation "outbox_bindings" does not exist`}
+	require.Contains(t, Errorf("pgoutbox: bind: %w", older).Error(), "schema migrate up")
 }

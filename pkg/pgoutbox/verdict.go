@@ -97,7 +97,7 @@ func (sub *subscription) decideNack(d *delivery, msg *message.Message, timedOut 
 
 // sanitizeText makes s storable as PostgreSQL text: invalid UTF-8 becomes
 // U+FFFD and NUL bytes are dropped. Text the subscriber writes on its own
-// (handler errors, metadata a handler changed) must never fail the batched
+// (handler errors) must never fail the batched
 // statement it travels in, or one bad message would stop every ack.
 func sanitizeText(s string) string {
 	s = strings.ToValidUTF8(s, "\uFFFD")

@@ -123,7 +123,7 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		// done, and running it again could only roll back.
 		return nil, nil
 	}
-	if row != nil && acked(msg) {
+	if row != nil && closed(msg.Acked()) {
 		// Acked before the handler ran (middleware.InstantAck, or an Ack
 		// in a middleware outside this one): the subscriber deletes the
 		// row on its own, and the transaction's DELETE would race it and
@@ -170,7 +170,7 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 	inner := msg.CopyWithContext()
 	produced, err := h(inner)
 	msg.Metadata, msg.Payload = inner.Metadata, inner.Payload // edits are seen outside, as without the copy
-	if err == nil && nacked(inner) {
+	if err == nil && closed(inner.Nacked()) {
 		msg.Nack()
 		return nil, nil // the rollback above; the Router's Ack finds the message nacked
 	}
@@ -285,19 +285,11 @@ func endedByHandler(msg *message.Message, err error) error {
 		"(what the handler committed stays, and the message is delivered again)", msg.UUID, err)
 }
 
-// acked reports whether msg was acked already.
-func nacked(msg *message.Message) bool {
+// closed reports whether c is closed: whether a message's Acked() or
+// Nacked() happened already.
+func closed(c <-chan struct{}) bool {
 	select {
-	case <-msg.Nacked():
-		return true
-	default:
-		return false
-	}
-}
-
-func acked(msg *message.Message) bool {
-	select {
-	case <-msg.Acked():
+	case <-c:
 		return true
 	default:
 		return false

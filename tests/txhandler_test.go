@@ -15,7 +15,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/cqrs"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
-	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -743,50 +742,6 @@ func TestTxMiddlewareAnAckInsideTheHandlerCommitsWithIt(t *testing.T) {
 			})
 		})
 	}
-}
-
-// A handler added with a publisher of another kind (a broker, a
-// forwarder) returns messages the Router would publish there: tx.Middleware
-// refuses to put them in the outbox under that topic, where nobody reads
-// them, and says so; nothing of the handler's transaction commits.
-func TestTxMiddlewareRefusesOutputsForAnotherPublisher(t *testing.T) {
-	t.Parallel()
-	base := setup(t)
-	b := newTxHandlerBed(t, base.Pool, base)
-	b.publishInTx(t, "tx", true, newMsg("a"))
-	sub := b.newSubscriber(t, nil)
-	broker := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
-	t.Cleanup(func() { _ = broker.Close() })
-	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	require.NoError(t, err)
-	refused := make(chan error, 16)
-	r.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
-		return func(m *message.Message) ([]*message.Message, error) {
-			out, err := h(m)
-			if err != nil {
-				refused <- err
-			}
-			return out, err
-		}
-	}, b.mw)
-	r.AddHandler("tx", "tx", sub, "to-broker", broker, func(m *message.Message) ([]*message.Message, error) {
-		if err := b.increment(m); err != nil {
-			return nil, err
-		}
-		return []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("out"))}, nil
-	})
-	startRouter(t, r)
-	select {
-	case err := <-refused:
-		require.ErrorContains(t, err, "gochannel.GoChannel")
-		require.ErrorContains(t, err, "add it with the same publisher")
-	case <-time.After(20 * time.Second):
-		t.Fatal("no answer")
-	}
-	require.NoError(t, r.Close())
-	require.Zero(t, b.counter(t), "the handler's write rolled back")
-	require.Zero(t, base.outboxRows(t, "to-broker"))
-	require.Equal(t, 1, base.outboxRows(t, "tx"), "the message stays")
 }
 
 // A CQRS command handler has the message's context, not the message:

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -234,13 +233,6 @@ func publishInTx(fin context.Context, exec Executor, config MiddlewareConfig, ms
 	if config.Publisher == nil {
 		return errtext.Errorf("pgoutbox: the handler returned %d messages, but tx.MiddlewareConfig.Publisher is not set; set it to a publisher that follows the context (pgoutbox.NewContextPublisher) so they commit with the handler's transaction", len(produced))
 	}
-	if name := message.PublisherNameFromCtx(msg.Context()); name != "" && name != publisherName(config.Publisher) {
-		// The Router would publish them with the handler's own publisher
-		// (a broker, a forwarder): they must not land in the outbox
-		// under that topic, where nobody reads them.
-		return errtext.Errorf("pgoutbox: the handler returned %d messages, which tx.Middleware publishes in its transaction with MiddlewareConfig.Publisher (%s), "+
-			"but the handler was added with publisher %s: add it with the same publisher, or publish to %s yourself and return none", len(produced), publisherName(config.Publisher), name, name)
-	}
 	topic := message.PublishTopicFromCtx(msg.Context())
 	if topic == "" {
 		return errtext.Errorf("pgoutbox: the handler returned %d messages but has no publish topic; add it with Router.AddHandler and a publish topic", len(produced))
@@ -316,13 +308,4 @@ func elsewhere(ctx context.Context, exec Executor, database string) error {
 	return fmt.Errorf("pgoutbox: the handler's transaction runs in database %q, but the subscriber's messages are in database %q, "+
 		"so it could not complete the message; give tx.Middleware an executor on the subscriber's database "+
 		"(the transaction was rolled back; the message fails as with any handler error)", here, database)
-}
-
-// publisherName names p as Watermill's Router names a handler's publisher
-// (message.PublisherNameFromCtx).
-func publisherName(p message.Publisher) string {
-	if s, ok := p.(fmt.Stringer); ok {
-		return s.String()
-	}
-	return strings.TrimLeft(fmt.Sprintf("%T", p), "*")
 }

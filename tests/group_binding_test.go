@@ -523,6 +523,57 @@ func TestBindFromBacklogCopiesAMessageOnceWhateverItsRowsIds(t *testing.T) {
 	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE backlog_next IS NOT NULL OR backlog_end IS NOT NULL OR backlog_bound IS NOT NULL`), "the copies ended")
 }
 
+// The end of a backlog copy removes duplicate copies only: two messages
+// published under one UUID while the copy ran (their own publish times)
+// both stay in the new group, as in the others.
+func TestBindFromBacklogKeepsMessagesPublishedUnderAUUIDInUse(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	b.exec(t, `INSERT INTO %s.outbox_bindings (topic, consumer_group) VALUES ('t', 'a')`)
+	b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload) SELECT 't', 'a', 'u' || g, '\x00' FROM generate_series(1, 10) g`)
+	// Group c's copy as it stands after its last batch, before its end.
+	b.exec(t, `INSERT INTO %s.outbox_bindings (topic, consumer_group, backlog_next, backlog_bound, backlog_end)
+		SELECT 't', 'c', max(id), max(id), max(id) FROM %s.outbox`)
+	pub := b.poolPublisher(t)
+	require.NoError(t, pub.Publish("t", message.NewMessage("order-42", []byte("placed"))))
+	require.NoError(t, pub.Publish("t", message.NewMessage("order-42", []byte("paid"))))
+	res, err := pgoutbox.BindGroups(ctx, exec, b.tables, "t", []string{"c"}, pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, res.Copied, int64(0))
+	for _, g := range []string{"a", "c"} {
+		require.Equal(t, 2, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = 't' AND consumer_group = $1 AND uuid = 'order-42'`, g), g)
+	}
+}
+
+// The default group's rows while it is unbound, beside a bound group, are
+// strays adoption cannot take (a dedup key the group holds): Unbind with
+// purge deletes them, as the docs say. With no group bound they are the
+// messages waiting for the topic's first group, and stay.
+func TestUnbindPurgeOfTheUnboundDefaultGroup(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	exec := tx.FromPgxPool(b.Pool)
+	b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload) VALUES ('w', '', 'u0', '\x00')`)
+	n, err := pgoutbox.Unbind(ctx, exec, b.tables, "w", "", true)
+	require.ErrorIs(t, err, pgoutbox.ErrNotBound)
+	require.Zero(t, n)
+	require.Equal(t, 1, b.groupRows(t, "w", ""), "the message waiting for the first group stays")
+
+	b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload, dedup_key) VALUES ('k', '', 'u1', '\x00', 'key1')`)
+	b.exec(t, `INSERT INTO %s.outbox_bindings (topic, consumer_group) VALUES ('k', 'a')`)
+	b.exec(t, `INSERT INTO %s.outbox (topic, consumer_group, uuid, payload, dedup_key) VALUES ('k', 'a', 'u3', '\x00', 'key1')`)
+	_, err = pgoutbox.BindGroups(ctx, exec, b.tables, "k", []string{"a"})
+	require.NoError(t, err)
+	require.Equal(t, 1, b.groupRows(t, "k", ""), "adoption left the stray")
+	n, err = pgoutbox.Unbind(ctx, exec, b.tables, "k", "", true)
+	require.ErrorIs(t, err, pgoutbox.ErrNotBound)
+	require.EqualValues(t, 1, n)
+	require.Zero(t, b.groupRows(t, "k", ""))
+}
+
 func TestBindFromBacklogOnALargeTopic(t *testing.T) {
 	t.Parallel()
 	b := setup(t, pgoutboxtest.Options{MaxConns: 10})

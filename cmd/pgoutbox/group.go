@@ -174,8 +174,8 @@ func (c *cli) unbindCmd(args []string) error {
 	return cmd.withOutbox(context.Background(), confirm, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
 		n, err := pgoutbox.Unbind(ctx, exec, tables, *topic, *group, *purge)
 		if errors.Is(err, pgoutbox.ErrNotBound) {
-			if *purge && *group == "" {
-				return err // the topic's unbound messages: not deleted, and the error says why
+			if *purge && *group == "" && n == 0 {
+				return err // a topic no group is bound to keeps its messages: the error says why
 			}
 			if *purge && n > 0 {
 				// The group was unbound already (stranded rows, which stats

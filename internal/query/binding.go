@@ -261,9 +261,16 @@ SELECT (SELECT count(*) FROM ins), EXISTS (SELECT 1 FROM adv) AND (SELECT count(
        coalesce((SELECT json_agg(uuid) FROM src), '[]')::text, (SELECT count(*) FROM woken)`, n.QBindings, n.QTable, genCol, genVal, n.dedupConflict())
 }
 
+// TopicHasBinding tells whether a group is bound to topic $1.
+func TopicHasBinding(n Names) string {
+	return fmt.Sprintf(`SELECT EXISTS (SELECT 1 FROM %s WHERE topic = $1)`, n.QBindings)
+}
+
 // FinishBacklog ends the backlog copy of group $2 of topic $1 once its
 // cursor reached its end: it deletes the group's rows above backlog_bound
-// whose UUID an older one of them has, unleased (a message whose rows in
+// whose UUID and publish time an older one of them has (copies keep their
+// source's created_at; a message published anew under a UUID in use has
+// its own), unleased (a message whose rows in
 // the other groups lie far apart, copied by earlier copies or adoptions,
 // was copied once per such row: the batches see only their own ids and
 // the batch before), then clears the copy's columns. It returns how many
@@ -275,7 +282,7 @@ func FinishBacklog(n Names) string {
      WHERE topic = $1 AND consumer_group = $2 AND backlog_next IS NOT NULL AND backlog_next >= backlog_end
        FOR UPDATE
 ), dup AS (
-    SELECT id FROM (SELECT o.id, row_number() OVER (PARTITION BY o.uuid ORDER BY o.id) AS n
+    SELECT id FROM (SELECT o.id, row_number() OVER (PARTITION BY o.uuid, o.created_at ORDER BY o.id) AS n
                       FROM %[2]s o WHERE o.id > (SELECT bound FROM b) AND o.topic = $1 AND o.consumer_group = $2) x
      WHERE n > 1
 ), del AS (

@@ -346,7 +346,7 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 	}
 	// The backlog first: adoption waits for every copy of the topic to end.
 	for _, g := range pending {
-		prev := "[]"
+		prev, copiedHere := "[]", int64(0)
 		for more := true; more; {
 			var copied, woken int64
 			// The batch's copied UUIDs become the next batch's input only
@@ -362,6 +362,7 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 			}
 			prev = next
 			res.Copied += copied
+			copiedHere += copied
 		}
 		// Bounded more loosely than a batch: one pass over the copies.
 		var removed, finished int64
@@ -370,7 +371,7 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 		}); err != nil {
 			return res, fmt.Errorf("finish the backlog copy for group %q (resumes at the next Bind): %w", g, err)
 		}
-		res.Copied -= removed
+		res.Copied -= min(removed, copiedHere) // a resumed copy removes what an earlier call copied
 	}
 	adopted, err := adoptUnbound(exec, n, topic, lockKey, b)
 	res.Adopted += adopted
@@ -526,7 +527,8 @@ var ErrGroupNotEmpty = errors.New("pgoutbox: consumer group not empty")
 // messages, unless purge is set: drain them first, or MoveGroup them.
 // When group was not bound to topic the error wraps ErrNotBound (the
 // purge, if asked, still ran and purged counts its rows; not for the
-// default group, whose rows are then the topic's unbound messages). Publishes that
+// default group of a topic no group is bound to, whose rows are then the
+// messages waiting for its first group). Publishes that
 // saw the binding may commit copies after it is gone: Unbind (with purge,
 // or of the default group) waits up to 10 s for the transactions writing
 // to the outbox, and when some are still open it says so
@@ -540,6 +542,7 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 	n := q.Names
 	lockKey := n.QBindings + query.GroupMark + topic
 	var unbound int64
+	var topicBound bool
 	err = tx.RunInTx(ctx, exec, func(e tx.Executor) error {
 		if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
 			return err
@@ -559,15 +562,22 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 		if unbound, err = e.Exec(ctx, q.Unbind, topic, group); err != nil {
 			return err
 		}
-		if purge && (group != "" || unbound > 0) {
-			// Not the rows of an unbound default group: they are the
-			// topic's unbound messages, waiting for its next group.
+		if purge && group == "" && unbound == 0 {
+			// The default group's rows while it is unbound: with no group
+			// bound, the topic's unbound messages, waiting for its first
+			// group, which stay; beside bound groups, strays adoption
+			// could not take (a dedup key a group holds), which go.
+			if err := queryRow(ctx, e, query.TopicHasBinding(n), []any{topic}, &topicBound); err != nil || !topicBound {
+				return err
+			}
+		}
+		if purge {
 			purged, err = e.Exec(ctx, q.Purge, topic, group)
 		}
 		return err
 	})
-	if err == nil && unbound == 0 && group == "" && purge {
-		return 0, errorf("%w: the default group, topic %q; nothing was unbound or deleted: the messages of no group are the topic's unbound ones, waiting for its next group to bind (name the group to purge with its name; Stats lists the groups of a topic)", ErrNotBound, topic)
+	if err == nil && unbound == 0 && group == "" && purge && !topicBound {
+		return 0, errorf("%w: the default group, topic %q; nothing was unbound or deleted: no group is bound to the topic, so its messages of no group are its unbound ones, waiting for its first group to bind (name the group to purge with its name; Stats lists the groups of a topic)", ErrNotBound, topic)
 	}
 	if err == nil && unbound == 0 {
 		return purged, errorf("%w: group %q, topic %q; nothing was unbound (Stats lists the groups of a topic)", ErrNotBound, group, topic)

@@ -142,7 +142,7 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 	if err != nil {
 		return nil, errtext.Errorf("pgoutbox: begin the handler's transaction: %w", err)
 	}
-	committed := false
+	committed, nackAfter := false, false
 	defer func() {
 		// The message goes back to the Router (and its other middlewares)
 		// with its own context: the transaction is over.
@@ -157,6 +157,9 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		if row != nil {
 			row.End(false)
 		}
+		if nackAfter {
+			msg.Nack() // after the rollback: the redelivery must not wait on its locks
+		}
 	}()
 	msg.SetContext(WithExecutor(orig, exec))
 
@@ -170,8 +173,8 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 	produced, err := h(inner)
 	msg.Metadata, msg.Payload = inner.Metadata, inner.Payload // edits are seen outside, as without the copy
 	if err == nil && closed(inner.Nacked()) {
-		msg.Nack()
-		return nil, nil // the rollback above; the Router's Ack finds the message nacked
+		nackAfter = true
+		return nil, nil // rolled back, then nacked; the Router's Ack finds the message nacked
 	}
 	if err != nil {
 		if errtext.SQLState(err) == "25P02" { // in_failed_sql_transaction

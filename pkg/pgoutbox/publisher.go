@@ -70,8 +70,10 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	problems := &configError{}
-	if config.valueProblems(problems); len(problems.problems) > 0 {
+	if config.StatementTimeout < 0 || config.NotifyCooldown < 0 && config.NotifyCooldown != NotifyEveryPublish || config.MaxPayloadBytes < NoPayloadLimit {
+		// Built only when wrong: a Publisher per transaction is the common use.
+		problems := &configError{}
+		config.valueProblems(problems)
 		return nil, problems
 	}
 	if config.StatementTimeout == 0 {

@@ -295,6 +295,11 @@ func TestBindUnbind(t *testing.T) {
 	out, errOut, code := cliRun(t, env, "peek", "--topic", "orders", "--group", "billing", "--json")
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, `"payload": "a"`)
+	// A mistyped group is not taken for a drained one.
+	out, errOut, code = cliRun(t, env, "peek", "--topic", "orders", "--group", "biling")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "no pending messages")
+	require.Contains(t, errOut, "group biling is not bound to topic \"orders\" (mistyped?)")
 
 	_, _, code = cliRun(t, env, "unbind", "--topic", "orders", "--group", "billing", "--purge")
 	require.Equal(t, exitRefused, code)

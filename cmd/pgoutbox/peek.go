@@ -67,6 +67,7 @@ func (c *cli) peekCmd(args []string) error {
 		}
 		if len(msgs) == 0 {
 			fmt.Fprintf(c.stdout, "no pending messages on %q for group %s\n", *topic, groupName(*group))
+			c.noteUnbound(ctx, exec, tables, *topic, *group, "") // "drained" or mistyped
 			return nil
 		}
 		// A KEY column when any message has an ordering key: what a

@@ -141,6 +141,12 @@ func (c *cli) renameCmd(args []string) error {
 		}
 		fmt.Fprintf(c.stdout, "renamed group %s of topic %q to %s; moved %d waiting message(s); start the subscribers of %s now\n",
 			groupName(*from), *topic, groupName(*to), n, groupName(*to))
+		// Rows the old name's running subscribers hold stay with their
+		// delivery; one they give back stays under the old name.
+		if st, err := pgoutbox.Stats(ctx, exec, tables, pgoutbox.StatsForGroup(*topic, *from)); err == nil && len(st) == 1 && st[0].Leased > 0 {
+			fmt.Fprintf(c.stderr, "pgoutbox: note: %d message(s) of group %s are being delivered by its subscribers still running; one they give back stays under the old name: stop them, then run pgoutbox move --topic %s --from %s --to %s\n",
+				st[0].Leased, groupName(*from), shellArg(*topic), shellArg(*from), shellArg(*to))
+		}
 		return nil
 	})
 }

@@ -361,4 +361,14 @@ func TestRenameAGroup(t *testing.T) {
 	require.Contains(t, errOut, "bound to it already")
 	_, errOut, code = cliRun(t, env, "rename", "--topic", "orders", "--from", "invoicing", "--to", "x")
 	require.Equal(t, exitRefused, code, "asks, and refuses without a terminal: %s", errOut)
+
+	// A row the old name's running subscriber holds stays with it: said.
+	_, err := env.Pool.Exec(context.Background(), `UPDATE "`+env.Schema+`".outbox SET lease_token = gen_random_uuid(), leased_until = now() + interval '1 hour'
+		WHERE id = (SELECT min(id) FROM "`+env.Schema+`".outbox WHERE consumer_group = 'invoicing')`)
+	require.NoError(t, err)
+	out, errOut, code = cliRun(t, env, "rename", "--topic", "orders", "--from", "invoicing", "--to", "billing", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "moved 1 waiting message(s)")
+	require.Contains(t, errOut, "1 message(s) of group invoicing are being delivered")
+	require.Contains(t, errOut, "pgoutbox move --topic orders --from invoicing --to billing")
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -448,7 +449,8 @@ func TestRelayARefusedMessageHoldsBackNoOther(t *testing.T) {
 	msgs := newMsgs(n)
 	refusing := &refusingPublisher{target: target, refused: msgs[50].UUID}
 	require.NoError(t, b.poolPublisher(t).Publish("orders", msgs...))
-	b.startRelay(t, refusing, nil)
+	logs := &logCapture{}
+	b.startRelay(t, refusing, func(c *relay.Config) { c.Logger = logs })
 	qt := pgx.Identifier{targetTables.Schema, targetTables.Table}.Sanitize()
 	// The acks of the last relayed rows follow their publish: wait for
 	// both.
@@ -457,4 +459,9 @@ func TestRelayARefusedMessageHoldsBackNoOther(t *testing.T) {
 	})
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = $1`, refusing.refused), "the refused message stays in the outbox")
 	require.Positive(t, refusing.tries.Load())
+	// Its log line names it, for the operator to find it.
+	failed := logs.find("error", func(e logEntry) bool {
+		return strings.Contains(e.msg, "Relay publish failed") && strings.Contains(fmt.Sprint(e.fields["message_uuids"]), refusing.refused)
+	})
+	require.NotEmpty(t, failed)
 }

@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -306,7 +307,7 @@ func (r *Relay) relay(ctx context.Context, topic, target string, batch []*messag
 		r.stats.failed.Add(int64(len(batch)))
 		s := err.Error()
 		r.stats.lastErr.Store(&s)
-		fields := watermill.LogFields{"topic": topic, "target_topic": target, "messages": len(batch)}
+		fields := watermill.LogFields{"topic": topic, "target_topic": target, "messages": len(batch), "message_uuids": batchUUIDs(batch)}
 		if failures, logIt := o.failed(time.Now()); logIt {
 			fields["failed_batches"] = failures
 			r.logger.Error("Relay publish failed; the messages are retried, and publishing slows down while the target keeps failing", err, fields)
@@ -410,4 +411,19 @@ func (l *TopicLag) add(q pgoutbox.QueueStats) {
 	l.Scheduled += q.Scheduled
 	l.Parked += q.Parked
 	l.Age = max(l.Age, q.OldestReadyAge)
+}
+
+// batchUUIDs names the first messages of a failed batch for its log line:
+// a message the target refuses for good (too large for it, say) is retried
+// with every batch it lands in, and the operator needs its UUID to find it.
+func batchUUIDs(batch []*message.Message) string {
+	const most = 5
+	ids := make([]string, 0, most)
+	for _, m := range batch[:min(len(batch), most)] {
+		ids = append(ids, m.UUID)
+	}
+	if len(batch) > most {
+		ids = append(ids, fmt.Sprintf("… %d more", len(batch)-most))
+	}
+	return strings.Join(ids, ", ")
 }

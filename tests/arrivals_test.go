@@ -207,6 +207,41 @@ func TestArrivalsReachEveryBoundGroup(t *testing.T) {
 	})
 }
 
+// First groups bound together with the default group among them get
+// every message published before on an outbox with arrivals too: plain
+// ones (arrivals) and keyed ones (outbox rows) alike.
+func TestArrivalsFirstGroupsWithTheDefaultGroup(t *testing.T) {
+	b := setupArrivals(t)
+	ctx := context.Background()
+	topic := "arrive-default-" + watermill.NewShortUUID()
+	keyed := newMsg("keyed")
+	pgoutbox.WithOrderingKey(keyed, "k")
+	early := []*message.Message{newMsg("plain"), keyed}
+	require.NoError(t, b.poolPublisher(t).Publish(topic, early...))
+	_, err := pgoutbox.BindGroups(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, []string{"", "a"})
+	require.NoError(t, err)
+	late := newMsg("late")
+	require.NoError(t, b.poolPublisher(t).Publish(topic, late))
+	want := []string{early[0].UUID, early[1].UUID, late.UUID}
+	slices.Sort(want)
+	for _, g := range []string{"", "a"} {
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ConsumerGroup = g; c.MaxInFlight = 8 })
+		sctx, cancel := context.WithCancel(ctx)
+		ch, err := sub.Subscribe(sctx, topic)
+		require.NoError(t, err)
+		var got []string
+		for range want {
+			m := receive(t, ch, 10*time.Second)
+			got = append(got, m.UUID)
+			m.Ack()
+		}
+		requireNothing(t, ch, 200*time.Millisecond)
+		cancel()
+		slices.Sort(got)
+		require.Equal(t, want, got, "group %q", g)
+	}
+}
+
 // TestArrivalsInStats: Stats counts an arrival as a ready message of each
 // group it belongs to, and one no group is bound for as unbound.
 func TestArrivalsInStats(t *testing.T) {

@@ -574,6 +574,32 @@ func TestUnbindPurgeOfTheUnboundDefaultGroup(t *testing.T) {
 	require.Zero(t, b.groupRows(t, "k", ""))
 }
 
+// First groups of a fresh topic bound together get every message
+// published before, also when the default group is among them: it keeps
+// its rows, the others get a copy each (they got none: adoption never
+// moves rows of a bound default group). Keyed, deduplicated and scheduled
+// messages too.
+func TestFirstGroupsWithTheDefaultGroupEachGetEveryMessage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	keyed, dedup, later := newMsg("keyed"), newMsg("dedup"), newMsg("later")
+	pgoutbox.WithOrderingKey(keyed, "k")
+	pgoutbox.WithDedupKey(dedup, "d")
+	pgoutbox.DeliverAfter(later, time.Hour)
+	require.NoError(t, b.poolPublisher(t).Publish("first", newMsg("plain"), keyed, dedup, later))
+	res, err := pgoutbox.BindGroups(ctx, tx.FromPgxPool(b.Pool), b.tables, "first", []string{"", "a"})
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"", "a"}, res.New)
+	for _, g := range []string{"", "a"} {
+		require.Equal(t, 4, b.groupRows(t, "first", g), "group %q", g)
+	}
+	require.NoError(t, b.poolPublisher(t).Publish("first", newMsg("after")))
+	for _, g := range []string{"", "a"} {
+		require.Equal(t, 5, b.groupRows(t, "first", g), "group %q", g)
+	}
+}
+
 func TestBindFromBacklogOnALargeTopic(t *testing.T) {
 	t.Parallel()
 	b := setup(t, pgoutboxtest.Options{MaxConns: 10})

@@ -93,7 +93,9 @@ type BindResult struct {
 	// no binding, or while only groups since unbound had one) that went to
 	// the groups bound; each got a copy.
 	Adopted int64
-	// Copied counts the backlog copies written (StartFromBacklog).
+	// Copied counts the backlog copies written (StartFromBacklog; and the
+	// copies the other first groups of a fresh topic get of the default
+	// group's messages when "" is among them).
 	Copied int64
 
 	// lateWriters lists (query.Writers) the transactions that were
@@ -164,11 +166,38 @@ func BindGroups(ctx context.Context, exec tx.Executor, tables schema.Config, top
 			return BindResult{}, err
 		}
 	}
-	res, err := bindGroups(ctx, exec, q, topic, groups, o.from, 0)
+	res, err := bindFirstWithDefault(ctx, exec, q, topic, groups, o.from)
 	if err != nil {
 		return res, errorf("pgoutbox: bind groups %q to topic %q: %w", groups, topic, err)
 	}
 	return res, nil
+}
+
+// bindFirstWithDefault is bindGroups, but for first groups of a fresh
+// topic that include the default group: the unbound messages are ""'s
+// own rows, which adoption never moves while "" is bound, so "" is bound
+// first, keeping them, and the others from its backlog, each a copy.
+func bindFirstWithDefault(ctx context.Context, exec tx.Executor, q *query.Queries, topic string, groups []string, from StartFrom) (BindResult, error) {
+	if len(groups) < 2 || !slices.Contains(groups, "") || from == StartFromBacklog {
+		return bindGroups(ctx, exec, q, topic, groups, from, 0)
+	}
+	var bound bool
+	if err := queryRow(ctx, exec, query.TopicHasBinding(q.Names), []any{topic}, &bound); err != nil || bound {
+		if err != nil {
+			return BindResult{}, err
+		}
+		return bindGroups(ctx, exec, q, topic, groups, from, 0)
+	}
+	res, err := bindGroups(ctx, exec, q, topic, []string{""}, from, 0)
+	if err != nil {
+		return res, err
+	}
+	others := slices.DeleteFunc(slices.Clone(groups), func(g string) bool { return g == "" })
+	more, err := bindGroups(ctx, exec, q, topic, others, StartFromBacklog, 0)
+	res.New = append(res.New, more.New...)
+	res.Adopted += more.Adopted
+	res.Copied += more.Copied
+	return res, err
 }
 
 // Sizes of the batches of adoption, backlog copy and move: each batch is

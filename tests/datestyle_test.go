@@ -36,6 +36,12 @@ func TestAGermanDateStyleThroughTheSimpleProtocol(t *testing.T) {
 		require.NoError(t, pub.Publish("dates", newMsgs(3)...))
 		_, err = pgoutbox.Peek(ctx, tx.FromPgxPool(pool), b.tables, "dates", "", 10)
 		require.ErrorContains(t, err, "set DateStyle=ISO in the DSN", "an operator call on such a pool says what to do")
+		// Stats reads the paused groups' times once one is paused: the same.
+		require.NoError(t, pgoutbox.PauseGroup(ctx, tx.FromPgxPool(b.Pool), b.tables, "dates", "elsewhere"))
+		_, err = pgoutbox.Stats(ctx, tx.FromPgxPool(pool), b.tables)
+		require.ErrorContains(t, err, "set DateStyle=ISO in the DSN")
+		_, err = pgoutbox.ResumeGroup(ctx, tx.FromPgxPool(b.Pool), b.tables, "dates", "elsewhere")
+		require.NoError(t, err)
 
 		sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, ClaimMode: mode,
 			MinPollInterval: 20 * time.Millisecond, MaxPollInterval: 200 * time.Millisecond}, nil)

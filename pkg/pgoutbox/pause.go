@@ -102,19 +102,19 @@ func pausedGroups(ctx context.Context, exec tx.Executor, n query.Names, topic st
 	}
 	rows, err := exec.Query(ctx, query.PausedGroups(n, topic != ""), args...)
 	if err != nil {
-		return nil, fmt.Errorf("pgoutbox: list paused groups: %w", err)
+		return nil, errorf("pgoutbox: list paused groups: %w", err)
 	}
 	defer rows.Close()
 	var out []PausedGroup
 	for rows.Next() {
 		var p PausedGroup
 		if err := rows.Scan(&p.Topic, &p.ConsumerGroup, &p.PausedAt); err != nil {
-			return nil, fmt.Errorf("pgoutbox: list paused groups: %w", err)
+			return nil, errorf("pgoutbox: list paused groups: %w", err)
 		}
 		out = append(out, p)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("pgoutbox: list paused groups: %w", err)
+		return nil, errorf("pgoutbox: list paused groups: %w", err)
 	}
 	return out, nil
 }

@@ -74,7 +74,7 @@ func MigrationStatus(ctx context.Context, db tx.Executor, c Config) (MigrationSt
 	}
 	st, err := readState(ctx, db, n)
 	if err != nil {
-		return MigrationState{}, fmt.Errorf("pgoutbox: migration status: %w", err)
+		return MigrationState{}, errtext.Errorf("pgoutbox: migration status: %w", err)
 	}
 	st.Latest = len(ms)
 	if st.Current < st.Latest {

@@ -5,11 +5,13 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" database/sql driver
 	"github.com/stretchr/testify/require"
 
@@ -353,6 +355,48 @@ func TestAPoolPublishThatTimedOutWroteNothing(t *testing.T) {
 	pools := map[string]tx.Executor{"pgx": tx.FromPgxPool(b.Pool), "database/sql": tx.FromSQLDB(b.sqlDB(t))}
 	for name, pool := range pools {
 		t.Run(name, func(t *testing.T) { publishTimedOutWroteNothing(t, b, pool) })
+	}
+}
+
+// A pool Publish that found every connection taken until its bound says
+// so (it never ran: nothing was written), on both pools: it said only
+// "context deadline exceeded", which sent people to the server.
+func TestAPoolPublishWithoutAFreeConnectionSaysSo(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	one := b.poolWith(t, nil, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	db := b.sqlDB(t)
+	db.SetMaxOpenConns(1)
+	type holder struct {
+		exec tx.Executor
+		hold func() func()
+	}
+	for name, h := range map[string]holder{
+		"pgx": {tx.FromPgxPool(one), func() func() {
+			c, err := one.Acquire(ctx)
+			require.NoError(t, err)
+			return c.Release
+		}},
+		"database/sql": {tx.FromSQLDB(db), func() func() {
+			c, err := db.Conn(ctx)
+			require.NoError(t, err)
+			return func() { _ = c.Close() }
+		}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			release := h.hold()
+			pub, err := pgoutbox.NewPublisher(h.exec, pgoutbox.PublisherConfig{Tables: b.tables, StatementTimeout: 100 * time.Millisecond}, nil)
+			require.NoError(t, err)
+			m := newMsg("waits")
+			err = pub.Publish("t", m)
+			release()
+			require.ErrorIs(t, err, tx.ErrNoConnection)
+			require.ErrorContains(t, err, "1 of 1 in use")
+			require.Equal(t, 1, strings.Count(err.Error(), "pgoutbox:"), err.Error())
+			require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = $1`, m.UUID))
+			require.NoError(t, pub.Publish("t", newMsg("after")), "the pool works once a connection is free")
+		})
 	}
 }
 

@@ -35,9 +35,10 @@ type PublisherConfig struct {
 	// sets statement_timeout: in the statement's round trip through a pgx
 	// pool, in three more through database/sql), so a Publish that
 	// returns the server's cancellation ("the server cancelled the
-	// statement") wrote nothing; the client gives up a second later, and
-	// only an error of its own then leaves the outcome unknown. Defaults
-	// to 10s.
+	// statement") wrote nothing, and so does one that found no connection
+	// of the pool free within it (tx.ErrNoConnection); the client gives up
+	// a second later, and only an error of its own then leaves the outcome
+	// unknown. Defaults to 10s.
 	StatementTimeout time.Duration
 	// NotifyCooldown spaces the wake-ups a process sends for one topic:
 	// a Publish sends a NOTIFY (which wakes idle subscribers at once) only

@@ -195,6 +195,9 @@ type sqlServerBounded struct {
 func (e sqlServerBounded) begin(ctx context.Context) (*sql.Tx, error) {
 	t, err := e.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
+		if st := e.db.Stats(); ctx.Err() != nil && st.MaxOpenConnections > 0 && st.InUse >= st.MaxOpenConnections {
+			return nil, noConnection(st.InUse, st.MaxOpenConnections, err)
+		}
 		return nil, mapErr(err)
 	}
 	if _, err := t.ExecContext(ctx, "SELECT set_config('statement_timeout', $1, true)", e.timeout); err != nil {
@@ -315,15 +318,47 @@ type serverBounded struct {
 }
 
 func (e serverBounded) send(ctx context.Context, q string, args []any) (pgx.BatchResults, error) {
+	// The connection first, on its own: a bound that passes while every
+	// connection is taken wrote nothing, and says so.
+	conn, err := e.pool.Acquire(ctx)
+	if err != nil {
+		if ctx.Err() != nil {
+			st := e.pool.Stat()
+			return nil, noConnection(int(st.AcquiredConns()), int(st.MaxConns()), err)
+		}
+		return nil, mapErr(err)
+	}
 	b := &pgx.Batch{}
 	b.Queue("SELECT set_config('statement_timeout', $1, true)", e.timeout)
 	b.Queue(q, args...)
-	br := e.pool.SendBatch(ctx, b)
+	br := pooledBatch{BatchResults: conn.SendBatch(ctx, b), conn: conn}
 	if _, err := br.Exec(); err != nil {
 		_ = br.Close()
 		return nil, mapErr(err)
 	}
 	return br, nil
+}
+
+// pooledBatch is a batch's results that give their connection back to
+// the pool when closed.
+type pooledBatch struct {
+	pgx.BatchResults
+	conn *pgxpool.Conn
+}
+
+func (b pooledBatch) Close() error {
+	err := b.BatchResults.Close()
+	b.conn.Release()
+	return err
+}
+
+// ErrNoConnection is the error of a statement bounded by the server
+// (a Publish through a pool) that found no connection of the pool free
+// before its bound: it never ran, nothing was written.
+var ErrNoConnection = errors.New("pgoutbox: no connection of the pool came free in time, so nothing was written")
+
+func noConnection(inUse, most int, err error) error {
+	return fmt.Errorf("%w (%d of %d in use: transactions or handlers hold them; give the pool more connections, or publish in the transaction that holds one): %w", ErrNoConnection, inUse, most, err)
 }
 
 func (e serverBounded) Exec(ctx context.Context, q string, args ...any) (int64, error) {

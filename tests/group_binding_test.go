@@ -581,23 +581,60 @@ func TestUnbindPurgeOfTheUnboundDefaultGroup(t *testing.T) {
 // messages too.
 func TestFirstGroupsWithTheDefaultGroupEachGetEveryMessage(t *testing.T) {
 	t.Parallel()
+	for name, bind := range map[string]func(b *bundle, topic string) error{
+		"BindGroups": func(b *bundle, topic string) error {
+			_, err := pgoutbox.BindGroups(context.Background(), tx.FromPgxPool(b.Pool), b.tables, topic, []string{"", "a"})
+			return err
+		},
+		"BindGroups from the backlog": func(b *bundle, topic string) error {
+			_, err := pgoutbox.BindGroups(context.Background(), tx.FromPgxPool(b.Pool), b.tables, topic, []string{"", "a"}, pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+			return err
+		},
+		"BindSubscribers (cqrsbind)": func(b *bundle, topic string) error {
+			return pgoutbox.BindSubscribers(context.Background(), topic, b.subscriber(t, nil), b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ConsumerGroup = "a" }))
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			keyed, dedup, later := newMsg("keyed"), newMsg("dedup"), newMsg("later")
+			pgoutbox.WithOrderingKey(keyed, "k")
+			pgoutbox.WithDedupKey(dedup, "d")
+			pgoutbox.DeliverAfter(later, time.Hour)
+			require.NoError(t, b.poolPublisher(t).Publish("first", newMsg("plain"), keyed, dedup, later))
+			require.NoError(t, bind(b, "first"))
+			for _, g := range []string{"", "a"} {
+				require.Equal(t, 4, b.groupRows(t, "first", g), "group %q", g)
+			}
+			require.NoError(t, b.poolPublisher(t).Publish("first", newMsg("after")))
+			for _, g := range []string{"", "a"} {
+				require.Equal(t, 5, b.groupRows(t, "first", g), "group %q", g)
+			}
+		})
+	}
+}
+
+// A rename onto a name that is unbound but still holds the topic's rows
+// (an Unbind without purge) is refused: the moved rows would sit beside
+// its own copies of the same messages, each delivered twice.
+func TestRenameOntoAnUnboundNameThatHoldsRowsIsRefused(t *testing.T) {
+	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	keyed, dedup, later := newMsg("keyed"), newMsg("dedup"), newMsg("later")
-	pgoutbox.WithOrderingKey(keyed, "k")
-	pgoutbox.WithDedupKey(dedup, "d")
-	pgoutbox.DeliverAfter(later, time.Hour)
-	require.NoError(t, b.poolPublisher(t).Publish("first", newMsg("plain"), keyed, dedup, later))
-	res, err := pgoutbox.BindGroups(ctx, tx.FromPgxPool(b.Pool), b.tables, "first", []string{"", "a"})
+	exec := tx.FromPgxPool(b.Pool)
+	_, err := pgoutbox.BindGroups(ctx, exec, b.tables, "r", []string{"a", "x"})
 	require.NoError(t, err)
-	require.ElementsMatch(t, []string{"", "a"}, res.New)
-	for _, g := range []string{"", "a"} {
-		require.Equal(t, 4, b.groupRows(t, "first", g), "group %q", g)
-	}
-	require.NoError(t, b.poolPublisher(t).Publish("first", newMsg("after")))
-	for _, g := range []string{"", "a"} {
-		require.Equal(t, 5, b.groupRows(t, "first", g), "group %q", g)
-	}
+	require.NoError(t, b.poolPublisher(t).Publish("r", newMsgs(3)...))
+	_, err = pgoutbox.Unbind(ctx, exec, b.tables, "r", "x", false)
+	require.NoError(t, err)
+	_, err = pgoutbox.RenameGroup(ctx, exec, b.tables, "r", "a", "x")
+	require.ErrorIs(t, err, pgoutbox.ErrGroupNotEmpty)
+	require.ErrorContains(t, err, "holds 3 of its messages")
+	require.Equal(t, 3, b.groupRows(t, "r", "a"), "nothing moved")
+	require.Equal(t, 3, b.groupRows(t, "r", "x"))
+	st, err := pgoutbox.Stats(ctx, exec, b.tables, pgoutbox.StatsForGroup("r", "a"))
+	require.NoError(t, err)
+	require.True(t, st[0].Bound, "a is still bound under its name")
 }
 
 func TestBindFromBacklogOnALargeTopic(t *testing.T) {

@@ -166,7 +166,7 @@ func BindGroups(ctx context.Context, exec tx.Executor, tables schema.Config, top
 			return BindResult{}, err
 		}
 	}
-	res, err := bindFirstWithDefault(ctx, exec, q, topic, groups, o.from)
+	res, err := bindFirstWithDefault(ctx, exec, q, topic, groups, o.from, 0)
 	if err != nil {
 		return res, errorf("pgoutbox: bind groups %q to topic %q: %w", groups, topic, err)
 	}
@@ -177,23 +177,23 @@ func BindGroups(ctx context.Context, exec tx.Executor, tables schema.Config, top
 // topic that include the default group: the unbound messages are ""'s
 // own rows, which adoption never moves while "" is bound, so "" is bound
 // first, keeping them, and the others from its backlog, each a copy.
-func bindFirstWithDefault(ctx context.Context, exec tx.Executor, q *query.Queries, topic string, groups []string, from StartFrom) (BindResult, error) {
-	if len(groups) < 2 || !slices.Contains(groups, "") || from == StartFromBacklog {
-		return bindGroups(ctx, exec, q, topic, groups, from, 0)
+func bindFirstWithDefault(ctx context.Context, exec tx.Executor, q *query.Queries, topic string, groups []string, from StartFrom, timeout time.Duration) (BindResult, error) {
+	if len(groups) < 2 || !slices.Contains(groups, "") {
+		return bindGroups(ctx, exec, q, topic, groups, from, timeout)
 	}
 	var bound bool
 	if err := queryRow(ctx, exec, query.TopicHasBinding(q.Names), []any{topic}, &bound); err != nil || bound {
 		if err != nil {
 			return BindResult{}, err
 		}
-		return bindGroups(ctx, exec, q, topic, groups, from, 0)
+		return bindGroups(ctx, exec, q, topic, groups, from, timeout)
 	}
-	res, err := bindGroups(ctx, exec, q, topic, []string{""}, from, 0)
+	res, err := bindGroups(ctx, exec, q, topic, []string{""}, from, timeout)
 	if err != nil {
 		return res, err
 	}
 	others := slices.DeleteFunc(slices.Clone(groups), func(g string) bool { return g == "" })
-	more, err := bindGroups(ctx, exec, q, topic, others, StartFromBacklog, 0)
+	more, err := bindGroups(ctx, exec, q, topic, others, StartFromBacklog, timeout)
 	res.New = append(res.New, more.New...)
 	res.Adopted += more.Adopted
 	res.Copied += more.Copied
@@ -716,7 +716,9 @@ func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topi
 // flight store rows for it that would pass for unbound messages; bind the
 // new group, drain or move the default group's rows, then Unbind it. The
 // error wraps ErrNotBound when from is not bound to topic, ErrGroupBound
-// when to already is, and ErrGroupNotEmpty when the rename is done but
+// when to already is, ErrGroupNotEmpty when to is not bound but holds rows
+// of the topic (an Unbind without purge: nothing is renamed, the moved
+// rows would sit beside its copies), and ErrGroupNotEmpty when the rename is done but
 // rows of the old name stayed locked through five moves over about a
 // second (its subscribers still running): move them once they have
 // stopped. Publishes still open after the 10 s wait may store copies under
@@ -747,6 +749,16 @@ func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, to
 		rows, err := e.Exec(ctx, q.Rename, topic, from, to)
 		if renamed = rows == 1; err != nil || !renamed {
 			return err
+		}
+		// A new name unbound but holding rows (an Unbind without purge)
+		// would get the moved rows beside its own copies of the same
+		// messages: refused, the rename rolled back.
+		var held int64
+		if err := queryRow(ctx, e, query.GroupRows(n), []any{topic, to}, &held); err != nil {
+			return err
+		}
+		if held > 0 {
+			return fmt.Errorf("%w: group %q is not bound to topic %q but holds %d of its messages, copies of the ones %q would bring: purge them (Unbind with purge) or pick another name", ErrGroupNotEmpty, to, topic, held, from)
 		}
 		if _, err := e.Exec(ctx, q.RenameUnpause, topic, to); err != nil {
 			return err
@@ -869,7 +881,7 @@ func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) err
 		if err := k.s.ensureSchema(ctx); err != nil { // as SubscribeInitialize does
 			return err
 		}
-		if _, err := bindGroups(ctx, tx.FromPgxPool(k.s.pool), k.s.q, topic, sets[k], k.from, k.s.cfg.StatementTimeout); err != nil {
+		if _, err := bindFirstWithDefault(ctx, tx.FromPgxPool(k.s.pool), k.s.q, topic, sets[k], k.from, k.s.cfg.StatementTimeout); err != nil {
 			return errorf("pgoutbox: bind groups %q to topic %q: %w", sets[k], topic, err)
 		}
 	}

@@ -36,6 +36,31 @@ func (b *bundle) arrivals(t testing.TB, topic string) int {
 	return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_arrivals WHERE topic = $1`, topic)
 }
 
+// consumeGroup subscribes group to topic, takes n messages, acks them,
+// checks that nothing more comes, and returns their UUIDs, sorted.
+func (b *bundle) consumeGroup(t *testing.T, topic, group string, n int, mod func(*pgoutbox.SubscriberConfig)) []string {
+	t.Helper()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		if mod != nil {
+			mod(c)
+		}
+		c.ConsumerGroup, c.MaxInFlight = group, 8
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	var got []string
+	for range n {
+		m := receive(t, ch, 10*time.Second)
+		got = append(got, m.UUID)
+		m.Ack()
+	}
+	requireNothing(t, ch, 200*time.Millisecond)
+	slices.Sort(got)
+	return got
+}
+
 // TestPubSubArrivals runs Watermill's universal suite on an outbox with
 // arrivals, on each claim mode: every plain message the suite publishes
 // arrives in the arrivals table and is taken from there (held where it
@@ -188,19 +213,7 @@ func TestArrivalsReachEveryBoundGroup(t *testing.T) {
 			"c": uuids(late),
 		}
 		for _, g := range []string{"a", "b", "c"} {
-			sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c); c.ConsumerGroup = g; c.MaxInFlight = 8 })
-			sctx, cancel := context.WithCancel(ctx)
-			ch, err := sub.Subscribe(sctx, topic)
-			require.NoError(t, err)
-			var got []string
-			for range want[g] {
-				m := receive(t, ch, 10*time.Second)
-				got = append(got, m.UUID)
-				m.Ack()
-			}
-			requireNothing(t, ch, 200*time.Millisecond)
-			cancel()
-			slices.Sort(got)
+			got := b.consumeGroup(t, topic, g, len(want[g]), func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c) })
 			require.Equal(t, want[g], got, "group %s", g)
 		}
 		require.Zero(t, b.arrivals(t, topic))
@@ -225,20 +238,7 @@ func TestArrivalsFirstGroupsWithTheDefaultGroup(t *testing.T) {
 	want := []string{early[0].UUID, early[1].UUID, late.UUID}
 	slices.Sort(want)
 	for _, g := range []string{"", "a"} {
-		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ConsumerGroup = g; c.MaxInFlight = 8 })
-		sctx, cancel := context.WithCancel(ctx)
-		ch, err := sub.Subscribe(sctx, topic)
-		require.NoError(t, err)
-		var got []string
-		for range want {
-			m := receive(t, ch, 10*time.Second)
-			got = append(got, m.UUID)
-			m.Ack()
-		}
-		requireNothing(t, ch, 200*time.Millisecond)
-		cancel()
-		slices.Sort(got)
-		require.Equal(t, want, got, "group %q", g)
+		require.Equal(t, want, b.consumeGroup(t, topic, g, len(want), nil), "group %q", g)
 	}
 }
 

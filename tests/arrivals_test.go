@@ -50,15 +50,7 @@ func (b *bundle) consumeGroup(t *testing.T, topic, group string, n int, mod func
 	defer cancel()
 	ch, err := sub.Subscribe(ctx, topic)
 	require.NoError(t, err)
-	var got []string
-	for range n {
-		m := receive(t, ch, 10*time.Second)
-		got = append(got, m.UUID)
-		m.Ack()
-	}
-	requireNothing(t, ch, 200*time.Millisecond)
-	slices.Sort(got)
-	return got
+	return takeUUIDs(t, ch, n)
 }
 
 // TestPubSubArrivals runs Watermill's universal suite on an outbox with

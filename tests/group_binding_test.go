@@ -801,28 +801,18 @@ func TestUpgradeOfAnOutboxWithRowsInTheDefaultAndNamedGroups(t *testing.T) {
 	b.exec(t, `INSERT INTO %s.outbox_bindings (topic, consumer_group) VALUES ('fresh', 'audit') ON CONFLICT DO NOTHING`)
 	require.EqualValues(t, 2, b.statsOf(t, "fresh", "").Unbound())
 
-	uuidsOf := func(ch <-chan *message.Message, n int) []string {
-		var got []string
-		for range n {
-			m := receive(t, ch, 10*time.Second)
-			got = append(got, m.UUID)
-			m.Ack()
-		}
-		requireNothing(t, ch, 200*time.Millisecond)
-		return got
-	}
 	worker, err := b.groupSubscriber(t, "worker", nil).Subscribe(ctx, "commands")
 	require.NoError(t, err)
-	require.ElementsMatch(t, []string{"c1", "c2", "c3"}, uuidsOf(worker, 3), "the stranded commands reach the worker")
+	require.ElementsMatch(t, []string{"c1", "c2", "c3"}, takeUUIDs(t, worker, 3), "the stranded commands reach the worker")
 	audit, err := b.groupSubscriber(t, "audit", nil).Subscribe(ctx, "fresh")
 	require.NoError(t, err)
-	require.ElementsMatch(t, []string{"f1", "f2"}, uuidsOf(audit, 2), "the new release's binder adopts")
+	require.ElementsMatch(t, []string{"f1", "f2"}, takeUUIDs(t, audit, 2), "the new release's binder adopts")
 	def, err := b.subscriber(t, nil).Subscribe(ctx, "orders")
 	require.NoError(t, err)
-	require.ElementsMatch(t, []string{"o1", "o2"}, uuidsOf(def, 2), "the default group keeps its copies")
+	require.ElementsMatch(t, []string{"o1", "o2"}, takeUUIDs(t, def, 2), "the default group keeps its copies")
 	billing, err := b.groupSubscriber(t, "billing", nil).Subscribe(ctx, "orders")
 	require.NoError(t, err)
-	require.ElementsMatch(t, []string{"o1", "o2"}, uuidsOf(billing, 2))
+	require.ElementsMatch(t, []string{"o1", "o2"}, takeUUIDs(t, billing, 2))
 
 	// Publishers of either release run the same statement: one copy per bound group.
 	m := newMsg("after")

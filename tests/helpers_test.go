@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -302,4 +303,19 @@ func requireClosed(t *testing.T, what string, closeFn func() error) {
 	case <-time.After(15 * time.Second):
 		t.Fatalf("%s did not return", what)
 	}
+}
+
+// takeUUIDs receives n messages from ch, acks them, checks that nothing
+// more comes, and returns their UUIDs, sorted.
+func takeUUIDs(t *testing.T, ch <-chan *message.Message, n int) []string {
+	t.Helper()
+	var got []string
+	for range n {
+		m := receive(t, ch, 10*time.Second)
+		got = append(got, m.UUID)
+		m.Ack()
+	}
+	requireNothing(t, ch, 200*time.Millisecond)
+	slices.Sort(got)
+	return got
 }

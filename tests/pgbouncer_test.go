@@ -322,6 +322,34 @@ func TestPgBouncerLeavesNoLivenessLockBehind(t *testing.T) {
 	require.Zero(t, locks(), "a liveness lock left behind")
 }
 
+// A ListenDSN that reaches PgBouncer too is named as the cause, not
+// advised as if it were unset.
+func TestPgBouncerListenDSNThroughThePoolerIsNamed(t *testing.T) {
+	env := pgoutboxtest.PubSub(t)
+	bouncerDSN := startPgBouncer(t, env.DSN)
+	u, err := url.Parse(bouncerDSN)
+	require.NoError(t, err)
+	q := u.Query()
+	q.Set("default_query_exec_mode", "simple_protocol")
+	u.RawQuery = q.Encode()
+	logs := &logCapture{}
+	sub, err := pgoutbox.NewSubscriber(env.Pool, pgoutbox.SubscriberConfig{
+		Tables:    env.Tables,
+		ListenDSN: u.String(),
+	}, logs)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	_, err = sub.Subscribe(context.Background(), "orders")
+	require.NoError(t, err)
+	var said []logEntry
+	pollUntil(t, "the pooler is noticed", 10*time.Second, nil, func() bool {
+		said = logs.find("info", func(e logEntry) bool { return strings.Contains(e.msg, "connection pooler") })
+		return len(said) > 0
+	})
+	require.Contains(t, said[0].msg, "ListenDSN reaches the pooler")
+	require.NotContains(t, said[0].msg, "set SubscriberConfig.ListenDSN")
+}
+
 // Through PgBouncer in transaction pooling mode without pgx's simple
 // protocol, statements one client prepared stay on the server connection
 // the next client gets: the first run works, the next fails with the

@@ -133,6 +133,9 @@ func (cmd *command) tables() (schema.Config, error) {
 	if t.NoDeadLetterTable && t.DeadLetterTable != "" {
 		return t, usagef(cmd.name, "--no-dlq and a dead-letter table (--dlq-table or $PGOUTBOX_DLQ_TABLE=%q) were both given; drop one", t.DeadLetterTable)
 	}
+	if t.Rotating && t.Arrivals {
+		return t, usagef(cmd.name, "--rotating and --arrivals (or $PGOUTBOX_ROTATING and $PGOUTBOX_ARRIVALS) were both given; a rotating outbox has no arrivals table: drop --arrivals")
+	}
 	if err := t.Validate(); err != nil {
 		return t, usagef(cmd.name, "%s; fix --schema, --table or --dlq-table (or their PGOUTBOX_* variables)", errtext.Trim(err))
 	}

@@ -391,6 +391,11 @@ func TestUsageErrors(t *testing.T) {
 	_, errOut, code := cliRun(t, nil, "stats")
 	require.Equal(t, exitUsage, code)
 	require.Contains(t, errOut, "PGOUTBOX_DSN")
+	// Two layouts that exclude each other name the flags, not the names.
+	_, errOut, code = cliRun(t, nil, "schema", "sql", "--rotating", "--arrivals")
+	require.Equal(t, exitUsage, code)
+	require.Contains(t, errOut, "drop --arrivals")
+	require.NotContains(t, errOut, "--table")
 }
 
 func TestHelp(t *testing.T) {

@@ -581,9 +581,15 @@ func (n *Notifier) session(parent context.Context, connected func(), adopt *lock
 	}
 	if proxied && !n.proxyLogged {
 		n.proxyLogged = true
+		advice := "set SubscriberConfig.ListenDSN to a direct connection for crash detection and wake-ups"
+		if n.listen != nil {
+			// The user set ListenDSN, and it reaches the pooler too.
+			advice = "SubscriberConfig.ListenDSN reaches the pooler as well: point it at the PostgreSQL server itself " +
+				"(its host and port, not the pooler's) for crash detection and wake-ups"
+		}
 		n.logger.Info("The LISTEN connection goes through a connection pooler (PgBouncer): this process takes no liveness lock, "+
 			"so the rows of a crashed process come back when their leases expire (and in transaction pooling no wake-up arrives: polling delivers); "+
-			"set SubscriberConfig.ListenDSN to a direct connection for crash detection and wake-ups", nil)
+			advice, nil)
 	}
 	// A confirmation that does not come in time may be a half-open path:
 	// the probe finds out, and moves the session to its connection if the

@@ -223,13 +223,16 @@ func (ui *UI) Observer() pgoutbox.Observer {
 	return pgoutbox.ObserverFunc(ui.samp.observe)
 }
 
-// waitFirstSample waits, within ctx, for the sampler's first sample.
+// waitFirstSample waits, within ctx, for the sampler's first sample, and
+// not at all once the sampler stopped (a UI closed before it sampled
+// serves its pages without one).
 func (ui *UI) waitFirstSample(ctx context.Context) {
 	ui.Start()
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	select {
 	case <-ui.samp.taken:
+	case <-ui.done:
 	case <-ctx.Done():
 	}
 }

@@ -180,6 +180,25 @@ func TestOverview(t *testing.T) {
 	}, 10*time.Second, 50*time.Millisecond)
 }
 
+// A page closed before it sampled (a service shutting down while its HTTP
+// server drains) serves the overview at once, without a sample: it waited
+// 10 s for a first sample that would never come.
+func TestOverviewAfterCloseDoesNotWaitForASample(t *testing.T) {
+	t.Parallel()
+	b := setup(t, false)
+	require.NoError(t, b.ui.Close())
+	for range 2 {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, b.base, nil)
+		require.NoError(t, err)
+		resp, err := b.client.Do(req)
+		require.NoError(t, err, "the overview waited for a sampler that was closed")
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+		resp.Body.Close()
+		cancel()
+	}
+}
+
 // Read-only (the default): no form, no token, and every POST is refused
 // with 403 without touching anything.
 func TestReadOnly(t *testing.T) {

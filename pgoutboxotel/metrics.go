@@ -321,9 +321,11 @@ func RegisterStats(exec tx.Executor, tables schema.Config, opts MetricsOptions) 
 		stats, err := pgoutbox.Stats(ctx, exec, tables, opts.StatsOptions...)
 		health, healthErr := pgoutbox.Health(ctx, exec, tables)
 		obs.ObserveFloat64(duration, time.Since(start).Seconds(), base)
+		if err != nil || healthErr != nil {
+			failed.Add(1) // one failed collection, as pgoutboxprom counts a failed scrape
+		}
 		for _, e := range []error{err, healthErr} {
 			if e != nil {
-				failed.Add(1)
 				logger.Error("pgoutbox stats for OpenTelemetry failed", e, nil)
 			}
 		}

@@ -230,7 +230,8 @@ func TestStatsGauges(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = failing.Unregister() })
 	got = collect(t, failReader)
-	require.EqualValues(t, 2, sum(t, got["pgoutbox.stats.errors"]), "Stats and Health")
+	require.EqualValues(t, 1, sum(t, got["pgoutbox.stats.errors"]), "one failed collection, whether Stats, Health or both failed")
+	require.EqualValues(t, 2, sum(t, collect(t, failReader)["pgoutbox.stats.errors"]), "a second failed collection")
 	for _, name := range []string{"pgoutbox.messages", "pgoutbox.table.size", "pgoutbox.oldest_snapshot.age"} {
 		_, reported := got[name]
 		require.False(t, reported, "no stale %s after a failed call", name)

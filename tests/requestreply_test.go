@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -21,8 +22,11 @@ import (
 // Watermill's request/reply (components/requestreply) as docs/consumer-
 // groups.md sets it up: a reply topic per operation, read by one shared
 // subscriber, unbound (with what is left in it) once the operation has
-// its reply. Concurrent requests each get their own reply, and nothing of
-// them stays behind: no binding, no row.
+// its reply. Concurrent requests each get their own reply (a failed
+// command its error), and nothing of them stays behind: no binding, no
+// row. A failed command is acked (AckCommandErrors): nacked, it would be
+// delivered again and each attempt would publish another reply into a
+// topic nobody reads any more.
 func TestRequestReplyWithATopicPerOperation(t *testing.T) {
 	t.Parallel()
 	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
@@ -55,6 +59,7 @@ func TestRequestReplyWithATopicPerOperation(t *testing.T) {
 			}
 		},
 		ListenForReplyTimeout: &timeout,
+		AckCommandErrors:      true,
 	}, requestreply.BackendPubsubJSONMarshaler[string]{})
 	require.NoError(t, err)
 
@@ -77,7 +82,12 @@ func TestRequestReplyWithATopicPerOperation(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.NoError(t, processor.AddHandlers(requestreply.NewCommandHandlerWithResult[bookRoom, string]("book_room", backend,
-		func(_ context.Context, c *bookRoom) (string, error) { return "booked " + c.Room, nil })))
+		func(_ context.Context, c *bookRoom) (string, error) {
+			if n, _ := strconv.Atoi(c.Room); n%4 == 3 {
+				return "", fmt.Errorf("room %s is taken", c.Room)
+			}
+			return "booked " + c.Room, nil
+		})))
 	startRouter(t, r)
 
 	const requests = 10
@@ -89,16 +99,23 @@ func TestRequestReplyWithATopicPerOperation(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			reply, err := requestreply.SendWithReply[string](ctx, bus, backend, &bookRoom{Room: fmt.Sprint(i)})
-			if err != nil {
+			switch {
+			case err != nil:
 				t.Errorf("request %d: %v", i, err)
-				return
+			case reply.Error != nil:
+				got[i] = reply.Error.Error()
+			default:
+				got[i] = reply.HandlerResult
 			}
-			got[i] = reply.HandlerResult
 		}()
 	}
 	wg.Wait()
 	unbinds.Wait()
 	for i, g := range got {
+		if i%4 == 3 {
+			require.Contains(t, g, fmt.Sprintf("room %d is taken", i), "request %d has its own error", i)
+			continue
+		}
 		require.Equal(t, fmt.Sprint("booked ", i), g, "request %d has its own reply", i)
 	}
 	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE topic LIKE 'reply.%'`), "no reply topic stays bound")

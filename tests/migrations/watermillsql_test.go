@@ -170,6 +170,20 @@ func TestMoveFromWatermillSQL(t *testing.T) {
 		b.drainNew(t, "orders", "", uuids[3:9])
 	})
 
+	// Subscribers with a group of their own (a CQRS handler's name): step 1
+	// binds it and the move writes it, as the guide says.
+	t.Run("QueueSchemaIntoANamedGroup", func(t *testing.T) {
+		t.Parallel()
+		b := newMoveBundle(t)
+		require.NoError(t, pgoutbox.Bind(b.ctx, tx.FromPgxPool(b.pool), b.tables, "orders", "book_room"))
+		uuids := b.publishOld(t, wsql.PostgreSQLQueueSchema{}, "orders", 10)
+		move := docSQL(t, "queue")
+		named := strings.Replace(move, "SELECT 'orders', '', uuid", "SELECT 'orders', 'book_room', uuid", 1)
+		require.NotEqual(t, move, named, "the guide's statement names the group where the test writes it")
+		require.Equal(t, int64(10), b.exec(t, named))
+		b.drainNew(t, "orders", "book_room", uuids[:9])
+	})
+
 	t.Run("LogSchemaWithGroups", func(t *testing.T) {
 		t.Parallel()
 		b := newMoveBundle(t)

@@ -366,6 +366,25 @@ func TestRequeueDeadLetters(t *testing.T) {
 	require.EqualValues(t, 1, moved, "two dead letters with one key: one moves, the other stays")
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`))
 
+	// Requeued in batches until a call moves nothing, the letters whose
+	// keys are taken do not fill the batches and end it early.
+	b.addDeadLetters(t, 20, 3, "c", "", "rejected", 2*time.Hour)
+	b.addDeadLetters(t, 23, 3, "c", "", "rejected", time.Hour)
+	b.exec(t, `UPDATE %s.outbox_dlq SET dedup_key = 'c' || id WHERE id BETWEEN 20 AND 22`)
+	b.exec(t, `INSERT INTO %s.outbox (id, topic, consumer_group, uuid, payload, dedup_key) OVERRIDING SYSTEM VALUE
+		SELECT 6000 + g, 'c', '', 'live-c' || g, '', 'c' || g FROM generate_series(20, 22) g`)
+	var batches []int64
+	for {
+		moved, err := pgoutbox.RequeueDeadLettersMatching(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Topic: "c", Limit: 2})
+		require.NoError(t, err)
+		if moved == 0 {
+			break
+		}
+		batches = append(batches, moved)
+	}
+	require.Equal(t, []int64{2, 1}, batches, "the three free letters, past the three whose keys are taken")
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq WHERE topic = 'c'`))
+
 	_, err = pgoutbox.RequeueDeadLetters(ctx, exec, b.tables, nil)
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
 	_, err = pgoutbox.RequeueDeadLettersMatching(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{Limit: -5})

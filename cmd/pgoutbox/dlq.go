@@ -271,7 +271,24 @@ func (c *cli) dlqRequeue(args []string) error {
 				printUnboundWarnings(c.stdout, st)
 			}
 		}
-		if len(ids) == 0 || n >= int64(len(ids)) {
+		if len(ids) == 0 {
+			if !tables.NoDeadLetterTable && (f.Limit == 0 || n < int64(f.Limit)) {
+				// What still matches stayed: a message in the outbox holds
+				// its dedup key (RequeueDeadLettersMatching passes over it).
+				left := f
+				left.Limit = pgoutbox.DefaultDeadLetterLimit
+				if page, err := pgoutbox.DeadLetters(ctx, exec, tables, left); err == nil && len(page.Letters) > 0 {
+					count := strconv.Itoa(len(page.Letters))
+					if page.Next != (pgoutbox.DeadLetterCursor{}) {
+						count += " or more"
+					}
+					fmt.Fprintf(c.stdout, "%s matching dead letter(s) stayed (first id %d): a message in the outbox holds the dedup key of each; requeue them once that message is gone\n",
+						count, page.Letters[0].ID)
+				}
+			}
+			return nil
+		}
+		if n >= int64(len(ids)) {
 			return nil
 		}
 		// Nothing to act on for some ids: exit 1, as dlq delete does.

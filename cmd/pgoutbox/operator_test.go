@@ -173,6 +173,12 @@ func TestDLQRequeueHeldDedupKey(t *testing.T) {
 	require.Equal(t, exitError, code, out+errOut)
 	require.Contains(t, out, "requeued 0 dead letter(s)")
 	require.Contains(t, errOut, fmt.Sprintf("1 of the ids were not requeued: %d still dead letter(s), as a message in the outbox holds each one's dedup key", id))
+
+	// By filter: the same reason, not a bare "requeued 0".
+	out, errOut, code = cliRun(t, env, "dlq", "requeue", "--topic", "keyed", "--yes")
+	require.Equal(t, 0, code, out+errOut)
+	require.Contains(t, out, "requeued 0 dead letter(s)")
+	require.Contains(t, out, fmt.Sprintf("1 matching dead letter(s) stayed (first id %d): a message in the outbox holds the dedup key", id))
 }
 
 // --rotating, --arrivals and --json, like the connection flags, work

@@ -162,13 +162,18 @@ func RequeueDeadLetterIDs(n Names) string {
 
 // RequeueDeadLetterFilter requeues the dead letters DeadLetterWhere
 // matches, at most $8 (NULL: all) in (failed_at, id) order; $9 is the
-// channel.
+// channel. It passes over those whose dedup key a row of the outbox holds
+// (they would stay): taken into the limit, they would fill every batch of
+// a caller that requeues until a call moves nothing, and end it early.
 func RequeueDeadLetterFilter(n Names, topic bool) string {
 	tc := ""
 	if topic {
 		tc = " AND topic = $1"
 	}
-	return requeueFrom(n, fmt.Sprintf(`SELECT id FROM %s WHERE %s%s ORDER BY failed_at, id LIMIT $8 FOR UPDATE`, n.QDLQ, DeadLetterWhere, tc), "$9")
+	return requeueFrom(n, fmt.Sprintf(`SELECT id FROM %s d0 WHERE %s%s
+       AND (d0.dedup_key IS NULL OR NOT EXISTS (SELECT 1 FROM %s o
+            WHERE o.topic = d0.topic AND o.consumer_group = d0.consumer_group AND o.dedup_key = d0.dedup_key))
+     ORDER BY failed_at, id LIMIT $8 FOR UPDATE OF d0`, n.QDLQ, DeadLetterWhere, tc, n.QTable), "$9")
 }
 
 // PurgeDeadLetters deletes at most $2 dead letters that failed before $1.

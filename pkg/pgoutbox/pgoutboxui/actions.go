@@ -65,10 +65,23 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 			c.What = fmt.Sprintf("Requeue %s: each goes back into the outbox, due at once, with its delivery count and error cleared.%s", which, gone)
 			result = func() (string, error) {
 				n, err := pgoutbox.RequeueDeadLetters(ctx, ui.exec, ui.tables, ids)
-				if err == nil && strings.Contains(ret, "dead-letter?") {
-					ret = ui.opts.BasePath + "dead-letters"
+				if err != nil {
+					return "", err
 				}
-				return fmt.Sprintf("Requeued %s.", plural(int(n), "dead letter")), err
+				done := fmt.Sprintf("Requeued %s.", plural(int(n), "dead letter"))
+				// What is still a dead letter after the statement stayed
+				// because a message in the outbox holds its dedup key.
+				stayed, err := ui.deadLettersByID(ctx, ids)
+				if err != nil {
+					return done, nil
+				}
+				if len(stayed) > 0 {
+					return done + " " + stayedNote(int64(len(stayed))), nil
+				}
+				if strings.Contains(ret, "dead-letter?") {
+					ret = ui.opts.BasePath + "dead-letters" // its page is gone
+				}
+				return done, nil
 			}
 		} else {
 			c.Danger = true
@@ -92,7 +105,16 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 		c.What = "Requeue every dead letter matching " + describe(flt) + ", in one statement."
 		result = func() (string, error) {
 			n, err := pgoutbox.RequeueDeadLettersMatching(ctx, ui.exec, ui.tables, flt.f)
-			return fmt.Sprintf("Requeued %s.", plural(int(n), "dead letter")), err
+			if err != nil {
+				return "", err
+			}
+			done := fmt.Sprintf("Requeued %s.", plural(int(n), "dead letter"))
+			if n < c.Rows {
+				if left, err := ui.countDeadLetters(ctx, flt.f); err == nil && left > 0 {
+					return done + " " + stayedNote(left), nil
+				}
+			}
+			return done, nil
 		}
 	case "purge":
 		d, err := parseAge(f.Get("older_than"))
@@ -274,6 +296,12 @@ func describe(f dlFilter) string {
 		return "no filter (every dead letter)"
 	}
 	return strings.Join(parts, ", ")
+}
+
+// stayedNote says why n dead letters a requeue selected are still dead
+// letters: the one reason RequeueDeadLetters leaves one where it is.
+func stayedNote(n int64) string {
+	return plural(int(n), "dead letter") + " stayed: a message in the outbox holds the dedup key of each (its newer message, same group); requeue once that message is gone."
 }
 
 func plural(n int, what string) string {

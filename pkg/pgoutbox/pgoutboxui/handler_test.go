@@ -298,6 +298,31 @@ func TestRequeue(t *testing.T) {
 	require.EqualValues(t, 7, s[0].Ready)
 }
 
+// A dead letter whose dedup key a message in the outbox holds stays where
+// it is: the page says why, and the letter's own page stays in view.
+func TestRequeueOfADeadLetterWhoseDedupKeyIsTakenSaysWhy(t *testing.T) {
+	t.Parallel()
+	b := setup(t, true)
+	b.deadLetters(t, "orders", "", "rejected", 2, "boom") // 1000..1001
+	ctx := context.Background()
+	_, err := b.env.Pool.Exec(ctx, fmt.Sprintf(`UPDATE %s.%s SET dedup_key = 'order-' || id`, b.env.Schema, b.env.Tables.DeadLetterTable))
+	require.NoError(t, err)
+	pub, err := pgoutbox.NewPublisher(b.exec(), pgoutbox.PublisherConfig{Tables: b.env.Tables}, nil)
+	require.NoError(t, err)
+	for _, key := range []string{"order-1000", "order-1001"} {
+		m := msg("newer")
+		pgoutbox.WithDedupKey(m, key)
+		require.NoError(t, pub.Publish("orders", m))
+	}
+
+	done := b.act(t, url.Values{"action": {"requeue"}, "id": {"1000"}, "return": {"/ops/outbox/dead-letter?id=1000"}}, 1)
+	require.Contains(t, done, "Requeued 0 dead letters. 1 dead letter stayed: a message in the outbox holds the dedup key")
+	require.Contains(t, done, `id="requeue-one"`, "back on the letter's own page")
+	done = b.act(t, url.Values{"action": {"requeue-matching"}, "topic": {"orders"}, "return": {"/ops/outbox/dead-letters"}}, 2)
+	require.Contains(t, done, "Requeued 0 dead letters. 2 dead letters stayed")
+	require.Equal(t, 2, b.dlqCount(t))
+}
+
 // A UI whose tables name a dead-letter table the outbox was made without
 // says how to open it (the page failed with the server's error alone).
 func TestDeadLettersOfAnOutboxWithoutThemSayWhatToDo(t *testing.T) {

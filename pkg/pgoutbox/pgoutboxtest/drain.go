@@ -15,7 +15,11 @@ import (
 // Collect receives n messages from msgs, acks each, and returns them in
 // the order they arrived. It fails the test, with how many are missing and
 // what did arrive, when they do not all arrive within timeout or msgs is
-// closed first.
+// closed first. It returns once the messages are acked, not once their acks
+// are written: a pgoutbox subscriber writes acks in batches, so the outbox
+// may hold the last of them for a few more milliseconds. Before asserting
+// that the outbox no longer holds them (RequireNotPublished), end the
+// subscription and wait for msgs to close, or use Drain, which does.
 func Collect(t testing.TB, msgs <-chan *message.Message, n int, timeout time.Duration) []*message.Message {
 	t.Helper()
 	got, problem := collect(msgs, n, timeout)

@@ -823,6 +823,47 @@ func TestFaultPoisonThatCrashesItsProcessIsDeadLetteredAlone(t *testing.T) {
 	}
 }
 
+// TestFaultACrashDuringAnOrderedRetryWaitCountsNoDelivery: an ordered
+// subscription (MaxInFlight 1) retries a failed message itself, keeping its
+// row, after the retry policy's delay. A process killed during that wait
+// had counted the retry already, which never ran: the next claim counted
+// another, so an attempt was skipped, and with MaxDeliveries 2 a message
+// that had only failed once was dead-lettered. The retry is counted when it
+// goes out, so after the kill the row holds the one delivery that ran, and
+// the next process delivers it as attempt 2, on every claim mode.
+func TestFaultACrashDuringAnOrderedRetryWaitCountsNoDelivery(t *testing.T) {
+	t.Parallel()
+	bin := buildConsumer(t)
+	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimAuto, pgoutbox.ClaimLease, pgoutbox.ClaimHeld} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			const topic = "t"
+			_, err := b.Pool.Exec(context.Background(), `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
+			require.NoError(t, err)
+			b.publishInTx(t, topic, true, newMsg("fails"))
+			first := startConsumer(t, bin, b, topic, "w0", "CONSUMER_CLAIM_MODE="+mode.String(), "CONSUMER_MAX_IN_FLIGHT=1",
+				"CONSUMER_FAIL=fails", "CONSUMER_RETRY_DELAY=1h", "CONSUMER_MAX_DELIVERIES=2")
+			// The nack is written (its error recorded) while the row stays
+			// the subscription's, waiting out its delay.
+			first.waitFor(t, "the failure recorded and the row kept", 30*time.Second, func() bool {
+				return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE last_error IS NOT NULL AND lease_token IS NOT NULL`) == 1
+			})
+			require.NoError(t, first.cmd.Process.Kill())
+			<-first.done
+			require.Equal(t, 1, b.count(t, `SELECT deliveries FROM `+b.Schema+`.outbox`), "a retry that never ran is counted")
+
+			second := startConsumer(t, bin, b, topic, "w1", "CONSUMER_CLAIM_MODE="+mode.String(), "CONSUMER_MAX_IN_FLIGHT=1",
+				"CONSUMER_MAX_DELIVERIES=2")
+			second.waitFor(t, "the message handled by the next process", time.Minute, func() bool {
+				return b.outboxRows(t, topic) == 0
+			})
+			require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`), "dead-lettered after one failure")
+			require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.handled WHERE worker = 'w1'`))
+		})
+	}
+}
+
 // Handlers that hold every connection of the subscriber's pool starve its
 // claims: the error said only "context deadline exceeded", which sent
 // operators to the database. It says the pool made it wait, and what to

@@ -66,11 +66,16 @@ type returnOp struct {
 }
 
 // holdOp records a nack that an ordered subscription retries itself: the
-// row stays leased, its next delivery is counted now.
+// row stays leased under a renewed lease. The retry's delivery is counted
+// when it goes out (a second hold, countOnly), not at a nack whose retry
+// waits: a crash during the wait would leave counted a delivery that never
+// ran. A retry due at once is counted by the nack's hold.
 type holdOp struct {
-	d    *delivery
-	err  pgtype.Text
-	meta pgtype.Text
+	d         *delivery
+	err       pgtype.Text
+	meta      pgtype.Text
+	counts    bool // the retry's delivery is counted
+	countOnly bool // the count alone, at the retry's hand-out (no nack to report)
 }
 
 type deadOp struct {
@@ -330,7 +335,10 @@ func (c *completer) writeComplete(acks []*delivery, returns []returnOp, holds []
 		a.HoldCounts = make([]int32, h)
 		for i, op := range holds {
 			a.HoldIDs[i], a.HoldTokens[i], a.HoldErrs[i], a.HoldMetas[i] = op.d.id, &op.d.token, op.err, op.meta
-			a.HoldCounts[i] = int32(op.d.deliveries + 1) // the next delivery, which the hold counts
+			a.HoldCounts[i] = int32(op.d.deliveries) // the count the row has: nothing added
+			if op.counts {
+				a.HoldCounts[i]++ // the retry's delivery
+			}
 		}
 	}
 	ctx, cancel := c.stmtCtx()

@@ -56,6 +56,16 @@ func (sub *subscription) nextMessage(now time.Time) (*delivery, chan *message.Me
 		if !d.holdDone || at(now) < d.retryAt || full {
 			return nil, nil // ordered: nothing overtakes the retry
 		}
+		if !d.counted {
+			// Counted when it goes out, as a claim counts a delivery
+			// before its handler runs: a process that crashes in the
+			// handler has it counted, one that crashed during the wait
+			// has not (the claim that takes the row then counts it once).
+			d.counted, d.holdDone = true, false
+			job := sub.jobFor(d)
+			job.holds = append(job.holds, holdOp{d: d, counts: true, countOnly: true})
+			return nil, nil
+		}
 		if r := sub.hand.ready; r != nil { // prepared before the nack: back in front
 			sub.hand.ready = nil
 			sub.hand.buffer = append([]*delivery{r}, sub.hand.buffer...)
@@ -407,8 +417,9 @@ type handing struct {
 
 // orderedRetry is an ordered subscription's own redelivery of a nacked
 // row: it keeps the lease and delivers the row again at retryAt, once the
-// hold is written.
+// hold is written and then, at retryAt, the retry's delivery counted.
 type orderedRetry struct {
 	retryAt  instant
-	holdDone bool
+	holdDone bool // the last hold written (the nack's, then the count's)
+	counted  bool // the count's hold asked: the retry's delivery is (being) counted
 }

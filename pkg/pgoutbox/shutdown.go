@@ -30,7 +30,8 @@ func (sub *subscription) beginStop() {
 	}
 	sub.giveBack(append(append(queued, sub.hand.guard.takeParked()...), sub.hand.takeBuffer()...))
 	if d := sub.hand.retry; d != nil && d.holdDone {
-		// Not delivered again yet: the hold counted that delivery.
+		// Not delivered again yet: given back in its place (its count
+		// taken back if the retry's delivery was counted).
 		sub.hand.retry = nil
 		sub.giveBack([]*delivery{d})
 	}

@@ -209,6 +209,50 @@ func TestOwnerOrderedNackIsRetriedBeforeTheBuffer(t *testing.T) {
 	require.Equal(t, int64(2), b.handOut(t).id)
 }
 
+// A retry that waits out a delay is counted when it goes out, by a hold of
+// its own: counted at the nack, a process killed during the wait had a
+// delivery counted that never ran. A give-back during the wait takes
+// nothing back: the delivery counted last is the one that failed.
+func TestOwnerOrderedRetryAfterADelayIsCountedWhenItGoesOut(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) {
+		c.RetryPolicy = ConstantBackoff{Delay: time.Millisecond, MaxAttempts: -1}
+	})
+	b.claimed(t, 1, 2)
+	d := b.handOut(t)
+	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg}, false)
+	holds := b.sub.writes.pending.holds
+	require.Len(t, holds, 1)
+	require.False(t, holds[0].counts, "the nack's hold counts nothing")
+	b.written()
+	require.Equal(t, 1, b.eventCount(EventRetried))
+	_, ch := b.sub.nextMessage(time.Now().Add(time.Second))
+	require.Nil(t, ch, "nothing goes out before the retry's count is written")
+	holds = b.sub.writes.pending.holds
+	require.Len(t, holds, 1)
+	require.True(t, holds[0].counts && holds[0].countOnly, "the retry's count, at its hand-out")
+	b.written()
+	again, ch := b.sub.nextMessage(time.Now().Add(time.Second)) // past its delay
+	require.NotNil(t, ch, "the retry goes out once its count is written")
+	b.sub.handedOut(again)
+	require.Same(t, d, again)
+	require.Equal(t, 2, again.deliveries)
+}
+
+func TestOwnerOrderedRetryGivenBackDuringItsDelayKeepsItsCount(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) {
+		c.RetryPolicy = ConstantBackoff{Delay: time.Hour, MaxAttempts: -1}
+	})
+	b.claimed(t, 1)
+	d := b.handOut(t)
+	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg}, false)
+	b.written()
+	b.sub.beginStop()
+	require.Len(t, b.sub.writes.pending.returns, 1)
+	require.Zero(t, b.sub.writes.pending.returns[0].undo, "the delivery counted last ran")
+}
+
 func TestOwnerOrderedNackWithDelayGivesTheBufferBack(t *testing.T) {
 	t.Parallel()
 	b := setup(t, func(c *SubscriberConfig) {

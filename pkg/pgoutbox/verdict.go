@@ -235,13 +235,16 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		// Ordered: the row stays ours and goes out again before anything
 		// later, after its delay. The buffer goes back meanwhile, in order,
 		// rather than sit leased through a long delay.
-		d.state, d.retryAt, d.holdDone = retrying, at(time.Now()).add(n.delay), false
+		// A retry due at once is counted with the hold: no wait to crash
+		// in (see nextMessage).
+		now := n.delay <= 0
+		d.state, d.retryAt, d.holdDone, d.counted = retrying, at(time.Now()).add(n.delay), false, now
 		if n.meta != nil {
 			d.metaRaw = n.meta // as the hold stores it
 		}
 		sub.hand.retry = d
 		job := sub.jobFor(d)
-		job.holds = append(job.holds, holdOp{d: d, err: textOrNull(n.errText), meta: metaOrNull(n.meta)})
+		job.holds = append(job.holds, holdOp{d: d, err: textOrNull(n.errText), meta: metaOrNull(n.meta), counts: now})
 		if n.delay > 0 {
 			sub.giveBack(sub.hand.takeBuffer())
 			sub.claims.gen++ // a claim under way gives its rows back too
@@ -284,18 +287,25 @@ func (sub *subscription) giveBack(ds []*delivery) {
 		if d.state == finished {
 			continue
 		}
+		// The claim counted the delivery no handler saw: take it back. An
+		// ordered retry's counted delivery ran, unless the retry's own
+		// count was asked (see nextMessage).
+		undo := int32(1)
+		if d.state == retrying && !d.counted {
+			undo = 0
+		}
 		sub.endMessage(d)
 		d.state = writing
 		sub.claims.givingBack++
 		if b := d.batch; b != nil {
 			if b.closing { // becoming a lease: give that back after the commit
-				b.deferred.returns = append(b.deferred.returns, returnOp{d: d, undo: 1, giveBack: true})
+				b.deferred.returns = append(b.deferred.returns, returnOp{d: d, undo: undo, giveBack: true})
 				continue
 			}
 			sub.held.decide(d, heldReleased) // the commit drops its lock
 			continue
 		}
-		sub.writes.pending.returns = append(sub.writes.pending.returns, returnOp{d: d, undo: 1, giveBack: true})
+		sub.writes.pending.returns = append(sub.writes.pending.returns, returnOp{d: d, undo: undo, giveBack: true})
 	}
 }
 

@@ -119,7 +119,9 @@ func (sub *subscription) onWritten(r writeResult) {
 			d.holdDone = true
 			sub.stampsWritten(d.stamp) // a hold keeps the row's key, which may be gone by now
 			d.expiresAt = at(r.sent).add(sub.cfg.Lease)
-			sub.s.obs.observe(Event{Kind: EventRetried, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries})
+			if !op.countOnly {
+				sub.s.obs.observe(Event{Kind: EventRetried, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries})
+			}
 			if sub.drain.stopping {
 				sub.hand.retry = nil
 				sub.giveBack([]*delivery{d})

@@ -18,7 +18,11 @@
 // handling takes after its row is recorded, as a Go duration (default 0);
 // CONSUMER_MAX_DELIVERIES, SubscriberConfig.MaxDeliveries (default 0);
 // CONSUMER_POISON, a payload whose handling exits the process (status 3)
-// before anything is recorded, as a handler that crashes it would.
+// before anything is recorded, as a handler that crashes it would;
+// CONSUMER_FAIL, a payload whose handling is recorded and then fails (the
+// handler returns an error); CONSUMER_RETRY_DELAY, the delay of a
+// ConstantBackoff retry policy that never gives up, as a Go duration
+// (default: the subscriber's default policy).
 //
 // It prints "consumer running" on stdout once the router runs.
 package main
@@ -55,8 +59,9 @@ func main() {
 type settings struct {
 	dsn, schema, topic, worker string
 	maxInFlight, maxDeliveries int
-	poison                     string
+	poison, fail               string
 	lease, handleTime          time.Duration
+	retryPolicy                pgoutbox.RetryPolicy
 	claimMode                  pgoutbox.ClaimMode
 }
 
@@ -100,6 +105,14 @@ func readSettings() (settings, error) {
 		}
 	}
 	s.poison = os.Getenv("CONSUMER_POISON")
+	s.fail = os.Getenv("CONSUMER_FAIL")
+	if v := os.Getenv("CONSUMER_RETRY_DELAY"); v != "" {
+		delay, err := time.ParseDuration(v)
+		if err != nil || delay < 0 {
+			return s, fmt.Errorf("CONSUMER_RETRY_DELAY is %q; it must be a Go duration such as 1s", v)
+		}
+		s.retryPolicy = pgoutbox.ConstantBackoff{Delay: delay, MaxAttempts: pgoutbox.RetryForever}
+	}
 	if s.claimMode, err = pgoutbox.ParseClaimMode(os.Getenv("CONSUMER_CLAIM_MODE")); err != nil {
 		return s, fmt.Errorf("CONSUMER_CLAIM_MODE: %w", err)
 	}
@@ -141,6 +154,7 @@ func run() error {
 		WorkerID:        s.worker,
 		ClaimMode:       s.claimMode,
 		MaxDeliveries:   s.maxDeliveries,
+		RetryPolicy:     s.retryPolicy,
 	}, logger)
 	if err != nil {
 		return err
@@ -152,12 +166,16 @@ func run() error {
 		return err
 	}
 	insert := `INSERT INTO ` + pgx.Identifier{s.schema, "handled"}.Sanitize() + ` (uuid, worker) VALUES ($1, $2)`
+	router.AddMiddleware(pgoutbox.ErrorRecorder) // a failed handling's error is written with its nack
 	router.AddConsumerHandler("consumer", s.topic, sub, func(m *message.Message) error {
 		if s.poison != "" && string(m.Payload) == s.poison {
 			os.Exit(3)
 		}
 		if _, err := pool.Exec(m.Context(), insert, m.UUID, s.worker); err != nil {
 			return err
+		}
+		if s.fail != "" && string(m.Payload) == s.fail {
+			return errors.New("the handler of " + s.fail + " fails")
 		}
 		if s.handleTime > 0 {
 			time.Sleep(s.handleTime)

@@ -5,7 +5,9 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"os"
+	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -215,11 +217,18 @@ func (f durationFlag) String() string {
 func (f durationFlag) Set(s string) error {
 	d, err := time.ParseDuration(s)
 	if err != nil {
+		if wellFormedDuration.MatchString(s) {
+			// ParseDuration says only "invalid" for a value past its range.
+			return fmt.Errorf("%q is longer than a duration can be (about 292 years, %s)", s, time.Duration(math.MaxInt64).Truncate(time.Hour))
+		}
 		return fmt.Errorf("%q is not a duration; give it with its unit, as 30s, 5m or 1h30m", s)
 	}
 	*f.dst = d
 	return nil
 }
+
+// wellFormedDuration is a duration's syntax, whatever its size.
+var wellFormedDuration = regexp.MustCompile(`^[-+]?([0-9]*(\.[0-9]*)?(ns|us|µs|μs|ms|s|m|h))+$`)
 
 // idList collects --id flags, repeated or comma-separated.
 type idList []int64

@@ -82,7 +82,10 @@ func (c *cli) migrateUpDown(args []string, down bool) error {
 	to := -1
 	if cmd.given("to") {
 		n, err := strconv.Atoi(*toFlag)
-		if err != nil || n < 0 || n > latest {
+		if err != nil {
+			return usagef(name, "--to %q is not a version number; use 0 to %d", *toFlag, latest)
+		}
+		if n < 0 || n > latest {
 			return usagef(name, "--to %s is out of range; use 0 to %d", *toFlag, latest)
 		}
 		to = n

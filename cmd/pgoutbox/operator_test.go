@@ -323,6 +323,9 @@ func TestMistypedReasonAndDurationSayWhatToWrite(t *testing.T) {
 	_, errOut, code = cliRun(t, env, "publish", "--topic", "orders", "--payload", "x", "--delay", "5")
 	require.Equal(t, exitUsage, code, errOut)
 	require.Contains(t, errOut, "give it with its unit, as 30s")
+	_, errOut, code = cliRun(t, env, "publish", "--topic", "orders", "--payload", "x", "--delay", "3000000h")
+	require.Equal(t, exitUsage, code, errOut)
+	require.Contains(t, errOut, "longer than a duration can be")
 }
 
 // A payload over the limit told CLI users to raise MaxPayloadBytes, which

@@ -240,8 +240,12 @@ type SubscriberConfig struct {
 	// drain does. A message whose handler returned and whose tx.Middleware
 	// transaction is still finishing when the drain ends is left to that
 	// transaction (bounded by its CommitTimeout), and Close waits for it.
-	// While the database is unreachable, Close may also wait for a claim
-	// and for the final write of acks, each bounded by StatementTimeout.
+	// While the database is unreachable or a lock blocks the outbox (an
+	// ALTER TABLE, a LOCK), Close may also wait for a claim under way and
+	// for the final write of acks and releases, each bounded by
+	// StatementTimeout: to stop within a grace period (Kubernetes'
+	// terminationGracePeriodSeconds), keep DrainTimeout plus twice
+	// StatementTimeout below it.
 	DrainTimeout time.Duration
 
 	// AckDeadline is how long a handed-out message may stay without Ack or

@@ -78,7 +78,9 @@ type Config struct {
 	// to pgoutbox.StartFromBacklog, so a relay added to an outbox in use
 	// relays what its topics already hold, whatever its group (set
 	// pgoutbox.StartFromNew to relay only what is published after its
-	// first start);
+	// first start, except on a topic no group was bound to yet: the first
+	// groups of a topic get what was published before them, whatever
+	// StartFrom says);
 	// MaxInFlight to BatchSize × Workers; RetryPolicy to exponential backoff
 	// from 100ms to 10s with no attempt limit (a broker that is down for an
 	// hour must not turn messages into dead letters); DrainTimeout and

@@ -245,9 +245,19 @@ func TestAckDeadlineWithManyInFlight(t *testing.T) {
 	b.publishInTx(t, "t", true, append([]*message.Message{hung}, newMsgs(20)...)...)
 	msgs, err := sub.Subscribe(context.Background(), "t")
 	require.NoError(t, err)
-	var first *message.Message
+	// The others go on beside the hung one; on a loaded machine its
+	// deadline may pass before they are all taken, and it comes back
+	// among them.
+	var first, again *message.Message
 	others := 0
-	for first == nil || others < 20 {
+	for first == nil || again == nil || others < 20 {
+		if first != nil && again == nil && others == 20 {
+			select {
+			case <-first.Context().Done():
+			case <-time.After(10 * time.Second):
+				t.Fatal("the hung message's context was not cancelled")
+			}
+		}
 		m := receive(t, msgs, 10*time.Second)
 		switch {
 		case m.UUID != hung.UUID:
@@ -255,18 +265,18 @@ func TestAckDeadlineWithManyInFlight(t *testing.T) {
 			m.Ack()
 		case first == nil:
 			first = m // never answered
+		case again == nil:
+			select {
+			case <-first.Context().Done():
+			default:
+				t.Fatal("the hung message came back while its first delivery was live")
+			}
+			again = m
+			again.Ack()
 		default:
-			t.Fatal("the hung message came back before its deadline passed")
+			t.Fatal("the hung message came a third time")
 		}
 	}
-	select {
-	case <-first.Context().Done():
-	case <-time.After(10 * time.Second):
-		t.Fatal("the hung message's context was not cancelled")
-	}
-	again := receive(t, msgs, 10*time.Second)
-	require.Equal(t, hung.UUID, again.UUID)
-	again.Ack()
 	ev.wait(t, pgoutbox.EventRetried, 10*time.Second)
 	pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
 }

@@ -393,9 +393,12 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 			res.Copied += copied
 			copiedHere += copied
 		}
-		// Bounded more loosely than a batch: one pass over the copies.
+		// Bounded more loosely than a batch: one pass over the copies, once
+		// per copy, which a StatementTimeout sized for claims (tens of
+		// milliseconds) must not fail on a loaded server (50,000 copies:
+		// 50-100 ms here, over 300 ms under load).
 		var removed, finished int64
-		if err := b.bounded(6*b.timeout, func(ctx context.Context) error {
+		if err := b.bounded(max(6*b.timeout, finishBacklogAtLeast), func(ctx context.Context) error {
 			return queryRow(ctx, exec, query.FinishBacklog(n), []any{topic, g}, &removed, &finished)
 		}); err != nil {
 			return res, fmt.Errorf("finish the backlog copy for group %q (resumes at the next Bind): %w", g, err)
@@ -406,6 +409,9 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 	res.Adopted += adopted
 	return res, err
 }
+
+// finishBacklogAtLeast is the least time FinishBacklog is given.
+const finishBacklogAtLeast = 10 * time.Second
 
 // adoptUnbound gives the topic's unbound rows to the groups bound now, in
 // batches under the topic's lock (query.AdoptUnbound). One group bound

@@ -281,6 +281,44 @@ func TestAckDeadlineWithManyInFlight(t *testing.T) {
 	pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
 }
 
+// An ordered subscription's own retry is counted when it goes out, not at
+// the nack: while it waits out its delay the row holds the one delivery
+// that ran (counted at the nack, a crash during the wait left a delivery
+// counted that never ran: TestFaultACrashDuringAnOrderedRetryWaitCountsNoDelivery),
+// and the retry goes out as attempt 2, counted, on every claim path.
+func TestOrderedRetryIsCountedWhenItGoesOut(t *testing.T) {
+	t.Parallel()
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		ev := newEvents()
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.MaxInFlight = 1
+			c.Observer = ev
+			c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: time.Second, MaxAttempts: pgoutbox.RetryForever}
+		})
+		msgs, err := sub.Subscribe(context.Background(), "t")
+		require.NoError(t, err)
+		require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("a"), newMsg("b")))
+		m := receive(t, msgs, 10*time.Second)
+		first, _ := pgoutbox.DeliveryOf(m)
+		if path != "auto" {
+			require.Equal(t, path, first.Path)
+		}
+		m.Nack()
+		ev.wait(t, pgoutbox.EventRetried, 10*time.Second) // the nack's hold is written
+		deliveries := `SELECT deliveries FROM ` + b.Schema + `.outbox WHERE payload = 'a'`
+		require.Equal(t, 1, b.count(t, deliveries), "the retry is counted before it runs")
+		again := receive(t, msgs, 10*time.Second)
+		require.Equal(t, m.UUID, again.UUID, "the retry goes out before what follows")
+		d, _ := pgoutbox.DeliveryOf(again)
+		require.Equal(t, 2, d.Attempt)
+		require.Equal(t, 2, b.count(t, deliveries), "the retry is counted as it goes out")
+		again.Ack()
+		receive(t, msgs, 10*time.Second).Ack()
+	})
+}
+
 // A row lost while its handler runs (an operator deleted it, or the held
 // batch it came in rolled back) is no longer the subscription's, but what
 // comes after it still waits for that handler: the next message of an

@@ -830,7 +830,10 @@ func TestFaultPoisonThatCrashesItsProcessIsDeadLetteredAlone(t *testing.T) {
 // another, so an attempt was skipped, and with MaxDeliveries 2 a message
 // that had only failed once was dead-lettered. The retry is counted when it
 // goes out, so after the kill the row holds the one delivery that ran, and
-// the next process delivers it as attempt 2, on every claim mode.
+// the next process delivers it as attempt 2, nothing dead-lettered with
+// MaxDeliveries 2. (The killed process runs without MaxDeliveries, which
+// leases every claim; TestOrderedRetryIsCountedWhenItGoesOut covers each
+// claim path in one process.)
 func TestFaultACrashDuringAnOrderedRetryWaitCountsNoDelivery(t *testing.T) {
 	t.Parallel()
 	bin := buildConsumer(t)
@@ -841,9 +844,9 @@ func TestFaultACrashDuringAnOrderedRetryWaitCountsNoDelivery(t *testing.T) {
 			const topic = "t"
 			_, err := b.Pool.Exec(context.Background(), `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
 			require.NoError(t, err)
-			b.publishInTx(t, topic, true, newMsg("fails"))
 			first := startConsumer(t, bin, b, topic, "w0", "CONSUMER_CLAIM_MODE="+mode.String(), "CONSUMER_MAX_IN_FLIGHT=1",
-				"CONSUMER_FAIL=fails", "CONSUMER_RETRY_DELAY=1h", "CONSUMER_MAX_DELIVERIES=2")
+				"CONSUMER_FAIL=fails", "CONSUMER_RETRY_DELAY=1h")
+			b.publishInTx(t, topic, true, newMsg("fails"))
 			// The nack is written (its error recorded) while the row stays
 			// the subscription's, waiting out its delay.
 			first.waitFor(t, "the failure recorded and the row kept", 30*time.Second, func() bool {

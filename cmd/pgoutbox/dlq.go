@@ -237,6 +237,7 @@ func (c *cli) dlqRequeue(args []string) error {
 	confirm := func() error { return c.confirm(cmd.name, "Requeue "+what+"?", *yes) }
 	return cmd.withOutbox(context.Background(), confirm, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
 		var n int64
+		start, startErr := serverNow(ctx, exec) // dead letters' failure times are the database's
 		var err error
 		switch {
 		case tables.NoDeadLetterTable:
@@ -272,17 +273,21 @@ func (c *cli) dlqRequeue(args []string) error {
 			}
 		}
 		if len(ids) == 0 {
-			if !tables.NoDeadLetterTable && (f.Limit == 0 || n < int64(f.Limit)) {
-				// What still matches stayed: a message in the outbox holds
-				// its dedup key (RequeueDeadLettersMatching passes over it).
+			if !tables.NoDeadLetterTable && startErr == nil && (f.Limit == 0 || n < int64(f.Limit)) {
+				// What still matches and failed before the requeue stayed: a
+				// message in the outbox holds its dedup key or id. One that
+				// failed since was requeued, taken and failed again.
 				left := f
 				left.Limit = pgoutbox.DefaultDeadLetterLimit
+				if left.FailedBefore.IsZero() || start.Before(left.FailedBefore) {
+					left.FailedBefore = start
+				}
 				if page, err := pgoutbox.DeadLetters(ctx, exec, tables, left); err == nil && len(page.Letters) > 0 {
 					count := strconv.Itoa(len(page.Letters))
 					if page.Next != (pgoutbox.DeadLetterCursor{}) {
 						count += " or more"
 					}
-					fmt.Fprintf(c.stdout, "%s matching dead letter(s) stayed (first id %d): a message in the outbox holds the dedup key of each; requeue them once that message is gone\n",
+					fmt.Fprintf(c.stdout, "%s matching dead letter(s) stayed (first id %d): a message in the outbox holds the dedup key (or the id) of each; requeue them once that message is gone\n",
 						count, page.Letters[0].ID)
 				}
 			}
@@ -427,4 +432,21 @@ func (c *cli) dlqPurge(args []string) error {
 		fmt.Fprintf(c.stdout, "purged %d dead letter(s)\n", n)
 		return nil
 	})
+}
+
+// serverNow is the database's clock.
+func serverNow(ctx context.Context, exec tx.Executor) (time.Time, error) {
+	rows, err := exec.Query(ctx, "SELECT clock_timestamp()")
+	if err != nil {
+		return time.Time{}, err
+	}
+	defer rows.Close()
+	var t time.Time
+	if rows.Next() {
+		err = rows.Scan(&t)
+	}
+	if err == nil {
+		err = rows.Err()
+	}
+	return t, err
 }

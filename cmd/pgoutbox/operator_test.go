@@ -181,6 +181,38 @@ func TestDLQRequeueHeldDedupKey(t *testing.T) {
 	require.Contains(t, out, fmt.Sprintf("1 matching dead letter(s) stayed (first id %d): a message in the outbox holds the dedup key", id))
 }
 
+// A requeued message that a running subscriber takes and fails again is a
+// dead letter again, under its id, by the time the requeue looks: it was
+// requeued, and is not reported as one that stayed.
+func TestDLQRequeueOfAMessageThatFailsAgainIsNotSaidToStay(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	msgs, err := env.Subscriber.Subscribe(ctx, "again")
+	require.NoError(t, err)
+	_, errOut, code := cliRun(t, env, "publish", "--topic", "again", "--payload", "x")
+	require.Equal(t, 0, code, errOut)
+	rejectNext(t, msgs)
+	dead := func() int {
+		page, err := pgoutbox.DeadLetters(context.Background(), env.Exec(), env.Tables, pgoutbox.DeadLetterFilter{Topic: "again"})
+		require.NoError(t, err)
+		return len(page.Letters)
+	}
+	require.Eventually(t, func() bool { return dead() == 1 }, 10*time.Second, 20*time.Millisecond)
+	go func() { // every delivery rejected, at once
+		for m := range msgs {
+			_ = pgoutbox.Reject(m, "test rejection")
+			m.Nack()
+		}
+	}()
+	out, errOut, code := cliRun(t, env, "dlq", "requeue", "--topic", "again", "--yes")
+	require.Equal(t, 0, code, out+errOut)
+	require.Contains(t, out, "requeued 1 dead letter(s)")
+	require.NotContains(t, out, "stayed")
+	require.Eventually(t, func() bool { return dead() == 1 }, 10*time.Second, 20*time.Millisecond, "failed again")
+}
+
 // --rotating, --arrivals and --json, like the connection flags, work
 // before the command.
 func TestGlobalFlagsBeforeTheCommand(t *testing.T) {

@@ -36,9 +36,11 @@ func buildComplete(n Names, ac string) CompleteStatements {
 		// takes back the delivery count of a row claimed but never handed to
 		// a handler. err and meta NULL keep the stored values. Holds ($9..$12,
 		// $16) keep the lease of a nacked row that an ordered subscription
-		// will deliver again itself, counting that delivery now: once, up to
-		// the count the subscription expects ($16), so a hold written again
-		// after its reply was lost (it committed) does not count twice.
+		// will deliver again itself, and bring its delivery count up to the
+		// count the subscription expects ($16), adding one at most: the
+		// nack's hold expects the count it has (nothing added), the hold
+		// written as the retry goes out one more; a hold written again after
+		// its reply was lost (it committed) does not count twice.
 		//
 		// A return that makes a row due wakes the idle subscribers of the
 		// topic and group (NOTIFY $14 with the payload GroupMark || $15,
@@ -214,8 +216,8 @@ type CompleteArgs struct {
 	Undo      []int32
 	Errs      []pgtype.Text
 	Metas     []pgtype.Text
-	// Holds keep a nacked row's lease (ordered mode), counting its next
-	// delivery.
+	// Holds keep a nacked row's lease (ordered mode) and bring its count
+	// up to HoldCounts (see Complete).
 	HoldIDs    []int64
 	HoldTokens Tokens
 	HoldErrs   []pgtype.Text

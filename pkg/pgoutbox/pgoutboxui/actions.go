@@ -1,8 +1,8 @@
 package pgoutboxui
 
 import (
+	"context"
 	"fmt"
-	"github.com/pgoutbox/watermill-pgoutbox/internal/olderthan"
 	"net/http"
 	"net/url"
 	"slices"
@@ -11,7 +11,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/olderthan"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // Write actions. A form posts to "confirm" (nothing changes): the page
@@ -64,19 +66,25 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 		if act == "requeue" {
 			c.What = fmt.Sprintf("Requeue %s: each goes back into the outbox, due at once, with its delivery count and error cleared.%s", which, gone)
 			result = func() (string, error) {
+				start, startErr := serverNow(ctx, ui.exec)
 				n, err := pgoutbox.RequeueDeadLetters(ctx, ui.exec, ui.tables, ids)
 				if err != nil {
 					return "", err
 				}
 				done := fmt.Sprintf("Requeued %s.", plural(int(n), "dead letter"))
-				// What is still a dead letter after the statement stayed
-				// because a message in the outbox holds its dedup key.
-				stayed, err := ui.deadLettersByID(ctx, ids)
-				if err != nil {
-					return done, nil
+				// A letter that failed before the statement and is still
+				// there stayed; one that failed since was requeued, taken
+				// by a subscriber and failed again under its id.
+				var stayed int64
+				if now, err := ui.deadLettersByID(ctx, ids); startErr == nil && err == nil {
+					for _, l := range now {
+						if l.FailedAt.Before(start) {
+							stayed++
+						}
+					}
 				}
-				if len(stayed) > 0 {
-					return done + " " + stayedNote(int64(len(stayed))), nil
+				if stayed > 0 {
+					return done + " " + stayedNote(stayed), nil
 				}
 				if strings.Contains(ret, "dead-letter?") {
 					ret = ui.opts.BasePath + "dead-letters" // its page is gone
@@ -104,14 +112,19 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 		}
 		c.What = "Requeue every dead letter matching " + describe(flt) + ", in one statement."
 		result = func() (string, error) {
+			start, startErr := serverNow(ctx, ui.exec)
 			n, err := pgoutbox.RequeueDeadLettersMatching(ctx, ui.exec, ui.tables, flt.f)
 			if err != nil {
 				return "", err
 			}
 			done := fmt.Sprintf("Requeued %s.", plural(int(n), "dead letter"))
-			if n < c.Rows {
-				if left, err := ui.countDeadLetters(ctx, flt.f); err == nil && left > 0 {
-					return done + " " + stayedNote(left), nil
+			if left := flt.f; startErr == nil && n < c.Rows {
+				// As above: the matches that failed before the statement.
+				if left.FailedBefore.IsZero() || start.Before(left.FailedBefore) {
+					left.FailedBefore = start
+				}
+				if stayed, err := ui.countDeadLetters(ctx, left); err == nil && stayed > 0 {
+					return done + " " + stayedNote(stayed), nil
 				}
 			}
 			return done, nil
@@ -299,9 +312,26 @@ func describe(f dlFilter) string {
 }
 
 // stayedNote says why n dead letters a requeue selected are still dead
-// letters: the one reason RequeueDeadLetters leaves one where it is.
+// letters: what RequeueDeadLetters leaves where it is.
 func stayedNote(n int64) string {
-	return plural(int(n), "dead letter") + " stayed: a message in the outbox holds the dedup key of each (its newer message, same group); requeue once that message is gone."
+	return plural(int(n), "dead letter") + " stayed: a message in the outbox holds the dedup key (its newer message, same group) or the id of each; requeue once that message is gone."
+}
+
+// serverNow is the database's clock: dead letters' failure times are its.
+func serverNow(ctx context.Context, exec tx.Executor) (time.Time, error) {
+	rows, err := exec.Query(ctx, "SELECT clock_timestamp()")
+	if err != nil {
+		return time.Time{}, err
+	}
+	defer rows.Close()
+	var t time.Time
+	if rows.Next() {
+		err = rows.Scan(&t)
+	}
+	if err == nil {
+		err = rows.Err()
+	}
+	return t, err
 }
 
 func plural(n int, what string) string {

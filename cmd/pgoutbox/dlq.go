@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/dbclock"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/olderthan"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
@@ -237,7 +238,7 @@ func (c *cli) dlqRequeue(args []string) error {
 	confirm := func() error { return c.confirm(cmd.name, "Requeue "+what+"?", *yes) }
 	return cmd.withOutbox(context.Background(), confirm, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
 		var n int64
-		start, startErr := serverNow(ctx, exec) // dead letters' failure times are the database's
+		start, startErr := dbclock.Now(ctx, exec) // dead letters' failure times are the database's
 		var err error
 		switch {
 		case tables.NoDeadLetterTable:
@@ -432,21 +433,4 @@ func (c *cli) dlqPurge(args []string) error {
 		fmt.Fprintf(c.stdout, "purged %d dead letter(s)\n", n)
 		return nil
 	})
-}
-
-// serverNow is the database's clock.
-func serverNow(ctx context.Context, exec tx.Executor) (time.Time, error) {
-	rows, err := exec.Query(ctx, "SELECT clock_timestamp()")
-	if err != nil {
-		return time.Time{}, err
-	}
-	defer rows.Close()
-	var t time.Time
-	if rows.Next() {
-		err = rows.Scan(&t)
-	}
-	if err == nil {
-		err = rows.Err()
-	}
-	return t, err
 }

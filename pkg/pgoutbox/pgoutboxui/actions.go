@@ -1,7 +1,6 @@
 package pgoutboxui
 
 import (
-	"context"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -11,9 +10,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/dbclock"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/olderthan"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
-	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // Write actions. A form posts to "confirm" (nothing changes): the page
@@ -66,7 +65,7 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 		if act == "requeue" {
 			c.What = fmt.Sprintf("Requeue %s: each goes back into the outbox, due at once, with its delivery count and error cleared.%s", which, gone)
 			result = func() (string, error) {
-				start, startErr := serverNow(ctx, ui.exec)
+				start, startErr := dbclock.Now(ctx, ui.exec)
 				n, err := pgoutbox.RequeueDeadLetters(ctx, ui.exec, ui.tables, ids)
 				if err != nil {
 					return "", err
@@ -112,7 +111,7 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 		}
 		c.What = "Requeue every dead letter matching " + describe(flt) + ", in one statement."
 		result = func() (string, error) {
-			start, startErr := serverNow(ctx, ui.exec)
+			start, startErr := dbclock.Now(ctx, ui.exec)
 			n, err := pgoutbox.RequeueDeadLettersMatching(ctx, ui.exec, ui.tables, flt.f)
 			if err != nil {
 				return "", err
@@ -315,23 +314,6 @@ func describe(f dlFilter) string {
 // letters: what RequeueDeadLetters leaves where it is.
 func stayedNote(n int64) string {
 	return plural(int(n), "dead letter") + " stayed: a message in the outbox holds the dedup key (its newer message, same group) or the id of each; requeue once that message is gone."
-}
-
-// serverNow is the database's clock: dead letters' failure times are its.
-func serverNow(ctx context.Context, exec tx.Executor) (time.Time, error) {
-	rows, err := exec.Query(ctx, "SELECT clock_timestamp()")
-	if err != nil {
-		return time.Time{}, err
-	}
-	defer rows.Close()
-	var t time.Time
-	if rows.Next() {
-		err = rows.Scan(&t)
-	}
-	if err == nil {
-		err = rows.Err()
-	}
-	return t, err
 }
 
 func plural(n int, what string) string {

@@ -237,14 +237,14 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		// rather than sit leased through a long delay.
 		// A retry due at once is counted with the hold: no wait to crash
 		// in (see nextMessage).
-		now := n.delay <= 0
-		d.state, d.retryAt, d.holdDone, d.counted = retrying, at(time.Now()).add(n.delay), false, now
+		dueAtOnce := n.delay <= 0
+		d.state, d.retryAt, d.holdDone, d.counted = retrying, at(time.Now()).add(n.delay), false, dueAtOnce
 		if n.meta != nil {
 			d.metaRaw = n.meta // as the hold stores it
 		}
 		sub.hand.retry = d
 		job := sub.jobFor(d)
-		job.holds = append(job.holds, holdOp{d: d, err: textOrNull(n.errText), meta: metaOrNull(n.meta), counts: now})
+		job.holds = append(job.holds, holdOp{d: d, err: textOrNull(n.errText), meta: metaOrNull(n.meta), counts: dueAtOnce})
 		if n.delay > 0 {
 			sub.giveBack(sub.hand.takeBuffer())
 			sub.claims.gen++ // a claim under way gives its rows back too

@@ -211,6 +211,7 @@ func TestRelayConfigErrors(t *testing.T) {
 		"repeated topic":  {Topics: []string{"a", "a"}},
 		"empty topic":     {Topics: []string{""}},
 		"negative batch":  {Topics: []string{"a"}, BatchSize: -1},
+		"huge batch":      {Topics: []string{"a"}, BatchSize: 1 << 30},
 		"bad table names": {Topics: []string{"a"}, Subscriber: pgoutbox.SubscriberConfig{Tables: schema.Config{Table: "bad name"}}},
 	} {
 		_, err := relay.New(b.Pool, target, c)

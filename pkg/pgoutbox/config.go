@@ -104,6 +104,10 @@ const (
 	// (but for a tx.Middleware transaction finishing a returned handler's
 	// work: see DrainTimeout).
 	NoDrain time.Duration = -1
+	// MaxMaxInFlight is the largest SubscriberConfig.MaxInFlight: each
+	// message in flight has a slot of its own, allocated when the
+	// subscription starts.
+	MaxMaxInFlight = 1 << 16
 	// NoAckDeadline, as SubscriberConfig.AckDeadline, lets a handler run
 	// for as long as it takes (its lease is renewed meanwhile).
 	NoAckDeadline time.Duration = -1
@@ -183,7 +187,8 @@ type SubscriberConfig struct {
 	StartFrom StartFrom
 
 	// MaxInFlight is how many messages of one subscription may be handed out
-	// and not yet acked or nacked. Must be at least 1.
+	// and not yet acked or nacked. Must be at least 1 and at most
+	// MaxMaxInFlight.
 	//
 	// With 1 (the default, as in every Watermill subscriber) the
 	// subscription is ordered: the next message waits for the previous Ack
@@ -398,6 +403,9 @@ func (c SubscriberConfig) Validate() error {
 	}
 	if c.MaxInFlight < 1 {
 		add("MaxInFlight is %d; it must be at least 1 (1 delivers one message at a time)", c.MaxInFlight)
+	}
+	if c.MaxInFlight > MaxMaxInFlight {
+		add("MaxInFlight is %d; it may be at most %d (a slot and a leased row each)", c.MaxInFlight, MaxMaxInFlight)
 	}
 	if c.ListenDSN != "" {
 		if _, err := pgx.ParseConfig(c.ListenDSN); err != nil {

@@ -87,6 +87,10 @@ func TestSubscriberConfigValidateRefusesFootguns(t *testing.T) {
 			cfg:  SubscriberConfig{MaxInFlight: -1},
 			want: []string{"MaxInFlight is -1", "at least 1"},
 		},
+		"MaxInFlightAboveItsMaximum": {
+			cfg:  SubscriberConfig{MaxInFlight: 1 << 30},
+			want: []string{"MaxInFlight is 1073741824", "at most 65536"},
+		},
 		"StatementTimeoutNotBelowHalfLease": {
 			cfg:  SubscriberConfig{Lease: 30 * time.Second, StatementTimeout: 15 * time.Second},
 			want: []string{"StatementTimeout (15s) must be shorter than Lease/2 (15s)"},

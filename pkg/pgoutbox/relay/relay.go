@@ -171,6 +171,10 @@ func (c *Config) setDefaults() error {
 		c.Subscriber.StartFrom = pgoutbox.StartFromBacklog
 	}
 	if c.Subscriber.MaxInFlight == 0 {
+		if c.BatchSize > pgoutbox.MaxMaxInFlight/c.Workers {
+			return fmt.Errorf("%w: BatchSize %d × Workers %d is more messages in flight than a subscription may hold (%d); lower them, or set Subscriber.MaxInFlight",
+				ErrInvalidConfig, c.BatchSize, c.Workers, pgoutbox.MaxMaxInFlight)
+		}
 		c.Subscriber.MaxInFlight = c.BatchSize * c.Workers
 	}
 	if c.Subscriber.MaxInFlight == 1 && c.Subscriber.ClaimMode == pgoutbox.ClaimAuto {

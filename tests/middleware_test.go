@@ -213,7 +213,14 @@ func TestWatermillDelayKeepsTheTimeAskedFor(t *testing.T) {
 		m.Metadata.Set(delay.DelayedForKey, forKey)
 	}
 	delay.Message(fine, delay.For(1500*time.Millisecond))
-	require.NoError(t, b.poolPublisher(t).Publish("t", early, late, fine))
+	// Cut to the second and computed most of a second before the statement
+	// (a loaded machine): "for" lands up to two seconds after "until", and
+	// the two still agree. With one second allowed, an hour's delay came
+	// out a second short.
+	lagged := newMsg("lagged")
+	lagged.Metadata.Set(delay.DelayedUntilKey, time.Now().Add(time.Hour-900*time.Millisecond).Truncate(time.Second).Format(time.RFC3339))
+	lagged.Metadata.Set(delay.DelayedForKey, time.Hour.String())
+	require.NoError(t, b.poolPublisher(t).Publish("t", early, late, fine, lagged))
 	due := func(m *message.Message) (at time.Time, after time.Duration) {
 		require.NoError(t, b.Pool.QueryRow(ctx, `SELECT available_at, available_at - created_at FROM `+b.Schema+`.outbox WHERE uuid = $1`, m.UUID).Scan(&at, &after))
 		return at, after
@@ -224,6 +231,8 @@ func TestWatermillDelayKeepsTheTimeAskedFor(t *testing.T) {
 	}
 	_, after := due(fine)
 	require.Equal(t, 1500*time.Millisecond, after, "where they agree, the finer duration")
+	_, after = due(lagged)
+	require.Equal(t, time.Hour, after, "an until cut to the second and a moment old agrees with its duration")
 }
 
 // The README's stack, with a transactional handler that outlives its

@@ -106,7 +106,7 @@ func fullInsert(n Names) string {
     INSERT INTO %[1]s (topic, consumer_group, uuid, payload, metadata, available_at, dedup_key, ordering_key%[3]s)
     SELECT $1, g.consumer_group, m.uuid, m.payload, m.metadata::jsonb,
            CASE WHEN m.delay_us IS NOT NULL AND m.at IS NOT NULL
-                THEN CASE WHEN now() + m.delay_us * interval '1 microsecond' BETWEEN m.at - interval '1 second' AND m.at + interval '1 second'
+                THEN CASE WHEN now() + m.delay_us * interval '1 microsecond' BETWEEN m.at - interval '1 second' AND m.at + interval '2 seconds'
                           THEN now() + m.delay_us * interval '1 microsecond'
                           ELSE greatest(m.at, now()) END
                 WHEN m.delay_us IS NOT NULL THEN now() + m.delay_us * interval '1 microsecond'

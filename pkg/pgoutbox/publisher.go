@@ -620,7 +620,9 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 // schedule reads the delivery time from metadata. Precedence: pgoutbox's own
 // DeliverAfter / DeliverAt, then Watermill's delay: delayed_until (the time
 // asked for, in whole seconds) with delayed_for (a duration, applied with
-// the database clock) where the two agree within a second. Watermill's
+// the database clock) where the two agree: the finer time at most a second
+// before delayed_until, which is cut to the second, or two after it (the
+// statement runs a moment after the delay was computed). Watermill's
 // keys count only while delayed_until is set: delay.Message (and so
 // delay.NewPublisher and DelayOnError) always sets both, while delayed_for
 // alone is what a redelivery that DelayOnError delayed carries

@@ -311,8 +311,7 @@ func TestFaultKilledConsumerProcess(t *testing.T) {
 		topic     = "t"
 		lease     = 2 * time.Second // the consumer's Lease
 	)
-	_, err := b.Pool.Exec(ctx, `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
-	require.NoError(t, err)
+	b.handledTable(t)
 
 	published := make([]string, 0, messages)
 	for i := range batches {
@@ -474,8 +473,7 @@ SELECT count(*) FROM unnest($1::text[]) u(uuid)
 // returns once both handled messages.
 func startCompetingConsumers(t *testing.T, b *bundle, topic string, messages int, lease time.Duration, mode pgoutbox.ClaimMode, extraEnv ...string) (victim, survivor *consumerProc) {
 	t.Helper()
-	_, err := b.Pool.Exec(context.Background(), `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
-	require.NoError(t, err)
+	b.handledTable(t)
 	b.publishInTx(t, topic, true, newMsgs(messages)...)
 	bin := buildConsumer(t)
 	env := append([]string{"CONSUMER_LEASE=" + lease.String(), "CONSUMER_CLAIM_MODE=" + mode.String()}, extraEnv...)
@@ -512,6 +510,14 @@ func buildConsumer(t *testing.T) string {
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "go build ./testdata/consumer:\n%s", out)
 	return bin
+}
+
+// handledTable makes the table the consumer process records each message
+// it handles in (uuid, worker).
+func (b *bundle) handledTable(t *testing.T) {
+	t.Helper()
+	_, err := b.Pool.Exec(context.Background(), `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
+	require.NoError(t, err)
 }
 
 // consumerProc is a running consumer process; it is SIGKILLed at the end of
@@ -780,8 +786,7 @@ func TestFaultPoisonThatCrashesItsProcessIsDeadLetteredAlone(t *testing.T) {
 			t.Parallel()
 			b := setup(t)
 			const topic = "t"
-			_, err := b.Pool.Exec(context.Background(), `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
-			require.NoError(t, err)
+			b.handledTable(t)
 			healthy := newMsgs(40)
 			poison := newMsg("poison")
 			b.publishInTx(t, topic, true, append(append(slices.Clone(healthy[:10]), poison), healthy[10:]...)...)
@@ -831,9 +836,10 @@ func TestFaultPoisonThatCrashesItsProcessIsDeadLetteredAlone(t *testing.T) {
 // that had only failed once was dead-lettered. The retry is counted when it
 // goes out, so after the kill the row holds the one delivery that ran, and
 // the next process delivers it as attempt 2, nothing dead-lettered with
-// MaxDeliveries 2. (The killed process runs without MaxDeliveries, which
-// leases every claim; TestOrderedRetryIsCountedWhenItGoesOut covers each
-// claim path in one process.)
+// MaxDeliveries 2. The killed process sets no MaxDeliveries, so that its
+// claims may hold (a limit makes every claim a lease);
+// TestOrderedRetryIsCountedWhenItGoesOut asserts each claim path in one
+// process.
 func TestFaultACrashDuringAnOrderedRetryWaitCountsNoDelivery(t *testing.T) {
 	t.Parallel()
 	bin := buildConsumer(t)
@@ -842,8 +848,7 @@ func TestFaultACrashDuringAnOrderedRetryWaitCountsNoDelivery(t *testing.T) {
 			t.Parallel()
 			b := setup(t)
 			const topic = "t"
-			_, err := b.Pool.Exec(context.Background(), `CREATE TABLE `+b.Schema+`.handled (uuid text NOT NULL, worker text NOT NULL)`)
-			require.NoError(t, err)
+			b.handledTable(t)
 			first := startConsumer(t, bin, b, topic, "w0", "CONSUMER_CLAIM_MODE="+mode.String(), "CONSUMER_MAX_IN_FLIGHT=1",
 				"CONSUMER_FAIL=fails", "CONSUMER_RETRY_DELAY=1h")
 			b.publishInTx(t, topic, true, newMsg("fails"))

@@ -280,9 +280,7 @@ func (c *cli) dlqRequeue(args []string) error {
 				// failed since was requeued, taken and failed again.
 				left := f
 				left.Limit = pgoutbox.DefaultDeadLetterLimit
-				if left.FailedBefore.IsZero() || start.Before(left.FailedBefore) {
-					left.FailedBefore = start
-				}
+				left.FailedBefore = dbclock.Before(left.FailedBefore, start)
 				if page, err := pgoutbox.DeadLetters(ctx, exec, tables, left); err == nil && len(page.Letters) > 0 {
 					count := strconv.Itoa(len(page.Letters))
 					if page.Next != (pgoutbox.DeadLetterCursor{}) {

@@ -27,3 +27,13 @@ func Now(ctx context.Context, exec tx.Executor) (time.Time, error) {
 	}
 	return t, err
 }
+
+// Before narrows an upper bound on a time (zero: none) to t: the earlier
+// of the two. A listing of what failed before a statement began keeps a
+// filter's own bound when that is earlier.
+func Before(bound, t time.Time) time.Time {
+	if bound.IsZero() || t.Before(bound) {
+		return t
+	}
+	return bound
+}

@@ -119,9 +119,7 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 			done := fmt.Sprintf("Requeued %s.", plural(int(n), "dead letter"))
 			if left := flt.f; startErr == nil && n < c.Rows {
 				// As above: the matches that failed before the statement.
-				if left.FailedBefore.IsZero() || start.Before(left.FailedBefore) {
-					left.FailedBefore = start
-				}
+				left.FailedBefore = dbclock.Before(left.FailedBefore, start)
 				if stayed, err := ui.countDeadLetters(ctx, left); err == nil && stayed > 0 {
 					return done + " " + stayedNote(stayed), nil
 				}

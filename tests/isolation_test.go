@@ -9,6 +9,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -108,4 +109,46 @@ func TestAReadOnlyServerIsNamedAsSuch(t *testing.T) {
 	t.Cleanup(func() { _ = sub.Close() })
 	_, err = sub.Subscribe(ctx, "ro")
 	require.ErrorContains(t, err, "connect to the primary")
+}
+
+// A handler's transaction (tx.Middleware) has the pool's default isolation,
+// as the transactional-handlers guide says, with either driver; pgoutbox's
+// own transactions (tx.RunInTx) run READ COMMITTED whatever it is. The
+// middleware once began READ COMMITTED too, silently weakening the
+// SERIALIZABLE a service had chosen for its handlers' invariants.
+func TestHandlerTransactionKeepsThePoolsIsolation(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pool := b.poolWith(t, map[string]string{"default_transaction_isolation": "serializable"}, nil)
+	db := stdlib.OpenDBFromPool(pool)
+	t.Cleanup(func() { _ = db.Close() })
+	level := func(t *testing.T, exec tx.Executor) string {
+		t.Helper()
+		rows, err := exec.Query(context.Background(), `SHOW transaction_isolation`)
+		require.NoError(t, err)
+		defer rows.Close()
+		require.True(t, rows.Next())
+		var l string
+		require.NoError(t, rows.Scan(&l))
+		return l
+	}
+	for name, exec := range map[string]tx.Executor{"pgxpool": tx.FromPgxPool(pool), "database/sql": tx.FromSQLDB(db)} {
+		t.Run(name, func(t *testing.T) {
+			mw, err := tx.Middleware(exec, tx.MiddlewareConfig{})
+			require.NoError(t, err)
+			var inHandler string
+			_, err = mw(func(m *message.Message) ([]*message.Message, error) {
+				e, ok := tx.ExecutorFromContext(m.Context())
+				require.True(t, ok)
+				inHandler = level(t, e)
+				return nil, nil
+			})(message.NewMessage("m", nil))
+			require.NoError(t, err)
+			require.Equal(t, "serializable", inHandler, "the handler's transaction")
+			require.NoError(t, tx.RunInTx(context.Background(), exec, func(e tx.Executor) error {
+				require.Equal(t, "read committed", level(t, e), "pgoutbox's own transaction")
+				return nil
+			}))
+		})
+	}
 }

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -903,10 +905,18 @@ func TestTxMiddlewareOnARepeatableReadDatabase(t *testing.T) {
 		})
 		var mu sync.Mutex
 		var failures []error
+		levels := map[string]int{}
 		r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
 		require.NoError(t, err)
 		r.AddConsumerHandler("seen", "in", sub, func(m *message.Message) error {
 			pgTx, _ := tx.PgxTxFromContext(m.Context())
+			var level string
+			if err := pgTx.QueryRow(m.Context(), `SHOW transaction_isolation`).Scan(&level); err != nil {
+				return err
+			}
+			mu.Lock()
+			levels[level]++
+			mu.Unlock()
 			_, err := pgTx.Exec(m.Context(), `INSERT INTO `+b.Schema+`.seen VALUES ($1)`, m.UUID)
 			return err
 		}).AddMiddleware(func(next message.HandlerFunc) message.HandlerFunc {
@@ -928,6 +938,9 @@ func TestTxMiddlewareOnARepeatableReadDatabase(t *testing.T) {
 		})
 		mu.Lock()
 		defer mu.Unlock()
+		// The handler's transaction has the pool's default, as the guide
+		// says; pgoutbox's own transactions run READ COMMITTED.
+		require.Equal(t, []string{"repeatable read"}, slices.Collect(maps.Keys(levels)))
 		// A change the subscriber made to a row while its handler ran (a
 		// new liveness stamp: at start, or when the lock could not be
 		// confirmed in time on a loaded machine) fails that transaction
@@ -976,4 +989,43 @@ func TestTxMiddlewareOnAnotherDatabaseSaysSo(t *testing.T) {
 	case <-time.After(15 * time.Second):
 		t.Fatal("the handler did not run")
 	}
+}
+
+// A timer that re-arms itself: the handler returns the next occurrence
+// with the incoming message's own dedup key. The key is free once the
+// message's row is gone, and in tx.Middleware that is the handler's
+// transaction's completion, so the returned message is written after it.
+// It was written before, met the incoming row's key and was skipped: the
+// timer ran once and stopped, Publish reporting nothing.
+func TestTxMiddlewareReturnedMessageMayReuseTheIncomingDedupKey(t *testing.T) {
+	t.Parallel()
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		h := newTxHandlerBed(t, b.Pool, b)
+		var runs atomic.Int64
+		r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+		require.NoError(t, err)
+		r.AddMiddleware(h.mw)
+		r.AddHandler("tick", "tick", h.newSubscriber(t, func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c) }), "tick", h.pub,
+			func(m *message.Message) ([]*message.Message, error) {
+				if err := h.increment(m); err != nil {
+					return nil, err
+				}
+				if runs.Add(1) >= 3 {
+					return nil, nil
+				}
+				next := newMsg("tick")
+				pgoutbox.WithDedupKey(next, "the-timer")
+				pgoutbox.DeliverAfter(next, 50*time.Millisecond)
+				return []*message.Message{next}, nil
+			})
+		startRouter(t, r)
+		first := newMsg("tick")
+		pgoutbox.WithDedupKey(first, "the-timer")
+		require.NoError(t, b.poolPublisher(t).Publish("tick", first))
+		pollUntil(t, "three runs of the timer", 30*time.Second, nil, func() bool {
+			return h.counter(t) == 3 && b.outboxRows(t, "tick") == 0
+		})
+		require.EqualValues(t, 3, runs.Load())
+	})
 }

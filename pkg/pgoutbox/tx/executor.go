@@ -43,10 +43,19 @@ type Rows interface {
 }
 
 // beginner is implemented by the executors that own a pool and can start a
-// transaction of their own (see RunInTx).
+// transaction of their own: READ COMMITTED for pgoutbox's own work
+// (RunInTx), at the pool's default for a handler's (Middleware).
 type beginner interface {
-	begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error)
+	begin(ctx context.Context, iso isolation) (Executor, func(context.Context) error, func(context.Context) error, error)
 }
+
+// isolation is the level a beginner's transaction runs at.
+type isolation int
+
+const (
+	readCommitted isolation = iota // READ COMMITTED, whatever the pool's default
+	poolDefault                    // default_transaction_isolation of the connection
+)
 
 // FromSQLTx binds an Executor to a database/sql transaction. Any
 // PostgreSQL driver serves: the pgx stdlib driver
@@ -168,8 +177,12 @@ func (e sqlDB) Query(ctx context.Context, q string, args ...any) (Rows, error) {
 	return sqlQuery(ctx, e.db, q, args)
 }
 func (sqlDB) InTx() bool { return false }
-func (e sqlDB) begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error) {
-	t, err := e.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+func (e sqlDB) begin(ctx context.Context, iso isolation) (Executor, func(context.Context) error, func(context.Context) error, error) {
+	var opts *sql.TxOptions // nil: the connection's default
+	if iso == readCommitted {
+		opts = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
+	}
+	t, err := e.db.BeginTx(ctx, opts)
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -431,8 +444,12 @@ func (r *txRows) Err() error {
 }
 
 func (r *txRows) Close() { _ = r.end() }
-func (e pgxPool) begin(ctx context.Context) (Executor, func(context.Context) error, func(context.Context) error, error) {
-	t, err := e.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+func (e pgxPool) begin(ctx context.Context, iso isolation) (Executor, func(context.Context) error, func(context.Context) error, error) {
+	var opts pgx.TxOptions // no IsoLevel: the connection's default
+	if iso == readCommitted {
+		opts.IsoLevel = pgx.ReadCommitted
+	}
+	t, err := e.pool.BeginTx(ctx, opts)
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -481,7 +498,7 @@ func RunInTx(ctx context.Context, exec Executor, fn func(Executor) error) (err e
 	if exec.InTx() || !ok {
 		return fn(exec)
 	}
-	txExec, commit, rollback, err := b.begin(ctx)
+	txExec, commit, rollback, err := b.begin(ctx, readCommitted)
 	if err != nil {
 		return err
 	}

@@ -53,14 +53,20 @@ const DefaultCommitTimeout = 10 * time.Second
 //  1. it begins a transaction and puts it into the message's context
 //     (SQLTxFromContext, PgxTxFromContext, ExecutorFromContext): write
 //     your domain rows in it;
-//  2. it runs the handler, then publishes the messages it returned in the
-//     same transaction (MiddlewareConfig.Publisher) and returns none to the
-//     Router;
+//  2. it runs the handler;
 //  3. for a message delivered by a pgoutbox Subscriber, it deletes the
 //     message's row in the same transaction, under the lease the message
 //     was delivered with. If the lease was lost (another consumer holds the
 //     message now) it rolls back and returns ErrLeaseLost;
-//  4. it commits, with your database's durability settings.
+//  4. it publishes the messages the handler returned in the same
+//     transaction (MiddlewareConfig.Publisher) and returns none to the
+//     Router. After the deletion: one may reuse the incoming message's
+//     dedup key (a timer that re-arms itself);
+//  5. it commits, with your database's durability settings.
+//
+// The transaction has the pool's default isolation
+// (default_transaction_isolation); pgoutbox's own transactions (RunInTx)
+// run READ COMMITTED.
 //
 // A handler error, a panic or a failed commit rolls everything back and
 // the message is nacked: redelivered, its retry policy applying. So the
@@ -138,7 +144,7 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 	// Not orig itself: database/sql rolls a transaction back when the
 	// context of its BeginTx ends, and a finished handler's work must
 	// still commit (see CommitTimeout).
-	exec, commit, rollback, err := b.begin(context.WithoutCancel(orig))
+	exec, commit, rollback, err := b.begin(context.WithoutCancel(orig), poolDefault)
 	if err != nil {
 		return nil, errtext.Errorf("pgoutbox: begin the handler's transaction: %w", err)
 	}
@@ -194,13 +200,6 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 	if row != nil {
 		row.Begin()
 	}
-	if len(produced) > 0 {
-		if err := publishInTx(fin, exec, config, msg, produced); errors.Is(err, ErrTxDone) {
-			return nil, endedByHandler(msg, ErrTxDone) // not err: its advice is for code that publishes
-		} else if err != nil {
-			return nil, err
-		}
-	}
 	if row != nil {
 		stmt, args := row.Completion()
 		n, err := exec.Exec(fin, stmt, args...)
@@ -217,6 +216,16 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 				return nil, backoff.Permanent(err)
 			}
 			return nil, backoff.Permanent(ErrLeaseLost)
+		}
+	}
+	// After the completion: a returned message may take the incoming
+	// one's dedup key (a timer that re-arms itself), which is free once
+	// its row is gone, here in this transaction.
+	if len(produced) > 0 {
+		if err := publishInTx(fin, exec, config, msg, produced); errors.Is(err, ErrTxDone) {
+			return nil, endedByHandler(msg, ErrTxDone) // not err: its advice is for code that publishes
+		} else if err != nil {
+			return nil, err
 		}
 	}
 	if err := commit(fin); err != nil {

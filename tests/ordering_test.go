@@ -233,6 +233,51 @@ func TestOrderingKeyHeadOfLineFailureBlocksOnlyItsKey(t *testing.T) {
 	})
 }
 
+// With MaxInFlight 1 too, a keyed message waiting out a retry delay holds
+// back its key only: the other keys and unkeyed messages run meanwhile
+// (the delivery guide's order section). Its nack once took the ordered
+// subscription's in-process retry, which nothing overtakes: one broken key
+// stopped the whole subscription for its delay, forever under
+// RetryForever.
+func TestOrderedSubscriptionsKeyedRetryHoldsOnlyItsKey(t *testing.T) {
+	t.Parallel()
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		msg := func(key, name string) *message.Message {
+			m := newMsg(name)
+			pgoutbox.WithOrderingKey(m, key)
+			return m
+		}
+		require.NoError(t, b.poolPublisher(t).Publish("t",
+			msg("a", "a1 failing"), msg("a", "a2"), msg("b", "b1"), newMsg("plain"), msg("b", "b2")))
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.MaxInFlight = 1
+			c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: time.Hour, MaxAttempts: pgoutbox.RetryForever}
+		})
+		var mu sync.Mutex
+		var order []string
+		runRouter(t, sub, "t", func(m *message.Message) error {
+			mu.Lock()
+			order = append(order, string(m.Payload))
+			mu.Unlock()
+			if string(m.Payload) == "a1 failing" {
+				return errors.New("not yet")
+			}
+			return nil
+		})
+		pollUntil(t, "the other key's and the unkeyed messages handled", 15*time.Second, nil, func() bool {
+			mu.Lock()
+			defer mu.Unlock()
+			return len(order) == 4
+		})
+		mu.Lock()
+		defer mu.Unlock()
+		// In the topic's order, a2 left waiting for a1's retry.
+		require.Equal(t, []string{"a1 failing", "b1", "plain", "b2"}, order)
+	})
+}
+
 // delayedHeadMsgs are key a's head "a1 delayed", due after delay, key a's
 // next message "a2", and key b's "b1".
 func delayedHeadMsgs(delay time.Duration) (first, second, other *message.Message) {

@@ -231,9 +231,11 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 	switch {
 	case n.deadReason != "":
 		sub.deadLetter(d, n.deadReason, n.errText)
-	case sub.ordered() && !sub.drain.stopping:
+	case sub.ordered() && !sub.drain.stopping && d.orderingKey == "":
 		// Ordered: the row stays ours and goes out again before anything
-		// later, after its delay. The buffer goes back meanwhile, in order,
+		// later, after its delay. Not a keyed row: it holds back its key
+		// only, as with more in flight (it goes back with its delay, and
+		// the key's next row is not claimed before it ends). The buffer goes back meanwhile, in order,
 		// rather than sit leased through a long delay.
 		// A retry due at once is counted with the hold: no wait to crash
 		// in (see nextMessage).
@@ -252,7 +254,7 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 	default:
 		d.state = writing
 		delay := delayOf(n.delay)
-		if sub.ordered() {
+		if sub.ordered() && sub.drain.stopping {
 			// Stopping: nobody here delivers it again, and a delay would
 			// put it behind later messages. It keeps its place, as the
 			// rows given back at the stop do; the next subscriber delivers

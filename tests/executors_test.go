@@ -431,3 +431,26 @@ func publishTimedOutWroteNothing(t *testing.T, b *bundle, pool tx.Executor) {
 			"iteration %d: the Publish returned %q, and its message was written", i, err)
 	}
 }
+
+// A panic in RunInTx's function rolls its transaction back before it goes
+// on up: a caller that recovers panics (a server, a test) kept the
+// connection, and every lock taken in it, for good.
+func TestRunInTxRollsBackOnPanic(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	for name, exec := range map[string]tx.Executor{"pgxpool": tx.FromPgxPool(b.Pool), "database/sql": tx.FromSQLDB(b.sqlDB(t))} {
+		t.Run(name, func(t *testing.T) {
+			require.PanicsWithValue(t, "boom", func() {
+				_ = tx.RunInTx(ctx, exec, func(e tx.Executor) error {
+					_, err := e.Exec(ctx, `SELECT pg_advisory_xact_lock(4242)`)
+					require.NoError(t, err)
+					panic("boom")
+				})
+			})
+			var free bool
+			require.NoError(t, b.Pool.QueryRow(ctx, `SELECT pg_try_advisory_xact_lock(4242)`).Scan(&free))
+			require.True(t, free, "the lock went with the rolled-back transaction")
+		})
+	}
+}

@@ -240,6 +240,9 @@ func (c *cli) migrateStatus(args []string) error {
 			return nil
 		}
 		fmt.Fprintf(c.stdout, "%s: version %d of %d\n", tablesName(t), st.Current, st.Latest)
+		if st.Current > st.Latest {
+			fmt.Fprintf(c.stdout, "version %d is newer than this release knows (up to %d): a newer release migrated the outbox; migrate it with that release's pgoutbox\n", st.Current, st.Latest)
+		}
 		for _, a := range st.Applied {
 			fmt.Fprintf(c.stdout, "  applied  %4d %-24s %s\n", a.Version, a.Name, a.AppliedAt.UTC().Format(time.RFC3339))
 		}

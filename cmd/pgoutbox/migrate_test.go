@@ -313,3 +313,25 @@ func TestSchemaMigrateLockTimeout(t *testing.T) {
 		require.Contains(t, errOut, "options=-c%20lock_timeout%3D30s to the --dsn URL", c.name)
 	}
 }
+
+// TestSchemaMigrateNewerVersion: an outbox a newer release migrated (a
+// deploy rolled back) is named as such by status, and up refuses with
+// what to do; both panicked or said nothing before.
+func TestSchemaMigrateNewerVersion(t *testing.T) {
+	t.Parallel()
+	s, run := cliOnNewSchema(t)
+	_, errOut, code := run("schema", "migrate", "up")
+	require.Equal(t, 0, code, errOut)
+	newer := schema.LatestVersion() + 1
+	_, err := s.Pool.Exec(context.Background(), `INSERT INTO "`+s.Name+`".outbox_schema_version (version, name) VALUES ($1, 'from a newer release')`, newer)
+	require.NoError(t, err)
+	out, _, code := run("schema", "migrate", "status")
+	require.Equal(t, 0, code)
+	require.Contains(t, out, "newer than this release knows")
+	for _, args := range [][]string{{"up", "--dry-run"}, {"up"}, {"down", "--to", "5", "--yes"}} {
+		out, errOut, code = run(append([]string{"schema", "migrate"}, args...)...)
+		require.Equal(t, exitError, code, out)
+		require.Contains(t, errOut, "newer than this release")
+		require.NotContains(t, errOut, "panic")
+	}
+}

@@ -25,6 +25,13 @@ const NoTables = -2
 // records it.
 var ErrNoVersion = errors.New("pgoutbox: the outbox has no recorded schema version")
 
+// ErrNewerVersion is returned by Migrate and MigrationPlan for an outbox
+// whose version table records a version above LatestVersion: a newer
+// release migrated it (a deploy rolled back after its migration). This
+// release cannot undo steps it does not know; the newer release's
+// migrator can (migrate down to this release's latest with it).
+var ErrNewerVersion = errors.New("pgoutbox: the outbox records a schema version newer than this release")
+
 // MigrationStep is one migration Migrate applies or undoes.
 type MigrationStep struct {
 	// Version is the version reached (up) or undone (down).
@@ -150,7 +157,7 @@ func MigrationPlan(ctx context.Context, db tx.Executor, c Config, target int) ([
 	if err != nil {
 		return nil, fmt.Errorf("pgoutbox: migration plan: %w", err)
 	}
-	if err := checkRecorded(n, st); err != nil {
+	if err := checkRecorded(n, st, len(ms)); err != nil {
 		return nil, err
 	}
 	if st.Current != target {
@@ -236,7 +243,10 @@ func checkTarget(target, latest int) (int, error) {
 	return target, nil
 }
 
-func checkRecorded(n query.Names, st MigrationState) error {
+func checkRecorded(n query.Names, st MigrationState, latest int) error {
+	if st.Current > latest {
+		return fmt.Errorf("%w: %s records version %d, this release knows versions up to %d; run the newer release's migrator (to go back to this release: its \"pgoutbox schema migrate down --to %d\") or deploy the newer release", ErrNewerVersion, n.QVersions, st.Current, latest, latest)
+	}
 	if st.Current == 0 && st.OutboxExists {
 		return fmt.Errorf("%w: %s exists but %s records no version: if goose or golang-migrate manage it, migrate it with them (they keep versions in their own table; one migrator per outbox, docs/upgrading.md); if the SQL script or an older schema.Create made it, run \"pgoutbox schema migrate baseline\" (schema.Baseline) once to record it", ErrNoVersion, n.QTable, n.QVersions)
 	}
@@ -311,7 +321,7 @@ func Migrate(ctx context.Context, db tx.Executor, c Config, target int) ([]Migra
 			if err != nil {
 				return err
 			}
-			if err := checkRecorded(n, st); err != nil {
+			if err := checkRecorded(n, st, len(ms)); err != nil {
 				return err
 			}
 			if st.Current == target {

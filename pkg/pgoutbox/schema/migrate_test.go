@@ -3,6 +3,7 @@ package schema_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io/fs"
 	"slices"
 	"strings"
@@ -272,6 +273,32 @@ func TestMigrate(t *testing.T) {
 		require.False(t, exists(t, b.env.Pool, b.env.Name, "outbox_schema_version"), "a plan creates nothing")
 		_, err = schema.MigrationPlan(ctx, b.exec, cfg, schema.LatestVersion()+1)
 		require.ErrorContains(t, err, "out of range")
+	})
+
+	// A deploy rolled back after a newer release migrated the outbox: this
+	// release's Migrate and MigrationPlan say so, up or down, where they
+	// indexed past their list of migrations and panicked, inside a
+	// transaction that then kept its connection and the outbox's lock.
+	t.Run("NewerRecordedVersionIsRefused", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		cfg := schema.Config{Schema: b.env.Name}
+		require.NoError(t, schema.Create(ctx, b.exec, cfg))
+		newer := schema.LatestVersion() + 1
+		_, err := b.env.Pool.Exec(ctx, `INSERT INTO `+b.env.Name+`.outbox_schema_version (version, name) VALUES ($1, 'from a newer release')`, newer)
+		require.NoError(t, err)
+		for _, target := range []int{schema.Latest, 3} {
+			_, err := schema.MigrationPlan(ctx, b.exec, cfg, target)
+			require.ErrorIs(t, err, schema.ErrNewerVersion)
+			_, err = schema.Migrate(ctx, b.exec, cfg, target)
+			require.ErrorIs(t, err, schema.ErrNewerVersion)
+			require.ErrorContains(t, err, fmt.Sprintf("records version %d, this release knows versions up to %d", newer, schema.LatestVersion()))
+		}
+		st, err := schema.MigrationStatus(ctx, b.exec, cfg)
+		require.NoError(t, err)
+		require.Equal(t, newer, st.Current)
+		require.Empty(t, st.Pending)
+		require.Zero(t, b.env.Pool.Stat().AcquiredConns(), "no transaction left open")
 	})
 
 	t.Run("CreateRecordsTheLatestVersion", func(t *testing.T) {

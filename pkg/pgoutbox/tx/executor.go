@@ -503,6 +503,12 @@ func RunInTx(ctx context.Context, exec Executor, fn func(Executor) error) (err e
 		return err
 	}
 	defer func() {
+		if p := recover(); p != nil {
+			// A caller that recovers panics (a server, a test) must not
+			// keep the connection, and the locks taken in it, for good.
+			_ = rollback(context.WithoutCancel(ctx))
+			panic(p)
+		}
 		if err != nil {
 			_ = rollback(context.WithoutCancel(ctx))
 		}

@@ -335,3 +335,19 @@ func TestSchemaMigrateNewerVersion(t *testing.T) {
 		require.NotContains(t, errOut, "panic")
 	}
 }
+
+// TestSchemaApplyOnATableOfYourOwn: apply and baseline refuse a table of
+// the service's own under the outbox's name, saying so, without a hint at
+// a privilege the role has.
+func TestSchemaApplyOnATableOfYourOwn(t *testing.T) {
+	t.Parallel()
+	s, run := cliOnNewSchema(t)
+	_, err := s.Pool.Exec(context.Background(), `CREATE TABLE "`+s.Name+`".outbox (id serial PRIMARY KEY, aggregate text, body jsonb)`)
+	require.NoError(t, err)
+	for _, args := range [][]string{{"schema", "apply"}, {"schema", "migrate", "baseline"}} {
+		out, errOut, code := run(args...)
+		require.Equal(t, exitError, code, out)
+		require.Contains(t, errOut, "without columns every pgoutbox outbox has", args)
+		require.NotContains(t, errOut, "needs CREATE", args)
+	}
+}

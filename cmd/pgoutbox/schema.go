@@ -79,7 +79,10 @@ func (c *cli) schemaApply(args []string) error {
 			if errtext.SQLState(err) == "55P03" { // a lock wait, not a privilege
 				return lockWaitHint(err)
 			}
-			return fmt.Errorf("%w (the role needs CREATE on the schema; or apply \"pgoutbox schema sql\" with your migration tool)", err)
+			if errtext.SQLState(err) == "42501" { // insufficient_privilege
+				return fmt.Errorf("%w (the role needs CREATE on the schema, or on the database while the schema does not exist; or apply \"pgoutbox schema sql\" with your migration tool)", err)
+			}
+			return err
 		}
 		t = t.WithDefaults()
 		fmt.Fprintf(c.stdout, "schema applied: %s.%s", t.Schema, t.Table)

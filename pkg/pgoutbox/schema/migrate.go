@@ -550,6 +550,9 @@ func detectLayout(ctx context.Context, e tx.Executor, n query.Names, rotating bo
 		return true
 	}
 	dlqHas := func(names ...string) bool { return n.DLQTable == "" || has(n.DLQTable, names...) }
+	if p := notAnOutbox(n, cols[n.Table]); p != "" {
+		return 0, false, errors.New(p)
+	}
 	switch {
 	case !has(n.Table, "lease_holder", "failure_reason"):
 		return 1, dlqMissing, nil

@@ -301,6 +301,35 @@ func TestMigrate(t *testing.T) {
 		require.Zero(t, b.env.Pool.Stat().AcquiredConns(), "no transaction left open")
 	})
 
+	// A service's own outbox table under the default name is no pgoutbox
+	// outbox of any version: Baseline once recorded it as version 1, and
+	// migrating up then altered it (added columns, committed) before
+	// failing; Create blamed a privilege. Each refuses now, naming the
+	// table and what to do, and leaves it as it was.
+	t.Run("ATableOfYourOwnIsNoOutbox", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		cfg := schema.Config{Schema: b.env.Name, NoDeadLetterTable: true}
+		_, err := b.env.Pool.Exec(ctx, `CREATE TABLE `+b.env.Name+`.outbox (id serial PRIMARY KEY, aggregate text, body jsonb)`)
+		require.NoError(t, err)
+		columns := func() []string {
+			var cols []string
+			require.NoError(t, b.env.Pool.QueryRow(ctx, `SELECT array_agg(column_name::text ORDER BY ordinal_position) FROM information_schema.columns
+				WHERE table_schema = $1 AND table_name = 'outbox'`, b.env.Name).Scan(&cols))
+			return cols
+		}
+		want := columns()
+		const says = "without columns every pgoutbox outbox has"
+		_, err = schema.Baseline(ctx, b.exec, cfg)
+		require.ErrorContains(t, err, says)
+		_, err = schema.BaselinePlan(ctx, b.exec, cfg)
+		require.ErrorContains(t, err, says)
+		require.ErrorContains(t, schema.Create(ctx, b.exec, cfg), says)
+		_, err = schema.Migrate(ctx, b.exec, cfg, schema.Latest)
+		require.ErrorIs(t, err, schema.ErrNoVersion, "nothing recorded, nothing run")
+		require.Equal(t, want, columns(), "the table is as it was")
+	})
+
 	t.Run("CreateRecordsTheLatestVersion", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)

@@ -219,6 +219,12 @@ func Create(ctx context.Context, db tx.Executor, c Config) error {
 			}
 			return err
 		}
+		if p, err := foreignTableProblem(ctx, e, n); err != nil || p != "" {
+			if err == nil {
+				err = errors.New(p)
+			}
+			return err
+		}
 		for _, stmt := range query.DDL(n) {
 			if _, err := e.Exec(ctx, stmt); err != nil {
 				return w.ddlError(stmt, err)
@@ -388,6 +394,44 @@ func layoutProblem(ctx context.Context, db tx.Executor, n query.Names) (string, 
 		return fmt.Sprintf("table %s.%s is a single table, not a rotating outbox; convert it with schema.ConvertToRotating (pgoutbox schema convert-to-rotating), or leave Rotating unset", n.Schema, n.Table), nil
 	}
 	return "", nil
+}
+
+// firstColumns are the outbox columns of the first released layout
+// (version 1), which every later one keeps.
+var firstColumns = []string{"id", "topic", "uuid", "payload", "metadata", "created_at", "available_at",
+	"deliveries", "lease_token", "leased_until", "leased_by", "dedup_key", "last_error"}
+
+// notAnOutbox tells why a table n names, with the columns have, is no
+// pgoutbox outbox of any version (a service's own outbox table under the
+// default name, say), or "" when it has the first layout's columns: no
+// version may be read off it, and no step may alter it.
+func notAnOutbox(n query.Names, have map[string]bool) string {
+	var missing []string
+	for _, c := range firstColumns {
+		if !have[c] {
+			missing = append(missing, c)
+		}
+	}
+	if len(missing) == 0 {
+		return ""
+	}
+	return fmt.Sprintf("table %s.%s exists without columns every pgoutbox outbox has (%s): if it is a table of your own, "+
+		"name another table or schema for pgoutbox (schema.Config Table or Schema; --table, --schema); if it is an outbox altered by hand, restore them",
+		n.Schema, n.Table, strings.Join(missing, ", "))
+}
+
+// foreignTableProblem is notAnOutbox for n's outbox table as the catalog
+// has it, or "" when the table does not exist.
+func foreignTableProblem(ctx context.Context, db tx.Executor, n query.Names) (string, error) {
+	cols, err := catalog(ctx, db, query.CatalogColumns, n.Schema, n.Table, 2)
+	if err != nil || len(cols) == 0 {
+		return "", err
+	}
+	have := map[string]bool{}
+	for _, c := range cols {
+		have[c[0]] = true
+	}
+	return notAnOutbox(n, have), nil
 }
 
 // outboxLayout reports whether n's outbox table exists and whether it is

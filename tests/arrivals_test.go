@@ -212,6 +212,45 @@ func TestArrivalsReachEveryBoundGroup(t *testing.T) {
 	})
 }
 
+// A group bound through a schema.Config without Arrivals (a deploy step,
+// a relay or a service whose Tables lag behind the outbox) starts where a
+// binding with it would: it gets what is published after it, none of the
+// arrivals still waiting from before. Its binding once started at arrival
+// 0, and the group got every one of them. Unbinding it the same way
+// settles its arrivals: the others keep theirs, and nothing stays behind.
+func TestArrivalsBindingWithoutTheSettingStartsFromNew(t *testing.T) {
+	b := setupArrivals(t)
+	ctx := context.Background()
+	topic := "arrive-lagging-" + watermill.NewShortUUID()
+	lagging := b.tables
+	lagging.Arrivals = false
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, "a"))
+	pub := b.poolPublisher(t)
+	before := newMsgs(5)
+	require.NoError(t, pub.Publish(topic, before...))
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), lagging, topic, "c"))
+	after := newMsgs(2)
+	require.NoError(t, pub.Publish(topic, after...))
+	uuids := func(ms ...*message.Message) []string {
+		var out []string
+		for _, m := range ms {
+			out = append(out, m.UUID)
+		}
+		slices.Sort(out)
+		return out
+	}
+	require.Equal(t, uuids(after...), b.consumeGroup(t, topic, "c", len(after), nil), "group c")
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), lagging, topic, "d"))
+	more := newMsgs(2)
+	require.NoError(t, pub.Publish(topic, more...))
+	_, err := pgoutbox.Unbind(ctx, tx.FromPgxPool(b.Pool), lagging, topic, "d", true)
+	require.NoError(t, err)
+	require.Equal(t, uuids(append(append(before, after...), more...)...), b.consumeGroup(t, topic, "a", 9, nil), "group a")
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1 AND consumer_group = 'd'`, topic), "nothing left for the unbound group")
+	require.Equal(t, uuids(more...), b.consumeGroup(t, topic, "c", len(more), nil), "group c")
+	require.Zero(t, b.arrivals(t, topic))
+}
+
 // First groups bound together with the default group among them get
 // every message published before on an outbox with arrivals too: plain
 // ones (arrivals) and keyed ones (outbox rows) alike.

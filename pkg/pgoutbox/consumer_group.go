@@ -166,6 +166,10 @@ func BindGroups(ctx context.Context, exec tx.Executor, tables schema.Config, top
 			return BindResult{}, err
 		}
 	}
+	q, err := followArrivals(ctx, exec, tables, q)
+	if err != nil {
+		return BindResult{}, errorf("pgoutbox: bind groups %q to topic %q: %w", groups, topic, err)
+	}
 	res, err := bindFirstWithDefault(ctx, exec, q, topic, groups, o.from, 0)
 	if err != nil {
 		return res, errorf("pgoutbox: bind groups %q to topic %q: %w", groups, topic, err)
@@ -571,6 +575,9 @@ var ErrGroupNotEmpty = errors.New("pgoutbox: consumer group not empty")
 // purge to run again once they ended, the default group bound again.
 func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, group string, purge bool) (purged int64, err error) {
 	q, err := groupQueries(exec, tables, topic, group)
+	if err == nil {
+		q, err = followArrivals(ctx, exec, tables, q)
+	}
 	if err != nil {
 		return 0, err
 	}
@@ -670,6 +677,9 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 // to does not have.
 func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topic, from, to string) (int64, error) {
 	q, err := groupQueries(exec, tables, topic, from)
+	if err == nil {
+		q, err = followArrivals(ctx, exec, tables, q)
+	}
 	if err != nil {
 		return 0, err
 	}
@@ -734,6 +744,9 @@ func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topi
 // commit need MoveGroup.
 func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topic, from, to string) (moved int64, err error) {
 	q, err := groupQueries(exec, tables, topic, from)
+	if err == nil {
+		q, err = followArrivals(ctx, exec, tables, q)
+	}
 	if err != nil {
 		return 0, err
 	}
@@ -837,6 +850,24 @@ const renameMoveAttempts = 5
 // ConsumerGroup returns the consumer group the Subscriber consumes for ("" is
 // the default group).
 func (s *Subscriber) ConsumerGroup() string { return s.cfg.ConsumerGroup }
+
+// followArrivals returns q for an outbox with arrivals when the database
+// has them and q has not (tables.Arrivals unset in the deploy step, relay
+// or service that binds): the binding operations follow what the outbox
+// has, as the CLI does. A binding written as if there were none would
+// start at arrival 0 and give a new group every arrival still waiting,
+// however old, and an Unbind would leave its group's arrivals unsettled.
+func followArrivals(ctx context.Context, exec tx.Executor, tables schema.Config, q *query.Queries) (*query.Queries, error) {
+	if tables.Arrivals || tables.Rotating {
+		return q, nil
+	}
+	var usable bool
+	if err := queryRow(ctx, exec, query.ArrivalsUsable, []any{q.Names.WithArrivals().QArrivals, q.Names.QTable}, &usable); err != nil || !usable {
+		return q, err
+	}
+	tables.Arrivals = true
+	return queriesForTables(tables, false)
+}
 
 func groupQueries(exec tx.Executor, tables schema.Config, topic, group string) (*query.Queries, error) {
 	if exec == nil {

@@ -478,7 +478,13 @@ func adoptCopies(ctx context.Context, exec tx.Executor, n query.Names, topic str
 		switch {
 		case !copies && third > 1:
 			copies = true
-		case !copies, moved < groupBatch:
+		case !copies, moved == 0:
+			// Until a batch finds none, not until one finds fewer than it
+			// may take: publishes that cannot see the binding yet commit
+			// rows while a batch runs, and one left to the adoption after
+			// the commit comes after the newer messages of its key in the
+			// groups that get copies (up to 18 of one publisher's, one at a
+			// time, in a bind race).
 			return adopted, nil
 		}
 	}

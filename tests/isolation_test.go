@@ -152,3 +152,20 @@ func TestHandlerTransactionKeepsThePoolsIsolation(t *testing.T) {
 		})
 	}
 }
+
+// A handler that drops the error of a failed statement and returns nil
+// learns it from the middleware's error, whose completion or commit finds
+// the transaction aborted: the error says what to do, not only SQLSTATE
+// 25P02.
+func TestTxMiddlewareNamesAStatementErrorTheHandlerDropped(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, err := tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{})
+	require.NoError(t, err)
+	_, err = mw(func(m *message.Message) ([]*message.Message, error) {
+		pgTx, _ := tx.PgxTxFromContext(m.Context())
+		_, _ = pgTx.Exec(m.Context(), `SELECT 1/0`) // dropped
+		return nil, nil
+	})(message.NewMessage("m", nil))
+	require.ErrorContains(t, err, "a statement of the handler failed and the handler returned nil")
+}

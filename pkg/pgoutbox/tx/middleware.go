@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v5"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/handoff"
@@ -207,7 +208,7 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 			return nil, endedByHandler(msg, err)
 		}
 		if err != nil {
-			return nil, errtext.Errorf("pgoutbox: complete the message in the handler's transaction: %w", err)
+			return nil, errtext.Errorf("pgoutbox: complete the message in the handler's transaction: %w%s", err, swallowed(err))
 		}
 		if n == 0 {
 			// Permanent: Watermill's Retry must not run the handler again,
@@ -232,13 +233,23 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		if err = mapErr(err); errors.Is(err, ErrTxDone) {
 			return nil, endedByHandler(msg, err)
 		}
-		return nil, errtext.Errorf("pgoutbox: commit the handler's transaction: %w", err)
+		return nil, errtext.Errorf("pgoutbox: commit the handler's transaction: %w%s", err, swallowed(err))
 	}
 	committed = true
 	if row != nil {
 		row.End(true)
 	}
 	return nil, nil
+}
+
+// swallowed is the hint for a statement of pgoutbox's that found the
+// handler's transaction aborted although the handler returned nil: one of
+// its statements failed and its error was dropped.
+func swallowed(err error) string {
+	if errtext.SQLState(err) != "25P02" && !errors.Is(err, pgx.ErrTxCommitRollback) { // in_failed_sql_transaction
+		return ""
+	}
+	return " (a statement of the handler failed and the handler returned nil: return that statement's error, or run the statement in a savepoint if its failure is expected)"
 }
 
 func publishInTx(fin context.Context, exec Executor, config MiddlewareConfig, msg *message.Message, produced []*message.Message) error {

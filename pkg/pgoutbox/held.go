@@ -340,7 +340,8 @@ func (sub *subscription) finishedBatch(r batchResult) {
 		switch {
 		case d.state == finished:
 		case d.state == writing || (d.state == retrying && !d.holdDone):
-			// Its write finds the lease missing and reports it.
+			// Its write finds the lease missing and reports it, as this.
+			d.endFailed = true
 		case d.state == handedOut && d.outcome.completingInTx():
 			// The handler's transaction is deleting it; its verdict follows.
 		default:
@@ -416,4 +417,8 @@ func (sub *subscription) unhold(r unholdRequest) {
 type heldMark struct {
 	batch *heldBatch // nil: leased
 	fate  heldFate   // how the batch's end treats the row
+	// endFailed: the batch end that was to make the row a lease did not
+	// commit, so the write waiting for that lease will miss it: a batch
+	// that did not commit, not a lease another consumer took (finish).
+	endFailed bool
 }

@@ -75,6 +75,34 @@ func TestHeldFailedEndDropsTheOrderedRetry(t *testing.T) {
 	require.Nil(t, b.sub.hand.retry, "the owner would redeliver a row ReleaseClaim just unleased")
 }
 
+// A handler that acks while its held batch is ending, its row to become a
+// lease: the ack waits for the lease, and when the batch's end does not
+// commit it finds none. That is reported as the batch that did not
+// commit (phase "commit"), not as a lease another consumer took ("ack"),
+// which operators alert on apart.
+func TestAckWaitingForAFailedBatchEndReportsTheBatch(t *testing.T) {
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4 })
+	req := b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
+	req.held = true
+	b.sub.claims.claiming = true
+	rows := []*delivery{
+		{claimedRow: claimedRow{id: 1, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(1, 0)}},
+		{claimedRow: claimedRow{id: 2, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(2, 0)}},
+	}
+	hb := &heldBatch{token: req.token, rows: rows, undecided: 2}
+	b.sub.onClaimed(claimResult{req: req, rows: rows, batch: hb})
+	d := b.handOut(t)
+	job := b.sub.held.close(hb, time.Now(), "bound", pgtype.Int8{}) // d still running: it becomes a lease
+	require.Contains(t, job.leased, d)
+	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg, ack: true}, false)
+	require.Equal(t, []*delivery{d}, hb.deferred.acks, "the ack waits for the lease")
+	b.sub.finishedBatch(batchResult{job: job, err: errors.New("connection reset")})
+	b.written(d) // the lease was never made: the ack misses
+	require.Equal(t, finished, d.state)
+	b.eventCount(EventLeaseLost)
+	require.Equal(t, []string{"commit", "commit"}, b.events.phases, "the buffered row, then the acked one")
+}
+
 // A batch's end decides each row's fate without running a statement: acked
 // rows are deleted, released ones unlocked, the rest become leases; only
 // handlers still running at the bound count as slow, and when most of a

@@ -29,13 +29,17 @@ type testBundle struct {
 }
 
 type eventLog struct {
-	mu    sync.Mutex
-	kinds []EventKind
+	mu     sync.Mutex
+	kinds  []EventKind
+	phases []string // of the EventLeaseLost events
 }
 
 func (e *eventLog) Observe(ev Event) {
 	e.mu.Lock()
 	e.kinds = append(e.kinds, ev.Kind)
+	if ev.Kind == EventLeaseLost {
+		e.phases = append(e.phases, ev.Phase)
+	}
 	e.mu.Unlock()
 }
 

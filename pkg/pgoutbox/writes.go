@@ -198,6 +198,9 @@ func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
 	if r.done.has(d) {
 		return true
 	}
+	if d.endFailed {
+		phase = "commit" // the lease it was written under never committed
+	}
 	sub.leaseLost(d, phase)
 	return false
 }
@@ -216,7 +219,7 @@ func (sub *subscription) dropLost(d *delivery, phase string) {
 // did not commit. The write was not applied; the row is delivered again,
 // here or elsewhere.
 func (sub *subscription) leaseLost(d *delivery, phase string) {
-	msg := "Lease lost: the row was reclaimed by another consumer or removed by an operator; this write was not applied"
+	msg := "Lease lost: the row was claimed again (its lease ran out, or a server crash lost the claim) or removed by an operator; this write was not applied"
 	if phase == "commit" {
 		msg = "A held batch did not commit (rolled back, or its reply was lost); this row is due again and is delivered again"
 	}

@@ -46,6 +46,13 @@ func (r claimRequest) path() string {
 }
 
 // claimResult is what a claim leased, in queue order.
+// notSent is the error of a claim that never reached the server (no
+// connection, or pgx failed before sending): it leased nothing, so
+// nothing is given back for it.
+type notSent struct{ error }
+
+func (e notSent) Unwrap() error { return e.error }
+
 type claimResult struct {
 	req       claimRequest
 	rows      []*delivery

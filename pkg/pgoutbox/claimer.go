@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -95,7 +96,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	// them like a lost claim's.
 	conn, err := acquire(ctx, c.pool)
 	if err != nil {
-		r.err = err
+		r.err = notSent{err}
 		return r
 	}
 	defer conn.Release()
@@ -104,6 +105,9 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	res := conn.SendBatch(ctx, b)
 	defer res.Close()
 	if err := skipResults(res, lead); err != nil {
+		if pgconn.SafeToRetry(err) {
+			err = notSent{err} // failed before anything was sent
+		}
 		r.err = err
 		return r
 	}

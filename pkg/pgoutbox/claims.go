@@ -163,7 +163,7 @@ func (c *claimSchedule) failed(r claimResult, now time.Time) time.Duration {
 		// fail again, for as long as the backlog stays. Windows bound it.
 		c.scan.windowUntil = now.Add(keyedFor)
 	}
-	if !r.req.held {
+	if !r.req.held && !errors.As(r.err, new(notSent)) {
 		// The statement may have committed: its rows would stay leased
 		// under a token nobody holds. Give them back (ReleaseClaim) instead
 		// of letting them wait for the lease, and without counting a

@@ -33,6 +33,26 @@ func TestLostClaimStaysWhenItsWriteJobFailsEarly(t *testing.T) {
 	require.Len(t, b.sub.claims.lost, 1, "ReleaseClaim never ran, but the lost claim was dropped")
 }
 
+// A lease claim that never reached the server (no connection: the server
+// restarting) leased nothing: nothing is given back for it, where every
+// failed claim was released, a statement and an error line each, per idle
+// subscription, through a restart. One that may have run still is.
+func TestAClaimThatWasNeverSentIsNotReleased(t *testing.T) {
+	b := setup(t, func(c *SubscriberConfig) { c.StatementTimeout = time.Second })
+	req := b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
+	b.sub.claims.claiming = true
+	r := b.sub.runners.claimer.run(req) // the pool cannot connect
+	require.Error(t, r.err)
+	b.sub.onClaimed(r)
+	require.Empty(t, b.sub.claims.lost)
+	require.Zero(t, b.sub.claims.givingBack)
+
+	req = b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
+	b.sub.claims.claiming = true
+	b.sub.onClaimed(claimResult{req: req, err: errors.New("reply lost")})
+	require.Len(t, b.sub.claims.lost, 1, "a claim that may have run is released")
+}
+
 // Ordered nack in a held batch whose COMMIT may have applied with its
 // reply lost: the batch's token is released (ReleaseClaim), so the owner
 // must not keep the nacked row for its retry (a hold written before that

@@ -18,7 +18,8 @@ func acquire(ctx context.Context, pool *pgxpool.Pool) (*pgxpool.Conn, error) {
 	if err != nil && errors.Is(err, context.DeadlineExceeded) {
 		st := pool.Stat()
 		return nil, fmt.Errorf("no connection of the subscriber's pool came free in time (%d of %d in use): "+
-			"handlers holding connections (tx.Middleware, queries of your own) can take them all; "+
+			"handlers holding connections (tx.Middleware, queries of your own) can take them all, and so can the subscriber's own "+
+			"statements while they wait on the server (a lock on the outbox, a server not answering); for the first, "+
 			"give the pool MaxInFlight plus two connections, or the subscriber a pool of its own (docs/operations.md, Pool sizing): %w",
 			st.AcquiredConns(), st.MaxConns(), err)
 	}

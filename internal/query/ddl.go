@@ -341,9 +341,12 @@ SELECT CASE WHEN c.relkind = 'p' AND EXISTS (
   FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace
  WHERE ns.nspname = $1 AND c.relname = $2`
 
-// CatalogIndexes lists the index names of one table.
+// CatalogIndexes lists the index names of one table, each with whether
+// it is valid: a CREATE INDEX CONCURRENTLY that failed or was cancelled
+// leaves an invalid index under its name, which the planner does not use
+// and IF NOT EXISTS takes for built.
 const CatalogIndexes = `
-SELECT ic.relname
+SELECT ic.relname, i.indisvalid::text
   FROM pg_index i
   JOIN pg_class ic ON ic.oid = i.indexrelid
   JOIN pg_class c ON c.oid = i.indrelid

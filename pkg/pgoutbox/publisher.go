@@ -417,8 +417,8 @@ func (p *Publisher) wrapOpErr(op, topic string, err error) error {
 		if !p.q.Names.Rotating {
 			return errorf("pgoutbox: %s %q: the outbox %s has no valid dedup index of a single table: either it is a rotating outbox "+
 				"(converted by schema.ConvertToRotating or `pgoutbox schema convert-to-rotating`?), then set Tables.Rotating in the PublisherConfig to match, "+
-				"or the index is missing or invalid (an interrupted build), then run schema.Create or `pgoutbox schema apply`; "+
-				"`pgoutbox schema validate` says whether it rotates and names a missing index: %w", op, topic, p.q.Names.QTable, err)
+				"or the index is missing (run schema.Create or `pgoutbox schema apply`) or invalid (an interrupted build: drop it, then run them); "+
+				"`pgoutbox schema validate` says whether it rotates and names a missing or invalid index: %w", op, topic, p.q.Names.QTable, err)
 		}
 	case "42703": // undefined_column
 		if p.q.Names.Rotating && strings.Contains(err.Error(), "generation") {

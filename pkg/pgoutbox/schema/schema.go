@@ -337,23 +337,27 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 			}
 		}
 	}
-	idxByTable := map[string]map[string]bool{}
+	idxByTable := map[string]map[string]string{} // name -> "true" when valid
 	for _, idx := range n.Indexes() {
 		if missing[idx.Table] {
 			continue // the missing table says it all
 		}
 		if idxByTable[idx.Table] == nil {
-			rows, err := catalog(ctx, db, query.CatalogIndexes, n.Schema, idx.Table, 1)
+			rows, err := catalog(ctx, db, query.CatalogIndexes, n.Schema, idx.Table, 2)
 			if err != nil {
 				return err
 			}
-			idxByTable[idx.Table] = map[string]bool{}
+			idxByTable[idx.Table] = map[string]string{}
 			for _, r := range rows {
-				idxByTable[idx.Table][r[0]] = true
+				idxByTable[idx.Table][r[0]] = r[1]
 			}
 		}
-		if !idxByTable[idx.Table][idx.Name] {
+		switch idxByTable[idx.Table][idx.Name] {
+		case "":
 			problems = append(problems, fmt.Sprintf("index %s on %s is missing", idx.Name, idx.Table))
+		case "false":
+			problems = append(problems, fmt.Sprintf("index %s on %s is invalid (a CREATE INDEX CONCURRENTLY that failed or was cancelled): "+
+				"drop it (DROP INDEX CONCURRENTLY %s.%s) and build it again (schema.Create, pgoutbox schema apply)", idx.Name, idx.Table, query.Quote(n.Schema), query.Quote(idx.Name)))
 		}
 	}
 	if !missing[n.Table] {
@@ -368,7 +372,7 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 	if !missing[n.Table] && idxByTable[n.Table] != nil {
 		// The first release's unique dedup index: it refuses the second
 		// consumer group's copy of a keyed message, failing the publish.
-		if old := n.OldIndexes[2]; idxByTable[n.Table][old] {
+		if old := n.OldIndexes[2]; idxByTable[n.Table][old] != "" {
 			problems = append(problems, fmt.Sprintf("index %s on %s is left from the first release and refuses keyed messages for a second consumer group (drop it)", old, n.Table))
 		}
 	}

@@ -355,6 +355,24 @@ func TestValidate(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 
+	// An index a failed CREATE INDEX CONCURRENTLY left invalid is there by
+	// name, unused by the planner and skipped by IF NOT EXISTS: Validate
+	// names it and what to do, where it said the schema was fine.
+	t.Run("NamesAnInvalidIndex", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		cfg := schema.Config{Schema: b.env.Name}
+		require.NoError(t, schema.Create(ctx, b.exec, cfg))
+		_, err := b.env.Pool.Exec(ctx, `UPDATE pg_index SET indisvalid = false WHERE indexrelid = $1::regclass`, b.env.Name+".outbox_group_dedup_idx")
+		require.NoError(t, err)
+		err = schema.Validate(ctx, b.exec, cfg)
+		var verr *schema.ValidationError
+		require.ErrorAs(t, err, &verr)
+		require.Len(t, verr.Problems, 1)
+		require.Contains(t, verr.Problems[0], "index outbox_group_dedup_idx on outbox is invalid")
+		require.Contains(t, verr.Problems[0], "DROP INDEX CONCURRENTLY")
+	})
+
 	t.Run("PassesAfterCreate", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)

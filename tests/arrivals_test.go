@@ -251,6 +251,30 @@ func TestArrivalsBindingWithoutTheSettingStartsFromNew(t *testing.T) {
 	require.Zero(t, b.arrivals(t, topic))
 }
 
+// MoveGroup from the default group hands a topic's unbound messages to a
+// group, as the consumer-groups guide says, on an outbox with arrivals
+// too: there they are arrivals no binding covers, and it moved none of
+// them, reporting 0 while Stats went on showing them unbound.
+func TestArrivalsMoveGroupHandsOverTheUnboundMessages(t *testing.T) {
+	b := setupArrivals(t)
+	ctx := context.Background()
+	topic := "arrive-move-" + watermill.NewShortUUID()
+	msgs := newMsgs(3)
+	require.NoError(t, b.poolPublisher(t).Publish(topic, msgs...))
+	require.Equal(t, 3, b.arrivals(t, topic))
+	moved, err := pgoutbox.MoveGroup(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, "", "g")
+	require.NoError(t, err)
+	require.EqualValues(t, 3, moved)
+	require.Zero(t, b.arrivals(t, topic))
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, "g"))
+	var want []string
+	for _, m := range msgs {
+		want = append(want, m.UUID)
+	}
+	slices.Sort(want)
+	require.Equal(t, want, b.consumeGroup(t, topic, "g", 3, nil))
+}
+
 // First groups bound together with the default group among them get
 // every message published before on an outbox with arrivals too: plain
 // ones (arrivals) and keyed ones (outbox rows) alike.

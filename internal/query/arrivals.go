@@ -372,6 +372,32 @@ func ArrivalsAdopt(n Names) string {
 	return arrivalsFanOut(n, noFanOutLock, "id < (SELECT min(arrivals_from) FROM bound)", "true", "$2", "$3")
 }
 
+// ArrivalsUnboundToDefault moves up to $2 arrivals of topic $1 that no
+// binding covers (below every binding's arrivals_from, or all of them
+// when the topic has none) into the outbox as rows of the default group,
+// keeping their ids: where the outbox keeps a topic's unbound messages,
+// for a MoveGroup from "" to hand them to a group. It returns the
+// arrivals moved.
+func ArrivalsUnboundToDefault(n Names) string {
+	return fmt.Sprintf(`WITH pick AS (
+    SELECT id FROM %[2]s
+     WHERE topic = $1 AND id < coalesce((SELECT min(arrivals_from) FROM %[3]s WHERE topic = $1), 9223372036854775807)
+     ORDER BY id
+     LIMIT $2
+       FOR UPDATE SKIP LOCKED
+), moved AS (
+    DELETE FROM %[2]s a WHERE a.topic = $1 AND a.id = ANY (ARRAY(SELECT id FROM pick))
+    RETURNING a.id, a.uuid, a.payload, a.metadata, a.created_at
+), ins AS (
+    INSERT INTO %[1]s (id, topic, consumer_group, uuid, payload, metadata, created_at, available_at)
+    OVERRIDING SYSTEM VALUE
+    SELECT m.id, $1, '', m.uuid, m.payload, m.metadata, m.created_at, m.created_at FROM moved m
+     ORDER BY m.id
+    RETURNING 1
+)
+SELECT count(*) FROM ins`, n.QTable, n.QArrivals, n.QBindings)
+}
+
 // ArrivalsFrom is the arrivals_from of the groups a BindGroups statement
 // ($1 topic, $3 backlog) binds: 0 when the topic has no binding yet (the
 // first groups take what arrived before them) or the groups start from

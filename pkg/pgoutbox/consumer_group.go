@@ -700,6 +700,20 @@ func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topi
 			if _, err := e.Exec(ctx, query.TopicLock, q.Names.QBindings+query.GroupMark+topic); err != nil {
 				return err
 			}
+			if from == "" {
+				// The arrivals no binding covers are the default group's
+				// unbound messages (Stats shows them so): where the outbox
+				// keeps those, as rows of "", for the move below.
+				for {
+					var moved int64
+					if err := queryRow(ctx, e, query.ArrivalsUnboundToDefault(q.Names), []any{topic, groupBatch}, &moved); err != nil {
+						return fmt.Errorf("move the unbound arrivals: %w", err)
+					}
+					if moved == 0 {
+						break
+					}
+				}
+			}
 			return settleArrivals(ctx, e, q.Names, topic, from)
 		}); err != nil {
 			return 0, errorf("pgoutbox: move group %q of topic %q into %q: %w", from, topic, to, err)

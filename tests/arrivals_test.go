@@ -251,6 +251,30 @@ func TestArrivalsBindingWithoutTheSettingStartsFromNew(t *testing.T) {
 	require.Zero(t, b.arrivals(t, topic))
 }
 
+// Peek of the default group shows a topic's unbound messages on an outbox
+// with arrivals too (arrivals no binding covers), which Stats counts and
+// warns of: it showed none of them.
+func TestArrivalsPeekShowsTheUnboundMessages(t *testing.T) {
+	b := setupArrivals(t)
+	ctx := context.Background()
+	topic := "arrive-peek-" + watermill.NewShortUUID()
+	msgs := newMsgs(3)
+	require.NoError(t, b.poolPublisher(t).Publish(topic, msgs...))
+	pending, err := pgoutbox.Peek(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, "", 10)
+	require.NoError(t, err)
+	require.Len(t, pending, 3)
+	for i, p := range pending {
+		require.Equal(t, msgs[i].UUID, p.UUID)
+	}
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, "g"))
+	pending, err = pgoutbox.Peek(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, "", 10)
+	require.NoError(t, err)
+	require.Empty(t, pending, "adopted by the group bound")
+	pending, err = pgoutbox.Peek(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, "g", 10)
+	require.NoError(t, err)
+	require.Len(t, pending, 3)
+}
+
 // MoveGroup from the default group hands a topic's unbound messages to a
 // group, as the consumer-groups guide says, on an outbox with arrivals
 // too: there they are arrivals no binding covers, and it moved none of

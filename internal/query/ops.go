@@ -257,7 +257,9 @@ SELECT (SELECT count(*) FROM upd), (SELECT count(*) FROM woken)`, n.QTable)
 // locking or leasing them: a range scan of the ready index.
 //
 // With arrivals, the group's arrivals too (those its binding covers, the
-// primary key's range from its start), each due at its arrival.
+// primary key's range from its start), each due at its arrival; for the
+// default group while it is not bound, the arrivals no binding covers: the
+// topic's unbound messages, which Stats counts as its.
 func Peek(n Names) string {
 	// A parked row's 'infinity' comes back as NULL: database/sql drivers
 	// read it as text, or fail on it (bun's pgdriver).
@@ -275,7 +277,10 @@ func Peek(n Names) string {
 UNION ALL
 (SELECT a.id, a.uuid, a.payload, a.metadata::text, a.created_at, a.created_at, 0, NULL, NULL, NULL, NULL
   FROM %s a
- WHERE a.topic = $1 AND a.id >= (SELECT arrivals_from FROM %s WHERE topic = $1 AND consumer_group = $2)
+ WHERE a.topic = $1
+   AND (a.id >= (SELECT arrivals_from FROM %[3]s WHERE topic = $1 AND consumer_group = $2)
+        OR ($2 = '' AND NOT EXISTS (SELECT 1 FROM %[3]s WHERE topic = $1 AND consumer_group = '')
+            AND a.id < coalesce((SELECT min(arrivals_from) FROM %[3]s WHERE topic = $1), 9223372036854775807)))
  ORDER BY a.id
  LIMIT $3)
 ORDER BY 6, 1

@@ -37,6 +37,12 @@ func (c *claimer) run(req claimRequest) claimResult {
 		// A fan-out that fails changes nothing: the claim goes on, and the
 		// next claim fans out again.
 		transferred, transferErr = c.transfer(req.n)
+		if transferred > 0 && c.cfg.MaxInFlight == 1 {
+			// Its copies are due at their arrival, maybe behind the
+			// cursor: an ordered subscription's claim reads from the
+			// start, or it would take later rows before them.
+			req.at, req.id = scanFromStart, 0
+		}
 	}
 	var r claimResult
 	if req.held {

@@ -59,9 +59,12 @@ func (c *claimSchedule) notified(k notifier.Kinds) {
 	if k.Orphans {
 		c.scan.holderGone()
 	}
-	if k.Vanished {
+	if k.Vanished || (k.Released && c.cfg.MaxInFlight == 1) {
 		// A process may have died: the rows of its held transactions are
-		// due again, behind a busy loop's cursor.
+		// due again, behind a busy loop's cursor. So are rows another
+		// subscriber returned, or fanned out from the arrivals (due at
+		// their arrival): an ordered subscription takes them now, not
+		// after later rows until its once-a-second look from the start.
 		c.scan.restart(false)
 	}
 	if k.Due {

@@ -363,3 +363,29 @@ func TestLeaseClaimsLeaveArrivalsToOpenHeldBatches(t *testing.T) {
 	c.claimed(claimResult{req: claimRequest{arrivals: noArrivals, sent: now}})
 	require.Equal(t, int64(42), c.arrivals)
 }
+
+// Rows another subscriber gave back or fanned out from the arrivals are due
+// at their old place, behind a busy loop's cursor: an ordered subscription
+// woken by them claims from the start, where it took later rows first
+// until its once-a-second look from the start. An unordered one keeps its
+// cursor (order is not its promise; the look from the start finds them).
+func TestClaimScheduleOrderedScansFromTheStartForReturnedRows(t *testing.T) {
+	t.Parallel()
+	for _, inFlight := range []int{1, 16} {
+		cfg := &SubscriberConfig{MinPollInterval: 10 * time.Millisecond, MaxPollInterval: time.Second, Lease: 10 * time.Second, MaxInFlight: inFlight}
+		c := newClaimSchedule(cfg, time.Now())
+		now := time.Now()
+		req := c.start(10, now, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
+		cursor := pgtype.Int8{Int64: 7, Valid: true}
+		r := claimResult{req: req, rows: []*delivery{{claimedRow: claimedRow{id: 7}}}, cursor: cursor,
+			cursorAt: pgtype.Timestamptz{Time: now, Valid: true}}
+		c.next(r, c.succeeded(r), now)
+		require.EqualValues(t, 7, c.scan.id, "busy: the next claim goes on from the cursor")
+		c.notified(notifier.Kinds{Released: true})
+		if inFlight == 1 {
+			require.Equal(t, scanFromStart, c.scan.at, "ordered: from the start")
+		} else {
+			require.EqualValues(t, 7, c.scan.id, "unordered: from the cursor")
+		}
+	}
+}

@@ -61,7 +61,10 @@ type Config struct {
 	Table string
 	// DeadLetterTable is the table that terminally failed messages move to
 	// (retry policy exhausted, rejected, too many deliveries, undecodable).
-	// Defaults to Table + "_dlq".
+	// Defaults to Table + "_dlq". Give each outbox its own: a letter keeps
+	// its outbox row's id, and two outboxes' ids collide in a shared table
+	// (the second outbox's failed messages could not move, and would be
+	// delivered again at every lease's end).
 	DeadLetterTable string
 	// NoDeadLetterTable opts out of the dead-letter table. A terminally
 	// failed message is then parked in the outbox instead: never due again,

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/url"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -309,4 +310,26 @@ func TestAMigrationRoleThatOwnsItsSchemaCreatesTheOutbox(t *testing.T) {
 	_, err := schema.Migrate(ctx, exec, c, schema.Latest)
 	require.NoError(t, err)
 	require.NoError(t, schema.Validate(ctx, exec, c))
+}
+
+// AutoInitializeSchema on a role without CREATE: an up-to-date outbox
+// needs nothing created, so Create runs no DDL and Subscribe goes on,
+// where it failed with a bare "permission denied for schema"; when it
+// cannot tell (the version table unreadable), the error says what the
+// option needs.
+func TestAutoInitializeSchemaWithoutCreateOnAnUpToDateOutbox(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	subscribe := func(pool *pgxpool.Pool) error {
+		sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, AutoInitializeSchema: true}, b.logger)
+		require.NoError(t, err)
+		defer func() { _ = sub.Close() }()
+		return sub.SubscribeInitialize("orders")
+	}
+	reading := b.loginRole(t, "autoinit", append(slices.Clone(subscriberGrants), `GRANT SELECT ON %s.outbox_schema_version TO %r`)...)
+	require.NoError(t, subscribe(reading))
+	blind := b.loginRole(t, "autoinit", subscriberGrants...)
+	err := subscribe(blind)
+	require.ErrorContains(t, err, "permission denied")
+	require.ErrorContains(t, err, "unset AutoInitializeSchema")
 }

@@ -103,6 +103,10 @@ func TestSubscriberConfigValidateRefusesFootguns(t *testing.T) {
 			cfg:  SubscriberConfig{Tables: schema.Config{DeadLetterTable: "1dlq"}},
 			want: []string{`"1dlq"`, "not a valid identifier"},
 		},
+		"DeadLetterTableNamedLikeTheOutboxsOwn": {
+			cfg:  SubscriberConfig{Tables: schema.Config{Table: "jobs", DeadLetterTable: "jobs_paused"}},
+			want: []string{`"jobs_paused" is a table of the outbox "jobs"'s own (its paused table)`},
+		},
 		"NegativeMaxDeliveries": {
 			cfg:  SubscriberConfig{MaxDeliveries: -3},
 			want: []string{"MaxDeliveries is -3", "0 for no limit"},

@@ -201,11 +201,15 @@ type SubscriberConfig struct {
 	// messages between them. Messages with an ordering key (WithOrderingKey)
 	// keep their key's order instead: a keyed message is claimed once the
 	// previous one of its key ended, and later messages, unkeyed or of other
-	// keys, do not wait for it.
+	// keys, do not wait for it; a nacked keyed message goes back with its
+	// delay and holds back its key only.
 	//
 	// With more, the Router runs up to MaxInFlight handlers at once, and a
 	// nacked message is due again after its delay, behind messages that are
-	// due sooner.
+	// due sooner. Each subscription starts MaxInFlight goroutines (the
+	// slots that hand messages to the Router) when it starts, busy or not:
+	// a few kilobytes each, so size it to the handlers' real concurrency
+	// rather than to the maximum.
 	MaxInFlight int
 
 	// Lease is how long a claimed row stays reserved for this subscriber.

@@ -1002,16 +1002,19 @@ func TestTxMiddlewareReturnedMessageMayReuseTheIncomingDedupKey(t *testing.T) {
 	onEachClaimPath(t, func(t *testing.T, path string) {
 		b := setup(t)
 		h := newTxHandlerBed(t, b.Pool, b)
-		var runs atomic.Int64
 		r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
 		require.NoError(t, err)
 		r.AddMiddleware(h.mw)
 		r.AddHandler("tick", "tick", h.newSubscriber(t, func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c) }), "tick", h.pub,
 			func(m *message.Message) ([]*message.Message, error) {
-				if err := h.increment(m); err != nil {
+				// The run's number as its transaction sees it: an attempt
+				// that rolls back and runs again counts once.
+				pgTx, _ := tx.PgxTxFromContext(m.Context())
+				var run int
+				if err := pgTx.QueryRow(m.Context(), `UPDATE `+b.Schema+`.counter SET n = n + 1 WHERE id = 1 RETURNING n`).Scan(&run); err != nil {
 					return nil, err
 				}
-				if runs.Add(1) >= 3 {
+				if run >= 3 {
 					return nil, nil
 				}
 				next := newMsg("tick")
@@ -1026,6 +1029,5 @@ func TestTxMiddlewareReturnedMessageMayReuseTheIncomingDedupKey(t *testing.T) {
 		pollUntil(t, "three runs of the timer", 30*time.Second, nil, func() bool {
 			return h.counter(t) == 3 && b.outboxRows(t, "tick") == 0
 		})
-		require.EqualValues(t, 3, runs.Load())
 	})
 }

@@ -106,7 +106,7 @@ func NewNames(schema, table, dlq string) (Names, error) {
 			// The outbox's own tables, named after it.
 			for _, own := range []string{"_bindings", "_schema_version", "_paused", "_arrivals"} {
 				if dlq == derive(table, own) {
-					problems = append(problems, fmt.Sprintf("dead-letter table %q is a table of the outbox %q's own (its %s table); give it another name", dlq, table, strings.TrimPrefix(own, "_")))
+					problems = append(problems, fmt.Sprintf("dead-letter table %q is the outbox %q's %s table; give it another name", dlq, table, strings.TrimPrefix(own, "_")))
 				}
 			}
 		}

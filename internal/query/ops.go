@@ -273,16 +273,23 @@ func Peek(n Names) string {
 	if !n.Arrivals {
 		return outbox
 	}
+	// Two ranges of the primary key, each a walk from its bound, not one
+	// with an OR the planner would read the topic's whole backlog for.
+	arrivals := func(cond string) string {
+		return fmt.Sprintf(`(SELECT a.id, a.uuid, a.payload, a.metadata::text, a.created_at, a.created_at, 0, NULL, NULL, NULL, NULL
+  FROM %s a
+ WHERE a.topic = $1 AND %s
+ ORDER BY a.id
+ LIMIT $3)`, n.QArrivals, cond)
+	}
 	return fmt.Sprintf(`(%s)
 UNION ALL
-(SELECT a.id, a.uuid, a.payload, a.metadata::text, a.created_at, a.created_at, 0, NULL, NULL, NULL, NULL
-  FROM %s a
- WHERE a.topic = $1
-   AND (a.id >= (SELECT arrivals_from FROM %[3]s WHERE topic = $1 AND consumer_group = $2)
-        OR ($2 = '' AND NOT EXISTS (SELECT 1 FROM %[3]s WHERE topic = $1 AND consumer_group = '')
-            AND a.id < coalesce((SELECT min(arrivals_from) FROM %[3]s WHERE topic = $1), 9223372036854775807)))
- ORDER BY a.id
- LIMIT $3)
+%s
+UNION ALL
+%s
 ORDER BY 6, 1
-LIMIT $3`, outbox, n.QArrivals, n.QBindings)
+LIMIT $3`, outbox,
+		arrivals(fmt.Sprintf(`a.id >= (SELECT arrivals_from FROM %s WHERE topic = $1 AND consumer_group = $2)`, n.QBindings)),
+		arrivals(fmt.Sprintf(`$2 = '' AND NOT EXISTS (SELECT 1 FROM %[1]s WHERE topic = $1 AND consumer_group = '')
+   AND a.id < coalesce((SELECT min(arrivals_from) FROM %[1]s WHERE topic = $1), 9223372036854775807)`, n.QBindings)))
 }

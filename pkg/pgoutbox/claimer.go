@@ -33,6 +33,7 @@ type claimer struct {
 func (c *claimer) run(req claimRequest) claimResult {
 	var transferred int64
 	var transferErr error
+	claim := req
 	if req.transfer {
 		// A fan-out that fails changes nothing: the claim goes on, and the
 		// next claim fans out again.
@@ -41,15 +42,19 @@ func (c *claimer) run(req claimRequest) claimResult {
 			// Its copies are due at their arrival, maybe behind the
 			// cursor: an ordered subscription's claim reads from the
 			// start, or it would take later rows before them.
-			req.at, req.id = scanFromStart, 0
+			claim.at, claim.id = scanFromStart, 0
 		}
 	}
 	var r claimResult
-	if req.held {
-		r = c.held(req)
+	if claim.held {
+		r = c.held(claim)
 	} else {
-		r = c.lease(req)
+		r = c.lease(claim)
 	}
+	// The request as the owner sent it: it moves its cursor to this
+	// claim's only if it did not restart the scan meanwhile
+	// (claimScan.claimed), here to the last row read from the start.
+	r.req = req
 	r.transferred, r.transferErr = transferred, transferErr
 	return r
 }

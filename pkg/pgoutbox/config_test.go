@@ -105,7 +105,7 @@ func TestSubscriberConfigValidateRefusesFootguns(t *testing.T) {
 		},
 		"DeadLetterTableNamedLikeTheOutboxsOwn": {
 			cfg:  SubscriberConfig{Tables: schema.Config{Table: "jobs", DeadLetterTable: "jobs_paused"}},
-			want: []string{`"jobs_paused" is a table of the outbox "jobs"'s own (its paused table)`},
+			want: []string{`dead-letter table "jobs_paused" is the outbox "jobs"'s paused table`},
 		},
 		"NegativeMaxDeliveries": {
 			cfg:  SubscriberConfig{MaxDeliveries: -3},

@@ -469,26 +469,37 @@ func adoptLate(ctx context.Context, exec tx.Executor, q *query.Queries, topic st
 // topic's lock.
 func adoptCopies(ctx context.Context, exec tx.Executor, n query.Names, topic string) (int64, error) {
 	var adopted int64
+	short := 0 // batches that took fewer than they might
 	for copies := false; ; {
 		var moved, third, woken int64
 		if err := queryRow(ctx, exec, query.AdoptUnbound(n, copies), []any{topic, groupBatch, n.Channel}, &moved, &third, &woken); err != nil {
 			return adopted, fmt.Errorf("adopt the unbound messages: %w", err)
 		}
 		adopted += moved
+		if moved < groupBatch {
+			short++
+		}
 		switch {
 		case !copies && third > 1:
 			copies = true
-		case !copies, moved == 0:
+		case !copies, moved == 0, short > maxShortAdoptions:
 			// Until a batch finds none, not until one finds fewer than it
 			// may take: publishes that cannot see the binding yet commit
 			// rows while a batch runs, and one left to the adoption after
 			// the commit comes after the newer messages of its key in the
 			// groups that get copies (up to 18 of one publisher's, one at a
-			// time, in a bind race).
+			// time, in a bind race). Bounded: those publishes go on while
+			// the binding is uncommitted, and a busy topic could keep every
+			// batch finding a few; the adoption after the commit takes them.
 			return adopted, nil
 		}
 	}
 }
+
+// maxShortAdoptions bounds the short batches adoptCopies runs after its
+// first: each takes what publishes committed during the one before, a few
+// milliseconds' worth.
+const maxShortAdoptions = 8
 
 // waitWriters waits until the transactions writing to the outbox now have
 // ended, at most bindWriterWait: then every publish that started before a

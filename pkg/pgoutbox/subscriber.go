@@ -319,8 +319,8 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 		if s.cfg.AutoInitializeSchema {
 			err = schema.Create(ctx, exec, s.cfg.Tables)
 			if errtext.SQLState(err) == "42501" { // insufficient_privilege
-				err = fmt.Errorf("%w (AutoInitializeSchema runs schema.Create, which needs CREATE on the schema unless the outbox is up to date "+
-					"and its version table readable; where migrations make the outbox, unset AutoInitializeSchema)", err)
+				err = fmt.Errorf("%w (AutoInitializeSchema runs schema.Create, which needs CREATE on the schema unless the single-table outbox is up to date "+
+					"and the role may read its version table: GRANT SELECT ON %s; where migrations make the outbox, unset AutoInitializeSchema)", err, s.q.Names.QVersions)
 			}
 		} else {
 			err = schema.Validate(ctx, exec, s.cfg.Tables)

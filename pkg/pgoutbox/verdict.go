@@ -254,11 +254,12 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 	default:
 		d.state = writing
 		delay := delayOf(n.delay)
-		if sub.ordered() && sub.drain.stopping {
+		if sub.ordered() && sub.drain.stopping && d.orderingKey == "" {
 			// Stopping: nobody here delivers it again, and a delay would
 			// put it behind later messages. It keeps its place, as the
 			// rows given back at the stop do; the next subscriber delivers
-			// it first, without the delay.
+			// it first, without the delay. (A keyed row keeps its delay:
+			// its key holds back what comes after it, wherever it is due.)
 			delay = pgtype.Int8{}
 		}
 		job := sub.jobFor(d)

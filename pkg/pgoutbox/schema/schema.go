@@ -237,10 +237,28 @@ func Create(ctx context.Context, db tx.Executor, c Config) error {
 				return err
 			}
 			if readable { // a statement that fails would abort the transaction
-				if st, err := readState(ctx, e, n); err == nil && st.Current == len(ms) && Validate(ctx, e, c) == nil {
-					return nil
+				st, err := readState(ctx, e, n)
+				if err != nil {
+					return err
+				}
+				// At the latest version or above (a newer release migrated
+				// it, and a deploy rolled back): nothing of this release's
+				// DDL is missing when it validates.
+				if st.Current >= len(ms) {
+					var problems *ValidationError
+					if err := Validate(ctx, e, c); err == nil {
+						return nil
+					} else if !errors.As(err, &problems) {
+						return err
+					}
 				}
 			}
+		}
+		// An index a failed CREATE INDEX CONCURRENTLY left invalid is
+		// there by name, and IF NOT EXISTS would take it for built: drop
+		// it, and the DDL builds it again (Validate names it).
+		if err := dropInvalidIndexes(ctx, e, n); err != nil {
+			return err
 		}
 		for _, stmt := range query.DDL(n) {
 			if _, err := e.Exec(ctx, stmt); err != nil {
@@ -415,6 +433,29 @@ func layoutProblem(ctx context.Context, db tx.Executor, n query.Names) (string, 
 		return fmt.Sprintf("table %s.%s is a single table, not a rotating outbox; convert it with schema.ConvertToRotating (pgoutbox schema convert-to-rotating), or leave Rotating unset", n.Schema, n.Table), nil
 	}
 	return "", nil
+}
+
+// dropInvalidIndexes drops the indexes of n's that are invalid.
+func dropInvalidIndexes(ctx context.Context, e tx.Executor, n query.Names) error {
+	seen := map[string]map[string]string{}
+	for _, idx := range n.Indexes() {
+		if seen[idx.Table] == nil {
+			rows, err := catalog(ctx, e, query.CatalogIndexes, n.Schema, idx.Table, 2)
+			if err != nil {
+				return err
+			}
+			seen[idx.Table] = map[string]string{}
+			for _, r := range rows {
+				seen[idx.Table][r[0]] = r[1]
+			}
+		}
+		if seen[idx.Table][idx.Name] == "false" {
+			if _, err := e.Exec(ctx, "DROP INDEX "+n.QSchema+"."+query.Quote(idx.Name)); err != nil {
+				return fmt.Errorf("drop the invalid index %s to build it again: %w", idx.Name, err)
+			}
+		}
+	}
+	return nil
 }
 
 // firstColumns are the outbox columns of the first released layout

@@ -502,18 +502,18 @@ func RunInTx(ctx context.Context, exec Executor, fn func(Executor) error) (err e
 	if err != nil {
 		return err
 	}
+	returned := false
 	defer func() {
-		if p := recover(); p != nil {
-			// A caller that recovers panics (a server, a test) must not
-			// keep the connection, and the locks taken in it, for good.
-			_ = rollback(context.WithoutCancel(ctx))
-			panic(p)
-		}
-		if err != nil {
+		// Rolled back when fn failed, and when it never returned (a panic
+		// a caller recovers, runtime.Goexit): the connection, and the locks
+		// taken in it, must not be kept for good.
+		if err != nil || !returned {
 			_ = rollback(context.WithoutCancel(ctx))
 		}
 	}()
-	if err = fn(txExec); err != nil {
+	err = fn(txExec)
+	returned = true
+	if err != nil {
 		return err
 	}
 	return commit(ctx)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -33,7 +34,7 @@ type MiddlewareConfig struct {
 	Publisher message.Publisher
 
 	// CommitTimeout bounds what runs after the handler returned without an
-	// error: publishing its messages, completing the row, COMMIT. These run
+	// error: completing the row, publishing its messages, COMMIT. These run
 	// even if the message's context was cancelled meanwhile (a Router or
 	// Subscriber closing), so finished work is committed, not rolled back
 	// and redone. Defaults to 10s.
@@ -246,7 +247,10 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 // handler's transaction aborted although the handler returned nil: one of
 // its statements failed and its error was dropped.
 func swallowed(err error) string {
-	if errtext.SQLState(err) != "25P02" && !errors.Is(err, pgx.ErrTxCommitRollback) { // in_failed_sql_transaction
+	// lib/pq does not send the COMMIT of a failed transaction; its error
+	// has no SQLSTATE, only this text.
+	if errtext.SQLState(err) != "25P02" && !errors.Is(err, pgx.ErrTxCommitRollback) && // in_failed_sql_transaction
+		(err == nil || !strings.Contains(err.Error(), "Could not complete operation in a failed transaction")) {
 		return ""
 	}
 	return " (a statement of the handler failed and the handler returned nil: return that statement's error, or run the statement in a savepoint if its failure is expected)"
@@ -273,7 +277,7 @@ func publishInTx(fin context.Context, exec Executor, config MiddlewareConfig, ms
 		m.SetContext(WithExecutor(ctx, exec))
 	}
 	if err := config.Publisher.Publish(topic, produced...); err != nil {
-		return errtext.Errorf("pgoutbox: publish the handler's messages in its transaction: %w", err)
+		return errtext.Errorf("pgoutbox: publish the handler's messages in its transaction: %w%s", err, swallowed(err))
 	}
 	return nil
 }

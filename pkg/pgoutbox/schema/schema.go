@@ -378,13 +378,8 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 			continue // the missing table says it all
 		}
 		if idxByTable[idx.Table] == nil {
-			rows, err := catalog(ctx, db, query.CatalogIndexes, n.Schema, idx.Table, 2)
-			if err != nil {
+			if idxByTable[idx.Table], err = indexStates(ctx, db, n, idx.Table); err != nil {
 				return err
-			}
-			idxByTable[idx.Table] = map[string]string{}
-			for _, r := range rows {
-				idxByTable[idx.Table][r[0]] = r[1]
 			}
 		}
 		switch idxByTable[idx.Table][idx.Name] {
@@ -435,18 +430,28 @@ func layoutProblem(ctx context.Context, db tx.Executor, n query.Names) (string, 
 	return "", nil
 }
 
+// indexStates maps the names of table's indexes to "true" when valid,
+// "false" when invalid (query.CatalogIndexes).
+func indexStates(ctx context.Context, e tx.Executor, n query.Names, table string) (map[string]string, error) {
+	rows, err := catalog(ctx, e, query.CatalogIndexes, n.Schema, table, 2)
+	if err != nil {
+		return nil, err
+	}
+	states := make(map[string]string, len(rows))
+	for _, r := range rows {
+		states[r[0]] = r[1]
+	}
+	return states, nil
+}
+
 // dropInvalidIndexes drops the indexes of n's that are invalid.
 func dropInvalidIndexes(ctx context.Context, e tx.Executor, n query.Names) error {
 	seen := map[string]map[string]string{}
 	for _, idx := range n.Indexes() {
 		if seen[idx.Table] == nil {
-			rows, err := catalog(ctx, e, query.CatalogIndexes, n.Schema, idx.Table, 2)
-			if err != nil {
+			var err error
+			if seen[idx.Table], err = indexStates(ctx, e, n, idx.Table); err != nil {
 				return err
-			}
-			seen[idx.Table] = map[string]string{}
-			for _, r := range rows {
-				seen[idx.Table][r[0]] = r[1]
 			}
 		}
 		if seen[idx.Table][idx.Name] == "false" {

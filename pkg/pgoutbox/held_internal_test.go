@@ -33,6 +33,21 @@ func TestLostClaimStaysWhenItsWriteJobFailsEarly(t *testing.T) {
 	require.Len(t, b.sub.claims.lost, 1, "ReleaseClaim never ran, but the lost claim was dropped")
 }
 
+// heldClaim feeds the owner a held claim of rows with the given ids, as
+// one batch, and returns the batch.
+func (b *testBundle) heldClaim(ids ...int64) *heldBatch {
+	req := b.sub.claims.scan.request(len(ids), b.sub.claims.gen, time.Now())
+	req.held = true
+	b.sub.claims.claiming = true
+	var rows []*delivery
+	for _, id := range ids {
+		rows = append(rows, &delivery{claimedRow: claimedRow{id: id, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(id, 0)}})
+	}
+	hb := &heldBatch{token: req.token, rows: rows, undecided: len(rows)}
+	b.sub.onClaimed(claimResult{req: req, rows: rows, batch: hb})
+	return hb
+}
+
 // A lease claim that never reached the server (no connection: the server
 // restarting) leased nothing: nothing is given back for it, where every
 // failed claim was released, a statement and an error line each, per idle
@@ -62,15 +77,7 @@ func TestHeldFailedEndDropsTheOrderedRetry(t *testing.T) {
 		c.MaxInFlight = 1
 		c.RetryPolicy = ConstantBackoff{Delay: 0, MaxAttempts: -1}
 	})
-	req := b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
-	req.held = true
-	b.sub.claims.claiming = true
-	rows := []*delivery{
-		{claimedRow: claimedRow{id: 1, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(1, 0)}},
-		{claimedRow: claimedRow{id: 2, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(2, 0)}},
-	}
-	hb := &heldBatch{token: req.token, rows: rows, undecided: 2}
-	b.sub.onClaimed(claimResult{req: req, rows: rows, batch: hb})
+	hb := b.heldClaim(1, 2)
 	d := b.handOut(t)
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg}, false) // nack: ordered hold, deferred
 	require.Len(t, hb.deferred.holds, 1)
@@ -102,15 +109,7 @@ func TestHeldFailedEndDropsTheOrderedRetry(t *testing.T) {
 // which operators alert on apart.
 func TestAckWaitingForAFailedBatchEndReportsTheBatch(t *testing.T) {
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4 })
-	req := b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
-	req.held = true
-	b.sub.claims.claiming = true
-	rows := []*delivery{
-		{claimedRow: claimedRow{id: 1, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(1, 0)}},
-		{claimedRow: claimedRow{id: 2, token: req.token, deliveries: 1, uuid: "u", metaRaw: []byte(`{}`), availableAt: time.Unix(2, 0)}},
-	}
-	hb := &heldBatch{token: req.token, rows: rows, undecided: 2}
-	b.sub.onClaimed(claimResult{req: req, rows: rows, batch: hb})
+	hb := b.heldClaim(1, 2)
 	d := b.handOut(t)
 	job := b.sub.held.close(hb, time.Now(), "bound", pgtype.Int8{}) // d still running: it becomes a lease
 	require.Contains(t, job.leased, d)

@@ -36,6 +36,19 @@ func (b *bundle) arrivals(t testing.TB, topic string) int {
 	return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_arrivals WHERE topic = $1`, topic)
 }
 
+// sortedUUIDs returns the UUIDs of the messages of every batch, sorted, as
+// consumeGroup returns what it took.
+func sortedUUIDs(batches ...[]*message.Message) []string {
+	var out []string
+	for _, ms := range batches {
+		for _, m := range ms {
+			out = append(out, m.UUID)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
 // consumeGroup subscribes group to topic, takes n messages, acks them,
 // checks that nothing more comes, and returns their UUIDs, sorted.
 func (b *bundle) consumeGroup(t *testing.T, topic, group string, n int, mod func(*pgoutbox.SubscriberConfig)) []string {
@@ -189,20 +202,10 @@ func TestArrivalsReachEveryBoundGroup(t *testing.T) {
 		late := newMsgs(5)
 		require.NoError(t, pub.Publish(topic, late...))
 
-		uuids := func(ms ...[]*message.Message) []string {
-			var out []string
-			for _, m := range ms {
-				for _, x := range m {
-					out = append(out, x.UUID)
-				}
-			}
-			slices.Sort(out)
-			return out
-		}
 		want := map[string][]string{
-			"a": uuids(early, middle, late),
-			"b": uuids(early, middle, late),
-			"c": uuids(late),
+			"a": sortedUUIDs(early, middle, late),
+			"b": sortedUUIDs(early, middle, late),
+			"c": sortedUUIDs(late),
 		}
 		for _, g := range []string{"a", "b", "c"} {
 			got := b.consumeGroup(t, topic, g, len(want[g]), func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c) })
@@ -231,23 +234,15 @@ func TestArrivalsBindingWithoutTheSettingStartsFromNew(t *testing.T) {
 	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), lagging, topic, "c"))
 	after := newMsgs(2)
 	require.NoError(t, pub.Publish(topic, after...))
-	uuids := func(ms ...*message.Message) []string {
-		var out []string
-		for _, m := range ms {
-			out = append(out, m.UUID)
-		}
-		slices.Sort(out)
-		return out
-	}
-	require.Equal(t, uuids(after...), b.consumeGroup(t, topic, "c", len(after), nil), "group c")
+	require.Equal(t, sortedUUIDs(after), b.consumeGroup(t, topic, "c", len(after), nil), "group c")
 	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), lagging, topic, "d"))
 	more := newMsgs(2)
 	require.NoError(t, pub.Publish(topic, more...))
 	_, err := pgoutbox.Unbind(ctx, tx.FromPgxPool(b.Pool), lagging, topic, "d", true)
 	require.NoError(t, err)
-	require.Equal(t, uuids(append(append(before, after...), more...)...), b.consumeGroup(t, topic, "a", 9, nil), "group a")
+	require.Equal(t, sortedUUIDs(before, after, more), b.consumeGroup(t, topic, "a", 9, nil), "group a")
 	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1 AND consumer_group = 'd'`, topic), "nothing left for the unbound group")
-	require.Equal(t, uuids(more...), b.consumeGroup(t, topic, "c", len(more), nil), "group c")
+	require.Equal(t, sortedUUIDs(more), b.consumeGroup(t, topic, "c", len(more), nil), "group c")
 	require.Zero(t, b.arrivals(t, topic))
 }
 
@@ -291,12 +286,7 @@ func TestArrivalsMoveGroupHandsOverTheUnboundMessages(t *testing.T) {
 	require.EqualValues(t, 3, moved)
 	require.Zero(t, b.arrivals(t, topic))
 	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, topic, "g"))
-	var want []string
-	for _, m := range msgs {
-		want = append(want, m.UUID)
-	}
-	slices.Sort(want)
-	require.Equal(t, want, b.consumeGroup(t, topic, "g", 3, nil))
+	require.Equal(t, sortedUUIDs(msgs), b.consumeGroup(t, topic, "g", 3, nil))
 }
 
 // First groups bound together with the default group among them get

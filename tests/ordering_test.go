@@ -243,13 +243,8 @@ func TestOrderedSubscriptionsKeyedRetryHoldsOnlyItsKey(t *testing.T) {
 	t.Parallel()
 	onEachClaimPath(t, func(t *testing.T, path string) {
 		b := setup(t)
-		msg := func(key, name string) *message.Message {
-			m := newMsg(name)
-			pgoutbox.WithOrderingKey(m, key)
-			return m
-		}
 		require.NoError(t, b.poolPublisher(t).Publish("t",
-			msg("a", "a1 failing"), msg("a", "a2"), msg("b", "b1"), newMsg("plain"), msg("b", "b2")))
+			keyedMsg("a", "a1 failing"), keyedMsg("a", "a2"), keyedMsg("b", "b1"), newMsg("plain"), keyedMsg("b", "b2")))
 		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
 			onPath(t, path, c)
 			c.MaxInFlight = 1

@@ -134,12 +134,12 @@ bench-relay:
 		(cd $$m && go test -run '^$$' -bench . -benchtime $(or $(RELAY_BENCH_N),20000)x -count $(or $(RELAY_BENCH_COUNT),3) .) | grep -E '^(Benchmark|ok|FAIL)'; \
 	done
 
-## bench-compare: pgoutbox at BASE (a commit) vs the working tree, side by side, medians; e.g. make bench-compare BASE=35b3c5e
+## bench-compare: pgoutbox at BASE (a commit) vs the working tree, side by side, medians; e.g. make bench-compare BASE=35b3c5e (SYSTEM=pgoutbox-lease or another pgoutbox system of the bench)
 # (A comma-separated default inside $(or ...) would be split into its
 # arguments: the list is a variable of its own.)
 SCENARIOS ?= drain-1,drain-16,drain-1m,latency-1,latency-16
 bench-compare:
-	@$(PG_ENV); scripts/bench-compare.sh $(BASE) $(or $(ROUNDS),3) $(SCENARIOS) $(or $(SCALE),5)
+	@$(PG_ENV); scripts/bench-compare.sh $(BASE) $(or $(ROUNDS),3) $(SCENARIOS) $(or $(SCALE),5) $(or $(SYSTEM),pgoutbox)
 
 ## ui-screenshots: regenerate docs/images/ui-*.png, the operator page in headless chromium (tests/browser)
 ui-screenshots:

@@ -4,10 +4,12 @@
 # every round runs each scenario once per build, alternating which goes
 # first, and the medians are printed.
 #
-#   scripts/bench-compare.sh BASE_COMMIT [ROUNDS] [SCENARIOS] [SCALE]
+#   scripts/bench-compare.sh BASE_COMMIT [ROUNDS] [SCENARIOS] [SCALE] [SYSTEM]
 #   make bench-compare BASE=35b3c5e
 #
-# Only the pgoutbox system is measured. Defaults: 3 rounds;
+# One system is measured, pgoutbox (the default layout) unless SYSTEM names
+# another of the bench's pgoutbox systems (pgoutbox-lease, pgoutbox-arrivals,
+# ...). Defaults: 3 rounds;
 # drain-1,drain-16,drain-1m,latency-1,latency-16; scale 5 (the bench's
 # -scale: 100,000-message drains, long enough to be stable on a shared
 # machine; drain-1m's backlog is capped at 1,000,000).
@@ -16,6 +18,7 @@ base=${1:?usage: scripts/bench-compare.sh BASE_COMMIT [ROUNDS] [SCENARIOS]}
 rounds=${2:-3}
 scenarios=${3:-drain-1,drain-16,drain-1m,latency-1,latency-16}
 scale=${4:-5}
+system=${5:-pgoutbox}
 root=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
 trap 'git -C "$root" worktree remove --force "$work/base" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
@@ -25,7 +28,7 @@ git -C "$root" worktree add --detach "$work/base" "$base" >/dev/null 2>&1
 (cd "$root/tests/bench" && go build -o "$work/bench-head" .)
 head=$(git -C "$root" rev-parse --short HEAD)
 if [ -n "$(git -C "$root" status --porcelain -- pkg internal)" ]; then head="$head+changes"; fi
-echo "bench-compare: base $base vs head $head, $rounds rounds, scenarios $scenarios, scale $scale" >&2
+echo "bench-compare: base $base vs head $head, system $system, $rounds rounds, scenarios $scenarios, scale $scale" >&2
 
 IFS=, read -r -a list <<< "$scenarios"
 for r in $(seq 1 "$rounds"); do
@@ -33,7 +36,7 @@ for r in $(seq 1 "$rounds"); do
     order="base head"; [ $((r % 2)) -eq 0 ] && order="head base"
     for which in $order; do
       flags=(-scale "$scale"); [ "$sc" = drain-1m ] && flags=(-backlog-large $((1000000 / scale)) -scale "$scale")
-      "$work/bench-$which" -systems pgoutbox -scenarios "$sc" -repeat 1 "${flags[@]}" -json 2>/dev/null \
+      "$work/bench-$which" -systems "$system" -scenarios "$sc" -repeat 1 "${flags[@]}" -json 2>/dev/null \
         | sed "s/^{/{\"build\":\"$which\",/" >> "$work/results.jsonl"
       echo "  round $r $sc $which done" >&2
     done

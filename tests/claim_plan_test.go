@@ -591,3 +591,34 @@ func TestKeyedClaimProbesEachKeyOnce(t *testing.T) {
 		require.Contains(t, plan, "rows=2 loops=1", "analyzed %v: the claim takes both keys' first rows:\n%s", analyzed, plan)
 	}
 }
+
+// TestTransferPlansWalkTheArrivalsKey explains the fan-out of arrivals
+// (query.ArrivalsStatements.Transfer) as the claimer runs it, with
+// query.ClaimSettings and its generic plan, on a busy arrivals table: it
+// reads the topic's arrivals through the arrivals' key in its order and
+// deletes them by it, never scanning a table sequentially.
+func TestTransferPlansWalkTheArrivalsKey(t *testing.T) {
+	t.Parallel()
+	b := setupArrivals(t)
+	ctx := context.Background()
+	_, err := b.Pool.Exec(ctx, fmt.Sprintf(`
+INSERT INTO %s.outbox_arrivals (topic, uuid, payload)
+SELECT 'topic-' || (g %% 20), g::text, '\x00' FROM generate_series(1, 100000) g`, b.Schema))
+	require.NoError(t, err)
+	for _, g := range []string{"g1", "g2", "g3"} {
+		require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "topic-3", g))
+	}
+	_, err = b.Pool.Exec(ctx, "ANALYZE "+b.Schema+".outbox_arrivals")
+	require.NoError(t, err)
+
+	q := query.Build(b.names(t).WithArrivals(), true)
+	conn, err := b.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	st := claimStatement{"transfer", q.Arrivals.Transfer, []any{"topic-3", "g1", 256, "channel"}}
+	text := explainIn(t, conn, st, query.ClaimSettings)
+	t.Logf("transfer:\n%s", text)
+	require.Contains(t, text, "$1", "the fan-out must run its generic plan")
+	require.NotContains(t, text, "Seq Scan", "the fan-out must not scan a table sequentially")
+	require.GreaterOrEqual(t, strings.Count(text, "outbox_arrivals_pkey"), 2, "the fan-out must pick and delete arrivals by their key")
+}

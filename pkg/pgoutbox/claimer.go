@@ -67,8 +67,10 @@ func (c *claimer) transfer(n int) (int64, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.StatementTimeout)
 	defer cancel()
 	// The lock, then the fan-out: one round trip, one implicit
-	// transaction (see query.ArrivalsStatements.TransferLock).
-	b, lead := ownBatch(c.isolate)
+	// transaction (see query.ArrivalsStatements.TransferLock), with the
+	// claims' settings: like a claim, the fan-out was planned anew on
+	// every call otherwise.
+	b, lead := ownBatch(c.isolate, query.ClaimSettings)
 	b.Queue(c.q.Arrivals.TransferLock, c.topic)
 	b.Queue(c.q.Arrivals.Transfer, c.topic, c.cfg.ConsumerGroup, max(n, maxClaim), c.q.Names.Channel)
 	res := c.pool.SendBatch(ctx, b)

@@ -624,3 +624,26 @@ func TestArrivalsBesideOrderingKeys(t *testing.T) {
 		require.Equal(t, map[string]int{"a": perKey, "b": perKey}, next)
 	})
 }
+
+// A subscriber whose Tables lack Arrivals, on a topic whose publishers put
+// messages in the arrivals table, would claim the outbox alone and never
+// see them, while all looked well: Subscribe refuses, saying what to set,
+// and the messages wait for a subscriber that has it.
+func TestArrivalsSubscriberWithoutTheSettingIsRefused(t *testing.T) {
+	b := setupArrivals(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	topic := "arrive-unseen-" + watermill.NewShortUUID()
+	msgs := newMsgs(3)
+	require.NoError(t, b.poolPublisher(t).Publish(topic, msgs...))
+	require.Equal(t, 3, b.arrivals(t, topic))
+
+	lagging := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.Tables.Arrivals = false })
+	_, err := lagging.Subscribe(ctx, "arrive-other-"+watermill.NewShortUUID())
+	require.NoError(t, err, "a topic without arrivals")
+	_, err = lagging.Subscribe(ctx, topic)
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.ErrorContains(t, err, "set Arrivals in the subscriber's schema.Config")
+
+	require.Equal(t, sortedUUIDs(msgs), b.consumeGroup(t, topic, "", len(msgs), nil), "a subscriber with Arrivals gets them")
+}

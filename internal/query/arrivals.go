@@ -467,3 +467,15 @@ func ArrivalsHeld(n Names) string {
 const ArrivalsUsable = `SELECT CASE WHEN to_regclass($1) IS NULL THEN false
             ELSE has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'DELETE')
                  AND coalesce(has_sequence_privilege(pg_get_serial_sequence($2, 'id'), 'USAGE'), false) END`
+
+// ArrivalsWaiting tells whether arrivals of topic $1 wait in the arrivals
+// table of n, an outbox's names without its arrivals. A subscriber whose
+// tables lack arrivals asks it before it starts (its claims never read
+// them), once ReadableTable ($1: ArrivalsTableOf) found the table it may
+// read: an outbox made before arrivals has none.
+func ArrivalsWaiting(n Names) string {
+	return `SELECT EXISTS (SELECT 1 FROM ` + n.WithArrivals().QArrivals + ` WHERE topic = $1)`
+}
+
+// ArrivalsTableOf is the qualified arrivals table of n, for ReadableTable.
+func ArrivalsTableOf(n Names) string { return n.WithArrivals().QArrivals }

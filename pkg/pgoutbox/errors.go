@@ -23,7 +23,9 @@ var (
 	// given; nothing of the Publish call is written.
 	ErrInvalidMessage = errors.New("pgoutbox: invalid message")
 	// ErrInvalidConfig is returned by the constructors for a configuration
-	// that cannot work.
+	// that cannot work, and by Subscribe for one that cannot work with the
+	// outbox it finds (a subscriber without Tables.Arrivals on a topic
+	// whose messages wait in the arrivals table).
 	ErrInvalidConfig = errors.New("pgoutbox: invalid configuration")
 	// ErrAckDeadline is the error recorded (last_error, RetryPolicy) for a
 	// message whose handler did not answer within AckDeadline.

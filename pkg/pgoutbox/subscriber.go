@@ -169,12 +169,39 @@ func (s *Subscriber) setUp(ctx context.Context, topic string) (lateWriters strin
 	defer cancel()
 	err = s.ensureSchema(ctx)
 	if err == nil {
+		err = s.checkArrivals(ctx, topic)
+	}
+	if err == nil {
 		lateWriters, err = s.bind(ctx, topic)
 	}
 	if err != nil && errors.Is(context.Cause(ctx), ErrSubscriberClosed) {
 		return "", fmt.Errorf("%w while Subscribe to %q waited for the database: %w", ErrSubscriberClosed, topic, err)
 	}
 	return lateWriters, err
+}
+
+// checkArrivals refuses topic when its messages wait in the arrivals
+// table (publishers with Tables.Arrivals write there) and this
+// subscriber's Tables lack Arrivals: its claims never read that table, and
+// they would wait for good while the subscription ran as if all were well.
+func (s *Subscriber) checkArrivals(ctx context.Context, topic string) error {
+	if s.q.Names.Arrivals || s.cfg.Tables.Rotating {
+		return nil
+	}
+	return s.retryConnectionLost(ctx, func() error {
+		ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
+		defer cancel()
+		var readable, waiting bool
+		err := s.pool.QueryRow(ctx, query.ReadableTable, query.ArrivalsTableOf(s.q.Names)).Scan(&readable)
+		if err == nil && readable {
+			err = s.pool.QueryRow(ctx, query.ArrivalsWaiting(s.q.Names), topic).Scan(&waiting)
+		}
+		if err == nil && waiting {
+			err = fmt.Errorf("%w: messages of topic %q wait in %s, where publishers with Tables.Arrivals put them, and this subscriber's Tables lack Arrivals, so it would never claim them: "+
+				"set Arrivals in the subscriber's schema.Config as in the publishers'", ErrInvalidConfig, topic, query.ArrivalsTableOf(s.q.Names))
+		}
+		return err
+	})
 }
 
 // bind returns the transactions (query.Writers) that were writing to the

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -118,4 +119,100 @@ func (b *bundle) traffic(t *testing.T, topic string, n int) (published *atomic.I
 		}()
 	}
 	return published, func() { close(done); wg.Wait() }
+}
+
+// The operations on waiting rows of a rotating outbox, each while a
+// rotation step is moving those rows out of the ring (a transaction that
+// takes the rotator's lock and moves them to the long partition, as a step
+// does, and commits once the operation waits): MoveGroup skipped the
+// locked rows and reported a partial move as complete, RequeueParked the
+// same, and Unbind's purge failed with "already moved to another
+// partition". Each now waits for the step and does all of it. (Keyed
+// rows, which CancelScheduled finds, live in the long partition and are
+// never moved.)
+func TestOperationsOnRowsARotationStepIsMoving(t *testing.T) {
+	t.Parallel()
+	const rows = 300
+	ops := []struct {
+		name string
+		// mark makes the group's rows what the operation acts on.
+		mark string
+		run  func(ctx context.Context, b *bundle, exec tx.Executor, topic string) (int64, error)
+		// left counts what the operation must leave none of.
+		left string
+	}{
+		{"move", "", func(ctx context.Context, b *bundle, exec tx.Executor, topic string) (int64, error) {
+			return pgoutbox.MoveGroup(ctx, exec, b.tables, topic, "a", "b")
+		}, "consumer_group = 'a'"},
+		{"unbind-purge", "", func(ctx context.Context, b *bundle, exec tx.Executor, topic string) (int64, error) {
+			return pgoutbox.Unbind(ctx, exec, b.tables, topic, "a", true)
+		}, "true"},
+		{"requeue-parked", ", available_at = 'infinity', failure_reason = 'rejected'", func(ctx context.Context, b *bundle, exec tx.Executor, topic string) (int64, error) {
+			return pgoutbox.RequeueParked(ctx, exec, b.tables, pgoutbox.ParkedFilter{Topic: topic})
+		}, "available_at = 'infinity'"},
+	}
+	b := rotatingSetup(t)
+	exec := tx.FromPgxPool(b.Pool)
+	for _, op := range ops {
+		t.Run(op.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			topic := "moving-" + op.name
+			_, err := pgoutbox.BindGroups(ctx, exec, b.tables, topic, []string{"a"})
+			require.NoError(t, err)
+			n := rows
+			msgs := newMsgs(n)
+			for _, m := range msgs {
+				pgoutbox.DeliverAfter(m, time.Hour)
+			}
+			require.NoError(t, b.poolPublisher(t).Publish(topic, msgs...))
+			if op.mark != "" {
+				_, err = b.Pool.Exec(ctx, `UPDATE `+qtable(b.Schema)+` SET deliveries = deliveries`+op.mark+` WHERE topic = $1`, topic)
+				require.NoError(t, err)
+			}
+
+			// The step: the rotator's lock, then the rows moved to the long
+			// partition, uncommitted.
+			step, err := b.Pool.Begin(ctx)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = step.Rollback(context.Background()) })
+			_, err = step.Exec(ctx, query.RotationWait, qtable(b.Schema))
+			require.NoError(t, err)
+			var stepPID int
+			require.NoError(t, step.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&stepPID))
+			moved, err := step.Exec(ctx, fmt.Sprintf(`UPDATE %s SET generation = %d WHERE topic = $1 AND generation <> %[2]d`, qtable(b.Schema), query.LongGeneration), topic)
+			require.NoError(t, err)
+			require.EqualValues(t, n, moved.RowsAffected())
+
+			type result struct {
+				n   int64
+				err error
+			}
+			done := make(chan result, 1)
+			go func() {
+				n, err := op.run(ctx, b, exec, topic)
+				done <- result{n, err}
+			}()
+			// The operation waits for the step, or (as it did) returns at
+			// once; either way the step commits after.
+			var r result
+			var returned bool
+			pollUntil(t, "the operation waits for the step or returns", 10*time.Second, nil, func() bool {
+				select {
+				case r = <-done:
+					returned = true
+					return true
+				default:
+				}
+				return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid))`, stepPID) > 0
+			})
+			require.NoError(t, step.Commit(ctx))
+			if !returned {
+				r = <-done
+			}
+			require.NoError(t, r.err)
+			require.EqualValues(t, n, r.n, "what the operation did")
+			require.Zero(t, b.count(t, `SELECT count(*) FROM `+qtable(b.Schema)+` WHERE topic = $1 AND `+op.left, topic), "rows left behind")
+		})
+	}
 }

@@ -302,7 +302,7 @@ END $pgoutbox$`, n.QTable, LongGeneration),
 		PreparedNames: []string{idKey, dedupKey},
 		Lock:          fmt.Sprintf(`LOCK TABLE %s IN ACCESS EXCLUSIVE MODE`, n.QTable),
 		NextID:        nextID(n),
-		RotationLock:  `SELECT pg_advisory_xact_lock(` + rotationLockKey + `)`,
+		RotationLock:  RotationWait,
 		GenerationIndexes: fmt.Sprintf(`SELECT DISTINCT c.relname::text FROM pg_catalog.pg_depend d
   JOIN pg_catalog.pg_class c ON c.oid = d.objid
   JOIN pg_catalog.pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid

@@ -116,6 +116,14 @@ type RotationStatements struct {
 // the partition holds a row under its lock.
 const RotateOccupied = "pgoutbox: the partition holds a row committed since it was found empty"
 
+// RotationWait ($1 the outbox's quoted name) waits for the rotation step
+// under way, if any, and keeps the next from starting until the
+// transaction ends (the steps only try the lock): for the operations on
+// waiting rows (MoveGroup, a purge, a requeue of parked rows),
+// whose statements would skip the rows a step is moving (SKIP LOCKED) or
+// fail on them ("already moved to another partition").
+const RotationWait = `SELECT pg_advisory_xact_lock(` + rotationLockKey + `)`
+
 // rotationLockKey is the advisory lock that makes one rotation step at a
 // time per outbox, $1 the outbox's quoted name: rotation steps try it,
 // the conversion back waits for it.

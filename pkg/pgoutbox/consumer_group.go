@@ -606,6 +606,12 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 		if _, err := e.Exec(ctx, query.TopicLock, lockKey); err != nil {
 			return err
 		}
+		if purge && n.Rotating {
+			// The purge must not meet a rotation step (besideRotation).
+			if _, err := e.Exec(ctx, query.RotationWait, n.QTable); err != nil {
+				return err
+			}
+		}
 		if err := settleArrivals(ctx, e, n, topic, group); err != nil {
 			return err
 		}
@@ -650,7 +656,10 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 		open, err = waitWriters(ctx, exec, n.QTable)
 		var late int64
 		if err == nil && purge {
-			late, err = exec.Exec(ctx, q.Purge, topic, group)
+			err = besideRotation(ctx, exec, n, func(e tx.Executor) error {
+				late, err = e.Exec(ctx, q.Purge, topic, group)
+				return err
+			})
 			purged += late
 		}
 		if err == nil && group == "" {
@@ -733,7 +742,9 @@ func MoveGroup(ctx context.Context, exec tx.Executor, tables schema.Config, topi
 	var total int64
 	for {
 		var moved, woken int64
-		if err := queryRow(ctx, exec, query.MoveGroup(q.Names), []any{topic, from, to, groupBatch, q.Names.Channel}, &moved, &woken); err != nil {
+		if err := besideRotation(ctx, exec, q.Names, func(e tx.Executor) error {
+			return queryRow(ctx, e, query.MoveGroup(q.Names), []any{topic, from, to, groupBatch, q.Names.Channel}, &moved, &woken)
+		}); err != nil {
 			return total, errorf("pgoutbox: move group %q of topic %q into %q: %w", from, topic, to, err)
 		}
 		total += moved
@@ -993,4 +1004,23 @@ func adoptArrivals(exec tx.Executor, n query.Names, topic, lockKey string, b *bi
 			return total, nil
 		}
 	}
+}
+
+// besideRotation runs f on exec, in a transaction that first waits out the
+// rotation step under way on a rotating outbox and keeps the next one from
+// starting until it ends (query.RotationWait): a step moves waiting rows
+// out of the ring, and a statement meeting them would skip them as held
+// (and report a partial move or requeue as complete) or fail on them
+// ("already moved to another partition"). In exec's transaction when exec
+// is one: steps wait for it to end.
+func besideRotation(ctx context.Context, exec tx.Executor, n query.Names, f func(tx.Executor) error) error {
+	if !n.Rotating {
+		return f(exec)
+	}
+	return tx.RunInTx(ctx, exec, func(e tx.Executor) error {
+		if _, err := e.Exec(ctx, query.RotationWait, n.QTable); err != nil {
+			return fmt.Errorf("wait for the outbox's rotation step: %w", err)
+		}
+		return f(e)
+	})
 }

@@ -471,7 +471,12 @@ func RequeueParked(ctx context.Context, exec tx.Executor, tables schema.Config, 
 	if f.Limit > 0 {
 		limit = pgtype.Int8{Int64: int64(f.Limit), Valid: true}
 	}
-	return requeue(ctx, exec, "requeue parked rows", query.RequeueParked(q.Names), topic, group, reason, f.IDs, limit, q.Names.Channel)
+	var n int64
+	err = besideRotation(ctx, exec, q.Names, func(e tx.Executor) error {
+		n, err = requeue(ctx, e, "requeue parked rows", query.RequeueParked(q.Names), topic, group, reason, f.IDs, limit, q.Names.Channel)
+		return err
+	})
+	return n, err
 }
 
 // PendingMessage is an outbox row that is not leased, as Peek reads it.

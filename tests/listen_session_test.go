@@ -1,6 +1,8 @@
 package tests
 
 import (
+	"context"
+	"net/url"
 	"testing"
 	"time"
 
@@ -37,4 +39,47 @@ func TestListenSessionThatHangsInItsSetUpIsReplaced(t *testing.T) {
 	trapped := time.Now()
 	pollUntil(t, "a session after the trapped one holds the lock", 30*time.Second, nil, func() bool { return held() == 1 })
 	t.Logf("the lock back %s after the trap", time.Since(trapped).Round(time.Millisecond))
+}
+
+// A ListenDSN that reaches another database than the pool (a DSN without
+// a database name reaches the one named like the user) took its liveness
+// lock there, where the other subscribers do not look: they took its
+// messages in flight for a crashed process's and delivered them again,
+// and it got no wake-ups. Subscribe refuses it, saying what to do; the
+// pool's database reached through another address is accepted.
+func TestListenDSNOfAnotherDatabaseIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	other := mustParse(t, b.DSN)
+	other.Path = "/postgres"
+	if mustParse(t, b.DSN).Path == "/postgres" {
+		other.Path = "/template1"
+	}
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ListenDSN = other.String() })
+	_, err := sub.Subscribe(ctx, "listen-elsewhere")
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.ErrorContains(t, err, "point ListenDSN at the pool's database")
+
+	px := startTCPProxy(t, b.DSN)
+	same := mustParse(t, b.DSN)
+	same.Host = px.addr
+	ok := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ListenDSN = same.String() })
+	msgs, err := ok.Subscribe(ctx, "listen-here")
+	require.NoError(t, err)
+	require.NoError(t, b.poolPublisher(t).Publish("listen-here", newMsgs(1)...))
+	select {
+	case m := <-msgs:
+		m.Ack()
+	case <-ctx.Done():
+		t.Fatal("no message through a subscriber whose ListenDSN reaches the pool's database")
+	}
+}
+
+func mustParse(t *testing.T, dsn string) *url.URL {
+	t.Helper()
+	u, err := url.Parse(dsn)
+	require.NoError(t, err)
+	return u
 }

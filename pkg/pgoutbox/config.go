@@ -317,7 +317,9 @@ type SubscriberConfig struct {
 	// never hears a notification and session locks do not stay put, so
 	// without it wake-ups come only from polling (MaxPollInterval) and a
 	// crashed process's rows come back only when their leases expire.
-	// Defaults to "": the pool's own settings.
+	// It must reach the pool's database on the same server: Subscribe
+	// refuses one that reaches another (ErrInvalidConfig), where the lock
+	// would not be seen. Defaults to "": the pool's own settings.
 	ListenDSN string
 
 	// RotationWindow is how long each partition of a rotating outbox

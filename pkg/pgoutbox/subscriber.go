@@ -354,8 +354,12 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 		}
 		if err == nil {
 			var isolation string
-			err = s.pool.QueryRow(ctx, "SELECT current_database(), current_setting('default_transaction_isolation')").Scan(&s.database, &isolation)
+			var started time.Time
+			err = s.pool.QueryRow(ctx, "SELECT current_database(), current_setting('default_transaction_isolation'), "+serverStarted).Scan(&s.database, &isolation, &started)
 			s.isolate = isolation != "read committed"
+			if err == nil {
+				err = s.checkListen(ctx, started)
+			}
 		}
 		return err
 	})
@@ -363,6 +367,44 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 		return err
 	}
 	s.schemaReady = true
+	return nil
+}
+
+// serverStarted is when the server started: with the database's name, it
+// tells whether two connections reach the same database of the same
+// server, through any address or pooler.
+const serverStarted = "pg_postmaster_start_time()"
+
+// checkListen refuses a ListenDSN that reaches another database or server
+// than the pool (a DSN without a database name reaches the one named like
+// the user): the liveness lock taken there is not seen where the other
+// subscribers look for it, so they take this process's rows in flight for
+// a crashed one's and deliver them again, and no wake-up arrives. When it
+// cannot connect, the notifier keeps trying and says so.
+func (s *Subscriber) checkListen(ctx context.Context, poolStarted time.Time) error {
+	if s.listen == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	conn, err := pgx.ConnectConfig(ctx, s.listen.Copy())
+	if err != nil {
+		return nil
+	}
+	defer conn.Close(context.Background())
+	var database string
+	var started time.Time
+	if err := conn.QueryRow(ctx, "SELECT current_database(), "+serverStarted).Scan(&database, &started); err != nil {
+		return nil
+	}
+	if database != s.database || !started.Equal(poolStarted) {
+		where := fmt.Sprintf("database %q", database)
+		if database == s.database {
+			where = "another server's database of the same name"
+		}
+		return fmt.Errorf("%w: SubscriberConfig.ListenDSN reaches %s, and the pool database %q: other subscribers would not see this process's liveness lock and would take its messages in flight, and no wake-up would arrive; "+
+			"point ListenDSN at the pool's database on the same server (name the database in it)", ErrInvalidConfig, where, s.database)
+	}
 	return nil
 }
 

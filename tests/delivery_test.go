@@ -477,3 +477,42 @@ func (l *list) get() []string {
 	defer l.mu.Unlock()
 	return append([]string(nil), l.items...)
 }
+
+// A RetryPolicy that panics took the process down at the message's first
+// nack, and every process after it at the redelivery: the panic is logged
+// and the default policy decides (a redelivery after about a second).
+func TestPanickingRetryPolicyFallsBackToTheDefault(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		topic := "panicking-policy-" + path
+		var asked atomic.Int32
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.RetryPolicy = pgoutbox.RetryPolicyFunc(func(int, error) (time.Duration, bool) {
+				asked.Add(1)
+				panic("a bug in the policy")
+			})
+		})
+		msgs, err := sub.Subscribe(ctx, topic)
+		require.NoError(t, err)
+		sent := newMsgs(1)
+		require.NoError(t, b.poolPublisher(t).Publish(topic, sent...))
+		for delivery := 1; delivery <= 2; delivery++ {
+			select {
+			case m := <-msgs:
+				require.Equal(t, sent[0].UUID, m.UUID)
+				if delivery == 1 {
+					m.Nack()
+				} else {
+					m.Ack()
+				}
+			case <-ctx.Done():
+				t.Fatalf("delivery %d did not come", delivery)
+			}
+		}
+		require.EqualValues(t, 1, asked.Load())
+	})
+}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"reflect"
 	"strings"
 	"time"
 	"unicode"
@@ -38,7 +39,7 @@ type PublisherConfig struct {
 	// statement") wrote nothing, and so does one that found no connection
 	// of the pool free within it (tx.ErrNoConnection); the client gives up
 	// a second later, and only an error of its own then leaves the outcome
-	// unknown. Defaults to 10s.
+	// unknown. Defaults to 10s; at most MaxStatementTimeout.
 	StatementTimeout time.Duration
 	// NotifyCooldown spaces the wake-ups a process sends for one topic:
 	// a Publish sends a NOTIFY (which wakes idle subscribers at once) only
@@ -150,6 +151,9 @@ func (c PublisherConfig) valueProblems(e *configError) {
 	if c.StatementTimeout < 0 {
 		e.problems = append(e.problems, fmt.Sprintf("StatementTimeout is %s; use a positive duration", c.StatementTimeout))
 	}
+	if c.StatementTimeout > MaxStatementTimeout {
+		e.problems = append(e.problems, statementTimeoutProblem(c.StatementTimeout))
+	}
 	if c.NotifyCooldown < 0 && c.NotifyCooldown != NotifyEveryPublish {
 		e.problems = append(e.problems, fmt.Sprintf("NotifyCooldown is %s; use a positive duration, or -1 to notify in every Publish", c.NotifyCooldown))
 	}
@@ -216,8 +220,8 @@ type SubscriberConfig struct {
 	// While a message is in flight its lease is renewed (checked every
 	// Lease/2, renewed once older than a quarter of it), so
 	// Lease bounds how long a crashed process keeps its rows, not how long a
-	// handler may run. Defaults to 30s. Must be at least 1s and longer than
-	// MaxPollInterval.
+	// handler may run. Defaults to 30s. Must be at least 1s, at most
+	// MaxLease, and longer than MaxPollInterval.
 	Lease time.Duration
 
 	// MinPollInterval is the first idle poll interval after a claim comes
@@ -233,7 +237,8 @@ type SubscriberConfig struct {
 	// StatementTimeout bounds every statement the subscriber runs. Defaults
 	// to 10s, or just under Lease/2 when that is shorter (4.999s for a
 	// Lease of 10s). Must be shorter than Lease/2, so a hung statement
-	// cannot outlive a lease renewal period.
+	// cannot outlive a lease renewal period, and at most
+	// MaxStatementTimeout.
 	StatementTimeout time.Duration
 
 	// DrainTimeout is how long Close, or the end of a subscription's
@@ -418,9 +423,12 @@ func (c SubscriberConfig) Validate() error {
 			add("ListenDSN is not a valid connection string (%v); give a postgres:// URL or key=value DSN of a direct connection to the server", err)
 		}
 	}
-	leaseOK := c.Lease >= time.Second
-	if !leaseOK {
+	leaseOK := c.Lease >= time.Second && c.Lease <= MaxLease
+	switch {
+	case c.Lease < time.Second:
 		add("Lease is %s; it must be at least 1s", c.Lease)
+	case c.Lease > MaxLease:
+		add("Lease is %s; it may be at most %s (a lease is renewed while its handler runs, so it need not cover the longest handler)", c.Lease, MaxLease)
 	}
 	// Checks that involve a value derived from Lease run only when Lease
 	// is valid or the value was set.
@@ -445,6 +453,8 @@ func (c SubscriberConfig) Validate() error {
 	switch {
 	case set.StatementTimeout < 0:
 		add("StatementTimeout is %s; it must be positive", c.StatementTimeout)
+	case c.StatementTimeout > MaxStatementTimeout:
+		add("%s", statementTimeoutProblem(c.StatementTimeout))
 	case leaseOK && c.StatementTimeout >= c.Lease/2:
 		add("StatementTimeout (%s) must be shorter than Lease/2 (%s), so a hung statement cannot outlive a lease renewal period; lower StatementTimeout or raise Lease", c.StatementTimeout, c.Lease/2)
 	}
@@ -459,6 +469,9 @@ func (c SubscriberConfig) Validate() error {
 	}
 	if c.AckDeadline < 0 && c.AckDeadline != NoAckDeadline {
 		add("AckDeadline is %s; use a positive duration, or -1 to let handlers run without a deadline", c.AckDeadline)
+	}
+	if isNilValue(c.RetryPolicy) {
+		add("RetryPolicy is a nil %T; leave RetryPolicy nil for the default (DefaultRetryPolicy) or give a policy", c.RetryPolicy)
 	}
 	for _, p := range retryPolicyProblems(c.RetryPolicy) {
 		add("RetryPolicy: %s.%s is %v; use %s", p.policy, p.field, p.value, p.want)
@@ -488,6 +501,33 @@ func checkWorkerID(id string) string {
 		return fmt.Sprintf("WorkerID %q contains a control character (NUL included); use printable text such as host:pid", id)
 	}
 	return ""
+}
+
+// MaxStatementTimeout is the longest StatementTimeout: PostgreSQL's
+// statement_timeout holds at most 2,147,483,647 ms (about 24.8 days).
+const MaxStatementTimeout = 2147483647 * time.Millisecond
+
+// MaxLease is the longest SubscriberConfig.Lease: a lease is renewed while
+// its handler runs, so a longer one only delays the return of a crashed
+// process's rows where no liveness lock is known.
+const MaxLease = 7 * 24 * time.Hour
+
+func statementTimeoutProblem(d time.Duration) string {
+	return fmt.Sprintf("StatementTimeout is %s; it may be at most %s, PostgreSQL's limit for statement_timeout (0 for the default %s)", d, MaxStatementTimeout, DefaultStatementTimeout)
+}
+
+// isNilValue reports whether v is an interface holding a nil pointer or
+// func (a RetryPolicyFunc(nil), a nil *ExponentialBackoff): not nil as an
+// interface, so no default replaces it, and it panics when called.
+func isNilValue(v any) bool {
+	if v == nil {
+		return false
+	}
+	switch rv := reflect.ValueOf(v); rv.Kind() {
+	case reflect.Pointer, reflect.Func, reflect.Map, reflect.Slice, reflect.Chan, reflect.Interface:
+		return rv.IsNil()
+	}
+	return false
 }
 
 // configError lists every problem of a configuration; it matches

@@ -1,6 +1,7 @@
 package pgoutbox
 
 import (
+	"math"
 	"os"
 	"regexp"
 	"strconv"
@@ -91,6 +92,22 @@ func TestSubscriberConfigValidateRefusesFootguns(t *testing.T) {
 			cfg:  SubscriberConfig{MaxInFlight: 1 << 30},
 			want: []string{"MaxInFlight is 1073741824", "at most 65536"},
 		},
+		"LeaseOverflowing": {
+			cfg:  SubscriberConfig{Lease: math.MaxInt64},
+			want: []string{"Lease is 2562047h47m16.854775807s", "at most 168h0m0s"},
+		},
+		"StatementTimeoutOverPostgresLimit": {
+			cfg:  SubscriberConfig{Lease: MaxLease, StatementTimeout: 30 * 24 * time.Hour},
+			want: []string{"StatementTimeout is 720h0m0s", "PostgreSQL's limit"},
+		},
+		"NilRetryPolicyFunc": {
+			cfg:  SubscriberConfig{RetryPolicy: RetryPolicyFunc(nil)},
+			want: []string{"RetryPolicy is a nil pgoutbox.RetryPolicyFunc", "leave RetryPolicy nil for the default"},
+		},
+		"NilExponentialBackoff": {
+			cfg:  SubscriberConfig{RetryPolicy: (*ExponentialBackoff)(nil)},
+			want: []string{"RetryPolicy is a nil *pgoutbox.ExponentialBackoff"},
+		},
 		"StatementTimeoutNotBelowHalfLease": {
 			cfg:  SubscriberConfig{Lease: 30 * time.Second, StatementTimeout: 15 * time.Second},
 			want: []string{"StatementTimeout (15s) must be shorter than Lease/2 (15s)"},
@@ -170,6 +187,7 @@ var constraints = []string{
 	"MaxDeliveries is",
 	"DrainTimeout is",
 	"RetryPolicy:",
+	"RetryPolicy is a nil",
 }
 
 // countProblems counts the checks a Validate error reports.
@@ -270,6 +288,15 @@ func TestPublisherConfigValidate(t *testing.T) {
 	_, err = NewPublisher(tx.FromPgxPool(nil), PublisherConfig{StatementTimeout: -time.Second, MaxPayloadBytes: -2}, nil)
 	require.ErrorIs(t, err, ErrInvalidConfig)
 	require.Contains(t, err.Error(), "StatementTimeout is -1s; use a positive duration; MaxPayloadBytes is -2")
+
+	// Over PostgreSQL's statement_timeout (math.MaxInt64 overflowed the
+	// pool wait into "no connection of the pool came free").
+	for _, d := range []time.Duration{30 * 24 * time.Hour, math.MaxInt64} {
+		err = PublisherConfig{StatementTimeout: d}.Validate()
+		require.ErrorIs(t, err, ErrInvalidConfig)
+		require.Contains(t, err.Error(), "PostgreSQL's limit for statement_timeout")
+	}
+	require.NoError(t, PublisherConfig{StatementTimeout: MaxStatementTimeout}.Validate())
 }
 
 func TestClaimModeParsesItsNamesAndRejectsOthers(t *testing.T) {

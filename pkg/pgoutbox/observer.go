@@ -18,7 +18,7 @@ const (
 	EventAcked        EventKind = "acked"         // an ack was written (row deleted)
 	EventRetried      EventKind = "retried"       // a nack was written; the row is due again later
 	EventReleased     EventKind = "released"      // a lease was given back (at shutdown, or a prefetched row waited too long)
-	EventDeadLettered EventKind = "dead_lettered" // a terminal failure moved (or deleted) the row; see Reason
+	EventDeadLettered EventKind = "dead_lettered" // a terminal failure moved the row to the dead-letter table (or parked it, without one); see Reason
 	EventLeaseLost    EventKind = "lease_lost"    // a write found its lease taken by someone else; see Phase
 	EventLeaseRenewed EventKind = "lease_renewed" // Count in-flight leases were extended
 	EventPoisoned     EventKind = "poisoned"      // a row could not be decoded into a message

@@ -1,6 +1,7 @@
 package pgoutbox
 
 import (
+	"math"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -12,8 +13,10 @@ import (
 //
 // NextDelay is called after the deliveries-th delivery of a message failed;
 // err is the handler's error when ErrorRecorder is installed, else nil.
-// retry=false gives up: the message goes to the dead-letter table (or is
-// deleted) with reason "retry_exhausted".
+// retry=false gives up: the message goes to the dead-letter table (or,
+// without one, is parked in the outbox) with reason "retry_exhausted". A
+// NextDelay that panics is logged, and DefaultRetryPolicy decides that
+// delivery instead.
 type RetryPolicy interface {
 	NextDelay(deliveries int, err error) (delay time.Duration, retry bool)
 }
@@ -132,8 +135,18 @@ func (b ExponentialBackoff) withDefaults() ExponentialBackoff {
 	case b.Jitter > 1:
 		b.Jitter = 1
 	}
+	// Jitter adds up to the interval again, computed in float64: an
+	// interval near the largest Duration (a "no cap" of math.MaxInt64)
+	// overflowed to a negative delay, a redelivery at once.
+	b.MaxInterval = min(b.MaxInterval, maxBackoffInterval)
+	b.InitialInterval = min(b.InitialInterval, b.MaxInterval)
 	return b
 }
+
+// maxBackoffInterval is the longest interval ExponentialBackoff works
+// with: a quarter of the largest Duration (about 73 years), so the
+// interval plus its jitter stays one.
+const maxBackoffInterval = time.Duration(math.MaxInt64 / 4)
 
 // NextDelay implements RetryPolicy.
 func (b ExponentialBackoff) NextDelay(deliveries int, _ error) (time.Duration, bool) {

@@ -2,6 +2,7 @@ package pgoutbox
 
 import (
 	"errors"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -97,4 +98,23 @@ func TestBoundError(t *testing.T) {
 	require.True(t, strings.HasSuffix(got, truncatedMarker))
 	require.True(t, strings.HasPrefix(got, "éé"))
 	require.True(t, utf8.ValidString(got), "the cut must fall on a rune boundary")
+}
+
+// An interval near the largest Duration (a "no cap" of math.MaxInt64)
+// overflowed with its jitter into a negative delay: a redelivery at once.
+func TestExponentialBackoffWithoutACapStaysPositive(t *testing.T) {
+	t.Parallel()
+	for _, b := range []ExponentialBackoff{
+		{InitialInterval: time.Second, MaxInterval: math.MaxInt64, MaxAttempts: RetryForever},
+		{InitialInterval: math.MaxInt64, MaxInterval: math.MaxInt64, MaxAttempts: RetryForever},
+		{InitialInterval: 10 * time.Millisecond, Multiplier: 1e12, MaxInterval: math.MaxInt64, MaxAttempts: RetryForever, Jitter: 1},
+	} {
+		for _, n := range []int{1, 2, 3, 70, 1000} {
+			for range 20 {
+				d, retry := b.NextDelay(n, nil)
+				require.True(t, retry)
+				require.Positive(t, d, "%+v after %d deliveries", b, n)
+			}
+		}
+	}
 }

@@ -2,7 +2,9 @@ package pgoutbox
 
 import (
 	"errors"
+	"fmt"
 	"maps"
+	"runtime/debug"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -57,7 +59,7 @@ func (sub *subscription) decideNack(d *delivery, msg *message.Message, timedOut 
 		}
 		return n
 	}
-	after, retry := sub.cfg.RetryPolicy.NextDelay(d.deliveries, handlerErr)
+	after, retry := sub.nextDelay(d, handlerErr)
 	if !retry {
 		n.deadReason = ReasonRetryExhausted
 		return n
@@ -318,4 +320,19 @@ func (sub *subscription) release(d *delivery) {
 	d.state = writing
 	job := sub.jobFor(d)
 	job.returns = append(job.returns, returnOp{d: d})
+}
+
+// nextDelay asks the RetryPolicy about d's failed delivery. A policy that
+// panics would take the process down at every delivery of the message,
+// one process after the other: its panic is logged and the default policy
+// answers instead.
+func (sub *subscription) nextDelay(d *delivery, handlerErr error) (after time.Duration, retry bool) {
+	defer func() {
+		if r := recover(); r != nil {
+			sub.logger.Error("RetryPolicy.NextDelay panicked; the default retry policy decides this delivery", fmt.Errorf("%v", r),
+				watermill.LogFields{"row_id": d.id, "deliveries": d.deliveries, "stack": string(debug.Stack())})
+			after, retry = DefaultRetryPolicy().NextDelay(d.deliveries, handlerErr)
+		}
+	}()
+	return sub.cfg.RetryPolicy.NextDelay(d.deliveries, handlerErr)
 }

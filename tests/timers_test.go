@@ -336,3 +336,25 @@ func BenchmarkTimerLateness(bm *testing.B) {
 	bm.ReportMetric(percentile(all, 0.99), "p99_ms")
 	bm.ReportMetric(percentile(all, 1), "max_ms")
 }
+
+// A dedup key PostgreSQL text cannot hold went to the server, whose
+// encoding error aborted the caller's transaction: CancelScheduled refuses
+// it first, as Publish does, and the transaction goes on.
+func TestCancelScheduledRefusesAKeyNoMessageCanHave(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	pgTx, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pgTx.Rollback(context.Background()) })
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(pgTx), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	for _, key := range []string{"a\x00b", "a\xffb"} {
+		_, err := pub.CancelScheduled(ctx, "t", key)
+		require.ErrorIs(t, err, pgoutbox.ErrInvalidMessage)
+		require.ErrorContains(t, err, "pass the key given to WithDedupKey")
+	}
+	require.NoError(t, pub.Publish("t", newMsg("still in the transaction")))
+	require.NoError(t, pgTx.Commit(ctx))
+	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = 't'`))
+}

@@ -734,6 +734,11 @@ func (p *Publisher) CancelScheduledCopies(ctx context.Context, topic, key string
 	if key == "" {
 		return CancelResult{}, fmt.Errorf("%w: dedup key is empty; pass the key given to WithDedupKey", ErrInvalidMessage)
 	}
+	if !utf8.ValidString(key) || strings.IndexByte(key, 0) >= 0 {
+		// Checked here, as Publish does: the server's encoding error would
+		// abort the caller's transaction.
+		return CancelResult{}, fmt.Errorf("%w: dedup key %q is not valid UTF-8 or holds a NUL byte, which no published message's key can: pass the key given to WithDedupKey", ErrInvalidMessage, key)
+	}
 	var deleted, seen int64
 	if err := queryRow(ctx, p.executor(ctx), p.q.Cancel, []any{topic, key}, &deleted, &seen); err != nil {
 		return CancelResult{}, p.wrapOpErr(cancelOp, topic, err)

@@ -1031,3 +1031,50 @@ func TestTxMiddlewareReturnedMessageMayReuseTheIncomingDedupKey(t *testing.T) {
 		})
 	})
 }
+
+// A handler that ends tx.Middleware's transaction with a COMMIT or
+// ROLLBACK statement through the executor (shared code written for
+// autocommit, a ported script): the driver saw nothing of it, and the
+// completion ran on its own, deleting the row at once, while the
+// handler's writes were gone (ROLLBACK) or committed apart (COMMIT). The
+// middleware now says so on a pgx pool, and the message stays to be
+// delivered again (database/sql tells nothing of it: documented).
+func TestTxMiddlewareSaysWhenTheHandlerEndedItsTransactionBySQL(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for name, db := range map[string]tx.Executor{"pgxpool": tx.FromPgxPool(b.Pool)} {
+		for _, stmt := range []string{"ROLLBACK", "COMMIT"} {
+			t.Run(name+"/"+stmt, func(t *testing.T) {
+				mw, err := tx.Middleware(db, tx.MiddlewareConfig{})
+				require.NoError(t, err)
+				topic := "ended-by-sql-" + strings.ReplaceAll(name, "/", "-") + "-" + stmt
+				b.publishInTx(t, topic, true, newMsg("x"))
+				msgs, err := b.subscriber(t, nil).Subscribe(context.Background(), topic)
+				require.NoError(t, err)
+				var m *message.Message
+				select {
+				case m = <-msgs:
+				case <-time.After(10 * time.Second):
+					t.Fatal("the message was not delivered")
+				}
+				_, err = mw(func(m *message.Message) ([]*message.Message, error) {
+					e, ok := tx.ExecutorFromContext(m.Context())
+					require.True(t, ok)
+					_, err := e.Exec(m.Context(), stmt)
+					return nil, err
+				})(m)
+				m.Nack()
+				require.ErrorContains(t, err, "the handler (or code it called) ended it")
+				require.ErrorContains(t, err, "COMMIT or ROLLBACK statement")
+				require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1`, topic), "the message stays")
+				select {
+				case again := <-msgs:
+					require.Equal(t, m.UUID, again.UUID)
+					again.Ack()
+				case <-time.After(10 * time.Second):
+					t.Fatal("the message was not delivered again")
+				}
+			})
+		}
+	}
+}

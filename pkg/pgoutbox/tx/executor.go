@@ -293,6 +293,13 @@ func pgxQuery(ctx context.Context, q pgxQueryer, query string, args []any) (Rows
 
 type pgxTx struct{ tx pgx.Tx }
 
+// endedBySQL reports whether the connection has no transaction open: a
+// COMMIT or ROLLBACK statement ended the one e was begun as.
+func (e pgxTx) endedBySQL() bool {
+	c := e.tx.Conn()
+	return c != nil && c.PgConn().TxStatus() == 'I'
+}
+
 func (e pgxTx) Exec(ctx context.Context, q string, args ...any) (int64, error) {
 	return pgxExec(ctx, e.tx, q, args)
 }

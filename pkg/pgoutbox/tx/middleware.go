@@ -75,6 +75,12 @@ const DefaultCommitTimeout = 10 * time.Second
 // handler's writes, its output messages and the message's completion
 // happen together, once: effectively-once processing.
 //
+// Leave the transaction's end to it. A handler that commits or rolls it
+// back (the driver's Commit or Rollback, or on a pgx pool a COMMIT or
+// ROLLBACK statement) gets an error, and the message is delivered again;
+// through database/sql a COMMIT or ROLLBACK statement goes unseen, and
+// what follows it runs outside any transaction.
+//
 // Add it to the Router after Retry (each attempt then gets a transaction
 // of its own), PoisonQueue and Recoverer, and before middlewares that
 // change the returned messages, such as CorrelationID: middlewares added
@@ -201,6 +207,12 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 	defer cancel()
 	if row != nil {
 		row.Begin()
+	}
+	if e, ok := exec.(endedBySQL); ok && e.endedBySQL() {
+		// A COMMIT or ROLLBACK the handler ran as a statement, which the
+		// driver's transaction knows nothing of: what follows would run
+		// on its own, the completion deleting the row at once.
+		return nil, endedByHandler(msg, fmt.Errorf("%w: by a COMMIT or ROLLBACK statement", ErrTxDone))
 	}
 	if row != nil {
 		stmt, args := row.Completion()
@@ -336,3 +348,7 @@ func elsewhere(ctx context.Context, exec Executor, database string) error {
 		"so it could not complete the message; give tx.Middleware an executor on the subscriber's database "+
 		"(the transaction was rolled back; the message fails as with any handler error)", here, database)
 }
+
+// endedBySQL is an executor that can tell when its transaction was ended
+// by a statement (pgx's: its connection reports no transaction open).
+type endedBySQL interface{ endedBySQL() bool }

@@ -169,3 +169,49 @@ func TestTxMiddlewareNamesAStatementErrorTheHandlerDropped(t *testing.T) {
 	})(message.NewMessage("m", nil))
 	require.ErrorContains(t, err, "a statement of the handler failed and the handler returned nil")
 }
+
+// A Publish through a pool whose sessions default to REPEATABLE READ or
+// SERIALIZABLE, with a dedup key whose row another transaction changes
+// while the insert waits for it (a consumer's claim or ack, a competing
+// publisher): it failed with a serialization error, where READ COMMITTED
+// takes the key as held and skips the message. The pool's own publishes
+// now run READ COMMITTED, as the subscriber's statements do; the first
+// learns the default, the later ones too.
+func TestPoolPublishWithADedupKeyUnderRepeatableRead(t *testing.T) {
+	t.Parallel()
+	for _, level := range []string{"repeatable read", "serializable"} {
+		t.Run(level, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			pool := b.poolWith(t, map[string]string{"default_transaction_isolation": level}, nil)
+			pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+			require.NoError(t, err)
+			keyed := func(key string) *message.Message {
+				m := newMsg(key)
+				pgoutbox.WithDedupKey(m, key)
+				return m
+			}
+			for round, key := range []string{"k1", "k2"} {
+				require.NoError(t, pub.Publish("rr-dedup", keyed(key)))
+				changer, err := b.Pool.Begin(ctx)
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = changer.Rollback(context.Background()) })
+				_, err = changer.Exec(ctx, `UPDATE `+b.Schema+`.outbox SET deliveries = deliveries + 1 WHERE dedup_key = $1`, key)
+				require.NoError(t, err)
+				var pid int
+				require.NoError(t, changer.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+
+				done := make(chan error, 1)
+				go func() { done <- pub.Publish("rr-dedup", keyed(key)) }()
+				pollUntil(t, "the publish waits for the changed row", 10*time.Second, nil, func() bool {
+					return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid))`, pid) > 0
+				})
+				require.NoError(t, changer.Commit(ctx))
+				require.NoError(t, <-done, "round %d: the duplicate is skipped, not failed", round)
+			}
+			require.Equal(t, 2, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = 'rr-dedup'`))
+		})
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -94,7 +95,7 @@ func FromPgxPool(pool *pgxpool.Pool) Executor {
 	if pool == nil {
 		return nilHandle{"FromPgxPool", "*pgxpool.Pool", false}
 	}
-	return pgxPool{pool}
+	return pgxPool{pool, &poolDefaults{}}
 }
 
 // SQLQueryer is the part of a database/sql handle pgoutbox uses. *sql.Tx,
@@ -308,7 +309,24 @@ func (e pgxTx) Query(ctx context.Context, q string, args ...any) (Rows, error) {
 }
 func (pgxTx) InTx() bool { return true }
 
-type pgxPool struct{ pool *pgxpool.Pool }
+type pgxPool struct {
+	pool *pgxpool.Pool
+	defs *poolDefaults
+}
+
+func isolationKnown(readCommitted bool) int32 {
+	if readCommitted {
+		return 1
+	}
+	return 2
+}
+
+// poolDefaults is what the statements bounded by the server learn of the
+// pool's sessions: whether their default isolation is READ COMMITTED.
+type poolDefaults struct {
+	// isolation: 0 not known yet, 1 READ COMMITTED, 2 another level.
+	isolation atomic.Int32
+}
 
 func (e pgxPool) Exec(ctx context.Context, q string, args ...any) (int64, error) {
 	return pgxExec(ctx, e.pool, q, args)
@@ -326,7 +344,7 @@ func (pgxPool) InTx() bool { return false }
 // failed. The server's own timeout ends it first, and an error means
 // nothing was written. Not part of Executor: the Publisher looks for it.
 func (e pgxPool) BoundedByServer(d time.Duration) Executor {
-	return serverBounded{pool: e.pool, timeout: fmt.Sprintf("%dms", max(d.Milliseconds(), 1))}
+	return serverBounded{pool: e.pool, defs: e.defs, timeout: fmt.Sprintf("%dms", max(d.Milliseconds(), 1))}
 }
 
 // serverBounded runs each statement after a set_config of its
@@ -334,8 +352,13 @@ func (e pgxPool) BoundedByServer(d time.Duration) Executor {
 // commits at the batch's end.
 type serverBounded struct {
 	pool    *pgxpool.Pool
+	defs    *poolDefaults
 	timeout string
 }
+
+// setReadCommitted makes a batch's implicit transaction READ COMMITTED
+// (see serverBounded.send). A SET of it applies to that transaction only.
+const setReadCommitted = "SET transaction_isolation = 'read committed'"
 
 func (e serverBounded) send(ctx context.Context, q string, args []any) (pgx.BatchResults, error) {
 	// The connection first, on its own: a bound that passes while every
@@ -348,11 +371,37 @@ func (e serverBounded) send(ctx context.Context, q string, args []any) (pgx.Batc
 		}
 		return nil, mapErr(err)
 	}
+	// READ COMMITTED, as the Subscriber's own statements: under a
+	// REPEATABLE READ or SERIALIZABLE default (a role's, a database's),
+	// an insert meeting a dedup key a competitor or a consumer had just
+	// changed failed with a serialization error, where it has nothing to
+	// protect. Queued until the first batch has read the default, then
+	// only where it is another level: the common case pays nothing.
+	iso := e.defs.isolation.Load()
 	b := &pgx.Batch{}
+	if iso != 1 {
+		b.Queue(setReadCommitted)
+	}
+	if iso == 0 {
+		b.Queue("SELECT current_setting('default_transaction_isolation') = 'read committed'")
+	}
 	b.Queue("SELECT set_config('statement_timeout', $1, true)", e.timeout)
 	b.Queue(q, args...)
 	br := pooledBatch{BatchResults: conn.SendBatch(ctx, b), conn: conn}
-	if _, err := br.Exec(); err != nil {
+	err = nil
+	if iso != 1 {
+		_, err = br.Exec()
+	}
+	if err == nil && iso == 0 {
+		var rc bool
+		if err = br.QueryRow().Scan(&rc); err == nil {
+			e.defs.isolation.Store(isolationKnown(rc))
+		}
+	}
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if err != nil {
 		_ = br.Close()
 		return nil, mapErr(err)
 	}

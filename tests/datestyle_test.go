@@ -54,3 +54,37 @@ func TestAGermanDateStyleThroughTheSimpleProtocol(t *testing.T) {
 		}
 	})
 }
+
+// The same for bytea: through the simple protocol a payload travels as
+// text in the session's bytea_output, and pgx reads only hex. A role's
+// 'escape' (legacy applications set it) failed every claim ("invalid hex
+// format"), for good. The subscriber's statements set hex for themselves;
+// Peek says what to set.
+func TestAnEscapeByteaOutputThroughTheSimpleProtocol(t *testing.T) {
+	t.Parallel()
+	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
+		b := setup(t)
+		ctx := context.Background()
+		pool := b.poolWith(t, map[string]string{"bytea_output": "escape"}, func(c *pgxpool.Config) {
+			c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+		})
+		pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+		require.NoError(t, err)
+		sent := newMsgs(3)
+		require.NoError(t, pub.Publish("bytes", sent...))
+		_, err = pgoutbox.Peek(ctx, tx.FromPgxPool(pool), b.tables, "bytes", "", 10)
+		require.ErrorContains(t, err, "set bytea_output=hex in the DSN", "an operator call on such a pool says what to do")
+
+		sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, ClaimMode: mode,
+			MinPollInterval: 20 * time.Millisecond, MaxPollInterval: 200 * time.Millisecond}, nil)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = sub.Close() })
+		ch, err := sub.Subscribe(ctx, "bytes")
+		require.NoError(t, err)
+		for i := range 3 {
+			m := receive(t, ch, 10*time.Second)
+			require.Equal(t, string(sent[i].Payload), string(m.Payload))
+			m.Ack()
+		}
+	})
+}

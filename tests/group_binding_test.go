@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/cqrsbind"
@@ -1144,4 +1145,53 @@ func TestUnbindAndRenameSayWhenAPublishOutlastsTheirWait(t *testing.T) {
 	moved, err := pgoutbox.MoveGroup(ctx, exec, b.tables, "renamed", "old", "new")
 	require.NoError(t, err)
 	require.EqualValues(t, 1, moved, "what the error said to move")
+}
+
+// A role's or database's lock_timeout (a defensive 50 ms here) cut short
+// the wait of a Subscribe for the topic's binding lock while another
+// bound it (a Router's handlers start together), and the Subscribe
+// failed. The wait ignores it now; the rest of the transaction keeps it.
+func TestSubscribeWaitsForTheBindingLockPastALockTimeout(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	pool := b.poolWith(t, map[string]string{"lock_timeout": "50ms"}, nil)
+	const topic = "lock-timeout-bind"
+	holder, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Rollback(context.Background()) })
+	_, err = holder.Exec(ctx, query.TopicLock, b.names(t).QBindings+query.GroupMark+topic)
+	require.NoError(t, err)
+	var pid int
+	require.NoError(t, holder.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, ConsumerGroup: "g"}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	done := make(chan error, 1)
+	go func() {
+		_, err := sub.Subscribe(ctx, topic)
+		done <- err
+	}()
+	pollUntil(t, "the Subscribe waits for the lock past the lock_timeout", 10*time.Second, nil, func() bool {
+		select {
+		case err := <-done:
+			t.Fatalf("Subscribe returned while the lock was held: %v", err)
+		default:
+		}
+		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY (pg_blocking_pids(pid)) AND now() - query_start > interval '200 milliseconds'`, pid) > 0
+	})
+	require.NoError(t, holder.Commit(ctx))
+	require.NoError(t, <-done)
+
+	// The rest of the binding's transaction keeps the setting.
+	later, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = later.Rollback(context.Background()) }()
+	_, err = later.Exec(ctx, query.TopicLock, b.names(t).QBindings+query.GroupMark+topic)
+	require.NoError(t, err)
+	var lockTimeout string
+	require.NoError(t, later.QueryRow(ctx, `SHOW lock_timeout`).Scan(&lockTimeout))
+	require.Equal(t, "50ms", lockTimeout)
 }

@@ -82,6 +82,10 @@ func Hint(err error) string {
 		return readOnlyHint
 	case code == "" && err != nil && strings.Contains(err.Error(), "invalid PostgreSQL date/time value"):
 		return dateStyleHint
+	case code == "" && err != nil && strings.Contains(err.Error(), "invalid hex format"):
+		return byteaOutputHint
+	case code == "55P03" && strings.Contains(err.Error(), "lock timeout"):
+		return lockTimeoutHint
 	case code == "54000" && strings.Contains(err.Error(), "index row size"):
 		return indexRowHint
 	case code == "42501" && strings.Contains(err.Error(), "permission denied"):
@@ -105,6 +109,17 @@ const privilegeHint = " (the role lacks a privilege on it: grant what docs/opera
 // means where pgoutbox writes: "SELECT" in it (a statement that writes
 // through a CTE) sent people looking at the query.
 const readOnlyHint = " (the statement ran read-only: in a READ ONLY transaction of yours, or default_transaction_read_only is on for this role or database, or the connection reached a standby; connect to the primary, or ALTER ROLE ... SET default_transaction_read_only = off, and reconnect)"
+
+// byteaOutputHint is what a payload pgx cannot read means: through the
+// simple protocol (behind PgBouncer) bytea comes as text in the session's
+// bytea_output, and pgx reads hex only.
+const byteaOutputHint = " (through the simple protocol binary data comes as text in the session's bytea_output, which must be hex: set bytea_output=hex in the DSN, or ALTER ROLE ... SET bytea_output = 'hex', and reconnect)"
+
+// lockTimeoutHint is what a lock wait the server ended means: pgoutbox
+// bounds its own waits, so a role's or database's lock_timeout below them
+// won. The COMMIT of a transaction that published waits for the database's
+// notification lock, which every committing publisher takes in turn.
+const lockTimeoutHint = " (the server's lock_timeout ended a lock wait: a role or database setting; the COMMIT of a transaction that published waits for the database's notification lock, which committing publishers take one after the other; raise lock_timeout for this role, or SET LOCAL lock_timeout in such transactions, then retry: nothing of the failed transaction was kept)"
 
 // dateStyleHint is what a timestamp pgx cannot read means: through the
 // simple protocol (behind PgBouncer) it comes as text in the session's

@@ -63,3 +63,13 @@ func TestWithHintNamesAReadOnlyServerAndALongIndexEntry(t *testing.T) {
 	older := &pgconn.PgError{Code: "42703", Message: `column "backlog_next" of relation "outbox_bindings" does not exist`}
 	require.Contains(t, Errorf("pgoutbox: bind: %w", older).Error(), "schema migrate up")
 }
+
+func TestWithHintNamesByteaOutputAndLockTimeout(t *testing.T) {
+	t.Parallel()
+	scan := errors.New("can't scan into dest[2] (col: payload): invalid hex format")
+	require.Contains(t, Errorf("pgoutbox: peek: %w", scan).Error(), "set bytea_output=hex in the DSN")
+	lock := &pgconn.PgError{Code: "55P03", Message: "canceling statement due to lock timeout"}
+	require.Contains(t, Errorf("pgoutbox: publish: %w", lock).Error(), "notification lock")
+	nowait := &pgconn.PgError{Code: "55P03", Message: `could not obtain lock on row in relation "outbox"`}
+	require.NotContains(t, Errorf("pgoutbox: publish: %w", nowait).Error(), "notification lock")
+}

@@ -22,7 +22,15 @@ import "fmt"
 // after the other, each seeing the other's binding. A transaction-level
 // advisory lock on one bigint, which pg_locks shows with objsubid 1, apart
 // from the liveness locks (objsubid 2).
-const TopicLock = `SELECT pg_advisory_xact_lock(hashtextextended($1, 0))`
+//
+// The wait ignores a role's or database's lock_timeout, which is put back
+// for the rest of the transaction: binds of a topic take turns, and the
+// Subscribes of a Router's handlers, starting together, waited for each
+// other past a defensive 200 ms and failed (their bindings made anyway).
+// The targets run in order: the setting is read, cleared, the lock taken.
+const TopicLock = `SELECT set_config('lock_timeout', l.was, true)
+  FROM (SELECT current_setting('lock_timeout') AS was, set_config('lock_timeout', '0', true),
+               pg_advisory_xact_lock(hashtextextended($1, 0))) l`
 
 // SetLocalStatementTimeout bounds the statements of the rest of the
 // transaction on the server ($1, e.g. '250ms'), which ends a statement and

@@ -345,11 +345,12 @@ const ClaimSettings = `SELECT set_config('plan_cache_mode', 'force_generic_plan'
 
 // indexScansOnly is what claims and writes share: no JIT, no bitmap, no
 // sequential scan (see ClaimSettings and WriteSettings for why), and ISO
-// dates: through the simple protocol (behind PgBouncer) timestamps travel
-// as text in the session's DateStyle, and pgx reads ISO only; a role's
-// 'SQL, DMY' failed every claim, for good.
+// dates and hex bytea: through the simple protocol (behind PgBouncer)
+// timestamps and payloads travel as text in the session's DateStyle and
+// bytea_output, and pgx reads ISO and hex only; a role's 'SQL, DMY' or
+// 'escape' failed every claim, for good.
 const indexScansOnly = `set_config('jit', 'off', true), set_config('enable_bitmapscan', 'off', true),
-       set_config('enable_seqscan', 'off', true), set_config('DateStyle', 'ISO', true)`
+       set_config('enable_seqscan', 'off', true), set_config('DateStyle', 'ISO', true), set_config('bytea_output', 'hex', true)`
 
 // WriteSettings sets what the subscriber's writes (acks, returns, dead
 // letters, renewals) run with, local to their transaction: each finds its

@@ -504,7 +504,7 @@ func (sub *subscription) onReleasedClaims(n int, err error) {
 	// While the server restarts every try fails: the 1st, 2nd, 4th, 8th...
 	// failure is logged, not each.
 	if err != nil && tries&(tries-1) == 0 {
-		sub.logger.Error("Releasing the rows of a failed claim failed; retrying", err, watermill.LogFields{"claims": n, "tries": tries})
+		sub.logger.Error("Releasing the rows of a failed claim failed; retrying", errtext.WithHint(err), watermill.LogFields{"claims": n, "tries": tries})
 	}
 }
 

@@ -191,7 +191,7 @@ func (sub *subscription) onWritten(r writeResult) {
 func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
 	sub.endRow(d)
 	if err, ok := r.abandoned[d]; ok {
-		sub.logger.Error("Cannot write this row's ack, nack or dead-letter move; it comes back when its lease expires", err,
+		sub.logger.Error("Cannot write this row's ack, nack or dead-letter move; it comes back when its lease expires", errtext.WithHint(err),
 			watermill.LogFields{"event": "write_abandoned", "row_id": d.id, "deliveries": d.deliveries})
 		return false
 	}

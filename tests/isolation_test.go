@@ -215,3 +215,20 @@ func TestPoolPublishWithADedupKeyUnderRepeatableRead(t *testing.T) {
 		})
 	}
 }
+
+// A pool whose sessions convert text from LATIN1 (a legacy database's
+// default, a role's setting): pgx sends UTF-8 whatever the setting, so a
+// non-ASCII topic the subscriber asked for matched nothing a publisher
+// with UTF8 stored, and metadata came back altered, silently. Subscribe
+// refuses it, saying what to set.
+func TestSubscribeRefusesAPoolThatIsNotUTF8(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pool := b.poolWith(t, map[string]string{"client_encoding": "LATIN1"}, nil)
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	_, err = sub.Subscribe(context.Background(), "bestellung.grün")
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.ErrorContains(t, err, "set client_encoding=UTF8 in the DSN")
+}

@@ -161,6 +161,12 @@ func (cmd *command) connect(ctx context.Context) (*pgxpool.Pool, tx.Executor, er
 		return nil, nil, usagef(cmd.name, "the DSN does not parse (%v); use postgres://user:password@host:5432/db?sslmode=disable or key=value pairs", err)
 	}
 	cfg.MaxConns = 2
+	if _, set := cfg.ConnConfig.RuntimeParams["client_encoding"]; !set {
+		// pgx sends and reads UTF-8: on a LATIN1 database (or a role's
+		// setting) the server would convert topics and keys as LATIN1,
+		// and they would match nothing publishers stored in UTF-8.
+		cfg.ConnConfig.RuntimeParams["client_encoding"] = "UTF8"
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, nil, fmt.Errorf("connect: %w", err)

@@ -353,10 +353,14 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 			err = schema.Validate(ctx, exec, s.cfg.Tables)
 		}
 		if err == nil {
-			var isolation string
+			var isolation, encoding string
 			var started time.Time
-			err = s.pool.QueryRow(ctx, "SELECT current_database(), current_setting('default_transaction_isolation'), "+serverStarted).Scan(&s.database, &isolation, &started)
+			err = s.pool.QueryRow(ctx, "SELECT current_database(), current_setting('default_transaction_isolation'), current_setting('client_encoding'), "+serverStarted).
+				Scan(&s.database, &isolation, &encoding, &started)
 			s.isolate = isolation != "read committed"
+			if err == nil {
+				err = checkEncoding(encoding)
+			}
 			if err == nil {
 				err = s.checkListen(ctx, started)
 			}
@@ -368,6 +372,20 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 	}
 	s.schemaReady = true
 	return nil
+}
+
+// checkEncoding refuses a pool whose sessions convert text from another
+// encoding than UTF-8 (client_encoding: a LATIN1 database's default, or a
+// role's setting). pgx sends and reads UTF-8 whatever the setting, so the
+// server converted what it took for LATIN1: a non-ASCII topic, group or
+// key then matched nothing a publisher with UTF8 (lib/pq, a DSN that sets
+// it) stored, and metadata came back altered. SQL_ASCII converts nothing.
+func checkEncoding(encoding string) error {
+	if encoding == "UTF8" || encoding == "SQL_ASCII" {
+		return nil
+	}
+	return fmt.Errorf("%w: the pool's sessions run client_encoding %s, and pgoutbox's text (topics, groups, keys, metadata) is UTF-8: the server would convert it as %s, and non-ASCII names would match nothing published in UTF-8; "+
+		"set client_encoding=UTF8 in the DSN, or ALTER ROLE ... SET client_encoding = 'UTF8', and reconnect", ErrInvalidConfig, encoding, encoding)
 }
 
 // serverStarted is when the server started: with the database's name, it

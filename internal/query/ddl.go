@@ -341,6 +341,15 @@ SELECT CASE WHEN c.relkind = 'p' AND EXISTS (
   FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace
  WHERE ns.nspname = $1 AND c.relname = $2`
 
+// CatalogPartitionOf names the table one table ($1 schema, $2 name) is a
+// partition of: no row when it is none.
+const CatalogPartitionOf = `
+SELECT pn.nspname || '.' || p.relname
+  FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace
+  JOIN pg_inherits i ON i.inhrelid = c.oid
+  JOIN pg_class p ON p.oid = i.inhparent JOIN pg_namespace pn ON pn.oid = p.relnamespace
+ WHERE ns.nspname = $1 AND c.relname = $2 AND c.relispartition`
+
 // CatalogIndexes lists the index names of one table, each with whether
 // it is valid: a CREATE INDEX CONCURRENTLY that failed or was cancelled
 // leaves an invalid index under its name, which the planner does not use

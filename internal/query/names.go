@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"regexp"
+	"slices"
 	"strings"
 )
 
@@ -109,6 +110,13 @@ func NewNames(schema, table, dlq string) (Names, error) {
 					problems = append(problems, fmt.Sprintf("dead-letter table %q is the outbox %q's %s table; give it another name", dlq, table, strings.TrimPrefix(own, "_")))
 				}
 			}
+			// Its indexes and identity sequence: schema.Create would meet
+			// the one where it creates the other.
+			for _, own := range ownRelations {
+				if dlq == derive(table, own) {
+					problems = append(problems, fmt.Sprintf("dead-letter table %q is named as the outbox %q's %s; give it another name", dlq, table, ownRelationKind(own)))
+				}
+			}
 		}
 	}
 	if len(problems) > 0 {
@@ -147,6 +155,36 @@ func NewNames(schema, table, dlq string) (Names, error) {
 	}
 	n.Channel = derive(ch, "")
 	return n, nil
+}
+
+// ownRelations are the suffixes of the relations other than tables that
+// an outbox names after itself: its indexes (those of earlier versions
+// too) and its identity sequence.
+var ownRelations = []string{"_pkey", "_id_seq", "_group_ready_idx", "_group_lease_idx", "_group_dedup_idx", "_group_order_idx",
+	"_group_order_lease_idx", "_ready_idx", "_lease_idx", "_dedup_idx", "_arrivals_pkey", "_bindings_pkey", "_paused_pkey", "_schema_version_pkey"}
+
+func ownRelationKind(suffix string) string {
+	if suffix == "_id_seq" {
+		return "identity sequence"
+	}
+	return "index " + strings.TrimPrefix(suffix, "_")
+}
+
+// RingNameProblem tells why n's dead-letter table cannot sit beside n's
+// outbox made rotating (Rotated): it is named as one of the ring's
+// partitions or its generation sequence, which the rotating outbox
+// creates under those names. "" when it can.
+func RingNameProblem(n Names) string {
+	if n.DLQTable == "" {
+		return ""
+	}
+	r := n.Rotated()
+	for _, name := range append(slices.Clone(r.Generations), r.GenSeq) {
+		if n.DLQTable == name {
+			return fmt.Sprintf("dead-letter table %q is named as a relation of the rotating outbox %q (its ring's partitions and generation sequence are named after it); rename the dead-letter table first (ALTER TABLE ... RENAME, then DeadLetterTable)", n.DLQTable, n.Table)
+		}
+	}
+	return ""
 }
 
 // Derive names an object after base (a table's name): it appends suffix,

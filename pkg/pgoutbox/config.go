@@ -558,6 +558,9 @@ func resolveNames(t schema.Config) (query.Names, error) {
 		return query.Names{}, errors.Join(ErrInvalidConfig, schema.ErrInvalidName, err)
 	}
 	if t.Rotating {
+		if p := query.RingNameProblem(n); p != "" {
+			return query.Names{}, errors.Join(ErrInvalidConfig, schema.ErrInvalidName, errors.New(p))
+		}
 		n = n.Rotated()
 	}
 	if t.Arrivals {

@@ -62,6 +62,9 @@ func ConvertToRotating(ctx context.Context, db tx.Executor, c Config) error {
 	if err != nil {
 		return err
 	}
+	if p := query.RingNameProblem(single); p != "" {
+		return fmt.Errorf("%w: convert %s to a rotating outbox: %s", ErrInvalidName, single.QTable, p)
+	}
 	// A rotating outbox has no arrivals (Config.Arrivals): its
 	// subscribers would never take what the arrivals table holds. An
 	// empty one (every single table has it) goes in the swap.

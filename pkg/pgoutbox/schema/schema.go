@@ -129,6 +129,9 @@ func (c Config) names() (query.Names, error) {
 		return query.Names{}, fmt.Errorf("%w: %v", ErrInvalidName, err)
 	}
 	if c.Rotating {
+		if p := query.RingNameProblem(n); p != "" {
+			return query.Names{}, fmt.Errorf("%w: %s", ErrInvalidName, p)
+		}
 		n = n.Rotated()
 	}
 	if c.Arrivals {
@@ -493,6 +496,16 @@ func foreignTableProblem(ctx context.Context, db tx.Executor, n query.Names) (st
 	cols, err := catalog(ctx, db, query.CatalogColumns, n.Schema, n.Table, 2)
 	if err != nil || len(cols) == 0 {
 		return "", err
+	}
+	// A partition of another table (a rotating outbox's ring partition
+	// has every column an outbox has): an outbox made on it would take
+	// that table's indexes and rows, and every Publish would fail.
+	if parent, err := catalog(ctx, db, query.CatalogPartitionOf, n.Schema, n.Table, 1); err != nil || len(parent) > 0 {
+		if err != nil {
+			return "", err
+		}
+		return fmt.Sprintf("table %s.%s is a partition of %s (a rotating outbox's ring, or a table of yours): name another table or schema for pgoutbox (schema.Config Table or Schema; --table, --schema)",
+			n.Schema, n.Table, parent[0][0]), nil
 	}
 	have := map[string]bool{}
 	for _, c := range cols {

@@ -653,3 +653,39 @@ func TestANilExecutorIsAnError(t *testing.T) {
 		require.ErrorContains(t, call(), "executor is nil; pass tx.FromPgxPool(pool)", name)
 	}
 }
+
+// A dead-letter table named as a relation the outbox names after itself
+// passed Validate: Create then failed on an unrelated-looking error (the
+// index or partition stood where the table should be), and a conversion
+// to a rotating outbox whose dead-letter table was named as a ring
+// partition "succeeded" into a ring that could never rotate. An outbox
+// made on another rotating outbox's partition took its rows and indexes,
+// and every Publish to it failed.
+func TestNamesAnOutboxMakesAreNotTheDeadLetterTables(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, dlq := range []string{"ob_pkey", "ob_id_seq", "ob_group_ready_idx", "ob_arrivals_pkey"} {
+		err := schema.Config{Table: "ob", DeadLetterTable: dlq}.Validate()
+		require.ErrorIs(t, err, schema.ErrInvalidName, dlq)
+		require.ErrorContains(t, err, "give it another name", dlq)
+	}
+	for _, dlq := range []string{"ob_g0", "ob_g2", "ob_long", "ob_generation"} {
+		require.NoError(t, schema.Config{Table: "ob", DeadLetterTable: dlq}.Validate(), "a single table's, %s", dlq)
+		err := schema.Config{Table: "ob", DeadLetterTable: dlq, Rotating: true}.Validate()
+		require.ErrorIs(t, err, schema.ErrInvalidName, dlq)
+		require.ErrorContains(t, err, "rename the dead-letter table first", dlq)
+	}
+
+	b := setup(t)
+	single := schema.Config{Schema: b.freshSchema(t, "ringname"), Table: "ob", DeadLetterTable: "ob_g1"}
+	require.NoError(t, schema.Create(ctx, b.exec, single))
+	err := schema.ConvertToRotating(ctx, b.exec, single)
+	require.ErrorIs(t, err, schema.ErrInvalidName)
+	require.ErrorContains(t, err, "rename the dead-letter table first")
+	require.NoError(t, schema.Validate(ctx, b.exec, single), "the single table is left as it was")
+
+	ring := schema.Config{Schema: b.freshSchema(t, "onpartition"), Table: "outbox", Rotating: true}
+	require.NoError(t, schema.Create(ctx, b.exec, ring))
+	err = schema.Create(ctx, b.exec, schema.Config{Schema: ring.Schema, Table: "outbox_g0", DeadLetterTable: "other_dlq"})
+	require.ErrorContains(t, err, "is a partition of")
+}

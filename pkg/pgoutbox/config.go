@@ -552,6 +552,9 @@ func (e *configError) orNil() error {
 func (e *configError) Unwrap() []error { return append([]error{ErrInvalidConfig}, e.causes...) }
 
 func resolveNames(t schema.Config) (query.Names, error) {
+	if err := t.Validate(); err != nil {
+		return query.Names{}, errors.Join(ErrInvalidConfig, err)
+	}
 	t = t.WithDefaults()
 	n, err := query.NewNames(t.Schema, t.Table, t.DeadLetterTable)
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sort"
 	"strings"
@@ -26,7 +27,9 @@ type Filter func(*criteria)
 type criteria struct {
 	tables schema.Config
 	count  int // -1: at least one
-	preds  []predicate
+	// problem is a misuse of the filters, which fails the assertion.
+	problem string
+	preds   []predicate
 }
 
 type predicate struct {
@@ -34,8 +37,16 @@ type predicate struct {
 	match func(*message.Message) bool
 }
 
-// Count requires exactly n matching messages instead of at least one.
-func Count(n int) Filter { return func(c *criteria) { c.count = n } }
+// Count requires exactly n matching messages instead of at least one; n
+// must not be negative (the assertion fails, saying so).
+func Count(n int) Filter {
+	return func(c *criteria) {
+		c.count = n
+		if n < 0 {
+			c.problem = fmt.Sprintf("pgoutboxtest: Count(%d): a count of messages must be 0 or more", n)
+		}
+	}
+}
 
 // Where keeps the messages for which match returns true; desc says what it
 // checks, for the failure message.
@@ -140,6 +151,12 @@ type row struct {
 // Arrivals) holds plain messages in its arrivals table until a subscriber
 // takes them: they are read too, whether or not c's tables say so.
 func published(exec tx.Executor, c *criteria, topic string) ([]row, error) {
+	if c.problem != "" {
+		return nil, errors.New(c.problem)
+	}
+	if exec == nil {
+		return nil, errors.New("the executor is nil; pass env.Exec(), tx.FromPgxPool(pool) or the transaction to look in")
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	schemaName, table := c.tables.Schema, c.tables.Table

@@ -32,6 +32,9 @@ func Collect(t testing.TB, msgs <-chan *message.Message, n int, timeout time.Dur
 // collect is Collect with its failure returned, so that a caller that
 // knows the outbox can say why the messages may be missing.
 func collect(msgs <-chan *message.Message, n int, timeout time.Duration) ([]*message.Message, string) {
+	if n < 0 {
+		return nil, fmt.Sprintf("pgoutboxtest: asked for %d messages; ask for 0 or more", n)
+	}
 	got := make([]*message.Message, 0, n)
 	deadline := time.NewTimer(timeout)
 	defer deadline.Stop()

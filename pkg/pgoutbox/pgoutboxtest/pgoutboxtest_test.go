@@ -427,3 +427,24 @@ func BenchmarkPubSub(b *testing.B) {
 		}
 	})
 }
+
+// Helpers given arguments they cannot use fail the test saying so; they
+// panicked (a negative count of messages, a nil executor) or took
+// Count(-2) for "at least one".
+func TestHelpersFailOnArgumentsTheyCannotUse(t *testing.T) {
+	t.Parallel()
+	for name, fn := range map[string]func(tb testing.TB){
+		"Collect -1":           func(tb testing.TB) { pgoutboxtest.Collect(tb, make(chan *message.Message), -1, time.Millisecond) },
+		"RequirePublished nil": func(tb testing.TB) { pgoutboxtest.RequirePublished(tb, nil, "t") },
+		"Count -2":             func(tb testing.TB) { pgoutboxtest.RequirePublished(tb, nil, "t", pgoutboxtest.Count(-2)) },
+	} {
+		failed, out := capture(fn)
+		require.True(t, failed, name)
+		require.Contains(t, out, "pgoutboxtest", name)
+		require.NotContains(t, out, "panic", name)
+	}
+	_, out := capture(func(tb testing.TB) { pgoutboxtest.RequirePublished(tb, nil, "t", pgoutboxtest.Count(-2)) })
+	require.Contains(t, out, "Count(-2)")
+	_, out = capture(func(tb testing.TB) { pgoutboxtest.RequirePublished(tb, nil, "t") })
+	require.Contains(t, out, "the executor is nil")
+}

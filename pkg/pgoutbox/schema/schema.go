@@ -123,10 +123,11 @@ func (c Config) names() (query.Names, error) {
 	if c.NoDeadLetterTable && c.DeadLetterTable != "" {
 		return query.Names{}, fmt.Errorf("%w: DeadLetterTable is %q and NoDeadLetterTable is set; set one of them", ErrInvalidName, c.DeadLetterTable)
 	}
+	defaultDLQ := c.DeadLetterTable == "" && !c.NoDeadLetterTable
 	c = c.WithDefaults()
 	n, err := query.NewNames(c.Schema, c.Table, c.DeadLetterTable)
 	if err != nil {
-		return query.Names{}, fmt.Errorf("%w: %v", ErrInvalidName, err)
+		return query.Names{}, fmt.Errorf("%w: %v%s", ErrInvalidName, err, defaultDLQHint(defaultDLQ, c))
 	}
 	if c.Rotating {
 		if p := query.RingNameProblem(n); p != "" {
@@ -141,6 +142,15 @@ func (c Config) names() (query.Names, error) {
 		n = n.WithArrivals()
 	}
 	return n, nil
+}
+
+// defaultDLQHint is what a problem with the dead-letter table's name
+// means when nobody chose it: the default, the table's name plus "_dlq".
+func defaultDLQHint(defaulted bool, c Config) string {
+	if !defaulted || query.CheckIdent("dead-letter table", c.DeadLetterTable) == nil {
+		return ""
+	}
+	return fmt.Sprintf(" (DeadLetterTable is unset, so it defaults to the table's name plus %q: set DeadLetterTable, or NoDeadLetterTable)", DefaultDeadLetterSuffix)
 }
 
 // checkExecutor refuses a nil executor with the advice every pgoutbox

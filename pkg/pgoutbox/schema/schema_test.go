@@ -689,3 +689,17 @@ func TestNamesAnOutboxMakesAreNotTheDeadLetterTables(t *testing.T) {
 	err = schema.Create(ctx, b.exec, schema.Config{Schema: ring.Schema, Table: "outbox_g0", DeadLetterTable: "other_dlq"})
 	require.ErrorContains(t, err, "is a partition of")
 }
+
+// A table name of 60 bytes makes the default dead-letter table's name
+// too long: the error said to choose a shorter name for a table the user
+// never named. It says where the name comes from and what to set.
+func TestTheDefaultDeadLetterTablesNameIsNamedAsSuch(t *testing.T) {
+	t.Parallel()
+	long := strings.Repeat("t", 60)
+	err := schema.Config{Table: long}.Validate()
+	require.ErrorIs(t, err, schema.ErrInvalidName)
+	require.ErrorContains(t, err, `DeadLetterTable is unset, so it defaults to the table's name plus "_dlq"`)
+	require.NoError(t, schema.Config{Table: long, DeadLetterTable: "dlq"}.Validate())
+	err = schema.Config{Table: long, DeadLetterTable: long + "_dlq"}.Validate()
+	require.NotContains(t, err.Error(), "defaults to", "a name the user chose")
+}

@@ -550,6 +550,9 @@ func RunInTx(ctx context.Context, exec Executor, fn func(Executor) error) (err e
 	if exec == nil {
 		return errors.New("pgoutbox: executor is nil; pass tx.FromPgxPool(pool) or another tx executor")
 	}
+	if fn == nil {
+		return errors.New("pgoutbox: RunInTx was given a nil function; pass the function to run in the transaction")
+	}
 	b, ok := exec.(beginner)
 	if exec.InTx() || !ok {
 		return fn(exec)

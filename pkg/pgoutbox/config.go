@@ -332,6 +332,10 @@ type SubscriberConfig struct {
 	// Subscriber runs a rotation step (schema.Rotate) every fifth of it,
 	// from its first Subscribe until Close. Defaults to
 	// schema.DefaultRotationWindow (3s); ignored for a single-table outbox.
+	// Keep it at 250ms or more: a step may wait up to 50ms for a
+	// partition's lock, claims waiting behind it, and with shorter steps
+	// claims would wait most of the time while a transaction reads the
+	// outbox.
 	RotationWindow time.Duration
 
 	// WorkerID names this process in the leased_by column, for operators.

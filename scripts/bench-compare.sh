@@ -14,7 +14,7 @@
 # -scale: 100,000-message drains, long enough to be stable on a shared
 # machine; drain-1m's backlog is capped at 1,000,000).
 set -euo pipefail
-base=${1:?usage: scripts/bench-compare.sh BASE_COMMIT [ROUNDS] [SCENARIOS]}
+base=${1:?usage: scripts/bench-compare.sh BASE_COMMIT [ROUNDS] [SCENARIOS] [SCALE] [SYSTEM]}
 rounds=${2:-3}
 scenarios=${3:-drain-1,drain-16,drain-1m,latency-1,latency-16}
 scale=${4:-5}

@@ -218,17 +218,27 @@ func TestPoolPublishWithADedupKeyUnderRepeatableRead(t *testing.T) {
 
 // A pool whose sessions convert text from LATIN1 (a legacy database's
 // default, a role's setting): pgx sends UTF-8 whatever the setting, so a
-// non-ASCII topic the subscriber asked for matched nothing a publisher
-// with UTF8 stored, and metadata came back altered, silently. Subscribe
-// refuses it, saying what to set.
-func TestSubscribeRefusesAPoolThatIsNotUTF8(t *testing.T) {
+// non-ASCII topic matched nothing a connection with UTF8 stored (lib/pq,
+// psql), and metadata came back altered, silently. Between pgx
+// connections alike it round-trips, so Subscribe goes on, and says what
+// to set on every connection.
+func TestSubscribeWarnsOfAPoolThatIsNotUTF8(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	pool := b.poolWith(t, map[string]string{"client_encoding": "LATIN1"}, nil)
-	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables}, nil)
+	logs := &logCapture{}
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables}, logs)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = sub.Close() })
-	_, err = sub.Subscribe(context.Background(), "bestellung.grün")
-	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
-	require.ErrorContains(t, err, "set client_encoding=UTF8 in the DSN")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	msgs, err := sub.Subscribe(ctx, "bestellung.grün")
+	require.NoError(t, err)
+	require.Len(t, logs.find("info", func(e logEntry) bool {
+		return strings.Contains(e.msg, "set client_encoding=UTF8 on every connection") && e.fields["client_encoding"] == "LATIN1"
+	}), 1)
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish("bestellung.grün", newMsgs(1)...))
+	receive(t, msgs, 10*time.Second).Ack()
 }

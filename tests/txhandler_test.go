@@ -1078,3 +1078,34 @@ func TestTxMiddlewareSaysWhenTheHandlerEndedItsTransactionBySQL(t *testing.T) {
 		}
 	}
 }
+
+// A handler that ended the transaction through the driver gave its
+// connection back to the pool; the check for a COMMIT or ROLLBACK
+// statement then read that connection while another goroutine used it (a
+// data race under -race) and named a statement that was never run. The
+// check stays off once the driver ended the transaction.
+func TestTxMiddlewareLeavesTheConnectionOnceTheDriverEndedTheTransaction(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pool := b.poolWith(t, nil, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	mw, err := tx.Middleware(tx.FromPgxPool(pool), tx.MiddlewareConfig{})
+	require.NoError(t, err)
+	for range 20 {
+		done := make(chan struct{})
+		_, err = mw(func(m *message.Message) ([]*message.Message, error) {
+			pt, ok := tx.PgxTxFromContext(m.Context())
+			require.True(t, ok)
+			if err := pt.Rollback(m.Context()); err != nil {
+				return nil, err
+			}
+			go func() {
+				defer close(done)
+				_, _ = pool.Exec(context.Background(), "SELECT 1")
+			}()
+			return nil, nil
+		})(newMsg("x"))
+		<-done
+		require.ErrorContains(t, err, "the handler (or code it called) ended it")
+		require.NotContains(t, err.Error(), "COMMIT or ROLLBACK statement")
+	}
+}

@@ -122,7 +122,11 @@ const RotateOccupied = "pgoutbox: the partition holds a row committed since it w
 // waiting rows (MoveGroup, a purge, a requeue of parked rows),
 // whose statements would skip the rows a step is moving (SKIP LOCKED) or
 // fail on them ("already moved to another partition").
-const RotationWait = `SELECT pg_advisory_xact_lock(` + rotationLockKey + `)`
+//
+// Like TopicLock, the wait ignores a role's lock_timeout (put back after).
+const RotationWait = `SELECT set_config('lock_timeout', l.was, true)
+  FROM (SELECT current_setting('lock_timeout') AS was, set_config('lock_timeout', '0', true),
+               pg_advisory_xact_lock(` + rotationLockKey + `)) l`
 
 // rotationLockKey is the advisory lock that makes one rotation step at a
 // time per outbox, $1 the outbox's quoted name: rotation steps try it,

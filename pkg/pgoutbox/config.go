@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"reflect"
 	"strings"
 	"time"
 	"unicode"
@@ -432,7 +431,7 @@ func (c SubscriberConfig) Validate() error {
 	case c.Lease < time.Second:
 		add("Lease is %s; it must be at least 1s", c.Lease)
 	case c.Lease > MaxLease:
-		add("Lease is %s; it may be at most %s (a lease is renewed while its handler runs, so it need not cover the longest handler)", c.Lease, MaxLease)
+		add("Lease is %s; it may be at most %s, a year (a lease is renewed while its handler runs, so it need not cover the longest handler)", c.Lease, MaxLease)
 	}
 	// Checks that involve a value derived from Lease run only when Lease
 	// is valid or the value was set.
@@ -511,25 +510,28 @@ func checkWorkerID(id string) string {
 // statement_timeout holds at most 2,147,483,647 ms (about 24.8 days).
 const MaxStatementTimeout = 2147483647 * time.Millisecond
 
-// MaxLease is the longest SubscriberConfig.Lease: a lease is renewed while
-// its handler runs, so a longer one only delays the return of a crashed
-// process's rows where no liveness lock is known.
-const MaxLease = 7 * 24 * time.Hour
+// MaxLease is the longest SubscriberConfig.Lease, a year: a lease is
+// renewed while its handler runs, so a longer one only delays the return
+// of a crashed process's rows where no liveness lock is known, and one
+// near the largest Duration overflowed the subscription's clock.
+const MaxLease = 365 * 24 * time.Hour
 
 func statementTimeoutProblem(d time.Duration) string {
 	return fmt.Sprintf("StatementTimeout is %s; it may be at most %s, PostgreSQL's limit for statement_timeout (0 for the default %s)", d, MaxStatementTimeout, DefaultStatementTimeout)
 }
 
-// isNilValue reports whether v is an interface holding a nil pointer or
-// func (a RetryPolicyFunc(nil), a nil *ExponentialBackoff): not nil as an
-// interface, so no default replaces it, and it panics when called.
-func isNilValue(v any) bool {
-	if v == nil {
-		return false
-	}
-	switch rv := reflect.ValueOf(v); rv.Kind() {
-	case reflect.Pointer, reflect.Func, reflect.Map, reflect.Slice, reflect.Chan, reflect.Interface:
-		return rv.IsNil()
+// isNilValue reports whether p is one of pgoutbox's policies, nil (a
+// RetryPolicyFunc(nil), a nil *ExponentialBackoff): not nil as an
+// interface, so no default replaces it, and it panics when called. A
+// policy type of your own may handle a nil receiver.
+func isNilValue(p RetryPolicy) bool {
+	switch p := p.(type) {
+	case RetryPolicyFunc:
+		return p == nil
+	case *ExponentialBackoff:
+		return p == nil
+	case *ConstantBackoff:
+		return p == nil
 	}
 	return false
 }

@@ -94,7 +94,7 @@ func TestSubscriberConfigValidateRefusesFootguns(t *testing.T) {
 		},
 		"LeaseOverflowing": {
 			cfg:  SubscriberConfig{Lease: math.MaxInt64},
-			want: []string{"Lease is 2562047h47m16.854775807s", "at most 168h0m0s"},
+			want: []string{"Lease is 2562047h47m16.854775807s", "at most 8760h0m0s"},
 		},
 		"StatementTimeoutOverPostgresLimit": {
 			cfg:  SubscriberConfig{Lease: MaxLease, StatementTimeout: 30 * 24 * time.Hour},

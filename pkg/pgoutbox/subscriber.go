@@ -354,15 +354,12 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 		}
 		if err == nil {
 			var isolation, encoding string
-			var started time.Time
-			err = s.pool.QueryRow(ctx, "SELECT current_database(), current_setting('default_transaction_isolation'), current_setting('client_encoding'), "+serverStarted).
-				Scan(&s.database, &isolation, &encoding, &started)
+			err = s.pool.QueryRow(ctx, "SELECT current_database(), current_setting('default_transaction_isolation'), current_setting('client_encoding')").
+				Scan(&s.database, &isolation, &encoding)
 			s.isolate = isolation != "read committed"
 			if err == nil {
-				err = checkEncoding(encoding)
-			}
-			if err == nil {
-				err = s.checkListen(ctx, started)
+				s.warnEncoding(encoding)
+				err = s.checkListen(ctx)
 			}
 		}
 		return err
@@ -374,24 +371,29 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 	return nil
 }
 
-// checkEncoding refuses a pool whose sessions convert text from another
+// warnEncoding says so when the pool's sessions convert text from another
 // encoding than UTF-8 (client_encoding: a LATIN1 database's default, or a
 // role's setting). pgx sends and reads UTF-8 whatever the setting, so the
-// server converted what it took for LATIN1: a non-ASCII topic, group or
-// key then matched nothing a publisher with UTF8 (lib/pq, a DSN that sets
-// it) stored, and metadata came back altered. SQL_ASCII converts nothing.
-func checkEncoding(encoding string) error {
+// server converts what it takes for LATIN1: that round-trips between pgx
+// connections alike, but a non-ASCII topic, group or key then matches
+// nothing a connection with UTF8 stored (lib/pq, psql, a DSN that sets
+// it), and its metadata comes back altered. SQL_ASCII converts nothing.
+func (s *Subscriber) warnEncoding(encoding string) {
 	if encoding == "UTF8" || encoding == "SQL_ASCII" {
-		return nil
+		return
 	}
-	return fmt.Errorf("%w: the pool's sessions run client_encoding %s, and pgoutbox's text (topics, groups, keys, metadata) is UTF-8: the server would convert it as %s, and non-ASCII names would match nothing published in UTF-8; "+
-		"set client_encoding=UTF8 in the DSN, or ALTER ROLE ... SET client_encoding = 'UTF8', and reconnect", ErrInvalidConfig, encoding, encoding)
+	logWarn(s.logger, "The pool's sessions run a client_encoding other than UTF8, and pgx sends UTF-8 whatever it says: non-ASCII topics, groups and keys "+
+		"match nothing that connections with UTF8 (lib/pq, psql, other services) publish, and their metadata is altered; "+
+		"set client_encoding=UTF8 on every connection at once (in the DSNs, or ALTER ROLE ... SET client_encoding = 'UTF8')",
+		watermill.LogFields{"client_encoding": encoding})
 }
 
-// serverStarted is when the server started: with the database's name, it
-// tells whether two connections reach the same database of the same
-// server, through any address or pooler.
-const serverStarted = "pg_postmaster_start_time()"
+// serverIdentity tells, with the database's name, whether two connections
+// reach the same database of the same server, through any address or
+// pooler: the server's start, in microseconds (a number, not a
+// timestamp, which the simple protocol would send in the session's
+// DateStyle).
+const serverIdentity = "SELECT current_database(), (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint"
 
 // checkListen refuses a ListenDSN that reaches another database or server
 // than the pool (a DSN without a database name reaches the one named like
@@ -399,9 +401,14 @@ const serverStarted = "pg_postmaster_start_time()"
 // subscribers look for it, so they take this process's rows in flight for
 // a crashed one's and deliver them again, and no wake-up arrives. When it
 // cannot connect, the notifier keeps trying and says so.
-func (s *Subscriber) checkListen(ctx context.Context, poolStarted time.Time) error {
+func (s *Subscriber) checkListen(ctx context.Context) error {
 	if s.listen == nil {
 		return nil
+	}
+	var poolDB string
+	var poolStarted int64
+	if err := s.pool.QueryRow(ctx, serverIdentity).Scan(&poolDB, &poolStarted); err != nil {
+		return err
 	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -411,16 +418,16 @@ func (s *Subscriber) checkListen(ctx context.Context, poolStarted time.Time) err
 	}
 	defer conn.Close(context.Background())
 	var database string
-	var started time.Time
-	if err := conn.QueryRow(ctx, "SELECT current_database(), "+serverStarted).Scan(&database, &started); err != nil {
+	var started int64
+	if err := conn.QueryRow(ctx, serverIdentity).Scan(&database, &started); err != nil {
 		return nil
 	}
-	if database != s.database || !started.Equal(poolStarted) {
+	if database != s.database || started != poolStarted {
 		where := fmt.Sprintf("database %q", database)
 		if database == s.database {
 			where = "another server's database of the same name"
 		}
-		return fmt.Errorf("%w: SubscriberConfig.ListenDSN reaches %s, and the pool database %q: other subscribers would not see this process's liveness lock and would take its messages in flight, and no wake-up would arrive; "+
+		return fmt.Errorf("%w: SubscriberConfig.ListenDSN reaches %s, while the pool reaches database %q: other subscribers would not see this process's liveness lock and would take its messages in flight, and no wake-up would arrive; "+
 			"point ListenDSN at the pool's database on the same server (name the database in it)", ErrInvalidConfig, where, s.database)
 	}
 	return nil

@@ -294,10 +294,15 @@ func pgxQuery(ctx context.Context, q pgxQueryer, query string, args []any) (Rows
 
 type pgxTx struct{ tx pgx.Tx }
 
-// endedBySQL reports whether the connection has no transaction open: a
-// COMMIT or ROLLBACK statement ended the one e was begun as.
+// endedBySQL reports whether a COMMIT or ROLLBACK statement ended the
+// transaction e was begun as (one pgoutbox began: endingTx) while the
+// driver still takes it for open: its connection has none open.
 func (e pgxTx) endedBySQL() bool {
-	c := e.tx.Conn()
+	t, ok := e.tx.(*endingTx)
+	if !ok || t.ended.Load() {
+		return false // unknown, or ended through the driver: its own error follows
+	}
+	c := t.Conn()
 	return c != nil && c.PgConn().TxStatus() == 'I'
 }
 
@@ -505,11 +510,32 @@ func (e pgxPool) begin(ctx context.Context, iso isolation) (Executor, func(conte
 	if iso == readCommitted {
 		opts.IsoLevel = pgx.ReadCommitted
 	}
-	t, err := e.pool.BeginTx(ctx, opts)
+	pt, err := e.pool.BeginTx(ctx, opts)
 	if err != nil {
 		return nil, nil, nil, err
 	}
+	t := &endingTx{Tx: pt}
 	return pgxTx{t}, t.Commit, t.Rollback, nil
+}
+
+// endingTx is a transaction pgoutbox began on a pgx pool, which knows
+// whether its Commit or Rollback was called: until then its connection is
+// its own, and the connection's state tells whether a COMMIT or ROLLBACK
+// statement ended it (endedBySQL); after, the pool may have given the
+// connection to someone else.
+type endingTx struct {
+	pgx.Tx
+	ended atomic.Bool
+}
+
+func (t *endingTx) Commit(ctx context.Context) error {
+	t.ended.Store(true)
+	return t.Tx.Commit(ctx)
+}
+
+func (t *endingTx) Rollback(ctx context.Context) error {
+	t.ended.Store(true)
+	return t.Tx.Rollback(ctx)
 }
 
 // nilHandle is the Executor of a nil handle: every statement returns an

@@ -79,7 +79,8 @@ const DefaultCommitTimeout = 10 * time.Second
 // back (the driver's Commit or Rollback, or on a pgx pool a COMMIT or
 // ROLLBACK statement) gets an error, and the message is delivered again;
 // through database/sql a COMMIT or ROLLBACK statement goes unseen, and
-// what follows it runs outside any transaction.
+// what follows it runs outside any transaction, as does a statement that
+// opens another (COMMIT AND CHAIN, or BEGIN after it) anywhere.
 //
 // Add it to the Router after Retry (each attempt then gets a transaction
 // of its own), PoisonQueue and Recoverer, and before middlewares that

@@ -466,7 +466,33 @@ func ArrivalsHeld(n Names) string {
 // the arrivals' paths (the CLI's setting of Arrivals).
 const ArrivalsUsable = `SELECT CASE WHEN to_regclass($1) IS NULL THEN false
             ELSE has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'DELETE')
-                 AND coalesce(has_sequence_privilege(pg_get_serial_sequence($2, 'id'), 'USAGE'), false) END`
+                 AND coalesce(has_sequence_privilege(pg_get_serial_sequence($2, 'id'), 'USAGE'), false)
+                 AND ` + arrivalsBelong + ` END`
+
+// arrivalsBelong tells whether the table named $1 takes its ids from the
+// identity sequence of the outbox $2: whether it is that outbox's arrivals
+// table, and not a table of another's that has its name (an outbox named
+// "<table>_arrivals"). Through the catalog, not pg_get_serial_sequence,
+// which the planner runs on constant arguments and which fails on a
+// table that does not exist.
+const arrivalsBelong = `EXISTS (
+    SELECT 1 FROM pg_attrdef d
+      JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum AND a.attname = 'id'
+      JOIN pg_depend dep ON dep.classid = 'pg_attrdef'::regclass AND dep.objid = d.oid
+                        AND dep.refclassid = 'pg_class'::regclass
+      JOIN pg_depend seq ON seq.classid = 'pg_class'::regclass AND seq.objid = dep.refobjid
+                        AND seq.refclassid = 'pg_class'::regclass AND seq.deptype IN ('i', 'a')
+     WHERE d.adrelid = to_regclass($1) AND seq.refobjid = to_regclass($2))`
+
+// ReadableArrivals tells whether $1 is the arrivals table of the outbox $2
+// (arrivalsBelong) and the current role may read it.
+const ReadableArrivals = `SELECT CASE WHEN to_regclass($1) IS NULL OR to_regclass($2) IS NULL THEN false
+            ELSE has_table_privilege($1, 'SELECT') AND ` + arrivalsBelong + ` END`
+
+// ForeignArrivals tells whether a table named as the arrivals table of the
+// outbox $2 exists and is not its own ($1: ArrivalsTableOf).
+const ForeignArrivals = `SELECT CASE WHEN to_regclass($1) IS NULL THEN false WHEN to_regclass($2) IS NULL THEN true
+            ELSE NOT ` + arrivalsBelong + ` END`
 
 // ArrivalsWaiting tells whether arrivals of topic $1 wait in the arrivals
 // table of n, an outbox's names without its arrivals. A subscriber whose

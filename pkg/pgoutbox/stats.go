@@ -321,7 +321,7 @@ func withReadableArrivals(ctx context.Context, exec tx.Executor, n query.Names) 
 	}
 	withArrivals := n.WithArrivals()
 	var readable bool
-	if err := queryRow(ctx, exec, query.ReadableTable, []any{withArrivals.QArrivals}, &readable); err != nil {
+	if err := queryRow(ctx, exec, query.ReadableArrivals, []any{withArrivals.QArrivals, n.QTable}, &readable); err != nil {
 		return n, err
 	}
 	if readable {

@@ -192,7 +192,7 @@ func (s *Subscriber) checkArrivals(ctx context.Context, topic string) error {
 		ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
 		defer cancel()
 		var readable, waiting bool
-		err := s.pool.QueryRow(ctx, query.ReadableTable, query.ArrivalsTableOf(s.q.Names)).Scan(&readable)
+		err := s.pool.QueryRow(ctx, query.ReadableArrivals, query.ArrivalsTableOf(s.q.Names), s.q.Names.QTable).Scan(&readable)
 		if err == nil && readable {
 			err = s.pool.QueryRow(ctx, query.ArrivalsWaiting(s.q.Names), topic).Scan(&waiting)
 		}

@@ -82,6 +82,12 @@ func ConvertToRotating(ctx context.Context, db tx.Executor, c Config) error {
 		}
 	}
 	n := single.Rotated()
+	if p, err := takenNamesProblem(ctx, db, n); err != nil || p != "" {
+		if err == nil {
+			err = fmt.Errorf("%w: convert %s to a rotating outbox: %s", ErrInvalidName, single.QTable, p)
+		}
+		return err
+	}
 	if err := convert(ctx, db, c, single, n); err != nil {
 		return fmt.Errorf("pgoutbox: convert %s to a rotating outbox: %w", n.QTable, err)
 	}

@@ -241,6 +241,12 @@ func Create(ctx context.Context, db tx.Executor, c Config) error {
 			}
 			return err
 		}
+		if p, err := takenNamesProblem(ctx, e, n); err != nil || p != "" {
+			if err == nil {
+				err = errors.New(p)
+			}
+			return err
+		}
 		if !n.Rotating {
 			// Up to date: nothing to run, so nothing that needs CREATE, which
 			// an application role starting with AutoInitializeSchema on an
@@ -522,6 +528,61 @@ func foreignTableProblem(ctx context.Context, db tx.Executor, n query.Names) (st
 		have[c[0]] = true
 	}
 	return notAnOutbox(n, have), nil
+}
+
+// takenNamesProblem tells when a relation the outbox n names after itself
+// is taken by another's (an outbox named "<table>_arrivals", "<table>_g0",
+// "<table>_bindings"...): the DDL, which makes each only where none
+// stands, would leave the outbox using the other's table, or without a
+// ring partition. "" when none is.
+func takenNamesProblem(ctx context.Context, db tx.Executor, n query.Names) (string, error) {
+	taken := func(name, role string) string {
+		return fmt.Sprintf("table %s.%s, which the outbox %s would use as its %s, is another table (another outbox's, or one of yours): "+
+			"name this outbox otherwise (schema.Config Table or Schema; --table, --schema), or that table", n.Schema, name, n.QTable, role)
+	}
+	// Tables of the outbox's own: an outbox's columns there mean another's.
+	for _, t := range []struct{ name, role string }{{n.Bindings, "bindings table"}, {n.Versions, "version table"}, {n.PausedTable(), "paused-groups table"}} {
+		cols, err := catalog(ctx, db, query.CatalogColumns, n.Schema, t.name, 2)
+		if err != nil {
+			return "", err
+		}
+		for _, c := range cols {
+			if c[0] == "lease_token" {
+				return taken(t.name, t.role), nil
+			}
+		}
+	}
+	if !n.Rotating {
+		// (to_regclass fails where the schema does not exist yet.)
+		arrivals := n.WithArrivals().ArrivalsTable
+		if cols, err := catalog(ctx, db, query.CatalogColumns, n.Schema, arrivals, 2); err != nil || len(cols) == 0 {
+			return "", err
+		}
+		var foreign bool
+		if err := scanOne(ctx, db, query.ForeignArrivals, []any{query.ArrivalsTableOf(n), n.QTable}, &foreign); err != nil {
+			return "", err
+		}
+		if foreign {
+			return taken(arrivals, "arrivals table"), nil
+		}
+		return "", nil
+	}
+	for _, g := range n.Generations {
+		if cols, err := catalog(ctx, db, query.CatalogColumns, n.Schema, g, 2); err != nil || len(cols) == 0 {
+			if err != nil {
+				return "", err
+			}
+			continue
+		}
+		parent, err := catalog(ctx, db, query.CatalogPartitionOf, n.Schema, g, 1)
+		if err != nil {
+			return "", err
+		}
+		if len(parent) == 0 || parent[0][0] != n.Schema+"."+n.Table {
+			return taken(g, "ring partition"), nil
+		}
+	}
+	return "", nil
 }
 
 // outboxLayout reports whether n's outbox table exists and whether it is

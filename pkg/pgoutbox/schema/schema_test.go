@@ -703,3 +703,54 @@ func TestTheDefaultDeadLetterTablesNameIsNamedAsSuch(t *testing.T) {
 	err = schema.Config{Table: long, DeadLetterTable: long + "_dlq"}.Validate()
 	require.NotContains(t, err.Error(), "defaults to", "a name the user chose")
 }
+
+// An outbox made beside another whose name is one the first names a
+// relation of its own after (an outbox "outbox_arrivals", "outbox_long",
+// "outbox_bindings"): Create found the table by name and made none, so
+// the first took the other's messages for its arrivals (its MoveGroup
+// moved them out of the other outbox), or its ring lacked a partition and
+// publishes failed. Create refuses, naming the table.
+func TestCreateRefusesNamesAnotherOutboxHolds(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	for _, tc := range []struct {
+		other    string
+		rotating bool
+		role     string
+	}{
+		{"outbox_arrivals", false, "arrivals table"},
+		{"outbox_bindings", false, "bindings table"},
+		{"outbox_long", true, "ring partition"},
+		{"outbox_g0", true, "ring partition"},
+	} {
+		s := b.freshSchema(t, "taken_"+tc.other)
+		require.NoError(t, schema.Create(ctx, b.exec, schema.Config{Schema: s, Table: tc.other, DeadLetterTable: "other_dlq"}))
+		err := schema.Create(ctx, b.exec, schema.Config{Schema: s, Table: "outbox", Rotating: tc.rotating})
+		require.ErrorContains(t, err, "which the outbox", tc.other)
+		require.ErrorContains(t, err, tc.role, tc.other)
+		require.NoError(t, schema.Validate(ctx, b.exec, schema.Config{Schema: s, Table: tc.other, DeadLetterTable: "other_dlq"}), "the other outbox is left as it was")
+	}
+	// An outbox's own arrivals table, ring and tables are its own.
+	for _, rotating := range []bool{false, true} {
+		cfg := schema.Config{Schema: b.freshSchema(t, fmt.Sprint("own_", rotating)), Table: "outbox", Rotating: rotating}
+		require.NoError(t, schema.Create(ctx, b.exec, cfg))
+		require.NoError(t, schema.Create(ctx, b.exec, cfg), "again")
+	}
+}
+
+// The conversion to a rotating outbox beside an outbox named as one of its
+// ring partitions "succeeded" into a ring without that partition.
+func TestConvertToRotatingRefusesARingNameAnotherOutboxHolds(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	s := b.freshSchema(t, "convtaken")
+	require.NoError(t, schema.Create(ctx, b.exec, schema.Config{Schema: s, Table: "outbox_g0", DeadLetterTable: "other_dlq"}))
+	single := schema.Config{Schema: s, Table: "outbox"}
+	require.NoError(t, schema.Create(ctx, b.exec, single))
+	err := schema.ConvertToRotating(ctx, b.exec, single)
+	require.ErrorIs(t, err, schema.ErrInvalidName)
+	require.ErrorContains(t, err, "would use as its ring partition")
+	require.NoError(t, schema.Validate(ctx, b.exec, single), "the single table is left as it was")
+}

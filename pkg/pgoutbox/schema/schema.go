@@ -541,7 +541,11 @@ func takenNamesProblem(ctx context.Context, db tx.Executor, n query.Names) (stri
 			"name this outbox otherwise (schema.Config Table or Schema; --table, --schema), or that table", n.Schema, name, n.QTable, role)
 	}
 	// Tables of the outbox's own: an outbox's columns there mean another's.
-	for _, t := range []struct{ name, role string }{{n.Bindings, "bindings table"}, {n.Versions, "version table"}, {n.PausedTable(), "paused-groups table"}} {
+	own := []struct{ name, role string }{{n.Bindings, "bindings table"}, {n.Versions, "version table"}, {n.PausedTable(), "paused-groups table"}}
+	if n.DLQTable != "" {
+		own = append(own, struct{ name, role string }{n.DLQTable, "dead-letter table"})
+	}
+	for _, t := range own {
 		cols, err := catalog(ctx, db, query.CatalogColumns, n.Schema, t.name, 2)
 		if err != nil {
 			return "", err

@@ -721,6 +721,7 @@ func TestCreateRefusesNamesAnotherOutboxHolds(t *testing.T) {
 	}{
 		{"outbox_arrivals", false, "arrivals table"},
 		{"outbox_bindings", false, "bindings table"},
+		{"outbox_dlq", false, "dead-letter table"},
 		{"outbox_long", true, "ring partition"},
 		{"outbox_g0", true, "ring partition"},
 	} {

@@ -447,6 +447,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 	withheld := r.req.arrivals == noArrivals && len(r.rows) == 0
 	sub.held.busy = len(r.rows) > 0 || withheld && sub.held.busy
 	sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, Count: len(r.rows), Path: r.req.path()})
+	sub.claims.pf.claimed(r.rows)
 	for _, d := range r.rows {
 		d.claimedAt = at(r.req.sent)
 		d.expiresAt = d.claimedAt.add(sub.cfg.Lease)

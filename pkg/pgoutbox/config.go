@@ -71,14 +71,15 @@ type PublisherConfig struct {
 	// still caps a payload at 1 GB).
 	//
 	// Why 1 MiB: a subscriber claims rows in batches and holds their
-	// payloads in memory (the claim's result, the prefetch buffer, the
-	// messages in flight), so one claim of large rows costs that many
-	// megabytes and stalls the rows behind it; every row is also written
-	// twice (WAL and heap, TOASTed above 2 kB) and, when a handler fails,
-	// moved to the dead-letter table. It is also the default message limit
-	// of Kafka (message.max.bytes), so what the outbox accepts can be
-	// relayed there unchanged. Store large bodies elsewhere (object
-	// storage) and publish a reference; raise the limit if you must.
+	// payloads in memory (the messages in flight, and beyond them a claim
+	// and a prefetch buffer of at most 16 MiB each), so large rows cost
+	// their megabytes and stall the rows behind them; every row is also
+	// written twice (WAL and heap, TOASTed above 2 kB) and, when a handler
+	// fails, moved to the dead-letter table. Brokers count their limits
+	// with their own framing and headers: to relay to one (Kafka's default
+	// limit is 1 MiB too), keep this some kilobytes below its limit
+	// (docs/relay.md). Store large bodies elsewhere (object storage) and
+	// publish a reference; raise the limit if you must.
 	MaxPayloadBytes int
 	// PublishHook is called for every message of a Publish call before
 	// the message is written, so it can add metadata: pgoutboxotel's

@@ -1,6 +1,9 @@
 package pgoutbox
 
-import "time"
+import (
+	"math"
+	"time"
+)
 
 // Prefetch bounds. A busy subscription leases more rows than it has in
 // flight, so one claim statement serves many messages (a claim costs about
@@ -20,6 +23,13 @@ const (
 	// rateSample is the shortest interval a consumption rate is measured
 	// over; verdicts closer together accumulate into one sample.
 	rateSample = 5 * time.Millisecond
+	// maxPrefetchBytes bounds the rows a subscription holds beyond its
+	// handlers, and one claim statement, by their size (payload and
+	// metadata, as the claims so far averaged them): with 1 MiB payloads
+	// and fast handlers, a rate measured over a burst of acks made one
+	// claim read ~200 rows, 200 MB, and a subscription with MaxInFlight 128
+	// hold 500 MB, where prefetching those rows bought no speed.
+	maxPrefetchBytes = 16 << 20
 )
 
 // prefetch sizes a subscription's lease window from its consumption rate:
@@ -32,6 +42,33 @@ type prefetch struct {
 	rate      float64
 	completed int // verdicts since the last sample
 	sampledAt time.Time
+	rowBytes  float64 // the claimed rows' average size (payload and metadata); 0: none claimed yet
+}
+
+// claimed records the sizes of the rows of a claim.
+func (p *prefetch) claimed(rows []*delivery) {
+	if len(rows) == 0 {
+		return
+	}
+	total := 0
+	for _, d := range rows {
+		total += len(d.payload) + len(d.metaRaw)
+	}
+	avg := float64(total) / float64(len(rows))
+	if p.rowBytes == 0 || avg > p.rowBytes {
+		p.rowBytes = avg // up at once: a turn to large rows must not wait
+	} else {
+		p.rowBytes = 0.5*p.rowBytes + 0.5*avg
+	}
+}
+
+// bySize is how many rows of the average size fit in maxPrefetchBytes, at
+// least one; no bound before a claim has measured them.
+func (p *prefetch) bySize() int {
+	if p.rowBytes == 0 {
+		return math.MaxInt
+	}
+	return max(1, int(maxPrefetchBytes/p.rowBytes))
 }
 
 func newPrefetch(maxInFlight int, enabled bool, now time.Time) prefetch {
@@ -52,11 +89,12 @@ func (p *prefetch) claimSize(held int, now time.Time, keyed bool) int {
 	if keyed && !p.disabled {
 		allowance = max(allowance, p.keyedAllowance())
 	}
+	allowance = min(allowance, p.bySize())
 	free := p.inFlight + allowance - held
 	if free < max(1, min(allowance/2, maxClaim/2)) {
 		return 0
 	}
-	return min(free, max(maxClaim, p.inFlight))
+	return min(free, max(maxClaim, p.inFlight), p.bySize())
 }
 
 // keyedTurnaround is how long a key's next row takes to reach the buffer

@@ -694,3 +694,33 @@ func TestOwnerRenewalLeavesYoungLeasesAlone(t *testing.T) {
 	b.sub.housekeeping(now)
 	require.Equal(t, []*delivery{d}, b.sub.writes.pending.renew, "a row to stamp anew is renewed at once")
 }
+
+// With large rows the prefetch is bounded by size: a rate measured over a
+// burst of acks made a claim of 1 MiB rows read ~200 of them, and a
+// subscription with MaxInFlight 128 hold 500 MB. A claim and the rows
+// held beyond the handlers stay within maxPrefetchBytes, its handlers'
+// rows apart; small rows are bounded by count as before.
+func TestPrefetchIsBoundedBySize(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	rows := func(n, size int) []*delivery {
+		out := make([]*delivery, n)
+		for i := range out {
+			out[i] = &delivery{claimedRow: claimedRow{payload: make([]byte, size)}}
+		}
+		return out
+	}
+	p := newPrefetch(128, true, now)
+	require.Equal(t, 128, p.claimSize(0, now, false), "before any claim: the free slots")
+	p.claimed(rows(10, 1<<20))
+	p.verdicts(1000) // a burst: 100k/s
+	now = now.Add(10 * time.Millisecond)
+	n := p.claimSize(0, now, false)
+	require.Equal(t, 16, n, "a claim of 1 MiB rows reads 16 MiB at most")
+	require.Zero(t, p.claimSize(128+16, now, false), "the handlers' rows and 16 MiB held: no claim")
+
+	small := newPrefetch(16, true, now)
+	small.claimed(rows(100, 200))
+	small.verdicts(1000)
+	require.Equal(t, maxClaim, small.claimSize(0, now.Add(10*time.Millisecond), false), "small rows: capped by count")
+}

@@ -144,7 +144,8 @@ func NewTxPublisher(t *sql.Tx, config PublisherConfig, logger watermill.LoggerAd
 // Publish writes msgs to topic in one statement, in order. The context of
 // msgs[0] bounds the statement (for a context publisher, every message's
 // context must carry the same transaction, or none). With no messages it
-// does nothing.
+// does nothing. One call carries at most 960 MiB of payloads and metadata
+// (ErrInvalidMessage beyond: split it).
 func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	args, err := p.prepare(topic, msgs)
 	if err != nil || len(msgs) == 0 {
@@ -491,6 +492,13 @@ func checkText(i int, s string, what func() string) error {
 	return nil
 }
 
+// maxCallBytes bounds what one Publish call sends: its statement carries
+// every payload and metadata in one protocol message, which PostgreSQL
+// and pgx take up to 1 GiB; past it pgx fails after encoding the call and
+// closes the connection, the caller's transaction with it. A little less,
+// for the encoding's framing.
+const maxCallBytes = 1<<30 - 64<<20
+
 func publishArgs(topic string, msgs []*message.Message, orderingKey func(string, *message.Message) (string, error), maxPayload int) (publishBatch, error) {
 	n := len(msgs)
 	b := publishBatch{
@@ -605,6 +613,14 @@ func publishArgs(topic string, msgs []*message.Message, orderingKey func(string,
 				b.ordering[i] = pgtype.Text{String: order, Valid: true}
 			}
 		}
+	}
+	size := len(buf)
+	for _, m := range msgs {
+		size += len(m.Payload) + len(m.UUID)
+	}
+	if size > maxCallBytes {
+		return b, fmt.Errorf("%w: the %d messages of this call hold %d MiB of payloads and metadata, and one statement carries at most %d MiB (PostgreSQL's protocol takes 1 GiB a message, and the connection would be closed): split the call; nothing was written",
+			ErrInvalidMessage, n, size>>20, maxCallBytes>>20)
 	}
 	all, start := string(buf), 0
 	for i, end := range ends {

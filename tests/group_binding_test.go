@@ -390,6 +390,20 @@ func TestCQRSBindWithASharedCommandSubscriber(t *testing.T) {
 	err = cqrsbind.Events(ctx, eventsCfg, twice)
 	require.ErrorContains(t, err, `handlers "invoice" and "mail" subscribe topic`)
 	require.ErrorContains(t, err, "its own group")
+
+	// Handlers of different outboxes in groups of one name read different
+	// tables: nothing competes (they were refused as if they did).
+	other := schema.Config{Schema: b.Schema, Table: "other_outbox", DeadLetterTable: "other_dlq"}
+	require.NoError(t, schema.Create(ctx, tx.FromPgxPool(b.Pool), other))
+	perOutbox := map[string]schema.Config{"invoice": b.tables, "mail": other}
+	eventsCfg.SubscriberConstructor = func(p cqrs.EventProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+		sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: perOutbox[p.HandlerName], ConsumerGroup: "audit"}, nil)
+		if err == nil {
+			t.Cleanup(func() { _ = sub.Close() })
+		}
+		return sub, err
+	}
+	require.NoError(t, cqrsbind.Events(ctx, eventsCfg, twice))
 }
 
 // cqrsbind binds every handler group of a processor ahead of traffic

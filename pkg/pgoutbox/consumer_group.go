@@ -893,6 +893,11 @@ const renameMoveAttempts = 5
 // the default group).
 func (s *Subscriber) ConsumerGroup() string { return s.cfg.ConsumerGroup }
 
+// Tables returns the outbox the Subscriber consumes from, as configured,
+// with the defaults of names left unset filled in (schema.Config's
+// WithDefaults).
+func (s *Subscriber) Tables() schema.Config { return s.cfg.Tables.WithDefaults() }
+
 // followArrivals returns q for an outbox with arrivals when the database
 // has them and q has not (tables.Arrivals unset in the deploy step, relay
 // or service that binds): the binding operations follow what the outbox

@@ -115,11 +115,11 @@ func Commands(ctx context.Context, config cqrs.CommandProcessorConfig, handlers 
 type binder struct {
 	topics []string
 	subs   map[string][]*pgoutbox.Subscriber
-	owner  map[[2]string]string // (topic, group) -> the handler that subscribes it
+	owner  map[[4]string]string // (schema, table, topic, group) -> the handler that subscribes it
 }
 
 func newBinder() *binder {
-	return &binder{subs: map[string][]*pgoutbox.Subscriber{}, owner: map[[2]string]string{}}
+	return &binder{subs: map[string][]*pgoutbox.Subscriber{}, owner: map[[4]string]string{}}
 }
 
 func (b *binder) add(topic, handler string, sub message.Subscriber, err error) error {
@@ -134,7 +134,9 @@ func (b *binder) add(topic, handler string, sub message.Subscriber, err error) e
 	// each gets some, and a processor acks and drops one meant for
 	// another handler. A shared subscriber serves handlers of different
 	// topics only.
-	key := [2]string{topic, ps.ConsumerGroup()}
+	// Of one outbox: handlers of different outboxes read different tables.
+	t := ps.Tables()
+	key := [4]string{t.Schema, t.Table, topic, ps.ConsumerGroup()}
 	if other, ok := b.owner[key]; ok && other != handler {
 		return fmt.Errorf("pgoutbox/cqrsbind: handlers %q and %q subscribe topic %q in one consumer group %q, so each message would reach one of them only; "+
 			"give each handler a subscriber of its own group (SubscriberConfig.ConsumerGroup: the handler name)", other, handler, topic, ps.ConsumerGroup())

@@ -301,12 +301,17 @@ func Create(ctx context.Context, db tx.Executor, c Config) error {
 // ValidationError lists everything Validate found missing or wrong.
 type ValidationError struct {
 	// Problems are the findings, one sentence each, naming the table,
-	// column or index.
+	// column or index. When the outbox is of another layout than the
+	// Config says (Rotating), that is the only one.
 	Problems []string
+	layout   bool // the Config's layout is wrong: the fix is in it, not in the database
 }
 
 // Error lists the problems and says how to make what is missing.
 func (e *ValidationError) Error() string {
+	if e.layout {
+		return "pgoutbox: schema does not match: " + strings.Join(e.Problems, "; ")
+	}
 	return "pgoutbox: schema does not match: " + strings.Join(e.Problems, "; ") +
 		"; run schema.Create (pgoutbox schema apply), which makes whatever is missing, or, for an outbox below the latest version, " +
 		"schema.Migrate (pgoutbox schema migrate up) or schema.Migrations with your migration tool"
@@ -415,7 +420,9 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 			return err
 		}
 		if p != "" {
-			problems = append(problems, p)
+			// What else looks missing follows from it (a column of the
+			// other layout), and Create would refuse the Config.
+			return &ValidationError{Problems: []string{p}, layout: true}
 		}
 	}
 	if !missing[n.Table] && idxByTable[n.Table] != nil {

@@ -755,3 +755,25 @@ func TestConvertToRotatingRefusesARingNameAnotherOutboxHolds(t *testing.T) {
 	require.ErrorContains(t, err, "would use as its ring partition")
 	require.NoError(t, schema.Validate(ctx, b.exec, single), "the single table is left as it was")
 }
+
+// A Config of the other layout than the outbox's (Rotating set on a
+// single table, unset on a rotating one): the error ended by advising
+// schema.Create, which refuses that Config, after listing columns "missing"
+// only because of it. It names the layout and what to set, and no more.
+func TestValidateOfTheOtherLayoutSaysOnlyThat(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	single := schema.Config{Schema: b.freshSchema(t, "layout_single"), Table: "outbox"}
+	ring := schema.Config{Schema: b.freshSchema(t, "layout_ring"), Table: "outbox", Rotating: true}
+	require.NoError(t, schema.Create(ctx, b.exec, single))
+	require.NoError(t, schema.Create(ctx, b.exec, ring))
+	single.Rotating, ring.Rotating = true, false
+	for _, c := range []schema.Config{single, ring} {
+		err := schema.Validate(ctx, b.exec, c)
+		var problems *schema.ValidationError
+		require.ErrorAs(t, err, &problems)
+		require.Len(t, problems.Problems, 1, "%v", err)
+		require.NotContains(t, err.Error(), "which makes whatever is missing")
+	}
+}

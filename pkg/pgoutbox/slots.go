@@ -265,6 +265,10 @@ func (in *verdictInbox) notify() {
 func (in *verdictInbox) take(buf []verdict) ([]verdict, []unholdRequest) {
 	in.mu.Lock()
 	buf = append(buf[:0], in.list...)
+	// Cleared, not only cut: the array is kept for the next verdicts, and
+	// those it held would keep their messages (payloads of megabytes) alive
+	// while the subscription idles.
+	clear(in.list)
 	in.list = in.list[:0]
 	unholds := in.unholds
 	in.unholds = nil

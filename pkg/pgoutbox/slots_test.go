@@ -196,3 +196,19 @@ func TestSlotOfferEndsWithItsLeaseUnlessRenewed(t *testing.T) {
 	require.Equal(t, int64(2), v[0].d.id)
 	require.True(t, v[0].ack)
 }
+
+// The inbox keeps its array for the next verdicts; the verdicts taken must
+// not stay in it, or an idle subscription keeps their messages alive
+// (tens of megabytes with large payloads).
+func TestVerdictInboxLetsGoOfWhatWasTaken(t *testing.T) {
+	t.Parallel()
+	in := newVerdictInbox()
+	for range 4 {
+		in.put(verdict{msg: message.NewMessage("u", make([]byte, 1<<20))})
+	}
+	buf, _ := in.take(nil)
+	require.Len(t, buf, 4)
+	for _, v := range in.list[:cap(in.list)] {
+		require.Nil(t, v.msg, "a taken verdict left in the inbox's array")
+	}
+}

@@ -380,16 +380,7 @@ func TestTxMiddlewareSaysWhenTheHandlerEndedItsTransaction(t *testing.T) {
 		t.Run(name+"/the subscriber's", func(t *testing.T) {
 			mw, err := tx.Middleware(db, tx.MiddlewareConfig{})
 			require.NoError(t, err)
-			topic := "ended-" + strings.ReplaceAll(name, "/", "-")
-			b.publishInTx(t, topic, true, newMsg("x"))
-			msgs, err := b.subscriber(t, nil).Subscribe(context.Background(), topic)
-			require.NoError(t, err)
-			var m *message.Message
-			select {
-			case m = <-msgs:
-			case <-time.After(10 * time.Second):
-				t.Fatal("the message was not delivered")
-			}
+			m, _ := b.oneDelivered(t, "ended-"+strings.ReplaceAll(name, "/", "-"))
 			_, err = mw(func(m *message.Message) ([]*message.Message, error) { return nil, end(m.Context()) })(m)
 			require.ErrorIs(t, err, tx.ErrTxDone)
 			require.ErrorContains(t, err, "the handler (or code it called) ended it")
@@ -1042,40 +1033,26 @@ func TestTxMiddlewareReturnedMessageMayReuseTheIncomingDedupKey(t *testing.T) {
 func TestTxMiddlewareSaysWhenTheHandlerEndedItsTransactionBySQL(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	for name, db := range map[string]tx.Executor{"pgxpool": tx.FromPgxPool(b.Pool)} {
-		for _, stmt := range []string{"ROLLBACK", "COMMIT"} {
-			t.Run(name+"/"+stmt, func(t *testing.T) {
-				mw, err := tx.Middleware(db, tx.MiddlewareConfig{})
-				require.NoError(t, err)
-				topic := "ended-by-sql-" + strings.ReplaceAll(name, "/", "-") + "-" + stmt
-				b.publishInTx(t, topic, true, newMsg("x"))
-				msgs, err := b.subscriber(t, nil).Subscribe(context.Background(), topic)
-				require.NoError(t, err)
-				var m *message.Message
-				select {
-				case m = <-msgs:
-				case <-time.After(10 * time.Second):
-					t.Fatal("the message was not delivered")
-				}
-				_, err = mw(func(m *message.Message) ([]*message.Message, error) {
-					e, ok := tx.ExecutorFromContext(m.Context())
-					require.True(t, ok)
-					_, err := e.Exec(m.Context(), stmt)
-					return nil, err
-				})(m)
-				m.Nack()
-				require.ErrorContains(t, err, "the handler (or code it called) ended it")
-				require.ErrorContains(t, err, "COMMIT or ROLLBACK statement")
-				require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1`, topic), "the message stays")
-				select {
-				case again := <-msgs:
-					require.Equal(t, m.UUID, again.UUID)
-					again.Ack()
-				case <-time.After(10 * time.Second):
-					t.Fatal("the message was not delivered again")
-				}
-			})
-		}
+	for _, stmt := range []string{"ROLLBACK", "COMMIT"} {
+		t.Run(stmt, func(t *testing.T) {
+			mw, err := tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{})
+			require.NoError(t, err)
+			topic := "ended-by-sql-" + stmt
+			m, msgs := b.oneDelivered(t, topic)
+			_, err = mw(func(m *message.Message) ([]*message.Message, error) {
+				e, ok := tx.ExecutorFromContext(m.Context())
+				require.True(t, ok)
+				_, err := e.Exec(m.Context(), stmt)
+				return nil, err
+			})(m)
+			m.Nack()
+			require.ErrorContains(t, err, "the handler (or code it called) ended it")
+			require.ErrorContains(t, err, "COMMIT or ROLLBACK statement")
+			require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1`, topic), "the message stays")
+			again := receive(t, msgs, 10*time.Second)
+			require.Equal(t, m.UUID, again.UUID, "delivered again")
+			again.Ack()
+		})
 	}
 }
 
@@ -1108,4 +1085,14 @@ func TestTxMiddlewareLeavesTheConnectionOnceTheDriverEndedTheTransaction(t *test
 		require.ErrorContains(t, err, "the handler (or code it called) ended it")
 		require.NotContains(t, err.Error(), "COMMIT or ROLLBACK statement")
 	}
+}
+
+// oneDelivered publishes a message to topic and returns it as a
+// subscriber of b delivers it, with the subscription's channel.
+func (b *bundle) oneDelivered(t *testing.T, topic string) (*message.Message, <-chan *message.Message) {
+	t.Helper()
+	b.publishInTx(t, topic, true, newMsg("x"))
+	msgs, err := b.subscriber(t, nil).Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	return receive(t, msgs, 10*time.Second), msgs
 }

@@ -27,8 +27,8 @@ const (
 	// handlers, and one claim statement, by their size (payload and
 	// metadata, as the claims so far averaged them): with 1 MiB payloads
 	// and fast handlers, a rate measured over a burst of acks made one
-	// claim read ~200 rows, 200 MB, and a subscription with MaxInFlight 128
-	// hold 500 MB, where prefetching those rows bought no speed.
+	// claim read hundreds of rows, hundreds of megabytes, where
+	// prefetching rows that large buys no speed (TestPrefetchIsBoundedBySize).
 	maxPrefetchBytes = 16 << 20
 )
 

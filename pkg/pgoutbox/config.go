@@ -323,8 +323,9 @@ type SubscriberConfig struct {
 	// without it wake-ups come only from polling (MaxPollInterval) and a
 	// crashed process's rows come back only when their leases expire.
 	// It must reach the pool's database on the same server: Subscribe
-	// refuses one that reaches another (ErrInvalidConfig), where the lock
-	// would not be seen. Defaults to "": the pool's own settings.
+	// refuses one that reaches another database (ErrInvalidConfig), where
+	// the lock would not be seen, and logs a warning when it seems to reach
+	// another server. Defaults to "": the pool's own settings.
 	ListenDSN string
 
 	// RotationWindow is how long each partition of a rotating outbox

@@ -422,13 +422,16 @@ func (s *Subscriber) checkListen(ctx context.Context) error {
 	if err := conn.QueryRow(ctx, serverIdentity).Scan(&database, &started); err != nil {
 		return nil
 	}
-	if database != s.database || started != poolStarted {
-		where := fmt.Sprintf("database %q", database)
-		if database == s.database {
-			where = "another server's database of the same name"
-		}
-		return fmt.Errorf("%w: SubscriberConfig.ListenDSN reaches %s, while the pool reaches database %q: other subscribers would not see this process's liveness lock and would take its messages in flight, and no wake-up would arrive; "+
-			"point ListenDSN at the pool's database on the same server (name the database in it)", ErrInvalidConfig, where, s.database)
+	if database != poolDB {
+		return fmt.Errorf("%w: SubscriberConfig.ListenDSN reaches database %q, while the pool reaches database %q: other subscribers would not see this process's liveness lock and would take its messages in flight, and no wake-up would arrive; "+
+			"point ListenDSN at the pool's database on the same server (name the database in it)", ErrInvalidConfig, database, poolDB)
+	}
+	if started != poolStarted {
+		// Only said: a pooler that sends reads to a standby (read load
+		// balancing) answers the pool's query from another server too.
+		logWarn(s.logger, "SubscriberConfig.ListenDSN seems to reach another server than the pool (a database of the same name, started at another time): "+
+			"if so, other subscribers do not see this process's liveness lock and take its messages in flight, and no wake-up arrives; point ListenDSN at the pool's primary server",
+			watermill.LogFields{"database": database})
 	}
 	return nil
 }

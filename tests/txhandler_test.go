@@ -380,7 +380,7 @@ func TestTxMiddlewareSaysWhenTheHandlerEndedItsTransaction(t *testing.T) {
 		t.Run(name+"/the subscriber's", func(t *testing.T) {
 			mw, err := tx.Middleware(db, tx.MiddlewareConfig{})
 			require.NoError(t, err)
-			m, _ := b.oneDelivered(t, "ended-"+strings.ReplaceAll(name, "/", "-"))
+			m, _ := b.oneDelivered(t, "ended-"+strings.ReplaceAll(name, "/", "-"), nil)
 			_, err = mw(func(m *message.Message) ([]*message.Message, error) { return nil, end(m.Context()) })(m)
 			require.ErrorIs(t, err, tx.ErrTxDone)
 			require.ErrorContains(t, err, "the handler (or code it called) ended it")
@@ -1033,12 +1033,12 @@ func TestTxMiddlewareReturnedMessageMayReuseTheIncomingDedupKey(t *testing.T) {
 func TestTxMiddlewareSaysWhenTheHandlerEndedItsTransactionBySQL(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	for _, stmt := range []string{"ROLLBACK", "COMMIT"} {
-		t.Run(stmt, func(t *testing.T) {
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		for _, stmt := range []string{"ROLLBACK", "COMMIT"} {
 			mw, err := tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{})
 			require.NoError(t, err)
-			topic := "ended-by-sql-" + stmt
-			m, msgs := b.oneDelivered(t, topic)
+			topic := "ended-by-sql-" + path + "-" + stmt
+			m, msgs := b.oneDelivered(t, topic, func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c) })
 			_, err = mw(func(m *message.Message) ([]*message.Message, error) {
 				e, ok := tx.ExecutorFromContext(m.Context())
 				require.True(t, ok)
@@ -1052,8 +1052,8 @@ func TestTxMiddlewareSaysWhenTheHandlerEndedItsTransactionBySQL(t *testing.T) {
 			again := receive(t, msgs, 10*time.Second)
 			require.Equal(t, m.UUID, again.UUID, "delivered again")
 			again.Ack()
-		})
-	}
+		}
+	})
 }
 
 // A handler that ended the transaction through the driver gave its
@@ -1088,11 +1088,12 @@ func TestTxMiddlewareLeavesTheConnectionOnceTheDriverEndedTheTransaction(t *test
 }
 
 // oneDelivered publishes a message to topic and returns it as a
-// subscriber of b delivers it, with the subscription's channel.
-func (b *bundle) oneDelivered(t *testing.T, topic string) (*message.Message, <-chan *message.Message) {
+// subscriber of b (mod changes its config when not nil) delivers it, with
+// the subscription's channel.
+func (b *bundle) oneDelivered(t *testing.T, topic string, mod func(*pgoutbox.SubscriberConfig)) (*message.Message, <-chan *message.Message) {
 	t.Helper()
 	b.publishInTx(t, topic, true, newMsg("x"))
-	msgs, err := b.subscriber(t, nil).Subscribe(context.Background(), topic)
+	msgs, err := b.subscriber(t, mod).Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 	return receive(t, msgs, 10*time.Second), msgs
 }

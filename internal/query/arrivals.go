@@ -412,14 +412,9 @@ func ArrivalsFrom(n Names) string {
 const ReadableTable = `SELECT CASE WHEN to_regclass($1) IS NULL THEN false ELSE has_table_privilege($1, 'SELECT') END`
 
 // ArrivalsIDDefault tells whether the arrivals table $1 takes its ids
-// from the identity sequence of the outbox $2: a default drawn from
-// another sequence would give arrivals ids the outbox has.
-const ArrivalsIDDefault = `SELECT (EXISTS (
-    SELECT 1 FROM pg_attrdef d
-      JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum AND a.attname = 'id'
-      JOIN pg_depend dep ON dep.classid = 'pg_attrdef'::regclass AND dep.objid = d.oid
-                        AND dep.refclassid = 'pg_class'::regclass
-     WHERE d.adrelid = $1::regclass AND dep.refobjid = pg_get_serial_sequence($2, 'id')::regclass))::text`
+// from the identity sequence of the outbox $2 (arrivalsBelong): a default
+// drawn from another sequence would give arrivals ids the outbox has.
+const ArrivalsIDDefault = `SELECT (` + arrivalsBelong + `)::text`
 
 // ArrivalsStats counts the arrivals of every topic (or of topic $1) by the
 // bound group they belong to (NULL: none yet), with the oldest's age in

@@ -27,10 +27,17 @@ import "fmt"
 // for the rest of the transaction: binds of a topic take turns, and the
 // Subscribes of a Router's handlers, starting together, waited for each
 // other past a defensive 200 ms and failed (their bindings made anyway).
-// The targets run in order: the setting is read, cleared, the lock taken.
-const TopicLock = `SELECT set_config('lock_timeout', l.was, true)
-  FROM (SELECT current_setting('lock_timeout') AS was, set_config('lock_timeout', '0', true),
-               pg_advisory_xact_lock(hashtextextended($1, 0))) l`
+var TopicLock = pastLockTimeout(`pg_advisory_xact_lock(hashtextextended($1, 0))`)
+
+// pastLockTimeout is a statement that takes lock (a call of
+// pg_advisory_xact_lock) however long it waits, whatever lock_timeout
+// says, and leaves the setting as it was for the rest of the transaction.
+// The subquery's targets run in order: the setting is read, cleared, the
+// lock taken; the outer set_config puts it back.
+func pastLockTimeout(lock string) string {
+	return `SELECT set_config('lock_timeout', l.was, true)
+  FROM (SELECT current_setting('lock_timeout') AS was, set_config('lock_timeout', '0', true), ` + lock + `) l`
+}
 
 // SetLocalStatementTimeout bounds the statements of the rest of the
 // transaction on the server ($1, e.g. '250ms'), which ends a statement and

@@ -341,14 +341,17 @@ SELECT CASE WHEN c.relkind = 'p' AND EXISTS (
   FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace
  WHERE ns.nspname = $1 AND c.relname = $2`
 
-// CatalogPartitionOf names the table one table ($1 schema, $2 name) is a
-// partition of: no row when it is none.
-const CatalogPartitionOf = `
-SELECT pn.nspname || '.' || p.relname
+// CatalogRelations describes the relations of schema $1 among the names
+// $2 that exist: the name, whether it has an outbox's lease_token column
+// ('true' or 'false'), and the table it is a partition of (” when none).
+const CatalogRelations = `
+SELECT c.relname::text,
+       EXISTS (SELECT FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attname = 'lease_token' AND NOT a.attisdropped)::text,
+       coalesce((SELECT pn.nspname || '.' || p.relname FROM pg_inherits i
+                   JOIN pg_class p ON p.oid = i.inhparent JOIN pg_namespace pn ON pn.oid = p.relnamespace
+                  WHERE i.inhrelid = c.oid AND c.relispartition), '')
   FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace
-  JOIN pg_inherits i ON i.inhrelid = c.oid
-  JOIN pg_class p ON p.oid = i.inhparent JOIN pg_namespace pn ON pn.oid = p.relnamespace
- WHERE ns.nspname = $1 AND c.relname = $2 AND c.relispartition`
+ WHERE ns.nspname = $1 AND c.relname = ANY ($2::text[])`
 
 // CatalogIndexes lists the index names of one table, each with whether
 // it is valid: a CREATE INDEX CONCURRENTLY that failed or was cancelled

@@ -124,9 +124,7 @@ const RotateOccupied = "pgoutbox: the partition holds a row committed since it w
 // fail on them ("already moved to another partition").
 //
 // Like TopicLock, the wait ignores a role's lock_timeout (put back after).
-const RotationWait = `SELECT set_config('lock_timeout', l.was, true)
-  FROM (SELECT current_setting('lock_timeout') AS was, set_config('lock_timeout', '0', true),
-               pg_advisory_xact_lock(` + rotationLockKey + `)) l`
+var RotationWait = pastLockTimeout(`pg_advisory_xact_lock(` + rotationLockKey + `)`)
 
 // rotationLockKey is the advisory lock that makes one rotation step at a
 // time per outbox, $1 the outbox's quoted name: rotation steps try it,

@@ -89,12 +89,13 @@ func (p *prefetch) claimSize(held int, now time.Time, keyed bool) int {
 	if keyed && !p.disabled {
 		allowance = max(allowance, p.keyedAllowance())
 	}
-	allowance = min(allowance, p.bySize())
+	bySize := p.bySize()
+	allowance = min(allowance, bySize)
 	free := p.inFlight + allowance - held
 	if free < max(1, min(allowance/2, maxClaim/2)) {
 		return 0
 	}
-	return min(free, max(maxClaim, p.inFlight), p.bySize())
+	return min(free, max(maxClaim, p.inFlight), bySize)
 }
 
 // keyedTurnaround is how long a key's next row takes to reach the buffer

@@ -29,6 +29,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -523,12 +524,13 @@ func foreignTableProblem(ctx context.Context, db tx.Executor, n query.Names) (st
 	// A partition of another table (a rotating outbox's ring partition
 	// has every column an outbox has): an outbox made on it would take
 	// that table's indexes and rows, and every Publish would fail.
-	if parent, err := catalog(ctx, db, query.CatalogPartitionOf, n.Schema, n.Table, 1); err != nil || len(parent) > 0 {
-		if err != nil {
-			return "", err
-		}
+	rel, err := queryRows(ctx, db, 3, query.CatalogRelations, n.Schema, []string{n.Table})
+	if err != nil {
+		return "", fmt.Errorf("pgoutbox: validate schema: %w", err)
+	}
+	if len(rel) > 0 && rel[0][2] != "" {
 		return fmt.Sprintf("table %s.%s is a partition of %s (a rotating outbox's ring, or a table of yours): name another table or schema for pgoutbox (schema.Config Table or Schema; --table, --schema)",
-			n.Schema, n.Table, parent[0][0]), nil
+			n.Schema, n.Table, rel[0][2]), nil
 	}
 	have := map[string]bool{}
 	for _, c := range cols {
@@ -543,54 +545,40 @@ func foreignTableProblem(ctx context.Context, db tx.Executor, n query.Names) (st
 // stands, would leave the outbox using the other's table, or without a
 // ring partition. "" when none is.
 func takenNamesProblem(ctx context.Context, db tx.Executor, n query.Names) (string, error) {
-	taken := func(name, role string) string {
-		return fmt.Sprintf("table %s.%s, which the outbox %s would use as its %s, is another table (another outbox's, or one of yours): "+
-			"name this outbox otherwise (schema.Config Table or Schema; --table, --schema), or that table", n.Schema, name, n.QTable, role)
-	}
 	// Tables of the outbox's own: an outbox's columns there mean another's.
-	own := []struct{ name, role string }{{n.Bindings, "bindings table"}, {n.Versions, "version table"}, {n.PausedTable(), "paused-groups table"}}
+	roles := map[string]string{n.Bindings: "bindings table", n.Versions: "version table", n.PausedTable(): "paused-groups table"}
 	if n.DLQTable != "" {
-		own = append(own, struct{ name, role string }{n.DLQTable, "dead-letter table"})
+		roles[n.DLQTable] = "dead-letter table"
 	}
-	for _, t := range own {
-		cols, err := catalog(ctx, db, query.CatalogColumns, n.Schema, t.name, 2)
-		if err != nil {
-			return "", err
+	arrivals := n.WithArrivals().ArrivalsTable
+	if n.Rotating {
+		for _, g := range n.Generations {
+			roles[g] = "ring partition"
 		}
-		for _, c := range cols {
-			if c[0] == "lease_token" {
-				return taken(t.name, t.role), nil
-			}
-		}
+	} else {
+		roles[arrivals] = "arrivals table"
 	}
-	if !n.Rotating {
-		// (to_regclass fails where the schema does not exist yet.)
-		arrivals := n.WithArrivals().ArrivalsTable
-		if cols, err := catalog(ctx, db, query.CatalogColumns, n.Schema, arrivals, 2); err != nil || len(cols) == 0 {
-			return "", err
-		}
+	rels, err := queryRows(ctx, db, 3, query.CatalogRelations, n.Schema, slices.Collect(maps.Keys(roles)))
+	if err != nil {
+		return "", fmt.Errorf("pgoutbox: validate schema: %w", err)
+	}
+	for _, r := range rels {
+		name, outboxLike, parent := r[0], r[1] == "true", r[2]
 		var foreign bool
-		if err := scanOne(ctx, db, query.ForeignArrivals, []any{query.ArrivalsTableOf(n), n.QTable}, &foreign); err != nil {
-			return "", err
-		}
-		if foreign {
-			return taken(arrivals, "arrivals table"), nil
-		}
-		return "", nil
-	}
-	for _, g := range n.Generations {
-		if cols, err := catalog(ctx, db, query.CatalogColumns, n.Schema, g, 2); err != nil || len(cols) == 0 {
-			if err != nil {
+		switch roles[name] {
+		case "ring partition":
+			foreign = parent != n.Schema+"."+n.Table
+		case "arrivals table":
+			// Its ids come from the outbox's identity, or it is another's.
+			if err := scanOne(ctx, db, query.ForeignArrivals, []any{query.ArrivalsTableOf(n), n.QTable}, &foreign); err != nil {
 				return "", err
 			}
-			continue
+		default:
+			foreign = outboxLike
 		}
-		parent, err := catalog(ctx, db, query.CatalogPartitionOf, n.Schema, g, 1)
-		if err != nil {
-			return "", err
-		}
-		if len(parent) == 0 || parent[0][0] != n.Schema+"."+n.Table {
-			return taken(g, "ring partition"), nil
+		if foreign {
+			return fmt.Sprintf("table %s.%s, which the outbox %s would use as its %s, is another table (another outbox's, or one of yours): "+
+				"name this outbox otherwise (schema.Config Table or Schema; --table, --schema), or that table", n.Schema, name, n.QTable, roles[name]), nil
 		}
 	}
 	return "", nil

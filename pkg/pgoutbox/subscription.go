@@ -14,7 +14,8 @@ import (
 // subscription is one Subscribe call. One goroutine, the owner (run),
 // holds all of its state, in parts that each keep their own fields:
 //
-//   - claims (claims.go): when to claim, how many rows, from where;
+//   - claims (claim_schedule.go): when to claim, how many rows, from where;
+//     claims.go starts them and takes in their rows;
 //   - hand (handout.go): the rows we hold, the buffer, what is handed out;
 //   - writes (writes.go): verdicts waiting for the completer, its pacing;
 //   - house (housekeeping.go): ack deadlines, stalled buffers, renewals;

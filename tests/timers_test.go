@@ -70,6 +70,33 @@ func TestDeliverAtBeyondRFC3339sYears(t *testing.T) {
 	require.True(t, pastIsNow, "a time before year 1 is in the past: now")
 }
 
+// A row due centuries ahead (DeliverAt takes years up to 9999) is further
+// than a time.Duration reaches: the wait until it must not wrap to an
+// idle loop that claims every millisecond. Idle polls are a minute
+// apart here.
+func TestARowDueCenturiesAheadLetsAnIdleLoopSleep(t *testing.T) {
+	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
+		b := setup(t)
+		m := newMsg("far")
+		pgoutbox.DeliverAt(m, time.Date(9999, 6, 1, 0, 0, 0, 0, time.UTC))
+		b.publishInTx(t, "t", true, m)
+		ev := newEvents()
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			c.Observer, c.ClaimMode = ev, mode
+			c.Lease, c.MinPollInterval, c.MaxPollInterval = 10*time.Minute, time.Minute, time.Minute
+		})
+		_, err := sub.Subscribe(context.Background(), "t")
+		require.NoError(t, err)
+		require.Zero(t, ev.wait(t, pgoutbox.EventClaimed, 10*time.Second).Count)
+		// After a start, a loop looks again at doubling intervals up to
+		// half a second (about 10 looks), then sleeps for its poll; a
+		// wrapped wait made it claim every millisecond (over 1,000 claims
+		// in these two seconds).
+		time.Sleep(2 * time.Second)
+		require.Less(t, ev.countKind(pgoutbox.EventClaimed), 20)
+	})
+}
+
 func TestDeliverAt(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

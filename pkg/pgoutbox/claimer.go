@@ -277,9 +277,16 @@ func (c *claimer) nextDue(conn *pgxpool.Conn) time.Duration {
 		return 0
 	}
 	// At least a millisecond: rounding must not make the loop spin on a
-	// row that is due within a microsecond.
-	return max(time.Duration(*us)*time.Microsecond, time.Millisecond)
+	// row that is due within a microsecond. At most maxDueIn: a row due
+	// more than 292 years ahead (DeliverAt takes years up to 9999) is more
+	// nanoseconds than a Duration holds, and the product wrapped to a wait
+	// of a millisecond, an idle loop claiming 650 times a second.
+	return max(time.Duration(min(*us, maxDueIn.Microseconds()))*time.Microsecond, time.Millisecond)
 }
+
+// maxDueIn bounds the wait nextDue reports: far longer than any poll
+// interval, which wakes an idle loop before it anyway.
+const maxDueIn = 24 * time.Hour
 
 // held opens a held transaction and locks up to req.n ready rows
 // in it. A transaction that locked nothing ends at once.

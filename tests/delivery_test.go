@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -481,6 +482,74 @@ func (l *list) get() []string {
 // A RetryPolicy that panics took the process down at the message's first
 // nack, and every process after it at the redelivery: the panic is logged
 // and the default policy decides (a redelivery after about a second).
+// A retry delay near the largest Duration ("never again, in practice")
+// waits, ordered or not: an ordered subscription added it to its clock,
+// which wrapped to a time in the past and redelivered at once, hundreds
+// of times a second.
+func TestALongestRetryDelayWaits(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for _, inFlight := range []int{1, 4} {
+		t.Run(fmt.Sprintf("in-flight-%d", inFlight), func(t *testing.T) {
+			onEachClaimPath(t, func(t *testing.T, path string) {
+				topic := fmt.Sprintf("longest-delay-%d-%s", inFlight, path)
+				ev := newEvents()
+				sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+					onPath(t, path, c)
+					c.Observer, c.MaxInFlight = ev, inFlight
+					c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: math.MaxInt64, MaxAttempts: pgoutbox.RetryForever}
+				})
+				msgs, err := sub.Subscribe(context.Background(), topic)
+				require.NoError(t, err)
+				require.NoError(t, b.poolPublisher(t).Publish(topic, newMsgs(1)...))
+				receive(t, msgs, 10*time.Second).Nack()
+				ev.wait(t, pgoutbox.EventRetried, 10*time.Second)
+				select {
+				case m := <-msgs:
+					info, _ := pgoutbox.DeliveryOf(m)
+					t.Fatalf("delivered again at once (attempt %d)", info.Attempt)
+				case <-time.After(time.Second):
+				}
+			})
+		})
+	}
+}
+
+// An ordered subscription's retry goes out when its delay ends, not at
+// the owner's next housekeeping (up to a second later): the count of the
+// retried delivery, written when the delay ends, was queued after the
+// owner had started its writes for that turn, so it waited for the next
+// event: ten retries 50 ms apart took five seconds (housekeeping every
+// half second with these tests' leases), and take under one now.
+func TestAnOrderedRetryGoesOutWhenItsDelayEnds(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		topic := "ordered-retry-on-time-" + path
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.MaxInFlight = 1
+			c.RetryPolicy = pgoutbox.ConstantBackoff{Delay: 50 * time.Millisecond, MaxAttempts: pgoutbox.RetryForever}
+		})
+		msgs, err := sub.Subscribe(context.Background(), topic)
+		require.NoError(t, err)
+		require.NoError(t, b.poolPublisher(t).Publish(topic, newMsgs(1)...))
+		receive(t, msgs, 10*time.Second).Nack()
+		start := time.Now()
+		for attempt := 2; attempt <= 11; attempt++ {
+			m := receive(t, msgs, 10*time.Second)
+			info, _ := pgoutbox.DeliveryOf(m)
+			require.Equal(t, attempt, info.Attempt)
+			if attempt < 11 {
+				m.Nack()
+			} else {
+				m.Ack()
+			}
+		}
+		require.Less(t, time.Since(start), 2500*time.Millisecond, "ten retries 50 ms apart")
+	})
+}
+
 func TestPanickingRetryPolicyFallsBackToTheDefault(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

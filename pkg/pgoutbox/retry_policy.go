@@ -16,7 +16,8 @@ import (
 // retry=false gives up: the message goes to the dead-letter table (or,
 // without one, is parked in the outbox) with reason "retry_exhausted". A
 // NextDelay that panics is logged, and DefaultRetryPolicy decides that
-// delivery instead.
+// delivery instead. A delay below zero is none; one over about 73 years
+// is cut to that.
 type RetryPolicy interface {
 	NextDelay(deliveries int, err error) (delay time.Duration, retry bool)
 }
@@ -145,7 +146,8 @@ func (b ExponentialBackoff) withDefaults() ExponentialBackoff {
 
 // maxBackoffInterval is the longest interval ExponentialBackoff works
 // with: a quarter of the largest Duration (about 73 years), so the
-// interval plus its jitter stays one.
+// interval plus its jitter stays one. Any policy's delay is cut to it
+// (retryDelay).
 const maxBackoffInterval = time.Duration(math.MaxInt64 / 4)
 
 // NextDelay implements RetryPolicy.

@@ -171,7 +171,6 @@ func (sub *subscription) run() {
 		now := time.Now()
 		sub.passedTimes(now)
 		sub.startClaim(now)
-		sub.startWrite(now)
 		if sub.drain.stopping && sub.finishedStopping(now) {
 			break
 		}
@@ -182,6 +181,11 @@ func (sub *subscription) run() {
 		} else {
 			head, sendC = sub.nextMessage(now)
 		}
+		// After the hand-out, which queues writes of its own (an ordered
+		// retry's count when its delay ends, the dead letter of a row over
+		// MaxDeliveries): started before it, they waited for the owner's
+		// next event, up to a second of housekeeping.
+		sub.startWrite(now)
 		var msg *message.Message // select evaluates every send's value, also on a nil channel
 		if head != nil {
 			msg = head.msg

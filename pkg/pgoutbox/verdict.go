@@ -64,7 +64,7 @@ func (sub *subscription) decideNack(d *delivery, msg *message.Message, timedOut 
 		n.deadReason = ReasonRetryExhausted
 		return n
 	}
-	n.delay = max(after, 0)
+	n.delay = retryDelay(after)
 	if timedOut {
 		return n
 	}
@@ -86,7 +86,7 @@ func (sub *subscription) decideNack(d *delivery, msg *message.Message, timedOut 
 	if _, ok := msg.Metadata[delay.DelayedUntilKey]; ok {
 		if v := msg.Metadata.Get(delay.DelayedForKey); v != "" {
 			if dd, err := time.ParseDuration(v); err == nil {
-				n.delay = max(dd, 0)
+				n.delay = retryDelay(dd)
 				next[retryDelayKey] = v
 			}
 		}
@@ -149,6 +149,12 @@ func textOrNull(s string) pgtype.Text {
 func metaOrNull(meta []byte) pgtype.Text {
 	return pgtype.Text{String: string(meta), Valid: meta != nil}
 }
+
+// retryDelay is a retry's delay as it is kept: none below zero, at most
+// maxBackoffInterval (about 73 years). An ordered subscription adds it to
+// its clock, where a policy's delay near the largest Duration wrapped to
+// a time in the past: a redelivery at once, in a loop.
+func retryDelay(d time.Duration) time.Duration { return min(max(d, 0), maxBackoffInterval) }
 
 // delayOf is a retry delay as a microseconds parameter.
 func delayOf(d time.Duration) pgtype.Int8 {

@@ -108,11 +108,12 @@ func (c *cli) dlqList(args []string) error {
 	if err := cmd.limitInRange(f.Limit, pgoutbox.MaxDeadLetterLimit); err != nil {
 		return err
 	}
-	var err error
-	if f.FailedAfter, err = cmd.timeFlag("since", *since); err != nil {
+	sinceBound, err := cmd.timeFlag("since", *since)
+	if err != nil {
 		return err
 	}
-	if f.FailedBefore, err = cmd.timeFlag("until", *until); err != nil {
+	untilBound, err := cmd.timeFlag("until", *until)
+	if err != nil {
 		return err
 	}
 	if *after < 0 {
@@ -120,6 +121,12 @@ func (c *cli) dlqList(args []string) error {
 	}
 	f.ConsumerGroup = group.ptr()
 	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
+		if f.FailedAfter, err = sinceBound.at(ctx, exec); err != nil {
+			return err
+		}
+		if f.FailedBefore, err = untilBound.at(ctx, exec); err != nil {
+			return err
+		}
 		if *after > 0 {
 			// A page resumes at a (failed_at, id) position: read the
 			// failed_at of the id given.
@@ -379,20 +386,38 @@ func (c *cli) dlqDelete(args []string) error {
 // timeFlag reads a --since/--until value: an RFC 3339 time, a date (its
 // midnight, local time), or an age before now as --older-than takes it
 // (30d, 24h, 90m). "" is no bound.
-func (cmd *command) timeFlag(name, v string) (time.Time, error) {
+func (cmd *command) timeFlag(name, v string) (timeBound, error) {
 	if v == "" {
-		return time.Time{}, nil
+		return timeBound{}, nil
 	}
 	if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
-		return t, nil
+		return timeBound{time: t}, nil
 	}
 	if t, err := time.ParseInLocation(time.DateOnly, v, time.Local); err == nil {
-		return t, nil
+		return timeBound{time: t}, nil
 	}
 	if d, ok := olderthan.Parse(v); ok {
-		return time.Now().Add(-d), nil
+		return timeBound{age: d, isAge: true}, nil
 	}
-	return time.Time{}, usagef(cmd.name, "--%s %q is neither an RFC 3339 time (2026-01-02T15:04:05Z), a date (2026-01-02) nor an age before now (30d, 24h, 90m)", name, v)
+	return timeBound{}, usagef(cmd.name, "--%s %q is neither an RFC 3339 time (2026-01-02T15:04:05Z), a date (2026-01-02) nor an age before now (30d, 24h, 90m)", name, v)
+}
+
+// timeBound is a time flag's value: a time, or an age before the
+// database's now (failed_at is the database's time, and this machine's
+// clock may be off by any amount).
+type timeBound struct {
+	time  time.Time
+	age   time.Duration
+	isAge bool
+}
+
+// at returns the bound's time, reading the database's clock for an age.
+func (b timeBound) at(ctx context.Context, exec tx.Executor) (time.Time, error) {
+	if !b.isAge {
+		return b.time, nil
+	}
+	now, err := dbclock.Now(ctx, exec)
+	return now.Add(-b.age), err
 }
 
 func (c *cli) dlqPurge(args []string) error {

@@ -131,11 +131,15 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 		if err != nil {
 			return err
 		}
-		if c.Rows, err = ui.countDeadLetters(ctx, pgoutbox.DeadLetterFilter{FailedBefore: time.Now().Add(-d)}); err != nil {
+		now, err := dbclock.Now(ctx, ui.exec)
+		if err != nil {
+			return err
+		}
+		if c.Rows, err = ui.countDeadLetters(ctx, pgoutbox.DeadLetterFilter{FailedBefore: now.Add(-d)}); err != nil {
 			return err
 		}
 		c.Danger = true
-		c.RowsNote = "counted now; the purge counts by the database clock"
+		c.RowsNote = "counted now; the purge counts again when it runs"
 		c.What = fmt.Sprintf("Delete every dead letter, of every topic, that failed more than %s ago, for good.", ageString(d))
 		if d == 0 {
 			c.What = "Delete every dead letter, of every topic, whenever it failed, for good."

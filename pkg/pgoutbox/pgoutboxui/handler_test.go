@@ -491,6 +491,39 @@ func TestGroupPage(t *testing.T) {
 	require.Contains(t, blocked, `<td class="n">1</td>`, "one row waits behind the head")
 }
 
+// aheadClock is an executor whose database clock runs ten minutes ahead of
+// this machine's: a server's clock cannot be moved from a test, so only
+// the one statement that reads it is changed.
+type aheadClock struct{ tx.Executor }
+
+func (a aheadClock) Query(ctx context.Context, sql string, args ...any) (tx.Rows, error) {
+	if sql == "SELECT clock_timestamp()" {
+		sql = "SELECT clock_timestamp() + interval '10 minutes'"
+	}
+	return a.Executor.Query(ctx, sql, args...)
+}
+
+// A row is ready or scheduled by the database's clock, which wrote its
+// due time, not by this machine's: with the server's clock ahead, a row
+// due five minutes ago by it is ready (this machine's clock said
+// "scheduled in 5m" of a row any subscriber would take at once).
+func TestGroupPageTellsReadyRowsByTheDatabasesClock(t *testing.T) {
+	t.Parallel()
+	b := setup(t, false)
+	ui, err := pgoutboxui.New(aheadClock{b.env.Exec()}, b.env.Tables, pgoutboxui.Options{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ui.Close() })
+	m := msg("due by the server")
+	publish(t, b, "t", m)
+	_, err = b.env.Pool.Exec(context.Background(), fmt.Sprintf(`UPDATE %s.%s SET available_at = now() + interval '5 minutes' WHERE uuid = $1`, b.env.Schema, b.env.Tables.Table), m.UUID)
+	require.NoError(t, err)
+	rec := httptest.NewRecorder()
+	ui.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/group?topic=t&group=", nil))
+	require.Equal(t, http.StatusOK, rec.Code, rec.Body.String())
+	require.Regexp(t, `<span class="badge ready">ready</span> <span class="due">(5m00s|4m59s) ago</span>`, rec.Body.String())
+	require.NotContains(t, rec.Body.String(), "scheduled in")
+}
+
 // Dead letters come in keyset pages of 50 and filter by reason and group.
 func TestDeadLetterPages(t *testing.T) {
 	t.Parallel()

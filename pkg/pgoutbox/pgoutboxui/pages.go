@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/dbclock"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 )
 
@@ -194,7 +195,12 @@ func (ui *UI) groupPage(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	now := time.Now()
+	// Due times are the database's: a row is ready by its clock, which
+	// this machine's may be minutes off.
+	now, err := dbclock.Now(ctx, ui.exec)
+	if err != nil {
+		return err
+	}
 	for _, m := range pending {
 		v := pendingView{PendingMessage: m, Preview: preview(m.Payload), Payload: viewPayload(m.Payload), Metadata: sortedMetadata(m.Metadata)}
 		switch {

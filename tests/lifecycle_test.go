@@ -1,9 +1,11 @@
 package tests
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"net"
+	"runtime/pprof"
 	"strings"
 	"testing"
 	"time"
@@ -208,4 +210,44 @@ func TestCloseEndsASubscribeWaitingForTheDatabase(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("Subscribe still waits after Close")
 	}
+}
+
+// A Router stopped by cancelling Run's context does not close its
+// subscribers (Watermill closes them in Router.Close only): a Subscriber
+// with an Observer kept its event goroutine for good, one more for every
+// such Router. Not parallel: it counts the process's goroutines, and no
+// parallel test runs beside a sequential one.
+func TestARouterStoppedByItsContextLeavesNoObserverGoroutine(t *testing.T) {
+	b := setup(t)
+	queues := func() int {
+		var buf bytes.Buffer
+		require.NoError(t, pprof.Lookup("goroutine").WriteTo(&buf, 2))
+		return strings.Count(buf.String(), "pgoutbox.(*eventQueue).run(")
+	}
+	before := queues()
+	for i := range 5 {
+		topic := fmt.Sprintf("router-by-context-%d", i)
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			c.Observer = pgoutbox.ObserverFunc(func(pgoutbox.Event) {})
+		})
+		r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+		require.NoError(t, err)
+		handled := make(chan struct{}, 1)
+		r.AddConsumerHandler(topic, topic, sub, func(*message.Message) error {
+			handled <- struct{}{}
+			return nil
+		})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- r.Run(ctx) }()
+		require.NoError(t, b.poolPublisher(t).Publish(topic, newMsgs(1)...))
+		select {
+		case <-handled:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the message was not handled")
+		}
+		cancel()
+		require.NoError(t, <-done)
+	}
+	pollUntil(t, "the observer goroutines of the unclosed subscribers ended", 10*time.Second, nil, func() bool { return queues() <= before })
 }

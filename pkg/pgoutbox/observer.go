@@ -129,17 +129,38 @@ type eventQueue struct {
 	q       []Event
 	spare   []Event // the other buffer: the queue and the batch being observed swap
 	dropped int
-	started bool // the goroutine runs from the first event: a subscriber that never subscribed holds none
+	// started: a goroutine runs. It starts at an event and, while the
+	// Subscriber has no subscription (idle), ends once the queue is
+	// empty: a subscriber that is not subscribed holds none, also one
+	// left unclosed (a Router stopped by its context does not close its
+	// subscribers, and each such subscriber kept its goroutine for good).
+	started bool
+	idle    bool
 	closed  bool
 	wake    chan struct{}
-	done    chan struct{}
+	done    chan struct{} // closed when the goroutine under way ends
 	// abandon is set when close stopped waiting: the goroutine drops
 	// what is left instead of observing it.
 	abandon atomic.Bool
 }
 
 func newEventQueue(obs safeObserver) *eventQueue {
-	return &eventQueue{obs: obs, wake: make(chan struct{}, 1), done: make(chan struct{})}
+	return &eventQueue{obs: obs, wake: make(chan struct{}, 1), idle: true}
+}
+
+// setIdle tells the queue whether the Subscriber has no subscription
+// now: its goroutine then ends once it has observed what is queued.
+func (e *eventQueue) setIdle(idle bool) {
+	e.mu.Lock()
+	e.idle = idle
+	running := e.started
+	e.mu.Unlock()
+	if idle && running {
+		select {
+		case e.wake <- struct{}{}:
+		default:
+		}
+	}
 }
 
 func (e *eventQueue) observe(ev Event) {
@@ -152,8 +173,8 @@ func (e *eventQueue) observe(ev Event) {
 		return
 	}
 	if !e.started {
-		e.started = true
-		go e.run()
+		e.started, e.done = true, make(chan struct{})
+		go e.run(e.done)
 	}
 	if len(e.q) >= maxQueuedEvents {
 		e.dropped++
@@ -179,10 +200,10 @@ func (e *eventQueue) observe(ev Event) {
 func (e *eventQueue) close(within time.Duration) {
 	e.mu.Lock()
 	e.closed = true
-	started := e.started
+	started, done := e.started, e.done
 	e.mu.Unlock()
 	if !started {
-		return
+		return // nothing queued: a goroutine ends only with the queue empty
 	}
 	select {
 	case e.wake <- struct{}{}:
@@ -191,19 +212,19 @@ func (e *eventQueue) close(within time.Duration) {
 	t := time.NewTimer(within)
 	defer t.Stop()
 	select {
-	case <-e.done:
+	case <-done:
 	case <-t.C:
 		e.abandon.Store(true)
 	}
 }
 
-func (e *eventQueue) run() {
-	defer close(e.done)
+func (e *eventQueue) run(done chan struct{}) {
+	defer close(done)
 	for {
 		<-e.wake
 		for {
 			e.mu.Lock()
-			batch, dropped, closed := e.q, e.dropped, e.closed
+			batch, dropped := e.q, e.dropped
 			e.q, e.dropped = e.spare[:0], 0
 			e.mu.Unlock()
 			if dropped > 0 {
@@ -222,11 +243,13 @@ func (e *eventQueue) run() {
 			clear(batch) // let go of the events' errors
 			e.mu.Lock()
 			e.spare = batch[:0]
+			if len(batch) == 0 && len(e.q) == 0 && (e.closed || e.idle) {
+				e.started = false // the next event starts another
+				e.mu.Unlock()
+				return
+			}
 			e.mu.Unlock()
 			if len(batch) == 0 {
-				if closed {
-					return
-				}
 				break
 			}
 		}

@@ -40,6 +40,48 @@ func TestEventQueueStartsWithItsFirstEvent(t *testing.T) {
 	require.Equal(t, []EventKind{EventClaimed, EventAcked}, rec.events)
 }
 
+// The queue's goroutine ends once the Subscriber has no subscription and
+// the queue is empty, and the next event starts another: a Subscriber
+// left unclosed (a Router stopped by its context) keeps none.
+func TestEventQueueEndsItsGoroutineWhenIdle(t *testing.T) {
+	t.Parallel()
+	rec := &recordingObserver{}
+	q := newEventQueue(safeObserver{o: rec, logger: watermill.NopLogger{}})
+	running := func() chan struct{} {
+		q.mu.Lock()
+		defer q.mu.Unlock()
+		require.True(t, q.started)
+		return q.done
+	}
+	ended := func(done chan struct{}) {
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the goroutine of an idle queue did not end")
+		}
+	}
+	q.setIdle(false)
+	q.observe(Event{Kind: EventClaimed})
+	first := running()
+	q.setIdle(true)
+	ended(first)
+
+	q.observe(Event{Kind: EventAcked}) // a late event of the ended subscription
+	ended(running())
+
+	q.setIdle(false)
+	q.observe(Event{Kind: EventReleased})
+	again := running()
+	select {
+	case <-again:
+		t.Fatal("ended while a subscription runs")
+	case <-time.After(50 * time.Millisecond):
+	}
+	q.close(time.Minute)
+	ended(again)
+	require.Equal(t, []EventKind{EventClaimed, EventAcked, EventReleased}, rec.events)
+}
+
 // blockingObserver blocks in its first Observe, after closing entered,
 // until release is closed.
 type blockingObserver struct {

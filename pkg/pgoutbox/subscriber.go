@@ -125,6 +125,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	s.subs.Add(1)
 	s.active++
+	s.obs.setIdle(false)
 	waiter := s.notifier.Listen(s.q.Names.Channel, topic, s.cfg.ConsumerGroup)
 	s.startRotator() // under mu: Close cannot be waiting for subs yet
 	if lateWriters != "" {
@@ -448,6 +449,7 @@ func (s *Subscriber) subscriptionEnded() {
 	var n *notifier.Notifier
 	stopRotator := func() {}
 	if s.active == 0 {
+		s.obs.setIdle(true)
 		n, s.notifier = s.notifier, nil
 		if s.stopRotator != nil {
 			stopRotator, s.stopRotator = s.stopRotator, nil

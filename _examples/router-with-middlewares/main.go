@@ -79,7 +79,7 @@ func run() error {
 		return err
 	}
 
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 40 * time.Second}, logger)
 	if err != nil {
 		return err
 	}

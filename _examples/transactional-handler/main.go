@@ -107,7 +107,7 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 40 * time.Second}, logger)
 	if err != nil {
 		return err
 	}

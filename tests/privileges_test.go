@@ -333,3 +333,25 @@ func TestAutoInitializeSchemaWithoutCreateOnAnUpToDateOutbox(t *testing.T) {
 	require.ErrorContains(t, err, "permission denied")
 	require.ErrorContains(t, err, "unset AutoInitializeSchema")
 }
+
+// A role at its CONNECTION LIMIT does not fail Subscribe while the pool's
+// own connection is busy: pgxpool fails an Acquire at once when the server
+// refuses it another connection, and a Router's start failed with it,
+// while the busy connection came free a moment later.
+func TestSubscribeWaitsForAConnectionTheRolesLimitHoldsBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	pool := b.loginRole(t, "limited", append(slices.Clone(subscriberGrants), `ALTER ROLE %r CONNECTION LIMIT 1`)...)
+	busy, err := pool.Acquire(ctx) // the role's one connection
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `SELECT 1`) // the server refuses a second
+	require.ErrorContains(t, err, "53300")
+	go func() {
+		time.Sleep(50 * time.Millisecond) // a handler's query that ends
+		busy.Release()
+	}()
+	sub := b.subscriberOn(t, pool, nil)
+	_, err = sub.Subscribe(ctx, "t")
+	require.NoError(t, err)
+}

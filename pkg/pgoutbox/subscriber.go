@@ -304,9 +304,15 @@ func (s *Subscriber) untilClosed(ctx context.Context) (context.Context, context.
 // network): the pool drops such a connection, and Subscribe should not
 // fail a Router's start for it. Every idle connection of the pool may be
 // dead, so it tries once more than the pool holds, at short intervals.
+// A connection the server refused for want of a slot (the role's
+// CONNECTION LIMIT, max_connections) is tried again for up to
+// StatementTimeout: pgxpool fails an Acquire at once when it cannot grow,
+// while its busy connections come free a moment later.
 func (s *Subscriber) retryConnectionLost(ctx context.Context, f func() error) error {
 	var err error
-	for attempt := range int(s.pool.Config().MaxConns) + 2 {
+	tries := int(s.pool.Config().MaxConns) + 2
+	slotsUntil := time.Now().Add(s.cfg.StatementTimeout)
+	for attempt := 0; ; attempt++ {
 		if attempt > 0 {
 			select {
 			case <-time.After(min(time.Duration(attempt)*10*time.Millisecond, 200*time.Millisecond)):
@@ -314,11 +320,23 @@ func (s *Subscriber) retryConnectionLost(ctx context.Context, f func() error) er
 				return err
 			}
 		}
-		if err = f(); err == nil || !isConnectionLost(err) {
+		if err = f(); err == nil {
+			return nil
+		}
+		switch {
+		case noSlot(err) && time.Now().Before(slotsUntil):
+		case isConnectionLost(err) && attempt+1 < tries:
+		default:
 			return err
 		}
 	}
-	return err
+}
+
+// noSlot reports whether the server refused a connection for want of a
+// slot: SQLSTATE 53300, too_many_connections.
+func noSlot(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "53300"
 }
 
 // isConnectionLost reports whether err says the connection, not the

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/stretchr/testify/require"
@@ -225,4 +226,48 @@ func TestOrderKeptAfterStalledHandlerGivesBackRows(t *testing.T) {
 	require.LessOrEqual(t, repeats, 100, "duplicates are bounded")
 	require.NoError(t, sub.Close())
 	require.Zero(t, ev.countKind(pgoutbox.EventLeaseLost))
+}
+
+// A server that crashes loses its last asynchronous commits, a
+// subscriber's acks among them: such a row stays leased to the live
+// subscriber, which believes it acked, until its lease ends, and with an
+// ordering key it holds the key's next messages back all that while (a
+// keyed topic stopped for a whole Lease after a crash). Here the lost ack
+// is put back by hand (the row as it was under its lease), and the other
+// trace of a crash, the LISTEN connection lost with the liveness lock, by
+// pg_terminate_backend: the subscriber writes its recent acks again, and
+// the key's next message comes long before the 30 s lease ends.
+func TestAnAckTheServerLostIsWrittenAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	app := "reack-" + watermill.NewShortUUID()
+	sub := b.subscriberOn(t, b.namedPool(t, app), func(c *pgoutbox.SubscriberConfig) {
+		c.Lease, c.MaxPollInterval = 30*time.Second, time.Second
+	})
+	msgs, err := sub.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	first, second := newMsg("first"), newMsg("second")
+	pgoutbox.WithOrderingKey(first, "k")
+	pgoutbox.WithOrderingKey(second, "k")
+	b.publishInTx(t, "t", true, first)
+	m := receive(t, msgs, 10*time.Second)
+	require.Equal(t, first.UUID, m.UUID)
+	b.exec(t, `CREATE TABLE %s.lost AS SELECT * FROM %s.outbox WHERE uuid = $1`, first.UUID)
+	m.Ack()
+	pollUntil(t, "the ack written", 10*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox`) == 0
+	})
+	b.exec(t, `INSERT INTO %s.outbox OVERRIDING SYSTEM VALUE SELECT * FROM %s.lost`) // the crash lost the ack
+	b.publishInTx(t, "t", true, second)                                              // held back by the row its key still has
+
+	require.Equal(t, 1, b.count(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1 AND `+isListenConn, app))
+	select {
+	case m := <-msgs:
+		require.Equal(t, second.UUID, m.UUID)
+		m.Ack()
+	case <-time.After(15 * time.Second):
+		t.Fatal("the key's next message waits for the lease of a row this subscriber acked")
+	}
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = $1`, first.UUID), "the first message is not delivered again")
 }

@@ -47,6 +47,7 @@ type writeJob struct {
 	renew         []*delivery
 	renewHolder   pgtype.Int8 // the liveness key the renewed rows are stamped with
 	releaseTokens []pgtype.UUID
+	reacks        []ackedRow // acks to write again (see reackRecent)
 	// wakeGroup: a keyed row ended while the subscription stops, so it
 	// will not claim the key's next row; the group's other subscribers
 	// are woken after the job's writes (the NOTIFY a release sends), or
@@ -145,7 +146,9 @@ type writeResult struct {
 	abandoned  map[*delivery]error // rows whose own write fails for good
 	renewed    bool                // the renewal ran (its rows are in renewDone, or lost)
 	renewDone  written
-	releaseErr error    // the release of lost claims failed
+	releaseErr error // the release of lost claims failed
+	reacksDone bool  // the reacks were written; reacked of them had been lost
+	reacked    int
 	left       writeJob // not written after a transient error
 	err        error
 }
@@ -258,6 +261,9 @@ func (c *completer) write(j writeJob) writeResult {
 		_, _ = c.pool.Exec(ctx, "SELECT pg_notify($1, $2)", c.q.Names.Channel, query.GroupMark+c.topic+query.GroupMark+c.cfg.ConsumerGroup)
 		cancel()
 	}
+	if len(j.reacks) > 0 {
+		r.reacked, r.reacksDone = c.writeReacks(j.reacks)
+	}
 	// Last, and its failure fails nothing else: the owner tries again with
 	// its next job, and gives up once the rows' leases have expired anyway.
 	if len(j.releaseTokens) > 0 {
@@ -357,6 +363,24 @@ func (c *completer) writeDead(ops []deadOp, done written) error {
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
 	return c.writeStmt(ctx, done, c.q.Dead, ids, tokens, reasons, errs)
+}
+
+// writeReacks writes acks again (see reackRecent) and returns how many
+// rows they deleted, and whether the write succeeded. Its failure fails
+// nothing else: the owner tries again with its next job.
+func (c *completer) writeReacks(rows []ackedRow) (int, bool) {
+	a := query.CompleteArgs{AckIDs: make([]int64, len(rows)), AckTokens: make(query.Tokens, len(rows))}
+	for i := range rows {
+		a.AckIDs[i], a.AckTokens[i] = rows[i].id, &rows[i].token
+	}
+	done := written{}
+	ctx, cancel := c.stmtCtx()
+	defer cancel()
+	stmt, args := c.q.Write(a)
+	if err := c.writeStmt(ctx, done, stmt, args...); err != nil {
+		return 0, false
+	}
+	return len(done), true
 }
 
 func (c *completer) writeRenew(rows []*delivery, holder pgtype.Int8, done written) error {

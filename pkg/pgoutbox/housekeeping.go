@@ -179,7 +179,9 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 // is lost or its confirmation ran out (notifier.OwnLockValidFor), so that
 // rows stamped with it are renewed without a holder before other processes
 // find the key missing for notifier.OrphanGrace; and when it is held again,
-// so that they carry it again.
+// so that they carry it again. Either may follow a server's crash, which
+// loses the last acks (reackRecent).
 func (sub *subscription) lockChanged(now time.Time) {
 	sub.house.next = now
+	sub.reackRecent(now) // the lock's connection may have gone with a crashed server
 }

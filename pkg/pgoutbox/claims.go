@@ -151,7 +151,11 @@ func (sub *subscription) onReleasedClaims(n int, err error) {
 	tries := sub.claims.releasedClaims(n, err, time.Now())
 	// While the server restarts every try fails: the 1st, 2nd, 4th, 8th...
 	// failure is logged, not each.
-	if err != nil && tries&(tries-1) == 0 {
+	switch {
+	case err == nil:
+	case tries == 0: // every lost claim left was given up: its leases ended
+		sub.logger.Info("Releasing the rows of a failed claim failed; given up, as their leases have ended and any claim takes them", watermill.LogFields{"claims": n, "error": err.Error()})
+	case tries&(tries-1) == 0:
 		sub.logger.Error("Releasing the rows of a failed claim failed; retrying", errtext.WithHint(err), watermill.LogFields{"claims": n, "tries": tries})
 	}
 }

@@ -724,3 +724,22 @@ func TestPrefetchIsBoundedBySize(t *testing.T) {
 	small.verdicts(1000)
 	require.Equal(t, maxClaim, small.claimSize(0, now.Add(10*time.Millisecond), false), "small rows: capped by count")
 }
+
+// A failed release of lost claims whose leases have all ended is given
+// up, and said so: not logged as retried (with "tries=0").
+func TestAReleaseGivenUpIsNotLoggedAsRetried(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	logs := watermill.NewCaptureLogger()
+	b.sub.logger = logs
+	long := time.Now().Add(-2 * b.sub.cfg.Lease)
+	req := b.sub.claims.start(10, long, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
+	b.sub.claims.failed(claimResult{req: req, err: errors.New("connection reset")}, long)
+	require.Len(t, b.sub.claims.lost, 1)
+	b.sub.onReleasedClaims(1, errors.New("connection refused"))
+	require.Empty(t, b.sub.claims.lost)
+	for _, m := range logs.Captured()[watermill.ErrorLogLevel] {
+		t.Errorf("logged at ERROR: %s %v", m.Msg, m.Fields)
+	}
+	require.Len(t, logs.Captured()[watermill.InfoLogLevel], 1)
+}

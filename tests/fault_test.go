@@ -917,6 +917,46 @@ func TestClaimsStarvedOfPoolConnectionsSaySo(t *testing.T) {
 	})
 }
 
+// A Subscribe whose pool is all held by handlers (a Router's first
+// handlers already at work when it subscribes its next) said only
+// "context deadline exceeded", after waiting a StatementTimeout as many
+// times as the pool has connections, plus two: a Router's start failed
+// late, naming nothing. It says the pool made it wait, once, on the
+// first Subscribe of a subscriber and on a later one.
+func TestSubscribeStarvedOfPoolConnectionsSaysSo(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg, err := pgxpool.ParseConfig(b.DSN)
+	require.NoError(t, err)
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, StatementTimeout: 300 * time.Millisecond}, b.logger)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	for _, topic := range []string{"first", "later"} {
+		if topic == "later" {
+			_, err := sub.Subscribe(t.Context(), "free") // the schema checked while the pool was free
+			require.NoError(t, err)
+		}
+		var held []*pgxpool.Conn
+		for len(held) < int(cfg.MaxConns) {
+			conn, err := pool.Acquire(context.Background())
+			require.NoError(t, err)
+			held = append(held, conn)
+		}
+		start := time.Now()
+		_, err := sub.Subscribe(t.Context(), topic)
+		took := time.Since(start)
+		for _, c := range held {
+			c.Release() // before any assertion: the pool's Close waits for them
+		}
+		require.ErrorContains(t, err, "no connection of the subscriber's pool came free in time (2 of 2 in use)")
+		require.Less(t, took, time.Duration(cfg.MaxConns+2)*300*time.Millisecond, "given up after one wait, not one per connection and two")
+	}
+}
+
 // Subscriptions that share a pool of as many connections as they are, all
 // idle (a CQRS service's event handlers on pgxpool's default of four): a
 // publish wakes every group of its topic at once, and each empty lease

@@ -16,12 +16,18 @@ import (
 func acquire(ctx context.Context, pool *pgxpool.Pool) (*pgxpool.Conn, error) {
 	conn, err := pool.Acquire(ctx)
 	if err != nil && errors.Is(err, context.DeadlineExceeded) {
-		st := pool.Stat()
-		return nil, fmt.Errorf("no connection of the subscriber's pool came free in time (%d of %d in use): "+
-			"handlers holding connections (tx.Middleware, queries of your own) can take them all, and so can the subscriber's own "+
-			"statements while they wait on the server (a lock on the outbox, a server not answering); for the first, "+
-			"give the pool MaxInFlight plus two connections, or the subscriber a pool of its own (docs/operations.md, Pool sizing): %w",
-			st.AcquiredConns(), st.MaxConns(), err)
+		return nil, poolWaitError(pool, err)
 	}
 	return conn, err
+}
+
+// poolWaitError is err, a wait for a connection of pool that ran out of
+// time, with what made it wait.
+func poolWaitError(pool *pgxpool.Pool, err error) error {
+	st := pool.Stat()
+	return fmt.Errorf("no connection of the subscriber's pool came free in time (%d of %d in use): "+
+		"handlers holding connections (tx.Middleware, queries of your own) can take them all, and so can the subscriber's own "+
+		"statements while they wait on the server (a lock on the outbox, a server not answering); for the first, "+
+		"give the pool MaxInFlight plus two connections, or the subscriber a pool of its own (docs/operations.md, Pool sizing): %w",
+		st.AcquiredConns(), st.MaxConns(), err)
 }

@@ -170,7 +170,9 @@ func (s *Subscriber) setUp(ctx context.Context, topic string) (lateWriters strin
 	defer cancel()
 	err = s.ensureSchema(ctx)
 	if err == nil {
-		err = s.checkArrivals(ctx, topic)
+		if err = s.checkArrivals(ctx, topic); err != nil && !errors.Is(err, ErrInvalidConfig) {
+			err = fmt.Errorf("pgoutbox: look for topic %q's messages in the arrivals table: %w", topic, err)
+		}
 	}
 	if err == nil {
 		lateWriters, err = s.bind(ctx, topic)
@@ -323,6 +325,12 @@ func (s *Subscriber) retryConnectionLost(ctx context.Context, f func() error) er
 		if err = f(); err == nil {
 			return nil
 		}
+		if errors.Is(err, context.DeadlineExceeded) && s.poolFull() {
+			// Handlers hold every connection: a statement's time went by
+			// waiting for one. Said so, and not tried again (each try
+			// would wait as long).
+			return poolWaitError(s.pool, err)
+		}
 		switch {
 		case noSlot(err) && time.Now().Before(slotsUntil):
 		case isConnectionLost(err) && attempt+1 < tries:
@@ -330,6 +338,12 @@ func (s *Subscriber) retryConnectionLost(ctx context.Context, f func() error) er
 			return err
 		}
 	}
+}
+
+// poolFull reports whether every connection the pool may open is in use.
+func (s *Subscriber) poolFull() bool {
+	st := s.pool.Stat()
+	return st.AcquiredConns() >= st.MaxConns()
 }
 
 // noSlot reports whether the server refused a connection for want of a
@@ -341,7 +355,10 @@ func noSlot(err error) bool {
 
 // isConnectionLost reports whether err says the connection, not the
 // statement, failed: SQLSTATE class 08 (connection exception) or 57P
-// (server shutdown, terminated backend), or a broken connection.
+// (server shutdown, terminated backend), or a broken connection. A
+// statement's deadline is one too (a net.Error): a half-open connection
+// answers nothing until then, and the pool drops it; a deadline that went
+// by waiting for a connection of a full pool was told apart before.
 func isConnectionLost(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {

@@ -92,6 +92,33 @@ func TestClaimScheduleAsksForEndedKeys(t *testing.T) {
 	require.Contains(t, c.endedKeys, "k")
 }
 
+// A key a full claim left without a row is asked for once more, not by
+// every claim while claims are full: in a backlog of keys used once each,
+// the keys asked for grew by every key ended, each claim probing them all.
+func TestClaimScheduleAsksForAKeyLeftOutOnceMore(t *testing.T) {
+	t.Parallel()
+	c := newTestSchedule()
+	none := func() ([]int64, bool) { return nil, false }
+	full := func(req claimRequest) claimResult {
+		rows := make([]*delivery, req.n)
+		for i := range rows {
+			rows[i] = &delivery{claimedRow: claimedRow{id: int64(i + 1), orderingKey: fmt.Sprintf("other-%d", i)}}
+		}
+		return claimResult{req: req, rows: rows}
+	}
+	most := 0
+	for claim := range 50 {
+		for i := range 4 { // four keys end per claim, none has a next row
+			c.keyEnded(fmt.Sprintf("key-%d-%d", claim, i))
+		}
+		req := c.start(4, time.Now(), pgtype.Int8{}, none)
+		most = max(most, len(req.endedKeys))
+		c.succeeded(full(req))
+	}
+	require.LessOrEqual(t, most, 8, "the keys ended since the last claim, and those of the claim before it once more")
+	require.LessOrEqual(t, len(c.askedAgain), 4)
+}
+
 // A key whose next row is a retry due later is asked for from its due
 // time on, by every claim, until one returns a row of it or a grace
 // passed: asking when the row ended found it not yet due.

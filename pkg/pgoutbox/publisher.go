@@ -699,11 +699,26 @@ func queriesForTables(tables schema.Config, async bool) (*query.Queries, error) 
 	if err != nil {
 		return nil, err
 	}
-	q, _ := queryCache.LoadOrStore(key, query.Build(n, async))
+	built := query.Build(n, async)
+	if queryCacheSize.Add(1) > maxCachedOutboxes {
+		// An outbox per tenant's schema, or per test (pgoutboxtest):
+		// unbounded, the cache kept ~40 KB of statements for each one
+		// ever used. Start over: what is in use is built again once.
+		queryCache.Clear()
+		queryCacheSize.Store(1)
+	}
+	q, _ := queryCache.LoadOrStore(key, built)
 	return q.(*query.Queries), nil
 }
 
-var queryCache sync.Map // queryKey -> *query.Queries
+var (
+	queryCache     sync.Map // queryKey -> *query.Queries
+	queryCacheSize atomic.Int64
+)
+
+// maxCachedOutboxes bounds queryCache: far more outboxes than a process
+// publishes to at once, far fewer than a schema per tenant can make.
+const maxCachedOutboxes = 256
 
 type queryKey struct {
 	tables schema.Config

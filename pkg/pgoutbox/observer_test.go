@@ -32,9 +32,12 @@ func TestEventQueueStartsWithItsFirstEvent(t *testing.T) {
 
 	rec := &recordingObserver{}
 	q := newEventQueue(safeObserver{o: rec, logger: watermill.NopLogger{}})
+	q.setIdle(false) // a subscription runs: the goroutine stays
 	q.observe(Event{Kind: EventClaimed})
 	q.observe(Event{Kind: EventAcked})
+	q.mu.Lock()
 	require.True(t, q.started)
+	q.mu.Unlock()
 	q.close(time.Minute)
 	q.observe(Event{Kind: EventReleased})
 	require.Equal(t, []EventKind{EventClaimed, EventAcked}, rec.events)
@@ -67,7 +70,21 @@ func TestEventQueueEndsItsGoroutineWhenIdle(t *testing.T) {
 	ended(first)
 
 	q.observe(Event{Kind: EventAcked}) // a late event of the ended subscription
-	ended(running())
+	// Its goroutine observes it and ends, maybe before the test looks.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		q.mu.Lock()
+		started := q.started
+		q.mu.Unlock()
+		rec.mu.Lock()
+		seen := len(rec.events)
+		rec.mu.Unlock()
+		if seen == 2 && !started {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "the late event observed and its goroutine ended")
+		time.Sleep(time.Millisecond)
+	}
 
 	q.setIdle(false)
 	q.observe(Event{Kind: EventReleased})

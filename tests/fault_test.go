@@ -957,6 +957,37 @@ func TestSubscribeStarvedOfPoolConnectionsSaysSo(t *testing.T) {
 	}
 }
 
+// A Subscribe statement that has its connection and waits on the server
+// (a lock on the outbox's bindings here), while a handler holds the pool's
+// other connection, is not a pool that made it wait: the connection it
+// times out on still counted as in use, and the error blamed the pool.
+func TestSubscribeWaitingOnTheServerDoesNotBlameThePool(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg, err := pgxpool.ParseConfig(b.DSN)
+	require.NoError(t, err)
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, StatementTimeout: 300 * time.Millisecond}, b.logger)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	_, err = sub.Subscribe(t.Context(), "free") // the schema checked
+	require.NoError(t, err)
+	lock, err := b.Pool.Begin(context.Background())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = lock.Rollback(context.Background()) })
+	_, err = lock.Exec(context.Background(), `LOCK TABLE `+b.Schema+`.outbox_bindings IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	handler, err := pool.Acquire(context.Background())
+	require.NoError(t, err)
+	_, err = sub.Subscribe(t.Context(), "locked")
+	handler.Release()
+	require.Error(t, err)
+	require.NotContains(t, err.Error(), "no connection of the subscriber's pool came free")
+}
+
 // Subscriptions that share a pool of as many connections as they are, all
 // idle (a CQRS service's event handlers on pgxpool's default of four): a
 // publish wakes every group of its topic at once, and each empty lease

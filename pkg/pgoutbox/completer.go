@@ -146,9 +146,9 @@ type writeResult struct {
 	abandoned  map[*delivery]error // rows whose own write fails for good
 	renewed    bool                // the renewal ran (its rows are in renewDone, or lost)
 	renewDone  written
-	releaseErr error // the release of lost claims failed
-	reacksDone bool  // the reacks were written; reacked of them had been lost
-	reacked    int
+	releaseErr error    // the release of lost claims failed
+	reacked    int      // rows the reacks deleted: their acks had been lost
+	reackErr   error    // the reacks failed, or were not run
 	left       writeJob // not written after a transient error
 	err        error
 }
@@ -216,6 +216,9 @@ func (c *completer) write(j writeJob) writeResult {
 		if len(j.releaseTokens) > 0 {
 			r.releaseErr = err // not run: the claims stay to release
 		}
+		if len(j.reacks) > 0 {
+			r.reackErr = err // not run either
+		}
 		return r
 	}
 	if j.ops()-len(j.dead) > 0 {
@@ -262,7 +265,7 @@ func (c *completer) write(j writeJob) writeResult {
 		cancel()
 	}
 	if len(j.reacks) > 0 {
-		r.reacked, r.reacksDone = c.writeReacks(j.reacks)
+		r.reacked, r.reackErr = c.writeReacks(j.reacks)
 	}
 	// Last, and its failure fails nothing else: the owner tries again with
 	// its next job, and gives up once the rows' leases have expired anyway.
@@ -366,21 +369,23 @@ func (c *completer) writeDead(ops []deadOp, done written) error {
 }
 
 // writeReacks writes acks again (see reackRecent) and returns how many
-// rows they deleted, and whether the write succeeded. Its failure fails
-// nothing else: the owner tries again with its next job.
-func (c *completer) writeReacks(rows []ackedRow) (int, bool) {
+// rows they deleted. Its failure fails nothing else: the owner tries again
+// after a backoff (onWritten).
+func (c *completer) writeReacks(rows []ackedRow) (int, error) {
+	tokens := make([]pgtype.UUID, len(rows))
 	a := query.CompleteArgs{AckIDs: make([]int64, len(rows)), AckTokens: make(query.Tokens, len(rows))}
 	for i := range rows {
-		a.AckIDs[i], a.AckTokens[i] = rows[i].id, &rows[i].token
+		tokens[i] = pgtype.UUID{Bytes: rows[i].token, Valid: true}
+		a.AckIDs[i], a.AckTokens[i] = rows[i].id, &tokens[i]
 	}
 	done := written{}
 	ctx, cancel := c.stmtCtx()
 	defer cancel()
 	stmt, args := c.q.Write(a)
 	if err := c.writeStmt(ctx, done, stmt, args...); err != nil {
-		return 0, false
+		return 0, err
 	}
-	return len(done), true
+	return len(done), nil
 }
 
 func (c *completer) writeRenew(rows []*delivery, holder pgtype.Int8, done written) error {

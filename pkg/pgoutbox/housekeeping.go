@@ -31,6 +31,7 @@ func housekeepingEvery(cfg *SubscriberConfig) time.Duration {
 // housekeeping runs the periodic checks: ack deadlines, stalled buffers,
 // lease renewals.
 func (sub *subscription) housekeeping(now time.Time) {
+	sub.writes.acked.trim(at(now))                          // an idle subscription keeps no acks
 	if sub.cfg.AckDeadline > 0 && sub.outlet.slots == nil { // with slots, each slot keeps it
 		for d := range sub.hand.rows {
 			if d.state == handedOut && at(now).since(d.handedAt) >= sub.cfg.AckDeadline && !d.outcome.completingInTx() {

@@ -25,9 +25,17 @@ func acquire(ctx context.Context, pool *pgxpool.Pool) (*pgxpool.Conn, error) {
 // time, with what made it wait.
 func poolWaitError(pool *pgxpool.Pool, err error) error {
 	st := pool.Stat()
-	return fmt.Errorf("no connection of the subscriber's pool came free in time (%d of %d in use): "+
+	return &poolWait{fmt.Errorf("no connection of the subscriber's pool came free in time (%d of %d in use): "+
 		"handlers holding connections (tx.Middleware, queries of your own) can take them all, and so can the subscriber's own "+
 		"statements while they wait on the server (a lock on the outbox, a server not answering); for the first, "+
 		"give the pool MaxInFlight plus two connections, or the subscriber a pool of its own (docs/operations.md, Pool sizing): %w",
-		st.AcquiredConns(), st.MaxConns(), err)
+		st.AcquiredConns(), st.MaxConns(), err)}
 }
+
+// poolWait is the error of a wait for a pool connection that ran out of
+// time: told apart from a statement's own deadline, which may be a
+// half-open connection's (Subscribe retries that one).
+type poolWait struct{ err error }
+
+func (p *poolWait) Error() string { return p.err.Error() }
+func (p *poolWait) Unwrap() error { return p.err }

@@ -312,7 +312,7 @@ func (s *Subscriber) untilClosed(ctx context.Context) (context.Context, context.
 // while its busy connections come free a moment later.
 func (s *Subscriber) retryConnectionLost(ctx context.Context, f func() error) error {
 	var err error
-	tries := int(s.pool.Config().MaxConns) + 2
+	tries, lost := int(s.pool.Config().MaxConns)+2, 0
 	slotsUntil := time.Now().Add(s.cfg.StatementTimeout)
 	for attempt := 0; ; attempt++ {
 		if attempt > 0 {
@@ -322,28 +322,33 @@ func (s *Subscriber) retryConnectionLost(ctx context.Context, f func() error) er
 				return err
 			}
 		}
-		if err = f(); err == nil {
+		if err = s.withFreeConnection(ctx, f); err == nil {
 			return nil
 		}
-		if errors.Is(err, context.DeadlineExceeded) && s.poolFull() {
-			// Handlers hold every connection: a statement's time went by
-			// waiting for one. Said so, and not tried again (each try
-			// would wait as long).
-			return poolWaitError(s.pool, err)
-		}
 		switch {
+		case errors.As(err, new(*poolWait)):
+			return err // handlers hold every connection: each try would wait as long
 		case noSlot(err) && time.Now().Before(slotsUntil):
-		case isConnectionLost(err) && attempt+1 < tries:
+		case isConnectionLost(err) && lost+1 < tries:
+			lost++
 		default:
 			return err
 		}
 	}
 }
 
-// poolFull reports whether every connection the pool may open is in use.
-func (s *Subscriber) poolFull() bool {
-	st := s.pool.Stat()
-	return st.AcquiredConns() >= st.MaxConns()
+// withFreeConnection runs f once a connection of the pool is free: taken
+// and given back first, so that a wait for one that runs out is the
+// pool's (a poolWait, said so), and a deadline f meets is the server's.
+func (s *Subscriber) withFreeConnection(ctx context.Context, f func() error) error {
+	actx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
+	conn, err := acquire(actx, s.pool)
+	cancel()
+	if err != nil {
+		return err
+	}
+	conn.Release()
+	return f()
 }
 
 // noSlot reports whether the server refused a connection for want of a
@@ -357,8 +362,8 @@ func noSlot(err error) bool {
 // statement, failed: SQLSTATE class 08 (connection exception) or 57P
 // (server shutdown, terminated backend), or a broken connection. A
 // statement's deadline is one too (a net.Error): a half-open connection
-// answers nothing until then, and the pool drops it; a deadline that went
-// by waiting for a connection of a full pool was told apart before.
+// answers nothing until then, and the pool drops it. (A wait for a
+// connection of a full pool is a poolWait, see withFreeConnection.)
 func isConnectionLost(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {

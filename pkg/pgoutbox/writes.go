@@ -4,7 +4,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 )
@@ -21,77 +20,10 @@ type writeQueue struct {
 	ackWait       time.Time // a paced write of acks is due then
 	finalDeadline time.Time // set when only the last writes remain
 	finalFailures int
-	lastErr       error     // the last write's failure, for the log line that gives up at close
-	acked         ackedRing // the acks written lately, for a server that loses them (reack)
+	lastErr       error      // the last write's failure, for the log line that gives up at close
+	acked         recentAcks // the acks written lately, for a server that loses them (reackRecent)
 	reacks        []ackedRow
 	reacksUntil   time.Time // given up then: the rows' leases have ended anyway
-}
-
-// ackedRow is an ack written: its row and the lease it deleted it under.
-type ackedRow struct {
-	id    int64
-	token pgtype.UUID
-	at    time.Time // when the write reported it
-}
-
-// ackedRing keeps the last maxRecentAcks acks written, oldest first.
-type ackedRing struct {
-	rows  []ackedRow
-	start int // the oldest, once the ring is full
-}
-
-func (r *ackedRing) add(a ackedRow) {
-	if len(r.rows) < maxRecentAcks {
-		r.rows = append(r.rows, a)
-		return
-	}
-	r.rows[r.start] = a
-	r.start = (r.start + 1) % maxRecentAcks
-}
-
-// since returns the acks written at or after t, the last one of each row
-// (a row acked, delivered again and acked again has a newer token).
-func (r *ackedRing) since(t time.Time) []ackedRow {
-	last := map[int64]int{}
-	var out []ackedRow
-	for i := range r.rows {
-		a := r.rows[(r.start+i)%len(r.rows)]
-		if a.at.Before(t) {
-			continue
-		}
-		if j, ok := last[a.id]; ok {
-			out[j] = a
-			continue
-		}
-		last[a.id] = len(out)
-		out = append(out, a)
-	}
-	return out
-}
-
-// An ack commits asynchronously (synchronous_commit off), and a server
-// that crashes loses the commits of its last few hundred milliseconds
-// (three wal_writer_delays): such a row stays leased to a live consumer
-// that believes it acked, until its lease ends, and with an ordering key
-// it holds its whole key back all that while (a keyed topic stopped for
-// a Lease after a crash). So when the liveness lock lapses or comes back
-// (the LISTEN connection was lost: a crash is one cause), the acks
-// written within recentAckWindow before are written again with the next
-// write: under their tokens, so one that had committed finds nothing.
-// The window covers the lock's confirmation lapse and the lost commits.
-const (
-	recentAckWindow = 5 * time.Second
-	maxRecentAcks   = 16384
-)
-
-// reackRecent queues the acks written lately to be written again (see
-// recentAckWindow), unless some are queued already.
-func (sub *subscription) reackRecent(now time.Time) {
-	w := &sub.writes
-	if len(w.reacks) > 0 || sub.cfg.SynchronousCommit {
-		return
-	}
-	w.reacks, w.reacksUntil = w.acked.since(now.Add(-recentAckWindow)), now.Add(sub.cfg.Lease)
 }
 
 // backpressured reports whether verdicts wait to be written in such numbers
@@ -126,7 +58,12 @@ func (sub *subscription) startWrite(now time.Time) {
 	for _, c := range sub.claims.lost {
 		job.releaseTokens = append(job.releaseTokens, c.token)
 	}
-	job.reacks = sub.writes.reacks
+	if sub.holder().Valid || sub.drain.stopping {
+		// Once the liveness lock is held again: until then the server is
+		// likely down. A stopping subscription tries them with its last
+		// writes, within their deadline.
+		job.reacks = sub.writes.reacks
+	}
 	if job.empty() && len(job.releaseTokens) == 0 && len(job.reacks) == 0 {
 		return
 	}
@@ -166,7 +103,7 @@ func (sub *subscription) onWritten(r writeResult) {
 		if sub.finish(d, r, "ack") {
 			sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathLease})
 			if !sub.cfg.SynchronousCommit {
-				sub.writes.acked.add(ackedRow{id: d.id, token: d.token, at: writtenAt})
+				sub.writes.acked.add(ackedRow{id: d.id, token: d.token.Bytes, at: at(writtenAt)})
 			}
 		}
 	}
@@ -249,6 +186,15 @@ func (sub *subscription) onWritten(r writeResult) {
 		sub.logger.Error("Writing acks and lease returns failed; retrying", errtext.WithHint(r.err), watermill.LogFields{"retry_in": wait.String()})
 		return
 	}
+	if r.reackErr != nil && len(sub.writes.reacks) > 0 {
+		// Only writing lost acks again failed: after a backoff too.
+		sub.writes.lastErr = r.reackErr
+		if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() {
+			sub.writes.finalFailures++
+		}
+		sub.writes.gate.failed(time.Now())
+		return
+	}
 	if r.releaseErr != nil && len(sub.claims.lost) > 0 {
 		// Only the release failed: retry it after a backoff too, not at
 		// once in a loop.
@@ -304,22 +250,4 @@ func (sub *subscription) leaseLost(d *delivery, phase string) {
 		"event": "lease_lost", "phase": phase, "row_id": d.id, "deliveries": d.deliveries,
 	})
 	sub.s.obs.observe(Event{Kind: EventLeaseLost, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Phase: phase})
-}
-
-// onReacked applies the result of writing lost acks again (reackRecent):
-// done, or kept for the next write until the rows' leases have ended.
-func (sub *subscription) onReacked(r writeResult) {
-	w := &sub.writes
-	if len(r.job.reacks) == 0 || len(w.reacks) == 0 {
-		return
-	}
-	switch {
-	case r.reacksDone:
-		w.reacks = nil
-		if r.reacked > 0 {
-			sub.logger.Info("Acks lost by the database written again: its server had lost their commits (a crash loses the last asynchronous ones), and their rows were still leased to this subscriber", watermill.LogFields{"rows": r.reacked})
-		}
-	case time.Now().After(w.reacksUntil):
-		w.reacks = nil
-	}
 }

@@ -520,7 +520,7 @@ func TestGroupPageTellsReadyRowsByTheDatabasesClock(t *testing.T) {
 	rec := httptest.NewRecorder()
 	ui.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/group?topic=t&group=", nil))
 	require.Equal(t, http.StatusOK, rec.Code, rec.Body.String())
-	require.Regexp(t, `<span class="badge ready">ready</span> <span class="due">(5m00s|4m59s) ago</span>`, rec.Body.String())
+	require.Regexp(t, `<span class="badge ready">ready</span> <span class="due">5m0[0-9]s ago</span>`, rec.Body.String())
 	require.NotContains(t, rec.Body.String(), "scheduled in")
 }
 

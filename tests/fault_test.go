@@ -414,16 +414,29 @@ func TestFaultKilledConsumersRowsComeBackInSeconds(t *testing.T) {
 	// Leases it has not handled yet, too: rows it handled can be deleted
 	// by an ack batch still in flight when it dies, and a kill that finds
 	// only those proves nothing.
-	victim.waitFor(t, "the victim holds leases stamped with its key", 30*time.Second, func() bool {
-		return b.count(t, `SELECT CASE WHEN count(*) FILTER (WHERE lease_holder IS NULL) = 0 THEN count(*) ELSE 0 END
+	// Read with the victim frozen, once the server ran what it had sent:
+	// read after the kill, on a loaded machine, the survivor may have
+	// taken them over already (its notifier needs only a second or so);
+	// read while it ran, a loaded machine gave it time to ack them all
+	// before the kill. A freeze that finds none: thaw and try again.
+	var leasedByVictim []string
+	for attempt := 0; len(leasedByVictim) == 0; attempt++ {
+		require.Less(t, attempt, 20, "the victim never held leases when frozen; the test proves nothing")
+		victim.waitFor(t, "the victim holds leases stamped with its key", 30*time.Second, func() bool {
+			return b.count(t, `SELECT CASE WHEN count(*) FILTER (WHERE lease_holder IS NULL) = 0 THEN count(*) ELSE 0 END
   FROM `+b.Schema+`.outbox o WHERE leased_by = 'victim'
    AND NOT EXISTS (SELECT FROM `+b.Schema+`.handled h WHERE h.uuid = o.uuid)`) >= 8
-	})
-	require.Positive(t, b.outboxRows(t, topic), "the drain is over before the kill; the test proves nothing")
-	// Read just before the kill: read after it, on a loaded machine, the
-	// survivor may have taken them over already (its notifier needs only
-	// a second or so). What the victim acked in between is left out below.
-	leasedByVictim := b.strings(t, `SELECT uuid FROM `+b.Schema+`.outbox WHERE leased_by = 'victim'`)
+		})
+		require.Positive(t, b.outboxRows(t, topic), "the drain is over before the kill; the test proves nothing")
+		require.NoError(t, victim.cmd.Process.Signal(syscall.SIGSTOP))
+		pollUntil(t, "the server ran what the frozen victim had sent", 10*time.Second, nil, func() bool {
+			return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND state = 'active'`,
+				appName(b, victim.name)) == 0
+		})
+		if leasedByVictim = b.strings(t, `SELECT uuid FROM `+b.Schema+`.outbox WHERE leased_by = 'victim'`); len(leasedByVictim) == 0 {
+			require.NoError(t, victim.cmd.Process.Signal(syscall.SIGCONT))
+		}
+	}
 	require.NoError(t, victim.cmd.Process.Kill())
 	killed := time.Now()
 	<-victim.done

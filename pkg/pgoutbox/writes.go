@@ -186,26 +186,23 @@ func (sub *subscription) onWritten(r writeResult) {
 		sub.logger.Error("Writing acks and lease returns failed; retrying", errtext.WithHint(r.err), watermill.LogFields{"retry_in": wait.String()})
 		return
 	}
-	if r.reackErr != nil && len(sub.writes.reacks) > 0 {
-		// Only writing lost acks again failed: after a backoff too.
-		sub.writes.lastErr = r.reackErr
-		if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() {
-			sub.writes.finalFailures++
-		}
-		sub.writes.gate.failed(time.Now())
+	// Only the release of lost claims, or the writing again of lost
+	// acks, failed: retried after a backoff too, not at once in a loop.
+	var alone error
+	switch {
+	case r.releaseErr != nil && len(sub.claims.lost) > 0:
+		alone = r.releaseErr
+	case r.reackErr != nil && len(sub.writes.reacks) > 0:
+		alone = r.reackErr
+	default:
+		sub.writes.gate.succeeded()
 		return
 	}
-	if r.releaseErr != nil && len(sub.claims.lost) > 0 {
-		// Only the release failed: retry it after a backoff too, not at
-		// once in a loop.
-		sub.writes.lastErr = r.releaseErr
-		if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() {
-			sub.writes.finalFailures++
-		}
-		sub.writes.gate.failed(time.Now())
-		return
+	sub.writes.lastErr = alone
+	if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() {
+		sub.writes.finalFailures++
 	}
-	sub.writes.gate.succeeded()
+	sub.writes.gate.failed(time.Now())
 }
 
 // finish ends d's time in the owner's hands after its write, and reports

@@ -371,7 +371,8 @@ func (c *completer) writeDead(ops []deadOp, done written) error {
 // writeReacks writes acks again (see reackRecent) and returns how many
 // rows they deleted. Its failure fails nothing else: the owner tries again
 // after a backoff (onWritten).
-func (c *completer) writeReacks(rows []ackedRow) (int, error) {
+func (c *completer) writeReacks(queued []ackedRow) (int, error) {
+	rows := lastOfEachRow(queued)
 	tokens := make([]pgtype.UUID, len(rows))
 	a := query.CompleteArgs{AckIDs: make([]int64, len(rows)), AckTokens: make(query.Tokens, len(rows))}
 	for i := range rows {

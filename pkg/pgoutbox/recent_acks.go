@@ -1,6 +1,7 @@
 package pgoutbox
 
 import (
+	"slices"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -59,31 +60,55 @@ func (r *recentAcks) trim(now instant) {
 	}
 }
 
-// latest returns the acks kept, the last one of each row (a row acked,
-// delivered again and acked again has a newer token).
-func (r *recentAcks) latest() []ackedRow {
-	last := map[int64]int{}
-	var out []ackedRow
-	for _, a := range r.rows[r.head:] {
-		if j, ok := last[a.id]; ok {
-			out[j] = a
+// latest returns the acks kept, oldest first.
+func (r *recentAcks) latest() []ackedRow { return slices.Clone(r.rows[r.head:]) }
+
+// lastOfEachRow returns the last ack of each row of acks: a row acked,
+// delivered again and acked again was deleted under the later token (and
+// the Ack statement takes each row once).
+func lastOfEachRow(acks []ackedRow) []ackedRow {
+	last := make(map[int64]int, len(acks))
+	rows := make([]ackedRow, 0, len(acks))
+	for _, a := range acks {
+		if i, ok := last[a.id]; ok {
+			rows[i] = a
 			continue
 		}
-		last[a.id] = len(out)
-		out = append(out, a)
+		last[a.id] = len(rows)
+		rows = append(rows, a)
 	}
-	return out
+	return rows
 }
 
-// reackRecent queues the acks written lately to be written again (see
-// recentAckWindow), unless some are queued already.
+// reackRecent runs at every change of the liveness lock. When the lock
+// lapsed, it queues the acks written lately to be written again (see
+// recentAckWindow); until they are written, acks reported meanwhile join
+// them (reacking: the report of a write the crash interrupted comes
+// after the lapse). When the lock is back with nothing queued, that ends.
 func (sub *subscription) reackRecent(now time.Time) {
 	w := &sub.writes
-	if len(w.reacks) > 0 || sub.cfg.SynchronousCommit {
-		return
+	switch {
+	case sub.cfg.SynchronousCommit:
+	case w.reacking():
+		if len(w.reacks) == 0 && sub.holder().Valid {
+			w.reacksUntil = time.Time{}
+		}
+	case !sub.holder().Valid: // lapsed, not just taken
+		w.acked.trim(at(now))
+		w.reacks, w.reacksUntil = w.acked.latest(), now.Add(sub.cfg.Lease)
 	}
-	w.acked.trim(at(now))
-	w.reacks, w.reacksUntil = w.acked.latest(), now.Add(sub.cfg.Lease)
+}
+
+// reacking reports whether acks wait to be written again (reackRecent).
+func (w *writeQueue) reacking() bool { return !w.reacksUntil.IsZero() }
+
+// ackWritten records an ack the completer wrote: kept for a lapse to
+// come, and written again with those of a lapse under way.
+func (w *writeQueue) ackWritten(a ackedRow) {
+	w.acked.add(a)
+	if w.reacking() {
+		w.reacks = append(w.reacks, a)
+	}
 }
 
 // onReacked applies the result of writing lost acks again (reackRecent):
@@ -96,11 +121,11 @@ func (sub *subscription) onReacked(r writeResult) {
 	}
 	switch {
 	case r.reackErr == nil:
-		w.reacks = nil
+		w.reacks, w.reacksUntil = nil, time.Time{}
 		if r.reacked > 0 {
 			sub.logger.Info("Acks lost by the database written again: its server had lost their commits (a crash loses the last asynchronous ones), and their rows were still leased to this subscriber", watermill.LogFields{"rows": r.reacked})
 		}
 	case time.Now().After(w.reacksUntil):
-		w.reacks = nil
+		w.reacks, w.reacksUntil = nil, time.Time{}
 	}
 }

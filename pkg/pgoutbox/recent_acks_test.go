@@ -9,9 +9,9 @@ import (
 )
 
 // recentAcks keeps the acks of the last recentAckWindow, at most
-// maxRecentAcks of them, and the newest token of each row (a row acked,
-// delivered again and acked again was deleted under the later one); an
-// idle subscription lets go of them.
+// maxRecentAcks of them, and an idle subscription lets go of them; what
+// is written again is the newest token of each row (a row acked,
+// delivered again and acked again was deleted under the later one).
 func TestRecentAcksKeepsTheLastWindow(t *testing.T) {
 	var r recentAcks
 	t0 := at(time.Now())
@@ -30,11 +30,7 @@ func TestRecentAcksKeepsTheLastWindow(t *testing.T) {
 	require.Empty(t, r.latest())
 	require.Nil(t, r.rows, "an idle subscription keeps none")
 
-	var again recentAcks
-	again.add(ackedRow{id: 7, token: [16]byte{1}, at: t0})
-	again.add(ackedRow{id: 8, at: t0})
-	again.add(ackedRow{id: 7, token: [16]byte{2}, at: t0})
-	got := again.latest()
+	got := lastOfEachRow([]ackedRow{{id: 7, token: [16]byte{1}}, {id: 8}, {id: 7, token: [16]byte{2}}})
 	require.Len(t, got, 2)
 	require.Equal(t, int64(7), got[0].id)
 	require.Equal(t, byte(2), got[0].token[0], "the later ack of row 7")
@@ -57,4 +53,24 @@ func TestAFailedReackBacksOff(t *testing.T) {
 	b.sub.writes.inWrite = true
 	b.sub.onWritten(writeResult{job: job})
 	require.Empty(t, b.sub.writes.reacks, "written")
+}
+
+// The lock lapses (the LISTEN connection went with a crashed server)
+// before the report of the write the crash interrupted comes: its acks,
+// reported after the lapse, are written again too. They were left out,
+// and their rows stayed leased for a Lease.
+func TestAcksReportedAfterALapseAreWrittenAgainToo(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil) // its notifier never connects: the lock is not held
+	b.sub.writes.ackWritten(ackedRow{id: 1, at: at(time.Now())})
+	b.sub.reackRecent(time.Now()) // the lapse
+	require.Len(t, b.sub.writes.reacks, 1)
+	b.sub.writes.ackWritten(ackedRow{id: 2, at: at(time.Now())}) // the interrupted write's report
+	require.Len(t, b.sub.writes.reacks, 2)
+
+	b.sub.writes.inWrite = true
+	b.sub.onWritten(writeResult{job: writeJob{reacks: b.sub.writes.reacks}})
+	require.Empty(t, b.sub.writes.reacks)
+	b.sub.writes.ackWritten(ackedRow{id: 3, at: at(time.Now())})
+	require.Empty(t, b.sub.writes.reacks, "once written, later acks are not")
 }

@@ -103,7 +103,7 @@ func (sub *subscription) onWritten(r writeResult) {
 		if sub.finish(d, r, "ack") {
 			sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathLease})
 			if !sub.cfg.SynchronousCommit {
-				sub.writes.acked.add(ackedRow{id: d.id, token: d.token.Bytes, at: at(writtenAt)})
+				sub.writes.ackWritten(ackedRow{id: d.id, token: d.token.Bytes, at: at(writtenAt)})
 			}
 		}
 	}

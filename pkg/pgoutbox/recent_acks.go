@@ -12,12 +12,12 @@ import (
 // (three wal_writer_delays): such a row stays leased to a live consumer
 // that believes it acked, until its lease ends, and with an ordering key
 // it holds its whole key back all that while (a keyed topic stopped for
-// a Lease after a crash). So when the liveness lock lapses or comes back
-// (the LISTEN connection was lost: a crash is one cause), the acks
-// written within recentAckWindow before are written again, once the lock
-// is held again: under their tokens, so one that had committed finds
-// nothing. The window covers the lock's confirmation lapse and the lost
-// commits.
+// a Lease after a crash). So when the liveness lock lapses (its LISTEN
+// connection went with a crashed server, or a check was slow), the acks
+// written within recentAckWindow before, and those reported until then,
+// are written again once the lock is held again: under their tokens, so
+// one that had committed finds nothing. The window covers the lock's
+// confirmation lapse and the lost commits.
 const (
 	recentAckWindow = 5 * time.Second
 	maxRecentAcks   = 16384

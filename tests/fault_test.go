@@ -892,12 +892,7 @@ func TestFaultACrashDuringAnOrderedRetryWaitCountsNoDelivery(t *testing.T) {
 func TestClaimsStarvedOfPoolConnectionsSaySo(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	cfg, err := pgxpool.ParseConfig(b.DSN)
-	require.NoError(t, err)
-	cfg.MaxConns = 2
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.poolWith(t, nil, func(c *pgxpool.Config) { c.MaxConns = 2 })
 	logs := &logCapture{}
 	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{
 		Tables: b.tables, MaxInFlight: 4, StatementTimeout: 200 * time.Millisecond,
@@ -934,12 +929,7 @@ func TestClaimsStarvedOfPoolConnectionsSaySo(t *testing.T) {
 // the test's own, with a StatementTimeout of 300 ms.
 func (b *bundle) subscriberOnPoolOfTwo(t *testing.T) (*pgxpool.Pool, *pgoutbox.Subscriber) {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(b.DSN)
-	require.NoError(t, err)
-	cfg.MaxConns = 2
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.poolWith(t, nil, func(c *pgxpool.Config) { c.MaxConns = 2 })
 	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, StatementTimeout: 300 * time.Millisecond}, b.logger)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = sub.Close() })

@@ -58,7 +58,7 @@ func (sub *subscription) startWrite(now time.Time) {
 	for _, c := range sub.claims.lost {
 		job.releaseTokens = append(job.releaseTokens, c.token)
 	}
-	if sub.holder().Valid || sub.drain.stopping {
+	if len(sub.writes.reacks) > 0 && (sub.drain.stopping || sub.holder().Valid) {
 		// Once the liveness lock is held again: until then the server is
 		// likely down. A stopping subscription tries them with its last
 		// writes, within their deadline.

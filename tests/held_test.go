@@ -1149,10 +1149,9 @@ func TestHeldRowClaimedAgainAfterItsBatchWasKilledWaitsForItsHandler(t *testing.
 	}
 }
 
-// The same on an ordered subscription: the rows of the killed batch,
-// claimed again while the first handler ran, come back in publish order
-// once that handler answered (they were let go one by one, and each went
-// in front of the one before: 5 4 3 2 1).
+// The same on an ordered subscription: the rows of the killed batches
+// come back in publish order once the first handler answered (they were
+// let go one by one, and each went in front of the one before: 5 4 3 2 1).
 func TestHeldRowsClaimedAgainAfterAKilledBatchKeepPublishOrder(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -1160,7 +1159,7 @@ func TestHeldRowsClaimedAgainAfterAKilledBatchKeepPublishOrder(t *testing.T) {
 	pool, app := heldPool(t, b, 10)
 	msgs := newMsgs(6)
 	for i, m := range msgs {
-		pgoutbox.WithOrderingKey(m, fmt.Sprint("k", i)) // keys keep the claims going while "1" runs
+		pgoutbox.WithOrderingKey(m, fmt.Sprint("k", i)) // keys keep the claims going while "1" runs (into the buffer)
 	}
 	b.publishInTx(t, "t", true, msgs...)
 	id := "killed-ordered-" + watermill.NewShortUUID()
@@ -1194,22 +1193,33 @@ func TestHeldRowsClaimedAgainAfterAKilledBatchKeepPublishOrder(t *testing.T) {
 		return n > 0
 	})
 	close(killed)
-	// Each message has a key of its own, so the ordered subscription keeps
-	// each key's order, not the topic's (MaxInFlight's doc): "1", whose
-	// batch was lost under its handler, is due again once the handler
+	// MaxInFlight is 1: the rows claimed behind "1" (each of a key of its
+	// own) wait in the buffer, in batches killed with its own, and go out
+	// once "1" answered. Some may go out before the owner learns that their
+	// batch is gone, and come again: a replay from an earlier row, as after
+	// a crash (docs/ordering.md). "1" is due again once its handler
 	// answered, and may come back behind "2" when a claim took "2" first.
-	// The others come in publish order (a row delivered from the lost batch
-	// comes once more, at once): never 5 4 3 2.
+	// So: every row comes, and both the first and the last deliveries of
+	// the rows after "1" are in publish order, never 5 4 3 2.
 	pollUntil(t, "every message handled, 1 twice", 30*time.Second, nil, func() bool {
 		got := seen.get()
-		return len(got) > 2 && slices.Contains(got[2:], "1") && got[len(got)-1] == "5" && b.outboxRows(t, "t") == 0
+		return len(got) > 2 && slices.Contains(got[2:], "1") && b.outboxRows(t, "t") == 0
 	})
 	got := seen.get()
 	require.Equal(t, []string{"0", "1"}, got[:2], "the deliveries up to the handler that outlived its batch")
 	rest := slices.Clone(got[2:])
 	rest = slices.Delete(rest, slices.Index(rest, "1"), slices.Index(rest, "1")+1)
-	require.True(t, slices.IsSorted(rest), "the batch's other rows delivered in publish order: %v", got)
-	require.Equal(t, []string{"2", "3", "4", "5"}, slices.Compact(rest), "every other row delivered")
+	first, last := []string{}, []string{}
+	for i, p := range rest {
+		if !slices.Contains(rest[:i], p) {
+			first = append(first, p)
+		}
+		if !slices.Contains(rest[i+1:], p) {
+			last = append(last, p)
+		}
+	}
+	require.Equal(t, []string{"2", "3", "4", "5"}, first, "the rows' first deliveries in publish order: %v", got)
+	require.Equal(t, []string{"2", "3", "4", "5"}, last, "the rows' last deliveries in publish order: %v", got)
 }
 
 // With MaxDeliveries, every delivery is written before its handler runs,

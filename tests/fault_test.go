@@ -183,14 +183,15 @@ type killRound struct {
 const roundTimeout = 5 * time.Second
 
 // isListenConn is true for a pg_stat_activity row of a notifier's LISTEN
-// connection: its last statement was LISTEN or one of the liveness queries
+// connection: its last statement was LISTEN, the check for a pooler that
+// follows it at a session's start, or one of the liveness queries
 // (query.TryLiveness, query.LiveHoldersMine).
-const isListenConn = `(query LIKE 'LISTEN %' OR query LIKE 'SELECT pg_try_advisory_lock(%' OR query LIKE 'SELECT objid::bigint, pid = pg_backend_pid()%')`
+const isListenConn = `(query LIKE 'LISTEN %' OR query = 'SELECT pg_backend_pid()' OR query LIKE 'SELECT pg_try_advisory_lock(%' OR query LIKE 'SELECT objid::bigint, pid = pg_backend_pid()%')`
 
 // terminateBackends terminates the backends named appName and waits for
 // each to exit (so the next round cannot count a dying backend again). It
 // returns one row per backend found; the LISTEN connection is the one whose
-// last statement was LISTEN or a liveness query (isListenConn).
+// last statement was one of its own (isListenConn).
 const terminateBackends = `SELECT pg_terminate_backend(pid, 2000), ` + isListenConn + `
   FROM pg_stat_activity
  WHERE application_name = $1 AND pid <> pg_backend_pid()`

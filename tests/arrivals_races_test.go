@@ -230,9 +230,9 @@ ANALYZE %[1]s.outbox_arrivals; ANALYZE %[1]s.outbox; ANALYZE %[1]s.outbox_bindin
 	q := query.Build(names, true)
 	lease := []any{"topic-3", 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), fromStart, pgtype.Int8{Int64: 7, Valid: true}, "a"}
 	sts := []claimStatement{
-		{"windowed", q.Claim, append(append([]any{}, lease...), 256, []string{"k1"}, []int64{1, 2}, int64(0))},
-		{"fast", q.ClaimFast, append(append([]any{}, lease...), []int64{1, 2}, int64(0))},
-		{"fast-no-orphans", q.ClaimFastNoOrphans, append(append([]any{}, lease...), int64(0))},
+		{"windowed", q.Claim, append(append([]any{}, lease...), 256, []string{"k1"}, []int64{1, 2}, int64(0), nil)},
+		{"fast", q.ClaimFast, append(append([]any{}, lease...), []int64{1, 2}, int64(0), nil)},
+		{"fast-no-orphans", q.ClaimFastNoOrphans, append(append([]any{}, lease...), int64(0), nil)},
 		{"held", q.HeldClaim, q.Held(query.HeldArgs{Topic: "topic-3", Group: "a", N: 100, CursorAt: fromStart})},
 		{"transfer", q.Arrivals.Transfer, []any{"topic-3", "a", 256, "ch"}},
 		{"settle", query.ArrivalsSettle(names), []any{"topic-3", "b", 5000, "ch"}},

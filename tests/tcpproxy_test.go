@@ -2,7 +2,6 @@ package tests
 
 import (
 	"bytes"
-	"io"
 	"net"
 	"net/url"
 	"slices"
@@ -28,6 +27,7 @@ type tcpProxy struct {
 	pairs    []proxied
 	held     []net.Conn // clients kept open and silent
 	stallEnd time.Time  // the server's bytes reach the clients from then on
+	holdEnd  time.Time  // the clients' bytes reach the server from then on
 }
 
 type proxied struct{ client, server net.Conn }
@@ -73,26 +73,29 @@ func (p *tcpProxy) forward(c net.Conn) {
 		return
 	}
 	p.pairs = append(p.pairs, proxied{c, up})
-	go func() { _, _ = io.Copy(up, c); _ = up.Close(); p.serverEnded(c) }()
-	go func() {
-		buf := make([]byte, 32<<10)
-		for {
-			n, err := up.Read(buf)
-			if n > 0 {
-				p.mu.Lock()
-				end := p.stallEnd
-				p.mu.Unlock()
-				time.Sleep(time.Until(end))
-				if _, err := c.Write(buf[:n]); err != nil {
-					break
-				}
-			}
-			if err != nil {
-				break
+	go func() { p.copyHeld(up, c, &p.holdEnd); _ = up.Close(); p.serverEnded(c) }()
+	go func() { p.copyHeld(c, up, &p.stallEnd); p.serverEnded(c) }()
+}
+
+// copyHeld copies src to dst, each chunk once the time at until (read
+// under the lock) has come.
+func (p *tcpProxy) copyHeld(dst, src net.Conn, until *time.Time) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			p.mu.Lock()
+			end := *until
+			p.mu.Unlock()
+			time.Sleep(time.Until(end))
+			if _, err := dst.Write(buf[:n]); err != nil {
+				return
 			}
 		}
-		p.serverEnded(c)
-	}()
+		if err != nil {
+			return
+		}
+	}
 }
 
 // stall holds back what the server sends for d (new connections' too),
@@ -101,6 +104,16 @@ func (p *tcpProxy) stall(d time.Duration) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.stallEnd = time.Now().Add(d)
+}
+
+// hold holds back what the clients send for d (new connections' too),
+// then delivers it: a path that stops forwarding and later delivers what
+// it held, as TCP retransmits after a partition heals. A client that gave
+// up meanwhile has its statements run all the same.
+func (p *tcpProxy) hold(d time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.holdEnd = time.Now().Add(d)
 }
 
 // serverEnded closes the client's side of a connection whose server side

@@ -142,16 +142,17 @@ func arrivalsShared(n Names) string {
 // arrivalsLeaseBranch is what a lease claim of an outbox with arrivals
 // adds after its ready rows: the arrivals of its group alone, up to the
 // rows left (limit), moved into the outbox as leases under the claim's
-// token, keeping their ids. Its CTEs follow the claim's, comma first.
-func arrivalsLeaseBranch(n Names, cursor, limit string) string {
+// token, keeping their ids, unless the claim is late (onTime, see
+// inTime). Its CTEs follow the claim's, comma first.
+func arrivalsLeaseBranch(n Names, cursor, limit, onTime string) string {
 	return fmt.Sprintf(`
 ), %[1]s, %[2]s, arrived AS (
-    DELETE FROM %[3]s a WHERE a.topic = $1 AND a.id = ANY (ARRAY(SELECT id FROM arrivals_pick))
+    DELETE FROM %[3]s a WHERE a.topic = $1 AND a.id = ANY (ARRAY(SELECT id FROM arrivals_pick))%[5]s
     RETURNING a.id, a.uuid, a.payload, a.metadata, a.created_at
 ), moved AS (%[4]s
     RETURNING id, uuid, payload, metadata, deliveries, available_at, ordering_key, created_at`,
 		arrivalsBounds(n, "$10"), arrivalsPick(n, "$10", cursor, limit, "a.id"), n.QArrivals,
-		arrivalsAsLeases(n, "arrived", leaseParams{"$1", "$10", "$3", "now() + $4", "$5", "$9"}))
+		arrivalsAsLeases(n, "arrived", leaseParams{"$1", "$10", "$3", "now() + $4", "$5", "$9"}), onTime)
 }
 
 // leaseParams are the expressions of a lease written by arrivalsAsLeases:

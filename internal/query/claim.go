@@ -181,7 +181,9 @@ WITH expired AS (
 func claimFastStatement(n Names, ac string, orphans bool) string {
 	t := n.QTable
 	expired, orphanedCount, orphanedIDs, readyLimit := leaseBranches(t, orphans, "$11")
-	arr, from, cols := arrivalsOfClaim(n, map[bool]string{false: "$11", true: "$12"}[orphans], readyLimit)
+	last := map[bool]int{false: 10, true: 11}[orphans]
+	onTime := inTime(last, n.Arrivals)
+	arr, from, cols := arrivalsOfClaim(n, fmt.Sprintf("$%d", last+1), readyLimit, onTime)
 	return fmt.Sprintf(`%[3]s
 ), ready AS (
     SELECT id, available_at FROM %[1]s r
@@ -195,7 +197,7 @@ func claimFastStatement(n Names, ac string, orphans bool) string {
     SELECT available_at, id FROM ready ORDER BY available_at DESC, id DESC LIMIT 1
 ), claimed AS (
     UPDATE %[1]s o`+leaseTaken+`
-     WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s
+     WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s%[11]s
     RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key, o.created_at
 )
 SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.ordering_key, c.created_at,
@@ -203,13 +205,15 @@ SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.orde
        (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM ready), now()%[10]s
   FROM (SELECT 1) AS one
   LEFT JOIN %[9]s c ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
-		keyIsFree(t, "r", "$10"), arr, from, cols)
+		keyIsFree(t, "r", "$10"), arr, from, cols, onTime)
 }
 
 func claimStatement(n Names, ac string, orphans bool) string {
 	t := n.QTable
 	expired, orphanedCount, orphanedIDs, readyLimit := leaseBranches(t, orphans, "$13")
-	arr, from, cols := arrivalsOfClaim(n, map[bool]string{false: "$13", true: "$14"}[orphans], readyLimit)
+	last := map[bool]int{false: 12, true: 13}[orphans]
+	onTime := inTime(last, n.Arrivals)
+	arr, from, cols := arrivalsOfClaim(n, fmt.Sprintf("$%d", last+1), readyLimit, onTime)
 	return fmt.Sprintf(`%[3]s
 ), heads AS (
     SELECT h.id FROM unnest($12::text[]) AS e(k)
@@ -261,7 +265,7 @@ func claimStatement(n Names, ac string, orphans bool) string {
        FOR UPDATE SKIP LOCKED%[8]s
 ), claimed AS (
     UPDATE %[1]s o`+leaseTaken+`
-     WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s
+     WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s%[11]s
     RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key, o.created_at
 ), next_cursor AS (
     -- A full claim stops at its last ready row of the window: the rows
@@ -278,7 +282,7 @@ SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.orde
   FROM (SELECT 1) AS one
   LEFT JOIN %[9]s c ON true
   LEFT JOIN next_cursor l ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
-		keyIsFree(t, "c", "$10"), arr, from, cols)
+		keyIsFree(t, "c", "$10"), arr, from, cols, onTime)
 }
 
 // arrivalsOfClaim is what a lease claim adds for an outbox with arrivals
@@ -287,13 +291,30 @@ SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.orde
 // columns: the last arrival taken (the next arrivals cursor) and whether
 // arrivals of other groups wait. cursor is the arrivals cursor's
 // parameter. Without arrivals: nothing, and the claimed rows.
-func arrivalsOfClaim(n Names, cursor, readyLimit string) (ctes, from, cols string) {
+func arrivalsOfClaim(n Names, cursor, readyLimit, onTime string) (ctes, from, cols string) {
 	if !n.Arrivals {
 		return "", "claimed", ""
 	}
-	return arrivalsLeaseBranch(n, cursor+"::bigint", readyLimit+" - (SELECT count(*) FROM ready)"),
+	return arrivalsLeaseBranch(n, cursor+"::bigint", readyLimit+" - (SELECT count(*) FROM ready)", onTime),
 		"(SELECT * FROM claimed UNION ALL SELECT * FROM moved)",
 		",\n       (SELECT max(id) FROM arrivals_pick), " + arrivalsShared(n)
+}
+
+// inTime is the condition that keeps a lease claim from taking anything
+// when the server starts it after its deadline: the parameter after the
+// variant's last (last, and the arrivals cursor when the outbox has
+// arrivals), NULL for none. A claim the network held back (a path that
+// stopped forwarding, then delivered what it held) would otherwise run
+// long after its client gave up on it, and lease rows for a whole Lease
+// under a token nobody holds, past the time the client stopped trying to
+// give them back: an ordered subscription's next row then went out before
+// them, and their keys waited a Lease. Checked once (an InitPlan).
+func inTime(last int, arrivals bool) string {
+	p := last + 1
+	if arrivals {
+		p++
+	}
+	return fmt.Sprintf(" AND (SELECT $%[1]d::timestamptz IS NULL OR now() <= $%[1]d::timestamptz)", p)
 }
 
 // heldClaim is HeldClaim for an outbox with arrivals (arrivalsHeld) or
@@ -381,6 +402,9 @@ type ClaimArgs struct {
 	EndedKeys   []string // with a window: ordering keys whose next rows to take
 	Spare       []int64  // look for orphaned rows, sparing these liveness keys; nil: do not look
 	Arrivals    int64    // with arrivals: take those after this id (the arrivals cursor)
+	// Deadline: the claim takes nothing when the server starts it after
+	// this time, by the server's clock (see inTime); NULL: no deadline.
+	Deadline pgtype.Timestamptz
 }
 
 // Lease returns the lease claim for a (ClaimFast without a window, Claim
@@ -402,7 +426,7 @@ func (q *ClaimStatements) Lease(a ClaimArgs) (string, []any) {
 	if q.arrivals {
 		args = append(args, a.Arrivals)
 	}
-	return stmt, args
+	return stmt, append(args, a.Deadline)
 }
 
 // HeldArgs are the parameters of a held claim.

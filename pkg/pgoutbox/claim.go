@@ -1,6 +1,8 @@
 package pgoutbox
 
 import (
+	"errors"
+	"fmt"
 	"sort"
 	"time"
 
@@ -26,6 +28,7 @@ type claimRequest struct {
 	held         bool               // the held path (held.go): lock the rows in a transaction kept open
 	arrivals     int64              // with arrivals: the arrivals cursor, the last arrival a claim took
 	transfer     bool               // with arrivals: fan out the arrivals other groups have too, first
+	clock        serverClock        // gives a lease claim its deadline
 }
 
 // expiredFrom is the claim's bound on the expired leases it reclaims:
@@ -45,7 +48,6 @@ func (r claimRequest) path() string {
 	return PathLease
 }
 
-// claimResult is what a claim leased, in queue order.
 // notSent is the error of a claim that never reached the server (no
 // connection, or pgx failed before sending): it leased nothing, so
 // nothing is given back for it.
@@ -53,6 +55,25 @@ type notSent struct{ error }
 
 func (e notSent) Unwrap() error { return e.error }
 
+// lateClaim is the error of a lease claim the server started after its
+// deadline, which took nothing (query.ClaimArgs.Deadline). Its client
+// sees it only when this machine's clock stepped back since the claim
+// before (the next claim has the new clock); a claim the network held
+// back that long is one its client gave up on.
+type lateClaim struct{ late time.Duration }
+
+func (e lateClaim) Error() string {
+	return fmt.Sprintf("the claim reached the database %s after its deadline and took nothing "+
+		"(this machine's clock stepped back, or the network held the claim back); the next claim goes by the database's clock as it is now", e.late)
+}
+
+// leasedNothing reports whether a failed lease claim surely leased
+// nothing: there is nothing to give back for it.
+func leasedNothing(err error) bool {
+	return errors.As(err, new(notSent)) || errors.As(err, new(lateClaim))
+}
+
+// claimResult is what a claim leased, in queue order.
 type claimResult struct {
 	req       claimRequest
 	rows      []*delivery
@@ -114,6 +135,34 @@ type claimScan struct {
 	arrivals       int64
 	arrivalsFromAt time.Time
 	shared         bool
+	clock          serverClock
+}
+
+// serverClock is how far the database server's clock runs ahead of this
+// process's, at most: a claim's now() less the time the claim was sent,
+// from the last claim that returned one (a clock that steps is followed
+// at the next claim). known: a claim returned one.
+type serverClock struct {
+	ahead time.Duration
+	known bool
+}
+
+// saw takes in the server's time a claim returned.
+func (c *serverClock) saw(r claimResult) {
+	if r.serverNow.Valid && r.serverNow.InfinityModifier == pgtype.Finite {
+		c.ahead, c.known = r.serverNow.Time.Sub(r.req.sent), true
+	}
+}
+
+// deadline is a lease claim's deadline by the server's clock (see
+// query.ClaimArgs.Deadline) when it is sent now and its client waits for
+// it up to wait: past then its client has given up on it. NULL while the
+// server's clock is not known.
+func (c serverClock) deadline(now time.Time, wait time.Duration) pgtype.Timestamptz {
+	if !c.known {
+		return pgtype.Timestamptz{}
+	}
+	return pgtype.Timestamptz{Time: now.Add(c.ahead + wait), Valid: true}
 }
 
 // orphanRelooks are the looks for a vanished liveness holder's rows that a
@@ -220,6 +269,7 @@ func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 		vanishes:    c.relooks.vanishes,
 		arrivals:    c.arrivals,
 		transfer:    c.shared,
+		clock:       c.clock,
 	}
 	if req.withExpired {
 		if now.Sub(c.expiredFullAt) >= expiredFullEvery {
@@ -246,6 +296,7 @@ func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 // claimed moves the cursor past the last ready row of a claim, and
 // schedules the next scan from the start.
 func (c *claimScan) claimed(r claimResult) {
+	c.clock.saw(r)
 	now := r.req.sent
 	// A slow claim that came back short may have walked rows held back by
 	// their keys; a slow full one only met a cold cache or a busy server.

@@ -1,7 +1,6 @@
 package pgoutbox
 
 import (
-	"errors"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgtype"
@@ -153,6 +152,9 @@ func (c *claimSchedule) start(n int, now time.Time, holder pgtype.Int8, spare fu
 // failed takes in a failed claim and returns the backoff before the next.
 func (c *claimSchedule) failed(r claimResult, now time.Time) time.Duration {
 	c.claiming, c.wokeDuring = false, false
+	// A late claim returns the server's time: this machine's clock
+	// stepped, and the next claim goes by it.
+	c.scan.clock.saw(r)
 	for _, k := range r.req.endedKeys { // that claim did not happen
 		c.endedKeys[k] = struct{}{}
 	}
@@ -163,7 +165,7 @@ func (c *claimSchedule) failed(r claimResult, now time.Time) time.Duration {
 		// fail again, for as long as the backlog stays. Windows bound it.
 		c.scan.windowUntil = now.Add(keyedFor)
 	}
-	if !r.req.held && !errors.As(r.err, new(notSent)) {
+	if !r.req.held && !leasedNothing(r.err) {
 		// The statement may have committed: its rows would stay leased
 		// under a token nobody holds. Give them back (ReleaseClaim) instead
 		// of letting them wait for the lease, and without counting a
@@ -317,7 +319,10 @@ func (c *claimSchedule) releasedClaims(n int, err error, now time.Time) (tries i
 	done := n
 	if err != nil {
 		done = 0
-		for done < n && now.Sub(c.lost[done].at) > c.cfg.Lease {
+		// A lost claim starts on the server StatementTimeout after it was
+		// sent at the latest (later it takes nothing, query.ClaimArgs.
+		// Deadline), and its leases end a Lease after it started.
+		for done < n && now.Sub(c.lost[done].at) > c.cfg.Lease+c.cfg.StatementTimeout {
 			done++
 		}
 	}

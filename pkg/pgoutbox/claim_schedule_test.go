@@ -75,6 +75,42 @@ func TestClaimScheduleCountsFailedReleases(t *testing.T) {
 	require.Empty(t, c.lost)
 }
 
+// A lease claim's deadline goes by the server's clock as the last claim
+// read it: none before any claim returned it. A claim the server started
+// after its deadline took nothing: nothing is given back for it, and the
+// next claim goes by the clock it returned (this machine's stepped). A
+// lost claim is given up on once it can neither start any more nor hold a
+// lease: StatementTimeout and a Lease after it was sent.
+func TestClaimScheduleGivesLeaseClaimsADeadlineByTheServersClock(t *testing.T) {
+	t.Parallel()
+	c := newTestSchedule()
+	c.cfg.StatementTimeout = 4 * time.Second
+	none := func() ([]int64, bool) { return nil, false }
+	now := time.Now()
+	req := c.start(10, now, pgtype.Int8{}, none)
+	require.False(t, req.clock.deadline(now, c.cfg.StatementTimeout).Valid, "the server's clock is not known yet")
+	serverAt := func(at time.Time) pgtype.Timestamptz { return pgtype.Timestamptz{Time: at, Valid: true} }
+	r := claimResult{req: req, serverNow: serverAt(now.Add(time.Hour))}
+	c.next(r, c.succeeded(r), now)
+
+	req = c.start(10, now, pgtype.Int8{}, none)
+	require.Equal(t, serverAt(now.Add(time.Hour+4*time.Second)), req.clock.deadline(now, c.cfg.StatementTimeout))
+	c.failed(claimResult{req: req, err: lateClaim{late: time.Hour}, serverNow: serverAt(now.Add(2 * time.Hour))}, now)
+	require.Empty(t, c.lost, "a late claim took nothing: nothing to give back")
+	require.Zero(t, c.givingBack)
+
+	c.gate.pass(now.Add(time.Minute))
+	req = c.start(10, now, pgtype.Int8{}, none)
+	require.Equal(t, serverAt(now.Add(2*time.Hour+4*time.Second)), req.clock.deadline(now, c.cfg.StatementTimeout), "the clock the late claim returned")
+	c.failed(claimResult{req: req, err: errors.New("timeout: context deadline exceeded")}, now)
+	require.Len(t, c.lost, 1, "a claim whose reply was lost is given back")
+	down := errors.New("connection refused")
+	c.releasedClaims(1, down, now.Add(c.cfg.Lease+time.Second))
+	require.Len(t, c.lost, 1, "it may have started up to StatementTimeout after it was sent: its leases may hold still")
+	c.releasedClaims(1, down, now.Add(c.cfg.Lease+c.cfg.StatementTimeout+time.Second))
+	require.Empty(t, c.lost, "given up: its leases ended")
+}
+
 // An ended key is asked for by the next claim, which then reads a window.
 func TestClaimScheduleAsksForEndedKeys(t *testing.T) {
 	t.Parallel()

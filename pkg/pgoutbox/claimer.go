@@ -94,11 +94,13 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	r := claimResult{req: req}
 	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.StatementTimeout)
 	defer cancel()
+	deadline := req.clock.deadline(time.Now(), c.cfg.StatementTimeout)
 	stmt, args := c.q.Lease(query.ClaimArgs{
 		Topic: c.topic, Group: c.cfg.ConsumerGroup, N: req.n, Token: req.token,
 		LeaseUS: c.cfg.Lease.Microseconds(), WorkerID: c.cfg.WorkerID, Holder: req.holder,
 		CursorAt: req.at, CursorID: req.id, ExpiredFrom: req.expiredFrom(),
 		Window: req.window, EndedKeys: req.endedKeys, Spare: req.orphansOf, Arrivals: req.arrivals,
+		Deadline: deadline,
 	})
 	// query.ClaimSettings, then the claim: one round trip, one implicit
 	// transaction (a batch ends in one Sync), so the settings are the
@@ -175,6 +177,12 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	}
 	if err := res.Close(); err != nil { // the commit's outcome
 		r.rows, r.err = nil, err
+		return r
+	}
+	if late := r.serverNow.Time.Sub(deadline.Time); deadline.Valid && r.serverNow.Valid && late > 0 {
+		// It took nothing, and its cursor and counts are of rows it left:
+		// the scan must not move past them.
+		r.rows, r.err = nil, lateClaim{late: late}
 		return r
 	}
 	r.reclaimed, r.free = int(reclaimed), int(free)

@@ -1,0 +1,83 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+// A lease claim that the network held back until its client had given up
+// on it (and, after a Lease, on giving its rows back) takes nothing when
+// it reaches the server at last: the path stops forwarding what the
+// subscriber sends, a wake-up makes it claim, and the path delivers what
+// it held later than the Lease and the StatementTimeout together. That
+// claim would have leased the first row for a Lease under a token nobody
+// holds, and the ordered subscription's next claims, answered, handed out
+// the rows after it first. The hold covers claims only: the messages are
+// published beside the proxy, and the wake-up reaches the subscriber.
+// With arrivals, the claim would have moved the first arrival into the
+// outbox as its lease.
+func TestALeaseClaimTheNetworkHeldBackTakesNothing(t *testing.T) {
+	t.Parallel()
+	for _, arrivals := range []bool{false, true} {
+		t.Run(map[bool]string{false: "outbox", true: "arrivals"}[arrivals], func(t *testing.T) {
+			t.Parallel()
+			if arrivals {
+				leaseClaimHeldBack(t, setupArrivals(t))
+			} else {
+				leaseClaimHeldBack(t, setup(t))
+			}
+		})
+	}
+}
+
+func leaseClaimHeldBack(t *testing.T, b *bundle) {
+	px := startTCPProxy(t, b.DSN)
+	cfg, err := pgxpool.ParseConfig(viaProxy(t, b.DSN, px.addr, "held-back-"+b.Schema))
+	require.NoError(t, err)
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	ev := newEvents()
+	const lease, statementTimeout = 2 * time.Second, 500 * time.Millisecond
+	sub := b.subscriberOn(t, pool, func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode, c.Lease, c.StatementTimeout = pgoutbox.ClaimLease, lease, statementTimeout
+		c.Observer = ev
+	})
+	seen := &list{}
+	runRouter(t, sub, "t", func(m *message.Message) error {
+		seen.add(string(m.Payload))
+		return nil
+	})
+	waitEmptyClaim(t, ev) // the subscription has read the server's clock, and sleeps
+
+	hold := lease + statementTimeout + 2*time.Second
+	px.hold(hold)
+	held := time.Now()
+	b.publishInTx(t, "t", true, newMsgs(10)...)
+	pollUntil(t, "every message handled", hold+30*time.Second, nil, func() bool {
+		return b.outboxRows(t, "t") == 0 && (!b.tables.Arrivals || b.arrivals(t, "t") == 0)
+	})
+	got := seen.get()
+	var first []string
+	for _, p := range got {
+		if !slices.Contains(first, p) {
+			first = append(first, p)
+		}
+	}
+	want := make([]string, 10)
+	for i := range want {
+		want[i] = fmt.Sprint(i)
+	}
+	require.Equal(t, want, first, "handed out in publish order: %v", got)
+	require.Less(t, time.Since(held), hold+lease,
+		"handled before a lease a held-back claim took could have ended: %v", got)
+}

@@ -20,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -967,6 +968,39 @@ func TestSubscribeStarvedOfPoolConnectionsSaysSo(t *testing.T) {
 		require.ErrorContains(t, err, "no connection of the subscriber's pool came free in time (2 of 2 in use)")
 		require.Less(t, took, 4*300*time.Millisecond, "given up after one wait, not one per connection and two")
 	}
+}
+
+// A wait for a connection the pool was still making (the network held
+// back what the subscriber sent) said that handlers held every connection
+// of the pool, with one of four in use: it says that the connection was
+// not made, on Subscribe and on a running subscription's claims.
+func TestAConnectionThatCannotBeMadeIsNotBlamedOnThePool(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	px := startTCPProxy(t, b.DSN)
+	cfg, err := pgxpool.ParseConfig(viaProxy(t, b.DSN, px.addr, "unmade-"+b.Schema))
+	require.NoError(t, err)
+	cfg.MaxConns = 4
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	logs := &lockedBuffer{}
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, StatementTimeout: 300 * time.Millisecond},
+		watermill.NewStdLoggerWithOut(logs, false, false))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	_, err = sub.Subscribe(t.Context(), "running")
+	require.NoError(t, err)
+	pool.Reset() // its connections closed: every statement needs a new one
+
+	px.hold(time.Hour)
+	_, err = sub.Subscribe(t.Context(), "t")
+	require.ErrorContains(t, err, "a new connection to the database was not made")
+	require.NotContains(t, err.Error(), "handlers holding connections")
+	pollUntil(t, "a claim's failure logged", 10*time.Second, nil, func() bool {
+		return strings.Contains(logs.String(), "Claim failed")
+	})
+	require.NotContains(t, logs.String(), "handlers holding connections")
 }
 
 // A Subscribe statement that has its connection and waits on the server

@@ -22,9 +22,17 @@ func acquire(ctx context.Context, pool *pgxpool.Pool) (*pgxpool.Conn, error) {
 }
 
 // poolWaitError is err, a wait for a connection of pool that ran out of
-// time, with what made it wait.
+// time, with what made it wait: the pool's connections all in use, or,
+// with room left, a new connection that was not made in time (the server
+// or the network does not answer: the pool's full-pool advice misled
+// there).
 func poolWaitError(pool *pgxpool.Pool, err error) error {
 	st := pool.Stat()
+	if st.AcquiredConns() < st.MaxConns() {
+		return &poolWait{fmt.Errorf("no connection of the subscriber's pool in time: a new connection to the database was not made "+
+			"(%d of %d in use, %d being made); the server or the network path to it does not answer new connections: %w",
+			st.AcquiredConns(), st.MaxConns(), st.ConstructingConns(), err)}
+	}
 	return &poolWait{fmt.Errorf("no connection of the subscriber's pool came free in time (%d of %d in use): "+
 		"handlers holding connections (tx.Middleware, queries of your own) can take them all, and so can the subscriber's own "+
 		"statements while they wait on the server (a lock on the outbox, a server not answering); for the first, "+

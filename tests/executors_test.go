@@ -358,6 +358,30 @@ func TestAPoolPublishThatTimedOutWroteNothing(t *testing.T) {
 	}
 }
 
+// A pool Publish that got no reply (the path to the server held what it
+// sent) said only "context deadline exceeded", while its statement may
+// run when the path delivers it (the cancel request races it), and write
+// the message. The error says that it may have been written.
+func TestAPoolPublishWithoutAReplySaysItMayHaveWritten(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	px := startTCPProxy(t, b.DSN)
+	cfg, err := pgxpool.ParseConfig(viaProxy(t, b.DSN, px.addr, "no-reply-"+b.Schema))
+	require.NoError(t, err)
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	warmUpPool(t, pool, 1)
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: b.tables, StatementTimeout: 200 * time.Millisecond}, nil)
+	require.NoError(t, err)
+	px.hold(3 * time.Second)
+	m := newMsg("unanswered")
+	err = pub.Publish("t", m)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.ErrorContains(t, err, "may have been written all the same")
+	require.ErrorContains(t, err, "WithDedupKey")
+}
+
 // A pool Publish that found every connection taken until its bound says
 // so (it never ran: nothing was written), on both pools: it said only
 // "context deadline exceeded", which sent people to the server.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -646,4 +647,29 @@ func TestArrivalsSubscriberWithoutTheSettingIsRefused(t *testing.T) {
 	require.ErrorContains(t, err, "set Arrivals in the subscriber's schema.Config")
 
 	require.Equal(t, sortedUUIDs(msgs), b.consumeGroup(t, topic, "", len(msgs), nil), "a subscriber with Arrivals gets them")
+}
+
+// A subscriber whose Tables set Arrivals, running when its outbox is
+// converted to rotating (its publishers unset Arrivals first, as the
+// docs say), claims nothing from then on: its claims name the arrivals
+// table, gone. Its error said only that the relation does not exist; it
+// says what to do.
+func TestASubscriberLeftWithArrivalsAfterAConversionIsToldWhatToDo(t *testing.T) {
+	t.Parallel()
+	b := setupArrivals(t)
+	logs := &lockedBuffer{}
+	sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: b.tables, MinPollInterval: 20 * time.Millisecond, MaxPollInterval: 200 * time.Millisecond},
+		watermill.NewStdLoggerWithOut(logs, false, false))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	_, err = sub.Subscribe(t.Context(), "t")
+	require.NoError(t, err)
+	conv := b.tables
+	conv.Arrivals = false
+	require.NoError(t, schema.ConvertToRotating(context.Background(), tx.FromPgxPool(b.Pool), conv))
+	pollUntil(t, "a claim's failure logged", 20*time.Second, nil, func() bool {
+		return strings.Contains(logs.String(), "Claim failed")
+	})
+	require.Contains(t, logs.String(), "the outbox has no arrivals table")
+	require.Contains(t, logs.String(), "unset it and restart the process")
 }

@@ -63,6 +63,12 @@ func WithHint(err error) error {
 	return &wrapped{msg: err.Error() + h, err: err}
 }
 
+// noArrivalsHint is what a statement that names the arrivals table means
+// when the outbox has none: a process whose Tables set Arrivals met an
+// outbox converted to rotating, or migrated below version 7, after it
+// started.
+const noArrivalsHint = " (the outbox has no arrivals table: a rotating outbox has none, nor one migrated below schema version 7; this process's Tables set Arrivals: unset it and restart the process, whose messages wait in the outbox meanwhile)"
+
 // statementTimeoutHint is what a statement the server cancelled for its
 // statement_timeout means for pgoutbox, whose own bounds are client-side
 // (StatementTimeout): a setting of the role or database below them won.
@@ -92,6 +98,8 @@ func Hint(err error) string {
 		return privilegeHint
 	case code == "42703" && !strings.Contains(err.Error(), "migrate up"):
 		return olderSchemaHint
+	case code == "42P01" && strings.Contains(err.Error(), `_arrivals" does not exist`):
+		return noArrivalsHint
 	}
 	return ""
 }

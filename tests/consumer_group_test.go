@@ -355,6 +355,60 @@ func TestCancelWhileOneGroupDeliversItsCopySaysSo(t *testing.T) {
 	})
 }
 
+// A cancel that meets a copy a MoveGroup has locked, in an operator's
+// transaction, follows it into its new group once that commits: matched
+// on its group, the copy was left there, reported as being delivered
+// (nobody delivered it), and delivered later although cancelled. On the
+// single table and on a rotating outbox.
+func TestCancelFollowsACopyAMoveGroupHadLocked(t *testing.T) {
+	t.Parallel()
+	for _, rotating := range []bool{false, true} {
+		t.Run(map[bool]string{false: "single", true: "rotating"}[rotating], func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			if rotating {
+				b = rotatingSetup(t)
+			}
+			ctx := context.Background()
+			exec := tx.FromPgxPool(b.Pool)
+			_, err := pgoutbox.BindGroups(ctx, exec, b.tables, "t", []string{"a", "b"})
+			require.NoError(t, err)
+			pub := b.poolPublisher(t)
+			m := newMsg("reminder")
+			pgoutbox.DeliverAfter(m, time.Hour)
+			pgoutbox.WithDedupKey(m, "k")
+			require.NoError(t, pub.Publish("t", m))
+			_, err = pgoutbox.Unbind(ctx, exec, b.tables, "t", "b", false)
+			require.NoError(t, err)
+
+			op, err := b.Pool.Begin(ctx)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = op.Rollback(ctx) })
+			moved, err := pgoutbox.MoveGroup(ctx, tx.FromPgxTx(op), b.tables, "t", "b", "c")
+			require.NoError(t, err)
+			require.EqualValues(t, 1, moved)
+			type result struct {
+				r   pgoutbox.CancelResult
+				err error
+			}
+			done := make(chan result, 1)
+			go func() {
+				r, err := pub.CancelScheduledCopies(ctx, "t", "k")
+				done <- result{r, err}
+			}()
+			pollUntil(t, "the cancel waiting for the moved copy", 10*time.Second, nil, func() bool {
+				return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+					AND position('DELETE FROM' in query) > 0 AND position($1 in query) > 0`, b.Schema) > 0
+			})
+			require.NoError(t, op.Commit(ctx))
+			r := <-done
+			require.NoError(t, r.err)
+			require.Equal(t, pgoutbox.CancelResult{Cancelled: 2}, r.r, "a's copy and the moved one")
+			require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE dedup_key = 'k'`), "no copy left to deliver")
+		})
+	}
+}
+
 // Dedup keys are unique per topic and group: every group gets its copy of
 // a keyed message, a second publish with the key is skipped for all, and
 // CancelScheduled cancels every group's copy. A dead letter says which

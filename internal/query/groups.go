@@ -50,6 +50,10 @@ func buildGroups(n Names) GroupStatements {
 		// topic are found first, one index probe each (a loose index scan),
 		// and each group's row is then looked up by its full key: filtering
 		// the key over the topic's whole range would read every keyed row.
+		// The copies are deleted by id: a copy a MoveGroup had locked, in a
+		// transaction of its own, is found again in its new group once that
+		// commits; matched on its group it was left there, counted as being
+		// delivered, and delivered later although it was cancelled.
 		Cancel: fmt.Sprintf(`
 WITH RECURSIVE grp(g) AS (
     (SELECT consumer_group FROM %[1]s WHERE topic = $1 AND dedup_key IS NOT NULL
@@ -63,8 +67,7 @@ WITH RECURSIVE grp(g) AS (
      WHERE topic = $1 AND consumer_group IN (SELECT g FROM grp WHERE g IS NOT NULL) AND dedup_key = $2
 ), deleted AS (
     DELETE FROM %[1]s
-     WHERE topic = $1 AND consumer_group IN (SELECT g FROM grp WHERE g IS NOT NULL)
-       AND dedup_key = $2 AND lease_token IS NULL
+     WHERE id = ANY (ARRAY(SELECT id FROM copies)) AND topic = $1 AND dedup_key = $2 AND lease_token IS NULL
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM copies)`, t),

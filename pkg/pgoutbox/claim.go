@@ -57,14 +57,15 @@ func (e notSent) Unwrap() error { return e.error }
 
 // lateClaim is the error of a lease claim the server started after its
 // deadline, which took nothing (query.ClaimArgs.Deadline). Its client
-// sees it only when this machine's clock stepped back since the claim
-// before (the next claim has the new clock); a claim the network held
-// back that long is one its client gave up on.
+// sees it only when a clock stepped since the claim before, this
+// machine's back or the server's forward (the next claim has the new
+// clock); a claim the network held back that long is one its client gave
+// up on.
 type lateClaim struct{ late time.Duration }
 
 func (e lateClaim) Error() string {
 	return fmt.Sprintf("the claim reached the database %s after its deadline and took nothing "+
-		"(this machine's clock stepped back, or the network held the claim back); the next claim goes by the database's clock as it is now", e.late)
+		"(a clock stepped: this machine's back, or the database server's forward); the next claim goes by the clocks as they are now", e.late)
 }
 
 // leasedNothing reports whether a failed lease claim surely leased

@@ -4,13 +4,16 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 )
 
@@ -80,4 +83,34 @@ func leaseClaimHeldBack(t *testing.T, b *bundle) {
 	require.Equal(t, want, first, "handed out in publish order: %v", got)
 	require.Less(t, time.Since(held), hold+lease,
 		"handled before a lease a held-back claim took could have ended: %v", got)
+}
+
+// A claim whose deadline came before the server started it, because a
+// clock stepped since the claim before (this machine's back, here by an
+// hour), takes nothing and fails once, saying why; the next claim goes by
+// the clocks as they are, and takes the message, delivered once.
+func TestALeaseClaimLateByASteppedClockTakesNothingOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	logs := &lockedBuffer{}
+	b.logger = watermill.NewStdLoggerWithOut(logs, false, false)
+	ev := newEvents()
+	id := "stepped-" + watermill.NewShortUUID()
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode, c.WorkerID, c.Observer = pgoutbox.ClaimLease, id, ev
+	})
+	msgs, err := sub.Subscribe(t.Context(), "t")
+	require.NoError(t, err)
+	waitEmptyClaim(t, ev) // the server's clock read
+	testhook.StepClockOnce(id, time.Hour)
+	t.Cleanup(func() { testhook.TakeClockStep(id) })
+	b.publishInTx(t, "t", true, newMsg("after the step"))
+	got := receive(t, msgs, 30*time.Second)
+	require.Equal(t, "after the step", string(got.Payload))
+	d, ok := pgoutbox.DeliveryOf(got)
+	require.True(t, ok)
+	require.Equal(t, 1, d.Attempt, "the late claim counted no delivery")
+	got.Ack()
+	require.Equal(t, 1, strings.Count(logs.String(), "after its deadline and took nothing"), logs.String())
+	require.Zero(t, testhook.TakeClockStep(id), "the step was taken")
 }

@@ -125,3 +125,21 @@ func BindWriterWait(qtable string) time.Duration {
 	w, _ := d.(time.Duration)
 	return w
 }
+
+var clockSteps sync.Map // worker id -> time.Duration
+
+// StepClockOnce makes the next lease claim of the subscriber with
+// workerID that has a deadline go by a clock stepped back by d since the
+// claim before: its deadline comes d earlier, as this machine's clock
+// stepping back would make it. Once.
+func StepClockOnce(workerID string, d time.Duration) { clockSteps.Store(workerID, d) }
+
+// TakeClockStep returns the step StepClockOnce set for workerID, and
+// removes it; 0 when none.
+func TakeClockStep(workerID string) time.Duration {
+	v, ok := clockSteps.LoadAndDelete(workerID)
+	if !ok {
+		return 0
+	}
+	return v.(time.Duration)
+}

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 )
 
 // claimer runs a subscription's claim statements, one at a time, on a
@@ -95,6 +96,9 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.StatementTimeout)
 	defer cancel()
 	deadline := req.clock.deadline(time.Now(), c.cfg.StatementTimeout)
+	if deadline.Valid {
+		deadline.Time = deadline.Time.Add(-testhook.TakeClockStep(c.cfg.WorkerID))
+	}
 	stmt, args := c.q.Lease(query.ClaimArgs{
 		Topic: c.topic, Group: c.cfg.ConsumerGroup, N: req.n, Token: req.token,
 		LeaseUS: c.cfg.Lease.Microseconds(), WorkerID: c.cfg.WorkerID, Holder: req.holder,

@@ -441,7 +441,7 @@ func DropEmptyArrivals(n Names) string {
     IF to_regclass('%[1]s') IS NOT NULL THEN
         LOCK TABLE %[1]s IN ACCESS EXCLUSIVE MODE;
         IF EXISTS (SELECT 1 FROM %[1]s) THEN
-            RAISE EXCEPTION '%% holds arrivals, which a rotating outbox has no place for; unset Arrivals in every publisher, let the subscribers (with Arrivals set) take what it holds, then convert', '%[1]s';
+            RAISE EXCEPTION '%% holds arrivals, which a rotating outbox has no place for; unset Arrivals in every publisher, let the subscribers (with Arrivals set) take what it holds, unset it in every subscriber, then convert', '%[1]s';
         END IF;
         DROP TABLE %[1]s;
     END IF;

@@ -78,7 +78,7 @@ func ConvertToRotating(ctx context.Context, db tx.Executor, c Config) error {
 		}
 		if held {
 			return fmt.Errorf("pgoutbox: convert %s to a rotating outbox: its arrivals table (%s) holds messages; a rotating outbox takes every message into its ring: "+
-				"unset Arrivals in every publisher, let the subscribers take what it holds, then convert", single.QTable, arrivals.QArrivals)
+				"unset Arrivals in every publisher, let the subscribers take what it holds, unset it in every subscriber, then convert", single.QTable, arrivals.QArrivals)
 		}
 	}
 	n := single.Rotated()

@@ -198,7 +198,7 @@ func downRefusals(n query.Names) map[int]downRefusal {
 		3: {table: n.QTable, query: query.NamedGroupRows(n),
 			reason: n.QTable + " holds messages of named consumer groups, which version 2 cannot tell apart; unbind those groups with --purge (pgoutbox unbind) first"},
 		7: {table: arrivals, query: query.AnyRow(arrivals),
-			reason: arrivals + " holds messages that version 6 has no place for; unset Arrivals in every publisher, let the subscribers (with Arrivals set) take them, then migrate down"},
+			reason: arrivals + " holds messages that version 6 has no place for; unset Arrivals in every publisher, let the subscribers (with Arrivals set) take them, unset it in every subscriber, then migrate down"},
 	}
 }
 
@@ -617,6 +617,9 @@ type lockWait struct {
 // ddlError explains a failed schema statement, with the hint for a lock
 // wait.
 func (w lockWait) ddlError(stmt string, err error) error {
+	if errtext.SQLState(err) == "P0001" {
+		return err // a refusal the statement raised itself: its message says what to do
+	}
 	if !isLockTimeout(err) {
 		return fmt.Errorf("%w\nstatement: %s", err, stmt)
 	}

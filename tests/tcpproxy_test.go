@@ -25,9 +25,10 @@ type tcpProxy struct {
 	refusing bool
 	silent   bool
 	pairs    []proxied
-	held     []net.Conn // clients kept open and silent
-	stallEnd time.Time  // the server's bytes reach the clients from then on
-	holdEnd  time.Time  // the clients' bytes reach the server from then on
+	held     []net.Conn    // clients kept open and silent
+	stallEnd time.Time     // the server's bytes reach the clients from then on
+	holdEnd  time.Time     // the clients' bytes reach the server from then on
+	closed   chan struct{} // closed when the test ends: held bytes are dropped
 }
 
 type proxied struct{ client, server net.Conn }
@@ -40,8 +41,8 @@ func startTCPProxy(t *testing.T, dsn string) *tcpProxy {
 	require.NotEmpty(t, u.Host, "the test database's DSN must be a URL with a host: %s", dsn)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	p := &tcpProxy{addr: ln.Addr().String(), target: u.Host}
-	t.Cleanup(func() { _ = ln.Close(); p.cut() })
+	p := &tcpProxy{addr: ln.Addr().String(), target: u.Host, closed: make(chan struct{})}
+	t.Cleanup(func() { _ = ln.Close(); close(p.closed); p.cut() })
 	go func() {
 		for {
 			c, err := ln.Accept()
@@ -78,7 +79,7 @@ func (p *tcpProxy) forward(c net.Conn) {
 }
 
 // copyHeld copies src to dst, each chunk once the time at until (read
-// under the lock) has come.
+// under the lock) has come, or not at all once the test ended.
 func (p *tcpProxy) copyHeld(dst, src net.Conn, until *time.Time) {
 	buf := make([]byte, 32<<10)
 	for {
@@ -87,7 +88,15 @@ func (p *tcpProxy) copyHeld(dst, src net.Conn, until *time.Time) {
 			p.mu.Lock()
 			end := *until
 			p.mu.Unlock()
-			time.Sleep(time.Until(end))
+			if wait := time.Until(end); wait > 0 {
+				t := time.NewTimer(wait)
+				select {
+				case <-t.C:
+				case <-p.closed:
+					t.Stop()
+					return
+				}
+			}
 			if _, err := dst.Write(buf[:n]); err != nil {
 				return
 			}

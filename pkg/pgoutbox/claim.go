@@ -84,6 +84,11 @@ type claimResult struct {
 	cursor    pgtype.Int8
 	reclaimed int                // expired or orphaned leases taken
 	serverNow pgtype.Timestamptz // the claim statement's now()
+	// A lease claim's: when its bound began (its deadline's base: a lost
+	// claim's rows are given back until they can hold a lease no more),
+	// and when it was sent (the server's clock is read against it); zero
+	// for a held claim.
+	started, sentAt time.Time
 	dueIn     time.Duration      // after an empty claim: when the next row is due (0: unknown)
 	batch     *heldBatch         // the held path: the batch of the rows
 	keyBusy   int                // keyed rows given back by the claim's verification: their key was busy
@@ -140,20 +145,23 @@ type claimScan struct {
 }
 
 // serverClock is how far the database server's clock runs ahead of this
-// process's, at most: a claim's now() less the time the claim was sent,
-// from the last claim that returned one (a clock that steps is followed
-// at the next claim). known: a claim returned one.
+// process's, at most: a statement's now() less the time it was sent,
+// from Subscribe's reading, then from the last lease claim (a clock that
+// steps is followed at the next claim). known: one was read.
 type serverClock struct {
 	ahead time.Duration
 	known bool
 }
 
-// saw takes in the server's time a claim returned.
-func (c *serverClock) saw(r claimResult) {
-	if r.serverNow.Valid && r.serverNow.InfinityModifier == pgtype.Finite {
-		c.ahead, c.known = r.serverNow.Time.Sub(r.req.sent), true
+// read takes in the server's time now, of a statement sent at sent.
+func (c *serverClock) read(now pgtype.Timestamptz, sent time.Time) {
+	if now.Valid && now.InfinityModifier == pgtype.Finite && !sent.IsZero() {
+		c.ahead, c.known = now.Time.Sub(sent), true
 	}
 }
+
+// saw takes in the server's time a lease claim returned.
+func (c *serverClock) saw(r claimResult) { c.read(r.serverNow, r.sentAt) }
 
 // deadline is a lease claim's deadline by the server's clock (see
 // query.ClaimArgs.Deadline) when it is sent now and its client waits for

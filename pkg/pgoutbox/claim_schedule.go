@@ -33,8 +33,8 @@ type claimSchedule struct {
 	cfg        *SubscriberConfig
 }
 
-func newClaimSchedule(cfg *SubscriberConfig, now time.Time) claimSchedule {
-	return claimSchedule{
+func newClaimSchedule(cfg *SubscriberConfig, now time.Time, clock serverClock) claimSchedule {
+	c := claimSchedule{
 		cfg:        cfg,
 		want:       true,
 		idlePoll:   cfg.MinPollInterval,
@@ -45,6 +45,8 @@ func newClaimSchedule(cfg *SubscriberConfig, now time.Time) claimSchedule {
 		pf:         newPrefetch(cfg.MaxInFlight, cfg.MaxDeliveries == 0, now),
 		scan:       newClaimScan(),
 	}
+	c.scan.clock = clock
+	return c
 }
 
 // notified takes in what the notifier reported: rows due, rows scheduled
@@ -173,7 +175,11 @@ func (c *claimSchedule) failed(r claimResult, now time.Time) time.Duration {
 		// then scan from the start, so the rows keep their place. (A held
 		// claim's transaction rolled back, or its connection is closed,
 		// which the server rolls back: nothing to give back.)
-		c.lost = append(c.lost, claimToken{token: r.req.token, at: r.req.sent})
+		at := r.started // the deadline's base (see releasedClaims)
+		if at.IsZero() {
+			at = r.req.sent
+		}
+		c.lost = append(c.lost, claimToken{token: r.req.token, at: at})
 		c.givingBack++
 		c.gen++
 		if r.req.orphansOf != nil {
@@ -301,6 +307,11 @@ func (c *claimSchedule) idleWait(ended bool, now time.Time) {
 	}
 }
 
+// lostClaimMargin is how much longer than its deadline's reckoning a lost
+// claim's rows are given back: the server's clock is read from a
+// statement's reply, a one-way trip late.
+const lostClaimMargin = time.Second
+
 // gaveBack records rows given back: a claim under way gives its rows back
 // too (gen), and the next claim scans from the start, so they keep their
 // place.
@@ -319,10 +330,11 @@ func (c *claimSchedule) releasedClaims(n int, err error, now time.Time) (tries i
 	done := n
 	if err != nil {
 		done = 0
-		// A lost claim starts on the server StatementTimeout after it was
-		// sent at the latest (later it takes nothing, query.ClaimArgs.
-		// Deadline), and its leases end a Lease after it started.
-		for done < n && now.Sub(c.lost[done].at) > c.cfg.Lease+c.cfg.StatementTimeout {
+		// A lost claim starts on the server StatementTimeout after its
+		// bound began at the latest (later it takes nothing: query.ClaimArgs.
+		// Deadline, whose clock reading may run late by a one-way trip,
+		// lostClaimMargin), and its leases end a Lease after it started.
+		for done < n && now.Sub(c.lost[done].at) > c.cfg.Lease+c.cfg.StatementTimeout+lostClaimMargin {
 			done++
 		}
 	}

@@ -14,7 +14,7 @@ import (
 
 func newTestSchedule() claimSchedule {
 	cfg := &SubscriberConfig{MinPollInterval: 10 * time.Millisecond, MaxPollInterval: time.Second, Lease: 10 * time.Second}
-	return newClaimSchedule(cfg, time.Now())
+	return newClaimSchedule(cfg, time.Now(), serverClock{})
 }
 
 // The claim schedule alone, without a subscription: busy claims follow
@@ -71,7 +71,7 @@ func TestClaimScheduleCountsFailedReleases(t *testing.T) {
 		require.Equal(t, want, c.releasedClaims(1, down, now))
 	}
 	require.Len(t, c.lost, 1, "still to release")
-	require.Zero(t, c.releasedClaims(1, down, now.Add(c.cfg.Lease+time.Second)), "its leases expired: given up")
+	require.Zero(t, c.releasedClaims(1, down, now.Add(c.cfg.Lease+lostClaimMargin+time.Second)), "its leases expired: given up")
 	require.Empty(t, c.lost)
 }
 
@@ -90,24 +90,27 @@ func TestClaimScheduleGivesLeaseClaimsADeadlineByTheServersClock(t *testing.T) {
 	req := c.start(10, now, pgtype.Int8{}, none)
 	require.False(t, req.clock.deadline(now, c.cfg.StatementTimeout).Valid, "the server's clock is not known yet")
 	serverAt := func(at time.Time) pgtype.Timestamptz { return pgtype.Timestamptz{Time: at, Valid: true} }
-	r := claimResult{req: req, serverNow: serverAt(now.Add(time.Hour))}
+	r := claimResult{req: req, serverNow: serverAt(now.Add(time.Hour)), started: now, sentAt: now}
 	c.next(r, c.succeeded(r), now)
 
 	req = c.start(10, now, pgtype.Int8{}, none)
 	require.Equal(t, serverAt(now.Add(time.Hour+4*time.Second)), req.clock.deadline(now, c.cfg.StatementTimeout))
-	c.failed(claimResult{req: req, err: lateClaim{late: time.Hour}, serverNow: serverAt(now.Add(2 * time.Hour))}, now)
+	c.failed(claimResult{req: req, err: lateClaim{late: time.Hour}, serverNow: serverAt(now.Add(2 * time.Hour)), started: now, sentAt: now}, now)
 	require.Empty(t, c.lost, "a late claim took nothing: nothing to give back")
 	require.Zero(t, c.givingBack)
 
 	c.gate.pass(now.Add(time.Minute))
 	req = c.start(10, now, pgtype.Int8{}, none)
 	require.Equal(t, serverAt(now.Add(2*time.Hour+4*time.Second)), req.clock.deadline(now, c.cfg.StatementTimeout), "the clock the late claim returned")
-	c.failed(claimResult{req: req, err: errors.New("timeout: context deadline exceeded")}, now)
+	started := now.Add(3 * time.Second) // a fan-out, a pool wait before the claim's own bound began
+	c.failed(claimResult{req: req, err: errors.New("timeout: context deadline exceeded"), started: started, sentAt: started}, now)
 	require.Len(t, c.lost, 1, "a claim whose reply was lost is given back")
 	down := errors.New("connection refused")
-	c.releasedClaims(1, down, now.Add(c.cfg.Lease+time.Second))
-	require.Len(t, c.lost, 1, "it may have started up to StatementTimeout after it was sent: its leases may hold still")
-	c.releasedClaims(1, down, now.Add(c.cfg.Lease+c.cfg.StatementTimeout+time.Second))
+	c.releasedClaims(1, down, started.Add(c.cfg.Lease+time.Second))
+	require.Len(t, c.lost, 1, "it may have started up to StatementTimeout after its bound began: its leases may hold still")
+	c.releasedClaims(1, down, now.Add(c.cfg.Lease+c.cfg.StatementTimeout+lostClaimMargin+time.Second))
+	require.Len(t, c.lost, 1, "counted from the claim's bound, not from when it was planned")
+	c.releasedClaims(1, down, started.Add(c.cfg.Lease+c.cfg.StatementTimeout+lostClaimMargin+time.Second))
 	require.Empty(t, c.lost, "given up: its leases ended")
 }
 
@@ -398,7 +401,7 @@ func TestClaimScheduleFansOutArrivalsAtOnce(t *testing.T) {
 	t.Parallel()
 	cfg := &SubscriberConfig{MinPollInterval: 10 * time.Millisecond, MaxPollInterval: time.Second}
 	now := time.Now()
-	c := newClaimSchedule(cfg, now)
+	c := newClaimSchedule(cfg, now, serverClock{})
 	c.next(claimResult{shared: true}, false, now)
 	require.True(t, c.want, "found arrivals to fan out: claim again at once")
 	c.next(claimResult{req: claimRequest{transfer: true}, shared: true}, false, now)
@@ -436,7 +439,7 @@ func TestClaimScheduleOrderedScansFromTheStartForReturnedRows(t *testing.T) {
 	t.Parallel()
 	for _, inFlight := range []int{1, 16} {
 		cfg := &SubscriberConfig{MinPollInterval: 10 * time.Millisecond, MaxPollInterval: time.Second, Lease: 10 * time.Second, MaxInFlight: inFlight}
-		c := newClaimSchedule(cfg, time.Now())
+		c := newClaimSchedule(cfg, time.Now(), serverClock{})
 		now := time.Now()
 		req := c.start(10, now, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
 		cursor := pgtype.Int8{Int64: 7, Valid: true}

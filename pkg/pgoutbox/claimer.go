@@ -93,9 +93,10 @@ func (c *claimer) transfer(n int) (int64, error) {
 // fire on time instead of at the next poll.
 func (c *claimer) lease(req claimRequest) claimResult {
 	r := claimResult{req: req}
+	r.started = time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.StatementTimeout)
 	defer cancel()
-	deadline := req.clock.deadline(time.Now(), c.cfg.StatementTimeout)
+	deadline := req.clock.deadline(r.started, c.cfg.StatementTimeout)
 	if deadline.Valid {
 		deadline.Time = deadline.Time.Add(-testhook.TakeClockStep(c.cfg.WorkerID))
 	}
@@ -121,6 +122,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	defer conn.Release()
 	b, lead := ownBatch(c.isolate, query.ClaimSettings)
 	b.Queue(stmt, args...)
+	r.sentAt = time.Now()
 	res := conn.SendBatch(ctx, b)
 	defer res.Close()
 	if err := skipResults(res, lead); err != nil {
@@ -184,9 +186,15 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		return r
 	}
 	if late := r.serverNow.Time.Sub(deadline.Time); deadline.Valid && r.serverNow.Valid && late > 0 {
+		if len(r.rows) > 0 {
+			// The server judged otherwise: the rows are leased, and go
+			// back like a lost claim's.
+			r.rows, r.err = nil, fmt.Errorf("pgoutbox: a claim past its deadline by %s by this process's reckoning took rows all the same; they are given back", late)
+			return r
+		}
 		// It took nothing, and its cursor and counts are of rows it left:
 		// the scan must not move past them.
-		r.rows, r.err = nil, lateClaim{late: late}
+		r.err = lateClaim{late: late}
 		return r
 	}
 	r.reclaimed, r.free = int(reclaimed), int(free)

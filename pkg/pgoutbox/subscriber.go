@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
@@ -111,7 +112,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("pgoutbox: Subscribe to %q: the context given is already done: %w", topic, err)
 	}
-	lateWriters, err := s.setUp(ctx, topic)
+	lateWriters, clock, err := s.setUp(ctx, topic)
 	if err != nil {
 		return nil, errtext.WithHint(err)
 	}
@@ -134,7 +135,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	s.mu.Unlock()
 
-	sub := newSubscription(s, ctx, topic, waiter)
+	sub := newSubscription(s, ctx, topic, waiter, clock)
 	go sub.run()
 	return sub.outlet.out, nil
 }
@@ -165,7 +166,7 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 // setUp checks the schema and binds the group before a subscription
 // starts. Close ends it: a Subscribe waiting on an unreachable database
 // must not hold up a Router's Close for its whole CloseTimeout.
-func (s *Subscriber) setUp(ctx context.Context, topic string) (lateWriters string, err error) {
+func (s *Subscriber) setUp(ctx context.Context, topic string) (lateWriters string, clock serverClock, err error) {
 	ctx, cancel := s.untilClosed(ctx)
 	defer cancel()
 	err = s.ensureSchema(ctx)
@@ -177,10 +178,35 @@ func (s *Subscriber) setUp(ctx context.Context, topic string) (lateWriters strin
 	if err == nil {
 		lateWriters, err = s.bind(ctx, topic)
 	}
-	if err != nil && errors.Is(context.Cause(ctx), ErrSubscriberClosed) {
-		return "", fmt.Errorf("%w while Subscribe to %q waited for the database: %w", ErrSubscriberClosed, topic, err)
+	if err == nil {
+		clock, err = s.readClock(ctx)
 	}
-	return lateWriters, err
+	if err != nil && errors.Is(context.Cause(ctx), ErrSubscriberClosed) {
+		return "", clock, fmt.Errorf("%w while Subscribe to %q waited for the database: %w", ErrSubscriberClosed, topic, err)
+	}
+	return lateWriters, clock, err
+}
+
+// readClock reads the server's clock, so that a subscription's first
+// lease claim has a deadline too (query.ClaimArgs.Deadline): one the
+// network held back would lease rows nobody gives back.
+func (s *Subscriber) readClock(ctx context.Context) (serverClock, error) {
+	var clock serverClock
+	err := s.retryConnectionLost(ctx, func() error {
+		ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
+		defer cancel()
+		var now pgtype.Timestamptz
+		sent := time.Now()
+		if err := s.pool.QueryRow(ctx, `SELECT now()`).Scan(&now); err != nil {
+			return err
+		}
+		clock.read(now, sent)
+		return nil
+	})
+	if err != nil {
+		err = fmt.Errorf("pgoutbox: read the database server's clock: %w", err)
+	}
+	return clock, err
 }
 
 // checkArrivals refuses topic when its messages wait in the arrivals

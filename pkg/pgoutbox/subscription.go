@@ -100,7 +100,7 @@ type verdict struct {
 	timedOut bool // no Ack or Nack within AckDeadline
 }
 
-func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *notifier.Waiter) *subscription {
+func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *notifier.Waiter, clock serverClock) *subscription {
 	now := time.Now()
 	reports := make(chan report, 3+maxHeldBatches) // one claim, one write, one signal and the held batches' ends
 	sub := &subscription{
@@ -119,7 +119,7 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 			parent: messageParent(ctx),
 			origin: &origin{topic: topic, group: s.cfg.ConsumerGroup},
 		},
-		claims: newClaimSchedule(&s.cfg, now),
+		claims: newClaimSchedule(&s.cfg, now, clock),
 		hand:   handout{rows: map[*delivery]struct{}{}, guard: newRowGuard()},
 		writes: writeQueue{gate: newRetryGate()},
 		house:  housekeeping{nextRenew: now.Add(s.cfg.Lease / 2)},

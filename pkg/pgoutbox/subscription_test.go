@@ -72,7 +72,7 @@ func setup(t *testing.T, mod func(*SubscriberConfig)) *testBundle {
 	// A notifier that never connects: liveness unknown, no wake-ups.
 	n := notifier.Acquire(pool, s.logger)
 	t.Cleanup(n.Release)
-	return &testBundle{sub: newSubscription(s, context.Background(), "t", n.Listen(s.q.Names.Channel, "t", "")), events: events}
+	return &testBundle{sub: newSubscription(s, context.Background(), "t", n.Listen(s.q.Names.Channel, "t", ""), serverClock{}), events: events}
 }
 
 // eventCount counts the events of a kind reported so far: it lets the

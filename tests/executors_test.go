@@ -358,28 +358,52 @@ func TestAPoolPublishThatTimedOutWroteNothing(t *testing.T) {
 	}
 }
 
-// A pool Publish that got no reply (the path to the server held what it
+// A pool Publish that got no answer (the path to the server held what it
 // sent) said only "context deadline exceeded", while its statement may
-// run when the path delivers it (the cancel request races it), and write
-// the message. The error says that it may have been written.
-func TestAPoolPublishWithoutAReplySaysItMayHaveWritten(t *testing.T) {
+// run when the path delivers it, and write the message: through a pgx
+// pool, whose one batch carries the statement and its commit. It says
+// that the message may have been written (tx.ErrOutcomeUnknown). Through
+// database/sql, whose BEGIN got no answer, nothing was sent to commit: it
+// does not say so.
+func TestAPoolPublishWithoutAnAnswerSaysWhetherItMayHaveWritten(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	px := startTCPProxy(t, b.DSN)
-	cfg, err := pgxpool.ParseConfig(viaProxy(t, b.DSN, px.addr, "no-reply-"+b.Schema))
+	dsn := viaProxy(t, b.DSN, px.addr, "no-answer-"+b.Schema)
+	cfg, err := pgxpool.ParseConfig(dsn)
 	require.NoError(t, err)
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	warmUpPool(t, pool, 1)
-	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: b.tables, StatementTimeout: 200 * time.Millisecond}, nil)
+	db, err := sql.Open("pgx", dsn)
 	require.NoError(t, err)
-	px.hold(3 * time.Second)
-	m := newMsg("unanswered")
-	err = pub.Publish("t", m)
-	require.ErrorIs(t, err, context.DeadlineExceeded)
+	t.Cleanup(func() { _ = db.Close() })
+	require.NoError(t, db.PingContext(context.Background()))
+	publish := func(exec tx.Executor) error {
+		pub, err := pgoutbox.NewPublisher(exec, pgoutbox.PublisherConfig{Tables: b.tables, StatementTimeout: 200 * time.Millisecond}, nil)
+		require.NoError(t, err)
+		return pub.Publish("t", newMsg("unanswered"))
+	}
+	px.hold(time.Hour)
+
+	err = publish(tx.FromPgxPool(pool))
+	require.ErrorIs(t, err, tx.ErrOutcomeUnknown)
 	require.ErrorContains(t, err, "may have been written all the same")
 	require.ErrorContains(t, err, "WithDedupKey")
+
+	err = publish(tx.FromSQLDB(db))
+	require.Error(t, err)
+	require.NotErrorIs(t, err, tx.ErrOutcomeUnknown)
+	require.NotContains(t, err.Error(), "may have been written")
+
+	// A pgx pool whose connection cannot be made: nothing was sent, and
+	// the pool's handlers are not blamed.
+	pool.Reset()
+	err = publish(tx.FromPgxPool(pool))
+	require.ErrorIs(t, err, tx.ErrNoConnection)
+	require.ErrorContains(t, err, "a new connection to the database was not made")
+	require.NotContains(t, err.Error(), "handlers hold them")
 }
 
 // A pool Publish that found every connection taken until its bound says

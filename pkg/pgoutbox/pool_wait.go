@@ -28,7 +28,9 @@ func acquire(ctx context.Context, pool *pgxpool.Pool) (*pgxpool.Conn, error) {
 // there).
 func poolWaitError(pool *pgxpool.Pool, err error) error {
 	st := pool.Stat()
-	if st.AcquiredConns() < st.MaxConns() {
+	// Read after the wait failed: a connection released since may leave
+	// room in a pool that was full; one being made is what it waited for.
+	if st.AcquiredConns() < st.MaxConns() && st.ConstructingConns() > 0 {
 		return &poolWait{fmt.Errorf("no connection of the subscriber's pool in time: a new connection to the database was not made "+
 			"(%d of %d in use, %d being made); the server or the network path to it does not answer new connections: %w",
 			st.AcquiredConns(), st.MaxConns(), st.ConstructingConns(), err)}

@@ -172,7 +172,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	}
 	if err2 != nil {
 		ticket.cancel()
-		return p.publishErr(topic, err2, !exec.InTx(), bounded)
+		return p.publishErr(topic, err2, bounded)
 	}
 	p.obs.observe(Event{Kind: EventPublished, Topic: topic, Count: len(msgs)})
 	return nil
@@ -252,7 +252,7 @@ func (p *Publisher) publishFull(topic string, msgs []*message.Message, args publ
 		ticket.cancel() // no row, no NOTIFY
 	}
 	if err != nil {
-		return PublishResult{}, p.publishErr(topic, err, !exec.InTx(), bounded)
+		return PublishResult{}, p.publishErr(topic, err, bounded)
 	}
 	res := PublishResult{IDs: make([]int64, len(msgs))}
 	for i, m := range msgs {
@@ -367,17 +367,18 @@ func (p *Publisher) stmtCtx(exec tx.Executor, msgCtx context.Context) (_ tx.Exec
 const serverBoundMargin = time.Second
 
 // publishErr is wrapErr for a Publish through stmtCtx's executor: a
-// statement the server cancelled at its bound wrote nothing; one through
-// a pool (pooled) that got no reply in time may have been written all the
-// same (the server or the path to it did not answer, and may run it when
-// it does), which "context deadline exceeded" alone did not say.
-func (p *Publisher) publishErr(topic string, err error, pooled, bounded bool) error {
+// statement the server cancelled at its bound wrote nothing; one sent
+// through a pool that got no answer in time (tx.ErrOutcomeUnknown) may
+// have been written all the same (the server or the path to it did not
+// answer, and may run it when it does), which "context deadline exceeded"
+// alone did not say.
+func (p *Publisher) publishErr(topic string, err error, bounded bool) error {
 	switch {
 	case bounded && errtext.SQLState(err) == "57014":
 		return errorf("pgoutbox: publish to %q: the server cancelled the statement (it ran past PublisherConfig.StatementTimeout, %s, or a cancel request came): "+
 			"nothing was written (a dedup key that another open transaction publishes waits for it to end; publish again with the same dedup key to be safe): %w", topic, p.timeout, err)
-	case pooled && errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, tx.ErrNoConnection): // that one never ran
-		return errorf("pgoutbox: publish to %q: no reply within PublisherConfig.StatementTimeout (%s): the database or the path to it did not answer, "+
+	case errors.Is(err, tx.ErrOutcomeUnknown):
+		return errorf("pgoutbox: publish to %q: no answer within PublisherConfig.StatementTimeout (%s) and a second: the database or the path to it did not answer, "+
 			"and the message may have been written all the same (a statement held up on the way runs when it arrives); "+
 			"publishing it again writes it twice unless it has a dedup key (WithDedupKey): %w", topic, p.timeout, err)
 	}

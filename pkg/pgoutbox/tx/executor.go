@@ -232,7 +232,7 @@ func (e sqlServerBounded) Exec(ctx context.Context, q string, args ...any) (int6
 		return 0, err
 	}
 	if err := t.Commit(); err != nil {
-		return 0, err // not mapErr: see Query
+		return 0, commitUnknown(ctx, err) // not mapErr: see Query
 	}
 	return n, nil
 }
@@ -255,7 +255,7 @@ func (e sqlServerBounded) Query(ctx context.Context, q string, args ...any) (Row
 	// looking for a transaction of theirs.
 	return &txRows{Rows: rows, finish: func(readAll bool, rowsErr error) error {
 		if readAll && rowsErr == nil {
-			return t.Commit()
+			return commitUnknown(ctx, t.Commit())
 		}
 		_ = t.Rollback()
 		if rowsErr != nil {
@@ -266,6 +266,18 @@ func (e sqlServerBounded) Query(ctx context.Context, q string, args ...any) (Row
 }
 
 func (sqlServerBounded) InTx() bool { return false }
+
+// commitUnknown marks the error of a database/sql COMMIT that was sent and
+// got no answer before ctx ended as ErrOutcomeUnknown. Commit returns the
+// context's own error, sending nothing, when the context ended before it
+// (database/sql rolls the transaction back): that wrote nothing, as every
+// earlier step's failure did.
+func commitUnknown(ctx context.Context, err error) error {
+	if err == nil || ctx.Err() == nil || err == ctx.Err() || errors.Is(err, sql.ErrTxDone) {
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrOutcomeUnknown, err)
+}
 
 type sqlRows struct{ *sql.Rows }
 
@@ -372,6 +384,9 @@ func (e serverBounded) send(ctx context.Context, q string, args []any) (pgx.Batc
 	if err != nil {
 		if ctx.Err() != nil {
 			st := e.pool.Stat()
+			if st.AcquiredConns() < st.MaxConns() && st.ConstructingConns() > 0 {
+				return nil, notMade(int(st.AcquiredConns()), int(st.MaxConns()), err)
+			}
 			return nil, noConnection(int(st.AcquiredConns()), int(st.MaxConns()), err)
 		}
 		return nil, mapErr(err)
@@ -408,7 +423,7 @@ func (e serverBounded) send(ctx context.Context, q string, args []any) (pgx.Batc
 	}
 	if err != nil {
 		_ = br.Close()
-		return nil, mapErr(err)
+		return nil, outcomeUnknown(ctx, mapErr(err))
 	}
 	return br, nil
 }
@@ -431,6 +446,31 @@ func (b pooledBatch) Close() error {
 // before its bound: it never ran, nothing was written.
 var ErrNoConnection = errors.New("pgoutbox: no connection of the pool came free in time, so nothing was written")
 
+// ErrOutcomeUnknown is the error of a statement bounded by the server (a
+// Publish through a pool) that was sent and got no answer before its
+// client-side bound: the server or the path to it did not answer, and the
+// statement may still run when it arrives (or ran, its reply lost).
+// Whether it was written is unknown: publishing again with the same dedup
+// key is safe either way; without one it may write the message twice.
+var ErrOutcomeUnknown = errors.New("pgoutbox: the statement was sent and got no answer in time: whether it was written is unknown")
+
+// outcomeUnknown marks err, of a statement sent under ctx, as
+// ErrOutcomeUnknown when ctx ended before the answer: not when the bound
+// passed before anything was sent (pgconn.SafeToRetry).
+func outcomeUnknown(ctx context.Context, err error) error {
+	if err == nil || ctx.Err() == nil || pgconn.SafeToRetry(err) || errors.Is(err, ErrNoConnection) {
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrOutcomeUnknown, err)
+}
+
+// notMade is ErrNoConnection for a wait on a connection the pool was
+// making: the server or the path to it does not answer new connections
+// (the advice for a pool that handlers hold would mislead).
+func notMade(inUse, most int, err error) error {
+	return fmt.Errorf("%w: a new connection to the database was not made (%d of %d in use); the server or the network path to it does not answer new connections: %w", ErrNoConnection, inUse, most, err)
+}
+
 func noConnection(inUse, most int, err error) error {
 	return fmt.Errorf("%w (%d of %d in use: transactions or handlers hold them; give the pool more connections, or publish in the transaction that holds one): %w", ErrNoConnection, inUse, most, err)
 }
@@ -445,7 +485,7 @@ func (e serverBounded) Exec(ctx context.Context, q string, args ...any) (int64, 
 		err = cerr // the commit's outcome
 	}
 	if err != nil {
-		return 0, mapErr(err)
+		return 0, outcomeUnknown(ctx, mapErr(err))
 	}
 	return tag.RowsAffected(), nil
 }
@@ -458,10 +498,10 @@ func (e serverBounded) Query(ctx context.Context, q string, args ...any) (Rows, 
 	rows, err := br.Query()
 	if err != nil {
 		_ = br.Close()
-		return nil, mapErr(err)
+		return nil, outcomeUnknown(ctx, mapErr(err))
 	}
 	// The batch's implicit transaction ends with it, whatever was read.
-	return &txRows{Rows: rows, finish: func(bool, error) error { return mapErr(br.Close()) }}, nil
+	return &txRows{Rows: rows, finish: func(bool, error) error { return outcomeUnknown(ctx, mapErr(br.Close())) }}, nil
 }
 
 func (serverBounded) InTx() bool { return false }

@@ -89,9 +89,9 @@ type claimResult struct {
 	// and when it was sent (the server's clock is read against it); zero
 	// for a held claim.
 	started, sentAt time.Time
-	dueIn     time.Duration      // after an empty claim: when the next row is due (0: unknown)
-	batch     *heldBatch         // the held path: the batch of the rows
-	keyBusy   int                // keyed rows given back by the claim's verification: their key was busy
+	dueIn           time.Duration // after an empty claim: when the next row is due (0: unknown)
+	batch           *heldBatch    // the held path: the batch of the rows
+	keyBusy         int           // keyed rows given back by the claim's verification: their key was busy
 	// With arrivals: the last arrival the claim took (0: none), whether
 	// arrivals of other groups wait (the next claim fans them out first),
 	// and how many the claim's transfer fanned out.

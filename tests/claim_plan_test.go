@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -107,6 +108,7 @@ func claimStatements(q *query.Queries, topic string) []claimStatement {
 	return []claimStatement{
 		{"windowed", q.Claim, append(slices.Clone(lease), 256, []string{"k1"}, []int64{1, 2}, nil)},
 		{"fast", q.ClaimFast, append(slices.Clone(lease), []int64{1, 2}, nil)},
+		{"fast, with a deadline", q.ClaimFast, append(slices.Clone(lease), []int64{1, 2}, time.Now().Add(time.Hour))},
 		{"held", q.HeldClaim, q.Held(query.HeldArgs{Topic: topic, N: 100, CursorAt: fromStart})},
 	}
 }

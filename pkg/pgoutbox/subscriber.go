@@ -195,12 +195,14 @@ func (s *Subscriber) readClock(ctx context.Context) (serverClock, error) {
 	err := s.retryConnectionLost(ctx, func() error {
 		ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
 		defer cancel()
-		var now pgtype.Timestamptz
+		// Microseconds, not a timestamp: through the simple protocol a
+		// timestamp comes as text in the session's DateStyle.
+		var us int64
 		sent := time.Now()
-		if err := s.pool.QueryRow(ctx, `SELECT now()`).Scan(&now); err != nil {
+		if err := s.pool.QueryRow(ctx, `SELECT (extract(epoch FROM now()) * 1000000)::bigint`).Scan(&us); err != nil {
 			return err
 		}
-		clock.read(now, sent)
+		clock.read(pgtype.Timestamptz{Time: time.UnixMicro(us), Valid: true}, sent)
 		return nil
 	})
 	if err != nil {

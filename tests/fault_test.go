@@ -978,12 +978,7 @@ func TestAConnectionThatCannotBeMadeIsNotBlamedOnThePool(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	px := startTCPProxy(t, b.DSN)
-	cfg, err := pgxpool.ParseConfig(viaProxy(t, b.DSN, px.addr, "unmade-"+b.Schema))
-	require.NoError(t, err)
-	cfg.MaxConns = 4
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := px.pool(t, b, "unmade-"+b.Schema, func(c *pgxpool.Config) { c.MaxConns = 4 })
 	logs := &lockedBuffer{}
 	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, StatementTimeout: 300 * time.Millisecond},
 		watermill.NewStdLoggerWithOut(logs, false, false))

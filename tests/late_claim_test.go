@@ -1,7 +1,6 @@
 package tests
 
 import (
-	"context"
 	"fmt"
 	"slices"
 	"strings"
@@ -10,7 +9,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
@@ -44,11 +42,7 @@ func TestALeaseClaimTheNetworkHeldBackTakesNothing(t *testing.T) {
 
 func leaseClaimHeldBack(t *testing.T, b *bundle) {
 	px := startTCPProxy(t, b.DSN)
-	cfg, err := pgxpool.ParseConfig(viaProxy(t, b.DSN, px.addr, "held-back-"+b.Schema))
-	require.NoError(t, err)
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := px.pool(t, b, "held-back-"+b.Schema, nil)
 	ev := newEvents()
 	const lease, statementTimeout = 2 * time.Second, 500 * time.Millisecond
 	sub := b.subscriberOn(t, pool, func(c *pgoutbox.SubscriberConfig) {

@@ -2,6 +2,7 @@ package tests
 
 import (
 	"bytes"
+	"context"
 	"net"
 	"net/url"
 	"slices"
@@ -10,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 )
 
@@ -113,6 +115,21 @@ func (p *tcpProxy) stall(d time.Duration) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.stallEnd = time.Now().Add(d)
+}
+
+// pool is a pool of b's database through the proxy, its connections named
+// app, adjusted by mod (nil: none), closed when the test ends.
+func (p *tcpProxy) pool(t *testing.T, b *bundle, app string, mod func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(viaProxy(t, b.DSN, p.addr, app))
+	require.NoError(t, err)
+	if mod != nil {
+		mod(cfg)
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
 }
 
 // hold holds back what the clients send for d (new connections' too),

@@ -2,10 +2,10 @@ package tests
 
 import (
 	"bytes"
-	"context"
 	"net"
 	"net/url"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -117,19 +117,20 @@ func (p *tcpProxy) stall(d time.Duration) {
 	p.stallEnd = time.Now().Add(d)
 }
 
-// pool is a pool of b's database through the proxy, its connections named
-// app, adjusted by mod (nil: none), closed when the test ends.
+// pool is a pool of b's database through the proxy (bundle.poolWith),
+// its connections named app, adjusted by mod (nil: none).
 func (p *tcpProxy) pool(t *testing.T, b *bundle, app string, mod func(*pgxpool.Config)) *pgxpool.Pool {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(viaProxy(t, b.DSN, p.addr, app))
+	host, port, err := net.SplitHostPort(p.addr)
 	require.NoError(t, err)
-	if mod != nil {
-		mod(cfg)
-	}
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	n, err := strconv.ParseUint(port, 10, 16)
 	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	return pool
+	return b.poolWith(t, map[string]string{"application_name": app}, func(c *pgxpool.Config) {
+		c.ConnConfig.Host, c.ConnConfig.Port, c.ConnConfig.Fallbacks = host, uint16(n), nil
+		if mod != nil {
+			mod(c)
+		}
+	})
 }
 
 // hold holds back what the clients send for d (new connections' too),

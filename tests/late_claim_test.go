@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"strings"
@@ -9,10 +10,14 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // A lease claim that the network held back until its client had given up
@@ -112,5 +117,63 @@ func TestALeaseClaimLateByASteppedClockTakesNothingOnce(t *testing.T) {
 		require.Equal(t, 1, d.Attempt, "the late claim counted no delivery")
 		got.Ack()
 		require.Zero(t, testhook.TakeClockStep(id), "the step was taken")
+	}
+}
+
+// Every lease claim variant (fast and windowed, each with and without the
+// look for orphaned rows; on an outbox and with arrivals, whose claims
+// move arrivals into the outbox) takes nothing past its deadline, and
+// takes the row with a later one or none: the deadline is each variant's
+// own last parameter (query.ClaimStatements.Lease), as the statement
+// numbers it.
+func TestEveryLeaseClaimVariantTakesNothingPastItsDeadline(t *testing.T) {
+	t.Parallel()
+	for _, arrivals := range []bool{false, true} {
+		t.Run(map[bool]string{false: "outbox", true: "arrivals"}[arrivals], func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			if arrivals {
+				b = setupArrivals(t)
+			}
+			names, err := query.NewNames(b.Schema, "outbox", "")
+			require.NoError(t, err)
+			if arrivals {
+				names = names.WithArrivals()
+			}
+			q := query.Build(names, true)
+			require.NoError(t, pgoutbox.Bind(context.Background(), tx.FromPgxPool(b.Pool), b.tables, "t", "g"))
+			b.publishInTx(t, "t", true, newMsg("due"))
+			conn, err := b.Pool.Acquire(context.Background())
+			require.NoError(t, err)
+			defer conn.Release()
+			past := pgtype.Timestamptz{Time: time.Now().Add(-time.Hour), Valid: true}
+			later := pgtype.Timestamptz{Time: time.Now().Add(time.Hour), Valid: true}
+			for _, window := range []int{0, 256} {
+				for _, spare := range [][]int64{nil, {1}} {
+					for _, deadline := range []pgtype.Timestamptz{past, later, {}} {
+						stmt, args := q.Lease(query.ClaimArgs{Topic: "t", Group: "g", N: 10, Token: pgtype.UUID{Bytes: uuid.New(), Valid: true},
+							LeaseUS: 30e6, WorkerID: "test", CursorAt: fromStart, Window: window, EndedKeys: []string{}, Spare: spare, Deadline: deadline})
+						took := rolledBackIn(t, conn, []string{query.ClaimSettings}, func() string {
+							rows, err := conn.Query(context.Background(), stmt, args...)
+							require.NoError(t, err)
+							defer rows.Close()
+							n := 0
+							for rows.Next() {
+								if id := rows.RawValues()[0]; id != nil {
+									n++
+								}
+							}
+							require.NoError(t, rows.Err())
+							return fmt.Sprint(n)
+						})
+						want := "1"
+						if deadline == past {
+							want = "0"
+						}
+						require.Equal(t, want, took, "window %d, spare %v, deadline %v", window, spare, deadline)
+					}
+				}
+			}
+		})
 	}
 }

@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -126,30 +127,84 @@ func TestReconnect(t *testing.T) {
 	cfg.MaxInFlight = reconnectInFlight
 	construct := func(t *testing.T) (message.Publisher, message.Subscriber) {
 		pub, sub := universalPubSub(t, b, cfg)
-		return pub, &recordedFirst{Subscriber: sub, after: reconnectRecordLag}
+		rec := &publishRecord{returned: map[string]time.Time{}, changed: make(chan struct{})}
+		return &publishedRecorder{Publisher: pub, record: rec}, &recordedFirst{Subscriber: sub, record: rec, after: reconnectRecordLag}
 	}
 	tests.TestReconnect(t, tests.TestContext{TestID: tests.NewTestID(), Features: features}, construct)
 }
 
 // The suite's reconnect case records a message as published on a goroutine
-// of its own, fed by a channel after Publish returned, and compares the
-// record with what was received as soon as the last message arrives. A
-// delivery quicker than that goroutine's next turn (LISTEN/NOTIFY takes a
-// few milliseconds; a loaded 2-core runner can leave a goroutine waiting
-// longer) reads as an "extra" message that was never published. So each
-// message reaches the suite no sooner than reconnectRecordLag after the
-// subscription handed it out, in order; with reconnectInFlight messages
-// out at once the drain still runs at thousands per second.
+// of its own, fed by a channel after Publish returned nil, and compares the
+// record with what was received as soon as the last message arrives. Two
+// kinds of delivery read as an "extra" message that was never published:
+// one quicker than that goroutine's next turn (a loaded 2-core runner can
+// leave it waiting), and one of a Publish that failed as the server went
+// down after its row was written (the suite retries it later, 500 ms
+// apart, and records it only then). So each message reaches the suite no
+// sooner than reconnectRecordLag after a Publish of it returned nil; with
+// reconnectInFlight messages out at once the drain still runs at thousands
+// per second.
 const (
 	reconnectRecordLag = 50 * time.Millisecond
 	reconnectInFlight  = 100
 )
 
-// recordedFirst is a message.Subscriber whose channels hand each message on
-// no sooner than after the moment the subscription handed it out.
+// publishRecord holds when a Publish of each message UUID last returned nil.
+type publishRecord struct {
+	mu       sync.Mutex
+	returned map[string]time.Time
+	changed  chan struct{} // closed and replaced on every record
+}
+
+func (r *publishRecord) add(msgs []*message.Message) {
+	now := time.Now()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, m := range msgs {
+		r.returned[m.UUID] = now
+	}
+	close(r.changed)
+	r.changed = make(chan struct{})
+}
+
+// wait returns when a Publish of uuid returned nil, false when ctx ends first.
+func (r *publishRecord) wait(ctx context.Context, uuid string) (time.Time, bool) {
+	for {
+		r.mu.Lock()
+		at, ok := r.returned[uuid]
+		changed := r.changed
+		r.mu.Unlock()
+		if ok {
+			return at, true
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return time.Time{}, false
+		}
+	}
+}
+
+// publishedRecorder notes each Publish that returned nil.
+type publishedRecorder struct {
+	message.Publisher
+	record *publishRecord
+}
+
+func (p *publishedRecorder) Publish(topic string, msgs ...*message.Message) error {
+	if err := p.Publisher.Publish(topic, msgs...); err != nil {
+		return err
+	}
+	p.record.add(msgs)
+	return nil
+}
+
+// recordedFirst is a message.Subscriber whose channels hand each message on,
+// in order, no sooner than after a Publish of it returned nil.
 type recordedFirst struct {
 	message.Subscriber
-	after time.Duration
+	record *publishRecord
+	after  time.Duration
 }
 
 func (r *recordedFirst) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
@@ -157,25 +212,25 @@ func (r *recordedFirst) Subscribe(ctx context.Context, topic string) (<-chan *me
 	if err != nil {
 		return nil, err
 	}
-	type timed struct {
-		msg *message.Message
-		at  time.Time
-	}
 	// Deeper than the messages out at once: reading in never waits.
-	queue := make(chan timed, 2*reconnectInFlight)
+	queue := make(chan *message.Message, 2*reconnectInFlight)
 	out := make(chan *message.Message)
 	go func() {
 		defer close(queue)
 		for msg := range in {
-			queue <- timed{msg, time.Now()}
+			queue <- msg
 		}
 	}()
 	go func() {
 		defer close(out)
-		for m := range queue {
-			time.Sleep(time.Until(m.at.Add(r.after)))
+		for msg := range queue {
+			published, ok := r.record.wait(ctx, msg.UUID)
+			if !ok {
+				return
+			}
+			time.Sleep(time.Until(published.Add(r.after)))
 			select {
-			case out <- m.msg:
+			case out <- msg:
 			case <-ctx.Done():
 				return
 			}

@@ -56,7 +56,7 @@ func (c *cli) migrateCmd(args []string) error {
 
 func (c *cli) migrateUpDown(args []string, down bool) error {
 	name := "schema migrate up"
-	usage := "schema migrate up [--to N] [--dry-run] [connection flags]"
+	usage := "schema migrate up [--to N] [--dry-run] [--yes] [connection flags]"
 	examples := "  pgoutbox schema migrate up\n  pgoutbox schema migrate up --to 3 --dry-run\n"
 	if down {
 		name = "schema migrate down"
@@ -70,11 +70,15 @@ func (c *cli) migrateUpDown(args []string, down bool) error {
 	}
 	toFlag := cmd.fs.String("to", "", toHelp)
 	dryRun := cmd.fs.Bool("dry-run", false, "print the SQL it would run, and run nothing")
-	var yes, dropMessages *bool
+	var dropMessages *bool
+	// Up never asks; it takes --yes all the same, so that a deploy script
+	// can pass it to every schema command.
+	yesHelp := "accepted and ignored: up does not ask"
 	if down {
-		yes = cmd.fs.Bool("yes", false, "do not ask for confirmation")
+		yesHelp = "do not ask for confirmation"
 		dropMessages = cmd.fs.Bool("drop-messages", false, "with --to 0: drop the tables even though they hold messages or dead letters")
 	}
+	yes := cmd.fs.Bool("yes", false, yesHelp)
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}

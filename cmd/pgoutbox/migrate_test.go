@@ -54,7 +54,7 @@ func TestSchemaMigrate(t *testing.T) {
 	require.Contains(t, out, `CREATE TABLE IF NOT EXISTS "`+s.Name+`"."outbox"`)
 	require.Equal(t, 0.0, status()["current"], "a dry run changes nothing")
 
-	out, errOut, code = run("schema", "migrate", "up", "--to", "2")
+	out, errOut, code = run("schema", "migrate", "up", "--to", "2", "--yes")
 	require.Equal(t, 0, code, errOut)
 	require.Equal(t, "applied version 1 (initial)\napplied version 2 (lease_holder_parking)\n", out)
 	out, errOut, code = run("schema", "migrate", "up")

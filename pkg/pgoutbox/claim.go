@@ -86,12 +86,12 @@ type claimResult struct {
 	serverNow pgtype.Timestamptz // the claim statement's now()
 	// A lease claim's: when its bound began (its deadline's base: a lost
 	// claim's rows are given back until they can hold a lease no more),
-	// and when it was sent (the server's clock is read against it); zero
-	// for a held claim.
-	started, sentAt time.Time
-	dueIn           time.Duration // after an empty claim: when the next row is due (0: unknown)
-	batch           *heldBatch    // the held path: the batch of the rows
-	keyBusy         int           // keyed rows given back by the claim's verification: their key was busy
+	// and when its answer came (the server's clock is read against it);
+	// zero for a held claim.
+	started, answeredAt time.Time
+	dueIn               time.Duration // after an empty claim: when the next row is due (0: unknown)
+	batch               *heldBatch    // the held path: the batch of the rows
+	keyBusy             int           // keyed rows given back by the claim's verification: their key was busy
 	// With arrivals: the last arrival the claim took (0: none), whether
 	// arrivals of other groups wait (the next claim fans them out first),
 	// and how many the claim's transfer fanned out.
@@ -145,23 +145,30 @@ type claimScan struct {
 }
 
 // serverClock is how far the database server's clock runs ahead of this
-// process's, at most: a statement's now() less the time it was sent,
+// process's, at least: a statement's now() less the time its answer came,
 // from Subscribe's reading, then from the last lease claim (a clock that
 // steps is followed at the next claim). known: one was read.
+//
+// At least, so that a claim's deadline never falls after the moment its
+// client gives up on it. Read against the time a statement was sent, a
+// trip the network slowed (answered in time all the same) made the next
+// claims' deadlines later by that trip: one of them the network then held
+// back could still lease rows after its client had given them back.
 type serverClock struct {
 	ahead time.Duration
 	known bool
 }
 
-// read takes in the server's time now, of a statement sent at sent.
-func (c *serverClock) read(now pgtype.Timestamptz, sent time.Time) {
-	if now.Valid && now.InfinityModifier == pgtype.Finite && !sent.IsZero() {
-		c.ahead, c.known = now.Time.Sub(sent), true
+// read takes in the server's time now, of a statement answered at
+// answered.
+func (c *serverClock) read(now pgtype.Timestamptz, answered time.Time) {
+	if now.Valid && now.InfinityModifier == pgtype.Finite && !answered.IsZero() {
+		c.ahead, c.known = now.Time.Sub(answered), true
 	}
 }
 
 // saw takes in the server's time a lease claim returned.
-func (c *serverClock) saw(r claimResult) { c.read(r.serverNow, r.sentAt) }
+func (c *serverClock) saw(r claimResult) { c.read(r.serverNow, r.answeredAt) }
 
 // deadline is a lease claim's deadline by the server's clock (see
 // query.ClaimArgs.Deadline) when it is sent now and its client waits for

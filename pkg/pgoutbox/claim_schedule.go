@@ -27,7 +27,7 @@ type claimSchedule struct {
 	askedAgain map[string]struct{}  // ended keys a full claim left without a row, asked for once more (see succeeded)
 	keysDue    map[string]time.Time // keys whose next row is a retry due then: asked for from then on (see keyDue)
 	keyDueNext time.Time            // the earliest of keysDue: claims before it skip the map
-	lost       []claimToken         // claims whose reply was lost; their rows go back (ReleaseClaim)
+	lost       []claimToken         // claims whose reply was lost, oldest first; their rows go back (ReleaseClaim, see releasable)
 	pf         prefetch
 	scan       claimScan
 	cfg        *SubscriberConfig
@@ -307,9 +307,9 @@ func (c *claimSchedule) idleWait(ended bool, now time.Time) {
 	}
 }
 
-// lostClaimMargin is how much longer than its deadline's reckoning a lost
-// claim's rows are given back: the server's clock is read from a
-// statement's reply, a one-way trip late.
+// lostClaimMargin is how much later than its deadline's reckoning a lost
+// claim's rows are given back once more, and given up on: the server's
+// clock (serverClock) may have stepped since a claim last read it.
 const lostClaimMargin = time.Second
 
 // gaveBack records rows given back: a claim under way gives its rows back
@@ -321,37 +321,97 @@ func (c *claimSchedule) gaveBack() {
 	c.want = true
 }
 
-// releasedClaims takes in the release of the first n lost claims. Once it
-// is written, claims go on, from the start. While it fails, a lost claim
-// whose rows' leases have expired anyway is given up on: the expired
-// branch of any claim takes those rows. It returns how many releases of
-// the oldest lost claim left have failed.
-func (c *claimSchedule) releasedClaims(n int, err error, now time.Time) (tries int) {
-	done := n
-	if err != nil {
-		done = 0
-		// A lost claim starts on the server StatementTimeout after its
-		// bound began at the latest (later it takes nothing: query.ClaimArgs.
-		// Deadline, whose clock reading may run late by a one-way trip,
-		// lostClaimMargin), and its leases end a Lease after it started.
-		for done < n && now.Sub(c.lost[done].at) > c.cfg.Lease+c.cfg.StatementTimeout+lostClaimMargin {
-			done++
+// lostClaimRunsUntil is how long after its bound began a lost claim may
+// still lease rows on the server: its deadline (query.ClaimArgs.Deadline)
+// is StatementTimeout after it, by a clock that never runs late
+// (serverClock), give or take lostClaimMargin.
+func (c *claimSchedule) lostClaimRunsUntil() time.Duration {
+	return c.cfg.StatementTimeout + lostClaimMargin
+}
+
+// releasable returns the tokens of the lost claims to release now: those
+// not released yet, and those released while they might still have run
+// (the network may hold a claim back, and deliver it after its release),
+// once that time has passed.
+func (c *claimSchedule) releasable(now time.Time) []pgtype.UUID {
+	var tokens []pgtype.UUID
+	for _, l := range c.lost {
+		if !l.released || now.Sub(l.at) >= c.lostClaimRunsUntil() {
+			tokens = append(tokens, l.token)
 		}
 	}
-	defer func() {
-		if err != nil && len(c.lost) > 0 {
-			c.lost[0].tries++
-			tries = c.lost[0].tries
+	return tokens
+}
+
+// recheckAt is when the first lost claim released while it might still
+// have run is to be released again; zero: none.
+func (c *claimSchedule) recheckAt() time.Time {
+	for _, l := range c.lost {
+		if l.released {
+			return l.at.Add(c.lostClaimRunsUntil())
 		}
-	}()
-	if done == 0 {
-		return
 	}
-	c.lost = c.lost[done:]
-	c.givingBack -= done
-	c.scan.restart(true)
-	c.want = true
-	return
+	return time.Time{}
+}
+
+// releasedClaims takes in the release of the lost claims of tokens. Once
+// one is written, claims go on, from the start; a claim that might still
+// run on the server stays to be released once more after that (it does
+// not hold claims up meanwhile), the others are done. While a release
+// fails, a lost claim whose rows' leases have expired anyway is given up
+// on: the expired branch of any claim takes those rows. It returns how
+// many releases of the oldest of them left have failed.
+func (c *claimSchedule) releasedClaims(tokens []pgtype.UUID, err error, now time.Time) (tries int) {
+	in := make(map[pgtype.UUID]bool, len(tokens))
+	for _, t := range tokens {
+		in[t] = true
+	}
+	freed := false
+	var tried *claimToken
+	kept := c.lost[:0]
+	for i := range c.lost {
+		l := c.lost[i]
+		if !in[l.token] {
+			kept = append(kept, l)
+			continue
+		}
+		switch {
+		case err == nil && now.Sub(l.at) >= c.lostClaimRunsUntil():
+			freed = freed || !l.released
+			if !l.released {
+				c.givingBack--
+			}
+			continue
+		case err == nil:
+			if !l.released {
+				l.released, freed = true, true
+				c.givingBack--
+			}
+		case now.Sub(l.at) > c.cfg.Lease+c.lostClaimRunsUntil():
+			// A lost claim starts on the server up to its deadline, and
+			// its leases end a Lease after it started.
+			freed = freed || !l.released
+			if !l.released {
+				c.givingBack--
+			}
+			continue
+		}
+		kept = append(kept, l)
+		if err != nil && tried == nil {
+			tried = &kept[len(kept)-1]
+		}
+	}
+	clear(c.lost[len(kept):])
+	c.lost = kept
+	if tried != nil {
+		tried.tries++
+		tries = tried.tries
+	}
+	if freed {
+		c.scan.restart(true)
+		c.want = true
+	}
+	return tries
 }
 
 // keyEnded: a row with an ordering key was written (acked, nacked,

@@ -51,7 +51,7 @@ func TestClaimScheduleDecidesWhenToClaim(t *testing.T) {
 	require.Len(t, c.lost, 1, "its token is released before claims go on")
 	c.gate.pass(now.Add(time.Minute))
 	require.True(t, c.waiting(), "the release comes first")
-	c.releasedClaims(1, nil, now)
+	releaseAt(&c, nil, now)
 	require.False(t, c.waiting())
 	require.True(t, c.scan.forceExpired, "and the next claim looks for expired leases")
 }
@@ -68,10 +68,10 @@ func TestClaimScheduleCountsFailedReleases(t *testing.T) {
 	require.Len(t, c.lost, 1)
 	down := errors.New("the database system is starting up")
 	for want := 1; want <= 3; want++ {
-		require.Equal(t, want, c.releasedClaims(1, down, now))
+		require.Equal(t, want, releaseAt(&c, down, now))
 	}
 	require.Len(t, c.lost, 1, "still to release")
-	require.Zero(t, c.releasedClaims(1, down, now.Add(c.cfg.Lease+lostClaimMargin+time.Second)), "its leases expired: given up")
+	require.Zero(t, releaseAt(&c, down, now.Add(c.cfg.Lease+lostClaimMargin+time.Second)), "its leases expired: given up")
 	require.Empty(t, c.lost)
 }
 
@@ -90,12 +90,12 @@ func TestClaimScheduleGivesLeaseClaimsADeadlineByTheServersClock(t *testing.T) {
 	req := c.start(10, now, pgtype.Int8{}, none)
 	require.False(t, req.clock.deadline(now, c.cfg.StatementTimeout).Valid, "the server's clock is not known yet")
 	serverAt := func(at time.Time) pgtype.Timestamptz { return pgtype.Timestamptz{Time: at, Valid: true} }
-	r := claimResult{req: req, serverNow: serverAt(now.Add(time.Hour)), started: now, sentAt: now}
+	r := claimResult{req: req, serverNow: serverAt(now.Add(time.Hour)), started: now, answeredAt: now}
 	c.next(r, c.succeeded(r), now)
 
 	req = c.start(10, now, pgtype.Int8{}, none)
 	require.Equal(t, serverAt(now.Add(time.Hour+4*time.Second)), req.clock.deadline(now, c.cfg.StatementTimeout))
-	c.failed(claimResult{req: req, err: lateClaim{late: time.Hour}, serverNow: serverAt(now.Add(2 * time.Hour)), started: now, sentAt: now}, now)
+	c.failed(claimResult{req: req, err: lateClaim{late: time.Hour}, serverNow: serverAt(now.Add(2 * time.Hour)), started: now, answeredAt: now}, now)
 	require.Empty(t, c.lost, "a late claim took nothing: nothing to give back")
 	require.Zero(t, c.givingBack)
 
@@ -103,14 +103,14 @@ func TestClaimScheduleGivesLeaseClaimsADeadlineByTheServersClock(t *testing.T) {
 	req = c.start(10, now, pgtype.Int8{}, none)
 	require.Equal(t, serverAt(now.Add(2*time.Hour+4*time.Second)), req.clock.deadline(now, c.cfg.StatementTimeout), "the clock the late claim returned")
 	started := now.Add(3 * time.Second) // a fan-out, a pool wait before the claim's own bound began
-	c.failed(claimResult{req: req, err: errors.New("timeout: context deadline exceeded"), started: started, sentAt: started}, now)
+	c.failed(claimResult{req: req, err: errors.New("timeout: context deadline exceeded"), started: started, answeredAt: started}, now)
 	require.Len(t, c.lost, 1, "a claim whose reply was lost is given back")
 	down := errors.New("connection refused")
-	c.releasedClaims(1, down, started.Add(c.cfg.Lease+time.Second))
+	releaseAt(&c, down, started.Add(c.cfg.Lease+time.Second))
 	require.Len(t, c.lost, 1, "it may have started up to StatementTimeout after its bound began: its leases may hold still")
-	c.releasedClaims(1, down, now.Add(c.cfg.Lease+c.cfg.StatementTimeout+lostClaimMargin+time.Second))
+	releaseAt(&c, down, now.Add(c.cfg.Lease+c.cfg.StatementTimeout+lostClaimMargin+time.Second))
 	require.Len(t, c.lost, 1, "counted from the claim's bound, not from when it was planned")
-	c.releasedClaims(1, down, started.Add(c.cfg.Lease+c.cfg.StatementTimeout+lostClaimMargin+time.Second))
+	releaseAt(&c, down, started.Add(c.cfg.Lease+c.cfg.StatementTimeout+lostClaimMargin+time.Second))
 	require.Empty(t, c.lost, "given up: its leases ended")
 }
 
@@ -454,4 +454,10 @@ func TestClaimScheduleOrderedScansFromTheStartForReturnedRows(t *testing.T) {
 			require.EqualValues(t, 7, c.scan.id, "unordered: from the cursor")
 		}
 	}
+}
+
+// releaseAt writes the release of what c would release at now, with the
+// outcome err, and returns the tries of the oldest lost claim left.
+func releaseAt(c *claimSchedule, err error, now time.Time) int {
+	return c.releasedClaims(c.releasable(now), err, now)
 }

@@ -122,7 +122,6 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	defer conn.Release()
 	b, lead := ownBatch(c.isolate, query.ClaimSettings)
 	b.Queue(stmt, args...)
-	r.sentAt = time.Now()
 	res := conn.SendBatch(ctx, b)
 	defer res.Close()
 	if err := skipResults(res, lead); err != nil {
@@ -137,6 +136,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		r.err = err
 		return r
 	}
+	r.answeredAt = time.Now() // after the server's now(): see serverClock
 	// Scan targets live outside the loop: Scan takes their addresses, and
 	// per-row variables would each be an allocation per row.
 	// So is the list of them: Scan's variadic slice would be one more

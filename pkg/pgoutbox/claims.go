@@ -146,9 +146,10 @@ func (sub *subscription) onClaimed(r claimResult) {
 	sub.claims.withheld = withheld
 }
 
-// onReleasedClaims applies the release of the first n lost claims.
-func (sub *subscription) onReleasedClaims(n int, err error) {
-	tries := sub.claims.releasedClaims(n, err, time.Now())
+// onReleasedClaims applies the release of the lost claims of tokens.
+func (sub *subscription) onReleasedClaims(tokens []pgtype.UUID, err error, now time.Time) {
+	n := len(tokens)
+	tries := sub.claims.releasedClaims(tokens, err, now)
 	// While the server restarts every try fails: the 1st, 2nd, 4th, 8th...
 	// failure is logged, not each.
 	switch {

@@ -87,9 +87,10 @@ type deadOp struct {
 
 // claimToken is the token of a claim whose reply was lost.
 type claimToken struct {
-	token pgtype.UUID
-	at    time.Time
-	tries int // releases of it that failed
+	token    pgtype.UUID
+	at       time.Time
+	tries    int  // releases of it that failed
+	released bool // a release was written while the claim might still run (claimSchedule.releasable)
 }
 
 func (j *writeJob) ops() int { return len(j.acks) + len(j.returns) + len(j.holds) + len(j.dead) }

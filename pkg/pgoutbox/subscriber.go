@@ -198,11 +198,10 @@ func (s *Subscriber) readClock(ctx context.Context) (serverClock, error) {
 		// Microseconds, not a timestamp: through the simple protocol a
 		// timestamp comes as text in the session's DateStyle.
 		var us int64
-		sent := time.Now()
 		if err := s.pool.QueryRow(ctx, `SELECT (extract(epoch FROM now()) * 1000000)::bigint`).Scan(&us); err != nil {
 			return err
 		}
-		clock.read(pgtype.Timestamptz{Time: time.UnixMicro(us), Valid: true}, sent)
+		clock.read(pgtype.Timestamptz{Time: time.UnixMicro(us), Valid: true}, time.Now())
 		return nil
 	})
 	if err != nil {

@@ -298,6 +298,7 @@ func (sub *subscription) armTimer(now time.Time) {
 	earliest(sub.writes.gate.until)
 	earliest(sub.writes.ackWait)
 	earliest(sub.claims.gate.until)
+	earliest(sub.claims.recheckAt())
 	sub.held.nextEvent(earliest)
 	if sub.hand.retry != nil && sub.hand.retry.holdDone {
 		earliest(sub.hand.retry.retryAt.time())

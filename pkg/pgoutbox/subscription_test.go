@@ -357,10 +357,41 @@ func TestOwnerLostClaimIsReleasedBeforeClaimingOn(t *testing.T) {
 	require.Equal(t, 1, b.sub.claims.givingBack, "claims wait for the release")
 	b.sub.startWrite(time.Now().Add(time.Hour)) // past the backoff
 	require.Equal(t, []pgtype.UUID{req.token}, drainJob(b))
-	b.sub.onReleasedClaims(1, nil)
+	b.sub.onReleasedClaims([]pgtype.UUID{req.token}, nil, time.Now().Add(time.Hour))
 	require.Empty(t, b.sub.claims.lost)
 	require.Zero(t, b.sub.claims.givingBack)
 	require.Equal(t, scanFromStart, b.sub.claims.scan.at, "the released rows lie behind any cursor")
+}
+
+// A lost claim released while it might still run on the server (the
+// network may hold it back past its release) lets claims go on, and is
+// released once more after its deadline passed, whatever the first
+// release found.
+func TestOwnerLostClaimIsReleasedAgainOnceItCanNoLongerRun(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	sent := time.Now()
+	req := b.sub.claims.scan.request(2, b.sub.claims.gen, sent)
+	b.sub.claims.claiming = true
+	b.sub.onClaimed(claimResult{req: req, err: errors.New("reply lost"), started: sent})
+	b.sub.startWrite(sent.Add(time.Hour)) // past the backoff
+	require.Equal(t, []pgtype.UUID{req.token}, drainJob(b))
+	b.sub.onReleasedClaims([]pgtype.UUID{req.token}, nil, sent.Add(b.sub.cfg.StatementTimeout))
+	require.Zero(t, b.sub.claims.givingBack, "claims go on")
+	require.Len(t, b.sub.claims.lost, 1, "the claim may still run until its deadline")
+	again := sent.Add(b.sub.cfg.StatementTimeout + lostClaimMargin)
+	require.Equal(t, again, b.sub.claims.recheckAt())
+	require.Empty(t, b.sub.claims.releasable(again.Add(-time.Millisecond)))
+
+	b.sub.startWrite(again)
+	require.Equal(t, []pgtype.UUID{req.token}, drainJob(b), "released again")
+	b.sub.onReleasedClaims([]pgtype.UUID{req.token}, errors.New("connection refused"), again)
+	require.Len(t, b.sub.claims.lost, 1, "a failed release is tried again")
+	require.Zero(t, b.sub.claims.givingBack)
+	b.sub.onReleasedClaims([]pgtype.UUID{req.token}, nil, again)
+	require.Empty(t, b.sub.claims.lost)
+	require.Zero(t, b.sub.claims.givingBack)
+	require.True(t, b.sub.claims.recheckAt().IsZero())
 }
 
 // drainJob takes the job startWrite submitted and returns its release
@@ -736,7 +767,7 @@ func TestAReleaseGivenUpIsNotLoggedAsRetried(t *testing.T) {
 	req := b.sub.claims.start(10, long, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
 	b.sub.claims.failed(claimResult{req: req, err: errors.New("connection reset")}, long)
 	require.Len(t, b.sub.claims.lost, 1)
-	b.sub.onReleasedClaims(1, errors.New("connection refused"))
+	b.sub.onReleasedClaims(b.sub.claims.releasable(time.Now()), errors.New("connection refused"), time.Now())
 	require.Empty(t, b.sub.claims.lost)
 	for _, m := range logs.Captured()[watermill.ErrorLogLevel] {
 		t.Errorf("logged at ERROR: %s %v", m.Msg, m.Fields)

@@ -55,9 +55,7 @@ func (sub *subscription) startWrite(now time.Time) {
 		// may have been lost, or taken again, since.
 		job.renewHolder = sub.holder()
 	}
-	for _, c := range sub.claims.lost {
-		job.releaseTokens = append(job.releaseTokens, c.token)
-	}
+	job.releaseTokens = sub.claims.releasable(now)
 	if len(sub.writes.reacks) > 0 && (sub.drain.stopping || sub.holder().Valid) {
 		// Once the liveness lock is held again: until then the server is
 		// likely down. A stopping subscription tries them with its last
@@ -165,7 +163,7 @@ func (sub *subscription) onWritten(r writeResult) {
 	}
 	sub.onRenewed(job.renew, r)
 	if len(job.releaseTokens) > 0 {
-		sub.onReleasedClaims(len(job.releaseTokens), r.releaseErr)
+		sub.onReleasedClaims(job.releaseTokens, r.releaseErr, time.Now())
 	}
 
 	if r.err != nil {

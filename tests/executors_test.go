@@ -497,3 +497,87 @@ func TestRunInTxRollsBackOnPanic(t *testing.T) {
 		})
 	}
 }
+
+// A pool Publish's bound covers its wait for a connection too. The server
+// bound each statement by the whole StatementTimeout, set once the
+// connection came, so after a long wait the client's bound (a second
+// longer than StatementTimeout from the start) fired first, while the
+// server still ran the statement (waiting for a dedup key another
+// transaction held): the error said the database did not answer and the
+// message may have been written (tx.ErrOutcomeUnknown), and the statement
+// could commit after that. The server's bound is now what the wait left:
+// the error says nothing was written, and nothing is. A wait that used
+// the whole bound sends nothing, and says so (tx.ErrNoConnection).
+func TestAPoolPublishThatWaitedForAConnectionIsBoundedByTheServer(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	const st = 1500 * time.Millisecond
+	type onePool struct {
+		exec tx.Executor
+		hold func(t *testing.T) (release func())
+	}
+	pools := map[string]func(t *testing.T) onePool{
+		"pgx": func(t *testing.T) onePool {
+			pool := b.poolWith(t, nil, func(c *pgxpool.Config) { c.MaxConns = 1 })
+			return onePool{tx.FromPgxPool(pool), func(t *testing.T) func() {
+				conn, err := pool.Acquire(ctx)
+				require.NoError(t, err)
+				return conn.Release
+			}}
+		},
+		"database/sql": func(t *testing.T) onePool {
+			db := b.sqlDB(t)
+			db.SetMaxOpenConns(1)
+			return onePool{tx.FromSQLDB(db), func(t *testing.T) func() {
+				conn, err := db.Conn(ctx)
+				require.NoError(t, err)
+				return func() { _ = conn.Close() }
+			}}
+		},
+	}
+	for name, newPool := range pools {
+		t.Run(name, func(t *testing.T) {
+			p := newPool(t)
+			pub, err := pgoutbox.NewPublisher(p.exec, pgoutbox.PublisherConfig{Tables: b.tables, StatementTimeout: st}, nil)
+			require.NoError(t, err)
+
+			holder, err := b.Pool.Begin(ctx)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = holder.Rollback(context.Background()) })
+			held, err := pgoutbox.NewPublisher(tx.FromPgxTx(holder), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+			require.NoError(t, err)
+			key := "waited-" + name
+			first := newMsg("held")
+			pgoutbox.WithDedupKey(first, key)
+			require.NoError(t, held.Publish("t", first))
+
+			// A handler holds the pool's one connection for most of the bound.
+			release := p.hold(t)
+			time.AfterFunc(st-400*time.Millisecond, release)
+			late := newMsg("waited")
+			pgoutbox.WithDedupKey(late, key)
+			err = pub.Publish("t", late)
+			require.Error(t, err)
+			require.NotErrorIs(t, err, tx.ErrOutcomeUnknown)
+			require.ErrorContains(t, err, "nothing was written")
+			require.NoError(t, holder.Rollback(ctx))
+			pollUntil(t, "no other statement running in the database", 5*time.Second, nil, func() bool {
+				return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+					AND state = 'active' AND pid <> pg_backend_pid() AND query LIKE '%`+b.Schema+`%'`) == 0
+			})
+			require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = '`+late.UUID+`'`),
+				"the Publish returned %q, and its message was written", err)
+
+			// A wait that outlasts the bound, but not the client's moment
+			// after it: the connection comes too late to send anything.
+			release = p.hold(t)
+			time.AfterFunc(st+300*time.Millisecond, release)
+			lost := newMsg("too late")
+			err = pub.Publish("t", lost)
+			require.ErrorIs(t, err, tx.ErrNoConnection)
+			require.NotErrorIs(t, err, tx.ErrOutcomeUnknown)
+			require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = '`+lost.UUID+`'`))
+		})
+	}
+}

@@ -32,8 +32,9 @@ type PublisherConfig struct {
 	// middleware.Timeout), must still be written. A Publish in your
 	// transaction follows the message's context, like your other
 	// statements. The server enforces it (the statement's transaction
-	// sets statement_timeout: in the statement's round trip through a pgx
-	// pool, in three more through database/sql), so a Publish that
+	// sets statement_timeout to what the wait for a connection left of it:
+	// in the statement's round trip through a pgx pool, in three more
+	// through database/sql), so a Publish that
 	// returns the server's cancellation ("the server cancelled the
 	// statement") wrote nothing, and so does one that found no connection
 	// of the pool free within it (tx.ErrNoConnection); the client gives up

@@ -196,17 +196,18 @@ func (e sqlDB) begin(ctx context.Context, iso isolation) (Executor, func(context
 // setting, the statement, COMMIT) where a pgx pool takes one: the price of
 // an error that means nothing was written.
 func (e sqlDB) BoundedByServer(d time.Duration) Executor {
-	return sqlServerBounded{db: e.db, timeout: fmt.Sprintf("%dms", max(d.Milliseconds(), 1))}
+	return sqlServerBounded{db: e.db, timeout: d}
 }
 
 // sqlServerBounded runs each statement as serverBounded does, in a
 // database/sql transaction.
 type sqlServerBounded struct {
 	db      *sql.DB
-	timeout string
+	timeout time.Duration
 }
 
 func (e sqlServerBounded) begin(ctx context.Context) (*sql.Tx, error) {
+	began := time.Now()
 	t, err := e.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		if st := e.db.Stats(); ctx.Err() != nil && st.MaxOpenConnections > 0 && st.InUse >= st.MaxOpenConnections {
@@ -214,7 +215,13 @@ func (e sqlServerBounded) begin(ctx context.Context) (*sql.Tx, error) {
 		}
 		return nil, mapErr(err)
 	}
-	if _, err := t.ExecContext(ctx, "SELECT set_config('statement_timeout', $1, true)", e.timeout); err != nil {
+	timeout, ok := boundLeft(e.timeout, began)
+	if !ok {
+		st := e.db.Stats()
+		_ = t.Rollback()
+		return nil, lateConnection(st.InUse, st.MaxOpenConnections, time.Since(began))
+	}
+	if _, err := t.ExecContext(ctx, "SELECT set_config('statement_timeout', $1, true)", timeout); err != nil {
 		_ = t.Rollback()
 		return nil, mapErr(err)
 	}
@@ -354,14 +361,36 @@ func (e pgxPool) Query(ctx context.Context, q string, args ...any) (Rows, error)
 func (pgxPool) InTx() bool { return false }
 
 // BoundedByServer returns an Executor on the same pool whose statements
-// run with statement_timeout d, set in their own transaction in the same
-// round trip. A bound the client alone keeps (a context deadline) is
+// run with statement_timeout d less the wait for a connection (a wait
+// that leaves nothing sends nothing: ErrNoConnection), set in their own
+// transaction in the same round trip. A bound the client alone keeps (a context deadline) is
 // ambiguous: the server goes on with the statement until the cancel
 // request reaches it, and may commit it after the caller was told it
 // failed. The server's own timeout ends it first, and an error means
 // nothing was written. Not part of Executor: the Publisher looks for it.
 func (e pgxPool) BoundedByServer(d time.Duration) Executor {
-	return serverBounded{pool: e.pool, defs: e.defs, timeout: fmt.Sprintf("%dms", max(d.Milliseconds(), 1))}
+	return serverBounded{pool: e.pool, defs: e.defs, timeout: d}
+}
+
+// boundLeft is the statement_timeout of a statement bounded by the server
+// whose bound d began at began: what the wait for a connection left of d.
+// The client waits a moment longer than d from then (the Publisher's
+// context), and its bound must not fire first: a statement it gives up on
+// may yet commit, and its error could not say that nothing was written.
+// ok is false when under a millisecond is left.
+func boundLeft(d time.Duration, began time.Time) (timeout string, ok bool) {
+	left := d - time.Since(began)
+	if left < time.Millisecond {
+		return "", false
+	}
+	return fmt.Sprintf("%dms", left.Milliseconds()), true
+}
+
+// lateConnection is ErrNoConnection for a connection that came after the
+// wait for it had used up the statement's bound: nothing was sent.
+func lateConnection(inUse, most int, waited time.Duration) error {
+	return fmt.Errorf("%w: one came after %s, too late for the statement's bound (%d of %d in use: transactions or handlers hold them; give the pool more connections, or publish in the transaction that holds one)",
+		ErrNoConnection, waited.Round(time.Millisecond), inUse, most)
 }
 
 // serverBounded runs each statement after a set_config of its
@@ -370,7 +399,7 @@ func (e pgxPool) BoundedByServer(d time.Duration) Executor {
 type serverBounded struct {
 	pool    *pgxpool.Pool
 	defs    *poolDefaults
-	timeout string
+	timeout time.Duration
 }
 
 // setReadCommitted makes a batch's implicit transaction READ COMMITTED
@@ -380,6 +409,7 @@ const setReadCommitted = "SET transaction_isolation = 'read committed'"
 func (e serverBounded) send(ctx context.Context, q string, args []any) (pgx.BatchResults, error) {
 	// The connection first, on its own: a bound that passes while every
 	// connection is taken wrote nothing, and says so.
+	began := time.Now()
 	conn, err := e.pool.Acquire(ctx)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -390,6 +420,12 @@ func (e serverBounded) send(ctx context.Context, q string, args []any) (pgx.Batc
 			return nil, noConnection(int(st.AcquiredConns()), int(st.MaxConns()), err)
 		}
 		return nil, mapErr(err)
+	}
+	timeout, ok := boundLeft(e.timeout, began)
+	if !ok {
+		st := e.pool.Stat()
+		conn.Release()
+		return nil, lateConnection(int(st.AcquiredConns()), int(st.MaxConns()), time.Since(began))
 	}
 	// READ COMMITTED, as the Subscriber's own statements: under a
 	// REPEATABLE READ or SERIALIZABLE default (a role's, a database's),
@@ -405,7 +441,7 @@ func (e serverBounded) send(ctx context.Context, q string, args []any) (pgx.Batc
 	if iso == 0 {
 		b.Queue("SELECT current_setting('default_transaction_isolation') = 'read committed'")
 	}
-	b.Queue("SELECT set_config('statement_timeout', $1, true)", e.timeout)
+	b.Queue("SELECT set_config('statement_timeout', $1, true)", timeout)
 	b.Queue(q, args...)
 	br := pooledBatch{BatchResults: conn.SendBatch(ctx, b), conn: conn}
 	err = nil

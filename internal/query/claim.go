@@ -153,7 +153,7 @@ SELECT (extract(epoch FROM least(
 // ready rows.
 func leaseBranches(t string, orphans bool, spare string) (ctes, count, ids, readyLimit string) {
 	ctes = fmt.Sprintf(`
-WITH expired AS (
+WITH `+onTimeCTE+`, expired AS (
     SELECT id FROM %s
      WHERE $8::timestamptz IS NOT NULL AND topic = $1 AND consumer_group = $10 AND lease_token IS NOT NULL
        AND leased_until < now() AND leased_until >= $8::timestamptz`+NotPaused(t, "$10")+`
@@ -202,7 +202,7 @@ func claimFastStatement(n Names, ac string, orphans bool) string {
 )
 SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.ordering_key, c.created_at,
        (SELECT available_at FROM last_ready), (SELECT id FROM last_ready),
-       (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM ready), now()%[10]s
+       (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM ready), now(), (SELECT at FROM on_time)%[10]s
   FROM (SELECT 1) AS one
   LEFT JOIN %[9]s c ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
 		keyIsFree(t, "r", "$10"), arr, from, cols, onTime)
@@ -278,7 +278,7 @@ func claimStatement(n Names, ac string, orphans bool) string {
      WHERE (SELECT count(*) FROM ready) < %[6]s
 )
 SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.ordering_key, c.created_at,
-       l.available_at, l.id, (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM candidates), now()%[10]s
+       l.available_at, l.id, (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM candidates), now(), (SELECT at FROM on_time)%[10]s
   FROM (SELECT 1) AS one
   LEFT JOIN %[9]s c ON true
   LEFT JOIN next_cursor l ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
@@ -308,14 +308,24 @@ func arrivalsOfClaim(n Names, cursor, readyLimit, onTime string) (ctes, from, co
 // long after its client gave up on it, and lease rows for a whole Lease
 // under a token nobody holds, past the time the client stopped trying to
 // give them back: an ordered subscription's next row then went out before
-// them, and their keys waited a Lease. Checked once (an InitPlan).
+// them, and their keys waited a Lease. Checked by the time of on_time
+// (onTimeCTE), which the claim also returns: the client judges by it
+// whether the claim was late, as the server did.
 func inTime(last int, arrivals bool) string {
 	p := last + 1
 	if arrivals {
 		p++
 	}
-	return fmt.Sprintf(" AND (SELECT $%[1]d::timestamptz IS NULL OR now() <= $%[1]d::timestamptz)", p)
+	return fmt.Sprintf(" AND (SELECT $%[1]d::timestamptz IS NULL OR at <= $%[1]d::timestamptz FROM on_time)", p)
 }
+
+// onTimeCTE is the time a lease claim checks its deadline by: read once
+// (materialized), when the claim first writes, by clock_timestamp(), not
+// now(). now() is when the transaction began, before any wait for a
+// table's lock (a CREATE INDEX holds one): a claim that reached the server
+// in time but waited there past its deadline, its client's cancel lost,
+// leased rows when the lock went.
+const onTimeCTE = `on_time AS MATERIALIZED (SELECT clock_timestamp() AS at)`
 
 // heldClaim is HeldClaim for an outbox with arrivals (arrivalsHeld) or
 // without.

@@ -64,8 +64,8 @@ func (e notSent) Unwrap() error { return e.error }
 type lateClaim struct{ late time.Duration }
 
 func (e lateClaim) Error() string {
-	return fmt.Sprintf("the claim reached the database %s after its deadline and took nothing "+
-		"(a clock stepped: this machine's back, or the database server's forward); the next claim goes by the clocks as they are now", e.late)
+	return fmt.Sprintf("the claim came to its rows %s after its deadline and took nothing "+
+		"(a clock stepped: this machine's back, or the database server's forward; or it waited in the database, for a lock, until then); the next claim goes by the clocks as they are now", e.late)
 }
 
 // leasedNothing reports whether a failed lease claim surely leased

@@ -1,0 +1,113 @@
+package tests
+
+import (
+	"context"
+	"encoding/binary"
+	"io"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+)
+
+// A lease claim that reached the server in time and then waited there for
+// a table's lock (a CREATE INDEX holds one; here the paused groups' table
+// is locked) past its deadline, its client's cancel request lost (a
+// pooler behind a load balancer takes it elsewhere; an outage drops it),
+// takes nothing when the lock goes. Its deadline was checked by now(),
+// the time its transaction began, before the wait: it leased the message
+// published meanwhile under a token nobody holds, after both give-backs
+// of its rows had run (finding nothing), and the message came a Lease
+// later, as its second attempt.
+func TestALeaseClaimThatWaitedForALockPastItsDeadlineTakesNothing(t *testing.T) {
+	t.Parallel()
+	for _, arrivals := range []bool{false, true} {
+		t.Run(map[bool]string{false: "outbox", true: "arrivals"}[arrivals], func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			if arrivals {
+				b = setupArrivals(t)
+			}
+			leaseClaimWaitedForALock(t, b)
+		})
+	}
+}
+
+func leaseClaimWaitedForALock(t *testing.T, b *bundle) {
+	ctx := context.Background()
+	px := &tcpProxy{addr: startCancelDroppingProxy(t, b.DSN)}
+	pool := px.pool(t, b, "lock-wait-"+b.Schema, nil)
+	ev := newEvents()
+	const lease, statementTimeout = 10 * time.Second, time.Second
+	sub := b.subscriberOn(t, pool, func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode, c.Lease, c.StatementTimeout, c.MaxInFlight = pgoutbox.ClaimLease, lease, statementTimeout, 1
+		c.Observer = ev
+	})
+	msgs, err := sub.Subscribe(t.Context(), "t")
+	require.NoError(t, err)
+	waitEmptyClaim(t, ev)
+
+	locker, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = locker.Rollback(context.Background()) })
+	_, err = locker.Exec(ctx, `LOCK TABLE `+b.Schema+`.outbox_paused IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	first := newMsg("first")
+	b.publishInTx(t, "t", true, first) // wakes the subscriber: its claim waits for the lock
+	// Until the oldest claim waiting has waited past its deadline and past
+	// the second give-back of its rows (StatementTimeout and a second
+	// after its bound began), well within a Lease.
+	waited := `SELECT coalesce(extract(epoch FROM max(clock_timestamp() - xact_start)), 0) FROM pg_stat_activity
+		WHERE wait_event_type = 'Lock' AND datname = current_database() AND application_name = 'lock-wait-` + b.Schema + `'`
+	pollUntil(t, "a claim waiting for the lock past its deadline", 20*time.Second, nil, func() bool {
+		var s float64
+		require.NoError(t, b.Pool.QueryRow(ctx, waited).Scan(&s))
+		return s >= (statementTimeout + 2500*time.Millisecond).Seconds()
+	})
+	released := time.Now()
+	require.NoError(t, locker.Commit(ctx))
+	b.publishInTx(t, "t", true, newMsg("second"))
+
+	m := receive(t, msgs, 3*lease)
+	took := time.Since(released)
+	d, _ := pgoutbox.DeliveryOf(m)
+	m.Ack()
+	require.Equal(t, "first", string(m.Payload), "an ordered subscription hands out the first message first")
+	require.Equal(t, 1, d.Attempt, "no delivery is counted for a claim nobody saw")
+	require.Less(t, took, lease/2, "the first message waited for a lease a claim took under a token nobody holds")
+	m = receive(t, msgs, 3*lease)
+	m.Ack()
+	require.Equal(t, "second", string(m.Payload))
+}
+
+// startCancelDroppingProxy forwards connections to dsn's server, except a
+// CancelRequest, which it drops: a client's cancel never reaches the
+// server, as when a pooler behind a load balancer takes it to another
+// instance. It returns its address.
+func startCancelDroppingProxy(t *testing.T, dsn string) string {
+	return serveProxy(t, dsn, func(c, up net.Conn) {
+		go func() {
+			defer func() { _ = up.Close() }()
+			var head [8]byte
+			if _, err := io.ReadFull(c, head[:]); err != nil {
+				_ = c.Close()
+				return
+			}
+			if binary.BigEndian.Uint32(head[4:]) == 80877102 { // CancelRequest
+				_ = c.Close()
+				return
+			}
+			if _, err := up.Write(head[:]); err != nil {
+				return
+			}
+			_, _ = io.Copy(up, c)
+		}()
+		go func() {
+			defer func() { _ = c.Close() }()
+			_, _ = io.Copy(c, up)
+		}()
+	})
+}

@@ -84,6 +84,7 @@ type claimResult struct {
 	cursor    pgtype.Int8
 	reclaimed int                // expired or orphaned leases taken
 	serverNow pgtype.Timestamptz // the claim statement's now()
+	checkedAt pgtype.Timestamptz // a lease claim's: when the server checked its deadline
 	// A lease claim's: when its bound began (its deadline's base: a lost
 	// claim's rows are given back until they can hold a lease no more),
 	// and when its answer came (the server's clock is read against it);
@@ -168,7 +169,16 @@ func (c *serverClock) read(now pgtype.Timestamptz, answered time.Time) {
 }
 
 // saw takes in the server's time a lease claim returned.
-func (c *serverClock) saw(r claimResult) { c.read(r.serverNow, r.answeredAt) }
+// The time of the deadline's check when the claim returned it: later
+// than now() (the transaction's start) by whatever the claim waited for
+// before it, which the reading would otherwise count against the server.
+func (c *serverClock) saw(r claimResult) {
+	if r.checkedAt.Valid {
+		c.read(r.checkedAt, r.answeredAt)
+		return
+	}
+	c.read(r.serverNow, r.answeredAt)
+}
 
 // deadline is a lease claim's deadline by the server's clock (see
 // query.ClaimArgs.Deadline) when it is sent now and its client waits for

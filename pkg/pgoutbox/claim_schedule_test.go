@@ -461,3 +461,22 @@ func TestClaimScheduleOrderedScansFromTheStartForReturnedRows(t *testing.T) {
 func releaseAt(c *claimSchedule, err error, now time.Time) int {
 	return c.releasedClaims(c.releasable(now), err, now)
 }
+
+// The server's clock is read against the time a claim's answer came, by
+// the time the claim checked its deadline where it returned one: a claim
+// that waited in the server (for a lock) before that would otherwise make
+// the server's clock seem behind by the wait, and the next claims'
+// deadlines early.
+func TestServerClockReadsTheDeadlinesCheckAgainstTheAnswer(t *testing.T) {
+	t.Parallel()
+	answered := time.Now()
+	at := func(d time.Duration) pgtype.Timestamptz {
+		return pgtype.Timestamptz{Time: answered.Add(time.Hour + d), Valid: true}
+	}
+	var c serverClock
+	c.saw(claimResult{serverNow: at(-900 * time.Millisecond), checkedAt: at(-2 * time.Millisecond), answeredAt: answered})
+	require.Equal(t, time.Hour-2*time.Millisecond, c.ahead)
+	c.saw(claimResult{serverNow: at(-3 * time.Millisecond), answeredAt: answered})
+	require.Equal(t, time.Hour-3*time.Millisecond, c.ahead, "a claim without the check's time: its now()")
+	require.Equal(t, pgtype.Timestamptz{Time: answered.Add(time.Hour - 3*time.Millisecond + time.Second), Valid: true}, c.deadline(answered, time.Second))
+}

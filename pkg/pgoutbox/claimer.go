@@ -150,8 +150,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	var availableAt, createdAt pgtype.Timestamptz
 	dest := []any{&id, &uuid, &payload, &metaRaw, &deliveries, &availableAt, &key, &createdAt}
 	perRow := len(dest)
-	var checkedAt pgtype.Timestamptz // when the server checked the deadline (query.ClaimArgs.Deadline)
-	dest = append(dest, &r.cursorAt, &r.cursor, &reclaimed, &free, &r.serverNow, &checkedAt)
+	dest = append(dest, &r.cursorAt, &r.cursor, &reclaimed, &free, &r.serverNow, &r.checkedAt)
 	var arrivals pgtype.Int8
 	var shared pgtype.Bool
 	if c.q.Names.Arrivals {
@@ -186,7 +185,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		r.rows, r.err = nil, err
 		return r
 	}
-	if late := checkedAt.Time.Sub(deadline.Time); deadline.Valid && checkedAt.Valid && late > 0 {
+	if late := r.checkedAt.Time.Sub(deadline.Time); deadline.Valid && r.checkedAt.Valid && late > 0 {
 		if len(r.rows) > 0 {
 			// The server judged otherwise: the rows are leased, and go
 			// back like a lost claim's.

@@ -843,6 +843,54 @@ func TestFaultPoisonThatCrashesItsProcessIsDeadLetteredAlone(t *testing.T) {
 	}
 }
 
+// TestFaultARowDeliveredBeforeIsNotCountedBehindAFreshPoison: a message
+// delivered once before (deliveries 1, as after a nack or a crash beside
+// it) is due right after a fresh message whose handler exits the process;
+// MaxInFlight 4, MaxDeliveries 2. The redelivered row was kept in the
+// buffer behind the fresh one, counted by its claim while it waited, and
+// the crash counted it again: after the poison's second crash both were
+// over the limit, and the message that had crashed nothing, and never ran
+// again, was dead-lettered beside the poison. A row that runs alone is now
+// kept only with nothing ahead of it: only the poison is dead-lettered,
+// and the other message is handled, on every claim mode.
+func TestFaultARowDeliveredBeforeIsNotCountedBehindAFreshPoison(t *testing.T) {
+	t.Parallel()
+	bin := buildConsumer(t)
+	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimAuto, pgoutbox.ClaimLease, pgoutbox.ClaimHeld} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			const topic = "t"
+			b.handledTable(t)
+			poison, again := newMsg("poison"), newMsg("again")
+			b.publishInTx(t, topic, true, poison, again)
+			_, err := b.Pool.Exec(context.Background(), `UPDATE `+b.Schema+`.outbox SET deliveries = 1 WHERE uuid = $1`, again.UUID)
+			require.NoError(t, err)
+			for i := 0; ; i++ {
+				require.Less(t, i, 8, "the poison was not dead-lettered within 8 processes")
+				p := startConsumer(t, bin, b, topic, fmt.Sprint("w", i), "CONSUMER_CLAIM_MODE="+mode.String(), "CONSUMER_MAX_IN_FLIGHT=4",
+					"CONSUMER_MAX_DELIVERIES=2", "CONSUMER_POISON=poison", "CONSUMER_LEASE=2s")
+				exited := false
+				pollUntil(t, "a crash, or every message done", time.Minute, nil, func() bool {
+					select {
+					case <-p.done:
+						exited = true
+						return true
+					default:
+						return b.outboxRows(t, topic) == 0
+					}
+				})
+				if !exited {
+					break
+				}
+			}
+			require.Equal(t, []string{poison.UUID + " max_deliveries"},
+				b.strings(t, `SELECT uuid || ' ' || failure_reason FROM `+b.Schema+`.outbox_dlq ORDER BY id`), "the poison alone is dead-lettered")
+			require.Positive(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.handled WHERE uuid = $1`, again.UUID), "the other message is handled")
+		})
+	}
+}
+
 // TestFaultACrashDuringAnOrderedRetryWaitCountsNoDelivery: an ordered
 // subscription (MaxInFlight 1) retries a failed message itself, keeping its
 // row, after the retry policy's delay. A process killed during that wait

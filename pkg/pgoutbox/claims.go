@@ -3,7 +3,6 @@ package pgoutbox
 import (
 	"errors"
 	"math"
-	"slices"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -115,21 +114,28 @@ func (sub *subscription) onClaimed(r claimResult) {
 		sub.giveBack(r.rows)
 		return
 	}
-	// Of the rows that run alone (runsAlone), one is kept at a time, and
-	// nothing of the claim behind it: they would count a delivery each
-	// while they wait for it, and a crash of it would count them. They go
-	// back, their delivery taken back, and come again with a later claim.
-	alone := sub.cfg.MaxDeliveries > 0 && (sub.isolating() || slices.ContainsFunc(sub.hand.buffer, sub.runsAlone))
-	behindAlone := false
+	// A row that runs alone (runsAlone) is kept only with nothing ahead of
+	// it: nothing out, buffered, or kept before it from this claim; and
+	// nothing of the claim behind it. Kept behind others it was counted
+	// while it waited (a claim counts its rows), and a crash of one of
+	// them counted it again: a row that had crashed nothing reached
+	// MaxDeliveries. Otherwise it goes back with the rest of the claim,
+	// their delivery taken back, and claims wait until everything ahead is
+	// answered and written (awaitingAlone): the next claim brings it first.
+	ahead := sub.hand.handed > 0 || len(sub.hand.buffer) > 0 || sub.isolating()
+	rest := false // the rest of the claim goes back
 	var later []*delivery
 	for _, d := range r.rows {
 		switch {
 		case sub.hand.guard.claimed(d) != nil: // parked: an earlier delivery of it is ours
-		case behindAlone || sub.runsAlone(d) && alone:
+		case rest:
 			later = append(later, d)
+		case sub.runsAlone(d) && ahead:
+			later, rest = append(later, d), true
+			sub.hand.aloneBehind = true
 		default:
-			behindAlone = sub.runsAlone(d)
-			alone = alone || behindAlone
+			rest = sub.runsAlone(d)
+			ahead = true
 			sub.hand.buffer = append(sub.hand.buffer, d)
 		}
 	}

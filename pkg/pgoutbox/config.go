@@ -288,10 +288,12 @@ type SubscriberConfig struct {
 	// message whose handler crashes the process, so no Nack is ever written.
 	// Every claim counts, including retries. A subscription with a limit does
 	// not prefetch (a crash would count the rows waiting in its buffer as
-	// delivered). With a limit, a row delivered before runs alone: it goes
+	// delivered). With a limit, a row delivered before runs alone: a claim
+	// keeps it only with nothing ahead of it (else it goes back uncounted,
+	// and claims wait until what is ahead is answered and written), it goes
 	// out once nothing else is out, no claim runs and every write is done
 	// (the rest of its claim goes back uncounted), and nothing is handed
-	// out or claimed until it is answered. The messages that were
+	// out or claimed until its answer is written. The messages that were
 	// in flight beside one that crashed the process are counted once with
 	// it; after that each runs alone, so only the crashing one reaches the
 	// limit (a limit of at least 2 keeps them). A subscription with a limit

@@ -22,6 +22,9 @@ type handout struct {
 	retry  *delivery              // ordered mode: a nacked row delivered again at retryAt
 	guard  rowGuard               // rows claimed again while an earlier delivery of theirs is ours
 	alone  *delivery              // MaxDeliveries: the redelivered row last handed out with nothing beside it (runsAlone)
+	// MaxDeliveries: a row that runs alone went back because rows were
+	// ahead of it; claims wait until those are answered and written.
+	aloneBehind bool
 }
 
 // unjudged is the number of leased rows without a verdict: the lease window.
@@ -243,6 +246,12 @@ func (sub *subscription) dispatch(now time.Time) {
 		if sub.isolating() || sub.runsAlone(d) && d.state != finished && !sub.settledForAlone() {
 			return // a redelivered row runs alone: after the others answered, and nothing beside it
 		}
+		if sub.hand.aloneBehind && (sub.writes.inWrite || !sub.writes.pending.empty()) {
+			// A row that runs alone went back (awaitingAlone): not before
+			// that is written, its delivery taken back, or a crash of the
+			// rows ahead of it would count it.
+			return
+		}
 		sub.hand.buffer[0] = nil
 		sub.hand.buffer = sub.hand.buffer[1:]
 		if d.state != finished && sub.admit(d, now) {
@@ -274,19 +283,30 @@ func (sub *subscription) settledForAlone() bool {
 		sub.claims.givingBack == 0 && !sub.writes.inWrite && sub.writes.pending.empty()
 }
 
-// awaitingAlone reports whether a row that runs alone waits in the
-// buffer: no claim starts meanwhile, or claims could keep it from ever
-// settling (settledForAlone).
+// awaitingAlone reports whether a row that runs alone waits: in the
+// buffer, or in the outbox behind rows of ours (handout.aloneBehind), until
+// they are answered and written. No claim starts meanwhile, or claims
+// could keep it from ever settling (settledForAlone), or bring it behind
+// others again.
 func (sub *subscription) awaitingAlone() bool {
-	return sub.cfg.MaxDeliveries > 0 && slices.ContainsFunc(sub.hand.buffer, sub.runsAlone)
+	if sub.cfg.MaxDeliveries == 0 {
+		return false
+	}
+	if sub.hand.aloneBehind && len(sub.hand.buffer) == 0 && sub.settledForAlone() {
+		sub.hand.aloneBehind = false // the next claim brings it first
+	}
+	return sub.hand.aloneBehind || slices.ContainsFunc(sub.hand.buffer, sub.runsAlone)
 }
 
-// isolating reports whether a row that runs alone is out: nothing else is
-// handed out or claimed (a claimed row counts a delivery) until it is
-// answered or ends.
+// isolating reports whether a row that runs alone is out, or answered
+// and not yet written: nothing else is handed out or claimed (a claimed
+// row counts a delivery) until its write is done or it ends. A row handed
+// out once it was answered, while its ack waited to be written, took the
+// ack with it when it crashed its process: the row that had run well came
+// back, counted, and reached MaxDeliveries.
 func (sub *subscription) isolating() bool {
 	d := sub.hand.alone
-	return d != nil && d.state == handedOut
+	return d != nil && d.state != finished
 }
 
 // endMessage cancels the context of d's message where the owner built it

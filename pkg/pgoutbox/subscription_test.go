@@ -608,33 +608,62 @@ func TestOwnerOrderedLostRowHoldsTheNextUntilItsHandlerReturns(t *testing.T) {
 	require.Equal(t, int64(2), next.id)
 }
 
-// With MaxDeliveries, a redelivered row runs alone: of a claim's
-// redelivered rows one is kept, and nothing of the claim behind it (the
-// others go back, their delivery taken back); it goes out once nothing
-// else is out, no claim runs and every write is done, and nothing is
-// handed out or claimed beside it, or while it waits.
+// With MaxDeliveries, a redelivered row runs alone: it is kept only with
+// nothing ahead of it (nothing out, buffered or before it in its claim),
+// and nothing of its claim behind it; otherwise it goes back uncounted,
+// and claims wait until what is ahead is answered and written, so that
+// the next claim brings it first. It goes out once nothing else is out,
+// no claim runs and every write is done, and nothing is handed out or
+// claimed beside it, while it waits, or until its own verdict is written.
+// Kept behind a fresh row it was counted while it waited, and a crash of
+// that row's handler counted it again; handed out after its ack but
+// before the ack was written, the next row's crash lost that ack.
 func TestRedeliveredRowRunsAloneWithMaxDeliveries(t *testing.T) {
 	t.Parallel()
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4; c.MaxDeliveries = 3 })
-	req := b.sub.claims.scan.request(4, b.sub.claims.gen, time.Now())
-	b.sub.claims.claiming = true
+	claim := func(rows ...*delivery) {
+		t.Helper()
+		req := b.sub.claims.scan.request(4, b.sub.claims.gen, time.Now())
+		b.sub.claims.claiming = true
+		for _, d := range rows {
+			d.token = req.token
+		}
+		b.sub.onClaimed(claimResult{req: req, rows: rows, cursor: pgtype.Int8{Int64: rows[len(rows)-1].id, Valid: true}})
+	}
 	row := func(id int64, deliveries int) *delivery {
-		return &delivery{claimedRow: claimedRow{id: id, token: req.token, deliveries: deliveries, uuid: "u", payload: []byte("p"),
+		return &delivery{claimedRow: claimedRow{id: id, deliveries: deliveries, uuid: "u", payload: []byte("p"),
 			metaRaw: []byte(`{}`), availableAt: time.Unix(id, 0)}}
 	}
+	canClaim := func() bool {
+		t.Helper()
+		b.sub.claims.want = true
+		b.sub.startClaim(time.Now())
+		defer func() { b.sub.claims.claiming = false }()
+		return b.sub.claims.claiming
+	}
 	fresh, suspect, other, fresh2 := row(1, 1), row(2, 2), row(3, 2), row(4, 1)
-	b.sub.onClaimed(claimResult{req: req, rows: []*delivery{fresh, suspect, other, fresh2}, cursor: pgtype.Int8{Int64: 4, Valid: true}})
-	require.Equal(t, []*delivery{fresh, suspect}, b.sub.hand.buffer, "one redelivered row is kept, and what is ahead of it")
+	claim(fresh, suspect, other, fresh2)
+	require.Equal(t, []*delivery{fresh}, b.sub.hand.buffer, "a redelivered row is not kept behind another")
+	require.Equal(t, []returnOp{{d: suspect, undo: 1, giveBack: true}, {d: other, undo: 1, giveBack: true}, {d: fresh2, undo: 1, giveBack: true}},
+		b.sub.writes.pending.returns, "it goes back, uncounted, with the rest of the claim")
+	require.False(t, canClaim(), "no claim while what is ahead of it runs: it would come behind it again")
+	b.sub.dispatch(time.Now())
+	require.Zero(t, b.sub.hand.handed, "nothing goes out before the give-back is written: a crash would count it")
+	b.written()
+	b.sub.dispatch(time.Now())
+	require.Equal(t, 1, b.sub.hand.handed, "the fresh row goes out")
+	require.False(t, canClaim())
+	b.sub.onVerdict(verdict{d: fresh, seq: fresh.seq, ack: true}, false)
+	require.False(t, canClaim(), "not before its ack is written")
+	b.written()
+	require.True(t, canClaim(), "then the next claim brings the redelivered row first")
+
+	suspect, other, fresh2 = row(2, 2), row(3, 2), row(4, 1)
+	claim(suspect, other, fresh2)
+	require.Equal(t, []*delivery{suspect}, b.sub.hand.buffer, "one redelivered row is kept, with nothing ahead")
 	require.Equal(t, []returnOp{{d: other, undo: 1, giveBack: true}, {d: fresh2, undo: 1, giveBack: true}}, b.sub.writes.pending.returns,
 		"the rest of the claim goes back, uncounted")
-	b.sub.claims.want = true
-	b.sub.startClaim(time.Now())
-	require.False(t, b.sub.claims.claiming, "no claim while it waits: the claim's rows would be counted beside it")
-
-	b.sub.dispatch(time.Now())
-	require.Equal(t, 1, b.sub.hand.handed, "the fresh row goes out; the redelivered one waits")
-	require.Equal(t, []*delivery{suspect}, b.sub.hand.buffer)
-	b.sub.onVerdict(verdict{d: fresh, seq: fresh.seq, ack: true}, false)
+	require.False(t, canClaim(), "no claim while it waits: the claim's rows would be counted beside it")
 	b.sub.dispatch(time.Now())
 	require.Equal(t, 0, b.sub.hand.handed, "not before the writes are done: a crash would count the give-back's rows")
 	b.written()
@@ -645,16 +674,14 @@ func TestRedeliveredRowRunsAloneWithMaxDeliveries(t *testing.T) {
 	b.sub.dispatch(time.Now())
 	require.Equal(t, 1, b.sub.hand.handed)
 	require.Same(t, suspect, b.sub.hand.alone)
-	b.sub.claims.want = true
-	b.sub.startClaim(time.Now())
-	require.False(t, b.sub.claims.claiming, "no claim while it runs: a claimed row counts a delivery")
+	require.False(t, canClaim(), "no claim while it runs: a claimed row counts a delivery")
 
 	b.sub.onVerdict(verdict{d: suspect, seq: suspect.seq, ack: true}, false)
 	b.sub.dispatch(time.Now())
 	require.Equal(t, 0, b.sub.hand.handed)
+	require.False(t, canClaim(), "nor before its ack is written: a crash beside it would lose the ack")
 	b.written()
-	b.sub.startClaim(time.Now())
-	require.True(t, b.sub.claims.claiming, "claims start again once it is answered")
+	require.True(t, canClaim(), "claims start again once its ack is written")
 }
 
 // A write that meets a row changed under it (a serialization failure: a

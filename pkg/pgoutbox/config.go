@@ -296,7 +296,10 @@ type SubscriberConfig struct {
 	// out or claimed until its answer is written. The messages that were
 	// in flight beside one that crashed the process are counted once with
 	// it; after that each runs alone, so only the crashing one reaches the
-	// limit (a limit of at least 2 keeps them). A subscription with a limit
+	// limit (a limit of at least 2 keeps them), but for one window: a claim
+	// that runs while messages are out may take a row delivered before,
+	// which goes back at once, uncounted, and a crash in the milliseconds
+	// before that is written counts it. A subscription with a limit
 	// leases every claim, whatever its ClaimMode: a held row's delivery is
 	// written only when its batch ends, and a crash before that would not
 	// count it. Defaults to 0: no limit.

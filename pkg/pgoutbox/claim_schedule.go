@@ -377,7 +377,9 @@ func (c *claimSchedule) releasedClaims(tokens []pgtype.UUID, err error, now time
 		}
 		switch {
 		case err == nil && now.Sub(l.at) >= c.lostClaimRunsUntil():
-			freed = freed || !l.released
+			// Released (again): what it gave back, if anything, lies
+			// behind the cursor.
+			freed = true
 			if !l.released {
 				c.givingBack--
 			}

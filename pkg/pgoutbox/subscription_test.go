@@ -388,10 +388,12 @@ func TestOwnerLostClaimIsReleasedAgainOnceItCanNoLongerRun(t *testing.T) {
 	b.sub.onReleasedClaims([]pgtype.UUID{req.token}, errors.New("connection refused"), again)
 	require.Len(t, b.sub.claims.lost, 1, "a failed release is tried again")
 	require.Zero(t, b.sub.claims.givingBack)
+	b.sub.claims.scan.at = pgtype.Timestamptz{Time: again, Valid: true} // claims went on
 	b.sub.onReleasedClaims([]pgtype.UUID{req.token}, nil, again)
 	require.Empty(t, b.sub.claims.lost)
 	require.Zero(t, b.sub.claims.givingBack)
 	require.True(t, b.sub.claims.recheckAt().IsZero())
+	require.Equal(t, scanFromStart, b.sub.claims.scan.at, "what the second release gave back lies behind any cursor")
 }
 
 // drainJob takes the job startWrite submitted and returns its release

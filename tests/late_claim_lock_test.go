@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -110,4 +111,93 @@ func startCancelDroppingProxy(t *testing.T, dsn string) string {
 			_, _ = io.Copy(c, up)
 		}()
 	})
+}
+
+// A claim that fails while it waits in the server for a lock: its
+// connection terminated (its outcome unknown to the subscriber: its rows
+// are given back, and once more when its deadline has passed) or the
+// statement cancelled by the server (an ERROR: it rolled back, and
+// nothing is given back). Neither holds anything up: a Close with nothing
+// to write returns at once, saying nothing failed, and with MaxDeliveries
+// a nacked message's retry, which runs alone, goes out at once. Both
+// waited for the second give-back (StatementTimeout and a second), and
+// Close then logged that no write completed.
+func TestAClaimThatFailedInTheServerHoldsNothingUp(t *testing.T) {
+	t.Parallel()
+	for _, fn := range []string{"pg_terminate_backend", "pg_cancel_backend"} {
+		t.Run(fn, func(t *testing.T) {
+			t.Parallel()
+			t.Run("close", func(t *testing.T) { t.Parallel(); closeAfterAFailedClaim(t, fn) })
+			t.Run("retry alone", func(t *testing.T) { t.Parallel(); retryAloneAfterAFailedClaim(t, fn) })
+		})
+	}
+}
+
+// failClaimInTheServer makes the subscription's next claim wait for a
+// lock, ends it with fn (pg_terminate_backend or pg_cancel_backend) and
+// lets the lock go. publish wakes the subscription.
+func failClaimInTheServer(t *testing.T, b *bundle, app, fn string, publish func()) {
+	ctx := context.Background()
+	locker, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = locker.Rollback(context.Background()) })
+	_, err = locker.Exec(ctx, `LOCK TABLE `+b.Schema+`.outbox_paused IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	publish()
+	var pid int
+	pollUntil(t, "the claim waits for the lock", 10*time.Second, nil, func() bool {
+		return b.Pool.QueryRow(ctx, `SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND application_name = $1`, app).Scan(&pid) == nil
+	})
+	var ok bool
+	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT `+fn+`($1)`, pid).Scan(&ok))
+	require.True(t, ok)
+	require.NoError(t, locker.Commit(ctx))
+}
+
+func closeAfterAFailedClaim(t *testing.T, fn string) {
+	b := setup(t)
+	app := "failed-claim-" + b.Schema
+	logs := &logCapture{}
+	b.logger = logs
+	ev := newEvents()
+	sub := b.subscriberOn(t, b.namedPool(t, app), func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode, c.Lease, c.StatementTimeout, c.MaxInFlight = pgoutbox.ClaimLease, 20*time.Second, 4*time.Second, 1
+		c.Observer = ev
+	})
+	msgs, err := sub.Subscribe(t.Context(), "t")
+	require.NoError(t, err)
+	waitEmptyClaim(t, ev)
+	failClaimInTheServer(t, b, app, fn, func() { b.publishInTx(t, "t", true, newMsg("first")) })
+	receive(t, msgs, 10*time.Second).Ack()
+	ev.wait(t, pgoutbox.EventAcked, 5*time.Second)
+
+	start := time.Now()
+	require.NoError(t, sub.Close())
+	require.Less(t, time.Since(start), 2*time.Second, "Close with nothing to write waited for a failed claim's second give-back")
+	require.Empty(t, logs.find("error", func(e logEntry) bool { return strings.Contains(e.msg, "Giving up") }))
+}
+
+func retryAloneAfterAFailedClaim(t *testing.T, fn string) {
+	b := setup(t)
+	app := "failed-claim-" + b.Schema
+	ev := newEvents()
+	sub := b.subscriberOn(t, b.namedPool(t, app), func(c *pgoutbox.SubscriberConfig) {
+		c.ClaimMode, c.Lease, c.StatementTimeout, c.MaxInFlight, c.MaxDeliveries = pgoutbox.ClaimLease, 20*time.Second, 4*time.Second, 4, 3
+		c.Observer = ev
+	})
+	msgs, err := sub.Subscribe(t.Context(), "t")
+	require.NoError(t, err)
+	waitEmptyClaim(t, ev)
+	failClaimInTheServer(t, b, app, fn, func() { b.publishInTx(t, "t", true, newMsg("a")) })
+	m := receive(t, msgs, 10*time.Second)
+	m.Nack()
+	nacked := time.Now()
+	for {
+		m = receive(t, msgs, 10*time.Second)
+		m.Ack()
+		if string(m.Payload) == "a" {
+			break
+		}
+	}
+	require.Less(t, time.Since(nacked), 2*time.Second, "the retry, which runs alone, waited for a failed claim's second give-back")
 }

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -71,7 +72,32 @@ func (e lateClaim) Error() string {
 // leasedNothing reports whether a failed lease claim surely leased
 // nothing: there is nothing to give back for it.
 func leasedNothing(err error) bool {
-	return errors.As(err, new(notSent)) || errors.As(err, new(lateClaim))
+	return errors.As(err, new(notSent)) || errors.As(err, new(lateClaim)) || errors.As(err, new(rolledBack))
+}
+
+// rolledBack is the error of a claim the server answered with an ERROR
+// (a conflict, a cancellation, a timeout of its own): its transaction
+// rolled back, so it leased nothing, and nothing is given back for it.
+type rolledBack struct{ error }
+
+func (e rolledBack) Unwrap() error { return e.error }
+
+// claimErr marks err as rolledBack when the server reported it as an
+// ERROR of the claim's transaction. Not a FATAL one: a server that ends
+// the connection may do so after the commit.
+func claimErr(err error) error {
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) {
+		return err
+	}
+	severity := pg.SeverityUnlocalized
+	if severity == "" {
+		severity = pg.Severity
+	}
+	if severity == "ERROR" {
+		return rolledBack{err}
+	}
+	return err
 }
 
 // claimResult is what a claim leased, in queue order.

@@ -343,6 +343,18 @@ func (c *claimSchedule) releasable(now time.Time) []pgtype.UUID {
 	return tokens
 }
 
+// releaseDue reports whether a lost claim is to be released now
+// (releasable): a release written already, while the claim might still
+// run, holds nothing up until its second one is due.
+func (c *claimSchedule) releaseDue(now time.Time) bool {
+	for _, l := range c.lost {
+		if !l.released || now.Sub(l.at) >= c.lostClaimRunsUntil() {
+			return true
+		}
+	}
+	return false
+}
+
 // recheckAt is when the first lost claim released while it might still
 // have run is to be released again; zero: none.
 func (c *claimSchedule) recheckAt() time.Time {

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/require"
 
@@ -479,4 +480,24 @@ func TestServerClockReadsTheDeadlinesCheckAgainstTheAnswer(t *testing.T) {
 	c.saw(claimResult{serverNow: at(-3 * time.Millisecond), answeredAt: answered})
 	require.Equal(t, time.Hour-3*time.Millisecond, c.ahead, "a claim without the check's time: its now()")
 	require.Equal(t, pgtype.Timestamptz{Time: answered.Add(time.Hour - 3*time.Millisecond + time.Second), Valid: true}, c.deadline(answered, time.Second))
+}
+
+// A claim the server answered with an ERROR rolled back: nothing is given
+// back for it. One the server ended with a FATAL (the connection ended,
+// perhaps after the commit), or the client gave up on, may have leased
+// its rows: they are given back.
+func TestAClaimTheServerRefusedLeasedNothing(t *testing.T) {
+	t.Parallel()
+	refused := claimErr(fmt.Errorf("claim: %w", &pgconn.PgError{Severity: "FEHLER", SeverityUnlocalized: "ERROR", Code: "57014"}))
+	require.True(t, leasedNothing(refused))
+	require.ErrorAs(t, refused, new(*pgconn.PgError), "the server's error stays reachable")
+	require.False(t, leasedNothing(claimErr(&pgconn.PgError{Severity: "FATAL", Code: "57P01"})))
+	require.False(t, leasedNothing(claimErr(errors.New("timeout: context deadline exceeded"))))
+
+	c := newTestSchedule()
+	now := time.Now()
+	req := c.start(10, now, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
+	c.failed(claimResult{req: req, err: refused, started: now}, now)
+	require.Empty(t, c.lost)
+	require.Zero(t, c.givingBack)
 }

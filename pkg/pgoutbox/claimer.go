@@ -128,12 +128,12 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		if pgconn.SafeToRetry(err) {
 			err = notSent{err} // failed before anything was sent
 		}
-		r.err = err
+		r.err = claimErr(err)
 		return r
 	}
 	rows, err := res.Query()
 	if err != nil {
-		r.err = err
+		r.err = claimErr(err)
 		return r
 	}
 	r.answeredAt = time.Now() // after the server's now(): see serverClock
@@ -178,11 +178,11 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		r.rows, r.err = nil, err
+		r.rows, r.err = nil, claimErr(err)
 		return r
 	}
 	if err := res.Close(); err != nil { // the commit's outcome
-		r.rows, r.err = nil, err
+		r.rows, r.err = nil, claimErr(err)
 		return r
 	}
 	if late := r.checkedAt.Time.Sub(deadline.Time); deadline.Valid && r.checkedAt.Valid && late > 0 {

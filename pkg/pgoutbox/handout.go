@@ -279,7 +279,7 @@ func (sub *subscription) runsAlone(d *delivery) bool {
 // leave those rows leased and counted (a claim counts its rows), as if
 // they had run beside it.
 func (sub *subscription) settledForAlone() bool {
-	return sub.hand.handed == 0 && !sub.claims.claiming && len(sub.claims.lost) == 0 &&
+	return sub.hand.handed == 0 && !sub.claims.claiming && !sub.claims.releaseDue(time.Now()) &&
 		sub.claims.givingBack == 0 && !sub.writes.inWrite && sub.writes.pending.empty()
 }
 

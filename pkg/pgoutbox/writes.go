@@ -44,7 +44,7 @@ func (sub *subscription) startWrite(now time.Time) {
 	if sub.writes.inWrite || sub.writes.gate.shut() {
 		return
 	}
-	if sub.onlyFewAcks() && now.Sub(sub.writes.last) < ackPacing {
+	if sub.onlyFewAcks(now) && now.Sub(sub.writes.last) < ackPacing {
 		sub.writes.ackWait = sub.writes.last.Add(ackPacing) // armTimer wakes us then
 		return
 	}
@@ -82,10 +82,10 @@ const (
 
 // onlyFewAcks reports whether the pending writes are acks alone, fewer
 // than ackBatchMin, and nothing else waits.
-func (sub *subscription) onlyFewAcks() bool {
+func (sub *subscription) onlyFewAcks(now time.Time) bool {
 	p := &sub.writes.pending
 	return len(p.acks) < ackBatchMin && len(p.returns)+len(p.holds)+len(p.dead) == 0 &&
-		p.renew == nil && len(sub.claims.lost) == 0 && !sub.drain.stopping
+		p.renew == nil && !sub.claims.releaseDue(now) && !sub.drain.stopping
 }
 
 // onWritten applies what the completer wrote: finished rows leave the

@@ -163,7 +163,13 @@ func (sub *subscription) onWritten(r writeResult) {
 	}
 	sub.onRenewed(job.renew, r)
 	if len(job.releaseTokens) > 0 {
-		sub.onReleasedClaims(job.releaseTokens, r.releaseErr, time.Now())
+		// By when the write was sent: a release that ran before a lost
+		// claim's deadline, answered after it, does not count as after it.
+		at := r.sent
+		if at.IsZero() {
+			at = time.Now()
+		}
+		sub.onReleasedClaims(job.releaseTokens, r.releaseErr, at)
 	}
 
 	if r.err != nil {

@@ -299,7 +299,9 @@ type SubscriberConfig struct {
 	// limit (a limit of at least 2 keeps them), but for one window: a claim
 	// that runs while messages are out may take a row delivered before,
 	// which goes back at once, uncounted, and a crash in the milliseconds
-	// before that is written counts it. A subscription with a limit
+	// before that is written counts it. A nacked message's retry is a row
+	// delivered before too: it waits until every handler in flight has
+	// answered, which slow handlers make long. A subscription with a limit
 	// leases every claim, whatever its ClaimMode: a held row's delivery is
 	// written only when its batch ends, and a crash before that would not
 	// count it. Defaults to 0: no limit.

@@ -464,15 +464,20 @@ func publishTimedOutWroteNothing(t *testing.T, b *bundle, pool tx.Executor) {
 		require.ErrorContains(t, err, "nothing was written")
 		require.NoError(t, holder.Rollback(ctx))
 
-		// Whatever the server still runs of that Publish ends now that the
-		// key is free: wait for it, then look.
-		pollUntil(t, "no other statement running in the database", 5*time.Second, nil, func() bool {
-			return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
-				AND state = 'active' AND pid <> pg_backend_pid() AND query LIKE '%`+b.Schema+`%'`) == 0
-		})
-		require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = '`+late.UUID+`'`),
-			"iteration %d: the Publish returned %q, and its message was written", i, err)
+		requireNeverWritten(t, b, late, "iteration %d: the Publish returned %q, and its message was written", i, err)
 	}
+}
+
+// requireNeverWritten waits until nothing of the bundle's schema runs in
+// the server any more (what it still ran of a Publish that failed ends
+// once what held it up went away), then checks that m was not written.
+func requireNeverWritten(t *testing.T, b *bundle, m *message.Message, msgAndArgs ...any) {
+	t.Helper()
+	pollUntil(t, "no other statement running in the database", 5*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+			AND state = 'active' AND pid <> pg_backend_pid() AND query LIKE '%`+b.Schema+`%'`) == 0
+	})
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = $1`, m.UUID), msgAndArgs...)
 }
 
 // A panic in RunInTx's function rolls its transaction back before it goes
@@ -562,12 +567,7 @@ func TestAPoolPublishThatWaitedForAConnectionIsBoundedByTheServer(t *testing.T) 
 			require.NotErrorIs(t, err, tx.ErrOutcomeUnknown)
 			require.ErrorContains(t, err, "nothing was written")
 			require.NoError(t, holder.Rollback(ctx))
-			pollUntil(t, "no other statement running in the database", 5*time.Second, nil, func() bool {
-				return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
-					AND state = 'active' AND pid <> pg_backend_pid() AND query LIKE '%`+b.Schema+`%'`) == 0
-			})
-			require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = '`+late.UUID+`'`),
-				"the Publish returned %q, and its message was written", err)
+			requireNeverWritten(t, b, late, "the Publish returned %q, and its message was written", err)
 
 			// A wait that outlasts the bound, but not the client's moment
 			// after it: the connection comes too late to send anything.

@@ -805,26 +805,8 @@ func TestFaultPoisonThatCrashesItsProcessIsDeadLetteredAlone(t *testing.T) {
 			healthy := newMsgs(40)
 			poison := newMsg("poison")
 			b.publishInTx(t, topic, true, append(append(slices.Clone(healthy[:10]), poison), healthy[10:]...)...)
-			crashes := 0
-			for i := 0; ; i++ {
-				require.Less(t, i, 12, "the poison was not dead-lettered within 12 processes")
-				p := startConsumer(t, bin, b, topic, fmt.Sprint("w", i), "CONSUMER_CLAIM_MODE="+mode.String(),
-					"CONSUMER_MAX_DELIVERIES=2", "CONSUMER_POISON=poison", "CONSUMER_HANDLE_TIME=100ms", "CONSUMER_LEASE=2s")
-				exited := false
-				pollUntil(t, "a crash, or every message done", time.Minute, nil, func() bool {
-					select {
-					case <-p.done:
-						exited = true
-						return true
-					default:
-						return b.outboxRows(t, topic) == 0
-					}
-				})
-				if !exited {
-					break
-				}
-				crashes++
-			}
+			crashes := consumeThroughCrashes(t, bin, b, topic, 12, "CONSUMER_CLAIM_MODE="+mode.String(),
+				"CONSUMER_MAX_DELIVERIES=2", "CONSUMER_POISON=poison", "CONSUMER_HANDLE_TIME=100ms", "CONSUMER_LEASE=2s")
 			var dead []string
 			rows, err := b.Pool.Query(context.Background(), `SELECT uuid || ' ' || failure_reason FROM `+b.Schema+`.outbox_dlq ORDER BY id`)
 			require.NoError(t, err)
@@ -840,6 +822,31 @@ func TestFaultPoisonThatCrashesItsProcessIsDeadLetteredAlone(t *testing.T) {
 				require.Positive(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.handled WHERE uuid = $1`, m.UUID), "message %s never handled", m.Payload)
 			}
 		})
+	}
+}
+
+// consumeThroughCrashes runs consumer processes on topic one after another,
+// a new one after each crash, until the outbox holds none of the topic's
+// rows, and returns how many crashed; at most processes of them.
+func consumeThroughCrashes(t *testing.T, bin string, b *bundle, topic string, processes int, env ...string) (crashes int) {
+	t.Helper()
+	for i := 0; ; i++ {
+		require.Less(t, i, processes, "the topic's rows were not done within %d processes", processes)
+		p := startConsumer(t, bin, b, topic, fmt.Sprint("w", i), env...)
+		exited := false
+		pollUntil(t, "a crash, or every message done", time.Minute, nil, func() bool {
+			select {
+			case <-p.done:
+				exited = true
+				return true
+			default:
+				return b.outboxRows(t, topic) == 0
+			}
+		})
+		if !exited {
+			return crashes
+		}
+		crashes++
 	}
 }
 
@@ -866,24 +873,8 @@ func TestFaultARowDeliveredBeforeIsNotCountedBehindAFreshPoison(t *testing.T) {
 			b.publishInTx(t, topic, true, poison, again)
 			_, err := b.Pool.Exec(context.Background(), `UPDATE `+b.Schema+`.outbox SET deliveries = 1 WHERE uuid = $1`, again.UUID)
 			require.NoError(t, err)
-			for i := 0; ; i++ {
-				require.Less(t, i, 8, "the poison was not dead-lettered within 8 processes")
-				p := startConsumer(t, bin, b, topic, fmt.Sprint("w", i), "CONSUMER_CLAIM_MODE="+mode.String(), "CONSUMER_MAX_IN_FLIGHT=4",
-					"CONSUMER_MAX_DELIVERIES=2", "CONSUMER_POISON=poison", "CONSUMER_LEASE=2s")
-				exited := false
-				pollUntil(t, "a crash, or every message done", time.Minute, nil, func() bool {
-					select {
-					case <-p.done:
-						exited = true
-						return true
-					default:
-						return b.outboxRows(t, topic) == 0
-					}
-				})
-				if !exited {
-					break
-				}
-			}
+			consumeThroughCrashes(t, bin, b, topic, 8, "CONSUMER_CLAIM_MODE="+mode.String(), "CONSUMER_MAX_IN_FLIGHT=4",
+				"CONSUMER_MAX_DELIVERIES=2", "CONSUMER_POISON=poison", "CONSUMER_LEASE=2s")
 			require.Equal(t, []string{poison.UUID + " max_deliveries"},
 				b.strings(t, `SELECT uuid || ' ' || failure_reason FROM `+b.Schema+`.outbox_dlq ORDER BY id`), "the poison alone is dead-lettered")
 			require.Positive(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.handled WHERE uuid = $1`, again.UUID), "the other message is handled")

@@ -1,6 +1,7 @@
 package pgoutbox
 
 import (
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgtype"
@@ -336,23 +337,23 @@ func (c *claimSchedule) lostClaimRunsUntil() time.Duration {
 func (c *claimSchedule) releasable(now time.Time) []pgtype.UUID {
 	var tokens []pgtype.UUID
 	for _, l := range c.lost {
-		if !l.released || now.Sub(l.at) >= c.lostClaimRunsUntil() {
+		if c.toRelease(l, now) {
 			tokens = append(tokens, l.token)
 		}
 	}
 	return tokens
 }
 
+// toRelease reports whether lost claim l is to be released at now.
+func (c *claimSchedule) toRelease(l claimToken, now time.Time) bool {
+	return !l.released || now.Sub(l.at) >= c.lostClaimRunsUntil()
+}
+
 // releaseDue reports whether a lost claim is to be released now
 // (releasable): a release written already, while the claim might still
 // run, holds nothing up until its second one is due.
 func (c *claimSchedule) releaseDue(now time.Time) bool {
-	for _, l := range c.lost {
-		if !l.released || now.Sub(l.at) >= c.lostClaimRunsUntil() {
-			return true
-		}
-	}
-	return false
+	return slices.ContainsFunc(c.lost, func(l claimToken) bool { return c.toRelease(l, now) })
 }
 
 // recheckAt is when the first lost claim released while it might still

@@ -20,6 +20,14 @@ import (
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
+// onEachLayout runs f as parallel sub-tests "outbox" and "arrivals", on a
+// bundle of a single-table outbox without and with arrivals.
+func onEachLayout(t *testing.T, f func(t *testing.T, b *bundle)) {
+	t.Helper()
+	t.Run("outbox", func(t *testing.T) { t.Parallel(); f(t, setup(t)) })
+	t.Run("arrivals", func(t *testing.T) { t.Parallel(); f(t, setupArrivals(t)) })
+}
+
 // setupArrivals is setup for an outbox with arrivals (schema.Config.Arrivals).
 func setupArrivals(t *testing.T, opts ...pgoutboxtest.Options) *bundle {
 	t.Helper()

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -25,16 +26,7 @@ import (
 // later, as its second attempt.
 func TestALeaseClaimThatWaitedForALockPastItsDeadlineTakesNothing(t *testing.T) {
 	t.Parallel()
-	for _, arrivals := range []bool{false, true} {
-		t.Run(map[bool]string{false: "outbox", true: "arrivals"}[arrivals], func(t *testing.T) {
-			t.Parallel()
-			b := setup(t)
-			if arrivals {
-				b = setupArrivals(t)
-			}
-			leaseClaimWaitedForALock(t, b)
-		})
-	}
+	onEachLayout(t, leaseClaimWaitedForALock)
 }
 
 func leaseClaimWaitedForALock(t *testing.T, b *bundle) {
@@ -51,11 +43,7 @@ func leaseClaimWaitedForALock(t *testing.T, b *bundle) {
 	require.NoError(t, err)
 	waitEmptyClaim(t, ev)
 
-	locker, err := b.Pool.Begin(ctx)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = locker.Rollback(context.Background()) })
-	_, err = locker.Exec(ctx, `LOCK TABLE `+b.Schema+`.outbox_paused IN ACCESS EXCLUSIVE MODE`)
-	require.NoError(t, err)
+	locker := lockClaimsOut(t, b)
 	first := newMsg("first")
 	b.publishInTx(t, "t", true, first) // wakes the subscriber: its claim waits for the lock
 	// Until the oldest claim waiting has waited past its deadline and past
@@ -138,11 +126,7 @@ func TestAClaimThatFailedInTheServerHoldsNothingUp(t *testing.T) {
 // lets the lock go. publish wakes the subscription.
 func failClaimInTheServer(t *testing.T, b *bundle, app, fn string, publish func()) {
 	ctx := context.Background()
-	locker, err := b.Pool.Begin(ctx)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = locker.Rollback(context.Background()) })
-	_, err = locker.Exec(ctx, `LOCK TABLE `+b.Schema+`.outbox_paused IN ACCESS EXCLUSIVE MODE`)
-	require.NoError(t, err)
+	locker := lockClaimsOut(t, b)
 	publish()
 	var pid int
 	pollUntil(t, "the claim waits for the lock", 10*time.Second, nil, func() bool {
@@ -200,4 +184,18 @@ func retryAloneAfterAFailedClaim(t *testing.T, fn string) {
 		}
 	}
 	require.Less(t, time.Since(nacked), 2*time.Second, "the retry, which runs alone, waited for a failed claim's second give-back")
+}
+
+// lockClaimsOut locks the paused groups' table, which every claim reads
+// and nothing else a subscriber writes (publishes, releases, acks) does,
+// in a transaction it returns: claims wait for it until it ends.
+func lockClaimsOut(t *testing.T, b *bundle) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	locker, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = locker.Rollback(context.Background()) })
+	_, err = locker.Exec(ctx, `LOCK TABLE `+b.Schema+`.outbox_paused IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	return locker
 }

@@ -33,16 +33,7 @@ import (
 // outbox as its lease.
 func TestALeaseClaimTheNetworkHeldBackTakesNothing(t *testing.T) {
 	t.Parallel()
-	for _, arrivals := range []bool{false, true} {
-		t.Run(map[bool]string{false: "outbox", true: "arrivals"}[arrivals], func(t *testing.T) {
-			t.Parallel()
-			if arrivals {
-				leaseClaimHeldBack(t, setupArrivals(t))
-			} else {
-				leaseClaimHeldBack(t, setup(t))
-			}
-		})
-	}
+	onEachLayout(t, leaseClaimHeldBack)
 }
 
 func leaseClaimHeldBack(t *testing.T, b *bundle) {
@@ -128,52 +119,45 @@ func TestALeaseClaimLateByASteppedClockTakesNothingOnce(t *testing.T) {
 // numbers it.
 func TestEveryLeaseClaimVariantTakesNothingPastItsDeadline(t *testing.T) {
 	t.Parallel()
-	for _, arrivals := range []bool{false, true} {
-		t.Run(map[bool]string{false: "outbox", true: "arrivals"}[arrivals], func(t *testing.T) {
-			t.Parallel()
-			b := setup(t)
-			if arrivals {
-				b = setupArrivals(t)
-			}
-			names, err := query.NewNames(b.Schema, "outbox", "")
-			require.NoError(t, err)
-			if arrivals {
-				names = names.WithArrivals()
-			}
-			q := query.Build(names, true)
-			require.NoError(t, pgoutbox.Bind(context.Background(), tx.FromPgxPool(b.Pool), b.tables, "t", "g"))
-			b.publishInTx(t, "t", true, newMsg("due"))
-			conn, err := b.Pool.Acquire(context.Background())
-			require.NoError(t, err)
-			defer conn.Release()
-			past := pgtype.Timestamptz{Time: time.Now().Add(-time.Hour), Valid: true}
-			later := pgtype.Timestamptz{Time: time.Now().Add(time.Hour), Valid: true}
-			for _, window := range []int{0, 256} {
-				for _, spare := range [][]int64{nil, {1}} {
-					for _, deadline := range []pgtype.Timestamptz{past, later, {}} {
-						stmt, args := q.Lease(query.ClaimArgs{Topic: "t", Group: "g", N: 10, Token: pgtype.UUID{Bytes: uuid.New(), Valid: true},
-							LeaseUS: 30e6, WorkerID: "test", CursorAt: fromStart, Window: window, EndedKeys: []string{}, Spare: spare, Deadline: deadline})
-						took := rolledBackIn(t, conn, []string{query.ClaimSettings}, func() string {
-							rows, err := conn.Query(context.Background(), stmt, args...)
-							require.NoError(t, err)
-							defer rows.Close()
-							n := 0
-							for rows.Next() {
-								if id := rows.RawValues()[0]; id != nil {
-									n++
-								}
+	onEachLayout(t, func(t *testing.T, b *bundle) {
+		names, err := query.NewNames(b.Schema, "outbox", "")
+		require.NoError(t, err)
+		if b.tables.Arrivals {
+			names = names.WithArrivals()
+		}
+		q := query.Build(names, true)
+		require.NoError(t, pgoutbox.Bind(context.Background(), tx.FromPgxPool(b.Pool), b.tables, "t", "g"))
+		b.publishInTx(t, "t", true, newMsg("due"))
+		conn, err := b.Pool.Acquire(context.Background())
+		require.NoError(t, err)
+		defer conn.Release()
+		past := pgtype.Timestamptz{Time: time.Now().Add(-time.Hour), Valid: true}
+		later := pgtype.Timestamptz{Time: time.Now().Add(time.Hour), Valid: true}
+		for _, window := range []int{0, 256} {
+			for _, spare := range [][]int64{nil, {1}} {
+				for _, deadline := range []pgtype.Timestamptz{past, later, {}} {
+					stmt, args := q.Lease(query.ClaimArgs{Topic: "t", Group: "g", N: 10, Token: pgtype.UUID{Bytes: uuid.New(), Valid: true},
+						LeaseUS: 30e6, WorkerID: "test", CursorAt: fromStart, Window: window, EndedKeys: []string{}, Spare: spare, Deadline: deadline})
+					took := rolledBackIn(t, conn, []string{query.ClaimSettings}, func() string {
+						rows, err := conn.Query(context.Background(), stmt, args...)
+						require.NoError(t, err)
+						defer rows.Close()
+						n := 0
+						for rows.Next() {
+							if id := rows.RawValues()[0]; id != nil {
+								n++
 							}
-							require.NoError(t, rows.Err())
-							return fmt.Sprint(n)
-						})
-						want := "1"
-						if deadline == past {
-							want = "0"
 						}
-						require.Equal(t, want, took, "window %d, spare %v, deadline %v", window, spare, deadline)
+						require.NoError(t, rows.Err())
+						return fmt.Sprint(n)
+					})
+					want := "1"
+					if deadline == past {
+						want = "0"
 					}
+					require.Equal(t, want, took, "window %d, spare %v, deadline %v", window, spare, deadline)
 				}
 			}
-		})
-	}
+		}
+	})
 }

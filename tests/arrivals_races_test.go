@@ -230,9 +230,9 @@ ANALYZE %[1]s.outbox_arrivals; ANALYZE %[1]s.outbox; ANALYZE %[1]s.outbox_bindin
 	q := query.Build(names, true)
 	lease := []any{"topic-3", 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), fromStart, pgtype.Int8{Int64: 7, Valid: true}, "a"}
 	sts := []claimStatement{
-		{"windowed", q.Claim, append(append([]any{}, lease...), 256, []string{"k1"}, []int64{1, 2}, int64(0), nil)},
-		{"fast", q.ClaimFast, append(append([]any{}, lease...), []int64{1, 2}, int64(0), nil)},
-		{"fast-no-orphans", q.ClaimFastNoOrphans, append(append([]any{}, lease...), int64(0), nil)},
+		{"windowed", q.Claim, append(append([]any{}, lease...), 256, []string{"k1"}, []int64{1, 2}, int64(0), nil, false)},
+		{"fast", q.ClaimFast, append(append([]any{}, lease...), []int64{1, 2}, int64(0), nil, false)},
+		{"fast-no-orphans", q.ClaimFastNoOrphans, append(append([]any{}, lease...), int64(0), nil, false)},
 		{"held", q.HeldClaim, q.Held(query.HeldArgs{Topic: "topic-3", Group: "a", N: 100, CursorAt: fromStart})},
 		{"transfer", q.Arrivals.Transfer, []any{"topic-3", "a", 256, "ch"}},
 		{"settle", query.ArrivalsSettle(names), []any{"topic-3", "b", 5000, "ch"}},
@@ -240,6 +240,7 @@ ANALYZE %[1]s.outbox_arrivals; ANALYZE %[1]s.outbox; ANALYZE %[1]s.outbox_bindin
 		{"held-finish", q.Arrivals.HeldFinish, []any{[]pgtype.TID{{BlockNumber: 1, OffsetNumber: 1, Valid: true}}, "topic-3", "a", "ch",
 			[]pgtype.TID{{BlockNumber: 1, OffsetNumber: 2, Valid: true}}, uuid.NewString(), int64(30e6), "w", pgtype.Int8{}}},
 		{"adopt", query.ArrivalsAdopt(names), []any{"topic-3", 5000, "ch"}},
+		{"fast, fresh only", q.ClaimFast, append(append([]any{}, lease...), []int64{1, 2}, int64(0), nil, true)},
 	}
 	conn, err := b.Pool.Acquire(ctx)
 	require.NoError(t, err)
@@ -249,7 +250,7 @@ ANALYZE %[1]s.outbox_arrivals; ANALYZE %[1]s.outbox; ANALYZE %[1]s.outbox_bindin
 		// the claim's transaction); Transfer and ArrivalsSettle run as
 		// plain statements, with custom plans, then maybe generic ones.
 		settings := [][]string{{"SET LOCAL plan_cache_mode = force_custom_plan"}, {"SET LOCAL plan_cache_mode = force_generic_plan"}}
-		if i < 4 || i == 6 || i == 7 {
+		if i < 4 || i == 6 || i == 7 || i == 9 {
 			settings = [][]string{{query.ClaimSettings}}
 		}
 		for _, set := range settings {

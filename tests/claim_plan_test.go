@@ -106,9 +106,11 @@ type claimStatement struct {
 func claimStatements(q *query.Queries, topic string) []claimStatement {
 	lease := []any{topic, 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), fromStart, pgtype.Int8{Int64: 7, Valid: true}, ""}
 	return []claimStatement{
-		{"windowed", q.Claim, append(slices.Clone(lease), 256, []string{"k1"}, []int64{1, 2}, nil)},
-		{"fast", q.ClaimFast, append(slices.Clone(lease), []int64{1, 2}, nil)},
-		{"fast, with a deadline", q.ClaimFast, append(slices.Clone(lease), []int64{1, 2}, time.Now().Add(time.Hour))},
+		{"windowed", q.Claim, append(slices.Clone(lease), 256, []string{"k1"}, []int64{1, 2}, nil, false)},
+		{"fast", q.ClaimFast, append(slices.Clone(lease), []int64{1, 2}, nil, false)},
+		{"fast, with a deadline", q.ClaimFast, append(slices.Clone(lease), []int64{1, 2}, time.Now().Add(time.Hour), false)},
+		{"windowed, fresh only", q.Claim, append(slices.Clone(lease), 256, []string{"k1"}, []int64{1, 2}, nil, true)},
+		{"fast, fresh only", q.ClaimFast, append(slices.Clone(lease), []int64{1, 2}, nil, true)},
 		{"held", q.HeldClaim, q.Held(query.HeldArgs{Topic: topic, N: 100, CursorAt: fromStart})},
 	}
 }
@@ -226,7 +228,7 @@ func TestSubscriberWritesCommitAsynchronously(t *testing.T) {
 		Query(context.Context, string, ...any) (pgx.Rows, error)
 	}, stmt string) {
 		t.Helper()
-		rows, err := q.Query(ctx, stmt, "t", 1, uuid.New(), int64(30e6), "test", fromStart, int64(0), fromStart, nil, "", 256, []string{}, []int64{}, nil)
+		rows, err := q.Query(ctx, stmt, "t", 1, uuid.New(), int64(30e6), "test", fromStart, int64(0), fromStart, nil, "", 256, []string{}, []int64{}, nil, false)
 		require.NoError(t, err)
 		claimed := 0
 		for rows.Next() {
@@ -323,7 +325,7 @@ func TestReleaseClaimGivesBackALostClaim(t *testing.T) {
 	b.publishInTx(t, "t", true, newMsg("x"))
 	token := uuid.New()
 	for _, group := range []string{"a", "b"} {
-		rows, err := b.Pool.Query(ctx, q.ClaimNoOrphans, "t", 10, token, int64(30e6), "test", fromStart, int64(0), fromStart, nil, group, 256, []string{}, nil)
+		rows, err := b.Pool.Query(ctx, q.ClaimNoOrphans, "t", 10, token, int64(30e6), "test", fromStart, int64(0), fromStart, nil, group, 256, []string{}, nil, false)
 		require.NoError(t, err)
 		n := 0
 		for rows.Next() {
@@ -575,7 +577,7 @@ func TestKeyedClaimProbesEachKeyOnce(t *testing.T) {
 	conn, err := b.Pool.Acquire(context.Background())
 	require.NoError(t, err)
 	defer conn.Release()
-	args := []any{"t", 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), nil, pgtype.Int8{Int64: 7, Valid: true}, "", 256, []string{"a", "b"}, []int64{1, 2}, nil}
+	args := []any{"t", 100, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), nil, pgtype.Int8{Int64: 7, Valid: true}, "", 256, []string{"a", "b"}, []int64{1, 2}, nil, false}
 	probe := regexp.MustCompile(`on outbox (k\S*) .*\(actual time=\S+ rows=(\d+) loops=(\d+)\)`)
 	for _, analyzed := range []bool{false, true} {
 		if analyzed {

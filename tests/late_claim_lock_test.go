@@ -199,3 +199,44 @@ func lockClaimsOut(t *testing.T, b *bundle) pgx.Tx {
 	require.NoError(t, err)
 	return locker
 }
+
+// A lease claim whose scans ran past its deadline (a backlog of rows held
+// back by their ordering key, walked row by row; a busy server or a cold
+// cache do the same), its client's cancel request lost, takes nothing. Its
+// deadline was checked once, before its scans (a one-time filter): it
+// leased the message ahead of the backlog long after its client gave up
+// and after both give-backs of its rows had run, under a token nobody
+// holds, and the message came a Lease later, as its second attempt. The
+// claim's last statement checks the deadline again.
+func TestALeaseClaimWhoseScanRanPastItsDeadlineTakesNothing(t *testing.T) {
+	t.Parallel()
+	onEachLayout(t, func(t *testing.T, b *bundle) {
+		ctx := context.Background()
+		b.publishInTx(t, "t", true, newMsg("A"))
+		// Key k's oldest row is leased elsewhere for an hour: the rows of k
+		// behind it are held back, and a claim without a window walks them.
+		_, err := b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, deliveries, lease_token, leased_until, leased_by, ordering_key)
+			VALUES ('t', gen_random_uuid()::text, 'held', 1, gen_random_uuid(), now() + interval '1 hour', 'elsewhere', 'k')`)
+		require.NoError(t, err)
+		_, err = b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, ordering_key)
+			SELECT 't', gen_random_uuid()::text, 'x', 'k' FROM generate_series(1, 80000)`)
+		require.NoError(t, err)
+		_, err = b.Pool.Exec(ctx, `ANALYZE `+b.Schema+`.outbox`)
+		require.NoError(t, err)
+
+		px := &tcpProxy{addr: startCancelDroppingProxy(t, b.DSN)}
+		pool := px.pool(t, b, "slow-scan-"+b.Schema, nil)
+		const lease = time.Minute
+		sub := b.subscriberOn(t, pool, func(c *pgoutbox.SubscriberConfig) {
+			c.ClaimMode, c.Lease, c.StatementTimeout, c.MaxInFlight = pgoutbox.ClaimLease, lease, 300*time.Millisecond, 10
+		})
+		msgs, err := sub.Subscribe(t.Context(), "t")
+		require.NoError(t, err)
+		m := receive(t, msgs, lease+30*time.Second)
+		m.Ack()
+		require.Equal(t, "A", string(m.Payload))
+		d, ok := pgoutbox.DeliveryOf(m)
+		require.True(t, ok)
+		require.Equal(t, 1, d.Attempt, "a claim past its deadline leased it under a token nobody holds, and it came when that lease ended")
+	})
+}

@@ -150,13 +150,13 @@ SELECT 'topic-' || (g %% 20), CASE WHEN g %% 2 = 0 THEN 'paused' ELSE 'running' 
 		args := []any{"topic-3", 10, uuid.NewString(), int64(30e6), "test", fromStart, int64(0), fromStart, pgtype.Int8{Int64: 7, Valid: true}, group}
 		switch stmt {
 		case q.Claim:
-			return append(args, 256, []string{"k3"}, []int64{1}, nil)
+			return append(args, 256, []string{"k3"}, []int64{1}, nil, false)
 		case q.ClaimNoOrphans:
-			return append(args, 256, []string{"k3"}, nil)
+			return append(args, 256, []string{"k3"}, nil, false)
 		case q.ClaimFast:
-			return append(args, []int64{1}, nil)
+			return append(args, []int64{1}, nil, false)
 		}
-		return append(args, nil)
+		return append(args, nil, false)
 	}
 	statements := []struct {
 		name string

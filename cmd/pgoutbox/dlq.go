@@ -164,7 +164,7 @@ func (c *cli) dlqList(args []string) error {
 		fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tREASON\tDELIVERIES\tFAILED AT\tLAST ERROR")
 		for _, d := range page.Letters {
 			fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.FailureReason,
-				d.Deliveries, d.FailedAt.Local().Format(time.DateTime), short(d.LastError, 60))
+				d.Deliveries, d.FailedAt.Local().Format(time.DateTime), short(lastErrorShown(d), 60))
 		}
 		tw.Flush()
 		if more {
@@ -201,7 +201,7 @@ func (c *cli) dlqShow(args []string) error {
 		w := c.stdout
 		fmt.Fprintf(w, "ID:           %d\nTopic:        %s\nGroup:        %s\nUUID:         %s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.UUID)
 		fmt.Fprintf(w, "Created at:   %s\nFailed at:    %s\nFailed by:    %s\n", d.CreatedAt.Local().Format(time.RFC3339), d.FailedAt.Local().Format(time.RFC3339), d.FailedBy)
-		fmt.Fprintf(w, "Reason:       %s\nDeliveries:   %d\nDedup key:    %s\nOrdering key: %s\nLast error:   %s\n", d.FailureReason, d.Deliveries, d.DedupKey, d.OrderingKey, d.LastError)
+		fmt.Fprintf(w, "Reason:       %s\nDeliveries:   %d\nDedup key:    %s\nOrdering key: %s\nLast error:   %s\n", d.FailureReason, d.Deliveries, d.DedupKey, d.OrderingKey, lastErrorShown(d))
 		fmt.Fprintln(w, "Metadata:")
 		for k, v := range d.Metadata {
 			fmt.Fprintf(w, "  %s=%s\n", k, v)
@@ -456,4 +456,14 @@ func (c *cli) dlqPurge(args []string) error {
 		fmt.Fprintf(c.stdout, "purged %d dead letter(s)\n", n)
 		return nil
 	})
+}
+
+// lastErrorShown is a dead letter's last error as the tables show it. A
+// message dead-lettered at MaxDeliveries without an error never got an
+// answer: the likely cause is said, not left blank.
+func lastErrorShown(d pgoutbox.DeadLetter) string {
+	if d.LastError == "" && d.FailureReason == pgoutbox.ReasonMaxDeliveries {
+		return "(none: no delivery was answered; the handler may crash its process, or outlive its Lease)"
+	}
+	return d.LastError
 }

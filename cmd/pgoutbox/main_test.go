@@ -192,6 +192,35 @@ func TestDLQListShowRequeue(t *testing.T) {
 	require.Contains(t, errOut, "no dead letter with id")
 }
 
+// A message dead-lettered at MaxDeliveries without an error never had an
+// answer: the tables say what that likely means instead of a blank.
+func TestDLQShowsWhyAMaxDeliveriesLetterHasNoError(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env, "orders", `{"id":7}`)
+	_, err := env.Pool.Exec(context.Background(), `UPDATE `+env.Schema+`.outbox SET deliveries = 2`) // two crashes
+	require.NoError(t, err)
+	sub, err := pgoutbox.NewSubscriber(env.Pool, pgoutbox.SubscriberConfig{Tables: env.Tables, MaxDeliveries: 2}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	_, err = sub.Subscribe(t.Context(), "orders")
+	require.NoError(t, err)
+	var page pgoutbox.DeadLetterPage
+	require.Eventually(t, func() bool {
+		page, err = pgoutbox.DeadLetters(context.Background(), env.Exec(), env.Tables, pgoutbox.DeadLetterFilter{Topic: "orders"})
+		return err == nil && len(page.Letters) == 1
+	}, 10*time.Second, 20*time.Millisecond)
+	require.Equal(t, pgoutbox.ReasonMaxDeliveries, page.Letters[0].FailureReason)
+	require.Empty(t, page.Letters[0].LastError)
+
+	out, errOut, code := cliRun(t, env, "dlq", "show", fmt.Sprint(page.Letters[0].ID))
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "Last error:   (none: no delivery was answered; the handler may crash its process, or outlive its Lease)")
+	out, errOut, code = cliRun(t, env, "dlq", "list")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "(none: no delivery was answered")
+}
+
 func TestDLQPurge(t *testing.T) {
 	t.Parallel()
 	env := pgoutboxtest.PubSub(t)
@@ -348,7 +377,10 @@ func TestBindStrandedAndMove(t *testing.T) {
 	out, _, _ = cliRun(t, env, "stats")
 	require.Contains(t, out, `warning: group billing is not bound to topic "orders" and holds 1 message(s)`)
 	require.Regexp(t, `(?m)^orders +billing .* not bound *$`, out, "its STATE says nobody consumes it")
+	require.Regexp(t, `(?m)^orders +invoicing .* bound *$`, out, "a bound group's STATE says bound, not whether a subscriber runs")
 	require.Contains(t, out, "a group that does not have them yet")
+	require.Contains(t, out, "pgoutbox bind --topic orders --group billing (or a Subscribe of the group) if it is to consume them",
+		"binding it again is one way: the warning says so")
 
 	publish(t, env, "audit", "a")
 	out, errOut, code = cliRun(t, env, "bind", "--topic", "audit", "--group", "")

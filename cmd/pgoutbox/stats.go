@@ -163,8 +163,9 @@ func printStats(w io.Writer, stats []pgoutbox.QueueStats) {
 			dl = strings.Join(parts, " ")
 		}
 		// As the operator page says it: a group that is not bound is
-		// consumed by nobody, whatever its rows.
-		state := "running"
+		// consumed by nobody, whatever its rows. "bound", not "running":
+		// whether a subscriber runs is not in the table.
+		state := "bound"
 		switch {
 		case s.Paused:
 			state = "PAUSED"
@@ -198,9 +199,10 @@ func printUnboundWarnings(w io.Writer, stats []pgoutbox.QueueStats) {
 			fmt.Fprintf(w, "warning: %d message(s) of topic %q wait in the default group, which is not bound; "+
 				"the next bind of the topic hands them to its groups, or pgoutbox move --topic %s --from '' --to G\n", n, s.Topic, shellArg(s.Topic))
 		default:
-			fmt.Fprintf(w, "warning: group %s is not bound to topic %q and holds %d message(s) nobody will consume; "+
-				"pgoutbox move --topic %s --from %s --to G (a group that does not have them yet: one that had its own copies would get them twice), "+
-				"or unbind --purge\n", s.ConsumerGroup, s.Topic, n, shellArg(s.Topic), shellArg(s.ConsumerGroup))
+			fmt.Fprintf(w, "warning: group %s is not bound to topic %q and holds %d message(s) nobody will consume until it is; "+
+				"pgoutbox bind --topic %s --group %s (or a Subscribe of the group) if it is to consume them, "+
+				"pgoutbox move --topic %s --from %s --to G to hand them to another (a group that does not have them yet: one that had its own copies would get them twice), "+
+				"or unbind --purge\n", s.ConsumerGroup, s.Topic, n, shellArg(s.Topic), shellArg(s.ConsumerGroup), shellArg(s.Topic), shellArg(s.ConsumerGroup))
 		}
 	}
 }

@@ -82,10 +82,12 @@ func buildClaim(n Names, ac string) ClaimStatements {
 		//
 		// Every row of the result is a claimed row, with more columns: the
 		// last row the scan read (the next cursor: available_at, id), how
-		// many expired or orphaned leases were taken, and how many rows of
-		// the window were not held back by their keys (claimed, or locked
-		// by a competitor's claim), and the statement's now(). When nothing
-		// was claimed, one row of NULLs carries them.
+		// many expired or orphaned leases were taken (or, fresh only,
+		// passed over), how many rows of the window were not held back by
+		// their keys (claimed, or locked by a competitor's claim), the
+		// statement's now(), when it checked its deadline (inTime) and
+		// whether it passed over a row delivered before (freshOnly). When
+		// nothing was claimed, one row of NULLs carries them.
 		Claim:              claimStatement(n, ac, true),
 		ClaimNoOrphans:     claimStatement(n, ac, false),
 		ClaimFast:          claimFastStatement(n, ac, true),
@@ -183,10 +185,11 @@ func claimFastStatement(n Names, ac string, orphans bool) string {
 	expired, orphanedCount, orphanedIDs, readyLimit := leaseBranches(t, orphans, "$11")
 	last := map[bool]int{false: 10, true: 11}[orphans]
 	onTime := inTime(last, n.Arrivals)
+	freshTaken, passedDelivered := freshOnly(last, n.Arrivals, orphanedCount)
 	arr, from, cols := arrivalsOfClaim(n, fmt.Sprintf("$%d", last+1), readyLimit, onTime)
 	return fmt.Sprintf(`%[3]s
 ), ready AS (
-    SELECT id, available_at FROM %[1]s r
+    SELECT id, available_at, deliveries FROM %[1]s r
      WHERE topic = $1 AND consumer_group = $10 AND lease_token IS NULL AND available_at <= now()
        AND (available_at, id) > ($6::timestamptz, $7::bigint)
        AND %[7]s`+NotPaused(t, "$10")+`
@@ -197,15 +200,15 @@ func claimFastStatement(n Names, ac string, orphans bool) string {
     SELECT available_at, id FROM ready ORDER BY available_at DESC, id DESC LIMIT 1
 ), claimed AS (
     UPDATE %[1]s o`+leaseTaken+`
-     WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s%[11]s
+     WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s%[11]s%[12]s
     RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key, o.created_at
 )
 SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.ordering_key, c.created_at,
        (SELECT available_at FROM last_ready), (SELECT id FROM last_ready),
-       (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM ready), now(), (SELECT at FROM on_time)%[10]s
+       (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM ready), now(), (SELECT at FROM on_time), %[13]s%[10]s
   FROM (SELECT 1) AS one
   LEFT JOIN %[9]s c ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
-		keyIsFree(t, "r", "$10"), arr, from, cols, onTime)
+		keyIsFree(t, "r", "$10"), arr, from, cols, onTime, freshTaken, passedDelivered)
 }
 
 func claimStatement(n Names, ac string, orphans bool) string {
@@ -213,6 +216,7 @@ func claimStatement(n Names, ac string, orphans bool) string {
 	expired, orphanedCount, orphanedIDs, readyLimit := leaseBranches(t, orphans, "$13")
 	last := map[bool]int{false: 12, true: 13}[orphans]
 	onTime := inTime(last, n.Arrivals)
+	freshTaken, passedDelivered := freshOnly(last, n.Arrivals, orphanedCount)
 	arr, from, cols := arrivalsOfClaim(n, fmt.Sprintf("$%d", last+1), readyLimit, onTime)
 	return fmt.Sprintf(`%[3]s
 ), heads AS (
@@ -257,7 +261,7 @@ func claimStatement(n Names, ac string, orphans bool) string {
     -- predicate, so the planner cannot walk that index with the ids as a
     -- filter, reading the whole ready range and its dead entries (it did
     -- on a partitioned outbox: 480 ms a claim under a held snapshot).
-    SELECT id, available_at FROM %[1]s
+    SELECT id, available_at, deliveries FROM %[1]s
      WHERE id = ANY (ARRAY(SELECT id FROM heads UNION SELECT id FROM candidates))
        AND num_nulls(lease_token) = 1 AND available_at <= now()
      ORDER BY available_at, id
@@ -265,7 +269,7 @@ func claimStatement(n Names, ac string, orphans bool) string {
        FOR UPDATE SKIP LOCKED%[8]s
 ), claimed AS (
     UPDATE %[1]s o`+leaseTaken+`
-     WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s%[11]s
+     WHERE o.id = ANY (ARRAY(SELECT id FROM expired%[5]s UNION ALL SELECT id FROM ready))%[2]s%[11]s%[12]s
     RETURNING o.id, o.uuid, o.payload, o.metadata, o.deliveries, o.available_at, o.ordering_key, o.created_at
 ), next_cursor AS (
     -- A full claim stops at its last ready row of the window: the rows
@@ -278,11 +282,11 @@ func claimStatement(n Names, ac string, orphans bool) string {
      WHERE (SELECT count(*) FROM ready) < %[6]s
 )
 SELECT c.id, c.uuid, c.payload, c.metadata, c.deliveries, c.available_at, c.ordering_key, c.created_at,
-       l.available_at, l.id, (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM candidates), now(), (SELECT at FROM on_time)%[10]s
+       l.available_at, l.id, (SELECT count(*) FROM expired) + %[4]s, (SELECT count(*) FROM candidates), now(), (SELECT at FROM on_time), %[13]s%[10]s
   FROM (SELECT 1) AS one
   LEFT JOIN %[9]s c ON true
   LEFT JOIN next_cursor l ON true`, t, ac, expired, orphanedCount, orphanedIDs, readyLimit,
-		keyIsFree(t, "c", "$10"), arr, from, cols, onTime)
+		keyIsFree(t, "c", "$10"), arr, from, cols, onTime, freshTaken, passedDelivered)
 }
 
 // arrivalsOfClaim is what a lease claim adds for an outbox with arrivals
@@ -319,13 +323,47 @@ func inTime(last int, arrivals bool) string {
 	return fmt.Sprintf(" AND (SELECT $%[1]d::timestamptz IS NULL OR at <= $%[1]d::timestamptz FROM on_time)", p)
 }
 
-// onTimeCTE is the time a lease claim checks its deadline by: read once
-// (materialized), when the claim first writes, by clock_timestamp(), not
-// now(). now() is when the transaction began, before any wait for a
-// table's lock (a CREATE INDEX holds one): a claim that reached the server
-// in time but waited there past its deadline, its client's cancel lost,
-// leased rows when the lock went.
+// freshOnly is what a lease claim adds to take only rows never delivered
+// (MaxDeliveries, while messages of its subscription are out): the
+// condition on the rows it leases, and the result column that says whether
+// it passed over a row delivered before (an expired or orphaned lease, or
+// a ready row with a delivery counted), which it locked and left as it
+// was. Its parameter is the one after the deadline's (inTime), false for
+// a claim that takes every row. Leased beside messages in flight, such a
+// row had its delivery counted, and a crash of one of them before the row
+// went back counted it again: a row that crashed nothing could reach
+// MaxDeliveries. The subscription claims it once nothing else is out.
+func freshOnly(last int, arrivals bool, orphanedCount string) (taken, passed string) {
+	p := last + 2
+	if arrivals {
+		p++
+	}
+	return fmt.Sprintf(" AND (NOT $%d::boolean OR o.deliveries = 0)", p),
+		fmt.Sprintf(`$%d::boolean AND ((SELECT count(*) FROM expired) + %s > 0 OR EXISTS (SELECT 1 FROM ready WHERE deliveries > 0))`, p, orphanedCount)
+}
+
+// onTimeCTE is the time a lease claim first checks its deadline by: read
+// once (materialized), by clock_timestamp(), not now(). now() is when the
+// transaction began, before any wait for a table's lock (a CREATE INDEX
+// holds one): a claim that reached the server in time but waited there
+// past its deadline, its client's cancel lost, leased rows when the lock
+// went. The condition depends on no row, so it runs before the claim's
+// scans (a one-time filter): a claim late already scans nothing. Scans
+// that run long past the deadline (a backlog held back by its keys) are
+// caught by ClaimDeadline, the claim's last statement.
 const onTimeCTE = `on_time AS MATERIALIZED (SELECT clock_timestamp() AS at)`
+
+// ClaimDeadline is a lease claim's last statement, in its transaction:
+// it fails, rolling the claim back, when the server reaches it after the
+// claim's deadline ($1), so a claim that ran past the time its client
+// gave up on it (its cancel request lost) leases nothing, however long
+// its scans took. SQL has no RAISE: the failure is a cast of a text that
+// says what happened (SQLSTATE 22P02, DeadlineMarker in its message).
+const ClaimDeadline = `SELECT CASE WHEN clock_timestamp() > $1::timestamptz
+            THEN ('` + DeadlineMarker + ` by ' || (clock_timestamp() - $1::timestamptz)::text)::int END`
+
+// DeadlineMarker is in the message of ClaimDeadline's failure.
+const DeadlineMarker = "pgoutbox: the lease claim ran past its deadline"
 
 // heldClaim is HeldClaim for an outbox with arrivals (arrivalsHeld) or
 // without.
@@ -415,6 +453,9 @@ type ClaimArgs struct {
 	// Deadline: the claim takes nothing when the server starts it after
 	// this time, by the server's clock (see inTime); NULL: no deadline.
 	Deadline pgtype.Timestamptz
+	// FreshOnly: lease only rows never delivered, and report whether a
+	// row delivered before was passed over (see freshOnly).
+	FreshOnly bool
 }
 
 // Lease returns the lease claim for a (ClaimFast without a window, Claim
@@ -436,7 +477,7 @@ func (q *ClaimStatements) Lease(a ClaimArgs) (string, []any) {
 	if q.arrivals {
 		args = append(args, a.Arrivals)
 	}
-	return stmt, append(args, a.Deadline)
+	return stmt, append(args, a.Deadline, a.FreshOnly)
 }
 
 // HeldArgs are the parameters of a held claim.

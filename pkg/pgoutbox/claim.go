@@ -4,11 +4,14 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 )
 
 // claimRequest is one claim statement's parameters, fixed by the owner.
@@ -30,6 +33,7 @@ type claimRequest struct {
 	arrivals     int64              // with arrivals: the arrivals cursor, the last arrival a claim took
 	transfer     bool               // with arrivals: fan out the arrivals other groups have too, first
 	clock        serverClock        // gives a lease claim its deadline
+	freshOnly    bool               // MaxDeliveries, messages out: lease no row delivered before (see claimsFreshOnly)
 }
 
 // expiredFrom is the claim's bound on the expired leases it reclaims:
@@ -67,6 +71,17 @@ type lateClaim struct{ late time.Duration }
 func (e lateClaim) Error() string {
 	return fmt.Sprintf("the claim came to its rows %s after its deadline and took nothing "+
 		"(a clock stepped: this machine's back, or the database server's forward; or it waited in the database, for a lock, until then); the next claim goes by the clocks as they are now", e.late)
+}
+
+// pastDeadline says what a claim's failure at query.ClaimDeadline means;
+// other errors are returned as they are. The claim rolled back.
+func pastDeadline(err error, bound time.Duration) error {
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) || pg.Code != "22P02" || !strings.Contains(pg.Message, query.DeadlineMarker) {
+		return err
+	}
+	return fmt.Errorf("the claim ran in the database past its deadline (StatementTimeout %s) and took nothing: "+
+		"the database was slow, or the claim waited there for a lock; %w", bound, err)
 }
 
 // leasedNothing reports whether a failed lease claim surely leased
@@ -119,6 +134,7 @@ type claimResult struct {
 	dueIn               time.Duration // after an empty claim: when the next row is due (0: unknown)
 	batch               *heldBatch    // the held path: the batch of the rows
 	keyBusy             int           // keyed rows given back by the claim's verification: their key was busy
+	passed              bool          // a fresh-only claim passed over a row delivered before (query.ClaimArgs.FreshOnly)
 	// With arrivals: the last arrival the claim took (0: none), whether
 	// arrivals of other groups wait (the next claim fans them out first),
 	// and how many the claim's transfer fanned out.

@@ -103,6 +103,16 @@ func (c *claimSchedule) wake(expired bool) {
 	c.idleUntil = time.Time{}
 }
 
+// passedDelivered takes in a claim that passed over a row delivered
+// before (claimsFreshOnly): the next claim, once it may start, scans from
+// the start, without an idle wait. (Expired and orphaned leases it passed
+// over count as reclaimed: the look for them goes on as after a look
+// that took some, claimScan.claimed.)
+func (c *claimSchedule) passedDelivered() {
+	c.scan.restart(false)
+	c.want, c.idleUntil = true, time.Time{}
+}
+
 // waiting reports whether no claim may start for reasons of its own: one
 // is under way, none is wanted, a give-back must be written first, or a
 // failure's backoff runs.
@@ -183,9 +193,6 @@ func (c *claimSchedule) failed(r claimResult, now time.Time) time.Duration {
 		c.lost = append(c.lost, claimToken{token: r.req.token, at: at})
 		c.givingBack++
 		c.gen++
-		if r.req.orphansOf != nil {
-			c.scan.findOrphans = true // that look did not happen
-		}
 	}
 	return c.gate.failed(now)
 }
@@ -356,15 +363,18 @@ func (c *claimSchedule) releaseDue(now time.Time) bool {
 	return slices.ContainsFunc(c.lost, func(l claimToken) bool { return c.toRelease(l, now) })
 }
 
-// recheckAt is when the first lost claim released while it might still
-// have run is to be released again; zero: none.
+// recheckAt is when the earliest of the lost claims released while they
+// might still have run is to be released again; zero: none. The list is
+// not in that order: a held batch's end is listed when its failure came,
+// a lease claim by when its bound began, which may be earlier.
 func (c *claimSchedule) recheckAt() time.Time {
+	var first time.Time
 	for _, l := range c.lost {
-		if l.released {
-			return l.at.Add(c.lostClaimRunsUntil())
+		if at := l.at.Add(c.lostClaimRunsUntil()); l.released && (first.IsZero() || at.Before(first)) {
+			first = at
 		}
 	}
-	return time.Time{}
+	return first
 }
 
 // releasedClaims takes in the release of the lost claims of tokens. Once

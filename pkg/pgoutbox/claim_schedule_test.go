@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/require"
@@ -500,4 +501,26 @@ func TestAClaimTheServerRefusedLeasedNothing(t *testing.T) {
 	c.failed(claimResult{req: req, err: refused, started: now}, now)
 	require.Empty(t, c.lost)
 	require.Zero(t, c.givingBack)
+}
+
+// The lost claims are listed as they were lost, not by when their second
+// release is due: a held batch's end that failed at t1 is listed before a
+// lease claim sent at t0 < t1 whose reply was found lost later. The
+// owner's timer is armed for the earliest second release, the claim's,
+// not the batch's, a StatementTimeout later.
+func TestClaimScheduleRechecksTheEarliestReleasedClaim(t *testing.T) {
+	c := newTestSchedule()
+	c.cfg.StatementTimeout = 4 * time.Second
+	t0 := time.Now()
+	req := c.start(10, t0, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
+	t1 := t0.Add(3 * time.Second)
+	c.lost = append(c.lost, claimToken{token: pgtype.UUID{Bytes: uuid.New(), Valid: true}, at: t1}) // as heldFailed lists it
+	c.givingBack++
+	failedAt := t0.Add(c.cfg.StatementTimeout)
+	c.failed(claimResult{req: req, err: errors.New("timeout: context deadline exceeded"), started: t0}, failedAt)
+	require.Len(t, c.lost, 2)
+	releaseAt(&c, nil, failedAt) // both released once
+	due := t0.Add(c.cfg.StatementTimeout + lostClaimMargin)
+	require.Equal(t, []pgtype.UUID{req.token}, c.releasable(due), "the lease claim's second release is due")
+	require.Equal(t, due, c.recheckAt(), "the owner's timer is armed for it")
 }

@@ -105,7 +105,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		LeaseUS: c.cfg.Lease.Microseconds(), WorkerID: c.cfg.WorkerID, Holder: req.holder,
 		CursorAt: req.at, CursorID: req.id, ExpiredFrom: req.expiredFrom(),
 		Window: req.window, EndedKeys: req.endedKeys, Spare: req.orphansOf, Arrivals: req.arrivals,
-		Deadline: deadline,
+		Deadline: deadline, FreshOnly: req.freshOnly,
 	})
 	// query.ClaimSettings, then the claim: one round trip, one implicit
 	// transaction (a batch ends in one Sync), so the settings are the
@@ -122,6 +122,9 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	defer conn.Release()
 	b, lead := ownBatch(c.isolate, query.ClaimSettings)
 	b.Queue(stmt, args...)
+	if deadline.Valid {
+		b.Queue(query.ClaimDeadline, deadline)
+	}
 	res := conn.SendBatch(ctx, b)
 	defer res.Close()
 	if err := skipResults(res, lead); err != nil {
@@ -150,7 +153,8 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	var availableAt, createdAt pgtype.Timestamptz
 	dest := []any{&id, &uuid, &payload, &metaRaw, &deliveries, &availableAt, &key, &createdAt}
 	perRow := len(dest)
-	dest = append(dest, &r.cursorAt, &r.cursor, &reclaimed, &free, &r.serverNow, &r.checkedAt)
+	var passed pgtype.Bool
+	dest = append(dest, &r.cursorAt, &r.cursor, &reclaimed, &free, &r.serverNow, &r.checkedAt, &passed)
 	var arrivals pgtype.Int8
 	var shared pgtype.Bool
 	if c.q.Names.Arrivals {
@@ -181,6 +185,18 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		r.rows, r.err = nil, claimErr(err)
 		return r
 	}
+	if deadline.Valid {
+		if _, err := res.Exec(); err != nil {
+			if late := r.checkedAt.Time.Sub(deadline.Time); r.checkedAt.Valid && late > 0 && len(r.rows) == 0 {
+				// Late before it read a row: a clock stepped (lateClaim says
+				// so), as below.
+				r.rows, r.err = nil, lateClaim{late: late}
+				return r
+			}
+			r.rows, r.err = nil, claimErr(pastDeadline(err, c.cfg.StatementTimeout))
+			return r
+		}
+	}
 	if err := res.Close(); err != nil { // the commit's outcome
 		r.rows, r.err = nil, claimErr(err)
 		return r
@@ -197,7 +213,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		r.err = lateClaim{late: late}
 		return r
 	}
-	r.reclaimed, r.free = int(reclaimed), int(free)
+	r.reclaimed, r.free, r.passed = int(reclaimed), int(free), passed.Bool
 	r.arrivals, r.shared = arrivals.Int64, shared.Bool
 	// The checks below run on the claim's connection: taking a second one
 	// while holding this one would deadlock subscriptions that share a

@@ -13,6 +13,7 @@ import (
 
 // startClaim starts a claim when one is wanted and there is room.
 func (sub *subscription) startClaim(now time.Time) {
+	sub.aloneSettled(now)
 	switch {
 	case sub.claims.waiting(), sub.drain.stopping, sub.hand.retry != nil, sub.backpressured(), sub.isolating(), sub.awaitingAlone():
 		return
@@ -27,6 +28,7 @@ func (sub *subscription) startClaim(now time.Time) {
 	}
 	req := sub.claims.start(n, now, sub.holder(), sub.events.signals.waiter.Spare)
 	req.held = sub.held.wantHeld(req, now, sub.claims.scan.keyedUntil, sub.poolHasSpare)
+	req.freshOnly = !req.held && sub.claimsFreshOnly()
 	req.arrivals = arrivalsFrom(req, len(sub.held.batches))
 	go func() {
 		r := sub.runners.claimer.run(req)
@@ -143,6 +145,14 @@ func (sub *subscription) onClaimed(r claimResult) {
 		sub.giveBack(later)
 	}
 	sub.claims.next(r, woke, now)
+	if r.passed {
+		// A row delivered before waits, left where it was (claimsFreshOnly):
+		// it runs alone, so claims wait until what is out is answered and
+		// written, and the next one scans from the start to bring it first.
+		sub.hand.aloneBehind = true
+		sub.claims.passedDelivered()
+		sub.logger.Debug("A message delivered before waits to run alone until the messages out are answered", watermill.LogFields{"handed_out": sub.hand.handed})
+	}
 	if withheld && !sub.claims.withheld {
 		// Claim again, on the held path where it may, rather than sleep
 		// the idle poll away while arrivals wait. Once: a claim that must

@@ -289,17 +289,16 @@ type SubscriberConfig struct {
 	// Every claim counts, including retries. A subscription with a limit does
 	// not prefetch (a crash would count the rows waiting in its buffer as
 	// delivered). With a limit, a row delivered before runs alone: a claim
-	// keeps it only with nothing ahead of it (else it goes back uncounted,
-	// and claims wait until what is ahead is answered and written), it goes
-	// out once nothing else is out, no claim runs and every write is done
-	// (the rest of its claim goes back uncounted), and nothing is handed
-	// out or claimed until its answer is written. The messages that were
-	// in flight beside one that crashed the process are counted once with
-	// it; after that each runs alone, so only the crashing one reaches the
-	// limit (a limit of at least 2 keeps them), but for one window: a claim
-	// that runs while messages are out may take a row delivered before,
-	// which goes back at once, uncounted, and a crash in the milliseconds
-	// before that is written counts it. A nacked message's retry is a row
+	// made while messages are out leaves it where it is (claims then wait
+	// until those are answered and written), a claim keeps it only with
+	// nothing ahead of it (else it goes back uncounted, and claims wait
+	// likewise), it goes out once nothing else is out, no claim runs and
+	// every write is done (the rest of its claim goes back uncounted), and
+	// nothing is handed out or claimed until its answer is written. The
+	// messages that were in flight beside one that crashed the process are
+	// counted once with it; after that each runs alone, so only the
+	// crashing one reaches the limit (a limit of at least 2 keeps them).
+	// A nacked message's retry is a row
 	// delivered before too: it waits until every handler in flight has
 	// answered, which slow handlers make long. A subscription with a limit
 	// leases every claim, whatever its ClaimMode: a held row's delivery is

@@ -243,7 +243,7 @@ func (sub *subscription) dispatch(now time.Time) {
 	}
 	for sub.hand.handed < sub.outlet.slots.capacity() && !sub.drain.stopping && !sub.backpressured() && len(sub.hand.buffer) > 0 {
 		d := sub.hand.buffer[0]
-		if sub.isolating() || sub.runsAlone(d) && d.state != finished && !sub.settledForAlone() {
+		if sub.isolating() || sub.runsAlone(d) && d.state != finished && !sub.settledForAlone(now) {
 			return // a redelivered row runs alone: after the others answered, and nothing beside it
 		}
 		if sub.hand.aloneBehind && (sub.writes.inWrite || !sub.writes.pending.empty()) {
@@ -273,13 +273,24 @@ func (sub *subscription) runsAlone(d *delivery) bool {
 	return sub.cfg.MaxDeliveries > 0 && sub.outlet.slots != nil && d.deliveries > 1
 }
 
+// claimsFreshOnly reports whether the next claim leases only rows never
+// delivered: a row that runs alone, leased while messages are out, has
+// its delivery counted, and a crash of one of them before it went back
+// (it cannot run beside them) counted it again. Such a claim passes over
+// a row delivered before, locking it only, and says so (claimResult.
+// passed): claims then wait until what is out is answered and written
+// (awaitingAlone), and the next brings the row first.
+func (sub *subscription) claimsFreshOnly() bool {
+	return sub.cfg.MaxDeliveries > 0 && sub.outlet.slots != nil && (sub.hand.handed > 0 || len(sub.hand.buffer) > 0)
+}
+
 // settledForAlone reports whether a row that runs alone may go out: no
 // other is handed out, no claim is running or waiting to be released,
 // and every verdict and give-back is written. A crash before then would
 // leave those rows leased and counted (a claim counts its rows), as if
 // they had run beside it.
-func (sub *subscription) settledForAlone() bool {
-	return sub.hand.handed == 0 && !sub.claims.claiming && !sub.claims.releaseDue(time.Now()) &&
+func (sub *subscription) settledForAlone(now time.Time) bool {
+	return sub.hand.handed == 0 && !sub.claims.claiming && !sub.claims.releaseDue(now) &&
 		sub.claims.givingBack == 0 && !sub.writes.inWrite && sub.writes.pending.empty()
 }
 
@@ -289,13 +300,16 @@ func (sub *subscription) settledForAlone() bool {
 // could keep it from ever settling (settledForAlone), or bring it behind
 // others again.
 func (sub *subscription) awaitingAlone() bool {
-	if sub.cfg.MaxDeliveries == 0 {
-		return false
+	return sub.cfg.MaxDeliveries > 0 && (sub.hand.aloneBehind || slices.ContainsFunc(sub.hand.buffer, sub.runsAlone))
+}
+
+// aloneSettled lets claims bring a row that runs alone, waiting in the
+// outbox behind rows of ours (handout.aloneBehind), once those are
+// answered and written: the next claim brings it first.
+func (sub *subscription) aloneSettled(now time.Time) {
+	if sub.hand.aloneBehind && len(sub.hand.buffer) == 0 && sub.settledForAlone(now) {
+		sub.hand.aloneBehind = false
 	}
-	if sub.hand.aloneBehind && len(sub.hand.buffer) == 0 && sub.settledForAlone() {
-		sub.hand.aloneBehind = false // the next claim brings it first
-	}
-	return sub.hand.aloneBehind || slices.ContainsFunc(sub.hand.buffer, sub.runsAlone)
 }
 
 // isolating reports whether a row that runs alone is out, or answered

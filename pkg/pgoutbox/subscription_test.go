@@ -686,6 +686,51 @@ func TestRedeliveredRowRunsAloneWithMaxDeliveries(t *testing.T) {
 	require.True(t, canClaim(), "claims start again once its ack is written")
 }
 
+// With MaxDeliveries, a claim made while messages are out leases only rows
+// never delivered (claimsFreshOnly), and one that passed over a row
+// delivered before stops claims until what is out is answered and
+// written; the next claim, not fresh only, scans from the start at once.
+// Leased beside the messages out, the row was counted, and a crash of one
+// of them before it went back counted it again.
+func TestClaimsWhileMessagesAreOutLeaveRowsDeliveredBefore(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4; c.MaxDeliveries = 3 })
+	start := func() (claimRequest, bool) {
+		t.Helper()
+		b.sub.claims.want = true
+		b.sub.startClaim(time.Now())
+		if !b.sub.claims.claiming {
+			return claimRequest{}, false
+		}
+		b.sub.claims.claiming = false
+		return b.sub.claims.scan.request(4, b.sub.claims.gen, time.Now()), true
+	}
+	require.False(t, b.sub.claimsFreshOnly(), "nothing out: every row")
+	b.claimed(t, 1)
+	require.True(t, b.sub.claimsFreshOnly(), "a row buffered")
+	d := b.handOut(t)
+	require.True(t, b.sub.claimsFreshOnly(), "a row out")
+
+	req, ok := start()
+	require.True(t, ok)
+	req.freshOnly = true
+	b.sub.claims.scan.at, b.sub.claims.scan.id = pgtype.Timestamptz{Time: time.Now(), Valid: true}, 7
+	b.sub.claims.claiming = true
+	b.sub.onClaimed(claimResult{req: req, passed: true})
+	require.True(t, b.sub.hand.aloneBehind)
+	require.Equal(t, scanFromStart, b.sub.claims.scan.at, "the next claim scans from the start")
+	_, ok = start()
+	require.False(t, ok, "no claim while the message out runs")
+	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg, ack: true}, false)
+	_, ok = start()
+	require.False(t, ok, "nor before its ack is written")
+	b.written()
+	require.False(t, b.sub.claimsFreshOnly())
+	b.sub.claims.want = true
+	b.sub.startClaim(time.Now())
+	require.True(t, b.sub.claims.claiming, "then at once, for every row")
+}
+
 // A write that meets a row changed under it (a serialization failure: a
 // rotation or a conversion moved the row) is retried quietly, at debug
 // level, the first quietConflicts times in a row, as a claim is; other

@@ -42,12 +42,15 @@ import (
 //
 // RetryPolicy (beyond the above), Observer and other func or interface
 // fields are left for code to set. A present but invalid value is an
-// error naming the variable and the format it expects; all of them are
-// reported at once (errors.Join, matching ErrInvalidConfig). When every
+// error naming the variable and the format it expects, and so is a
+// variable of the prefix that is one of these (or of PublisherConfigFromEnv's)
+// spelt with other underscores or case, such as PGOUTBOX_MAXINFLIGHT; all
+// of them are reported at once (errors.Join, matching ErrInvalidConfig).
+// The prefix's other variables are left alone. When every
 // value parses, the result is checked with Validate, whose error is
 // returned.
 func SubscriberConfigFromEnv(prefix string) (SubscriberConfig, error) {
-	return subscriberConfigFromLookup(prefix, os.LookupEnv)
+	return subscriberConfigFromLookup(prefix, os.Environ(), os.LookupEnv)
 }
 
 // PublisherConfigFromEnv reads a PublisherConfig from environment
@@ -62,10 +65,10 @@ func SubscriberConfigFromEnv(prefix string) (SubscriberConfig, error) {
 //	MAX_PAYLOAD_BYTES             MaxPayloadBytes (integer, or -1 for no limit)
 //
 // Observer and GenerateOrderingKey are left for code to set. Invalid
-// values are reported together, each naming its variable and the format
-// it expects; then the result is checked with Validate.
+// values and misspelt variables are reported together, as by
+// SubscriberConfigFromEnv; then the result is checked with Validate.
 func PublisherConfigFromEnv(prefix string) (PublisherConfig, error) {
-	return publisherConfigFromLookup(prefix, os.LookupEnv)
+	return publisherConfigFromLookup(prefix, os.Environ(), os.LookupEnv)
 }
 
 // envReader reads prefixed variables and collects the problems.
@@ -169,6 +172,36 @@ func (r *envReader) duration(name string, dst *time.Duration, minusOne string) b
 
 func (r *envReader) err() error { return errors.Join(r.errs...) }
 
+// envNames are the variables SubscriberConfigFromEnv and
+// PublisherConfigFromEnv read, without the prefix.
+var envNames = []string{
+	"SCHEMA", "TABLE", "DLQ_TABLE", "NO_DLQ", "ARRIVALS", "ROTATING", "ROTATION_WINDOW", "CONSUMER_GROUP",
+	"START_FROM", "MAX_IN_FLIGHT", "LEASE", "MIN_POLL_INTERVAL", "MAX_POLL_INTERVAL", "STATEMENT_TIMEOUT",
+	"DRAIN_TIMEOUT", "ACK_DEADLINE", "MAX_DELIVERIES", "SYNCHRONOUS_COMMIT", "CLAIM_MODE", "WORKER_ID",
+	"LISTEN_DSN", "AUTO_INITIALIZE_SCHEMA", "RETRY_MAX_ATTEMPTS", "RETRY_INITIAL_INTERVAL", "RETRY_MAX_INTERVAL",
+	"RETRY_MULTIPLIER", "RETRY_JITTER", "NOTIFY_COOLDOWN", "MAX_PAYLOAD_BYTES",
+}
+
+// misspelt reports a variable of the prefix that is one of envNames
+// spelt with other underscores or case (PGOUTBOX_MAXINFLIGHT): read by
+// nobody, it would leave its field at the default without a word. Other
+// variables of the prefix are left alone: they may be the application's.
+func (r *envReader) misspelt(environ []string) {
+	squash := func(s string) string { return strings.ToUpper(strings.ReplaceAll(s, "_", "")) }
+	for _, kv := range environ {
+		key, _, _ := strings.Cut(kv, "=")
+		if len(key) <= len(r.prefix) || !strings.EqualFold(key[:len(r.prefix)], r.prefix) {
+			continue
+		}
+		name := key[len(r.prefix):]
+		for _, known := range envNames {
+			if name != known && squash(name) == squash(known) && key != r.prefix+known {
+				r.errs = append(r.errs, errorf("%w: %s is not read (a misspelling?); use %s%s", ErrInvalidConfig, key, r.prefix, known))
+			}
+		}
+	}
+}
+
 // invalid is Validate's error for a configuration read from the
 // variables: its problems name the fields, so it ends by naming the
 // variable of each field it mentions.
@@ -216,8 +249,9 @@ var retryVariables = map[string]string{
 	"Jitter":          "RETRY_JITTER",
 }
 
-func subscriberConfigFromLookup(prefix string, lookup func(string) (string, bool)) (SubscriberConfig, error) {
+func subscriberConfigFromLookup(prefix string, environ []string, lookup func(string) (string, bool)) (SubscriberConfig, error) {
 	r := newEnvReader(prefix, lookup)
+	r.misspelt(environ)
 	var c SubscriberConfig
 	r.tables(&c)
 	r.str("CONSUMER_GROUP", &c.ConsumerGroup)
@@ -278,8 +312,9 @@ func subscriberConfigFromLookup(prefix string, lookup func(string) (string, bool
 	return c, nil
 }
 
-func publisherConfigFromLookup(prefix string, lookup func(string) (string, bool)) (PublisherConfig, error) {
+func publisherConfigFromLookup(prefix string, environ []string, lookup func(string) (string, bool)) (PublisherConfig, error) {
 	r := newEnvReader(prefix, lookup)
+	r.misspelt(environ)
 	var sc SubscriberConfig
 	r.tables(&sc)
 	c := PublisherConfig{Tables: sc.Tables}

@@ -20,7 +20,7 @@ func lookupIn(env map[string]string) func(string) (string, bool) {
 
 func TestSubscriberConfigFromEnv(t *testing.T) {
 	t.Parallel()
-	c, err := subscriberConfigFromLookup("APP", lookupIn(map[string]string{
+	c, err := subscriberConfigFromLookup("APP", nil, lookupIn(map[string]string{
 		"APP_SCHEMA":                 "shop",
 		"APP_TABLE":                  "events",
 		"APP_DLQ_TABLE":              "events_failed",
@@ -58,17 +58,17 @@ func TestSubscriberConfigFromEnv(t *testing.T) {
 
 func TestConfigFromEnvUnsetKeepsDefaults(t *testing.T) {
 	t.Parallel()
-	c, err := subscriberConfigFromLookup("APP_", lookupIn(map[string]string{"APP_LEASE": "", "APP_TABLE": "  "}))
+	c, err := subscriberConfigFromLookup("APP_", nil, lookupIn(map[string]string{"APP_LEASE": "", "APP_TABLE": "  "}))
 	require.NoError(t, err)
 	require.Equal(t, SubscriberConfig{}, c, "unset and empty variables leave the zero value, whose defaults apply")
-	p, err := publisherConfigFromLookup("APP", lookupIn(nil))
+	p, err := publisherConfigFromLookup("APP", nil, lookupIn(nil))
 	require.NoError(t, err)
 	require.Equal(t, PublisherConfig{}, p)
 }
 
 func TestConfigFromEnvReportsEveryInvalidValue(t *testing.T) {
 	t.Parallel()
-	_, err := subscriberConfigFromLookup("APP", lookupIn(map[string]string{
+	_, err := subscriberConfigFromLookup("APP", nil, lookupIn(map[string]string{
 		"APP_LEASE":              "30",
 		"APP_MAX_IN_FLIGHT":      "many",
 		"APP_SYNCHRONOUS_COMMIT": "sure",
@@ -94,7 +94,7 @@ func TestConfigFromEnvReportsEveryInvalidValue(t *testing.T) {
 		require.Contains(t, msg, want)
 	}
 
-	_, err = publisherConfigFromLookup("APP", lookupIn(map[string]string{
+	_, err = publisherConfigFromLookup("APP", nil, lookupIn(map[string]string{
 		"APP_NOTIFY_COOLDOWN":   "soon",
 		"APP_MAX_PAYLOAD_BYTES": "1MB",
 	}))
@@ -104,13 +104,13 @@ func TestConfigFromEnvReportsEveryInvalidValue(t *testing.T) {
 
 	// A value that parses but is out of range is reported beside one that
 	// does not parse, and a jitter's special value as the variable takes it.
-	_, err = publisherConfigFromLookup("APP", lookupIn(map[string]string{
+	_, err = publisherConfigFromLookup("APP", nil, lookupIn(map[string]string{
 		"APP_NOTIFY_COOLDOWN":   "-3ms",
 		"APP_MAX_PAYLOAD_BYTES": "-5",
 	}))
 	require.Contains(t, err.Error(), `APP_NOTIFY_COOLDOWN="-3ms"`)
 	require.Contains(t, err.Error(), `APP_MAX_PAYLOAD_BYTES="-5" is not valid`)
-	_, err = subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_RETRY_JITTER": "1.5", "APP_MAX_DELIVERIES": "-2", "APP_LEASE": "soon"}))
+	_, err = subscriberConfigFromLookup("APP", nil, lookupIn(map[string]string{"APP_RETRY_JITTER": "1.5", "APP_MAX_DELIVERIES": "-2", "APP_LEASE": "soon"}))
 	require.Contains(t, err.Error(), `APP_RETRY_JITTER="1.5" is not valid; use a number from 0 to 1 (0.2 spreads delays by ±20%), or -1 for none`)
 	require.Contains(t, err.Error(), `APP_MAX_DELIVERIES="-2" is not valid`)
 }
@@ -119,19 +119,19 @@ func TestConfigFromEnvValidates(t *testing.T) {
 	t.Parallel()
 	// 0 is the field's default (1), but in the environment it is a mistake.
 	for _, v := range []string{"0", "-1"} {
-		_, err := subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_MAX_IN_FLIGHT": v}))
+		_, err := subscriberConfigFromLookup("APP", nil, lookupIn(map[string]string{"APP_MAX_IN_FLIGHT": v}))
 		require.ErrorIs(t, err, ErrInvalidConfig)
 		require.Contains(t, err.Error(), `APP_MAX_IN_FLIGHT="`+v+`" is not valid; use a whole number, at least 1`)
 	}
-	_, err := subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_LEASE": "2s", "APP_MAX_POLL_INTERVAL": "5s"}))
+	_, err := subscriberConfigFromLookup("APP", nil, lookupIn(map[string]string{"APP_LEASE": "2s", "APP_MAX_POLL_INTERVAL": "5s"}))
 	require.ErrorIs(t, err, ErrInvalidConfig)
 	require.Contains(t, err.Error(), "the APP_* variables")
 	require.Contains(t, err.Error(), "Lease (2s) must be longer than MaxPollInterval (5s)")
 	require.Contains(t, err.Error(), "(Lease is APP_LEASE, MaxPollInterval is APP_MAX_POLL_INTERVAL)", "the fields' variables named")
 
-	_, err = publisherConfigFromLookup("APP", lookupIn(map[string]string{"APP_TABLE": "bad name"}))
+	_, err = publisherConfigFromLookup("APP", nil, lookupIn(map[string]string{"APP_TABLE": "bad name"}))
 	require.ErrorIs(t, err, ErrInvalidConfig)
-	_, err = publisherConfigFromLookup("APP", lookupIn(map[string]string{"APP_DLQ_TABLE": "x", "APP_NO_DLQ": "true"}))
+	_, err = publisherConfigFromLookup("APP", nil, lookupIn(map[string]string{"APP_DLQ_TABLE": "x", "APP_NO_DLQ": "true"}))
 	require.Error(t, err)
 }
 
@@ -161,7 +161,7 @@ func FuzzSubscriberConfigFromEnv(f *testing.F) {
 			"X_CONSUMER_GROUP": group, "X_TABLE": table, "X_RETRY_MAX_ATTEMPTS": attempts,
 			"X_RETRY_JITTER": jitter, "X_DRAIN_TIMEOUT": drain,
 		}
-		c, err := subscriberConfigFromLookup("X", lookupIn(env))
+		c, err := subscriberConfigFromLookup("X", nil, lookupIn(env))
 		if err != nil {
 			require.ErrorIs(t, err, ErrInvalidConfig)
 			if !strings.Contains(err.Error(), "X_") {
@@ -206,23 +206,57 @@ func TestConfigFromEnvReportsASharedVariableOnce(t *testing.T) {
 // outbox.
 func TestConfigFromEnvReadsTheLayout(t *testing.T) {
 	t.Parallel()
-	sub, err := subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_ARRIVALS": "true"}))
+	sub, err := subscriberConfigFromLookup("APP", nil, lookupIn(map[string]string{"APP_ARRIVALS": "true"}))
 	require.NoError(t, err)
 	require.True(t, sub.Tables.Arrivals)
-	pub, err := publisherConfigFromLookup("APP", lookupIn(map[string]string{"APP_ARRIVALS": "1"}))
+	pub, err := publisherConfigFromLookup("APP", nil, lookupIn(map[string]string{"APP_ARRIVALS": "1"}))
 	require.NoError(t, err)
 	require.True(t, pub.Tables.Arrivals)
 
-	sub, err = subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_ROTATING": "true", "APP_ROTATION_WINDOW": "10s"}))
+	sub, err = subscriberConfigFromLookup("APP", nil, lookupIn(map[string]string{"APP_ROTATING": "true", "APP_ROTATION_WINDOW": "10s"}))
 	require.NoError(t, err)
 	require.True(t, sub.Tables.Rotating)
 	require.Equal(t, 10*time.Second, sub.RotationWindow)
-	pub, err = publisherConfigFromLookup("APP", lookupIn(map[string]string{"APP_ROTATING": "true"}))
+	pub, err = publisherConfigFromLookup("APP", nil, lookupIn(map[string]string{"APP_ROTATING": "true"}))
 	require.NoError(t, err)
 	require.True(t, pub.Tables.Rotating)
 
-	_, err = subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_ARRIVALS": "yes please", "APP_ROTATION_WINDOW": "3"}))
+	_, err = subscriberConfigFromLookup("APP", nil, lookupIn(map[string]string{"APP_ARRIVALS": "yes please", "APP_ROTATION_WINDOW": "3"}))
 	require.ErrorIs(t, err, ErrInvalidConfig)
 	require.Contains(t, err.Error(), `APP_ARRIVALS="yes please"`)
 	require.Contains(t, err.Error(), `APP_ROTATION_WINDOW="3"`)
+}
+
+// A variable of the prefix that is a known one spelt with other
+// underscores or case is read by nobody: it left its field at the default
+// without a word. It is an error naming the variable meant; the prefix's
+// other variables (the application's own) are left alone, and so are the
+// other config's (a subscriber's variables beside a publisher's).
+func TestConfigFromEnvNamesAMisspeltVariable(t *testing.T) {
+	t.Parallel()
+	env := map[string]string{"APP_MAXINFLIGHT": "16", "APP_Lease": "1m", "APP_LEASE": "2m", "APP_DATABASE_URL": "postgres://x",
+		"APP_MAX_IN_FLIGHT": "8", "APP_NOTIFY_COOLDOWN": "5ms", "OTHER_MAXINFLIGHT": "1"}
+	var environ []string
+	for k, v := range env {
+		environ = append(environ, k+"="+v)
+	}
+	_, err := subscriberConfigFromLookup("APP", environ, lookupIn(env))
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	require.ErrorContains(t, err, "APP_MAXINFLIGHT is not read (a misspelling?); use APP_MAX_IN_FLIGHT")
+	require.ErrorContains(t, err, "APP_Lease is not read (a misspelling?); use APP_LEASE")
+	require.NotContains(t, err.Error(), "DATABASE_URL")
+	require.NotContains(t, err.Error(), "NOTIFY_COOLDOWN", "a publisher's variable beside the subscriber's")
+	require.NotContains(t, err.Error(), "OTHER_")
+
+	delete(env, "APP_MAXINFLIGHT")
+	delete(env, "APP_Lease")
+	environ = environ[:0]
+	for k, v := range env {
+		environ = append(environ, k+"="+v)
+	}
+	c, err := subscriberConfigFromLookup("APP", environ, lookupIn(env))
+	require.NoError(t, err)
+	require.Equal(t, 8, c.MaxInFlight)
+	_, err = publisherConfigFromLookup("APP", environ, lookupIn(env))
+	require.NoError(t, err, "a subscriber's variables beside a publisher's")
 }

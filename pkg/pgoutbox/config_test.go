@@ -247,7 +247,7 @@ func TestSubscriberConfigValidateAcceptsSpecialValues(t *testing.T) {
 // An error names "pgoutbox:" once, however many pgoutbox errors it wraps.
 func TestErrorsNamePgoutboxOnce(t *testing.T) {
 	t.Parallel()
-	_, envErr := subscriberConfigFromLookup("APP", lookupIn(map[string]string{"APP_TABLE": "bad name"}))
+	_, envErr := subscriberConfigFromLookup("APP", nil, lookupIn(map[string]string{"APP_TABLE": "bad name"}))
 	for _, err := range []error{
 		PublisherConfig{Tables: schema.Config{Table: "bad name"}}.Validate(),
 		SubscriberConfig{Tables: schema.Config{Table: "bad name"}, ConsumerGroup: "a\x01"}.Validate(),

@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -127,5 +128,75 @@ CREATE TRIGGER log_lease AFTER UPDATE ON `+b.Schema+`.outbox FOR EACH ROW
 				})
 			}
 		}
+	})
+}
+
+// A keyed row delivered before (R, key k), which a claim asked for by its
+// key (k's previous message just ended) passed over while another message
+// (S) was out, is asked for by its key again once S is answered. The ask
+// was spent on the claim that passed over it: R was then found only by
+// the scan's windows through a backlog held back by another key (here
+// behind a scheduled row), a window per claim, dozens of claims later.
+func TestAKeyedRowPassedOverIsAskedForByItsKeyAgain(t *testing.T) {
+	t.Parallel()
+	onEachLayout(t, func(t *testing.T, b *bundle) {
+		ctx := context.Background()
+		pub := b.poolPublisher(t)
+		k1, slow := newMsg("K1"), newMsg("S")
+		pgoutbox.WithOrderingKey(k1, "k")
+		require.NoError(t, pub.Publish("t", k1, slow))
+		_, err := b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, ordering_key, available_at)
+			VALUES ('t', gen_random_uuid()::text, 'H0', 'h', now() + interval '1 hour')`)
+		require.NoError(t, err)
+		_, err = b.Pool.Exec(ctx, `INSERT INTO `+b.Schema+`.outbox (topic, uuid, payload, ordering_key)
+			SELECT 't', gen_random_uuid()::text, 'h', 'h' FROM generate_series(1, 20000)`)
+		require.NoError(t, err)
+		r := newMsg("R")
+		pgoutbox.WithOrderingKey(r, "k")
+		require.NoError(t, pub.Publish("t", r))
+		_, err = b.Pool.Exec(ctx, `UPDATE `+b.Schema+`.outbox SET deliveries = 1 WHERE uuid = $1`, r.UUID) // delivered once before
+		require.NoError(t, err)
+		_, err = b.Pool.Exec(ctx, `ANALYZE `+b.Schema+`.outbox`)
+		require.NoError(t, err)
+
+		var claims atomic.Int64
+		logs := &logCapture{}
+		sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
+			Tables: b.tables, ClaimMode: pgoutbox.ClaimLease, MaxInFlight: 4, MaxDeliveries: 3,
+			MinPollInterval: 50 * time.Millisecond, MaxPollInterval: 200 * time.Millisecond,
+			Observer: pgoutbox.ObserverFunc(func(e pgoutbox.Event) {
+				if e.Kind == pgoutbox.EventClaimed {
+					claims.Add(1)
+				}
+			}),
+		}, logs)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = sub.Close() })
+		msgs, err := sub.Subscribe(t.Context(), "t")
+		require.NoError(t, err)
+
+		var s *message.Message
+		for s == nil {
+			m := receive(t, msgs, 30*time.Second)
+			switch string(m.Payload) {
+			case "K1":
+				m.Ack() // k ends while S is out: the next claim asks for k
+			case "S":
+				s = m
+			default:
+				t.Fatalf("%s before S was answered", m.Payload)
+			}
+		}
+		pollUntil(t, "a claim passing over R while S is out", 30*time.Second, nil, func() bool {
+			return len(logs.find("debug", func(e logEntry) bool {
+				return e.msg == "A message delivered before waits to run alone until the messages out are answered"
+			})) > 0
+		})
+		before := claims.Load()
+		s.Ack()
+		m := receive(t, msgs, time.Minute)
+		require.Equal(t, "R", string(m.Payload))
+		m.Ack()
+		require.LessOrEqual(t, claims.Load()-before, int64(3), "R, its key's next row, waited for the scan's windows through the backlog")
 	})
 }

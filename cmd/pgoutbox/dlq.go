@@ -459,11 +459,11 @@ func (c *cli) dlqPurge(args []string) error {
 }
 
 // lastErrorShown is a dead letter's last error as the tables show it. A
-// message dead-lettered at MaxDeliveries without an error never got an
-// answer: the likely cause is said, not left blank.
+// message dead-lettered at MaxDeliveries without an error had no delivery
+// that ended with one: the likely causes are said, not left blank.
 func lastErrorShown(d pgoutbox.DeadLetter) string {
 	if d.LastError == "" && d.FailureReason == pgoutbox.ReasonMaxDeliveries {
-		return "(none: no delivery was answered; the handler may crash its process, or outlive its Lease)"
+		return "(none recorded: the handler may crash its process, outlive its Lease, or nack without an error)"
 	}
 	return d.LastError
 }

@@ -192,8 +192,9 @@ func TestDLQListShowRequeue(t *testing.T) {
 	require.Contains(t, errOut, "no dead letter with id")
 }
 
-// A message dead-lettered at MaxDeliveries without an error never had an
-// answer: the tables say what that likely means instead of a blank.
+// A message dead-lettered at MaxDeliveries without an error had no
+// delivery that ended with one: the tables say what that likely means
+// instead of a blank.
 func TestDLQShowsWhyAMaxDeliveriesLetterHasNoError(t *testing.T) {
 	t.Parallel()
 	env := pgoutboxtest.PubSub(t)
@@ -215,10 +216,10 @@ func TestDLQShowsWhyAMaxDeliveriesLetterHasNoError(t *testing.T) {
 
 	out, errOut, code := cliRun(t, env, "dlq", "show", fmt.Sprint(page.Letters[0].ID))
 	require.Equal(t, 0, code, errOut)
-	require.Contains(t, out, "Last error:   (none: no delivery was answered; the handler may crash its process, or outlive its Lease)")
+	require.Contains(t, out, "Last error:   (none recorded: the handler may crash its process, outlive its Lease, or nack without an error)")
 	out, errOut, code = cliRun(t, env, "dlq", "list")
 	require.Equal(t, 0, code, errOut)
-	require.Contains(t, out, "(none: no delivery was answered")
+	require.Contains(t, out, "(none recorded: the handler may crash")
 }
 
 func TestDLQPurge(t *testing.T) {

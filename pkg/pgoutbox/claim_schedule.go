@@ -105,12 +105,22 @@ func (c *claimSchedule) wake(expired bool) {
 
 // passedDelivered takes in a claim that passed over a row delivered
 // before (claimsFreshOnly): the next claim, once it may start, scans from
-// the start, without an idle wait. (Expired and orphaned leases it passed
-// over count as reclaimed: the look for them goes on as after a look
-// that took some, claimScan.claimed.)
-func (c *claimSchedule) passedDelivered() {
+// the start, without an idle wait, and asks again for the keys this one
+// asked for and took nothing of: the row passed over may be one's next,
+// which nothing else asks for (a row given back would have ended its
+// key; this one is left as it was), and a scan from the start reaches it
+// only by windows when a backlog held back by keys lies before it.
+// (Expired and orphaned leases it passed over count as reclaimed: the
+// look for them goes on as after a look that took some,
+// claimScan.claimed.)
+func (c *claimSchedule) passedDelivered(r claimResult) {
 	c.scan.restart(false)
 	c.want, c.idleUntil = true, time.Time{}
+	for _, k := range r.req.endedKeys {
+		if !slices.ContainsFunc(r.rows, func(d *delivery) bool { return d.orderingKey == k }) {
+			c.endedKeys[k] = struct{}{}
+		}
+	}
 }
 
 // waiting reports whether no claim may start for reasons of its own: one

@@ -150,7 +150,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 		// it runs alone, so claims wait until what is out is answered and
 		// written, and the next one scans from the start to bring it first.
 		sub.hand.aloneBehind = true
-		sub.claims.passedDelivered()
+		sub.claims.passedDelivered(r)
 		sub.logger.Debug("A message delivered before waits to run alone until the messages out are answered", watermill.LogFields{"handed_out": sub.hand.handed})
 	}
 	if withheld && !sub.claims.withheld {

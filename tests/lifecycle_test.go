@@ -251,3 +251,92 @@ func TestARouterStoppedByItsContextLeavesNoObserverGoroutine(t *testing.T) {
 	}
 	pollUntil(t, "the observer goroutines of the unclosed subscribers ended", 10*time.Second, nil, func() bool { return queues() <= before })
 }
+
+// Close writes its last writes (here the release of the messages in flight
+// at DrainTimeout) when the pool's connections were ended just before (a
+// server's idle-session timeout, a pooler's restart, pg_terminate_backend)
+// while the database stays up: each write on a dead connection fails at
+// once, and Close gave up after three such failures, leaving the rows to
+// their leases (a handled message's ack so, redelivered although handled).
+// It retries until its deadline; only failures to reach the database at
+// all end it sooner (TestCloseGivesUpSoonOnADatabaseItCannotReach).
+func TestCloseWritesAfterThePoolsConnectionsWereEnded(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	app := "ended-" + watermill.NewShortUUID()
+	pool := b.poolWith(t, map[string]string{"application_name": app}, func(c *pgxpool.Config) { c.MaxConns = 10 })
+	const n = 4
+	require.NoError(t, b.poolPublisher(t).Publish("t", newMsgs(n)...))
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, ClaimMode: pgoutbox.ClaimLease,
+		MaxInFlight: n, DrainTimeout: 100 * time.Millisecond, StatementTimeout: 5 * time.Second, Lease: time.Hour}, b.logger)
+	require.NoError(t, err)
+	msgs, err := sub.Subscribe(ctx, "t")
+	require.NoError(t, err)
+	for range n {
+		receive(t, msgs, 10*time.Second) // held, never answered
+	}
+	// Every idle connection of the pool used just now (the pool pings only
+	// those idle for over a second), then ended by the server.
+	var conns []*pgxpool.Conn
+	for pool.Stat().IdleConns() > 0 {
+		c, err := pool.Acquire(ctx)
+		require.NoError(t, err)
+		_, err = c.Exec(ctx, "SELECT 1")
+		require.NoError(t, err)
+		conns = append(conns, c)
+	}
+	for range 6 - len(conns) {
+		c, err := pool.Acquire(ctx)
+		require.NoError(t, err)
+		conns = append(conns, c)
+	}
+	for _, c := range conns {
+		c.Release()
+	}
+	var ended []int32
+	rows, err := b.Pool.Query(ctx, `SELECT pid FROM (SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1 AND state = 'idle') s`, app)
+	require.NoError(t, err)
+	for rows.Next() {
+		var pid int32
+		require.NoError(t, rows.Scan(&pid))
+		ended = append(ended, pid)
+	}
+	require.NoError(t, rows.Err())
+	require.GreaterOrEqual(t, len(ended), 4)
+	pollUntil(t, "the ended sessions gone", 10*time.Second, nil, func() bool {
+		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)`, ended) == 0
+	})
+	requireClosed(t, "Close", sub.Close)
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE lease_token IS NOT NULL`),
+		"Close gave up releasing the messages in flight, with the database up")
+}
+
+// Close gives up its last writes soon when it cannot reach the database
+// (connections refused), rather than wait out its deadline
+// (StatementTimeout), as TestCloseWritesAfterThePoolsConnectionsWereEnded
+// retries writes that failed on connections the server ended.
+func TestCloseGivesUpSoonOnADatabaseItCannotReach(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	px := startTCPProxy(t, b.DSN)
+	pool := px.pool(t, b, "unreachable-"+b.Schema, nil)
+	const n = 2
+	require.NoError(t, b.poolPublisher(t).Publish("t", newMsgs(n)...))
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, ClaimMode: pgoutbox.ClaimLease,
+		MaxInFlight: n, DrainTimeout: 100 * time.Millisecond, StatementTimeout: time.Minute, Lease: time.Hour}, b.logger)
+	require.NoError(t, err)
+	msgs, err := sub.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	for range n {
+		receive(t, msgs, 10*time.Second)
+	}
+	px.cut() // every connection closed, new ones refused
+	closed := make(chan error, 1)
+	go func() { closed <- sub.Close() }()
+	select {
+	case <-closed:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Close waited for its deadline (StatementTimeout, a minute) on a database it cannot reach")
+	}
+}

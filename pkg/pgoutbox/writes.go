@@ -1,9 +1,11 @@
 package pgoutbox
 
 import (
+	"errors"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 )
@@ -13,13 +15,13 @@ import (
 // the pacing of acks and the backoff after a failure, and the deadline of
 // the last writes at close. Only the owner touches it.
 type writeQueue struct {
-	pending       writeJob  // not yet given to the completer
-	inWrite       bool      // the completer has a job
-	gate          retryGate // after a failed write
-	last          time.Time // when the last write was started
-	ackWait       time.Time // a paced write of acks is due then
-	finalDeadline time.Time // set when only the last writes remain
-	finalFailures int
+	pending       writeJob   // not yet given to the completer
+	inWrite       bool       // the completer has a job
+	gate          retryGate  // after a failed write
+	last          time.Time  // when the last write was started
+	ackWait       time.Time  // a paced write of acks is due then
+	finalDeadline time.Time  // set when only the last writes remain
+	finalFailures int        // final writes that could not reach the database (finalWriteFailed)
 	lastErr       error      // the last write's failure, for the log line that gives up at close
 	acked         recentAcks // the acks written lately, for a server that loses them (reackRecent)
 	reacks        []ackedRow
@@ -176,9 +178,7 @@ func (sub *subscription) onWritten(r writeResult) {
 		// The unwritten rest goes first next time.
 		sub.writes.pending = r.left.merge(sub.writes.pending)
 		sub.writes.lastErr = r.err
-		if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() {
-			sub.writes.finalFailures++
-		}
+		sub.finalWriteFailed(r.err)
 		wait := sub.writes.gate.failed(time.Now())
 		if conflict(r.err) && sub.writes.gate.failures <= quietConflicts {
 			// As a claim's (see onClaimed): a row changed under the write,
@@ -203,10 +203,20 @@ func (sub *subscription) onWritten(r writeResult) {
 		return
 	}
 	sub.writes.lastErr = alone
-	if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() {
+	sub.finalWriteFailed(alone)
+	sub.writes.gate.failed(time.Now())
+}
+
+// finalWriteFailed counts a failed final write (at close) that could not
+// reach the database: after a few, Close gives up before its deadline.
+// Other failures are retried until the deadline: a connection the server
+// ended (an idle one of the pool, terminated before Close) fails fast
+// too, and giving up on it after three dropped every ack in flight, their
+// messages redelivered although handled, with the database up.
+func (sub *subscription) finalWriteFailed(err error) {
+	if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() && errors.As(err, new(*pgconn.ConnectError)) {
 		sub.writes.finalFailures++
 	}
-	sub.writes.gate.failed(time.Now())
 }
 
 // finish ends d's time in the owner's hands after its write, and reports

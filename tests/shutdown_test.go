@@ -166,7 +166,11 @@ func TestDrainEndsAFinishingTransactionsRetries(t *testing.T) {
 		})
 		pub, err := pgoutbox.NewContextPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: b.tables}, b.logger)
 		require.NoError(t, err)
-		txMiddleware, err := tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{Publisher: pub, CommitTimeout: 500 * time.Millisecond})
+		// CommitTimeout well after DrainTimeout: the first attempt's
+		// transaction ends after the drain ended the message, also on a
+		// busy machine (500 ms, with a full suite and more beside it, let
+		// the attempt fail first, and Retry ran a second).
+		txMiddleware, err := tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{Publisher: pub, CommitTimeout: 2 * time.Second})
 		require.NoError(t, err)
 		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, b.logger)
 		require.NoError(t, err)

@@ -303,7 +303,9 @@ type SubscriberConfig struct {
 	// answered, which slow handlers make long. A subscription with a limit
 	// leases every claim, whatever its ClaimMode: a held row's delivery is
 	// written only when its batch ends, and a crash before that would not
-	// count it. Defaults to 0: no limit.
+	// count it. A process ended from outside (an OOM kill, kill -9) counts
+	// the rows it had claimed as a crash does, handled or not: set the
+	// limit above the kills in a row you expect. Defaults to 0: no limit.
 	MaxDeliveries int
 
 	// SynchronousCommit makes the subscriber's own writes (claims, acks,

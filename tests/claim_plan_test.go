@@ -57,7 +57,11 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 	require.NoError(t, err)
 	defer conn.Release()
 	statements := claimStatements(q, "topic-3")
-	for _, st := range statements[:2] { // the lease claims; the held one below
+	held := statements[slices.IndexFunc(statements, func(st claimStatement) bool { return st.name == "held" })]
+	for _, st := range statements {
+		if st.name == "held" {
+			continue // below
+		}
 		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
 			_, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode)
 			require.NoError(t, err)
@@ -80,7 +84,6 @@ SELECT 'topic-' || (g %% 20), g::text, '\x00', '{}',
 	}
 	// The held claim locks ready rows from the cursor: the ready index,
 	// and a keyed row's predecessor by the ordering-key index.
-	held := statements[2]
 	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
 		_, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode)
 		require.NoError(t, err)

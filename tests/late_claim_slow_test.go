@@ -2,7 +2,10 @@ package tests
 
 import (
 	"bytes"
+	"context"
+	"fmt"
 	"net"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -150,4 +153,43 @@ func (p *claimDelayProxy) delayFor() time.Duration {
 	default:
 		return time.Until(p.secondAt.Add(300 * time.Millisecond))
 	}
+}
+
+// Claims slower than half their StatementTimeout, each answered in time,
+// keep claiming. The server's clock was read by the time a claim checked
+// its deadline, before its scans, against the time its answer came: the
+// reading put the server behind by the claim's length, the next claim's
+// deadline came early by as much, and its last statement (the deadline's
+// check after the scans) failed it; so did every claim after it, each
+// failure read the same way, and delivery stopped. A trigger makes each
+// lease take 250 ms; StatementTimeout is 400 ms.
+func TestClaimsSlowerThanHalfTheirTimeoutKeepClaiming(t *testing.T) {
+	t.Parallel()
+	onEachLayout(t, func(t *testing.T, b *bundle) {
+		ctx := context.Background()
+		_, err := b.Pool.Exec(ctx, `
+CREATE FUNCTION `+b.Schema+`.slow() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN PERFORM pg_sleep(0.25); RETURN NEW; END $$;
+CREATE TRIGGER slow BEFORE UPDATE ON `+b.Schema+`.outbox FOR EACH ROW
+  WHEN (NEW.lease_token IS NOT NULL AND OLD.lease_token IS NULL) EXECUTE FUNCTION `+b.Schema+`.slow();
+CREATE TRIGGER slow_move BEFORE INSERT ON `+b.Schema+`.outbox FOR EACH ROW
+  WHEN (NEW.lease_token IS NOT NULL) EXECUTE FUNCTION `+b.Schema+`.slow()`)
+		require.NoError(t, err)
+		const n = 6
+		logs := &logCapture{}
+		b.logger = logs
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			c.ClaimMode, c.MaxInFlight, c.Lease, c.StatementTimeout = pgoutbox.ClaimLease, 1, 5*time.Second, 400*time.Millisecond
+		})
+		msgs, err := sub.Subscribe(t.Context(), "t")
+		require.NoError(t, err)
+		for i := range n {
+			require.NoError(t, b.poolPublisher(t).Publish("t", newMsg(fmt.Sprint(i))))
+			m := receive(t, msgs, 30*time.Second)
+			m.Ack()
+		}
+		require.Empty(t, logs.find("error", func(e logEntry) bool {
+			return e.err != nil && strings.Contains(e.err.Error(), "past its deadline")
+		}), "claims answered in time failed their deadline's check")
+	})
 }

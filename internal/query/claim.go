@@ -350,17 +350,24 @@ func freshOnly(last int, arrivals bool, orphanedCount string) (taken, passed str
 // went. The condition depends on no row, so it runs before the claim's
 // scans (a one-time filter): a claim late already scans nothing. Scans
 // that run long past the deadline (a backlog held back by its keys) are
-// caught by ClaimDeadline, the claim's last statement.
+// caught by ClaimDeadline, the claim's last statement, whose time is the
+// one the client reads the server's clock by.
 const onTimeCTE = `on_time AS MATERIALIZED (SELECT clock_timestamp() AS at)`
 
 // ClaimDeadline is a lease claim's last statement, in its transaction:
 // it fails, rolling the claim back, when the server reaches it after the
-// claim's deadline ($1), so a claim that ran past the time its client
-// gave up on it (its cancel request lost) leases nothing, however long
-// its scans took. SQL has no RAISE: the failure is a cast of a text that
-// says what happened (SQLSTATE 22P02, DeadlineMarker in its message).
+// claim's deadline ($1; NULL: none), so a claim that ran past the time its
+// client gave up on it (its cancel request lost) leases nothing, however
+// long its scans took. SQL has no RAISE: the failure is a cast of a text
+// that says what happened (SQLSTATE 22007, DeadlineMarker in its
+// message). Otherwise it returns the server's time, the claim's last
+// reading of the clock: read before the claim's scans (on_time), the
+// reading put the server behind by the claim's length, and the next
+// claim's deadline early by as much, which a claim as slow as that one
+// then missed, and the next, and so on.
 const ClaimDeadline = `SELECT CASE WHEN clock_timestamp() > $1::timestamptz
-            THEN ('` + DeadlineMarker + ` by ' || (clock_timestamp() - $1::timestamptz)::text)::int END`
+            THEN ('` + DeadlineMarker + ` by ' || (clock_timestamp() - $1::timestamptz)::text)::timestamptz
+            ELSE clock_timestamp() END`
 
 // DeadlineMarker is in the message of ClaimDeadline's failure.
 const DeadlineMarker = "pgoutbox: the lease claim ran past its deadline"

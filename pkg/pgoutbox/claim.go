@@ -77,7 +77,7 @@ func (e lateClaim) Error() string {
 // other errors are returned as they are. The claim rolled back.
 func pastDeadline(err error, bound time.Duration) error {
 	var pg *pgconn.PgError
-	if !errors.As(err, &pg) || pg.Code != "22P02" || !strings.Contains(pg.Message, query.DeadlineMarker) {
+	if !errors.As(err, &pg) || pg.Code != "22007" || !strings.Contains(pg.Message, query.DeadlineMarker) {
 		return err
 	}
 	return fmt.Errorf("the claim ran in the database past its deadline (StatementTimeout %s) and took nothing: "+
@@ -125,7 +125,7 @@ type claimResult struct {
 	cursor    pgtype.Int8
 	reclaimed int                // expired or orphaned leases taken
 	serverNow pgtype.Timestamptz // the claim statement's now()
-	checkedAt pgtype.Timestamptz // a lease claim's: when the server checked its deadline
+	checkedAt pgtype.Timestamptz // a lease claim's: the server's time at its end (query.ClaimDeadline), or when it first checked its deadline
 	// A lease claim's: when its bound began (its deadline's base: a lost
 	// claim's rows are given back until they can hold a lease no more),
 	// and when its answer came (the server's clock is read against it);

@@ -122,9 +122,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	defer conn.Release()
 	b, lead := ownBatch(c.isolate, query.ClaimSettings)
 	b.Queue(stmt, args...)
-	if deadline.Valid {
-		b.Queue(query.ClaimDeadline, deadline)
-	}
+	b.Queue(query.ClaimDeadline, deadline)
 	res := conn.SendBatch(ctx, b)
 	defer res.Close()
 	if err := skipResults(res, lead); err != nil {
@@ -185,32 +183,24 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		r.rows, r.err = nil, claimErr(err)
 		return r
 	}
-	if deadline.Valid {
-		if _, err := res.Exec(); err != nil {
-			if late := r.checkedAt.Time.Sub(deadline.Time); r.checkedAt.Valid && late > 0 && len(r.rows) == 0 {
-				// Late before it read a row: a clock stepped (lateClaim says
-				// so), as below.
-				r.rows, r.err = nil, lateClaim{late: late}
-				return r
-			}
-			r.rows, r.err = nil, claimErr(pastDeadline(err, c.cfg.StatementTimeout))
+	var endAt pgtype.Timestamptz
+	if err := res.QueryRow().Scan(&endAt); err != nil {
+		if late := r.checkedAt.Time.Sub(deadline.Time); deadline.Valid && r.checkedAt.Valid && late > 0 && len(r.rows) == 0 {
+			// Late before it read a row: a clock stepped since the last
+			// reading (lateClaim says so), and the next claim goes by
+			// this one's.
+			r.rows, r.err = nil, lateClaim{late: late}
 			return r
 		}
-	}
-	if err := res.Close(); err != nil { // the commit's outcome
-		r.rows, r.err = nil, claimErr(err)
+		// Its scans ran past the deadline: its readings of the clock,
+		// taken before them, would put the server behind by their length.
+		r.checkedAt, r.serverNow = pgtype.Timestamptz{}, pgtype.Timestamptz{}
+		r.rows, r.err = nil, claimErr(pastDeadline(err, c.cfg.StatementTimeout))
 		return r
 	}
-	if late := r.checkedAt.Time.Sub(deadline.Time); deadline.Valid && r.checkedAt.Valid && late > 0 {
-		if len(r.rows) > 0 {
-			// The server judged otherwise: the rows are leased, and go
-			// back like a lost claim's.
-			r.rows, r.err = nil, fmt.Errorf("pgoutbox: a claim past its deadline by %s by this process's reckoning took rows all the same; they are given back", late)
-			return r
-		}
-		// It took nothing, and its cursor and counts are of rows it left:
-		// the scan must not move past them.
-		r.err = lateClaim{late: late}
+	r.checkedAt, r.answeredAt = endAt, time.Now()
+	if err := res.Close(); err != nil { // the commit's outcome
+		r.rows, r.err = nil, claimErr(err)
 		return r
 	}
 	r.reclaimed, r.free, r.passed = int(reclaimed), int(free), passed.Bool

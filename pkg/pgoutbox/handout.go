@@ -279,7 +279,8 @@ func (sub *subscription) runsAlone(d *delivery) bool {
 // (it cannot run beside them) counted it again. Such a claim passes over
 // a row delivered before, locking it only, and says so (claimResult.
 // passed): claims then wait until what is out is answered and written
-// (awaitingAlone), and the next brings the row first.
+// (awaitingAlone), and the next scans from the start, so that it brings
+// the row with nothing ahead of it, unless rows due before it came.
 func (sub *subscription) claimsFreshOnly() bool {
 	return sub.cfg.MaxDeliveries > 0 && sub.outlet.slots != nil && (sub.hand.handed > 0 || len(sub.hand.buffer) > 0)
 }

@@ -162,24 +162,24 @@ func (p *claimDelayProxy) delayFor() time.Duration {
 // deadline came early by as much, and its last statement (the deadline's
 // check after the scans) failed it; so did every claim after it, each
 // failure read the same way, and delivery stopped. A trigger makes each
-// lease take 250 ms; StatementTimeout is 400 ms.
+// lease take 1.2 s; StatementTimeout is 2 s.
 func TestClaimsSlowerThanHalfTheirTimeoutKeepClaiming(t *testing.T) {
 	t.Parallel()
 	onEachLayout(t, func(t *testing.T, b *bundle) {
 		ctx := context.Background()
 		_, err := b.Pool.Exec(ctx, `
 CREATE FUNCTION `+b.Schema+`.slow() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN PERFORM pg_sleep(0.25); RETURN NEW; END $$;
+BEGIN PERFORM pg_sleep(1.2); RETURN NEW; END $$;
 CREATE TRIGGER slow BEFORE UPDATE ON `+b.Schema+`.outbox FOR EACH ROW
   WHEN (NEW.lease_token IS NOT NULL AND OLD.lease_token IS NULL) EXECUTE FUNCTION `+b.Schema+`.slow();
 CREATE TRIGGER slow_move BEFORE INSERT ON `+b.Schema+`.outbox FOR EACH ROW
   WHEN (NEW.lease_token IS NOT NULL) EXECUTE FUNCTION `+b.Schema+`.slow()`)
 		require.NoError(t, err)
-		const n = 6
+		const n = 4
 		logs := &logCapture{}
 		b.logger = logs
 		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
-			c.ClaimMode, c.MaxInFlight, c.Lease, c.StatementTimeout = pgoutbox.ClaimLease, 1, 5*time.Second, 400*time.Millisecond
+			c.ClaimMode, c.MaxInFlight, c.Lease, c.StatementTimeout = pgoutbox.ClaimLease, 1, 10*time.Second, 2*time.Second
 		})
 		msgs, err := sub.Subscribe(t.Context(), "t")
 		require.NoError(t, err)

@@ -176,11 +176,13 @@ func TestAKeyedRowPassedOverIsAskedForByItsKeyAgain(t *testing.T) {
 		require.NoError(t, err)
 
 		var s *message.Message
-		for s == nil {
+		k1Acked := false
+		for s == nil || !k1Acked { // in either order
 			m := receive(t, msgs, 30*time.Second)
 			switch string(m.Payload) {
 			case "K1":
 				m.Ack() // k ends while S is out: the next claim asks for k
+				k1Acked = true
 			case "S":
 				s = m
 			default:

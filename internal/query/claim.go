@@ -348,7 +348,7 @@ func freshOnly(last int, arrivals bool, orphanedCount string) (taken, passed str
 // holds one): a claim that reached the server in time but waited there
 // past its deadline, its client's cancel lost, leased rows when the lock
 // went. The condition depends on no row, so it runs before the claim's
-// scans (a one-time filter): a claim late already scans nothing. Scans
+// scans (a one-time filter): a claim late already takes nothing. Scans
 // that run long past the deadline (a backlog held back by its keys) are
 // caught by ClaimDeadline, the claim's last statement, whose time is the
 // one the client reads the server's clock by.

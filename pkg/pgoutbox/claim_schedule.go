@@ -116,6 +116,12 @@ func (c *claimSchedule) wake(expired bool) {
 func (c *claimSchedule) passedDelivered(r claimResult) {
 	c.scan.restart(false)
 	c.want, c.idleUntil = true, time.Time{}
+	c.askAgain(r)
+}
+
+// askAgain makes the next claim ask again for the keys r asked for and
+// took nothing of.
+func (c *claimSchedule) askAgain(r claimResult) {
 	for _, k := range r.req.endedKeys {
 		if !slices.ContainsFunc(r.rows, func(d *delivery) bool { return d.orderingKey == k }) {
 			c.endedKeys[k] = struct{}{}

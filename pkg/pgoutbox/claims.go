@@ -112,8 +112,10 @@ func (sub *subscription) onClaimed(r claimResult) {
 	if sub.drain.stopping || r.req.gen != sub.claims.gen {
 		// Stopping, or rows went back while this claim ran: these rows may
 		// be newer than those, so they go back too, and the next claim
-		// takes everything from the start, in order.
+		// takes everything from the start, in order, asking again for the
+		// keys this one asked for (their rows, given back, ask for theirs).
 		sub.giveBack(r.rows)
+		sub.claims.askAgain(r)
 		return
 	}
 	// A row that runs alone (runsAlone) is kept only with nothing ahead of

@@ -92,7 +92,7 @@ func (sub *subscription) finishedStopping(now time.Time) bool {
 	if sub.writes.pending.empty() && !sub.claims.releaseDue(now) && sub.hand.retry == nil && len(sub.writes.reacks) == 0 {
 		return true
 	}
-	if sub.writes.finalFailures >= 3 || now.After(sub.writes.finalDeadline) {
+	if sub.writes.finalFailures >= 3 || !now.Before(sub.writes.finalDeadline) {
 		err := sub.writes.lastErr
 		if err == nil {
 			err = fmt.Errorf("no write completed within StatementTimeout (%s)", sub.cfg.StatementTimeout)

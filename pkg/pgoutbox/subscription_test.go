@@ -848,3 +848,20 @@ func TestAReleaseGivenUpIsNotLoggedAsRetried(t *testing.T) {
 	}
 	require.Len(t, logs.Captured()[watermill.InfoLogLevel], 1)
 }
+
+// At close, the owner wakes when its last writes' deadline passes, not
+// when a write's backoff ends: a write failing on and on (not for want of
+// a connection) made Close give up a backoff after its deadline, seconds
+// past StatementTimeout.
+func TestOwnerWakesAtTheLastWritesDeadline(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	now := time.Now()
+	b.sub.drain.stopping = true
+	b.sub.writes.finalDeadline = now.Add(time.Second)
+	b.sub.writes.gate.until = now.Add(5 * time.Second)
+	b.sub.house.next = now.Add(time.Minute)
+	b.sub.armTimer(now)
+	require.Equal(t, b.sub.writes.finalDeadline, b.sub.events.timer.at)
+	require.True(t, b.sub.finishedStopping(b.sub.writes.finalDeadline), "it gives up then")
+}

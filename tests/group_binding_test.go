@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
@@ -745,6 +746,18 @@ func TestSubscribeWithAShortStatementTimeoutCopiesALargeBacklog(t *testing.T) {
 		c.StartFrom = pgoutbox.StartFromBacklog
 		c.StatementTimeout = 50 * time.Millisecond
 	})
+	// Connections made beforehand: under a loaded CI run a new one took
+	// over 50 ms, and the binding failed for want of a connection, not
+	// for its statements.
+	var conns []*pgxpool.Conn
+	for range 4 {
+		c, err := b.Pool.Acquire(ctx)
+		require.NoError(t, err)
+		conns = append(conns, c)
+	}
+	for _, c := range conns {
+		c.Release()
+	}
 	subCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	_, err := sub.Subscribe(subCtx, "backlog")

@@ -262,14 +262,22 @@ func TestARouterStoppedByItsContextLeavesNoObserverGoroutine(t *testing.T) {
 // all end it sooner (TestCloseGivesUpSoonOnADatabaseItCannotReach).
 func TestCloseWritesAfterThePoolsConnectionsWereEnded(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
+	onEachClaimPath(t, func(t *testing.T, path string) { closeAfterThePoolsConnectionsWereEnded(t, setup(t), path) })
+}
+
+// closeAfterThePoolsConnectionsWereEnded is the test above on one claim
+// path; on the held path the batch's own connection ends with the others,
+// and its rows are due again at once.
+func closeAfterThePoolsConnectionsWereEnded(t *testing.T, b *bundle, path string) {
 	ctx := context.Background()
 	app := "ended-" + watermill.NewShortUUID()
 	pool := b.poolWith(t, map[string]string{"application_name": app}, func(c *pgxpool.Config) { c.MaxConns = 10 })
 	const n = 4
 	require.NoError(t, b.poolPublisher(t).Publish("t", newMsgs(n)...))
-	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, ClaimMode: pgoutbox.ClaimLease,
-		MaxInFlight: n, DrainTimeout: 100 * time.Millisecond, StatementTimeout: 5 * time.Second, Lease: time.Hour}, b.logger)
+	cfg := pgoutbox.SubscriberConfig{Tables: b.tables, MaxInFlight: n, DrainTimeout: 100 * time.Millisecond,
+		StatementTimeout: 5 * time.Second, Lease: time.Hour}
+	onPath(t, path, &cfg)
+	sub, err := pgoutbox.NewSubscriber(pool, cfg, b.logger)
 	require.NoError(t, err)
 	msgs, err := sub.Subscribe(ctx, "t")
 	require.NoError(t, err)

@@ -21,7 +21,7 @@ type writeQueue struct {
 	last          time.Time  // when the last write was started
 	ackWait       time.Time  // a paced write of acks is due then
 	finalDeadline time.Time  // set when only the last writes remain
-	finalFailures int        // final writes that could not reach the database (finalWriteFailed)
+	finalFailures int        // final writes in a row that could not reach the database (finalWriteFailed)
 	lastErr       error      // the last write's failure, for the log line that gives up at close
 	acked         recentAcks // the acks written lately, for a server that loses them (reackRecent)
 	reacks        []ackedRow
@@ -207,15 +207,20 @@ func (sub *subscription) onWritten(r writeResult) {
 	sub.writes.gate.failed(time.Now())
 }
 
-// finalWriteFailed counts a failed final write (at close) that could not
-// reach the database: after a few, Close gives up before its deadline.
-// Other failures are retried until the deadline: a connection the server
-// ended (an idle one of the pool, terminated before Close) fails fast
-// too, and giving up on it after three dropped every ack in flight, their
-// messages redelivered although handled, with the database up.
+// finalWriteFailed counts the failed final writes (at close) in a row
+// that could not reach the database: after a few, Close gives up before
+// its deadline. Other failures are retried until the deadline: a
+// connection the server ended (an idle one of the pool, terminated before
+// Close) fails fast too, and giving up on it after three dropped every
+// ack in flight, their messages redelivered although handled, with the
+// database up.
 func (sub *subscription) finalWriteFailed(err error) {
-	if sub.drain.stopping && !sub.writes.finalDeadline.IsZero() && errors.As(err, new(*pgconn.ConnectError)) {
+	switch {
+	case !sub.drain.stopping || sub.writes.finalDeadline.IsZero():
+	case errors.As(err, new(*pgconn.ConnectError)):
 		sub.writes.finalFailures++
+	default:
+		sub.writes.finalFailures = 0
 	}
 }
 

@@ -817,15 +817,7 @@ func TestFaultPoisonThatCrashesItsProcessIsDeadLetteredAlone(t *testing.T) {
 			b.publishInTx(t, topic, true, append(append(slices.Clone(healthy[:10]), poison), healthy[10:]...)...)
 			crashes := consumeThroughCrashes(t, bin, b, topic, 12, "CONSUMER_CLAIM_MODE="+mode.String(),
 				"CONSUMER_MAX_DELIVERIES=2", "CONSUMER_POISON=poison", "CONSUMER_HANDLE_TIME=100ms", "CONSUMER_LEASE=2s")
-			var dead []string
-			rows, err := b.Pool.Query(context.Background(), `SELECT uuid || ' ' || failure_reason FROM `+b.Schema+`.outbox_dlq ORDER BY id`)
-			require.NoError(t, err)
-			for rows.Next() {
-				var s string
-				require.NoError(t, rows.Scan(&s))
-				dead = append(dead, s)
-			}
-			require.NoError(t, rows.Err())
+			dead := b.strings(t, `SELECT uuid || ' ' || failure_reason FROM `+b.Schema+`.outbox_dlq ORDER BY id`)
 			t.Logf("crashes: %d, dead letters: %v", crashes, dead)
 			require.Equal(t, []string{poison.UUID + " max_deliveries"}, dead, "the poison alone is dead-lettered")
 			for _, m := range healthy {

@@ -302,15 +302,7 @@ func closeAfterThePoolsConnectionsWereEnded(t *testing.T, b *bundle, path string
 	for _, c := range conns {
 		c.Release()
 	}
-	var ended []int32
-	rows, err := b.Pool.Query(ctx, `SELECT pid FROM (SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1 AND state = 'idle') s`, app)
-	require.NoError(t, err)
-	for rows.Next() {
-		var pid int32
-		require.NoError(t, rows.Scan(&pid))
-		ended = append(ended, pid)
-	}
-	require.NoError(t, rows.Err())
+	ended := column[int32](t, b, `SELECT pid FROM (SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1 AND state = 'idle') s`, app)
 	require.GreaterOrEqual(t, len(ended), 4)
 	pollUntil(t, "the ended sessions gone", 10*time.Second, nil, func() bool {
 		return b.count(t, `SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)`, ended) == 0

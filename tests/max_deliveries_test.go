@@ -43,16 +43,7 @@ CREATE TRIGGER log_lease AFTER UPDATE ON `+b.Schema+`.outbox FOR EACH ROW
 					t.Parallel()
 					topic := "t-" + mode.String() + "-" + variant
 					leases := func(uuid string) []int {
-						var ds []int
-						rows, err := b.Pool.Query(context.Background(), `SELECT deliveries FROM `+b.Schema+`.lease_log WHERE topic = $1 AND uuid = $2`, topic, uuid)
-						require.NoError(t, err)
-						for rows.Next() {
-							var d int
-							require.NoError(t, rows.Scan(&d))
-							ds = append(ds, d)
-						}
-						require.NoError(t, rows.Err())
-						return ds
+						return column[int](t, b, `SELECT deliveries FROM `+b.Schema+`.lease_log WHERE topic = $1 AND uuid = $2`, topic, uuid)
 					}
 					again := newMsg("again")
 					pgoutbox.DeliverAfter(again, time.Hour) // into the outbox on either layout, made due below

@@ -2,6 +2,7 @@ package pgoutbox
 
 import (
 	"errors"
+	"github.com/ThreeDotsLabs/watermill"
 	"testing"
 	"time"
 
@@ -106,9 +107,12 @@ func TestHeldFailedEndDropsTheOrderedRetry(t *testing.T) {
 // lease: the ack waits for the lease, and when the batch's end does not
 // commit it finds none. That is reported as the batch that did not
 // commit (phase "commit"), not as a lease another consumer took ("ack"),
-// which operators alert on apart.
+// which operators alert on apart; and it is logged once, for the batch,
+// not once per row (a lost connection printed a line per row).
 func TestAckWaitingForAFailedBatchEndReportsTheBatch(t *testing.T) {
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4 })
+	logs := watermill.NewCaptureLogger()
+	b.sub.logger = logs
 	hb := b.heldClaim(1, 2)
 	d := b.handOut(t)
 	job := b.sub.held.close(hb, time.Now(), "bound", pgtype.Int8{}) // d still running: it becomes a lease
@@ -120,6 +124,11 @@ func TestAckWaitingForAFailedBatchEndReportsTheBatch(t *testing.T) {
 	require.Equal(t, finished, d.state)
 	b.eventCount(EventLeaseLost)
 	require.Equal(t, []string{"commit", "commit"}, b.events.phases, "the buffered row, then the acked one")
+	logged := logs.Captured()
+	require.Len(t, logged[watermill.ErrorLogLevel], 1, "one line for the batch")
+	require.Equal(t, 2, logged[watermill.ErrorLogLevel][0].Fields["leased"], "the buffered row and the acked one")
+	require.Empty(t, logged[watermill.InfoLogLevel], "no warning per row")
+	require.Len(t, logged[watermill.DebugLogLevel], 2, "each row at debug")
 }
 
 // A batch's end decides each row's fate without running a statement: acked

@@ -258,12 +258,13 @@ func (sub *subscription) dropLost(d *delivery, phase string) {
 // did not commit. The write was not applied; the row is delivered again,
 // here or elsewhere.
 func (sub *subscription) leaseLost(d *delivery, phase string) {
-	msg := "Lease lost: the row was claimed again (its lease ran out, or a server crash lost the claim) or removed by an operator; this write was not applied"
+	fields := watermill.LogFields{"event": "lease_lost", "phase": phase, "row_id": d.id, "deliveries": d.deliveries}
 	if phase == "commit" {
-		msg = "A held batch did not commit (rolled back, or its reply was lost); this row is due again and is delivered again"
+		// The batch's failure is logged once, with its counts (heldFailed):
+		// a line per row made a lost connection print hundreds.
+		sub.logger.Debug("A held batch did not commit (rolled back, or its reply was lost); this row is due again and is delivered again", fields)
+	} else {
+		logWarn(sub.logger, "Lease lost: the row was claimed again (its lease ran out, or a server crash lost the claim) or removed by an operator; this write was not applied", fields)
 	}
-	logWarn(sub.logger, msg, watermill.LogFields{
-		"event": "lease_lost", "phase": phase, "row_id": d.id, "deliveries": d.deliveries,
-	})
 	sub.s.obs.observe(Event{Kind: EventLeaseLost, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Phase: phase})
 }

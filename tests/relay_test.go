@@ -466,3 +466,62 @@ func TestRelayARefusedMessageHoldsBackNoOther(t *testing.T) {
 	})
 	require.NotEmpty(t, failed)
 }
+
+// errBrokerRefused stands for a broker's refusal of one message for good
+// (NATS's nats.ErrMaxPayload, say).
+var errBrokerRefused = errors.New("maximum payload exceeded")
+
+type refusingForGood struct {
+	target  message.Publisher
+	refused string
+	tries   atomic.Int32
+}
+
+func (p *refusingForGood) Publish(topic string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		if m.UUID == p.refused {
+			p.tries.Add(1)
+			return fmt.Errorf("sending message failed: %w", errBrokerRefused)
+		}
+	}
+	return p.target.Publish(topic, msgs...)
+}
+
+func (p *refusingForGood) Close() error { return nil }
+
+// With Config.Refused, a message the target refuses for good goes to the
+// dead-letter table at once, with the target's error, after one try of
+// its own: its batch is published again one message at a time to find it,
+// and every other message is relayed. In batches (the held path) and one
+// at a time (MaxInFlight 1, leases).
+func TestRelayDeadLettersWhatTheTargetRefusesForGood(t *testing.T) {
+	t.Parallel()
+	for _, inFlight := range []int{0, 1} {
+		t.Run(fmt.Sprintf("MaxInFlight=%d", inFlight), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			targetTables, target := b.relayTarget(t)
+			const n = 300
+			msgs := newMsgs(n)
+			refusing := &refusingForGood{target: target, refused: msgs[50].UUID}
+			require.NoError(t, b.poolPublisher(t).Publish("orders", msgs...))
+			r := b.startRelay(t, refusing, func(c *relay.Config) {
+				c.Subscriber.MaxInFlight = inFlight
+				c.Refused = func(err error) bool { return errors.Is(err, errBrokerRefused) }
+			})
+			qt := pgx.Identifier{targetTables.Schema, targetTables.Table}.Sanitize()
+			pollUntil(t, "every other message relayed, the refused one dead-lettered", 30*time.Second, nil, func() bool {
+				return b.count(t, `SELECT count(DISTINCT uuid) FROM `+qt) == n-1 && b.outboxRows(t, "orders") == 0
+			})
+			var reason, lastErr string
+			require.NoError(t, b.Pool.QueryRow(context.Background(),
+				`SELECT failure_reason, last_error FROM `+b.Schema+`.outbox_dlq WHERE uuid = $1`, refusing.refused).Scan(&reason, &lastErr))
+			require.Equal(t, pgoutbox.ReasonRejected, reason)
+			require.Contains(t, lastErr, errBrokerRefused.Error(), "the target's error is kept")
+			require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`), "nothing else is a dead letter")
+			require.Zero(t, b.count(t, `SELECT count(*) FROM `+qt+` WHERE uuid = $1`, refusing.refused))
+			require.LessOrEqual(t, refusing.tries.Load(), int32(2), "tried in its batch, then alone: not retried")
+			require.Equal(t, int64(1), r.Stats().Refused)
+		})
+	}
+}

@@ -89,6 +89,18 @@ type Config struct {
 	// AckDeadline shorter than PublishTimeout is refused.
 	Subscriber pgoutbox.SubscriberConfig
 
+	// Refused reports whether a Publish error means the target refuses the
+	// message for good: larger than the broker takes (errors.Is(err,
+	// nats.ErrMaxPayload) for NATS), a subject nothing may publish to. Such
+	// a message goes to the dead-letter table at once (reason "rejected",
+	// its last error the target's), where `pgoutbox dlq` shows it, instead
+	// of being retried without end and holding its ordering key. When a
+	// batch of several messages fails with such an error, the relay
+	// publishes them again one at a time to find which. Errors it does not
+	// match are retried as an outage. nil (the default): every failure is
+	// retried.
+	Refused func(err error) bool
+
 	// Logger defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
@@ -117,7 +129,7 @@ type Relay struct {
 	closed  chan struct{}
 	close   sync.Once
 	stats   struct {
-		relayed, batches, failed atomic.Int64
+		relayed, batches, failed, refused atomic.Int64
 		lastErr                  atomic.Pointer[string]
 	}
 }
@@ -313,6 +325,10 @@ func (r *Relay) relay(ctx context.Context, topic, target string, batch []*messag
 		r.stats.failed.Add(int64(len(batch)))
 		s := err.Error()
 		r.stats.lastErr.Store(&s)
+		if r.cfg.Refused != nil && r.cfg.Refused(err) {
+			r.refused(ctx, topic, target, batch, o, err)
+			return
+		}
 		fields := watermill.LogFields{"topic": topic, "target_topic": target, "messages": len(batch), "message_uuids": batchUUIDs(batch)}
 		if failures, logIt := o.failed(time.Now()); logIt {
 			fields["failed_batches"] = failures
@@ -332,17 +348,37 @@ func (r *Relay) relay(ctx context.Context, topic, target string, batch []*messag
 	}
 }
 
+// refused handles a batch the target refused for good (Config.Refused):
+// a message alone is dead-lettered with the target's error; a batch is
+// published again one message at a time, to find the refused ones (the
+// others go out, and are acked, as usual).
+func (r *Relay) refused(ctx context.Context, topic, target string, batch []*message.Message, o *outage, err error) {
+	if len(batch) > 1 {
+		for _, m := range batch {
+			r.relay(ctx, topic, target, []*message.Message{m}, o)
+		}
+		return
+	}
+	m := batch[0]
+	r.stats.refused.Add(1)
+	r.logger.Error("Relay target refused a message for good (Config.Refused); it was moved to the dead-letter table", err,
+		watermill.LogFields{"topic": topic, "target_topic": target, "message_uuid": m.UUID})
+	_ = pgoutbox.Reject(m, "the relay's target refused it: "+err.Error())
+	m.Nack()
+}
+
 // Stats counts what this Relay did since it was built.
 type Stats struct {
 	Relayed   int64  // messages the target confirmed (and whose rows were acked)
 	Batches   int64  // Publish calls
-	Failed    int64  // messages of failed Publish calls (each retried)
+	Failed    int64  // messages of failed Publish calls (each retried, or refused)
+	Refused   int64  // messages dead-lettered because the target refused them for good (Config.Refused)
 	LastError string // the last Publish error, "" if none
 }
 
 // Stats returns the Relay's counters.
 func (r *Relay) Stats() Stats {
-	s := Stats{Relayed: r.stats.relayed.Load(), Batches: r.stats.batches.Load(), Failed: r.stats.failed.Load()}
+	s := Stats{Relayed: r.stats.relayed.Load(), Batches: r.stats.batches.Load(), Failed: r.stats.failed.Load(), Refused: r.stats.refused.Load()}
 	if e := r.stats.lastErr.Load(); e != nil {
 		s.LastError = *e
 	}

@@ -51,12 +51,17 @@ func (sub *subscription) beginStop() {
 // ends (the transaction does not follow it; a Retry outside stops), and
 // its verdict comes when the transaction ends: the subscription waits for
 // it, and gives the row back then if the transaction rolled back.
+//
+// An operator must be able to tell from the logs that a deploy's Close
+// sent messages back: the handlers still running are logged once, at WARN.
 func (sub *subscription) endDrain() {
 	sub.drain.over = true
 	sub.abandonLost()
+	running, completing := 0, 0
 	for d := range sub.hand.rows {
 		if d.state == handedOut && d.outcome.completingInTx() {
 			// A slot's message, or the owner's own (MaxInFlight 1).
+			completing++
 			d.outcome.cancelMessage()
 			if d.cancel != nil {
 				d.cancel()
@@ -64,11 +69,16 @@ func (sub *subscription) endDrain() {
 			continue
 		}
 		if d.state == handedOut {
+			running++
 			sub.stopWatching(d)
 			sub.endMessage(d)
 			sub.hand.handed--
 			sub.release(d)
 		}
+	}
+	if running+completing > 0 {
+		logWarn(sub.logger, "Close: handlers still running when the drain ended (DrainTimeout); their messages go back to the outbox and are delivered again, their late acks ignored (those completing in a transaction are waited for)",
+			watermill.LogFields{"event": "drain_timeout", "drain_timeout": sub.cfg.DrainTimeout.String(), "running": running, "completing_in_tx": completing})
 	}
 }
 

@@ -404,9 +404,13 @@ func drainJob(b *testBundle) []pgtype.UUID {
 	return j.releaseTokens
 }
 
+// The handler still running when the drain ends is logged, once, at WARN
+// (an operator saw nothing of a deploy's Close that sent messages back).
 func TestOwnerStopGivesBackTheBufferAndReleasesAfterTheDrain(t *testing.T) {
 	t.Parallel()
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
+	logs := watermill.NewCaptureLogger()
+	b.sub.logger = logs
 	b.claimed(t, 1, 2, 3)
 	d := b.handOut(t)
 	<-b.sub.outlet.slots.queue // a slot took it to the Router
@@ -415,6 +419,10 @@ func TestOwnerStopGivesBackTheBufferAndReleasesAfterTheDrain(t *testing.T) {
 	require.Len(t, b.sub.writes.pending.returns, 2, "the buffer goes back at once")
 	require.False(t, b.sub.finishedStopping(time.Now()), "a handler is still running")
 	b.sub.endDrain()
+	warned := logs.Captured()[watermill.InfoLogLevel] // Watermill's level for a warning (logWarn)
+	require.Len(t, warned, 1)
+	require.Equal(t, "drain_timeout", warned[0].Fields["event"])
+	require.Equal(t, 1, warned[0].Fields["running"])
 	require.Len(t, b.sub.writes.pending.returns, 3)
 	last := b.sub.writes.pending.returns[2]
 	require.Same(t, d, last.d)

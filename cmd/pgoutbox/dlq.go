@@ -99,8 +99,8 @@ func (c *cli) dlqList(args []string) error {
 	var group optString
 	filterFlags(cmd, &f, &group)
 	cmd.fs.IntVar(&f.Limit, "limit", pgoutbox.DefaultDeadLetterLimit, fmt.Sprintf("at most this many, oldest failure first (up to %d)", pgoutbox.MaxDeadLetterLimit))
-	since := cmd.fs.String("since", "", "only those that failed at or after this time (RFC 3339, a date, or an age before now: 30d, 24h)")
-	until := cmd.fs.String("until", "", "only those that failed before this time (RFC 3339, a date, or an age before now)")
+	since := cmd.fs.String("since", "", "only those that failed at or after this time (RFC 3339, a local time as listed, a date, or an age before now: 30d, 24h)")
+	until := cmd.fs.String("until", "", "only those that failed before this time (RFC 3339, a local time as listed, a date, or an age before now)")
 	after := cmd.fs.Int64("after", 0, "start after this dead letter's id (the last one of the previous page)")
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
@@ -161,7 +161,7 @@ func (c *cli) dlqList(args []string) error {
 			return nil
 		}
 		tw := newTable(c.stdout)
-		fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tREASON\tDELIVERIES\tFAILED AT\tLAST ERROR")
+		fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tREASON\tDELIVERIES\tFAILED AT ("+localZone()+")\tLAST ERROR")
 		for _, d := range page.Letters {
 			fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.FailureReason,
 				d.Deliveries, d.FailedAt.Local().Format(time.DateTime), short(lastErrorShown(d), 60))
@@ -383,14 +383,18 @@ func (c *cli) dlqDelete(args []string) error {
 	})
 }
 
-// timeFlag reads a --since/--until value: an RFC 3339 time, a date (its
-// midnight, local time), or an age before now as --older-than takes it
-// (30d, 24h, 90m). "" is no bound.
+// timeFlag reads a --since/--until value: an RFC 3339 time, a local time
+// as the lists print it (2026-01-02 15:04:05), a date (its midnight, local
+// time), or an age before now as --older-than takes it (30d, 24h, 90m).
+// "" is no bound.
 func (cmd *command) timeFlag(name, v string) (timeBound, error) {
 	if v == "" {
 		return timeBound{}, nil
 	}
 	if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
+		return timeBound{time: t}, nil
+	}
+	if t, err := time.ParseInLocation(time.DateTime, v, time.Local); err == nil {
 		return timeBound{time: t}, nil
 	}
 	if t, err := time.ParseInLocation(time.DateOnly, v, time.Local); err == nil {
@@ -399,7 +403,17 @@ func (cmd *command) timeFlag(name, v string) (timeBound, error) {
 	if d, ok := olderthan.Parse(v); ok {
 		return timeBound{age: d, isAge: true}, nil
 	}
-	return timeBound{}, usagef(cmd.name, "--%s %q is neither an RFC 3339 time (2026-01-02T15:04:05Z), a date (2026-01-02) nor an age before now (30d, 24h, 90m)", name, v)
+	return timeBound{}, usagef(cmd.name, "--%s %q is neither an RFC 3339 time (2026-01-02T15:04:05Z), a local time as the lists print it (\"2026-01-02 15:04:05\"), a date (2026-01-02) nor an age before now (30d, 24h, 90m)", name, v)
+}
+
+// localZone names the zone of the times the lists print (local time):
+// its abbreviation and offset, "UTC" for UTC.
+func localZone() string {
+	name, offset := time.Now().Zone()
+	if offset == 0 && (name == "UTC" || name == "") {
+		return "UTC"
+	}
+	return name + ", UTC" + time.Now().Format("-07:00")
 }
 
 // timeBound is a time flag's value: a time, or an age before the

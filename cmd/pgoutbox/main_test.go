@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -220,6 +221,37 @@ func TestDLQShowsWhyAMaxDeliveriesLetterHasNoError(t *testing.T) {
 	out, errOut, code = cliRun(t, env, "dlq", "list")
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, "(none recorded: the handler may crash")
+}
+
+// The lists print local times and name their zone, and --since takes a
+// time as they print it (it was refused: only RFC 3339 or a date).
+func TestDLQListTimesNameTheirZoneAndAreTakenBySince(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	deadLetter(t, env, "orders", `{"id":9}`)
+	out, errOut, code := cliRun(t, env, "dlq", "list")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "FAILED AT ("+localZone()+")")
+	printed := regexp.MustCompile(`\d{4}-\d\d-\d\d \d\d:\d\d:\d\d`).FindString(out)
+	require.NotEmpty(t, printed, out)
+	out, errOut, code = cliRun(t, env, "dlq", "list", "--since", printed, "--json")
+	require.Equal(t, 0, code, errOut)
+	var list struct {
+		DeadLetters []deadLetterJSON `json:"dead_letters"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &list), out)
+	require.Len(t, list.DeadLetters, 1, "the letter failed within the second printed")
+	at, err := time.ParseInLocation(time.DateTime, printed, time.Local)
+	require.NoError(t, err)
+	out, errOut, code = cliRun(t, env, "dlq", "list", "--until", at.Add(-time.Second).Format(time.DateTime), "--json")
+	require.Equal(t, 0, code, errOut)
+	require.NoError(t, json.Unmarshal([]byte(out), &list), out)
+	require.Empty(t, list.DeadLetters, "none failed before that second")
+
+	publish(t, env, "invoices", `{"id":10}`)
+	out, errOut, code = cliRun(t, env, "peek", "--topic", "invoices")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "DUE ("+localZone()+")")
 }
 
 func TestDLQPurge(t *testing.T) {

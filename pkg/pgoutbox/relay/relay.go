@@ -130,7 +130,7 @@ type Relay struct {
 	close   sync.Once
 	stats   struct {
 		relayed, batches, failed, refused atomic.Int64
-		lastErr                  atomic.Pointer[string]
+		lastErr                           atomic.Pointer[string]
 	}
 }
 

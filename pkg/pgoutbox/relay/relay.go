@@ -90,15 +90,17 @@ type Config struct {
 	Subscriber pgoutbox.SubscriberConfig
 
 	// Refused reports whether a Publish error means the target refuses the
-	// message for good: larger than the broker takes (errors.Is(err,
-	// nats.ErrMaxPayload) for NATS), a subject nothing may publish to. Such
-	// a message goes to the dead-letter table at once (reason "rejected",
-	// its last error the target's), where `pgoutbox dlq` shows it, instead
-	// of being retried without end and holding its ordering key. When a
-	// batch of several messages fails with such an error, the relay
-	// publishes them again one at a time to find which. Errors it does not
-	// match are retried as an outage. nil (the default): every failure is
-	// retried.
+	// message for good, for what it is: larger than the broker takes
+	// (errors.Is(err, nats.ErrMaxPayload) for NATS). Such a message goes to
+	// the dead-letter table at once (reason "rejected", its last error the
+	// target's), where `pgoutbox dlq` shows it, instead of being retried
+	// without end and holding its ordering key. When a batch of several
+	// messages fails with such an error, the relay publishes them again one
+	// at a time to find which. Errors it does not match are retried as an
+	// outage. Match no error that refuses every message alike (a subject
+	// the relay may not publish to): each would become a dead letter
+	// (`pgoutbox dlq requeue --topic` brings them back). nil (the default):
+	// every failure is retried.
 	Refused func(err error) bool
 
 	// Logger defaults to watermill.NopLogger.

@@ -471,57 +471,165 @@ func TestRelayARefusedMessageHoldsBackNoOther(t *testing.T) {
 // (NATS's nats.ErrMaxPayload, say).
 var errBrokerRefused = errors.New("maximum payload exceeded")
 
+// refusingForGood refuses every call that holds its refused message. Its
+// first call waits until the relay's subscriber claimed the rows (an
+// Observer closes claimed), so that the refused message comes in a batch
+// with others; once refused, it can act as if the broker
+// went down (down: every later call without the refused message hangs
+// until its context ends).
 type refusingForGood struct {
-	target  message.Publisher
-	refused string
-	tries   atomic.Int32
+	target        message.Publisher
+	refused       string
+	claimed       chan struct{}
+	goesDown      bool
+	calls         atomic.Int32
+	tries         atomic.Int32
+	refusedWith   atomic.Int32 // the size of the first call that held the refused message
+	down          atomic.Bool
+	callsWhenDown atomic.Int32
 }
 
 func (p *refusingForGood) Publish(topic string, msgs ...*message.Message) error {
+	if p.calls.Add(1) == 1 && p.claimed != nil {
+		select {
+		case <-p.claimed:
+		case <-time.After(10 * time.Second):
+			return errors.New("the relay's subscriber did not claim the rows awaited")
+		}
+	}
 	for _, m := range msgs {
 		if m.UUID == p.refused {
 			p.tries.Add(1)
+			p.refusedWith.CompareAndSwap(0, int32(len(msgs)))
+			p.down.Store(p.goesDown)
 			return fmt.Errorf("sending message failed: %w", errBrokerRefused)
 		}
+	}
+	if p.down.Load() {
+		p.callsWhenDown.Add(1)
+		<-msgs[0].Context().Done()
+		return fmt.Errorf("broker unreachable: %w", msgs[0].Context().Err())
 	}
 	return p.target.Publish(topic, msgs...)
 }
 
 func (p *refusingForGood) Close() error { return nil }
 
-// With Config.Refused, a message the target refuses for good goes to the
-// dead-letter table at once, with the target's error, after one try of
-// its own: its batch is published again one message at a time to find it,
-// and every other message is relayed. In batches (the held path) and one
-// at a time (MaxInFlight 1, leases).
+// claimedAtLeast returns an Observer that closes the channel it returns
+// once n rows were claimed: the subscriber's slots then offer them, and
+// the relay's next batch takes what they offer at once.
+func claimedAtLeast(n int64) (pgoutbox.Observer, chan struct{}) {
+	reached := make(chan struct{})
+	var count atomic.Int64
+	return pgoutbox.ObserverFunc(func(e pgoutbox.Event) {
+		if e.Kind == pgoutbox.EventClaimed {
+			if c := count.Add(int64(e.Count)); c >= n && c-int64(e.Count) < n {
+				close(reached)
+			}
+		}
+	}), reached
+}
+
+// With Config.Refused, a message the target refuses for good is rejected
+// at once, with the target's error, after one try of its own: its batch
+// is published again one message at a time to find it, and every other
+// message is relayed. In batches (the held path), one at a time
+// (MaxInFlight 1, leases), and parked where the outbox has no dead-letter
+// table.
 func TestRelayDeadLettersWhatTheTargetRefusesForGood(t *testing.T) {
 	t.Parallel()
-	for _, inFlight := range []int{0, 1} {
-		t.Run(fmt.Sprintf("MaxInFlight=%d", inFlight), func(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		inFlight int
+		noDLQ    bool
+	}{{"batches", 0, false}, {"one at a time", 1, false}, {"no dead-letter table", 0, true}} {
+		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			b := setup(t)
+			tables := b.tables
+			if tc.noDLQ {
+				tables = schema.Config{Schema: b.Schema, Table: "nodlq", NoDeadLetterTable: true}
+				require.NoError(t, schema.Create(context.Background(), tx.FromPgxPool(b.Pool), tables))
+			}
 			targetTables, target := b.relayTarget(t)
 			const n = 300
 			msgs := newMsgs(n)
-			refusing := &refusingForGood{target: target, refused: msgs[50].UUID}
-			require.NoError(t, b.poolPublisher(t).Publish("orders", msgs...))
+			inFlight := int64(relay.DefaultBatchSize)
+			if tc.inFlight > 0 {
+				inFlight = int64(tc.inFlight)
+			}
+			observer, claimed := claimedAtLeast(inFlight)
+			refusing := &refusingForGood{target: target, refused: msgs[50].UUID, claimed: claimed}
+			pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: tables}, nil)
+			require.NoError(t, err)
+			require.NoError(t, pub.Publish("orders", msgs...))
 			r := b.startRelay(t, refusing, func(c *relay.Config) {
-				c.Subscriber.MaxInFlight = inFlight
+				c.Subscriber.Tables = tables
+				c.Subscriber.MaxInFlight = tc.inFlight
+				c.Subscriber.Observer = observer
 				c.Refused = func(err error) bool { return errors.Is(err, errBrokerRefused) }
 			})
 			qt := pgx.Identifier{targetTables.Schema, targetTables.Table}.Sanitize()
-			pollUntil(t, "every other message relayed, the refused one dead-lettered", 30*time.Second, nil, func() bool {
-				return b.count(t, `SELECT count(DISTINCT uuid) FROM `+qt) == n-1 && b.outboxRows(t, "orders") == 0
+			qo := pgx.Identifier{tables.Schema, tables.Table}.Sanitize()
+			pollUntil(t, "every other message relayed, the refused one rejected", 30*time.Second, nil, func() bool {
+				return b.count(t, `SELECT count(DISTINCT uuid) FROM `+qt) == n-1 &&
+					b.count(t, `SELECT count(*) FROM `+qo+` WHERE available_at < 'infinity'`) == 0 &&
+					r.Stats().Refused == 1
 			})
+			if tc.inFlight != 1 {
+				require.Greater(t, refusing.refusedWith.Load(), int32(1), "refused in a batch of several: split")
+			}
+			require.LessOrEqual(t, refusing.tries.Load(), int32(2), "tried in its batch, then alone: not retried")
+			require.Zero(t, b.count(t, `SELECT count(*) FROM `+qt+` WHERE uuid = $1`, refusing.refused))
+			if tc.noDLQ {
+				lag, err := r.Lag(context.Background())
+				require.NoError(t, err)
+				require.Equal(t, int64(1), lag[0].Parked, "parked in the outbox")
+				return
+			}
 			var reason, lastErr string
 			require.NoError(t, b.Pool.QueryRow(context.Background(),
 				`SELECT failure_reason, last_error FROM `+b.Schema+`.outbox_dlq WHERE uuid = $1`, refusing.refused).Scan(&reason, &lastErr))
 			require.Equal(t, pgoutbox.ReasonRejected, reason)
 			require.Contains(t, lastErr, errBrokerRefused.Error(), "the target's error is kept")
 			require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`), "nothing else is a dead letter")
-			require.Zero(t, b.count(t, `SELECT count(*) FROM `+qt+` WHERE uuid = $1`, refusing.refused))
-			require.LessOrEqual(t, refusing.tries.Load(), int32(2), "tried in its batch, then alone: not retried")
-			require.Equal(t, int64(1), r.Stats().Refused)
 		})
 	}
+}
+
+// A batch being split after a refusal stops at the first failure that is
+// not one (the broker went down): the rest of the batch is nacked and
+// paced as an outage, and Close is not held up by the split publishing
+// each message of the batch in turn, each waiting out PublishTimeout
+// (60 messages x 300 ms, against a drain of 5.3 s).
+func TestRelaySplitStopsAtAnOutage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, target := b.relayTarget(t)
+	const n = 60
+	msgs := newMsgs(n)
+	observer, claimed := claimedAtLeast(n)
+	refusing := &refusingForGood{target: target, refused: msgs[n-1].UUID, claimed: claimed, goesDown: true}
+	require.NoError(t, b.poolPublisher(t).Publish("orders", msgs...))
+	r, err := relay.New(b.Pool, refusing, relay.Config{
+		Topics:         []string{"orders"},
+		BatchSize:      n,
+		PublishTimeout: 300 * time.Millisecond,
+		Refused:        func(err error) bool { return errors.Is(err, errBrokerRefused) },
+		Subscriber:     pgoutbox.SubscriberConfig{Tables: b.tables, Observer: observer},
+	})
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(context.Background()) }()
+	pollUntil(t, "the refused batch split, and a call made while the broker is down", 30*time.Second, nil, func() bool {
+		return refusing.callsWhenDown.Load() >= 1
+	})
+	require.Greater(t, refusing.refusedWith.Load(), int32(2), "refused in a batch of several: split")
+	require.NoError(t, r.Close())
+	require.NoError(t, <-done)
+	require.LessOrEqual(t, refusing.callsWhenDown.Load(), int32(2), "the split stopped at the first outage (then paced)")
+	st := r.Stats()
+	require.LessOrEqual(t, st.Refused, int64(1))
+	require.Equal(t, int(st.Refused), b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`))
+	require.Equal(t, int64(n), int64(b.outboxRows(t, "orders"))+st.Relayed+st.Refused, "nothing lost")
 }

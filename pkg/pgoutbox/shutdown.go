@@ -36,7 +36,7 @@ func (sub *subscription) beginStop() {
 		sub.giveBack([]*delivery{d})
 	}
 	if sub.cfg.DrainTimeout < 0 {
-		sub.endDrain()
+		sub.endDrain(false)
 		return
 	}
 	sub.drain.end = time.Now().Add(sub.cfg.DrainTimeout)
@@ -53,8 +53,9 @@ func (sub *subscription) beginStop() {
 // it, and gives the row back then if the transaction rolled back.
 //
 // An operator must be able to tell from the logs that a deploy's Close
-// sent messages back: the handlers still running are logged once, at WARN.
-func (sub *subscription) endDrain() {
+// sent messages back: when the drain timed out (not NoDrain, chosen), the
+// handlers still running are logged once, at WARN.
+func (sub *subscription) endDrain(timedOut bool) {
 	sub.drain.over = true
 	sub.abandonLost()
 	running, completing := 0, 0
@@ -76,9 +77,12 @@ func (sub *subscription) endDrain() {
 			sub.release(d)
 		}
 	}
-	if running+completing > 0 {
-		logWarn(sub.logger, "Close: handlers still running when the drain ended (DrainTimeout); their messages go back to the outbox and are delivered again, their late acks ignored (those completing in a transaction are waited for)",
-			watermill.LogFields{"event": "drain_timeout", "drain_timeout": sub.cfg.DrainTimeout.String(), "running": running, "completing_in_tx": completing})
+	fields := watermill.LogFields{"event": "drain_timeout", "drain_timeout": sub.cfg.DrainTimeout.String(), "running": running, "completing_in_tx": completing}
+	switch {
+	case timedOut && running > 0:
+		logWarn(sub.logger, "Stopping: handlers still running when the drain ended (DrainTimeout); their messages go back to the outbox and are delivered again, their late acks ignored (those completing in a transaction are waited for)", fields)
+	case running+completing > 0:
+		sub.logger.Debug("Stopping: the messages in flight go back to the outbox (NoDrain), or only transactions completing remain (waited for)", fields)
 	}
 }
 

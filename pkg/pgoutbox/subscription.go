@@ -324,7 +324,7 @@ func (sub *subscription) passedTimes(now time.Time) {
 	}
 	if !sub.drain.end.IsZero() && !now.Before(sub.drain.end) {
 		sub.drain.end = time.Time{}
-		sub.endDrain()
+		sub.endDrain(true)
 	}
 	if len(sub.held.batches) > 0 {
 		sub.tendBatches(now)

@@ -418,7 +418,7 @@ func TestOwnerStopGivesBackTheBufferAndReleasesAfterTheDrain(t *testing.T) {
 	b.sub.beginStop()
 	require.Len(t, b.sub.writes.pending.returns, 2, "the buffer goes back at once")
 	require.False(t, b.sub.finishedStopping(time.Now()), "a handler is still running")
-	b.sub.endDrain()
+	b.sub.endDrain(true)
 	warned := logs.Captured()[watermill.InfoLogLevel] // Watermill's level for a warning (logWarn)
 	require.Len(t, warned, 1)
 	require.Equal(t, "drain_timeout", warned[0].Fields["event"])
@@ -430,6 +430,22 @@ func TestOwnerStopGivesBackTheBufferAndReleasesAfterTheDrain(t *testing.T) {
 	b.written()
 	require.True(t, b.sub.finishedStopping(time.Now()))
 	require.Equal(t, 3, b.eventCount(EventReleased))
+}
+
+// NoDrain is chosen: a stop that gives back the messages in flight at
+// once is not warned of on every deploy.
+func TestOwnerStopWithNoDrainIsNoWarning(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2; c.DrainTimeout = NoDrain })
+	logs := watermill.NewCaptureLogger()
+	b.sub.logger = logs
+	b.claimed(t, 1, 2)
+	b.handOut(t)
+	<-b.sub.outlet.slots.queue
+	b.sub.claims.claiming = false
+	b.sub.beginStop()
+	require.Empty(t, logs.Captured()[watermill.InfoLogLevel])
+	require.NotEmpty(t, logs.Captured()[watermill.DebugLogLevel])
 }
 
 func TestOwnerStalledBufferGoesBackWhole(t *testing.T) {

@@ -97,10 +97,14 @@ type Config struct {
 	// without end and holding its ordering key. When a batch of several
 	// messages fails with such an error, the relay publishes them again one
 	// at a time to find which. Errors it does not match are retried as an
-	// outage. Match no error that refuses every message alike (a subject
-	// the relay may not publish to): each would become a dead letter
-	// (`pgoutbox dlq requeue --topic` brings them back). nil (the default):
-	// every failure is retried.
+	// outage, and so is the rest of a batch being split once one of its
+	// messages fails otherwise. Without a dead-letter table
+	// (schema.Config.NoDeadLetterTable) a refused message is parked in the
+	// outbox instead (Lag's Parked; `pgoutbox dlq requeue --no-dlq`). Match
+	// no error that refuses every message alike (a subject the relay may
+	// not publish to): each would become a dead letter (`pgoutbox dlq
+	// requeue --topic` brings them back). nil (the default): every failure
+	// is retried.
 	Refused func(err error) bool
 
 	// Logger defaults to watermill.NopLogger.
@@ -305,14 +309,61 @@ func (r *Relay) work(ctx context.Context, topic, target string, msgs <-chan *mes
 }
 
 // relay publishes one batch and acks its rows only if the target took all
-// of it; otherwise every row is nacked and comes back after its delay.
+// of it. A batch the target refused for good (Config.Refused) is sorted
+// out message by message (split); otherwise every row is nacked and comes
+// back after its delay.
 func (r *Relay) relay(ctx context.Context, topic, target string, batch []*message.Message, o *outage) {
+	err := r.publish(ctx, target, batch)
+	switch {
+	case err == nil:
+		r.published(topic, target, batch, o)
+	case r.refuses(err) && len(batch) == 1:
+		r.reject(topic, target, batch[0], err)
+	case r.refuses(err):
+		r.split(ctx, topic, target, batch, o)
+	default:
+		r.failed(topic, target, batch, o, err)
+	}
+}
+
+// split publishes a batch the target refused for good again one message
+// at a time, to find the refused ones: those are rejected, the others acked.
+// It stops, nacking the rest, at the first failure that is not a refusal
+// (an outage: the rest wait out their retry delay, paced as a failed
+// batch) and when the relay stops or the subscriber took the rows back
+// (their message context ended at the drain's end): a split of a large
+// batch must not outlive the drain, publishing rows already given back.
+func (r *Relay) split(ctx context.Context, topic, target string, batch []*message.Message, o *outage) {
+	for i, m := range batch {
+		if r.stopping(ctx) || m.Context().Err() != nil {
+			for _, rest := range batch[i:] {
+				rest.Nack()
+			}
+			return
+		}
+		one := batch[i : i+1]
+		err := r.publish(ctx, target, one)
+		switch {
+		case err == nil:
+			r.published(topic, target, one, o)
+		case r.refuses(err):
+			r.reject(topic, target, m, err)
+		default:
+			r.failed(topic, target, batch[i:], o, err)
+			return
+		}
+	}
+}
+
+// publish sends msgs to the target within PublishTimeout and returns its
+// error, counting the call.
+func (r *Relay) publish(ctx context.Context, target string, msgs []*message.Message) error {
 	// The publish outlives a stop signal: a batch half-sent when ctx ends
 	// would be sent again anyway, so let it finish within its timeout.
 	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
 	defer cancel()
-	out := make([]*message.Message, len(batch))
-	for i, m := range batch {
+	out := make([]*message.Message, len(msgs))
+	for i, m := range msgs {
 		c := message.NewMessage(m.UUID, m.Payload)
 		maps.Copy(c.Metadata, m.Metadata)
 		c.SetContext(pctx)
@@ -324,46 +375,60 @@ func (r *Relay) relay(ctx context.Context, topic, target string, batch []*messag
 	}
 	r.stats.batches.Add(1)
 	if err != nil {
-		r.stats.failed.Add(int64(len(batch)))
+		r.stats.failed.Add(int64(len(msgs)))
 		s := err.Error()
 		r.stats.lastErr.Store(&s)
-		if r.cfg.Refused != nil && r.cfg.Refused(err) {
-			r.refused(ctx, topic, target, batch, o, err)
-			return
-		}
-		fields := watermill.LogFields{"topic": topic, "target_topic": target, "messages": len(batch), "message_uuids": batchUUIDs(batch)}
-		if failures, logIt := o.failed(time.Now()); logIt {
-			fields["failed_batches"] = failures
-			r.logger.Error("Relay publish failed; the messages are retried, and publishing slows down while the target keeps failing", err, fields)
-		}
-		for _, m := range batch {
-			m.Nack()
-		}
-		return
 	}
+	return err
+}
+
+func (r *Relay) refuses(err error) bool { return r.cfg.Refused != nil && r.cfg.Refused(err) }
+
+// stopping reports whether Run's context ended or Close was called.
+func (r *Relay) stopping(ctx context.Context) bool {
+	select {
+	case <-r.closed:
+		return true
+	default:
+		return ctx.Err() != nil
+	}
+}
+
+// published acks the messages the target confirmed.
+func (r *Relay) published(topic, target string, msgs []*message.Message, o *outage) {
 	if failures := o.succeeded(); failures > 0 {
 		r.logger.Info("Relay publishing again", watermill.LogFields{"topic": topic, "target_topic": target, "failed_batches": failures})
 	}
-	r.stats.relayed.Add(int64(len(batch)))
-	for _, m := range batch {
+	r.stats.relayed.Add(int64(len(msgs)))
+	for _, m := range msgs {
 		m.Ack()
 	}
 }
 
-// refused handles a batch the target refused for good (Config.Refused):
-// a message alone is dead-lettered with the target's error; a batch is
-// published again one message at a time, to find the refused ones (the
-// others go out, and are acked, as usual).
-func (r *Relay) refused(ctx context.Context, topic, target string, batch []*message.Message, o *outage, err error) {
-	if len(batch) > 1 {
-		for _, m := range batch {
-			r.relay(ctx, topic, target, []*message.Message{m}, o)
-		}
+// failed nacks messages the target did not take, to be retried, and paces
+// the topic while its target keeps failing.
+func (r *Relay) failed(topic, target string, msgs []*message.Message, o *outage, err error) {
+	fields := watermill.LogFields{"topic": topic, "target_topic": target, "messages": len(msgs), "message_uuids": batchUUIDs(msgs)}
+	if failures, logIt := o.failed(time.Now()); logIt {
+		fields["failed_batches"] = failures
+		r.logger.Error("Relay publish failed; the messages are retried, and publishing slows down while the target keeps failing", err, fields)
+	}
+	for _, m := range msgs {
+		m.Nack()
+	}
+}
+
+// reject ends a message the target refused for good: the subscriber moves
+// it to the dead-letter table (or parks it, without one). A message whose
+// rows the subscriber took back already (its context ended at the drain's
+// end) is only nacked: the subscriber ignores that, and it comes back.
+func (r *Relay) reject(topic, target string, m *message.Message, err error) {
+	if m.Context().Err() != nil {
+		m.Nack()
 		return
 	}
-	m := batch[0]
 	r.stats.refused.Add(1)
-	r.logger.Error("Relay target refused a message for good (Config.Refused); it was moved to the dead-letter table", err,
+	r.logger.Error("Relay target refused a message for good (Config.Refused); it is rejected: moved to the dead-letter table, or parked without one", err,
 		watermill.LogFields{"topic": topic, "target_topic": target, "message_uuid": m.UUID})
 	_ = pgoutbox.Reject(m, "the relay's target refused it: "+err.Error())
 	m.Nack()
@@ -374,7 +439,7 @@ type Stats struct {
 	Relayed   int64  // messages the target confirmed (and whose rows were acked)
 	Batches   int64  // Publish calls
 	Failed    int64  // messages of failed Publish calls (each retried, or refused)
-	Refused   int64  // messages dead-lettered because the target refused them for good (Config.Refused)
+	Refused   int64  // messages rejected (dead-lettered, or parked) because the target refused them for good (Config.Refused)
 	LastError string // the last Publish error, "" if none
 }
 

@@ -161,10 +161,10 @@ func (c *cli) dlqList(args []string) error {
 			return nil
 		}
 		tw := newTable(c.stdout)
-		fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tREASON\tDELIVERIES\tFAILED AT ("+localZone()+")\tLAST ERROR")
+		fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tREASON\tDELIVERIES\tFAILED AT\tLAST ERROR")
 		for _, d := range page.Letters {
 			fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.FailureReason,
-				d.Deliveries, d.FailedAt.Local().Format(time.DateTime), short(lastErrorShown(d), 60))
+				d.Deliveries, listTime(d.FailedAt), short(lastErrorShown(d), 60))
 		}
 		tw.Flush()
 		if more {
@@ -397,24 +397,28 @@ func (cmd *command) timeFlag(name, v string) (timeBound, error) {
 	if t, err := time.ParseInLocation(time.DateTime, v, time.Local); err == nil {
 		return timeBound{time: t}, nil
 	}
+	if t, err := time.ParseInLocation(listTimeLayout, v, time.Local); err == nil {
+		// An abbreviation this machine's zone does not know reads as UTC
+		// (Go's rule): refuse it rather than be off by its offset.
+		if zone, offset := t.Zone(); offset != 0 || zone == "UTC" || zone == "GMT" {
+			return timeBound{time: t}, nil
+		}
+		return timeBound{}, usagef(cmd.name, "--%s %q: the zone %s is not this machine's (%s); give an RFC 3339 time with its offset (2026-01-02T15:04:05+01:00)", name, v, strings.Fields(v)[len(strings.Fields(v))-1], time.Now().Format("MST"))
+	}
 	if t, err := time.ParseInLocation(time.DateOnly, v, time.Local); err == nil {
 		return timeBound{time: t}, nil
 	}
 	if d, ok := olderthan.Parse(v); ok {
 		return timeBound{age: d, isAge: true}, nil
 	}
-	return timeBound{}, usagef(cmd.name, "--%s %q is neither an RFC 3339 time (2026-01-02T15:04:05Z), a local time as the lists print it (\"2026-01-02 15:04:05\"), a date (2026-01-02) nor an age before now (30d, 24h, 90m)", name, v)
+	return timeBound{}, usagef(cmd.name, "--%s %q is neither an RFC 3339 time (2026-01-02T15:04:05Z), a local time as the lists print it (\"2026-01-02 15:04:05 %s\"), a date (2026-01-02) nor an age before now (30d, 24h, 90m)", name, v, time.Now().Format("MST"))
 }
 
-// localZone names the zone of the times the lists print (local time):
-// its abbreviation and offset, "UTC" for UTC.
-func localZone() string {
-	name, offset := time.Now().Zone()
-	if offset == 0 && (name == "UTC" || name == "") {
-		return "UTC"
-	}
-	return name + ", UTC" + time.Now().Format("-07:00")
-}
+// listTime is how the tables print a time: local, with its zone's
+// abbreviation (or offset), which --since and --until read back.
+func listTime(t time.Time) string { return t.Local().Format(listTimeLayout) }
+
+const listTimeLayout = "2006-01-02 15:04:05 MST"
 
 // timeBound is a time flag's value: a time, or an age before the
 // database's now (failed_at is the database's time, and this machine's

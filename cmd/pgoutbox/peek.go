@@ -75,12 +75,12 @@ func (c *cli) peekCmd(args []string) error {
 		keyed := slices.ContainsFunc(msgs, func(m pgoutbox.PendingMessage) bool { return m.OrderingKey != "" })
 		tw := newTable(c.stdout)
 		if keyed {
-			fmt.Fprintln(tw, "ID\tUUID\tKEY\tDUE ("+localZone()+")\tDELIVERIES\tPAYLOAD")
+			fmt.Fprintln(tw, "ID\tUUID\tKEY\tDUE\tDELIVERIES\tPAYLOAD")
 		} else {
-			fmt.Fprintln(tw, "ID\tUUID\tDUE ("+localZone()+")\tDELIVERIES\tPAYLOAD")
+			fmt.Fprintln(tw, "ID\tUUID\tDUE\tDELIVERIES\tPAYLOAD")
 		}
 		for _, m := range msgs {
-			due := m.AvailableAt.Local().Format(time.DateTime)
+			due := listTime(m.AvailableAt)
 			if m.Parked {
 				due = "parked (" + m.FailureReason + ")"
 			}

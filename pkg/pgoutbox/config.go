@@ -305,7 +305,9 @@ type SubscriberConfig struct {
 	// written only when its batch ends, and a crash before that would not
 	// count it. A process ended from outside (an OOM kill, kill -9) counts
 	// the rows it had claimed as a crash does, handled or not: set the
-	// limit above the kills in a row you expect. Defaults to 0: no limit.
+	// limit above the kills in a row you expect. So do claims whose replies
+	// a failing network lost, when their rows could not be given back
+	// before their leases ended. Defaults to 0: no limit.
 	MaxDeliveries int
 
 	// SynchronousCommit makes the subscriber's own writes (claims, acks,

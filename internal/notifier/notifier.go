@@ -66,6 +66,11 @@ type Notifier struct {
 	// after the last confirming check was sent. Only the session goroutine
 	// writes it.
 	confirmedUntil atomic.Int64
+	// shownFrom (unix nanoseconds) is when the other processes have seen
+	// the lock since it was last taken or confirmed after a lapse
+	// (KeyShownAfter): rows carry the key only from then on. Only the
+	// session goroutine writes it.
+	shownFrom atomic.Int64
 	// answeredAt (unix nanoseconds) is when the last confirming check
 	// answered: a lock probe tells a slow path (late answers) from a
 	// silent one by it. Only the session goroutine writes it.
@@ -101,6 +106,17 @@ const OrphanGrace = 2 * LivenessEvery
 // write. The case: a half-open connection, where the server closed its end
 // (and dropped the lock) while the process hears nothing.
 const OwnLockValidFor = 750 * time.Millisecond
+
+// KeyShownAfter is how long after this process took its lock (or had it
+// confirmed after a lapse) rows are stamped with its key: by then every
+// other process sent a check (LivenessEvery apart) that found it held,
+// with 250 ms for its round trip. Before, another process may still count
+// the key as missing since before it was taken: a lock that came back
+// between two of its checks and went again (a path that keeps cutting the
+// connection) left rows stamped in between to be taken as orphans while
+// their holder ran them. A row claimed meanwhile carries no key, and gets
+// it at the subscription's next look once the key shows.
+const KeyShownAfter = 750 * time.Millisecond
 
 // Waiter receives a wake-up (a value on C, never blocking the notifier)
 // when rows of its topic became due, and after every (re)connect, since
@@ -231,11 +247,18 @@ func (w *Waiter) Stop() {
 	}
 }
 
-// Liveness returns this process's liveness key, and whether its lock is
-// held right now: held at the last check, and that check confirmed it less
-// than OwnLockValidFor ago. The key is 0 before the first session took a
-// lock.
+// Liveness returns this process's liveness key, and whether rows may
+// carry it right now: its lock was held at the last check, that check
+// confirmed it less than OwnLockValidFor ago, and the others have seen it
+// since it was taken (KeyShownAfter). The key is 0 before the first
+// session took a lock.
 func (n *Notifier) Liveness() (key int64, live bool) {
+	key, held := n.lockHeld()
+	return key, held && time.Now().UnixNano() >= n.shownFrom.Load()
+}
+
+// lockHeld is Liveness without KeyShownAfter: whether the lock is held.
+func (n *Notifier) lockHeld() (key int64, held bool) {
 	v := n.liveness.Load()
 	return v >> 1, v&1 == 1 && time.Now().UnixNano() < n.confirmedUntil.Load()
 }
@@ -243,16 +266,18 @@ func (n *Notifier) Liveness() (key int64, live bool) {
 // confirmed records that a statement sent at sent found this process's
 // lock, key, held, and schedules the wake-up that tells the subscriptions
 // when that confirmation runs out without another. When the lock was not
-// live before (just taken, or confirmed again after a lapse), it wakes
-// them too: their rows get the key back now, not at their next look.
+// held before (just taken, or confirmed again after a lapse), rows carry
+// the key from KeyShownAfter on, and the subscriptions are woken then:
+// their rows get it back at once, not at their next look.
 func (n *Notifier) confirmed(key int64, sent time.Time, lapse *time.Timer) {
-	_, was := n.Liveness()
+	_, was := n.lockHeld()
 	n.setLiveness(key, true)
 	n.confirmedUntil.Store(sent.Add(OwnLockValidFor).UnixNano())
 	n.answeredAt.Store(time.Now().UnixNano())
 	lapse.Reset(time.Until(sent.Add(OwnLockValidFor)))
 	if !was {
-		n.wakeAll(wakeLockChanged)
+		n.shownFrom.Store(time.Now().Add(KeyShownAfter).UnixNano())
+		time.AfterFunc(KeyShownAfter, func() { n.wakeAll(wakeLockChanged) })
 	}
 }
 

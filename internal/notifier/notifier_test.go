@@ -127,8 +127,28 @@ func TestOwnLockCountsAsHeldOnlyWhileConfirmed(t *testing.T) {
 	}
 	lapse := time.AfterFunc(time.Hour, func() { n.lapsed() })
 	defer lapse.Stop()
+	shown := func() {
+		t.Helper()
+		_, live := n.Liveness()
+		require.False(t, live, "taken, not yet seen by the others: rows carry no key")
+		// Checks confirm the lock meanwhile, as the session's do.
+		checks := time.NewTicker(LivenessEvery / 5)
+		defer checks.Stop()
+		deadline := time.After(10 * KeyShownAfter)
+		for woken := false; !woken; {
+			select {
+			case <-w.C:
+				woken = true
+			case <-checks.C:
+				n.confirmed(7, time.Now(), lapse)
+			case <-deadline:
+				t.Fatal("no wake-up once the others saw the key")
+			}
+		}
+		require.True(t, w.Take().LockChanged, "the others have seen the lock: rows can carry it")
+	}
 	n.confirmed(7, time.Now(), lapse)
-	require.True(t, took().LockChanged, "the lock is taken: rows can carry it")
+	shown()
 	key, live := n.Liveness()
 	require.Equal(t, int64(7), key)
 	require.True(t, live)
@@ -146,7 +166,7 @@ func TestOwnLockCountsAsHeldOnlyWhileConfirmed(t *testing.T) {
 	require.False(t, live)
 
 	n.confirmed(7, time.Now(), lapse)
-	require.True(t, took().LockChanged, "confirmed again after the lapse: rows get the key back")
+	shown() // confirmed again after the lapse: rows get the key back once the others saw it
 	_, live = n.Liveness()
 	require.True(t, live)
 	n.confirmed(7, time.Now().Add(-OwnLockValidFor), lapse) // a check sent that long ago

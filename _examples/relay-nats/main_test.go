@@ -42,6 +42,29 @@ func requireBroker(t *testing.T) {
 	t.Skip(msg)
 }
 
+// natsStream connects to NATS with opts and subscribes to a stream of its
+// own (named prefix + a short UUID, deleted at the end of the test).
+func natsStream(t *testing.T, prefix string, opts ...nats.Option) (*nats.Conn, string, <-chan *message.Message) {
+	t.Helper()
+	url := "nats://" + brokerAddr
+	stream := prefix + watermill.NewShortUUID()
+	conn, err := nats.Connect(url, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { deleteStream(conn, stream); conn.Close() })
+	consumer, err := wmnats.NewSubscriber(subscriberConfig(url), watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { consumer.Close() })
+	received, err := consumer.Subscribe(context.Background(), stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return conn, stream, received
+}
+
 // The example runs against POSTGRES_DSN and NATS, and fails unless
 // JetStream delivered every order and the outbox ended empty.
 func TestExample(t *testing.T) {
@@ -58,22 +81,7 @@ func TestExample(t *testing.T) {
 // JetStream acknowledged its message (relaytest.Run checks all three).
 func TestRelaySurvivesDroppedBrokerConnections(t *testing.T) {
 	requireBroker(t)
-	url := "nats://" + brokerAddr
-	stream := "pgoutbox-test-relay-" + watermill.NewShortUUID()
-	conn, err := nats.Connect(url, nats.ReconnectWait(50*time.Millisecond), nats.MaxReconnects(-1))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { deleteStream(conn, stream); conn.Close() })
-	consumer, err := wmnats.NewSubscriber(subscriberConfig(url), watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { consumer.Close() })
-	received, err := consumer.Subscribe(context.Background(), stream)
-	if err != nil {
-		t.Fatal(err)
-	}
+	conn, stream, received := natsStream(t, "pgoutbox-test-relay-", nats.ReconnectWait(50*time.Millisecond), nats.MaxReconnects(-1))
 	target, err := wmnats.NewPublisherWithNatsConn(conn, publisherConfig(), watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
@@ -119,22 +127,7 @@ func TestRelayDeadLettersAMessageNATSRefuses(t *testing.T) {
 	t.Cleanup(func() {
 		_, _ = pool.Exec(context.Background(), `DROP SCHEMA `+pgx.Identifier{tables.Schema}.Sanitize()+` CASCADE`)
 	})
-	url := "nats://" + brokerAddr
-	stream := "pgoutbox-test-refused-" + watermill.NewShortUUID()
-	conn, err := nats.Connect(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { deleteStream(conn, stream); conn.Close() })
-	consumer, err := wmnats.NewSubscriber(subscriberConfig(url), watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { consumer.Close() })
-	received, err := consumer.Subscribe(ctx, stream)
-	if err != nil {
-		t.Fatal(err)
-	}
+	conn, stream, received := natsStream(t, "pgoutbox-test-refused-")
 	target, err := wmnats.NewPublisherWithNatsConn(conn, publisherConfig(), watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)

@@ -732,6 +732,94 @@ func TestFaultSubscribeAfterIdleConnectionsWereTerminated(t *testing.T) {
 	m.Ack()
 }
 
+// Subscribe under a storm that terminates every backend of its pool every
+// 10 ms (a failover flapping, an operator's script gone wrong): a lost
+// established connection is tried again until StatementTimeout, not a
+// count of tries (it failed after MaxConns+2 losses, which such a storm
+// reaches within a fraction of a second, and a Router's start with it).
+// A server that refuses connections still fails it soon
+// (TestSubscribeAgainstADatabaseThatIsDownFailsSoon).
+func TestFaultSubscribeDuringATerminationStorm(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	appName := "pgoutbox-storm-" + b.Schema
+	pool := b.namedPool(t, appName)
+	// Connections left idle in the pool, for the storm's first round.
+	conns := make([]*pgxpool.Conn, 4)
+	for i := range conns {
+		var err error
+		conns[i], err = pool.Acquire(ctx)
+		require.NoError(t, err)
+	}
+	for _, c := range conns {
+		c.Release()
+	}
+	stop := make(chan struct{})
+	var terminated, during atomic.Int64
+	stormDone := make(chan struct{})
+	go func() {
+		defer close(stormDone)
+		tick := time.NewTicker(10 * time.Millisecond)
+		defer tick.Stop()
+		// It ends after 3 s or 40 connections ended during Subscribe, so
+		// that Subscribe's retries outlast it whatever this machine's load.
+		end := time.After(3 * time.Second)
+		for during.Load() < 40 {
+			select {
+			case <-stop:
+				return
+			case <-end:
+				return
+			case <-tick.C:
+			}
+			var n int64
+			if err := b.Pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1`, appName).Scan(&n); err == nil {
+				if terminated.Add(n) > int64(len(conns)) {
+					during.Add(n)
+				}
+			}
+		}
+	}()
+	pollUntil(t, "the storm's first round", 10*time.Second, nil, func() bool { return terminated.Load() >= int64(len(conns)) })
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, StatementTimeout: 20 * time.Second, Lease: time.Minute, MinPollInterval: 20 * time.Millisecond, MaxPollInterval: time.Second}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	msgs, err := sub.Subscribe(ctx, "t")
+	close(stop)
+	<-stormDone
+	require.NoError(t, err, "Subscribe rides out the storm (%d connections ended meanwhile)", during.Load())
+	require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("after the storm")))
+	m := receive(t, msgs, 20*time.Second)
+	require.Equal(t, "after the storm", string(m.Payload))
+	m.Ack()
+}
+
+// Subscribe against a database that refuses connections fails soon, not
+// after StatementTimeout (a minute here): its connections could not be
+// made, which the retries of lost connections count.
+func TestSubscribeAgainstADatabaseThatIsDownFailsSoon(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	px := startTCPProxy(t, b.DSN)
+	pool := px.pool(t, b, "down-"+b.Schema, nil)
+	px.cut() // every connection refused
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, StatementTimeout: time.Minute, Lease: 3 * time.Minute}, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	done := make(chan error, 1)
+	go func() {
+		_, err := sub.Subscribe(context.Background(), "t")
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		require.Error(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("Subscribe waited for StatementTimeout (a minute) on a database that refuses connections")
+	}
+}
+
 // TestFaultKilledHeldConsumersRowsAreDueAtOnce SIGKILLs one of two
 // competing consumers on the held path (ClaimHeld) mid-drain, with a 30s
 // lease and before the survivor could see the victim's liveness lock:

@@ -331,12 +331,15 @@ func (s *Subscriber) untilClosed(ctx context.Context) (context.Context, context.
 // retryConnectionLost runs f again while it fails because its pooled
 // connection was lost (terminated by an operator or a failover, a dropped
 // network): the pool drops such a connection, and Subscribe should not
-// fail a Router's start for it. Every idle connection of the pool may be
-// dead, so it tries once more than the pool holds, at short intervals.
-// A connection the server refused for want of a slot (the role's
-// CONNECTION LIMIT, max_connections) is tried again for up to
-// StatementTimeout: pgxpool fails an Acquire at once when it cannot grow,
-// while its busy connections come free a moment later.
+// fail a Router's start for it. An established connection lost is tried
+// again for up to StatementTimeout: a storm terminating backends every few
+// milliseconds ended more than a count of tries. A connection that could
+// not be made (the server is down, or refuses) is tried once more than the
+// pool holds, at short intervals, so that Subscribe against a database
+// that is down fails soon. A connection the server refused for want of a
+// slot (the role's CONNECTION LIMIT, max_connections) is tried again for
+// up to StatementTimeout: pgxpool fails an Acquire at once when it cannot
+// grow, while its busy connections come free a moment later.
 func (s *Subscriber) retryConnectionLost(ctx context.Context, f func() error) error {
 	var err error
 	tries, lost := int(s.pool.Config().MaxConns)+2, 0
@@ -356,6 +359,7 @@ func (s *Subscriber) retryConnectionLost(ctx context.Context, f func() error) er
 		case errors.As(err, new(*poolWait)):
 			return err // handlers hold every connection: each try would wait as long
 		case noSlot(err) && time.Now().Before(slotsUntil):
+		case isConnectionLost(err) && !errors.As(err, new(*pgconn.ConnectError)) && time.Now().Before(slotsUntil):
 		case isConnectionLost(err) && lost+1 < tries:
 			lost++
 		default:

@@ -698,6 +698,20 @@ func (s *syncBuffer) String() string {
 	return s.buf.String()
 }
 
+// openIdle opens n connections of pool and leaves them idle in it.
+func openIdle(t *testing.T, pool *pgxpool.Pool, n int) {
+	t.Helper()
+	conns := make([]*pgxpool.Conn, n)
+	for i := range conns {
+		var err error
+		conns[i], err = pool.Acquire(context.Background())
+		require.NoError(t, err)
+	}
+	for _, c := range conns {
+		c.Release()
+	}
+}
+
 // Subscribe survives pooled connections that were terminated while idle
 // (an operator, a failover): it retries on a fresh connection instead of
 // failing the Router's start.
@@ -707,16 +721,7 @@ func TestFaultSubscribeAfterIdleConnectionsWereTerminated(t *testing.T) {
 	ctx := context.Background()
 	appName := "pgoutbox-idlekill-" + b.Schema
 	pool := b.namedPool(t, appName)
-	// Open a few connections and leave them idle in the pool.
-	conns := make([]*pgxpool.Conn, 3)
-	for i := range conns {
-		var err error
-		conns[i], err = pool.Acquire(ctx)
-		require.NoError(t, err)
-	}
-	for _, c := range conns {
-		c.Release()
-	}
+	openIdle(t, pool, 3)
 	var killed int
 	require.NoError(t, b.Pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1`, appName).Scan(&killed))
 	require.Equal(t, 3, killed)
@@ -732,8 +737,8 @@ func TestFaultSubscribeAfterIdleConnectionsWereTerminated(t *testing.T) {
 	m.Ack()
 }
 
-// Subscribe under a storm that terminates every backend of its pool every
-// 10 ms (a failover flapping, an operator's script gone wrong): a lost
+// Subscribe under a storm that terminates every backend of its pool as
+// soon as it shows (a failover flapping, an operator's script gone wrong): a lost
 // established connection is tried again until StatementTimeout, not a
 // count of tries (it failed after MaxConns+2 losses, which such a storm
 // reaches within a fraction of a second, and a Router's start with it).
@@ -745,43 +750,40 @@ func TestFaultSubscribeDuringATerminationStorm(t *testing.T) {
 	ctx := context.Background()
 	appName := "pgoutbox-storm-" + b.Schema
 	pool := b.namedPool(t, appName)
-	// Connections left idle in the pool, for the storm's first round.
-	conns := make([]*pgxpool.Conn, 4)
-	for i := range conns {
-		var err error
-		conns[i], err = pool.Acquire(ctx)
-		require.NoError(t, err)
-	}
-	for _, c := range conns {
-		c.Release()
-	}
+	const idle = 4 // for the storm's first round
+	openIdle(t, pool, idle)
 	stop := make(chan struct{})
 	var terminated, during atomic.Int64
 	stormDone := make(chan struct{})
 	go func() {
 		defer close(stormDone)
-		tick := time.NewTicker(10 * time.Millisecond)
-		defer tick.Stop()
-		// It ends after 3 s or 40 connections ended during Subscribe, so
-		// that Subscribe's retries outlast it whatever this machine's load.
+		// A connection is ended as soon as it shows (a look every
+		// millisecond), so no statement of Subscribe's gets through while
+		// the storm lasts: 3 s or 40 connections ended during Subscribe,
+		// which Subscribe's retries outlast whatever this machine's load.
 		end := time.After(3 * time.Second)
+		var pause time.Duration
 		for during.Load() < 40 {
 			select {
 			case <-stop:
 				return
 			case <-end:
 				return
-			case <-tick.C:
+			case <-time.After(pause):
 			}
 			var n int64
 			if err := b.Pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1`, appName).Scan(&n); err == nil {
-				if terminated.Add(n) > int64(len(conns)) {
+				if terminated.Add(n) > idle {
 					during.Add(n)
 				}
 			}
+			pause = time.Millisecond
+			if n > 0 {
+				pause = 0
+			}
 		}
 	}()
-	pollUntil(t, "the storm's first round", 10*time.Second, nil, func() bool { return terminated.Load() >= int64(len(conns)) })
+	pollUntil(t, "the storm's first round", 10*time.Second, nil, func() bool { return terminated.Load() >= idle })
 	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, StatementTimeout: 20 * time.Second, Lease: time.Minute, MinPollInterval: 20 * time.Millisecond, MaxPollInterval: time.Second}, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = sub.Close() })

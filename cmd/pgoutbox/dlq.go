@@ -384,9 +384,9 @@ func (c *cli) dlqDelete(args []string) error {
 }
 
 // timeFlag reads a --since/--until value: an RFC 3339 time, a local time
-// as the lists print it (2026-01-02 15:04:05), a date (its midnight, local
-// time), or an age before now as --older-than takes it (30d, 24h, 90m).
-// "" is no bound.
+// as the lists print it (2026-01-02 15:04:05 CET, the zone optional), a
+// date (its midnight, local time), or an age before now as --older-than
+// takes it (30d, 24h, 90m). "" is no bound.
 func (cmd *command) timeFlag(name, v string) (timeBound, error) {
 	if v == "" {
 		return timeBound{}, nil

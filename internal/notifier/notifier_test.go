@@ -108,6 +108,40 @@ func TestLockChecksCountAKeyGoneAfterTheGrace(t *testing.T) {
 	require.ElementsMatch(t, []int64{2, 9}, keys)
 }
 
+// A key counts as missing only while this process's checks watched: a gap
+// in its own checks longer than KeyShownAfter (its connection stalled)
+// starts the count again, since the key's holder may have taken it again
+// and stamped rows meanwhile, unseen (a process back from a stall took a
+// live process's rows at once); and while the checks are that late, no key
+// is known gone.
+func TestLockChecksCountNothingAcrossAGapOfTheirOwn(t *testing.T) {
+	own := map[int64]bool{}
+	var c lockChecks
+	t0 := time.Unix(1000, 0)
+	at := func(d time.Duration) time.Time { return t0.Add(d) }
+	c.add(at(0), map[int64]bool{1: true}, own)
+	c.add(at(500*time.Millisecond), map[int64]bool{}, own) // 1 missing from here
+	c.add(at(time.Second), map[int64]bool{}, own)
+	keys, ok := c.spare(at(1200*time.Millisecond), own)
+	require.True(t, ok)
+	require.Contains(t, keys, int64(1), "missing for 700 ms: spared")
+	_, ok = c.spare(at(2*time.Second), own)
+	require.False(t, ok, "no check for a second: not watching")
+	gone, _ := c.add(at(2200*time.Millisecond), map[int64]bool{}, own) // after a stall of 1.2 s
+	require.False(t, gone, "missing for 1.7 s, but not watched for 1.2 s of it")
+	_, ok = c.spare(at(2300*time.Millisecond), own)
+	require.False(t, ok, "the checks start over")
+	for _, d := range []time.Duration{2700, 3000} {
+		gone, _ = c.add(at(d*time.Millisecond), map[int64]bool{}, own)
+		require.False(t, gone, "at %v", d)
+	}
+	gone, _ = c.add(at(3200*time.Millisecond), map[int64]bool{}, own)
+	require.True(t, gone, "watched missing for the grace since the stall")
+	keys, ok = c.spare(at(3300*time.Millisecond), own)
+	require.True(t, ok)
+	require.NotContains(t, keys, int64(1))
+}
+
 // The process counts its own lock as held only for OwnLockValidFor after
 // the check that confirmed it was sent, and wakes its subscriptions when
 // that runs out, before the other processes could take its rows, and

@@ -731,9 +731,16 @@ func TestFaultSubscribeAfterIdleConnectionsWereTerminated(t *testing.T) {
 	t.Cleanup(func() { _ = sub.Close() })
 	msgs, err := sub.Subscribe(ctx, "t")
 	require.NoError(t, err, "Subscribe retries on a fresh connection")
-	require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("after the kill")))
-	m := receive(t, msgs, 10*time.Second)
-	require.Equal(t, "after the kill", string(m.Payload))
+	b.requireDelivered(t, msgs, "after the kill")
+}
+
+// requireDelivered publishes a message of payload to topic "t" and
+// requires it to arrive on msgs, then acks it.
+func (b *bundle) requireDelivered(t *testing.T, msgs <-chan *message.Message, payload string) {
+	t.Helper()
+	require.NoError(t, b.poolPublisher(t).Publish("t", newMsg(payload)))
+	m := receive(t, msgs, 20*time.Second)
+	require.Equal(t, payload, string(m.Payload))
 	m.Ack()
 }
 
@@ -791,10 +798,7 @@ func TestFaultSubscribeDuringATerminationStorm(t *testing.T) {
 	close(stop)
 	<-stormDone
 	require.NoError(t, err, "Subscribe rides out the storm (%d connections ended meanwhile)", during.Load())
-	require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("after the storm")))
-	m := receive(t, msgs, 20*time.Second)
-	require.Equal(t, "after the storm", string(m.Payload))
-	m.Ack()
+	b.requireDelivered(t, msgs, "after the storm")
 }
 
 // Subscribe against a database that refuses connections fails soon, not

@@ -1,7 +1,6 @@
 package pgoutbox
 
 import (
-	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgtype"
@@ -24,11 +23,8 @@ type claimSchedule struct {
 	gen        uint64        // bumped by every give-back; a claim started before it gives its rows back too
 	givingBack int           // give-backs not written yet: a claim now would overtake them
 	withheld   bool          // the last claim left arrivals to open held batches and found nothing else
-	endedKeys  map[string]struct{}
-	askedAgain map[string]struct{}  // ended keys a full claim left without a row, asked for once more (see succeeded)
-	keysDue    map[string]time.Time // keys whose next row is a retry due then: asked for from then on (see keyDue)
-	keyDueNext time.Time            // the earliest of keysDue: claims before it skip the map
-	lost       []claimToken         // claims whose reply was lost, oldest first; their rows go back (ReleaseClaim, see releasable)
+	keys       claimKeys     // the ordering keys the next claims ask for
+	lost       lostClaims    // claims whose reply was lost: their rows go back (ReleaseClaim)
 	pf         prefetch
 	scan       claimScan
 	cfg        *SubscriberConfig
@@ -36,15 +32,14 @@ type claimSchedule struct {
 
 func newClaimSchedule(cfg *SubscriberConfig, now time.Time, clock serverClock) claimSchedule {
 	c := claimSchedule{
-		cfg:        cfg,
-		want:       true,
-		idlePoll:   cfg.MinPollInterval,
-		gate:       newRetryGate(),
-		endedKeys:  map[string]struct{}{},
-		askedAgain: map[string]struct{}{},
-		keysDue:    map[string]time.Time{},
-		pf:         newPrefetch(cfg.MaxInFlight, cfg.MaxDeliveries == 0, now),
-		scan:       newClaimScan(),
+		cfg:      cfg,
+		want:     true,
+		idlePoll: cfg.MinPollInterval,
+		gate:     newRetryGate(),
+		keys:     newClaimKeys(),
+		lost:     lostClaims{cfg: cfg},
+		pf:       newPrefetch(cfg.MaxInFlight, cfg.MaxDeliveries == 0, now),
+		scan:     newClaimScan(),
 	}
 	c.scan.clock = clock
 	return c
@@ -116,17 +111,7 @@ func (c *claimSchedule) wake(expired bool) {
 func (c *claimSchedule) passedDelivered(r claimResult) {
 	c.scan.restart(false)
 	c.want, c.idleUntil = true, time.Time{}
-	c.askAgain(r)
-}
-
-// askAgain makes the next claim ask again for the keys r asked for and
-// took nothing of.
-func (c *claimSchedule) askAgain(r claimResult) {
-	for _, k := range r.req.endedKeys {
-		if !slices.ContainsFunc(r.rows, func(d *delivery) bool { return d.orderingKey == k }) {
-			c.endedKeys[k] = struct{}{}
-		}
-	}
+	c.keys.askAgain(r)
 }
 
 // waiting reports whether no claim may start for reasons of its own: one
@@ -143,29 +128,8 @@ func (c *claimSchedule) start(n int, now time.Time, holder pgtype.Int8, spare fu
 	c.claiming = true
 	req := c.scan.request(n, c.gen, now)
 	req.holder = holder
-	if len(c.keysDue) > 0 && !now.Before(c.keyDueNext) {
-		c.keyDueNext = time.Time{}
-		for k, at := range c.keysDue {
-			switch {
-			case now.Before(at):
-				if c.keyDueNext.IsZero() || at.Before(c.keyDueNext) {
-					c.keyDueNext = at
-				}
-				continue
-			case now.Sub(at) > keyDueGrace:
-				delete(c.keysDue, k)
-			default:
-				c.keyDueNext = now // due: asked again by the next claim too
-			}
-			c.endedKeys[k] = struct{}{}
-		}
-	}
-	if len(c.endedKeys) > 0 {
+	if req.endedKeys = c.keys.take(now); len(req.endedKeys) > 0 {
 		req.window = max(2*n, minScanWindow) // "heads" is in the windowed claim only
-		for k := range c.endedKeys {
-			req.endedKeys = append(req.endedKeys, k)
-		}
-		clear(c.endedKeys)
 	}
 	if c.scan.findOrphans {
 		// Not before the notifier watched the locks for
@@ -184,9 +148,7 @@ func (c *claimSchedule) failed(r claimResult, now time.Time) time.Duration {
 	// A late claim returns the server's time: this machine's clock
 	// stepped, and the next claim goes by it.
 	c.scan.clock.saw(r)
-	for _, k := range r.req.endedKeys { // that claim did not happen
-		c.endedKeys[k] = struct{}{}
-	}
+	c.keys.notAsked(r.req.endedKeys) // that claim did not happen
 	if (r.req.window == 0 || r.req.held) && now.Sub(r.req.sent) >= slowClaim {
 		// A claim without a window that failed slowly (its StatementTimeout,
 		// mostly) may have walked a backlog of rows held back by their keys,
@@ -206,8 +168,7 @@ func (c *claimSchedule) failed(r claimResult, now time.Time) time.Duration {
 		if at.IsZero() {
 			at = r.req.sent
 		}
-		c.lost = append(c.lost, claimToken{token: r.req.token, at: at})
-		c.givingBack++
+		c.lostClaim(r.req.token, at)
 		c.gen++
 	}
 	return c.gate.failed(now)
@@ -220,36 +181,7 @@ func (c *claimSchedule) succeeded(r claimResult) (woke bool) {
 	c.claiming, c.wokeDuring = false, false
 	c.gate.succeeded()
 	c.scan.claimed(r)
-	if len(c.keysDue) > 0 {
-		for _, d := range r.rows {
-			delete(c.keysDue, d.orderingKey)
-		}
-	}
-	if len(r.req.endedKeys) > 0 {
-		// A full claim may have left out the next rows of some ended keys:
-		// they did not fit. Those keys are asked for once more, not until
-		// a claim comes back short: in a backlog every claim is full, and
-		// a key with no next row at all (a key per order, used once) was
-		// asked for again by every claim, each asking for every key ended
-		// so far (20,000 such keys drained at 190 messages a second). A
-		// row that misses its second ask too is reached by the scan's
-		// pass from the start, within a second.
-		full := len(r.rows) >= r.req.n || r.reclaimed > 0
-		got := map[string]bool{}
-		for _, d := range r.rows {
-			got[d.orderingKey] = true
-		}
-		for _, k := range r.req.endedKeys {
-			_, again := c.askedAgain[k]
-			switch {
-			case got[k] || !full || again:
-				delete(c.askedAgain, k)
-			default:
-				c.askedAgain[k] = struct{}{}
-				c.endedKeys[k] = struct{}{}
-			}
-		}
-	}
+	c.keys.claimed(r)
 	return woke
 }
 
@@ -272,7 +204,7 @@ func (c *claimSchedule) next(r claimResult, woke bool, now time.Time) {
 	// their next rows, the next claim does, at once. An idle wait here
 	// would hold each of those keys for it (MinPollInterval at least),
 	// every key of a subscription that holds them all, at every turn.
-	ended := len(c.endedKeys) > 0
+	ended := c.keys.any()
 	if r.keyBusy > 0 {
 		// Keyed rows whose key another claim took meanwhile: look again
 		// after the shortest idle wait, from the start, not at claim speed.
@@ -331,11 +263,6 @@ func (c *claimSchedule) idleWait(ended bool, now time.Time) {
 	}
 }
 
-// lostClaimMargin is how much later than its deadline's reckoning a lost
-// claim's rows are given back once more, and given up on: the server's
-// clock (serverClock) may have stepped since a claim last read it.
-const lostClaimMargin = time.Second
-
 // gaveBack records rows given back: a claim under way gives its rows back
 // too (gen), and the next claim scans from the start, so they keep their
 // place.
@@ -345,109 +272,20 @@ func (c *claimSchedule) gaveBack() {
 	c.want = true
 }
 
-// lostClaimRunsUntil is how long after its bound began a lost claim may
-// still lease rows on the server: its deadline (query.ClaimArgs.Deadline)
-// is StatementTimeout after it, by a clock that never runs late
-// (serverClock), give or take lostClaimMargin.
-func (c *claimSchedule) lostClaimRunsUntil() time.Duration {
-	return c.cfg.StatementTimeout + lostClaimMargin
+// lostClaim records a claim whose reply was lost, to be given back
+// (releasedClaims); claims wait for that.
+func (c *claimSchedule) lostClaim(token pgtype.UUID, at time.Time) {
+	c.lost.add(token, at)
+	c.givingBack++
 }
 
-// releasable returns the tokens of the lost claims to release now: those
-// not released yet, and those released while they might still have run
-// (the network may hold a claim back, and deliver it after its release),
-// once that time has passed.
-func (c *claimSchedule) releasable(now time.Time) []pgtype.UUID {
-	var tokens []pgtype.UUID
-	for _, l := range c.lost {
-		if c.toRelease(l, now) {
-			tokens = append(tokens, l.token)
-		}
-	}
-	return tokens
-}
-
-// toRelease reports whether lost claim l is to be released at now.
-func (c *claimSchedule) toRelease(l claimToken, now time.Time) bool {
-	return !l.released || now.Sub(l.at) >= c.lostClaimRunsUntil()
-}
-
-// releaseDue reports whether a lost claim is to be released now
-// (releasable): a release written already, while the claim might still
-// run, holds nothing up until its second one is due.
-func (c *claimSchedule) releaseDue(now time.Time) bool {
-	return slices.ContainsFunc(c.lost, func(l claimToken) bool { return c.toRelease(l, now) })
-}
-
-// recheckAt is when the earliest of the lost claims released while they
-// might still have run is to be released again; zero: none. The list is
-// not in that order: a held batch's end is listed when its failure came,
-// a lease claim by when its bound began, which may be earlier.
-func (c *claimSchedule) recheckAt() time.Time {
-	var first time.Time
-	for _, l := range c.lost {
-		if at := l.at.Add(c.lostClaimRunsUntil()); l.released && (first.IsZero() || at.Before(first)) {
-			first = at
-		}
-	}
-	return first
-}
-
-// releasedClaims takes in the release of the lost claims of tokens. Once
-// one is written, claims go on, from the start; a claim that might still
-// run on the server stays to be released once more after that (it does
-// not hold claims up meanwhile), the others are done. While a release
-// fails, a lost claim whose rows' leases have expired anyway is given up
-// on: the expired branch of any claim takes those rows. It returns how
-// many releases of the oldest of them left have failed.
+// releasedClaims takes in the release of the lost claims of tokens
+// (lostClaims.released). Once one is written, claims go on, from the
+// start. It returns how many releases of the oldest of them left have
+// failed.
 func (c *claimSchedule) releasedClaims(tokens []pgtype.UUID, err error, now time.Time) (tries int) {
-	in := make(map[pgtype.UUID]bool, len(tokens))
-	for _, t := range tokens {
-		in[t] = true
-	}
-	freed := false
-	var tried *claimToken
-	kept := c.lost[:0]
-	for i := range c.lost {
-		l := c.lost[i]
-		if !in[l.token] {
-			kept = append(kept, l)
-			continue
-		}
-		switch {
-		case err == nil && now.Sub(l.at) >= c.lostClaimRunsUntil():
-			// Released (again): what it gave back, if anything, lies
-			// behind the cursor.
-			freed = true
-			if !l.released {
-				c.givingBack--
-			}
-			continue
-		case err == nil:
-			if !l.released {
-				l.released, freed = true, true
-				c.givingBack--
-			}
-		case now.Sub(l.at) > c.cfg.Lease+c.lostClaimRunsUntil():
-			// A lost claim starts on the server up to its deadline, and
-			// its leases end a Lease after it started.
-			freed = freed || !l.released
-			if !l.released {
-				c.givingBack--
-			}
-			continue
-		}
-		kept = append(kept, l)
-		if err != nil && tried == nil {
-			tried = &kept[len(kept)-1]
-		}
-	}
-	clear(c.lost[len(kept):])
-	c.lost = kept
-	if tried != nil {
-		tried.tries++
-		tries = tried.tries
-	}
+	tries, freed, settled := c.lost.released(tokens, err, now)
+	c.givingBack -= settled
 	if freed {
 		c.scan.restart(true)
 		c.want = true
@@ -461,34 +299,7 @@ func (c *claimSchedule) releasedClaims(tokens []pgtype.UUID, err error, now time
 // its predecessor was present): the next claim asks for the key's next
 // row by its key.
 func (c *claimSchedule) keyEnded(key string) {
-	c.endedKeys[key] = struct{}{}
-	delete(c.askedAgain, key) // a row of it ended again: its next is new
+	c.keys.end(key)
 	c.want = true
 	c.idleUntil = time.Time{}
 }
-
-// keyDue: a row of key was returned to be retried at about at (this
-// process's clock). Asking for the key when the row ended found it not yet
-// due, and its new due time put it behind the rest of a backlog: the
-// claims' scan would reach it only at its pass's end, seconds later, its
-// key waiting all along. So claims ask for the key again from at on, until
-// one returns a row of it or keyDueGrace passed (the server's clock, which
-// set the row's due time, may run behind ours).
-func (c *claimSchedule) keyDue(key string, at time.Time) {
-	if _, ok := c.keysDue[key]; !ok && len(c.keysDue) >= maxKeysDue {
-		return // the scan's pass reaches it, later
-	}
-	c.keysDue[key] = at
-	if len(c.keysDue) == 1 || at.Before(c.keyDueNext) {
-		c.keyDueNext = at
-	}
-}
-
-// keyDueGrace is how long after its due time a retried row's key is asked
-// for (see keyDue); maxKeysDue bounds the keys remembered so (an outage
-// that fails every key's message, with long retry delays: each claim
-// looks through them while one is due).
-const (
-	keyDueGrace = time.Second
-	maxKeysDue  = 1024
-)

@@ -50,7 +50,7 @@ func TestClaimScheduleDecidesWhenToClaim(t *testing.T) {
 	require.Positive(t, wait)
 	require.Equal(t, gen+1, c.gen, "a claim under way when it failed gives its rows back")
 	require.Equal(t, 1, c.givingBack)
-	require.Len(t, c.lost, 1, "its token is released before claims go on")
+	require.Len(t, c.lost.list, 1, "its token is released before claims go on")
 	c.gate.pass(now.Add(time.Minute))
 	require.True(t, c.waiting(), "the release comes first")
 	releaseAt(&c, nil, now)
@@ -67,14 +67,14 @@ func TestClaimScheduleCountsFailedReleases(t *testing.T) {
 	now := time.Now()
 	req := c.start(10, now, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
 	c.failed(claimResult{req: req, err: errors.New("connection reset")}, now)
-	require.Len(t, c.lost, 1)
+	require.Len(t, c.lost.list, 1)
 	down := errors.New("the database system is starting up")
 	for want := 1; want <= 3; want++ {
 		require.Equal(t, want, releaseAt(&c, down, now))
 	}
-	require.Len(t, c.lost, 1, "still to release")
+	require.Len(t, c.lost.list, 1, "still to release")
 	require.Zero(t, releaseAt(&c, down, now.Add(c.cfg.Lease+lostClaimMargin+time.Second)), "its leases expired: given up")
-	require.Empty(t, c.lost)
+	require.Empty(t, c.lost.list)
 }
 
 // A lease claim's deadline goes by the server's clock as the last claim
@@ -98,7 +98,7 @@ func TestClaimScheduleGivesLeaseClaimsADeadlineByTheServersClock(t *testing.T) {
 	req = c.start(10, now, pgtype.Int8{}, none)
 	require.Equal(t, serverAt(now.Add(time.Hour+4*time.Second)), req.clock.deadline(now, c.cfg.StatementTimeout))
 	c.failed(claimResult{req: req, err: lateClaim{late: time.Hour}, serverNow: serverAt(now.Add(2 * time.Hour)), started: now, answeredAt: now}, now)
-	require.Empty(t, c.lost, "a late claim took nothing: nothing to give back")
+	require.Empty(t, c.lost.list, "a late claim took nothing: nothing to give back")
 	require.Zero(t, c.givingBack)
 
 	c.gate.pass(now.Add(time.Minute))
@@ -106,14 +106,14 @@ func TestClaimScheduleGivesLeaseClaimsADeadlineByTheServersClock(t *testing.T) {
 	require.Equal(t, serverAt(now.Add(2*time.Hour+4*time.Second)), req.clock.deadline(now, c.cfg.StatementTimeout), "the clock the late claim returned")
 	started := now.Add(3 * time.Second) // a fan-out, a pool wait before the claim's own bound began
 	c.failed(claimResult{req: req, err: errors.New("timeout: context deadline exceeded"), started: started, answeredAt: started}, now)
-	require.Len(t, c.lost, 1, "a claim whose reply was lost is given back")
+	require.Len(t, c.lost.list, 1, "a claim whose reply was lost is given back")
 	down := errors.New("connection refused")
 	releaseAt(&c, down, started.Add(c.cfg.Lease+time.Second))
-	require.Len(t, c.lost, 1, "it may have started up to StatementTimeout after its bound began: its leases may hold still")
+	require.Len(t, c.lost.list, 1, "it may have started up to StatementTimeout after its bound began: its leases may hold still")
 	releaseAt(&c, down, now.Add(c.cfg.Lease+c.cfg.StatementTimeout+lostClaimMargin+time.Second))
-	require.Len(t, c.lost, 1, "counted from the claim's bound, not from when it was planned")
+	require.Len(t, c.lost.list, 1, "counted from the claim's bound, not from when it was planned")
 	releaseAt(&c, down, started.Add(c.cfg.Lease+c.cfg.StatementTimeout+lostClaimMargin+time.Second))
-	require.Empty(t, c.lost, "given up: its leases ended")
+	require.Empty(t, c.lost.list, "given up: its leases ended")
 }
 
 // An ended key is asked for by the next claim, which then reads a window.
@@ -126,11 +126,11 @@ func TestClaimScheduleAsksForEndedKeys(t *testing.T) {
 	req := c.start(4, time.Now(), pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
 	require.Equal(t, []string{"k"}, req.endedKeys)
 	require.Equal(t, minScanWindow, req.window)
-	require.Empty(t, c.endedKeys)
+	require.Empty(t, c.keys.ended)
 	// A full claim that got no row of k asks for it again.
 	rows := []*delivery{{claimedRow: claimedRow{id: 1, orderingKey: "x"}}, {claimedRow: claimedRow{id: 2}}, {claimedRow: claimedRow{id: 3}}, {claimedRow: claimedRow{id: 4}}}
 	c.succeeded(claimResult{req: req, rows: rows})
-	require.Contains(t, c.endedKeys, "k")
+	require.Contains(t, c.keys.ended, "k")
 }
 
 // A key a full claim left without a row is asked for once more, not by
@@ -157,7 +157,7 @@ func TestClaimScheduleAsksForAKeyLeftOutOnceMore(t *testing.T) {
 		c.succeeded(full(req))
 	}
 	require.LessOrEqual(t, most, 8, "the keys ended since the last claim, and those of the claim before it once more")
-	require.LessOrEqual(t, len(c.askedAgain), 4)
+	require.LessOrEqual(t, len(c.keys.askedAgain), 4)
 }
 
 // A key whose next row is a retry due later is asked for from its due
@@ -168,8 +168,8 @@ func TestClaimScheduleAsksForARetriedKeyWhenItIsDue(t *testing.T) {
 	none := func() ([]int64, bool) { return nil, false }
 	c := newTestSchedule()
 	now := time.Now()
-	c.keyDue("k", now.Add(100*time.Millisecond))
-	c.keyDue("gone", now.Add(100*time.Millisecond))
+	c.keys.dueAt("k", now.Add(100*time.Millisecond))
+	c.keys.dueAt("gone", now.Add(100*time.Millisecond))
 	early := c.start(4, now, pgtype.Int8{}, none)
 	require.Empty(t, early.endedKeys, "not due yet")
 	c.succeeded(claimResult{req: early})
@@ -190,9 +190,9 @@ func TestClaimScheduleAsksForARetriedKeyWhenItIsDue(t *testing.T) {
 
 	// Bounded: past maxKeysDue keys, the scan's pass finds the rest.
 	for i := range maxKeysDue + 10 {
-		c.keyDue(fmt.Sprint("k", i), now.Add(time.Hour))
+		c.keys.dueAt(fmt.Sprint("k", i), now.Add(time.Hour))
 	}
-	require.Len(t, c.keysDue, maxKeysDue)
+	require.Len(t, c.keys.due, maxKeysDue)
 }
 
 // A key that ends while a claim runs is asked for by the next claim at
@@ -461,7 +461,7 @@ func TestClaimScheduleOrderedScansFromTheStartForReturnedRows(t *testing.T) {
 // releaseAt writes the release of what c would release at now, with the
 // outcome err, and returns the tries of the oldest lost claim left.
 func releaseAt(c *claimSchedule, err error, now time.Time) int {
-	return c.releasedClaims(c.releasable(now), err, now)
+	return c.releasedClaims(c.lost.releasable(now), err, now)
 }
 
 // The server's clock is read against the time a claim's answer came, by
@@ -499,7 +499,7 @@ func TestAClaimTheServerRefusedLeasedNothing(t *testing.T) {
 	now := time.Now()
 	req := c.start(10, now, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
 	c.failed(claimResult{req: req, err: refused, started: now}, now)
-	require.Empty(t, c.lost)
+	require.Empty(t, c.lost.list)
 	require.Zero(t, c.givingBack)
 }
 
@@ -514,13 +514,12 @@ func TestClaimScheduleRechecksTheEarliestReleasedClaim(t *testing.T) {
 	t0 := time.Now()
 	req := c.start(10, t0, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
 	t1 := t0.Add(3 * time.Second)
-	c.lost = append(c.lost, claimToken{token: pgtype.UUID{Bytes: uuid.New(), Valid: true}, at: t1}) // as heldFailed lists it
-	c.givingBack++
+	c.lostClaim(pgtype.UUID{Bytes: uuid.New(), Valid: true}, t1) // as heldFailed lists it
 	failedAt := t0.Add(c.cfg.StatementTimeout)
 	c.failed(claimResult{req: req, err: errors.New("timeout: context deadline exceeded"), started: t0}, failedAt)
-	require.Len(t, c.lost, 2)
+	require.Len(t, c.lost.list, 2)
 	releaseAt(&c, nil, failedAt) // both released once
 	due := t0.Add(c.cfg.StatementTimeout + lostClaimMargin)
-	require.Equal(t, []pgtype.UUID{req.token}, c.releasable(due), "the lease claim's second release is due")
-	require.Equal(t, due, c.recheckAt(), "the owner's timer is armed for it")
+	require.Equal(t, []pgtype.UUID{req.token}, c.lost.releasable(due), "the lease claim's second release is due")
+	require.Equal(t, due, c.lost.recheckAt(), "the owner's timer is armed for it")
 }

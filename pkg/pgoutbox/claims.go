@@ -115,7 +115,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 		// takes everything from the start, in order, asking again for the
 		// keys this one asked for (their rows, given back, ask for theirs).
 		sub.giveBack(r.rows)
-		sub.claims.askAgain(r)
+		sub.claims.keys.askAgain(r)
 		return
 	}
 	// A row that runs alone (runsAlone) is kept only with nothing ahead of

@@ -332,3 +332,38 @@ func ErrorRecorder(h message.HandlerFunc) message.HandlerFunc {
 		return msgs, err
 	}
 }
+
+// deliverySlab hands out a claim's deliveries from arrays of
+// deliverySlabSize: one allocation for that many rows instead of one per
+// row, in a drain the largest object allocated per message. An array
+// stays alive until its last delivery is done, a few KB at most.
+type deliverySlab struct{ free []delivery }
+
+const deliverySlabSize = 32
+
+func (s *deliverySlab) next() *delivery {
+	if len(s.free) == 0 {
+		s.free = make([]delivery, deliverySlabSize)
+	}
+	d := &s.free[0]
+	s.free = s.free[1:]
+	return d
+}
+
+// claimedRow is what a claim statement returned for a row; the claimer
+// fills it in before the owner sees the delivery.
+type claimedRow struct {
+	id          int64
+	token       pgtype.UUID // lease token of the claim that leased it
+	deliveries  int         // including this one
+	availableAt time.Time
+	createdAt   int64 // when the row was published (its transaction's now()), unix microseconds
+	uuid        string
+	payload     []byte
+	metaRaw     []byte // metadata as stored, to detect a handler's changes
+	orderingKey string // "" for none; the end of a keyed row may unblock the next row of its key
+	// arrival is where a held arrival is (Tables.Arrivals): Valid for a
+	// row of the arrivals table, not the outbox. The held transaction's
+	// lock keeps it there until the batch ends.
+	arrival pgtype.TID
+}

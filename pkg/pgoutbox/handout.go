@@ -291,7 +291,7 @@ func (sub *subscription) claimsFreshOnly() bool {
 // leave those rows leased and counted (a claim counts its rows), as if
 // they had run beside it.
 func (sub *subscription) settledForAlone(now time.Time) bool {
-	return sub.hand.handed == 0 && !sub.claims.claiming && !sub.claims.releaseDue(now) &&
+	return sub.hand.handed == 0 && !sub.claims.claiming && !sub.claims.lost.due(now) &&
 		sub.claims.givingBack == 0 && !sub.writes.inWrite && sub.writes.pending.empty()
 }
 

@@ -368,8 +368,7 @@ func (sub *subscription) heldFailed(r batchResult) {
 		sub.giveBack(sub.hand.takeBuffer())
 	}
 	if len(r.job.leased) > 0 {
-		sub.claims.lost = append(sub.claims.lost, claimToken{token: r.job.b.token, at: now})
-		sub.claims.givingBack++
+		sub.claims.lostClaim(r.job.b.token, now)
 	}
 	sub.held.failedUntil = now.Add(heldOffFor)
 }

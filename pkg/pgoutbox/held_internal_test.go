@@ -24,14 +24,14 @@ func TestLostClaimStaysWhenItsWriteJobFailsEarly(t *testing.T) {
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, ack: true}, false)
 	job := b.sub.writes.pending
 	b.sub.writes.pending = writeJob{}
-	for _, c := range b.sub.claims.lost {
+	for _, c := range b.sub.claims.lost.list {
 		job.releaseTokens = append(job.releaseTokens, c.token)
 	}
 	r := b.sub.runners.completer.write(job) // pool cannot connect: transient error
 	require.Error(t, r.err)
 	b.sub.writes.inWrite = true
 	b.sub.onWritten(r)
-	require.Len(t, b.sub.claims.lost, 1, "ReleaseClaim never ran, but the lost claim was dropped")
+	require.Len(t, b.sub.claims.lost.list, 1, "ReleaseClaim never ran, but the lost claim was dropped")
 }
 
 // heldClaim feeds the owner a held claim of rows with the given ids, as
@@ -60,13 +60,13 @@ func TestAClaimThatWasNeverSentIsNotReleased(t *testing.T) {
 	r := b.sub.runners.claimer.run(req) // the pool cannot connect
 	require.Error(t, r.err)
 	b.sub.onClaimed(r)
-	require.Empty(t, b.sub.claims.lost)
+	require.Empty(t, b.sub.claims.lost.list)
 	require.Zero(t, b.sub.claims.givingBack)
 
 	req = b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
 	b.sub.claims.claiming = true
 	b.sub.onClaimed(claimResult{req: req, err: errors.New("reply lost")})
-	require.Len(t, b.sub.claims.lost, 1, "a claim that may have run is released")
+	require.Len(t, b.sub.claims.lost.list, 1, "a claim that may have run is released")
 }
 
 // Ordered nack in a held batch whose COMMIT may have applied with its
@@ -84,11 +84,11 @@ func TestHeldFailedEndDropsTheOrderedRetry(t *testing.T) {
 	require.Len(t, hb.deferred.holds, 1)
 	job := b.sub.held.close(hb, time.Now(), "retry", pgtype.Int8{}) // the batch end's job, not run
 	b.sub.finishedBatch(batchResult{job: job, err: errors.New("connection reset during COMMIT")})
-	require.Len(t, b.sub.claims.lost, 1)
+	require.Len(t, b.sub.claims.lost.list, 1)
 	// The completer's job: the hold applies (COMMIT had applied), then ReleaseClaim.
 	wj := b.sub.writes.pending
 	b.sub.writes.pending = writeJob{}
-	for _, c := range b.sub.claims.lost {
+	for _, c := range b.sub.claims.lost.list {
 		wj.releaseTokens = append(wj.releaseTokens, c.token)
 	}
 	r := writeResult{job: wj, done: written{}, sent: time.Now(), abandoned: map[*delivery]error{}}

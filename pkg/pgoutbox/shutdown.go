@@ -103,7 +103,7 @@ func (sub *subscription) finishedStopping(now time.Time) bool {
 	if sub.drain.poolClosed {
 		return true
 	}
-	if sub.writes.pending.empty() && !sub.claims.releaseDue(now) && sub.hand.retry == nil && len(sub.writes.reacks) == 0 {
+	if sub.writes.pending.empty() && !sub.claims.lost.due(now) && sub.hand.retry == nil && len(sub.writes.reacks) == 0 {
 		return true
 	}
 	if sub.writes.finalFailures >= 3 || !now.Before(sub.writes.finalDeadline) {

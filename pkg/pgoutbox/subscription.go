@@ -298,7 +298,7 @@ func (sub *subscription) armTimer(now time.Time) {
 	earliest(sub.writes.gate.until)
 	earliest(sub.writes.ackWait)
 	earliest(sub.claims.gate.until)
-	earliest(sub.claims.recheckAt())
+	earliest(sub.claims.lost.recheckAt())
 	earliest(sub.writes.finalDeadline) // Close gives up its last writes then, not after a backoff past it
 	sub.held.nextEvent(earliest)
 	if sub.hand.retry != nil && sub.hand.retry.holdDone {

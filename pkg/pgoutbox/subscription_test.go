@@ -353,12 +353,12 @@ func TestOwnerLostClaimIsReleasedBeforeClaimingOn(t *testing.T) {
 	req := b.sub.claims.scan.request(2, b.sub.claims.gen, time.Now())
 	b.sub.claims.claiming = true
 	b.sub.onClaimed(claimResult{req: req, err: errors.New("reply lost")})
-	require.Len(t, b.sub.claims.lost, 1)
+	require.Len(t, b.sub.claims.lost.list, 1)
 	require.Equal(t, 1, b.sub.claims.givingBack, "claims wait for the release")
 	b.sub.startWrite(time.Now().Add(time.Hour)) // past the backoff
 	require.Equal(t, []pgtype.UUID{req.token}, drainJob(b))
 	b.sub.onReleasedClaims([]pgtype.UUID{req.token}, nil, time.Now().Add(time.Hour))
-	require.Empty(t, b.sub.claims.lost)
+	require.Empty(t, b.sub.claims.lost.list)
 	require.Zero(t, b.sub.claims.givingBack)
 	require.Equal(t, scanFromStart, b.sub.claims.scan.at, "the released rows lie behind any cursor")
 }
@@ -378,21 +378,21 @@ func TestOwnerLostClaimIsReleasedAgainOnceItCanNoLongerRun(t *testing.T) {
 	require.Equal(t, []pgtype.UUID{req.token}, drainJob(b))
 	b.sub.onReleasedClaims([]pgtype.UUID{req.token}, nil, sent.Add(b.sub.cfg.StatementTimeout))
 	require.Zero(t, b.sub.claims.givingBack, "claims go on")
-	require.Len(t, b.sub.claims.lost, 1, "the claim may still run until its deadline")
+	require.Len(t, b.sub.claims.lost.list, 1, "the claim may still run until its deadline")
 	again := sent.Add(b.sub.cfg.StatementTimeout + lostClaimMargin)
-	require.Equal(t, again, b.sub.claims.recheckAt())
-	require.Empty(t, b.sub.claims.releasable(again.Add(-time.Millisecond)))
+	require.Equal(t, again, b.sub.claims.lost.recheckAt())
+	require.Empty(t, b.sub.claims.lost.releasable(again.Add(-time.Millisecond)))
 
 	b.sub.startWrite(again)
 	require.Equal(t, []pgtype.UUID{req.token}, drainJob(b), "released again")
 	b.sub.onReleasedClaims([]pgtype.UUID{req.token}, errors.New("connection refused"), again)
-	require.Len(t, b.sub.claims.lost, 1, "a failed release is tried again")
+	require.Len(t, b.sub.claims.lost.list, 1, "a failed release is tried again")
 	require.Zero(t, b.sub.claims.givingBack)
 	b.sub.claims.scan.at = pgtype.Timestamptz{Time: again, Valid: true} // claims went on
 	b.sub.onReleasedClaims([]pgtype.UUID{req.token}, nil, again)
-	require.Empty(t, b.sub.claims.lost)
+	require.Empty(t, b.sub.claims.lost.list)
 	require.Zero(t, b.sub.claims.givingBack)
-	require.True(t, b.sub.claims.recheckAt().IsZero())
+	require.True(t, b.sub.claims.lost.recheckAt().IsZero())
 	require.Equal(t, scanFromStart, b.sub.claims.scan.at, "what the second release gave back lies behind any cursor")
 }
 
@@ -864,9 +864,9 @@ func TestAReleaseGivenUpIsNotLoggedAsRetried(t *testing.T) {
 	long := time.Now().Add(-2 * b.sub.cfg.Lease)
 	req := b.sub.claims.start(10, long, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
 	b.sub.claims.failed(claimResult{req: req, err: errors.New("connection reset")}, long)
-	require.Len(t, b.sub.claims.lost, 1)
-	b.sub.onReleasedClaims(b.sub.claims.releasable(time.Now()), errors.New("connection refused"), time.Now())
-	require.Empty(t, b.sub.claims.lost)
+	require.Len(t, b.sub.claims.lost.list, 1)
+	b.sub.onReleasedClaims(b.sub.claims.lost.releasable(time.Now()), errors.New("connection refused"), time.Now())
+	require.Empty(t, b.sub.claims.lost.list)
 	for _, m := range logs.Captured()[watermill.ErrorLogLevel] {
 		t.Errorf("logged at ERROR: %s %v", m.Msg, m.Fields)
 	}

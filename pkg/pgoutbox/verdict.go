@@ -274,7 +274,7 @@ func (sub *subscription) onVerdict(v verdict, timedOut bool) {
 		job.returns = append(job.returns, returnOp{d: d, delay: delay,
 			err: textOrNull(n.errText), meta: metaOrNull(n.meta)})
 		if d.orderingKey != "" && delay.Valid {
-			sub.claims.keyDue(d.orderingKey, time.Now().Add(n.delay))
+			sub.claims.keys.dueAt(d.orderingKey, time.Now().Add(n.delay))
 		}
 	}
 }

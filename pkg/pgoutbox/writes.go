@@ -57,7 +57,7 @@ func (sub *subscription) startWrite(now time.Time) {
 		// may have been lost, or taken again, since.
 		job.renewHolder = sub.holder()
 	}
-	job.releaseTokens = sub.claims.releasable(now)
+	job.releaseTokens = sub.claims.lost.releasable(now)
 	if len(sub.writes.reacks) > 0 && (sub.drain.stopping || sub.holder().Valid) {
 		// Once the liveness lock is held again: until then the server is
 		// likely down. A stopping subscription tries them with its last
@@ -87,7 +87,7 @@ const (
 func (sub *subscription) onlyFewAcks(now time.Time) bool {
 	p := &sub.writes.pending
 	return len(p.acks) < ackBatchMin && len(p.returns)+len(p.holds)+len(p.dead) == 0 &&
-		p.renew == nil && !sub.claims.releaseDue(now) && !sub.drain.stopping
+		p.renew == nil && !sub.claims.lost.due(now) && !sub.drain.stopping
 }
 
 // onWritten applies what the completer wrote: finished rows leave the
@@ -194,7 +194,7 @@ func (sub *subscription) onWritten(r writeResult) {
 	// acks, failed: retried after a backoff too, not at once in a loop.
 	var alone error
 	switch {
-	case r.releaseErr != nil && len(sub.claims.lost) > 0:
+	case r.releaseErr != nil && len(sub.claims.lost.list) > 0:
 		alone = r.releaseErr
 	case r.reackErr != nil && len(sub.writes.reacks) > 0:
 		alone = r.reackErr

@@ -25,10 +25,14 @@ import (
 // Its parts are embedded: each is one concern of the owner's bookkeeping.
 type delivery struct {
 	claimedRow
-	state     deliveryState
-	seq       uint32  // counts hand-outs: a verdict names the one it answers
-	claimedAt instant // when the claim that took it was sent
-	expiresAt instant // our lease ends by then at the latest (sent time + Lease of the last write that set it)
+	state deliveryState
+	// ackUnanswered: an ack of it was sent and its reply lost, so it may
+	// have been applied; a retry that finds the row gone most likely
+	// finds that (finish).
+	ackUnanswered bool
+	seq           uint32  // counts hand-outs: a verdict names the one it answers
+	claimedAt     instant // when the claim that took it was sent
+	expiresAt     instant // our lease ends by then at the latest (sent time + Lease of the last write that set it)
 	// stamp is the liveness key its row carries (lease_holder), as the
 	// last write that set it committed; invalid: none. A row whose stamp
 	// is not the process's current holder is renewed at once (see

@@ -64,7 +64,10 @@ type Event struct {
 	// Phase is the write that found the lease lost: "ack", "nack",
 	// "release", "renew" or "dead_letter"; "commit" for a held batch
 	// whose transaction did not commit (its connection was lost: nobody
-	// took the rows, they are due again, and acked ones run again).
+	// took the rows, they are due again, and acked ones run again);
+	// "ack_unanswered" for an ack written again after the reply to the
+	// first was lost (its connection went): most likely the first had
+	// deleted the row, and the message ran once.
 	Phase string
 	// Reason is the failure reason of a dead-lettered row.
 	Reason string

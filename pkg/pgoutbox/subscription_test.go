@@ -3,6 +3,8 @@ package pgoutbox
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io"
 	"sync"
 	"testing"
 	"time"
@@ -888,4 +890,42 @@ func TestOwnerWakesAtTheLastWritesDeadline(t *testing.T) {
 	b.sub.armTimer(now)
 	require.Equal(t, b.sub.writes.finalDeadline, b.sub.events.timer.at)
 	require.True(t, b.sub.finishedStopping(b.sub.writes.finalDeadline), "it gives up then")
+}
+
+// An ack whose reply was lost may have been applied: written again, it
+// finds its row gone, most likely its own work. That is not a lease lost
+// to another consumer, and it is not reported as one (a connection lost
+// under a busy subscription printed a warning per acked row); an ack the
+// server refused, then found gone, is.
+func TestAckWrittenAgainAfterALostReplyIsNotALostLease(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		err   error
+		phase string
+		warns int
+	}{
+		{"ReplyLost", fmt.Errorf("ack: %w", io.ErrUnexpectedEOF), "ack_unanswered", 0},
+		{"DeadlinePassed", fmt.Errorf("ack: %w", context.DeadlineExceeded), "ack_unanswered", 0},
+		{"Refused", &pgconn.PgError{Code: "40001", Message: "could not serialize access"}, "ack", 1},
+		{"NoConnection", &poolWait{errors.New("no connection in time")}, "ack", 1},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			b := setup(t, func(cfg *SubscriberConfig) { cfg.MaxInFlight = 2 })
+			logs := watermill.NewCaptureLogger()
+			b.sub.logger = logs
+			b.claimed(t, 1)
+			d := b.handOut(t)
+			b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg, ack: true}, false)
+			job := b.sub.writes.pending
+			require.Equal(t, []*delivery{d}, job.acks)
+			b.sub.writes.pending = writeJob{}
+			b.sub.onWritten(writeResult{job: job, left: job, err: c.err, done: written{}, sent: time.Now()})
+			require.Equal(t, []*delivery{d}, b.sub.writes.pending.acks, "written again")
+			b.written(d) // the row is gone
+			require.Equal(t, finished, d.state)
+			require.Equal(t, 1, b.eventCount(EventLeaseLost))
+			require.Equal(t, []string{c.phase}, b.events.phases)
+			require.Len(t, logs.Captured()[watermill.InfoLogLevel], c.warns, "a warning only for a lease lost")
+		})
+	}
 }

@@ -175,6 +175,11 @@ func (sub *subscription) onWritten(r writeResult) {
 	}
 
 	if r.err != nil {
+		if unanswered(r.err) {
+			for _, d := range r.left.acks {
+				d.ackUnanswered = true
+			}
+		}
 		// The unwritten rest goes first next time.
 		sub.writes.pending = r.left.merge(sub.writes.pending)
 		sub.writes.lastErr = r.err
@@ -237,11 +242,24 @@ func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
 	if r.done.has(d) {
 		return true
 	}
-	if d.endFailed {
+	switch {
+	case d.endFailed:
 		phase = "commit" // the lease it was written under never committed
+	case phase == "ack" && d.ackUnanswered:
+		phase = "ack_unanswered"
 	}
 	sub.leaseLost(d, phase)
 	return false
+}
+
+// unanswered reports whether a failed write may have been applied: it was
+// sent and its reply never came (the connection went, its deadline
+// passed). A write the server answered with an error, or one that never
+// left (no connection, pgconn.SafeToRetry), applied nothing.
+func unanswered(err error) bool {
+	var pgErr *pgconn.PgError
+	return !errors.As(err, &pgErr) && !errors.As(err, new(*poolWait)) &&
+		!errors.As(err, new(*pgconn.ConnectError)) && !pgconn.SafeToRetry(err)
 }
 
 // dropLost ends a row someone else holds now (phase: what found out): it
@@ -259,11 +277,16 @@ func (sub *subscription) dropLost(d *delivery, phase string) {
 // here or elsewhere.
 func (sub *subscription) leaseLost(d *delivery, phase string) {
 	fields := watermill.LogFields{"event": "lease_lost", "phase": phase, "row_id": d.id, "deliveries": d.deliveries}
-	if phase == "commit" {
+	switch phase {
+	case "commit":
 		// The batch's failure is logged once, with its counts (heldFailed):
 		// a line per row made a lost connection print hundreds.
 		sub.logger.Debug("A held batch did not commit (rolled back, or its reply was lost); this row is due again and is delivered again", fields)
-	} else {
+	case "ack_unanswered":
+		// The write's failure was logged already, once (onWritten).
+		sub.logger.Debug("An ack written again, after the reply to the first was lost, found the row gone: "+
+			"most likely the first had deleted it; else its lease ran out and the row was claimed again", fields)
+	default:
 		logWarn(sub.logger, "Lease lost: the row was claimed again (its lease ran out, or a server crash lost the claim) or removed by an operator; this write was not applied", fields)
 	}
 	sub.s.obs.observe(Event{Kind: EventLeaseLost, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Phase: phase})

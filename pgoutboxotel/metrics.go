@@ -28,7 +28,9 @@ const (
 	ReasonKey = attribute.Key("pgoutbox.failure_reason")
 	// PhaseKey is the write that found its lease lost: "ack", "nack",
 	// "release", "renew" or "dead_letter"; "commit" for a held batch
-	// whose transaction did not commit (a lost connection).
+	// whose transaction did not commit (a lost connection);
+	// "ack_unanswered" for an ack written again after its reply was lost
+	// that found the row gone (most likely deleted by the first).
 	PhaseKey = attribute.Key("pgoutbox.phase")
 	// TableKey is the schema-qualified table of the table gauges
 	// ("public.outbox", its dead-letter and arrivals tables).

@@ -136,7 +136,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 			later = append(later, d)
 		case sub.runsAlone(d) && ahead:
 			later, rest = append(later, d), true
-			sub.hand.aloneBehind = true
+			sub.hand.alone.behind = true
 		default:
 			rest = sub.runsAlone(d)
 			ahead = true
@@ -151,7 +151,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 		// A row delivered before waits, left where it was (claimsFreshOnly):
 		// it runs alone, so claims wait until what is out is answered and
 		// written, and the next one scans from the start to bring it first.
-		sub.hand.aloneBehind = true
+		sub.hand.alone.behind = true
 		sub.claims.passedDelivered(r)
 		sub.logger.Debug("A message delivered before waits to run alone until the messages out are answered", watermill.LogFields{"handed_out": sub.hand.handed})
 	}

@@ -701,7 +701,7 @@ func TestRedeliveredRowRunsAloneWithMaxDeliveries(t *testing.T) {
 	b.sub.claims.claiming = false
 	b.sub.dispatch(time.Now())
 	require.Equal(t, 1, b.sub.hand.handed)
-	require.Same(t, suspect, b.sub.hand.alone)
+	require.Same(t, suspect, b.sub.hand.alone.row)
 	require.False(t, canClaim(), "no claim while it runs: a claimed row counts a delivery")
 
 	b.sub.onVerdict(verdict{d: suspect, seq: suspect.seq, ack: true}, false)
@@ -743,7 +743,7 @@ func TestClaimsWhileMessagesAreOutLeaveRowsDeliveredBefore(t *testing.T) {
 	b.sub.claims.scan.at, b.sub.claims.scan.id = pgtype.Timestamptz{Time: time.Now(), Valid: true}, 7
 	b.sub.claims.claiming = true
 	b.sub.onClaimed(claimResult{req: req, passed: true})
-	require.True(t, b.sub.hand.aloneBehind)
+	require.True(t, b.sub.hand.alone.behind)
 	require.Equal(t, scanFromStart, b.sub.claims.scan.at, "the next claim scans from the start")
 	_, ok = start()
 	require.False(t, ok, "no claim while the message out runs")

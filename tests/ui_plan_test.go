@@ -54,13 +54,13 @@ SELECT g, 'topic-' || (g %% 20), 'group-' || (g %% 3), g::text, '\x00', '{}', no
 		args []any
 	}{
 		{"group stats", query.Stats(n, true, true), []any{"topic-3", "group-1"}},
-		{"peek", query.Peek(n), []any{"topic-3", "group-1", 50}},
+		{"peek", query.Peek(n), []any{"topic-3", "group-1", 50, 65536}},
 		{"blocked keys", query.UIBlockedKeys(n), []any{"topic-3", "group-1", 3, 20}},
 		{"paused groups", query.PausedGroups(n, false), nil},
 		{"bindings", query.UIBindings(n), nil},
-		{"dead letters of a topic", query.DeadLetters(n, true), []any{pgtype.Text{String: "topic-3", Valid: true}, null, null, noTime, noTime, noTime, int64(0), int64(51)}},
-		{"dead letters", query.DeadLetters(n, false), []any{null, null, null, noTime, noTime, noTime, int64(0), int64(51)}},
-		{"dead letter by id", query.UIDeadLettersByID(n), []any{[]int64{42}}},
+		{"dead letters of a topic", query.DeadLetters(n, true), []any{pgtype.Text{String: "topic-3", Valid: true}, null, null, noTime, noTime, noTime, int64(0), int64(51), 1024}},
+		{"dead letters", query.DeadLetters(n, false), []any{null, null, null, noTime, noTime, noTime, int64(0), int64(51), 1024}},
+		{"dead letter by id", query.UIDeadLettersByID(n), []any{[]int64{42}, 1}},
 		{"count dead letters", query.UICountDeadLetters(n, true), []any{pgtype.Text{String: "topic-3", Valid: true}, null, null, noTime, noTime, noTime, int64(0)}},
 		{"table counters", query.UITableCounters, []any{n.QTable}},
 	}

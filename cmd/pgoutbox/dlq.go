@@ -139,6 +139,9 @@ func (c *cli) dlqList(args []string) error {
 			}
 			f.After = pgoutbox.DeadLetterCursor{FailedAt: d.FailedAt, ID: d.ID}
 		}
+		if !cmd.json {
+			f.PayloadPrefix = 1 // the table shows no payload: not megabytes of large ones
+		}
 		page, err := pgoutbox.DeadLetters(ctx, exec, tables, f)
 		if err != nil {
 			return err

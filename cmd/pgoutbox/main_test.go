@@ -23,6 +23,7 @@ import (
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // binary is the pgoutbox command built once by TestMain.
@@ -687,4 +688,25 @@ func TestPeekAndDLQShowTheOrderingKey(t *testing.T) {
 	out, errOut, code = cliRun(t, env, "dlq", "show", fmt.Sprint(list.DeadLetters[0].ID))
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, "Ordering key: customer-7")
+}
+
+// The peek table reads the start of each payload (it shows a line of it):
+// a large text payload is still shown as text, cut inside a character or
+// not, a binary one by its whole size, and --json still has them whole.
+func TestPeekTableShowsLargePayloadsFromTheirStart(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(env.Pool), pgoutbox.PublisherConfig{Tables: env.Tables}, nil)
+	require.NoError(t, err)
+	text := "héllo " + strings.Repeat("é", 100_000) // a cut at an odd byte splits a character
+	binary := bytes.Repeat([]byte{0xff, 0x00}, 100_000)
+	require.NoError(t, pub.Publish("big", message.NewMessage("text", []byte(text)), message.NewMessage("binary", binary)))
+	out, errOut, code := cliRun(t, env, "peek", "--topic", "big")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "héllo éééé")
+	require.Contains(t, out, fmt.Sprintf("(%d bytes)", len(binary)), "the whole size")
+	peeked := peekJSON(t, env, "--topic", "big")
+	require.Len(t, peeked, 2)
+	require.Equal(t, text, *peeked[0].Payload)
+	require.Equal(t, binary, peeked[1].PayloadBase64)
 }

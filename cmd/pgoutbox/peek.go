@@ -6,6 +6,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/payloadcut"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -43,7 +44,13 @@ func (c *cli) peekCmd(args []string) error {
 		return err
 	}
 	return cmd.withOutbox(context.Background(), nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
-		msgs, err := pgoutbox.Peek(ctx, exec, tables, *topic, *group, *limit)
+		var opts []pgoutbox.PeekOption
+		if !cmd.json {
+			// The table shows a line of each payload: not megabytes of
+			// large ones.
+			opts = append(opts, pgoutbox.PeekPayloadPrefix(peekPreviewBytes))
+		}
+		msgs, err := pgoutbox.Peek(ctx, exec, tables, *topic, *group, *limit, opts...)
 		if err != nil {
 			return err
 		}
@@ -84,8 +91,8 @@ func (c *cli) peekCmd(args []string) error {
 			if m.Parked {
 				due = "parked (" + m.FailureReason + ")"
 			}
-			p := fmt.Sprintf("(%d bytes)", len(m.Payload))
-			if s := payloadJSON(m.Payload); s.Payload != nil {
+			p := fmt.Sprintf("(%d bytes)", m.PayloadSize)
+			if s := payloadJSON(payloadcut.Trim(m.Payload, m.PayloadSize)); s.Payload != nil {
 				p = short(*s.Payload, 60)
 			}
 			if keyed {
@@ -97,3 +104,7 @@ func (c *cli) peekCmd(args []string) error {
 		return tw.Flush()
 	})
 }
+
+// peekPreviewBytes is how much of each payload the peek table reads: its
+// column shows 60 characters of it, blanks collapsed.
+const peekPreviewBytes = 1 << 10

@@ -92,9 +92,25 @@ func DLQStats(n Names, topic, group bool) string {
 	return fmt.Sprintf(`SELECT topic, consumer_group, failure_reason, count(*) FROM %s %s GROUP BY 1, 2, 3 ORDER BY 1, 2, 3`, n.QDLQ, where)
 }
 
-// DeadLetterColumns are the columns DeadLetters reads, in scan order.
-const DeadLetterColumns = `id, topic, consumer_group, uuid, payload, metadata::text, created_at, deliveries,
+// DeadLetterColumns are the columns DeadLetters reads, in scan order, the
+// payload as PayloadPrefix reads it by prefix (a parameter, or 0 for the
+// whole payload), then its size.
+func DeadLetterColumns(prefix string) string {
+	return `id, topic, consumer_group, uuid, ` + PayloadPrefix("payload", prefix) + `, octet_length(payload), metadata::text, created_at, deliveries,
        dedup_key, last_error, failure_reason, failed_by, failed_at, ordering_key`
+}
+
+// PayloadPrefix reads the first prefix bytes of the payload column col
+// when prefix is above 0, else all of it. A stored payload is read no
+// further than that (PostgreSQL fetches a slice of an out-of-line value),
+// so a list of large messages that shows a preview does not read
+// megabytes; octet_length reads only the value's header.
+func PayloadPrefix(col, prefix string) string {
+	if prefix == "0" {
+		return col
+	}
+	return fmt.Sprintf("CASE WHEN %[2]s::int > 0 THEN substring(%[1]s from 1 for %[2]s::int) ELSE %[1]s END", col, prefix)
+}
 
 // DeadLetterWhere is the filter of DeadLetters and of the requeue by
 // filter. NULL parameters match everything: $1 topic, $2 group, $3 reason,
@@ -107,7 +123,8 @@ const DeadLetterWhere = `($1::text IS NULL OR topic = $1)
    AND ($5::timestamptz IS NULL OR failed_at < $5)
    AND ($6::timestamptz IS NULL OR (failed_at, id) > ($6, $7::bigint))`
 
-// DeadLetters lists dead letters in (failed_at, id) order, $8 rows at most.
+// DeadLetters lists dead letters in (failed_at, id) order, $8 rows at most,
+// the first $9 bytes of each payload (0: all).
 // The topic filter is spelled out when given, so that a prepared (generic)
 // plan still reads the (topic, failed_at) index.
 func DeadLetters(n Names, topic bool) string {
@@ -115,7 +132,7 @@ func DeadLetters(n Names, topic bool) string {
 	if topic {
 		tc = " AND topic = $1"
 	}
-	return fmt.Sprintf(`SELECT %s FROM %s WHERE %s%s ORDER BY failed_at, id LIMIT $8`, DeadLetterColumns, n.QDLQ, DeadLetterWhere, tc)
+	return fmt.Sprintf(`SELECT %s FROM %s WHERE %s%s ORDER BY failed_at, id LIMIT $8`, DeadLetterColumns("$9"), n.QDLQ, DeadLetterWhere, tc)
 }
 
 // requeueFrom moves the dead letters chosen by sel (a SELECT of ids) back
@@ -221,7 +238,7 @@ func DeleteDeadLetters(n Names) string {
 
 // DeadLetterByID reads one dead letter, DeadLetterColumns, by id $1.
 func DeadLetterByID(n Names) string {
-	return fmt.Sprintf(`SELECT %s FROM %s WHERE id = $1`, DeadLetterColumns, n.QDLQ)
+	return fmt.Sprintf(`SELECT %s FROM %s WHERE id = $1`, DeadLetterColumns("0"), n.QDLQ)
 }
 
 // RequeueParked makes parked rows (available_at = 'infinity', the outbox's
@@ -253,7 +270,7 @@ SELECT (SELECT count(*) FROM upd), (SELECT count(*) FROM woken)`, n.QTable)
 }
 
 // Peek reads up to $3 unleased rows of topic $1 and group $2 in delivery
-// order (ready, then scheduled, then parked at 'infinity'), without
+// order, the first $4 bytes of each payload (0: all), (ready, then scheduled, then parked at 'infinity'), without
 // locking or leasing them: a range scan of the ready index.
 //
 // With arrivals, the group's arrivals too (those its binding covers, the
@@ -263,31 +280,31 @@ SELECT (SELECT count(*) FROM upd), (SELECT count(*) FROM woken)`, n.QTable)
 func Peek(n Names) string {
 	// A parked row's 'infinity' comes back as NULL: database/sql drivers
 	// read it as text, or fail on it (bun's pgdriver).
-	outbox := fmt.Sprintf(`SELECT id, uuid, payload, metadata::text, created_at,
+	outbox := fmt.Sprintf(`SELECT id, uuid, %s, octet_length(payload), metadata::text, created_at,
        CASE WHEN available_at < 'infinity' THEN available_at END AS due, deliveries,
        dedup_key, last_error, failure_reason, ordering_key
   FROM %s
  WHERE topic = $1 AND consumer_group = $2 AND lease_token IS NULL
  ORDER BY available_at, id
- LIMIT $3`, n.QTable)
+ LIMIT $3`, PayloadPrefix("payload", "$4"), n.QTable)
 	if !n.Arrivals {
 		return outbox
 	}
 	// Two ranges of the primary key, each a walk from its bound, not one
 	// with an OR the planner would read the topic's whole backlog for.
 	arrivals := func(cond string) string {
-		return fmt.Sprintf(`(SELECT a.id, a.uuid, a.payload, a.metadata::text, a.created_at, a.created_at, 0, NULL, NULL, NULL, NULL
+		return fmt.Sprintf(`(SELECT a.id, a.uuid, %s, octet_length(a.payload), a.metadata::text, a.created_at, a.created_at, 0, NULL, NULL, NULL, NULL
   FROM %s a
  WHERE a.topic = $1 AND %s
  ORDER BY a.id
- LIMIT $3)`, n.QArrivals, cond)
+ LIMIT $3)`, PayloadPrefix("a.payload", "$4"), n.QArrivals, cond)
 	}
 	return fmt.Sprintf(`(%s)
 UNION ALL
 %s
 UNION ALL
 %s
-ORDER BY 6, 1
+ORDER BY 7, 1
 LIMIT $3`, outbox,
 		arrivals(fmt.Sprintf(`a.id >= (SELECT arrivals_from FROM %s WHERE topic = $1 AND consumer_group = $2)`, n.QBindings)),
 		arrivals(fmt.Sprintf(`$2 = '' AND NOT EXISTS (SELECT 1 FROM %[1]s WHERE topic = $1 AND consumer_group = '')

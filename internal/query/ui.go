@@ -13,9 +13,10 @@ func UIBindings(n Names) string {
 }
 
 // UIDeadLettersByID reads the dead letters with ids $1 (primary-key
-// lookups), in DeadLetterColumns order.
+// lookups), in DeadLetterColumns order, the first $2 bytes of each
+// payload.
 func UIDeadLettersByID(n Names) string {
-	return fmt.Sprintf(`SELECT %s FROM %s WHERE id = ANY ($1::bigint[]) ORDER BY failed_at, id`, DeadLetterColumns, n.QDLQ)
+	return fmt.Sprintf(`SELECT %s FROM %s WHERE id = ANY ($1::bigint[]) ORDER BY failed_at, id`, DeadLetterColumns("$2"), n.QDLQ)
 }
 
 // UICountDeadLetters counts the dead letters DeadLetterWhere matches

@@ -41,12 +41,15 @@ type DeadLetter struct {
 	Topic         string
 	ConsumerGroup string // "" is the default group
 	UUID          string
-	Payload       []byte
-	Metadata      message.Metadata
-	CreatedAt     time.Time // when it was published
-	Deliveries    int       // deliveries before it failed
-	DedupKey      string    // "" when it has none
-	LastError     string    // the last recorded handler error, "" when none
+	// Payload is the message's payload, or its first
+	// DeadLetterFilter.PayloadPrefix bytes when that is set.
+	Payload     []byte
+	PayloadSize int // the whole payload's size in bytes, whatever Payload holds
+	Metadata    message.Metadata
+	CreatedAt   time.Time // when it was published
+	Deliveries  int       // deliveries before it failed
+	DedupKey    string    // "" when it has none
+	LastError   string    // the last recorded handler error, "" when none
 	// FailureReason is "max_deliveries", "retry_exhausted", "rejected" or
 	// "poisoned", or what your RetryPolicy or Reject gave.
 	FailureReason string
@@ -91,6 +94,12 @@ type DeadLetterFilter struct {
 	// one statement (set a limit and repeat for a large backlog). Negative
 	// is an error.
 	Limit int
+	// PayloadPrefix, for DeadLetters, reads at most the first
+	// PayloadPrefix bytes of each payload (DeadLetter.PayloadSize keeps
+	// the whole size): a list that shows a preview, or no payload, then
+	// reads a few KB a row, not the megabytes of a large message. 0 reads
+	// whole payloads; negative is an error. Ignored elsewhere.
+	PayloadPrefix int
 }
 
 // DeadLetterPage is one page of DeadLetters.
@@ -178,11 +187,15 @@ func DeadLetters(ctx context.Context, exec tx.Executor, tables schema.Config, f 
 	case limit > MaxDeadLetterLimit:
 		return DeadLetterPage{}, errorf("%w: DeadLetterFilter.Limit is %d; use at most %d and page with DeadLetterPage.Next", ErrInvalidConfig, limit, MaxDeadLetterLimit)
 	}
+	if f.PayloadPrefix < 0 {
+		return DeadLetterPage{}, errorf("%w: DeadLetterFilter.PayloadPrefix is %d; use 0 for whole payloads or a positive number of bytes", ErrInvalidConfig, f.PayloadPrefix)
+	}
 	// One row more than asked tells whether there is a next page.
 	args, err := f.args(pgtype.Int8{Int64: int64(limit) + 1, Valid: true})
 	if err != nil {
 		return DeadLetterPage{}, err
 	}
+	args = append(args, f.PayloadPrefix)
 	rows, err := exec.Query(ctx, query.DeadLetters(q.Names, f.Topic != ""), args...)
 	if err != nil {
 		return DeadLetterPage{}, errorf("pgoutbox: list dead letters: %w", err)
@@ -212,7 +225,7 @@ func scanDeadLetter(rows tx.Rows) (DeadLetter, error) {
 	var d DeadLetter
 	var md string
 	var dedup, lastErr, failedBy, okey *string
-	if err := rows.Scan(&d.ID, &d.Topic, &d.ConsumerGroup, &d.UUID, &d.Payload, &md, &d.CreatedAt, &d.Deliveries,
+	if err := rows.Scan(&d.ID, &d.Topic, &d.ConsumerGroup, &d.UUID, &d.Payload, &d.PayloadSize, &md, &d.CreatedAt, &d.Deliveries,
 		&dedup, &lastErr, &d.FailureReason, &failedBy, &d.FailedAt, &okey); err != nil {
 		return DeadLetter{}, errorf("pgoutbox: read dead letters: %w", err)
 	}
@@ -481,9 +494,12 @@ func RequeueParked(ctx context.Context, exec tx.Executor, tables schema.Config, 
 
 // PendingMessage is an outbox row that is not leased, as Peek reads it.
 type PendingMessage struct {
-	ID          int64
-	UUID        string
+	ID   int64
+	UUID string
+	// Payload is the message's payload, or its first n bytes with
+	// PeekPayloadPrefix(n).
 	Payload     []byte
+	PayloadSize int // the whole payload's size in bytes, whatever Payload holds
 	Metadata    message.Metadata
 	CreatedAt   time.Time
 	AvailableAt time.Time // when it is due; year 294276 (infinity) when parked
@@ -500,11 +516,21 @@ type PendingMessage struct {
 // default group) that nobody holds, in delivery order: ready rows first,
 // then scheduled ones, then parked ones. It neither locks nor leases them:
 // a subscriber may take them a moment later. limit 0 means
-// DefaultPeekLimit (100); at most MaxPeekLimit.
-func Peek(ctx context.Context, exec tx.Executor, tables schema.Config, topic, group string, limit int) ([]PendingMessage, error) {
+// DefaultPeekLimit (100); at most MaxPeekLimit. It reads whole payloads
+// unless an option says otherwise (PeekPayloadPrefix).
+func Peek(ctx context.Context, exec tx.Executor, tables schema.Config, topic, group string, limit int, opts ...PeekOption) ([]PendingMessage, error) {
 	q, err := groupQueries(exec, tables, topic, group)
 	if err != nil {
 		return nil, err
+	}
+	var o peekOptions
+	for _, opt := range opts {
+		if opt != nil {
+			opt(&o)
+		}
+	}
+	if o.prefix < 0 {
+		return nil, errorf("%w: PeekPayloadPrefix(%d); use a positive number of bytes, or leave the option out for whole payloads", ErrInvalidConfig, o.prefix)
 	}
 	switch {
 	case limit < 0 || limit > MaxPeekLimit:
@@ -516,7 +542,7 @@ func Peek(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 	if err != nil {
 		return nil, errorf("pgoutbox: peek: %w", err)
 	}
-	rows, err := exec.Query(ctx, query.Peek(n), topic, group, limit)
+	rows, err := exec.Query(ctx, query.Peek(n), topic, group, limit, o.prefix)
 	if err != nil {
 		return nil, errorf("pgoutbox: peek: %w", err)
 	}
@@ -527,7 +553,7 @@ func Peek(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 		var md string
 		var avail pgtype.Timestamptz // NULL for a parked row
 		var dedup, lastErr, reason, okey *string
-		if err := rows.Scan(&m.ID, &m.UUID, &m.Payload, &md, &m.CreatedAt, &avail, &m.Deliveries, &dedup, &lastErr, &reason, &okey); err != nil {
+		if err := rows.Scan(&m.ID, &m.UUID, &m.Payload, &m.PayloadSize, &md, &m.CreatedAt, &avail, &m.Deliveries, &dedup, &lastErr, &reason, &okey); err != nil {
 			return nil, errorf("pgoutbox: peek: %w", err)
 		}
 		m.DedupKey, m.LastError, m.FailureReason, m.OrderingKey = deref(dedup), deref(lastErr), deref(reason), deref(okey)
@@ -547,3 +573,15 @@ func Peek(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 	}
 	return out, nil
 }
+
+// PeekOption changes what Peek reads.
+type PeekOption func(*peekOptions)
+
+type peekOptions struct{ prefix int }
+
+// PeekPayloadPrefix makes Peek read at most the first n bytes of each
+// payload (PendingMessage.PayloadSize keeps the whole size): a list that
+// shows a preview then reads a few KB a row, not the megabytes of a large
+// message. 0 reads whole payloads, as without the option; negative is an
+// error.
+func PeekPayloadPrefix(n int) PeekOption { return func(o *peekOptions) { o.prefix = n } }

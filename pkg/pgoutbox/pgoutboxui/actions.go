@@ -56,7 +56,7 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 		if err != nil {
 			return err
 		}
-		ls, err := ui.deadLettersByID(ctx, ids)
+		ls, err := ui.deadLettersByID(ctx, ids, 1) // only which are there
 		if err != nil {
 			return err
 		}
@@ -75,7 +75,7 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 				// there stayed; one that failed since was requeued, taken
 				// by a subscriber and failed again under its id.
 				var stayed int64
-				if now, err := ui.deadLettersByID(ctx, ids); startErr == nil && err == nil {
+				if now, err := ui.deadLettersByID(ctx, ids, 1); startErr == nil && err == nil {
 					for _, l := range now {
 						if l.FailedAt.Before(start) {
 							stayed++

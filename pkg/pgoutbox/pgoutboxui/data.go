@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/payloadcut"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 )
@@ -36,12 +37,13 @@ func (ui *UI) bindings(ctx context.Context) (map[pair]bool, error) {
 	return out, rows.Err()
 }
 
-// deadLettersByID reads the dead letters with ids (those that exist).
-func (ui *UI) deadLettersByID(ctx context.Context, ids []int64) ([]pgoutbox.DeadLetter, error) {
+// deadLettersByID reads the dead letters with ids (those that exist), the
+// first prefix bytes of each payload (0: all).
+func (ui *UI) deadLettersByID(ctx context.Context, ids []int64, prefix int) ([]pgoutbox.DeadLetter, error) {
 	if ui.names.QDLQ == "" {
 		return nil, badRequest("this outbox has no dead-letter table")
 	}
-	rows, err := ui.exec.Query(ctx, query.UIDeadLettersByID(ui.names), ids)
+	rows, err := ui.exec.Query(ctx, query.UIDeadLettersByID(ui.names), ids, prefix)
 	if err != nil {
 		return nil, fmt.Errorf("pgoutboxui: read dead letters: %w", err)
 	}
@@ -51,7 +53,7 @@ func (ui *UI) deadLettersByID(ctx context.Context, ids []int64) ([]pgoutbox.Dead
 		var d pgoutbox.DeadLetter
 		var md string
 		var dedup, lastErr, failedBy, okey *string
-		if err := rows.Scan(&d.ID, &d.Topic, &d.ConsumerGroup, &d.UUID, &d.Payload, &md, &d.CreatedAt, &d.Deliveries,
+		if err := rows.Scan(&d.ID, &d.Topic, &d.ConsumerGroup, &d.UUID, &d.Payload, &d.PayloadSize, &md, &d.CreatedAt, &d.Deliveries,
 			&dedup, &lastErr, &d.FailureReason, &failedBy, &d.FailedAt, &okey); err != nil {
 			return nil, fmt.Errorf("pgoutboxui: read dead letters: %w", err)
 		}
@@ -147,14 +149,32 @@ type payloadView struct {
 	Size   int
 }
 
-const maxShownPayload = 64 << 10
+// maxShownPayload bounds the payload text a page shows; listPayloadPrefix
+// and previewPrefix are how much of each payload the pages with many rows
+// read (pgoutbox.PeekPayloadPrefix, DeadLetterFilter.PayloadPrefix): a
+// page of large messages reads a few MB, not each message whole.
+const (
+	maxShownPayload   = 64 << 10
+	listPayloadPrefix = maxShownPayload
+	previewPrefix     = 1 << 10
+)
 
-func viewPayload(p []byte) payloadView {
-	v := payloadView{Size: len(p)}
+// viewPayload shows p, a payload of size bytes in all: all of it, or its
+// start when it was read by prefix.
+func viewPayload(p []byte, size int) payloadView {
+	cut := len(p) < size
+	p = payloadcut.Trim(p, size)
+	clip := func(s string) string {
+		if cut {
+			return clipTo(s, size) // says the payload's size
+		}
+		return clipTo(s, len(s))
+	}
+	v := payloadView{Size: size}
 	switch {
-	case len(p) == 0:
+	case size == 0:
 		v.Kind = "empty"
-	case json.Valid(p):
+	case !cut && json.Valid(p):
 		var buf bytes.Buffer
 		if json.Indent(&buf, p, "", "  ") == nil {
 			v.Kind, v.Text = "json", clip(buf.String())
@@ -179,21 +199,28 @@ func printable(s string) bool {
 	}) < 0
 }
 
-func clip(s string) string {
-	if len(s) <= maxShownPayload {
+// clipTo is s, the start of something of whole bytes, at most
+// maxShownPayload of it, with a note of the whole's size when it is cut.
+func clipTo(s string, whole int) string {
+	if len(s) <= maxShownPayload && len(s) >= whole {
 		return s
 	}
-	cut := maxShownPayload
-	for cut > 0 && !utf8.RuneStart(s[cut]) {
-		cut--
+	if len(s) > maxShownPayload {
+		cut := maxShownPayload
+		for cut > 0 && !utf8.RuneStart(s[cut]) {
+			cut--
+		}
+		s = s[:cut]
 	}
-	return s[:cut] + "\n… (cut: " + fmt.Sprint(len(s)) + " bytes in all)"
+	return s + "\n… (cut: " + fmt.Sprint(whole) + " bytes in all)"
 }
 
-// preview is a one-line start of a payload for a table.
-func preview(p []byte) string {
+// preview is a one-line start of a payload of size bytes for a table; p
+// is the payload or its start.
+func preview(p []byte, size int) string {
+	p = payloadcut.Trim(p, size)
 	if !utf8.Valid(p) || !printable(string(p)) {
-		return fmt.Sprintf("(%d bytes of binary)", len(p))
+		return fmt.Sprintf("(%d bytes of binary)", size)
 	}
 	s := strings.Join(strings.Fields(string(p)), " ")
 	if utf8.RuneCountInString(s) > 80 {

@@ -1,6 +1,7 @@
 package pgoutboxui_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"html"
@@ -590,4 +591,33 @@ func TestMissingOutboxSaysCheckTheNames(t *testing.T) {
 		require.NotContains(t, body, "NoDeadLetterTable", path)
 		require.Regexp(t, `schema apply|check the schema|--schema`, body, path)
 	}
+}
+
+// The pages with many rows read the start of each payload: a large
+// message's preview and view are its start, with its whole size, and a
+// text payload cut inside a character stays text; the dead letter's own
+// page shows it whole.
+func TestPagesShowLargePayloadsFromTheirStart(t *testing.T) {
+	t.Parallel()
+	b := setup(t, false)
+	ctx := context.Background()
+	text := "héllo " + strings.Repeat("é", 100_000) // past the 64 KiB a row reads
+	binary := bytes.Repeat([]byte{0xff, 0x00}, 100_000)
+	publish(t, b, "big", msg(text), message.NewMessage(watermill.NewUUID(), binary))
+	body := b.page(t, "group?topic=big&group=")
+	require.Contains(t, body, "héllo éééé")
+	require.Contains(t, body, fmt.Sprintf("(cut: %d bytes in all)", len(text)))
+	require.Contains(t, body, fmt.Sprintf("(%d bytes of binary)", len(binary)))
+	require.Contains(t, body, fmt.Sprintf("(cut: %d bytes in all)", len(binary)))
+
+	b.deadLetters(t, "big", "", "rejected", 1, "boom")
+	_, err := b.env.Pool.Exec(ctx, fmt.Sprintf(`UPDATE %s.%s SET payload = $1`, b.env.Schema, b.env.Tables.DeadLetterTable), []byte(text))
+	require.NoError(t, err)
+	list := b.page(t, "dead-letters?topic=big")
+	require.Contains(t, list, "héllo éééé", "the preview of a payload read by its first KiB")
+	link := regexp.MustCompile(`href="/ops/outbox/(dead-letter\?id=\d+)"`).FindStringSubmatch(list)
+	require.NotNil(t, link, list)
+	one := b.page(t, html.UnescapeString(link[1]))
+	require.Contains(t, one, fmt.Sprintf("(cut: %d bytes in all)", len(text)), "shown up to 64 KiB")
+	require.Contains(t, one, strings.Repeat("é", 30_000), "read whole, shown from its start")
 }

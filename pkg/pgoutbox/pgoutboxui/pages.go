@@ -191,7 +191,7 @@ func (ui *UI) groupPage(w http.ResponseWriter, r *http.Request) error {
 	if ui.names.QDLQ != "" {
 		d.DeadURL = ui.opts.BasePath + "dead-letters?" + url.Values{"topic": {topic}, "gmode": {"is"}, "group": {group}}.Encode()
 	}
-	pending, err := pgoutbox.Peek(ctx, ui.exec, ui.tables, topic, group, peekLimit)
+	pending, err := pgoutbox.Peek(ctx, ui.exec, ui.tables, topic, group, peekLimit, pgoutbox.PeekPayloadPrefix(listPayloadPrefix))
 	if err != nil {
 		return err
 	}
@@ -202,7 +202,7 @@ func (ui *UI) groupPage(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	for _, m := range pending {
-		v := pendingView{PendingMessage: m, Preview: preview(m.Payload), Payload: viewPayload(m.Payload), Metadata: sortedMetadata(m.Metadata)}
+		v := pendingView{PendingMessage: m, Preview: preview(m.Payload, m.PayloadSize), Payload: viewPayload(m.Payload, m.PayloadSize), Metadata: sortedMetadata(m.Metadata)}
 		switch {
 		case m.Parked:
 			v.State, v.Due = "parked", "never (parked)"
@@ -343,6 +343,7 @@ func (ui *UI) deadLettersPage(w http.ResponseWriter, r *http.Request) error {
 	}
 	filter := f.f
 	filter.Limit = deadLetterPageSize
+	filter.PayloadPrefix = previewPrefix
 	if at := q.Get("cursor_at"); at != "" {
 		t, err := time.Parse(time.RFC3339Nano, at)
 		id, err2 := strconv.ParseInt(q.Get("cursor_id"), 10, 64)
@@ -373,7 +374,7 @@ func (ui *UI) deadLettersPage(w http.ResponseWriter, r *http.Request) error {
 	for _, l := range page.Letters {
 		d.Letters = append(d.Letters, dlRow{DeadLetter: l, URL: ui.opts.BasePath + "dead-letter?id=" + strconv.FormatInt(l.ID, 10),
 			GroupURL: ui.groupURL(l.Topic, l.ConsumerGroup),
-			Failed:   l.FailedAt.UTC().Format("2006-01-02 15:04:05"), Preview: preview(l.Payload), ShortErr: oneLine(l.LastError, 100)})
+			Failed:   l.FailedAt.UTC().Format("2006-01-02 15:04:05"), Preview: preview(l.Payload, l.PayloadSize), ShortErr: oneLine(l.LastError, 100)})
 	}
 	return ui.render(w, r, "deadletters", "Dead letters", d)
 }
@@ -404,7 +405,7 @@ func (ui *UI) deadLetterPage(w http.ResponseWriter, r *http.Request) error {
 	case err != nil || id <= 0:
 		return badRequest("dead-letter id %q is not one: ids are whole numbers above 0; open one from the dead letters", given)
 	}
-	ls, err := ui.deadLettersByID(r.Context(), []int64{id})
+	ls, err := ui.deadLettersByID(r.Context(), []int64{id}, 0)
 	if err != nil {
 		return err
 	}
@@ -412,7 +413,7 @@ func (ui *UI) deadLetterPage(w http.ResponseWriter, r *http.Request) error {
 		return &httpError{code: http.StatusNotFound, msg: "dead letter " + strconv.FormatInt(id, 10) + " is not in the dead-letter table (requeued, deleted or purged)"}
 	}
 	l := ls[0]
-	d := deadLetterData{L: l, Payload: viewPayload(l.Payload), Metadata: sortedMetadata(l.Metadata), GroupURL: ui.groupURL(l.Topic, l.ConsumerGroup),
+	d := deadLetterData{L: l, Payload: viewPayload(l.Payload, l.PayloadSize), Metadata: sortedMetadata(l.Metadata), GroupURL: ui.groupURL(l.Topic, l.ConsumerGroup),
 		Created: l.CreatedAt.UTC().Format(time.RFC3339), Failed: l.FailedAt.UTC().Format(time.RFC3339)}
 	return ui.render(w, r, "deadletter", "Dead letter "+strconv.FormatInt(id, 10), d)
 }

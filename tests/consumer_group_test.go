@@ -506,3 +506,41 @@ func TestReleasedRowsWakeOnlyTheirGroup(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "\x1et\x1ebilling", n.Payload, "the release names its topic and group")
 }
+
+// Two handlers of a Router on one Subscriber and topic compete for its
+// messages, each getting some, where a user coming from GoChannel expects
+// each to get all: the second subscription says so, once, and names what
+// gives each handler every message.
+func TestTwoSubscriptionsOfATopicOnOneSubscriberSayTheyCompete(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	logs := watermill.NewCaptureLogger()
+	sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: b.tables}, logs)
+	require.NoError(t, err)
+	defer sub.Close()
+	compete := func() int {
+		n := 0
+		for _, l := range logs.Captured()[watermill.InfoLogLevel] {
+			if strings.Contains(l.Msg, "compete for its messages") {
+				n++
+			}
+		}
+		return n
+	}
+	_, err = sub.Subscribe(ctx, "a")
+	require.NoError(t, err)
+	_, err = sub.Subscribe(ctx, "b")
+	require.NoError(t, err)
+	require.Zero(t, compete(), "one subscription a topic")
+	_, err = sub.Subscribe(ctx, "a")
+	require.NoError(t, err)
+	require.Equal(t, 1, compete())
+	for _, l := range logs.Captured()[watermill.InfoLogLevel] {
+		if strings.Contains(l.Msg, "compete for its messages") {
+			require.Equal(t, "a", l.Fields["topic"])
+			require.Contains(t, l.Msg, "a ConsumerGroup of its own")
+		}
+	}
+}

@@ -74,7 +74,13 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	poisonQueue, err := middleware.PoisonQueue(pub, poisonTopic)
+	// Filtered, as the README's stack is: a message the subscriber
+	// delivers again anyway (its context ended at AckDeadline or at a
+	// shutdown past DrainTimeout) is not poisoned too, or it would be
+	// handled twice; a Reject goes to the dead-letter table.
+	poisonQueue, err := middleware.PoisonQueueWithFilter(pub, poisonTopic, func(err error) bool {
+		return !errors.Is(err, pgoutbox.ErrRejected) && !pgoutbox.Redelivered(err)
+	})
 	if err != nil {
 		return err
 	}

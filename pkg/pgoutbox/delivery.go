@@ -308,7 +308,9 @@ func RejectContext(ctx context.Context, reason string) error {
 // own cancelled context), or tx.Middleware found the message's lease lost
 // (tx.ErrLeaseLost) and rolled the handler's transaction back. A
 // PoisonQueue filter leaves such an error alone; a poison copy of the
-// message would be handled again beside its redelivery:
+// message would be handled again beside its redelivery. It looks at the
+// error only: a handler whose context ended returns msg.Context().Err(),
+// or an error that wraps it, for the message to be recognised:
 //
 //	middleware.PoisonQueueWithFilter(pub, "poison", func(err error) bool {
 //		return !errors.Is(err, pgoutbox.ErrRejected) && !pgoutbox.Redelivered(err)

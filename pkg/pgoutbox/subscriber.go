@@ -47,6 +47,7 @@ type Subscriber struct {
 	subs     sync.WaitGroup
 	notifier *notifier.Notifier // while a subscription runs (see subscriptionEnded)
 	active   int                // subscriptions running
+	topics   map[string]int     // subscriptions running per topic (see Subscribe)
 
 	schemaMu    sync.Mutex
 	schemaReady bool
@@ -126,6 +127,17 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	s.subs.Add(1)
 	s.active++
+	if s.topics == nil {
+		s.topics = map[string]int{}
+	}
+	if s.topics[topic]++; s.topics[topic] == 2 {
+		// Two handlers of a Router on one Subscriber and topic split its
+		// messages, each getting some, where a user coming from GoChannel
+		// expects each to get all of them: say so once.
+		s.logger.Info("Two subscriptions of one topic on one Subscriber compete for its messages, each gets some; "+
+			"for each handler to get every message, give each a Subscriber with a ConsumerGroup of its own (docs/consumer-groups.md)",
+			watermill.LogFields{"topic": topic, "consumer_group": s.cfg.ConsumerGroup})
+	}
 	s.obs.setIdle(false)
 	waiter := s.notifier.Listen(s.q.Names.Channel, topic, s.cfg.ConsumerGroup)
 	s.startRotator() // under mu: Close cannot be waiting for subs yet
@@ -514,9 +526,12 @@ func (s *Subscriber) checkListen(ctx context.Context) error {
 // rotator's statements must not outlive them (a Router whose context was
 // cancelled does not close its subscribers, and the pool may be closed
 // next). The next Subscribe starts both again.
-func (s *Subscriber) subscriptionEnded() {
+func (s *Subscriber) subscriptionEnded(topic string) {
 	s.mu.Lock()
 	s.active--
+	if s.topics[topic]--; s.topics[topic] == 0 {
+		delete(s.topics, topic)
+	}
 	var n *notifier.Notifier
 	stopRotator := func() {}
 	if s.active == 0 {

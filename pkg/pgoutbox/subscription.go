@@ -260,7 +260,7 @@ func (sub *subscription) run() {
 	for i := len(loops) - 1; i >= 0; i-- {
 		loops[i].stop()
 	}
-	sub.s.subscriptionEnded() // before the close: a caller that saw it may close the pool
+	sub.s.subscriptionEnded(sub.topic) // before the close: a caller that saw it may close the pool
 	close(sub.outlet.out)
 	sub.logger.Debug("Subscription closed", nil)
 }

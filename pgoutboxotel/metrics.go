@@ -135,7 +135,7 @@ func NewObserver(opts MetricsOptions) (*Observer, error) {
 		{&o.deadLettered, "pgoutbox.subscriber.dead_lettered", "{message}", "Rows moved to the dead-letter table (or parked), per failure reason."},
 		{&o.poisoned, "pgoutbox.subscriber.poisoned", "{message}", "Rows that could not be decoded into a message."},
 		{&o.renewed, "pgoutbox.subscriber.leases_renewed", "{lease}", "In-flight leases extended."},
-		{&o.leaseLost, "pgoutbox.subscriber.leases_lost", "{lease}", "Writes that found their lease taken by another consumer, per write (ack, nack, release, renew, dead_letter), and held batches that did not commit (commit)."},
+		{&o.leaseLost, "pgoutbox.subscriber.leases_lost", "{lease}", "Writes that found their lease taken by another consumer, per write (ack, nack, release, renew, dead_letter), held batches that did not commit (commit), and acks written again after a lost reply that found their rows gone (ack_unanswered)."},
 	} {
 		ctr, err := m.Int64Counter(c.name, metric.WithUnit(c.unit), metric.WithDescription(c.desc))
 		if err != nil {

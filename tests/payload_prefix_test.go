@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"crypto/rand"
+	"math"
 	"strings"
 	"testing"
 
@@ -58,6 +59,10 @@ func TestListsReadPayloadsByPrefix(t *testing.T) {
 			require.Empty(t, cut[2].Payload)
 			require.Zero(t, cut[2].PayloadSize)
 
+			all, err := pgoutbox.Peek(ctx, exec, b.tables, "big", "", 10, pgoutbox.PeekPayloadPrefix(math.MaxInt))
+			require.NoError(t, err, "a prefix past any payload's size reads them whole")
+			require.Equal(t, large, all[0].Payload)
+
 			_, err = pgoutbox.Peek(ctx, exec, b.tables, "big", "", 10, pgoutbox.PeekPayloadPrefix(-1))
 			require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
 		})
@@ -91,6 +96,10 @@ func TestDeadLettersReadPayloadsByPrefix(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, large, d.Payload)
 	require.Equal(t, len(large), d.PayloadSize)
+
+	page, err = pgoutbox.DeadLetters(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{PayloadPrefix: math.MaxInt})
+	require.NoError(t, err)
+	require.Equal(t, large, page.Letters[0].Payload)
 
 	_, err = pgoutbox.DeadLetters(ctx, exec, b.tables, pgoutbox.DeadLetterFilter{PayloadPrefix: -1})
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/payloadcut"
@@ -94,6 +95,9 @@ func (c *cli) peekCmd(args []string) error {
 			p := fmt.Sprintf("(%d bytes)", m.PayloadSize)
 			if s := payloadJSON(payloadcut.Trim(m.Payload, m.PayloadSize)); s.Payload != nil {
 				p = short(*s.Payload, 60)
+				if len(m.Payload) < m.PayloadSize && !strings.HasSuffix(p, "…") {
+					p += "…" // a start that fits: it still goes on
+				}
 			}
 			if keyed {
 				fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\n", m.ID, m.UUID, m.OrderingKey, due, m.Deliveries, p)

@@ -19,6 +19,7 @@ type CompleteStatements struct {
 	HeldFinish   string
 	Dead         string
 	Renew        string
+	Present      string
 }
 
 func buildComplete(n Names, ac string) CompleteStatements {
@@ -156,6 +157,11 @@ UPDATE %[1]s
 		// never lost); without one the row is parked in the outbox: never
 		// due again, its reason and error kept for an operator.
 		Dead: deadStatement(n, ac),
+		// Present reads which of the rows $1 are still in the outbox: an
+		// ack that missed its row (its lease token matched nothing) tells
+		// a row another consumer holds, or that is due again, from one
+		// that is gone.
+		Present: fmt.Sprintf(`SELECT id FROM %s WHERE id = ANY ($1::bigint[])`, t),
 
 		// Renew extends the leases of held rows, under their tokens, and
 		// stamps them with the holder's current liveness key ($4, NULL when

@@ -102,9 +102,11 @@ func DeadLetterColumns(prefix string) string {
 
 // PayloadPrefix reads the first prefix bytes of the payload column col
 // when prefix is above 0, else all of it. A stored payload is read no
-// further than that (PostgreSQL fetches a slice of an out-of-line value),
-// so a list of large messages that shows a preview does not read
-// megabytes; octet_length reads only the value's header.
+// further than that when it is stored uncompressed or compressed with
+// pglz (PostgreSQL fetches a slice of an out-of-line value); an lz4 one is
+// decompressed whole on the server, and only the prefix sent. Either way a
+// list of large messages that shows a preview does not send megabytes;
+// octet_length reads only the value's header.
 func PayloadPrefix(col, prefix string) string {
 	if prefix == "0" {
 		return col
@@ -270,8 +272,9 @@ SELECT (SELECT count(*) FROM upd), (SELECT count(*) FROM woken)`, n.QTable)
 }
 
 // Peek reads up to $3 unleased rows of topic $1 and group $2 in delivery
-// order, the first $4 bytes of each payload (0: all), (ready, then scheduled, then parked at 'infinity'), without
-// locking or leasing them: a range scan of the ready index.
+// order (ready, then scheduled, then parked at 'infinity'), the first $4
+// bytes of each payload (0: all), without locking or leasing them: a
+// range scan of the ready index.
 //
 // With arrivals, the group's arrivals too (those its binding covers, the
 // primary key's range from its start), each due at its arrival; for the

@@ -129,6 +129,7 @@ func (c *completer) write(j writeJob) writeResult {
 			}
 		}
 	}
+	r.present = c.presentOfMissed(j.acks, r)
 	if len(j.dead) > 0 {
 		dead, err := writeEach(&r, j.dead, func(op deadOp) *delivery { return op.d },
 			func(x []deadOp) error { return c.writeDead(x, r.done) })
@@ -160,6 +161,31 @@ func (c *completer) write(j writeJob) writeResult {
 		cancel()
 	}
 	return r
+}
+
+// presentOfMissed looks up which of the acks that missed their row (no
+// row under their token) still have one: a lease lost for sure, where a
+// row that is gone may be the work of an earlier write of the same ack
+// whose reply was lost (finish). Misses are rare: one look by primary
+// key, and its failure only leaves them unlooked at.
+func (c *completer) presentOfMissed(acks []*delivery, r writeResult) map[int64]bool {
+	var missed []int64
+	for _, d := range acks {
+		if _, gave := r.abandoned[d]; !r.done.has(d) && !gave {
+			missed = append(missed, d.id)
+		}
+	}
+	if len(missed) == 0 {
+		return nil
+	}
+	ctx, cancel := c.stmtCtx()
+	defer cancel()
+	rows, err := c.pool.Query(ctx, c.q.Present, missed)
+	present, err := collectIDs(rows, err)
+	if err != nil {
+		return nil
+	}
+	return present
 }
 
 // writeEach writes items together and, if that fails for good, one at a

@@ -3,6 +3,7 @@ package pgoutbox
 import (
 	"context"
 	"errors"
+	"math"
 	"slices"
 	"strings"
 	"time"
@@ -195,7 +196,7 @@ func DeadLetters(ctx context.Context, exec tx.Executor, tables schema.Config, f 
 	if err != nil {
 		return DeadLetterPage{}, err
 	}
-	args = append(args, f.PayloadPrefix)
+	args = append(args, payloadPrefix(f.PayloadPrefix))
 	rows, err := exec.Query(ctx, query.DeadLetters(q.Names, f.Topic != ""), args...)
 	if err != nil {
 		return DeadLetterPage{}, errorf("pgoutbox: list dead letters: %w", err)
@@ -530,7 +531,7 @@ func Peek(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 		}
 	}
 	if o.prefix < 0 {
-		return nil, errorf("%w: PeekPayloadPrefix(%d); use a positive number of bytes, or leave the option out for whole payloads", ErrInvalidConfig, o.prefix)
+		return nil, errorf("%w: PeekPayloadPrefix(%d); use a positive number of bytes, or 0 (or no option) for whole payloads", ErrInvalidConfig, o.prefix)
 	}
 	switch {
 	case limit < 0 || limit > MaxPeekLimit:
@@ -542,7 +543,7 @@ func Peek(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 	if err != nil {
 		return nil, errorf("pgoutbox: peek: %w", err)
 	}
-	rows, err := exec.Query(ctx, query.Peek(n), topic, group, limit, o.prefix)
+	rows, err := exec.Query(ctx, query.Peek(n), topic, group, limit, payloadPrefix(o.prefix))
 	if err != nil {
 		return nil, errorf("pgoutbox: peek: %w", err)
 	}
@@ -585,3 +586,8 @@ type peekOptions struct{ prefix int }
 // message. 0 reads whole payloads, as without the option; negative is an
 // error.
 func PeekPayloadPrefix(n int) PeekOption { return func(o *peekOptions) { o.prefix = n } }
+
+// payloadPrefix is a prefix as the statements take it, an int4: a payload
+// is at most 1 GB, so a larger prefix (math.MaxInt for "all") reads it
+// whole too.
+func payloadPrefix(n int) int32 { return int32(min(n, math.MaxInt32)) }

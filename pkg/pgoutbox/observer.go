@@ -66,8 +66,9 @@ type Event struct {
 	// whose transaction did not commit (its connection was lost: nobody
 	// took the rows, they are due again, and acked ones run again);
 	// "ack_unanswered" for an ack written again after the reply to the
-	// first was lost (its connection went): most likely the first had
-	// deleted the row, and the message ran once.
+	// first was lost (its connection went) that found its row gone: most
+	// likely the first had deleted it and the message ran once, unless
+	// another consumer took the row meanwhile.
 	Phase string
 	// Reason is the failure reason of a dead-lettered row.
 	Reason string

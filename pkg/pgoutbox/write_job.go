@@ -100,12 +100,16 @@ func (j *writeJob) has(d *delivery) bool {
 
 // writeResult is what a job wrote.
 type writeResult struct {
-	job        writeJob
-	sent       time.Time // when the job's first statement was sent: leases it set end Lease after, at the latest
-	renewSent  time.Time // the same for the renewal
-	done       written
-	abandoned  map[*delivery]error // rows whose own write fails for good
-	renewed    bool                // the renewal ran (its rows are in renewDone, or lost)
+	job       writeJob
+	sent      time.Time // when the job's first statement was sent: leases it set end Lease after, at the latest
+	renewSent time.Time // the same for the renewal
+	done      written
+	abandoned map[*delivery]error // rows whose own write fails for good
+	// present: of the acks that missed their row, those whose row is
+	// still in the outbox (leased by another consumer, or due again); nil
+	// when none missed or the look failed.
+	present    map[int64]bool
+	renewed    bool // the renewal ran (its rows are in renewDone, or lost)
 	renewDone  written
 	releaseErr error    // the release of lost claims failed
 	reacked    int      // rows the reacks deleted: their acks had been lost

@@ -96,9 +96,13 @@ func (sub *subscription) onWritten(r writeResult) {
 	sub.writes.inWrite = false
 	job := r.job
 	writtenAt := time.Now()
+	gone := 0 // acks written again that found their row gone (ackUnansweredGone)
 	for _, d := range job.acks {
 		if r.left.has(d) {
 			continue // not written yet: stays pending
+		}
+		if ackUnansweredGone(d, r) {
+			gone++
 		}
 		if sub.finish(d, r, "ack") {
 			sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathLease})
@@ -106,6 +110,13 @@ func (sub *subscription) onWritten(r writeResult) {
 				sub.writes.ackWritten(ackedRow{id: d.id, token: d.token.Bytes, at: at(writtenAt)})
 			}
 		}
+	}
+	if gone > 0 {
+		// One line for the write, not one per row: a connection cut
+		// under a busy subscription leaves a whole batch of them.
+		logWarn(sub.logger, "Acks written again, after the reply to the first was lost, found their rows gone: most likely the first "+
+			"write had deleted them; if another consumer took them meanwhile (their lease ran out, or this process's liveness lock "+
+			"went with its connection), those messages ran twice", watermill.LogFields{"event": "lease_lost", "phase": "ack_unanswered", "rows": gone})
 	}
 	sub.onReacked(r)
 	for _, op := range job.returns {
@@ -245,11 +256,21 @@ func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
 	switch {
 	case d.endFailed:
 		phase = "commit" // the lease it was written under never committed
-	case phase == "ack" && d.ackUnanswered:
+	case phase == "ack" && ackUnansweredGone(d, r):
 		phase = "ack_unanswered"
 	}
 	sub.leaseLost(d, phase)
 	return false
+}
+
+// ackUnansweredGone reports whether d's ack, written again after the reply
+// to an earlier write of it was lost, missed a row that is gone (or that
+// could not be looked up): the earlier write may have deleted it. A row
+// still there is held by another consumer, or due again: a lease lost
+// for sure.
+func ackUnansweredGone(d *delivery, r writeResult) bool {
+	_, abandoned := r.abandoned[d]
+	return d.ackUnanswered && !r.done.has(d) && !abandoned && !r.present[d.id]
 }
 
 // unanswered reports whether a failed write may have been applied: it was
@@ -283,9 +304,9 @@ func (sub *subscription) leaseLost(d *delivery, phase string) {
 		// a line per row made a lost connection print hundreds.
 		sub.logger.Debug("A held batch did not commit (rolled back, or its reply was lost); this row is due again and is delivered again", fields)
 	case "ack_unanswered":
-		// The write's failure was logged already, once (onWritten).
+		// Logged once for the write, with the count (onWritten).
 		sub.logger.Debug("An ack written again, after the reply to the first was lost, found the row gone: "+
-			"most likely the first had deleted it; else its lease ran out and the row was claimed again", fields)
+			"most likely the first had deleted it; else another consumer took it meanwhile, and it ran twice", fields)
 	default:
 		logWarn(sub.logger, "Lease lost: the row was claimed again (its lease ran out, or a server crash lost the claim) or removed by an operator; this write was not applied", fields)
 	}

@@ -163,7 +163,7 @@ const (
 // start when it was read by prefix.
 func viewPayload(p []byte, size int) payloadView {
 	cut := len(p) < size
-	p = payloadcut.Trim(p, size)
+	text := payloadcut.Trim(p, size) // binary is shown as it was read
 	clip := func(s string) string {
 		if cut {
 			return clipTo(s, size) // says the payload's size
@@ -179,8 +179,8 @@ func viewPayload(p []byte, size int) payloadView {
 		if json.Indent(&buf, p, "", "  ") == nil {
 			v.Kind, v.Text = "json", clip(buf.String())
 		}
-	case utf8.Valid(p) && printable(string(p)):
-		v.Kind, v.Text = "text", clip(string(p))
+	case utf8.Valid(text) && printable(string(text)):
+		v.Kind, v.Text = "text", clip(string(text))
 	default:
 		v.Kind = "binary"
 		shown := p
@@ -218,13 +218,17 @@ func clipTo(s string, whole int) string {
 // preview is a one-line start of a payload of size bytes for a table; p
 // is the payload or its start.
 func preview(p []byte, size int) string {
+	cut := len(p) < size
 	p = payloadcut.Trim(p, size)
 	if !utf8.Valid(p) || !printable(string(p)) {
 		return fmt.Sprintf("(%d bytes of binary)", size)
 	}
 	s := strings.Join(strings.Fields(string(p)), " ")
-	if utf8.RuneCountInString(s) > 80 {
+	switch {
+	case utf8.RuneCountInString(s) > 80:
 		s = string([]rune(s)[:79]) + "…"
+	case cut:
+		s += "…" // a start that fits: it still goes on
 	}
 	return s
 }

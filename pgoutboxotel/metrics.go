@@ -432,6 +432,9 @@ func (h healthGauges) observe(obs metric.Observer, r pgoutbox.HealthReport, extr
 		table := with(TableKey.String(t.Table))
 		obs.ObserveInt64(h.live, t.LiveTuples, table)
 		obs.ObserveInt64(h.dead, t.DeadTuples, table)
+		if t.Locked {
+			continue // its sizes were not read: no sample, not a drop to 0
+		}
 		obs.ObserveInt64(h.size, t.TableBytes, table)
 		obs.ObserveInt64(h.indexSize, t.IndexBytes, table)
 	}

@@ -248,6 +248,9 @@ func (c *Collector) collectHealth(ch chan<- prometheus.Metric, h pgoutbox.Health
 		}
 		ch <- prometheus.MustNewConstMetric(c.liveTuples, prometheus.GaugeValue, float64(t.LiveTuples), t.Table)
 		ch <- prometheus.MustNewConstMetric(c.deadTuples, prometheus.GaugeValue, float64(t.DeadTuples), t.Table)
+		if t.Locked {
+			continue // its sizes were not read: no sample, not a drop to 0
+		}
 		ch <- prometheus.MustNewConstMetric(c.tableBytes, prometheus.GaugeValue, float64(t.TableBytes), t.Table)
 		ch <- prometheus.MustNewConstMetric(c.indexBytes, prometheus.GaugeValue, float64(t.IndexBytes), t.Table)
 	}

@@ -630,3 +630,67 @@ func TestHealthNamesTheLeaderOfAParallelQueryNotItsWorkers(t *testing.T) {
 	require.True(t, sawLeader, "the leader is listed: %+v", h.SnapshotHolders)
 	require.NoError(t, <-done)
 }
+
+// Health is what an operator runs when claims and publishes stop behind a
+// lock on the outbox (a VACUUM FULL, an ALTER TABLE, a migration, or one
+// of them queued for its lock): it answers then, the outbox's sizes left
+// out and the table marked Locked, the other tables measured. Its size
+// functions waited for the lock as everything else did, and so did the
+// look at partitions of a plain table.
+func TestHealthAnswersBehindAnExclusiveLock(t *testing.T) {
+	t.Parallel()
+	for _, queued := range []bool{false, true} {
+		name := "Held"
+		if queued {
+			name = "Queued"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setupHealth(t)
+			ctx := context.Background()
+			before := b.health(t, tx.FromPgxPool(b.pool))
+			require.False(t, before.Outbox.Locked)
+			require.Positive(t, before.Outbox.IndexBytes)
+
+			locker := b.conn(t)
+			if queued {
+				// A reader keeps its shared lock; the exclusive request
+				// waits behind it, and every later request behind that.
+				reader := b.conn(t)
+				_, err := reader.Exec(ctx, `BEGIN; SELECT count(*) FROM app.outbox`)
+				require.NoError(t, err)
+				waiting := make(chan error, 1)
+				go func() {
+					_, err := locker.Exec(ctx, `BEGIN; LOCK TABLE app.outbox IN ACCESS EXCLUSIVE MODE`)
+					waiting <- err
+				}()
+				pollUntil(t, "the exclusive lock is awaited", 10*time.Second, nil, func() bool {
+					var n int
+					require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE relation = 'app.outbox'::regclass
+  AND mode = 'AccessExclusiveLock' AND NOT granted`).Scan(&n))
+					return n == 1
+				})
+				t.Cleanup(func() {
+					_, _ = reader.Exec(context.Background(), `ROLLBACK`)
+					require.NoError(t, <-waiting)
+					_, _ = locker.Exec(context.Background(), `ROLLBACK`)
+				})
+			} else {
+				_, err := locker.Exec(ctx, `BEGIN; LOCK TABLE app.outbox IN ACCESS EXCLUSIVE MODE`)
+				require.NoError(t, err)
+				t.Cleanup(func() { _, _ = locker.Exec(context.Background(), `ROLLBACK`) })
+			}
+
+			hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			defer cancel()
+			h, err := pgoutbox.Health(hctx, tx.FromPgxPool(b.pool), b.tables)
+			require.NoError(t, err, "Health answers behind the lock")
+			require.True(t, h.Outbox.Locked)
+			require.Zero(t, h.Outbox.TableBytes)
+			require.Zero(t, h.Outbox.IndexBytes)
+			require.NotNil(t, h.DeadLetters)
+			require.False(t, h.DeadLetters.Locked)
+			require.Positive(t, h.DeadLetters.IndexBytes, "the tables nobody locked are measured")
+		})
+	}
+}

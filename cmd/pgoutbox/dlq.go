@@ -95,6 +95,7 @@ func filterFlags(cmd *command, f *pgoutbox.DeadLetterFilter, group *optString) {
 func (c *cli) dlqList(args []string) error {
 	cmd := c.newCommand("dlq list", "dlq list [--topic T] [--group G] [--reason R] [--since T] [--until T] [--after ID] [--limit N] [--json]",
 		"  pgoutbox dlq list\n  pgoutbox dlq list --topic orders.placed --reason rejected --since 24h\n  pgoutbox dlq list --after 4711   # the next page: the last id of the previous one\n  pgoutbox dlq list --json | jq -r '.dead_letters[].id'\n", true)
+	cmd.inspects = true
 	var f pgoutbox.DeadLetterFilter
 	var group optString
 	filterFlags(cmd, &f, &group)
@@ -179,6 +180,7 @@ func (c *cli) dlqList(args []string) error {
 
 func (c *cli) dlqShow(args []string) error {
 	cmd := c.newCommand("dlq show", "dlq show ID [--json]", "  pgoutbox dlq show 42\n  pgoutbox dlq show 42 --json | jq -r .payload\n", true)
+	cmd.inspects = true
 	pos, err := cmd.parse(args)
 	if err != nil {
 		return err

@@ -34,6 +34,9 @@ type command struct {
 	json     bool
 	help     func() // prints --help
 	envErr   error  // a variable the command reads is invalid: reported by parse
+	// inspects: a command that only reads (stats, health, peek, dlq list
+	// and show): withOutbox bounds it by readTimeout.
+	inspects bool
 }
 
 // newCommand returns the flag set of a command. summary and examples

@@ -34,6 +34,7 @@ type tableHealthJSON struct {
 	DeadTuples      int64      `json:"dead_tuples"`
 	TableBytes      int64      `json:"table_bytes"`
 	IndexBytes      int64      `json:"index_bytes"`
+	Locked          bool       `json:"locked"` // sizes not read: an exclusive lock was held or awaited
 	LastVacuum      *time.Time `json:"last_vacuum"`
 	LastAutovacuum  *time.Time `json:"last_autovacuum"`
 	LastAnalyze     *time.Time `json:"last_analyze"`
@@ -80,6 +81,7 @@ type healthJSON struct {
 
 func (c *cli) healthCmd(args []string) error {
 	cmd := c.newCommand("health", "health [--json]", healthExamples, true)
+	cmd.inspects = true
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
@@ -129,7 +131,7 @@ func healthToJSON(h pgoutbox.HealthReport) healthJSON {
 func tableToJSON(t pgoutbox.TableHealth) tableHealthJSON {
 	return tableHealthJSON{Table: t.Table, LiveTuples: t.LiveTuples, DeadTuples: t.DeadTuples, TableBytes: t.TableBytes,
 		IndexBytes: t.IndexBytes, LastVacuum: timePtr(t.LastVacuum), LastAutovacuum: timePtr(t.LastAutovacuum),
-		LastAnalyze: timePtr(t.LastAnalyze), LastAutoanalyze: timePtr(t.LastAutoanalyze), Autovacuum: t.Autovacuum}
+		LastAnalyze: timePtr(t.LastAnalyze), LastAutoanalyze: timePtr(t.LastAutoanalyze), Autovacuum: t.Autovacuum, Locked: t.Locked}
 }
 
 // timePtr is nil for the zero time (JSON null: never, or unknown).
@@ -151,8 +153,12 @@ func printHealth(w io.Writer, h pgoutbox.HealthReport, all bool) {
 		if t == nil {
 			continue
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\n", t.Table, t.LiveTuples, t.DeadTuples, bytesHuman(t.TableBytes),
-			bytesHuman(t.IndexBytes), ago(now, t.LastAutovacuum), ago(now, t.LastVacuum), ago(now, t.LastAnalyzed()))
+		size, indexes := bytesHuman(t.TableBytes), bytesHuman(t.IndexBytes)
+		if t.Locked {
+			size, indexes = "locked", "locked"
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\n", t.Table, t.LiveTuples, t.DeadTuples, size,
+			indexes, ago(now, t.LastAutovacuum), ago(now, t.LastVacuum), ago(now, t.LastAnalyzed()))
 	}
 	tw.Flush()
 	if r := h.Ring; r != nil {
@@ -202,6 +208,12 @@ func printHealthWarnings(w io.Writer, h pgoutbox.HealthReport) {
 		fmt.Fprintln(w, "warning: track_counts is off on this server: the tuple counts stay 0 and autovacuum cannot see which tables need it; turn it on")
 	}
 	for _, t := range []*pgoutbox.TableHealth{&h.Outbox, h.DeadLetters, h.Arrivals} {
+		if t != nil && t.Locked {
+			fmt.Fprintf(w, "warning: %s is locked: a session holds or awaits an exclusive lock on it (a VACUUM FULL, an ALTER TABLE, "+
+				"a REINDEX, a migration), and claims, publishes and its sizes wait for that; the sessions: SELECT l.pid, l.granted, "+
+				"a.state, a.xact_start, a.query FROM pg_locks l JOIN pg_stat_activity a USING (pid) WHERE l.relation = %s::regclass "+
+				"AND l.mode = 'AccessExclusiveLock'\n", t.Table, sqlString(quoteQualified(t.Table)))
+		}
 		if t != nil && h.Autovacuum && h.TrackCounts && !t.Autovacuum {
 			fmt.Fprintf(w, "warning: autovacuum is disabled for %s; ALTER TABLE %s RESET (autovacuum_enabled)\n", t.Table, quoteQualified(t.Table))
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
@@ -82,4 +83,33 @@ func TestHealthShowsTheRing(t *testing.T) {
 	out, errOut, code = cliRun(t, single, "health")
 	require.Equal(t, 0, code, errOut)
 	require.NotContains(t, out, "ring:")
+}
+
+// Behind an exclusive lock on the outbox (a VACUUM FULL, an ALTER TABLE, a
+// migration), health answers and says the table is locked and how to find
+// the session, and the commands that read the outbox give up after
+// readTimeout with what to do, where they waited without a word for as
+// long as the lock was held.
+func TestCommandsBehindAnExclusiveLock(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env, "orders", "a")
+	ctx := context.Background()
+	locker, err := pgx.Connect(ctx, env.DSN)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = locker.Close(context.Background()) })
+	_, err = locker.Exec(ctx, `BEGIN; LOCK TABLE `+pgx.Identifier{env.Schema, env.Tables.Table}.Sanitize()+` IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	out, errOut, code := cliRun(t, env, "health")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "locked")
+	require.Contains(t, out, "is locked: a session holds or awaits an exclusive lock on it")
+	require.Contains(t, out, "FROM pg_locks")
+
+	start := time.Now()
+	_, errOut, code = cliRun(t, env, "peek", "--topic", "orders")
+	require.NotEqual(t, 0, code)
+	require.Contains(t, errOut, "no answer within 15s: a session may hold or await an exclusive lock on the outbox")
+	require.Less(t, time.Since(start), 25*time.Second)
 }

@@ -32,6 +32,7 @@ type pendingJSON struct {
 func (c *cli) peekCmd(args []string) error {
 	cmd := c.newCommand("peek", "peek --topic T [--group G] [--limit N] [--json]",
 		"  pgoutbox peek --topic orders.placed\n  pgoutbox peek --topic orders.placed --group billing --limit 5 --json\n", true)
+	cmd.inspects = true
 	topic := cmd.fs.String("topic", "", "the topic (required)")
 	group := cmd.fs.String("group", "", "the consumer group (default: the default group)")
 	limit := cmd.fs.Int("limit", 20, fmt.Sprintf("at most this many messages, next due first (up to %d)", pgoutbox.MaxPeekLimit))

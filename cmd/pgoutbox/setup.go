@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -66,16 +67,46 @@ func (cmd *command) withOutbox(parent context.Context, before func() error,
 		return err
 	}
 	defer pool.Close()
+	if cmd.inspects {
+		var cancel context.CancelFunc
+		ctx, cancel = reading(ctx)
+		defer cancel()
+	}
 	if tables, err = cmd.layout(ctx, exec, tables); err != nil {
-		return err
+		return readTimedOut(ctx, err)
 	}
 	if err := fn(ctx, exec, tables); err != nil {
+		if timedOut := readTimedOut(ctx, err); timedOut != err {
+			return timedOut
+		}
 		if ctx.Err() != nil && parent.Err() == nil {
 			return fmt.Errorf("interrupted: the statement under way was cancelled on the server too; what committed before it stays, and the command can be run again: %w", err)
 		}
 		return missingDLQ(ctx, exec, tables, err)
 	}
 	return nil
+}
+
+// readTimeout bounds what an inspecting command reads (cmd.inspects, and
+// each redraw of stats --watch): behind an exclusive lock on the outbox (a
+// VACUUM FULL, an ALTER TABLE, a migration, or one of them waiting for
+// its lock) it waited without a word for as long as the lock was held.
+const readTimeout = 15 * time.Second
+
+// reading bounds ctx by readTimeout.
+func reading(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, readTimeout)
+}
+
+// readTimedOut is err with what to do when ctx, a reading bound, ran out;
+// any other error as it is.
+func readTimedOut(ctx context.Context, err error) error {
+	if err == nil || !errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return err
+	}
+	return &hintedError{err: err, hint: fmt.Sprintf("; no answer within %s: a session may hold or await an exclusive lock on the outbox "+
+		"(a VACUUM FULL, an ALTER TABLE, a migration), which every claim and publish waits for too: \"pgoutbox health\" says which "+
+		"table, and how to find the session", readTimeout)}
 }
 
 // missingDLQ explains an error of a missing table when the table missing

@@ -70,6 +70,7 @@ func (c *cli) statsCmd(args []string) error {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	cmd.inspects = !*watch // a watch bounds each redraw
 	return cmd.withOutbox(ctx, nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
 		if !*watch {
 			stats, err := pgoutbox.Stats(ctx, exec, tables, opts...)
@@ -87,8 +88,11 @@ func (c *cli) statsCmd(args []string) error {
 		defer tick.Stop()
 		first := true
 		for {
-			stats, err := pgoutbox.Stats(ctx, exec, tables, opts...)
+			rctx, cancel := reading(ctx)
+			stats, err := pgoutbox.Stats(rctx, exec, tables, opts...)
+			err = readTimedOut(rctx, err)
 			if ctx.Err() != nil {
+				cancel()
 				return nil // Ctrl-C
 			}
 			if stdoutIsTerminal(c.stdout) {
@@ -100,11 +104,12 @@ func (c *cli) statsCmd(args []string) error {
 			first = false
 			fmt.Fprintf(c.stdout, "pgoutbox stats  %s  every %s  (Ctrl-C to stop)\n\n", time.Now().Format("15:04:05"), *interval)
 			if err != nil {
-				fmt.Fprintf(c.stdout, "error: %v (retrying)\n", err)
+				fmt.Fprintf(c.stdout, "error: %v%s (retrying)\n", err, hint(err))
 			} else {
 				printStats(c.stdout, stats)
-				printStatsHealth(ctx, c.stdout, exec, tables)
+				printStatsHealth(rctx, c.stdout, exec, tables)
 			}
+			cancel()
 			select {
 			case <-ctx.Done():
 				return nil

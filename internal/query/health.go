@@ -10,6 +10,10 @@ import (
 // read, so they need no grant beyond USAGE on the outbox's schema. The
 // size functions take a shared lock on every table and index they measure
 // until the caller's transaction ends: run them outside long transactions.
+// They wait behind an exclusive lock (a VACUUM FULL, an ALTER TABLE, a
+// REINDEX, or one of them queued for its lock), so TableHealth measures
+// only what no session holds or awaits such a lock on, and reports the
+// rest as locked: Health answers in the very moment it is run for.
 
 // TableHealth reads the statistics of the tables $1 and $2 (quoted,
 // qualified names; $2 may be NULL), one row per table that exists:
@@ -22,10 +26,15 @@ import (
 // and sizes, autovacuum only if it visits every one of them, and the
 // oldest partition's vacuum and analyze times (NULL while one has none),
 // so a neglected partition is not hidden by a fresh one. pg_partition_tree
-// lists nothing for a plain table, which is its own only partition.
+// lists nothing for a plain table, which is its own only partition; it
+// locks what it lists, so it is called for a partitioned table only. The
+// last column: whether a table (or its TOAST table, or one of its
+// indexes) was left unmeasured, an exclusive lock held or awaited on it;
+// its sizes count 0.
 const TableHealth = `SELECT t.which,
        coalesce(sum(s.n_live_tup), 0)::bigint, coalesce(sum(s.n_dead_tup), 0)::bigint,
-       sum(pg_table_size(p.relid))::bigint, sum(pg_indexes_size(p.relid))::bigint,
+       coalesce(sum(CASE WHEN NOT k.locked THEN pg_table_size(p.relid) END), 0)::bigint,
+       coalesce(sum(CASE WHEN NOT k.locked THEN pg_indexes_size(p.relid) END), 0)::bigint,
        CASE WHEN bool_and(s.last_vacuum IS NOT NULL) THEN min(s.last_vacuum) END,
        CASE WHEN bool_and(s.last_autovacuum IS NOT NULL) THEN min(s.last_autovacuum) END,
        CASE WHEN bool_and(s.last_analyze IS NOT NULL) THEN min(s.last_analyze) END,
@@ -33,10 +42,18 @@ const TableHealth = `SELECT t.which,
        current_setting('autovacuum')::bool,
        bool_and(coalesce((SELECT o.option_value::bool FROM pg_class c, pg_options_to_table(c.reloptions) o
                            WHERE c.oid = p.relid AND o.option_name = 'autovacuum_enabled'), true)),
-       current_setting('track_counts')::bool
+       current_setting('track_counts')::bool,
+       bool_or(k.locked)
   FROM (VALUES (1, to_regclass($1::text)), (2, to_regclass($2::text)), (3, to_regclass($3::text))) AS t(which, oid)
- CROSS JOIN LATERAL (SELECT relid FROM pg_partition_tree(t.oid) WHERE isleaf
-                     UNION SELECT t.oid WHERE NOT EXISTS (SELECT FROM pg_partition_tree(t.oid))) AS p(relid)
+ CROSS JOIN LATERAL (SELECT relid FROM pg_partition_tree(t.oid) WHERE isleaf AND (SELECT c.relkind FROM pg_class c WHERE c.oid = t.oid) = 'p'
+                     UNION SELECT t.oid WHERE (SELECT c.relkind FROM pg_class c WHERE c.oid = t.oid) <> 'p') AS p(relid)
+ CROSS JOIN LATERAL (SELECT EXISTS (
+         SELECT FROM pg_locks l
+          WHERE l.locktype = 'relation' AND l.mode = 'AccessExclusiveLock' AND l.pid <> pg_backend_pid()
+            AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+            AND (l.relation = p.relid
+                 OR l.relation = (SELECT c.reltoastrelid FROM pg_class c WHERE c.oid = p.relid)
+                 OR l.relation IN (SELECT i.indexrelid FROM pg_index i WHERE i.indrelid = p.relid)))) AS k(locked)
   LEFT JOIN pg_stat_user_tables s ON s.relid = p.relid
  WHERE t.oid IS NOT NULL
  GROUP BY t.which, t.oid

@@ -86,4 +86,5 @@ const (
 const UITableCounters = `SELECT coalesce(sum(n_tup_ins), 0)::bigint, coalesce(sum(n_tup_del), 0)::bigint
   FROM pg_catalog.pg_stat_user_tables
  WHERE relid = to_regclass($1)
-    OR relid IN (SELECT relid FROM pg_partition_tree(to_regclass($1)) WHERE isleaf)`
+    OR relid IN (SELECT relid FROM pg_partition_tree(to_regclass($1))
+                  WHERE isleaf AND (SELECT relkind FROM pg_class WHERE oid = to_regclass($1)) = 'p')`

@@ -80,8 +80,15 @@ type TableHealth struct {
 	LiveTuples, DeadTuples int64
 	// TableBytes is the table's size with its TOAST data (pg_table_size);
 	// IndexBytes the size of its indexes (pg_indexes_size). Neither
-	// shrinks after a plain VACUUM: vacuum makes the space reusable.
+	// shrinks after a plain VACUUM: vacuum makes the space reusable. They
+	// leave out what was Locked.
 	TableBytes, IndexBytes int64
+	// Locked: a session held or awaited an exclusive lock on the table
+	// (or a partition, its TOAST table or an index of it): a VACUUM
+	// FULL, an ALTER TABLE, a REINDEX, a migration. Measuring it would
+	// have waited for that lock, as every claim and publish does
+	// meanwhile, so its sizes were not read (they count 0).
+	Locked bool
 	// The last VACUUM, autovacuum, ANALYZE and autoanalyze of the table;
 	// zero for never (since the statistics were last reset).
 	LastVacuum, LastAutovacuum, LastAnalyze, LastAutoanalyze time.Time
@@ -237,7 +244,7 @@ func Health(ctx context.Context, exec tx.Executor, tables schema.Config) (Health
 		var t TableHealth
 		var vac, autovac, an, autoan *time.Time
 		if err := rows.Scan(&which, &t.LiveTuples, &t.DeadTuples, &t.TableBytes, &t.IndexBytes,
-			&vac, &autovac, &an, &autoan, &h.Autovacuum, &t.Autovacuum, &h.TrackCounts); err != nil {
+			&vac, &autovac, &an, &autoan, &h.Autovacuum, &t.Autovacuum, &h.TrackCounts, &t.Locked); err != nil {
 			rows.Close()
 			return HealthReport{}, healthError("table statistics", err)
 		}

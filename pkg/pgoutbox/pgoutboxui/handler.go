@@ -27,6 +27,7 @@ const (
 	DefaultSamples           = 360
 	DefaultMaxPairs          = 500
 	DefaultBlockedDeliveries = 3
+	DefaultPageTimeout       = 15 * time.Second
 	// MinSampleInterval bounds Options.SampleInterval from below.
 	MinSampleInterval = 100 * time.Millisecond
 )
@@ -66,6 +67,14 @@ type Options struct {
 	// Title is shown in the page header and title. Defaults to
 	// "pgoutbox".
 	Title string
+	// PageTimeout bounds what a page, or the confirmation of an action,
+	// reads from the database: behind an exclusive lock on the outbox (a
+	// VACUUM FULL, an ALTER TABLE, a migration) a page would wait for as
+	// long as the lock is held, holding one of the pool's connections,
+	// and says so once it gives up. The action itself is not bounded (a
+	// purge of many dead letters may take long). Defaults to
+	// DefaultPageTimeout (15 s); negative means no bound.
+	PageTimeout time.Duration
 }
 
 func (o *Options) setDefaults() {
@@ -83,6 +92,9 @@ func (o *Options) setDefaults() {
 	}
 	if o.BlockedDeliveries == 0 {
 		o.BlockedDeliveries = DefaultBlockedDeliveries
+	}
+	if o.PageTimeout == 0 {
+		o.PageTimeout = DefaultPageTimeout
 	}
 	if o.Title == "" {
 		o.Title = "pgoutbox"
@@ -255,6 +267,11 @@ func (ui *UI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	h.Set("Cache-Control", "no-store")
+	if ui.opts.PageTimeout > 0 && !(rest == "do" && r.Method == http.MethodPost) {
+		ctx, cancel := context.WithTimeout(r.Context(), ui.opts.PageTimeout)
+		defer cancel()
+		r = r.WithContext(ctx)
+	}
 	var err error
 	switch {
 	case rest == "" && isRead(r):
@@ -302,6 +319,11 @@ func (ui *UI) fail(w http.ResponseWriter, r *http.Request, err error) {
 	}
 	if errors.Is(err, pgoutbox.ErrInvalidConfig) || errors.Is(err, pgoutbox.ErrInvalidGroup) || errors.Is(err, pgoutbox.ErrInvalidTopic) {
 		code = http.StatusBadRequest
+	}
+	if errors.Is(err, context.DeadlineExceeded) && errors.Is(r.Context().Err(), context.DeadlineExceeded) {
+		code = http.StatusServiceUnavailable
+		msg += fmt.Sprintf("; no answer within %s: a session may hold or await an exclusive lock on the outbox (a VACUUM FULL, an ALTER TABLE, "+
+			"a migration), which claims and publishes wait for too: pgoutbox health says which table and how to find the session", ui.opts.PageTimeout)
 	}
 	if errtext.SQLState(err) == "42P01" && !ui.outboxExists(r.Context()) {
 		// A mistyped schema or table: no advice about one table of it.

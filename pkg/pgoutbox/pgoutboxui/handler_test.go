@@ -17,6 +17,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -37,9 +38,17 @@ type bundle struct {
 
 func setup(t *testing.T, writes bool) *bundle {
 	t.Helper()
+	return setupWith(t, pgoutboxui.Options{Writes: writes})
+}
+
+// setupWith serves a page with opts, at /ops/outbox/ and sampling every
+// 100 ms.
+func setupWith(t *testing.T, opts pgoutboxui.Options) *bundle {
+	t.Helper()
 	env := pgoutboxtest.PubSub(t)
 	require.NoError(t, env.Subscriber.Close()) // the tests consume with subscribers of their own, or not at all
-	ui, err := pgoutboxui.New(env.Exec(), env.Tables, pgoutboxui.Options{BasePath: "/ops/outbox/", Writes: writes, SampleInterval: 100 * time.Millisecond})
+	opts.BasePath, opts.SampleInterval = "/ops/outbox/", 100*time.Millisecond
+	ui, err := pgoutboxui.New(env.Exec(), env.Tables, opts)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = ui.Close() })
 	mux := http.NewServeMux()
@@ -620,4 +629,28 @@ func TestPagesShowLargePayloadsFromTheirStart(t *testing.T) {
 	one := b.page(t, html.UnescapeString(link[1]))
 	require.Contains(t, one, fmt.Sprintf("(cut: %d bytes in all)", len(text)), "shown up to 64 KiB")
 	require.Contains(t, one, strings.Repeat("é", 30_000), "read whole, shown from its start")
+}
+
+// Behind an exclusive lock on the outbox a page gives up after
+// PageTimeout and says what may hold it, where it waited for as long as
+// the lock was held, holding one of the pool's connections; the dead
+// letters, another table, still answer.
+func TestPagesBehindAnExclusiveLockGiveUpAndSayWhy(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, pgoutboxui.Options{PageTimeout: 500 * time.Millisecond})
+	publish(t, b, "t", msg("a"))
+	b.deadLetters(t, "t", "", "rejected", 1, "boom")
+	ctx := context.Background()
+	locker, err := pgx.Connect(ctx, b.env.DSN)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = locker.Close(context.Background()) })
+	_, err = locker.Exec(ctx, `BEGIN; LOCK TABLE `+pgx.Identifier{b.env.Schema, b.env.Tables.Table}.Sanitize()+` IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	for range 3 { // more than the pool's connections would have stuck
+		code, body := b.get(t, "group?topic=t&group=")
+		require.Equal(t, http.StatusServiceUnavailable, code)
+		require.Contains(t, body, "no answer within 500ms: a session may hold or await an exclusive lock on the outbox")
+	}
+	require.Contains(t, b.page(t, "dead-letters?topic=t"), "boom")
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/dbclock"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/olderthan"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -276,13 +277,20 @@ func (c *cli) dlqRequeue(args []string) error {
 		if n > 0 && !tables.NoDeadLetterTable {
 			// A dead letter goes back to the group that failed it: say so
 			// if that group is no longer bound (renamed, unbound), as
-			// stats does. A courtesy: nothing is said if Stats fails.
-			var opts []pgoutbox.StatsOption
-			if f.Topic != "" {
-				opts = append(opts, pgoutbox.StatsForTopic(f.Topic))
+			// stats does, of the topics requeued only. A courtesy: nothing
+			// is said if Stats fails.
+			topics := []string{f.Topic} // "": every topic
+			if len(ids) > 0 && f.Topic == "" {
+				topics = requeuedTopics(ctx, exec, tables, ids)
 			}
-			if st, err := pgoutbox.Stats(ctx, exec, tables, opts...); err == nil {
-				printUnboundWarnings(c.stdout, st)
+			for _, topic := range topics {
+				var opts []pgoutbox.StatsOption
+				if topic != "" {
+					opts = append(opts, pgoutbox.StatsForTopic(topic))
+				}
+				if st, err := pgoutbox.Stats(ctx, exec, tables, opts...); err == nil {
+					printUnboundWarnings(c.stdout, st)
+				}
 			}
 		}
 		if len(ids) == 0 {
@@ -489,4 +497,31 @@ func lastErrorShown(d pgoutbox.DeadLetter) string {
 		return "(none recorded: the handler may crash its process, outlive its Lease, or nack without an error)"
 	}
 	return d.LastError
+}
+
+// requeuedTopics returns the topics of the outbox rows with ids (dead
+// letters requeued keep their ids); none when that cannot be read.
+func requeuedTopics(ctx context.Context, exec tx.Executor, tables schema.Config, ids []int64) []string {
+	t := tables.WithDefaults()
+	n, err := query.NewNames(t.Schema, t.Table, "")
+	if err != nil {
+		return nil
+	}
+	rows, err := exec.Query(ctx, `SELECT DISTINCT topic FROM `+n.QTable+` WHERE id = ANY ($1::bigint[]) ORDER BY 1`, ids)
+	if err != nil {
+		return nil
+	}
+	defer rows.Close()
+	var topics []string
+	for rows.Next() {
+		var topic string
+		if rows.Scan(&topic) != nil {
+			return nil
+		}
+		topics = append(topics, topic)
+	}
+	if rows.Err() != nil {
+		return nil
+	}
+	return topics
 }

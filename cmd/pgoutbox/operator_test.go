@@ -413,3 +413,25 @@ func TestRenameAGroup(t *testing.T) {
 	require.Contains(t, errOut, "1 message(s) of group invoicing are being delivered")
 	require.Contains(t, errOut, "pgoutbox move --topic orders --from invoicing --to billing")
 }
+
+// After a requeue by id, the warnings about messages nobody consumes are
+// those of the topics requeued: a requeue of one dead letter listed every
+// topic of the outbox with messages published before a binding (51 of
+// them on an operator's outbox), and nothing about its own.
+func TestRequeueByIDWarnsAboutItsOwnTopicsOnly(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env, "other", "x") // nothing bound: a warning of its own in stats
+	ctx := context.Background()
+	var id int64
+	require.NoError(t, env.Pool.QueryRow(ctx, fmt.Sprintf(`
+INSERT INTO %s.%s (id, topic, consumer_group, uuid, payload, metadata, created_at, deliveries, failure_reason, failed_at)
+VALUES (424242, 'orders', 'billing', 'u-1', '\x00', '{}', now(), 3, 'rejected', now()) RETURNING id`, env.Schema, env.Tables.DeadLetterTable)).Scan(&id))
+
+	out, errOut, code := cliRun(t, env, "dlq", "requeue", "--id", fmt.Sprint(id), "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `warning: group billing is not bound to topic "orders" and holds 1 message(s)`)
+	require.NotContains(t, out, `"other"`, "a topic it did not requeue")
+	out, _, _ = cliRun(t, env, "stats")
+	require.Contains(t, out, `topic "other" were published while nothing was bound`, "stats still says it")
+}

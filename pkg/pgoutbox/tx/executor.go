@@ -389,7 +389,8 @@ func boundLeft(d time.Duration, began time.Time) (timeout string, ok bool) {
 // lateConnection is ErrNoConnection for a connection that came after the
 // wait for it had used up the statement's bound: nothing was sent.
 func lateConnection(inUse, most int, waited time.Duration) error {
-	return fmt.Errorf("%w: one came after %s, too late for the statement's bound (%d of %d in use: transactions or handlers hold them; give the pool more connections, or publish in the transaction that holds one)",
+	return fmt.Errorf("%w: one came after %s, too late for the statement's bound (%d of %d in use: transactions or handlers hold them, or statements waiting on the server, "+
+		"behind a lock on the outbox or a server that does not answer; for the first, give the pool more connections, or publish in the transaction that holds one)",
 		ErrNoConnection, waited.Round(time.Millisecond), inUse, most)
 }
 
@@ -508,7 +509,8 @@ func notMade(inUse, most int, err error) error {
 }
 
 func noConnection(inUse, most int, err error) error {
-	return fmt.Errorf("%w (%d of %d in use: transactions or handlers hold them; give the pool more connections, or publish in the transaction that holds one): %w", ErrNoConnection, inUse, most, err)
+	return fmt.Errorf("%w (%d of %d in use: transactions or handlers hold them, or statements waiting on the server, behind a lock on the outbox or a server that does not answer; "+
+		"for the first, give the pool more connections, or publish in the transaction that holds one): %w", ErrNoConnection, inUse, most, err)
 }
 
 func (e serverBounded) Exec(ctx context.Context, q string, args ...any) (int64, error) {

@@ -46,8 +46,7 @@ type Subscriber struct {
 	closing  chan struct{}
 	subs     sync.WaitGroup
 	notifier *notifier.Notifier // while a subscription runs (see subscriptionEnded)
-	active   int                // subscriptions running
-	topics   map[string]int     // subscriptions running per topic (see Subscribe)
+	topics   map[string]int     // subscriptions running, per topic (none: the notifier and the rotator stop)
 
 	schemaMu    sync.Mutex
 	schemaReady bool
@@ -126,7 +125,6 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		s.notifier = notifier.AcquireListen(s.pool, s.listen, s.logger)
 	}
 	s.subs.Add(1)
-	s.active++
 	if s.topics == nil {
 		s.topics = map[string]int{}
 	}
@@ -528,13 +526,12 @@ func (s *Subscriber) checkListen(ctx context.Context) error {
 // next). The next Subscribe starts both again.
 func (s *Subscriber) subscriptionEnded(topic string) {
 	s.mu.Lock()
-	s.active--
 	if s.topics[topic]--; s.topics[topic] == 0 {
 		delete(s.topics, topic)
 	}
 	var n *notifier.Notifier
 	stopRotator := func() {}
-	if s.active == 0 {
+	if len(s.topics) == 0 {
 		s.obs.setIdle(true)
 		n, s.notifier = s.notifier, nil
 		if s.stopRotator != nil {

@@ -320,8 +320,10 @@ func RegisterStats(exec tx.Executor, tables schema.Config, opts MetricsOptions) 
 		ctx, cancel := context.WithTimeout(ctx, timeout)
 		defer cancel()
 		start := time.Now()
-		stats, err := pgoutbox.Stats(ctx, exec, tables, opts.StatsOptions...)
+		// Health first: behind an exclusive lock on the outbox it answers
+		// (TableHealth.Locked) where Stats waits out the timeout.
 		health, healthErr := pgoutbox.Health(ctx, exec, tables)
+		stats, err := pgoutbox.Stats(ctx, exec, tables, opts.StatsOptions...)
 		obs.ObserveFloat64(duration, time.Since(start).Seconds(), base)
 		if err != nil || healthErr != nil {
 			failed.Add(1) // one failed collection, as pgoutboxprom counts a failed scrape

@@ -195,8 +195,10 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
 	defer cancel()
 	start := time.Now()
-	stats, err := pgoutbox.Stats(ctx, c.exec, c.tables, c.opts...)
+	// Health first: behind an exclusive lock on the outbox it answers
+	// (TableHealth.Locked) where Stats waits out the timeout.
 	health, healthErr := pgoutbox.Health(ctx, c.exec, c.tables)
+	stats, err := pgoutbox.Stats(ctx, c.exec, c.tables, c.opts...)
 	c.duration.Set(time.Since(start).Seconds())
 	if err != nil || healthErr != nil {
 		c.errors.Inc()

@@ -436,3 +436,32 @@ func TestCollectorOfABadConfigurationFailsItsScrapes(t *testing.T) {
 		require.Contains(t, string(body), "pgoutboxprom:", name)
 	}
 }
+
+// Behind an exclusive lock on the outbox a scrape still has the tables'
+// gauges: the tuple counts of every table, the sizes of the tables nobody
+// locked (a locked one has no size sample rather than 0), and the queue
+// counts, which wait for the lock, are the scrape's error. Stats ran
+// first and took the whole ScrapeTimeout, and Health then failed at once:
+// no table gauge at all.
+func TestCollectorBehindAnExclusiveLock(t *testing.T) {
+	env := pgoutboxtest.PubSub(t)
+	publish(t, env.Publisher, "orders", 2)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(pgoutboxprom.NewCollector(tx.FromPgxPool(env.Pool), env.Tables, pgoutboxprom.Options{ScrapeTimeout: time.Second}))
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	t.Cleanup(srv.Close)
+	ctx := context.Background()
+	locker, err := pgx.Connect(ctx, env.DSN)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = locker.Close(context.Background()) })
+	_, err = locker.Exec(ctx, `BEGIN; LOCK TABLE `+pgx.Identifier{env.Schema, env.Tables.Table}.Sanitize()+` IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	body := scrape(t, srv)
+	outbox, dlq := env.Schema+".outbox", env.Schema+".outbox_dlq"
+	sample(t, body, `pgoutbox_table_live_tuples{table="`+outbox+`"}`)
+	require.NotContains(t, body, `pgoutbox_table_bytes{table="`+outbox+`"}`, "not read: no sample")
+	require.Positive(t, sample(t, body, `pgoutbox_table_bytes{table="`+dlq+`"}`))
+	requireLine(t, body, `pgoutbox_stats_errors_total 1`)
+	require.NotContains(t, body, `pgoutbox_messages{`, "the queue counts wait for the lock")
+}

@@ -633,61 +633,101 @@ func TestHealthNamesTheLeaderOfAParallelQueryNotItsWorkers(t *testing.T) {
 
 // Health is what an operator runs when claims and publishes stop behind a
 // lock on the outbox (a VACUUM FULL, an ALTER TABLE, a migration, or one
-// of them queued for its lock): it answers then, the outbox's sizes left
-// out and the table marked Locked, the other tables measured. Its size
-// functions waited for the lock as everything else did, and so did the
-// look at partitions of a plain table.
+// of them queued for its lock): it answers then, the locked table's sizes
+// left out and the table marked Locked, the other tables measured. Its
+// size functions waited for the lock as everything else did; so did, on
+// a rotating outbox, its look for the partitions (pg_partition_tree locks
+// each one); and a lock a prepared transaction holds went unseen.
 func TestHealthAnswersBehindAnExclusiveLock(t *testing.T) {
 	t.Parallel()
-	for _, queued := range []bool{false, true} {
-		name := "Held"
-		if queued {
-			name = "Queued"
-		}
-		t.Run(name, func(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		rotating bool
+		lock     func(t *testing.T, b *healthBundle, tables schema.Config)
+	}{
+		{"Held", false, func(t *testing.T, b *healthBundle, _ schema.Config) {
+			locker := b.conn(t)
+			_, err := locker.Exec(context.Background(), `BEGIN; LOCK TABLE app.outbox IN ACCESS EXCLUSIVE MODE`)
+			require.NoError(t, err)
+			t.Cleanup(func() { _, _ = locker.Exec(context.Background(), `ROLLBACK`) })
+		}},
+		{"Queued", false, func(t *testing.T, b *healthBundle, _ schema.Config) {
+			// A reader keeps its shared lock; the exclusive request waits
+			// behind it, and every later request behind that.
+			ctx := context.Background()
+			reader, locker := b.conn(t), b.conn(t)
+			_, err := reader.Exec(ctx, `BEGIN; SELECT count(*) FROM app.outbox`)
+			require.NoError(t, err)
+			waiting := make(chan error, 1)
+			go func() {
+				_, err := locker.Exec(ctx, `BEGIN; LOCK TABLE app.outbox IN ACCESS EXCLUSIVE MODE`)
+				waiting <- err
+			}()
+			pollUntil(t, "the exclusive lock is awaited", 10*time.Second, nil, func() bool {
+				var n int
+				require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE relation = 'app.outbox'::regclass
+  AND mode = 'AccessExclusiveLock' AND NOT granted`).Scan(&n))
+				return n == 1
+			})
+			t.Cleanup(func() {
+				_, _ = reader.Exec(context.Background(), `ROLLBACK`)
+				require.NoError(t, <-waiting)
+				_, _ = locker.Exec(context.Background(), `ROLLBACK`)
+			})
+		}},
+		{"Prepared", false, func(t *testing.T, b *healthBundle, _ schema.Config) {
+			ctx := context.Background()
+			var maxPrepared int
+			require.NoError(t, b.pool.QueryRow(ctx, `SELECT current_setting('max_prepared_transactions')::int`).Scan(&maxPrepared))
+			if maxPrepared == 0 {
+				t.Skip("max_prepared_transactions is 0 on this server: PREPARE TRANSACTION is refused")
+			}
+			locker := b.conn(t)
+			gid := "health-lock-" + b.db
+			_, err := locker.Exec(ctx, `BEGIN; LOCK TABLE app.outbox IN ACCESS EXCLUSIVE MODE; PREPARE TRANSACTION '`+gid+`'`)
+			require.NoError(t, err)
+			t.Cleanup(func() { _, _ = b.pool.Exec(context.Background(), `ROLLBACK PREPARED '`+gid+`'`) })
+		}},
+		{"RotatingPartition", true, func(t *testing.T, b *healthBundle, tables schema.Config) {
+			ctx := context.Background()
+			var part string
+			require.NoError(t, b.pool.QueryRow(ctx, `SELECT inhrelid::regclass::text FROM pg_inherits
+  WHERE inhparent = 'ring.outbox'::regclass ORDER BY 1 LIMIT 1`).Scan(&part))
+			locker := b.conn(t)
+			_, err := locker.Exec(ctx, `BEGIN; LOCK TABLE `+part+` IN ACCESS EXCLUSIVE MODE`)
+			require.NoError(t, err)
+			t.Cleanup(func() { _, _ = locker.Exec(context.Background(), `ROLLBACK`) })
+		}},
+		{"RotatingWhole", true, func(t *testing.T, b *healthBundle, tables schema.Config) {
+			locker := b.conn(t)
+			_, err := locker.Exec(context.Background(), `BEGIN; LOCK TABLE ring.outbox IN ACCESS EXCLUSIVE MODE`)
+			require.NoError(t, err)
+			t.Cleanup(func() { _, _ = locker.Exec(context.Background(), `ROLLBACK`) })
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
 			b := setupHealth(t)
 			ctx := context.Background()
-			before := b.health(t, tx.FromPgxPool(b.pool))
+			tables := b.tables
+			if c.rotating {
+				tables = schema.Config{Schema: "ring", Rotating: true}
+				_, err := b.pool.Exec(ctx, `CREATE SCHEMA ring`)
+				require.NoError(t, err)
+				require.NoError(t, schema.Create(ctx, tx.FromPgxPool(b.pool), tables))
+			}
+			before, err := pgoutbox.Health(ctx, tx.FromPgxPool(b.pool), tables)
+			require.NoError(t, err)
 			require.False(t, before.Outbox.Locked)
 			require.Positive(t, before.Outbox.IndexBytes)
 
-			locker := b.conn(t)
-			if queued {
-				// A reader keeps its shared lock; the exclusive request
-				// waits behind it, and every later request behind that.
-				reader := b.conn(t)
-				_, err := reader.Exec(ctx, `BEGIN; SELECT count(*) FROM app.outbox`)
-				require.NoError(t, err)
-				waiting := make(chan error, 1)
-				go func() {
-					_, err := locker.Exec(ctx, `BEGIN; LOCK TABLE app.outbox IN ACCESS EXCLUSIVE MODE`)
-					waiting <- err
-				}()
-				pollUntil(t, "the exclusive lock is awaited", 10*time.Second, nil, func() bool {
-					var n int
-					require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE relation = 'app.outbox'::regclass
-  AND mode = 'AccessExclusiveLock' AND NOT granted`).Scan(&n))
-					return n == 1
-				})
-				t.Cleanup(func() {
-					_, _ = reader.Exec(context.Background(), `ROLLBACK`)
-					require.NoError(t, <-waiting)
-					_, _ = locker.Exec(context.Background(), `ROLLBACK`)
-				})
-			} else {
-				_, err := locker.Exec(ctx, `BEGIN; LOCK TABLE app.outbox IN ACCESS EXCLUSIVE MODE`)
-				require.NoError(t, err)
-				t.Cleanup(func() { _, _ = locker.Exec(context.Background(), `ROLLBACK`) })
-			}
-
+			c.lock(t, b, tables)
 			hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 			defer cancel()
-			h, err := pgoutbox.Health(hctx, tx.FromPgxPool(b.pool), b.tables)
+			h, err := pgoutbox.Health(hctx, tx.FromPgxPool(b.pool), tables)
 			require.NoError(t, err, "Health answers behind the lock")
 			require.True(t, h.Outbox.Locked)
-			require.Zero(t, h.Outbox.TableBytes)
-			require.Zero(t, h.Outbox.IndexBytes)
+			require.Less(t, h.Outbox.IndexBytes, before.Outbox.IndexBytes, "what is locked is not measured")
 			require.NotNil(t, h.DeadLetters)
 			require.False(t, h.DeadLetters.Locked)
 			require.Positive(t, h.DeadLetters.IndexBytes, "the tables nobody locked are measured")

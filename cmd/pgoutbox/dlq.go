@@ -252,6 +252,10 @@ func (c *cli) dlqRequeue(args []string) error {
 	return cmd.withOutbox(context.Background(), confirm, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
 		var n int64
 		start, startErr := dbclock.Now(ctx, exec) // dead letters' failure times are the database's
+		topics := []string{f.Topic}               // whose messages nobody consumes to warn about; "": every topic
+		if len(ids) > 0 && f.Topic == "" && !tables.NoDeadLetterTable {
+			topics = deadLetterTopics(ctx, exec, tables, ids)
+		}
 		var err error
 		switch {
 		case tables.NoDeadLetterTable:
@@ -279,10 +283,6 @@ func (c *cli) dlqRequeue(args []string) error {
 			// if that group is no longer bound (renamed, unbound), as
 			// stats does, of the topics requeued only. A courtesy: nothing
 			// is said if Stats fails.
-			topics := []string{f.Topic} // "": every topic
-			if len(ids) > 0 && f.Topic == "" {
-				topics = requeuedTopics(ctx, exec, tables, ids)
-			}
 			for _, topic := range topics {
 				var opts []pgoutbox.StatsOption
 				if topic != "" {
@@ -499,15 +499,15 @@ func lastErrorShown(d pgoutbox.DeadLetter) string {
 	return d.LastError
 }
 
-// requeuedTopics returns the topics of the outbox rows with ids (dead
-// letters requeued keep their ids); none when that cannot be read.
-func requeuedTopics(ctx context.Context, exec tx.Executor, tables schema.Config, ids []int64) []string {
+// deadLetterTopics returns the topics of the dead letters with ids, read
+// before they are requeued; none when that cannot be read.
+func deadLetterTopics(ctx context.Context, exec tx.Executor, tables schema.Config, ids []int64) []string {
 	t := tables.WithDefaults()
-	n, err := query.NewNames(t.Schema, t.Table, "")
+	n, err := query.NewNames(t.Schema, t.Table, t.DeadLetterTable)
 	if err != nil {
 		return nil
 	}
-	rows, err := exec.Query(ctx, `SELECT DISTINCT topic FROM `+n.QTable+` WHERE id = ANY ($1::bigint[]) ORDER BY 1`, ids)
+	rows, err := exec.Query(ctx, `SELECT DISTINCT topic FROM `+n.QDLQ+` WHERE id = ANY ($1::bigint[]) ORDER BY 1`, ids)
 	if err != nil {
 		return nil
 	}

@@ -209,10 +209,11 @@ func printHealthWarnings(w io.Writer, h pgoutbox.HealthReport) {
 	}
 	for _, t := range []*pgoutbox.TableHealth{&h.Outbox, h.DeadLetters, h.Arrivals} {
 		if t != nil && t.Locked {
-			fmt.Fprintf(w, "warning: %s is locked: a session holds or awaits an exclusive lock on it (a VACUUM FULL, an ALTER TABLE, "+
-				"a REINDEX, a migration), and claims, publishes and its sizes wait for that; the sessions: SELECT l.pid, l.granted, "+
-				"a.state, a.xact_start, a.query FROM pg_locks l JOIN pg_stat_activity a USING (pid) WHERE l.relation = %s::regclass "+
-				"AND l.mode = 'AccessExclusiveLock'\n", t.Table, sqlString(quoteQualified(t.Table)))
+			fmt.Fprintf(w, "warning: %s is locked: a session holds or awaits an exclusive lock on it (or a partition, an index of it: "+
+				"a VACUUM FULL, an ALTER TABLE, a REINDEX, a migration), and what reads or writes it waits for that, its sizes too; "+
+				"the sessions (pid NULL: a prepared transaction, see pg_prepared_xacts): SELECT l.relation::regclass, l.pid, l.granted, "+
+				"a.state, a.xact_start, a.query FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'relation' "+
+				"AND l.mode = 'AccessExclusiveLock' AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())\n", t.Table)
 		}
 		if t != nil && h.Autovacuum && h.TrackCounts && !t.Autovacuum {
 			fmt.Fprintf(w, "warning: autovacuum is disabled for %s; ALTER TABLE %s RESET (autovacuum_enabled)\n", t.Table, quoteQualified(t.Table))

@@ -15,26 +15,46 @@ import (
 // only what no session holds or awaits such a lock on, and reports the
 // rest as locked: Health answers in the very moment it is run for.
 
-// TableHealth reads the statistics of the tables $1 and $2 (quoted,
-// qualified names; $2 may be NULL), one row per table that exists:
-// which (1 or 2), n_live_tup, n_dead_tup, table and index bytes, the four
+// TableHealth reads the statistics of the tables $1, $2 and $3 (quoted,
+// qualified names of the outbox, the dead-letter and the arrivals table;
+// $2 and $3 may be NULL), one row per table that exists: which (1, 2 or
+// 3), n_live_tup, n_dead_tup, table and index bytes, the four
 // (auto)vacuum and (auto)analyze times, whether autovacuum visits the
-// table (the server's setting and the table's autovacuum_enabled), and the
-// server's track_counts. The counts come from the cumulative statistics:
-// estimates, updated when backends report, zero while track_counts is off.
-// A partitioned table reports its partitions: the sums of their counts
-// and sizes, autovacuum only if it visits every one of them, and the
-// oldest partition's vacuum and analyze times (NULL while one has none),
-// so a neglected partition is not hidden by a fresh one. pg_partition_tree
-// lists nothing for a plain table, which is its own only partition; it
-// locks what it lists, so it is called for a partitioned table only. The
-// last column: whether a table (or its TOAST table, or one of its
-// indexes) was left unmeasured, an exclusive lock held or awaited on it;
-// its sizes count 0.
-const TableHealth = `SELECT t.which,
+// table (the server's setting and the table's autovacuum_enabled), the
+// server's track_counts, and whether it was locked. The counts come from
+// the cumulative statistics: estimates, updated when backends report,
+// zero while track_counts is off. A partitioned table reports its
+// partitions: the sums of their counts and sizes, autovacuum only if it
+// visits every one of them, and the oldest partition's vacuum and analyze
+// times (NULL while one has none), so a neglected partition is not hidden
+// by a fresh one. The partitions are found in pg_inherits, which takes no
+// lock (pg_partition_tree locks every partition). A partition is locked
+// when a session (or a prepared transaction) holds or awaits an exclusive
+// lock on it, its TOAST table, an index of either, or the table it is a
+// partition of: its sizes are not read (they count 0), since the size
+// functions would wait for that lock.
+const TableHealth = `WITH RECURSIVE t(which, oid) AS (
+    VALUES (1, to_regclass($1::text)::oid), (2, to_regclass($2::text)::oid), (3, to_regclass($3::text)::oid)
+), tree(which, root, relid) AS (
+    SELECT which, oid, oid FROM t WHERE oid IS NOT NULL
+     UNION ALL
+    SELECT tree.which, tree.root, i.inhrelid FROM pg_inherits i JOIN tree ON i.inhparent = tree.relid
+), excl AS (
+    SELECT DISTINCT l.relation FROM pg_locks l
+     WHERE l.locktype = 'relation' AND l.mode = 'AccessExclusiveLock' AND l.pid IS DISTINCT FROM pg_backend_pid()
+       AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+), p AS (
+    SELECT tree.which, tree.relid,
+           EXISTS (SELECT FROM excl
+                    WHERE excl.relation IN (tree.relid, tree.root, c.reltoastrelid)
+                       OR excl.relation IN (SELECT x.indexrelid FROM pg_index x WHERE x.indrelid IN (tree.relid, c.reltoastrelid))) AS locked
+      FROM tree JOIN pg_class c ON c.oid = tree.relid
+     WHERE c.relkind <> 'p'
+)
+SELECT p.which,
        coalesce(sum(s.n_live_tup), 0)::bigint, coalesce(sum(s.n_dead_tup), 0)::bigint,
-       coalesce(sum(CASE WHEN NOT k.locked THEN pg_table_size(p.relid) END), 0)::bigint,
-       coalesce(sum(CASE WHEN NOT k.locked THEN pg_indexes_size(p.relid) END), 0)::bigint,
+       coalesce(sum(CASE WHEN NOT p.locked THEN pg_table_size(p.relid) END), 0)::bigint,
+       coalesce(sum(CASE WHEN NOT p.locked THEN pg_indexes_size(p.relid) END), 0)::bigint,
        CASE WHEN bool_and(s.last_vacuum IS NOT NULL) THEN min(s.last_vacuum) END,
        CASE WHEN bool_and(s.last_autovacuum IS NOT NULL) THEN min(s.last_autovacuum) END,
        CASE WHEN bool_and(s.last_analyze IS NOT NULL) THEN min(s.last_analyze) END,
@@ -43,21 +63,11 @@ const TableHealth = `SELECT t.which,
        bool_and(coalesce((SELECT o.option_value::bool FROM pg_class c, pg_options_to_table(c.reloptions) o
                            WHERE c.oid = p.relid AND o.option_name = 'autovacuum_enabled'), true)),
        current_setting('track_counts')::bool,
-       bool_or(k.locked)
-  FROM (VALUES (1, to_regclass($1::text)), (2, to_regclass($2::text)), (3, to_regclass($3::text))) AS t(which, oid)
- CROSS JOIN LATERAL (SELECT relid FROM pg_partition_tree(t.oid) WHERE isleaf AND (SELECT c.relkind FROM pg_class c WHERE c.oid = t.oid) = 'p'
-                     UNION SELECT t.oid WHERE (SELECT c.relkind FROM pg_class c WHERE c.oid = t.oid) <> 'p') AS p(relid)
- CROSS JOIN LATERAL (SELECT EXISTS (
-         SELECT FROM pg_locks l
-          WHERE l.locktype = 'relation' AND l.mode = 'AccessExclusiveLock' AND l.pid <> pg_backend_pid()
-            AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-            AND (l.relation = p.relid
-                 OR l.relation = (SELECT c.reltoastrelid FROM pg_class c WHERE c.oid = p.relid)
-                 OR l.relation IN (SELECT i.indexrelid FROM pg_index i WHERE i.indrelid = p.relid)))) AS k(locked)
+       bool_or(p.locked)
+  FROM p
   LEFT JOIN pg_stat_user_tables s ON s.relid = p.relid
- WHERE t.oid IS NOT NULL
- GROUP BY t.which, t.oid
- ORDER BY t.which`
+ GROUP BY p.which
+ ORDER BY p.which`
 
 // SnapshotHolders lists what keeps vacuum from removing the outbox's dead
 // rows, oldest first, at most $1 of each kind: sessions of this database

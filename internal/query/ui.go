@@ -81,10 +81,14 @@ const (
 // cumulative statistics (no table access; reported by every backend at
 // the end of its transactions, within about a second). A partitioned
 // table (a rotating outbox) counts nothing itself: its partitions' counts
-// are summed. A row the rotation moves out of the ring counts as a delete
+// are summed, found in pg_inherits (pg_partition_tree would lock each
+// one, and wait behind an exclusive lock on it). A row the rotation moves out of the ring counts as a delete
 // and an insert; a TRUNCATE, as neither.
-const UITableCounters = `SELECT coalesce(sum(n_tup_ins), 0)::bigint, coalesce(sum(n_tup_del), 0)::bigint
+const UITableCounters = `WITH RECURSIVE tree(relid) AS (
+    SELECT to_regclass($1::text)::oid
+     UNION ALL
+    SELECT i.inhrelid FROM pg_catalog.pg_inherits i JOIN tree ON i.inhparent = tree.relid
+)
+SELECT coalesce(sum(n_tup_ins), 0)::bigint, coalesce(sum(n_tup_del), 0)::bigint
   FROM pg_catalog.pg_stat_user_tables
- WHERE relid = to_regclass($1)
-    OR relid IN (SELECT relid FROM pg_partition_tree(to_regclass($1))
-                  WHERE isleaf AND (SELECT relkind FROM pg_class WHERE oid = to_regclass($1)) = 'p')`
+ WHERE relid IN (SELECT relid FROM tree)`

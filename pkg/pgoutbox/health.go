@@ -83,11 +83,13 @@ type TableHealth struct {
 	// shrinks after a plain VACUUM: vacuum makes the space reusable. They
 	// leave out what was Locked.
 	TableBytes, IndexBytes int64
-	// Locked: a session held or awaited an exclusive lock on the table
-	// (or a partition, its TOAST table or an index of it): a VACUUM
-	// FULL, an ALTER TABLE, a REINDEX, a migration. Measuring it would
-	// have waited for that lock, as every claim and publish does
-	// meanwhile, so its sizes were not read (they count 0).
+	// Locked: a session (or a prepared transaction) held or awaited an
+	// exclusive lock on the table, a partition of it, its TOAST table or
+	// an index of either: a VACUUM FULL, an ALTER TABLE, a REINDEX, a
+	// migration. Measuring what is locked would have waited for that
+	// lock, as every claim and publish does meanwhile, so its sizes were
+	// not read: TableBytes and IndexBytes leave them out (0 for a plain
+	// table).
 	Locked bool
 	// The last VACUUM, autovacuum, ANALYZE and autoanalyze of the table;
 	// zero for never (since the statistics were last reset).

@@ -454,25 +454,33 @@ func TestOrderingKeyDelayedRetryBehindABacklogIsReached(t *testing.T) {
 		})
 		ch, err := sub.Subscribe(ctx, "t")
 		require.NoError(t, err)
-		nacked := false
-		deadline := time.After(30 * time.Second)
-		for {
+		// Measured against the flow of key hot, not the clock: k0 must
+		// come back before hot's 3,000 messages are all handled (a loaded
+		// machine slows both alike).
+		nacked, hot := false, 0
+		deadline := time.After(2 * time.Minute)
+		for hot < 3000 {
 			select {
 			case m := <-ch:
-				if string(m.Payload) == "k0" {
+				switch string(m.Payload) {
+				case "k0":
 					if !nacked {
 						nacked = true
 						m.Nack()
 						continue
 					}
 					m.Ack()
+					t.Logf("k0 came back after %d of key hot's 3000 messages", hot)
 					return
+				case "hot":
+					hot++
 				}
 				m.Ack()
 			case <-deadline:
-				t.Fatalf("k0, nacked with a 200 ms delay (nacked: %v), never came back while key hot flowed", nacked)
+				t.Fatalf("k0 (nacked: %v) and %d of key hot's 3000 messages in 2 minutes", nacked, hot)
 			}
 		}
+		t.Fatalf("k0, nacked with a 200 ms delay (nacked: %v), never came back while key hot flowed", nacked)
 	})
 }
 
@@ -526,17 +534,18 @@ func TestOrderingKeyHandedOverWhenItsHolderStops(t *testing.T) {
 // wait: acks that land while a claim runs (a claim over a backlog reads a
 // window of rows, all of them behind busy keys) must not leave their keys
 // to the poll that claim's empty result schedules. With poll intervals of
-// 3 s, 200 messages a key take far less than 4 polls.
+// 10 s, 200 messages a key take far less than 4 polls (about 1.5 s; 12 s
+// on a machine loaded beyond its cores).
 func TestOrderingKeysOfABacklogFollowOneAnotherWithoutWaitingForAPoll(t *testing.T) {
 	t.Parallel()
 	onEachClaimMode(t, func(t *testing.T, mode pgoutbox.ClaimMode) {
 		b := setup(t)
-		const n, keys, poll = 1600, 8, 3 * time.Second
+		const n, keys, poll = 1600, 8, 10 * time.Second
 		require.NoError(t, b.poolPublisher(t).Publish("orders", keyedMsgs(n, keys)...))
 		log := newKeyLog()
 		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
 			c.ClaimMode, c.MaxInFlight = mode, 16
-			c.MinPollInterval, c.MaxPollInterval = poll, poll
+			c.MinPollInterval, c.MaxPollInterval, c.Lease = poll, poll, 3*poll
 		})
 		started := time.Now()
 		runRouter(t, sub, "orders", log.handler(time.Millisecond, 0))

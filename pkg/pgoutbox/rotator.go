@@ -2,6 +2,7 @@ package pgoutbox
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -13,12 +14,14 @@ import (
 
 // rotator runs the rotation steps of a rotating outbox (schema.Rotate)
 // beside a Subscriber's subscriptions, while it has one. Every Subscriber
-// of the outbox runs one; a step that finds another session rotating does
+// of the outbox runs one; the rotators of a process take turns
+// (rotationPace), and a step that finds another session rotating does
 // nothing. Only its goroutine touches it.
 type rotator struct {
 	s       *Subscriber
 	stop    chan struct{} // closed when the last subscription ended
 	every   time.Duration // between steps: a fifth of the window
+	pace    *rotationPace // shared with the process's other rotators of the outbox
 	failing bool          // the last step failed: logged once per outage
 }
 
@@ -28,7 +31,9 @@ func (s *Subscriber) startRotator() {
 	if !s.cfg.Tables.Rotating || s.stopRotator != nil {
 		return
 	}
-	r := &rotator{s: s, stop: make(chan struct{}), every: max(s.cfg.RotationWindow/5, 10*time.Millisecond)}
+	t, c := s.cfg.Tables.WithDefaults(), s.pool.Config().ConnConfig
+	key := rotationKey{database: fmt.Sprintf("%s:%d/%s", c.Host, c.Port, c.Database), table: t.Schema + "." + t.Table}
+	r := &rotator{s: s, stop: make(chan struct{}), every: max(s.cfg.RotationWindow/5, 10*time.Millisecond), pace: paceOf(key)}
 	s.stopRotator = func() { close(r.stop) }
 	s.subs.Add(1)
 	go func() {
@@ -58,7 +63,9 @@ func (r *rotator) run() {
 			return
 		case <-t.C:
 		}
-		r.step(ctx)
+		if r.pace.turn(time.Now(), r.every) {
+			r.step(ctx)
+		}
 	}
 }
 
@@ -81,6 +88,7 @@ func (r *rotator) step(parent context.Context) {
 		r.failing = true
 		return
 	}
+	r.pace.stepped(time.Now(), res.LockTimeouts, r.every, r.s.cfg.RotationWindow)
 	if r.failing {
 		r.s.logger.Info("Rotating the outbox works again", nil)
 	}

@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxtest"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
@@ -733,4 +734,28 @@ func TestHealthAnswersBehindAnExclusiveLock(t *testing.T) {
 			require.Positive(t, h.DeadLetters.IndexBytes, "the tables nobody locked are measured")
 		})
 	}
+}
+
+// Health's table statement stays below the cost at which PostgreSQL
+// JIT-compiles a statement (jit_above_cost), on a database with thousands
+// of tables too: joined with pg_stat_user_tables, which the planner
+// computes for every table, it cost millions there and spent a second a
+// call compiling (a Prometheus scrape's whole timeout).
+func TestHealthIsNotJITCompiled(t *testing.T) {
+	t.Parallel()
+	b := setupHealth(t)
+	ctx := context.Background()
+	_, err := b.pool.Exec(ctx, `CREATE SCHEMA many;
+DO $$ BEGIN FOR i IN 1..3000 LOOP EXECUTE format('CREATE TABLE many.t%s (id int)', i); END LOOP; END $$;
+ANALYZE pg_class; ANALYZE pg_namespace; ANALYZE pg_inherits; ANALYZE pg_index`)
+	require.NoError(t, err)
+	n, err := query.NewNames("app", "outbox", "outbox_dlq")
+	require.NoError(t, err)
+	var limit float64
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT current_setting('jit_above_cost')::float8`).Scan(&limit))
+	var plan []map[string]any
+	require.NoError(t, b.pool.QueryRow(ctx, `EXPLAIN (FORMAT JSON) `+query.TableHealth, n.QTable, n.QDLQ, n.WithArrivals().QArrivals).Scan(&plan))
+	cost := plan[0]["Plan"].(map[string]any)["Total Cost"].(float64)
+	t.Logf("cost %.0f, jit_above_cost %.0f", cost, limit)
+	require.Less(t, cost, limit/10)
 }

@@ -27,28 +27,42 @@ import (
 // partitions: the sums of their counts and sizes, autovacuum only if it
 // visits every one of them, and the oldest partition's vacuum and analyze
 // times (NULL while one has none), so a neglected partition is not hidden
-// by a fresh one. The partitions are found in pg_inherits, which takes no
-// lock (pg_partition_tree locks every partition). A partition is locked
+// by a fresh one. The partitions, two levels deep at most, are found in
+// pg_inherits, which takes no lock (pg_partition_tree locks every
+// partition). A partition is locked
 // when a session (or a prepared transaction) holds or awaits an exclusive
 // lock on it, its TOAST table, an index of either, or the table it is a
 // partition of: its sizes are not read (they count 0), since the size
-// functions would wait for that lock.
-const TableHealth = `WITH RECURSIVE t(which, oid) AS (
-    VALUES (1, to_regclass($1::text)::oid), (2, to_regclass($2::text)::oid), (3, to_regclass($3::text)::oid)
+// functions would wait for that lock. The counts and times come from the
+// functions behind pg_stat_user_tables, called for these tables only: a
+// join with the view computed it for every table of the database, and the
+// plan's cost on a database of a few hundred tables made it JIT-compiled,
+// a second a call (TestHealthIsNotJITCompiled).
+const TableHealth = `WITH t(which, oid) AS (
+    SELECT * FROM (VALUES (1, to_regclass($1::text)::oid), (2, to_regclass($2::text)::oid), (3, to_regclass($3::text)::oid)) AS v(which, oid)
+     WHERE v.oid IS NOT NULL
 ), tree(which, root, relid) AS (
-    SELECT which, oid, oid FROM t WHERE oid IS NOT NULL
+    SELECT which, oid, oid FROM t
      UNION ALL
-    SELECT tree.which, tree.root, i.inhrelid FROM pg_inherits i JOIN tree ON i.inhparent = tree.relid
+    SELECT t.which, t.oid, i.inhrelid FROM t JOIN pg_inherits i ON i.inhparent = t.oid
+     UNION ALL
+    SELECT t.which, t.oid, i2.inhrelid FROM t JOIN pg_inherits i ON i.inhparent = t.oid JOIN pg_inherits i2 ON i2.inhparent = i.inhrelid
 ), excl AS (
     SELECT DISTINCT l.relation FROM pg_locks l
      WHERE l.locktype = 'relation' AND l.mode = 'AccessExclusiveLock' AND l.pid IS DISTINCT FROM pg_backend_pid()
        AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+), rels AS MATERIALIZED (
+    -- Through arrays: the planner takes an unnest for a few rows, where
+    -- its estimates of the joins above (from a catalog's stale
+    -- statistics) reached a cost that JIT-compiles the statement.
+    SELECT array_agg(which) AS w, array_agg(root) AS r, array_agg(relid) AS id FROM tree
 ), p AS (
-    SELECT tree.which, tree.relid,
+    SELECT u.which, u.relid,
            EXISTS (SELECT FROM excl
-                    WHERE excl.relation IN (tree.relid, tree.root, c.reltoastrelid)
-                       OR excl.relation IN (SELECT x.indexrelid FROM pg_index x WHERE x.indrelid IN (tree.relid, c.reltoastrelid))) AS locked
-      FROM tree JOIN pg_class c ON c.oid = tree.relid
+                    WHERE excl.relation IN (u.relid, u.root, c.reltoastrelid)
+                       OR excl.relation IN (SELECT x.indexrelid FROM pg_index x WHERE x.indrelid IN (u.relid, c.reltoastrelid))) AS locked
+      FROM rels CROSS JOIN unnest(rels.w, rels.r, rels.id) AS u(which, root, relid)
+      JOIN LATERAL (SELECT c.relkind, c.reltoastrelid FROM pg_class c WHERE c.oid = u.relid) AS c ON true
      WHERE c.relkind <> 'p'
 )
 SELECT p.which,
@@ -65,7 +79,11 @@ SELECT p.which,
        current_setting('track_counts')::bool,
        bool_or(p.locked)
   FROM p
-  LEFT JOIN pg_stat_user_tables s ON s.relid = p.relid
+ CROSS JOIN LATERAL (SELECT pg_stat_get_live_tuples(p.relid) AS n_live_tup, pg_stat_get_dead_tuples(p.relid) AS n_dead_tup,
+                            pg_stat_get_last_vacuum_time(p.relid) AS last_vacuum,
+                            pg_stat_get_last_autovacuum_time(p.relid) AS last_autovacuum,
+                            pg_stat_get_last_analyze_time(p.relid) AS last_analyze,
+                            pg_stat_get_last_autoanalyze_time(p.relid) AS last_autoanalyze) AS s
  GROUP BY p.which
  ORDER BY p.which`
 

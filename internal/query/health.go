@@ -36,8 +36,9 @@ import (
 // functions would wait for that lock. The counts and times come from the
 // functions behind pg_stat_user_tables, called for these tables only: a
 // join with the view computed it for every table of the database, and the
-// plan's cost on a database of a few hundred tables made it JIT-compiled,
-// a second a call (TestHealthIsNotJITCompiled).
+// plan's cost on a database of some thousands of tables passed
+// jit_above_cost and made it JIT-compiled, a second a call
+// (TestHealthIsNotJITCompiled).
 const TableHealth = `WITH t(which, oid) AS (
     SELECT * FROM (VALUES (1, to_regclass($1::text)::oid), (2, to_regclass($2::text)::oid), (3, to_regclass($3::text)::oid)) AS v(which, oid)
      WHERE v.oid IS NOT NULL
@@ -150,10 +151,13 @@ func ringHealth(n Names) string {
 	for g, name := range n.Generations[:RingSize] {
 		parts = append(parts, fmt.Sprintf("(%d, %s)", g, literal(name)))
 	}
-	return fmt.Sprintf(`SELECT p.g, coalesce(st.n_live_tup, 0), (s.last_value %% %[1]d)::int,
+	// The partitions' counts from the statistics functions, as in
+	// TableHealth: a join with pg_stat_user_tables computes the view for
+	// every table of the schema.
+	return fmt.Sprintf(`SELECT p.g, coalesce(pg_stat_get_live_tuples(to_regclass(quote_ident(%[3]s) || '.' || quote_ident(p.name))), 0),
+       (s.last_value %% %[1]d)::int,
        floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint - s.last_value / %[1]d
   FROM (VALUES %[2]s) AS p(g, name)
-  LEFT JOIN pg_catalog.pg_stat_user_tables st ON st.schemaname = %[3]s AND st.relname = p.name
   LEFT JOIN pg_catalog.pg_sequences s ON s.schemaname = %[3]s AND s.sequencename = %[4]s
  ORDER BY p.g`, RingSize, strings.Join(parts, ", "), literal(n.Schema), literal(n.GenSeq))
 }

@@ -89,6 +89,6 @@ const UITableCounters = `WITH RECURSIVE tree(relid) AS (
      UNION ALL
     SELECT i.inhrelid FROM pg_catalog.pg_inherits i JOIN tree ON i.inhparent = tree.relid
 )
-SELECT coalesce(sum(n_tup_ins), 0)::bigint, coalesce(sum(n_tup_del), 0)::bigint
-  FROM pg_catalog.pg_stat_user_tables
- WHERE relid IN (SELECT relid FROM tree)`
+SELECT coalesce(sum(pg_stat_get_tuples_inserted(relid)), 0)::bigint, coalesce(sum(pg_stat_get_tuples_deleted(relid)), 0)::bigint
+  FROM tree
+ WHERE relid IS NOT NULL`

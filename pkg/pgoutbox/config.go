@@ -341,8 +341,10 @@ type SubscriberConfig struct {
 
 	// RotationWindow is how long each partition of a rotating outbox
 	// (Tables.Rotating) takes the new rows before the ring advances; the
-	// Subscriber runs a rotation step (schema.Rotate) every fifth of it,
-	// from its first Subscribe until Close. Defaults to
+	// Subscriber runs rotation steps (schema.Rotate) from its first
+	// Subscribe until Close: one every fifth of it among the Subscribers
+	// of the outbox in this process, further apart while a transaction
+	// holds a partition (docs/rotation.md). Defaults to
 	// schema.DefaultRotationWindow (3s); ignored for a single-table outbox.
 	// Keep it at 250ms or more: a step may wait up to 50ms for a
 	// partition's lock, claims waiting behind it, and with shorter steps

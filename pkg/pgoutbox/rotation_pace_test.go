@@ -15,9 +15,10 @@ import (
 func TestRotationPaceTakesTurnsAndBacksOffWhileAPartitionIsHeld(t *testing.T) {
 	t.Parallel()
 	const every, window = 600 * time.Millisecond, 3 * time.Second
-	p := paceOf(rotationKey{database: "h:5432/d", table: t.Name()})
-	require.Same(t, p, paceOf(rotationKey{database: "h:5432/d", table: t.Name()}), "one pace per outbox")
-	require.NotSame(t, p, paceOf(rotationKey{database: "other:5432/d", table: t.Name()}))
+	p := paceOf(rotationKey{database: "h:5432/d", table: t.Name(), window: window})
+	require.Same(t, p, paceOf(rotationKey{database: "h:5432/d", table: t.Name(), window: window}), "one pace per outbox")
+	require.NotSame(t, p, paceOf(rotationKey{database: "other:5432/d", table: t.Name(), window: window}))
+	require.NotSame(t, p, paceOf(rotationKey{database: "h:5432/d", table: t.Name(), window: time.Minute}), "nor one for every window")
 
 	t0 := time.Now()
 	steps := 0
@@ -27,14 +28,15 @@ func TestRotationPaceTakesTurnsAndBacksOffWhileAPartitionIsHeld(t *testing.T) {
 		}
 	}
 	require.Equal(t, 1, steps, "one step for all of them")
-	require.True(t, p.turn(t0.Add(every), every), "the next a fifth of a window later")
+	require.True(t, p.turn(t0.Add(every-every/8), every), "the next a fifth of a window later, a tick's late clock read aside")
+	t0 = t0.Add(every - every/8)
 
-	at := t0.Add(every)
+	at := t0
 	var waits []time.Duration
 	for range 5 {
 		p.stepped(at, 1, every, window)
 		wait := p.next.Sub(at)
-		require.False(t, p.turn(at.Add(wait-time.Millisecond), every))
+		require.False(t, p.turn(at.Add(wait-every/4-time.Millisecond), every))
 		require.True(t, p.turn(at.Add(wait), every))
 		waits = append(waits, wait)
 		at = at.Add(wait)
@@ -42,4 +44,22 @@ func TestRotationPaceTakesTurnsAndBacksOffWhileAPartitionIsHeld(t *testing.T) {
 	require.Equal(t, []time.Duration{every, 2 * every, 4 * every, window, window}, waits)
 	p.stepped(at, 0, every, window)
 	require.True(t, p.turn(at.Add(every), every), "a step without a lock timeout ends the backoff")
+}
+
+// One rotator alone steps at every tick of its ticker, whose ticks its
+// clock reads late by a varying delay: without slack it missed one tick in
+// four.
+func TestRotationPaceOfOneRotatorTakesEveryTick(t *testing.T) {
+	t.Parallel()
+	const every = 20 * time.Millisecond
+	p := paceOf(rotationKey{database: "h:5432/d", table: t.Name(), window: 5 * every})
+	start := time.Now()
+	steps := 0
+	for i := range 150 {
+		late := time.Duration((i*7919)%4000) * time.Microsecond // 0-4 ms, varying
+		if p.turn(start.Add(time.Duration(i)*every+late), every) {
+			steps++
+		}
+	}
+	require.Equal(t, 150, steps)
 }

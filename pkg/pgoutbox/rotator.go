@@ -32,7 +32,7 @@ func (s *Subscriber) startRotator() {
 		return
 	}
 	t, c := s.cfg.Tables.WithDefaults(), s.pool.Config().ConnConfig
-	key := rotationKey{database: fmt.Sprintf("%s:%d/%s", c.Host, c.Port, c.Database), table: t.Schema + "." + t.Table}
+	key := rotationKey{database: fmt.Sprintf("%s:%d/%s", c.Host, c.Port, c.Database), table: t.Schema + "." + t.Table, window: s.cfg.RotationWindow}
 	r := &rotator{s: s, stop: make(chan struct{}), every: max(s.cfg.RotationWindow/5, 10*time.Millisecond), pace: paceOf(key)}
 	s.stopRotator = func() { close(r.stop) }
 	s.subs.Add(1)
@@ -88,7 +88,9 @@ func (r *rotator) step(parent context.Context) {
 		r.failing = true
 		return
 	}
-	r.pace.stepped(time.Now(), res.LockTimeouts, r.every, r.s.cfg.RotationWindow)
+	if !res.Busy { // another session's step says nothing of the lock
+		r.pace.stepped(time.Now(), res.LockTimeouts, r.every, r.s.cfg.RotationWindow)
+	}
 	if r.failing {
 		r.s.logger.Info("Rotating the outbox works again", nil)
 	}

@@ -41,8 +41,19 @@ func main() {
 }
 
 func run(dsn string, subs int, window, hold time.Duration) error {
+	if subs < 1 || window <= 0 || hold <= 0 {
+		return fmt.Errorf("-subs, -window and -hold must be positive")
+	}
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, dsn)
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		return err
+	}
+	// A few connections a Subscriber (claims, acks, rotation steps) and
+	// the reading transaction's: a smaller pool would make claims wait
+	// for connections, not for the TRUNCATE's lock.
+	cfg.MaxConns = int32(3*subs + 4)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return err
 	}

@@ -11,7 +11,8 @@ import (
 // outbox wait up to schema.RotateLockTimeout (its TRUNCATE's lock request
 // queues them): a step per rotator each fifth of a window made claims
 // wait N times as often with N Subscribers (12 Subscribers, a 3 s window:
-// claims blocked 28-30% of the time, against 8% with one). So the
+// claims blocked 22-23% of the time, against 8% with one;
+// tests/bench/rotationstall). So the
 // rotators of an outbox take turns, one step each fifth of a window
 // between them, and after a step whose TRUNCATE gave up on its lock the
 // next waits longer, doubling up to a window: while a long transaction

@@ -507,7 +507,7 @@ func deadLetterTopics(ctx context.Context, exec tx.Executor, tables schema.Confi
 	if err != nil {
 		return nil
 	}
-	rows, err := exec.Query(ctx, `SELECT DISTINCT topic FROM `+n.QDLQ+` WHERE id = ANY ($1::bigint[]) ORDER BY 1`, ids)
+	rows, err := exec.Query(ctx, query.DeadLetterTopics(n), ids)
 	if err != nil {
 		return nil
 	}

@@ -233,6 +233,11 @@ func PurgeDeadLettersMatching(n Names, topic bool) string {
      LIMIT $2)`, n.QDLQ, tc)
 }
 
+// DeadLetterTopics lists the topics of the dead letters with ids $1.
+func DeadLetterTopics(n Names) string {
+	return fmt.Sprintf(`SELECT DISTINCT topic FROM %s WHERE id = ANY ($1::bigint[]) ORDER BY 1`, n.QDLQ)
+}
+
 // DeleteDeadLetters deletes the dead letters with ids $1.
 func DeleteDeadLetters(n Names) string {
 	return fmt.Sprintf(`DELETE FROM %s WHERE id = ANY ($1::bigint[])`, n.QDLQ)

@@ -101,10 +101,12 @@ func (sub *subscription) onWritten(r writeResult) {
 		if r.left.has(d) {
 			continue // not written yet: stays pending
 		}
+		phase := "ack"
 		if ackUnansweredGone(d, r) {
+			phase = "ack_unanswered"
 			gone++
 		}
-		if sub.finish(d, r, "ack") {
+		if sub.finish(d, r, phase) {
 			sub.s.obs.observe(Event{Kind: EventAcked, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Path: PathLease})
 			if !sub.cfg.SynchronousCommit {
 				sub.writes.ackWritten(ackedRow{id: d.id, token: d.token.Bytes, at: at(writtenAt)})
@@ -253,11 +255,8 @@ func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
 	if r.done.has(d) {
 		return true
 	}
-	switch {
-	case d.endFailed:
+	if d.endFailed {
 		phase = "commit" // the lease it was written under never committed
-	case phase == "ack" && ackUnansweredGone(d, r):
-		phase = "ack_unanswered"
 	}
 	sub.leaseLost(d, phase)
 	return false

@@ -57,26 +57,18 @@ func TestSplitStopsAtTheFirstOutage(t *testing.T) {
 	r.relay(context.Background(), "t", "t", batch, newOutage())
 
 	require.Equal(t, [][]string{{"m1", "m2", "m3", "m4"}, {"m1"}, {"m2"}, {"m3"}}, target.calls, "no call for m4 while the target is down")
-	acked := func(m *message.Message) bool {
+	closed := func(ch <-chan struct{}) bool {
 		select {
-		case <-m.Acked():
+		case <-ch:
 			return true
 		default:
 			return false
 		}
 	}
-	nacked := func(m *message.Message) bool {
-		select {
-		case <-m.Nacked():
-			return true
-		default:
-			return false
-		}
-	}
-	require.True(t, acked(batch[0]))
-	require.True(t, nacked(batch[1]), "rejected: the subscriber dead-letters it on the nack")
-	require.True(t, nacked(batch[2]))
-	require.True(t, nacked(batch[3]))
+	require.True(t, closed(batch[0].Acked()))
+	require.True(t, closed(batch[1].Nacked()), "rejected: the subscriber dead-letters it on the nack")
+	require.True(t, closed(batch[2].Nacked()))
+	require.True(t, closed(batch[3].Nacked()))
 	st := r.Stats()
 	require.EqualValues(t, 1, st.Relayed)
 	require.EqualValues(t, 1, st.Refused)

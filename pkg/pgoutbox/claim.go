@@ -16,34 +16,38 @@ import (
 
 // claimRequest is one claim statement's parameters, fixed by the owner.
 type claimRequest struct {
-	n            int
-	gen          uint64 // the owner's give-back generation when the claim started
-	token        pgtype.UUID
-	sent         time.Time
-	at           pgtype.Timestamptz // cursor
-	id           int64
-	withExpired  bool
-	expiredSince pgtype.Timestamptz // with withExpired: the leases that ended from then on (-infinity: all)
-	window       int                // ready rows the scan reads at most; 0: the fast claim (no window)
-	endedKeys    []string           // ordering keys whose rows ended: claim their next rows
-	orphansOf    []int64            // look for orphaned rows, sparing these liveness keys (nil: do not look)
-	vanishes     uint32             // holders seen vanishing when the claim started (see orphanRelooks)
-	holder       pgtype.Int8        // our liveness key while we hold its lock, else NULL
-	held         bool               // the held path (held.go): lock the rows in a transaction kept open
-	arrivals     int64              // with arrivals: the arrivals cursor, the last arrival a claim took
-	transfer     bool               // with arrivals: fan out the arrivals other groups have too, first
-	clock        serverClock        // gives a lease claim its deadline
-	freshOnly    bool               // MaxDeliveries, messages out: lease no row delivered before (see claimsFreshOnly)
+	n           int
+	gen         uint64 // the owner's give-back generation when the claim started
+	token       pgtype.UUID
+	sent        time.Time
+	from        queueCursor        // where the scan of ready rows starts
+	expiredFrom pgtype.Timestamptz // look for expired leases, those that ended from then on (-infinity: all; NULL: do not look)
+	window      int                // ready rows the scan reads at most; 0: the fast claim (no window)
+	endedKeys   []string           // ordering keys whose rows ended: claim their next rows
+	orphansOf   []int64            // look for orphaned rows, sparing these liveness keys (nil: do not look)
+	vanishes    uint32             // holders seen vanishing when the claim started (see orphanRelooks)
+	holder      pgtype.Int8        // our liveness key while we hold its lock, else NULL
+	held        bool               // the held path (held.go): lock the rows in a transaction kept open
+	arrivals    arrivalsCursor     // with arrivals: where the claim takes them from
+	clock       serverClock        // gives a lease claim its deadline
+	freshOnly   bool               // MaxDeliveries, messages out: lease no row delivered before (see claimsFreshOnly)
 }
 
-// expiredFrom is the claim's bound on the expired leases it reclaims:
-// NULL when it looks for none.
-func (r claimRequest) expiredFrom() pgtype.Timestamptz {
-	if !r.withExpired {
-		return pgtype.Timestamptz{}
-	}
-	return r.expiredSince
+// queueCursor is a place in the queue's order (available_at, id): a busy
+// loop's claims scan from the last ready row claimed (see query.Claim).
+type queueCursor struct {
+	at pgtype.Timestamptz
+	id int64
 }
+
+// arrivalsCursor is where a claim takes arrivals from, with arrivals.
+type arrivalsCursor struct {
+	after  int64 // the last arrival a claim took (0: from the start; noArrivals: take none)
+	fanOut bool  // fan out the arrivals other groups have too, first
+}
+
+// withExpired reports whether the claim looks for expired leases.
+func (r claimRequest) withExpired() bool { return r.expiredFrom.Valid }
 
 // path is the claim path the request takes (PathHeld, PathLease).
 func (r claimRequest) path() string {
@@ -119,30 +123,43 @@ func claimErr(err error) error {
 type claimResult struct {
 	req       claimRequest
 	rows      []*delivery
-	cursorAt  pgtype.Timestamptz // the last row the scan read
-	free      int                // rows of the window not held back by their ordering keys
+	last      scanEnd // the last row the scan read
+	free      int     // rows of the window not held back by their ordering keys
 	took      time.Duration
-	cursor    pgtype.Int8
-	reclaimed int                // expired or orphaned leases taken
-	serverNow pgtype.Timestamptz // the claim statement's now()
-	checkedAt pgtype.Timestamptz // a lease claim's: the server's time at its end (query.ClaimDeadline), or when it first checked its deadline
+	reclaimed int // expired or orphaned leases taken
 	// A lease claim's: when its bound began (its deadline's base: a lost
-	// claim's rows are given back until they can hold a lease no more),
-	// and when its answer came (the server's clock is read against it);
+	// claim's rows are given back until they can hold a lease no more);
 	// zero for a held claim.
-	started, answeredAt time.Time
-	dueIn               time.Duration // after an empty claim: when the next row is due (0: unknown)
-	batch               *heldBatch    // the held path: the batch of the rows
-	keyBusy             int           // keyed rows given back by the claim's verification: their key was busy
-	passed              bool          // a fresh-only claim passed over a row delivered before (query.ClaimArgs.FreshOnly)
-	// With arrivals: the last arrival the claim took (0: none), whether
-	// arrivals of other groups wait (the next claim fans them out first),
-	// and how many the claim's transfer fanned out.
-	arrivals    int64
-	shared      bool
-	transferred int64
-	transferErr error // the fan-out before the claim failed (the claim itself ran)
-	err         error
+	started  time.Time
+	clock    clockReading
+	dueIn    time.Duration // after an empty claim: when the next row is due (0: unknown)
+	batch    *heldBatch    // the held path: the batch of the rows
+	keyBusy  int           // keyed rows given back by the claim's verification: their key was busy
+	passed   bool          // a fresh-only claim passed over a row delivered before (query.ClaimArgs.FreshOnly)
+	arrivals arrivalsTaken
+	err      error
+}
+
+// scanEnd is the last row a claim's scan read, its next cursor; id NULL:
+// it read none.
+type scanEnd struct {
+	at pgtype.Timestamptz
+	id pgtype.Int8
+}
+
+// clockReading is what a claim tells of the server's clock (serverClock).
+type clockReading struct {
+	now        pgtype.Timestamptz // the claim statement's now()
+	checkedAt  pgtype.Timestamptz // a lease claim's: the server's time at its end (query.ClaimDeadline), or when it first checked its deadline
+	answeredAt time.Time          // a lease claim's: when its answer came; zero for a held claim
+}
+
+// arrivalsTaken is what a claim did with arrivals, with arrivals.
+type arrivalsTaken struct {
+	last      int64 // the last arrival the claim took (0: none)
+	waiting   bool  // arrivals of other groups wait: the next claim fans them out first
+	fannedOut int64 // how many the fan-out before the claim moved
+	fanOutErr error // the fan-out before the claim failed (the claim itself ran)
 }
 
 // sortQueueOrder sorts claimed rows into queue order (available_at, id),
@@ -160,10 +177,9 @@ func sortQueueOrder(rows []*delivery) {
 // claimScan is where claims start scanning, and which optional branches
 // they run; see query.Claim for why a busy loop scans from a cursor.
 type claimScan struct {
-	at           pgtype.Timestamptz // cursor: the last ready row claimed
-	id           int64
-	fromStartAt  time.Time // when a claim last scanned from the start
-	expiredAt    time.Time // when a claim last looked for expired leases
+	from         queueCursor // the last ready row claimed
+	fromStartAt  time.Time   // when a claim last scanned from the start
+	expiredAt    time.Time   // when a claim last looked for expired leases
 	forceExpired bool
 	// The next look's bound: leases that ended from then on. A look that
 	// found none moves it to its own start, less a margin; a look from the
@@ -178,12 +194,11 @@ type claimScan struct {
 	windowUntil   time.Time     // claim with a window until then (see query.ClaimFast)
 	// With arrivals: the last arrival a claim took (restart: 0; like the
 	// cursor, read from the start every second, for an arrival whose
-	// transaction committed after later ones were taken), when a claim
-	// last read them from the start, and whether arrivals wait to be
-	// fanned out.
-	arrivals       int64
+	// transaction committed after later ones were taken), whether
+	// arrivals wait to be fanned out, and when a claim last read them
+	// from the start.
+	arrivals       arrivalsCursor
 	arrivalsFromAt time.Time
-	shared         bool
 	clock          serverClock
 }
 
@@ -214,12 +229,12 @@ func (c *serverClock) read(now pgtype.Timestamptz, answered time.Time) {
 // The time of the deadline's check when the claim returned it: later
 // than now() (the transaction's start) by whatever the claim waited for
 // before it, which the reading would otherwise count against the server.
-func (c *serverClock) saw(r claimResult) {
+func (c *serverClock) saw(r clockReading) {
 	if r.checkedAt.Valid {
 		c.read(r.checkedAt, r.answeredAt)
 		return
 	}
-	c.read(r.serverNow, r.answeredAt)
+	c.read(r.now, r.answeredAt)
 }
 
 // deadline is a lease claim's deadline by the server's clock (see
@@ -311,13 +326,13 @@ var scanFromStart = pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity
 // newClaimScan starts from the beginning and looks for expired and orphaned
 // leases first: a consumer that died before we started left them.
 func newClaimScan() claimScan {
-	return claimScan{at: scanFromStart, forceExpired: true, findOrphans: true, expiredSince: scanFromStart}
+	return claimScan{from: queueCursor{at: scanFromStart}, forceExpired: true, findOrphans: true, expiredSince: scanFromStart}
 }
 
 // restart makes the next claim scan from the start, and look for expired
 // leases too when asked.
 func (c *claimScan) restart(expired bool) {
-	c.at, c.id, c.resume, c.arrivals = scanFromStart, 0, false, 0
+	c.from, c.resume, c.arrivals.after = queueCursor{at: scanFromStart}, false, 0
 	c.forceExpired = c.forceExpired || expired
 	if expired {
 		c.expiredSince = scanFromStart
@@ -327,31 +342,28 @@ func (c *claimScan) restart(expired bool) {
 // request fixes the next claim's parameters.
 func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 	req := claimRequest{
-		n:           n,
-		gen:         gen,
-		token:       pgtype.UUID{Bytes: uuid.New(), Valid: true},
-		sent:        now,
-		at:          c.at,
-		id:          c.id,
-		withExpired: c.forceExpired || now.Sub(c.expiredAt) >= rescanEvery,
-		vanishes:    c.relooks.vanishes,
-		arrivals:    c.arrivals,
-		transfer:    c.shared,
-		clock:       c.clock,
+		n:        n,
+		gen:      gen,
+		token:    pgtype.UUID{Bytes: uuid.New(), Valid: true},
+		sent:     now,
+		from:     c.from,
+		vanishes: c.relooks.vanishes,
+		arrivals: c.arrivals,
+		clock:    c.clock,
 	}
-	if req.withExpired {
+	if c.forceExpired || now.Sub(c.expiredAt) >= rescanEvery {
 		if now.Sub(c.expiredFullAt) >= expiredFullEvery {
 			c.expiredSince = scanFromStart
 		}
-		req.expiredSince = c.expiredSince
+		req.expiredFrom = c.expiredSince
 		if c.expiredSince == scanFromStart {
 			c.expiredFullAt = now
 		}
 	}
-	if c.at == scanFromStart {
+	if c.from.at == scanFromStart {
 		c.fromStartAt = now
 	}
-	if c.arrivals == 0 {
+	if c.arrivals.after == 0 {
 		c.arrivalsFromAt = now
 	}
 	c.relook(now)
@@ -364,7 +376,7 @@ func (c *claimScan) request(n int, gen uint64, now time.Time) claimRequest {
 // claimed moves the cursor past the last ready row of a claim, and
 // schedules the next scan from the start.
 func (c *claimScan) claimed(r claimResult) {
-	c.clock.saw(r)
+	c.clock.saw(r.clock)
 	now := r.req.sent
 	// A slow claim that came back short may have walked rows held back by
 	// their keys; a slow full one only met a cold cache or a busy server.
@@ -378,18 +390,18 @@ func (c *claimScan) claimed(r claimResult) {
 	if keyed || (r.took >= slowClaim && len(r.rows) < r.req.n) {
 		c.windowUntil = now.Add(keyedFor)
 	}
-	if len(r.rows) > 0 || !r.cursor.Valid {
+	if len(r.rows) > 0 || !r.last.id.Valid {
 		c.resume = false
 	}
-	if r.req.withExpired || r.req.orphansOf != nil {
+	if r.req.withExpired() || r.req.orphansOf != nil {
 		// Rows a crashed consumer held come back in a burst: keep looking
 		// while the last look found some.
 		c.expiredAt, c.forceExpired = now, r.reclaimed > 0
 		// A look that took some may have left more behind its limit: the
 		// next one reads from the same bound.
-		if r.req.withExpired && r.reclaimed == 0 && r.serverNow.Valid && r.serverNow.InfinityModifier == pgtype.Finite &&
-			r.req.expiredSince == c.expiredSince {
-			c.expiredSince = pgtype.Timestamptz{Time: r.serverNow.Time.Add(-expiredMargin), Valid: true}
+		if now := r.clock.now; r.req.withExpired() && r.reclaimed == 0 && now.Valid && now.InfinityModifier == pgtype.Finite &&
+			r.req.expiredFrom == c.expiredSince {
+			c.expiredSince = pgtype.Timestamptz{Time: now.Time.Add(-expiredMargin), Valid: true}
 		}
 		if r.req.orphansOf != nil && r.req.vanishes == c.relooks.vanishes {
 			// (A holder that vanished while the look ran may have been
@@ -403,20 +415,20 @@ func (c *claimScan) claimed(r claimResult) {
 	// A held claim reads no window (the request may carry one it ignores):
 	// it scans from the start every second like any unwindowed claim, or a
 	// crashed consumer's rows behind its cursor wait for the backlog's end.
-	c.shared = r.shared
-	if r.arrivals > 0 && r.req.arrivals == c.arrivals {
-		c.arrivals = r.arrivals
+	c.arrivals.fanOut = r.arrivals.waiting
+	if r.arrivals.last > 0 && r.req.arrivals.after == c.arrivals.after {
+		c.arrivals.after = r.arrivals.last
 	}
 	if now.Sub(c.arrivalsFromAt) >= rescanEvery {
-		c.arrivals = 0
+		c.arrivals.after = 0
 	}
-	windowedPass := r.req.window > 0 && !r.req.held && r.cursor.Valid
+	windowedPass := r.req.window > 0 && !r.req.held && r.last.id.Valid
 	if now.Sub(c.fromStartAt) >= rescanEvery && !windowedPass {
 		c.restart(false)
 		return
 	}
-	if !r.cursor.Valid || r.req.at != c.at || r.req.id != c.id {
+	if !r.last.id.Valid || r.req.from != c.from {
 		return // no ready row, or the scan restarted while the claim ran
 	}
-	c.at, c.id = r.cursorAt, r.cursor.Int64
+	c.from = queueCursor{at: r.last.at, id: r.last.id.Int64}
 }

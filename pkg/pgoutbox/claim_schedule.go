@@ -147,7 +147,7 @@ func (c *claimSchedule) failed(r claimResult, now time.Time) time.Duration {
 	c.claiming, c.wokeDuring = false, false
 	// A late claim returns the server's time: this machine's clock
 	// stepped, and the next claim goes by it.
-	c.scan.clock.saw(r)
+	c.scan.clock.saw(r.clock)
 	c.keys.notAsked(r.req.endedKeys) // that claim did not happen
 	if (r.req.window == 0 || r.req.held) && now.Sub(r.req.sent) >= slowClaim {
 		// A claim without a window that failed slowly (its StatementTimeout,
@@ -191,7 +191,7 @@ func (c *claimSchedule) next(r claimResult, woke bool, now time.Time) {
 	// Arrivals found to fan out are fanned out by the next claim, at once;
 	// one that fanned out nothing (another subscriber's fan-out held the
 	// topic) waits to be woken by that one's copies.
-	if len(r.rows) > 0 || r.transferred > 0 || (r.shared && !r.req.transfer) {
+	if len(r.rows) > 0 || r.arrivals.fannedOut > 0 || (r.arrivals.waiting && !r.req.arrivals.fanOut) {
 		c.want, c.idlePoll = true, c.cfg.MinPollInterval
 		if c.lookAgain > 0 {
 			// Still busy after a publisher's wake-up: quiet publishes may
@@ -219,13 +219,13 @@ func (c *claimSchedule) next(r claimResult, woke bool, now time.Time) {
 		c.want = true
 		return
 	}
-	if r.cursor.Valid && r.free > 0 {
+	if r.last.id.Valid && r.free > 0 {
 		// Competitors' claims had locked the rows of the window: the
 		// cursor moved past them, go on at once.
 		c.want = true
 		return
 	}
-	if r.cursor.Valid {
+	if r.last.id.Valid {
 		// Every row of the window waits for its key (held here or by a
 		// competitor): go on from the cursor after the shortest idle wait,
 		// so a backlog of held keys is read one window per wait, not at

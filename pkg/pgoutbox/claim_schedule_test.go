@@ -92,12 +92,12 @@ func TestClaimScheduleGivesLeaseClaimsADeadlineByTheServersClock(t *testing.T) {
 	req := c.start(10, now, pgtype.Int8{}, none)
 	require.False(t, req.clock.deadline(now, c.cfg.StatementTimeout).Valid, "the server's clock is not known yet")
 	serverAt := func(at time.Time) pgtype.Timestamptz { return pgtype.Timestamptz{Time: at, Valid: true} }
-	r := claimResult{req: req, serverNow: serverAt(now.Add(time.Hour)), started: now, answeredAt: now}
+	r := claimResult{req: req, started: now, clock: clockReading{now: serverAt(now.Add(time.Hour)), answeredAt: now}}
 	c.next(r, c.succeeded(r), now)
 
 	req = c.start(10, now, pgtype.Int8{}, none)
 	require.Equal(t, serverAt(now.Add(time.Hour+4*time.Second)), req.clock.deadline(now, c.cfg.StatementTimeout))
-	c.failed(claimResult{req: req, err: lateClaim{late: time.Hour}, serverNow: serverAt(now.Add(2 * time.Hour)), started: now, answeredAt: now}, now)
+	c.failed(claimResult{req: req, err: lateClaim{late: time.Hour}, started: now, clock: clockReading{now: serverAt(now.Add(2 * time.Hour)), answeredAt: now}}, now)
 	require.Empty(t, c.lost.list, "a late claim took nothing: nothing to give back")
 	require.Zero(t, c.givingBack)
 
@@ -105,7 +105,7 @@ func TestClaimScheduleGivesLeaseClaimsADeadlineByTheServersClock(t *testing.T) {
 	req = c.start(10, now, pgtype.Int8{}, none)
 	require.Equal(t, serverAt(now.Add(2*time.Hour+4*time.Second)), req.clock.deadline(now, c.cfg.StatementTimeout), "the clock the late claim returned")
 	started := now.Add(3 * time.Second) // a fan-out, a pool wait before the claim's own bound began
-	c.failed(claimResult{req: req, err: errors.New("timeout: context deadline exceeded"), started: started, answeredAt: started}, now)
+	c.failed(claimResult{req: req, err: errors.New("timeout: context deadline exceeded"), started: started, clock: clockReading{answeredAt: started}}, now)
 	require.Len(t, c.lost.list, 1, "a claim whose reply was lost is given back")
 	down := errors.New("connection refused")
 	releaseAt(&c, down, started.Add(c.cfg.Lease+time.Second))
@@ -202,7 +202,7 @@ func TestClaimScheduleClaimsAtOnceForKeysEndedDuringAClaim(t *testing.T) {
 	t.Parallel()
 	none := func() ([]int64, bool) { return nil, false }
 	busyWindow := func(r claimResult) claimResult { // every row of the window waits for its key
-		r.cursor, r.cursorAt = pgtype.Int8{Int64: 9, Valid: true}, pgtype.Timestamptz{Time: time.Now(), Valid: true}
+		r.last = scanEnd{at: pgtype.Timestamptz{Time: time.Now(), Valid: true}, id: pgtype.Int8{Int64: 9, Valid: true}}
 		return r
 	}
 	keyBusy := func(r claimResult) claimResult { r.keyBusy = 1; return r }
@@ -260,23 +260,23 @@ func TestClaimScanHeldClaimsRescanEverySecond(t *testing.T) {
 	c.windowUntil = start.Add(time.Hour) // windowed claims asked for
 	req := c.request(10, 0, start)
 	req.held = true
-	c.claimed(claimResult{req: req, rows: []*delivery{{claimedRow: claimedRow{id: 5}}}, cursor: pgtype.Int8{Int64: 5, Valid: true}, cursorAt: pgtype.Timestamptz{Time: start, Valid: true}})
-	require.Equal(t, int64(5), c.id, "the cursor moves on")
+	c.claimed(claimResult{req: req, rows: []*delivery{{claimedRow: claimedRow{id: 5}}}, last: scanEnd{at: pgtype.Timestamptz{Time: start, Valid: true}, id: pgtype.Int8{Int64: 5, Valid: true}}})
+	require.Equal(t, int64(5), c.from.id, "the cursor moves on")
 	later := start.Add(rescanEvery)
 	req = c.request(10, 0, later)
 	req.held = true
-	c.claimed(claimResult{req: req, rows: []*delivery{{claimedRow: claimedRow{id: 9}}}, cursor: pgtype.Int8{Int64: 9, Valid: true}, cursorAt: pgtype.Timestamptz{Time: later, Valid: true}})
-	require.Equal(t, scanFromStart, c.at, "a second later the held scan starts again from the start")
+	c.claimed(claimResult{req: req, rows: []*delivery{{claimedRow: claimedRow{id: 9}}}, last: scanEnd{at: pgtype.Timestamptz{Time: later, Valid: true}, id: pgtype.Int8{Int64: 9, Valid: true}}})
+	require.Equal(t, scanFromStart, c.from.at, "a second later the held scan starts again from the start")
 
 	// A windowed lease pass goes on to its end instead.
 	w := newClaimScan()
 	w.windowUntil = start.Add(time.Hour)
 	req = w.request(10, 0, start)
-	w.claimed(claimResult{req: req, cursor: pgtype.Int8{Int64: 5, Valid: true}, cursorAt: pgtype.Timestamptz{Time: start, Valid: true}})
+	w.claimed(claimResult{req: req, last: scanEnd{at: pgtype.Timestamptz{Time: start, Valid: true}, id: pgtype.Int8{Int64: 5, Valid: true}}})
 	req = w.request(10, 0, later)
 	require.Positive(t, req.window)
-	w.claimed(claimResult{req: req, cursor: pgtype.Int8{Int64: 9, Valid: true}, cursorAt: pgtype.Timestamptz{Time: later, Valid: true}})
-	require.Equal(t, int64(9), w.id, "the windowed pass goes on")
+	w.claimed(claimResult{req: req, last: scanEnd{at: pgtype.Timestamptz{Time: later, Valid: true}, id: pgtype.Int8{Int64: 9, Valid: true}}})
+	require.Equal(t, int64(9), w.from.id, "the windowed pass goes on")
 }
 
 // Looks for expired leases read from a bound: the first from the start,
@@ -291,25 +291,25 @@ func TestClaimScanLooksForExpiredLeasesFromTheLastLook(t *testing.T) {
 	look := func(at time.Time, reclaimed int) claimRequest {
 		t.Helper()
 		req := c.request(10, 0, at)
-		require.True(t, req.withExpired, "a look for expired leases at %v", at.Sub(start))
-		c.claimed(claimResult{req: req, reclaimed: reclaimed, serverNow: pgtype.Timestamptz{Time: server.Add(at.Sub(start)), Valid: true}})
+		require.True(t, req.withExpired(), "a look for expired leases at %v", at.Sub(start))
+		c.claimed(claimResult{req: req, reclaimed: reclaimed, clock: clockReading{now: pgtype.Timestamptz{Time: server.Add(at.Sub(start)), Valid: true}}})
 		return req
 	}
-	require.Equal(t, scanFromStart, look(start, 0).expiredFrom(), "the first look reads every expired lease")
+	require.Equal(t, scanFromStart, look(start, 0).expiredFrom, "the first look reads every expired lease")
 	bound := pgtype.Timestamptz{Time: server.Add(-expiredMargin), Valid: true}
-	require.Equal(t, bound, look(start.Add(rescanEvery), 3).expiredFrom(), "the next reads from the first one's start")
-	require.Equal(t, bound, look(start.Add(rescanEvery+time.Millisecond), 0).expiredFrom(), "after a look that took some, the same bound")
+	require.Equal(t, bound, look(start.Add(rescanEvery), 3).expiredFrom, "the next reads from the first one's start")
+	require.Equal(t, bound, look(start.Add(rescanEvery+time.Millisecond), 0).expiredFrom, "after a look that took some, the same bound")
 	next := pgtype.Timestamptz{Time: server.Add(rescanEvery + time.Millisecond - expiredMargin), Valid: true}
-	require.Equal(t, next, look(start.Add(2*rescanEvery+time.Millisecond), 0).expiredFrom(), "after an empty look, its start")
+	require.Equal(t, next, look(start.Add(2*rescanEvery+time.Millisecond), 0).expiredFrom, "after an empty look, its start")
 
 	none := c.request(10, 0, start.Add(2*rescanEvery+2*time.Millisecond))
-	require.False(t, none.withExpired)
-	require.False(t, none.expiredFrom().Valid, "a claim that does not look passes NULL")
+	require.False(t, none.withExpired())
+	require.False(t, none.expiredFrom.Valid, "a claim that does not look passes NULL")
 
-	require.Equal(t, scanFromStart, look(start.Add(expiredFullEvery), 0).expiredFrom(), "a look from the start every expiredFullEvery")
-	require.NotEqual(t, scanFromStart, look(start.Add(expiredFullEvery+rescanEvery), 0).expiredFrom())
+	require.Equal(t, scanFromStart, look(start.Add(expiredFullEvery), 0).expiredFrom, "a look from the start every expiredFullEvery")
+	require.NotEqual(t, scanFromStart, look(start.Add(expiredFullEvery+rescanEvery), 0).expiredFrom)
 	c.restart(true)
-	require.Equal(t, scanFromStart, look(start.Add(expiredFullEvery+2*rescanEvery), 0).expiredFrom(), "and after restart(true)")
+	require.Equal(t, scanFromStart, look(start.Add(expiredFullEvery+2*rescanEvery), 0).expiredFrom, "and after restart(true)")
 }
 
 // A vanished liveness holder's rows are looked for at the next claim,
@@ -377,22 +377,22 @@ func TestClaimScanArrivalsCursor(t *testing.T) {
 	c := newClaimScan()
 	start := time.Now()
 	req := c.request(10, 0, start)
-	require.Zero(t, req.arrivals)
-	c.claimed(claimResult{req: req, arrivals: 40})
-	require.Equal(t, scanFromStart, c.at, "no outbox row: the outbox's cursor stays")
+	require.Zero(t, req.arrivals.after)
+	c.claimed(claimResult{req: req, arrivals: arrivalsTaken{last: 40}})
+	require.Equal(t, scanFromStart, c.from.at, "no outbox row: the outbox's cursor stays")
 	req = c.request(10, 0, start.Add(rescanEvery/2))
-	require.Equal(t, int64(40), req.arrivals, "the next claim goes on after the last arrival")
-	c.claimed(claimResult{req: req, arrivals: 80})
+	require.Equal(t, int64(40), req.arrivals.after, "the next claim goes on after the last arrival")
+	c.claimed(claimResult{req: req, arrivals: arrivalsTaken{last: 80}})
 	req = c.request(10, 0, start.Add(rescanEvery))
-	require.Equal(t, int64(80), req.arrivals)
-	c.claimed(claimResult{req: req, arrivals: 120})
-	require.Zero(t, c.request(10, 0, start.Add(rescanEvery)).arrivals, "a second after the last read from the start")
+	require.Equal(t, int64(80), req.arrivals.after)
+	c.claimed(claimResult{req: req, arrivals: arrivalsTaken{last: 120}})
+	require.Zero(t, c.request(10, 0, start.Add(rescanEvery)).arrivals.after, "a second after the last read from the start")
 
-	c.claimed(claimResult{req: claimRequest{sent: start.Add(rescanEvery)}, arrivals: 7, shared: true})
-	require.Equal(t, int64(7), c.arrivals)
-	require.True(t, c.request(10, 0, start.Add(rescanEvery)).transfer, "arrivals to fan out: the next claim fans them out first")
+	c.claimed(claimResult{req: claimRequest{sent: start.Add(rescanEvery)}, arrivals: arrivalsTaken{last: 7, waiting: true}})
+	require.Equal(t, int64(7), c.arrivals.after)
+	require.True(t, c.request(10, 0, start.Add(rescanEvery)).arrivals.fanOut, "arrivals to fan out: the next claim fans them out first")
 	c.restart(false)
-	require.Zero(t, c.arrivals, "a give-back reads from the start")
+	require.Zero(t, c.arrivals.after, "a give-back reads from the start")
 }
 
 // A claim that found arrivals to fan out is followed at once by one that
@@ -404,12 +404,12 @@ func TestClaimScheduleFansOutArrivalsAtOnce(t *testing.T) {
 	cfg := &SubscriberConfig{MinPollInterval: 10 * time.Millisecond, MaxPollInterval: time.Second}
 	now := time.Now()
 	c := newClaimSchedule(cfg, now, serverClock{})
-	c.next(claimResult{shared: true}, false, now)
+	c.next(claimResult{arrivals: arrivalsTaken{waiting: true}}, false, now)
 	require.True(t, c.want, "found arrivals to fan out: claim again at once")
-	c.next(claimResult{req: claimRequest{transfer: true}, shared: true}, false, now)
+	c.next(claimResult{req: claimRequest{arrivals: arrivalsCursor{fanOut: true}}, arrivals: arrivalsTaken{waiting: true}}, false, now)
 	require.False(t, c.want, "the fan-out moved nothing: wait")
 	require.True(t, c.idleUntil.After(now))
-	c.next(claimResult{req: claimRequest{transfer: true}, transferred: 5}, false, now)
+	c.next(claimResult{req: claimRequest{arrivals: arrivalsCursor{fanOut: true}}, arrivals: arrivalsTaken{fannedOut: 5}}, false, now)
 	require.True(t, c.want, "the fan-out moved arrivals: claim again at once")
 }
 
@@ -418,18 +418,18 @@ func TestClaimScheduleFansOutArrivalsAtOnce(t *testing.T) {
 // held claim, or a lease claim once the batches ended, reads from the
 // cursor.
 func TestLeaseClaimsLeaveArrivalsToOpenHeldBatches(t *testing.T) {
-	lease := claimRequest{arrivals: 42}
+	lease := claimRequest{arrivals: arrivalsCursor{after: 42}}
 	require.Equal(t, int64(noArrivals), arrivalsFrom(lease, 1))
 	require.Equal(t, int64(42), arrivalsFrom(lease, 0))
-	held := claimRequest{arrivals: 42, held: true}
+	held := claimRequest{arrivals: arrivalsCursor{after: 42}, held: true}
 	require.Equal(t, int64(42), arrivalsFrom(held, 2))
 
 	// The cursor does not move for a claim that took none.
 	c := newClaimScan()
 	now := time.Now()
-	c.arrivals, c.arrivalsFromAt, c.fromStartAt = 42, now, now
-	c.claimed(claimResult{req: claimRequest{arrivals: noArrivals, sent: now}})
-	require.Equal(t, int64(42), c.arrivals)
+	c.arrivals.after, c.arrivalsFromAt, c.fromStartAt = 42, now, now
+	c.claimed(claimResult{req: claimRequest{arrivals: arrivalsCursor{after: noArrivals}, sent: now}})
+	require.Equal(t, int64(42), c.arrivals.after)
 }
 
 // Rows another subscriber gave back or fanned out from the arrivals are due
@@ -445,15 +445,14 @@ func TestClaimScheduleOrderedScansFromTheStartForReturnedRows(t *testing.T) {
 		now := time.Now()
 		req := c.start(10, now, pgtype.Int8{}, func() ([]int64, bool) { return nil, false })
 		cursor := pgtype.Int8{Int64: 7, Valid: true}
-		r := claimResult{req: req, rows: []*delivery{{claimedRow: claimedRow{id: 7}}}, cursor: cursor,
-			cursorAt: pgtype.Timestamptz{Time: now, Valid: true}}
+		r := claimResult{req: req, rows: []*delivery{{claimedRow: claimedRow{id: 7}}}, last: scanEnd{at: pgtype.Timestamptz{Time: now, Valid: true}, id: cursor}}
 		c.next(r, c.succeeded(r), now)
-		require.EqualValues(t, 7, c.scan.id, "busy: the next claim goes on from the cursor")
+		require.EqualValues(t, 7, c.scan.from.id, "busy: the next claim goes on from the cursor")
 		c.notified(notifier.Kinds{Released: true})
 		if inFlight == 1 {
-			require.Equal(t, scanFromStart, c.scan.at, "ordered: from the start")
+			require.Equal(t, scanFromStart, c.scan.from.at, "ordered: from the start")
 		} else {
-			require.EqualValues(t, 7, c.scan.id, "unordered: from the cursor")
+			require.EqualValues(t, 7, c.scan.from.id, "unordered: from the cursor")
 		}
 	}
 }
@@ -476,9 +475,9 @@ func TestServerClockReadsTheDeadlinesCheckAgainstTheAnswer(t *testing.T) {
 		return pgtype.Timestamptz{Time: answered.Add(time.Hour + d), Valid: true}
 	}
 	var c serverClock
-	c.saw(claimResult{serverNow: at(-900 * time.Millisecond), checkedAt: at(-2 * time.Millisecond), answeredAt: answered})
+	c.saw(clockReading{now: at(-900 * time.Millisecond), checkedAt: at(-2 * time.Millisecond), answeredAt: answered})
 	require.Equal(t, time.Hour-2*time.Millisecond, c.ahead)
-	c.saw(claimResult{serverNow: at(-3 * time.Millisecond), answeredAt: answered})
+	c.saw(clockReading{now: at(-3 * time.Millisecond), answeredAt: answered})
 	require.Equal(t, time.Hour-3*time.Millisecond, c.ahead, "a claim without the check's time: its now()")
 	require.Equal(t, pgtype.Timestamptz{Time: answered.Add(time.Hour - 3*time.Millisecond + time.Second), Valid: true}, c.deadline(answered, time.Second))
 }

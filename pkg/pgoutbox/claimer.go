@@ -31,18 +31,18 @@ type claimer struct {
 
 // run claims on the path the request names.
 func (c *claimer) run(req claimRequest) claimResult {
-	var transferred int64
-	var transferErr error
+	var fannedOut int64
+	var fanOutErr error
 	claim := req
-	if req.transfer {
+	if req.arrivals.fanOut {
 		// A fan-out that fails changes nothing: the claim goes on, and the
 		// next claim fans out again.
-		transferred, transferErr = c.transfer(req.n)
-		if transferred > 0 && c.cfg.MaxInFlight == 1 {
+		fannedOut, fanOutErr = c.transfer(req.n)
+		if fannedOut > 0 && c.cfg.MaxInFlight == 1 {
 			// Its copies are due at their arrival, maybe behind the
 			// cursor: an ordered subscription's claim reads from the
 			// start, or it would take later rows before them.
-			claim.at, claim.id = scanFromStart, 0
+			claim.from = queueCursor{at: scanFromStart}
 		}
 	}
 	var r claimResult
@@ -55,7 +55,7 @@ func (c *claimer) run(req claimRequest) claimResult {
 	// claim's only if it did not restart the scan meanwhile
 	// (claimScan.claimed), here to the last row read from the start.
 	r.req = req
-	r.transferred, r.transferErr = transferred, transferErr
+	r.arrivals.fannedOut, r.arrivals.fanOutErr = fannedOut, fanOutErr
 	return r
 }
 
@@ -102,8 +102,8 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	stmt, args := c.q.Lease(query.ClaimArgs{
 		Topic: c.topic, Group: c.cfg.ConsumerGroup, N: req.n, Token: req.token,
 		LeaseUS: c.cfg.Lease.Microseconds(), WorkerID: c.cfg.WorkerID, Holder: req.holder,
-		CursorAt: req.at, CursorID: req.id, ExpiredFrom: req.expiredFrom(),
-		Window: req.window, EndedKeys: req.endedKeys, Spare: req.orphansOf, Arrivals: req.arrivals,
+		CursorAt: req.from.at, CursorID: req.from.id, ExpiredFrom: req.expiredFrom,
+		Window: req.window, EndedKeys: req.endedKeys, Spare: req.orphansOf, Arrivals: req.arrivals.after,
 		Deadline: deadline, FreshOnly: req.freshOnly,
 	})
 	// query.ClaimSettings, then the claim: one round trip, one implicit
@@ -136,7 +136,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		r.err = claimErr(err)
 		return r
 	}
-	r.answeredAt = time.Now() // after the server's now(): see serverClock
+	r.clock.answeredAt = time.Now() // after the server's now(): see serverClock
 	// Scan targets live outside the loop: Scan takes their addresses, and
 	// per-row variables would each be an allocation per row.
 	// So is the list of them: Scan's variadic slice would be one more
@@ -151,7 +151,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	dest := []any{&id, &uuid, &payload, &metaRaw, &deliveries, &availableAt, &key, &createdAt}
 	perRow := len(dest)
 	var passed pgtype.Bool
-	dest = append(dest, &r.cursorAt, &r.cursor, &reclaimed, &free, &r.serverNow, &r.checkedAt, &passed)
+	dest = append(dest, &r.last.at, &r.last.id, &reclaimed, &free, &r.clock.now, &r.clock.checkedAt, &passed)
 	var arrivals pgtype.Int8
 	var shared pgtype.Bool
 	if c.q.Names.Arrivals {
@@ -184,7 +184,7 @@ func (c *claimer) lease(req claimRequest) claimResult {
 	}
 	var endAt pgtype.Timestamptz
 	if err := res.QueryRow().Scan(&endAt); err != nil {
-		if late := r.checkedAt.Time.Sub(deadline.Time); deadline.Valid && r.checkedAt.Valid && late > 0 && len(r.rows) == 0 {
+		if late := r.clock.checkedAt.Time.Sub(deadline.Time); deadline.Valid && r.clock.checkedAt.Valid && late > 0 && len(r.rows) == 0 {
 			// Late before it read a row: a clock stepped since the last
 			// reading (lateClaim says so), and the next claim goes by
 			// this one's.
@@ -193,17 +193,17 @@ func (c *claimer) lease(req claimRequest) claimResult {
 		}
 		// Its scans ran past the deadline: its readings of the clock,
 		// taken before them, would put the server behind by their length.
-		r.checkedAt, r.serverNow = pgtype.Timestamptz{}, pgtype.Timestamptz{}
+		r.clock.checkedAt, r.clock.now = pgtype.Timestamptz{}, pgtype.Timestamptz{}
 		r.rows, r.err = nil, claimErr(pastDeadline(err, c.cfg.StatementTimeout))
 		return r
 	}
-	r.checkedAt, r.answeredAt = endAt, time.Now()
+	r.clock.checkedAt, r.clock.answeredAt = endAt, time.Now()
 	if err := res.Close(); err != nil { // the commit's outcome
 		r.rows, r.err = nil, claimErr(err)
 		return r
 	}
 	r.reclaimed, r.free, r.passed = int(reclaimed), int(free), passed.Bool
-	r.arrivals, r.shared = arrivals.Int64, shared.Bool
+	r.arrivals.last, r.arrivals.waiting = arrivals.Int64, shared.Bool
 	// The checks below run on the claim's connection: taking a second one
 	// while holding this one would deadlock subscriptions that share a
 	// pool of as many connections as they are, all claiming at once (a

@@ -29,7 +29,7 @@ func (sub *subscription) startClaim(now time.Time) {
 	req := sub.claims.start(n, now, sub.holder(), sub.events.signals.waiter.Spare)
 	req.held = sub.held.wantHeld(req, now, sub.claims.scan.keyedUntil, sub.poolHasSpare)
 	req.freshOnly = !req.held && sub.claimsFreshOnly()
-	req.arrivals = arrivalsFrom(req, len(sub.held.batches))
+	req.arrivals.after = arrivalsFrom(req, len(sub.held.batches))
 	go func() {
 		r := sub.runners.claimer.run(req)
 		sub.events.reports <- report{claim: &r}
@@ -50,7 +50,7 @@ func arrivalsFrom(req claimRequest, openBatches int) int64 {
 	if !req.held && openBatches > 0 {
 		return noArrivals
 	}
-	return req.arrivals
+	return req.arrivals.after
 }
 
 // holder is what this process's rows are stamped with: its liveness key
@@ -86,13 +86,13 @@ func (sub *subscription) onClaimed(r claimResult) {
 		sub.logger.Error("Claim failed; retrying", errtext.WithHint(r.err), fields)
 		return
 	}
-	if r.transferErr != nil {
-		sub.logger.Error("Fanning out arrivals failed; the next claim fans them out again", r.transferErr, nil)
+	if r.arrivals.fanOutErr != nil {
+		sub.logger.Error("Fanning out arrivals failed; the next claim fans them out again", r.arrivals.fanOutErr, nil)
 	}
 	woke := sub.claims.succeeded(r)
 	// A claim that left arrivals to open held batches (arrivalsFrom) says
 	// nothing of what waits: not idle.
-	withheld := r.req.arrivals == noArrivals && len(r.rows) == 0
+	withheld := r.req.arrivals.after == noArrivals && len(r.rows) == 0
 	sub.held.busy = len(r.rows) > 0 || withheld && sub.held.busy
 	sub.s.obs.observe(Event{Kind: EventClaimed, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, Count: len(r.rows), Path: r.req.path()})
 	sub.claims.pf.claimed(r.rows)

@@ -133,7 +133,7 @@ func (o *outcome) offerLeft(now time.Time) time.Duration {
 func (o *outcome) offerEnded(now time.Time) bool { return o.offerLeft(now) <= 0 }
 
 func (sub *subscription) newOutcome(d *delivery) *outcome {
-	o := &outcome{complete: sub.s.q.CompleteInTx, database: sub.s.database, id: d.id, token: d.token, unhold: sub.unholder(d)}
+	o := &outcome{complete: sub.s.q.CompleteInTx, database: sub.s.facts.database, id: d.id, token: d.token, unhold: sub.unholder(d)}
 	o.facts = newFacts(sub.outlet.origin, d)
 	return o
 }

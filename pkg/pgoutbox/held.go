@@ -109,7 +109,7 @@ func (h *heldPath) wantHeld(req claimRequest, now, keyedUntil time.Time, spare f
 		// A held row's delivery is written only when its batch ends, so
 		// a handler that crashes the process would never be counted.
 		return false
-	case req.withExpired, req.orphansOf != nil, len(req.endedKeys) > 0:
+	case req.withExpired(), req.orphansOf != nil, len(req.endedKeys) > 0:
 		return false // reclaiming and ordering-key claims lease
 	case req.window > 0 && (now.Before(keyedUntil) || mode == ClaimAuto && h.forced != testhook.PathAutoBusy):
 		// Keyed rows seen, or (ClaimAuto) a slow short claim, which may

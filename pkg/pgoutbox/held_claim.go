@@ -41,7 +41,7 @@ func (c *claimer) held(req claimRequest) claimResult {
 	b.Queue(fmt.Sprintf("SET LOCAL idle_in_transaction_session_timeout = %d", heldIdleTimeout(c.cfg).Milliseconds()))
 	b.Queue(query.ClaimSettings)
 	b.Queue(c.q.HeldClaim, c.q.Held(query.HeldArgs{Topic: c.topic, Group: c.cfg.ConsumerGroup, N: req.n,
-		CursorAt: req.at, CursorID: req.id, Arrivals: req.arrivals})...)
+		CursorAt: req.from.at, CursorID: req.from.id, Arrivals: req.arrivals.after})...)
 	res := conn.SendBatch(ctx, b)
 	err = func() error {
 		defer res.Close()
@@ -74,7 +74,7 @@ func (c *claimer) held(req claimRequest) claimResult {
 				return err
 			}
 			if !id.Valid {
-				r.shared = shared.Bool
+				r.arrivals.waiting = shared.Bool
 				continue
 			}
 			d := slab.next()
@@ -82,7 +82,7 @@ func (c *claimer) held(req claimRequest) claimResult {
 			d.uuid, d.deliveries, d.orderingKey, d.createdAt = uuid.String, int(deliveries.Int32), key.String, createdAt.Time.UnixMicro()
 			d.arrival = arrival
 			if d.arrival.Valid {
-				r.arrivals = max(r.arrivals, d.id)
+				r.arrivals.last = max(r.arrivals.last, d.id)
 			}
 			r.rows = append(r.rows, d)
 		}
@@ -135,11 +135,10 @@ func (c *claimer) held(req claimRequest) claimResult {
 	// ORDER BY with FOR UPDATE may return a row out of order when it was
 	// changed while the claim waited for it (READ COMMITTED re-reads it).
 	sortQueueOrder(r.rows)
-	// The cursor is the last outbox row's: arrivals have their own (r.arrivals).
+	// The cursor is the last outbox row's: arrivals have their own (r.arrivals.last).
 	for i := len(r.rows) - 1; i >= 0; i-- {
 		if last := r.rows[i]; !last.arrival.Valid {
-			r.cursorAt = pgtype.Timestamptz{Time: last.availableAt, Valid: true}
-			r.cursor = pgtype.Int8{Int64: last.id, Valid: true}
+			r.last = scanEnd{at: pgtype.Timestamptz{Time: last.availableAt, Valid: true}, id: pgtype.Int8{Int64: last.id, Valid: true}}
 			break
 		}
 	}

@@ -177,7 +177,7 @@ func TestHeldPathChoosesPerClaim(t *testing.T) {
 	spare := func() bool { return true }
 	auto := heldPath{cfg: &SubscriberConfig{ClaimMode: ClaimAuto}, busy: true}
 	require.True(t, auto.wantHeld(claimRequest{}, now, time.Time{}, spare))
-	require.False(t, auto.wantHeld(claimRequest{withExpired: true}, now, time.Time{}, spare))
+	require.False(t, auto.wantHeld(claimRequest{expiredFrom: scanFromStart}, now, time.Time{}, spare))
 	require.False(t, auto.wantHeld(claimRequest{endedKeys: []string{"k"}}, now, time.Time{}, spare))
 	require.False(t, auto.wantHeld(claimRequest{window: 256}, now, time.Time{}, spare), "a windowed claim leases")
 	require.False(t, auto.wantHeld(claimRequest{}, now, time.Time{}, func() bool { return false }))
@@ -194,7 +194,7 @@ func TestHeldPathChoosesPerClaim(t *testing.T) {
 	lease := heldPath{cfg: &SubscriberConfig{ClaimMode: ClaimLease}, busy: true}
 	require.False(t, lease.wantHeld(claimRequest{}, now, time.Time{}, spare))
 	forced := heldPath{cfg: &SubscriberConfig{ClaimMode: ClaimLease}, forced: "held"}
-	require.True(t, forced.wantHeld(claimRequest{withExpired: true}, now, time.Time{}, spare), "a test hook forces the path")
+	require.True(t, forced.wantHeld(claimRequest{expiredFrom: scanFromStart}, now, time.Time{}, spare), "a test hook forces the path")
 
 	// The busy hook makes ClaimAuto hold from its first claim and after a
 	// slow short claim; its other reasons to lease stay.
@@ -202,7 +202,7 @@ func TestHeldPathChoosesPerClaim(t *testing.T) {
 	require.True(t, autoBusy.wantHeld(claimRequest{}, now, time.Time{}, spare), "the first claim holds")
 	require.True(t, autoBusy.wantHeld(claimRequest{window: 256}, now, time.Time{}, spare), "a slow short claim does not switch it")
 	require.False(t, autoBusy.wantHeld(claimRequest{window: 256}, now, now.Add(time.Second), spare), "keyed rows seen: lease")
-	require.False(t, autoBusy.wantHeld(claimRequest{withExpired: true}, now, time.Time{}, spare))
+	require.False(t, autoBusy.wantHeld(claimRequest{expiredFrom: scanFromStart}, now, time.Time{}, spare))
 	autoBusy.txSeen = true
 	require.False(t, autoBusy.wantHeld(claimRequest{}, now, time.Time{}, spare), "a handler's own transaction: lease for good")
 	autoBusy.txSeen, autoBusy.offUntil = false, now.Add(time.Second)

@@ -16,7 +16,7 @@ import (
 // (not SET LOCAL, which warns outside a transaction block; not
 // set_config, whose SELECT takes the snapshot first) applies to the
 // transaction it runs in only: the next starts from the default again.
-// It is queued only where the default is another (Subscriber.isolate),
+// It is queued only where the default is another (databaseFacts.isolate),
 // so the common case pays no statement for it. The held claim opens its
 // transaction with BEGIN ISOLATION LEVEL READ COMMITTED instead
 // (claimer.held): keep the two in step.

@@ -48,12 +48,19 @@ type Subscriber struct {
 	notifier *notifier.Notifier // while a subscription runs (see subscriptionEnded)
 	topics   map[string]int     // subscriptions running, per topic (none: the notifier and the rotator stop)
 
-	schemaMu    sync.Mutex
-	schemaReady bool
-	database    string // current_database(), read with the schema: tx.Middleware's check on a lost lease
-	isolate     bool   // the default isolation is not READ COMMITTED, read with the schema (see readCommitted)
+	facts databaseFacts
 
 	stopRotator func() // while a subscription runs on a rotating outbox (see startRotator)
+}
+
+// databaseFacts is what the first Subscribe learns of the database, with
+// the schema's check (ensureSchema), under its own lock: later Subscribes
+// wait for the first one's check, not for running subscriptions.
+type databaseFacts struct {
+	mu       sync.Mutex
+	ready    bool   // the schema was checked, and what follows read
+	database string // current_database(): tx.Middleware's check on a lost lease
+	isolate  bool   // the default isolation is not READ COMMITTED (see readCommitted)
 }
 
 var (
@@ -415,9 +422,9 @@ func isConnectionLost(err error) bool {
 }
 
 func (s *Subscriber) ensureSchema(ctx context.Context) error {
-	s.schemaMu.Lock()
-	defer s.schemaMu.Unlock()
-	if s.schemaReady {
+	s.facts.mu.Lock()
+	defer s.facts.mu.Unlock()
+	if s.facts.ready {
 		return nil
 	}
 	exec := tx.FromPgxPool(s.pool)
@@ -437,8 +444,8 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 		if err == nil {
 			var isolation, encoding string
 			err = s.pool.QueryRow(ctx, "SELECT current_database(), current_setting('default_transaction_isolation'), current_setting('client_encoding')").
-				Scan(&s.database, &isolation, &encoding)
-			s.isolate = isolation != "read committed"
+				Scan(&s.facts.database, &isolation, &encoding)
+			s.facts.isolate = isolation != "read committed"
 			if err == nil {
 				s.warnEncoding(encoding)
 				err = s.checkListen(ctx)
@@ -449,7 +456,7 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	s.schemaReady = true
+	s.facts.ready = true
 	return nil
 }
 

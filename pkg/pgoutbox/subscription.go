@@ -132,11 +132,11 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 			slotEnv{out: sub.outlet.out, parent: sub.outlet.parent, ackDeadline: s.cfg.AckDeadline,
 				offerCheck: max(min(s.cfg.Lease/8, time.Second), 10*time.Millisecond), handedOut: s.obs.handedOut})
 	}
-	completer := newCompleter(s.pool, s.q, &s.cfg, topic, s.isolate, reports)
+	completer := newCompleter(s.pool, s.q, &s.cfg, topic, s.facts.isolate, reports)
 	sub.runners = runners{
 		completer: completer,
 		ender:     &batchEnder{q: s.q, cfg: &s.cfg, topic: topic, stmtCtx: completer.stmtCtx},
-		claimer:   &claimer{pool: s.pool, q: s.q, cfg: &s.cfg, topic: topic, isolate: s.isolate, stop: sub.events.signals.stopCtx},
+		claimer:   &claimer{pool: s.pool, q: s.q, cfg: &s.cfg, topic: topic, isolate: s.facts.isolate, stop: sub.events.signals.stopCtx},
 	}
 	return sub
 }

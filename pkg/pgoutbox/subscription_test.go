@@ -93,7 +93,7 @@ func (b *testBundle) claimed(t *testing.T, ids ...int64) []*delivery {
 	for _, id := range ids {
 		rows = append(rows, &delivery{claimedRow: claimedRow{id: id, token: req.token, deliveries: 1, uuid: "u", payload: []byte("p"), metaRaw: []byte(`{}`), availableAt: time.Unix(id, 0)}})
 	}
-	b.sub.onClaimed(claimResult{req: req, rows: rows, cursor: pgtype.Int8{Int64: ids[len(ids)-1], Valid: true}})
+	b.sub.onClaimed(claimResult{req: req, rows: rows, last: scanEnd{id: pgtype.Int8{Int64: ids[len(ids)-1], Valid: true}}})
 	return rows
 }
 
@@ -362,7 +362,7 @@ func TestOwnerLostClaimIsReleasedBeforeClaimingOn(t *testing.T) {
 	b.sub.onReleasedClaims([]pgtype.UUID{req.token}, nil, time.Now().Add(time.Hour))
 	require.Empty(t, b.sub.claims.lost.list)
 	require.Zero(t, b.sub.claims.givingBack)
-	require.Equal(t, scanFromStart, b.sub.claims.scan.at, "the released rows lie behind any cursor")
+	require.Equal(t, scanFromStart, b.sub.claims.scan.from.at, "the released rows lie behind any cursor")
 }
 
 // A lost claim released while it might still run on the server (the
@@ -390,12 +390,12 @@ func TestOwnerLostClaimIsReleasedAgainOnceItCanNoLongerRun(t *testing.T) {
 	b.sub.onReleasedClaims([]pgtype.UUID{req.token}, errors.New("connection refused"), again)
 	require.Len(t, b.sub.claims.lost.list, 1, "a failed release is tried again")
 	require.Zero(t, b.sub.claims.givingBack)
-	b.sub.claims.scan.at = pgtype.Timestamptz{Time: again, Valid: true} // claims went on
+	b.sub.claims.scan.from.at = pgtype.Timestamptz{Time: again, Valid: true} // claims went on
 	b.sub.onReleasedClaims([]pgtype.UUID{req.token}, nil, again)
 	require.Empty(t, b.sub.claims.lost.list)
 	require.Zero(t, b.sub.claims.givingBack)
 	require.True(t, b.sub.claims.lost.recheckAt().IsZero())
-	require.Equal(t, scanFromStart, b.sub.claims.scan.at, "what the second release gave back lies behind any cursor")
+	require.Equal(t, scanFromStart, b.sub.claims.scan.from.at, "what the second release gave back lies behind any cursor")
 }
 
 // drainJob takes the job startWrite submitted and returns its release
@@ -539,24 +539,24 @@ func TestClaimScanCursor(t *testing.T) {
 	start := time.Now()
 	c := newClaimScan()
 	req := c.request(10, 0, start)
-	require.Equal(t, scanFromStart, req.at)
-	require.True(t, req.withExpired, "the first claim looks for expired leases")
+	require.Equal(t, scanFromStart, req.from.at)
+	require.True(t, req.withExpired(), "the first claim looks for expired leases")
 	rows := []*delivery{{claimedRow: claimedRow{id: 7, availableAt: start}}, {claimedRow: claimedRow{id: 9, availableAt: start}}}
-	c.claimed(claimResult{req: req, rows: rows, cursor: pgtype.Int8{Int64: 9, Valid: true}})
-	require.Equal(t, int64(9), c.id, "the next claim starts after the last ready row")
+	c.claimed(claimResult{req: req, rows: rows, last: scanEnd{id: pgtype.Int8{Int64: 9, Valid: true}}})
+	require.Equal(t, int64(9), c.from.id, "the next claim starts after the last ready row")
 
 	req = c.request(10, 0, start.Add(time.Millisecond))
-	require.Equal(t, int64(9), req.id)
-	require.False(t, req.withExpired, "expired leases: once a second")
+	require.Equal(t, int64(9), req.from.id)
+	require.False(t, req.withExpired(), "expired leases: once a second")
 
-	c.claimed(claimResult{req: req, cursor: pgtype.Int8{}})
-	req = c.request(10, 0, start.Add(rescanEvery))
-	require.True(t, req.withExpired)
 	c.claimed(claimResult{req: req})
-	require.Equal(t, scanFromStart, c.at, "every second the scan starts over")
+	req = c.request(10, 0, start.Add(rescanEvery))
+	require.True(t, req.withExpired())
+	c.claimed(claimResult{req: req})
+	require.Equal(t, scanFromStart, c.from.at, "every second the scan starts over")
 
 	c.restart(true)
-	require.True(t, c.request(1, 0, start.Add(rescanEvery)).withExpired)
+	require.True(t, c.request(1, 0, start.Add(rescanEvery)).withExpired())
 }
 
 // The message a delivery decodes into leaves Watermill's delay keys out,
@@ -602,7 +602,7 @@ func TestOwnerClaimThatLeftArrivalsToHeldBatchesClaimsAgain(t *testing.T) {
 	b.sub.held.busy = true
 	withheld := func() {
 		req := b.sub.claims.scan.request(1, b.sub.claims.gen, time.Now())
-		req.arrivals = noArrivals
+		req.arrivals.after = noArrivals
 		b.sub.claims.claiming = true
 		b.sub.onClaimed(claimResult{req: req})
 	}
@@ -656,7 +656,7 @@ func TestRedeliveredRowRunsAloneWithMaxDeliveries(t *testing.T) {
 		for _, d := range rows {
 			d.token = req.token
 		}
-		b.sub.onClaimed(claimResult{req: req, rows: rows, cursor: pgtype.Int8{Int64: rows[len(rows)-1].id, Valid: true}})
+		b.sub.onClaimed(claimResult{req: req, rows: rows, last: scanEnd{id: pgtype.Int8{Int64: rows[len(rows)-1].id, Valid: true}}})
 	}
 	row := func(id int64, deliveries int) *delivery {
 		return &delivery{claimedRow: claimedRow{id: id, deliveries: deliveries, uuid: "u", payload: []byte("p"),
@@ -740,11 +740,11 @@ func TestClaimsWhileMessagesAreOutLeaveRowsDeliveredBefore(t *testing.T) {
 	req, ok := start()
 	require.True(t, ok)
 	req.freshOnly = true
-	b.sub.claims.scan.at, b.sub.claims.scan.id = pgtype.Timestamptz{Time: time.Now(), Valid: true}, 7
+	b.sub.claims.scan.from.at, b.sub.claims.scan.from.id = pgtype.Timestamptz{Time: time.Now(), Valid: true}, 7
 	b.sub.claims.claiming = true
 	b.sub.onClaimed(claimResult{req: req, passed: true})
 	require.True(t, b.sub.hand.alone.behind)
-	require.Equal(t, scanFromStart, b.sub.claims.scan.at, "the next claim scans from the start")
+	require.Equal(t, scanFromStart, b.sub.claims.scan.from.at, "the next claim scans from the start")
 	_, ok = start()
 	require.False(t, ok, "no claim while the message out runs")
 	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg, ack: true}, false)

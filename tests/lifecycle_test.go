@@ -340,3 +340,44 @@ func TestCloseGivesUpSoonOnADatabaseItCannotReach(t *testing.T) {
 		t.Fatal("Close waited for its deadline (StatementTimeout, a minute) on a database it cannot reach")
 	}
 }
+
+// Close writes the acks an outage held back once the database is back: the
+// writes' backoff, grown during the outage to seconds, does not outlast
+// Close's deadline (StatementTimeout) while the database answers. The
+// lease path: a held batch's acks end with its transaction, which the
+// outage rolled back.
+func TestCloseWritesTheAcksAnOutageHeldBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	px := startTCPProxy(t, b.DSN)
+	pool := px.pool(t, b, "outage-close-"+b.Schema, nil)
+	const n = 8
+	require.NoError(t, b.poolPublisher(t).Publish("t", newMsgs(n)...))
+	logs := &logCapture{}
+	stmt := time.Second
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, ClaimMode: pgoutbox.ClaimLease,
+		MaxInFlight: n, DrainTimeout: time.Second, StatementTimeout: stmt, Lease: time.Hour}, logs)
+	require.NoError(t, err)
+	ch, err := sub.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	var msgs []*message.Message
+	for range n {
+		msgs = append(msgs, receive(t, ch, 10*time.Second))
+	}
+	px.cut()
+	for _, m := range msgs {
+		m.Ack()
+	}
+	// Wait for a backoff longer than Close's deadline.
+	require.Eventually(t, func() bool {
+		return len(logs.find("error", func(e logEntry) bool {
+			wait, err := time.ParseDuration(fmt.Sprint(e.fields["retry_in"]))
+			return strings.HasPrefix(e.msg, "Writing acks") && err == nil && wait > 2*stmt
+		})) > 0
+	}, time.Minute, 10*time.Millisecond, "the writes' backoff grows during the outage")
+	px.restore()
+	require.Equal(t, n, b.outboxRows(t, "t"), "nothing was written during the outage")
+	require.NoError(t, sub.Close())
+	require.Zero(t, b.outboxRows(t, "t"), "the database answered during Close: every ack is written")
+	require.Empty(t, logs.find("error", func(e logEntry) bool { return strings.HasPrefix(e.msg, "Giving up") }))
+}

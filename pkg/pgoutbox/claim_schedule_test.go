@@ -249,6 +249,24 @@ func TestRetryGateBacksOff(t *testing.T) {
 	require.Less(t, g.failed(now), time.Second, "and starts again small")
 }
 
+// At close the gate opens at once and keeps its backoffs short, however
+// long they had grown.
+func TestRetryGateHurriesAtClose(t *testing.T) {
+	t.Parallel()
+	g := newRetryGate()
+	now := time.Now()
+	var w time.Duration
+	for range 12 {
+		w = g.failed(now)
+	}
+	require.Greater(t, w, time.Second)
+	g.hurry(finalRetryEvery)
+	require.False(t, g.shut(), "open at once")
+	for range 5 {
+		require.LessOrEqual(t, g.failed(now), finalRetryEvery*12/10)
+	}
+}
+
 // A held claim reads no window: a busy held scan starts again from the
 // start every second, even while windowed claims were asked for (a slow
 // short claim), so rows behind its cursor (a crashed consumer's, rolled

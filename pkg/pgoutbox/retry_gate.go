@@ -13,8 +13,9 @@ import (
 // backoff.
 type retryGate struct {
 	bo       *backoff.ExponentialBackOff
-	until    time.Time // shut until then; zero: open
-	failures int       // in a row, since the last success
+	until    time.Time     // shut until then; zero: open
+	failures int           // in a row, since the last success
+	most     time.Duration // the longest backoff after hurry; zero: the backoff's own
 }
 
 func newRetryGate() retryGate {
@@ -27,6 +28,9 @@ func newRetryGate() retryGate {
 // failed shuts the gate for the next backoff and returns its length.
 func (g *retryGate) failed(now time.Time) time.Duration {
 	wait := g.bo.NextBackOff()
+	if g.most > 0 {
+		wait = min(wait, jitter(g.most))
+	}
 	g.until = now.Add(wait)
 	g.failures++
 	return wait
@@ -37,6 +41,13 @@ func (g *retryGate) succeeded() {
 	g.bo.Reset()
 	g.until = time.Time{}
 	g.failures = 0
+}
+
+// hurry opens the gate and keeps each backoff from now on under most:
+// Close's last writes are tried until their deadline, not after a backoff
+// that grew during an outage which has ended meanwhile.
+func (g *retryGate) hurry(most time.Duration) {
+	g.until, g.most = time.Time{}, most
 }
 
 // shut reports whether the gate is shut; passedTimes opens it once its

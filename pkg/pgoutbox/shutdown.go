@@ -86,6 +86,10 @@ func (sub *subscription) endDrain(timedOut bool) {
 	}
 }
 
+// finalRetryEvery is how often Close tries its last writes again, at most,
+// until their deadline.
+const finalRetryEvery = 150 * time.Millisecond
+
 // finishedStopping reports whether a stopping subscription may end: no
 // handler to wait for, no claim under way, everything written, or the final
 // writes given up on after their deadline.
@@ -96,6 +100,7 @@ func (sub *subscription) finishedStopping(now time.Time) bool {
 	if sub.writes.finalDeadline.IsZero() {
 		sub.writes.finalDeadline = now.Add(sub.cfg.StatementTimeout)
 		sub.runners.completer.setDeadline(sub.writes.finalDeadline)
+		sub.writes.gate.hurry(finalRetryEvery)
 	}
 	if sub.writes.inWrite {
 		return false
@@ -112,7 +117,7 @@ func (sub *subscription) finishedStopping(now time.Time) bool {
 			err = fmt.Errorf("no write completed within StatementTimeout (%s)", sub.cfg.StatementTimeout)
 		}
 		sub.logger.Error("Giving up writing acks and lease returns at close; those rows are redelivered when their leases expire", err,
-			watermill.LogFields{"pending": sub.writes.pending.ops()})
+			watermill.LogFields{"pending": sub.writes.pending.ops(), "writes_at_close": sub.writes.finalTries})
 		return true
 	}
 	return false

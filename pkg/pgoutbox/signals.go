@@ -19,34 +19,36 @@ type signals struct {
 	// (nextDue) stop waiting for the database then.
 	stopCtx    context.Context
 	cancelStop context.CancelFunc
-	done       chan struct{} // closed when the owner returns
-	ended      chan struct{} // closed when the owner returns, after done: the forwarder's end
+	done       chan struct{} // closed when the owner returns: the forwarder ends, waiting handlers' transactions let go (unhold)
+	gone       chan struct{} // closed by the forwarder as it returns
 	reports    chan<- report
 }
 
 func newSignals(ctx context.Context, closing <-chan struct{}, waiter *notifier.Waiter, reports chan<- report) signals {
 	stopCtx, cancel := context.WithCancel(context.Background())
 	return signals{ctx: ctx, closing: closing, waiter: waiter, stopCtx: stopCtx, cancelStop: cancel,
-		done: make(chan struct{}), ended: make(chan struct{}), reports: reports}
+		done: make(chan struct{}), gone: make(chan struct{}), reports: reports}
 }
 
 // start forwards signals to the reports until stop.
 func (g *signals) start() { go g.forward(g.reports) }
 
-// stop stops the forwarder and the waiter, and tells waiting handlers'
-// transactions (unhold) that the subscription is gone.
+// stop stops the waiter and the forwarder, and tells waiting handlers'
+// transactions (unhold) that the subscription is gone; it returns once the
+// forwarder has.
 func (g *signals) stop() {
 	g.waiter.Stop()
 	close(g.done)
-	close(g.ended)
+	<-g.gone
 }
 
 func (g *signals) forward(reports chan<- report) {
+	defer close(g.gone)
 	stop, closing := g.ctx.Done(), g.closing
 	for {
 		var r report
 		select {
-		case <-g.ended:
+		case <-g.done:
 			return
 		case <-g.waiter.C:
 		case <-stop:
@@ -56,7 +58,7 @@ func (g *signals) forward(reports chan<- report) {
 		}
 		select {
 		case reports <- r:
-		case <-g.ended:
+		case <-g.done:
 			return
 		}
 	}

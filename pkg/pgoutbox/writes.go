@@ -22,6 +22,7 @@ type writeQueue struct {
 	ackWait       time.Time  // a paced write of acks is due then
 	finalDeadline time.Time  // set when only the last writes remain
 	finalFailures int        // final writes in a row that could not reach the database (finalWriteFailed)
+	finalTries    int        // writes started once only the last writes remained, for the log line that gives up
 	lastErr       error      // the last write's failure, for the log line that gives up at close
 	acked         recentAcks // the acks written lately, for a server that loses them (reackRecent)
 	reacks        []ackedRow
@@ -51,6 +52,9 @@ func (sub *subscription) startWrite(now time.Time) {
 		return
 	}
 	sub.writes.ackWait, sub.writes.last = time.Time{}, now
+	if !sub.writes.finalDeadline.IsZero() {
+		sub.writes.finalTries++
+	}
 	job := sub.writes.pending
 	if job.renew != nil {
 		// The key of now, not of when the renewal was queued: the lock

@@ -39,7 +39,8 @@ type PublisherConfig struct {
 	// statement") wrote nothing, and so does one that found no connection
 	// of the pool free within it (tx.ErrNoConnection); the client gives up
 	// a second later, and only an error of its own then leaves the outcome
-	// unknown. Defaults to 10s; at most MaxStatementTimeout.
+	// unknown. Defaults to 10s; at least MinDuration, at most
+	// MaxStatementTimeout.
 	StatementTimeout time.Duration
 	// NotifyCooldown spaces the wake-ups a process sends for one topic:
 	// a Publish sends a NOTIFY (which wakes idle subscribers at once) only
@@ -152,6 +153,9 @@ func (c PublisherConfig) valueProblems(e *configError) {
 	if c.StatementTimeout < 0 {
 		e.problems = append(e.problems, fmt.Sprintf("StatementTimeout is %s; use a positive duration", c.StatementTimeout))
 	}
+	if p := tooShort("StatementTimeout", c.StatementTimeout); p != "" {
+		e.problems = append(e.problems, p)
+	}
 	if c.StatementTimeout > MaxStatementTimeout {
 		e.problems = append(e.problems, statementTimeoutProblem(c.StatementTimeout))
 	}
@@ -228,18 +232,18 @@ type SubscriberConfig struct {
 	// MinPollInterval is the first idle poll interval after a claim comes
 	// back empty; it doubles (with jitter) up to MaxPollInterval. A NOTIFY
 	// from a publisher wakes the loop at once, so polling is the fallback.
-	// Defaults to 100ms.
+	// Defaults to 100ms; at least MinDuration.
 	MinPollInterval time.Duration
 	// MaxPollInterval caps the idle poll interval. Defaults to 5s, or Lease/2
 	// when that is shorter, but never below MinPollInterval. Must be at
-	// least MinPollInterval.
+	// least MinPollInterval and MinDuration.
 	MaxPollInterval time.Duration
 
 	// StatementTimeout bounds every statement the subscriber runs. Defaults
 	// to 10s, or just under Lease/2 when that is shorter (4.999s for a
 	// Lease of 10s). Must be shorter than Lease/2, so a hung statement
-	// cannot outlive a lease renewal period, and at most
-	// MaxStatementTimeout.
+	// cannot outlive a lease renewal period, at least MinDuration and at
+	// most MaxStatementTimeout.
 	StatementTimeout time.Duration
 
 	// DrainTimeout is how long Close, or the end of a subscription's
@@ -273,7 +277,8 @@ type SubscriberConfig struct {
 	// (which, with MaxInFlight 1, stops its subscription) is noticed within
 	// the half minute. Raise it for handlers that legitimately run longer.
 	// The special value NoAckDeadline (-1) disables it: a handler may run
-	// forever, and its lease is renewed while it does.
+	// forever, and its lease is renewed while it does. At least
+	// MinDuration otherwise.
 	AckDeadline time.Duration
 
 	// RetryPolicy decides when a nacked message is delivered again. Defaults
@@ -451,6 +456,14 @@ func (c SubscriberConfig) Validate() error {
 	// Checks that involve a value derived from Lease run only when Lease
 	// is valid or the value was set.
 	derivedOK := func(field time.Duration) bool { return leaseOK || field != 0 }
+	for _, d := range []struct {
+		name string
+		d    time.Duration
+	}{{"MinPollInterval", set.MinPollInterval}, {"MaxPollInterval", set.MaxPollInterval}, {"StatementTimeout", set.StatementTimeout}, {"AckDeadline", set.AckDeadline}} {
+		if p := tooShort(d.name, d.d); p != "" {
+			add("%s", p)
+		}
+	}
 	if set.MinPollInterval < 0 || set.MaxPollInterval < 0 {
 		for _, p := range []struct {
 			name string
@@ -530,6 +543,21 @@ const MaxStatementTimeout = 2147483647 * time.Millisecond
 // of a crashed process's rows where no liveness lock is known, and one
 // near the largest Duration overflowed the subscription's clock.
 const MaxLease = 365 * 24 * time.Hour
+
+// MinDuration is the least positive value of a configuration's
+// durations that has one (AckDeadline, StatementTimeout, the poll
+// intervals): a value under it is a number of nanoseconds given where a
+// time.Duration of seconds or milliseconds was meant ("AckDeadline: 30").
+const MinDuration = time.Millisecond
+
+// tooShort explains a positive duration under MinDuration, or returns "".
+func tooShort(name string, d time.Duration) string {
+	if d <= 0 || d >= MinDuration {
+		return ""
+	}
+	return fmt.Sprintf("%s is %s; it must be at least %s (a bare number is nanoseconds: write %d * time.Second or %d * time.Millisecond)",
+		name, d, MinDuration, int64(d), int64(d))
+}
 
 func statementTimeoutProblem(d time.Duration) string {
 	return fmt.Sprintf("StatementTimeout is %s; it may be at most %s, PostgreSQL's limit for statement_timeout (0 for the default %s)", d, MaxStatementTimeout, DefaultStatementTimeout)

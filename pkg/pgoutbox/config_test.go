@@ -1,6 +1,7 @@
 package pgoutbox
 
 import (
+	"context"
 	"math"
 	"os"
 	"regexp"
@@ -9,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
@@ -156,6 +158,18 @@ func TestSubscriberConfigValidateRefusesFootguns(t *testing.T) {
 			cfg:  SubscriberConfig{RetryPolicy: ConstantBackoff{Delay: -time.Second}},
 			want: []string{"RetryPolicy: ConstantBackoff.Delay is -1s"},
 		},
+		"AckDeadlineInNanoseconds": {
+			cfg:  SubscriberConfig{AckDeadline: 30},
+			want: []string{"AckDeadline is 30ns", "at least 1ms", "write 30 * time.Second"},
+		},
+		"StatementTimeoutInNanoseconds": {
+			cfg:  SubscriberConfig{StatementTimeout: 10},
+			want: []string{"StatementTimeout is 10ns", "at least 1ms"},
+		},
+		"PollIntervalInNanoseconds": {
+			cfg:  SubscriberConfig{MinPollInterval: 1},
+			want: []string{"MinPollInterval is 1ns", "at least 1ms"},
+		},
 		"ConstantBackoffAttemptsBelowMinusOne": {
 			cfg:  SubscriberConfig{RetryPolicy: ConstantBackoff{MaxAttempts: -2}},
 			want: []string{"RetryPolicy: ConstantBackoff.MaxAttempts is -2", "RetryForever (-1)"},
@@ -179,7 +193,6 @@ var constraints = []string{
 	"invalid table or schema name",
 	"MaxInFlight is",
 	"Lease is",
-	"PollInterval is -",
 	"is greater than MaxPollInterval",
 	"must be longer than MaxPollInterval",
 	"StatementTimeout is",
@@ -188,6 +201,8 @@ var constraints = []string{
 	"DrainTimeout is",
 	"RetryPolicy:",
 	"RetryPolicy is a nil",
+	"AckDeadline is",
+	"PollInterval is",
 }
 
 // countProblems counts the checks a Validate error reports.
@@ -297,6 +312,24 @@ func TestPublisherConfigValidate(t *testing.T) {
 		require.Contains(t, err.Error(), "PostgreSQL's limit for statement_timeout")
 	}
 	require.NoError(t, PublisherConfig{StatementTimeout: MaxStatementTimeout}.Validate())
+	err = PublisherConfig{StatementTimeout: 1}.Validate()
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	require.Contains(t, err.Error(), "StatementTimeout is 1ns; it must be at least 1ms")
+	require.NoError(t, PublisherConfig{StatementTimeout: MinDuration}.Validate())
+}
+
+// NewSubscriber reports only the values its caller set, as Validate does:
+// not a default derived from an invalid one (StatementTimeout from Lease).
+func TestNewSubscriberNamesOnlyTheValuesSet(t *testing.T) {
+	t.Parallel()
+	pool, err := pgxpool.New(context.Background(), "postgres://nobody@127.0.0.1:1/none") // never connects
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	_, err = NewSubscriber(pool, SubscriberConfig{Lease: -time.Second}, nil)
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	require.Contains(t, err.Error(), "Lease is -1s")
+	require.NotContains(t, err.Error(), "StatementTimeout", "a default derived from the invalid Lease")
+	require.Equal(t, SubscriberConfig{Lease: -time.Second}.Validate().Error(), err.Error())
 }
 
 func TestClaimModeParsesItsNamesAndRejectsOthers(t *testing.T) {

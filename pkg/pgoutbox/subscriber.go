@@ -81,10 +81,12 @@ func NewSubscriber(pool *pgxpool.Pool, config SubscriberConfig, logger watermill
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	config.setDefaults()
+	// Validate the values as given: a problem names only values the
+	// caller set, not a default derived from an invalid one.
 	if err := config.Validate(); err != nil {
 		return nil, err
 	}
+	config.setDefaults()
 	q, err := queriesForTables(config.Tables, !config.SynchronousCommit)
 	if err != nil {
 		return nil, err

@@ -799,6 +799,83 @@ func TestAPublishOpenLongerThanTheFirstBindingWaitsReachesTheGroup(t *testing.T)
 	})
 }
 
+// A publish open across a StartFromBacklog binding for longer than the
+// binding's wait for it stores its message for the groups it saw: the new
+// group's backlog copy passes over that row, unseen, and the group gets its
+// copy once the publish commits, whether it bound through Subscribe (which
+// waits beside its work) or Bind (which waits for it).
+func TestAPublishOpenLongerThanABacklogBindingsWaitReachesTheNewGroup(t *testing.T) {
+	t.Parallel()
+	start := func(t *testing.T) (*bundle, pgx.Tx, *message.Message, *message.Message) {
+		b := setup(t)
+		ctx := context.Background()
+		qtable := pgx.Identifier{b.Schema, "outbox"}.Sanitize()
+		testhook.SetBindWriterWait(qtable, 200*time.Millisecond)
+		t.Cleanup(func() { testhook.SetBindWriterWait(qtable, 0) })
+		require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "orders", "billing"))
+		before := newMsg("before")
+		require.NoError(t, b.poolPublisher(t).Publish("orders", before))
+		importTx, err := b.Pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = importTx.Rollback(ctx) })
+		pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(importTx), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+		require.NoError(t, err)
+		imported := newMsg("imported")
+		require.NoError(t, pub.Publish("orders", imported)) // for billing alone: audit is not bound yet
+		return b, importTx, before, imported
+	}
+	copyDone := func(t *testing.T, b *bundle) {
+		pollUntil(t, "audit's backlog copy finished", 15*time.Second, nil, func() bool {
+			return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE topic = 'orders' AND consumer_group = 'audit' AND backlog_next IS NULL`) == 1
+		})
+	}
+	t.Run("Subscribe", func(t *testing.T) {
+		t.Parallel()
+		onEachClaimPath(t, func(t *testing.T, path string) {
+			b, importTx, before, imported := start(t)
+			audit := b.groupSubscriber(t, "audit", func(c *pgoutbox.SubscriberConfig) {
+				c.StartFrom = pgoutbox.StartFromBacklog
+				onPath(t, path, c)
+			})
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			msgs, err := audit.Subscribe(ctx, "orders")
+			require.NoError(t, err)
+			got := receive(t, msgs, 15*time.Second)
+			require.Equal(t, before.UUID, got.UUID, "the backlog")
+			got.Ack()
+			copyDone(t, b)
+			require.NoError(t, importTx.Commit(context.Background()))
+			got = receive(t, msgs, 15*time.Second)
+			require.Equal(t, imported.UUID, got.UUID, "the publish that was open across the binding")
+			got.Ack()
+		})
+	})
+	t.Run("Bind", func(t *testing.T) {
+		t.Parallel()
+		b, importTx, before, imported := start(t)
+		bound := make(chan error, 1)
+		var res pgoutbox.BindResult
+		go func() {
+			var err error
+			res, err = pgoutbox.BindGroups(context.Background(), tx.FromPgxPool(b.Pool), b.tables, "orders", []string{"audit"},
+				pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+			bound <- err
+		}()
+		copyDone(t, b)
+		select {
+		case err := <-bound:
+			t.Fatalf("Bind returned (%v) before the publish open across it ended", err)
+		default:
+		}
+		require.NoError(t, importTx.Commit(context.Background()))
+		require.NoError(t, <-bound)
+		require.EqualValues(t, 2, res.Copied, "the backlog and the late publish")
+		require.ElementsMatch(t, []string{before.UUID, imported.UUID},
+			column[string](t, b, `SELECT uuid FROM `+b.Schema+`.outbox WHERE topic = 'orders' AND consumer_group = 'audit'`))
+	})
+}
+
 // An outbox of the previous release: topic "orders" has the default group
 // bound (the upgrade from the first release bound it) and "billing", each
 // with its copies; "commands" got two messages before its worker bound,

@@ -51,7 +51,10 @@ const (
 	// waiting in another bound group when the copy reaches it, once per
 	// message. The copy runs in batches of its own short statements and
 	// resumes where it stopped if cut short (the next Bind of the group,
-	// or its next Subscribe, goes on with it).
+	// or its next Subscribe, goes on with it). A publish open across the
+	// binding stores its message for the groups it saw; the group gets
+	// its copy once that publish ends (Bind waits for it, Subscribe waits
+	// beside its work).
 	StartFromBacklog StartFrom = "backlog"
 )
 
@@ -98,11 +101,66 @@ type BindResult struct {
 	// group's messages when "" is among them).
 	Copied int64
 
-	// lateWriters lists (query.Writers) the transactions that were
-	// writing to the outbox across the binding and were still open when
-	// the wait for them ended: what they publish for nobody is adopted
-	// only by a later binding (Subscribe does one when they end).
-	lateWriters string
+	// late is what the binding leaves to the transactions that were
+	// writing to the outbox across it and were still open when the wait
+	// for them ended (Subscribe waits for them beside its work).
+	late lateWriters
+}
+
+// lateWriters are the transactions that were writing to the outbox across
+// a binding and were still open when the wait for them ended, and what is
+// left to do once they end: a publish that began before the binding
+// stores its message for the groups it saw.
+type lateWriters struct {
+	writers string   // their virtual transaction ids (query.Writers); "": none
+	xids    []string // the transaction ids they write under, as far as seen (query.WritersLate)
+	adopt   bool     // the topic's first binding: adopt what they store for no group (adoptLate)
+	copyFor []string // groups bound with StartFromBacklog: copy what they store for the other groups (copyLateBacklog)
+}
+
+// pending reports whether something waits for the writers to end.
+func (l lateWriters) pending() bool { return l.writers != "" && (l.adopt || len(l.copyFor) > 0) }
+
+// look reports whether the writers have all ended, and takes in the
+// transaction ids they write under now (a writer takes one at its first
+// write).
+func (l *lateWriters) look(ctx context.Context, exec tx.Executor) (bool, error) {
+	var left int64
+	var ids string
+	if err := queryRow(ctx, exec, query.WritersLate, []any{l.writers}, &left, &ids); err != nil {
+		return false, fmt.Errorf("wait for the outbox's writers: %w", err)
+	}
+	var seen []string
+	if err := json.Unmarshal([]byte(ids), &seen); err != nil {
+		return false, err
+	}
+	for _, x := range seen {
+		if !slices.Contains(l.xids, x) {
+			l.xids = append(l.xids, x)
+		}
+	}
+	return left == 0, nil
+}
+
+// copyLateBacklog copies, for the groups bound with StartFromBacklog, the
+// messages the late writers stored for the topic's other groups
+// (query.CopyLateBacklog). It runs once they ended.
+func copyLateBacklog(ctx context.Context, exec tx.Executor, n query.Names, topic string, l lateWriters, timeout time.Duration) (int64, error) {
+	if len(l.xids) == 0 {
+		return 0, nil
+	}
+	b := &bindStatements{ctx: ctx, timeout: timeout, size: groupBatch}
+	var total int64
+	for _, g := range l.copyFor {
+		var copied, woken int64
+		if err := b.bounded(max(6*timeout, finishBacklogAtLeast), func(ctx context.Context) error {
+			return queryRow(ctx, exec, query.CopyLateBacklog(n), []any{topic, g, l.xids, n.Channel}, &copied, &woken)
+		}); err != nil {
+			return total, fmt.Errorf("copy for group %q what publishes open across its binding stored for the other groups: %w", g, err)
+		}
+		total += copied
+	}
+	return total, nil
 }
 
 // Bind binds consumer group group ("" is the default group) to topic, so
@@ -145,7 +203,10 @@ func Bind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 // With BindStartFrom(StartFromBacklog), a group whose binding is new also
 // gets the topic's current backlog (see StartFromBacklog); the copy runs
 // in batches of short statements, each committing on its own outside a
-// transaction.
+// transaction. A publish still open after the 10 s wait stored its message
+// for the groups it saw, and the copy could not see it: Bind then waits
+// for it to end, as long as ctx allows, and copies its messages for the
+// new groups (an error after ctx ends names those transactions).
 func BindGroups(ctx context.Context, exec tx.Executor, tables schema.Config, topic string, groups []string, opts ...BindOption) (BindResult, error) {
 	var o bindOptions
 	for _, opt := range opts {
@@ -363,10 +424,13 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 			return res, err
 		}
 		// A publish that saw no binding of the topic stored its message for
-		// no group; one that saw other groups stored it for them, and one
-		// for the default group stored it where "" takes it.
-		if firstBinding {
-			res.lateWriters = late
+		// no group (adopted once it ends); one that saw other groups stored
+		// it for them (a backlog copy passed over it, unseen: copied once it
+		// ends), and one for the default group stored it where "" takes it.
+		res.late = late
+		res.late.adopt = firstBinding
+		if len(pending) > 0 {
+			res.late.copyFor = pending
 		}
 	}
 	if len(pending) > 0 {
@@ -411,7 +475,29 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 	}
 	adopted, err := adoptUnbound(exec, n, topic, lockKey, b)
 	res.Adopted += adopted
-	return res, err
+	if err != nil || timeout > 0 || len(res.late.copyFor) == 0 || res.late.writers == "" {
+		return res, err // Subscribe (timeout) waits for the late writers beside its work
+	}
+	// Bind waits for the publishes open across a backlog binding, however
+	// long ctx allows: what they store for the other groups is part of the
+	// backlog the new groups asked for.
+	for {
+		ended, err := res.late.look(ctx, exec)
+		if err != nil || ended {
+			if err == nil {
+				var copied int64
+				copied, err = copyLateBacklog(ctx, exec, n, topic, res.late, timeout)
+				res.Copied += copied
+			}
+			res.late.copyFor = nil
+			return res, err
+		}
+		select {
+		case <-ctx.Done():
+			return res, fmt.Errorf("wait for the publishes open across the binding, whose messages its backlog copy did not see (bind again once they end: %s): %w", res.late.writers, ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
 }
 
 // finishBacklogAtLeast is the least time FinishBacklog is given.
@@ -504,43 +590,32 @@ const maxShortAdoptions = 8
 // waitWriters waits until the transactions writing to the outbox now have
 // ended, at most bindWriterWait: then every publish that started before a
 // binding just committed has committed or rolled back. It returns the
-// writers (query.Writers) when some were still open at the end of the
-// wait, "" otherwise.
-func waitWriters(ctx context.Context, exec tx.Executor, qtable string) (string, error) {
-	var writers string
-	if err := queryRow(ctx, exec, query.Writers, []any{qtable}, &writers); err != nil {
-		return "", fmt.Errorf("list the outbox's writers: %w", err)
+// writers still open at the end of the wait (none: writers "").
+func waitWriters(ctx context.Context, exec tx.Executor, qtable string) (lateWriters, error) {
+	l := lateWriters{}
+	if err := queryRow(ctx, exec, query.Writers, []any{qtable}, &l.writers); err != nil {
+		return lateWriters{}, fmt.Errorf("list the outbox's writers: %w", err)
 	}
 	wait := bindWriterWait
 	if d := testhook.BindWriterWait(qtable); d > 0 {
 		wait = d
 	}
 	deadline := time.Now().Add(wait)
-	for writers != "[]" {
-		left, err := writersLeft(ctx, exec, writers)
-		if err != nil || left == 0 {
-			return "", err
+	for l.writers != "[]" {
+		ended, err := l.look(ctx, exec)
+		if err != nil || ended {
+			return lateWriters{}, err
 		}
 		if !time.Now().Before(deadline) {
-			return writers, nil
+			return l, nil
 		}
 		select {
 		case <-ctx.Done():
-			return "", ctx.Err()
+			return lateWriters{}, ctx.Err()
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
-	return "", nil
-}
-
-// writersLeft counts the transactions of writers (query.Writers) still
-// open.
-func writersLeft(ctx context.Context, exec tx.Executor, writers string) (int64, error) {
-	var left int64
-	if err := queryRow(ctx, exec, query.WritersLeft, []any{writers}, &left); err != nil {
-		return 0, fmt.Errorf("wait for the outbox's writers: %w", err)
-	}
-	return left, nil
+	return lateWriters{}, nil
 }
 
 // queryRow scans the single row of a statement into dest.
@@ -652,7 +727,7 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 		// commit: purge those too, or (the default group) bind again
 		// rather than let them pass for unbound messages (the other groups
 		// have their copies).
-		var open string
+		var open lateWriters
 		open, err = waitWriters(ctx, exec, n.QTable)
 		var late int64
 		if err == nil && purge {
@@ -663,11 +738,11 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 			purged += late
 		}
 		if err == nil && group == "" {
-			if err = queryRow(ctx, exec, query.GroupRows(n), []any{topic, group}, &late); err == nil && (late > 0 && !purge || open != "") {
+			if err = queryRow(ctx, exec, query.GroupRows(n), []any{topic, group}, &late); err == nil && (late > 0 && !purge || open.writers != "") {
 				// A publish still open may yet commit a copy for the
 				// default group, which would pass for an unbound message
 				// and reach the next group to bind a second time.
-				if _, err = exec.Exec(ctx, q.Bind, topic, group); err == nil && open == "" {
+				if _, err = exec.Exec(ctx, q.Bind, topic, group); err == nil && open.writers == "" {
 					err = fmt.Errorf("%w: %d message(s) reached the default group of topic %q while it was being unbound; it is bound again: retry once its publishers see the change",
 						ErrGroupNotEmpty, late, topic)
 				} else if err == nil {
@@ -676,7 +751,7 @@ func Unbind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, 
 				}
 			}
 		}
-		if err == nil && purge && open != "" && group != "" {
+		if err == nil && purge && open.writers != "" && group != "" {
 			err = fmt.Errorf("%w: group %q is unbound from topic %q and its rows purged, but transactions that publish to the outbox were still open after %s: copies of the group they commit arrive after the purge; purge again once they have ended (Unbind with purge, pgoutbox unbind --purge)",
 				ErrGroupNotEmpty, group, topic, bindWriterWait)
 		}
@@ -840,13 +915,13 @@ func RenameGroup(ctx context.Context, exec tx.Executor, tables schema.Config, to
 	case !renamed:
 		return 0, errorf("pgoutbox: rename group %q of topic %q: %w; nothing was renamed (Stats lists the groups of a topic)", from, topic, ErrNotBound)
 	}
-	var open string
+	var open lateWriters
 	if !exec.InTx() {
 		if open, err = waitWriters(ctx, exec, n.QTable); err != nil {
 			return 0, errorf("pgoutbox: group %q of topic %q is renamed %q; moving its rows waits for the publishes in flight, which failed (run MoveGroup): %w", from, topic, to, err)
 		}
 	}
-	if open != "" {
+	if open.writers != "" {
 		// Moved below all the same; what they commit later is not.
 		defer func() {
 			if err == nil {

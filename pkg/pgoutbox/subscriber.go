@@ -121,7 +121,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("pgoutbox: Subscribe to %q: the context given is already done: %w", topic, err)
 	}
-	lateWriters, clock, err := s.setUp(ctx, topic)
+	late, clock, err := s.setUp(ctx, topic)
 	if err != nil {
 		return nil, errtext.WithHint(err)
 	}
@@ -148,9 +148,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	s.obs.setIdle(false)
 	waiter := s.notifier.Listen(s.q.Names.Channel, topic, s.cfg.ConsumerGroup)
 	s.startRotator() // under mu: Close cannot be waiting for subs yet
-	if lateWriters != "" {
+	if late.pending() {
 		s.subs.Add(1)
-		go s.adoptAfterWriters(ctx, topic, lateWriters)
+		go s.afterLateWriters(ctx, topic, late)
 	}
 	s.mu.Unlock()
 
@@ -185,7 +185,7 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 // setUp checks the schema and binds the group before a subscription
 // starts. Close ends it: a Subscribe waiting on an unreachable database
 // must not hold up a Router's Close for its whole CloseTimeout.
-func (s *Subscriber) setUp(ctx context.Context, topic string) (lateWriters string, clock serverClock, err error) {
+func (s *Subscriber) setUp(ctx context.Context, topic string) (late lateWriters, clock serverClock, err error) {
 	ctx, cancel := s.untilClosed(ctx)
 	defer cancel()
 	err = s.ensureSchema(ctx)
@@ -195,15 +195,15 @@ func (s *Subscriber) setUp(ctx context.Context, topic string) (lateWriters strin
 		}
 	}
 	if err == nil {
-		lateWriters, err = s.bind(ctx, topic)
+		late, err = s.bind(ctx, topic)
 	}
 	if err == nil {
 		clock, err = s.readClock(ctx)
 	}
 	if err != nil && errors.Is(context.Cause(ctx), ErrSubscriberClosed) {
-		return "", clock, fmt.Errorf("%w while Subscribe to %q waited for the database: %w", ErrSubscriberClosed, topic, err)
+		return lateWriters{}, clock, fmt.Errorf("%w while Subscribe to %q waited for the database: %w", ErrSubscriberClosed, topic, err)
 	}
-	return lateWriters, clock, err
+	return late, clock, err
 }
 
 // readClock reads the server's clock, so that a subscription's first
@@ -253,9 +253,9 @@ func (s *Subscriber) checkArrivals(ctx context.Context, topic string) error {
 	})
 }
 
-// bind returns the transactions (query.Writers) that were writing to the
-// outbox across the binding and outlasted the wait for them.
-func (s *Subscriber) bind(ctx context.Context, topic string) (lateWriters string, err error) {
+// bind returns the transactions that were writing to the outbox across
+// the binding and outlasted the wait for them.
+func (s *Subscriber) bind(ctx context.Context, topic string) (late lateWriters, err error) {
 	// Every Subscribe binds, without a cache: a binding removed meanwhile
 	// (Unbind in a deploy step, by an operator) comes back with the
 	// subscription that needs it. The statement is an insert that usually
@@ -265,11 +265,11 @@ func (s *Subscriber) bind(ctx context.Context, topic string) (lateWriters string
 	var adopted int64
 	err = s.retryConnectionLost(ctx, func() error {
 		res, err := bindGroups(ctx, tx.FromPgxPool(s.pool), s.q, topic, []string{s.cfg.ConsumerGroup}, s.cfg.StartFrom, s.cfg.StatementTimeout)
-		lateWriters, adopted = res.lateWriters, adopted+res.Adopted
+		late, adopted = res.late, adopted+res.Adopted
 		return err
 	})
 	if err != nil {
-		return "", errorf("pgoutbox: bind consumer group %q to topic %q: %w", s.cfg.ConsumerGroup, topic, err)
+		return lateWriters{}, errorf("pgoutbox: bind consumer group %q to topic %q: %w", s.cfg.ConsumerGroup, topic, err)
 	}
 	if adopted > 0 && s.cfg.ConsumerGroup != "" {
 		// Normal for a topic with one group (a relay, a command handler);
@@ -279,23 +279,29 @@ func (s *Subscriber) bind(ctx context.Context, topic string) (lateWriters string
 			"a group that binds later gets none of them (one binding while this runs, the later ones only): bind a topic's groups together before traffic (cqrsbind, BindGroups, pgoutbox bind)",
 			watermill.LogFields{"topic": topic, "consumer_group": s.cfg.ConsumerGroup, "adopted": adopted})
 	}
-	return lateWriters, nil
+	return late, nil
 }
 
-// adoptAfterWriters runs beside a subscription whose topic's first
-// binding outlasted its wait for the transactions writing to the outbox (a
-// long import, a request that hangs): a message such a transaction stores
-// before it sees the binding belongs to no group, and only an adoption
-// gives it one. It waits for those transactions to end, for as long as the
-// subscription runs, then adopts what they stored (adoptLate: it binds
-// nothing, so an Unbind or a rename meanwhile stands).
-func (s *Subscriber) adoptAfterWriters(ctx context.Context, topic, writers string) {
+// afterLateWriters runs beside a subscription whose binding outlasted its
+// wait for the transactions writing to the outbox (a long import, a
+// request that hangs). A message such a transaction stores before it sees
+// the binding goes to the groups it saw: to no group when the binding was
+// the topic's first, where only an adoption gives it one; to the other
+// groups when the binding was new with StartFromBacklog, whose backlog
+// copy passed over it unseen. It waits for those transactions to end, for
+// as long as the subscription runs, then adopts what they stored
+// (adoptLate: it binds nothing, so an Unbind or a rename meanwhile
+// stands) and copies it for the new group (copyLateBacklog).
+func (s *Subscriber) afterLateWriters(ctx context.Context, topic string, late lateWriters) {
 	defer s.subs.Done()
 	ctx, cancel := s.untilClosed(ctx)
 	defer cancel()
 	fields := watermill.LogFields{"topic": topic, "consumer_group": s.cfg.ConsumerGroup}
-	logWarn(s.logger, "Transactions writing to the outbox stayed open across the topic's first binding; "+
-		"a message they publish before seeing it belongs to no group, and is adopted when they end", fields)
+	what := "a message they publish before seeing it belongs to no group, and is adopted when they end"
+	if !late.adopt {
+		what = "a message they publish before seeing it goes to the topic's other groups, and the group's copy of it is made when they end"
+	}
+	logWarn(s.logger, "Transactions writing to the outbox stayed open across the group's binding; "+what, fields)
 	exec := tx.FromPgxPool(s.pool)
 	const every, longest = 500 * time.Millisecond, 30 * time.Second
 	wait, failures := every, 0
@@ -305,13 +311,16 @@ func (s *Subscriber) adoptAfterWriters(ctx context.Context, topic, writers strin
 			return
 		case <-time.After(wait):
 		}
-		left, err := writersLeft(ctx, exec, writers)
-		if err == nil && left > 0 {
+		ended, err := late.look(ctx, exec)
+		if err == nil && !ended {
 			continue
 		}
-		var adopted int64
-		if err == nil {
+		var adopted, copied int64
+		if err == nil && late.adopt {
 			adopted, err = adoptLate(ctx, exec, s.q, topic, s.cfg.StatementTimeout)
+		}
+		if err == nil {
+			copied, err = copyLateBacklog(ctx, exec, s.q.Names, topic, late, s.cfg.StatementTimeout)
 		}
 		if err != nil {
 			if ctx.Err() != nil {
@@ -320,14 +329,14 @@ func (s *Subscriber) adoptAfterWriters(ctx context.Context, topic, writers strin
 			// The first failure and every tenth are logged; the wait grows
 			// to longest, so a failure that lasts costs little.
 			if failures%10 == 0 {
-				s.logger.Error("Adopting the messages of transactions open across the topic's first binding failed; retrying", err, fields)
+				s.logger.Error("Taking in the messages of transactions open across the group's binding failed; retrying", err, fields)
 			}
 			failures++
 			wait = min(2*wait, longest)
 			continue
 		}
-		if adopted > 0 {
-			s.logger.Info("Adopted the messages of transactions that were open across the topic's first binding", fields.Add(watermill.LogFields{"adopted": adopted}))
+		if adopted > 0 || copied > 0 {
+			s.logger.Info("Took in the messages of transactions that were open across the group's binding", fields.Add(watermill.LogFields{"adopted": adopted, "copied": copied}))
 		}
 		return
 	}

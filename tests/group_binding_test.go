@@ -630,6 +630,34 @@ func TestFirstGroupsWithTheDefaultGroupEachGetEveryMessage(t *testing.T) {
 	}
 }
 
+// BindSubscribers binds the handlers of a fresh topic as its first groups
+// whatever their StartFrom and order: each gets what was published before.
+// On a bound topic, each gets what its StartFrom says.
+func TestBindSubscribersOfMixedStartFrom(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	sub := func(group string, from pgoutbox.StartFrom) *pgoutbox.Subscriber {
+		return b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ConsumerGroup, c.StartFrom = group, from })
+	}
+	require.NoError(t, b.poolPublisher(t).Publish("fresh", newMsgs(5)...))
+	require.NoError(t, pgoutbox.BindSubscribers(ctx, "fresh",
+		sub("invoice", pgoutbox.StartFromBacklog), sub("mail", pgoutbox.StartFromNew), sub("stats", "")))
+	for _, g := range []string{"invoice", "mail", "stats"} {
+		require.Equal(t, 5, b.groupRows(t, "fresh", g), "group %q of a fresh topic", g)
+	}
+
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "bound", "billing"))
+	require.NoError(t, b.poolPublisher(t).Publish("bound", newMsgs(3)...))
+	require.NoError(t, pgoutbox.BindSubscribers(ctx, "bound", sub("late", pgoutbox.StartFromBacklog), sub("new", pgoutbox.StartFromNew)))
+	require.Equal(t, 3, b.groupRows(t, "bound", "late"), "StartFromBacklog on a bound topic: its backlog")
+	require.Zero(t, b.groupRows(t, "bound", "new"), "StartFromNew on a bound topic: what comes next")
+	require.NoError(t, b.poolPublisher(t).Publish("bound", newMsg("next")))
+	for _, g := range []string{"billing", "late", "new"} {
+		require.Equal(t, map[string]int{"billing": 4, "late": 4, "new": 1}[g], b.groupRows(t, "bound", g), "group %q", g)
+	}
+}
+
 // A rename onto a name that is unbound but still holds the topic's rows
 // (an Unbind without purge) is refused: the moved rows would sit beside
 // its own copies of the same messages, each delivered twice.

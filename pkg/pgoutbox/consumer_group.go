@@ -1005,43 +1005,70 @@ func groupQueries(exec tx.Executor, tables schema.Config, topic, group string) (
 }
 
 // BindSubscribers binds the consumer groups of subs to topic as their
-// Subscribe would, all in one BindGroups call per outbox and StartFrom:
-// when the topic had no binding, every one of them is among its first
-// groups and gets what was published before. Helpers that bind the
-// handlers of a processor ahead of traffic use it (package cqrsbind).
+// Subscribe would, all in one BindGroups call per outbox: when the topic
+// had no binding, every one of them is among its first groups and gets
+// what was published before, whatever its StartFrom. On a topic bound
+// already, the groups of each StartFrom bind together. Helpers that bind
+// the handlers of a processor ahead of traffic use it (package cqrsbind).
 func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) error {
 	if err := checkTopic(topic); err != nil {
 		return err
 	}
-	type key struct {
-		s    *Subscriber // the first of its set: pool, queries and timeout
-		from StartFrom
+	// A set is the subscribers of one outbox (pool and queries); the first
+	// of them gives the set its timeout.
+	type set struct {
+		s       *Subscriber
+		fresh   []string // the groups of StartFromNew
+		backlog []string // the groups of StartFromBacklog
 	}
-	var order []key
-	sets := map[key][]string{}
+	var sets []*set
 	for _, s := range subs {
 		if s == nil {
 			return fmt.Errorf("%w: a nil *Subscriber to bind to topic %q", ErrInvalidConfig, topic)
 		}
-		k := key{s, s.cfg.StartFrom}
-		for _, o := range order {
-			if o.s.pool == s.pool && o.s.q == s.q && o.from == s.cfg.StartFrom {
-				k = o
-			}
+		i := slices.IndexFunc(sets, func(o *set) bool { return o.s.pool == s.pool && o.s.q == s.q })
+		if i < 0 {
+			sets, i = append(sets, &set{s: s}), len(sets)
 		}
-		if _, ok := sets[k]; !ok {
-			order = append(order, k)
+		groups := &sets[i].fresh
+		if s.cfg.StartFrom == StartFromBacklog {
+			groups = &sets[i].backlog
 		}
-		if !slices.Contains(sets[k], s.cfg.ConsumerGroup) {
-			sets[k] = append(sets[k], s.cfg.ConsumerGroup)
+		if !slices.Contains(*groups, s.cfg.ConsumerGroup) {
+			*groups = append(*groups, s.cfg.ConsumerGroup)
 		}
 	}
-	for _, k := range order {
-		if err := k.s.ensureSchema(ctx); err != nil { // as SubscribeInitialize does
+	for _, st := range sets {
+		s := st.s
+		if err := s.ensureSchema(ctx); err != nil { // as SubscribeInitialize does
 			return err
 		}
-		if _, err := bindFirstWithDefault(ctx, tx.FromPgxPool(k.s.pool), k.s.q, topic, sets[k], k.from, k.s.cfg.StatementTimeout); err != nil {
-			return errorf("pgoutbox: bind groups %q to topic %q: %w", sets[k], topic, err)
+		exec := tx.FromPgxPool(s.pool)
+		var bound bool
+		if err := queryRow(ctx, exec, query.TopicHasBinding(s.q.Names), []any{topic}, &bound); err != nil {
+			return errorf("pgoutbox: bind groups to topic %q: %w", topic, err)
+		}
+		calls := []struct {
+			groups []string
+			from   StartFrom
+		}{{st.fresh, StartFromNew}, {st.backlog, StartFromBacklog}}
+		if !bound {
+			// First groups all: a group bound in a later call would not be
+			// one, and would miss what was published before. (A topic bound
+			// meanwhile by another process gives them the backlog.)
+			calls = calls[:1]
+			calls[0].groups = append(slices.Clone(st.fresh), st.backlog...)
+			if len(st.backlog) > 0 {
+				calls[0].from = StartFromBacklog
+			}
+		}
+		for _, c := range calls {
+			if len(c.groups) == 0 {
+				continue
+			}
+			if _, err := bindFirstWithDefault(ctx, exec, s.q, topic, c.groups, c.from, s.cfg.StatementTimeout); err != nil {
+				return errorf("pgoutbox: bind groups %q to topic %q: %w", c.groups, topic, err)
+			}
 		}
 	}
 	return nil

@@ -405,6 +405,22 @@ func TestPublishToAnOutboxOfAnEarlierVersionSaysToMigrate(t *testing.T) {
 	}
 }
 
+// A publisher whose Tables name a table of the service's own says it is
+// not an outbox, not that it needs a migration.
+func TestPublishToATableOfYourOwnSaysItIsNotAnOutbox(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.exec(t, `CREATE TABLE %s.orders (id bigint PRIMARY KEY, item text)`)
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(b.Pool), pgoutbox.PublisherConfig{Tables: schema.Config{Schema: b.Schema, Table: "orders"}}, b.logger)
+	require.NoError(t, err)
+	err = pub.Publish("orders", newMsg("x"))
+	require.Error(t, err)
+	require.Contains(t, err.Error(), "it is not an outbox")
+	require.Contains(t, err.Error(), "name another table or schema")
+	require.NotContains(t, err.Error(), "migrate up")
+	require.Zero(t, b.count(t, `SELECT count(*) FROM `+b.Schema+`.orders`))
+}
+
 // Keys, topics and groups at their limits fit the outbox's indexes
 // together, however little they compress: a message with both keys on a
 // topic of 1024 bytes, stored while nothing was bound, is adopted by a

@@ -106,7 +106,7 @@ func run() error {
 	marshaler := cqrs.JSONMarshaler{}
 	topic := func(name string) string { return "hotel." + name }
 
-	router, err := message.NewRouter(message.RouterConfig{}, logger)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 40 * time.Second}, logger)
 	if err != nil {
 		return err
 	}

@@ -96,7 +96,7 @@ func Hint(err error) string {
 		return indexRowHint
 	case code == "42501" && strings.Contains(err.Error(), "permission denied"):
 		return privilegeHint
-	case code == "42703" && !strings.Contains(err.Error(), "migrate up"):
+	case code == "42703" && !strings.Contains(err.Error(), "migrate up") && !strings.Contains(err.Error(), "not an outbox"):
 		return olderSchemaHint
 	case code == "42P01" && strings.Contains(err.Error(), `_arrivals" does not exist`):
 		return noArrivalsHint

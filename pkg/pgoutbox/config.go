@@ -81,7 +81,9 @@ type PublisherConfig struct {
 	// with their own framing and headers: to relay to one (Kafka's default
 	// limit is 1 MiB too), keep this some kilobytes below its limit
 	// (docs/relay.md). Store large bodies elsewhere (object storage) and
-	// publish a reference; raise the limit if you must.
+	// publish a reference; raise the limit if you must. Metadata is not
+	// counted: it is stored beside the payload, and a broker counts it as
+	// headers, so keep it to identifiers and small values.
 	MaxPayloadBytes int
 	// PublishHook is called for every message of a Publish call before
 	// the message is written, so it can add metadata: pgoutboxotel's

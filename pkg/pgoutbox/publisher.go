@@ -17,6 +17,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
@@ -436,6 +437,12 @@ func (p *Publisher) wrapOpErr(op, topic string, err error) error {
 				"(converted back by schema.ConvertToSingle or `pgoutbox schema convert-to-single`?); unset Tables.Rotating in the PublisherConfig "+
 				"(`pgoutbox schema validate` tells which the outbox is): %w", op, topic, p.q.Names.QTable, err)
 		}
+		if c := missingColumn(err); c == "topic" || c == "uuid" || c == "payload" || c == "metadata" {
+			// Columns every version of the outbox has: a table of the
+			// service's own under the outbox's name.
+			return errorf("pgoutbox: %s %q: table %s has no column %q, which every pgoutbox outbox has: it is not an outbox; if it is a table of your own, "+
+				"name another table or schema for pgoutbox (PublisherConfig.Tables: Table or Schema); `pgoutbox schema validate` says what it lacks: %w", op, topic, p.q.Names.QTable, c, err)
+		}
 		// The service's code was upgraded before its migration ran: the
 		// statement names a column a later schema version added.
 		return errorf("pgoutbox: %s %q: the outbox %s lacks a column this library writes, so it is of an earlier schema version than %d: "+
@@ -450,6 +457,20 @@ func (p *Publisher) wrapOpErr(op, topic string, err error) error {
 		return errorf("pgoutbox: %s %q: the transaction already failed; roll it back and retry the whole unit of work: %w", op, topic, err)
 	}
 	return errorf("pgoutbox: %s %q: %w", op, topic, err)
+}
+
+// missingColumn is the column an undefined_column error names, or "".
+func missingColumn(err error) string {
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) {
+		return ""
+	}
+	_, rest, ok := strings.Cut(pg.Message, `column "`)
+	if !ok {
+		return ""
+	}
+	name, _, _ := strings.Cut(rest, `"`)
+	return name
 }
 
 // publishBatch holds one Publish call as parallel arrays (see query.Publish

@@ -827,6 +827,34 @@ func TestAPublishOpenLongerThanTheFirstBindingWaitsReachesTheGroup(t *testing.T)
 	})
 }
 
+// The same through BindSubscribers (cqrsbind's deploy step) before the
+// subscribers start: the first subscriber takes the late publish in once it
+// ends, though its own Subscribe binds nothing new.
+func TestAPublishOpenLongerThanBindSubscribersWaitReachesTheGroup(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	qtable := pgx.Identifier{b.Schema, "outbox"}.Sanitize()
+	testhook.SetBindWriterWait(qtable, 200*time.Millisecond)
+	t.Cleanup(func() { testhook.SetBindWriterWait(qtable, 0) })
+	importTx, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer importTx.Rollback(ctx)
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(importTx), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	imported := newMsg("imported")
+	require.NoError(t, pub.Publish("imports", imported))
+
+	audit := b.groupSubscriber(t, "audit", nil)
+	require.NoError(t, pgoutbox.BindSubscribers(ctx, "imports", audit))
+	msgs, err := audit.Subscribe(ctx, "imports")
+	require.NoError(t, err)
+	require.NoError(t, importTx.Commit(ctx))
+	got := receive(t, msgs, 15*time.Second)
+	require.Equal(t, imported.UUID, got.UUID)
+	got.Ack()
+}
+
 // A publish open across a StartFromBacklog binding for longer than the
 // binding's wait for it stores its message for the groups it saw: the new
 // group's backlog copy passes over that row, unseen, and the group gets its

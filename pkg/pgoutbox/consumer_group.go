@@ -262,6 +262,9 @@ func bindFirstWithDefault(ctx context.Context, exec tx.Executor, q *query.Querie
 	res.New = append(res.New, more.New...)
 	res.Adopted += more.Adopted
 	res.Copied += more.Copied
+	if more.late.pending() {
+		res.late = more.late
+	}
 	return res, err
 }
 
@@ -1008,8 +1011,11 @@ func groupQueries(exec tx.Executor, tables schema.Config, topic, group string) (
 // Subscribe would, all in one BindGroups call per outbox: when the topic
 // had no binding, every one of them is among its first groups and gets
 // what was published before, whatever its StartFrom. On a topic bound
-// already, the groups of each StartFrom bind together. Helpers that bind
-// the handlers of a processor ahead of traffic use it (package cqrsbind).
+// already, the groups of each StartFrom bind together. As Subscribe, it
+// waits up to 10 s for the publishes open across a binding, and takes in
+// what the ones still open then store once they end, beside the first
+// subscriber's work until its Close. Helpers that bind the handlers of a
+// processor ahead of traffic use it (package cqrsbind).
 func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) error {
 	if err := checkTopic(topic); err != nil {
 		return err
@@ -1066,9 +1072,15 @@ func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) err
 			if len(c.groups) == 0 {
 				continue
 			}
-			if _, err := bindFirstWithDefault(ctx, exec, s.q, topic, c.groups, c.from, s.cfg.StatementTimeout); err != nil {
+			res, err := bindFirstWithDefault(ctx, exec, s.q, topic, c.groups, c.from, s.cfg.StatementTimeout)
+			if err != nil {
 				return errorf("pgoutbox: bind groups %q to topic %q: %w", c.groups, topic, err)
 			}
+			// Publishes open across the binding beyond its wait: what they
+			// store for no group (or for the groups they saw, with
+			// StartFromBacklog) is taken in once they end, beside the
+			// subscriber's work, as its Subscribe would.
+			s.afterLate(context.WithoutCancel(ctx), topic, res.late)
 		}
 	}
 	return nil

@@ -148,11 +148,8 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	s.obs.setIdle(false)
 	waiter := s.notifier.Listen(s.q.Names.Channel, topic, s.cfg.ConsumerGroup)
 	s.startRotator() // under mu: Close cannot be waiting for subs yet
-	if late.pending() {
-		s.subs.Add(1)
-		go s.afterLateWriters(ctx, topic, late)
-	}
 	s.mu.Unlock()
+	s.afterLate(ctx, topic, late)
 
 	sub := newSubscription(s, ctx, topic, waiter, clock)
 	go sub.run()
@@ -280,6 +277,21 @@ func (s *Subscriber) bind(ctx context.Context, topic string) (late lateWriters, 
 			watermill.LogFields{"topic": topic, "consumer_group": s.cfg.ConsumerGroup, "adopted": adopted})
 	}
 	return late, nil
+}
+
+// afterLate starts afterLateWriters when late leaves work to do, unless
+// the Subscriber is closed.
+func (s *Subscriber) afterLate(ctx context.Context, topic string, late lateWriters) {
+	if !late.pending() {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return
+	}
+	s.subs.Add(1)
+	go s.afterLateWriters(ctx, topic, late)
 }
 
 // afterLateWriters runs beside a subscription whose binding outlasted its

@@ -631,7 +631,8 @@ func TestFirstGroupsWithTheDefaultGroupEachGetEveryMessage(t *testing.T) {
 }
 
 // BindSubscribers binds the handlers of a fresh topic as its first groups
-// whatever their StartFrom and order: each gets what was published before.
+// whatever their StartFrom, order and pool: each gets what was published
+// before.
 // On a bound topic, each gets what its StartFrom says.
 func TestBindSubscribersOfMixedStartFrom(t *testing.T) {
 	t.Parallel()
@@ -640,10 +641,16 @@ func TestBindSubscribersOfMixedStartFrom(t *testing.T) {
 	sub := func(group string, from pgoutbox.StartFrom) *pgoutbox.Subscriber {
 		return b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.ConsumerGroup, c.StartFrom = group, from })
 	}
+	other, err := pgxpool.New(ctx, b.DSN) // a handler on a pool of its own
+	require.NoError(t, err)
+	t.Cleanup(other.Close)
+	ledger, err := pgoutbox.NewSubscriber(other, pgoutbox.SubscriberConfig{Tables: b.tables, ConsumerGroup: "ledger"}, b.logger)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ledger.Close() })
 	require.NoError(t, b.poolPublisher(t).Publish("fresh", newMsgs(5)...))
 	require.NoError(t, pgoutbox.BindSubscribers(ctx, "fresh",
-		sub("invoice", pgoutbox.StartFromBacklog), sub("mail", pgoutbox.StartFromNew), sub("stats", "")))
-	for _, g := range []string{"invoice", "mail", "stats"} {
+		sub("invoice", pgoutbox.StartFromBacklog), sub("mail", pgoutbox.StartFromNew), sub("stats", ""), ledger))
+	for _, g := range []string{"invoice", "mail", "stats", "ledger"} {
 		require.Equal(t, 5, b.groupRows(t, "fresh", g), "group %q of a fresh topic", g)
 	}
 

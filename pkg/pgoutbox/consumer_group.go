@@ -1020,8 +1020,8 @@ func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) err
 	if err := checkTopic(topic); err != nil {
 		return err
 	}
-	// A set is the subscribers of one outbox (pool and queries); the first
-	// of them gives the set its timeout.
+	// A set is the subscribers of one outbox, through whatever pools; the
+	// first of them gives the set its pool and timeout.
 	type set struct {
 		s       *Subscriber
 		fresh   []string // the groups of StartFromNew
@@ -1032,7 +1032,7 @@ func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) err
 		if s == nil {
 			return fmt.Errorf("%w: a nil *Subscriber to bind to topic %q", ErrInvalidConfig, topic)
 		}
-		i := slices.IndexFunc(sets, func(o *set) bool { return o.s.pool == s.pool && o.s.q == s.q })
+		i := slices.IndexFunc(sets, func(o *set) bool { return o.s.outbox() == s.outbox() })
 		if i < 0 {
 			sets, i = append(sets, &set{s: s}), len(sets)
 		}

@@ -30,8 +30,8 @@ var rotationPaces sync.Map // rotationKey -> *rotationPace
 // window, so that a Subscriber with a long one does not space the steps
 // of one with a short one.
 type rotationKey struct {
-	database, table string
-	window          time.Duration
+	outbox string // Subscriber.outbox
+	window time.Duration
 }
 
 func paceOf(k rotationKey) *rotationPace {

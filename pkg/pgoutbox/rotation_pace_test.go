@@ -17,10 +17,10 @@ func TestRotationPaceTakesTurnsAndBacksOffWhileAPartitionIsHeld(t *testing.T) {
 	t.Parallel()
 	const every, window = 600 * time.Millisecond, 3 * time.Second
 	table := uuid.NewString() // the paces are the process's: a table of this run's own
-	p := paceOf(rotationKey{database: "h:5432/d", table: table, window: window})
-	require.Same(t, p, paceOf(rotationKey{database: "h:5432/d", table: table, window: window}), "one pace per outbox")
-	require.NotSame(t, p, paceOf(rotationKey{database: "other:5432/d", table: table, window: window}))
-	require.NotSame(t, p, paceOf(rotationKey{database: "h:5432/d", table: table, window: time.Minute}), "nor one for every window")
+	p := paceOf(rotationKey{outbox: "h:5432/d " + table, window: window})
+	require.Same(t, p, paceOf(rotationKey{outbox: "h:5432/d " + table, window: window}), "one pace per outbox")
+	require.NotSame(t, p, paceOf(rotationKey{outbox: "other:5432/d " + table, window: window}))
+	require.NotSame(t, p, paceOf(rotationKey{outbox: "h:5432/d " + table, window: time.Minute}), "nor one for every window")
 
 	t0 := time.Now()
 	steps := 0
@@ -54,7 +54,7 @@ func TestRotationPaceTakesTurnsAndBacksOffWhileAPartitionIsHeld(t *testing.T) {
 func TestRotationPaceOfOneRotatorTakesEveryTick(t *testing.T) {
 	t.Parallel()
 	const every = 20 * time.Millisecond
-	p := paceOf(rotationKey{database: "h:5432/d", table: uuid.NewString(), window: 5 * every})
+	p := paceOf(rotationKey{outbox: "h:5432/d " + uuid.NewString(), window: 5 * every})
 	start := time.Now()
 	steps := 0
 	for i := range 150 {

@@ -2,7 +2,6 @@ package pgoutbox
 
 import (
 	"context"
-	"fmt"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -31,8 +30,7 @@ func (s *Subscriber) startRotator() {
 	if !s.cfg.Tables.Rotating || s.stopRotator != nil {
 		return
 	}
-	t, c := s.cfg.Tables.WithDefaults(), s.pool.Config().ConnConfig
-	key := rotationKey{database: fmt.Sprintf("%s:%d/%s", c.Host, c.Port, c.Database), table: t.Schema + "." + t.Table, window: s.cfg.RotationWindow}
+	key := rotationKey{outbox: s.outbox(), window: s.cfg.RotationWindow}
 	r := &rotator{s: s, stop: make(chan struct{}), every: max(s.cfg.RotationWindow/5, 10*time.Millisecond), pace: paceOf(key)}
 	s.stopRotator = func() { close(r.stop) }
 	s.subs.Add(1)

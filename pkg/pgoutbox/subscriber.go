@@ -156,6 +156,14 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	return sub.outlet.out, nil
 }
 
+// outbox names the outbox s reads as this process sees it: the server and
+// database of its pool, and the table. Subscribers of one outbox through
+// different pools name it alike.
+func (s *Subscriber) outbox() string {
+	c := s.pool.Config().ConnConfig
+	return fmt.Sprintf("%s:%d/%s %s", c.Host, c.Port, c.Database, s.q.Names.QTable)
+}
+
 func (s *Subscriber) isClosed() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -627,6 +628,32 @@ func TestFirstGroupsWithTheDefaultGroupEachGetEveryMessage(t *testing.T) {
 				require.Equal(t, 5, b.groupRows(t, "first", g), "group %q", g)
 			}
 		})
+	}
+}
+
+// A Subscribe that binds a new group says so once, at INFO: a group name
+// misspelt in a config is a new group, which gets nothing published
+// before and a copy of everything after.
+func TestSubscribeOfANewGroupSaysItBoundOne(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "invoices", "billing"))
+	bound := func(logs *logCapture) int {
+		return len(logs.find("info", func(e logEntry) bool {
+			return strings.HasPrefix(e.msg, "Bound a new consumer group") && e.fields["consumer_group"] == "biling"
+		}))
+	}
+	for i, want := range []int{1, 0} {
+		logs := &logCapture{}
+		sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{Tables: b.tables, ConsumerGroup: "biling"}, logs)
+		require.NoError(t, err)
+		sctx, cancel := context.WithCancel(ctx)
+		_, err = sub.Subscribe(sctx, "invoices")
+		require.NoError(t, err)
+		cancel()
+		require.NoError(t, sub.Close())
+		require.Equal(t, want, bound(logs), "Subscribe %d", i+1)
 	}
 }
 

@@ -267,14 +267,26 @@ func (s *Subscriber) bind(ctx context.Context, topic string) (late lateWriters, 
 	// conflicts and does nothing.
 	// Binding also adopts the topic's unbound messages and, for a new
 	// binding with StartFromBacklog, copies the backlog (consumer_group.go).
-	var adopted int64
+	var adopted, copied int64
+	var created bool
 	err = s.retryConnectionLost(ctx, func() error {
 		res, err := bindGroups(ctx, tx.FromPgxPool(s.pool), s.q, topic, []string{s.cfg.ConsumerGroup}, s.cfg.StartFrom, s.cfg.StatementTimeout)
-		late, adopted = res.late, adopted+res.Adopted
+		late, adopted, copied = res.late, adopted+res.Adopted, copied+res.Copied
+		created = created || len(res.New) > 0
 		return err
 	})
 	if err != nil {
 		return lateWriters{}, errorf("pgoutbox: bind consumer group %q to topic %q: %w", s.cfg.ConsumerGroup, topic, err)
+	}
+	if from := s.cfg.StartFrom; created && s.cfg.ConsumerGroup != "" {
+		if from == "" {
+			from = StartFromNew
+		}
+		// A new group is a deploy's business, once; a name misspelt in a
+		// config is a new group too, which would get nothing published
+		// before and a copy of everything after: say so where it shows.
+		s.logger.Info("Bound a new consumer group to the topic: it gets a copy of every message published from now on, until it is unbound",
+			watermill.LogFields{"topic": topic, "consumer_group": s.cfg.ConsumerGroup, "start_from": string(from), "backlog_copied": copied})
 	}
 	if adopted > 0 && s.cfg.ConsumerGroup != "" {
 		// Normal for a topic with one group (a relay, a command handler);

@@ -497,7 +497,8 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 		}
 		select {
 		case <-ctx.Done():
-			return res, fmt.Errorf("wait for the publishes open across the binding, whose messages its backlog copy did not see (bind again once they end: %s): %w", res.late.writers, ctx.Err())
+			return res, fmt.Errorf("groups %q are bound and have their backlog, but not the messages of the transactions still writing to the outbox (virtual ids %s), which their copy could not see: "+
+				"those stay in the topic's other groups only; give the wait more time, or end those transactions before binding: %w", res.late.copyFor, res.late.writers, ctx.Err())
 		case <-time.After(100 * time.Millisecond):
 		}
 	}

@@ -32,8 +32,17 @@ func poolWaitError(pool *pgxpool.Pool, err error) error {
 	// room in a pool that was full; one being made is what it waited for.
 	if st.AcquiredConns() < st.MaxConns() && st.ConstructingConns() > 0 {
 		return &poolWait{fmt.Errorf("no connection of the subscriber's pool in time: a new connection to the database was not made "+
-			"(%d of %d in use, %d being made); the server or the network path to it does not answer new connections: %w",
+			"(%d of %d in use, %d being made) within the statement's bound; the server or the network path to it does not answer new connections, "+
+			"or making one takes longer than StatementTimeout: %w",
 			st.AcquiredConns(), st.MaxConns(), st.ConstructingConns(), err)}
+	}
+	if st.AcquiredConns() < st.MaxConns() && st.IdleConns() == 0 {
+		// Room, and no connection being made any more: the wait ended
+		// while one was set up (a StatementTimeout shorter than the
+		// connection takes, a slow TLS handshake or server).
+		return &poolWait{fmt.Errorf("no connection of the subscriber's pool in time, with room in it (%d of %d in use): "+
+			"making a new connection to the database took longer than the statement's bound (StatementTimeout); raise StatementTimeout, "+
+			"or find what slows new connections (TLS, authentication, a distant or busy server): %w", st.AcquiredConns(), st.MaxConns(), err)}
 	}
 	return &poolWait{fmt.Errorf("no connection of the subscriber's pool came free in time (%d of %d in use): "+
 		"handlers holding connections (tx.Middleware, queries of your own) can take them all, and so can the subscriber's own "+

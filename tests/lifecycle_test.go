@@ -381,3 +381,32 @@ func TestCloseWritesTheAcksAnOutageHeldBack(t *testing.T) {
 	require.Zero(t, b.outboxRows(t, "t"), "the database answered during Close: every ack is written")
 	require.Empty(t, logs.find("error", func(e logEntry) bool { return strings.HasPrefix(e.msg, "Giving up") }))
 }
+
+// After claims failed for a while (an outage), the first that succeeds is
+// logged at INFO: the outage's end and length show in the log, where the
+// failures were logged less and less often.
+func TestClaimsThatSucceedAgainAfterAnOutageSaySo(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	px := startTCPProxy(t, b.DSN)
+	pool := px.pool(t, b, "claims-back-"+b.Schema, nil)
+	logs := &logCapture{}
+	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, ClaimMode: pgoutbox.ClaimLease,
+		MinPollInterval: 10 * time.Millisecond, MaxPollInterval: 50 * time.Millisecond}, logs)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	ch, err := sub.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	px.cut()
+	failed := func() bool {
+		return len(logs.find("error", func(e logEntry) bool { return strings.HasPrefix(e.msg, "Claim failed") })) > 0
+	}
+	require.Eventually(t, failed, 30*time.Second, 10*time.Millisecond, "claims fail while the database is cut off")
+	time.Sleep(1100 * time.Millisecond) // the outage lasts past claimsBackAfter
+	px.restore()
+	require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("after")))
+	receive(t, ch, 30*time.Second).Ack()
+	back := logs.find("info", func(e logEntry) bool { return e.msg == "Claims succeed again" })
+	require.NotEmpty(t, back)
+	require.NotEmpty(t, back[0].fields["failing_for"])
+}

@@ -125,9 +125,12 @@ const byteaOutputHint = " (through the simple protocol binary data comes as text
 
 // lockTimeoutHint is what a lock wait the server ended means: pgoutbox
 // bounds its own waits, so a role's or database's lock_timeout below them
-// won. The COMMIT of a transaction that published waits for the database's
-// notification lock, which every committing publisher takes in turn.
-const lockTimeoutHint = " (the server's lock_timeout ended a lock wait: a role or database setting; the COMMIT of a transaction that published waits for the database's notification lock, which committing publishers take one after the other; raise lock_timeout for this role, or SET LOCAL lock_timeout in such transactions, then retry: nothing of the failed transaction was kept)"
+// won: behind another session's lock on the outbox (a migration), or, at
+// the COMMIT of a transaction that published, the database's notification
+// lock, which every committing publisher takes in turn.
+const lockTimeoutHint = " (the server's lock_timeout, a role or database setting, ended a lock wait: another session held a lock on the outbox (an ALTER TABLE, a VACUUM FULL, a LOCK of a migration: `pgoutbox health` names a table so locked), " +
+	"or, at the COMMIT of a transaction that published, the database's notification lock, which committing publishers take one after the other; " +
+	"nothing of the failed transaction was kept: retry, and raise lock_timeout for this role, or SET LOCAL lock_timeout in such transactions, if the waits are expected)"
 
 // dateStyleHint is what a timestamp pgx cannot read means: through the
 // simple protocol (behind PgBouncer) it comes as text in the session's

@@ -89,6 +89,11 @@ func (sub *subscription) onClaimed(r claimResult) {
 	if r.arrivals.fanOutErr != nil {
 		sub.logger.Error("Fanning out arrivals failed; the next claim fans them out again", r.arrivals.fanOutErr, nil)
 	}
+	if g := sub.claims.gate; g.failures > 0 && now.Sub(g.since) >= claimsBackAfter {
+		// The errors were logged as they came (the first ones, then fewer):
+		// say when they ended, so that an outage's length shows in the log.
+		sub.logger.Info("Claims succeed again", watermill.LogFields{"failures": g.failures, "failing_for": now.Sub(g.since).Round(time.Millisecond).String(), "path": r.req.path()})
+	}
 	woke := sub.claims.succeeded(r)
 	// A claim that left arrivals to open held batches (arrivalsFrom) says
 	// nothing of what waits: not idle.
@@ -190,6 +195,10 @@ func (sub *subscription) keyEnded(d *delivery) {
 		sub.writes.pending.wakeGroup = true
 	}
 }
+
+// claimsBackAfter is how long claims must have failed for their first
+// success to be logged.
+const claimsBackAfter = time.Second
 
 // quietConflicts is how many claims in a row may fail on a conflict
 // before the failures are logged as errors: one now and then is expected,

@@ -15,6 +15,7 @@ type retryGate struct {
 	bo       *backoff.ExponentialBackOff
 	until    time.Time     // shut until then; zero: open
 	failures int           // in a row, since the last success
+	since    time.Time     // the first of them
 	most     time.Duration // the longest backoff after hurry; zero: the backoff's own
 }
 
@@ -32,6 +33,9 @@ func (g *retryGate) failed(now time.Time) time.Duration {
 		wait = min(wait, jitter(g.most))
 	}
 	g.until = now.Add(wait)
+	if g.failures == 0 {
+		g.since = now
+	}
 	g.failures++
 	return wait
 }

@@ -891,79 +891,121 @@ func TestAPublishOpenLongerThanBindSubscribersWaitReachesTheGroup(t *testing.T) 
 
 // A publish open across a StartFromBacklog binding for longer than the
 // binding's wait for it stores its message for the groups it saw: the new
-// group's backlog copy passes over that row, unseen, and the group gets its
-// copy once the publish commits, whether it bound through Subscribe (which
-// waits beside its work) or Bind (which waits for it).
+// group's backlog copy waits for it, so that it sees that message, whether
+// the group bound through Subscribe or Bind. The publish writes one message
+// before the binding, one in a savepoint, and one after the binding (which
+// it sees: that message reaches the group once, not twice).
 func TestAPublishOpenLongerThanABacklogBindingsWaitReachesTheNewGroup(t *testing.T) {
 	t.Parallel()
-	start := func(t *testing.T) (*bundle, pgx.Tx, *message.Message, *message.Message) {
+	type run struct {
+		b                        *bundle
+		importTx                 pgx.Tx
+		before, imported, inSave *message.Message
+	}
+	start := func(t *testing.T) run {
 		b := setup(t)
 		ctx := context.Background()
 		qtable := pgx.Identifier{b.Schema, "outbox"}.Sanitize()
-		testhook.SetBindWriterWait(qtable, 200*time.Millisecond)
+		// The wait for the writers ends at once: the import commits after
+		// the binding, so after the wait, and the copy must wait on.
+		testhook.SetBindWriterWait(qtable, time.Millisecond)
 		t.Cleanup(func() { testhook.SetBindWriterWait(qtable, 0) })
 		require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "orders", "billing"))
-		before := newMsg("before")
-		require.NoError(t, b.poolPublisher(t).Publish("orders", before))
-		importTx, err := b.Pool.Begin(ctx)
+		r := run{b: b, before: newMsg("before"), imported: newMsg("imported"), inSave: newMsg("in a savepoint")}
+		require.NoError(t, b.poolPublisher(t).Publish("orders", r.before))
+		var err error
+		r.importTx, err = b.Pool.Begin(ctx)
 		require.NoError(t, err)
-		t.Cleanup(func() { _ = importTx.Rollback(ctx) })
-		pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(importTx), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+		t.Cleanup(func() { _ = r.importTx.Rollback(ctx) })
+		publishIn(t, b, r.importTx, r.imported) // for billing alone: audit is not bound yet
+		save, err := r.importTx.Begin(ctx)      // a savepoint, released
 		require.NoError(t, err)
-		imported := newMsg("imported")
-		require.NoError(t, pub.Publish("orders", imported)) // for billing alone: audit is not bound yet
-		return b, importTx, before, imported
+		publishIn(t, b, save, r.inSave)
+		require.NoError(t, save.Commit(ctx))
+		return r
 	}
-	copyDone := func(t *testing.T, b *bundle) {
-		pollUntil(t, "audit's backlog copy finished", 15*time.Second, nil, func() bool {
-			return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings WHERE topic = 'orders' AND consumer_group = 'audit' AND backlog_next IS NULL`) == 1
+	// bound waits for audit's binding, then publishes in the open import
+	// (which now sees audit) and commits it.
+	finish := func(t *testing.T, r run) *message.Message {
+		pollUntil(t, "audit bound", 15*time.Second, nil, func() bool {
+			return r.b.count(t, `SELECT count(*) FROM `+r.b.Schema+`.outbox_bindings WHERE topic = 'orders' AND consumer_group = 'audit'`) == 1
 		})
+		after := newMsg("after the binding")
+		publishIn(t, r.b, r.importTx, after)
+		require.NoError(t, r.importTx.Commit(context.Background()))
+		return after
 	}
 	t.Run("Subscribe", func(t *testing.T) {
 		t.Parallel()
 		onEachClaimPath(t, func(t *testing.T, path string) {
-			b, importTx, before, imported := start(t)
-			audit := b.groupSubscriber(t, "audit", func(c *pgoutbox.SubscriberConfig) {
+			r := start(t)
+			audit := r.b.groupSubscriber(t, "audit", func(c *pgoutbox.SubscriberConfig) {
 				c.StartFrom = pgoutbox.StartFromBacklog
 				onPath(t, path, c)
 			})
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			msgs, err := audit.Subscribe(ctx, "orders")
-			require.NoError(t, err)
-			got := receive(t, msgs, 15*time.Second)
-			require.Equal(t, before.UUID, got.UUID, "the backlog")
-			got.Ack()
-			copyDone(t, b)
-			require.NoError(t, importTx.Commit(context.Background()))
-			got = receive(t, msgs, 15*time.Second)
-			require.Equal(t, imported.UUID, got.UUID, "the publish that was open across the binding")
-			got.Ack()
+			type subscribed struct {
+				msgs <-chan *message.Message
+				err  error
+			}
+			done := make(chan subscribed, 1)
+			go func() {
+				msgs, err := audit.Subscribe(ctx, "orders")
+				done <- subscribed{msgs, err}
+			}()
+			after := finish(t, r)
+			s := <-done
+			require.NoError(t, s.err)
+			var got []string
+			for range 4 {
+				m := receive(t, s.msgs, 15*time.Second)
+				got = append(got, m.UUID)
+				m.Ack()
+			}
+			require.ElementsMatch(t, []string{r.before.UUID, r.imported.UUID, r.inSave.UUID, after.UUID}, got)
+			select {
+			case m := <-s.msgs:
+				t.Fatalf("a fifth message: %s", m.UUID)
+			case <-time.After(300 * time.Millisecond):
+			}
 		})
+	})
+	t.Run("BindSubscribers", func(t *testing.T) {
+		t.Parallel()
+		r := start(t)
+		audit := r.b.groupSubscriber(t, "audit", func(c *pgoutbox.SubscriberConfig) { c.StartFrom = pgoutbox.StartFromBacklog })
+		bound := make(chan error, 1)
+		go func() { bound <- pgoutbox.BindSubscribers(context.Background(), "orders", audit) }()
+		after := finish(t, r)
+		require.NoError(t, <-bound)
+		require.ElementsMatch(t, []string{r.before.UUID, r.imported.UUID, r.inSave.UUID, after.UUID},
+			column[string](t, r.b, `SELECT uuid FROM `+r.b.Schema+`.outbox WHERE topic = 'orders' AND consumer_group = 'audit'`))
 	})
 	t.Run("Bind", func(t *testing.T) {
 		t.Parallel()
-		b, importTx, before, imported := start(t)
-		bound := make(chan error, 1)
-		var res pgoutbox.BindResult
-		go func() {
-			var err error
-			res, err = pgoutbox.BindGroups(context.Background(), tx.FromPgxPool(b.Pool), b.tables, "orders", []string{"audit"},
-				pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
-			bound <- err
-		}()
-		copyDone(t, b)
-		select {
-		case err := <-bound:
-			t.Fatalf("Bind returned (%v) before the publish open across it ended", err)
-		default:
-		}
-		require.NoError(t, importTx.Commit(context.Background()))
-		require.NoError(t, <-bound)
-		require.EqualValues(t, 2, res.Copied, "the backlog and the late publish")
-		require.ElementsMatch(t, []string{before.UUID, imported.UUID},
-			column[string](t, b, `SELECT uuid FROM `+b.Schema+`.outbox WHERE topic = 'orders' AND consumer_group = 'audit'`))
+		r := start(t)
+		ctx, exec := context.Background(), tx.FromPgxPool(r.b.Pool)
+		backlog := pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog)
+		// Bind does not wait past its wait: it says the copy is left to the
+		// group's next binding, the group bound meanwhile.
+		_, err := pgoutbox.BindGroups(ctx, exec, r.b.tables, "orders", []string{"audit"}, backlog)
+		require.ErrorContains(t, err, "resumes at the next Bind or Subscribe of the group")
+		after := finish(t, r)
+		res, err := pgoutbox.BindGroups(ctx, exec, r.b.tables, "orders", []string{"audit"}, backlog)
+		require.NoError(t, err)
+		require.EqualValues(t, 3, res.Copied, "the backlog and the open publish's two messages before the binding")
+		require.ElementsMatch(t, []string{r.before.UUID, r.imported.UUID, r.inSave.UUID, after.UUID},
+			column[string](t, r.b, `SELECT uuid FROM `+r.b.Schema+`.outbox WHERE topic = 'orders' AND consumer_group = 'audit'`))
 	})
+}
+
+// publishIn publishes m in the transaction t.
+func publishIn(t *testing.T, b *bundle, t2 pgx.Tx, m *message.Message) {
+	t.Helper()
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(t2), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish("orders", m))
 }
 
 // An outbox of the previous release: topic "orders" has the default group

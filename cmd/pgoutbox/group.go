@@ -6,7 +6,6 @@ import (
 	"flag"
 	"fmt"
 	"strings"
-	"time"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
@@ -44,13 +43,7 @@ func (c *cli) bindCmd(args []string) error {
 		if err != nil {
 			return doing(fmt.Sprintf("bind group %s to topic %q: read the topic's queues first (nothing was bound)", g, *topic), err, "stats: ")
 		}
-		// A backlog binding waits for the publishes open across it, however
-		// long they last: say so when it does.
-		waiting := time.AfterFunc(15*time.Second, func() {
-			fmt.Fprintf(c.stderr, "waiting for transactions that were writing to the outbox when group %s was bound: their messages get its copy when they end (pg_stat_activity shows them)\n", g)
-		})
 		res, err := pgoutbox.BindGroups(ctx, exec, tables, *topic, []string{*group}, pgoutbox.BindStartFrom(start))
-		waiting.Stop()
 		if err != nil {
 			return err
 		}

@@ -101,17 +101,12 @@ const Writers = `SELECT coalesce(json_agg(virtualtransaction), '[]')::text FROM 
  WHERE locktype = 'relation' AND relation = $1::regclass AND mode = 'RowExclusiveLock' AND granted
    AND pid <> pg_backend_pid()`
 
-// WritersLate counts the transactions of $1 (a JSON array of virtual
-// transaction ids, from Writers) still running: each holds the lock on
-// its own virtual id until it ends, and lists (JSON) the
-// transaction ids they and their subtransactions hold: the xmin of every
-// row they have written. A writer takes its id at its first write, so a
-// caller that waits for them reads the ids again at every look.
-const WritersLate = `SELECT count(*) FILTER (WHERE locktype = 'virtualxid'),
-       coalesce(json_agg(transactionid::text) FILTER (WHERE locktype = 'transactionid'), '[]')::text
-  FROM pg_catalog.pg_locks
- WHERE granted AND locktype IN ('virtualxid', 'transactionid')
-   AND virtualtransaction IN (SELECT jsonb_array_elements_text($1::jsonb))`
+// WritersLeft counts the transactions of $1 (a JSON array of virtual
+// transaction ids) still running: each holds the lock on its own virtual
+// id until it ends.
+const WritersLeft = `SELECT count(*) FROM pg_catalog.pg_locks
+ WHERE locktype = 'virtualxid' AND granted
+   AND virtualxid IN (SELECT jsonb_array_elements_text($1::jsonb))`
 
 // AdoptUnbound moves up to $2 unbound rows of topic $1 (rows of "" while
 // "" is not bound) into the groups bound to the topic, and wakes their
@@ -279,40 +274,6 @@ func CopyBacklog(n Names) string {
 )
 SELECT (SELECT count(*) FROM ins), EXISTS (SELECT 1 FROM adv) AND (SELECT count(*) FROM win) >= $3,
        coalesce((SELECT json_agg(uuid) FROM src), '[]')::text, (SELECT count(*) FROM woken)`, n.QBindings, n.QTable, genCol, genVal, n.dedupConflict())
-}
-
-// CopyLateBacklog copies for group $2 of topic $1 the messages that the
-// transactions $3 (their ids, text) stored for the topic's other bound
-// groups and that $2 lacks (by UUID): publishes that were open across a
-// StartFromBacklog binding beyond the wait for them, and committed after
-// its backlog copy passed over their rows, unseen. Rows are copied as
-// CopyBacklog copies them; $4 is the channel to wake the group's
-// subscribers on. The transactions' rows are found by their xmin, among
-// the topic's rows (a scan of the ready index's topic range): the writers
-// of a binding that outlasted its wait are few and rare.
-func CopyLateBacklog(n Names) string {
-	genCol, genVal := n.generationColumn("o.dedup_key")
-	return fmt.Sprintf(`WITH src AS (
-    SELECT DISTINCT ON (w.uuid) w.id FROM %[2]s w
-     WHERE w.topic = $1 AND w.consumer_group <> $2 AND w.xmin = ANY ($3::text[]::xid[])
-       AND w.available_at < 'infinity'
-       AND w.consumer_group IN (SELECT consumer_group FROM %[1]s WHERE topic = $1)
-       AND NOT EXISTS (SELECT 1 FROM %[2]s t WHERE t.topic = $1 AND t.consumer_group = $2 AND t.uuid = w.uuid)
-     ORDER BY w.uuid, w.id
-), ins AS (
-    INSERT INTO %[2]s (topic, consumer_group, uuid, payload, metadata, created_at, available_at, dedup_key, ordering_key%[3]s)
-    SELECT $1, $2, o.uuid, o.payload, o.metadata, o.created_at,
-           CASE WHEN o.deliveries > 0 OR o.lease_token IS NOT NULL THEN least(o.available_at, now())
-                ELSE o.available_at END,
-           o.dedup_key, o.ordering_key%[4]s
-      FROM %[2]s o WHERE o.id = ANY (ARRAY(SELECT id FROM src))
-     ORDER BY o.id
-        ON CONFLICT %[5]s DO NOTHING
-    RETURNING 1
-), woken AS (
-    SELECT pg_notify($4, $1) WHERE EXISTS (SELECT 1 FROM ins)
-)
-SELECT (SELECT count(*) FROM ins), (SELECT count(*) FROM woken)`, n.QBindings, n.QTable, genCol, genVal, n.dedupConflict())
 }
 
 // TopicHasBinding tells whether a group is bound to topic $1.

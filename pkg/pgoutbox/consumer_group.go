@@ -11,6 +11,7 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
@@ -52,9 +53,11 @@ const (
 	// message. The copy runs in batches of its own short statements and
 	// resumes where it stopped if cut short (the next Bind of the group,
 	// or its next Subscribe, goes on with it). A publish open across the
-	// binding stores its message for the groups it saw; the group gets
-	// its copy once that publish ends (Bind waits for it, Subscribe waits
-	// beside its work).
+	// binding stores its message for the groups it saw, which the copy
+	// sees only once it ended: Subscribe (and BindSubscribers) wait for
+	// such publishes, however long their context allows, logging a
+	// warning; Bind waits 10 s, then fails saying so, and the copy runs
+	// at the next Bind or Subscribe of the group once they ended.
 	StartFromBacklog StartFrom = "backlog"
 )
 
@@ -107,60 +110,43 @@ type BindResult struct {
 	late lateWriters
 }
 
+// errLateWriters is why a Bind's backlog copy did not run: publishes
+// open across the binding outlasted the wait for them.
+var errLateWriters = fmt.Errorf("publishes open across the binding outlasted the wait for them (%s)", bindWriterWait)
+
 // lateWriters are the transactions that were writing to the outbox across
-// a binding and were still open when the wait for them ended, and what is
-// left to do once they end: a publish that began before the binding
-// stores its message for the groups it saw.
+// a topic's first binding and were still open when the wait for them
+// ended: a publish that began before the binding stores its message for
+// no group, and only an adoption once it ends gives it one.
 type lateWriters struct {
-	writers string   // their virtual transaction ids (query.Writers); "": none
-	xids    []string // the transaction ids they write under, as far as seen (query.WritersLate)
-	adopt   bool     // the topic's first binding: adopt what they store for no group (adoptLate)
-	copyFor []string // groups bound with StartFromBacklog: copy what they store for the other groups (copyLateBacklog)
+	writers string // their virtual transaction ids (query.Writers); "": none
+	adopt   bool   // the binding was the topic's first: adopt what they store (adoptLate)
 }
 
 // pending reports whether something waits for the writers to end.
-func (l lateWriters) pending() bool { return l.writers != "" && (l.adopt || len(l.copyFor) > 0) }
+func (l lateWriters) pending() bool { return l.writers != "" && l.adopt }
 
-// look reports whether the writers have all ended, and takes in the
-// transaction ids they write under now (a writer takes one at its first
-// write).
-func (l *lateWriters) look(ctx context.Context, exec tx.Executor) (bool, error) {
+// ended reports whether the writers have all ended.
+func (l lateWriters) ended(ctx context.Context, exec tx.Executor) (bool, error) {
 	var left int64
-	var ids string
-	if err := queryRow(ctx, exec, query.WritersLate, []any{l.writers}, &left, &ids); err != nil {
+	if err := queryRow(ctx, exec, query.WritersLeft, []any{l.writers}, &left); err != nil {
 		return false, fmt.Errorf("wait for the outbox's writers: %w", err)
-	}
-	var seen []string
-	if err := json.Unmarshal([]byte(ids), &seen); err != nil {
-		return false, err
-	}
-	for _, x := range seen {
-		if !slices.Contains(l.xids, x) {
-			l.xids = append(l.xids, x)
-		}
 	}
 	return left == 0, nil
 }
 
-// copyLateBacklog copies, for the groups bound with StartFromBacklog, the
-// messages the late writers stored for the topic's other groups
-// (query.CopyLateBacklog). It runs once they ended.
-func copyLateBacklog(ctx context.Context, exec tx.Executor, n query.Names, topic string, l lateWriters, timeout time.Duration) (int64, error) {
-	if len(l.xids) == 0 {
-		return 0, nil
-	}
-	b := &bindStatements{ctx: ctx, timeout: timeout, size: groupBatch}
-	var total int64
-	for _, g := range l.copyFor {
-		var copied, woken int64
-		if err := b.bounded(max(6*timeout, finishBacklogAtLeast), func(ctx context.Context) error {
-			return queryRow(ctx, exec, query.CopyLateBacklog(n), []any{topic, g, l.xids, n.Channel}, &copied, &woken)
-		}); err != nil {
-			return total, fmt.Errorf("copy for group %q what publishes open across its binding stored for the other groups: %w", g, err)
+// await waits for the writers to end, however long ctx allows.
+func (l lateWriters) await(ctx context.Context, exec tx.Executor) error {
+	for {
+		if ended, err := l.ended(ctx, exec); err != nil || ended {
+			return err
 		}
-		total += copied
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
 	}
-	return total, nil
 }
 
 // Bind binds consumer group group ("" is the default group) to topic, so
@@ -203,10 +189,10 @@ func Bind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 // With BindStartFrom(StartFromBacklog), a group whose binding is new also
 // gets the topic's current backlog (see StartFromBacklog); the copy runs
 // in batches of short statements, each committing on its own outside a
-// transaction. A publish still open after the 10 s wait stored its message
-// for the groups it saw, and the copy could not see it: Bind then waits
-// for it to end, as long as ctx allows, and copies its messages for the
-// new groups (an error after ctx ends names those transactions).
+// transaction. A publish still open after the 10 s wait stores its
+// message for the groups it saw, which the copy can see only once it
+// ended: Bind then fails, naming those transactions, with the groups bound
+// and their copy left to the next Bind or Subscribe of the group.
 func BindGroups(ctx context.Context, exec tx.Executor, tables schema.Config, topic string, groups []string, opts ...BindOption) (BindResult, error) {
 	var o bindOptions
 	for _, opt := range opts {
@@ -231,7 +217,7 @@ func BindGroups(ctx context.Context, exec tx.Executor, tables schema.Config, top
 	if err != nil {
 		return BindResult{}, errorf("pgoutbox: bind groups %q to topic %q: %w", groups, topic, err)
 	}
-	res, err := bindFirstWithDefault(ctx, exec, q, topic, groups, o.from, 0)
+	res, err := bindFirstWithDefault(ctx, exec, q, topic, groups, o.from, 0, nil)
 	if err != nil {
 		return res, errorf("pgoutbox: bind groups %q to topic %q: %w", groups, topic, err)
 	}
@@ -242,23 +228,23 @@ func BindGroups(ctx context.Context, exec tx.Executor, tables schema.Config, top
 // topic that include the default group: the unbound messages are ""'s
 // own rows, which adoption never moves while "" is bound, so "" is bound
 // first, keeping them, and the others from its backlog, each a copy.
-func bindFirstWithDefault(ctx context.Context, exec tx.Executor, q *query.Queries, topic string, groups []string, from StartFrom, timeout time.Duration) (BindResult, error) {
+func bindFirstWithDefault(ctx context.Context, exec tx.Executor, q *query.Queries, topic string, groups []string, from StartFrom, timeout time.Duration, awaitLate func()) (BindResult, error) {
 	if len(groups) < 2 || !slices.Contains(groups, "") {
-		return bindGroups(ctx, exec, q, topic, groups, from, timeout)
+		return bindGroups(ctx, exec, q, topic, groups, from, timeout, awaitLate)
 	}
 	var bound bool
 	if err := queryRow(ctx, exec, query.TopicHasBinding(q.Names), []any{topic}, &bound); err != nil || bound {
 		if err != nil {
 			return BindResult{}, err
 		}
-		return bindGroups(ctx, exec, q, topic, groups, from, timeout)
+		return bindGroups(ctx, exec, q, topic, groups, from, timeout, awaitLate)
 	}
-	res, err := bindGroups(ctx, exec, q, topic, []string{""}, from, timeout)
+	res, err := bindGroups(ctx, exec, q, topic, []string{""}, from, timeout, awaitLate)
 	if err != nil {
 		return res, err
 	}
 	others := slices.DeleteFunc(slices.Clone(groups), func(g string) bool { return g == "" })
-	more, err := bindGroups(ctx, exec, q, topic, others, StartFromBacklog, timeout)
+	more, err := bindGroups(ctx, exec, q, topic, others, StartFromBacklog, timeout, awaitLate)
 	res.New = append(res.New, more.New...)
 	res.Adopted += more.Adopted
 	res.Copied += more.Copied
@@ -363,8 +349,11 @@ func (b *bindStatements) batch(exec tx.Executor, lockKey string, f func(ctx cont
 }
 
 // bindGroups is BindGroups without the argument checks, for Subscribe too.
-// timeout, when positive, bounds each statement.
-func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic string, groups []string, from StartFrom, timeout time.Duration) (BindResult, error) {
+// timeout, when positive, bounds each statement. A backlog copy that finds
+// publishes still open after the wait for them waits on, however long ctx
+// allows, when awaitLate is set (called once then: Subscribe logs it), and
+// otherwise fails, to resume at the next binding.
+func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic string, groups []string, from StartFrom, timeout time.Duration, awaitLate func()) (BindResult, error) {
 	var res BindResult
 	n := q.Names
 	lockKey := n.QBindings + query.GroupMark + topic
@@ -426,15 +415,27 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 		if err != nil {
 			return res, err
 		}
+		if late.writers != "" && len(pending) > 0 {
+			// A publish that saw other groups stored its message for them:
+			// the backlog copy can see it only once it ended (the copy's own
+			// rule stays: what waits in the other groups when it gets there).
+			err := errLateWriters
+			if awaitLate != nil {
+				awaitLate()
+				err = late.await(ctx, exec)
+			}
+			if err != nil {
+				return res, fmt.Errorf("groups %q are bound and get new messages, but their backlog copy waits for transactions still writing to the outbox "+
+					"(virtual ids %s; pg_stat_activity shows them), whose messages it cannot see yet: it resumes at the next Bind or Subscribe of the group, "+
+					"once they ended: %w", pending, late.writers, err)
+			}
+			late = lateWriters{}
+		}
 		// A publish that saw no binding of the topic stored its message for
-		// no group (adopted once it ends); one that saw other groups stored
-		// it for them (a backlog copy passed over it, unseen: copied once it
-		// ends), and one for the default group stored it where "" takes it.
+		// no group (adopted once it ends); one for the default group stored
+		// it where "" takes it.
 		res.late = late
 		res.late.adopt = firstBinding
-		if len(pending) > 0 {
-			res.late.copyFor = pending
-		}
 	}
 	if len(pending) > 0 {
 		if err := b.stmt(func(ctx context.Context) error {
@@ -478,30 +479,7 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 	}
 	adopted, err := adoptUnbound(exec, n, topic, lockKey, b)
 	res.Adopted += adopted
-	if err != nil || timeout > 0 || len(res.late.copyFor) == 0 || res.late.writers == "" {
-		return res, err // Subscribe (timeout) waits for the late writers beside its work
-	}
-	// Bind waits for the publishes open across a backlog binding, however
-	// long ctx allows: what they store for the other groups is part of the
-	// backlog the new groups asked for.
-	for {
-		ended, err := res.late.look(ctx, exec)
-		if err != nil || ended {
-			if err == nil {
-				var copied int64
-				copied, err = copyLateBacklog(ctx, exec, n, topic, res.late, timeout)
-				res.Copied += copied
-			}
-			res.late.copyFor = nil
-			return res, err
-		}
-		select {
-		case <-ctx.Done():
-			return res, fmt.Errorf("groups %q are bound and have their backlog, but not the messages of the transactions still writing to the outbox (virtual ids %s), which their copy could not see: "+
-				"those stay in the topic's other groups only; give the wait more time, or end those transactions before binding: %w", res.late.copyFor, res.late.writers, ctx.Err())
-		case <-time.After(100 * time.Millisecond):
-		}
-	}
+	return res, err
 }
 
 // finishBacklogAtLeast is the least time FinishBacklog is given.
@@ -606,7 +584,7 @@ func waitWriters(ctx context.Context, exec tx.Executor, qtable string) (lateWrit
 	}
 	deadline := time.Now().Add(wait)
 	for l.writers != "[]" {
-		ended, err := l.look(ctx, exec)
+		ended, err := l.ended(ctx, exec)
 		if err != nil || ended {
 			return lateWriters{}, err
 		}
@@ -1073,14 +1051,16 @@ func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) err
 			if len(c.groups) == 0 {
 				continue
 			}
-			res, err := bindFirstWithDefault(ctx, exec, s.q, topic, c.groups, c.from, s.cfg.StatementTimeout)
+			res, err := bindFirstWithDefault(ctx, exec, s.q, topic, c.groups, c.from, s.cfg.StatementTimeout, func() {
+				logWarn(s.logger, "A backlog copy waits for transactions that were writing to the outbox across the binding, to see their messages (pg_stat_activity shows them)",
+					watermill.LogFields{"topic": topic, "consumer_groups": c.groups})
+			})
 			if err != nil {
 				return errorf("pgoutbox: bind groups %q to topic %q: %w", c.groups, topic, err)
 			}
-			// Publishes open across the binding beyond its wait: what they
-			// store for no group (or for the groups they saw, with
-			// StartFromBacklog) is taken in once they end, beside the
-			// subscriber's work, as its Subscribe would.
+			// Publishes open across the topic's first binding beyond its
+			// wait: what they store for no group is adopted once they end,
+			// beside the subscriber's work, as its Subscribe would.
 			s.afterLate(context.WithoutCancel(ctx), topic, res.late)
 		}
 	}

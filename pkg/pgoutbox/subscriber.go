@@ -270,7 +270,10 @@ func (s *Subscriber) bind(ctx context.Context, topic string) (late lateWriters, 
 	var adopted, copied int64
 	var created bool
 	err = s.retryConnectionLost(ctx, func() error {
-		res, err := bindGroups(ctx, tx.FromPgxPool(s.pool), s.q, topic, []string{s.cfg.ConsumerGroup}, s.cfg.StartFrom, s.cfg.StatementTimeout)
+		res, err := bindGroups(ctx, tx.FromPgxPool(s.pool), s.q, topic, []string{s.cfg.ConsumerGroup}, s.cfg.StartFrom, s.cfg.StatementTimeout, func() {
+			logWarn(s.logger, "The group's backlog copy waits for transactions that were writing to the outbox across its binding, to see their messages; "+
+				"the subscription starts when they end (pg_stat_activity shows them)", watermill.LogFields{"topic": topic, "consumer_group": s.cfg.ConsumerGroup})
+		})
 		late, adopted, copied = res.late, adopted+res.Adopted, copied+res.Copied
 		created = created || len(res.New) > 0
 		return err
@@ -314,26 +317,20 @@ func (s *Subscriber) afterLate(ctx context.Context, topic string, late lateWrite
 	go s.afterLateWriters(ctx, topic, late)
 }
 
-// afterLateWriters runs beside a subscription whose binding outlasted its
-// wait for the transactions writing to the outbox (a long import, a
-// request that hangs). A message such a transaction stores before it sees
-// the binding goes to the groups it saw: to no group when the binding was
-// the topic's first, where only an adoption gives it one; to the other
-// groups when the binding was new with StartFromBacklog, whose backlog
-// copy passed over it unseen. It waits for those transactions to end, for
-// as long as the subscription runs, then adopts what they stored
-// (adoptLate: it binds nothing, so an Unbind or a rename meanwhile
-// stands) and copies it for the new group (copyLateBacklog).
+// afterLateWriters runs beside a subscription whose topic's first
+// binding outlasted its wait for the transactions writing to the outbox (a
+// long import, a request that hangs): a message such a transaction stores
+// before it sees the binding belongs to no group, and only an adoption
+// gives it one. It waits for those transactions to end, for as long as the
+// Subscriber runs, then adopts what they stored (adoptLate: it binds
+// nothing, so an Unbind or a rename meanwhile stands).
 func (s *Subscriber) afterLateWriters(ctx context.Context, topic string, late lateWriters) {
 	defer s.subs.Done()
 	ctx, cancel := s.untilClosed(ctx)
 	defer cancel()
 	fields := watermill.LogFields{"topic": topic, "consumer_group": s.cfg.ConsumerGroup}
-	what := "a message they publish before seeing it belongs to no group, and is adopted when they end"
-	if !late.adopt {
-		what = "a message they publish before seeing it goes to the topic's other groups, and the group's copy of it is made when they end"
-	}
-	logWarn(s.logger, "Transactions writing to the outbox stayed open across the group's binding; "+what, fields)
+	logWarn(s.logger, "Transactions writing to the outbox stayed open across the topic's first binding; "+
+		"a message they publish before seeing it belongs to no group, and is adopted when they end", fields)
 	exec := tx.FromPgxPool(s.pool)
 	const every, longest = 500 * time.Millisecond, 30 * time.Second
 	wait, failures := every, 0
@@ -343,32 +340,29 @@ func (s *Subscriber) afterLateWriters(ctx context.Context, topic string, late la
 			return
 		case <-time.After(wait):
 		}
-		ended, err := late.look(ctx, exec)
+		ended, err := late.ended(ctx, exec)
 		if err == nil && !ended {
 			continue
 		}
-		var adopted, copied int64
-		if err == nil && late.adopt {
+		var adopted int64
+		if err == nil {
 			adopted, err = adoptLate(ctx, exec, s.q, topic, s.cfg.StatementTimeout)
 		}
-		if err == nil {
-			copied, err = copyLateBacklog(ctx, exec, s.q.Names, topic, late, s.cfg.StatementTimeout)
-		}
 		if err != nil {
-			if ctx.Err() != nil {
-				return
+			if ctx.Err() != nil || isPoolClosed(err) {
+				return // a Subscriber bound through BindSubscribers, never closed, whose pool was
 			}
 			// The first failure and every tenth are logged; the wait grows
 			// to longest, so a failure that lasts costs little.
 			if failures%10 == 0 {
-				s.logger.Error("Taking in the messages of transactions open across the group's binding failed; retrying", err, fields)
+				s.logger.Error("Adopting the messages of transactions open across the topic's first binding failed; retrying", err, fields)
 			}
 			failures++
 			wait = min(2*wait, longest)
 			continue
 		}
-		if adopted > 0 || copied > 0 {
-			s.logger.Info("Took in the messages of transactions that were open across the group's binding", fields.Add(watermill.LogFields{"adopted": adopted, "copied": copied}))
+		if adopted > 0 {
+			s.logger.Info("Adopted the messages of transactions that were open across the topic's first binding", fields.Add(watermill.LogFields{"adopted": adopted}))
 		}
 		return
 	}

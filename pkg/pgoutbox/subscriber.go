@@ -350,7 +350,7 @@ func (s *Subscriber) afterLateWriters(ctx context.Context, topic string, late la
 		}
 		if err != nil {
 			if ctx.Err() != nil || isPoolClosed(err) {
-				return // a Subscriber bound through BindSubscribers, never closed, whose pool was
+				return // ended, or its pool closed (a Subscriber bound through BindSubscribers and never closed)
 			}
 			// The first failure and every tenth are logged; the wait grows
 			// to longest, so a failure that lasts costs little.

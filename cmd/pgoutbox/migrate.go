@@ -403,6 +403,10 @@ func (c *cli) migrateFiles(args []string) error {
 			return fmt.Errorf("write migrations: %w", err)
 		case string(existing) == string(data):
 			// The same file, from an earlier run.
+		case earlierRendering(t, string(existing), string(data)):
+			// The same migration as an earlier release wrote it: kept,
+			// since a migration already applied must not change.
+			fmt.Fprintf(c.stdout, "%s kept: an earlier rendering of the same migration\n", path)
 		default:
 			return filesConflict(path, string(existing), string(data))
 		}
@@ -427,6 +431,23 @@ func (c *cli) migrateFiles(args []string) error {
 		fmt.Fprintln(c.stdout, path)
 	}
 	return nil
+}
+
+// earlierRendering reports whether existing is rendered, as an earlier
+// release did, the migration that rendered is now: version 1 created a
+// schema other than public with a bare CREATE SCHEMA IF NOT EXISTS before
+// it checked whether the schema exists (query.CreateSchema). The two do
+// the same where the migration role may create schemas, which the earlier
+// one needed to have run.
+func earlierRendering(t schema.Config, existing, rendered string) bool {
+	t = t.WithDefaults()
+	n, err := query.NewNames(t.Schema, t.Table, t.DeadLetterTable)
+	if err != nil || n.Schema == "public" {
+		return false
+	}
+	guarded := query.CreateSchema(n)
+	return strings.Contains(rendered, guarded) &&
+		existing == strings.Replace(rendered, guarded, "CREATE SCHEMA IF NOT EXISTS "+n.QSchema, 1)
 }
 
 // qualifiedNameRE matches a quoted, schema-qualified name, as the files

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -165,6 +166,32 @@ func TestSchemaMigrateFiles(t *testing.T) {
 	_, errOut, code = cliRun(t, nil, "schema", "migrate", "files", "--format", "goose", "--out", dir, "--schema", "app")
 	require.Equal(t, exitError, code)
 	require.Contains(t, errOut, "0007_arrivals.sql exists with other content; a migration already applied must not change")
+
+	// Files an earlier release wrote (version 1 created the schema with a
+	// bare CREATE SCHEMA IF NOT EXISTS), one version behind: the earlier
+	// rendering is kept, the missing version written.
+	early := t.TempDir()
+	_, errOut, code = cliRun(t, nil, "schema", "migrate", "files", "--format", "golang-migrate", "--out", early, "--schema", "app")
+	require.Equal(t, 0, code, errOut)
+	first := filepath.Join(early, "0001_initial.up.sql")
+	text, err = os.ReadFile(first)
+	require.NoError(t, err)
+	guarded := regexp.MustCompile(`(?s)DO \$pgoutbox\$ BEGIN.*?END \$pgoutbox\$`)
+	require.Regexp(t, guarded, string(text))
+	earlier := guarded.ReplaceAllLiteralString(string(text), `CREATE SCHEMA IF NOT EXISTS "app"`)
+	require.NoError(t, os.WriteFile(first, []byte(earlier), 0o644))
+	missing, err := filepath.Glob(filepath.Join(early, "0007_*"))
+	require.NoError(t, err)
+	for _, m := range missing {
+		require.NoError(t, os.Remove(m))
+	}
+	out, errOut, code = cliRun(t, nil, "schema", "migrate", "files", "--format", "golang-migrate", "--out", early, "--schema", "app")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "0001_initial.up.sql kept: an earlier rendering of the same migration")
+	require.Contains(t, out, "0007_arrivals.up.sql")
+	kept, err := os.ReadFile(first)
+	require.NoError(t, err)
+	require.Equal(t, earlier, string(kept), "an applied migration does not change")
 
 	gm := t.TempDir()
 	_, errOut, code = cliRun(t, nil, "schema", "migrate", "files", "--format", "golang-migrate", "--out", gm, "--no-dlq")

@@ -829,72 +829,52 @@ func TestSubscribeWithAShortStatementTimeoutCopiesALargeBacklog(t *testing.T) {
 
 // A publish whose transaction stays open across a topic's first binding,
 // longer than the binding waits for it (a long import during a new
-// service's deploy), stores its message for no group. The running
-// subscription adopts it once that transaction commits, on every claim
-// path, instead of leaving it to the next Subscribe or Bind.
+// service's deploy), stores its message for no group. The subscriber adopts
+// it once that transaction commits, on every claim path, instead of leaving
+// it to the next Subscribe or Bind: whether its Subscribe made the binding,
+// or BindSubscribers (cqrsbind's deploy step) did before it started.
 func TestAPublishOpenLongerThanTheFirstBindingWaitsReachesTheGroup(t *testing.T) {
 	t.Parallel()
-	onEachClaimPath(t, func(t *testing.T, path string) {
-		b := setup(t)
-		ctx := context.Background()
-		qtable := pgx.Identifier{b.Schema, "outbox"}.Sanitize()
-		testhook.SetBindWriterWait(qtable, 200*time.Millisecond)
-		t.Cleanup(func() { testhook.SetBindWriterWait(qtable, 0) })
+	for _, by := range []string{"Subscribe", "BindSubscribers"} {
+		t.Run(by, func(t *testing.T) {
+			t.Parallel()
+			onEachClaimPath(t, func(t *testing.T, path string) {
+				b := setup(t)
+				ctx := context.Background()
+				qtable := pgx.Identifier{b.Schema, "outbox"}.Sanitize()
+				testhook.SetBindWriterWait(qtable, 200*time.Millisecond)
+				t.Cleanup(func() { testhook.SetBindWriterWait(qtable, 0) })
 
-		importTx, err := b.Pool.Begin(ctx)
-		require.NoError(t, err)
-		defer importTx.Rollback(ctx)
-		pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(importTx), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
-		require.NoError(t, err)
-		imported := newMsg("imported")
-		require.NoError(t, pub.Publish("imports", imported))
+				importTx, err := b.Pool.Begin(ctx)
+				require.NoError(t, err)
+				defer importTx.Rollback(ctx)
+				imported := newMsg("imported")
+				publishIn(t, b, importTx, "imports", imported)
 
-		audit := b.groupSubscriber(t, "audit", func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c) })
-		subCtx, cancel := context.WithCancel(ctx)
-		defer cancel()
-		msgs, err := audit.Subscribe(subCtx, "imports") // the first binding; its wait for the import ends
-		require.NoError(t, err)
-		require.NoError(t, importTx.Commit(ctx))
-		got := receive(t, msgs, 15*time.Second)
-		require.Equal(t, imported.UUID, got.UUID)
-		got.Ack()
-	})
-}
-
-// The same through BindSubscribers (cqrsbind's deploy step) before the
-// subscribers start: the first subscriber takes the late publish in once it
-// ends, though its own Subscribe binds nothing new.
-func TestAPublishOpenLongerThanBindSubscribersWaitReachesTheGroup(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
-	ctx := context.Background()
-	qtable := pgx.Identifier{b.Schema, "outbox"}.Sanitize()
-	testhook.SetBindWriterWait(qtable, 200*time.Millisecond)
-	t.Cleanup(func() { testhook.SetBindWriterWait(qtable, 0) })
-	importTx, err := b.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer importTx.Rollback(ctx)
-	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(importTx), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
-	require.NoError(t, err)
-	imported := newMsg("imported")
-	require.NoError(t, pub.Publish("imports", imported))
-
-	audit := b.groupSubscriber(t, "audit", nil)
-	require.NoError(t, pgoutbox.BindSubscribers(ctx, "imports", audit))
-	msgs, err := audit.Subscribe(ctx, "imports")
-	require.NoError(t, err)
-	require.NoError(t, importTx.Commit(ctx))
-	got := receive(t, msgs, 15*time.Second)
-	require.Equal(t, imported.UUID, got.UUID)
-	got.Ack()
+				audit := b.groupSubscriber(t, "audit", func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c) })
+				if by == "BindSubscribers" {
+					require.NoError(t, pgoutbox.BindSubscribers(ctx, "imports", audit)) // its wait for the import ends
+				}
+				subCtx, cancel := context.WithCancel(ctx)
+				defer cancel()
+				msgs, err := audit.Subscribe(subCtx, "imports")
+				require.NoError(t, err)
+				require.NoError(t, importTx.Commit(ctx))
+				got := receive(t, msgs, 15*time.Second)
+				require.Equal(t, imported.UUID, got.UUID)
+				got.Ack()
+			})
+		})
+	}
 }
 
 // A publish open across a StartFromBacklog binding for longer than the
 // binding's wait for it stores its message for the groups it saw: the new
-// group's backlog copy waits for it, so that it sees that message, whether
-// the group bound through Subscribe or Bind. The publish writes one message
-// before the binding, one in a savepoint, and one after the binding (which
-// it sees: that message reaches the group once, not twice).
+// group's backlog copy waits for it (Subscribe, BindSubscribers) or is left
+// to the group's next binding (Bind), so that it sees that message. The
+// publish writes one message before the binding, one in a savepoint, and
+// one after the binding (which it sees: that message reaches the group
+// once).
 func TestAPublishOpenLongerThanABacklogBindingsWaitReachesTheNewGroup(t *testing.T) {
 	t.Parallel()
 	type run struct {
@@ -917,10 +897,10 @@ func TestAPublishOpenLongerThanABacklogBindingsWaitReachesTheNewGroup(t *testing
 		r.importTx, err = b.Pool.Begin(ctx)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = r.importTx.Rollback(ctx) })
-		publishIn(t, b, r.importTx, r.imported) // for billing alone: audit is not bound yet
-		save, err := r.importTx.Begin(ctx)      // a savepoint, released
+		publishIn(t, b, r.importTx, "orders", r.imported) // for billing alone: audit is not bound yet
+		save, err := r.importTx.Begin(ctx)                // a savepoint, released
 		require.NoError(t, err)
-		publishIn(t, b, save, r.inSave)
+		publishIn(t, b, save, "orders", r.inSave)
 		require.NoError(t, save.Commit(ctx))
 		return r
 	}
@@ -931,7 +911,7 @@ func TestAPublishOpenLongerThanABacklogBindingsWaitReachesTheNewGroup(t *testing
 			return r.b.count(t, `SELECT count(*) FROM `+r.b.Schema+`.outbox_bindings WHERE topic = 'orders' AND consumer_group = 'audit'`) == 1
 		})
 		after := newMsg("after the binding")
-		publishIn(t, r.b, r.importTx, after)
+		publishIn(t, r.b, r.importTx, "orders", after)
 		require.NoError(t, r.importTx.Commit(context.Background()))
 		return after
 	}
@@ -1000,12 +980,12 @@ func TestAPublishOpenLongerThanABacklogBindingsWaitReachesTheNewGroup(t *testing
 	})
 }
 
-// publishIn publishes m in the transaction t.
-func publishIn(t *testing.T, b *bundle, t2 pgx.Tx, m *message.Message) {
+// publishIn publishes m to topic in the transaction in.
+func publishIn(t *testing.T, b *bundle, in pgx.Tx, topic string, m *message.Message) {
 	t.Helper()
-	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(t2), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(in), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
 	require.NoError(t, err)
-	require.NoError(t, pub.Publish("orders", m))
+	require.NoError(t, pub.Publish(topic, m))
 }
 
 // An outbox of the previous release: topic "orders" has the default group

@@ -293,7 +293,7 @@ func TestArrivalsWithTxMiddleware(t *testing.T) {
 		startRouter(t, r)
 		require.NoError(t, b.poolPublisher(t).Publish(in, newMsgs(30)...))
 		require.Eventually(t, func() bool {
-			return b.arrivals(t, in)+b.outboxRows(t, in) == 0 && b.arrivals(t, out) == 30
+			return b.waiting(t, in) == 0 && b.arrivals(t, out) == 30
 		}, 15*time.Second, 20*time.Millisecond)
 		mu.Lock()
 		defer mu.Unlock()

@@ -45,6 +45,17 @@ func (b *bundle) arrivals(t testing.TB, topic string) int {
 	return b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_arrivals WHERE topic = $1`, topic)
 }
 
+// waiting counts the messages of topic not yet acked: the outbox's rows
+// and, with arrivals, the arrivals, in one statement: counted one after the
+// other, an arrival a claim moved into the outbox between the two counts
+// was in neither.
+func (b *bundle) waiting(t testing.TB, topic string) int {
+	if !b.tables.Arrivals {
+		return b.outboxRows(t, topic)
+	}
+	return b.count(t, `SELECT (SELECT count(*) FROM `+b.Schema+`.outbox WHERE topic = $1) + (SELECT count(*) FROM `+b.Schema+`.outbox_arrivals WHERE topic = $1)`, topic)
+}
+
 // sortedUUIDs returns the UUIDs of the messages of every batch, sorted, as
 // consumeGroup returns what it took.
 func sortedUUIDs(batches ...[]*message.Message) []string {

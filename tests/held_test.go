@@ -830,7 +830,7 @@ func heldBatchWhoseConnectionIsKilled(t *testing.T, b *bundle) {
 	}
 
 	pollUntil(t, "outbox empty", 30*time.Second, nil, func() bool {
-		return b.outboxRows(t, "t") == 0 && (!b.tables.Arrivals || b.arrivals(t, "t") == 0)
+		return b.waiting(t, "t") == 0
 	})
 	for _, u := range published {
 		require.GreaterOrEqual(t, handled.get(u), 1, "message %s never handled", u)
@@ -957,7 +957,7 @@ func heldCloseWhileABatchIsOpen(t *testing.T, b *bundle) {
 	}
 	require.Equal(t, back, got)
 	pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool {
-		return b.outboxRows(t, topic) == 0 && (!b.tables.Arrivals || b.arrivals(t, topic) == 0)
+		return b.waiting(t, topic) == 0
 	})
 }
 

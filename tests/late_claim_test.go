@@ -56,7 +56,7 @@ func leaseClaimHeldBack(t *testing.T, b *bundle) {
 	px.hold(hold)
 	b.publishInTx(t, "t", true, newMsgs(10)...)
 	pollUntil(t, "every message handled", hold+30*time.Second, nil, func() bool {
-		return b.outboxRows(t, "t") == 0 && (!b.tables.Arrivals || b.arrivals(t, "t") == 0)
+		return b.waiting(t, "t") == 0
 	})
 	got := seen.get()
 	var first []string

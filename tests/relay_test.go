@@ -460,11 +460,14 @@ func TestRelayARefusedMessageHoldsBackNoOther(t *testing.T) {
 	})
 	require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox WHERE uuid = $1`, refusing.refused), "the refused message stays in the outbox")
 	require.Positive(t, refusing.tries.Load())
-	// Its log line names it, for the operator to find it.
-	failed := logs.find("error", func(e logEntry) bool {
-		return strings.Contains(e.msg, "Relay publish failed") && strings.Contains(fmt.Sprint(e.fields["message_uuids"]), refusing.refused)
+	// A log line names it, for the operator to find it: the most tried
+	// message of a failed batch leads the names (it fails again at each of
+	// its retries while the others go through).
+	pollUntil(t, "a failure's log line naming the refused message", 30*time.Second, nil, func() bool {
+		return len(logs.find("error", func(e logEntry) bool {
+			return strings.Contains(e.msg, "Relay publish failed") && strings.Contains(fmt.Sprint(e.fields["message_uuids"]), refusing.refused)
+		})) > 0
 	})
-	require.NotEmpty(t, failed)
 }
 
 // errBrokerRefused stands for a broker's refusal of one message for good

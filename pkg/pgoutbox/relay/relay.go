@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -522,14 +523,32 @@ func (l *TopicLag) add(q pgoutbox.QueueStats) {
 	l.Age = max(l.Age, q.OldestReadyAge)
 }
 
-// batchUUIDs names the first messages of a failed batch for its log line:
-// a message the target refuses for good (too large for it, say) is retried
-// with every batch it lands in, and the operator needs its UUID to find it.
+// batchUUIDs names the messages of a failed batch for its log line, the
+// most tried first (with their attempt, from the second on): a message the
+// target refuses for good (too large for it, say) is retried with every
+// batch it lands in, so it leads the list however large the batch, and the
+// operator needs its UUID to find it. Five at most.
 func batchUUIDs(batch []*message.Message) string {
 	const most = 5
-	ids := make([]string, 0, most)
-	for _, m := range batch[:min(len(batch), most)] {
-		ids = append(ids, m.UUID)
+	type tried struct {
+		uuid    string
+		attempt int
+	}
+	all := make([]tried, len(batch))
+	for i, m := range batch {
+		all[i].uuid = m.UUID
+		if d, ok := pgoutbox.DeliveryOf(m); ok {
+			all[i].attempt = d.Attempt
+		}
+	}
+	slices.SortStableFunc(all, func(a, b tried) int { return b.attempt - a.attempt })
+	ids := make([]string, 0, most+1)
+	for _, m := range all[:min(len(all), most)] {
+		if m.attempt > 1 {
+			ids = append(ids, fmt.Sprintf("%s (attempt %d)", m.uuid, m.attempt))
+		} else {
+			ids = append(ids, m.uuid)
+		}
 	}
 	if len(batch) > most {
 		ids = append(ids, fmt.Sprintf("… %d more", len(batch)-most))

@@ -450,12 +450,7 @@ func TestCollectorBehindAnExclusiveLock(t *testing.T) {
 	reg.MustRegister(pgoutboxprom.NewCollector(tx.FromPgxPool(env.Pool), env.Tables, pgoutboxprom.Options{ScrapeTimeout: time.Second}))
 	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	t.Cleanup(srv.Close)
-	ctx := context.Background()
-	locker, err := pgx.Connect(ctx, env.DSN)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = locker.Close(context.Background()) })
-	_, err = locker.Exec(ctx, `BEGIN; LOCK TABLE `+pgx.Identifier{env.Schema, env.Tables.Table}.Sanitize()+` IN ACCESS EXCLUSIVE MODE`)
-	require.NoError(t, err)
+	env.LockOutbox(t)
 
 	body := scrape(t, srv)
 	outbox, dlq := env.Schema+".outbox", env.Schema+".outbox_dlq"

@@ -319,18 +319,7 @@ func closeAfterThePoolsConnectionsWereEnded(t *testing.T, b *bundle, path string
 func TestCloseGivesUpSoonOnADatabaseItCannotReach(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	px := startTCPProxy(t, b.DSN)
-	pool := px.pool(t, b, "unreachable-"+b.Schema, nil)
-	const n = 2
-	require.NoError(t, b.poolPublisher(t).Publish("t", newMsgs(n)...))
-	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, ClaimMode: pgoutbox.ClaimLease,
-		MaxInFlight: n, DrainTimeout: 100 * time.Millisecond, StatementTimeout: time.Minute, Lease: time.Hour}, b.logger)
-	require.NoError(t, err)
-	msgs, err := sub.Subscribe(context.Background(), "t")
-	require.NoError(t, err)
-	for range n {
-		receive(t, msgs, 10*time.Second)
-	}
+	px, sub, _ := leasedThroughProxy(t, b, 2, pgoutbox.SubscriberConfig{DrainTimeout: 100 * time.Millisecond, StatementTimeout: time.Minute}, b.logger)
 	px.cut() // every connection closed, new ones refused
 	closed := make(chan error, 1)
 	go func() { closed <- sub.Close() }()
@@ -349,21 +338,10 @@ func TestCloseGivesUpSoonOnADatabaseItCannotReach(t *testing.T) {
 func TestCloseWritesTheAcksAnOutageHeldBack(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	px := startTCPProxy(t, b.DSN)
-	pool := px.pool(t, b, "outage-close-"+b.Schema, nil)
 	const n = 8
-	require.NoError(t, b.poolPublisher(t).Publish("t", newMsgs(n)...))
 	logs := &logCapture{}
 	stmt := time.Second
-	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, ClaimMode: pgoutbox.ClaimLease,
-		MaxInFlight: n, DrainTimeout: time.Second, StatementTimeout: stmt, Lease: time.Hour}, logs)
-	require.NoError(t, err)
-	ch, err := sub.Subscribe(context.Background(), "t")
-	require.NoError(t, err)
-	var msgs []*message.Message
-	for range n {
-		msgs = append(msgs, receive(t, ch, 10*time.Second))
-	}
+	px, sub, msgs := leasedThroughProxy(t, b, n, pgoutbox.SubscriberConfig{DrainTimeout: time.Second, StatementTimeout: stmt}, logs)
 	px.cut()
 	for _, m := range msgs {
 		m.Ack()
@@ -384,29 +362,53 @@ func TestCloseWritesTheAcksAnOutageHeldBack(t *testing.T) {
 
 // After claims failed for a while (an outage), the first that succeeds is
 // logged at INFO: the outage's end and length show in the log, where the
-// failures were logged less and less often.
+// failures were logged less and less often. On every claim path.
 func TestClaimsThatSucceedAgainAfterAnOutageSaySo(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		px := startTCPProxy(t, b.DSN)
+		pool := px.pool(t, b, "claims-back-"+b.Schema, nil)
+		logs := &logCapture{}
+		cfg := pgoutbox.SubscriberConfig{Tables: b.tables, MinPollInterval: 10 * time.Millisecond, MaxPollInterval: 50 * time.Millisecond}
+		onPath(t, path, &cfg)
+		sub, err := pgoutbox.NewSubscriber(pool, cfg, logs)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = sub.Close() })
+		ch, err := sub.Subscribe(context.Background(), "t")
+		require.NoError(t, err)
+		px.cut()
+		failed := func() bool {
+			return len(logs.find("error", func(e logEntry) bool { return strings.HasPrefix(e.msg, "Claim failed") })) > 0
+		}
+		require.Eventually(t, failed, 30*time.Second, 10*time.Millisecond, "claims fail while the database is cut off")
+		time.Sleep(1100 * time.Millisecond) // the outage lasts past claimsBackAfter: its length, not a wait for an event
+		px.restore()
+		require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("after")))
+		receive(t, ch, 30*time.Second).Ack()
+		back := logs.find("info", func(e logEntry) bool { return e.msg == "Claims succeed again" })
+		require.NotEmpty(t, back)
+		require.NotEmpty(t, back[0].fields["failing_for"])
+	})
+}
+
+// leasedThroughProxy publishes n messages to topic "t" and receives them
+// with a lease-path subscriber whose connections pass a proxy the test can
+// cut: cfg with the outbox's tables, ClaimLease, MaxInFlight n and a Lease
+// of an hour (nothing expires during the test).
+func leasedThroughProxy(t *testing.T, b *bundle, n int, cfg pgoutbox.SubscriberConfig, logger watermill.LoggerAdapter) (*tcpProxy, *pgoutbox.Subscriber, []*message.Message) {
+	t.Helper()
 	px := startTCPProxy(t, b.DSN)
-	pool := px.pool(t, b, "claims-back-"+b.Schema, nil)
-	logs := &logCapture{}
-	sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, ClaimMode: pgoutbox.ClaimLease,
-		MinPollInterval: 10 * time.Millisecond, MaxPollInterval: 50 * time.Millisecond}, logs)
+	pool := px.pool(t, b, "leased-"+b.Schema, nil)
+	require.NoError(t, b.poolPublisher(t).Publish("t", newMsgs(n)...))
+	cfg.Tables, cfg.ClaimMode, cfg.MaxInFlight, cfg.Lease = b.tables, pgoutbox.ClaimLease, n, time.Hour
+	sub, err := pgoutbox.NewSubscriber(pool, cfg, logger)
 	require.NoError(t, err)
-	t.Cleanup(func() { _ = sub.Close() })
 	ch, err := sub.Subscribe(context.Background(), "t")
 	require.NoError(t, err)
-	px.cut()
-	failed := func() bool {
-		return len(logs.find("error", func(e logEntry) bool { return strings.HasPrefix(e.msg, "Claim failed") })) > 0
+	msgs := make([]*message.Message, 0, n)
+	for range n {
+		msgs = append(msgs, receive(t, ch, 10*time.Second))
 	}
-	require.Eventually(t, failed, 30*time.Second, 10*time.Millisecond, "claims fail while the database is cut off")
-	time.Sleep(1100 * time.Millisecond) // the outage lasts past claimsBackAfter
-	px.restore()
-	require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("after")))
-	receive(t, ch, 30*time.Second).Ack()
-	back := logs.find("info", func(e logEntry) bool { return e.msg == "Claims succeed again" })
-	require.NotEmpty(t, back)
-	require.NotEmpty(t, back[0].fields["failing_for"])
+	return px, sub, msgs
 }

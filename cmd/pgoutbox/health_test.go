@@ -94,12 +94,7 @@ func TestCommandsBehindAnExclusiveLock(t *testing.T) {
 	t.Parallel()
 	env := pgoutboxtest.PubSub(t)
 	publish(t, env, "orders", "a")
-	ctx := context.Background()
-	locker, err := pgx.Connect(ctx, env.DSN)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = locker.Close(context.Background()) })
-	_, err = locker.Exec(ctx, `BEGIN; LOCK TABLE `+pgx.Identifier{env.Schema, env.Tables.Table}.Sanitize()+` IN ACCESS EXCLUSIVE MODE`)
-	require.NoError(t, err)
+	env.LockOutbox(t)
 
 	out, errOut, code := cliRun(t, env, "health")
 	require.Equal(t, 0, code, errOut)

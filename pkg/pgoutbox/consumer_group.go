@@ -1003,6 +1003,7 @@ func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) err
 	// first of them gives the set its pool and timeout.
 	type set struct {
 		s       *Subscriber
+		outbox  string   // Subscriber.outbox
 		fresh   []string // the groups of StartFromNew
 		backlog []string // the groups of StartFromBacklog
 	}
@@ -1011,9 +1012,10 @@ func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) err
 		if s == nil {
 			return fmt.Errorf("%w: a nil *Subscriber to bind to topic %q", ErrInvalidConfig, topic)
 		}
-		i := slices.IndexFunc(sets, func(o *set) bool { return o.s.outbox() == s.outbox() })
+		outbox := s.outbox()
+		i := slices.IndexFunc(sets, func(o *set) bool { return o.outbox == outbox })
 		if i < 0 {
-			sets, i = append(sets, &set{s: s}), len(sets)
+			sets, i = append(sets, &set{s: s, outbox: outbox}), len(sets)
 		}
 		groups := &sets[i].fresh
 		if s.cfg.StartFrom == StartFromBacklog {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -212,6 +213,23 @@ func (e *Env) TxPublisher(t testing.TB, exec tx.Executor) *pgoutbox.Publisher {
 
 // Exec returns an executor on Pool, for the assertions.
 func (e *Env) Exec() tx.Executor { return tx.FromPgxPool(e.Pool) }
+
+// LockOutbox takes an ACCESS EXCLUSIVE lock on the test's outbox table, in
+// a transaction of a connection of its own, as a migration's ALTER TABLE or
+// a VACUUM FULL would, and holds it until the test ends: for tests of what
+// health checks, metrics and operator tools do behind such a lock.
+func (e *Env) LockOutbox(t testing.TB) {
+	t.Helper()
+	ctx := context.Background()
+	locker, err := pgx.Connect(ctx, e.DSN)
+	if err != nil {
+		t.Fatalf("pgoutboxtest: connect to lock the outbox: %v", err)
+	}
+	t.Cleanup(func() { _ = locker.Close(context.Background()) })
+	if _, err := locker.Exec(ctx, `BEGIN; LOCK TABLE `+pgx.Identifier{e.Schema, e.Tables.Table}.Sanitize()+` IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatalf("pgoutboxtest: lock the outbox: %v", err)
+	}
+}
 
 // newPool opens a pool closed when the test ends; with search_path set to
 // searchSchema, public when searchSchema is not empty.

@@ -17,7 +17,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -640,12 +639,7 @@ func TestPagesBehindAnExclusiveLockGiveUpAndSayWhy(t *testing.T) {
 	b := setupWith(t, pgoutboxui.Options{PageTimeout: 500 * time.Millisecond})
 	publish(t, b, "t", msg("a"))
 	b.deadLetters(t, "t", "", "rejected", 1, "boom")
-	ctx := context.Background()
-	locker, err := pgx.Connect(ctx, b.env.DSN)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = locker.Close(context.Background()) })
-	_, err = locker.Exec(ctx, `BEGIN; LOCK TABLE `+pgx.Identifier{b.env.Schema, b.env.Tables.Table}.Sanitize()+` IN ACCESS EXCLUSIVE MODE`)
-	require.NoError(t, err)
+	b.env.LockOutbox(t)
 
 	for range 3 { // more than the pool's connections would have stuck
 		code, body := b.get(t, "group?topic=t&group=")

@@ -868,6 +868,52 @@ func TestAPublishOpenLongerThanTheFirstBindingWaitsReachesTheGroup(t *testing.T)
 	}
 }
 
+// Bind cannot adopt what a publish open across the topic's first binding
+// stores after its wait: its result names that publish, the message waits
+// unbound, and the next Bind hands it to the group.
+func TestBindNamesThePublishesStillOpenAcrossTheFirstBinding(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	qtable := pgx.Identifier{b.Schema, "outbox"}.Sanitize()
+	testhook.SetBindWriterWait(qtable, time.Millisecond)
+	t.Cleanup(func() { testhook.SetBindWriterWait(qtable, 0) })
+
+	importTx, err := b.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer importTx.Rollback(ctx)
+	imported := newMsg("imported")
+	publishIn(t, b, importTx, "imports", imported)
+	var vxid string
+	require.NoError(t, importTx.QueryRow(ctx, `SELECT virtualtransaction FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'virtualxid'`).Scan(&vxid))
+
+	exec := tx.FromPgxPool(b.Pool)
+	res, err := pgoutbox.BindGroups(ctx, exec, b.tables, "imports", []string{"audit"})
+	require.NoError(t, err)
+	require.Equal(t, []string{"audit"}, res.New)
+	require.Equal(t, []string{vxid}, res.StillPublishing)
+	require.NoError(t, importTx.Commit(ctx))
+
+	stats, err := pgoutbox.Stats(ctx, exec, b.tables, pgoutbox.StatsForTopic("imports"))
+	require.NoError(t, err)
+	var unbound int64
+	for _, s := range stats {
+		unbound += s.Unbound()
+	}
+	require.EqualValues(t, 1, unbound, "the import's message waits for a binding: %+v", stats)
+
+	res, err = pgoutbox.BindGroups(ctx, exec, b.tables, "imports", []string{"audit"})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, res.Adopted)
+	require.Empty(t, res.StillPublishing)
+	sub := b.groupSubscriber(t, "audit", nil)
+	msgs, err := sub.Subscribe(ctx, "imports")
+	require.NoError(t, err)
+	got := receive(t, msgs, 15*time.Second)
+	require.Equal(t, imported.UUID, got.UUID)
+	got.Ack()
+}
+
 // A publish open across a StartFromBacklog binding for longer than the
 // binding's wait for it stores its message for the groups it saw: the new
 // group's backlog copy waits for it (Subscribe, BindSubscribers) or is left

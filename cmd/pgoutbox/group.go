@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"strings"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -58,6 +59,7 @@ func (c *cli) bindCmd(args []string) error {
 		if res.Adopted > 0 {
 			fmt.Fprintf(c.stdout, "%d message(s) published while nothing consumed the topic went to the groups bound now\n", res.Adopted)
 		}
+		printStillPublishing(c.stdout, *topic, res.StillPublishing)
 		for _, s := range before {
 			if *group == "" && s.ConsumerGroup == "" && !s.Bound && s.Unbound() > 0 {
 				fmt.Fprintf(c.stdout, "%d message(s) published while nothing was bound stay in the default group, which is bound now\n", s.Unbound())
@@ -204,4 +206,16 @@ func (c *cli) unbindCmd(args []string) error {
 		fmt.Fprintln(c.stdout)
 		return nil
 	})
+}
+
+// printStillPublishing warns of publishes that were open across a topic's
+// first binding and outlasted the wait for them: what they commit waits
+// unbound for the next binding of the topic.
+func printStillPublishing(w io.Writer, topic string, ids []string) {
+	if len(ids) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "warning: %d transaction(s) publishing to the outbox were still open when the wait for them ended (virtual ids %s; pg_stat_activity shows them): "+
+		"what they commit is bound to no group yet; run pgoutbox bind --topic %s again once they ended, or start a subscriber of the topic, and it goes to the groups bound\n",
+		len(ids), strings.Join(ids, ", "), shellArg(topic))
 }

@@ -391,6 +391,19 @@ func TestBindUnbind(t *testing.T) {
 	require.Contains(t, out, "deleted 1")
 }
 
+// bind names the publishes that outlasted its wait at a topic's first
+// binding, and says how their messages reach the group (the binding
+// itself: tests/TestBindNamesThePublishesStillOpenAcrossTheFirstBinding).
+func TestBindWarnsOfPublishesStillOpen(t *testing.T) {
+	var out bytes.Buffer
+	printStillPublishing(&out, "orders placed", nil)
+	require.Empty(t, out.String())
+	printStillPublishing(&out, "orders placed", []string{"4/17", "5/2"})
+	require.Contains(t, out.String(), "warning: 2 transaction(s) publishing to the outbox were still open")
+	require.Contains(t, out.String(), "(virtual ids 4/17, 5/2;")
+	require.Contains(t, out.String(), "run pgoutbox bind --topic 'orders placed' again once they ended")
+}
+
 // Messages published while nothing consumed a topic: stats warns, bind
 // says the new group got them; a group unbound with messages left is
 // warned about, and move hands its messages on.

@@ -103,6 +103,15 @@ type BindResult struct {
 	// copies the other first groups of a fresh topic get of the default
 	// group's messages when "" is among them).
 	Copied int64
+	// StillPublishing lists the transactions (their virtual ids, as
+	// pg_locks and pg_stat_activity show them) that were publishing to the
+	// outbox across the topic's first binding and were still open when
+	// the wait for them (10 s) ended. What they commit was stored for no
+	// group: it stays unbound (Stats shows it) until the next Bind or
+	// Subscribe of the topic hands it to the groups bound then. Empty when
+	// none, and always from Subscribe, which hands it over itself once
+	// they end.
+	StillPublishing []string
 
 	// late is what the binding leaves to the transactions that were
 	// writing to the outbox across it and were still open when the wait
@@ -184,7 +193,9 @@ func Bind(ctx context.Context, exec tx.Executor, tables schema.Config, topic, gr
 // exec's transaction (exec.InTx) the binding becomes visible only at
 // commit, so Bind cannot wait: what such publishes store after the commit
 // stays unbound, shown by Stats, until the next Bind of the topic (every
-// Subscribe binds).
+// Subscribe binds). So does what a publish still open after the wait
+// stores, when the binding is the topic's first: the result names those
+// publishes (BindResult.StillPublishing).
 //
 // With BindStartFrom(StartFromBacklog), a group whose binding is new also
 // gets the topic's current backlog (see StartFromBacklog); the copy runs
@@ -220,6 +231,11 @@ func BindGroups(ctx context.Context, exec tx.Executor, tables schema.Config, top
 	res, err := bindFirstWithDefault(ctx, exec, q, topic, groups, o.from, 0, nil)
 	if err != nil {
 		return res, errorf("pgoutbox: bind groups %q to topic %q: %w", groups, topic, err)
+	}
+	if res.late.pending() {
+		if err := json.Unmarshal([]byte(res.late.writers), &res.StillPublishing); err != nil {
+			return res, errorf("pgoutbox: groups %q are bound to topic %q, but reading which publishes were still open failed: %w", groups, topic, err)
+		}
 	}
 	return res, nil
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
 // Close waits for an in-flight message's verdict (within DrainTimeout) and
@@ -170,6 +171,28 @@ func TestClosedPoolEndsTheSubscription(t *testing.T) {
 	m := receive(t, again, 15*time.Second)
 	require.Equal(t, held.UUID, m.UUID)
 	m.Ack()
+}
+
+// Subscribe and Publish on a pool closed before them say so, with what to
+// do, rather than pgxpool's bare "closed pool".
+func TestSubscribeAndPublishOnAClosedPoolSaySo(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pool, err := pgxpool.New(context.Background(), b.DSN)
+	require.NoError(t, err)
+	sub := b.subscriberOn(t, pool, nil)
+	pool.Close()
+	_, err = sub.Subscribe(context.Background(), "t")
+	require.Error(t, err)
+	require.Contains(t, err.Error(), `pgoutbox: Subscribe to "t": `)
+	require.Contains(t, err.Error(), "the pgxpool.Pool given to pgoutbox was closed: close the Subscribers and Publishers of a pool")
+
+	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(pool), pgoutbox.PublisherConfig{Tables: b.tables}, nil)
+	require.NoError(t, err)
+	err = pub.Publish("t", newMsg("a"))
+	require.Error(t, err)
+	require.Contains(t, err.Error(), `pgoutbox: publish to "t"`)
+	require.Contains(t, err.Error(), "the pgxpool.Pool given to pgoutbox was closed")
 }
 
 // Close ends a Subscribe that waits for an unreachable database (a server

@@ -8,6 +8,7 @@ import (
 	"math"
 	"os"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -72,6 +73,9 @@ func (c *cli) newCommand(name, usage, examples string, readCmd bool) *command {
 		}
 		arrivals = b
 	}
+	if bad := misspeltEnv(os.Environ()); bad != "" {
+		cmd.envErr = usagef(name, "%s", bad)
+	}
 	fs.BoolVar(&cmd.arrivals, "arrivals", arrivals, "the outbox has an arrivals table ($PGOUTBOX_ARRIVALS); every single-table outbox has one from schema version 7 and the commands find it themselves, so this is only needed for an outbox of an earlier version that is being given one")
 	fs.Var(&cmd.rotating, "rotating", "the outbox is a rotating one ($PGOUTBOX_ROTATING); schema sql and apply make one so; other commands read it from the database when not given")
 	if readCmd {
@@ -91,6 +95,27 @@ func (c *cli) newCommand(name, usage, examples string, readCmd bool) *command {
 		fmt.Fprintf(c.stdout, "\n%s", exitCodesHelp)
 	}
 	return cmd
+}
+
+// envNames are the variables the commands read.
+var envNames = []string{"PGOUTBOX_DSN", "PGOUTBOX_SCHEMA", "PGOUTBOX_TABLE", "PGOUTBOX_DLQ_TABLE", "PGOUTBOX_NO_DLQ",
+	"PGOUTBOX_ROTATING", "PGOUTBOX_ARRIVALS", uiPasswordEnv, "POSTGRES_DSN"}
+
+// misspeltEnv names a variable of environ that is one of envNames spelt
+// with other case or underscores (pgoutbox_schema, PGOUTBOX_DLQTABLE), or
+// "": read by nobody, it would leave a command on the default outbox
+// without a word, where the library's *ConfigFromEnv refuse it.
+func misspeltEnv(environ []string) string {
+	squash := func(s string) string { return strings.ToUpper(strings.ReplaceAll(s, "_", "")) }
+	for _, kv := range environ {
+		key, _, _ := strings.Cut(kv, "=")
+		for _, known := range envNames {
+			if key != known && squash(key) == squash(known) && !slices.Contains(envNames, key) {
+				return fmt.Sprintf("%s is not read (a misspelling?); use %s, or unset it", key, known)
+			}
+		}
+	}
+	return ""
 }
 
 // parse parses args, flags and positional arguments in any order, and
@@ -150,11 +175,16 @@ func (cmd *command) tables() (schema.Config, error) {
 // connect opens a pool on the DSN from --dsn, PGOUTBOX_DSN or POSTGRES_DSN.
 func (cmd *command) connect(ctx context.Context) (*pgxpool.Pool, tx.Executor, error) {
 	dsn := cmd.dsn
-	if dsn == "" {
-		dsn = os.Getenv("PGOUTBOX_DSN")
+	if cmd.given("dsn") && strings.TrimSpace(dsn) == "" {
+		// pgx reads a blank DSN as every default: the local server's
+		// socket, as the operating system's user.
+		return nil, nil, usagef(cmd.name, "--dsn is blank; give the database's DSN (e.g. postgres://user@host:5432/db?sslmode=disable), or leave --dsn out to use PGOUTBOX_DSN or POSTGRES_DSN")
 	}
 	if dsn == "" {
-		dsn = os.Getenv("POSTGRES_DSN")
+		dsn = strings.TrimSpace(os.Getenv("PGOUTBOX_DSN"))
+	}
+	if dsn == "" {
+		dsn = strings.TrimSpace(os.Getenv("POSTGRES_DSN"))
 	}
 	if dsn == "" {
 		return nil, nil, usagef(cmd.name, "no database given; pass --dsn or set PGOUTBOX_DSN (e.g. postgres://user@host:5432/db?sslmode=disable)")

@@ -115,6 +115,18 @@ func TestBadInputExitsTwo(t *testing.T) {
 	require.Contains(t, errOut, `PGOUTBOX_NO_DLQ="maybe" is not valid; use true or false`)
 	_, errOut, code = cliRunEnv(t, []string{"PGOUTBOX_NO_DLQ=false"}, "stats", "--dsn", env.DSN, "--schema", env.Schema)
 	require.Equal(t, 0, code, errOut)
+
+	// A variable of the commands spelt otherwise is read by nobody: the
+	// command would act on the default outbox. Nothing is published.
+	for _, v := range []string{"pgoutbox_schema=" + env.Schema, "PGOUTBOX_DLQTABLE=dead", "Pgoutbox_Dsn=" + env.DSN} {
+		_, errOut, code = cliRunEnv(t, []string{v}, "publish", "--topic", "misspelt", "--payload", "x", "--dsn", env.DSN, "--schema", env.Schema)
+		require.Equal(t, exitUsage, code, "%s: %s", v, errOut)
+		require.Contains(t, errOut, "is not read (a misspelling?); use PGOUTBOX_", v)
+	}
+	pgoutboxtest.RequireNotPublished(t, env.Exec(), "misspelt", pgoutboxtest.InTables(env.Tables))
+	_, errOut, code = cliRun(t, nil, "stats", "--dsn", " ")
+	require.Equal(t, exitUsage, code, errOut)
+	require.Contains(t, errOut, "--dsn is blank")
 }
 
 // A missing table says how to create it, with the prefix once.

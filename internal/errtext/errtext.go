@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/jackc/puddle/v2"
 )
 
 // Prefix begins every pgoutbox error text.
@@ -53,7 +55,7 @@ const pgbouncerHint = " (behind PgBouncer in transaction pooling mode, set defau
 // error whose message alone would not tell it: a prepared statement that
 // does not exist (26000) or exists already (42P05), a statement the
 // server's statement_timeout cancelled (57014), a read-only server or role
-// (25006), an index entry too long (54000). Other errors, and nil, come
+// (25006), an index entry too long (54000), a closed pgxpool.Pool. Other errors, and nil, come
 // back as they are.
 func WithHint(err error) error {
 	h := Hint(err)
@@ -100,9 +102,15 @@ func Hint(err error) string {
 		return olderSchemaHint
 	case code == "42P01" && strings.Contains(err.Error(), `_arrivals" does not exist`):
 		return noArrivalsHint
+	case code == "" && errors.Is(err, puddle.ErrClosedPool):
+		return closedPoolHint
 	}
 	return ""
 }
+
+// closedPoolHint is what pgxpool's bare "closed pool" means to whoever
+// gave the pool to a Subscriber or Publisher.
+const closedPoolHint = " (the pgxpool.Pool given to pgoutbox was closed: close the Subscribers and Publishers of a pool, or end their contexts, before closing it, and give new ones an open pool)"
 
 // olderSchemaHint is what a column pgoutbox names but the outbox lacks
 // means: the library was upgraded before the outbox's migration ran.

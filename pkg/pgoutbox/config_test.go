@@ -316,6 +316,15 @@ func TestPublisherConfigValidate(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidConfig)
 	require.Contains(t, err.Error(), "StatementTimeout is 1ns; it must be at least 1ms")
 	require.NoError(t, PublisherConfig{StatementTimeout: MinDuration}.Validate())
+	// NewPublisher refuses what Validate refuses: a pool publisher built
+	// with 10ns failed every Publish, blaming the pool.
+	for d, want := range map[time.Duration]string{10: "StatementTimeout is 10ns; it must be at least 1ms", 1000 * time.Hour: "PostgreSQL's limit for statement_timeout"} {
+		_, err = NewPublisher(tx.FromPgxPool(nil), PublisherConfig{StatementTimeout: d}, nil)
+		require.ErrorIs(t, err, ErrInvalidConfig)
+		require.Contains(t, err.Error(), want)
+	}
+	_, err = NewPublisher(tx.FromPgxPool(nil), PublisherConfig{StatementTimeout: MinDuration}, nil)
+	require.NoError(t, err)
 }
 
 // NewSubscriber reports only the values its caller set, as Validate does:

@@ -71,7 +71,8 @@ func NewPublisher(exec tx.Executor, config PublisherConfig, logger watermill.Log
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	if config.StatementTimeout < 0 || config.NotifyCooldown < 0 && config.NotifyCooldown != NotifyEveryPublish || config.MaxPayloadBytes < NoPayloadLimit {
+	if config.StatementTimeout < 0 || config.StatementTimeout > 0 && config.StatementTimeout < MinDuration || config.StatementTimeout > MaxStatementTimeout ||
+		config.NotifyCooldown < 0 && config.NotifyCooldown != NotifyEveryPublish || config.MaxPayloadBytes < NoPayloadLimit {
 		// Built only when wrong: a Publisher per transaction is the common use.
 		problems := &configError{}
 		config.valueProblems(problems)

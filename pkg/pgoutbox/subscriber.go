@@ -123,6 +123,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	late, clock, err := s.setUp(ctx, topic)
 	if err != nil {
+		if !strings.HasPrefix(err.Error(), errtext.Prefix) {
+			err = fmt.Errorf("pgoutbox: Subscribe to %q: %w", topic, err) // a driver's error, such as pgxpool's "closed pool"
+		}
 		return nil, errtext.WithHint(err)
 	}
 	s.mu.Lock()

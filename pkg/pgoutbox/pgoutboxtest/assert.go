@@ -6,13 +6,16 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
 	"sort"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -25,8 +28,9 @@ import (
 type Filter func(*criteria)
 
 type criteria struct {
-	tables schema.Config
-	count  int // -1: at least one
+	tables    schema.Config
+	tablesSet bool // InTables was given
+	count     int  // -1: at least one
 	// problem is a misuse of the filters, which fails the assertion.
 	problem string
 	preds   []predicate
@@ -103,16 +107,40 @@ func WithUUID(uuid string) Filter {
 }
 
 // InTables reads the outbox of c instead of the default one (table
-// "outbox" in schema "public"). The Env methods set it to Env.Tables.
-func InTables(c schema.Config) Filter { return func(cr *criteria) { cr.tables = c } }
+// "outbox" in schema "public", or the Env's when the executor is
+// Env.Exec()). The Env methods set it to Env.Tables.
+func InTables(c schema.Config) Filter {
+	return func(cr *criteria) { cr.tables, cr.tablesSet = c, true }
+}
 
-func newCriteria(filters []Filter) *criteria {
+// envTables maps the executor of each live Env (Env.Exec) to its tables:
+// an assertion given it reads the test's outbox, not public.outbox, which
+// may exist in a test database and hold nothing of the test's.
+var envTables sync.Map
+
+func newCriteria(exec tx.Executor, filters []Filter) *criteria {
 	c := &criteria{count: -1}
 	for _, f := range filters {
 		f(c)
 	}
+	if !c.tablesSet && exec != nil && reflect.TypeOf(exec).Comparable() {
+		if t, ok := envTables.Load(exec); ok {
+			c.tables = t.(schema.Config)
+		}
+	}
 	c.tables = c.tables.WithDefaults()
 	return c
+}
+
+// missingHint is what a missing outbox table means when no InTables
+// named it: the default one was read.
+func (c *criteria) missingHint(err error) string {
+	var pgErr *pgconn.PgError
+	if c.tablesSet || !errors.As(err, &pgErr) || pgErr.Code != "42P01" {
+		return ""
+	}
+	return " (with no InTables the assertions read the default outbox, unless the executor is an Env's: " +
+		"pass env.Exec() or InTables(env.Tables), or use the Env's methods, env.RequirePublished)"
 }
 
 func (c *criteria) describe() string {
@@ -229,15 +257,15 @@ func published(exec tx.Executor, c *criteria, topic string) ([]row, error) {
 // transaction published before it commits; on a pool
 // (tx.FromPgxPool(env.Pool)) it sees what was committed. A message that
 // was consumed and acked is no longer in the outbox. The outbox is table
-// "outbox" in schema "public" unless InTables says otherwise (Env's
-// RequirePublished sets it). On failure the message lists what the topic
+// "outbox" in schema "public" unless InTables says otherwise, or exec is
+// an Env's (Env.Exec): then its outbox. On failure the message lists what the topic
 // does hold.
 func RequirePublished(t testing.TB, exec tx.Executor, topic string, filters ...Filter) []*message.Message {
 	t.Helper()
-	c := newCriteria(filters)
+	c := newCriteria(exec, filters)
 	all, err := published(exec, c, topic)
 	if err != nil {
-		t.Fatalf("pgoutboxtest: read the outbox %s.%s: %v", c.tables.Schema, c.tables.Table, err)
+		t.Fatalf("pgoutboxtest: read the outbox %s.%s: %v%s", c.tables.Schema, c.tables.Table, err, c.missingHint(err))
 		return nil
 	}
 	var match []*message.Message
@@ -263,10 +291,10 @@ func RequirePublished(t testing.TB, exec tx.Executor, topic string, filters ...F
 // Count is ignored. See RequirePublished for what it reads.
 func RequireNotPublished(t testing.TB, exec tx.Executor, topic string, filters ...Filter) {
 	t.Helper()
-	c := newCriteria(filters)
+	c := newCriteria(exec, filters)
 	all, err := published(exec, c, topic)
 	if err != nil {
-		t.Fatalf("pgoutboxtest: read the outbox %s.%s: %v", c.tables.Schema, c.tables.Table, err)
+		t.Fatalf("pgoutboxtest: read the outbox %s.%s: %v%s", c.tables.Schema, c.tables.Table, err, c.missingHint(err))
 		return
 	}
 	n := 0
@@ -288,10 +316,10 @@ func RequireNotPublished(t testing.TB, exec tx.Executor, topic string, filters .
 // with WithDedupKey. See RequirePublished for what it reads.
 func RequireScheduled(t testing.TB, exec tx.Executor, topic, key string, filters ...Filter) time.Time {
 	t.Helper()
-	c := newCriteria(filters)
+	c := newCriteria(exec, filters)
 	all, err := published(exec, c, topic)
 	if err != nil {
-		t.Fatalf("pgoutboxtest: read the outbox %s.%s: %v", c.tables.Schema, c.tables.Table, err)
+		t.Fatalf("pgoutboxtest: read the outbox %s.%s: %v%s", c.tables.Schema, c.tables.Table, err, c.missingHint(err))
 		return time.Time{}
 	}
 	for _, r := range all {

@@ -115,6 +115,22 @@ func TestRequirePublishedInTransaction(t *testing.T) {
 	env.RequireNotPublished(t, env.Exec(), "orders.placed")
 }
 
+// The package's assertions given env.Exec() read the Env's outbox, not
+// public.outbox, which a test database may have (one holding nothing of
+// the test's, where RequireNotPublished passed).
+func TestPackageAssertionsOnAnEnvsExecutorReadItsOutbox(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	m := msg("x")
+	require.NoError(t, env.Publisher.Publish("orders", m))
+	got := pgoutboxtest.RequirePublished(t, env.Exec(), "orders", pgoutboxtest.Count(1))
+	require.Equal(t, m.UUID, got[0].UUID)
+	failed, out := capture(func(tb testing.TB) { pgoutboxtest.RequireNotPublished(tb, env.Exec(), "orders") })
+	require.True(t, failed, "the message is in the Env's outbox")
+	require.Contains(t, out, "want no message on topic \"orders\", found 1")
+
+}
+
 func TestRequirePublishedCountsMessagesNotGroupCopies(t *testing.T) {
 	t.Parallel()
 	env := pgoutboxtest.PubSub(t)

@@ -105,6 +105,7 @@ type Env struct {
 	Logger watermill.LoggerAdapter
 
 	opts Options
+	exec tx.Executor // Exec's: the package's assertions given it read Tables
 }
 
 // PubSub returns a ready Pub/Sub for the test: PubSubWithOptions with the
@@ -154,7 +155,10 @@ func PubSubWithOptions(t testing.TB, o Options) *Env {
 		}
 	})
 	e.Pool = newPool(t, dsn, o.MaxConns, s.name)
-	e.Publisher = e.TxPublisher(t, tx.FromPgxPool(e.Pool))
+	e.exec = tx.FromPgxPool(e.Pool)
+	envTables.Store(e.exec, e.Tables)
+	t.Cleanup(func() { envTables.Delete(e.exec) })
+	e.Publisher = e.TxPublisher(t, e.exec)
 	e.Subscriber = e.NewSubscriber(t, nil)
 	return e
 }
@@ -211,8 +215,10 @@ func (e *Env) TxPublisher(t testing.TB, exec tx.Executor) *pgoutbox.Publisher {
 	return pub
 }
 
-// Exec returns an executor on Pool, for the assertions.
-func (e *Env) Exec() tx.Executor { return tx.FromPgxPool(e.Pool) }
+// Exec returns an executor on Pool. The package's assertions given it
+// (RequirePublished, RequireNotPublished, RequireScheduled) read the
+// test's outbox, Tables, unless InTables names another.
+func (e *Env) Exec() tx.Executor { return e.exec }
 
 // LockOutbox takes an ACCESS EXCLUSIVE lock on the test's outbox table, in
 // a transaction of a connection of its own, as a migration's ALTER TABLE or

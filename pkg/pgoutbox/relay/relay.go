@@ -71,7 +71,8 @@ type Config struct {
 	// watermill-amqp until the message is sent: its wait for a publisher
 	// confirm ends only when the connection fails, at its heartbeat). A
 	// Publish that fails or times out is retried, so the broker may
-	// receive the batch twice. Defaults to 30s.
+	// receive the batch twice. Defaults to 30s; at least
+	// pgoutbox.MinDuration.
 	PublishTimeout time.Duration
 
 	// Subscriber configures how the outbox is read (Tables, ConsumerGroup,
@@ -182,6 +183,12 @@ func (c *Config) setDefaults() error {
 	}
 	if c.Workers == 0 {
 		c.Workers = DefaultWorkers
+	}
+	if c.PublishTimeout > 0 && c.PublishTimeout < pgoutbox.MinDuration {
+		// Every publish would time out and be retried without end, and
+		// nothing would be relayed.
+		return fmt.Errorf("%w: PublishTimeout is %s; it must be at least %s (a bare number is nanoseconds: write %d * time.Second)",
+			ErrInvalidConfig, c.PublishTimeout, pgoutbox.MinDuration, int64(c.PublishTimeout))
 	}
 	if c.PublishTimeout == 0 {
 		c.PublishTimeout = DefaultPublishTimeout

@@ -67,7 +67,8 @@ type MetricsOptions struct {
 	LatenessBuckets []float64
 
 	// StatsTimeout bounds RegisterStats' Stats call per collection.
-	// Defaults to 5s. A call that fails or times out adds one to
+	// Defaults to 5s; at least pgoutbox.MinDuration. A call that fails or
+	// times out adds one to
 	// pgoutbox.stats.errors and reports no outbox gauges that time.
 	StatsTimeout time.Duration
 	// StatsOptions narrow what RegisterStats reports, e.g.
@@ -262,6 +263,10 @@ func RegisterStats(exec tx.Executor, tables schema.Config, opts MetricsOptions) 
 	}
 	if err := tables.Validate(); err != nil {
 		return nil, fmt.Errorf("%w: pgoutboxotel: %w", pgoutbox.ErrInvalidConfig, err)
+	}
+	if opts.StatsTimeout > 0 && opts.StatsTimeout < pgoutbox.MinDuration {
+		return nil, fmt.Errorf("%w: pgoutboxotel: StatsTimeout is %s; it must be at least %s (a bare number is nanoseconds: write %d * time.Second)",
+			pgoutbox.ErrInvalidConfig, opts.StatsTimeout, pgoutbox.MinDuration, int64(opts.StatsTimeout))
 	}
 	m := opts.meter()
 	timeout := opts.StatsTimeout

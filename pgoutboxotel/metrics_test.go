@@ -318,4 +318,7 @@ func TestRegisterStatsRefusesABadConfiguration(t *testing.T) {
 	_, err = pgoutboxotel.RegisterStats(tx.FromPgxPool(nil), schema.Config{Table: "bad-name"}, pgoutboxotel.MetricsOptions{MeterProvider: mp})
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
 	require.ErrorContains(t, err, "bad-name")
+	_, err = pgoutboxotel.RegisterStats(tx.FromPgxPool(nil), schema.Config{}, pgoutboxotel.MetricsOptions{MeterProvider: mp, StatsTimeout: 5})
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.ErrorContains(t, err, "StatsTimeout is 5ns; it must be at least 1ms")
 }

@@ -81,6 +81,10 @@ func NewCollector(exec tx.Executor, tables schema.Config, opts Options) *Collect
 	} else if err := tables.Validate(); err != nil {
 		invalid = fmt.Errorf("%w: pgoutboxprom: %w", pgoutbox.ErrInvalidConfig, err)
 	}
+	if invalid == nil && opts.ScrapeTimeout > 0 && opts.ScrapeTimeout < pgoutbox.MinDuration {
+		invalid = fmt.Errorf("%w: pgoutboxprom: ScrapeTimeout is %s; it must be at least %s (a bare number is nanoseconds: write %d * time.Second)",
+			pgoutbox.ErrInvalidConfig, opts.ScrapeTimeout, pgoutbox.MinDuration, int64(opts.ScrapeTimeout))
+	}
 	timeout := opts.ScrapeTimeout
 	if timeout <= 0 {
 		timeout = DefaultScrapeTimeout

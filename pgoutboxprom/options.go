@@ -28,8 +28,10 @@ type Options struct {
 	ConstLabels prometheus.Labels
 
 	// ScrapeTimeout bounds the Collector's Stats call on each scrape.
-	// Defaults to 5s. A call that fails or times out increments
-	// stats_errors_total and exposes no outbox gauges for that scrape.
+	// Defaults to 5s; at least pgoutbox.MinDuration (a shorter one makes
+	// every scrape report the configuration error). A call that fails or
+	// times out increments stats_errors_total and exposes no outbox
+	// gauges for that scrape.
 	ScrapeTimeout time.Duration
 	// StatsOptions narrow what the Collector reports, e.g.
 	// pgoutbox.StatsForTopic("orders").

@@ -421,6 +421,7 @@ func TestCollectorOfABadConfigurationFailsItsScrapes(t *testing.T) {
 	for name, c := range map[string]*pgoutboxprom.Collector{
 		"nil executor":   pgoutboxprom.NewCollector(nil, schema.Config{}, pgoutboxprom.Options{}),
 		"bad table name": pgoutboxprom.NewCollector(tx.FromPgxPool(nil), schema.Config{Table: "bad-name"}, pgoutboxprom.Options{}),
+		"nanoseconds":    pgoutboxprom.NewCollector(tx.FromPgxPool(nil), schema.Config{}, pgoutboxprom.Options{ScrapeTimeout: 5}),
 	} {
 		reg := prometheus.NewRegistry()
 		reg.MustRegister(c)

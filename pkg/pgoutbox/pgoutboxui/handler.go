@@ -73,7 +73,8 @@ type Options struct {
 	// long as the lock is held, holding one of the pool's connections,
 	// and says so once it gives up. The action itself is not bounded (a
 	// purge of many dead letters may take long). Defaults to
-	// DefaultPageTimeout (15 s); negative means no bound.
+	// DefaultPageTimeout (15 s); at least pgoutbox.MinDuration; negative
+	// means no bound.
 	PageTimeout time.Duration
 }
 
@@ -125,6 +126,11 @@ func (o Options) validate() error {
 			problems = append(problems, fmt.Sprintf("Samples (%d) for up to MaxPairs (%d) pairs would keep up to %.1f GiB of samples (%d bytes each); keep it under 1 GiB with fewer Samples (and a longer SampleInterval) or fewer MaxPairs",
 				o.Samples, o.MaxPairs, bytes/(1<<30), unsafe.Sizeof(sample{})))
 		}
+	}
+	if o.PageTimeout > 0 && o.PageTimeout < pgoutbox.MinDuration {
+		// Every page would time out before it read anything.
+		problems = append(problems, fmt.Sprintf("PageTimeout is %s; it must be at least %s (a bare number is nanoseconds: write %d * time.Second), or negative for no bound",
+			o.PageTimeout, pgoutbox.MinDuration, int64(o.PageTimeout)))
 	}
 	if o.BlockedDeliveries < 1 {
 		problems = append(problems, fmt.Sprintf("BlockedDeliveries is %d; use 0 for the default (%d) or a positive number", o.BlockedDeliveries, DefaultBlockedDeliveries))

@@ -134,3 +134,15 @@ func TestSamplesAreBoundedByTheirMemory(t *testing.T) {
 	require.NoError(t, def.validate())
 	require.EqualValues(t, 88, unsafe.Sizeof(sample{}), "the size the docs give")
 }
+
+// A PageTimeout of nanoseconds (a bare number) is refused: every page
+// would time out before it read anything. Negative means no bound.
+func TestPageTimeoutOfNanosecondsIsRefused(t *testing.T) {
+	o := Options{PageTimeout: 15}
+	o.setDefaults()
+	err := o.validate()
+	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
+	require.ErrorContains(t, err, "PageTimeout is 15ns; it must be at least 1ms")
+	o.PageTimeout = -1
+	require.NoError(t, o.validate())
+}

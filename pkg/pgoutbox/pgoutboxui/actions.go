@@ -1,6 +1,7 @@
 package pgoutboxui
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -106,6 +107,11 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 		if err != nil {
 			return err
 		}
+		// What fails after the count is not what the operator confirmed:
+		// the action is bounded by the confirmation's time.
+		if flt.f.FailedBefore, err = ui.countedBefore(ctx, do, f, &c, flt.f.FailedBefore); err != nil {
+			return err
+		}
 		if c.Rows, err = ui.countDeadLetters(ctx, flt.f); err != nil {
 			return err
 		}
@@ -131,21 +137,27 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 		if err != nil {
 			return err
 		}
-		now, err := dbclock.Now(ctx, ui.exec)
+		counted, err := ui.countedBefore(ctx, do, f, &c, time.Time{})
 		if err != nil {
 			return err
 		}
-		if c.Rows, err = ui.countDeadLetters(ctx, pgoutbox.DeadLetterFilter{FailedBefore: now.Add(-d)}); err != nil {
+		if c.Rows, err = ui.countDeadLetters(ctx, pgoutbox.DeadLetterFilter{FailedBefore: counted.Add(-d)}); err != nil {
 			return err
 		}
 		c.Danger = true
-		c.RowsNote = "counted now; the purge counts again when it runs"
-		c.What = fmt.Sprintf("Delete every dead letter, of every topic, that failed more than %s ago, for good.", ageString(d))
+		c.RowsNote = "counted now; those still there when it runs"
+		c.What = fmt.Sprintf("Delete every dead letter, of every topic, that failed more than %s before this confirmation, for good.", ageString(d))
 		if d == 0 {
-			c.What = "Delete every dead letter, of every topic, whenever it failed, for good."
+			c.What = "Delete every dead letter, of every topic, that failed before this confirmation, for good."
 		}
 		result = func() (string, error) {
-			n, err := pgoutbox.PurgeDeadLetters(ctx, ui.exec, ui.tables, d, 0)
+			// The purge's cutoff is the confirmation's: now minus the
+			// time since it, on the database clock.
+			now, err := dbclock.Now(ctx, ui.exec)
+			if err != nil {
+				return "", err
+			}
+			n, err := pgoutbox.PurgeDeadLetters(ctx, ui.exec, ui.tables, d+max(0, now.Sub(counted)), 0)
 			return fmt.Sprintf("Purged %s.", plural(int(n), "dead letter")), err
 		}
 	case "pause", "resume":
@@ -180,7 +192,7 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 	}
 	if !do {
 		for k, vs := range f {
-			if k == "csrf" || k == "return" {
+			if k == "csrf" || k == "return" || k == countedAtField {
 				continue
 			}
 			for _, v := range vs {
@@ -323,4 +335,31 @@ func plural(n int, what string) string {
 		return "1 " + what
 	}
 	return strconv.Itoa(n) + " " + what + "s"
+}
+
+// countedAtField carries the time a confirmation counted its rows, on the
+// database clock, to the action it confirms.
+const countedAtField = "counted_at"
+
+// countedBefore bounds an action by failure time to what its confirmation
+// counted: on the confirmation (!do) it reads the database clock and adds
+// it to c's fields; on the action it reads it back from the form, or, from
+// a form without it (an earlier build's), reads the clock. It returns the
+// earlier of bound (zero: none) and that time.
+func (ui *UI) countedBefore(ctx context.Context, do bool, f url.Values, c *confirmData, bound time.Time) (time.Time, error) {
+	if v := f.Get(countedAtField); v != "" && do {
+		at, err := time.Parse(time.RFC3339Nano, v)
+		if err != nil {
+			return bound, badRequest("%s %q is not a time; confirm again", countedAtField, v)
+		}
+		return dbclock.Before(bound, at), nil
+	}
+	at, err := dbclock.Now(ctx, ui.exec)
+	if err != nil {
+		return bound, err
+	}
+	if !do {
+		c.Fields = append(c.Fields, kv{countedAtField, at.UTC().Format(time.RFC3339Nano)})
+	}
+	return dbclock.Before(bound, at), nil
 }

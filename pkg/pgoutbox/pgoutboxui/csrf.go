@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
+	"fmt"
 	"net/http"
 	"net/url"
 	"strings"
@@ -57,13 +58,20 @@ func validNonce(s string) bool {
 
 // checkCSRF reports why a POST is refused, or "" when it passes.
 func (ui *UI) checkCSRF(r *http.Request) string {
-	if site := r.Header.Get("Sec-Fetch-Site"); site == "cross-site" {
+	site := r.Header.Get("Sec-Fetch-Site")
+	if site == "cross-site" {
 		return "the request came from another site"
 	}
-	if o := r.Header.Get("Origin"); o != "" && o != "null" {
+	// A browser that says same-origin has compared the origins itself. A
+	// reverse proxy in front may have rewritten Host to its upstream's
+	// (nginx's default): the host the browser saw is then the forwarded
+	// one, which a cross-site form cannot set.
+	if o := r.Header.Get("Origin"); o != "" && o != "null" && site != "same-origin" {
 		u, err := url.Parse(o)
-		if err != nil || !strings.EqualFold(u.Host, r.Host) {
-			return "the request's Origin is another site"
+		if err != nil || !sameHost(u.Host, r) {
+			return fmt.Sprintf("the request's Origin (%s) is neither the Host it was sent to (%s) nor a forwarded one: "+
+				"another site, or a reverse proxy in front that rewrites Host without passing it on (nginx: proxy_set_header Host $host, or X-Forwarded-Host)",
+				o, r.Host)
 		}
 	}
 	c, err := r.Cookie(csrfCookie)
@@ -75,4 +83,30 @@ func (ui *UI) checkCSRF(r *http.Request) string {
 		return "the CSRF token does not match; reload the page and try again"
 	}
 	return ""
+}
+
+// sameHost reports whether host is the request's Host, or the host a proxy
+// in front forwarded it for (X-Forwarded-Host, Forwarded: host=).
+func sameHost(host string, r *http.Request) bool {
+	if strings.EqualFold(host, r.Host) {
+		return true
+	}
+	for _, v := range r.Header.Values("X-Forwarded-Host") {
+		for _, h := range strings.Split(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(h), host) {
+				return true
+			}
+		}
+	}
+	for _, v := range r.Header.Values("Forwarded") {
+		for _, elem := range strings.Split(v, ",") {
+			for _, pair := range strings.Split(elem, ";") {
+				k, val, ok := strings.Cut(strings.TrimSpace(pair), "=")
+				if ok && strings.EqualFold(k, "host") && strings.EqualFold(strings.Trim(val, `"`), host) {
+					return true
+				}
+			}
+		}
+	}
+	return false
 }

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/cookiejar"
 	"net/http/httptest"
+	"net/http/httputil"
 	"net/url"
 	"regexp"
 	"strings"
@@ -103,6 +104,13 @@ var rowsRE = regexp.MustCompile(`id="confirm-rows">([^<]+)<`)
 // posts the confirmation and returns the page it redirects to.
 func (b *bundle) act(t *testing.T, form url.Values, rows int) string {
 	t.Helper()
+	return b.actAfter(t, form, rows, func() {})
+}
+
+// actAfter is act with between run after the confirmation, before its
+// Confirm is posted.
+func (b *bundle) actAfter(t *testing.T, form url.Values, rows int, between func()) string {
+	t.Helper()
 	form.Set("csrf", b.csrf(t))
 	resp, body := b.post(t, "confirm", form)
 	require.Equal(t, http.StatusOK, resp.StatusCode, body)
@@ -114,6 +122,7 @@ func (b *bundle) act(t *testing.T, form url.Values, rows int) string {
 	for _, f := range regexp.MustCompile(`<input type="hidden" name="([^"]+)" value="([^"]*)">`).FindAllStringSubmatch(body, -1) {
 		fields.Add(html.UnescapeString(f[1]), html.UnescapeString(f[2]))
 	}
+	between()
 	resp, body = b.post(t, "do", fields)
 	require.Equal(t, http.StatusSeeOther, resp.StatusCode, body)
 	loc := resp.Header.Get("Location")
@@ -161,6 +170,13 @@ func TestOverview(t *testing.T) {
 	_, err := pgoutbox.Unbind(ctx, b.exec(), b.env.Tables, "orders", "old", false) // its 3 rows are stranded
 	require.NoError(t, err)
 	publish(t, b, "unbound", msg("x")) // nobody bound the topic: the default group's row waits
+	// The only group of a topic unbound with its rows: no binding is
+	// left, and no later binding takes them (they are not the default
+	// group's): stranded, not waiting.
+	require.NoError(t, pgoutbox.Bind(ctx, b.exec(), b.env.Tables, "invoices", "g1"))
+	publish(t, b, "invoices", msg("i1"), msg("i2"))
+	_, err = pgoutbox.Unbind(ctx, b.exec(), b.env.Tables, "invoices", "g1", false)
+	require.NoError(t, err)
 	require.NoError(t, pgoutbox.PauseGroup(ctx, b.exec(), b.env.Tables, "orders", "billing"))
 
 	var body string
@@ -175,7 +191,15 @@ func TestOverview(t *testing.T) {
 	stranded := regexp.MustCompile(`(?s)<tr class="([^"]*)" data-topic="orders" data-group="old">`).FindStringSubmatch(body)
 	require.NotNil(t, stranded)
 	require.Contains(t, stranded[1], "stranded")
-	require.Contains(t, body, `<strong>1</strong> group holds rows without a binding`)
+	require.Contains(t, body, `<strong>2</strong> groups hold rows without a binding`)
+	alone := regexp.MustCompile(`(?s)<tr class="([^"]*)" data-topic="invoices" data-group="g1">(.*?)</tr>`).FindStringSubmatch(body)
+	require.NotNil(t, alone, body)
+	require.Contains(t, alone[1], "stranded")
+	require.NotContains(t, alone[2], "no subscriber yet")
+	group := b.page(t, "group?topic=invoices&group=g1")
+	require.Contains(t, group, `<span class="badge stranded">no binding</span>`)
+	require.Contains(t, group, "its rows are stranded")
+	require.Contains(t, b.page(t, "group?topic=unbound&group="), `<span class="badge waiting">no subscriber yet</span>`)
 	waiting := regexp.MustCompile(`(?s)<tr class="([^"]*)" data-topic="unbound" data-group="">(.*?)</tr>`).FindStringSubmatch(body)
 	require.NotNil(t, waiting)
 	require.NotContains(t, waiting[1], "stranded")
@@ -278,6 +302,68 @@ func TestCSRFRefused(t *testing.T) {
 	require.Equal(t, 1, b.dlqCount(t))
 }
 
+// Behind a reverse proxy that sends its upstream's Host (nginx's default,
+// httputil.ReverseProxy with SetURL), a browser's same-site write passes:
+// by its Sec-Fetch-Site, or by the forwarded host. Every write was refused.
+func TestWritesPassBehindAProxyThatRewritesHost(t *testing.T) {
+	t.Parallel()
+	b := setup(t, true)
+	b.deadLetters(t, "t", "", "rejected", 1, "boom")
+	upstream, err := url.Parse(b.srv.URL)
+	require.NoError(t, err)
+	for name, c := range map[string]struct {
+		forwarded bool   // the proxy sets X-Forwarded-Host
+		fetchSite string // what the browser sends
+		passes    bool
+	}{
+		"forwarded host":        {forwarded: true, passes: true},
+		"same-origin browser":   {fetchSite: "same-origin", passes: true},
+		"neither":               {passes: false},
+		"cross-site, forwarded": {forwarded: true, fetchSite: "cross-site", passes: false},
+	} {
+		t.Run(name, func(t *testing.T) {
+			proxy := httptest.NewServer(&httputil.ReverseProxy{Rewrite: func(pr *httputil.ProxyRequest) {
+				pr.SetURL(upstream)
+				if c.forwarded {
+					pr.SetXForwarded()
+				}
+			}})
+			t.Cleanup(proxy.Close)
+			jar, err := cookiejar.New(nil)
+			require.NoError(t, err)
+			client := &http.Client{Jar: jar, Timeout: 30 * time.Second}
+			resp, err := client.Get(proxy.URL + "/ops/outbox/dead-letters")
+			require.NoError(t, err)
+			page, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			m := csrfRE.FindStringSubmatch(string(page))
+			require.NotNil(t, m, "the page has a CSRF field")
+			form := url.Values{"action": {"delete"}, "id": {"1000"}, "csrf": {html.UnescapeString(m[1])}}
+			req, err := http.NewRequest(http.MethodPost, proxy.URL+"/ops/outbox/confirm", strings.NewReader(form.Encode()))
+			require.NoError(t, err)
+			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+			req.Header.Set("Origin", proxy.URL) // what a browser sends with a form's POST
+			if c.fetchSite != "" {
+				req.Header.Set("Sec-Fetch-Site", c.fetchSite)
+			}
+			resp, err = client.Do(req)
+			require.NoError(t, err)
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if c.passes {
+				require.Equal(t, http.StatusOK, resp.StatusCode, string(body))
+				require.Contains(t, string(body), `id="confirm-rows"`)
+				return
+			}
+			require.Equal(t, http.StatusForbidden, resp.StatusCode, string(body))
+			if c.fetchSite == "" {
+				require.Contains(t, string(body), "a reverse proxy in front that rewrites Host without passing it on")
+			}
+		})
+	}
+	require.Equal(t, 1, b.dlqCount(t), "confirmations change nothing")
+}
+
 // Requeue one dead letter from its page, then selected ones, then every
 // one matching a filter: each confirmation counts the rows, the rows move
 // back into the outbox, and the page says how many moved.
@@ -305,6 +391,29 @@ func TestRequeue(t *testing.T) {
 	s, err := pgoutbox.Stats(context.Background(), b.exec(), b.env.Tables, pgoutbox.StatsForGroup("orders", "billing"))
 	require.NoError(t, err)
 	require.EqualValues(t, 7, s[0].Ready)
+}
+
+// A requeue or purge by filter acts on what its confirmation counted: a
+// letter that fails between the confirmation and its Confirm stays.
+func TestActionsByFilterActOnWhatTheConfirmationCounted(t *testing.T) {
+	t.Parallel()
+	b := setup(t, true)
+	b.deadLetters(t, "orders", "billing", "rejected", 3, "boom")
+	failsNow := func() {
+		_, err := b.env.Pool.Exec(context.Background(), fmt.Sprintf(`
+INSERT INTO %[1]s.%[2]s (id, topic, consumer_group, uuid, payload, metadata, created_at, deliveries, last_error, failure_reason, failed_at)
+SELECT (SELECT max(id) FROM %[1]s.%[2]s) + 1, 'orders', 'billing', gen_random_uuid()::text, '\x7b7d', '{}', now(), 5, 'late', 'rejected', clock_timestamp()`,
+			b.env.Schema, b.env.Tables.DeadLetterTable))
+		require.NoError(t, err)
+	}
+	done := b.actAfter(t, url.Values{"action": {"requeue-matching"}, "topic": {"orders"}, "reason": {"rejected"},
+		"return": {"/ops/outbox/dead-letters"}}, 3, failsNow)
+	require.Contains(t, done, "Requeued 3 dead letters.")
+	require.Equal(t, 1, b.dlqCount(t), "the letter that failed after the confirmation stays")
+
+	done = b.actAfter(t, url.Values{"action": {"purge"}, "older_than": {"0"}, "return": {"/ops/outbox/dead-letters"}}, 1, failsNow)
+	require.Contains(t, done, "Purged 1 dead letter.")
+	require.Equal(t, 1, b.dlqCount(t), "the letter that failed after the confirmation stays")
 }
 
 // A dead letter whose dedup key a message in the outbox holds stays where
@@ -647,4 +756,14 @@ func TestPagesBehindAnExclusiveLockGiveUpAndSayWhy(t *testing.T) {
 		require.Contains(t, body, "no answer within 500ms: a session may hold or await an exclusive lock on the outbox")
 	}
 	require.Contains(t, b.page(t, "dead-letters?topic=t"), "boom")
+
+	// The overview answers from the last sample, and says why the next
+	// ones fail (its sampler gives up after 5 s).
+	var overview string
+	require.Eventually(t, func() bool {
+		overview = b.page(t, "")
+		return strings.Contains(overview, "Last sample failed")
+	}, 20*time.Second, 100*time.Millisecond)
+	require.Contains(t, overview, "a session may hold or await an exclusive lock on the outbox", overview)
+	require.NotContains(t, overview, "took 5.", "the time beside the last sample is that sample's")
 }

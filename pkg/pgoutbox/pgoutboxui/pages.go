@@ -64,14 +64,16 @@ func (ui *UI) overview(w http.ResponseWriter, r *http.Request) error {
 	}
 	for _, s := range snap.stats {
 		p := pair{s.Topic, s.ConsumerGroup}
-		// Rows of a group without a binding: stranded while the topic
-		// has other groups; waiting for the first subscriber when
-		// nobody ever bound the topic (the default group's rows).
+		// Rows of a group without a binding: the default group's wait
+		// for the first groups to bind while the topic has none (they
+		// adopt them); any other's are stranded, whether or not the
+		// topic has other groups (a binding hands them to nobody).
 		unbound := !snap.bound[p] && s.Ready+s.Scheduled+s.Leased+s.ExpiredLeases+s.Parked > 0
+		waiting := unbound && s.ConsumerGroup == "" && !topicBound[s.Topic]
 		row := overviewRow{Topic: s.Topic, Group: s.ConsumerGroup, GroupURL: ui.groupURL(s.Topic, s.ConsumerGroup),
 			Ready: s.Ready, Scheduled: s.Scheduled, Leased: s.Leased, Expired: s.ExpiredLeases, Parked: s.Parked,
 			Oldest: ageString(s.OldestReadyAge), OldestWarn: s.OldestReadyAge > time.Minute,
-			Stranded: unbound && topicBound[s.Topic], Waiting: unbound && !topicBound[s.Topic], Paused: s.Paused,
+			Stranded: unbound && !waiting, Waiting: waiting, Paused: s.Paused,
 			In: "-", Out: "-", Net: "-"}
 		for _, n := range s.DeadLetters {
 			row.Dead += n
@@ -127,6 +129,7 @@ type groupData struct {
 	Dead         int64
 	Bound        bool
 	TopicBound   bool // some group is bound to the topic
+	Waiting      bool // the default group of a topic no group is bound to: the first groups to bind adopt its rows
 	Charts       []chart
 	Pending      []pendingView
 	Blocked      []blockedKey
@@ -188,6 +191,7 @@ func (ui *UI) groupPage(w http.ResponseWriter, r *http.Request) error {
 	for p := range bound {
 		d.TopicBound = d.TopicBound || p.topic == topic
 	}
+	d.Waiting = !d.Bound && group == "" && !d.TopicBound
 	if ui.names.QDLQ != "" {
 		d.DeadURL = ui.opts.BasePath + "dead-letters?" + url.Values{"topic": {topic}, "gmode": {"is"}, "group": {group}}.Encode()
 	}

@@ -2,6 +2,7 @@ package pgoutboxui
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -129,30 +130,37 @@ func (s *sampler) run(ctx context.Context) {
 // take reads Stats, the bindings and the table counters once and records
 // them. A failed sample keeps the previous one and reports the error.
 func (s *sampler) take(ctx context.Context) {
-	ctx, cancel := context.WithTimeout(ctx, max(s.interval, 5*time.Second))
+	bound := max(s.interval, 5*time.Second)
+	sctx, cancel := context.WithTimeout(ctx, bound)
 	defer cancel()
 	start := time.Now()
-	stats, err := pgoutbox.Stats(ctx, s.ui.exec, s.ui.tables)
-	var bound map[pair]bool
+	stats, err := pgoutbox.Stats(sctx, s.ui.exec, s.ui.tables)
+	var bindings map[pair]bool
 	if err == nil {
-		bound, err = s.ui.bindings(ctx)
+		bindings, err = s.ui.bindings(sctx)
 	}
 	var tot sample
 	if err == nil {
-		tot, err = s.ui.tableTotals(ctx)
+		tot, err = s.ui.tableTotals(sctx)
 	}
 	now := time.Now()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.cost = now.Sub(start)
 	if err != nil {
+		if ctx.Err() == nil && sctx.Err() != nil {
+			// Behind an exclusive lock every statement waits: say what may
+			// hold it, as a page that gives up does.
+			err = fmt.Errorf("%w; no answer within %s: a session may hold or await an exclusive lock on the outbox (a VACUUM FULL, an ALTER TABLE, a migration), "+
+				"which claims and publishes wait for too: pgoutbox health says which table and how to find the session; the figures shown are the last sample's that succeeded", err, bound)
+		}
 		if ctx.Err() == nil || s.err == nil {
 			s.err = err
 		}
 		return
 	}
 	s.err = nil
-	s.record(now, stats, bound, tot)
+	s.cost = now.Sub(start) // shown beside the sample's time: a failed one's would be read as its
+	s.record(now, stats, bindings, tot)
 }
 
 // record adds one sample of stats, bound and the table counters tot

@@ -13,6 +13,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
+	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/pgoutboxui"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -21,6 +23,7 @@ import (
 const uiExamples = `  pgoutbox ui                                    # read-only, http://127.0.0.1:8080/
   pgoutbox ui --listen 127.0.0.1:9000 --write    # requeue, delete, purge, pause, resume
   PGOUTBOX_UI_PASSWORD=s3cret pgoutbox ui --listen 0.0.0.0:8080 --basic-auth-user ops --write
+  pgoutbox ui --base-path /outbox/               # behind a proxy that forwards /outbox/ as it is
 `
 
 // uiPasswordEnv holds the basic-auth password of "pgoutbox ui": never a
@@ -28,11 +31,12 @@ const uiExamples = `  pgoutbox ui                                    # read-only
 const uiPasswordEnv = "PGOUTBOX_UI_PASSWORD"
 
 func (c *cli) uiCmd(args []string) error {
-	cmd := c.newCommand("ui", "ui [--listen 127.0.0.1:8080] [--write] [--basic-auth-user U] [--sample-interval 10s]", uiExamples, false)
+	cmd := c.newCommand("ui", "ui [--listen 127.0.0.1:8080] [--write] [--basic-auth-user U] [--sample-interval 10s] [--base-path /]", uiExamples, false)
 	listen := cmd.fs.String("listen", "127.0.0.1:8080", "address to serve on; localhost unless you give another")
 	write := cmd.fs.Bool("write", false, "enable write actions (requeue, delete, purge, pause, resume); read-only without it")
 	user := cmd.fs.String("basic-auth-user", "", "require HTTP basic auth as this user, with the password from $"+uiPasswordEnv)
 	interval := cmd.durationVar("sample-interval", pgoutboxui.DefaultSampleInterval, "how often to take a Stats sample for the charts (a `duration`)")
+	basePath := cmd.fs.String("base-path", "/", "the path the page is served under, starting and ending with a slash: behind a reverse proxy that forwards a prefix as it is (e.g. /outbox/), that prefix")
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
@@ -54,8 +58,11 @@ func (c *cli) uiCmd(args []string) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	return cmd.withOutbox(ctx, nil, func(ctx context.Context, exec tx.Executor, tables schema.Config) error {
-		ui, err := pgoutboxui.New(exec, tables, pgoutboxui.Options{Writes: *write, SampleInterval: *interval})
+		ui, err := pgoutboxui.New(exec, tables, pgoutboxui.Options{Writes: *write, SampleInterval: *interval, BasePath: *basePath})
 		if err != nil {
+			if errors.Is(err, pgoutbox.ErrInvalidConfig) && cmd.given("base-path") {
+				return usagef(cmd.name, "--base-path: %s", errtext.Trim(err))
+			}
 			return err
 		}
 		defer ui.Close()
@@ -73,7 +80,7 @@ func (c *cli) uiCmd(args []string) error {
 		if *write {
 			mode = "writes enabled"
 		}
-		fmt.Fprintf(c.stdout, "pgoutbox ui on %s (%s); Ctrl-C to stop\n", browsable(ln.Addr()), mode)
+		fmt.Fprintf(c.stdout, "pgoutbox ui on %s (%s); Ctrl-C to stop\n", browsable(ln.Addr(), *basePath), mode)
 		errc := make(chan error, 1)
 		go func() { errc <- srv.Serve(ln) }()
 		select {
@@ -109,10 +116,10 @@ func basicAuth(user, password string, next http.Handler) http.Handler {
 // every interface (0.0.0.0, ::, an empty host) would print as
 // [::]:port, which no browser opens; it says localhost, and that every
 // interface listens.
-func browsable(addr net.Addr) string {
+func browsable(addr net.Addr, basePath string) string {
 	tcp, ok := addr.(*net.TCPAddr)
 	if !ok || !tcp.IP.IsUnspecified() {
-		return "http://" + addr.String() + "/"
+		return "http://" + addr.String() + basePath
 	}
-	return fmt.Sprintf("http://localhost:%d/ (every interface)", tcp.Port)
+	return fmt.Sprintf("http://localhost:%d%s (every interface)", tcp.Port, basePath)
 }

@@ -26,9 +26,14 @@ func TestUIUsage(t *testing.T) {
 	_, errOut, code = cliRun(t, env, "ui", "--listen", "8080")
 	require.Equal(t, exitUsage, code)
 	require.Contains(t, errOut, "host:port")
+	_, errOut, code = cliRun(t, env, "ui", "--base-path", "outbox")
+	require.Equal(t, exitUsage, code, errOut)
+	require.Contains(t, errOut, "--base-path: ")
+	require.Contains(t, errOut, "must start and end with a slash")
 }
 
-// pgoutbox ui serves the page on the address it prints, behind basic auth
+// pgoutbox ui serves the page on the address it prints, under its
+// --base-path (behind a proxy that forwards a prefix), behind basic auth
 // when asked, and stops on SIGINT.
 func TestUIServes(t *testing.T) {
 	t.Parallel()
@@ -36,7 +41,7 @@ func TestUIServes(t *testing.T) {
 	publish(t, env, "orders", "a")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, binary, "ui", "--listen", "127.0.0.1:0", "--basic-auth-user", "ops", "--dsn", env.DSN, "--schema", env.Schema)
+	cmd := exec.CommandContext(ctx, binary, "ui", "--listen", "127.0.0.1:0", "--basic-auth-user", "ops", "--base-path", "/outbox/", "--dsn", env.DSN, "--schema", env.Schema)
 	cmd.Env = append(cliEnv(), "PGOUTBOX_UI_PASSWORD=s3cret")
 	stdout, err := cmd.StdoutPipe()
 	require.NoError(t, err)
@@ -46,6 +51,7 @@ func TestUIServes(t *testing.T) {
 	require.Contains(t, line, "read-only")
 	url := strings.Fields(strings.SplitN(line, " on ", 2)[1])[0]
 	require.True(t, strings.HasPrefix(url, "http://127.0.0.1:"), line)
+	require.True(t, strings.HasSuffix(url, "/outbox/"), line)
 
 	resp, err := http.Get(url)
 	require.NoError(t, err)
@@ -60,6 +66,7 @@ func TestUIServes(t *testing.T) {
 	resp.Body.Close()
 	require.Equal(t, http.StatusOK, resp.StatusCode)
 	require.Contains(t, string(body), `data-topic="orders"`)
+	require.Contains(t, string(body), `href="/outbox/dead-letters"`, "links stay under the base path")
 
 	require.NoError(t, cmd.Process.Signal(syscall.SIGINT))
 	require.NoError(t, cmd.Wait(), "exits 0 on Ctrl-C")
@@ -75,6 +82,6 @@ func TestBrowsableAddress(t *testing.T) {
 		{&net.TCPAddr{IP: net.IPv4zero, Port: 8080}, "http://localhost:8080/ (every interface)"},
 		{&net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 8080}, "http://127.0.0.1:8080/"},
 	} {
-		require.Equal(t, c.want, browsable(c.addr))
+		require.Equal(t, c.want, browsable(c.addr, "/"))
 	}
 }

@@ -3,6 +3,7 @@ package pgoutboxui
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net/http"
 	"net/url"
 	"slices"
@@ -86,6 +87,13 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 				if stayed > 0 {
 					return done + " " + stayedNote(stayed), nil
 				}
+				topics := map[string]bool{}
+				for _, l := range ls {
+					topics[l.Topic] = true
+				}
+				if n > 0 {
+					done += ui.strandedNote(ctx, slices.Sorted(maps.Keys(topics)))
+				}
 				if strings.Contains(ret, "dead-letter?") {
 					ret = ui.opts.BasePath + "dead-letters" // its page is gone
 				}
@@ -123,6 +131,13 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 				return "", err
 			}
 			done := fmt.Sprintf("Requeued %s.", plural(int(n), "dead letter"))
+			if n > 0 {
+				var topics []string // every topic, unless the filter names one
+				if flt.f.Topic != "" {
+					topics = []string{flt.f.Topic}
+				}
+				done += ui.strandedNote(ctx, topics)
+			}
 			if left := flt.f; startErr == nil && n < c.Rows {
 				// As above: the matches that failed before the statement.
 				left.FailedBefore = dbclock.Before(left.FailedBefore, start)
@@ -326,6 +341,42 @@ func describe(f dlFilter) string {
 
 // stayedNote says why n dead letters a requeue selected are still dead
 // letters: what RequeueDeadLetters leaves where it is.
+// strandedNote says which groups of topics (nil: every topic) hold rows
+// without a binding after a requeue: a dead letter goes back to the group
+// that failed it, which may have been unbound or renamed since, and then
+// no subscriber takes it. "" when none, or when Stats fails (a courtesy).
+func (ui *UI) strandedNote(ctx context.Context, topics []string) string {
+	var stats []pgoutbox.QueueStats
+	if topics == nil {
+		st, err := pgoutbox.Stats(ctx, ui.exec, ui.tables)
+		if err != nil {
+			return ""
+		}
+		stats = st
+	}
+	for _, t := range topics {
+		st, err := pgoutbox.Stats(ctx, ui.exec, ui.tables, pgoutbox.StatsForTopic(t))
+		if err != nil {
+			return ""
+		}
+		stats = append(stats, st...)
+	}
+	bound := map[string]bool{}
+	for _, s := range stats {
+		bound[s.Topic] = bound[s.Topic] || s.Bound
+	}
+	var stranded []string
+	for _, s := range stats {
+		if s.Unbound() > 0 && (s.ConsumerGroup != "" || bound[s.Topic]) {
+			stranded = append(stranded, fmt.Sprintf("%s of %q", groupLabel(s.ConsumerGroup), s.Topic))
+		}
+	}
+	if len(stranded) == 0 {
+		return ""
+	}
+	return fmt.Sprintf(" Rows wait in groups not bound to their topic, which nobody consumes until bound again (or their rows moved with pgoutbox move): group %s.", strings.Join(stranded, "; group "))
+}
+
 func stayedNote(n int64) string {
 	return plural(int(n), "dead letter") + " stayed: a message in the outbox holds the dedup key (its newer message, same group) or the id of each; requeue once that message is gone."
 }

@@ -416,6 +416,23 @@ SELECT (SELECT max(id) FROM %[1]s.%[2]s) + 1, 'orders', 'billing', gen_random_uu
 	require.Equal(t, 1, b.dlqCount(t), "the letter that failed after the confirmation stays")
 }
 
+// A dead letter goes back to the group that failed it: a requeue into a
+// group no longer bound says so, as the CLI does.
+func TestRequeueIntoAnUnboundGroupSaysSo(t *testing.T) {
+	t.Parallel()
+	b := setup(t, true)
+	ctx := context.Background()
+	require.NoError(t, pgoutbox.Bind(ctx, b.exec(), b.env.Tables, "orders", "billing"))
+	b.deadLetters(t, "orders", "billing", "rejected", 1, "boom") // 1000
+	b.deadLetters(t, "orders", "gone", "rejected", 1, "boom")    // 1001: its group was unbound since
+	done := b.act(t, url.Values{"action": {"requeue"}, "id": {"1000"}, "return": {"/ops/outbox/dead-letters"}}, 1)
+	require.Contains(t, done, "Requeued 1 dead letter.")
+	require.NotContains(t, done, "not bound to their topic")
+	done = b.act(t, url.Values{"action": {"requeue-matching"}, "topic": {"orders"}, "return": {"/ops/outbox/dead-letters"}}, 1)
+	require.Contains(t, done, "Requeued 1 dead letter. Rows wait in groups not bound to their topic")
+	require.Contains(t, done, "group gone of &#34;orders&#34;.")
+}
+
 // A dead letter whose dedup key a message in the outbox holds stays where
 // it is: the page says why, and the letter's own page stays in view.
 func TestRequeueOfADeadLetterWhoseDedupKeyIsTakenSaysWhy(t *testing.T) {

@@ -73,7 +73,7 @@ func TestAnEscapeByteaOutputThroughTheSimpleProtocol(t *testing.T) {
 		sent := newMsgs(3)
 		require.NoError(t, pub.Publish("bytes", sent...))
 		_, err = pgoutbox.Peek(ctx, tx.FromPgxPool(pool), b.tables, "bytes", "", 10)
-		require.ErrorContains(t, err, "set bytea_output=hex in the DSN", "an operator call on such a pool says what to do")
+		require.ErrorContains(t, err, "ALTER ROLE ... SET bytea_output = 'hex'", "an operator call on such a pool says what to do")
 
 		sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: b.tables, ClaimMode: mode,
 			MinPollInterval: 20 * time.Millisecond, MaxPollInterval: 200 * time.Millisecond}, nil)

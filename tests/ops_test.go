@@ -439,6 +439,16 @@ func TestPurgeDeadLettersMatching(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 20, n)
 	require.Equal(t, 5, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`), "the recent ones stay")
+	// FailedBefore bounds the time too, the earlier bound wins: a
+	// confirmation's time, with letters failing after it.
+	b.addDeadLetters(t, 4000, 2, "a", "", "rejected", 0)
+	n, err = pgoutbox.PurgeDeadLettersMatching(ctx, exec, b.tables, 0, pgoutbox.DeadLetterFilter{FailedBefore: time.Now().Add(-30 * time.Minute)}, 0)
+	require.NoError(t, err)
+	require.EqualValues(t, 5, n, "those of an hour ago; not those of now")
+	n, err = pgoutbox.PurgeDeadLettersMatching(ctx, exec, b.tables, 24*time.Hour, pgoutbox.DeadLetterFilter{FailedBefore: time.Now().Add(time.Hour)}, 0)
+	require.NoError(t, err)
+	require.Zero(t, n, "olderThan is the earlier bound here")
+	require.Equal(t, 2, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_dlq`))
 
 	_, err = pgoutbox.PurgeDeadLettersMatching(ctx, exec, b.tables, 0, pgoutbox.DeadLetterFilter{Limit: 3}, 0)
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)

@@ -8,6 +8,7 @@ import (
 	"math"
 	"os"
 	"regexp"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -110,6 +111,9 @@ func misspeltEnv(environ []string) string {
 	for _, kv := range environ {
 		key, _, _ := strings.Cut(kv, "=")
 		for _, known := range envNames {
+			if runtime.GOOS == "windows" && strings.EqualFold(key, known) {
+				continue // its variables' names ignore case: os.Getenv reads this one
+			}
 			if key != known && squash(key) == squash(known) && !slices.Contains(envNames, key) {
 				return fmt.Sprintf("%s is not read (a misspelling?); use %s, or unset it", key, known)
 			}

@@ -215,7 +215,7 @@ func printStillPublishing(w io.Writer, topic string, ids []string) {
 	if len(ids) == 0 {
 		return
 	}
-	fmt.Fprintf(w, "warning: %d transaction(s) publishing to the outbox were still open when the wait for them ended (virtual ids %s; pg_stat_activity shows them): "+
+	fmt.Fprintf(w, "warning: %d transaction(s) publishing to the outbox were still open when the wait for them ended (virtual transaction ids %s in pg_locks, whose pid names each session in pg_stat_activity): "+
 		"what they commit is bound to no group yet; run pgoutbox bind --topic %s again once they ended, or start a subscriber of the topic, and it goes to the groups bound\n",
 		len(ids), strings.Join(ids, ", "), shellArg(topic))
 }

@@ -400,7 +400,7 @@ func TestBindWarnsOfPublishesStillOpen(t *testing.T) {
 	require.Empty(t, out.String())
 	printStillPublishing(&out, "orders placed", []string{"4/17", "5/2"})
 	require.Contains(t, out.String(), "warning: 2 transaction(s) publishing to the outbox were still open")
-	require.Contains(t, out.String(), "(virtual ids 4/17, 5/2;")
+	require.Contains(t, out.String(), "(virtual transaction ids 4/17, 5/2 in pg_locks, whose pid names each session in pg_stat_activity)")
 	require.Contains(t, out.String(), "run pgoutbox bind --topic 'orders placed' again once they ended")
 }
 

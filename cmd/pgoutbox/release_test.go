@@ -124,6 +124,9 @@ func TestBadInputExitsTwo(t *testing.T) {
 		require.Contains(t, errOut, "is not read (a misspelling?); use PGOUTBOX_", v)
 	}
 	pgoutboxtest.RequireNotPublished(t, env.Exec(), "misspelt", pgoutboxtest.InTables(env.Tables))
+	out, errOut, code := cliRunEnv(t, []string{"pgoutbox_schema=x"}, "version")
+	require.Equal(t, 0, code, "a version for a bug report, whatever the variables hold: %s", errOut)
+	require.Contains(t, out, "pgoutbox ")
 	_, errOut, code = cliRun(t, nil, "stats", "--dsn", " ")
 	require.Equal(t, exitUsage, code, errOut)
 	require.Contains(t, errOut, "--dsn is blank")

@@ -40,6 +40,9 @@ func (c *cli) uiCmd(args []string) error {
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}
+	if *basePath == "" {
+		*basePath = "/"
+	}
 	password := os.Getenv(uiPasswordEnv)
 	switch {
 	case *user != "" && password == "":

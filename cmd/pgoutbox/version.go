@@ -18,6 +18,7 @@ func version() string {
 
 func (c *cli) versionCmd(args []string) error {
 	cmd := c.newCommand("version", "version [--json]", "  pgoutbox version\n", true)
+	cmd.envErr = nil // it reads no variable: a version for a bug report prints whatever they hold
 	if err := cmd.parseNoArgs(args); err != nil {
 		return err
 	}

@@ -129,7 +129,7 @@ const readOnlyHint = " (the statement ran read-only: in a READ ONLY transaction 
 // byteaOutputHint is what a payload pgx cannot read means: through the
 // simple protocol (behind PgBouncer) bytea comes as text in the session's
 // bytea_output, and pgx reads hex only.
-const byteaOutputHint = " (through the simple protocol binary data comes as text in the session's bytea_output, which must be hex: set bytea_output=hex in the DSN, or ALTER ROLE ... SET bytea_output = 'hex', and reconnect)"
+const byteaOutputHint = " (through the simple protocol binary data comes as text in the session's bytea_output, which must be hex: ALTER ROLE ... SET bytea_output = 'hex' and reconnect, or, not behind PgBouncer (which refuses it as a startup parameter), set bytea_output=hex in the DSN)"
 
 // lockTimeoutHint is what a lock wait the server ended means: pgoutbox
 // bounds its own waits, so a role's or database's lock_timeout below them

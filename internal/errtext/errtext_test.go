@@ -67,7 +67,7 @@ func TestWithHintNamesAReadOnlyServerAndALongIndexEntry(t *testing.T) {
 func TestWithHintNamesByteaOutputAndLockTimeout(t *testing.T) {
 	t.Parallel()
 	scan := errors.New("can't scan into dest[2] (col: payload): invalid hex format")
-	require.Contains(t, Errorf("pgoutbox: peek: %w", scan).Error(), "set bytea_output=hex in the DSN")
+	require.Contains(t, Errorf("pgoutbox: peek: %w", scan).Error(), "ALTER ROLE ... SET bytea_output = 'hex'")
 	lock := &pgconn.PgError{Code: "55P03", Message: "canceling statement due to lock timeout"}
 	require.Contains(t, Errorf("pgoutbox: publish: %w", lock).Error(), "notification lock")
 	nowait := &pgconn.PgError{Code: "55P03", Message: `could not obtain lock on row in relation "outbox"`}

@@ -305,6 +305,12 @@ type SubscriberConfig struct {
 	// messages that were in flight beside one that crashed the process are
 	// counted once with it; after that each runs alone, so only the
 	// crashing one reaches the limit (a limit of at least 2 keeps them).
+	// Alone means within its subscription: the process's other
+	// subscriptions (other topics, other Subscribers) go on beside it, and
+	// a message of theirs in flight when it crashes is counted with it at
+	// every crash it shares, and may reach the limit with it. Give a
+	// handler that may crash its process a process of its own, or set the
+	// limit of the others above the crashes they may share.
 	// A nacked message's retry is a row
 	// delivered before too: it waits until every handler in flight has
 	// answered, which slow handlers make long. A subscription with a limit

@@ -104,7 +104,8 @@ type BindResult struct {
 	// group's messages when "" is among them).
 	Copied int64
 	// StillPublishing lists the transactions (their virtual ids, as
-	// pg_locks and pg_stat_activity show them) that were publishing to the
+	// pg_locks' virtualtransaction shows them; its pid names the session
+	// in pg_stat_activity) that were publishing to the
 	// outbox across the topic's first binding and were still open when
 	// the wait for them (10 s) ended. What they commit was stored for no
 	// group: it stays unbound (Stats shows it) until the next Bind or
@@ -442,7 +443,7 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 			}
 			if err != nil {
 				return res, fmt.Errorf("groups %q are bound and get new messages, but their backlog copy waits for transactions still writing to the outbox "+
-					"(virtual ids %s; pg_stat_activity shows them), whose messages it cannot see yet: it resumes at the next Bind or Subscribe of the group, "+
+					"(virtual transaction ids %s in pg_locks, whose pid names each session in pg_stat_activity), whose messages it cannot see yet: it resumes at the next Bind or Subscribe of the group, "+
 					"once they ended: %w", pending, late.writers, err)
 			}
 			late = lateWriters{}

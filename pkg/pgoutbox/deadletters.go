@@ -365,17 +365,23 @@ func PurgeDeadLetters(ctx context.Context, exec tx.Executor, tables schema.Confi
 
 // PurgeDeadLettersMatching is PurgeDeadLetters for the dead letters of one
 // topic, consumer group or failure reason: f.Topic, f.ConsumerGroup and
-// f.Reason select them as in DeadLetters (the zero filter selects all);
-// its other fields must be zero (olderThan sets the time bound). With a
-// topic, each batch is a range of the (topic, failed_at) index.
+// f.Reason select them as in DeadLetters (the zero filter selects all).
+// olderThan sets the time bound, and f.FailedBefore, when set, bounds it
+// too: the purge deletes what failed before the earlier of the two (an
+// operator's page fixes it to the time its confirmation counted the
+// letters, so that none failing later goes). Its other fields must be
+// zero. With a topic, each batch is a range of the (topic, failed_at)
+// index.
 func PurgeDeadLettersMatching(ctx context.Context, exec tx.Executor, tables schema.Config, olderThan time.Duration, f DeadLetterFilter, batchSize int) (int64, error) {
 	q, err := dlqQueries(exec, tables)
 	if err != nil {
 		return 0, err
 	}
-	if !f.FailedAfter.IsZero() || !f.FailedBefore.IsZero() || !f.After.IsZero() || f.Limit != 0 {
-		return 0, errorf("%w: a purge filter takes Topic, ConsumerGroup and Reason only; olderThan bounds the time, batchSize the statements", ErrInvalidConfig)
+	if !f.FailedAfter.IsZero() || !f.After.IsZero() || f.Limit != 0 {
+		return 0, errorf("%w: a purge filter takes Topic, ConsumerGroup, Reason and FailedBefore only; olderThan bounds the time too, batchSize the statements", ErrInvalidConfig)
 	}
+	before := f.FailedBefore
+	f.FailedBefore = time.Time{}
 	args, err := f.args(pgtype.Int8{})
 	if err != nil {
 		return 0, err
@@ -407,6 +413,9 @@ func PurgeDeadLettersMatching(ctx context.Context, exec tx.Executor, tables sche
 	rows.Close()
 	if err != nil {
 		return 0, errorf("pgoutbox: purge dead letters: %w", err)
+	}
+	if !before.IsZero() && before.Before(cutoff) {
+		cutoff = before
 	}
 	stmt, args := query.PurgeDeadLetters(q.Names), []any{cutoff, batchSize}
 	if filtered {

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"reflect"
 	"sort"
 	"strings"
 	"sync"
@@ -123,10 +122,18 @@ func newCriteria(exec tx.Executor, filters []Filter) *criteria {
 	for _, f := range filters {
 		f(c)
 	}
-	if !c.tablesSet && exec != nil && reflect.TypeOf(exec).Comparable() {
-		if t, ok := envTables.Load(exec); ok {
-			c.tables = t.(schema.Config)
-		}
+	if !c.tablesSet && exec != nil {
+		// Compared, not looked up: an executor of another type may hold
+		// a value that cannot be hashed (FromSQLQueryer of a handle with a
+		// slice), and interfaces of different dynamic types compare unequal
+		// without looking inside.
+		envTables.Range(func(k, v any) bool {
+			if k == any(exec) {
+				c.tables = v.(schema.Config)
+				return false
+			}
+			return true
+		})
 	}
 	c.tables = c.tables.WithDefaults()
 	return c

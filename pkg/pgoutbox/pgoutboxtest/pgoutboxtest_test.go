@@ -2,6 +2,7 @@ package pgoutboxtest_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"runtime"
 	"strings"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
@@ -129,6 +131,32 @@ func TestPackageAssertionsOnAnEnvsExecutorReadItsOutbox(t *testing.T) {
 	require.True(t, failed, "the message is in the Env's outbox")
 	require.Contains(t, out, "want no message on topic \"orders\", found 1")
 
+}
+
+// labelledTx is a database/sql handle wrapper of the kind FromSQLQueryer
+// takes (sqlx, bun, an application's own), whose value cannot be hashed.
+type labelledTx struct {
+	*sql.Tx
+	labels []string
+}
+
+// An assertion given such an executor reads the outbox InTables names, or
+// the default one: finding out whether it is an Env's must not panic.
+func TestAssertionsTakeExecutorsThatCannotBeHashed(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	db := stdlib.OpenDBFromPool(env.Pool)
+	t.Cleanup(func() { _ = db.Close() })
+	sqlTx, err := db.Begin()
+	require.NoError(t, err)
+	defer sqlTx.Rollback() //nolint:errcheck // read only
+	exec := tx.FromSQLQueryer(labelledTx{sqlTx, []string{"a"}})
+	require.NoError(t, env.Publisher.Publish("orders", msg("x")))
+	pgoutboxtest.RequirePublished(t, exec, "orders", pgoutboxtest.InTables(env.Tables), pgoutboxtest.Count(1))
+	failed, out := capture(func(tb testing.TB) { pgoutboxtest.RequireNotPublished(tb, exec, "orders") })
+	if failed { // no public.outbox in this database: it says how to name the Env's
+		require.Contains(t, out, "InTables(env.Tables)", out)
+	}
 }
 
 func TestRequirePublishedCountsMessagesNotGroupCopies(t *testing.T) {

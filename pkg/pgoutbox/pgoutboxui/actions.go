@@ -166,13 +166,9 @@ func (ui *UI) action(w http.ResponseWriter, r *http.Request, do bool) error {
 			c.What = "Delete every dead letter, of every topic, that failed before this confirmation, for good."
 		}
 		result = func() (string, error) {
-			// The purge's cutoff is the confirmation's: now minus the
-			// time since it, on the database clock.
-			now, err := dbclock.Now(ctx, ui.exec)
-			if err != nil {
-				return "", err
-			}
-			n, err := pgoutbox.PurgeDeadLetters(ctx, ui.exec, ui.tables, d+max(0, now.Sub(counted)), 0)
+			// The purge's cutoff is the confirmation's: what failed d
+			// before it counted.
+			n, err := pgoutbox.PurgeDeadLettersMatching(ctx, ui.exec, ui.tables, d, pgoutbox.DeadLetterFilter{FailedBefore: counted.Add(-d)}, 0)
 			return fmt.Sprintf("Purged %s.", plural(int(n), "dead letter")), err
 		}
 	case "pause", "resume":

@@ -70,7 +70,7 @@ func (ui *UI) checkCSRF(r *http.Request) string {
 		u, err := url.Parse(o)
 		if err != nil || !sameHost(u.Host, r) {
 			return fmt.Sprintf("the request's Origin (%s) is neither the Host it was sent to (%s) nor a forwarded one: "+
-				"another site, or a reverse proxy in front that rewrites Host without passing it on (nginx: proxy_set_header Host $host, or X-Forwarded-Host)",
+				"another site, or a reverse proxy in front that rewrites Host without passing it on (nginx: proxy_set_header Host $http_host, or X-Forwarded-Host)",
 				o, r.Host)
 		}
 	}

@@ -841,15 +841,8 @@ func TestAPublishOpenLongerThanTheFirstBindingWaitsReachesTheGroup(t *testing.T)
 			onEachClaimPath(t, func(t *testing.T, path string) {
 				b := setup(t)
 				ctx := context.Background()
-				qtable := pgx.Identifier{b.Schema, "outbox"}.Sanitize()
-				testhook.SetBindWriterWait(qtable, 200*time.Millisecond)
-				t.Cleanup(func() { testhook.SetBindWriterWait(qtable, 0) })
-
-				importTx, err := b.Pool.Begin(ctx)
-				require.NoError(t, err)
-				defer importTx.Rollback(ctx)
-				imported := newMsg("imported")
-				publishIn(t, b, importTx, "imports", imported)
+				shortWriterWait(t, b, 200*time.Millisecond)
+				importTx, imported := openImport(t, b)
 
 				audit := b.groupSubscriber(t, "audit", func(c *pgoutbox.SubscriberConfig) { onPath(t, path, c) })
 				if by == "BindSubscribers" {
@@ -875,15 +868,8 @@ func TestBindNamesThePublishesStillOpenAcrossTheFirstBinding(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	qtable := pgx.Identifier{b.Schema, "outbox"}.Sanitize()
-	testhook.SetBindWriterWait(qtable, time.Millisecond)
-	t.Cleanup(func() { testhook.SetBindWriterWait(qtable, 0) })
-
-	importTx, err := b.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer importTx.Rollback(ctx)
-	imported := newMsg("imported")
-	publishIn(t, b, importTx, "imports", imported)
+	shortWriterWait(t, b, time.Millisecond)
+	importTx, imported := openImport(t, b)
 	var vxid string
 	require.NoError(t, importTx.QueryRow(ctx, `SELECT virtualtransaction FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'virtualxid'`).Scan(&vxid))
 
@@ -931,11 +917,9 @@ func TestAPublishOpenLongerThanABacklogBindingsWaitReachesTheNewGroup(t *testing
 	start := func(t *testing.T) run {
 		b := setup(t)
 		ctx := context.Background()
-		qtable := pgx.Identifier{b.Schema, "outbox"}.Sanitize()
 		// The wait for the writers ends at once: the import commits after
 		// the binding, so after the wait, and the copy must wait on.
-		testhook.SetBindWriterWait(qtable, time.Millisecond)
-		t.Cleanup(func() { testhook.SetBindWriterWait(qtable, 0) })
+		shortWriterWait(t, b, time.Millisecond)
 		require.NoError(t, pgoutbox.Bind(ctx, tx.FromPgxPool(b.Pool), b.tables, "orders", "billing"))
 		r := run{b: b, before: newMsg("before"), imported: newMsg("imported"), inSave: newMsg("in a savepoint")}
 		require.NoError(t, b.poolPublisher(t).Publish("orders", r.before))
@@ -1027,6 +1011,28 @@ func TestAPublishOpenLongerThanABacklogBindingsWaitReachesTheNewGroup(t *testing
 }
 
 // publishIn publishes m to topic in the transaction in.
+// shortWriterWait makes a binding's wait for the transactions writing to
+// b's outbox end after d, for the test.
+func shortWriterWait(t *testing.T, b *bundle, d time.Duration) {
+	t.Helper()
+	qtable := pgx.Identifier{b.Schema, "outbox"}.Sanitize()
+	testhook.SetBindWriterWait(qtable, d)
+	t.Cleanup(func() { testhook.SetBindWriterWait(qtable, 0) })
+}
+
+// openImport begins a transaction that publishes one message to topic
+// "imports" and stays open (rolled back when the test ends, unless it
+// committed): a long import across a binding.
+func openImport(t *testing.T, b *bundle) (pgx.Tx, *message.Message) {
+	t.Helper()
+	importTx, err := b.Pool.Begin(context.Background())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = importTx.Rollback(context.Background()) })
+	imported := newMsg("imported")
+	publishIn(t, b, importTx, "imports", imported)
+	return importTx, imported
+}
+
 func publishIn(t *testing.T, b *bundle, in pgx.Tx, topic string, m *message.Message) {
 	t.Helper()
 	pub, err := pgoutbox.NewPublisher(tx.FromPgxTx(in), pgoutbox.PublisherConfig{Tables: b.tables}, nil)

@@ -8,7 +8,6 @@ import (
 	"math"
 	"os"
 	"regexp"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/envname"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -107,14 +107,10 @@ var envNames = []string{"PGOUTBOX_DSN", "PGOUTBOX_SCHEMA", "PGOUTBOX_TABLE", "PG
 // "": read by nobody, it would leave a command on the default outbox
 // without a word, where the library's *ConfigFromEnv refuse it.
 func misspeltEnv(environ []string) string {
-	squash := func(s string) string { return strings.ToUpper(strings.ReplaceAll(s, "_", "")) }
 	for _, kv := range environ {
 		key, _, _ := strings.Cut(kv, "=")
 		for _, known := range envNames {
-			if runtime.GOOS == "windows" && strings.EqualFold(key, known) {
-				continue // its variables' names ignore case: os.Getenv reads this one
-			}
-			if key != known && squash(key) == squash(known) && !slices.Contains(envNames, key) {
+			if envname.Misspelt(key, known) && !slices.Contains(envNames, key) {
 				return fmt.Sprintf("%s is not read (a misspelling?); use %s, or unset it", key, known)
 			}
 		}

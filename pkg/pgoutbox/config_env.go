@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/envname"
 )
 
 // SubscriberConfigFromEnv reads a SubscriberConfig from environment
@@ -187,15 +189,13 @@ var envNames = []string{
 // nobody, it would leave its field at the default without a word. Other
 // variables of the prefix are left alone: they may be the application's.
 func (r *envReader) misspelt(environ []string) {
-	squash := func(s string) string { return strings.ToUpper(strings.ReplaceAll(s, "_", "")) }
 	for _, kv := range environ {
 		key, _, _ := strings.Cut(kv, "=")
 		if len(key) <= len(r.prefix) || !strings.EqualFold(key[:len(r.prefix)], r.prefix) {
 			continue
 		}
-		name := key[len(r.prefix):]
 		for _, known := range envNames {
-			if name != known && squash(name) == squash(known) && key != r.prefix+known {
+			if envname.Misspelt(key, r.prefix+known) {
 				r.errs = append(r.errs, errorf("%w: %s is not read (a misspelling?); use %s%s", ErrInvalidConfig, key, r.prefix, known))
 			}
 		}

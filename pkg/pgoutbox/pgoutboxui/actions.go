@@ -363,7 +363,7 @@ func (ui *UI) strandedNote(ctx context.Context, topics []string) string {
 	}
 	var stranded []string
 	for _, s := range stats {
-		if s.Unbound() > 0 && (s.ConsumerGroup != "" || bound[s.Topic]) {
+		if s.Unbound() > 0 && !waitsForFirstBinding(s.ConsumerGroup, bound[s.Topic]) {
 			stranded = append(stranded, fmt.Sprintf("%s of %q", groupLabel(s.ConsumerGroup), s.Topic))
 		}
 	}

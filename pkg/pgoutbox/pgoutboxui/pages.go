@@ -69,7 +69,7 @@ func (ui *UI) overview(w http.ResponseWriter, r *http.Request) error {
 		// adopt them); any other's are stranded, whether or not the
 		// topic has other groups (a binding hands them to nobody).
 		unbound := !snap.bound[p] && s.Ready+s.Scheduled+s.Leased+s.ExpiredLeases+s.Parked > 0
-		waiting := unbound && s.ConsumerGroup == "" && !topicBound[s.Topic]
+		waiting := unbound && waitsForFirstBinding(s.ConsumerGroup, topicBound[s.Topic])
 		row := overviewRow{Topic: s.Topic, Group: s.ConsumerGroup, GroupURL: ui.groupURL(s.Topic, s.ConsumerGroup),
 			Ready: s.Ready, Scheduled: s.Scheduled, Leased: s.Leased, Expired: s.ExpiredLeases, Parked: s.Parked,
 			Oldest: ageString(s.OldestReadyAge), OldestWarn: s.OldestReadyAge > time.Minute,
@@ -191,7 +191,7 @@ func (ui *UI) groupPage(w http.ResponseWriter, r *http.Request) error {
 	for p := range bound {
 		d.TopicBound = d.TopicBound || p.topic == topic
 	}
-	d.Waiting = !d.Bound && group == "" && !d.TopicBound
+	d.Waiting = !d.Bound && waitsForFirstBinding(group, d.TopicBound)
 	if ui.names.QDLQ != "" {
 		d.DeadURL = ui.opts.BasePath + "dead-letters?" + url.Values{"topic": {topic}, "gmode": {"is"}, "group": {group}}.Encode()
 	}
@@ -237,6 +237,12 @@ func (ui *UI) groupPage(w http.ResponseWriter, r *http.Request) error {
 	title := topic + " · " + groupLabel(group)
 	return ui.render(w, r, "group", title, d)
 }
+
+// waitsForFirstBinding reports whether the rows of an unbound group wait
+// for a binding that takes them: the default group's, while no group is
+// bound to the topic (the first groups to bind adopt them). Any other
+// unbound group's rows are stranded.
+func waitsForFirstBinding(group string, topicBound bool) bool { return group == "" && !topicBound }
 
 func groupLabel(g string) string {
 	if g == "" {

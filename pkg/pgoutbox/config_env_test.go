@@ -2,6 +2,7 @@ package pgoutbox
 
 import (
 	"errors"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -235,7 +236,7 @@ func TestConfigFromEnvReadsTheLayout(t *testing.T) {
 func TestConfigFromEnvNamesAMisspeltVariable(t *testing.T) {
 	t.Parallel()
 	env := map[string]string{"APP_MAXINFLIGHT": "16", "APP_Lease": "1m", "APP_LEASE": "2m", "APP_DATABASE_URL": "postgres://x",
-		"APP_MAX_IN_FLIGHT": "8", "APP_NOTIFY_COOLDOWN": "5ms", "OTHER_MAXINFLIGHT": "1"}
+		"APP_MAX_IN_FLIGHT": "8", "APP_NOTIFY_COOLDOWN": "5ms", "OTHER_MAXINFLIGHT": "1", "app_MIN_POLL_INTERVAL": "1s"}
 	var environ []string
 	for k, v := range env {
 		environ = append(environ, k+"="+v)
@@ -244,12 +245,16 @@ func TestConfigFromEnvNamesAMisspeltVariable(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidConfig)
 	require.ErrorContains(t, err, "APP_MAXINFLIGHT is not read (a misspelling?); use APP_MAX_IN_FLIGHT")
 	require.ErrorContains(t, err, "APP_Lease is not read (a misspelling?); use APP_LEASE")
+	if runtime.GOOS != "windows" { // where names ignore case, it is read
+		require.ErrorContains(t, err, "app_MIN_POLL_INTERVAL is not read (a misspelling?); use APP_MIN_POLL_INTERVAL", "the prefix in other case")
+	}
 	require.NotContains(t, err.Error(), "DATABASE_URL")
 	require.NotContains(t, err.Error(), "NOTIFY_COOLDOWN", "a publisher's variable beside the subscriber's")
 	require.NotContains(t, err.Error(), "OTHER_")
 
 	delete(env, "APP_MAXINFLIGHT")
 	delete(env, "APP_Lease")
+	delete(env, "app_MIN_POLL_INTERVAL")
 	environ = environ[:0]
 	for k, v := range env {
 		environ = append(environ, k+"="+v)

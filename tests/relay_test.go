@@ -583,9 +583,11 @@ func TestRelayDeadLettersWhatTheTargetRefusesForGood(t *testing.T) {
 					b.count(t, `SELECT count(*) FROM `+qo+` WHERE available_at < 'infinity'`) == 0 &&
 					r.Stats().Refused == 1
 			})
-			if tc.inFlight != 1 {
-				require.Greater(t, refusing.refusedWith.Load(), int32(1), "refused in a batch of several: split")
-			}
+			// Mostly it comes in a batch of several, which is split (the
+			// split's order is pinned in relay's TestSplitStopsAtTheFirstOutage);
+			// a loaded machine's slots may offer it alone, rejected at once
+			// (seen once in a CI run). Either way it is tried at most twice.
+			t.Logf("the refused message came in a batch of %d", refusing.refusedWith.Load())
 			require.LessOrEqual(t, refusing.tries.Load(), int32(2), "tried in its batch, then alone: not retried")
 			require.Zero(t, b.count(t, `SELECT count(*) FROM `+qt+` WHERE uuid = $1`, refusing.refused))
 			if tc.noDLQ {

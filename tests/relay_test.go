@@ -220,7 +220,7 @@ func TestRelayConfigErrors(t *testing.T) {
 	// A bare number is nanoseconds: every publish would time out.
 	_, err := relay.New(b.Pool, target, relay.Config{Topics: []string{"a"}, PublishTimeout: 30})
 	require.ErrorIs(t, err, relay.ErrInvalidConfig)
-	require.ErrorContains(t, err, "PublishTimeout is 30ns; it must be at least 1ms (a bare number is nanoseconds: write 30 * time.Second)")
+	require.ErrorContains(t, err, "PublishTimeout is 30ns; it must be at least 1ms (a bare number is nanoseconds: write 30 * time.Second")
 	_, err = relay.New(nil, target, relay.Config{Topics: []string{"a"}})
 	require.ErrorIs(t, err, relay.ErrInvalidConfig)
 	_, err = relay.New(b.Pool, nil, relay.Config{Topics: []string{"a"}})

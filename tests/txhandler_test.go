@@ -310,7 +310,7 @@ func TestTxMiddlewareConfigErrors(t *testing.T) {
 	require.ErrorContains(t, err, "FromPgxPool")
 	// A bare number is nanoseconds: every commit would time out.
 	_, err = tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{CommitTimeout: 30})
-	require.ErrorContains(t, err, "CommitTimeout is 30ns; it must be at least 1ms (a bare number is nanoseconds: write 30 * time.Second)")
+	require.ErrorContains(t, err, "CommitTimeout is 30ns; it must be at least 1ms (a bare number is nanoseconds: write 30 * time.Second")
 	mw, err := tx.Middleware(tx.FromPgxPool(b.Pool), tx.MiddlewareConfig{})
 	require.NoError(t, err)
 	m := newMsg("x")

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/jackc/puddle/v2"
 )
@@ -163,4 +164,19 @@ func SQLState(err error) string {
 		return withFields.Field('C')
 	}
 	return ""
+}
+
+// MinDuration is the least positive duration a setting takes
+// (pgoutbox.MinDuration): a value under it is a number of nanoseconds given
+// where seconds or milliseconds were meant ("AckDeadline: 30").
+const MinDuration = time.Millisecond
+
+// TooShort explains setting name's positive value d under MinDuration,
+// or returns "".
+func TooShort(name string, d time.Duration) string {
+	if d <= 0 || d >= MinDuration {
+		return ""
+	}
+	return fmt.Sprintf("%s is %s; it must be at least %s (a bare number is nanoseconds: write %d * time.Second or %d * time.Millisecond)",
+		name, d, MinDuration, int64(d), int64(d))
 }

@@ -556,16 +556,10 @@ const MaxLease = 365 * 24 * time.Hour
 // durations that has one (AckDeadline, StatementTimeout, the poll
 // intervals): a value under it is a number of nanoseconds given where a
 // time.Duration of seconds or milliseconds was meant ("AckDeadline: 30").
-const MinDuration = time.Millisecond
+const MinDuration = errtext.MinDuration
 
 // tooShort explains a positive duration under MinDuration, or returns "".
-func tooShort(name string, d time.Duration) string {
-	if d <= 0 || d >= MinDuration {
-		return ""
-	}
-	return fmt.Sprintf("%s is %s; it must be at least %s (a bare number is nanoseconds: write %d * time.Second or %d * time.Millisecond)",
-		name, d, MinDuration, int64(d), int64(d))
-}
+func tooShort(name string, d time.Duration) string { return errtext.TooShort(name, d) }
 
 func statementTimeoutProblem(d time.Duration) string {
 	return fmt.Sprintf("StatementTimeout is %s; it may be at most %s, PostgreSQL's limit for statement_timeout (0 for the default %s)", d, MaxStatementTimeout, DefaultStatementTimeout)

@@ -342,20 +342,19 @@ func describe(f dlFilter) string {
 // that failed it, which may have been unbound or renamed since, and then
 // no subscriber takes it. "" when none, or when Stats fails (a courtesy).
 func (ui *UI) strandedNote(ctx context.Context, topics []string) string {
-	var stats []pgoutbox.QueueStats
-	if topics == nil {
-		st, err := pgoutbox.Stats(ctx, ui.exec, ui.tables)
-		if err != nil {
-			return ""
-		}
-		stats = st
+	// One read: of the topic, or of every topic, kept to those given (a
+	// requeue by ids may span many).
+	var opts []pgoutbox.StatsOption
+	if len(topics) == 1 {
+		opts = append(opts, pgoutbox.StatsForTopic(topics[0]))
 	}
-	for _, t := range topics {
-		st, err := pgoutbox.Stats(ctx, ui.exec, ui.tables, pgoutbox.StatsForTopic(t))
-		if err != nil {
-			return ""
-		}
-		stats = append(stats, st...)
+	all, err := pgoutbox.Stats(ctx, ui.exec, ui.tables, opts...)
+	if err != nil {
+		return ""
+	}
+	stats := all
+	if topics != nil {
+		stats = slices.DeleteFunc(all, func(s pgoutbox.QueueStats) bool { return !slices.Contains(topics, s.Topic) })
 	}
 	bound := map[string]bool{}
 	for _, s := range stats {

@@ -127,10 +127,9 @@ func (o Options) validate() error {
 				o.Samples, o.MaxPairs, bytes/(1<<30), unsafe.Sizeof(sample{})))
 		}
 	}
-	if o.PageTimeout > 0 && o.PageTimeout < pgoutbox.MinDuration {
+	if p := errtext.TooShort("PageTimeout", o.PageTimeout); p != "" {
 		// Every page would time out before it read anything.
-		problems = append(problems, fmt.Sprintf("PageTimeout is %s; it must be at least %s (a bare number is nanoseconds: write %d * time.Second), or negative for no bound",
-			o.PageTimeout, pgoutbox.MinDuration, int64(o.PageTimeout)))
+		problems = append(problems, p+", or negative for no bound")
 	}
 	if o.BlockedDeliveries < 1 {
 		problems = append(problems, fmt.Sprintf("BlockedDeliveries is %d; use 0 for the default (%d) or a positive number", o.BlockedDeliveries, DefaultBlockedDeliveries))

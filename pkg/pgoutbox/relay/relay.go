@@ -27,6 +27,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
@@ -184,11 +185,10 @@ func (c *Config) setDefaults() error {
 	if c.Workers == 0 {
 		c.Workers = DefaultWorkers
 	}
-	if c.PublishTimeout > 0 && c.PublishTimeout < pgoutbox.MinDuration {
+	if p := errtext.TooShort("PublishTimeout", c.PublishTimeout); p != "" {
 		// Every publish would time out and be retried without end, and
 		// nothing would be relayed.
-		return fmt.Errorf("%w: PublishTimeout is %s; it must be at least %s (a bare number is nanoseconds: write %d * time.Second)",
-			ErrInvalidConfig, c.PublishTimeout, pgoutbox.MinDuration, int64(c.PublishTimeout))
+		return fmt.Errorf("%w: %s", ErrInvalidConfig, p)
 	}
 	if c.PublishTimeout == 0 {
 		c.PublishTimeout = DefaultPublishTimeout

@@ -49,10 +49,6 @@ type contextFollower interface{ FollowsContext() bool }
 // DefaultCommitTimeout is MiddlewareConfig.CommitTimeout's default.
 const DefaultCommitTimeout = 10 * time.Second
 
-// minCommitTimeout is pgoutbox.MinDuration, the shortest duration any
-// setting takes (this package cannot import pgoutbox).
-const minCommitTimeout = time.Millisecond
-
 // Middleware returns a Router middleware that runs each message's handler
 // in a transaction of its own, begun on db (FromSQLDB or FromPgxPool):
 //
@@ -110,11 +106,10 @@ func Middleware(db Executor, config MiddlewareConfig) (message.HandlerMiddleware
 	if config.CommitTimeout < 0 {
 		return nil, errtext.Errorf("pgoutbox: tx.MiddlewareConfig.CommitTimeout is negative (%v); leave it 0 for the default (%v)", config.CommitTimeout, DefaultCommitTimeout)
 	}
-	if config.CommitTimeout > 0 && config.CommitTimeout < minCommitTimeout {
+	if p := errtext.TooShort("CommitTimeout", config.CommitTimeout); p != "" {
 		// Every commit would time out: each handler's work rolled back
 		// and redone without end.
-		return nil, errtext.Errorf("pgoutbox: tx.MiddlewareConfig.CommitTimeout is %v; it must be at least %v (a bare number is nanoseconds: write %d * time.Second), or 0 for the default (%v)",
-			config.CommitTimeout, minCommitTimeout, int64(config.CommitTimeout), DefaultCommitTimeout)
+		return nil, errtext.Errorf("pgoutbox: tx.MiddlewareConfig.%s, or 0 for the default (%v)", p, DefaultCommitTimeout)
 	}
 	if config.CommitTimeout == 0 {
 		config.CommitTimeout = DefaultCommitTimeout

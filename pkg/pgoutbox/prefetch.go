@@ -12,14 +12,25 @@ import (
 // prefetchHorizon, so rows never sit leased locally for long, and an idle or
 // slow subscription prefetches nothing: its claims only fill free slots.
 const (
-	prefetchHorizon = 10 * time.Millisecond
-	maxPrefetch     = 1024
-	// maxClaim caps one claim statement: past a couple of hundred rows a
-	// claim costs the same per row, and a smaller claim returns sooner, so
-	// the buffer is refilled before it runs dry. (A second claim loop on its
-	// own connection was tried: on 2 cores it cost a tenth of the drain
-	// rate, the two loops and PostgreSQL competing for the same CPUs.)
-	maxClaim = 256
+	prefetchHorizon = 40 * time.Millisecond
+	maxPrefetch     = 4096
+	// maxClaim caps one claim statement. A claim's fixed cost (its
+	// round trip, the plan's start, the walk to the first due row) is
+	// shared by its rows: 1,024-row claims drain a lease backlog about a
+	// fifth faster than 256-row ones, with less server CPU a message
+	// (tests/bench, drain-16 of pgoutbox-lease; docs/performance.md),
+	// and the buffer above covers the longer statement. (A second claim
+	// loop on its own connection was tried: on 2 cores it cost a tenth of
+	// the drain rate, the two loops and PostgreSQL competing for the same
+	// CPUs.)
+	maxClaim = 1024
+	// maxKeyedAllowance caps the buffer of a keyed subscription (see
+	// keyedAllowance): a row held there is a key no competitor can run.
+	maxKeyedAllowance = 1024
+	// maxKeyedClaim caps a keyed subscription's claim: a keyed claim reads
+	// a window of twice its rows (claimScan.request), and a backlog whose
+	// keys are all held costs one window per claim.
+	maxKeyedClaim = 256
 	// rateSample is the shortest interval a consumption rate is measured
 	// over; verdicts closer together accumulate into one sample.
 	rateSample = 5 * time.Millisecond
@@ -85,17 +96,17 @@ func (p *prefetch) verdicts(n int) { p.completed += n }
 // batches). keyed: the rows have ordering keys (see keyedAllowance).
 func (p *prefetch) claimSize(held int, now time.Time, keyed bool) int {
 	p.sample(now)
-	allowance := p.allowance
+	allowance, limit := p.allowance, maxClaim
 	if keyed && !p.disabled {
-		allowance = max(allowance, p.keyedAllowance())
+		allowance, limit = p.keyedAllowance(), maxKeyedClaim
 	}
 	bySize := p.bySize()
 	allowance = min(allowance, bySize)
 	free := p.inFlight + allowance - held
-	if free < max(1, min(allowance/2, maxClaim/2)) {
+	if free < max(1, min(allowance/2, limit/2)) {
 		return 0
 	}
-	return min(free, max(maxClaim, p.inFlight), bySize)
+	return min(free, max(limit, p.inFlight), bySize)
 }
 
 // keyedTurnaround is how long a key's next row takes to reach the buffer
@@ -110,9 +121,9 @@ const keyedTurnaround = 25 * time.Millisecond
 // in hand. No more: a row held here is a key no other subscriber can run,
 // though it may have handlers free (a slow subscription that held a row
 // of every key starved its competitors). At least MaxInFlight, so that
-// the rate can grow to what the handlers do; at most maxClaim.
+// the rate can grow to what the handlers do; at most maxKeyedAllowance.
 func (p *prefetch) keyedAllowance() int {
-	return min(maxClaim, max(p.inFlight, int(p.rate*keyedTurnaround.Seconds())))
+	return min(maxKeyedAllowance, max(p.inFlight, int(p.rate*keyedTurnaround.Seconds())))
 }
 
 // sample updates the consumption rate and the allowance.

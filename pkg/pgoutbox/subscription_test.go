@@ -484,7 +484,7 @@ func TestPrefetchFollowsTheConsumptionRate(t *testing.T) {
 	p.verdicts(1000) // 1000 verdicts in 10ms: 100k/s
 	now = now.Add(10 * time.Millisecond)
 	require.Equal(t, maxClaim, p.claimSize(0, now, false), "a claim is capped")
-	require.Equal(t, 1000, p.allowance, "10ms worth of consumption")
+	require.Equal(t, 4000, p.allowance, "40ms (prefetchHorizon) worth of consumption")
 
 	p.verdicts(1e6)
 	now = now.Add(10 * time.Millisecond)
@@ -520,9 +520,18 @@ func TestKeyedPrefetchFollowsTheConsumptionRate(t *testing.T) {
 		now = now.Add(5 * time.Millisecond)
 		fast.sample(now)
 	}
-	require.Equal(t, maxClaim, fast.keyedAllowance(), "16,000/s over 25ms is 400: capped")
-	require.Equal(t, maxClaim, fast.claimSize(0, now, true), "a claim is capped")
-	require.Zero(t, fast.claimSize(16+maxClaim, now, true), "in flight and the allowance held: no claim")
+	require.Equal(t, 400, fast.keyedAllowance(), "16,000/s over 25ms")
+	require.Equal(t, maxKeyedClaim, fast.claimSize(0, now, true), "a keyed claim is capped")
+	require.Equal(t, 16+400-maxKeyedClaim, fast.claimSize(maxKeyedClaim, now, true), "the handlers' rows and the allowance")
+	require.Zero(t, fast.claimSize(16+400, now, true), "in flight and the allowance held: no claim")
+	for range 10 { // 16,000/s in every 1ms: more than any buffer of keys may hold
+		fast.verdicts(16 * 5 * 1000)
+		now = now.Add(5 * time.Millisecond)
+		fast.sample(now)
+	}
+	require.Equal(t, maxKeyedAllowance, fast.keyedAllowance(), "capped")
+	require.Equal(t, maxKeyedClaim, fast.claimSize(0, now, true), "a keyed claim is capped")
+	require.Less(t, maxKeyedAllowance, fast.allowance, "a keyed subscription holds less than an unkeyed one would")
 
 	half := newPrefetch(4, true, now)
 	half.verdicts(20) // 2,000/s

@@ -774,3 +774,68 @@ func TestAMessageASlowConsumerTakesLateIsNotGivenBack(t *testing.T) {
 		require.Zero(t, ev.countKind(pgoutbox.EventReleased), "a message waiting for a healthy consumer was given back")
 	})
 }
+
+// A subscription whose handlers turn slow gives its prefetched rows back
+// once the rate they answer at would not get through them within a second,
+// not after half a lease: a competitor of the group takes them meanwhile.
+// (Handlers that went from 1 ms to 2 s kept a few hundred rows for 15 s,
+// half the default lease, while the other consumer had nothing to do.)
+// A's handlers run fast, then stop; B starts once A stopped and must get
+// every message but A's in flight well before half a lease.
+func TestAConsumerWhoseHandlersTurnSlowGivesItsBufferToACompetitor(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgoutbox.ClaimMode{pgoutbox.ClaimAuto, pgoutbox.ClaimLease, pgoutbox.ClaimHeld} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			const (
+				topic    = "t"
+				n        = 6000
+				inFlight = 16
+			)
+			b.publishInTx(t, topic, true, newMsgs(n)...)
+			cfg := func(ev pgoutbox.Observer) func(*pgoutbox.SubscriberConfig) {
+				return func(c *pgoutbox.SubscriberConfig) {
+					c.Lease = 30 * time.Second // the default: half of it is 15 s
+					c.MaxInFlight = inFlight
+					c.ClaimMode = mode
+					c.Observer = ev
+				}
+			}
+			evA := newEvents()
+			a := b.subscriber(t, cfg(evA))
+			var handledA atomic.Int64
+			stuck := make(chan struct{})
+			stop := make(chan struct{})
+			runRouter(t, a, topic, func(m *message.Message) error {
+				if handledA.Add(1) > 1500 {
+					select {
+					case stuck <- struct{}{}:
+					default:
+					}
+					<-stop // the handlers turn slow: they stop answering
+					return nil
+				}
+				time.Sleep(time.Millisecond)
+				return nil
+			})
+			t.Cleanup(func() { close(stop) }) // before the Router's Close
+			select {
+			case <-stuck:
+			case <-time.After(30 * time.Second):
+				t.Fatal("A never got to its 1501st message")
+			}
+			var handledB atomic.Int64
+			runRouter(t, b.subscriber(t, cfg(nil)), topic, func(*message.Message) error {
+				handledB.Add(1)
+				return nil
+			})
+			// Half a lease would be 15 s: the buffer goes back within about
+			// two seconds (a second's patience, the next check).
+			waitCount(t, "messages handled by B", n-1500-inFlight, 10*time.Second, func() int { return int(handledB.Load()) })
+			t.Logf("%s: A handled 1500 and holds %d in its handlers; B handled %d; A gave back %d",
+				mode, inFlight, handledB.Load(), evA.countKind(pgoutbox.EventReleased))
+			require.Positive(t, evA.countKind(pgoutbox.EventReleased), "A held rows beyond its handlers, and gave them back")
+		})
+	}
+}

@@ -221,9 +221,9 @@ func (h *handout) oldestHandedOut(now time.Time) time.Duration {
 }
 
 // maxHandedOut bounds the deliveries given to the Router or to the slots.
-// MaxInFlight slots send at most MaxInFlight messages to the Router; the
-// rest of the lease window waits in the slots' queue, so a slot that got
-// its verdict takes the next message without waiting for the owner.
+// MaxInFlight slots send at most MaxInFlight messages to the Router; up
+// to slotQueue more wait in the slots' queue, so a slot that got its
+// verdict takes the next message without waiting for the owner.
 func (sub *subscription) maxHandedOut() int {
 	if sub.outlet.slots != nil {
 		return sub.outlet.slots.capacity()

@@ -28,6 +28,51 @@ func housekeepingEvery(cfg *SubscriberConfig) time.Duration {
 	return max(d, 10*time.Millisecond)
 }
 
+// bufferPatience is how long the rows a subscription holds for its
+// handlers may take them at the rate they answer lately. The buffer holds
+// what they consumed in prefetchHorizon, so a buffer that would last many
+// horizons means they turned slow, and a competitor may be idle beside rows
+// held here (handlers that went from 1 ms to 2 s held a few hundred rows
+// for half a lease, 15 s, while another consumer of the group had nothing
+// to do). At most half a lease.
+func bufferPatience(cfg *SubscriberConfig) time.Duration {
+	return min(cfg.Lease/2, 25*prefetchHorizon)
+}
+
+// prefetchStalled reports whether the rows waiting for a handler (the
+// owner's buffer and the slots' queue) would wait longer than
+// bufferPatience at the rate the handlers answered lately, and one of them,
+// or a handler, has waited that long already: a pause of all handlers
+// shorter than that (a lock, a collection) keeps the buffer. A
+// subscription that does not prefetch (MaxDeliveries) holds only what its
+// free handlers take.
+func (sub *subscription) prefetchStalled(now time.Time) bool {
+	pf := &sub.claims.pf
+	if pf.disabled {
+		return false
+	}
+	waiting := len(sub.hand.buffer)
+	if sub.hand.ready != nil {
+		waiting++
+	}
+	if sub.outlet.slots != nil {
+		waiting += sub.outlet.slots.queued()
+	}
+	if waiting == 0 {
+		return false
+	}
+	patience := bufferPatience(sub.cfg)
+	pf.sample(now)
+	if float64(waiting) <= pf.rate*patience.Seconds() {
+		return false
+	}
+	oldest := sub.hand.ready
+	if oldest == nil && len(sub.hand.buffer) > 0 {
+		oldest = sub.hand.buffer[0]
+	}
+	return oldest != nil && at(now).since(oldest.claimedAt) > patience || sub.hand.oldestHandedOut(now) > patience
+}
+
 // housekeeping runs the periodic checks: ack deadlines, stalled buffers,
 // lease renewals.
 func (sub *subscription) housekeeping(now time.Time) {
@@ -45,16 +90,18 @@ func (sub *subscription) housekeeping(now time.Time) {
 		}
 	}
 	// A prefetched row still waiting half a lease after its claim means the
-	// handlers are stuck or slow: give the whole buffer back (all of it, so
+	// handlers are stuck or slow, and so does a buffer they no longer get
+	// through in bufferPatience: give the whole buffer back (all of it, so
 	// the rows keep their order) for other consumers, rather than hold it.
+	stalled := sub.prefetchStalled(now)
 	oldest := sub.hand.ready
 	if oldest == nil && len(sub.hand.buffer) > 0 {
 		oldest = sub.hand.buffer[0]
 	}
-	if oldest != nil && at(now).since(oldest.claimedAt) > sub.cfg.Lease/2 {
+	if oldest != nil && (stalled || at(now).since(oldest.claimedAt) > sub.cfg.Lease/2) {
 		sub.giveBack(sub.hand.takeBuffer())
 	}
-	if sub.outlet.slots != nil && sub.outlet.slots.queued() > 0 && sub.hand.oldestHandedOut(now) > sub.cfg.Lease/2 {
+	if sub.outlet.slots != nil && sub.outlet.slots.queued() > 0 && (stalled || sub.hand.oldestHandedOut(now) > sub.cfg.Lease/2) {
 		// The same for the slots' queue: what no slot took yet goes back.
 		sub.giveBack(sub.takeQueued())
 	}

@@ -49,6 +49,14 @@ type slotItem struct {
 	abandon          <-chan struct{} // closed when the owner stops waiting for the verdict
 }
 
+// slotQueue is how many messages beyond MaxInFlight wait in the slots'
+// queue; the rest of a prefetch waits in the owner's buffer, where the
+// owner takes it from as verdicts free the queue. The queue is allocated
+// whole when a subscription starts (about 110 bytes an item, 4,096+ items
+// would cost a service of 60 handlers 27 MB), and a thousand messages
+// ready is far more than slots take while the owner wakes for verdicts.
+const slotQueue = 1024
+
 func newSlots(n, window int, inbox *verdictInbox, env slotEnv) *slots {
 	return &slots{queue: make(chan slotItem, window), halt: make(chan struct{}), inbox: inbox, env: env, n: n}
 }

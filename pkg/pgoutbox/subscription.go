@@ -126,9 +126,9 @@ func newSubscription(s *Subscriber, ctx context.Context, topic string, waiter *n
 		held:   heldPath{forced: testhook.ClaimPath(s.cfg.WorkerID), cfg: &s.cfg},
 	}
 	if s.cfg.MaxInFlight > 1 {
-		// The whole lease window fits: slots take the next message
-		// without waiting for the owner, as the claim fills the queue.
-		sub.outlet.slots = newSlots(s.cfg.MaxInFlight, s.cfg.MaxInFlight+maxPrefetch, sub.events.inbox,
+		// Slots take the next message without waiting for the owner, as
+		// the claim fills the queue (see slotQueue).
+		sub.outlet.slots = newSlots(s.cfg.MaxInFlight, s.cfg.MaxInFlight+slotQueue, sub.events.inbox,
 			slotEnv{out: sub.outlet.out, parent: sub.outlet.parent, ackDeadline: s.cfg.AckDeadline,
 				offerCheck: max(min(s.cfg.Lease/8, time.Second), 10*time.Millisecond), handedOut: s.obs.handedOut})
 	}

@@ -461,9 +461,50 @@ func TestOwnerStalledBufferGoesBackWhole(t *testing.T) {
 	require.Equal(t, handedOut, d.state, "the message in flight stays")
 }
 
+// Handlers that turn slow leave a buffer sized to their former rate: it
+// goes back once the rate they answer at would not get through it within
+// a second and a row has waited that long, not after half a lease, so a
+// competitor takes the rows. A buffer the handlers get through stays.
+func TestOwnerBufferGoesBackWhenHandlersTurnSlow(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	require.Equal(t, time.Second, bufferPatience(b.sub.cfg), "the default lease (30s): a second")
+	b.claimed(t, 1, 2, 3)
+	b.handOut(t)
+	claimed := processStart.Add(time.Duration(b.sub.hand.buffer[0].claimedAt))
+	b.sub.housekeeping(claimed.Add(900 * time.Millisecond))
+	require.Len(t, b.sub.hand.buffer, 2, "nothing answered, but nothing waited a second yet")
+	b.sub.claims.pf.verdicts(5000)
+	b.sub.housekeeping(claimed.Add(1100 * time.Millisecond))
+	require.Len(t, b.sub.hand.buffer, 2, "the handlers answer fast: the buffer stays")
+	b.sub.housekeeping(claimed.Add(2200 * time.Millisecond))
+	require.Empty(t, b.sub.hand.buffer, "nothing answered for a second")
+	require.Len(t, b.sub.writes.pending.returns, 2)
+
+	short := setup(t, func(c *SubscriberConfig) { c.Lease = time.Second; c.StatementTimeout = 400 * time.Millisecond })
+	require.Equal(t, 500*time.Millisecond, bufferPatience(short.sub.cfg), "half a short lease")
+}
+
+// The same for the slots' queue, where a subscription with MaxInFlight >
+// 1 keeps what its handlers take next.
+func TestOwnerSlotsQueueGoesBackWhenHandlersTurnSlow(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
+	b.claimed(t, 1, 2, 3, 4, 5)
+	start := time.Now()
+	b.sub.dispatch(start)
+	require.Equal(t, 5, b.sub.outlet.slots.queued(), "no slot runs here: all wait in the queue")
+	b.sub.housekeeping(start.Add(900 * time.Millisecond))
+	require.Equal(t, 5, b.sub.outlet.slots.queued(), "nothing waited a second yet")
+	b.sub.housekeeping(start.Add(1100 * time.Millisecond))
+	require.Zero(t, b.sub.outlet.slots.queued())
+	require.Len(t, b.sub.writes.pending.returns, 5)
+}
+
 func TestOwnerRenewalSkipsRowsWithAPendingWrite(t *testing.T) {
 	t.Parallel()
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
+	b.sub.claims.pf.disabled = true // rows wait beside no answer for half a lease: kept here, renewed
 	b.claimed(t, 1, 2, 3)
 	acked := b.handOut(t)
 	b.sub.onVerdict(verdict{d: acked, seq: acked.seq, msg: acked.msg, ack: true}, false)
@@ -812,6 +853,7 @@ func TestOwnerWriteConflictsAreQuietAtFirst(t *testing.T) {
 func TestOwnerRenewalLeavesYoungLeasesAlone(t *testing.T) {
 	t.Parallel()
 	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 2 })
+	b.sub.claims.pf.disabled = true // a row waits beside no answer for seconds: kept here, renewed
 	b.claimed(t, 1, 2)
 	d := b.handOut(t)
 	now := time.Now()

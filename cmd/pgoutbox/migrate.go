@@ -122,6 +122,9 @@ func (c *cli) migrateUpDown(args []string, down bool) error {
 		}
 		if len(plan) == 0 {
 			fmt.Fprintf(c.stdout, "nothing to do: %s is at version %d\n", tablesName(t), st.Current)
+			if !down && st.Current == st.Latest {
+				printCatalogProblems(c.stdout, catalogProblems(ctx, exec, t))
+			}
 			return nil
 		}
 		if *dryRun {
@@ -198,6 +201,10 @@ func (c *cli) migrateStatus(args []string) error {
 			return err
 		}
 		needsBaseline := st.Current == 0 && st.OutboxExists
+		var problems []string
+		if st.Current == st.Latest {
+			problems = catalogProblems(ctx, exec, t)
+		}
 		// Without a recorded version (an outbox made by Create, an earlier
 		// release, or goose or golang-migrate, which record versions in
 		// their own tables), the catalog tells which version's layout it has.
@@ -224,7 +231,13 @@ func (c *cli) migrateStatus(args []string) error {
 				LayoutVersion *int      `json:"layout_version,omitempty"`
 				Applied       []applied `json:"applied"`
 				Pending       []pending `json:"pending"`
-			}{Current: st.Current, Latest: st.Latest, NeedsBaseline: needsBaseline, Applied: []applied{}, Pending: []pending{}}
+				// What the catalog lacks or holds beyond the recorded version
+				// (schema.Validate), at the latest version only.
+				CatalogProblems []string `json:"catalog_problems"`
+			}{Current: st.Current, Latest: st.Latest, NeedsBaseline: needsBaseline, Applied: []applied{}, Pending: []pending{}, CatalogProblems: problems}
+			if doc.CatalogProblems == nil {
+				doc.CatalogProblems = []string{}
+			}
 			if layout != nil {
 				doc.LayoutVersion = &layout.Version
 			}
@@ -244,6 +257,9 @@ func (c *cli) migrateStatus(args []string) error {
 			return nil
 		}
 		fmt.Fprintf(c.stdout, "%s: version %d of %d\n", tablesName(t), st.Current, st.Latest)
+		if st.Current == st.Latest {
+			printCatalogProblems(c.stdout, problems)
+		}
 		if st.Current > st.Latest {
 			fmt.Fprintf(c.stdout, "version %d is newer than this release knows (up to %d): a newer release migrated the outbox; migrate it with that release's pgoutbox\n", st.Current, st.Latest)
 		}
@@ -259,6 +275,27 @@ func (c *cli) migrateStatus(args []string) error {
 		}
 		return nil
 	})
+}
+
+// catalogProblems is what schema.Validate finds wrong with an outbox whose
+// recorded version is the latest: a process of an earlier release that runs
+// its schema.Create at start puts back what a migration replaced (the
+// first release's dedup index), which the recorded version cannot show.
+// Nothing when Validate cannot read the catalog: status reports versions.
+func catalogProblems(ctx context.Context, exec tx.Executor, t schema.Config) []string {
+	var verr *schema.ValidationError
+	if errors.As(schema.Validate(ctx, exec, t), &verr) {
+		return verr.Problems
+	}
+	return nil
+}
+
+func printCatalogProblems(w io.Writer, problems []string) {
+	if len(problems) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "but the catalog differs from that version: %s\n", strings.Join(problems, "; "))
+	fmt.Fprintln(w, `  "pgoutbox schema apply" repairs it; a process of an earlier release that runs schema.Create at start puts an old index back: upgrade it, or keep it from running Create`)
 }
 
 // printUnrecordedLayout is the status of an outbox whose version pgoutbox's

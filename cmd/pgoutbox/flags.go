@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -208,7 +209,12 @@ func (cmd *command) connect(ctx context.Context) (*pgxpool.Pool, tx.Executor, er
 	defer cancel()
 	if err := pool.Ping(pctx); err != nil {
 		pool.Close()
-		return nil, nil, fmt.Errorf("connect to %s:%d: %w; check --dsn / PGOUTBOX_DSN and that the server is up", cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
+		hint := "check --dsn / PGOUTBOX_DSN and that the server is up"
+		if errors.Is(err, context.DeadlineExceeded) {
+			// A pooler that queues the connection times out the same way.
+			hint += ", and, behind a connection pooler, that it is not paused and has a server connection free (PgBouncer: SHOW POOLS, cl_waiting)"
+		}
+		return nil, nil, fmt.Errorf("connect to %s:%d: %w; %s", cfg.ConnConfig.Host, cfg.ConnConfig.Port, err, hint)
 	}
 	return pool, tx.FromPgxPool(pool), nil
 }

@@ -387,7 +387,7 @@ func lockWaitHint(err error) error {
 	if errtext.SQLState(err) != "55P03" { // lock_not_available
 		return err
 	}
-	return &hintedError{err: err, hint: "\nto allow a longer wait from the command line, run it with PGOPTIONS='-c lock_timeout=30s' in the environment, or add options=-c%20lock_timeout%3D30s to the --dsn URL (options='-c lock_timeout=30s' in a key=value DSN)"}
+	return &hintedError{err: err, hint: "\nto allow a longer wait from the command line, run it with PGOPTIONS='-c lock_timeout=30s' in the environment, or add options=-c%20lock_timeout%3D30s to the --dsn URL (options='-c lock_timeout=30s' in a key=value DSN); behind PgBouncer, which refuses options at connect, set it for the role: ALTER ROLE <role> SET lock_timeout = '30s'"}
 }
 
 func (c *cli) migrateFiles(args []string) error {

@@ -355,6 +355,8 @@ func TestSchemaMigrateLockTimeout(t *testing.T) {
 		require.Contains(t, errOut, c.want, c.name)
 		require.Contains(t, errOut, "from the command line, run it with PGOPTIONS='-c lock_timeout=30s'", c.name)
 		require.Contains(t, errOut, "options=-c%20lock_timeout%3D30s to the --dsn URL", c.name)
+		require.Contains(t, errOut, "behind PgBouncer, which refuses options at connect, set it for the role: ALTER ROLE", c.name)
+		require.NotContains(t, errOut, "the server's lock_timeout, a role or database setting", "%s: pgoutbox's own wait, explained once", c.name)
 	}
 }
 

@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/schema"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
@@ -104,9 +105,7 @@ func readTimedOut(ctx context.Context, err error) error {
 	if err == nil || !errors.Is(ctx.Err(), context.DeadlineExceeded) {
 		return err
 	}
-	return &hintedError{err: err, hint: fmt.Sprintf("; no answer within %s: a session may hold or await an exclusive lock on the outbox "+
-		"(a VACUUM FULL, an ALTER TABLE, a migration), which every claim and publish waits for too: \"pgoutbox health\" says which "+
-		"table, and how to find the session", readTimeout)}
+	return &hintedError{err: err, hint: errtext.NoAnswer(readTimeout)}
 }
 
 // missingDLQ explains an error of a missing table when the table missing

@@ -93,7 +93,8 @@ func Hint(err error) string {
 		return dateStyleHint
 	case code == "" && err != nil && strings.Contains(err.Error(), "invalid hex format"):
 		return byteaOutputHint
-	case code == "55P03" && strings.Contains(err.Error(), "lock timeout"):
+	case code == "55P03" && strings.Contains(err.Error(), "lock timeout") && !strings.Contains(err.Error(), "a table change waited longer than lock_timeout"):
+		// Not a schema change's own bounded wait: its error says what to do.
 		return lockTimeoutHint
 	case code == "54000" && strings.Contains(err.Error(), "index row size"):
 		return indexRowHint
@@ -107,6 +108,16 @@ func Hint(err error) string {
 		return closedPoolHint
 	}
 	return ""
+}
+
+// NoAnswer is what an operator's read that got no answer within d may
+// mean: statements queue behind an exclusive lock on the outbox, or, behind
+// a connection pooler, for a server connection (all busy, or the pool
+// paused), which looks the same from here.
+func NoAnswer(d time.Duration) string {
+	return fmt.Sprintf("; no answer within %s: a session may hold or await an exclusive lock on the outbox (a VACUUM FULL, an ALTER TABLE, "+
+		"a migration), which claims and publishes wait for too: pgoutbox health says which table and how to find the session; "+
+		"behind a connection pooler, its server connections may all be busy, or the pool paused (PgBouncer: SHOW POOLS, cl_waiting)", d)
 }
 
 // closedPoolHint is what pgxpool's bare "closed pool" means to whoever

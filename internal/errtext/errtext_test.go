@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
@@ -72,4 +73,16 @@ func TestWithHintNamesByteaOutputAndLockTimeout(t *testing.T) {
 	require.Contains(t, Errorf("pgoutbox: publish: %w", lock).Error(), "notification lock")
 	nowait := &pgconn.PgError{Code: "55P03", Message: `could not obtain lock on row in relation "outbox"`}
 	require.NotContains(t, Errorf("pgoutbox: publish: %w", nowait).Error(), "notification lock")
+	// A schema change's own bounded wait says what to do; the server's
+	// lock_timeout is not what ended it.
+	ddl := Errorf("pgoutbox: migrate: a table change waited longer than lock_timeout (5s) for a lock another transaction holds: %w", lock)
+	require.NotContains(t, ddl.Error(), "the server's lock_timeout")
+}
+
+func TestNoAnswerNamesALockAndAPoolersQueue(t *testing.T) {
+	t.Parallel()
+	hint := NoAnswer(15 * time.Second)
+	require.Contains(t, hint, "no answer within 15s: a session may hold or await an exclusive lock on the outbox")
+	require.Contains(t, hint, "behind a connection pooler")
+	require.Contains(t, hint, "SHOW POOLS")
 }

@@ -327,8 +327,7 @@ func (ui *UI) fail(w http.ResponseWriter, r *http.Request, err error) {
 	}
 	if errors.Is(err, context.DeadlineExceeded) && errors.Is(r.Context().Err(), context.DeadlineExceeded) {
 		code = http.StatusServiceUnavailable
-		msg += fmt.Sprintf("; no answer within %s: a session may hold or await an exclusive lock on the outbox (a VACUUM FULL, an ALTER TABLE, "+
-			"a migration), which claims and publishes wait for too: pgoutbox health says which table and how to find the session", ui.opts.PageTimeout)
+		msg += errtext.NoAnswer(ui.opts.PageTimeout)
 	}
 	if errtext.SQLState(err) == "42P01" && !ui.outboxExists(r.Context()) {
 		// A mistyped schema or table: no advice about one table of it.

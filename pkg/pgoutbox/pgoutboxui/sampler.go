@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 )
@@ -150,8 +151,7 @@ func (s *sampler) take(ctx context.Context) {
 		if ctx.Err() == nil && sctx.Err() != nil {
 			// Behind an exclusive lock every statement waits: say what may
 			// hold it, as a page that gives up does.
-			err = fmt.Errorf("%w; no answer within %s: a session may hold or await an exclusive lock on the outbox (a VACUUM FULL, an ALTER TABLE, a migration), "+
-				"which claims and publishes wait for too: pgoutbox health says which table and how to find the session; the figures shown are the last sample's that succeeded", err, bound)
+			err = fmt.Errorf("%w%s; the figures shown are the last sample's that succeeded", err, errtext.NoAnswer(bound))
 		}
 		if ctx.Err() == nil || s.err == nil {
 			s.err = err

@@ -511,6 +511,67 @@ func TestCQRSBindEventGroupsAheadOfTraffic(t *testing.T) {
 	require.ErrorContains(t, cqrsbind.EventGroups(ctx, cqrs.EventGroupProcessorConfig{}, groups), "needs GenerateSubscribeTopic and SubscriberConstructor")
 }
 
+// An EventProcessor's handlers and an EventGroupProcessor's group of the
+// same events are the topic's first groups together when cqrsbind.Bind
+// binds them in one call: each gets the event published before any
+// binding. (Bound by cqrsbind.Events, then cqrsbind.EventGroups, the
+// group bound second got none of it, silently: QA with 51 handlers.)
+func TestCQRSBindBindsTheProcessorsOfOneTopicTogether(t *testing.T) {
+	t.Parallel()
+	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
+	ctx := context.Background()
+	_, eventsCfg := b.cqrsConfigs()
+	bus, err := cqrs.NewEventBusWithConfig(b.poolPublisher(t), cqrs.EventBusConfig{
+		GeneratePublishTopic: func(p cqrs.GenerateEventPublishTopicParams) (string, error) { return "events." + p.EventName, nil },
+		Marshaler:            eventsCfg.Marshaler,
+	})
+	require.NoError(t, err)
+	require.NoError(t, bus.Publish(ctx, &roomBooked{Room: "early"}))
+
+	counts := map[string]*handledSet{}
+	var handlers []cqrs.EventHandler
+	for _, name := range []string{"invoice", "statistics"} {
+		counts[name] = newHandledSet()
+		handlers = append(handlers, cqrs.NewEventHandler(name, func(ctx context.Context, e *roomBooked) error {
+			counts[name].add(e.Room)
+			return nil
+		}))
+	}
+	counts["timeline"] = newHandledSet()
+	groups := map[string][]cqrs.GroupEventHandler{"timeline": {cqrs.NewGroupEventHandler(func(ctx context.Context, e *roomBooked) error {
+		counts["timeline"].add(e.Room)
+		return nil
+	})}}
+	groupsCfg := cqrs.EventGroupProcessorConfig{
+		GenerateSubscribeTopic: func(cqrs.EventGroupProcessorGenerateSubscribeTopicParams) (string, error) {
+			return eventsCfg.GenerateSubscribeTopic(cqrs.EventProcessorGenerateSubscribeTopicParams{EventName: eventsCfg.Marshaler.Name(&roomBooked{})})
+		},
+		SubscriberConstructor: func(p cqrs.EventGroupProcessorSubscriberConstructorParams) (message.Subscriber, error) {
+			return pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
+				Tables: b.tables, ConsumerGroup: p.EventGroupName, MinPollInterval: 20 * time.Millisecond, MaxPollInterval: time.Second,
+			}, nil)
+		},
+		Marshaler: eventsCfg.Marshaler,
+	}
+	require.ErrorContains(t, cqrsbind.Bind(ctx, cqrsbind.Processors{EventHandlers: handlers}), "EventHandlers without Events")
+	require.NoError(t, cqrsbind.Bind(ctx, cqrsbind.Processors{Events: &eventsCfg, EventHandlers: handlers, EventGroups: &groupsCfg, Groups: groups}))
+	require.Equal(t, 3, b.count(t, `SELECT count(*) FROM `+b.Schema+`.outbox_bindings`))
+	require.NoError(t, bus.Publish(ctx, &roomBooked{Room: "later"}))
+
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	require.NoError(t, err)
+	events, err := cqrs.NewEventProcessorWithConfig(r, eventsCfg)
+	require.NoError(t, err)
+	require.NoError(t, events.AddHandlers(handlers...))
+	processor, err := cqrs.NewEventGroupProcessorWithConfig(r, groupsCfg)
+	require.NoError(t, err)
+	require.NoError(t, processor.AddHandlersGroup("timeline", groups["timeline"]...))
+	startRouter(t, r)
+	for name, seen := range counts {
+		pollUntil(t, name+" saw both events", 20*time.Second, nil, func() bool { return seen.distinct() == 2 })
+	}
+}
+
 // A group bound with StartFromBacklog gets a copy of every message the
 // topic holds, once, in batches: on a 200,000-row topic, cut short in the
 // middle and resumed by the next Bind, while messages keep being

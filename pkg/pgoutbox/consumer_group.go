@@ -1077,6 +1077,13 @@ func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) err
 			if err != nil {
 				return errorf("pgoutbox: bind groups %q to topic %q: %w", c.groups, topic, err)
 			}
+			if res.Adopted > 0 {
+				// As Subscribe says it: a group of the topic bound by a later
+				// call (another processor's handlers) gets none of them.
+				s.logger.Info("The consumer groups took the messages published to the topic before any group was bound; "+
+					"a group that binds later gets none of them: bind a topic's groups in one call (cqrsbind.Bind, BindGroups, pgoutbox bind)",
+					watermill.LogFields{"topic": topic, "consumer_groups": c.groups, "adopted": res.Adopted})
+			}
 			// Publishes open across the topic's first binding beyond its
 			// wait: what they store for no group is adopted once they end,
 			// beside the subscriber's work, as its Subscribe would.

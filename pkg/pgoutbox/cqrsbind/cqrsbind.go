@@ -42,11 +42,17 @@ import (
 // its topic, as config's processor would subscribe it. config needs
 // GenerateSubscribeTopic, SubscriberConstructor and Marshaler, as
 // cqrs.NewEventProcessorWithConfig does.
+//
+// Bind the handlers of every processor of the service in one Bind call
+// instead when an EventGroupProcessor subscribes the same events.
 func Events(ctx context.Context, config cqrs.EventProcessorConfig, handlers []cqrs.EventHandler) error {
+	return Bind(ctx, Processors{Events: &config, EventHandlers: handlers})
+}
+
+func (b *binder) events(config cqrs.EventProcessorConfig, handlers []cqrs.EventHandler) error {
 	if config.GenerateSubscribeTopic == nil || config.SubscriberConstructor == nil || config.Marshaler == nil {
 		return errors.New("pgoutbox/cqrsbind: EventProcessorConfig needs GenerateSubscribeTopic, SubscriberConstructor and Marshaler; pass the config of the processor")
 	}
-	b := newBinder()
 	for _, h := range handlers {
 		eventName := config.Marshaler.Name(h.NewEvent())
 		topic, err := config.GenerateSubscribeTopic(cqrs.EventProcessorGenerateSubscribeTopicParams{EventName: eventName, EventHandler: h})
@@ -59,7 +65,7 @@ func Events(ctx context.Context, config cqrs.EventProcessorConfig, handlers []cq
 			return err
 		}
 	}
-	return b.bind(ctx)
+	return nil
 }
 
 // EventGroups binds the consumer group of every handler group of groups
@@ -67,11 +73,18 @@ func Events(ctx context.Context, config cqrs.EventProcessorConfig, handlers []cq
 // them) to its topic, as config's processor would subscribe it. config
 // needs GenerateSubscribeTopic and SubscriberConstructor, as
 // cqrs.NewEventGroupProcessorWithConfig does.
+//
+// Bind the handlers of every processor of the service in one Bind call
+// instead when an EventProcessor subscribes the same events: bound by a
+// later call, these groups would get nothing published before it.
 func EventGroups(ctx context.Context, config cqrs.EventGroupProcessorConfig, groups map[string][]cqrs.GroupEventHandler) error {
+	return Bind(ctx, Processors{EventGroups: &config, Groups: groups})
+}
+
+func (b *binder) eventGroups(config cqrs.EventGroupProcessorConfig, groups map[string][]cqrs.GroupEventHandler) error {
 	if config.GenerateSubscribeTopic == nil || config.SubscriberConstructor == nil {
 		return errors.New("pgoutbox/cqrsbind: EventGroupProcessorConfig needs GenerateSubscribeTopic and SubscriberConstructor; pass the config of the processor")
 	}
-	b := newBinder()
 	for _, name := range slices.Sorted(maps.Keys(groups)) {
 		topic, err := config.GenerateSubscribeTopic(cqrs.EventGroupProcessorGenerateSubscribeTopicParams{
 			EventGroupName: name, EventGroupHandlers: groups[name]})
@@ -84,7 +97,7 @@ func EventGroups(ctx context.Context, config cqrs.EventGroupProcessorConfig, gro
 			return err
 		}
 	}
-	return b.bind(ctx)
+	return nil
 }
 
 // Commands binds the consumer group of every command handler of handlers
@@ -92,10 +105,13 @@ func EventGroups(ctx context.Context, config cqrs.EventGroupProcessorConfig, gro
 // GenerateSubscribeTopic, SubscriberConstructor and Marshaler, as
 // cqrs.NewCommandProcessorWithConfig does.
 func Commands(ctx context.Context, config cqrs.CommandProcessorConfig, handlers []cqrs.CommandHandler) error {
+	return Bind(ctx, Processors{Commands: &config, CommandHandlers: handlers})
+}
+
+func (b *binder) commands(config cqrs.CommandProcessorConfig, handlers []cqrs.CommandHandler) error {
 	if config.GenerateSubscribeTopic == nil || config.SubscriberConstructor == nil || config.Marshaler == nil {
 		return errors.New("pgoutbox/cqrsbind: CommandProcessorConfig needs GenerateSubscribeTopic, SubscriberConstructor and Marshaler; pass the config of the processor")
 	}
-	b := newBinder()
 	for _, h := range handlers {
 		commandName := config.Marshaler.Name(h.NewCommand())
 		topic, err := config.GenerateSubscribeTopic(cqrs.CommandProcessorGenerateSubscribeTopicParams{CommandName: commandName, CommandHandler: h})
@@ -105,6 +121,61 @@ func Commands(ctx context.Context, config cqrs.CommandProcessorConfig, handlers 
 		sub, err := config.SubscriberConstructor(cqrs.CommandProcessorSubscriberConstructorParams{
 			CommandName: commandName, HandlerName: h.HandlerName(), Handler: h})
 		if err := b.add(topic, h.HandlerName(), sub, err); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Processors are a service's CQRS processors as Bind binds them: the config
+// each processor is made with and the handlers it is given. Leave out the
+// kinds the service does not have (a nil config).
+type Processors struct {
+	// Events and EventHandlers: cqrs.NewEventProcessorWithConfig's config
+	// and what its AddHandlers gets.
+	Events        *cqrs.EventProcessorConfig
+	EventHandlers []cqrs.EventHandler
+	// EventGroups and Groups: cqrs.NewEventGroupProcessorWithConfig's config
+	// and its handler groups by name, as AddHandlersGroup takes them.
+	EventGroups *cqrs.EventGroupProcessorConfig
+	Groups      map[string][]cqrs.GroupEventHandler
+	// Commands and CommandHandlers: cqrs.NewCommandProcessorWithConfig's
+	// config and what its AddHandlers gets.
+	Commands        *cqrs.CommandProcessorConfig
+	CommandHandlers []cqrs.CommandHandler
+}
+
+// Bind binds the consumer group of every handler of p to its topic, all the
+// groups of one topic in one call whichever processor subscribes them. An
+// EventProcessor's handlers and an EventGroupProcessor's groups of the same
+// events are then that topic's first groups together, and each gets what
+// was published before any of them was bound; bound by two calls (Events,
+// then EventGroups), the second call's groups would bind later and get none
+// of it.
+func Bind(ctx context.Context, p Processors) error {
+	for _, missing := range []struct {
+		config   bool
+		handlers int
+		name     string
+	}{{p.Events == nil, len(p.EventHandlers), "EventHandlers without Events"}, {p.EventGroups == nil, len(p.Groups), "Groups without EventGroups"},
+		{p.Commands == nil, len(p.CommandHandlers), "CommandHandlers without Commands"}} {
+		if missing.config && missing.handlers > 0 {
+			return fmt.Errorf("pgoutbox/cqrsbind: Processors has %s: pass the config the processor is made with", missing.name)
+		}
+	}
+	b := newBinder()
+	if p.Events != nil {
+		if err := b.events(*p.Events, p.EventHandlers); err != nil {
+			return err
+		}
+	}
+	if p.EventGroups != nil {
+		if err := b.eventGroups(*p.EventGroups, p.Groups); err != nil {
+			return err
+		}
+	}
+	if p.Commands != nil {
+		if err := b.commands(*p.Commands, p.CommandHandlers); err != nil {
 			return err
 		}
 	}

@@ -28,6 +28,9 @@ func (sub *subscription) startClaim(now time.Time) {
 	}
 	req := sub.claims.start(n, now, sub.holder(), sub.events.signals.waiter.Spare)
 	req.held = sub.held.wantHeld(req, now, sub.claims.scan.keyedUntil, sub.poolHasSpare)
+	if req.held {
+		req.n = min(req.n, max(maxHeldClaim, sub.cfg.MaxInFlight))
+	}
 	req.freshOnly = !req.held && sub.claimsFreshOnly()
 	req.arrivals.after = arrivalsFrom(req, len(sub.held.batches))
 	go func() {

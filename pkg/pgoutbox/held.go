@@ -73,6 +73,12 @@ func heldBoundOf(cfg *SubscriberConfig) time.Duration {
 	return heldBound
 }
 
+// maxHeldClaim caps a held claim (MaxInFlight when that is more): a crash
+// rolls its batch back, handled rows too, and they run again, so a held
+// batch stays at the size it had before lease claims grew to maxClaim:
+// 3 × 256 rows at most come back from one subscription's open batches.
+const maxHeldClaim = 256
+
 // maxHeldBatches bounds a subscription's open held transactions (each on
 // a pool connection). A claim that finds them all open waits a little for
 // one to end (batchesBusy), then leases.

@@ -565,14 +565,16 @@ func TestKeyedPrefetchFollowsTheConsumptionRate(t *testing.T) {
 	require.Equal(t, maxKeyedClaim, fast.claimSize(0, now, true), "a keyed claim is capped")
 	require.Equal(t, 16+400-maxKeyedClaim, fast.claimSize(maxKeyedClaim, now, true), "the handlers' rows and the allowance")
 	require.Zero(t, fast.claimSize(16+400, now, true), "in flight and the allowance held: no claim")
-	for range 10 { // 16,000/s in every 1ms: more than any buffer of keys may hold
+	for range 10 { // 16,000 every millisecond: more than any buffer of keys may hold
 		fast.verdicts(16 * 5 * 1000)
 		now = now.Add(5 * time.Millisecond)
 		fast.sample(now)
 	}
 	require.Equal(t, maxKeyedAllowance, fast.keyedAllowance(), "capped")
 	require.Equal(t, maxKeyedClaim, fast.claimSize(0, now, true), "a keyed claim is capped")
-	require.Less(t, maxKeyedAllowance, fast.allowance, "a keyed subscription holds less than an unkeyed one would")
+	require.Less(t, maxKeyedAllowance, fast.allowance, "an unkeyed subscription at this rate would hold more")
+	require.Zero(t, fast.claimSize(16+maxKeyedAllowance, now, true), "a keyed one holds no more than its cap")
+	require.Positive(t, fast.claimSize(16+maxKeyedAllowance, now, false), "where an unkeyed one claims more")
 
 	half := newPrefetch(4, true, now)
 	half.verdicts(20) // 2,000/s

@@ -38,8 +38,9 @@ func (sub *subscription) backpressured() bool {
 }
 
 // maxPendingCompletions bounds the verdicts not yet written per
-// subscription, so a crashed process leaves at most MaxInFlight +
-// maxPendingCompletions handled but unacked messages behind.
+// subscription: past it the owner neither claims nor hands out more. The
+// slots still run what they hold (MaxInFlight + slotQueue), so a crashed
+// process leaves at most that many more handled but unacked messages.
 const maxPendingCompletions = 256
 
 // startWrite hands the pending verdicts to the completer when it is free.

@@ -832,7 +832,8 @@ func TestAConsumerWhoseHandlersTurnSlowGivesItsBufferToACompetitor(t *testing.T)
 			})
 			// Half a lease would be 15 s: the buffer goes back within about
 			// two seconds (a second's patience, the next check).
-			waitCount(t, "messages handled by B", n-1500-inFlight, 10*time.Second, func() int { return int(handledB.Load()) })
+			pollUntil(t, "A gives its buffer back", 8*time.Second, nil, func() bool { return evA.countKind(pgoutbox.EventReleased) > 0 })
+			waitCount(t, "messages handled by B", n-1500-inFlight, time.Minute, func() int { return int(handledB.Load()) })
 			t.Logf("%s: A handled 1500 and holds %d in its handlers; B handled %d; A gave back %d",
 				mode, inFlight, handledB.Load(), evA.countKind(pgoutbox.EventReleased))
 			require.Positive(t, evA.countKind(pgoutbox.EventReleased), "A held rows beyond its handlers, and gave them back")

@@ -295,7 +295,8 @@ func printCatalogProblems(w io.Writer, problems []string) {
 		return
 	}
 	fmt.Fprintf(w, "but the catalog differs from that version: %s\n", strings.Join(problems, "; "))
-	fmt.Fprintln(w, `  "pgoutbox schema apply" repairs it; a process of an earlier release that runs schema.Create at start puts an old index back: upgrade it, or keep it from running Create`)
+	fmt.Fprintln(w, `  "pgoutbox schema apply", with the names and flags the deployment uses (--no-dlq for an outbox without a dead-letter table), repairs it;`+
+		` a process of an earlier release that runs schema.Create at start puts an old index back: upgrade it, or keep it from running Create`)
 }
 
 // printUnrecordedLayout is the status of an outbox whose version pgoutbox's
@@ -387,7 +388,7 @@ func lockWaitHint(err error) error {
 	if errtext.SQLState(err) != "55P03" { // lock_not_available
 		return err
 	}
-	return &hintedError{err: err, hint: "\nto allow a longer wait from the command line, run it with PGOPTIONS='-c lock_timeout=30s' in the environment, or add options=-c%20lock_timeout%3D30s to the --dsn URL (options='-c lock_timeout=30s' in a key=value DSN); behind PgBouncer, which refuses options at connect, set it for the role: ALTER ROLE <role> SET lock_timeout = '30s'"}
+	return &hintedError{err: err, hint: "\nto allow a longer wait from the command line, run it with PGOPTIONS='-c lock_timeout=30s' in the environment, or add options=-c%20lock_timeout%3D30s to the --dsn URL (options='-c lock_timeout=30s' in a key=value DSN); behind PgBouncer, which refuses options at connect, set it for a role that runs migrations only (ALTER ROLE <role> SET lock_timeout = '30s'; on the application's role it would bound its transactions' lock waits too: ALTER ROLE <role> RESET lock_timeout after)"}
 }
 
 func (c *cli) migrateFiles(args []string) error {

@@ -78,7 +78,7 @@ func TestSchemaMigrate(t *testing.T) {
 	out, _, code = run("schema", "migrate", "status")
 	require.Equal(t, 0, code)
 	require.Contains(t, out, "version 7 of 7\nbut the catalog differs from that version: index outbox_dedup_idx on outbox is left from the first release")
-	require.Contains(t, out, `"pgoutbox schema apply" repairs it`)
+	require.Contains(t, out, `"pgoutbox schema apply", with the names and flags the deployment uses`)
 	require.Len(t, status()["catalog_problems"], 1)
 	out, _, _ = run("schema", "migrate", "up")
 	require.Contains(t, out, "nothing to do")
@@ -355,7 +355,7 @@ func TestSchemaMigrateLockTimeout(t *testing.T) {
 		require.Contains(t, errOut, c.want, c.name)
 		require.Contains(t, errOut, "from the command line, run it with PGOPTIONS='-c lock_timeout=30s'", c.name)
 		require.Contains(t, errOut, "options=-c%20lock_timeout%3D30s to the --dsn URL", c.name)
-		require.Contains(t, errOut, "behind PgBouncer, which refuses options at connect, set it for the role: ALTER ROLE", c.name)
+		require.Contains(t, errOut, "behind PgBouncer, which refuses options at connect, set it for a role that runs migrations only (ALTER ROLE", c.name)
 		require.NotContains(t, errOut, "the server's lock_timeout, a role or database setting", "%s: pgoutbox's own wait, explained once", c.name)
 	}
 }

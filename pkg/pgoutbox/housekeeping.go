@@ -46,9 +46,15 @@ func bufferPatience(cfg *SubscriberConfig) time.Duration {
 // shorter than that (a lock, a collection) keeps the buffer. A
 // subscription that does not prefetch (MaxDeliveries) holds only what its
 // free handlers take.
+//
+// Not while the owner itself holds rows back (its writes are behind or
+// backing off, a retry or a row that runs alone waits): the handlers are
+// not what is slow, and during a database outage competitors could not
+// take the rows either, while giving them back would add their writes to
+// the backlog at recovery.
 func (sub *subscription) prefetchStalled(now time.Time) bool {
 	pf := &sub.claims.pf
-	if pf.disabled {
+	if pf.disabled || sub.backpressured() || sub.writes.gate.shut() || sub.hand.retry != nil || sub.isolating() || sub.awaitingAlone() {
 		return false
 	}
 	waiting := len(sub.hand.buffer)

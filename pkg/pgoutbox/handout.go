@@ -33,6 +33,15 @@ func (h *handout) unjudged() int {
 	return n
 }
 
+// oldestWaiting is the prefetched row that waits longest for a handler:
+// the prepared one, else the buffer's first; nil when none waits.
+func (h *handout) oldestWaiting() *delivery {
+	if h.ready == nil && len(h.buffer) > 0 {
+		return h.buffer[0]
+	}
+	return h.ready
+}
+
 // takeBuffer empties the buffer, the prepared message first, in order.
 func (h *handout) takeBuffer() []*delivery {
 	buf := h.buffer

@@ -72,10 +72,7 @@ func (sub *subscription) prefetchStalled(now time.Time) bool {
 	if float64(waiting) <= pf.rate*patience.Seconds() {
 		return false
 	}
-	oldest := sub.hand.ready
-	if oldest == nil && len(sub.hand.buffer) > 0 {
-		oldest = sub.hand.buffer[0]
-	}
+	oldest := sub.hand.oldestWaiting()
 	return oldest != nil && at(now).since(oldest.claimedAt) > patience || sub.hand.oldestHandedOut(now) > patience
 }
 
@@ -100,11 +97,7 @@ func (sub *subscription) housekeeping(now time.Time) {
 	// through in bufferPatience: give the whole buffer back (all of it, so
 	// the rows keep their order) for other consumers, rather than hold it.
 	stalled := sub.prefetchStalled(now)
-	oldest := sub.hand.ready
-	if oldest == nil && len(sub.hand.buffer) > 0 {
-		oldest = sub.hand.buffer[0]
-	}
-	if oldest != nil && (stalled || at(now).since(oldest.claimedAt) > sub.cfg.Lease/2) {
+	if oldest := sub.hand.oldestWaiting(); oldest != nil && (stalled || at(now).since(oldest.claimedAt) > sub.cfg.Lease/2) {
 		sub.giveBack(sub.hand.takeBuffer())
 	}
 	if sub.outlet.slots != nil && sub.outlet.slots.queued() > 0 && (stalled || sub.hand.oldestHandedOut(now) > sub.cfg.Lease/2) {

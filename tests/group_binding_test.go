@@ -408,6 +408,33 @@ func TestCQRSBindWithASharedCommandSubscriber(t *testing.T) {
 	require.NoError(t, cqrsbind.Events(ctx, eventsCfg, twice))
 }
 
+// eventBus publishes events to "events.<name>", as cqrsConfigs' event
+// processor subscribes them.
+func (b *bundle) eventBus(t *testing.T, eventsCfg cqrs.EventProcessorConfig) *cqrs.EventBus {
+	t.Helper()
+	bus, err := cqrs.NewEventBusWithConfig(b.poolPublisher(t), cqrs.EventBusConfig{
+		GeneratePublishTopic: func(p cqrs.GenerateEventPublishTopicParams) (string, error) { return "events." + p.EventName, nil },
+		Marshaler:            eventsCfg.Marshaler,
+	})
+	require.NoError(t, err)
+	return bus
+}
+
+// countingEventHandlers are roomBooked handlers of these names, each
+// recording the rooms it saw.
+func countingEventHandlers(names ...string) ([]cqrs.EventHandler, map[string]*handledSet) {
+	counts := map[string]*handledSet{}
+	var handlers []cqrs.EventHandler
+	for _, name := range names {
+		counts[name] = newHandledSet()
+		handlers = append(handlers, cqrs.NewEventHandler(name, func(ctx context.Context, e *roomBooked) error {
+			counts[name].add(e.Room)
+			return nil
+		}))
+	}
+	return handlers, counts
+}
+
 // cqrsbind binds every handler group of a processor ahead of traffic
 // (a deploy step): events published before (unbound) and after it reach
 // every handler, although no router ran yet.
@@ -416,23 +443,11 @@ func TestCQRSBindAheadOfTraffic(t *testing.T) {
 	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
 	ctx := context.Background()
 	commandsCfg, eventsCfg := b.cqrsConfigs()
-	bus, err := cqrs.NewEventBusWithConfig(b.poolPublisher(t), cqrs.EventBusConfig{
-		GeneratePublishTopic: func(p cqrs.GenerateEventPublishTopicParams) (string, error) { return "events." + p.EventName, nil },
-		Marshaler:            eventsCfg.Marshaler,
-	})
-	require.NoError(t, err)
+	bus := b.eventBus(t, eventsCfg)
 	require.NoError(t, bus.Publish(ctx, &roomBooked{Room: "early-1"}))
 	require.NoError(t, bus.Publish(ctx, &roomBooked{Room: "early-2"}))
 
-	counts := map[string]*handledSet{}
-	var handlers []cqrs.EventHandler
-	for _, name := range []string{"invoice", "notification", "statistics"} {
-		counts[name] = newHandledSet()
-		handlers = append(handlers, cqrs.NewEventHandler(name, func(ctx context.Context, e *roomBooked) error {
-			counts[name].add(e.Room)
-			return nil
-		}))
-	}
+	handlers, counts := countingEventHandlers("invoice", "notification", "statistics")
 	commandHandlers := []cqrs.CommandHandler{cqrs.NewCommandHandler("book_room", func(ctx context.Context, c *bookRoom) error { return nil })}
 	// The deploy step: no router, no subscription.
 	require.NoError(t, cqrsbind.Events(ctx, eventsCfg, handlers))
@@ -521,22 +536,10 @@ func TestCQRSBindBindsTheProcessorsOfOneTopicTogether(t *testing.T) {
 	b := setup(t, pgoutboxtest.Options{MaxConns: 20})
 	ctx := context.Background()
 	_, eventsCfg := b.cqrsConfigs()
-	bus, err := cqrs.NewEventBusWithConfig(b.poolPublisher(t), cqrs.EventBusConfig{
-		GeneratePublishTopic: func(p cqrs.GenerateEventPublishTopicParams) (string, error) { return "events." + p.EventName, nil },
-		Marshaler:            eventsCfg.Marshaler,
-	})
-	require.NoError(t, err)
+	bus := b.eventBus(t, eventsCfg)
 	require.NoError(t, bus.Publish(ctx, &roomBooked{Room: "early"}))
 
-	counts := map[string]*handledSet{}
-	var handlers []cqrs.EventHandler
-	for _, name := range []string{"invoice", "statistics"} {
-		counts[name] = newHandledSet()
-		handlers = append(handlers, cqrs.NewEventHandler(name, func(ctx context.Context, e *roomBooked) error {
-			counts[name].add(e.Room)
-			return nil
-		}))
-	}
+	handlers, counts := countingEventHandlers("invoice", "statistics")
 	counts["timeline"] = newHandledSet()
 	groups := map[string][]cqrs.GroupEventHandler{"timeline": {cqrs.NewGroupEventHandler(func(ctx context.Context, e *roomBooked) error {
 		counts["timeline"].add(e.Room)

@@ -15,7 +15,7 @@ import (
 func (sub *subscription) startClaim(now time.Time) {
 	sub.aloneSettled(now)
 	switch {
-	case sub.claims.waiting(), sub.drain.stopping, sub.hand.retry != nil, sub.backpressured(), sub.isolating(), sub.awaitingAlone():
+	case sub.claims.waiting(), sub.drain.stopping, sub.holdsRowsBack():
 		return
 	}
 	if sub.held.batchesBusy(now) {
@@ -37,6 +37,14 @@ func (sub *subscription) startClaim(now time.Time) {
 		r := sub.runners.claimer.run(req)
 		sub.events.reports <- report{claim: &r}
 	}()
+}
+
+// holdsRowsBack reports whether the subscription itself keeps rows from its
+// handlers for now: its verdicts wait to be written in such numbers
+// (backpressured), a retry waits, or a row runs alone. It claims nothing
+// then, and a buffer waiting meanwhile says nothing of its handlers.
+func (sub *subscription) holdsRowsBack() bool {
+	return sub.backpressured() || sub.hand.retry != nil || sub.isolating() || sub.awaitingAlone()
 }
 
 // noArrivals, as a claim's arrivals cursor, takes no arrivals.

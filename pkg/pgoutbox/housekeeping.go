@@ -54,7 +54,7 @@ func bufferPatience(cfg *SubscriberConfig) time.Duration {
 // the backlog at recovery.
 func (sub *subscription) prefetchStalled(now time.Time) bool {
 	pf := &sub.claims.pf
-	if pf.disabled || sub.backpressured() || sub.writes.gate.shut() || sub.hand.retry != nil || sub.isolating() || sub.awaitingAlone() {
+	if pf.disabled || sub.holdsRowsBack() || sub.writes.gate.shut() {
 		return false
 	}
 	waiting := len(sub.hand.buffer)

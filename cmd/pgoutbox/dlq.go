@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"strconv"
 	"strings"
 	"time"
@@ -293,6 +294,14 @@ func (c *cli) dlqRequeue(args []string) error {
 				}
 			}
 		}
+		if len(ids) == 0 && n == 0 && !tables.NoDeadLetterTable {
+			// A filter that matched nothing is often a mistyped topic or
+			// group: name what the dead-letter table holds (a courtesy,
+			// as above).
+			if st, err := pgoutbox.Stats(ctx, exec, tables); err == nil {
+				printNoMatchingDeadLetters(c.stdout, f, st)
+			}
+		}
 		if len(ids) == 0 {
 			if !tables.NoDeadLetterTable && startErr == nil && (f.Limit == 0 || n < int64(f.Limit)) {
 				// What still matches and failed before the requeue stayed: a
@@ -340,6 +349,53 @@ func (c *cli) dlqRequeue(args []string) error {
 }
 
 // joinIDs lists ids as "42, 43".
+// printNoMatchingDeadLetters says, after a filtered requeue that took
+// nothing, which filter matched no dead letter at all and which topics and
+// groups hold dead letters; nothing when the filters match dead letters
+// (their reason or limit left them out, or they stayed).
+func printNoMatchingDeadLetters(w io.Writer, f pgoutbox.DeadLetterFilter, stats []pgoutbox.QueueStats) {
+	total := func(s pgoutbox.QueueStats) (n int64) {
+		for _, c := range s.DeadLetters {
+			n += c
+		}
+		return n
+	}
+	var topicHas, groupHas bool
+	var held []string
+	for _, s := range stats {
+		n := total(s)
+		if n == 0 {
+			continue
+		}
+		held = append(held, fmt.Sprintf("topic %q group %q (%d)", s.Topic, s.ConsumerGroup, n))
+		topicHas = topicHas || s.Topic == f.Topic
+		groupHas = groupHas || (f.ConsumerGroup != nil && s.ConsumerGroup == *f.ConsumerGroup && (f.Topic == "" || s.Topic == f.Topic))
+	}
+	var missing string
+	switch {
+	case f.Topic != "" && !topicHas:
+		missing = fmt.Sprintf("no dead letter has topic %q", f.Topic)
+	case f.ConsumerGroup != nil && !groupHas:
+		missing = fmt.Sprintf("no dead letter has group %q", *f.ConsumerGroup)
+		if f.Topic != "" {
+			missing += fmt.Sprintf(" on topic %q", f.Topic)
+		}
+	default:
+		return
+	}
+	if len(held) == 0 {
+		fmt.Fprintf(w, "note: %s; the dead-letter table is empty\n", missing)
+		return
+	}
+	const shown = 10
+	more := ""
+	if len(held) > shown {
+		more = fmt.Sprintf(" and %d more", len(held)-shown)
+		held = held[:shown]
+	}
+	fmt.Fprintf(w, "note: %s (mistyped?); dead letters are held by %s%s (\"pgoutbox dlq list\" shows them)\n", missing, strings.Join(held, ", "), more)
+}
+
 func joinIDs(ids []int64) string {
 	s := make([]string, len(ids))
 	for i, id := range ids {

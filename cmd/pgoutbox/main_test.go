@@ -195,6 +195,35 @@ func TestDLQListShowRequeue(t *testing.T) {
 	require.Contains(t, errOut, "no dead letter with id")
 }
 
+// A filtered requeue that matches nothing names what the dead-letter
+// table holds, so a mistyped topic or group does not pass for "nothing to
+// do"; a filter that matches dead letters says nothing more.
+func TestDLQRequeueOfAMistypedTopicNamesTheTopicsHeld(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	deadLetter(t, env, "orders.placed", `{"id":1}`)
+
+	out, errOut, code := cliRun(t, env, "dlq", "requeue", "--topic", "order.placed", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "requeued 0")
+	require.Contains(t, out, `no dead letter has topic "order.placed"`)
+	require.Contains(t, out, `topic "orders.placed" group "" (1)`)
+
+	out, errOut, code = cliRun(t, env, "dlq", "requeue", "--topic", "orders.placed", "--group", "billing", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `no dead letter has group "billing" on topic "orders.placed"`)
+
+	out, errOut, code = cliRun(t, env, "dlq", "requeue", "--topic", "orders.placed", "--reason", "max_deliveries", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "requeued 0")
+	require.NotContains(t, out, "no dead letter has", "the topic holds dead letters; the reason left them out")
+
+	out, errOut, code = cliRun(t, env, "dlq", "requeue", "--topic", "orders.placed", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "requeued 1")
+	require.NotContains(t, out, "no dead letter has")
+}
+
 // A message dead-lettered at MaxDeliveries without an error had no
 // delivery that ended with one: the tables say what that likely means
 // instead of a blank.

@@ -239,6 +239,35 @@ func TestPublishToMissingTable(t *testing.T) {
 	require.Equal(t, 0, b.outboxRows(t, "orders"))
 }
 
+// The operator's functions on an outbox whose tables were never created
+// say how to create them, as Publish does.
+func TestOperatorFunctionsOnMissingTablesSayHowToCreateThem(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	missing := b.tables
+	missing.Table = "not_created"
+	missing.DeadLetterTable = ""
+	missing.NoDeadLetterTable = true
+	exec := tx.FromPgxPool(b.Pool)
+
+	_, err := pgoutbox.Stats(t.Context(), exec, missing)
+	require.Error(t, err)
+	require.Contains(t, err.Error(), "pgoutbox schema apply", "Stats")
+	_, err = pgoutbox.BindGroups(t.Context(), exec, missing, "orders", []string{"billing"})
+	require.Error(t, err)
+	require.Contains(t, err.Error(), "pgoutbox schema apply", "BindGroups")
+
+	// A schema that was never made: whichever of its tables the statement
+	// names first.
+	nowhere := schema.Config{Schema: "never_applied_" + strings.ReplaceAll(b.Schema, "-", "_"), NoDeadLetterTable: true}
+	_, err = pgoutbox.Stats(t.Context(), exec, nowhere)
+	require.Error(t, err)
+	require.Contains(t, err.Error(), "pgoutbox schema apply", "Stats")
+	err = pgoutbox.Bind(t.Context(), exec, nowhere, "orders", "billing")
+	require.Error(t, err)
+	require.Contains(t, err.Error(), "pgoutbox schema apply", "Bind")
+}
+
 func TestConstructorsRefuseBadConfig(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

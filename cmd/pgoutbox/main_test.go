@@ -420,6 +420,28 @@ func TestBindUnbind(t *testing.T) {
 	require.Contains(t, out, "deleted 1")
 }
 
+// A group whose name has spaces is quoted where the CLI prints it, so
+// " ops team " and "ops team" read apart; plain names stay bare.
+func TestGroupNamesWithSpacesArePrintedQuoted(t *testing.T) {
+	t.Parallel()
+	env := pgoutboxtest.PubSub(t)
+	out, errOut, code := cliRun(t, env, "bind", "--topic", "orders", "--group", " ops team ")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `bound group " ops team " to topic "orders"`)
+	out, errOut, code = cliRun(t, env, "bind", "--topic", "orders", "--group", "ops team")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `bound group "ops team" to topic "orders"`)
+	out, errOut, code = cliRun(t, env, "bind", "--topic", "orders", "--group", "billing")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `bound group billing to topic "orders"`)
+
+	out, errOut, code = cliRun(t, env, "stats", "--topic", "orders")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, `" ops team "`)
+	require.Contains(t, out, `"ops team"`)
+	require.Regexp(t, `(?m)^orders\s+billing\s`, out)
+}
+
 // bind names the publishes that outlasted its wait at a topic's first
 // binding, and says how their messages reach the group (the binding
 // itself: tests/TestBindNamesThePublishesStillOpenAcrossTheFirstBinding).

@@ -4,9 +4,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -57,12 +59,26 @@ func short(s string, n int) string {
 	return string(r[:n-1]) + "…"
 }
 
-// groupName shows the default group as "(default)".
+// groupName shows the default group as "(default)", and a name that
+// would not read as itself unquoted (see plainOrQuoted) quoted.
 func groupName(g string) string {
 	if g == "" {
 		return "(default)"
 	}
-	return g
+	return plainOrQuoted(g)
+}
+
+// plainOrQuoted returns s as it is when it reads as itself between
+// spaces, and Go-quoted when it would not: a name with spaces (" ops team "
+// and "ops team" printed bare look alike), quotes, or characters that do
+// not print.
+func plainOrQuoted(s string) string {
+	for _, r := range s {
+		if !unicode.IsPrint(r) || unicode.IsSpace(r) || r == '"' {
+			return strconv.Quote(s)
+		}
+	}
+	return s
 }
 
 // age formats a duration for tables: "-" for zero.

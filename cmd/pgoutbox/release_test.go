@@ -143,7 +143,9 @@ func TestMissingTableHint(t *testing.T) {
 	} {
 		_, errOut, code := cliRun(t, env, args...)
 		require.Equal(t, exitError, code, "%q: %s", args, errOut)
-		require.Contains(t, errOut, `run "pgoutbox schema apply" to create the tables, or check --schema and --table`, "%q", args)
+		require.Contains(t, errOut, "pgoutbox schema apply", "%q", args)
+		require.Contains(t, errOut, "--schema and --table", "%q", args)
+		require.Equal(t, 1, strings.Count(errOut, "schema apply"), "one hint: %q: %s", args, errOut)
 		require.Equal(t, 1, strings.Count(errOut, "pgoutbox:"), "%q: %s", args, errOut)
 	}
 }

@@ -177,7 +177,7 @@ func printStats(w io.Writer, stats []pgoutbox.QueueStats) {
 		case !s.Bound:
 			state = "not bound"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", s.Topic, groupName(s.ConsumerGroup),
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", plainOrQuoted(s.Topic), groupName(s.ConsumerGroup),
 			s.Ready, s.Scheduled, s.Leased, s.ExpiredLeases, s.Parked, age(s.OldestReadyAge), dl, state)
 	}
 	tw.Flush()
@@ -207,7 +207,7 @@ func printUnboundWarnings(w io.Writer, stats []pgoutbox.QueueStats) {
 			fmt.Fprintf(w, "warning: group %s is not bound to topic %q and holds %d message(s) nobody will consume until it is; "+
 				"pgoutbox bind --topic %s --group %s (or a Subscribe of the group) if it is to consume them, "+
 				"pgoutbox move --topic %s --from %s --to G to hand them to another (a group that does not have them yet: one that had its own copies would get them twice), "+
-				"or unbind --purge\n", s.ConsumerGroup, s.Topic, n, shellArg(s.Topic), shellArg(s.ConsumerGroup), shellArg(s.Topic), shellArg(s.ConsumerGroup))
+				"or unbind --purge\n", groupName(s.ConsumerGroup), s.Topic, n, shellArg(s.Topic), shellArg(s.ConsumerGroup), shellArg(s.Topic), shellArg(s.ConsumerGroup))
 		}
 	}
 }

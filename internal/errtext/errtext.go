@@ -104,6 +104,9 @@ func Hint(err error) string {
 		return olderSchemaHint
 	case code == "42P01" && strings.Contains(err.Error(), `_arrivals" does not exist`):
 		return noArrivalsHint
+	case code == "42P01" && (strings.Contains(err.Error(), `_bindings" does not exist`) || strings.Contains(err.Error(), `_paused" does not exist`)) &&
+		!strings.Contains(err.Error(), "schema apply"):
+		return missingTablesHint
 	case code == "" && errors.Is(err, puddle.ErrClosedPool):
 		return closedPoolHint
 	}
@@ -119,6 +122,13 @@ func NoAnswer(d time.Duration) string {
 		"a migration), which claims and publishes wait for too: pgoutbox health says which table and how to find the session; "+
 		"behind a connection pooler, its server connections may all be busy, or the pool paused (PgBouncer: SHOW POOLS, cl_waiting)", d)
 }
+
+// missingTablesHint is what a missing table of the outbox's own (bindings,
+// paused groups) means: the tables were never created in this schema, the
+// names point elsewhere, or the outbox predates that table. (The outbox and
+// dead-letter tables are named by the user: the functions that read them
+// say what their absence means.)
+const missingTablesHint = ` (a table of the outbox is missing: run "pgoutbox schema apply" to create the tables (schema.Create in code), or "pgoutbox schema migrate up" (schema.Migrate) to bring an outbox of an earlier version up to date; check the schema and table names too: schema.Config's Schema and Table, the CLI's --schema and --table)`
 
 // closedPoolHint is what pgxpool's bare "closed pool" means to whoever
 // gave the pool to a Subscriber or Publisher.

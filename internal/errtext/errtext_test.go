@@ -61,6 +61,10 @@ func TestWithHintNamesAReadOnlyServerAndALongIndexEntry(t *testing.T) {
 	require.NotContains(t, Errorf("pgoutbox: bind: %w", other).Error(), "hash the key")
 	denied := &pgconn.PgError{Code: "42501", Message: "permission denied for table outbox_paused"}
 	require.Contains(t, WithHint(denied).Error(), "docs/upgrading.md", "a claim's log line says where the grants are")
+	missing := &pgconn.PgError{Code: "42P01", Message: `relation "billing.outbox_bindings" does not exist`}
+	require.Contains(t, Errorf("pgoutbox: stats: %w", missing).Error(), "pgoutbox schema apply", "the schema was never applied")
+	users := &pgconn.PgError{Code: "42P01", Message: `relation "orders" does not exist`}
+	require.NotContains(t, Errorf("pgoutbox: x: %w", users).Error(), "schema apply", "a name pgoutbox cannot tell for its own")
 	older := &pgconn.PgError{Code: "42703", Message: `column "backlog_next" of relation "outbox_bindings" does not exist`}
 	require.Contains(t, Errorf("pgoutbox: bind: %w", older).Error(), "schema migrate up")
 }

@@ -231,7 +231,7 @@ func BindGroups(ctx context.Context, exec tx.Executor, tables schema.Config, top
 	}
 	res, err := bindFirstWithDefault(ctx, exec, q, topic, groups, o.from, 0, nil)
 	if err != nil {
-		return res, errorf("pgoutbox: bind groups %q to topic %q: %w", groups, topic, err)
+		return res, errorf("pgoutbox: bind groups %q to topic %q: %w%s", groups, topic, err, outboxMissing(err, q.Names))
 	}
 	if res.late.pending() {
 		if err := json.Unmarshal([]byte(res.late.writers), &res.StillPublishing); err != nil {
@@ -1078,10 +1078,11 @@ func BindSubscribers(ctx context.Context, topic string, subs ...*Subscriber) err
 				return errorf("pgoutbox: bind groups %q to topic %q: %w", c.groups, topic, err)
 			}
 			if res.Adopted > 0 {
-				// As Subscribe says it: a group of the topic bound by a later
-				// call (another processor's handlers) gets none of them.
-				s.logger.Info("The consumer groups took the messages published to the topic before any group was bound; "+
-					"a group that binds later gets none of them: bind a topic's groups in one call (cqrsbind.Bind, BindGroups, pgoutbox bind)",
+				// These groups were bound together, as the docs ask: what is
+				// left to say is that a group bound later (another service,
+				// a handler of a later deploy) gets none of them.
+				s.logger.Info("The consumer groups bound here took the messages published to the topic before any group was bound, each group a copy; "+
+					"a group that binds later gets none of them (another service's, or a handler's added in a later deploy)",
 					watermill.LogFields{"topic": topic, "consumer_groups": c.groups, "adopted": res.Adopted})
 			}
 			// Publishes open across the topic's first binding beyond its

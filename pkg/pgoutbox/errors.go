@@ -2,8 +2,11 @@ package pgoutbox
 
 import (
 	"errors"
+	"fmt"
+	"strings"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
@@ -44,3 +47,14 @@ var (
 // errorf is fmt.Errorf for pgoutbox's errors: the text names "pgoutbox:"
 // once however many pgoutbox errors it wraps.
 func errorf(format string, args ...any) error { return errtext.Errorf(format, args...) }
+
+// outboxMissing is what err, a statement's error over the outbox n names,
+// adds when that table does not exist ("" otherwise): the user names it,
+// so errtext cannot tell it from a table of theirs.
+func outboxMissing(err error, n query.Names) string {
+	if errtext.SQLState(err) != "42P01" || !strings.Contains(err.Error(), "."+n.Table+`" does not exist`) {
+		return ""
+	}
+	return fmt.Sprintf("; the outbox table %s does not exist: create it (pgoutbox schema apply, schema.Create) or check the schema and table names "+
+		"(schema.Config's Schema and Table; the CLI's --schema and --table)", n.QTable)
+}

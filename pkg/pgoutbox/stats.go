@@ -122,7 +122,7 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 	n := q.Names
 	rows, err := exec.Query(ctx, query.Stats(n, o.hasTopic, o.hasGroup), args...)
 	if err != nil {
-		return nil, errorf("pgoutbox: stats: %w", err)
+		return nil, errorf("pgoutbox: stats: %w%s", err, outboxMissing(err, n))
 	}
 	var out []QueueStats
 	index := map[[2]string]int{}
@@ -141,7 +141,7 @@ func Stats(ctx context.Context, exec tx.Executor, tables schema.Config, opts ...
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return nil, errorf("pgoutbox: stats: %w", err)
+		return nil, errorf("pgoutbox: stats: %w%s", err, outboxMissing(err, n))
 	}
 	if n, err = withReadableArrivals(ctx, exec, n); err != nil {
 		return nil, errorf("pgoutbox: stats: %w", err)

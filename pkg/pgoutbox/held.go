@@ -349,7 +349,10 @@ func (sub *subscription) finishedBatch(r batchResult) {
 			// Its write finds the lease missing and reports it, as this.
 			d.endFailed = true
 		case d.state == handedOut && d.outcome.completingInTx():
-			// The handler's transaction is deleting it; its verdict follows.
+			// The handler's transaction is deleting it under the lease
+			// that was never made: it fails (tx.ErrLeaseLost) and the
+			// nack that follows misses the lease too, as this.
+			d.endFailed = true
 		default:
 			sub.dropLost(d, "commit")
 		}

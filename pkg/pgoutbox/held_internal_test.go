@@ -131,6 +131,31 @@ func TestAckWaitingForAFailedBatchEndReportsTheBatch(t *testing.T) {
 	require.Len(t, logged[watermill.DebugLogLevel], 2, "each row at debug")
 }
 
+// The same for a tx.Middleware handler whose transaction was completing
+// the row when its batch's end failed: its DELETE finds no lease, the
+// handler gets ErrLeaseLost and nacks, and the nack's write misses too.
+// That is still the batch that did not commit, not another consumer.
+func TestInTxHandlerOfAFailedBatchEndReportsTheBatch(t *testing.T) {
+	b := setup(t, func(c *SubscriberConfig) { c.MaxInFlight = 4 })
+	logs := watermill.NewCaptureLogger()
+	b.sub.logger = logs
+	hb := b.heldClaim(1)
+	d := b.handOut(t)
+	d.outcome.Begin() // the handler returned; its transaction deletes the row under the lease
+	job := b.sub.held.close(hb, time.Now(), "bound", pgtype.Int8{})
+	require.Contains(t, job.leased, d)
+	b.sub.finishedBatch(batchResult{job: job, err: errors.New("connection reset")})
+	d.outcome.End(false) // the DELETE found no lease: rolled back
+	b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg}, false)
+	b.written(d) // the nack finds no lease either
+	require.Equal(t, finished, d.state)
+	b.eventCount(EventLeaseLost)
+	require.Equal(t, []string{"commit"}, b.events.phases)
+	logged := logs.Captured()
+	require.Len(t, logged[watermill.ErrorLogLevel], 1, "one line for the batch")
+	require.Empty(t, logged[watermill.InfoLogLevel], "no \"Lease lost: the row was claimed again\" warning")
+}
+
 // A batch's end decides each row's fate without running a statement: acked
 // rows are deleted, released ones unlocked, the rest become leases; only
 // handlers still running at the bound count as slow, and when most of a

@@ -17,11 +17,13 @@ import (
 
 // ErrLeaseLost is returned by a handler behind Middleware when the
 // message's lease was lost before its transaction could complete it (the
-// message's AckDeadline or the subscriber's drain ended it first, or its
-// lease expired and another consumer took it): the transaction was rolled
+// message's AckDeadline or the subscriber's drain ended it first, its
+// lease expired and another consumer took it, or, on the held path, the
+// end of the batch that was to make the row a lease did not commit): the
+// transaction was rolled
 // back, the handler's writes with it, and the message is delivered again.
 // Keep it out of a PoisonQueue (pgoutbox.Redelivered).
-var ErrLeaseLost = errors.New("pgoutbox: the message's lease was lost before its transaction could complete it (AckDeadline, the subscriber's drain, or an expired lease); the handler's transaction was rolled back and the message is delivered again")
+var ErrLeaseLost = errors.New("pgoutbox: the message's lease was lost before its transaction could complete it (AckDeadline, the subscriber's drain, an expired lease, or on the held path a batch end that failed, which the subscriber logs); the handler's transaction was rolled back and the message is delivered again")
 
 // MiddlewareConfig configures Middleware.
 type MiddlewareConfig struct {

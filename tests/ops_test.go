@@ -133,6 +133,37 @@ INSERT INTO %s.outbox (topic, consumer_group, uuid, payload, lease_token, leased
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
 }
 
+// A message due at once counts as ready, however the publish's
+// transaction and the statement's overlap: published by a transaction
+// that began after the one Stats runs in and committed before Stats read,
+// its available_at (its own transaction's now()) is later than the Stats
+// transaction's now(), and it counted as scheduled (a few on every busy
+// topic: the scheduled gauge showed messages nobody delayed).
+func TestStatsCountsAMessagePublishedAfterItsTransactionBeganAsReady(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	statsTx, err := b.Pool.Begin(ctx) // READ COMMITTED: each statement sees what committed before it
+	require.NoError(t, err)
+	defer func() { _ = statsTx.Rollback(ctx) }()
+	var began time.Time
+	require.NoError(t, statsTx.QueryRow(ctx, "SELECT now()").Scan(&began))
+	pollUntil(t, "the clock passes the transaction's start", 5*time.Second, nil, func() bool {
+		var later bool
+		require.NoError(t, b.Pool.QueryRow(ctx, "SELECT now() > $1", began).Scan(&later))
+		return later
+	})
+	b.publishInTx(t, "a", true, newMsg("due now"))
+
+	for _, opts := range [][]pgoutbox.StatsOption{nil, {pgoutbox.StatsForTopic("a")}, {pgoutbox.StatsForGroup("a", "")}} {
+		st, err := pgoutbox.Stats(ctx, tx.FromPgxTx(statsTx), b.tables, opts...)
+		require.NoError(t, err)
+		require.Len(t, st, 1, "%+v", st)
+		require.EqualValues(t, 1, st[0].Ready, "%d options: %+v", len(opts), st[0])
+		require.EqualValues(t, 0, st[0].Scheduled, "%d options: %+v", len(opts), st[0])
+	}
+}
+
 // TestStatsUsesIndexes pins the plans of the Stats statements for one
 // topic and for one group: on a table large enough for the planner to
 // care, each lease state is a range scan of its partial index and nothing

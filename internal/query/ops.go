@@ -10,7 +10,7 @@ import "fmt"
 // ready, scheduled, parked, oldest (the oldest due unleased row), leased
 // and expired of relation k (with topic, consumer_group).
 const statsColumns = `k.topic, k.consumer_group, coalesce(ready, 0), coalesce(scheduled, 0), coalesce(parked, 0),
-       coalesce(extract(epoch FROM now() - oldest) * 1000000, 0)::bigint, coalesce(leased, 0), coalesce(expired, 0)`
+       coalesce(extract(epoch FROM (SELECT at FROM clock) - oldest) * 1000000, 0)::bigint, coalesce(leased, 0), coalesce(expired, 0)`
 
 // boundColumn is the last Stats column: whether the pair is bound (a
 // primary-key probe of the bindings).
@@ -18,13 +18,20 @@ func boundColumn(n Names) string {
 	return fmt.Sprintf(`EXISTS (SELECT 1 FROM %s b WHERE b.topic = k.topic AND b.consumer_group = k.consumer_group)`, n.QBindings)
 }
 
-const unleasedAggs = `count(*) FILTER (WHERE available_at <= now()) AS ready,
-           count(*) FILTER (WHERE available_at > now() AND available_at < 'infinity') AS scheduled,
+const unleasedAggs = `count(*) FILTER (WHERE available_at <= (SELECT at FROM clock)) AS ready,
+           count(*) FILTER (WHERE available_at > (SELECT at FROM clock) AND available_at < 'infinity') AS scheduled,
            count(*) FILTER (WHERE available_at = 'infinity') AS parked,
-           min(available_at) FILTER (WHERE available_at <= now()) AS oldest`
+           min(available_at) FILTER (WHERE available_at <= (SELECT at FROM clock)) AS oldest`
 
-const leasedAggs = `count(*) FILTER (WHERE leased_until >= now()) AS leased,
-           count(*) FILTER (WHERE leased_until < now()) AS expired`
+const leasedAggs = `count(*) FILTER (WHERE leased_until >= (SELECT at FROM clock)) AS leased,
+           count(*) FILTER (WHERE leased_until < (SELECT at FROM clock)) AS expired`
+
+// statsClock is the time Stats counts by: the clock once the statement
+// runs, after its snapshot was taken. now() is when its transaction
+// began: a message published (available_at = its own transaction's
+// now()) by a transaction that began after it and committed before the
+// snapshot counted as scheduled, a few on every busy topic.
+const statsClock = `clock AS MATERIALIZED (SELECT clock_timestamp() AS at)`
 
 // Stats returns the statistics statement: for every (topic, consumer
 // group) when topic is false; for the groups of topic $1 when topic is true
@@ -41,14 +48,14 @@ const leasedAggs = `count(*) FILTER (WHERE leased_until >= now()) AS leased,
 func Stats(n Names, topic, group bool) string {
 	t := n.QTable
 	if !topic {
-		return fmt.Sprintf(`WITH c AS (
+		return fmt.Sprintf(`WITH `+statsClock+`, c AS (
     SELECT topic, consumer_group,
-           count(*) FILTER (WHERE lease_token IS NULL AND available_at <= now()) AS ready,
-           count(*) FILTER (WHERE lease_token IS NULL AND available_at > now() AND available_at < 'infinity') AS scheduled,
+           count(*) FILTER (WHERE lease_token IS NULL AND available_at <= (SELECT at FROM clock)) AS ready,
+           count(*) FILTER (WHERE lease_token IS NULL AND available_at > (SELECT at FROM clock) AND available_at < 'infinity') AS scheduled,
            count(*) FILTER (WHERE lease_token IS NULL AND available_at = 'infinity') AS parked,
-           min(available_at) FILTER (WHERE lease_token IS NULL AND available_at <= now()) AS oldest,
-           count(*) FILTER (WHERE lease_token IS NOT NULL AND leased_until >= now()) AS leased,
-           count(*) FILTER (WHERE lease_token IS NOT NULL AND leased_until < now()) AS expired
+           min(available_at) FILTER (WHERE lease_token IS NULL AND available_at <= (SELECT at FROM clock)) AS oldest,
+           count(*) FILTER (WHERE lease_token IS NOT NULL AND leased_until >= (SELECT at FROM clock)) AS leased,
+           count(*) FILTER (WHERE lease_token IS NOT NULL AND leased_until < (SELECT at FROM clock)) AS expired
       FROM %[1]s GROUP BY topic, consumer_group
 ), k AS (
     SELECT topic, consumer_group FROM %[2]s UNION SELECT topic, consumer_group FROM c
@@ -62,7 +69,7 @@ SELECT %[3]s, %[4]s
 		cond += " AND consumer_group = $2"
 		pair = " UNION SELECT $1, $2"
 	}
-	return fmt.Sprintf(`WITH u AS (
+	return fmt.Sprintf(`WITH `+statsClock+`, u AS (
     SELECT topic, consumer_group, %[4]s
       FROM %[1]s WHERE %[3]s AND lease_token IS NULL GROUP BY topic, consumer_group
 ), l AS (

@@ -169,7 +169,7 @@ func (c *cli) dlqList(args []string) error {
 		tw := newTable(c.stdout)
 		fmt.Fprintln(tw, "ID\tTOPIC\tGROUP\tREASON\tDELIVERIES\tFAILED AT\tLAST ERROR")
 		for _, d := range page.Letters {
-			fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\n", d.ID, d.Topic, groupName(d.ConsumerGroup), d.FailureReason,
+			fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\n", d.ID, plainOrQuoted(d.Topic), groupName(d.ConsumerGroup), d.FailureReason,
 				d.Deliveries, listTime(d.FailedAt), short(lastErrorShown(d), 60))
 		}
 		tw.Flush()
@@ -298,8 +298,8 @@ func (c *cli) dlqRequeue(args []string) error {
 			// A filter that matched nothing is often a mistyped topic or
 			// group: name what the dead-letter table holds (a courtesy,
 			// as above).
-			if st, err := pgoutbox.Stats(ctx, exec, tables); err == nil {
-				printNoMatchingDeadLetters(c.stdout, f, st)
+			if held, err := deadLetterCounts(ctx, exec, tables); err == nil {
+				printNoMatchingDeadLetters(c.stderr, f, held)
 			}
 		}
 		if len(ids) == 0 {
@@ -348,35 +348,59 @@ func (c *cli) dlqRequeue(args []string) error {
 	})
 }
 
-// joinIDs lists ids as "42, 43".
+// deadLetterCount is how many dead letters a topic and group hold.
+type deadLetterCount struct {
+	topic, group string
+	n            int64
+}
+
+// deadLetterCounts reads the dead letters per topic and group, ordered
+// by both: the dead-letter table alone.
+func deadLetterCounts(ctx context.Context, exec tx.Executor, tables schema.Config) ([]deadLetterCount, error) {
+	t := tables.WithDefaults()
+	n, err := query.NewNames(t.Schema, t.Table, t.DeadLetterTable)
+	if err != nil {
+		return nil, err
+	}
+	rows, err := exec.Query(ctx, query.DLQStats(n, false, false))
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []deadLetterCount
+	for rows.Next() {
+		var c deadLetterCount
+		var reason string
+		if err := rows.Scan(&c.topic, &c.group, &reason, &c.n); err != nil {
+			return nil, err
+		}
+		if k := len(out) - 1; k >= 0 && out[k].topic == c.topic && out[k].group == c.group {
+			out[k].n += c.n
+			continue
+		}
+		out = append(out, c)
+	}
+	return out, rows.Err()
+}
+
 // printNoMatchingDeadLetters says, after a filtered requeue that took
 // nothing, which filter matched no dead letter at all and which topics and
 // groups hold dead letters; nothing when the filters match dead letters
 // (their reason or limit left them out, or they stayed).
-func printNoMatchingDeadLetters(w io.Writer, f pgoutbox.DeadLetterFilter, stats []pgoutbox.QueueStats) {
-	total := func(s pgoutbox.QueueStats) (n int64) {
-		for _, c := range s.DeadLetters {
-			n += c
-		}
-		return n
-	}
+func printNoMatchingDeadLetters(w io.Writer, f pgoutbox.DeadLetterFilter, counts []deadLetterCount) {
 	var topicHas, groupHas bool
 	var held []string
-	for _, s := range stats {
-		n := total(s)
-		if n == 0 {
-			continue
-		}
-		held = append(held, fmt.Sprintf("topic %q group %q (%d)", s.Topic, s.ConsumerGroup, n))
-		topicHas = topicHas || s.Topic == f.Topic
-		groupHas = groupHas || (f.ConsumerGroup != nil && s.ConsumerGroup == *f.ConsumerGroup && (f.Topic == "" || s.Topic == f.Topic))
+	for _, c := range counts {
+		held = append(held, fmt.Sprintf("topic %q group %s (%d)", c.topic, groupName(c.group), c.n))
+		topicHas = topicHas || c.topic == f.Topic
+		groupHas = groupHas || (f.ConsumerGroup != nil && c.group == *f.ConsumerGroup && (f.Topic == "" || c.topic == f.Topic))
 	}
 	var missing string
 	switch {
 	case f.Topic != "" && !topicHas:
 		missing = fmt.Sprintf("no dead letter has topic %q", f.Topic)
 	case f.ConsumerGroup != nil && !groupHas:
-		missing = fmt.Sprintf("no dead letter has group %q", *f.ConsumerGroup)
+		missing = fmt.Sprintf("no dead letter has group %s", groupName(*f.ConsumerGroup))
 		if f.Topic != "" {
 			missing += fmt.Sprintf(" on topic %q", f.Topic)
 		}
@@ -384,7 +408,7 @@ func printNoMatchingDeadLetters(w io.Writer, f pgoutbox.DeadLetterFilter, stats 
 		return
 	}
 	if len(held) == 0 {
-		fmt.Fprintf(w, "note: %s; the dead-letter table is empty\n", missing)
+		fmt.Fprintf(w, "pgoutbox: note: %s; the dead-letter table is empty\n", missing)
 		return
 	}
 	const shown = 10
@@ -393,9 +417,10 @@ func printNoMatchingDeadLetters(w io.Writer, f pgoutbox.DeadLetterFilter, stats 
 		more = fmt.Sprintf(" and %d more", len(held)-shown)
 		held = held[:shown]
 	}
-	fmt.Fprintf(w, "note: %s (mistyped?); dead letters are held by %s%s (\"pgoutbox dlq list\" shows them)\n", missing, strings.Join(held, ", "), more)
+	fmt.Fprintf(w, "pgoutbox: note: %s (mistyped?); dead letters are held by %s%s (\"pgoutbox dlq list\" shows them)\n", missing, strings.Join(held, ", "), more)
 }
 
+// joinIDs lists ids as "42, 43".
 func joinIDs(ids []int64) string {
 	s := make([]string, len(ids))
 	for i, id := range ids {

@@ -206,22 +206,23 @@ func TestDLQRequeueOfAMistypedTopicNamesTheTopicsHeld(t *testing.T) {
 	out, errOut, code := cliRun(t, env, "dlq", "requeue", "--topic", "order.placed", "--yes")
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, "requeued 0")
-	require.Contains(t, out, `no dead letter has topic "order.placed"`)
-	require.Contains(t, out, `topic "orders.placed" group "" (1)`)
+	require.Contains(t, errOut, `pgoutbox: note: no dead letter has topic "order.placed"`)
+	require.Contains(t, errOut, `topic "orders.placed" group (default) (1)`)
+	require.NotContains(t, out, "note:", "stdout holds what was done")
 
-	out, errOut, code = cliRun(t, env, "dlq", "requeue", "--topic", "orders.placed", "--group", "billing", "--yes")
+	_, errOut, code = cliRun(t, env, "dlq", "requeue", "--topic", "orders.placed", "--group", "billing", "--yes")
 	require.Equal(t, 0, code, errOut)
-	require.Contains(t, out, `no dead letter has group "billing" on topic "orders.placed"`)
+	require.Contains(t, errOut, `no dead letter has group billing on topic "orders.placed"`)
 
 	out, errOut, code = cliRun(t, env, "dlq", "requeue", "--topic", "orders.placed", "--reason", "max_deliveries", "--yes")
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, "requeued 0")
-	require.NotContains(t, out, "no dead letter has", "the topic holds dead letters; the reason left them out")
+	require.NotContains(t, errOut, "no dead letter has", "the topic holds dead letters; the reason left them out")
 
 	out, errOut, code = cliRun(t, env, "dlq", "requeue", "--topic", "orders.placed", "--yes")
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, "requeued 1")
-	require.NotContains(t, out, "no dead letter has")
+	require.NotContains(t, errOut, "no dead letter has")
 }
 
 // A message dead-lettered at MaxDeliveries without an error had no
@@ -440,6 +441,24 @@ func TestGroupNamesWithSpacesArePrintedQuoted(t *testing.T) {
 	require.Contains(t, out, `" ops team "`)
 	require.Contains(t, out, `"ops team"`)
 	require.Regexp(t, `(?m)^orders\s+billing\s`, out)
+}
+
+// Names print bare when they read as themselves, quoted otherwise: the
+// default group's "(default)" and a group named so read apart too.
+func TestGroupNameReadsApart(t *testing.T) {
+	for in, want := range map[string]string{
+		"":                  "(default)",
+		"(default)":         `"(default)"`,
+		"billing":           "billing",
+		"Zahlungsverkehr-Ü": "Zahlungsverkehr-Ü",
+		" ops team ":        `" ops team "`,
+		"ops team":          `"ops team"`,
+		`say "hi"`:          `"say \"hi\""`,
+		"tab\there":         `"tab\there"`,
+		"bad\xffutf8":       `"bad\xffutf8"`,
+	} {
+		require.Equal(t, want, groupName(in), "%q", in)
+	}
 }
 
 // bind names the publishes that outlasted its wait at a topic's first

@@ -62,19 +62,22 @@ func short(s string, n int) string {
 // groupName shows the default group as "(default)", and a name that
 // would not read as itself unquoted (see plainOrQuoted) quoted.
 func groupName(g string) string {
-	if g == "" {
+	switch g {
+	case "":
 		return "(default)"
+	case "(default)":
+		return strconv.Quote(g) // a group of that name is not the default one
 	}
 	return plainOrQuoted(g)
 }
 
 // plainOrQuoted returns s as it is when it reads as itself between
 // spaces, and Go-quoted when it would not: a name with spaces (" ops team "
-// and "ops team" printed bare look alike), quotes, or characters that do
-// not print.
+// and "ops team" printed bare look alike), quotes, characters that do not
+// print, or bytes that are not UTF-8.
 func plainOrQuoted(s string) string {
 	for _, r := range s {
-		if !unicode.IsPrint(r) || unicode.IsSpace(r) || r == '"' {
+		if !unicode.IsPrint(r) || unicode.IsSpace(r) || r == '"' || r == utf8.RuneError {
 			return strconv.Quote(s)
 		}
 	}

@@ -425,7 +425,9 @@ func ArrivalsStats(n Names, topic bool) string {
 	if topic {
 		cond = " WHERE a.topic = $1"
 	}
-	return fmt.Sprintf(`SELECT a.topic, b.consumer_group, count(*), (extract(epoch FROM now() - min(a.created_at)) * 1000000)::bigint
+	// The age is by the clock as the statement runs, as Stats' own (a
+	// Stats run in a long transaction would make now() the older time).
+	return fmt.Sprintf(`SELECT a.topic, b.consumer_group, count(*), (extract(epoch FROM clock_timestamp() - min(a.created_at)) * 1000000)::bigint
   FROM %s a LEFT JOIN %s b ON b.topic = a.topic AND b.arrivals_from <= a.id%s
  GROUP BY 1, 2`, n.QArrivals, n.QBindings, cond)
 }

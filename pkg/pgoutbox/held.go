@@ -350,8 +350,10 @@ func (sub *subscription) finishedBatch(r batchResult) {
 			d.endFailed = true
 		case d.state == handedOut && d.outcome.completingInTx():
 			// The handler's transaction is deleting it under the lease
-			// that was never made: it fails (tx.ErrLeaseLost) and the
-			// nack that follows misses the lease too, as this.
+			// that was most likely never made: it fails (tx.ErrLeaseLost),
+			// and the nack that follows misses the lease too, as this. (If
+			// the COMMIT applied with its reply lost, the DELETE finds the
+			// lease and commits: nothing is written after it.)
 			d.endFailed = true
 		default:
 			sub.dropLost(d, "commit")

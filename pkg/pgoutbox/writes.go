@@ -258,6 +258,7 @@ func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
 		return false
 	}
 	if r.done.has(d) {
+		d.endFailed = false // the write it was set for applied: a later loss is its own
 		return true
 	}
 	if d.endFailed {

@@ -329,7 +329,9 @@ func (ui *UI) fail(w http.ResponseWriter, r *http.Request, err error) {
 		code = http.StatusServiceUnavailable
 		msg += errtext.NoAnswer(ui.opts.PageTimeout)
 	}
-	if errtext.SQLState(err) == "42P01" && !ui.outboxExists(r.Context()) {
+	if errtext.SQLState(err) == "42P01" && strings.Contains(msg, "schema apply") {
+		// The library's error says how to create the tables already.
+	} else if errtext.SQLState(err) == "42P01" && !ui.outboxExists(r.Context()) {
 		// A mistyped schema or table: no advice about one table of it.
 		msg += fmt.Sprintf("; the outbox %s does not exist: check the schema and table the page was given (pgoutbox ui --schema, --table), "+
 			"or create the tables (pgoutbox schema apply)", ui.names.QTable)

@@ -61,7 +61,8 @@ const DefaultCommitTimeout = 10 * time.Second
 //  3. for a message delivered by a pgoutbox Subscriber, it deletes the
 //     message's row in the same transaction, under the lease the message
 //     was delivered with. If the lease was lost (another consumer holds the
-//     message now) it rolls back and returns ErrLeaseLost;
+//     message now, or on the held path the batch end that was to make it a
+//     lease did not commit) it rolls back and returns ErrLeaseLost;
 //  4. it publishes the messages the handler returned in the same
 //     transaction (MiddlewareConfig.Publisher) and returns none to the
 //     Router. After the deletion: one may reuse the incoming message's

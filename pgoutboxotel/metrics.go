@@ -316,7 +316,7 @@ func RegisterStats(exec tx.Executor, tables schema.Config, opts MetricsOptions) 
 	if err != nil {
 		return nil, err
 	}
-	base := metric.WithAttributes(opts.Attributes...)
+	base := metric.WithAttributes(append([]attribute.KeyValue{semconv.MessagingSystemKey.String(System)}, opts.Attributes...)...)
 	var failed atomic.Int64
 	var mu sync.Mutex // one Stats call at a time
 	return m.RegisterCallback(func(ctx context.Context, obs metric.Observer) error {

@@ -217,6 +217,9 @@ func TestStatsGauges(t *testing.T) {
 	dur, ok := got["pgoutbox.stats.duration"].Data.(metricdata.Gauge[float64])
 	require.True(t, ok)
 	require.Positive(t, dur.DataPoints[0].Value)
+	for _, name := range []string{"pgoutbox.stats.duration", "pgoutbox.stats.errors"} {
+		require.True(t, hasSystem(got[name]), "%s has messaging.system, as every measurement", name)
+	}
 	_, ring := got["pgoutbox.ring.current.age"]
 	require.False(t, ring, "a single table has no ring")
 
@@ -321,4 +324,26 @@ func TestRegisterStatsRefusesABadConfiguration(t *testing.T) {
 	_, err = pgoutboxotel.RegisterStats(tx.FromPgxPool(nil), schema.Config{}, pgoutboxotel.MetricsOptions{MeterProvider: mp, StatsTimeout: 5})
 	require.ErrorIs(t, err, pgoutbox.ErrInvalidConfig)
 	require.ErrorContains(t, err, "StatsTimeout is 5ns; it must be at least 1ms")
+}
+
+// hasSystem reports whether every data point of m carries
+// messaging.system "pgoutbox".
+func hasSystem(m metricdata.Metrics) bool {
+	var sets []attribute.Set
+	switch d := m.Data.(type) {
+	case metricdata.Gauge[float64]:
+		for _, p := range d.DataPoints {
+			sets = append(sets, p.Attributes)
+		}
+	case metricdata.Sum[int64]:
+		for _, p := range d.DataPoints {
+			sets = append(sets, p.Attributes)
+		}
+	}
+	for _, set := range sets {
+		if v, ok := set.Value("messaging.system"); !ok || v.AsString() != pgoutboxotel.System {
+			return false
+		}
+	}
+	return len(sets) > 0
 }

@@ -124,14 +124,12 @@ func (t *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		orig := msg.Context()
 		d, delivered := pgoutbox.DeliveryOf(msg)
-		base := orig
-		if delivered {
-			// A subscriber's message context carries the values of the
-			// context Subscribe was given, a span among them when the
-			// Router was started under one: a message without its own
-			// trace context must not join it.
-			base = trace.ContextWithSpanContext(orig, trace.SpanContext{})
-		}
+		// A subscriber's message context carries the values of the
+		// context Subscribe was given (pgoutbox's, GoChannel's), a span
+		// among them when the Router was started under one: a message
+		// without trace context of its own must not join it. Its parent is
+		// what its metadata carries, or none.
+		base := trace.ContextWithSpanContext(orig, trace.SpanContext{})
 		parent := t.prop.Extract(base, propagation.MapCarrier(msg.Metadata))
 		topic := message.SubscribeTopicFromCtx(orig)
 		if topic == "" {

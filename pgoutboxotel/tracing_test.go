@@ -294,6 +294,38 @@ func TestMessagesWithoutOrWithBadTraceContextStartNewTraces(t *testing.T) {
 	require.EqualValues(t, 2, handled.Load())
 }
 
+// The same on a Router whose subscriber is not pgoutbox's: GoChannel's
+// messages carry the context Subscribe was given, the Router's run span
+// among its values, and a message without trace context joined it.
+func TestMessagesOfAnotherSubscriberWithoutTraceContextStartNewTraces(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	exp := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	t.Cleanup(func() { _ = tp.Shutdown(ctx) })
+	tracing := pgoutboxotel.NewTracing(pgoutboxotel.TracingOptions{TracerProvider: tp})
+	broker := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
+	t.Cleanup(func() { _ = broker.Close() })
+
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	require.NoError(t, err)
+	router.AddMiddleware(tracing.Middleware)
+	router.AddConsumerHandler("plain", "plain", broker, func(*message.Message) error { return nil })
+	startCtx, startup := tp.Tracer("app").Start(ctx, "startup")
+	defer startup.End()
+	runCtx, stop := context.WithCancel(startCtx)
+	t.Cleanup(stop)
+	go func() { _ = router.Run(runCtx) }()
+	<-router.Running()
+
+	bad := message.NewMessage(watermill.NewUUID(), []byte("bad"))
+	bad.Metadata.Set("traceparent", "not-a-traceparent")
+	require.NoError(t, broker.Publish("plain", message.NewMessage(watermill.NewUUID(), []byte("no span")), bad))
+	for _, s := range spans(t, exp, "process plain", 2) {
+		require.False(t, s.Parent.IsValid(), "a span of a new trace, not of the Router's run span")
+	}
+}
+
 // The hook writes the message's own span when it has one, else the
 // call's; the propagator can be replaced.
 func TestPublishHookPrefersTheMessagesOwnSpan(t *testing.T) {

@@ -40,7 +40,7 @@ examples:
 	@for d in $(EXAMPLES); do echo "go build $$d"; go build -o /dev/null $$d; done
 	@for d in $(BROKER_MODULES); do echo "go build in $$d"; (cd $$d && go build -o /dev/null .); done
 
-## test: every step below, all run even when one fails, then the list of the failed ones: lint, modules, every test under -race, each LIB module, the relay examples' broker tests, the reconnect test on its own
+## test: every step below, all run even when one fails, then the list of the failed ones: lint, modules, the tests under -race, each LIB module, the relay examples' broker tests, the reconnect test on its own
 # The broker tests run without -race: watermill-amqp v3.0.2 races in its own
 # reconnect code (ConnectionWrapper.IsConnected); the relay itself runs
 # under -race in ./tests. They skip where the broker is unreachable,

@@ -30,6 +30,15 @@ import (
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
+// newTracing is a Tracing whose spans go to the in-memory exporter it
+// returns, and its provider (shut down when the test ends).
+func newTracing(t *testing.T) (*tracetest.InMemoryExporter, *sdktrace.TracerProvider, *pgoutboxotel.Tracing) {
+	exp := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	return exp, tp, pgoutboxotel.NewTracing(pgoutboxotel.TracingOptions{TracerProvider: tp})
+}
+
 // spans returns the ended spans named name, waiting until there are n.
 func spans(t *testing.T, exp *tracetest.InMemoryExporter, name string, n int) []tracetest.SpanStub {
 	t.Helper()
@@ -76,10 +85,7 @@ func TestOneTraceFromTheRequestThroughRetryTxMiddlewareAndRelay(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := pgoutboxtest.PubSub(t)
-	exp := tracetest.NewInMemoryExporter()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
-	t.Cleanup(func() { _ = tp.Shutdown(ctx) })
-	tracing := pgoutboxotel.NewTracing(pgoutboxotel.TracingOptions{TracerProvider: tp})
+	exp, tp, tracing := newTracing(t)
 	pubCfg := pgoutbox.PublisherConfig{Tables: env.Tables, PublishHook: tracing}
 	logger := watermill.NopLogger{}
 
@@ -250,10 +256,7 @@ func TestMessagesWithoutOrWithBadTraceContextStartNewTraces(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := pgoutboxtest.PubSub(t)
-	exp := tracetest.NewInMemoryExporter()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
-	t.Cleanup(func() { _ = tp.Shutdown(ctx) })
-	tracing := pgoutboxotel.NewTracing(pgoutboxotel.TracingOptions{TracerProvider: tp})
+	exp, tp, tracing := newTracing(t)
 
 	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
 	require.NoError(t, err)
@@ -300,10 +303,7 @@ func TestMessagesWithoutOrWithBadTraceContextStartNewTraces(t *testing.T) {
 func TestMessagesOfAnotherSubscriberWithoutTraceContextStartNewTraces(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	exp := tracetest.NewInMemoryExporter()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
-	t.Cleanup(func() { _ = tp.Shutdown(ctx) })
-	tracing := pgoutboxotel.NewTracing(pgoutboxotel.TracingOptions{TracerProvider: tp})
+	exp, tp, tracing := newTracing(t)
 	broker := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = broker.Close() })
 
@@ -366,10 +366,7 @@ func TestTraceSurvivesADeadLetterAndARequeue(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := pgoutboxtest.PubSub(t)
-	exp := tracetest.NewInMemoryExporter()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
-	t.Cleanup(func() { _ = tp.Shutdown(ctx) })
-	tracing := pgoutboxotel.NewTracing(pgoutboxotel.TracingOptions{TracerProvider: tp})
+	exp, tp, tracing := newTracing(t)
 
 	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
 	require.NoError(t, err)

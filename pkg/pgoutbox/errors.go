@@ -55,6 +55,10 @@ func outboxMissing(err error, n query.Names) string {
 	if errtext.SQLState(err) != "42P01" || !strings.Contains(err.Error(), "."+n.Table+`" does not exist`) {
 		return ""
 	}
-	return fmt.Sprintf("; the outbox table %s does not exist: create it (pgoutbox schema apply, schema.Create) or check the schema and table names "+
-		"(schema.Config's Schema and Table; the CLI's --schema and --table)", n.QTable)
+	return fmt.Sprintf("; the outbox table %s does not exist: %s", n.QTable, createOrCheckNames)
 }
+
+// createOrCheckNames is what to do about an outbox table that does not
+// exist: a schema never applied, or names that point elsewhere.
+const createOrCheckNames = "create it (pgoutbox schema apply, schema.Create) or check the schema and table names " +
+	"(schema.Config's Schema and Table; the CLI's --schema and --table)"

@@ -269,7 +269,7 @@ func Health(ctx context.Context, exec tx.Executor, tables schema.Config) (Health
 		return HealthReport{}, healthError("table statistics", err)
 	}
 	if !found {
-		return HealthReport{}, errorf("pgoutbox: health: table %s does not exist; create it (pgoutbox schema apply, schema.Create) or check the schema and table names (schema.Config's Schema and Table; the CLI's --schema and --table)", n.QTable)
+		return HealthReport{}, errorf("pgoutbox: health: table %s does not exist; %s", n.QTable, createOrCheckNames)
 	}
 
 	if n.Rotating {

@@ -30,6 +30,17 @@ import (
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox/tx"
 )
 
+// runUnderSpan runs router under a context that holds a span of its own
+// (an application's "startup"), until the test ends: a message without
+// trace context must not join that span.
+func runUnderSpan(t *testing.T, tp *sdktrace.TracerProvider, router *message.Router) {
+	startCtx, startup := tp.Tracer("app").Start(context.Background(), "startup")
+	runCtx, stop := context.WithCancel(startCtx)
+	t.Cleanup(func() { stop(); startup.End() })
+	go func() { _ = router.Run(runCtx) }()
+	<-router.Running()
+}
+
 // newTracing is a Tracing whose spans go to the in-memory exporter it
 // returns, and its provider (shut down when the test ends).
 func newTracing(t *testing.T) (*tracetest.InMemoryExporter, *sdktrace.TracerProvider, *pgoutboxotel.Tracing) {
@@ -267,12 +278,7 @@ func TestMessagesWithoutOrWithBadTraceContextStartNewTraces(t *testing.T) {
 		handled.Add(1)
 		return nil
 	})
-	startCtx, startup := tp.Tracer("app").Start(ctx, "startup")
-	defer startup.End()
-	runCtx, stop := context.WithCancel(startCtx)
-	t.Cleanup(stop)
-	go func() { _ = router.Run(runCtx) }()
-	<-router.Running()
+	runUnderSpan(t, tp, router)
 
 	pub, err := pgoutbox.NewPublisher(tx.FromPgxPool(env.Pool), pgoutbox.PublisherConfig{Tables: env.Tables, PublishHook: tracing}, nil)
 	require.NoError(t, err)
@@ -302,7 +308,6 @@ func TestMessagesWithoutOrWithBadTraceContextStartNewTraces(t *testing.T) {
 // among its values, and a message without trace context joined it.
 func TestMessagesOfAnotherSubscriberWithoutTraceContextStartNewTraces(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	exp, tp, tracing := newTracing(t)
 	broker := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = broker.Close() })
@@ -311,12 +316,7 @@ func TestMessagesOfAnotherSubscriberWithoutTraceContextStartNewTraces(t *testing
 	require.NoError(t, err)
 	router.AddMiddleware(tracing.Middleware)
 	router.AddConsumerHandler("plain", "plain", broker, func(*message.Message) error { return nil })
-	startCtx, startup := tp.Tracer("app").Start(ctx, "startup")
-	defer startup.End()
-	runCtx, stop := context.WithCancel(startCtx)
-	t.Cleanup(stop)
-	go func() { _ = router.Run(runCtx) }()
-	<-router.Running()
+	runUnderSpan(t, tp, router)
 
 	bad := message.NewMessage(watermill.NewUUID(), []byte("bad"))
 	bad.Metadata.Set("traceparent", "not-a-traceparent")

@@ -217,12 +217,19 @@ func TestPublishBadInputSaysWhatToDo(t *testing.T) {
 	require.Regexp(t, `(?i)use|such as|for example|delay\.`, err.Error())
 }
 
-func TestPublishToMissingTable(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
+// notCreated is b's tables with an outbox table (and no dead-letter
+// table) that was never created.
+func notCreated(b *bundle) schema.Config {
 	missing := b.tables
 	missing.Table = "not_created"
 	missing.DeadLetterTable = ""
+	return missing
+}
+
+func TestPublishToMissingTable(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	missing := notCreated(b)
 
 	for name, exec := range map[string]tx.Executor{
 		"FromPgxPool": tx.FromPgxPool(b.Pool),
@@ -244,9 +251,7 @@ func TestPublishToMissingTable(t *testing.T) {
 func TestOperatorFunctionsOnMissingTablesSayHowToCreateThem(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	missing := b.tables
-	missing.Table = "not_created"
-	missing.DeadLetterTable = ""
+	missing := notCreated(b)
 	missing.NoDeadLetterTable = true
 	exec := tx.FromPgxPool(b.Pool)
 

@@ -118,6 +118,12 @@ const OwnLockValidFor = 750 * time.Millisecond
 // it at the subscription's next look once the key shows.
 const KeyShownAfter = 750 * time.Millisecond
 
+// ReconnectEvery is the longest pause between two attempts to make the
+// LISTEN connection again (from 100ms, growing, ±50%): when the server is
+// back after an outage, wake-ups and liveness resume within about it. A
+// failed attempt costs the server a refused or short-lived connection.
+const ReconnectEvery = 2 * time.Second
+
 // Waiter receives a wake-up (a value on C, never blocking the notifier)
 // when rows of its topic became due, and after every (re)connect, since
 // notifications sent while nobody listened are lost; when rows of its topic
@@ -142,9 +148,11 @@ type Waiter struct {
 // LockChanged: this process's own liveness lock is gone (its LISTEN
 // connection dropped), was not confirmed within OwnLockValidFor (the rows
 // stamped with it may soon look orphaned to other processes), or is held
-// again after either (the rows can carry it again).
+// again after either (the rows can carry it again); Connected: the LISTEN
+// connection was made (again), so the server answers: statements that
+// failed in an outage need not wait out their backoff.
 type Kinds struct {
-	Due, Scheduled, Released, Orphans, Vanished, LockChanged bool
+	Due, Scheduled, Released, Orphans, Vanished, LockChanged, Connected bool
 }
 
 // Take returns the reasons of the wake-ups received since the last Take,
@@ -153,7 +161,7 @@ func (w *Waiter) Take() Kinds {
 	k := w.kinds.Swap(0)
 	return Kinds{Due: k&(1<<wakeDue) != 0, Scheduled: k&(1<<wakeScheduled) != 0,
 		Released: k&(1<<wakeReleased) != 0, Orphans: k&(1<<wakeOrphans) != 0, Vanished: k&(1<<wakeVanished) != 0,
-		LockChanged: k&(1<<wakeLockChanged) != 0}
+		LockChanged: k&(1<<wakeLockChanged) != 0, Connected: k&(1<<wakeConnected) != 0}
 }
 
 // Acquire returns the pool's notifier, starting it on first use. Every
@@ -335,6 +343,7 @@ const (
 	wakeOrphans
 	wakeVanished
 	wakeLockChanged
+	wakeConnected
 )
 
 // wake wakes the waiters ws; with onlyGroup, only those of group.
@@ -392,8 +401,9 @@ func (n *Notifier) run(ctx context.Context) {
 	defer close(n.done)
 	// Options, not fields: NewExponentialBackOff resets itself, so fields
 	// set afterwards would only apply after the next Reset.
+	// At most ReconnectEvery apart: an outage's end is noticed within it.
 	bo := backoff.NewExponentialBackOff(backoff.WithInitialInterval(100*time.Millisecond),
-		backoff.WithMaxInterval(5*time.Second), backoff.WithMaxElapsedTime(0))
+		backoff.WithMaxInterval(ReconnectEvery), backoff.WithMaxElapsedTime(0))
 	failures := 0
 	var adopt *lockedConn
 	for ctx.Err() == nil {
@@ -647,8 +657,10 @@ func (n *Notifier) session(parent context.Context, connected func(), adopt *lock
 	}()
 	connected()
 	// Anything notified while we were not listening is lost: have every
-	// loop poll once now instead of waiting out its idle interval.
+	// loop poll once now instead of waiting out its idle interval, or the
+	// backoff of a claim that failed while the server was away.
 	n.wakeAll(wakeDue)
+	n.wakeAll(wakeConnected)
 
 	// Checks are sent LivenessEvery apart, however long each takes: a
 	// confirmation of this process's lock then lapses only when one round

@@ -47,9 +47,13 @@ func newClaimSchedule(cfg *SubscriberConfig, now time.Time, clock serverClock) c
 
 // notified takes in what the notifier reported: rows due, rows scheduled
 // (an empty claim plans the sleep anew, NextDue), rows another subscriber
-// of this group returned, or a vanished liveness lock (look for orphaned
-// rows).
+// of this group returned, a vanished liveness lock (look for orphaned
+// rows), or a server that answers again (claim without waiting out a
+// failure's backoff).
 func (c *claimSchedule) notified(k notifier.Kinds) {
+	if k.Connected {
+		c.gate.serverBack()
+	}
 	if k.Orphans {
 		c.scan.holderGone()
 	}

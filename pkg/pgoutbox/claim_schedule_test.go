@@ -243,10 +243,66 @@ func TestRetryGateBacksOff(t *testing.T) {
 		w = g.failed(now)
 	}
 	require.Greater(t, w, w1, "the backoff grows")
-	require.LessOrEqual(t, w, 5*time.Second*12/10)
+	for range 50 {
+		require.LessOrEqual(t, g.failed(now), retryAtMost*3/2, "an outage's end is noticed within retryAtMost, ±50%")
+	}
 	g.succeeded()
 	require.False(t, g.shut())
 	require.Less(t, g.failed(now), time.Second, "and starts again small")
+}
+
+// When the server answers again (the notifier connected anew) the gate
+// opens at once, and the backoff keeps its length for a failure that
+// goes on all the same.
+func TestRetryGateOpensWhenTheServerIsBack(t *testing.T) {
+	t.Parallel()
+	g := newRetryGate()
+	now := time.Now()
+	var grown time.Duration
+	for range 20 {
+		grown = g.failed(now)
+	}
+	require.Greater(t, grown, time.Second)
+	g.serverBack()
+	require.False(t, g.shut(), "open at once")
+	require.Greater(t, g.failed(now), 500*time.Millisecond, "not reset: a failure that goes on backs off as long")
+}
+
+// A claim schedule opens its gate on the notifier's Connected news.
+func TestClaimScheduleClaimsAtOnceWhenTheServerIsBack(t *testing.T) {
+	t.Parallel()
+	cfg := &SubscriberConfig{MaxInFlight: 16, MinPollInterval: time.Second}
+	c := newClaimSchedule(cfg, time.Now(), serverClock{})
+	now := time.Now()
+	for range 20 {
+		c.gate.failed(now)
+	}
+	require.True(t, c.waiting(), "shut for the backoff")
+	c.notified(notifier.Kinds{Due: true})
+	require.True(t, c.waiting(), "a wake-up alone does not open the gate")
+	c.notified(notifier.Kinds{Due: true, Connected: true})
+	require.False(t, c.waiting(), "the server is back: claim now")
+}
+
+// Failures in a row are logged as errors at first, then one per
+// loggedFailuresEvery: an outage of minutes writes a few lines, not one
+// per retry.
+func TestRetryGateThinsOutItsErrorLog(t *testing.T) {
+	t.Parallel()
+	g := newRetryGate()
+	now := time.Now()
+	logged := 0
+	for i := range 200 {
+		at := now.Add(time.Duration(i) * time.Second) // a retry a second, 200 s
+		g.failed(at)
+		if g.shouldLog(at) {
+			logged++
+		}
+	}
+	require.Equal(t, 11, logged, "the first 5 (0-4 s), then at 34, 64, 94, 124, 154 and 184 s")
+	g.succeeded()
+	g.failed(now)
+	require.True(t, g.shouldLog(now), "the first failure of the next outage is logged")
 }
 
 // At close the gate opens at once and keeps its backoffs short, however

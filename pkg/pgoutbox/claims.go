@@ -94,6 +94,11 @@ func (sub *subscription) onClaimed(r claimResult) {
 			sub.logger.Debug("Claim met a row changed under it; claiming again", fields.Add(watermill.LogFields{"err": r.err.Error()}))
 			return
 		}
+		fields = fields.Add(watermill.LogFields{"failures": sub.claims.gate.failures})
+		if !sub.claims.gate.shouldLog(now) {
+			sub.logger.Debug("Claim failed; retrying", fields.Add(watermill.LogFields{"err": r.err.Error()}))
+			return
+		}
 		sub.logger.Error("Claim failed; retrying", errtext.WithHint(r.err), fields)
 		return
 	}

@@ -9,21 +9,37 @@ import (
 
 // retryGate paces the retries of a statement that failed: claims and
 // writes each have one. After a failure it stays shut for a backoff (50ms
-// doubling to 5s, with jitter, forever); a success opens it and resets the
-// backoff.
+// growing to retryAtMost, with jitter, forever); a success opens it and
+// resets the backoff, and so does the news that the server answers again
+// (serverBack).
 type retryGate struct {
 	bo       *backoff.ExponentialBackOff
 	until    time.Time     // shut until then; zero: open
 	failures int           // in a row, since the last success
 	since    time.Time     // the first of them
 	most     time.Duration // the longest backoff after hurry; zero: the backoff's own
+	logged   time.Time     // the last failure logged as an error (shouldLog)
 }
+
+// retryAtMost bounds a claim's or a write's backoff (±50%): after an
+// outage, messages flow again within about it of the server's return,
+// as watermill-sql's subscriber retries a failed query after a second. A
+// retry that fails costs one short statement or a refused connection.
+const retryAtMost = 2 * time.Second
+
+// Failures in a row logged as errors before shouldLog thins them out to
+// one per loggedFailuresEvery: a long outage then writes a line every
+// half minute per subscription, with the count, instead of one per retry.
+const (
+	loggedFailures      = 5
+	loggedFailuresEvery = 30 * time.Second
+)
 
 func newRetryGate() retryGate {
 	// Options, not fields: NewExponentialBackOff resets itself, so fields
 	// set afterwards would only apply after the next Reset.
 	return retryGate{bo: backoff.NewExponentialBackOff(backoff.WithInitialInterval(50*time.Millisecond),
-		backoff.WithMaxInterval(5*time.Second), backoff.WithMaxElapsedTime(0))}
+		backoff.WithMaxInterval(retryAtMost), backoff.WithMaxElapsedTime(0))}
 }
 
 // failed shuts the gate for the next backoff and returns its length.
@@ -45,6 +61,24 @@ func (g *retryGate) succeeded() {
 	g.bo.Reset()
 	g.until = time.Time{}
 	g.failures = 0
+	g.logged = time.Time{}
+}
+
+// serverBack opens the gate: the notifier's connection was made again, so
+// the server answers. The backoff is not reset: if the next try fails
+// all the same (a grant missing, a lock), the one after waits as long as
+// it would have.
+func (g *retryGate) serverBack() { g.until = time.Time{} }
+
+// shouldLog reports whether the failure just counted (failed) is logged
+// as an error: the first loggedFailures in a row, then one per
+// loggedFailuresEvery; the others go to the debug log.
+func (g *retryGate) shouldLog(now time.Time) bool {
+	if g.failures <= loggedFailures || now.Sub(g.logged) >= loggedFailuresEvery {
+		g.logged = now
+		return true
+	}
+	return false
 }
 
 // hurry opens the gate and keeps each backoff from now on under most:

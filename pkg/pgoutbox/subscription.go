@@ -245,6 +245,9 @@ func (sub *subscription) run() {
 			default:
 				k := sub.events.signals.waiter.Take()
 				sub.claims.notified(k)
+				if k.Connected {
+					sub.writes.gate.serverBack()
+				}
 				if k.LockChanged {
 					sub.lockChanged(time.Now())
 				}

@@ -202,7 +202,8 @@ func (sub *subscription) onWritten(r writeResult) {
 		sub.writes.pending = r.left.merge(sub.writes.pending)
 		sub.writes.lastErr = r.err
 		sub.finalWriteFailed(r.err)
-		wait := sub.writes.gate.failed(time.Now())
+		now := time.Now()
+		wait := sub.writes.gate.failed(now)
 		if conflict(r.err) && sub.writes.gate.failures <= quietConflicts {
 			// As a claim's (see onClaimed): a row changed under the write,
 			// moved by a rotation or a conversion; the retry sees it anew.
@@ -210,7 +211,12 @@ func (sub *subscription) onWritten(r writeResult) {
 				watermill.LogFields{"retry_in": wait.String(), "err": r.err.Error()})
 			return
 		}
-		sub.logger.Error("Writing acks and lease returns failed; retrying", errtext.WithHint(r.err), watermill.LogFields{"retry_in": wait.String()})
+		fields := watermill.LogFields{"retry_in": wait.String(), "failures": sub.writes.gate.failures}
+		if !sub.writes.gate.shouldLog(now) {
+			sub.logger.Debug("Writing acks and lease returns failed; retrying", fields.Add(watermill.LogFields{"err": r.err.Error()}))
+			return
+		}
+		sub.logger.Error("Writing acks and lease returns failed; retrying", errtext.WithHint(r.err), fields)
 		return
 	}
 	// Only the release of lost claims, or the writing again of lost

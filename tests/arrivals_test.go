@@ -235,6 +235,44 @@ func TestArrivalsReachEveryBoundGroup(t *testing.T) {
 	})
 }
 
+// Bind reports what its new groups got from before their binding the same
+// way on both layouts: the messages published before a topic's first
+// binding (Adopted), and the backlog of a group bound with
+// StartFromBacklog (Copied). With arrivals both read 0 (the messages
+// waited in the arrivals table, taken by the groups, not counted), and
+// `pgoutbox bind` said the group got only what is published from then on.
+func TestBindReportsWhatTheNewGroupsGetOnEachLayout(t *testing.T) {
+	onEachLayout(t, func(t *testing.T, b *bundle) {
+		ctx := context.Background()
+		exec := tx.FromPgxPool(b.Pool)
+		pub := b.poolPublisher(t)
+		early := "report-early-" + watermill.NewShortUUID()
+		require.NoError(t, pub.Publish(early, newMsgs(5)...), "before any binding")
+		res, err := pgoutbox.BindGroups(ctx, exec, b.tables, early, []string{"x", "y"})
+		require.NoError(t, err)
+		require.Equal(t, int64(5), res.Adopted, "the first groups adopt what came before them")
+		require.Zero(t, res.Copied)
+
+		backlog := "report-backlog-" + watermill.NewShortUUID()
+		require.NoError(t, pgoutbox.Bind(ctx, exec, b.tables, backlog, "a"))
+		require.NoError(t, pub.Publish(backlog, newMsgs(10)...))
+		res, err = pgoutbox.BindGroups(ctx, exec, b.tables, backlog, []string{"c"}, pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+		require.NoError(t, err)
+		require.Equal(t, int64(10), res.Copied, "a group from the backlog gets what waits")
+		require.Zero(t, res.Adopted)
+		res, err = pgoutbox.BindGroups(ctx, exec, b.tables, backlog, []string{"d"})
+		require.NoError(t, err)
+		require.Zero(t, res.Copied, "a group from now on gets nothing from before")
+		require.Zero(t, res.Adopted)
+		res, err = pgoutbox.BindGroups(ctx, exec, b.tables, backlog, []string{"c"}, pgoutbox.BindStartFrom(pgoutbox.StartFromBacklog))
+		require.NoError(t, err)
+		require.Zero(t, res.Copied, "binding a bound group again copies nothing")
+
+		require.Len(t, b.consumeGroup(t, backlog, "c", 10, nil), 10, "and it gets them")
+		require.Len(t, b.consumeGroup(t, early, "y", 5, nil), 5)
+	})
+}
+
 // A group bound through a schema.Config without Arrivals (a deploy step,
 // a relay or a service whose Tables lag behind the outbox) starts where a
 // binding with it would: it gets what is published after it, none of the

@@ -408,6 +408,18 @@ func ArrivalsFrom(n Names) string {
              ELSE nextval(pg_get_serial_sequence('%s', 'id')) END)`, n.QBindings, n.QTable)
 }
 
+// ArrivalsOfNewGroups counts, after a BindGroups of groups $2 to topic
+// $1, those of them that start at 0 (a topic's first groups,
+// StartFromBacklog) and, if any does, the topic's arrivals: each such
+// group takes every one of them (Bind's report; their copies are written
+// when a subscriber fans them out).
+func ArrivalsOfNewGroups(n Names) string {
+	return fmt.Sprintf(`WITH g AS (
+    SELECT count(*) AS groups FROM %[2]s WHERE topic = $1 AND consumer_group = ANY ($2) AND arrivals_from = 0
+)
+SELECT g.groups, CASE WHEN g.groups > 0 THEN (SELECT count(*) FROM %[1]s WHERE topic = $1) ELSE 0 END FROM g`, n.QArrivals, n.QBindings)
+}
+
 // ReadableTable tells whether table $1 (quoted, qualified) exists and the
 // current role may read it.
 const ReadableTable = `SELECT CASE WHEN to_regclass($1) IS NULL THEN false ELSE has_table_privilege($1, 'SELECT') END`

@@ -97,11 +97,14 @@ type BindResult struct {
 	New []string
 	// Adopted counts the unbound messages (published while the topic had
 	// no binding, or while only groups since unbound had one) that went to
-	// the groups bound; each got a copy.
+	// the groups bound; each got a copy. With schema.Config.Arrivals, the
+	// arrivals a topic's first groups take are counted too.
 	Adopted int64
 	// Copied counts the backlog copies written (StartFromBacklog; and the
 	// copies the other first groups of a fresh topic get of the default
-	// group's messages when "" is among them).
+	// group's messages when "" is among them). With schema.Config.Arrivals
+	// it counts also, per group starting from the backlog, the arrivals
+	// waiting: their copies are written when a subscriber fans them out.
 	Copied int64
 	// StillPublishing lists the transactions (their virtual ids, as
 	// pg_locks' virtualtransaction shows them; its pid names the session
@@ -421,6 +424,19 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 		var adopted int64
 		adopted, err = adoptArrivals(exec, n, topic, lockKey, b)
 		res.Adopted += adopted
+	}
+	if err == nil && n.Arrivals && len(res.New) > 0 {
+		// What the new groups take from before their binding waits in the
+		// arrivals, not copied yet: counted as the outbox's rows are.
+		var groups, waiting int64
+		err = b.bounded(max(6*b.timeout, finishBacklogAtLeast), func(ctx context.Context) error {
+			return queryRow(ctx, exec, query.ArrivalsOfNewGroups(n), []any{topic, res.New}, &groups, &waiting)
+		})
+		if firstBinding {
+			res.Adopted += waiting
+		} else {
+			res.Copied += groups * waiting
+		}
 	}
 	// A new binding may have publishes in flight that could not see it
 	// and store their messages as unbound: wait for them, then adopt.

@@ -3,6 +3,7 @@ package query
 import (
 	"fmt"
 	"strings"
+	"unicode"
 )
 
 // Column is one column the code relies on, with the type format_type() reports.
@@ -94,20 +95,85 @@ var DLQColumns = []Column{
 
 // Index is an index the code relies on.
 type Index struct {
-	Table string // unquoted table name
-	Name  string // unquoted index name
+	Table  string // unquoted table name
+	Name   string // unquoted index name
+	Unique bool
+	// Keys is its columns and predicate as CREATE INDEX takes them:
+	// what the claims' plans and the conflict targets rely on.
+	Keys string
 }
 
 // Indexes lists the indexes of the outbox (and dead-letter table, if any).
 func (n Names) Indexes() []Index {
-	idx := []Index{{n.Table, n.ReadyIdx}, {n.Table, n.LeaseIdx}, {n.Table, n.DedupIdx}, {n.Table, n.OrderIdx}, {n.Table, n.OrderLeaseIdx}}
+	idx := []Index{n.index(n.ReadyIdx), n.index(n.LeaseIdx), n.index(n.DedupIdx), n.index(n.OrderIdx), n.index(n.OrderLeaseIdx)}
 	if n.DLQTable != "" {
-		idx = append(idx, Index{n.DLQTable, n.DLQIdx})
+		idx = append(idx, n.index(n.DLQIdx))
 	}
 	if n.Arrivals {
-		idx = append(idx, Index{n.ArrivalsTable, n.ArrivalsPkey()})
+		idx = append(idx, n.index(n.ArrivalsPkey()))
 	}
 	return idx
+}
+
+// index is the definition of n's index name.
+func (n Names) index(name string) Index {
+	switch name {
+	case n.ReadyIdx:
+		// Ready rows of a topic and group, in delivery order; the claim's
+		// "ready" branch scans it.
+		return Index{Table: n.Table, Name: name, Keys: "(topic, consumer_group, available_at, id) WHERE lease_token IS NULL"}
+	case n.LeaseIdx:
+		// Leased rows by expiry; the claim's "expired" branch scans it.
+		return Index{Table: n.Table, Name: name, Keys: "(topic, consumer_group, leased_until) WHERE lease_token IS NOT NULL"}
+	case n.DedupIdx:
+		// Timer / idempotency keys: unique per topic and group while the
+		// row exists (every group gets its own copy of a keyed message).
+		return Index{Table: n.Table, Name: name, Unique: true, Keys: n.dedupConflict()}
+	case n.OrderIdx:
+		// Ordering keys: a keyed row is claimable only while no older row
+		// of its key is present; the claim probes this index for one.
+		return Index{Table: n.Table, Name: name, Keys: "(topic, consumer_group, ordering_key, id) WHERE ordering_key IS NOT NULL"}
+	case n.OrderLeaseIdx:
+		// Keys with a leased row: whatever its id (a row committed late, a
+		// requeued dead letter), no other row of the key may be claimed
+		// meanwhile. Small: leased keyed rows only.
+		return Index{Table: n.Table, Name: name, Keys: "(topic, consumer_group, ordering_key) WHERE ordering_key IS NOT NULL AND lease_token IS NOT NULL"}
+	case n.DLQIdx:
+		return Index{Table: n.DLQTable, Name: name, Keys: "(topic, failed_at)"}
+	case n.ArrivalsPkey():
+		// Made with the arrivals table (arrivalsDDL), as its primary key.
+		return Index{Table: n.ArrivalsTable, Name: name, Unique: true, Keys: "(topic, id)"}
+	}
+	panic("pgoutbox: no index " + name)
+}
+
+// qualified is table of n's schema, quoted.
+func (n Names) qualified(table string) string { return n.QSchema + "." + Quote(table) }
+
+// createIndex builds idx where it is missing (see ifNoIndex).
+func createIndex(n Names, idx Index) string {
+	unique := ""
+	if idx.Unique {
+		unique = "UNIQUE "
+	}
+	return ifNoIndex(n, idx.Name, fmt.Sprintf(`CREATE %sINDEX IF NOT EXISTS %s ON %s %s`,
+		unique, Quote(idx.Name), n.qualified(idx.Table), idx.Keys))
+}
+
+// SameIndex tells whether an index whose definition the server prints as
+// def (pg_get_indexdef, from its access method on: CatalogIndexes) is
+// idx: the same method, columns and predicate, whatever the parentheses
+// and spacing the server adds.
+func SameIndex(idx Index, unique bool, def string) bool {
+	norm := func(s string) string {
+		return strings.Map(func(r rune) rune {
+			if r == '(' || r == ')' || unicode.IsSpace(r) {
+				return -1
+			}
+			return unicode.ToLower(r)
+		}, s)
+	}
+	return unique == idx.Unique && norm(def) == norm("btree "+idx.Keys)
 }
 
 // CreateSchema creates the outbox's schema when it is missing. Not a bare
@@ -145,24 +211,19 @@ func DDL(n Names) []string {
 	stmts = append(stmts,
 		// Ready rows of a topic and group, in delivery order; the claim's
 		// "ready" branch scans it.
-		ifNoIndex(n, n.ReadyIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, consumer_group, available_at, id) WHERE lease_token IS NULL`,
-			Quote(n.ReadyIdx), n.QTable)),
+		createIndex(n, n.index(n.ReadyIdx)),
 		// Leased rows by expiry; the claim's "expired" branch scans it.
-		ifNoIndex(n, n.LeaseIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, consumer_group, leased_until) WHERE lease_token IS NOT NULL`,
-			Quote(n.LeaseIdx), n.QTable)),
+		createIndex(n, n.index(n.LeaseIdx)),
 		// Timer / idempotency keys: unique per topic and group while the
 		// row exists (every group gets its own copy of a keyed message).
-		ifNoIndex(n, n.DedupIdx, fmt.Sprintf(`CREATE UNIQUE INDEX IF NOT EXISTS %s ON %s %s`,
-			Quote(n.DedupIdx), n.QTable, n.dedupConflict())),
+		createIndex(n, n.index(n.DedupIdx)),
 		// Ordering keys: a keyed row is claimable only while no older row
 		// of its key is present; the claim probes this index for one.
-		ifNoIndex(n, n.OrderIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, consumer_group, ordering_key, id) WHERE ordering_key IS NOT NULL`,
-			Quote(n.OrderIdx), n.QTable)),
+		createIndex(n, n.index(n.OrderIdx)),
 		// Keys with a leased row: whatever its id (a row committed late, a
 		// requeued dead letter), no other row of the key may be claimed
 		// meanwhile. Small: leased keyed rows only.
-		ifNoIndex(n, n.OrderLeaseIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, consumer_group, ordering_key) WHERE ordering_key IS NOT NULL AND lease_token IS NOT NULL`,
-			Quote(n.OrderLeaseIdx), n.QTable)),
+		createIndex(n, n.index(n.OrderLeaseIdx)),
 	)
 	// The first release's indexes, without the group: its unique dedup
 	// index would refuse a keyed message's second group.
@@ -214,7 +275,7 @@ END $pgoutbox$`, n.QBindings, n.QTable))
 		)
 		stmts = append(stmts, addColumns(n.QDLQ, AddedDLQColumns)...)
 		stmts = append(stmts,
-			ifNoIndex(n, n.DLQIdx, fmt.Sprintf(`CREATE INDEX IF NOT EXISTS %s ON %s (topic, failed_at)`, Quote(n.DLQIdx), n.QDLQ)))
+			createIndex(n, n.index(n.DLQIdx)))
 	}
 	return stmts
 }
@@ -268,6 +329,8 @@ func rotatingTable(n Names) string {
             CREATE TABLE %[1]s PARTITION OF %[2]s%[5]s FOR VALUES IN (%[3]d) WITH (%[4]s);
         END IF;`, n.QGeneration(g), n.QTable, g, queueStorage, unkeyed)
 	}
+	// The partitions after the table, each made where it is missing: a
+	// partition dropped by hand is made again (empty) by schema.Create.
 	return fmt.Sprintf(`DO $pgoutbox$ BEGIN
     IF to_regclass('%[1]s') IS NULL THEN
         CREATE SEQUENCE %[2]s MINVALUE 0 START 0;
@@ -276,11 +339,11 @@ func rotatingTable(n Names) string {
     id           bigint      GENERATED ALWAYS AS IDENTITY,%[3]s,
     generation   smallint    NOT NULL DEFAULT %[4]s,
     PRIMARY KEY (id, generation)
-        ) PARTITION BY LIST (generation);%[5]s
+        ) PARTITION BY LIST (generation);
         ALTER SEQUENCE %[2]s OWNED BY %[1]s.generation;
     ELSIF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute WHERE attrelid = '%[1]s'::regclass AND attname = 'generation' AND NOT attisdropped) THEN
         RAISE EXCEPTION 'pgoutbox: %[1]s is a single table, not a rotating outbox; convert it with schema.ConvertToRotating (pgoutbox schema convert-to-rotating), or leave Rotating unset';
-    END IF;
+    END IF;%[5]s
 END $pgoutbox$`, n.QTable, n.QGenSeq, outboxColumnsDDL, n.currentGeneration(), parts, n.seqAt("clock_timestamp()", "0"))
 }
 
@@ -353,12 +416,18 @@ SELECT c.relname::text,
   FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace
  WHERE ns.nspname = $1 AND c.relname = ANY ($2::text[])`
 
+// CatalogPartitions lists the partitions of table $1 (quoted, qualified).
+const CatalogPartitions = `SELECT c.relname::text FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
+ WHERE i.inhparent = to_regclass($1::text)`
+
 // CatalogIndexes lists the index names of one table, each with whether
-// it is valid: a CREATE INDEX CONCURRENTLY that failed or was cancelled
+// it is valid (a CREATE INDEX CONCURRENTLY that failed or was cancelled
 // leaves an invalid index under its name, which the planner does not use
-// and IF NOT EXISTS takes for built.
+// and IF NOT EXISTS takes for built), whether it is unique, and its
+// definition from its access method on (SameIndex).
 const CatalogIndexes = `
-SELECT ic.relname, i.indisvalid::text
+SELECT ic.relname, i.indisvalid::text, i.indisunique::text,
+       regexp_replace(regexp_replace(pg_get_indexdef(i.indexrelid), '^.* USING ', ''), ' WITH \([^)]*\)', '')
   FROM pg_index i
   JOIN pg_class ic ON ic.oid = i.indexrelid
   JOIN pg_class c ON c.oid = i.indrelid

@@ -532,7 +532,7 @@ func detectLayout(ctx context.Context, e tx.Executor, n query.Names, rotating bo
 		for _, r := range rows {
 			cols[table][r[0]] = true
 		}
-		irows, err := catalog(ctx, e, query.CatalogIndexes, n.Schema, table, 2)
+		irows, err := catalog(ctx, e, query.CatalogIndexes, n.Schema, table, 4)
 		if err != nil {
 			return 0, false, err
 		}

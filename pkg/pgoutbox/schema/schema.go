@@ -397,7 +397,7 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 			}
 		}
 	}
-	idxByTable := map[string]map[string]string{} // name -> "true" when valid
+	idxByTable := map[string]map[string]catalogIndex{}
 	for _, idx := range n.Indexes() {
 		if missing[idx.Table] {
 			continue // the missing table says it all
@@ -407,12 +407,25 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 				return err
 			}
 		}
-		switch idxByTable[idx.Table][idx.Name] {
-		case "":
+		have, ok := idxByTable[idx.Table][idx.Name]
+		rebuild := fmt.Sprintf("drop it (DROP INDEX CONCURRENTLY %s.%s) and build it again (schema.Create, pgoutbox schema apply)", query.Quote(n.Schema), query.Quote(idx.Name))
+		switch {
+		case !ok:
 			problems = append(problems, fmt.Sprintf("index %s on %s is missing", idx.Name, idx.Table))
-		case "false":
-			problems = append(problems, fmt.Sprintf("index %s on %s is invalid (a CREATE INDEX CONCURRENTLY that failed or was cancelled): "+
-				"drop it (DROP INDEX CONCURRENTLY %s.%s) and build it again (schema.Create, pgoutbox schema apply)", idx.Name, idx.Table, query.Quote(n.Schema), query.Quote(idx.Name)))
+		case !have.valid:
+			problems = append(problems, fmt.Sprintf("index %s on %s is invalid (a CREATE INDEX CONCURRENTLY that failed or was cancelled): %s", idx.Name, idx.Table, rebuild))
+		case !query.SameIndex(idx, have.unique, have.def):
+			// An index of pgoutbox's name with another definition: the
+			// claims' plans or the publishes' conflict targets need this one.
+			want := "btree " + idx.Keys
+			if idx.Unique {
+				want = "UNIQUE " + want
+			}
+			got := have.def
+			if have.unique {
+				got = "UNIQUE " + got
+			}
+			problems = append(problems, fmt.Sprintf("index %s on %s is %s, want %s: %s", idx.Name, idx.Table, got, want, rebuild))
 		}
 	}
 	if !missing[n.Table] {
@@ -426,10 +439,28 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 			return &ValidationError{Problems: []string{p}, layout: true}
 		}
 	}
+	if !missing[n.Table] && n.Rotating {
+		parts, err := queryRows(ctx, db, 1, query.CatalogPartitions, n.QTable)
+		if err != nil {
+			return fmt.Errorf("pgoutbox: validate schema: %w", err)
+		}
+		have := map[string]bool{}
+		for _, p := range parts {
+			have[p[0]] = true
+		}
+		for gen, part := range n.Generations {
+			if !have[part] {
+				problems = append(problems, fmt.Sprintf("partition %s of the rotating outbox %s is missing: the ring stops turning; if it was dropped, "+
+					"schema.Create (pgoutbox schema apply) makes it again, empty (grant it what the other partitions have: docs/rotation.md, Privileges); "+
+					"if it was detached, attach it again (ALTER TABLE %s ATTACH PARTITION %s FOR VALUES IN (%d))", part, n.Table, n.QTable, n.QGeneration(gen), gen))
+			}
+		}
+	}
 	if !missing[n.Table] && idxByTable[n.Table] != nil {
 		// The first release's unique dedup index: it refuses the second
 		// consumer group's copy of a keyed message, failing the publish.
-		if old := n.OldIndexes[2]; idxByTable[n.Table][old] != "" {
+		if _, left := idxByTable[n.Table][n.OldIndexes[2]]; left {
+			old := n.OldIndexes[2]
 			problems = append(problems, fmt.Sprintf("index %s on %s is left from the first release and refuses keyed messages for a second consumer group (drop it)", old, n.Table))
 		}
 	}
@@ -457,23 +488,29 @@ func layoutProblem(ctx context.Context, db tx.Executor, n query.Names) (string, 
 	return "", nil
 }
 
-// indexStates maps the names of table's indexes to "true" when valid,
-// "false" when invalid (query.CatalogIndexes).
-func indexStates(ctx context.Context, e tx.Executor, n query.Names, table string) (map[string]string, error) {
-	rows, err := catalog(ctx, e, query.CatalogIndexes, n.Schema, table, 2)
+// catalogIndex is an index as the catalog has it (query.CatalogIndexes).
+type catalogIndex struct {
+	valid, unique bool
+	def           string // from its access method on
+}
+
+// indexStates maps the names of table's indexes to what the catalog says
+// of each.
+func indexStates(ctx context.Context, e tx.Executor, n query.Names, table string) (map[string]catalogIndex, error) {
+	rows, err := catalog(ctx, e, query.CatalogIndexes, n.Schema, table, 4)
 	if err != nil {
 		return nil, err
 	}
-	states := make(map[string]string, len(rows))
+	states := make(map[string]catalogIndex, len(rows))
 	for _, r := range rows {
-		states[r[0]] = r[1]
+		states[r[0]] = catalogIndex{valid: r[1] == "true", unique: r[2] == "true", def: r[3]}
 	}
 	return states, nil
 }
 
 // dropInvalidIndexes drops the indexes of n's that are invalid.
 func dropInvalidIndexes(ctx context.Context, e tx.Executor, n query.Names) error {
-	seen := map[string]map[string]string{}
+	seen := map[string]map[string]catalogIndex{}
 	for _, idx := range n.Indexes() {
 		if seen[idx.Table] == nil {
 			var err error
@@ -481,7 +518,7 @@ func dropInvalidIndexes(ctx context.Context, e tx.Executor, n query.Names) error
 				return err
 			}
 		}
-		if seen[idx.Table][idx.Name] == "false" {
+		if have, ok := seen[idx.Table][idx.Name]; ok && !have.valid {
 			if _, err := e.Exec(ctx, "DROP INDEX "+n.QSchema+"."+query.Quote(idx.Name)); err != nil {
 				return fmt.Errorf("drop the invalid index %s to build it again: %w", idx.Name, err)
 			}

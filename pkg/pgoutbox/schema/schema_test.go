@@ -377,6 +377,46 @@ func TestValidate(t *testing.T) {
 		require.NoError(t, schema.Validate(ctx, b.exec, cfg))
 	})
 
+	// An index of pgoutbox's name with another definition (the dedup
+	// index not unique, the ready index without its predicate) passed:
+	// keyed and scheduled publishes then failed, and their error pointed
+	// back at a validation that said the schema was fine.
+	t.Run("NamesAnIndexOfAnotherDefinition", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		cfg := schema.Config{Schema: b.env.Name}
+		require.NoError(t, schema.Create(ctx, b.exec, cfg))
+		q := `"` + b.env.Name + `".`
+		b.exec1(t, `DROP INDEX `+q+`outbox_group_dedup_idx`)
+		b.exec1(t, `CREATE INDEX outbox_group_dedup_idx ON `+q+`outbox (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL`)
+		b.exec1(t, `DROP INDEX `+q+`outbox_group_ready_idx`)
+		b.exec1(t, `CREATE INDEX outbox_group_ready_idx ON `+q+`outbox (topic, consumer_group, available_at, id)`)
+		verr := validationError(t, schema.Validate(ctx, b.exec, cfg))
+		require.Len(t, verr.Problems, 2, "%q", verr.Problems)
+		requireProblem(t, verr.Problems, "outbox_group_dedup_idx", "want UNIQUE btree (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL", "DROP INDEX CONCURRENTLY")
+		requireProblem(t, verr.Problems, "outbox_group_ready_idx", "WHERE lease_token IS NULL")
+		b.exec1(t, `DROP INDEX `+q+`outbox_group_dedup_idx`)
+		b.exec1(t, `DROP INDEX `+q+`outbox_group_ready_idx`)
+		require.NoError(t, schema.Create(ctx, b.exec, cfg), "the fix the problem names")
+		require.NoError(t, schema.Validate(ctx, b.exec, cfg))
+	})
+
+	// A rotating outbox with a partition of its ring dropped passed, and
+	// Create did not make it again: the ring stopped turning.
+	t.Run("NamesAMissingPartitionOfTheRing", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		cfg := schema.Config{Schema: b.env.Name, Rotating: true}
+		require.NoError(t, schema.Create(ctx, b.exec, cfg))
+		require.NoError(t, schema.Validate(ctx, b.exec, cfg))
+		b.exec1(t, `DROP TABLE "`+b.env.Name+`".outbox_g1`)
+		verr := validationError(t, schema.Validate(ctx, b.exec, cfg))
+		require.Len(t, verr.Problems, 1, "%q", verr.Problems)
+		requireProblem(t, verr.Problems, "partition outbox_g1", "schema.Create", "ATTACH PARTITION")
+		require.NoError(t, schema.Create(ctx, b.exec, cfg))
+		require.NoError(t, schema.Validate(ctx, b.exec, cfg), "Create made it again")
+	})
+
 	t.Run("PassesAfterCreate", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)

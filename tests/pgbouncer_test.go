@@ -315,11 +315,78 @@ func TestPgBouncerLeavesNoLivenessLockBehind(t *testing.T) {
 	require.Zero(t, b.count(t, `SELECT count(*) FROM `+env.Schema+`.outbox WHERE lease_holder IS NOT NULL`), "a lease carries a liveness key")
 	require.Equal(t, 20, b.count(t, `SELECT count(*) FROM `+env.Schema+`.outbox WHERE lease_token IS NOT NULL`))
 	require.Zero(t, locks(), "a liveness lock on a server connection PgBouncer lends")
+	require.Empty(t, listeningThrough(t, bouncerDSN), "a LISTEN on a server connection PgBouncer lends: other clients get the outbox's notifications")
 	for _, m := range got {
 		m.Ack()
 	}
 	require.NoError(t, sub.Close())
 	require.Zero(t, locks(), "a liveness lock left behind")
+	require.Empty(t, listeningThrough(t, bouncerDSN), "a LISTEN left behind")
+}
+
+// listeningThrough returns the channels any of PgBouncer's server
+// connections listens on: as many transactions through it at once as its
+// pool has connections (startPgBouncer's default_pool_size), so each runs
+// on a server connection of its own, and together on all of them.
+func listeningThrough(t *testing.T, bouncerDSN string) []string {
+	t.Helper()
+	const poolSize = 20
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cfg, err := pgx.ParseConfig(bouncerDSN)
+	require.NoError(t, err)
+	cfg.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+	var (
+		mu       sync.Mutex
+		channels []string
+		asked    sync.WaitGroup
+		done     = make(chan struct{})
+		errs     = make(chan error, poolSize)
+	)
+	asked.Add(poolSize)
+	for range poolSize {
+		go func() {
+			errs <- func() error {
+				answered := false
+				defer func() {
+					if !answered {
+						asked.Done()
+					}
+				}()
+				conn, err := pgx.ConnectConfig(ctx, cfg)
+				if err != nil {
+					return err
+				}
+				defer conn.Close(context.Background())
+				ptx, err := conn.Begin(ctx)
+				if err != nil {
+					return err
+				}
+				defer func() { _ = ptx.Rollback(context.Background()) }()
+				rows, err := ptx.Query(ctx, `SELECT pg_listening_channels()`)
+				if err != nil {
+					return err
+				}
+				chs, err := pgx.CollectRows(rows, pgx.RowTo[string])
+				if err != nil {
+					return err
+				}
+				mu.Lock()
+				channels = append(channels, chs...)
+				mu.Unlock()
+				answered = true
+				asked.Done()
+				<-done // keep the server connection until every other one is asked
+				return nil
+			}()
+		}()
+	}
+	asked.Wait()
+	close(done)
+	for range poolSize {
+		require.NoError(t, <-errs)
+	}
+	return channels
 }
 
 // A ListenDSN that reaches PgBouncer too is named as the cause, not

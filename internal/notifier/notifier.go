@@ -591,8 +591,20 @@ func (n *Notifier) session(parent context.Context, connected func(), adopt *lock
 		next = probe.result()
 	}()
 
+	proxied, err := behindProxy(ctx, conn)
+	if err != nil {
+		return nil, err
+	}
 	listening := map[string]bool{}
 	listenAll := func() error {
+		if proxied {
+			// Through a pooler a LISTEN stays on whichever server
+			// connection ran it, past this process's use of it: other
+			// clients of the pooler got the outbox's notifications, and
+			// the pooler warned of each. In transaction pooling none
+			// reached this connection anyway; polling delivers.
+			return nil
+		}
 		for _, ch := range n.channels() {
 			if listening[ch] {
 				continue
@@ -610,10 +622,6 @@ func (n *Notifier) session(parent context.Context, connected func(), adopt *lock
 	if err := listenAll(); err != nil {
 		return nil, err
 	}
-	proxied, err := behindProxy(ctx, conn)
-	if err != nil {
-		return nil, err
-	}
 	if proxied && !n.proxyLogged {
 		n.proxyLogged = true
 		advice := "set SubscriberConfig.ListenDSN to a direct connection for crash detection and wake-ups"
@@ -622,8 +630,8 @@ func (n *Notifier) session(parent context.Context, connected func(), adopt *lock
 			advice = "SubscriberConfig.ListenDSN reaches the pooler as well: point it at the PostgreSQL server itself " +
 				"(its host and port, not the pooler's) for crash detection and wake-ups"
 		}
-		n.logger.Info("The LISTEN connection goes through a connection pooler (PgBouncer): this process takes no liveness lock, "+
-			"so the rows of a crashed process come back when their leases expire (and in transaction pooling no wake-up arrives: polling delivers); "+
+		n.logger.Info("The LISTEN connection goes through a connection pooler (PgBouncer): this process takes no liveness lock and listens for no wake-ups, "+
+			"so the rows of a crashed process come back when their leases expire, and polling delivers; "+
 			advice, nil)
 	}
 	// A confirmation that does not come in time may be a half-open path:

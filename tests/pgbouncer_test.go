@@ -449,3 +449,32 @@ func TestPgBouncerWithoutTheSimpleProtocolSaysSo(t *testing.T) {
 	require.Error(t, err, "a second client on the first one's server connection meets its prepared statements")
 	require.Contains(t, err.Error(), "default_query_exec_mode=simple_protocol")
 }
+
+// A subscriber whose pool keeps prepared statements (pgx's default) behind
+// PgBouncer passed Subscribe on a pooler whose server connections were
+// fresh, and its claims and acks failed later, messages handled twice at
+// a failed held batch's end: Subscribe warns of it at once. With the
+// simple protocol it does not.
+func TestPgBouncerWithPreparedStatementsWarnsAtSubscribe(t *testing.T) {
+	env := pgoutboxtest.PubSub(t)
+	bouncerDSN := startPgBouncer(t, env.DSN)
+	ctx := context.Background()
+	warned := func(mode pgx.QueryExecMode) bool {
+		cfg, err := pgxpool.ParseConfig(bouncerDSN)
+		require.NoError(t, err)
+		cfg.MaxConns = 1
+		cfg.ConnConfig.DefaultQueryExecMode = mode
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		defer pool.Close()
+		logs := &logCapture{}
+		sub, err := pgoutbox.NewSubscriber(pool, pgoutbox.SubscriberConfig{Tables: env.Tables}, logs)
+		require.NoError(t, err)
+		defer sub.Close()
+		_, err = sub.Subscribe(ctx, "t")
+		require.NoError(t, err, "the first client of a fresh pooler")
+		return len(logs.find("info", func(e logEntry) bool { return strings.Contains(e.msg, "keeps prepared statements") })) > 0
+	}
+	require.False(t, warned(pgx.QueryExecModeSimpleProtocol), "the documented setting")
+	require.True(t, warned(pgx.QueryExecModeCacheStatement), "pgx's default")
+}

@@ -45,7 +45,8 @@
 //	   requeue or delete --id of an id that is not a dead letter)
 //	2  usage error (unknown command or flag, missing argument, a value the
 //	   outbox refuses such as a topic with a control character)
-//	3  confirmation refused (answered no, or no terminal and no --yes)
+//	3  refused: a confirmation not given (answered no, or no terminal and no --yes),
+//	   or messages a flag must allow to drop (schema migrate down --drop-messages)
 //	4  validation found problems (schema validate)
 package main
 
@@ -79,7 +80,8 @@ const exitCodesHelp = `Exit codes:
      requeue or delete --id of an id that is not a dead letter)
   2  usage error (unknown command or flag, missing argument, a value the
      outbox refuses such as a topic with a control character)
-  3  confirmation refused (answered no, or no terminal and no --yes)
+  3  refused: a confirmation not given (answered no, or no terminal and no --yes),
+     or messages a flag must allow to drop (schema migrate down --drop-messages)
   4  validation found problems (schema validate)
 `
 

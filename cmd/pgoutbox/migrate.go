@@ -214,6 +214,12 @@ func (c *cli) migrateStatus(args []string) error {
 				layout = &l
 			}
 		}
+		// A catalog ahead of the recorded version: another migrator (goose,
+		// golang-migrate) upgraded the outbox since pgoutbox's recorded one.
+		ahead := 0
+		if st.Current > 0 && st.LayoutVersion > st.Current {
+			ahead = st.LayoutVersion
+		}
 		if cmd.json {
 			type applied struct {
 				Version   int       `json:"version"`
@@ -268,6 +274,13 @@ func (c *cli) migrateStatus(args []string) error {
 		}
 		for _, p := range st.Pending {
 			fmt.Fprintf(c.stdout, "  pending  %4d %s\n", p.Version, p.Name)
+		}
+		if ahead > 0 {
+			fmt.Fprintf(c.stdout, "but the tables have the layout of version %d: another tool (goose, golang-migrate) upgraded them since; use one migrator for an outbox,"+
+				" and read that tool's status (pgoutbox's \"up\" would apply versions %d to %d again, which changes nothing)\n", ahead, st.Current+1, ahead)
+		}
+		if st.Current == 0 && !st.OutboxExists {
+			fmt.Fprintf(c.stdout, "there is no table %s yet: \"pgoutbox schema migrate up\" creates the outbox; if it exists under other names, pass its --schema and --table\n", tablesName(t))
 		}
 		if needsBaseline {
 			fmt.Fprintln(c.stdout, `the tables exist but no version is recorded: run "pgoutbox schema migrate baseline" first`+

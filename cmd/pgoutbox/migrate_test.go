@@ -47,6 +47,11 @@ func TestSchemaMigrate(t *testing.T) {
 	require.Equal(t, latest, doc["latest"])
 	require.Len(t, doc["pending"], int(latest))
 	require.Equal(t, false, doc["needs_baseline"])
+	// A mistyped --table read as a fresh outbox at version 0, silently.
+	out, _, code := run("schema", "migrate", "status")
+	require.Equal(t, 0, code)
+	require.Contains(t, out, "there is no table")
+	require.Contains(t, out, "pass its --schema and --table")
 
 	out, errOut, code := run("schema", "migrate", "up", "--dry-run")
 	require.Equal(t, 0, code, errOut)
@@ -396,4 +401,29 @@ func TestSchemaApplyOnATableOfYourOwn(t *testing.T) {
 		require.Contains(t, errOut, "without columns every pgoutbox outbox has", args)
 		require.NotContains(t, errOut, "needs CREATE", args)
 	}
+}
+
+// An outbox that another migrator (goose, golang-migrate) upgraded past the
+// version pgoutbox recorded: status said "version 2 of 7" and listed as
+// pending what the catalog already had, without a word about it.
+func TestSchemaMigrateStatusSaysTheCatalogIsAhead(t *testing.T) {
+	t.Parallel()
+	s, run := cliOnNewSchema(t)
+	_, errOut, code := run("schema", "migrate", "up", "--to", "2", "--yes")
+	require.Equal(t, 0, code, errOut)
+	sql, errOut, code := run("schema", "migrate", "up", "--dry-run")
+	require.Equal(t, 0, code, errOut)
+	_, err := s.Pool.Exec(context.Background(), sql) // what the other tool's files run
+	require.NoError(t, err)
+
+	out, errOut, code := run("schema", "migrate", "status")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "version 2 of 7\n")
+	require.Contains(t, out, "but the tables have the layout of version 7: another tool (goose, golang-migrate) upgraded them since")
+
+	_, errOut, code = run("schema", "migrate", "up")
+	require.Equal(t, 0, code, errOut)
+	out, _, _ = run("schema", "migrate", "status")
+	require.Contains(t, out, "version 7 of 7")
+	require.NotContains(t, out, "another tool")
 }

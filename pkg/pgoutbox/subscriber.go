@@ -482,14 +482,10 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 			err = schema.Validate(ctx, exec, s.cfg.Tables)
 		}
 		if err == nil {
-			var isolation, encoding string
-			err = s.pool.QueryRow(ctx, "SELECT current_database(), current_setting('default_transaction_isolation'), current_setting('client_encoding')").
-				Scan(&s.facts.database, &isolation, &encoding)
-			s.facts.isolate = isolation != "read committed"
-			if err == nil {
-				s.warnEncoding(encoding)
-				err = s.checkListen(ctx)
-			}
+			err = s.readSessionFacts(ctx)
+		}
+		if err == nil {
+			err = s.checkListen(ctx)
 		}
 		return err
 	})
@@ -497,6 +493,36 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 		return err
 	}
 	s.facts.ready = true
+	return nil
+}
+
+// readSessionFacts reads what a session of the pool runs with, and warns
+// of what would fail later: its database, default isolation, encoding, and
+// whether a pooler lends it its server connection (the backend process id
+// differs from the one the connection was given: see notifier.behindProxy).
+func (s *Subscriber) readSessionFacts(ctx context.Context) error {
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Release()
+	var isolation, encoding string
+	var pid int64
+	if err := conn.QueryRow(ctx, "SELECT current_database(), current_setting('default_transaction_isolation'), current_setting('client_encoding'), pg_backend_pid()").
+		Scan(&s.facts.database, &isolation, &encoding, &pid); err != nil {
+		return err
+	}
+	s.facts.isolate = isolation != "read committed"
+	s.warnEncoding(encoding)
+	if pid != int64(conn.Conn().PgConn().PID()) && conn.Conn().Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
+		// Subscribe itself may succeed (a pooler's fresh server connections
+		// hold no statements yet), and the claims and acks fail later, a
+		// held batch's end among them: its messages are handled twice.
+		logWarn(s.logger, "The subscriber's pool reaches the server through a connection pooler (PgBouncer) and keeps prepared statements "+
+			"(pgx's default query exec mode, cache_statement): in transaction pooling, statements then fail with \"prepared statement ... already exists\" "+
+			"or \"does not exist\" as server connections pass between clients, and messages are handled again; "+
+			"set default_query_exec_mode=simple_protocol in the DSN (docs/operations.md#pgbouncer); in session pooling this is fine", nil)
+	}
 	return nil
 }
 

@@ -63,6 +63,11 @@ type MigrationState struct {
 	// OutboxExists tells whether the outbox table exists; with Current 0
 	// it means Baseline must record the version first.
 	OutboxExists bool
+	// LayoutVersion is the highest version whose every table, column and
+	// index the catalog has (0 when the outbox does not exist): above
+	// Current when another migrator (goose, golang-migrate) upgraded the
+	// outbox since the recorded version.
+	LayoutVersion int
 }
 
 // MigrationStatus reads the recorded version of the outbox in c. It
@@ -86,6 +91,15 @@ func MigrationStatus(ctx context.Context, db tx.Executor, c Config) (MigrationSt
 	st.Latest = len(ms)
 	if st.Current < st.Latest {
 		st.Pending = ms[st.Current:]
+	}
+	if st.OutboxExists {
+		_, rotating, err := outboxLayout(ctx, db, n)
+		if err != nil {
+			return MigrationState{}, errtext.Errorf("pgoutbox: migration status: %w", err)
+		}
+		if st.LayoutVersion, _, err = detectLayout(ctx, db, n, rotating); err != nil {
+			return MigrationState{}, errtext.Errorf("pgoutbox: migration status: %w", err)
+		}
 	}
 	return st, nil
 }

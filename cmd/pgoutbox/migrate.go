@@ -246,6 +246,8 @@ func (c *cli) migrateStatus(args []string) error {
 			}
 			if layout != nil {
 				doc.LayoutVersion = &layout.Version
+			} else if ahead > 0 {
+				doc.LayoutVersion = &ahead // the catalog is ahead of Current
 			}
 			for _, a := range st.Applied {
 				doc.Applied = append(doc.Applied, applied{a.Version, a.Name, a.AppliedAt})

@@ -427,3 +427,25 @@ func TestSchemaMigrateStatusSaysTheCatalogIsAhead(t *testing.T) {
 	require.Contains(t, out, "version 7 of 7")
 	require.NotContains(t, out, "another tool")
 }
+
+// A rotating outbox (converted from a single table at version 6) has the
+// catalog of the latest version without having been migrated to it by
+// another tool: status says nothing of one. Nor does it fail on a table of
+// the name that is no outbox.
+func TestSchemaMigrateStatusOfARotatingOutboxOrAnotherTable(t *testing.T) {
+	t.Parallel()
+	s, run := cliOnNewSchema(t)
+	_, errOut, code := run("schema", "migrate", "up", "--to", "6", "--yes")
+	require.Equal(t, 0, code, errOut)
+	require.NoError(t, schema.ConvertToRotating(context.Background(), tx.FromPgxPool(s.Pool), schema.Config{Schema: s.Name}))
+	out, errOut, code := run("schema", "migrate", "status")
+	require.Equal(t, 0, code, errOut)
+	require.NotContains(t, out, "another tool")
+
+	other, runOther := cliOnNewSchema(t)
+	_, err := other.Pool.Exec(context.Background(), `CREATE TABLE "`+other.Name+`".outbox (id int)`)
+	require.NoError(t, err)
+	out, errOut, code = runOther("schema", "migrate", "status")
+	require.Equal(t, 0, code, errOut)
+	require.Contains(t, out, "version 0 of 7")
+}

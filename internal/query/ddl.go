@@ -427,7 +427,7 @@ const CatalogPartitions = `SELECT c.relname::text FROM pg_catalog.pg_inherits i 
 // definition from its access method on (SameIndex).
 const CatalogIndexes = `
 SELECT ic.relname, i.indisvalid::text, i.indisunique::text,
-       regexp_replace(regexp_replace(pg_get_indexdef(i.indexrelid), '^.* USING ', ''), ' WITH \([^)]*\)', '')
+       coalesce(regexp_replace(regexp_replace(pg_get_indexdef(i.indexrelid), '^.* USING ', ''), ' WITH \([^)]*\)', ''), '')
   FROM pg_index i
   JOIN pg_class ic ON ic.oid = i.indexrelid
   JOIN pg_class c ON c.oid = i.indrelid

@@ -52,7 +52,7 @@ func newClaimSchedule(cfg *SubscriberConfig, now time.Time, clock serverClock) c
 // failure's backoff).
 func (c *claimSchedule) notified(k notifier.Kinds) {
 	if k.Connected {
-		c.gate.serverBack()
+		c.gate.serverBack(time.Now())
 	}
 	if k.Orphans {
 		c.scan.holderGone()

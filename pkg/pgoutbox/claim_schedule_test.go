@@ -263,9 +263,13 @@ func TestRetryGateOpensWhenTheServerIsBack(t *testing.T) {
 		grown = g.failed(now)
 	}
 	require.Greater(t, grown, time.Second)
-	g.serverBack()
+	g.serverBack(now)
 	require.False(t, g.shut(), "open at once")
 	require.Greater(t, g.failed(now), 500*time.Millisecond, "not reset: a failure that goes on backs off as long")
+	g.serverBack(now.Add(100 * time.Millisecond))
+	require.True(t, g.shut(), "a connection that keeps coming back opens it at most once per retryAtMost")
+	g.serverBack(now.Add(retryAtMost))
+	require.False(t, g.shut())
 }
 
 // A claim schedule opens its gate on the notifier's Connected news.

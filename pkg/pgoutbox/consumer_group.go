@@ -428,14 +428,17 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 	if err == nil && n.Arrivals && len(res.New) > 0 {
 		// What the new groups take from before their binding waits in the
 		// arrivals, not copied yet: counted as the outbox's rows are.
+		// A report only: a count that fails leaves it short, not the
+		// binding undone or its adoption below skipped.
 		var groups, waiting int64
-		err = b.bounded(max(6*b.timeout, finishBacklogAtLeast), func(ctx context.Context) error {
+		if b.bounded(max(6*b.timeout, finishBacklogAtLeast), func(ctx context.Context) error {
 			return queryRow(ctx, exec, query.ArrivalsOfNewGroups(n), []any{topic, res.New}, &groups, &waiting)
-		})
-		if firstBinding {
-			res.Adopted += waiting
-		} else {
-			res.Copied += groups * waiting
+		}) == nil {
+			if firstBinding {
+				res.Adopted += waiting
+			} else {
+				res.Copied += groups * waiting
+			}
 		}
 	}
 	// A new binding may have publishes in flight that could not see it

@@ -10,8 +10,8 @@ import (
 // retryGate paces the retries of a statement that failed: claims and
 // writes each have one. After a failure it stays shut for a backoff (50ms
 // growing to retryAtMost, with jitter, forever); a success opens it and
-// resets the backoff, and so does the news that the server answers again
-// (serverBack).
+// resets the backoff. The news that the server answers again (serverBack)
+// opens it without resetting the backoff.
 type retryGate struct {
 	bo       *backoff.ExponentialBackOff
 	until    time.Time     // shut until then; zero: open
@@ -19,6 +19,7 @@ type retryGate struct {
 	since    time.Time     // the first of them
 	most     time.Duration // the longest backoff after hurry; zero: the backoff's own
 	logged   time.Time     // the last failure logged as an error (shouldLog)
+	back     time.Time     // the last time serverBack opened the gate
 }
 
 // retryAtMost bounds a claim's or a write's backoff (±50%): after an
@@ -67,8 +68,15 @@ func (g *retryGate) succeeded() {
 // serverBack opens the gate: the notifier's connection was made again, so
 // the server answers. The backoff is not reset: if the next try fails
 // all the same (a grant missing, a lock), the one after waits as long as
-// it would have.
-func (g *retryGate) serverBack() { g.until = time.Time{} }
+// it would have. At most once per retryAtMost: a LISTEN connection that
+// keeps dropping and coming back must not turn a failure that no
+// reconnect mends into a retry every 100ms.
+func (g *retryGate) serverBack(now time.Time) {
+	if g.until.IsZero() || now.Sub(g.back) < retryAtMost {
+		return
+	}
+	g.until, g.back = time.Time{}, now
+}
 
 // shouldLog reports whether the failure just counted (failed) is logged
 // as an error: the first loggedFailures in a row, then one per

@@ -519,9 +519,10 @@ func (s *Subscriber) readSessionFacts(ctx context.Context) error {
 		// hold no statements yet), and the claims and acks fail later, a
 		// held batch's end among them: its messages are handled twice.
 		logWarn(s.logger, "The subscriber's pool reaches the server through a connection pooler (PgBouncer) and keeps prepared statements "+
-			"(pgx's default query exec mode, cache_statement): in transaction pooling, statements then fail with \"prepared statement ... already exists\" "+
+			"(pgx's default query exec mode, cache_statement): in transaction pooling, unless the pooler tracks prepared statements itself "+
+			"(PgBouncer 1.21 and later with max_prepared_statements above 0, the default from 1.24), statements fail with \"prepared statement ... already exists\" "+
 			"or \"does not exist\" as server connections pass between clients, and messages are handled again; "+
-			"set default_query_exec_mode=simple_protocol in the DSN (docs/operations.md#pgbouncer); in session pooling this is fine", nil)
+			"then set default_query_exec_mode=simple_protocol in the DSN (docs/operations.md#pgbouncer); in session pooling this is fine", nil)
 	}
 	return nil
 }

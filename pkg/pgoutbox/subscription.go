@@ -246,7 +246,7 @@ func (sub *subscription) run() {
 				k := sub.events.signals.waiter.Take()
 				sub.claims.notified(k)
 				if k.Connected {
-					sub.writes.gate.serverBack()
+					sub.writes.gate.serverBack(time.Now())
 				}
 				if k.LockChanged {
 					sub.lockChanged(time.Now())

@@ -64,9 +64,10 @@ type MigrationState struct {
 	// it means Baseline must record the version first.
 	OutboxExists bool
 	// LayoutVersion is the highest version whose every table, column and
-	// index the catalog has (0 when the outbox does not exist): above
-	// Current when another migrator (goose, golang-migrate) upgraded the
-	// outbox since the recorded version.
+	// index the catalog of a single-table outbox has (0 when the outbox
+	// does not exist, is rotating, or is not an outbox): above Current
+	// when another migrator (goose, golang-migrate) upgraded the outbox
+	// since the recorded version.
 	LayoutVersion int
 }
 
@@ -92,13 +93,14 @@ func MigrationStatus(ctx context.Context, db tx.Executor, c Config) (MigrationSt
 	if st.Current < st.Latest {
 		st.Pending = ms[st.Current:]
 	}
-	if st.OutboxExists {
-		_, rotating, err := outboxLayout(ctx, db, n)
-		if err != nil {
-			return MigrationState{}, errtext.Errorf("pgoutbox: migration status: %w", err)
-		}
-		if st.LayoutVersion, _, err = detectLayout(ctx, db, n, rotating); err != nil {
-			return MigrationState{}, errtext.Errorf("pgoutbox: migration status: %w", err)
+	if st.OutboxExists && !n.Rotating {
+		// What the status adds to the recorded version, not what it rests
+		// on: a table of the name that is no outbox, or one converted to a
+		// rotating outbox (which the migrations do not cover), leaves it 0.
+		if _, rotating, err := outboxLayout(ctx, db, n); err == nil && !rotating {
+			if v, _, err := detectLayout(ctx, db, n, false); err == nil {
+				st.LayoutVersion = v
+			}
 		}
 	}
 	return st, nil

@@ -417,15 +417,12 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 		case !query.SameIndex(idx, have.unique, have.def):
 			// An index of pgoutbox's name with another definition: the
 			// claims' plans or the publishes' conflict targets need this one.
-			want := "btree " + idx.Keys
-			if idx.Unique {
-				want = "UNIQUE " + want
+			fix := "schema.Create (pgoutbox schema apply) drops it and builds it again, holding the table's lock while it builds"
+			if n.Arrivals && idx.Name == n.ArrivalsPkey() {
+				fix = fmt.Sprintf("make it the primary key again (ALTER TABLE %s DROP CONSTRAINT %s, ADD CONSTRAINT %s PRIMARY KEY (topic, id))",
+					n.QArrivals, query.Quote(idx.Name), query.Quote(idx.Name))
 			}
-			got := have.def
-			if have.unique {
-				got = "UNIQUE " + got
-			}
-			problems = append(problems, fmt.Sprintf("index %s on %s is %s, want %s: %s", idx.Name, idx.Table, got, want, rebuild))
+			problems = append(problems, fmt.Sprintf("index %s on %s is %s, want %s: %s", idx.Name, idx.Table, have.describe(), describeIndex(idx), fix))
 		}
 	}
 	if !missing[n.Table] {
@@ -494,6 +491,19 @@ type catalogIndex struct {
 	def           string // from its access method on
 }
 
+// describe is the index as CREATE INDEX would say it, from its method on.
+func (c catalogIndex) describe() string {
+	if c.unique {
+		return "UNIQUE " + c.def
+	}
+	return c.def
+}
+
+// describeIndex is idx as describe says a catalog index.
+func describeIndex(idx query.Index) string {
+	return catalogIndex{unique: idx.Unique, def: "btree " + idx.Keys}.describe()
+}
+
 // indexStates maps the names of table's indexes to what the catalog says
 // of each.
 func indexStates(ctx context.Context, e tx.Executor, n query.Names, table string) (map[string]catalogIndex, error) {
@@ -508,7 +518,10 @@ func indexStates(ctx context.Context, e tx.Executor, n query.Names, table string
 	return states, nil
 }
 
-// dropInvalidIndexes drops the indexes of n's that are invalid.
+// dropInvalidIndexes drops the indexes of n's that are invalid or of
+// another definition, for the DDL to build them again (IF NOT EXISTS would
+// take either for built). The arrivals' primary key is a constraint the
+// DDL does not add again: Validate says how to.
 func dropInvalidIndexes(ctx context.Context, e tx.Executor, n query.Names) error {
 	seen := map[string]map[string]catalogIndex{}
 	for _, idx := range n.Indexes() {
@@ -518,10 +531,19 @@ func dropInvalidIndexes(ctx context.Context, e tx.Executor, n query.Names) error
 				return err
 			}
 		}
-		if have, ok := seen[idx.Table][idx.Name]; ok && !have.valid {
-			if _, err := e.Exec(ctx, "DROP INDEX "+n.QSchema+"."+query.Quote(idx.Name)); err != nil {
-				return fmt.Errorf("drop the invalid index %s to build it again: %w", idx.Name, err)
+		have, ok := seen[idx.Table][idx.Name]
+		if !ok || n.Arrivals && idx.Name == n.ArrivalsPkey() {
+			continue
+		}
+		reason := "invalid"
+		if have.valid {
+			if query.SameIndex(idx, have.unique, have.def) {
+				continue
 			}
+			reason = fmt.Sprintf("%s where pgoutbox wants %s", have.describe(), describeIndex(idx))
+		}
+		if _, err := e.Exec(ctx, "DROP INDEX "+n.QSchema+"."+query.Quote(idx.Name)); err != nil {
+			return fmt.Errorf("drop index %s (%s) to build it again: %w", idx.Name, reason, err)
 		}
 	}
 	return nil

@@ -393,10 +393,10 @@ func TestValidate(t *testing.T) {
 		b.exec1(t, `CREATE INDEX outbox_group_ready_idx ON `+q+`outbox (topic, consumer_group, available_at, id)`)
 		verr := validationError(t, schema.Validate(ctx, b.exec, cfg))
 		require.Len(t, verr.Problems, 2, "%q", verr.Problems)
-		requireProblem(t, verr.Problems, "outbox_group_dedup_idx", "want UNIQUE btree (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL", "DROP INDEX CONCURRENTLY")
+		requireProblem(t, verr.Problems, "outbox_group_dedup_idx", "want UNIQUE btree (topic, consumer_group, dedup_key) WHERE dedup_key IS NOT NULL", "schema.Create")
 		requireProblem(t, verr.Problems, "outbox_group_ready_idx", "WHERE lease_token IS NULL")
-		b.exec1(t, `DROP INDEX `+q+`outbox_group_dedup_idx`)
-		b.exec1(t, `DROP INDEX `+q+`outbox_group_ready_idx`)
+		// Create kept them (IF NOT EXISTS), and an application role's
+		// Create at the latest version took the shortcut past them.
 		require.NoError(t, schema.Create(ctx, b.exec, cfg), "the fix the problem names")
 		require.NoError(t, schema.Validate(ctx, b.exec, cfg))
 	})

@@ -299,6 +299,42 @@ type trapProxy struct {
 	trigger []byte
 	armed   atomic.Bool
 	trapped atomic.Int32
+	// answerOnly: the statement with the trigger reaches the server, and
+	// its answer (everything after it) does not reach the client.
+	answerOnly bool
+}
+
+// startAnswerTrapProxy is startTrapProxy where the armed trigger's
+// statement runs on the server and only its answer is lost: a COMMIT that
+// commits, its client left not knowing.
+func startAnswerTrapProxy(t *testing.T, dsn, trigger string) *trapProxy {
+	t.Helper()
+	p := &trapProxy{trigger: []byte(trigger), answerOnly: true}
+	p.addr = serveProxy(t, dsn, func(c, up net.Conn) {
+		var mute atomic.Bool
+		pipe := func(dst, src net.Conn, watch bool) {
+			buf := make([]byte, 64<<10)
+			for {
+				n, err := src.Read(buf)
+				if n > 0 && watch && bytes.Contains(buf[:n], p.trigger) && p.armed.CompareAndSwap(true, false) {
+					mute.Store(true)
+					p.trapped.Add(1)
+				}
+				if n > 0 && (watch || !mute.Load()) {
+					if _, err := dst.Write(buf[:n]); err != nil {
+						return
+					}
+				}
+				if err != nil {
+					_ = dst.Close()
+					return
+				}
+			}
+		}
+		go pipe(up, c, true)
+		go pipe(c, up, false)
+	})
+	return p
 }
 
 func startTrapProxy(t *testing.T, dsn, trigger string) *trapProxy {

@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"maps"
 	"math/rand/v2"
+	"net"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -1099,4 +1101,68 @@ func (b *bundle) oneDelivered(t *testing.T, topic string, mod func(*pgoutbox.Sub
 	msgs, err := b.subscriber(t, mod).Subscribe(context.Background(), topic)
 	require.NoError(t, err)
 	return receive(t, msgs, 10*time.Second), msgs
+}
+
+// A handler's COMMIT whose answer is lost may have committed: the handler
+// stack got "commit the handler's transaction: conn closed", as a failed
+// commit that rolled back, and the subscriber's nack, finding the row the
+// transaction completed gone, warned of a lost lease. The error is now
+// tx.ErrOutcomeUnknown, and the nack that finds the row gone says the
+// message is done. On every claim path.
+func TestTxMiddlewareCommitWhoseAnswerIsLost(t *testing.T) {
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		ctx := context.Background()
+		_, err := b.Pool.Exec(ctx, `CREATE TABLE `+b.Schema+`.effects (uuid text PRIMARY KEY)`)
+		require.NoError(t, err)
+		px := startAnswerTrapProxy(t, b.DSN, "commit")
+		handlerPool := b.poolWith(t, nil, func(c *pgxpool.Config) {
+			host, port, err := net.SplitHostPort(px.addr)
+			require.NoError(t, err)
+			n, err := strconv.ParseUint(port, 10, 16)
+			require.NoError(t, err)
+			c.ConnConfig.Host, c.ConnConfig.Port, c.ConnConfig.Fallbacks = host, uint16(n), nil
+		})
+		logs := &logCapture{}
+		cfg := pgoutbox.SubscriberConfig{Tables: b.tables}
+		onPath(t, path, &cfg)
+		sub, err := pgoutbox.NewSubscriber(b.Pool, cfg, logs)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = sub.Close() })
+		mw, err := tx.Middleware(tx.FromPgxPool(handlerPool), tx.MiddlewareConfig{CommitTimeout: 500 * time.Millisecond})
+		require.NoError(t, err)
+		inTx := mw(func(msg *message.Message) ([]*message.Message, error) {
+			exec, ok := tx.ExecutorFromContext(msg.Context())
+			require.True(t, ok)
+			if _, err := exec.Exec(msg.Context(), `INSERT INTO `+b.Schema+`.effects VALUES ($1)`, msg.UUID); err != nil {
+				return nil, err
+			}
+			px.armed.Store(true) // the COMMIT that follows commits; its answer is lost
+			return nil, nil
+		})
+		errs := make(chan error, 10)
+		runRouter(t, sub, "t", func(msg *message.Message) error {
+			_, err := inTx(msg)
+			errs <- err
+			return err
+		})
+		require.NoError(t, b.poolPublisher(t).Publish("t", newMsg("once")))
+		select {
+		case err := <-errs:
+			require.ErrorIs(t, err, tx.ErrOutcomeUnknown)
+		case <-time.After(30 * time.Second):
+			t.Fatal("the handler did not return")
+		}
+		require.Equal(t, 1, b.count(t, `SELECT count(*) FROM `+b.Schema+`.effects`), "the transaction committed")
+		pollUntil(t, "the nack's finding logged", 30*time.Second, nil, func() bool {
+			return len(logs.find("info", func(e logEntry) bool { return strings.Contains(e.msg, "committed after all") })) > 0
+		})
+		require.Empty(t, logs.find("info", func(e logEntry) bool { return strings.HasPrefix(e.msg, "Lease lost") }), "no lease was lost")
+		require.Zero(t, b.outboxRows(t, "t"))
+		select {
+		case err := <-errs:
+			t.Fatalf("handled again: %v", err)
+		default:
+		}
+	})
 }

@@ -28,6 +28,11 @@ type Row interface {
 	// nothing more for the row.
 	Begin()
 	End(committed bool)
+	// CommitUnanswered reports, before End(false), that the transaction's
+	// COMMIT was sent and its answer lost (the connection broke): it may
+	// have committed, and then the row is gone because the message is
+	// done, not because the lease was lost.
+	CommitUnanswered()
 	// Completed reports whether a transaction deleted the row and
 	// committed: the message is done, whatever runs after.
 	Completed() bool

@@ -118,6 +118,13 @@ const OwnLockValidFor = 750 * time.Millisecond
 // it at the subscription's next look once the key shows.
 const KeyShownAfter = 750 * time.Millisecond
 
+// At most outagesLogged outages of the LISTEN connection in each
+// outagesLoggedEvery are logged at error level; the others at debug.
+const (
+	outagesLogged      = 5
+	outagesLoggedEvery = 30 * time.Second
+)
+
 // ReconnectEvery is the longest pause between two attempts to make the
 // LISTEN connection again (from 100ms, growing, ±50%): when the server is
 // back after an outage, wake-ups and liveness resume within about it. A
@@ -406,10 +413,14 @@ func (n *Notifier) run(ctx context.Context) {
 		backoff.WithMaxInterval(ReconnectEvery), backoff.WithMaxElapsedTime(0))
 	failures := 0
 	var adopt *lockedConn
+	// Outages logged as errors: at most outagesLogged a window, so that a
+	// connection killed again and again does not log two lines each time.
+	var window time.Time
+	logged, quiet := 0, false
 	for ctx.Err() == nil {
 		var err error
 		adopt, err = n.session(ctx, func() {
-			if failures > 0 {
+			if failures > 0 && !quiet {
 				// Its failure was an ERROR: say at the same level of
 				// attention that it is over.
 				n.logger.Info("LISTEN connection is back; wake-ups resume", watermill.LogFields{"failed_attempts": failures})
@@ -431,6 +442,13 @@ func (n *Notifier) run(ctx context.Context) {
 		}
 		failures++
 		if failures == 1 {
+			if now := time.Now(); now.Sub(window) >= outagesLoggedEvery {
+				window, logged = now, 0
+			}
+			quiet = logged >= outagesLogged
+			logged++
+		}
+		if failures == 1 && !quiet {
 			n.logger.Error("LISTEN connection failed; fetch loops fall back to polling until it is back", err, nil)
 		} else {
 			n.logger.Debug("LISTEN reconnect failed", watermill.LogFields{"err": err.Error()})

@@ -305,8 +305,9 @@ func TestRetryGateThinsOutItsErrorLog(t *testing.T) {
 	}
 	require.Equal(t, 11, logged, "the first 5 (0-4 s), then at 34, 64, 94, 124, 154 and 184 s")
 	g.succeeded()
-	g.failed(now)
-	require.True(t, g.shouldLog(now), "the first failure of the next outage is logged")
+	next := now.Add(201 * time.Second)
+	g.failed(next)
+	require.True(t, g.shouldLog(next), "the first failure of the next outage is logged")
 }
 
 // At close the gate opens at once and keeps its backoffs short, however
@@ -599,4 +600,27 @@ func TestClaimScheduleRechecksTheEarliestReleasedClaim(t *testing.T) {
 	due := t0.Add(c.cfg.StatementTimeout + lostClaimMargin)
 	require.Equal(t, []pgtype.UUID{req.token}, c.lost.releasable(due), "the lease claim's second release is due")
 	require.Equal(t, due, c.lost.recheckAt(), "the owner's timer is armed for it")
+}
+
+// Connections killed one after another: each claim fails once and the
+// next succeeds. Each failure was logged as an error, ~7 lines a second a
+// subscription in a kill storm; the gate's budget keeps it to the first
+// few in each half minute.
+func TestRetryGateLogsFewOfFailuresThatSuccessesSplit(t *testing.T) {
+	t.Parallel()
+	g := newRetryGate()
+	now := time.Now()
+	logged := 0
+	for i := range 100 { // 20 s: a failure and a success every 200 ms
+		at := now.Add(time.Duration(i) * 200 * time.Millisecond)
+		g.failed(at)
+		if g.shouldLog(at) {
+			logged++
+		}
+		g.succeeded()
+	}
+	require.Equal(t, loggedFailures, logged)
+	later := now.Add(loggedFailuresEvery + time.Second)
+	g.failed(later)
+	require.True(t, g.shouldLog(later), "the next half minute logs again")
 }

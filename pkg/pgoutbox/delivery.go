@@ -95,6 +95,9 @@ type outcome struct {
 	id       int64
 	token    pgtype.UUID
 	inTx     atomic.Int32 // txNone, txCompleting, txCommitted
+	// commitLost: the handler's transaction sent its COMMIT and lost the
+	// answer; a row found gone afterwards was most likely completed by it.
+	commitLost atomic.Bool
 	// offerBy is the instant (see instant) after which a slot no longer
 	// offers the message to the Router: the row's lease ends then, and the
 	// row may be another consumer's (the process was frozen while the
@@ -168,6 +171,9 @@ func (o *outcome) End(committed bool) {
 		o.inTx.CompareAndSwap(txCompleting, txNone)
 	}
 }
+
+// CommitUnanswered implements handoff.Row.
+func (o *outcome) CommitUnanswered() { o.commitLost.Store(true) }
 
 // Completed implements handoff.Row.
 func (o *outcome) Completed() bool { return o.completedInTx() }

@@ -11,8 +11,9 @@ import (
 // may be leased under a token nobody holds, so they go back
 // (ReleaseClaim). Part of claimSchedule: only the owner touches it.
 type lostClaims struct {
-	list []claimToken
-	cfg  *SubscriberConfig
+	list   []claimToken
+	cfg    *SubscriberConfig
+	logged errorBudget // the failed releases' error lines
 }
 
 // claimToken is the token of a claim whose reply was lost.

@@ -19,7 +19,29 @@ type retryGate struct {
 	since    time.Time     // the first of them
 	most     time.Duration // the longest backoff after hurry; zero: the backoff's own
 	logged   time.Time     // the last failure logged as an error (shouldLog)
+	budget   errorBudget   // across failures in a row that successes split
 	back     time.Time     // the last time serverBack opened the gate
+}
+
+// errorBudget spreads out the error lines of one kind: at most
+// loggedFailures in each loggedFailuresEvery. Connections killed one after
+// another (each failure followed by a success) logged one line per kill,
+// hundreds a minute, where an outage's failures in a row were thinned.
+type errorBudget struct {
+	window time.Time
+	spent  int
+}
+
+// take reports whether a line may be logged now, and counts it.
+func (b *errorBudget) take(now time.Time) bool {
+	if now.Sub(b.window) >= loggedFailuresEvery {
+		b.window, b.spent = now, 0
+	}
+	if b.spent >= loggedFailures {
+		return false
+	}
+	b.spent++
+	return true
 }
 
 // retryAtMost bounds a claim's or a write's backoff (±50%): after an
@@ -80,9 +102,10 @@ func (g *retryGate) serverBack(now time.Time) {
 
 // shouldLog reports whether the failure just counted (failed) is logged
 // as an error: the first loggedFailures in a row, then one per
-// loggedFailuresEvery; the others go to the debug log.
+// loggedFailuresEvery, and of short runs of failures no more than the
+// budget allows; the others go to the debug log.
 func (g *retryGate) shouldLog(now time.Time) bool {
-	if g.failures <= loggedFailures || now.Sub(g.logged) >= loggedFailuresEvery {
+	if g.failures <= loggedFailures && g.budget.take(now) || g.failures > loggedFailures && now.Sub(g.logged) >= loggedFailuresEvery {
 		g.logged = now
 		return true
 	}

@@ -319,6 +319,12 @@ func (sub *subscription) leaseLost(d *delivery, phase string) {
 		sub.logger.Debug("An ack written again, after the reply to the first was lost, found the row gone: "+
 			"most likely the first had deleted it; else another consumer took it meanwhile, and it ran twice", fields)
 	default:
+		if d.outcome != nil && d.outcome.commitLost.Load() {
+			// No lease lost: the handler's transaction completed the row,
+			// and only the answer to its COMMIT was lost.
+			sub.logger.Info("The handler's transaction committed after all (the answer to its COMMIT was lost, and the row it completes is gone): the message is done", fields)
+			return
+		}
 		logWarn(sub.logger, "Lease lost: the row was claimed again (its lease ran out, or a server crash lost the claim) or removed by an operator; this write was not applied", fields)
 	}
 	sub.s.obs.observe(Event{Kind: EventLeaseLost, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Phase: phase})

@@ -489,6 +489,8 @@ var ErrNoConnection = errors.New("pgoutbox: no connection of the pool came free 
 // statement may still run when it arrives (or ran, its reply lost).
 // Whether it was written is unknown: publishing again with the same dedup
 // key is safe either way; without one it may write the message twice.
+// Middleware's COMMIT whose answer was lost wraps it too: the message is
+// done if it committed, and delivered again if not.
 var ErrOutcomeUnknown = errors.New("pgoutbox: the statement was sent and got no answer in time: whether it was written is unknown")
 
 // outcomeUnknown marks err, of a statement sent under ctx, as

@@ -255,6 +255,13 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		if err = mapErr(err); errors.Is(err, ErrTxDone) {
 			return nil, endedByHandler(msg, err)
 		}
+		if commitUnanswered(err) {
+			if row != nil {
+				row.CommitUnanswered()
+			}
+			return nil, errtext.Errorf("pgoutbox: commit the handler's transaction: %w: the COMMIT was sent and its answer lost (%w); "+
+				"if it committed, the message is done and is not delivered again, else it is", ErrOutcomeUnknown, err)
+		}
 		return nil, errtext.Errorf("pgoutbox: commit the handler's transaction: %w%s", err, swallowed(err))
 	}
 	committed = true
@@ -262,6 +269,17 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 		row.End(true)
 	}
 	return nil, nil
+}
+
+// commitUnanswered reports whether a COMMIT's error leaves its outcome
+// unknown: no answer of the server's came back (no SQLSTATE: a connection
+// that broke, or CommitTimeout that passed). A server crash that ends
+// the connection around the COMMIT was seen to give pgx's "conn closed",
+// which pgconn counts as not sent, for a transaction that committed: so
+// every error without the server's answer counts. A refused COMMIT (a
+// serialization failure, an aborted transaction) rolled back.
+func commitUnanswered(err error) bool {
+	return !errors.Is(err, pgx.ErrTxCommitRollback) && errtext.SQLState(err) == "" && swallowed(err) == ""
 }
 
 // swallowed is the hint for a statement of pgoutbox's that found the

@@ -1150,6 +1150,8 @@ func TestTxMiddlewareCommitWhoseAnswerIsLost(t *testing.T) {
 		select {
 		case err := <-errs:
 			require.ErrorIs(t, err, tx.ErrOutcomeUnknown)
+			require.ErrorIs(t, err, tx.ErrCommitUnanswered)
+			require.True(t, pgoutbox.Redelivered(err), "a PoisonQueue filter leaves it alone")
 		case <-time.After(30 * time.Second):
 			t.Fatal("the handler did not return")
 		}

@@ -164,6 +164,11 @@ func createIndex(n Names, idx Index) string {
 // def (pg_get_indexdef, from its access method on: CatalogIndexes) is
 // idx: the same method, columns and predicate, whatever the parentheses
 // and spacing the server adds.
+//
+// An index whose key columns go on past idx's with columns the outbox's
+// DDL does not have counts as idx too: a table partitioned by a column of
+// its owner's must hold it in every unique index, as the rotating outbox
+// holds its generation.
 func SameIndex(idx Index, unique bool, def string) bool {
 	norm := func(s string) string {
 		return strings.Map(func(r rune) rune {
@@ -173,7 +178,45 @@ func SameIndex(idx Index, unique bool, def string) bool {
 			return unicode.ToLower(r)
 		}, s)
 	}
-	return unique == idx.Unique && norm(def) == norm("btree "+idx.Keys)
+	if unique != idx.Unique {
+		return false
+	}
+	have, want := norm(def), norm("btree "+idx.Keys)
+	if have == want {
+		return true
+	}
+	// "btree" + columns, then "where..." if any.
+	split := func(s string) (cols, rest string) {
+		if i := strings.Index(s, "where"); i >= 0 {
+			return s[:i], s[i:]
+		}
+		return s, ""
+	}
+	haveCols, haveRest := split(have)
+	wantCols, wantRest := split(want)
+	extra, ok := strings.CutPrefix(haveCols, wantCols+",")
+	if !ok || haveRest != wantRest {
+		return false
+	}
+	for _, c := range strings.Split(extra, ",") {
+		if ownColumn(c) {
+			return false
+		}
+	}
+	return true
+}
+
+// ownColumn reports whether c is a column of the outbox's DDL.
+func ownColumn(c string) bool {
+	if c == "id" || c == GenerationColumn.Name {
+		return true
+	}
+	for _, col := range OutboxColumns {
+		if col.Name == c {
+			return true
+		}
+	}
+	return false
 }
 
 // CreateSchema creates the outbox's schema when it is missing. Not a bare

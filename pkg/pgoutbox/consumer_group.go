@@ -429,16 +429,19 @@ func bindGroups(ctx context.Context, exec tx.Executor, q *query.Queries, topic s
 		// What the new groups take from before their binding waits in the
 		// arrivals, not copied yet: counted as the outbox's rows are.
 		// A report only: a count that fails leaves it short, not the
-		// binding undone or its adoption below skipped.
+		// binding undone or its adoption below skipped. Inside the
+		// caller's transaction the failure aborted it: say so.
 		var groups, waiting int64
-		if b.bounded(max(6*b.timeout, finishBacklogAtLeast), func(ctx context.Context) error {
+		countErr := b.bounded(max(6*b.timeout, finishBacklogAtLeast), func(ctx context.Context) error {
 			return queryRow(ctx, exec, query.ArrivalsOfNewGroups(n), []any{topic, res.New}, &groups, &waiting)
-		}) == nil {
-			if firstBinding {
-				res.Adopted += waiting
-			} else {
-				res.Copied += groups * waiting
-			}
+		})
+		switch {
+		case countErr != nil && exec.InTx():
+			return res, fmt.Errorf("count the arrivals the new groups take (your transaction is aborted): %w", countErr)
+		case countErr == nil && firstBinding:
+			res.Adopted += waiting
+		case countErr == nil:
+			res.Copied += groups * waiting
 		}
 	}
 	// A new binding may have publishes in flight that could not see it

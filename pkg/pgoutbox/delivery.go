@@ -311,8 +311,10 @@ func RejectContext(ctx context.Context, reason string) error {
 // by CancelScheduled or an Unbind with purge) whatever the middlewares do
 // with the error: the message's context ended (context.Canceled: its
 // AckDeadline passed, or a drain went past DrainTimeout; also a handler's
-// own cancelled context), or tx.Middleware found the message's lease lost
-// (tx.ErrLeaseLost) and rolled the handler's transaction back. A
+// own cancelled context), tx.Middleware found the message's lease lost
+// (tx.ErrLeaseLost) and rolled the handler's transaction back, or its
+// COMMIT got no answer (tx.ErrCommitUnanswered: done, or delivered
+// again). A
 // PoisonQueue filter leaves such an error alone; a poison copy of the
 // message would be handled again beside its redelivery. It looks at the
 // error only: a handler whose context ended returns msg.Context().Err(),
@@ -322,7 +324,7 @@ func RejectContext(ctx context.Context, reason string) error {
 //		return !errors.Is(err, pgoutbox.ErrRejected) && !pgoutbox.Redelivered(err)
 //	})
 func Redelivered(err error) bool {
-	return errors.Is(err, context.Canceled) || errors.Is(err, tx.ErrLeaseLost)
+	return errors.Is(err, context.Canceled) || errors.Is(err, tx.ErrLeaseLost) || errors.Is(err, tx.ErrCommitUnanswered)
 }
 
 // ErrorRecorder is a Router middleware that hands the handler's error to the

@@ -424,7 +424,8 @@ func (p *Publisher) wrapOpErr(op, topic string, err error) error {
 			return errorf("pgoutbox: %s %q: the arrivals table %s does not exist (an outbox below schema version 7, or one converted to a rotating outbox): "+
 				"unset Tables.Arrivals (and set Tables.Rotating if the outbox was converted), or bring the outbox to version 7 with schema.Migrate or schema.Create: %w", op, topic, n.QArrivals, err)
 		}
-		return errorf("pgoutbox: %s %q: table %s does not exist; %s: %w", op, topic, p.q.Names.QTable, createOrCheckNames, err)
+		return errorf("pgoutbox: %s %q: table %s does not exist; run schema.Create or apply schema.SQL, or check the schema and table names "+
+			"(schema.Config's Schema and Table; the CLI's --schema and --table): %w", op, topic, p.q.Names.QTable, err)
 	case "42P10": // invalid_column_reference: no unique index for ON CONFLICT
 		if !p.q.Names.Rotating {
 			return errorf("pgoutbox: %s %q: the outbox %s has no valid dedup index of a single table: either it is a rotating outbox "+

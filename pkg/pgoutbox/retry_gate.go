@@ -84,7 +84,6 @@ func (g *retryGate) succeeded() {
 	g.bo.Reset()
 	g.until = time.Time{}
 	g.failures = 0
-	g.logged = time.Time{}
 }
 
 // serverBack opens the gate: the notifier's connection was made again, so

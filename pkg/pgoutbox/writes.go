@@ -320,12 +320,14 @@ func (sub *subscription) leaseLost(d *delivery, phase string) {
 			"most likely the first had deleted it; else another consumer took it meanwhile, and it ran twice", fields)
 	default:
 		if d.outcome != nil && d.outcome.commitLost.Load() {
-			// No lease lost: the handler's transaction completed the row,
-			// and only the answer to its COMMIT was lost.
-			sub.logger.Info("The handler's transaction committed after all (the answer to its COMMIT was lost, and the row it completes is gone): the message is done", fields)
-			return
+			// Most likely no lease lost: the handler's transaction
+			// completed the row, and only the answer to its COMMIT was
+			// lost. Its lease may have run out meanwhile all the same.
+			sub.logger.Info("The nack found the row gone after the handler's COMMIT lost its answer: most likely that transaction committed after all "+
+				"and the message is done; else its lease was lost (ran out, or a server crash lost the claim) and it is delivered again", fields)
+		} else {
+			logWarn(sub.logger, "Lease lost: the row was claimed again (its lease ran out, or a server crash lost the claim) or removed by an operator; this write was not applied", fields)
 		}
-		logWarn(sub.logger, "Lease lost: the row was claimed again (its lease ran out, or a server crash lost the claim) or removed by an operator; this write was not applied", fields)
 	}
 	sub.s.obs.observe(Event{Kind: EventLeaseLost, Topic: sub.topic, Group: sub.cfg.ConsumerGroup, RowID: d.id, Deliveries: d.deliveries, Phase: phase})
 }

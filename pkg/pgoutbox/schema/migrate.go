@@ -65,7 +65,8 @@ type MigrationState struct {
 	OutboxExists bool
 	// LayoutVersion is the highest version whose every table, column and
 	// index the catalog of a single-table outbox has (0 when the outbox
-	// does not exist, is rotating, or is not an outbox): above Current
+	// does not exist, is rotating, is not an outbox, or its catalog could
+	// not be read: status reads the version table first): above Current
 	// when another migrator (goose, golang-migrate) upgraded the outbox
 	// since the recorded version.
 	LayoutVersion int

@@ -417,7 +417,8 @@ func Validate(ctx context.Context, db tx.Executor, c Config) error {
 		case !query.SameIndex(idx, have.unique, have.def):
 			// An index of pgoutbox's name with another definition: the
 			// claims' plans or the publishes' conflict targets need this one.
-			fix := "schema.Create (pgoutbox schema apply) drops it and builds it again, holding the table's lock while it builds"
+			fix := "schema.Create (pgoutbox schema apply) drops it and builds it again, holding the table's lock while it builds; " +
+				"on a large outbox build the right one first without the lock (CREATE INDEX CONCURRENTLY under another name), then drop this one and rename it"
 			if n.Arrivals && idx.Name == n.ArrivalsPkey() {
 				fix = fmt.Sprintf("make it the primary key again (ALTER TABLE %s DROP CONSTRAINT %s, ADD CONSTRAINT %s PRIMARY KEY (topic, id))",
 					n.QArrivals, query.Quote(idx.Name), query.Quote(idx.Name))

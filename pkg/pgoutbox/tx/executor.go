@@ -489,9 +489,15 @@ var ErrNoConnection = errors.New("pgoutbox: no connection of the pool came free 
 // statement may still run when it arrives (or ran, its reply lost).
 // Whether it was written is unknown: publishing again with the same dedup
 // key is safe either way; without one it may write the message twice.
-// Middleware's COMMIT whose answer was lost wraps it too: the message is
-// done if it committed, and delivered again if not.
 var ErrOutcomeUnknown = errors.New("pgoutbox: the statement was sent and got no answer in time: whether it was written is unknown")
+
+// ErrCommitUnanswered is Middleware's error when the COMMIT of a handler's
+// transaction got no answer (the connection broke, the server crashed, or
+// with pgx CommitTimeout passed): if it committed, the message is done
+// and is not delivered again; if not, it is. It wraps ErrOutcomeUnknown,
+// and pgoutbox.Redelivered accepts it: a poison copy would repeat a message
+// that is done or coming back.
+var ErrCommitUnanswered = fmt.Errorf("%w: the COMMIT of the handler's transaction got no answer", ErrOutcomeUnknown)
 
 // outcomeUnknown marks err, of a statement sent under ctx, as
 // ErrOutcomeUnknown when ctx ended before the answer: not when the bound

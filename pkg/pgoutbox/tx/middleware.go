@@ -259,8 +259,8 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 			if row != nil {
 				row.CommitUnanswered()
 			}
-			return nil, errtext.Errorf("pgoutbox: commit the handler's transaction: %w: the COMMIT was sent and its answer lost (%w); "+
-				"if it committed, the message is done and is not delivered again, else it is", ErrOutcomeUnknown, err)
+			return nil, errtext.Errorf("pgoutbox: commit the handler's transaction: %w (%w); "+
+				"if it committed, the message is done and is not delivered again, else it is", ErrCommitUnanswered, err)
 		}
 		return nil, errtext.Errorf("pgoutbox: commit the handler's transaction: %w%s", err, swallowed(err))
 	}
@@ -273,13 +273,15 @@ func runInHandlerTx(b beginner, config MiddlewareConfig, h message.HandlerFunc, 
 
 // commitUnanswered reports whether a COMMIT's error leaves its outcome
 // unknown: no answer of the server's came back (no SQLSTATE: a connection
-// that broke, or CommitTimeout that passed). A server crash that ends
-// the connection around the COMMIT was seen to give pgx's "conn closed",
-// which pgconn counts as not sent, for a transaction that committed: so
-// every error without the server's answer counts. A refused COMMIT (a
-// serialization failure, an aborted transaction) rolled back.
+// that broke, or CommitTimeout that passed). pgconn counts its "conn
+// closed" as nothing sent, but server crashes during a tx.Middleware
+// drain gave it for transactions whose writes were there after the
+// restart: every error without the server's answer counts. A refused
+// COMMIT (a serialization failure, an aborted transaction, lib/pq's
+// COMMIT after a ROLLBACK statement) rolled back.
 func commitUnanswered(err error) bool {
-	return !errors.Is(err, pgx.ErrTxCommitRollback) && errtext.SQLState(err) == "" && swallowed(err) == ""
+	return !errors.Is(err, pgx.ErrTxCommitRollback) && errtext.SQLState(err) == "" && swallowed(err) == "" &&
+		!strings.Contains(err.Error(), "unexpected transaction status")
 }
 
 // swallowed is the hint for a statement of pgoutbox's that found the

@@ -293,70 +293,48 @@ func startDelayProxy(t *testing.T, dsn string, d time.Duration) string {
 // trapProxy forwards connections to a DSN's server; once armed, the first
 // connection whose client sends the text trigger goes silent in both
 // directions from then on, nothing closed: a path that breaks in the
-// middle of a session's set-up.
+// middle of a session's set-up. With answerOnly the statement with the
+// trigger still reaches the server, and only what the server sends after
+// it is lost: a COMMIT that commits, its client left not knowing.
 type trapProxy struct {
-	addr    string
-	trigger []byte
-	armed   atomic.Bool
-	trapped atomic.Int32
-	// answerOnly: the statement with the trigger reaches the server, and
-	// its answer (everything after it) does not reach the client.
+	addr       string
+	trigger    []byte
 	answerOnly bool
-}
-
-// startAnswerTrapProxy is startTrapProxy where the armed trigger's
-// statement runs on the server and only its answer is lost: a COMMIT that
-// commits, its client left not knowing.
-func startAnswerTrapProxy(t *testing.T, dsn, trigger string) *trapProxy {
-	t.Helper()
-	p := &trapProxy{trigger: []byte(trigger), answerOnly: true}
-	p.addr = serveProxy(t, dsn, func(c, up net.Conn) {
-		var mute atomic.Bool
-		pipe := func(dst, src net.Conn, watch bool) {
-			buf := make([]byte, 64<<10)
-			for {
-				n, err := src.Read(buf)
-				if n > 0 && watch && bytes.Contains(buf[:n], p.trigger) && p.armed.CompareAndSwap(true, false) {
-					mute.Store(true)
-					p.trapped.Add(1)
-				}
-				if n > 0 && (watch || !mute.Load()) {
-					if _, err := dst.Write(buf[:n]); err != nil {
-						return
-					}
-				}
-				if err != nil {
-					_ = dst.Close()
-					return
-				}
-			}
-		}
-		go pipe(up, c, true)
-		go pipe(c, up, false)
-	})
-	return p
+	armed      atomic.Bool
+	trapped    atomic.Int32
 }
 
 func startTrapProxy(t *testing.T, dsn, trigger string) *trapProxy {
 	t.Helper()
-	p := &trapProxy{trigger: []byte(trigger)}
+	return serveTrap(t, dsn, &trapProxy{trigger: []byte(trigger)})
+}
+
+// startAnswerTrapProxy is startTrapProxy with answerOnly.
+func startAnswerTrapProxy(t *testing.T, dsn, trigger string) *trapProxy {
+	t.Helper()
+	return serveTrap(t, dsn, &trapProxy{trigger: []byte(trigger), answerOnly: true})
+}
+
+func serveTrap(t *testing.T, dsn string, p *trapProxy) *trapProxy {
+	t.Helper()
 	p.addr = serveProxy(t, dsn, func(c, up net.Conn) {
 		var stuck atomic.Bool
-		pipe := func(dst, src net.Conn, watch bool) {
+		pipe := func(dst, src net.Conn, fromClient bool) {
 			buf := make([]byte, 64<<10)
 			for {
 				n, err := src.Read(buf)
-				if n > 0 && watch && bytes.Contains(buf[:n], p.trigger) && p.armed.CompareAndSwap(true, false) {
+				if n > 0 && fromClient && bytes.Contains(buf[:n], p.trigger) && p.armed.CompareAndSwap(true, false) {
 					stuck.Store(true)
 					p.trapped.Add(1)
 				}
-				if n > 0 && !stuck.Load() {
+				passes := !stuck.Load() || p.answerOnly && fromClient
+				if n > 0 && passes {
 					if _, err := dst.Write(buf[:n]); err != nil {
 						return
 					}
 				}
 				if err != nil {
-					if !stuck.Load() {
+					if passes {
 						_ = dst.Close()
 					}
 					return
@@ -367,4 +345,10 @@ func startTrapProxy(t *testing.T, dsn, trigger string) *trapProxy {
 		go pipe(c, up, false)
 	})
 	return p
+}
+
+// pool is a pool of b's database through the proxy, as tcpProxy.pool.
+func (p *trapProxy) pool(t *testing.T, b *bundle, app string) *pgxpool.Pool {
+	t.Helper()
+	return (&tcpProxy{addr: p.addr}).pool(t, b, app, nil)
 }

@@ -6,9 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"math/rand/v2"
-	"net"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -1116,13 +1114,7 @@ func TestTxMiddlewareCommitWhoseAnswerIsLost(t *testing.T) {
 		_, err := b.Pool.Exec(ctx, `CREATE TABLE `+b.Schema+`.effects (uuid text PRIMARY KEY)`)
 		require.NoError(t, err)
 		px := startAnswerTrapProxy(t, b.DSN, "commit")
-		handlerPool := b.poolWith(t, nil, func(c *pgxpool.Config) {
-			host, port, err := net.SplitHostPort(px.addr)
-			require.NoError(t, err)
-			n, err := strconv.ParseUint(port, 10, 16)
-			require.NoError(t, err)
-			c.ConnConfig.Host, c.ConnConfig.Port, c.ConnConfig.Fallbacks = host, uint16(n), nil
-		})
+		handlerPool := px.pool(t, b, "answer-lost-"+path)
 		logs := &logCapture{}
 		cfg := pgoutbox.SubscriberConfig{Tables: b.tables}
 		onPath(t, path, &cfg)

@@ -29,6 +29,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/logbudget"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 )
 
@@ -117,13 +118,6 @@ const OwnLockValidFor = 750 * time.Millisecond
 // their holder ran them. A row claimed meanwhile carries no key, and gets
 // it at the subscription's next look once the key shows.
 const KeyShownAfter = 750 * time.Millisecond
-
-// At most outagesLogged outages of the LISTEN connection in each
-// outagesLoggedEvery are logged at error level; the others at debug.
-const (
-	outagesLogged      = 5
-	outagesLoggedEvery = 30 * time.Second
-)
 
 // ReconnectEvery is the longest pause between two attempts to make the
 // LISTEN connection again (from 100ms, growing, ±50%): when the server is
@@ -413,10 +407,10 @@ func (n *Notifier) run(ctx context.Context) {
 		backoff.WithMaxInterval(ReconnectEvery), backoff.WithMaxElapsedTime(0))
 	failures := 0
 	var adopt *lockedConn
-	// Outages logged as errors: at most outagesLogged a window, so that a
-	// connection killed again and again does not log two lines each time.
-	var window time.Time
-	logged, quiet := 0, false
+	// Outages logged as errors: a few a window, so that a connection
+	// killed again and again does not log two lines each time.
+	var budget logbudget.Budget
+	quiet := false
 	for ctx.Err() == nil {
 		var err error
 		adopt, err = n.session(ctx, func() {
@@ -442,11 +436,7 @@ func (n *Notifier) run(ctx context.Context) {
 		}
 		failures++
 		if failures == 1 {
-			if now := time.Now(); now.Sub(window) >= outagesLoggedEvery {
-				window, logged = now, 0
-			}
-			quiet = logged >= outagesLogged
-			logged++
+			quiet = !budget.Take(time.Now())
 		}
 		if failures == 1 && !quiet {
 			n.logger.Error("LISTEN connection failed; fetch loops fall back to polling until it is back", err, nil)

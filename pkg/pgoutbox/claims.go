@@ -195,7 +195,7 @@ func (sub *subscription) onReleasedClaims(tokens []pgtype.UUID, err error, now t
 	case err == nil:
 	case tries == 0: // every lost claim left was given up: its leases ended
 		sub.logger.Info("Releasing the rows of a failed claim failed; given up, as their leases have ended and any claim takes them", watermill.LogFields{"claims": n, "error": err.Error()})
-	case tries&(tries-1) == 0 && sub.claims.lost.logged.take(now):
+	case tries&(tries-1) == 0 && sub.claims.lost.logged.Take(now):
 		sub.logger.Error("Releasing the rows of a failed claim failed; retrying", errtext.WithHint(err), watermill.LogFields{"claims": n, "tries": tries})
 	default:
 		sub.logger.Debug("Releasing the rows of a failed claim failed; retrying", watermill.LogFields{"claims": n, "tries": tries, "err": err.Error()})

@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/logbudget"
 )
 
 // lostClaims are the claims whose reply was lost, oldest first: their rows
@@ -13,7 +15,7 @@ import (
 type lostClaims struct {
 	list   []claimToken
 	cfg    *SubscriberConfig
-	logged errorBudget // the failed releases' error lines
+	logged logbudget.Budget // the failed releases' error lines
 }
 
 // claimToken is the token of a claim whose reply was lost.

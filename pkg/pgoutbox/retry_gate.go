@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/logbudget"
 )
 
 // retryGate paces the retries of a statement that failed: claims and
@@ -14,34 +16,13 @@ import (
 // opens it without resetting the backoff.
 type retryGate struct {
 	bo       *backoff.ExponentialBackOff
-	until    time.Time     // shut until then; zero: open
-	failures int           // in a row, since the last success
-	since    time.Time     // the first of them
-	most     time.Duration // the longest backoff after hurry; zero: the backoff's own
-	logged   time.Time     // the last failure logged as an error (shouldLog)
-	budget   errorBudget   // across failures in a row that successes split
-	back     time.Time     // the last time serverBack opened the gate
-}
-
-// errorBudget spreads out the error lines of one kind: at most
-// loggedFailures in each loggedFailuresEvery. Connections killed one after
-// another (each failure followed by a success) logged one line per kill,
-// hundreds a minute, where an outage's failures in a row were thinned.
-type errorBudget struct {
-	window time.Time
-	spent  int
-}
-
-// take reports whether a line may be logged now, and counts it.
-func (b *errorBudget) take(now time.Time) bool {
-	if now.Sub(b.window) >= loggedFailuresEvery {
-		b.window, b.spent = now, 0
-	}
-	if b.spent >= loggedFailures {
-		return false
-	}
-	b.spent++
-	return true
+	until    time.Time        // shut until then; zero: open
+	failures int              // in a row, since the last success
+	since    time.Time        // the first of them
+	most     time.Duration    // the longest backoff after hurry; zero: the backoff's own
+	logged   time.Time        // the last failure logged as an error (shouldLog)
+	budget   logbudget.Budget // across failures in a row that successes split
+	back     time.Time        // the last time serverBack opened the gate
 }
 
 // retryAtMost bounds a claim's or a write's backoff (±50%): after an
@@ -54,8 +35,8 @@ const retryAtMost = 2 * time.Second
 // one per loggedFailuresEvery: a long outage then writes a line every
 // half minute per subscription, with the count, instead of one per retry.
 const (
-	loggedFailures      = 5
-	loggedFailuresEvery = 30 * time.Second
+	loggedFailures      = logbudget.PerWindow
+	loggedFailuresEvery = logbudget.Window
 )
 
 func newRetryGate() retryGate {
@@ -104,7 +85,7 @@ func (g *retryGate) serverBack(now time.Time) {
 // loggedFailuresEvery, and of short runs of failures no more than the
 // budget allows; the others go to the debug log.
 func (g *retryGate) shouldLog(now time.Time) bool {
-	if g.failures <= loggedFailures && g.budget.take(now) || g.failures > loggedFailures && now.Sub(g.logged) >= loggedFailuresEvery {
+	if g.failures <= loggedFailures && g.budget.Take(now) || g.failures > loggedFailures && now.Sub(g.logged) >= loggedFailuresEvery {
 		g.logged = now
 		return true
 	}

@@ -742,8 +742,14 @@ func behindProxy(ctx context.Context, conn *pgx.Conn) (bool, error) {
 	err := bounded(ctx, func(ctx context.Context) error {
 		return conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid)
 	})
-	return pid != int64(conn.PgConn().PID()), err
+	return err == nil && Pooled(pid, conn.PgConn()), err
 }
+
+// Pooled reports whether c reaches its server through a connection pooler:
+// serverPID, what pg_backend_pid() returned on c, differs from the backend
+// process id c was given at connect, which a pooler makes up (see
+// behindProxy).
+func Pooled(serverPID int64, c *pgconn.PgConn) bool { return serverPID != int64(c.PID()) }
 
 // bounded runs f with ctx bounded by livenessCheckTimeout: a statement of
 // the LISTEN connection on a path gone silent would wait for ever.

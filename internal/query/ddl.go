@@ -468,9 +468,10 @@ const CatalogPartitions = `SELECT c.relname::text FROM pg_catalog.pg_inherits i 
 // leaves an invalid index under its name, which the planner does not use
 // and IF NOT EXISTS takes for built), whether it is unique, and its
 // definition from its access method on (SameIndex).
-const CatalogIndexes = `
-SELECT ic.relname, i.indisvalid::text, i.indisunique::text,
-       coalesce(regexp_replace(regexp_replace(pg_get_indexdef(i.indexrelid), '^.* USING ', ''), ' WITH \([^)]*\)', ''), '')
+// The definition is what ATTACH PARTITION compares (indexShape), or ""
+// for an index a concurrent DROP INDEX took away as the statement ran.
+var CatalogIndexes = `
+SELECT ic.relname, i.indisvalid::text, i.indisunique::text, coalesce(` + indexShape("i") + `, '')
   FROM pg_index i
   JOIN pg_class ic ON ic.oid = i.indexrelid
   JOIN pg_class c ON c.oid = i.indrelid

@@ -251,6 +251,16 @@ func TestRetryGateBacksOff(t *testing.T) {
 	require.Less(t, g.failed(now), time.Second, "and starts again small")
 }
 
+// failRepeatedly counts n failures at now on g and returns the last
+// backoff: a gate after an outage that went on.
+func failRepeatedly(g *retryGate, n int, now time.Time) time.Duration {
+	var wait time.Duration
+	for range n {
+		wait = g.failed(now)
+	}
+	return wait
+}
+
 // When the server answers again (the notifier connected anew) the gate
 // opens at once, and the backoff keeps its length for a failure that
 // goes on all the same.
@@ -258,11 +268,7 @@ func TestRetryGateOpensWhenTheServerIsBack(t *testing.T) {
 	t.Parallel()
 	g := newRetryGate()
 	now := time.Now()
-	var grown time.Duration
-	for range 20 {
-		grown = g.failed(now)
-	}
-	require.Greater(t, grown, time.Second)
+	require.Greater(t, failRepeatedly(&g, 20, now), time.Second)
 	g.serverBack(now)
 	require.False(t, g.shut(), "open at once")
 	require.Greater(t, g.failed(now), 500*time.Millisecond, "not reset: a failure that goes on backs off as long")
@@ -278,9 +284,7 @@ func TestClaimScheduleClaimsAtOnceWhenTheServerIsBack(t *testing.T) {
 	cfg := &SubscriberConfig{MaxInFlight: 16, MinPollInterval: time.Second}
 	c := newClaimSchedule(cfg, time.Now(), serverClock{})
 	now := time.Now()
-	for range 20 {
-		c.gate.failed(now)
-	}
+	failRepeatedly(&c.gate, 20, now)
 	require.True(t, c.waiting(), "shut for the backoff")
 	c.notified(notifier.Kinds{Due: true})
 	require.True(t, c.waiting(), "a wake-up alone does not open the gate")
@@ -316,11 +320,7 @@ func TestRetryGateHurriesAtClose(t *testing.T) {
 	t.Parallel()
 	g := newRetryGate()
 	now := time.Now()
-	var w time.Duration
-	for range 12 {
-		w = g.failed(now)
-	}
-	require.Greater(t, w, time.Second)
+	require.Greater(t, failRepeatedly(&g, 12, now), time.Second)
 	g.hurry(finalRetryEvery)
 	require.False(t, g.shut(), "open at once")
 	for range 5 {

@@ -498,8 +498,7 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 
 // readSessionFacts reads what a session of the pool runs with, and warns
 // of what would fail later: its database, default isolation, encoding, and
-// whether a pooler lends it its server connection (the backend process id
-// differs from the one the connection was given: see notifier.behindProxy).
+// whether a pooler lends it its server connection (notifier.Pooled).
 func (s *Subscriber) readSessionFacts(ctx context.Context) error {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
@@ -514,7 +513,7 @@ func (s *Subscriber) readSessionFacts(ctx context.Context) error {
 	}
 	s.facts.isolate = isolation != "read committed"
 	s.warnEncoding(encoding)
-	if pid != int64(conn.Conn().PgConn().PID()) && conn.Conn().Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
+	if notifier.Pooled(pid, conn.Conn().PgConn()) && conn.Conn().Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
 		// Subscribe itself may succeed (a pooler's fresh server connections
 		// hold no statements yet), and the claims and acks fail later, a
 		// held batch's end among them: its messages are handled twice.

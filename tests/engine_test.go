@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgoutbox/watermill-pgoutbox/internal/logbudget"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 	"github.com/pgoutbox/watermill-pgoutbox/pkg/pgoutbox"
 )
@@ -279,6 +280,39 @@ func TestAckDeadlineWithManyInFlight(t *testing.T) {
 	}
 	ev.wait(t, pgoutbox.EventRetried, 10*time.Second)
 	pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+}
+
+// A batch whose handlers all hang (a relay's call to a broker that does
+// not answer) passes its deadlines together: a few error lines a window
+// and the others at debug, not one error each; every message is nacked and
+// delivered again.
+func TestAckDeadlinesOfAStalledBatchLogAFewErrors(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	logs := &logCapture{}
+	b.logger = logs
+	const n = 16
+	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+		c.MaxInFlight = n
+		c.AckDeadline = 300 * time.Millisecond
+	})
+	b.publishInTx(t, "t", true, newMsgs(n)...)
+	msgs, err := sub.Subscribe(context.Background(), "t")
+	require.NoError(t, err)
+	deliveries := map[string]int{}
+	for again := 0; again < n; {
+		m := receive(t, msgs, 10*time.Second)
+		if deliveries[m.UUID]++; deliveries[m.UUID] == 2 {
+			m.Ack() // the first delivery hung
+			again++
+		}
+	}
+	pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+	deadline := func(e logEntry) bool { return e.fields["event"] == "ack_deadline" }
+	errLines, debugLines := logs.find("error", deadline), logs.find("debug", deadline)
+	require.NotEmpty(t, errLines)
+	require.LessOrEqual(t, len(errLines), logbudget.PerWindow)
+	require.Len(t, debugLines, n-len(errLines), "every passed deadline is logged, the most at debug")
 }
 
 // An ordered subscription's own retry is counted when it goes out, not at

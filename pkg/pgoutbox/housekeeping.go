@@ -7,6 +7,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/pgoutbox/watermill-pgoutbox/internal/logbudget"
 )
 
 // housekeeping is the part of a subscription that runs periodic checks:
@@ -16,6 +18,9 @@ type housekeeping struct {
 	next         time.Time // the next check
 	nextRenew    time.Time
 	renewFailing bool // the last renewal failed: logged once per outage
+
+	deadlineLines logbudget.Budget // AckDeadline's error lines (deadlineLine)
+	deadlineQuiet int              // AckDeadline lines sent to the debug log since the last error line
 }
 
 // housekeepingEvery is the period of the owner's checks of renewals, ack
@@ -162,10 +167,32 @@ func (sub *subscription) stampsWritten(h pgtype.Int8) {
 func (sub *subscription) ackDeadlinePassed(d *delivery, msg *message.Message) {
 	sub.stopWatching(d)
 	err := fmt.Errorf("%w: no ack or nack within %s", ErrAckDeadline, sub.cfg.AckDeadline)
-	sub.logger.Error("Handler did not ack or nack within AckDeadline; the message is nacked and its context cancelled, and the next messages of its key (or of an ordered subscription) may run beside the handler if it does not return", err,
-		watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "deliveries": d.deliveries, "ack_deadline": sub.cfg.AckDeadline.String()})
+	const line = "Handler did not ack or nack within AckDeadline; the message is nacked and its context cancelled, and the next messages of its key (or of an ordered subscription) may run beside the handler if it does not return"
+	fields := watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "deliveries": d.deliveries, "ack_deadline": sub.cfg.AckDeadline.String()}
+	if sub.house.deadlineLine(time.Now(), fields) {
+		sub.logger.Error(line, err, fields)
+	} else {
+		sub.logger.Debug(line, fields)
+	}
 	d.outcome.setErr(err)
 	sub.onVerdict(verdict{d: d, seq: d.seq, msg: msg}, true)
+}
+
+// deadlineLine reports whether an AckDeadline line is logged as an error.
+// One stalled call ends every delivery it holds at once (a relay's batch
+// to a broker that hangs: hundreds of ERROR lines for one event), so after
+// the budget's few lines a window they go to the debug log, and the next
+// error line says how many did (fields' debug_lines_since).
+func (h *housekeeping) deadlineLine(now time.Time, fields watermill.LogFields) bool {
+	if !h.deadlineLines.Take(now) {
+		h.deadlineQuiet++
+		return false
+	}
+	if h.deadlineQuiet > 0 {
+		fields["debug_lines_since"] = h.deadlineQuiet
+		h.deadlineQuiet = 0
+	}
+	return true
 }
 
 // lostHandlerTimedOut stops waiting for the handler of a row lost while

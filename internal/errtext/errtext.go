@@ -3,6 +3,7 @@
 package errtext
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -109,6 +110,10 @@ func Hint(err error) string {
 		return missingTablesHint
 	case code == "" && errors.Is(err, puddle.ErrClosedPool):
 		return closedPoolHint
+	case code == "" && errors.Is(err, context.DeadlineExceeded) && !strings.Contains(err.Error(), "no answer within") && !strings.Contains(err.Error(), " pool"):
+		// Not a wait for a pool's connection (pool_wait.go says what that
+		// was), nor a text that says already what the silence may mean.
+		return noAnswerHint
 	}
 	return ""
 }
@@ -122,6 +127,13 @@ func NoAnswer(d time.Duration) string {
 		"a migration), which claims and publishes wait for too: pgoutbox health says which table and how to find the session; "+
 		"behind a connection pooler, its server connections may all be busy, or the pool paused (PgBouncer: SHOW POOLS, cl_waiting)", d)
 }
+
+// noAnswerHint is what a statement's bound running out means when the
+// error says no more: "context deadline exceeded" alone sent operators to
+// the network while a migration's lock or a pooler's queue held the
+// statement.
+const noAnswerHint = " (the statement got no answer within its time bound: a session may hold or await an exclusive lock on the outbox (a VACUUM FULL, an ALTER TABLE, a migration: `pgoutbox health` names the table); " +
+	"behind a connection pooler, every server connection may be taken (in session pooling each client connection keeps one for its life; PgBouncer: SHOW POOLS, cl_waiting); or the server, or the network path to it, does not answer)"
 
 // missingTablesHint is what a missing table of the outbox's own (bindings,
 // paused groups) means: the tables were never created in this schema, the

@@ -302,17 +302,18 @@ func TestAckDeadlinesOfAStalledBatchLogAFewErrors(t *testing.T) {
 	deliveries := map[string]int{}
 	for again := 0; again < n; {
 		m := receive(t, msgs, 10*time.Second)
-		if deliveries[m.UUID]++; deliveries[m.UUID] == 2 {
-			m.Ack() // the first delivery hung
-			again++
+		if deliveries[m.UUID]++; deliveries[m.UUID] >= 2 {
+			m.Ack() // the first delivery hung (a late ack's deadline may pass too: acked again)
+			if deliveries[m.UUID] == 2 {
+				again++
+			}
 		}
 	}
 	pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
 	deadline := func(e logEntry) bool { return e.fields["event"] == "ack_deadline" }
 	errLines, debugLines := logs.find("error", deadline), logs.find("debug", deadline)
-	require.NotEmpty(t, errLines)
-	require.LessOrEqual(t, len(errLines), logbudget.PerWindow)
-	require.Len(t, debugLines, n-len(errLines), "every passed deadline is logged, the most at debug")
+	require.Len(t, errLines, logbudget.PerWindow, "one window's budget, of the %d deadlines", n)
+	require.GreaterOrEqual(t, len(errLines)+len(debugLines), n, "every passed deadline is logged, the most at debug")
 }
 
 // An ordered subscription's own retry is counted when it goes out, not at

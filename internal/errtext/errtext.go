@@ -110,10 +110,6 @@ func Hint(err error) string {
 		return missingTablesHint
 	case code == "" && errors.Is(err, puddle.ErrClosedPool):
 		return closedPoolHint
-	case code == "" && errors.Is(err, context.DeadlineExceeded) && !strings.Contains(err.Error(), "no answer within") && !strings.Contains(err.Error(), " pool"):
-		// Not a wait for a pool's connection (pool_wait.go says what that
-		// was), nor a text that says already what the silence may mean.
-		return noAnswerHint
 	}
 	return ""
 }
@@ -128,12 +124,24 @@ func NoAnswer(d time.Duration) string {
 		"behind a connection pooler, its server connections may all be busy, or the pool paused (PgBouncer: SHOW POOLS, cl_waiting)", d)
 }
 
-// noAnswerHint is what a statement's bound running out means when the
-// error says no more: "context deadline exceeded" alone sent operators to
+// WithNoAnswer returns err, an error of a statement of the subscriber's
+// own, with what may have held it when it got no answer within its
+// StatementTimeout: "context deadline exceeded" alone sent operators to
 // the network while a migration's lock or a pooler's queue held the
-// statement.
-const noAnswerHint = " (the statement got no answer within its time bound: a session may hold or await an exclusive lock on the outbox (a VACUUM FULL, an ALTER TABLE, a migration: `pgoutbox health` names the table); " +
-	"behind a connection pooler, every server connection may be taken (in session pooling each client connection keeps one for its life; PgBouncer: SHOW POOLS, cl_waiting); or the server, or the network path to it, does not answer)"
+// statement. Other errors, and nil, come back as they are. Only for
+// statements bounded by StatementTimeout: a caller's deadline may have
+// run out for reasons of its own.
+func WithNoAnswer(err error) error {
+	if err == nil || !errors.Is(err, context.DeadlineExceeded) || strings.Contains(err.Error(), noAnswerHint) ||
+		strings.Contains(err.Error(), "context already done") { // never sent: nothing held it
+		return err
+	}
+	return &wrapped{msg: err.Error() + noAnswerHint, err: err}
+}
+
+const noAnswerHint = " (no answer within StatementTimeout: a session may hold or await an exclusive lock on the outbox, such as a VACUUM FULL, an ALTER TABLE " +
+	"or a migration, which `pgoutbox health` names; behind a connection pooler, every server connection may be taken, and in session pooling each client " +
+	"connection keeps one for its life (PgBouncer: SHOW POOLS, cl_waiting); or the server, or the network path to it, does not answer)"
 
 // missingTablesHint is what a missing table of the outbox's own (bindings,
 // paused groups) means: the tables were never created in this schema, the

@@ -92,18 +92,20 @@ func TestNoAnswerNamesALockAndAPoolersQueue(t *testing.T) {
 	require.Contains(t, hint, "SHOW POOLS")
 }
 
-// A statement whose bound ran out says what may hold it; a wait for a
-// pool's connection, or a text that says it already, gets nothing more.
-func TestWithHintNamesWhatAStatementWithoutAnAnswerMayWaitFor(t *testing.T) {
+// A statement whose bound ran out says what may hold it, once; one never
+// sent, and other errors, get nothing more.
+func TestWithNoAnswerNamesWhatMayHoldAStatement(t *testing.T) {
 	t.Parallel()
-	err := WithHint(fmt.Errorf("claim: %w", context.DeadlineExceeded))
+	err := WithNoAnswer(fmt.Errorf("claim: %w", context.DeadlineExceeded))
 	require.ErrorIs(t, err, context.DeadlineExceeded)
-	require.Contains(t, err.Error(), "claim: context deadline exceeded (the statement got no answer within its time bound: a session may hold or await an exclusive lock on the outbox")
+	require.Contains(t, err.Error(), "claim: context deadline exceeded (no answer within StatementTimeout: a session may hold or await an exclusive lock on the outbox")
 	require.Contains(t, err.Error(), "in session pooling each client connection keeps one")
-	for _, said := range []error{
-		fmt.Errorf("no connection of the subscriber's pool came free in time: %w", context.DeadlineExceeded),
-		fmt.Errorf("stats%s: %w", NoAnswer(time.Second), context.DeadlineExceeded),
+	require.Equal(t, err.Error(), WithNoAnswer(err).Error(), "once")
+	for _, other := range []error{
+		fmt.Errorf("claim: context already done: %w", context.DeadlineExceeded),
+		errors.New("claim: conn closed"),
+		nil,
 	} {
-		require.Equal(t, said.Error(), WithHint(said).Error())
+		require.Equal(t, other, WithNoAnswer(other))
 	}
 }

@@ -8,7 +8,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
-	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 )
 
 // startClaim starts a claim when one is wanted and there is room.
@@ -99,7 +98,7 @@ func (sub *subscription) onClaimed(r claimResult) {
 			sub.logger.Debug("Claim failed; retrying", fields.Add(watermill.LogFields{"err": r.err.Error()}))
 			return
 		}
-		sub.logger.Error("Claim failed; retrying", errtext.WithHint(r.err), fields)
+		sub.logger.Error("Claim failed; retrying", logged(r.err), fields)
 		return
 	}
 	if r.arrivals.fanOutErr != nil {
@@ -196,7 +195,7 @@ func (sub *subscription) onReleasedClaims(tokens []pgtype.UUID, err error, now t
 	case tries == 0: // every lost claim left was given up: its leases ended
 		sub.logger.Info("Releasing the rows of a failed claim failed; given up, as their leases have ended and any claim takes them", watermill.LogFields{"claims": n, "error": err.Error()})
 	case tries&(tries-1) == 0 && sub.claims.lost.logged.Take(now):
-		sub.logger.Error("Releasing the rows of a failed claim failed; retrying", errtext.WithHint(err), watermill.LogFields{"claims": n, "tries": tries})
+		sub.logger.Error("Releasing the rows of a failed claim failed; retrying", logged(err), watermill.LogFields{"claims": n, "tries": tries})
 	default:
 		sub.logger.Debug("Releasing the rows of a failed claim failed; retrying", watermill.LogFields{"claims": n, "tries": tries, "err": err.Error()})
 	}

@@ -278,9 +278,9 @@ type SubscriberConfig struct {
 	// a database or an HTTP service, short enough that one hung handler
 	// (which, with MaxInFlight 1, stops its subscription) is noticed within
 	// the half minute. Raise it for handlers that legitimately run longer.
-	// Each passed deadline is logged as an error, at most five a 30 s
-	// window; the others of the window go to the debug log (one stalled
-	// batch ends all its messages at once).
+	// Passed deadlines are logged as errors, at most five a 30 s window
+	// for each subscription (topic); the others of the window go to the
+	// debug log (one stalled batch ends all its messages at once).
 	// The special value NoAckDeadline (-1) disables it: a handler may run
 	// forever, and its lease is renewed while it does. At least
 	// MinDuration otherwise.

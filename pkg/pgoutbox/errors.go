@@ -48,6 +48,19 @@ var (
 // once however many pgoutbox errors it wraps.
 func errorf(format string, args ...any) error { return errtext.Errorf(format, args...) }
 
+// logged is err, a failed statement of the subscriber's own, as it is
+// logged: with the likely cause of a server error (errtext.WithHint) and,
+// when the statement got no answer within StatementTimeout, what may hold
+// it (errtext.WithNoAnswer); a wait for a pool's connection says what it
+// waited for already (poolWait).
+func logged(err error) error {
+	var pw *poolWait
+	if !errors.As(err, &pw) {
+		err = errtext.WithNoAnswer(err)
+	}
+	return errtext.WithHint(err)
+}
+
 // outboxMissing is what err, a statement's error over the outbox n names,
 // adds when that table does not exist ("" otherwise): the user names it,
 // so errtext cannot tell it from a table of theirs.

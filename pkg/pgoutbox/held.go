@@ -7,7 +7,6 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 	"github.com/pgoutbox/watermill-pgoutbox/internal/testhook"
 )
 
@@ -372,7 +371,7 @@ func (sub *subscription) finishedBatch(r batchResult) {
 // deliveries.
 func (sub *subscription) heldFailed(r batchResult) {
 	now := time.Now()
-	sub.logger.Error("Ending a held batch failed; its rows are due again (acked ones are delivered again)", errtext.WithHint(r.err),
+	sub.logger.Error("Ending a held batch failed; its rows are due again (acked ones are delivered again)", logged(r.err),
 		watermill.LogFields{"acked": len(r.job.acks), "leased": len(r.job.leased)})
 	sub.claims.gaveBack()
 	if sub.ordered() {

@@ -178,8 +178,9 @@ func (sub *subscription) ackDeadlinePassed(d *delivery, msg *message.Message) {
 	sub.onVerdict(verdict{d: d, seq: d.seq, msg: msg}, true)
 }
 
-// deadlineLine reports whether an AckDeadline line is logged as an error.
-// One stalled call ends every delivery it holds at once (a relay's batch
+// deadlineLine reports whether an AckDeadline line of the subscription
+// is logged as an error. One stalled call ends every delivery it holds at
+// once (a relay's batch
 // to a broker that hangs: hundreds of ERROR lines for one event), so after
 // the budget's few lines a window they go to the debug log, and the next
 // error line says how many did (fields' debug_lines_since).
@@ -201,8 +202,13 @@ func (h *housekeeping) deadlineLine(now time.Time, fields watermill.LogFields) b
 // row claimed again) goes out beside it.
 func (sub *subscription) lostHandlerTimedOut(d *delivery) {
 	if _, lost := sub.hand.guard.lost[d]; lost || sub.hand.single == d {
-		sub.logger.Error("Handler of a lost row did not return within AckDeadline; no longer waiting for it", ErrAckDeadline,
-			watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "ack_deadline": sub.cfg.AckDeadline.String()})
+		const line = "Handler of a lost row did not return within AckDeadline; no longer waiting for it"
+		fields := watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "ack_deadline": sub.cfg.AckDeadline.String()}
+		if sub.house.deadlineLine(time.Now(), fields) {
+			sub.logger.Error(line, ErrAckDeadline, fields)
+		} else {
+			sub.logger.Debug(line, fields)
+		}
 	}
 	sub.answeredLate(d)
 }
@@ -216,7 +222,7 @@ func (sub *subscription) onRenewed(rows []*delivery, r writeResult) {
 		// Once per outage at ERROR; retried within a second, not a period,
 		// or the leases would expire meanwhile.
 		if !sub.house.renewFailing {
-			sub.logger.Error("Renewing leases failed; retrying every second until it works", r.err, watermill.LogFields{"rows": len(rows)})
+			sub.logger.Error("Renewing leases failed; retrying every second until it works", logged(r.err), watermill.LogFields{"rows": len(rows)})
 		}
 		sub.house.renewFailing = true
 		sub.house.nextRenew = time.Now().Add(min(time.Second, sub.cfg.Lease/10))

@@ -6,8 +6,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgconn"
-
-	"github.com/pgoutbox/watermill-pgoutbox/internal/errtext"
 )
 
 // writeQueue is the part of a subscription that feeds the completer: the
@@ -216,7 +214,7 @@ func (sub *subscription) onWritten(r writeResult) {
 			sub.logger.Debug("Writing acks and lease returns failed; retrying", fields.Add(watermill.LogFields{"err": r.err.Error()}))
 			return
 		}
-		sub.logger.Error("Writing acks and lease returns failed; retrying", errtext.WithHint(r.err), fields)
+		sub.logger.Error("Writing acks and lease returns failed; retrying", logged(r.err), fields)
 		return
 	}
 	// Only the release of lost claims, or the writing again of lost
@@ -259,7 +257,7 @@ func (sub *subscription) finalWriteFailed(err error) {
 func (sub *subscription) finish(d *delivery, r writeResult, phase string) bool {
 	sub.endRow(d)
 	if err, ok := r.abandoned[d]; ok {
-		sub.logger.Error("Cannot write this row's ack, nack or dead-letter move; it comes back when its lease expires", errtext.WithHint(err),
+		sub.logger.Error("Cannot write this row's ack, nack or dead-letter move; it comes back when its lease expires", logged(err),
 			watermill.LogFields{"event": "write_abandoned", "row_id": d.id, "deliveries": d.deliveries})
 		return false
 	}

@@ -167,23 +167,28 @@ func (sub *subscription) stampsWritten(h pgtype.Int8) {
 func (sub *subscription) ackDeadlinePassed(d *delivery, msg *message.Message) {
 	sub.stopWatching(d)
 	err := fmt.Errorf("%w: no ack or nack within %s", ErrAckDeadline, sub.cfg.AckDeadline)
-	const line = "Handler did not ack or nack within AckDeadline; the message is nacked and its context cancelled, and the next messages of its key (or of an ordered subscription) may run beside the handler if it does not return"
-	fields := watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "deliveries": d.deliveries, "ack_deadline": sub.cfg.AckDeadline.String()}
-	if sub.house.deadlineLine(time.Now(), fields) {
-		sub.logger.Error(line, err, fields)
-	} else {
-		sub.logger.Debug(line, fields)
-	}
+	sub.logDeadline("Handler did not ack or nack within AckDeadline; the message is nacked and its context cancelled, and the next messages of its key (or of an ordered subscription) may run beside the handler if it does not return", err,
+		watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "deliveries": d.deliveries, "ack_deadline": sub.cfg.AckDeadline.String()})
 	d.outcome.setErr(err)
 	sub.onVerdict(verdict{d: d, seq: d.seq, msg: msg}, true)
 }
 
-// deadlineLine reports whether an AckDeadline line of the subscription
-// is logged as an error. One stalled call ends every delivery it holds at
-// once (a relay's batch
-// to a broker that hangs: hundreds of ERROR lines for one event), so after
-// the budget's few lines a window they go to the debug log, and the next
-// error line says how many did (fields' debug_lines_since).
+// logDeadline logs a line of a passed AckDeadline: as an error while the
+// subscription's budget allows (deadlineLine), else at debug.
+func (sub *subscription) logDeadline(line string, err error, fields watermill.LogFields) {
+	if sub.house.deadlineLine(time.Now(), fields) {
+		sub.logger.Error(line, err, fields)
+		return
+	}
+	sub.logger.Debug(line, fields)
+}
+
+// deadlineLine reports whether an AckDeadline line of the subscription is
+// logged as an error. One stalled call ends every delivery it holds at
+// once (a relay's batch to a broker that hangs: hundreds of ERROR lines
+// for one event), so after the budget's few lines a window they go to the
+// debug log, and the next error line says how many did (fields'
+// debug_lines_since).
 func (h *housekeeping) deadlineLine(now time.Time, fields watermill.LogFields) bool {
 	if !h.deadlineLines.Take(now) {
 		h.deadlineQuiet++
@@ -202,13 +207,8 @@ func (h *housekeeping) deadlineLine(now time.Time, fields watermill.LogFields) b
 // row claimed again) goes out beside it.
 func (sub *subscription) lostHandlerTimedOut(d *delivery) {
 	if _, lost := sub.hand.guard.lost[d]; lost || sub.hand.single == d {
-		const line = "Handler of a lost row did not return within AckDeadline; no longer waiting for it"
-		fields := watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "ack_deadline": sub.cfg.AckDeadline.String()}
-		if sub.house.deadlineLine(time.Now(), fields) {
-			sub.logger.Error(line, ErrAckDeadline, fields)
-		} else {
-			sub.logger.Debug(line, fields)
-		}
+		sub.logDeadline("Handler of a lost row did not return within AckDeadline; no longer waiting for it", ErrAckDeadline,
+			watermill.LogFields{"event": "ack_deadline", "row_id": d.id, "ack_deadline": sub.cfg.AckDeadline.String()})
 	}
 	sub.answeredLate(d)
 }

@@ -706,6 +706,57 @@ func TestArrivalsSubscriberWithoutTheSettingIsRefused(t *testing.T) {
 	require.Equal(t, sortedUUIDs(msgs), b.consumeGroup(t, topic, "", len(msgs), nil), "a subscriber with Arrivals gets them")
 }
 
+// A subscriber without Arrivals that runs when its topic's publishers turn
+// Arrivals on (a deploy in the wrong order) never claims what arrives, and
+// waited in silence while it piled up: it says so, and what to set, at
+// the publishers' wake-up; a subscriber with Arrivals gets the messages.
+func TestArrivalsASubscriberWithoutTheSettingSaysWhenTheyArrive(t *testing.T) {
+	b := setupArrivals(t)
+	logs := &logCapture{}
+	b.logger = logs
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	topic := "arrive-later-" + watermill.NewShortUUID()
+	lagging := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) { c.Tables.Arrivals = false })
+	unseen, err := lagging.Subscribe(ctx, topic)
+	require.NoError(t, err, "nothing waits in the arrivals table yet")
+	said := func() bool {
+		return len(logs.find("error", func(e logEntry) bool {
+			return strings.Contains(e.msg, "arrivals table, which this subscriber does not read") &&
+				strings.Contains(fmt.Sprint(e.fields["fix"]), "set Arrivals in the subscriber's schema.Config")
+		})) > 0
+	}
+	// A message a round: the wake-up of one published before the
+	// subscriber's LISTEN was up reaches nobody.
+	var msgs []*message.Message
+	for round := 0; !said(); round++ {
+		require.Less(t, round, 20, "the subscriber without Arrivals never said that messages arrive where it does not look")
+		m := newMsg("arrives")
+		require.NoError(t, b.poolPublisher(t).Publish(topic, m))
+		msgs = append(msgs, m)
+		holdsWithin(said, 500*time.Millisecond)
+	}
+	require.Equal(t, len(msgs), b.arrivals(t, topic))
+	select {
+	case m := <-unseen:
+		t.Fatalf("the subscriber without Arrivals got %s", m.UUID)
+	default:
+	}
+	require.Equal(t, sortedUUIDs(msgs), b.consumeGroup(t, topic, "", len(msgs), nil), "a subscriber with Arrivals gets them")
+}
+
+// holdsWithin reports whether cond holds within d, polling it.
+func holdsWithin(cond func() bool, d time.Duration) bool {
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return true
+}
+
 // A subscriber whose Tables set Arrivals, running when its outbox is
 // converted to rotating (its publishers unset Arrivals first, as the
 // docs say), claims nothing from then on: its claims name the arrivals

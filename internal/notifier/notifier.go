@@ -154,15 +154,18 @@ type Waiter struct {
 // failed in an outage need not wait out their backoff.
 type Kinds struct {
 	Due, Scheduled, Released, Orphans, Vanished, LockChanged, Connected bool
+	// Arrived: a publisher's messages arrived in the arrivals table (Due
+	// is set too).
+	Arrived bool
 }
 
 // Take returns the reasons of the wake-ups received since the last Take,
 // and clears them.
 func (w *Waiter) Take() Kinds {
 	k := w.kinds.Swap(0)
-	return Kinds{Due: k&(1<<wakeDue) != 0, Scheduled: k&(1<<wakeScheduled) != 0,
+	return Kinds{Due: k&(1<<wakeDue|1<<wakeArrived) != 0, Scheduled: k&(1<<wakeScheduled) != 0,
 		Released: k&(1<<wakeReleased) != 0, Orphans: k&(1<<wakeOrphans) != 0, Vanished: k&(1<<wakeVanished) != 0,
-		LockChanged: k&(1<<wakeLockChanged) != 0, Connected: k&(1<<wakeConnected) != 0}
+		LockChanged: k&(1<<wakeLockChanged) != 0, Connected: k&(1<<wakeConnected) != 0, Arrived: k&(1<<wakeArrived) != 0}
 }
 
 // Acquire returns the pool's notifier, starting it on first use. Every
@@ -345,6 +348,7 @@ const (
 	wakeVanished
 	wakeLockChanged
 	wakeConnected
+	wakeArrived
 )
 
 // wake wakes the waiters ws; with onlyGroup, only those of group.
@@ -363,12 +367,15 @@ func wake(ws map[*Waiter]struct{}, kind wakeKind, onlyGroup bool, group string) 
 
 // dispatch routes one notification; see query.Publish and query.Complete
 // for the payloads: topic (rows due), ScheduleMark topic (rows due later),
-// each possibly followed by GroupMark group (rows of that group only), and
-// GroupMark topic GroupMark group (a subscriber returned rows due now).
+// ArrivalMark topic (arrivals, due now), each possibly followed by
+// GroupMark group (rows of that group only), and GroupMark topic GroupMark
+// group (a subscriber returned rows due now).
 func (n *Notifier) dispatch(channel, payload string) {
 	kind := wakeDue
 	if rest, ok := strings.CutPrefix(payload, query.ScheduleMark); ok {
 		kind, payload = wakeScheduled, rest
+	} else if rest, ok := strings.CutPrefix(payload, query.ArrivalMark); ok {
+		kind, payload = wakeArrived, rest
 	} else if rest, ok := strings.CutPrefix(payload, query.GroupMark); ok {
 		kind, payload = wakeReleased, rest
 	}

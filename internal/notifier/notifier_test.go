@@ -32,6 +32,11 @@ func TestDispatchRoutesByTopicAndGroup(t *testing.T) {
 	require.Equal(t, Kinds{Due: true}, took(b))
 	require.Equal(t, Kinds{}, took(other))
 
+	n.dispatch("ch", query.ArrivalMark+"orders") // a publisher: arrivals, due now
+	require.Equal(t, Kinds{Due: true, Arrived: true}, took(a))
+	require.Equal(t, Kinds{Due: true, Arrived: true}, took(b))
+	require.Equal(t, Kinds{}, took(other))
+
 	n.dispatch("ch", query.ScheduleMark+"orders") // a publisher: rows due later
 	require.Equal(t, Kinds{Scheduled: true}, took(a))
 	require.Equal(t, Kinds{Scheduled: true}, took(b))

@@ -100,7 +100,7 @@ func arrivalsPublish(n Names, p PublishStatements) PublishStatements {
 WITH ins AS (%s
     RETURNING 1
 )
-SELECT pg_notify($5, $1) WHERE EXISTS (SELECT 1 FROM ins)`
+SELECT pg_notify($5, chr(28) || $1) WHERE EXISTS (SELECT 1 FROM ins)` // ArrivalMark
 	p.PublishPlain, p.PublishPlainQuiet = fmt.Sprintf(notify, plain), plain
 	p.PublishOne, p.PublishOneQuiet = fmt.Sprintf(notify, one), one
 	return p

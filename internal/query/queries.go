@@ -12,6 +12,12 @@ const ScheduleMark = "\x1f"
 // nor groups may hold control characters.
 const GroupMark = "\x1e"
 
+// ArrivalMark prefixes the NOTIFY payload of a Publish whose messages
+// arrived in the arrivals table (chr(28)): subscribers with Arrivals wake as
+// for any message due now, and one without it learns that messages of its
+// topic wait where its claims never look.
+const ArrivalMark = "\x1c"
+
 // Queries are the statements of one outbox, with its names templated in,
 // by family: each family's file says why its statements have their shape.
 type Queries struct {

@@ -21,6 +21,8 @@ type housekeeping struct {
 
 	deadlineLines logbudget.Budget // AckDeadline's error lines (deadlineLine)
 	deadlineQuiet int              // AckDeadline lines sent to the debug log since the last error line
+
+	unseenArrivalsLogged time.Time // the last error line of arrivals this subscription cannot see (arrived)
 }
 
 // housekeepingEvery is the period of the owner's checks of renewals, ack

@@ -261,6 +261,25 @@ func (s *Subscriber) checkArrivals(ctx context.Context, topic string) error {
 	})
 }
 
+// unseenArrivalsEvery is how often a subscription without Arrivals says
+// that messages of its topic arrive where it does not look.
+const unseenArrivalsEvery = time.Minute
+
+// arrived acts on a publisher's wake-up saying that messages of the topic
+// arrived in the arrivals table. Subscribe refuses a topic whose messages
+// wait there (checkArrivals); this says so while the subscription runs,
+// when publishers turned Arrivals on after it started (a deploy in the
+// wrong order): its claims never read that table, and it would wait in
+// silence while the messages pile up.
+func (sub *subscription) arrived(now time.Time) {
+	if sub.s.q.Names.Arrivals || now.Sub(sub.house.unseenArrivalsLogged) < unseenArrivalsEvery {
+		return
+	}
+	sub.house.unseenArrivalsLogged = now
+	sub.logger.Error("Messages of this topic arrive in the arrivals table, which this subscriber does not read: they wait until a subscriber with Arrivals takes them", ErrInvalidConfig,
+		watermill.LogFields{"arrivals_table": query.ArrivalsTableOf(sub.s.q.Names), "fix": "set Arrivals in the subscriber's schema.Config as in the publishers' (docs/arrivals.md), and restart it"})
+}
+
 // bind returns the transactions that were writing to the outbox across
 // the binding and outlasted the wait for them.
 func (s *Subscriber) bind(ctx context.Context, topic string) (late lateWriters, err error) {

@@ -245,6 +245,9 @@ func (sub *subscription) run() {
 			default:
 				k := sub.events.signals.waiter.Take()
 				sub.claims.notified(k)
+				if k.Arrived {
+					sub.arrived(time.Now())
+				}
 				if k.Connected {
 					sub.writes.gate.serverBack(time.Now())
 				}

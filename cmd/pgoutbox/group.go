@@ -50,6 +50,8 @@ func (c *cli) bindCmd(args []string) error {
 		}
 		if len(res.New) == 0 {
 			fmt.Fprintf(c.stdout, "group %s was bound to topic %q already: it gets every message published to it\n", g, *topic)
+		} else if res.Copied > 0 || res.Adopted > 0 {
+			fmt.Fprintf(c.stdout, "bound group %s to topic %q: it gets every message published from now on, and the earlier ones counted below\n", g, *topic)
 		} else {
 			fmt.Fprintf(c.stdout, "bound group %s to topic %q: it gets every message published from now on\n", g, *topic)
 		}

@@ -497,7 +497,7 @@ func TestBindStrandedAndMove(t *testing.T) {
 
 	out, errOut, code = cliRun(t, env, "bind", "--topic", "orders", "--group", "billing")
 	require.Equal(t, 0, code, errOut)
-	require.Contains(t, out, "bound group billing")
+	require.Contains(t, out, `bound group billing to topic "orders": it gets every message published from now on, and the earlier ones counted below`)
 	require.Contains(t, out, "1 message(s) published while nothing consumed the topic went to the groups bound now")
 	out, errOut, code = cliRun(t, env, "stats")
 	require.Equal(t, 0, code, errOut)

@@ -272,7 +272,7 @@ func (c *cli) migrateStatus(args []string) error {
 			fmt.Fprintf(c.stdout, "version %d is newer than this release knows (up to %d): a newer release migrated the outbox; migrate it with that release's pgoutbox\n", st.Current, st.Latest)
 		}
 		for _, a := range st.Applied {
-			fmt.Fprintf(c.stdout, "  applied  %4d %-24s %s\n", a.Version, a.Name, a.AppliedAt.UTC().Format(time.RFC3339))
+			fmt.Fprintf(c.stdout, "  applied  %4d %-24s %s\n", a.Version, a.Name, listTime(a.AppliedAt))
 		}
 		for _, p := range st.Pending {
 			fmt.Fprintf(c.stdout, "  pending  %4d %s\n", p.Version, p.Name)

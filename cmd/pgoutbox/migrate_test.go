@@ -71,6 +71,11 @@ func TestSchemaMigrate(t *testing.T) {
 	out, _, code = run("schema", "migrate", "status")
 	require.Equal(t, 0, code)
 	require.Contains(t, out, "version 7 of 7")
+	// Times in local time with their zone, as every table prints them.
+	applied := regexp.MustCompile(`(?m)^  applied +1 initial +(.+)$`).FindStringSubmatch(out)
+	require.Len(t, applied, 2, out)
+	_, err := time.ParseInLocation(listTimeLayout, applied[1], time.Local)
+	require.NoError(t, err, "the applied time is printed as the tables print times")
 	out, _, _ = run("schema", "migrate", "up")
 	require.Contains(t, out, "nothing to do")
 	require.Empty(t, status()["catalog_problems"])
@@ -78,7 +83,7 @@ func TestSchemaMigrate(t *testing.T) {
 	// A process of the first release that runs its schema.Create after the
 	// upgrade puts its dedup index back; the recorded version cannot show
 	// it, the catalog does.
-	_, err := s.Pool.Exec(context.Background(), `CREATE UNIQUE INDEX outbox_dedup_idx ON "`+s.Name+`".outbox (topic, dedup_key) WHERE dedup_key IS NOT NULL`)
+	_, err = s.Pool.Exec(context.Background(), `CREATE UNIQUE INDEX outbox_dedup_idx ON "`+s.Name+`".outbox (topic, dedup_key) WHERE dedup_key IS NOT NULL`)
 	require.NoError(t, err)
 	out, _, code = run("schema", "migrate", "status")
 	require.Equal(t, 0, code)

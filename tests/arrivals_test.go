@@ -706,6 +706,25 @@ func TestArrivalsSubscriberWithoutTheSettingIsRefused(t *testing.T) {
 	require.Equal(t, sortedUUIDs(msgs), b.consumeGroup(t, topic, "", len(msgs), nil), "a subscriber with Arrivals gets them")
 }
 
+// An arrival's wake-up names its topic behind a mark of its own (chr(28)),
+// which the notifier reads as "due now" and "arrived" (the dispatch test of
+// internal/notifier): for one message and for a call of several.
+func TestArrivalsWakeUpCarriesItsMark(t *testing.T) {
+	t.Parallel()
+	b := setupArrivals(t)
+	listen := listenTo(t, b)
+	for _, n := range []int{1, 3} {
+		topic := "arrive-mark-" + watermill.NewShortUUID() // a topic of its own: no cooldown
+		require.NoError(t, b.poolPublisher(t).Publish(topic, newMsgs(n)...))
+		require.Equal(t, n, b.arrivals(t, topic))
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		got, err := listen.WaitForNotification(ctx)
+		cancel()
+		require.NoError(t, err)
+		require.Equal(t, "\x1c"+topic, got.Payload)
+	}
+}
+
 // A subscriber without Arrivals that runs when its topic's publishers turn
 // Arrivals on (a deploy in the wrong order) never claims what arrives, and
 // waited in silence while it piled up: it says so, and what to set, at
@@ -737,10 +756,9 @@ func TestArrivalsASubscriberWithoutTheSettingSaysWhenTheyArrive(t *testing.T) {
 		holdsWithin(said, 500*time.Millisecond)
 	}
 	require.Equal(t, len(msgs), b.arrivals(t, topic))
-	select {
-	case m := <-unseen:
+	require.NoError(t, lagging.Close())
+	for m := range unseen { // closed by Close
 		t.Fatalf("the subscriber without Arrivals got %s", m.UUID)
-	default:
 	}
 	require.Equal(t, sortedUUIDs(msgs), b.consumeGroup(t, topic, "", len(msgs), nil), "a subscriber with Arrivals gets them")
 }

@@ -48,9 +48,16 @@ func (c *cli) bindCmd(args []string) error {
 		if err != nil {
 			return err
 		}
+		// The default group, bound at last, keeps what waited in it unbound.
+		var stay int64
+		for _, s := range before {
+			if *group == "" && s.ConsumerGroup == "" && !s.Bound && s.Unbound() > 0 {
+				stay = s.Unbound()
+			}
+		}
 		if len(res.New) == 0 {
 			fmt.Fprintf(c.stdout, "group %s was bound to topic %q already: it gets every message published to it\n", g, *topic)
-		} else if res.Copied > 0 || res.Adopted > 0 {
+		} else if res.Copied > 0 || res.Adopted > 0 || stay > 0 {
 			fmt.Fprintf(c.stdout, "bound group %s to topic %q: it gets every message published from now on, and the earlier ones counted below\n", g, *topic)
 		} else {
 			fmt.Fprintf(c.stdout, "bound group %s to topic %q: it gets every message published from now on\n", g, *topic)
@@ -62,10 +69,8 @@ func (c *cli) bindCmd(args []string) error {
 			fmt.Fprintf(c.stdout, "%d message(s) published while nothing consumed the topic went to the groups bound now\n", res.Adopted)
 		}
 		printStillPublishing(c.stdout, *topic, res.StillPublishing)
-		for _, s := range before {
-			if *group == "" && s.ConsumerGroup == "" && !s.Bound && s.Unbound() > 0 {
-				fmt.Fprintf(c.stdout, "%d message(s) published while nothing was bound stay in the default group, which is bound now\n", s.Unbound())
-			}
+		if stay > 0 {
+			fmt.Fprintf(c.stdout, "%d message(s) published while nothing was bound stay in the default group, which is bound now\n", stay)
 		}
 		after, err := pgoutbox.Stats(ctx, exec, tables, pgoutbox.StatsForTopic(*topic))
 		if err != nil {

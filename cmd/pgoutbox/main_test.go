@@ -523,6 +523,7 @@ func TestBindStrandedAndMove(t *testing.T) {
 	out, errOut, code = cliRun(t, env, "bind", "--topic", "audit", "--group", "")
 	require.Equal(t, 0, code, errOut)
 	require.Contains(t, out, "1 message(s) published while nothing was bound stay in the default group")
+	require.Contains(t, out, "it gets every message published from now on, and the earlier ones counted below", "not only from now on")
 
 	_, _, code = cliRun(t, env, "move", "--topic", "orders", "--from", "billing", "--to", "invoicing")
 	require.Equal(t, exitRefused, code)

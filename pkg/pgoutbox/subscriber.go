@@ -277,7 +277,7 @@ func (sub *subscription) arrived(now time.Time) {
 	}
 	sub.house.unseenArrivalsLogged = now
 	sub.logger.Error("Messages of this topic arrive in the arrivals table, which this subscriber does not read: they wait until a subscriber with Arrivals takes them", ErrInvalidConfig,
-		watermill.LogFields{"arrivals_table": query.ArrivalsTableOf(sub.s.q.Names), "fix": "set Arrivals in the subscriber's schema.Config as in the publishers' (docs/arrivals.md), and restart it"})
+		watermill.LogFields{"consumer_group": sub.cfg.ConsumerGroup, "arrivals_table": query.ArrivalsTableOf(sub.s.q.Names), "fix": "set Arrivals in the subscriber's schema.Config as in the publishers' (docs/arrivals.md), and restart it"})
 }
 
 // bind returns the transactions that were writing to the outbox across

@@ -9,11 +9,13 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgoutbox/watermill-pgoutbox/internal/logbudget"
+	"github.com/pgoutbox/watermill-pgoutbox/internal/query"
 )
 
 // housekeeping is the part of a subscription that runs periodic checks:
-// ack deadlines (MaxInFlight 1), stalled buffers, lease renewals. Only the
-// owner touches it.
+// ack deadlines (MaxInFlight 1), stalled buffers, lease renewals; and
+// keeps the lines it and the wake-ups log from repeating. Only the owner
+// touches it.
 type housekeeping struct {
 	next         time.Time // the next check
 	nextRenew    time.Time
@@ -201,6 +203,25 @@ func (h *housekeeping) deadlineLine(now time.Time, fields watermill.LogFields) b
 		h.deadlineQuiet = 0
 	}
 	return true
+}
+
+// unseenArrivalsEvery is how often a subscription without Arrivals says
+// that messages of its topic arrive where it does not look.
+const unseenArrivalsEvery = time.Minute
+
+// arrived acts on a publisher's wake-up saying that messages of the topic
+// arrived in the arrivals table. Subscribe refuses a topic whose messages
+// wait there (checkArrivals); this says so while the subscription runs,
+// when publishers turned Arrivals on after it started (a deploy in the
+// wrong order): its claims never read that table, and it would wait in
+// silence while the messages pile up.
+func (sub *subscription) arrived(now time.Time) {
+	if sub.s.q.Names.Arrivals || now.Sub(sub.house.unseenArrivalsLogged) < unseenArrivalsEvery {
+		return
+	}
+	sub.house.unseenArrivalsLogged = now
+	sub.logger.Error("Messages of this topic arrive in the arrivals table, which this subscriber does not read: they wait until a subscriber with Arrivals takes them", ErrInvalidConfig,
+		watermill.LogFields{"consumer_group": sub.cfg.ConsumerGroup, "arrivals_table": query.ArrivalsTableOf(sub.s.q.Names), "fix": "set Arrivals in the subscriber's schema.Config as in the publishers' (docs/arrivals.md), and restart it"})
 }
 
 // lostHandlerTimedOut stops waiting for the handler of a row lost while

@@ -261,25 +261,6 @@ func (s *Subscriber) checkArrivals(ctx context.Context, topic string) error {
 	})
 }
 
-// unseenArrivalsEvery is how often a subscription without Arrivals says
-// that messages of its topic arrive where it does not look.
-const unseenArrivalsEvery = time.Minute
-
-// arrived acts on a publisher's wake-up saying that messages of the topic
-// arrived in the arrivals table. Subscribe refuses a topic whose messages
-// wait there (checkArrivals); this says so while the subscription runs,
-// when publishers turned Arrivals on after it started (a deploy in the
-// wrong order): its claims never read that table, and it would wait in
-// silence while the messages pile up.
-func (sub *subscription) arrived(now time.Time) {
-	if sub.s.q.Names.Arrivals || now.Sub(sub.house.unseenArrivalsLogged) < unseenArrivalsEvery {
-		return
-	}
-	sub.house.unseenArrivalsLogged = now
-	sub.logger.Error("Messages of this topic arrive in the arrivals table, which this subscriber does not read: they wait until a subscriber with Arrivals takes them", ErrInvalidConfig,
-		watermill.LogFields{"consumer_group": sub.cfg.ConsumerGroup, "arrivals_table": query.ArrivalsTableOf(sub.s.q.Names), "fix": "set Arrivals in the subscriber's schema.Config as in the publishers' (docs/arrivals.md), and restart it"})
-}
-
 // bind returns the transactions that were writing to the outbox across
 // the binding and outlasted the wait for them.
 func (s *Subscriber) bind(ctx context.Context, topic string) (late lateWriters, err error) {
@@ -490,7 +471,13 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 	err := s.retryConnectionLost(ctx, func() error {
 		ctx, cancel := context.WithTimeout(ctx, s.cfg.StatementTimeout)
 		defer cancel()
-		var err error
+		// The session's facts first: its warnings (a pooler that lends
+		// server connections to a pool keeping prepared statements) come
+		// before any statement that such a pooler may fail.
+		err := s.readSessionFacts(ctx)
+		if err != nil {
+			return err
+		}
 		if s.cfg.AutoInitializeSchema {
 			err = schema.Create(ctx, exec, s.cfg.Tables)
 			if errtext.SQLState(err) == "42501" { // insufficient_privilege
@@ -499,9 +486,6 @@ func (s *Subscriber) ensureSchema(ctx context.Context) error {
 			}
 		} else {
 			err = schema.Validate(ctx, exec, s.cfg.Tables)
-		}
-		if err == nil {
-			err = s.readSessionFacts(ctx)
 		}
 		if err == nil {
 			err = s.checkListen(ctx)
@@ -526,8 +510,12 @@ func (s *Subscriber) readSessionFacts(ctx context.Context) error {
 	defer conn.Release()
 	var isolation, encoding string
 	var pid int64
-	if err := conn.QueryRow(ctx, "SELECT current_database(), current_setting('default_transaction_isolation'), current_setting('client_encoding'), pg_backend_pid()").
-		Scan(&s.facts.database, &isolation, &encoding, &pid); err != nil {
+	// In a transaction: through a pooler in transaction mode, a prepared
+	// statement's parse and execution then reach one server connection.
+	if err := pgx.BeginFunc(ctx, conn, func(t pgx.Tx) error {
+		return t.QueryRow(ctx, "SELECT current_database(), current_setting('default_transaction_isolation'), current_setting('client_encoding'), pg_backend_pid()").
+			Scan(&s.facts.database, &isolation, &encoding, &pid)
+	}); err != nil {
 		return err
 	}
 	s.facts.isolate = isolation != "read committed"

@@ -119,10 +119,14 @@ func Hint(err error) string {
 // a connection pooler, for a server connection (all busy, or the pool
 // paused), which looks the same from here.
 func NoAnswer(d time.Duration) string {
-	return fmt.Sprintf("; no answer within %s: a session may hold or await an exclusive lock on the outbox (a VACUUM FULL, an ALTER TABLE, "+
-		"a migration), which claims and publishes wait for too: pgoutbox health says which table and how to find the session; "+
-		"behind a connection pooler, its server connections may all be busy, or the pool paused (PgBouncer: SHOW POOLS, cl_waiting)", d)
+	return fmt.Sprintf("; no answer within %s: %s", d, noAnswerCauses)
 }
+
+// noAnswerCauses is what holds a statement that gets no answer, most
+// often: a lock, or a pooler's queue.
+const noAnswerCauses = "a session may hold or await an exclusive lock on the outbox (a VACUUM FULL, an ALTER TABLE, " +
+	"a migration), which claims and publishes wait for too: pgoutbox health says which table and how to find the session; " +
+	"behind a connection pooler, its server connections may all be busy, or the pool paused (PgBouncer: SHOW POOLS, cl_waiting)"
 
 // WithNoAnswer returns err, an error of a statement of the subscriber's
 // own, with what may have held it when it got no answer within its
@@ -139,9 +143,8 @@ func WithNoAnswer(err error) error {
 	return &wrapped{msg: err.Error() + noAnswerHint, err: err}
 }
 
-const noAnswerHint = " (no answer within StatementTimeout: a session may hold or await an exclusive lock on the outbox, such as a VACUUM FULL, an ALTER TABLE " +
-	"or a migration, which `pgoutbox health` names; behind a connection pooler, every server connection may be taken, and in session pooling each client " +
-	"connection keeps one for its life (PgBouncer: SHOW POOLS, cl_waiting); or the server, or the network path to it, does not answer)"
+const noAnswerHint = " (no answer within StatementTimeout: " + noAnswerCauses +
+	"; in session pooling each client connection keeps one for its life; or the server, or the network path to it, does not answer)"
 
 // missingTablesHint is what a missing table of the outbox's own (bindings,
 // paused groups) means: the tables were never created in this schema, the

@@ -288,32 +288,35 @@ func TestAckDeadlineWithManyInFlight(t *testing.T) {
 // delivered again.
 func TestAckDeadlinesOfAStalledBatchLogAFewErrors(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	logs := &logCapture{}
-	b.logger = logs
-	const n = 16
-	sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
-		c.MaxInFlight = n
-		c.AckDeadline = 300 * time.Millisecond
-	})
-	b.publishInTx(t, "t", true, newMsgs(n)...)
-	msgs, err := sub.Subscribe(context.Background(), "t")
-	require.NoError(t, err)
-	deliveries := map[string]int{}
-	for again := 0; again < n; {
-		m := receive(t, msgs, 10*time.Second)
-		if deliveries[m.UUID]++; deliveries[m.UUID] >= 2 {
-			m.Ack() // the first delivery hung (a late ack's deadline may pass too: acked again)
-			if deliveries[m.UUID] == 2 {
-				again++
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		logs := &logCapture{}
+		b.logger = logs
+		const n = 16
+		sub := b.subscriber(t, func(c *pgoutbox.SubscriberConfig) {
+			onPath(t, path, c)
+			c.MaxInFlight = n
+			c.AckDeadline = 300 * time.Millisecond
+		})
+		b.publishInTx(t, "t", true, newMsgs(n)...)
+		msgs, err := sub.Subscribe(context.Background(), "t")
+		require.NoError(t, err)
+		deliveries := map[string]int{}
+		for again := 0; again < n; {
+			m := receive(t, msgs, 10*time.Second)
+			if deliveries[m.UUID]++; deliveries[m.UUID] >= 2 {
+				m.Ack() // the first delivery hung (a late ack's deadline may pass too: acked again)
+				if deliveries[m.UUID] == 2 {
+					again++
+				}
 			}
 		}
-	}
-	pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
-	deadline := func(e logEntry) bool { return e.fields["event"] == "ack_deadline" }
-	errLines, debugLines := logs.find("error", deadline), logs.find("debug", deadline)
-	require.Len(t, errLines, logbudget.PerWindow, "one window's budget, of the %d deadlines", n)
-	require.GreaterOrEqual(t, len(errLines)+len(debugLines), n, "every passed deadline is logged, the most at debug")
+		pollUntil(t, "outbox empty", 10*time.Second, nil, func() bool { return b.outboxRows(t, "t") == 0 })
+		deadline := func(e logEntry) bool { return e.fields["event"] == "ack_deadline" }
+		errLines, debugLines := logs.find("error", deadline), logs.find("debug", deadline)
+		require.Len(t, errLines, logbudget.PerWindow, "one window's budget, of the %d deadlines", n)
+		require.GreaterOrEqual(t, len(errLines)+len(debugLines), n, "every passed deadline is logged, the most at debug")
+	})
 }
 
 // An ordered subscription's own retry is counted when it goes out, not at

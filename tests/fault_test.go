@@ -1069,33 +1069,37 @@ func TestClaimsStarvedOfPoolConnectionsSaySo(t *testing.T) {
 // gone, claims go on.
 func TestClaimsWithoutAnAnswerSayWhatMayHoldThem(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	logs := &logCapture{}
-	sub, err := pgoutbox.NewSubscriber(b.Pool, pgoutbox.SubscriberConfig{
-		Tables: b.tables, StatementTimeout: 200 * time.Millisecond,
-		MinPollInterval: 20 * time.Millisecond, MaxPollInterval: 100 * time.Millisecond,
-	}, logs)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = sub.Close() })
-	msgs, err := sub.Subscribe(t.Context(), "t")
-	require.NoError(t, err)
-	lock, err := b.Pool.Begin(t.Context())
-	require.NoError(t, err)
-	defer func() { _ = lock.Rollback(context.Background()) }()
-	_, err = lock.Exec(t.Context(), `LOCK TABLE `+b.Schema+`.outbox IN ACCESS EXCLUSIVE MODE`)
-	require.NoError(t, err)
-	pollUntil(t, "a claim failing behind the lock, saying what may hold it", 10*time.Second, nil, func() bool {
-		return len(logs.find("error", func(e logEntry) bool {
-			return e.msg == "Claim failed; retrying" && e.err != nil && errors.Is(e.err, context.DeadlineExceeded) &&
-				strings.Contains(e.err.Error(), "a session may hold or await an exclusive lock on the outbox")
-		})) > 0
+	onEachClaimPath(t, func(t *testing.T, path string) {
+		b := setup(t)
+		logs := &logCapture{}
+		cfg := pgoutbox.SubscriberConfig{
+			Tables: b.tables, StatementTimeout: 200 * time.Millisecond,
+			MinPollInterval: 20 * time.Millisecond, MaxPollInterval: 100 * time.Millisecond,
+		}
+		onPath(t, path, &cfg)
+		sub, err := pgoutbox.NewSubscriber(b.Pool, cfg, logs)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = sub.Close() })
+		msgs, err := sub.Subscribe(t.Context(), "t")
+		require.NoError(t, err)
+		lock, err := b.Pool.Begin(t.Context())
+		require.NoError(t, err)
+		defer func() { _ = lock.Rollback(context.Background()) }()
+		_, err = lock.Exec(t.Context(), `LOCK TABLE `+b.Schema+`.outbox IN ACCESS EXCLUSIVE MODE`)
+		require.NoError(t, err)
+		pollUntil(t, "a claim failing behind the lock, saying what may hold it", 10*time.Second, nil, func() bool {
+			return len(logs.find("error", func(e logEntry) bool {
+				return e.msg == "Claim failed; retrying" && e.err != nil && errors.Is(e.err, context.DeadlineExceeded) &&
+					strings.Contains(e.err.Error(), "a session may hold or await an exclusive lock on the outbox")
+			})) > 0
+		})
+		require.NoError(t, lock.Rollback(t.Context()))
+		sent := newMsg("after the lock")
+		require.NoError(t, b.poolPublisher(t).Publish("t", sent))
+		got := receive(t, msgs, 10*time.Second)
+		require.Equal(t, sent.UUID, got.UUID)
+		got.Ack()
 	})
-	require.NoError(t, lock.Rollback(t.Context()))
-	sent := newMsg("after the lock")
-	require.NoError(t, b.poolPublisher(t).Publish("t", sent))
-	got := receive(t, msgs, 10*time.Second)
-	require.Equal(t, sent.UUID, got.UUID)
-	got.Ack()
 }
 
 // subscriberOnPoolOfTwo is a subscriber on a pool of two connections of

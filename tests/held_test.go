@@ -1202,8 +1202,13 @@ func TestHeldRowsClaimedAgainAfterAKilledBatchKeepPublishOrder(t *testing.T) {
 	// batch is gone, and come again: a replay from an earlier row, as after
 	// a crash (docs/ordering.md). "1" is due again once its handler
 	// answered, and may come back behind "2" when a claim took "2" first.
-	// So: every row comes, and both the first and the last deliveries of
-	// the rows after "1" are in publish order, never 5 4 3 2.
+	// A batch claimed after the kill commits: its rows handed out before
+	// the owner learned of the others' end are not delivered again, and the
+	// rows of the killed batches come back after them (as rows reclaimed
+	// from a crashed consumer come back among newer ones, docs/delivery.md).
+	// So: every row comes, the first deliveries of the rows after "1" are
+	// in publish order, and so are the last deliveries of the rows
+	// delivered again: never 5 4 3 2.
 	pollUntil(t, "every message handled, 1 twice", 30*time.Second, nil, func() bool {
 		got := seen.get()
 		return len(got) > 2 && slices.Contains(got[2:], "1") && b.outboxRows(t, "t") == 0
@@ -1212,17 +1217,16 @@ func TestHeldRowsClaimedAgainAfterAKilledBatchKeepPublishOrder(t *testing.T) {
 	require.Equal(t, []string{"0", "1"}, got[:2], "the deliveries up to the handler that outlived its batch")
 	rest := slices.Clone(got[2:])
 	rest = slices.Delete(rest, slices.Index(rest, "1"), slices.Index(rest, "1")+1)
-	first, last := []string{}, []string{}
+	first, again := []string{}, []string{}
 	for i, p := range rest {
 		if !slices.Contains(rest[:i], p) {
 			first = append(first, p)
-		}
-		if !slices.Contains(rest[i+1:], p) {
-			last = append(last, p)
+		} else if !slices.Contains(rest[i+1:], p) {
+			again = append(again, p)
 		}
 	}
 	require.Equal(t, []string{"2", "3", "4", "5"}, first, "the rows' first deliveries in publish order: %v", got)
-	require.Equal(t, []string{"2", "3", "4", "5"}, last, "the rows' last deliveries in publish order: %v", got)
+	require.True(t, slices.IsSorted(again), "the last deliveries of the rows delivered again in publish order: %v", got)
 }
 
 // With MaxDeliveries, every delivery is written before its handler runs,

@@ -700,6 +700,31 @@ func TestOwnerOrderedLostRowHoldsTheNextUntilItsHandlerReturns(t *testing.T) {
 	require.Equal(t, int64(2), next.id)
 }
 
+// Rows claimed again while an earlier delivery of theirs was ours wait
+// for it; when those end in one turn (a failed held batch's rows, in any
+// order), the rows go out in queue order, not in the order they were let
+// go (each went in front of the one before: 5 4 3 2).
+func TestOwnerRowsLetGoInOneTurnGoOutInQueueOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	earlier := b.claimed(t, 2, 3, 4, 5)
+	b.claimed(t, 2, 3, 4, 5)
+	require.Len(t, b.sub.hand.guard.parked, 4, "claimed again while ours: parked")
+	for _, i := range []int{3, 1, 0, 2} {
+		b.sub.endRow(earlier[i])
+	}
+	require.Empty(t, b.sub.hand.guard.parked)
+	for _, id := range []int64{2, 3, 4, 5} {
+		d := b.handOut(t)
+		require.Equal(t, id, d.id, "in queue order")
+		require.NotSame(t, earlier[id-2], d, "the delivery claimed again")
+		b.sub.onVerdict(verdict{d: d, seq: d.seq, msg: d.msg, ack: true}, false)
+		b.written()
+	}
+	_, ch := b.sub.nextMessage(time.Now())
+	require.Nil(t, ch, "nothing else goes out")
+}
+
 // With MaxDeliveries, a redelivered row runs alone: it is kept only with
 // nothing ahead of it (nothing out, buffered or before it in its claim),
 // and nothing of its claim behind it; otherwise it goes back uncounted,

@@ -94,8 +94,9 @@ func holderOf(h pgoutbox.HealthReport, kind pgoutbox.SnapshotKind, pid int) (pgo
 // oldestOf returns the holder of kind in the test's database (slots: any)
 // with the greatest XminAge. Walsenders and replication slots are the
 // server's, not the database's: a test looks only at what it made. An
-// autovacuum worker visiting the database holds a snapshot while it runs,
-// whenever the server sends it: not the test's either.
+// autovacuum worker visiting the database, whenever the server sends one,
+// is listed while it analyzes (VACUUMs are left out): not the test's
+// either.
 func (b *healthBundle) oldestOf(h pgoutbox.HealthReport, kind pgoutbox.SnapshotKind) (pgoutbox.SnapshotHolder, bool) {
 	var out pgoutbox.SnapshotHolder
 	found := false

@@ -1157,7 +1157,7 @@ func TestHeldRowClaimedAgainAfterItsBatchWasKilledWaitsForItsHandler(t *testing.
 // reverse (they were let go one by one, and each went in front of the
 // one before: 5 4 3 2 1; TestOwnerRowsLetGoInOneTurnGoOutInQueueOrder
 // pins that order without a server).
-func TestHeldRowsClaimedAgainAfterAKilledBatchKeepPublishOrder(t *testing.T) {
+func TestHeldRowsClaimedAgainAfterAKilledBatchNeverComeBackReversed(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
